@@ -1,0 +1,229 @@
+"""Configuration: one small dataclass per component, composed into `RunConfig`.
+
+Each dataclass validates itself in `__post_init__` and names the field and the fix. YAML files and
+`--section.key=value` overrides map onto the dataclasses mechanically (`load_config`); an unknown
+key or a value of the wrong type is a `ConfigError` before any process starts. No torch here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+@dataclass
+class ModelSpec:
+    path: str | None = None  # a local HF checkpoint dir; None = the built-in warm-started default
+    dtype: str = "float32"  # float32 | bfloat16
+
+    def __post_init__(self) -> None:
+        _need(self.dtype in ("float32", "bfloat16"), f"model.dtype={self.dtype!r}: use float32 or bfloat16")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "chainsum"  # chainsum | gym:<reasoning_gym name> | jsonl:<path>
+    reward_timeout_s: float = 5.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
+
+
+@dataclass
+class SFTConfig:
+    """The warm-start recipe. Its hash names the cache entry, so a changed recipe rebuilds."""
+
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 512
+    max_len: int = 512
+    examples: int = 24000
+    batch_tokens: int = 8192  # tokens per optimizer step (length-bucketed batches)
+    epochs: int = 1
+    lr: float = 3e-3
+    warmup: int = 50
+    seed: int = 0
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_len",
+                  "examples", "batch_tokens", "epochs", "threads"):
+            _need(getattr(self, k) > 0, f"sft.{k}={getattr(self, k)}: must be positive")
+        _need(self.hidden_size % self.num_heads == 0,
+              f"sft.hidden_size={self.hidden_size} is not divisible by sft.num_heads={self.num_heads}")
+        _need(self.num_heads % self.num_kv_heads == 0,
+              f"sft.num_heads={self.num_heads} is not divisible by sft.num_kv_heads={self.num_kv_heads}")
+        _need(self.lr > 0, f"sft.lr={self.lr}: must be > 0")
+
+
+@dataclass
+class EvalConfig:
+    n: int = 512  # held-out samples; at 256 the standard error is ~3 points
+    temperature: float = 1.0  # accuracy of the sampling policy (pass@1), as trained
+    max_new_tokens: int = 320
+    batch: int = 64
+
+    def __post_init__(self) -> None:
+        _need(self.n > 0, f"eval.n={self.n}: must be positive")
+        _need(self.temperature >= 0, f"eval.temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        _need(self.batch > 0, f"eval.batch={self.batch}: must be positive")
+
+
+@dataclass
+class RunConfig:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+    out: str = "runs"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- mechanical mapping of dicts / overrides onto dataclasses ---------------------------------
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert `value` to the annotated type `tp`; strings from the CLI are parsed as YAML."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list, e.g. [1, 2]")
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return origin(_coerce(v, inner, key) for v in value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}={value!r}: expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected a string")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{prefix.rstrip('.')}: {e}") from None
+
+
+def _set_path(tree: dict[str, Any], dotted: str, raw: str) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--{dotted}: {p} is not a section")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    node[parts[-1]] = value
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """["--train.lr=1e-4", "--flow.mode", "pipe"] -> nested dict."""
+    tree: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or len(a) == 2:
+            raise ConfigError(f"unexpected argument {a!r}; overrides look like --section.key=value")
+        body = a[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, raw = body, args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"--{body} has no value; write --{body}=VALUE")
+        _set_path(tree, key, raw)
+        i += 1
+    return tree
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                cls: type = RunConfig) -> Any:
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found; pass an existing YAML file to --config")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax") from None
+    data = _merge(data, parse_overrides(overrides or []))
+    return _build(cls, data, "")
+
+
+def dump_config(cfg: Any) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)

@@ -1,0 +1,11 @@
+"""Overlap and shaping policies: each a small class plugged into the scheduler core."""
+from tailrace.flow.policies.base import Policy
+from tailrace.flow.policies.sync import SyncPolicy
+
+POLICIES: dict[str, type[Policy]] = {"sync": SyncPolicy}
+
+
+def make_policy(mode: str, **kwargs) -> Policy:
+    if mode not in POLICIES:
+        raise ValueError(f"unknown flow.mode {mode!r}; use one of {', '.join(POLICIES)}")
+    return POLICIES[mode](**kwargs)

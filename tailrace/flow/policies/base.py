@@ -1,0 +1,62 @@
+"""The policy interface. A policy decides; the scheduler core books and checks.
+
+    attach(core)                 once, when the scheduler is built
+    decide(core)                 at every poll: open groups, dispatch, abort, train, load, drop
+    on_aborted(core, partial)    an aborted partial came back: core.resume(...) or core.discard_partial(...)
+    select(group)                a group finished: which trajectories it trains on (shaping); rest discarded
+    state_dict / load_state_dict what the policy needs to resume (most derive everything from the core)
+
+Class attributes declare the invariants the core enforces at every train step:
+`max_staleness` (trainer version - oldest token version) and `mixed_versions`.
+"""
+from __future__ import annotations
+
+from tailrace.flow.store import GroupState
+from tailrace.types import Trajectory
+
+
+class Policy:
+    name = "base"
+    max_staleness = 0
+    mixed_versions = False
+
+    def attach(self, core) -> None:
+        self.core = core
+
+    def decide(self, core) -> None:
+        raise NotImplementedError
+
+    def on_aborted(self, core, partial: Trajectory) -> None:
+        core.discard_partial(partial, "aborted")
+
+    def select(self, g: GroupState) -> tuple[list[Trajectory], list[tuple[Trajectory, str]]]:
+        return list(g.done), []
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, d: dict) -> None:
+        pass
+
+    # -- helpers shared by policies -------------------------------------------------------------
+    @staticmethod
+    def fill(core, groups: list[GroupState], version: int | None = None) -> None:
+        """Dispatch pending samples of `groups`, in order, to engines that hold their version,
+        spreading across engines by free capacity."""
+        for g in groups:
+            v = g.version if version is None else version
+            while g.todo:
+                engines = [e for e in core.engines if v in e.loaded and e.free > 0]
+                if not engines:
+                    break
+                e = max(engines, key=lambda e: (e.free, -e.id))
+                core.dispatch(e.id, g, 1, version=v)
+
+    @staticmethod
+    def sync_engines(core, version: int) -> bool:
+        """Load `version` everywhere and drop older idle versions; True once every engine holds it."""
+        for e in core.engines:
+            core.load(e.id, version)
+            for old in [v for v in e.loaded if v < version]:
+                core.drop(e.id, old)
+        return all(version in e.loaded for e in core.engines)

@@ -1,0 +1,43 @@
+"""sync: the slime/verl baseline. Generate R prompts x K samples with fixed weights, train on them
+in R/U optimizer steps, publish the new version, load it everywhere, repeat. Strictly on-policy."""
+from __future__ import annotations
+
+from tailrace.flow.policies.base import Policy
+
+
+class SyncPolicy(Policy):
+    name = "sync"
+    max_staleness = 0
+
+    def __init__(self) -> None:
+        self.round: list[int] = []  # group ids of the round being generated
+
+    def decide(self, core) -> None:
+        if not self.round:
+            self._start_round(core)
+            return
+        groups = [core.store.open[g] for g in self.round if g in core.store.open]
+        if groups:
+            self.fill(core, groups)
+            return
+        U = core.spec.groups_per_step
+        for i in range(0, len(self.round), U):
+            chunk = self.round[i:i + U]
+            core.train(chunk, publish=i + U >= len(self.round))
+        self.round = []
+
+    def _start_round(self, core) -> None:
+        v = core.trainer_version
+        if core.steps_done < core.steps_issued or v not in core.published:
+            return  # still training, or the new weights are not out yet
+        if not self.sync_engines(core, v):
+            return
+        self.round = [core.open_group(v).id for _ in range(core.spec.groups_per_round)]
+        core.mark("round_start", version=v, groups=list(self.round))
+        self.fill(core, [core.store.open[g] for g in self.round])
+
+    def state_dict(self) -> dict:
+        return {"round": list(self.round)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.round = list(d["round"])

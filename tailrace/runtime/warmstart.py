@@ -1,0 +1,98 @@
+"""Build, warm-start and cache the default model (no weights are ever downloaded).
+
+The default model is a small Llama-style decoder with the character tokenizer, trained from scratch
+on chainsum demonstrations. The result is an ordinary HF checkpoint directory, cached under
+$TAILRACE_CACHE (default ~/.cache/tailrace) in a folder named by the hash of the recipe, so a later
+run reuses it and a changed recipe rebuilds it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from tailrace.config import SFTConfig
+from tailrace.model.checkpoint import save_pretrained
+from tailrace.model.config import ModelConfig
+from tailrace.model.decoder import CausalLM
+from tailrace.tasks.chainsum import ChainSumTask
+from tailrace.tokenizer import char_tokenizer
+from tailrace.trainer.sft import sft
+
+RECIPE_VERSION = 1  # bump when the warm-start code changes what it produces
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TAILRACE_CACHE", Path.home() / ".cache" / "tailrace"))
+
+
+def recipe_key(cfg: SFTConfig, task: ChainSumTask) -> str:
+    recipe = {"v": RECIPE_VERSION, "sft": dataclasses.asdict(cfg), "task": dataclasses.asdict(task.spec)}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def warm_start_dir(cfg: SFTConfig, task: ChainSumTask | None = None) -> Path:
+    task = task or ChainSumTask()
+    return cache_root() / "warmstart" / f"chainsum-{recipe_key(cfg, task)}"
+
+
+def model_config(cfg: SFTConfig, vocab_size: int, tok) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                       num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_len,
+                       tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                       pad_token_id=tok.pad_id, model_type="llama")
+
+
+def demonstrations(cfg: SFTConfig, task: ChainSumTask, tok) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(cfg.seed)
+    pairs = []
+    for ex in task.examples("train", cfg.examples, seed=cfg.seed):
+        prompt = tok.encode(ex.question, bos=True)
+        response = tok.encode(task.demonstration(ex, rng)) + [tok.eos_id]
+        pairs.append((prompt, response))
+    return pairs
+
+
+def build_warm_start(cfg: SFTConfig, out: Path, progress=None) -> dict:
+    """Train the default model from scratch into `out` (atomically: built aside, then renamed)."""
+    task = ChainSumTask()
+    tok = char_tokenizer()
+    torch.manual_seed(cfg.seed)
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        model = CausalLM.from_config(model_config(cfg, tok.vocab_size, tok), seed=cfg.seed)
+        pairs = demonstrations(cfg, task, tok)
+        t0 = time.perf_counter()
+        losses = sft(model, pairs, lr=cfg.lr, warmup=cfg.warmup, batch_tokens=cfg.batch_tokens,
+                     epochs=cfg.epochs, pad_id=tok.pad_id, seed=cfg.seed, on_step=progress)
+        seconds = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(prev_threads)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tmp)
+    tok.save(tmp)
+    info = {"recipe": dataclasses.asdict(cfg), "task": dataclasses.asdict(task.spec), "seconds": round(seconds, 1),
+            "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4), "steps": len(losses),
+            "parameters": model.num_parameters()}
+    (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return info
+
+
+def ensure_warm_start(cfg: SFTConfig, progress=None) -> Path:
+    out = warm_start_dir(cfg)
+    if not (out / "warmstart.json").is_file():
+        build_warm_start(cfg, out, progress)
+    return out

@@ -1,0 +1,52 @@
+"""The Task protocol: prompts in, rewards out. A task knows text; the tokenizer turns it into ids.
+
+A task is deterministic given its seed: `examples("train")` and `examples("test")` are disjoint,
+reproducible streams. `reward(example, response)` scores one response text; it may be slow or
+buggy (user code), so the runtime always calls it through `tasks.guard.RewardGuard`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator
+
+SPLITS = ("train", "test")
+
+
+class TaskError(ValueError):
+    """A task cannot be built or read. The message is one line: what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Example:
+    id: int
+    question: str  # text fed to the model (already in the task's prompt format)
+    answer: str  # ground truth the reward understands
+
+
+class Task(ABC):
+    name: str = "task"
+
+    @abstractmethod
+    def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:
+        """n examples of `split` ("train" or "test"); the same arguments give the same list."""
+
+    @abstractmethod
+    def reward(self, example: Example, response: str) -> float:
+        """Score of one response in [0, 1]; 1 means verified correct."""
+
+    def is_correct(self, example: Example, response: str) -> bool:
+        return self.reward(example, response) >= 1.0
+
+    def stream(self, split: str, seed: int = 0, chunk: int = 1024) -> Iterator[Example]:
+        """An endless stream of examples (fresh chunks, ids continuing), for RL prompt queues."""
+        base = 0
+        while True:
+            for ex in self.examples(split, chunk, seed=seed + base):
+                yield Example(id=base + ex.id, question=ex.question, answer=ex.answer)
+            base += chunk
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise TaskError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")

@@ -1,0 +1,103 @@
+"""chainsum: the built-in default task — add a chain of numbers with a scratchpad.
+
+    prompt:   "Q:12+7+30+5\n"
+    response: "12+7=19\n19+30=49\n49+5=54\nA:54"          (then <eos>)
+
+Why this shape (DESIGN.md §6): a tail that survives RL must come from prompts that genuinely need
+long derivations. The number of terms is heavy-tailed (most chains are short, a few are long), and
+the response needs one line per term, so long prompts need long answers however good the policy.
+Intra-prompt spread comes from optional "wandering" lines — restating the next terms ("left:30,5")
+or re-checking a step by subtraction ("ck:49-30=19") — that add length without adding information
+(and the subtraction check adds a chance to be confused). Demonstrations choose them at random, so a
+warm-started policy samples verbose and concise answers for the same prompt. The reward is an exact
+check of the final "A:" line.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+from tailrace.tasks.base import Example, Task, check_split
+
+
+@dataclass(frozen=True)
+class ChainSumSpec:
+    # number of terms: with these weights, drawn uniformly from each (lo, hi) band
+    bands: tuple[tuple[float, int, int], ...] = ((0.60, 2, 4), (0.28, 5, 9), (0.12, 10, 16))
+    max_term: int = 99
+    p_restate: float = 0.20  # per demonstration: style with "left:" lines
+    p_check: float = 0.15  # per demonstration: style with "ck:" lines
+    p_line: float = 0.6  # within a verbose style, chance of the extra line at each step
+    test_mod: int = 8  # a question is in the test split iff hash(question) % test_mod == 0
+
+
+class ChainSumTask(Task):
+    name = "chainsum"
+
+    def __init__(self, spec: ChainSumSpec | None = None) -> None:
+        self.spec = spec or ChainSumSpec()
+
+    # -- prompts -----------------------------------------------------------------------------
+    def _terms(self, rng: random.Random) -> list[int]:
+        r, acc = rng.random(), 0.0
+        for weight, lo, hi in self.spec.bands:
+            acc += weight
+            if r <= acc:
+                break
+        n = rng.randint(lo, hi)
+        return [rng.randint(1, self.spec.max_term) for _ in range(n)]
+
+    def _in_test(self, question: str) -> bool:
+        h = int.from_bytes(hashlib.blake2b(question.encode(), digest_size=4).digest(), "little")
+        return h % self.spec.test_mod == 0
+
+    def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:
+        check_split(split)
+        rng = random.Random(f"chainsum/{split}/{seed}")
+        want_test = split == "test"
+        out: list[Example] = []
+        while len(out) < n:
+            terms = self._terms(rng)
+            q = question(terms)
+            if self._in_test(q) == want_test:
+                out.append(Example(id=len(out), question=q, answer=str(sum(terms))))
+        return out
+
+    # -- demonstrations (for the warm start) --------------------------------------------------
+    def demonstration(self, ex: Example, rng: random.Random) -> str:
+        terms = parse_terms(ex.question)
+        style = rng.random()
+        restate = style < self.spec.p_restate
+        check = not restate and style < self.spec.p_restate + self.spec.p_check
+        lines, total = [], terms[0]
+        for i, t in enumerate(terms[1:], start=1):
+            if restate and rng.random() < self.spec.p_line:
+                lines.append("left:" + ",".join(map(str, terms[i:i + 3])))
+            new = total + t
+            lines.append(f"{total}+{t}={new}")
+            if check and rng.random() < self.spec.p_line:
+                lines.append(f"ck:{new}-{t}={total}")
+            total = new
+        lines.append(f"A:{total}")
+        return "\n".join(lines)
+
+    # -- reward -------------------------------------------------------------------------------
+    def reward(self, example: Example, response: str) -> float:
+        return 1.0 if final_answer(response) == example.answer else 0.0
+
+
+def question(terms: list[int]) -> str:
+    return "Q:" + "+".join(map(str, terms)) + "\n"
+
+
+def parse_terms(q: str) -> list[int]:
+    return [int(t) for t in q.strip()[2:].split("+")]
+
+
+def final_answer(response: str) -> str | None:
+    """The text after the last "A:" marker, up to the end of its line; None when absent."""
+    at = response.rfind("A:")
+    if at < 0:
+        return None
+    return response[at + 2:].split("\n", 1)[0].strip()

@@ -1,0 +1,93 @@
+"""Supervised fine-tuning on (prompt ids, response ids) pairs: the warm start's training loop.
+
+Loss is next-token cross-entropy on response tokens only. Batches are length-bucketed (sorted by
+length, cut to a token budget, shuffled) so padding stays small without packing unrelated
+sequences into one attention window.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SFTSchedule:
+    lr: float
+    warmup: int
+    total: int
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        frac = (step - self.warmup) / max(1, self.total - self.warmup)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def bucket_batches(lengths: Sequence[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Indices grouped so that (longest in batch) x (batch size) <= batch_tokens; order shuffled."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        m = max(cur_max, lengths[i])
+        if cur and m * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, m = [], lengths[i]
+        cur.append(i)
+        cur_max = m
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: torch.device):
+    """Right-padded (inputs, targets, mask): targets[t] = seq[t+1], mask on response targets only."""
+    seqs = [list(p) + list(r) for p, r in pairs]
+    T = max(len(s) for s in seqs) - 1
+    inp = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    tgt = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.float32)
+    for b, ((p, _), s) in enumerate(zip(pairs, seqs)):
+        n = len(s) - 1
+        inp[b, :n] = torch.tensor(s[:-1])
+        tgt[b, :n] = torch.tensor(s[1:])
+        mask[b, len(p) - 1:n] = 1.0  # predicting response token j from everything before it
+    return inp.to(device), tgt.to(device), mask.to(device)
+
+
+def sft(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, lr: float,
+        warmup: int, batch_tokens: int, epochs: int, pad_id: int, seed: int,
+        on_step: Callable[[int, int, float], None] | None = None) -> list[float]:
+    """Train `model` in place; returns the per-step losses. `on_step(step, total, loss)` for progress."""
+    device = next(model.parameters()).device
+    rng = random.Random(seed)
+    lengths = [len(p) + len(r) for p, r in pairs]
+    plan = [b for _ in range(epochs) for b in bucket_batches(lengths, batch_tokens, rng)]
+    sched = SFTSchedule(lr=lr, warmup=warmup, total=len(plan))
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.98), eps=1e-8)
+    model.train()
+    losses = []
+    for step, idx in enumerate(plan):
+        for g in opt.param_groups:
+            g["lr"] = sched.lr_at(step)
+        inp, tgt, mask = collate([pairs[i] for i in idx], pad_id, device)
+        logits = model(inp)
+        nll = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), reduction="none")
+        loss = (nll * mask.flatten()).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, len(plan), losses[-1])
+    model.eval()
+    return losses

@@ -1,0 +1,108 @@
+"""Records that cross component boundaries. Plain, typed, immutable once complete; no torch.
+
+Engine-level records (`SamplingParams`, `GenRequest`, `GenResult`) know nothing of RL: token ids in,
+token ids + logprobs + versions out. RL records (`Prompt`, `Trajectory`, `Group`) wrap them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Finish(str, Enum):
+    STOP = "stop"  # sampled a stop token
+    LENGTH = "length"  # hit max_new_tokens or the context limit
+    ABORTED = "aborted"  # taken out by abort(); the result is a partial
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_new_tokens: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # per-request generator seed; None = engine's stream
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} is negative; use 0 for greedy or a positive value")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} is negative; use 0 to turn top-k off")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens={self.min_new_tokens} must lie in [0, max_new_tokens={self.max_new_tokens}]"
+            )
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One sequence to generate. `resume_*` continue an aborted partial (tokens keep their versions)."""
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    version: int = 0
+    resume_ids: tuple[int, ...] = ()
+    resume_logprobs: tuple[float, ...] = ()
+    resume_versions: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenResult:
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # log-prob of each sampled token under the distribution it was sampled from
+    versions: tuple[int, ...]  # policy version that produced each token
+    finish: Finish
+    submitted: float = 0.0  # engine clock, seconds
+    first_token: float = 0.0
+    finished: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: int
+    token_ids: tuple[int, ...]
+    task: str
+    answer: str  # ground-truth handle the task's reward understands
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A finished (or aborted) sample of group `group`; `reward` is 0 for an aborted partial."""
+
+    group: int
+    sample_index: int
+    prompt_id: int
+    prompt_ids: tuple[int, ...]
+    result: GenResult
+    reward: float
+    correct: bool
+    dispatch_version: int = 0  # version the request was dispatched under
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        return self.result.versions
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.result.versions) if self.result.versions else self.dispatch_version
+
+    @property
+    def length(self) -> int:
+        return len(self.result.token_ids)
+
+
+@dataclass(frozen=True)
+class Group:
+    id: int
+    prompt_id: int
+    trajectories: tuple[Trajectory, ...]
+    advantages: tuple[float, ...] = field(default=())  # filled by the trainer's estimator when empty
