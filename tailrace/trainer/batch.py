@@ -1,0 +1,120 @@
+"""TrainBatch: groups of trajectories flattened into right-padded token tensors, and its micro-batches.
+
+Row b is one trajectory: seq = prompt_ids + response ids, input_ids = seq[:-1], targets = seq[1:]; a
+position is live when its target is a response token that passes the staleness mask. `scale` holds
+each live token's share of the whole batch's loss normaliser, so micro-batches (row subsets) sum to
+exactly the full-batch loss and gradient whatever the aggregation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Sequence
+
+import torch
+
+from tailrace.trainer.advantages import Advantage
+from tailrace.trainer.losses import TokenScale, fresh_mask
+from tailrace.types import Group, Trajectory
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    input_ids: Tensor  # (N, T) long, right-padded with pad_id
+    targets: Tensor  # (N, T) long, targets[b, t] = seq_b[t + 1]
+    mask: Tensor  # (N, T) float, 1 on live response-token predictions; 0 on prompt, padding, stale tokens
+    adv: Tensor  # (N, T) float, the trajectory's advantage on its response positions, else 0
+    behav_logp: Tensor  # (N, T) float, engine logprob of targets[b, t] on response positions, else 0
+    versions: Tensor  # (N, T) long, policy version of targets[b, t] on response positions, else -1
+    scale: Tensor  # (N, T) float, loss = sum(scale * per-token loss) over the whole batch
+    lengths: Tensor  # (N,) long, valid positions per row = len(prompt) + len(response) - 1
+    seq_adv: Tensor  # (N,) float, one advantage per trajectory
+    trainer_version: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.input_ids.shape[0]
+
+    @staticmethod
+    def from_groups(groups: Sequence[Group], *, trainer_version: int, token_scale: TokenScale,
+                    advantage: Advantage | None = None, max_new_tokens: int | None = None,
+                    max_staleness: int | None = None, pad_id: int = 0) -> "TrainBatch":
+        """Flatten `groups`; a group without `advantages` gets them from `advantage(rewards)`."""
+        trajs: list[Trajectory] = []
+        advs: list[float] = []
+        for g in groups:
+            if not g.trajectories:
+                raise ValueError(f"group {g.id} (prompt {g.prompt_id}) is empty; drop it before training")
+            if g.advantages:
+                if len(g.advantages) != len(g.trajectories):
+                    raise ValueError(f"group {g.id} has {len(g.advantages)} advantages for "
+                                     f"{len(g.trajectories)} trajectories; give one per trajectory")
+                a = list(g.advantages)
+            elif advantage is not None:
+                a = advantage([t.reward for t in g.trajectories])
+            else:
+                raise ValueError(f"group {g.id} has no advantages; pass an advantage estimator")
+            trajs.extend(g.trajectories)
+            advs.extend(a)
+        if not trajs:
+            raise ValueError("no trajectories to train on; pass at least one non-empty group")
+
+        N = len(trajs)
+        T = max(1, max(len(t.prompt_ids) + t.length for t in trajs) - 1)
+        input_ids = torch.full((N, T), pad_id, dtype=torch.long)
+        targets = torch.full((N, T), pad_id, dtype=torch.long)
+        behav = torch.zeros((N, T), dtype=torch.float32)
+        versions = torch.full((N, T), -1, dtype=torch.long)
+        adv = torch.zeros((N, T), dtype=torch.float32)
+        lengths = torch.zeros(N, dtype=torch.long)
+        for b, t in enumerate(trajs):
+            r = t.result
+            if not t.prompt_ids:
+                raise ValueError(f"trajectory {r.request_id} has an empty prompt; its first token has no context")
+            if not len(r.logprobs) == len(r.versions) == len(r.token_ids):
+                raise ValueError(f"trajectory {r.request_id}: {len(r.token_ids)} tokens, {len(r.logprobs)} logprobs, "
+                                 f"{len(r.versions)} versions; the engine must record one of each per token")
+            seq = list(t.prompt_ids) + list(r.token_ids)
+            n, p = len(seq) - 1, len(t.prompt_ids) - 1  # positions; first response prediction
+            lengths[b] = n
+            if n > 0:
+                input_ids[b, :n] = torch.tensor(seq[:-1])
+                targets[b, :n] = torch.tensor(seq[1:])
+            if r.token_ids:
+                behav[b, p:n] = torch.tensor(r.logprobs, dtype=torch.float32)
+                versions[b, p:n] = torch.tensor(r.versions, dtype=torch.long)
+                adv[b, p:n] = float(advs[b])
+        mask = fresh_mask(versions, trainer_version, max_staleness)
+        adv = adv * mask
+        return TrainBatch(input_ids=input_ids, targets=targets, mask=mask, adv=adv, behav_logp=behav,
+                          versions=versions, scale=token_scale(mask, max_new_tokens), lengths=lengths,
+                          seq_adv=torch.tensor(advs, dtype=torch.float32), trainer_version=trainer_version)
+
+    def rows(self, idx: Sequence[int]) -> "TrainBatch":
+        """The rows `idx`, cut to their longest; `scale` keeps the full batch's normaliser."""
+        i = torch.as_tensor(list(idx), dtype=torch.long)
+        t = max(1, int(self.lengths[i].max()))
+        return self._map(lambda x: x[i, :t] if x.dim() == 2 else x[i])
+
+    def micro_batches(self, max_tokens: int) -> list["TrainBatch"]:
+        """Row subsets with rows x padded length <= max_tokens (a longer single row goes alone).
+
+        Rows are taken longest first so each micro-batch pads little.
+        """
+        order = sorted(range(self.num_seqs), key=lambda b: -int(self.lengths[b]))
+        out, cur = [], []
+        for b in order:
+            if cur and int(self.lengths[cur[0]]) * (len(cur) + 1) > max_tokens:
+                out.append(self.rows(cur))
+                cur = []
+            cur.append(b)
+        if cur:
+            out.append(self.rows(cur))
+        return out
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        return self._map(lambda x: x.to(device, non_blocking=True))
+
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> "TrainBatch":
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "trainer_version"})

@@ -1,0 +1,226 @@
+"""GRPOTrainer: one optimizer step per call over the groups it is given.
+
+`step(groups, trainer_version)` flattens the groups into a TrainBatch, runs forward/backward per
+micro-batch (gradient accumulation, exact thanks to the batch's global `scale`), clips the gradient
+and steps AdamW. One step per batch means the pre-update ("proximal") policy is the current one:
+`prox = logp.detach()` from the same forward, with no second pass. The model is only called as
+`model(input_ids (B, T)) -> logits (B, T, V)`; it runs in eval mode (no dropout), because the policy
+whose ratio we clip must be the one the engine sampled from.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from tailrace.config import ConfigError
+from tailrace.trainer.advantages import ADVANTAGES
+from tailrace.trainer.batch import TrainBatch
+from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
+from tailrace.trainer.losses import CORRECTIONS, LOSSES, LossConfig, kl_penalty
+from tailrace.trainer.optim import FlatWeights, build_adamw, flatten_parameters
+from tailrace.types import Group
+
+
+@dataclass
+class TrainerConfig:
+    # 2e-4 is what moved the default sub-1M..2M-parameter policy in DESIGN §6 (+18 points in 9 min);
+    # billion-parameter policies want ~1e-6.
+    lr: float = 2e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0  # decay would pull the policy away from its warm start regardless of reward
+    grad_clip: float | None = 1.0  # max global grad norm; None = measure only
+    micro_batch_tokens: int = 8192  # rows x padded length per forward; bounds activation memory
+    bf16: bool = False  # autocast the forward to bfloat16 (CPU and CUDA); weights stay in their dtype
+    temperature: float = 1.0  # must equal the rollout's sampling temperature
+    loss: LossConfig = field(default_factory=LossConfig)
+    advantage: str | None = None  # grpo | drgrpo | rloo; None = the loss's own (drgrpo -> drgrpo, else grpo)
+    max_staleness: int | None = None  # K: mask tokens more than K versions behind the trainer; None = off
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.advantage is None:
+            self.advantage = LOSSES[self.loss.name].advantage
+        if self.advantage not in ADVANTAGES:
+            raise ConfigError(f"trainer.advantage={self.advantage!r}: choose one of {', '.join(ADVANTAGES)}")
+        if not self.lr > 0:
+            raise ConfigError(f"trainer.lr={self.lr}: must be > 0, e.g. 2e-4")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"trainer.betas={self.betas}: give two numbers in [0, 1), e.g. [0.9, 0.999]")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if not self.eps > 0:
+            raise ConfigError(f"trainer.eps={self.eps}: must be > 0, e.g. 1e-8")
+        if self.weight_decay < 0:
+            raise ConfigError(f"trainer.weight_decay={self.weight_decay}: must be >= 0")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"trainer.grad_clip={self.grad_clip}: must be > 0, or null to turn clipping off")
+        if self.micro_batch_tokens < 1:
+            raise ConfigError(f"trainer.micro_batch_tokens={self.micro_batch_tokens}: must be positive, e.g. 8192")
+        if not self.temperature > 0:
+            raise ConfigError(f"trainer.temperature={self.temperature}: must be > 0 (the sampling temperature)")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"trainer.max_staleness={self.max_staleness}: must be >= 0, or null to turn it off")
+
+
+class _Sums:
+    """Accumulates per-micro-batch tensors; one host sync at the end of the step."""
+
+    def __init__(self) -> None:
+        self.sum: dict[str, torch.Tensor] = {}
+        self.max: dict[str, torch.Tensor] = {}
+
+    def add(self, key: str, v: torch.Tensor) -> None:
+        self.sum[key] = self.sum[key] + v if key in self.sum else v
+
+    def peak(self, key: str, v: torch.Tensor) -> None:
+        self.max[key] = torch.maximum(self.max[key], v) if key in self.max else v
+
+    def get(self, key: str, default: float = 0.0) -> float:
+        d = self.sum if key in self.sum else self.max
+        return float(d[key]) if key in d else default
+
+
+class GRPOTrainer:
+    def __init__(self, model: nn.Module, cfg: TrainerConfig, ref_model: nn.Module | None = None):
+        if cfg.loss.kl_coef > 0 and ref_model is None:
+            raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef} needs a ref_model; pass one or set kl_coef=0")
+        self.cfg = cfg
+        self.model = model
+        self.ref_model = ref_model if cfg.loss.kl_coef > 0 else None
+        self.flat = flatten_parameters(model)  # parameters now view one buffer
+        self.opt = build_adamw(model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        self.loss_fn = LOSSES[cfg.loss.name]
+        self.correct = CORRECTIONS[cfg.loss.correction]
+        self.advantage = ADVANTAGES[cfg.advantage]
+        self.device = self.flat.buffer.device
+        self.steps = 0
+
+    def step(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
+        """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""
+        t0 = time.perf_counter()
+        batch = self.make_batch(groups, trainer_version)
+        self.model.eval()
+        self.opt.zero_grad(set_to_none=True)
+        acc = _Sums()
+        micro = batch.micro_batches(self.cfg.micro_batch_tokens)
+        for mb in micro:
+            self._forward_backward(mb.to(self.device), acc, backward=True)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or math.inf)
+        self.opt.step()
+        self.steps += 1
+        return self._metrics(acc, batch, len(micro), float(grad_norm), time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def evaluate(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
+        """The metrics `step` would report for these groups, without changing any weight."""
+        t0 = time.perf_counter()
+        batch = self.make_batch(groups, trainer_version)
+        self.model.eval()
+        acc = _Sums()
+        micro = batch.micro_batches(self.cfg.micro_batch_tokens)
+        for mb in micro:
+            self._forward_backward(mb.to(self.device), acc, backward=False)
+        return self._metrics(acc, batch, len(micro), math.nan, time.perf_counter() - t0)
+
+    def make_batch(self, groups: Sequence[Group], trainer_version: int) -> TrainBatch:
+        lc = self.cfg.loss
+        return TrainBatch.from_groups(groups, trainer_version=trainer_version, token_scale=self.loss_fn.token_scale,
+                                      advantage=self.advantage, max_new_tokens=lc.max_new_tokens,
+                                      max_staleness=self.cfg.max_staleness, pad_id=self.cfg.pad_id)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
+
+    def _forward_backward(self, mb: TrainBatch, acc: _Sums, backward: bool) -> None:
+        cfg, lc = self.cfg, self.cfg.loss
+        n_live = mb.mask.sum()
+        resp = mb.versions >= 0
+        with self._autocast():
+            logits = self.model(mb.input_ids)  # (b, t, V)
+        logp = token_logprobs(logits, mb.targets, cfg.temperature)  # (b, t) fp32
+        prox = logp.detach()  # one step per batch: the pre-update policy is the current one
+        corr = self.correct(mb.behav_logp, prox, lc.tis_cap)
+        pg, st = self.loss_fn(logp, corr.old_logp, mb.adv, mb.mask, corr.weight, eps_low=lc.eps_low,
+                              eps_high=lc.eps_high, scale=mb.scale)
+        loss = pg
+        if self.ref_model is not None:
+            with torch.no_grad(), self._autocast():
+                ref_logp = token_logprobs(self.ref_model(mb.input_ids), mb.targets, cfg.temperature)
+            kl = kl_penalty(logp, ref_logp, mb.mask, mb.scale)
+            loss = pg + lc.kl_coef * kl
+            acc.add("kl", kl.detach())
+        if backward and bool(n_live > 0):
+            loss.backward()
+        with torch.no_grad():
+            live = mb.mask > 0
+            same = resp & (mb.versions == mb.trainer_version)  # same weights: gap is pure numerics
+            gap = (prox - mb.behav_logp).abs()
+            acc.add("loss", loss.detach())
+            acc.add("pg_loss", pg.detach())
+            for k in ("clip_frac", "approx_kl", "ratio_mean"):
+                acc.add(k, st[k] * st["tokens"])
+            acc.peak("ratio_max", st["ratio_max"])
+            acc.add("tokens", n_live)
+            acc.add("dropped", ((corr.keep == 0) & live).sum())
+            acc.add("entropy", (entropy_from_logits(logits.detach(), cfg.temperature) * mb.mask).sum())
+            acc.add("gap_sum", torch.where(same, gap, 0.0).sum())
+            acc.peak("gap_max", torch.where(same, gap, 0.0).max())
+            acc.add("gap_tokens", same.sum())
+
+    def _metrics(self, acc: _Sums, batch: TrainBatch, n_micro: int, grad_norm: float, dt: float) -> dict[str, Any]:
+        tok = acc.get("tokens")
+        per_tok = lambda k: acc.get(k) / tok if tok else 0.0
+        gap_n = acc.get("gap_tokens")
+        return {
+            "step": self.steps,
+            "loss": acc.get("loss"),
+            "pg_loss": acc.get("pg_loss"),
+            "kl": acc.get("kl"),
+            "clip_frac": per_tok("clip_frac"),
+            "approx_kl": per_tok("approx_kl"),
+            "ratio_mean": per_tok("ratio_mean"),
+            "ratio_max": acc.get("ratio_max"),
+            "dropped_frac": per_tok("dropped"),
+            "grad_norm": grad_norm,
+            "entropy": per_tok("entropy"),
+            "logprob_gap_mean": acc.get("gap_sum") / gap_n if gap_n else math.nan,
+            "logprob_gap_max": acc.get("gap_max") if gap_n else math.nan,
+            "gap_tokens": int(gap_n),
+            "tokens": int(tok),
+            "stale_tokens": int((batch.versions >= 0).sum()) - int(tok),
+            "sequences": batch.num_seqs,
+            "adv_mean": float(batch.seq_adv.mean()),
+            "micro_batches": n_micro,
+            "lr": self.opt.param_groups[0]["lr"],
+            "time_s": dt,
+        }
+
+    # -- checkpoints and weight transfer -----------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])  # copies into the flat buffer's views
+        self.opt.load_state_dict(state["optimizer"])
+        self.steps = int(state["step"])
+
+    def export_weights(self) -> FlatWeights:
+        """A snapshot of the weights: one memcpy of the flat buffer; the caller owns it."""
+        return FlatWeights(self.flat.buffer.detach().clone(), self.flat.layout)
+
+    def import_weights(self, weights: FlatWeights | torch.Tensor) -> None:
+        """Overwrite the weights from an export (one memcpy); optimizer state is left as it is."""
+        buf = weights.buffer if isinstance(weights, FlatWeights) else weights
+        if buf.shape != self.flat.buffer.shape:
+            raise ValueError(f"weight buffer has {buf.numel()} elements, this model {self.flat.buffer.numel()}; "
+                             f"export from the same architecture")
+        with torch.no_grad():
+            self.flat.buffer.copy_(buf)

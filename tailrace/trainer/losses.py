@@ -1,0 +1,204 @@
+"""The clipped policy-gradient objective: variants, KL penalty, off-policy corrections, staleness mask.
+
+All tensors are (B, T) and aligned with the batch's targets; `mask` is float (1 = a live response
+token). Every function here is pure. Variants are data picked once by name:
+
+- `LOSSES`: how the clipped per-token terms are aggregated (and the default clip range);
+- `CORRECTIONS`: how the ratio anchor `old_logp` and the per-token weight come from the engine's
+  behaviour logprobs `behav` and the trainer's pre-update logprobs `prox`.
+
+Aggregation is a per-token coefficient `scale` with loss = sum(scale * per_token_loss). Computing it
+once on the whole step's batch and slicing it per micro-batch is what makes gradient accumulation
+exactly equal to one big batch in every mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from tailrace.config import ConfigError
+
+Tensor = torch.Tensor
+TokenScale = Callable[..., Tensor]  # (mask, max_new_tokens) -> scale
+
+
+# -- aggregation: mask (B, T) -> scale (B, T), zero off the mask -----------------------------
+
+def _live_seqs(mask: Tensor) -> Tensor:
+    return (mask.sum(-1) > 0).sum().clamp(min=1)  # sequences with a live token; a fully masked one adds nothing
+
+
+def seq_mean_scale(mask: Tensor, max_new_tokens: int | None = None) -> Tensor:
+    """Mean over each sequence's tokens, then mean over sequences (GRPO)."""
+    n = mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+    return mask / (n * _live_seqs(mask))
+
+
+def token_mean_scale(mask: Tensor, max_new_tokens: int | None = None) -> Tensor:
+    """Mean over all tokens of the batch (DAPO): long responses weigh in proportion to their length."""
+    return mask / mask.sum().clamp(min=1)
+
+
+def const_scale(mask: Tensor, max_new_tokens: int | None = None) -> Tensor:
+    """Sum over tokens / (max_new_tokens * sequences) (Dr. GRPO): a normaliser free of response lengths."""
+    if not max_new_tokens:
+        raise ValueError("the drgrpo aggregation needs max_new_tokens (the rollout's); set loss.max_new_tokens")
+    return mask / (max_new_tokens * _live_seqs(mask))
+
+
+# -- the clipped surrogate -------------------------------------------------------------------
+
+def clipped_pg(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, weight: Tensor, scale: Tensor,
+               eps_low: float, eps_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """sum(scale * weight * -min(r A, clip(r, 1-eps_low, 1+eps_high) A)), r = exp(logp - old_logp).
+
+    Returns (loss, stats); stats are detached 0-d tensors over live tokens: clip_frac (the clipped
+    term was chosen, so the token's gradient is zero), approx_kl (k3 estimate of KL(old || new)),
+    ratio_mean, ratio_max, tokens.
+    """
+    live = mask > 0
+    log_ratio = torch.where(live, logp - old_logp, 0.0)  # padding never reaches exp()
+    ratio = log_ratio.exp()
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    per_tok = -torch.minimum(unclipped, clipped) * weight
+    loss = torch.where(live, per_tok * scale, 0.0).sum()
+    with torch.no_grad():
+        n = live.sum()
+        denom = n.clamp(min=1)
+        hit = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+        stats = {
+            "clip_frac": (hit & live).sum() / denom,
+            "approx_kl": torch.where(live, ratio - 1.0 - log_ratio, 0.0).sum() / denom,
+            "ratio_mean": torch.where(live, ratio, 0.0).sum() / denom,
+            "ratio_max": torch.where(live, ratio, 0.0).max(),
+            "tokens": n.to(ratio.dtype),
+        }
+    return loss, stats
+
+
+@dataclass(frozen=True)
+class PGLoss:
+    """A clipped policy-gradient variant: its aggregation, default clip range and paired advantage."""
+
+    token_scale: TokenScale
+    eps_low: float
+    eps_high: float
+    advantage: str  # the estimator the variant was published with
+
+    def __call__(self, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, weight: Tensor, *,
+                 eps_low: float | None = None, eps_high: float | None = None, max_new_tokens: int | None = None,
+                 scale: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """`scale` = this micro-batch's slice of the whole batch's coefficients; None = this batch is all."""
+        if scale is None:
+            scale = self.token_scale(mask, max_new_tokens)
+        return clipped_pg(logp, old_logp, adv, mask, weight, scale,
+                          self.eps_low if eps_low is None else eps_low,
+                          self.eps_high if eps_high is None else eps_high)
+
+
+LOSSES: dict[str, PGLoss] = {
+    "grpo": PGLoss(seq_mean_scale, 0.2, 0.2, "grpo"),
+    "dapo": PGLoss(token_mean_scale, 0.2, 0.28, "grpo"),  # clip-higher keeps low-probability tokens rising
+    "drgrpo": PGLoss(const_scale, 0.2, 0.2, "drgrpo"),
+}
+
+
+# -- KL penalty to a reference policy --------------------------------------------------------
+
+def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """exp(ref - logp) - (ref - logp) - 1 per token: unbiased for KL(new || ref), never negative."""
+    d = ref_logp - logp
+    return d.exp() - d - 1.0
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: Tensor) -> Tensor:
+    """k3 aggregated like the policy loss (same `scale`)."""
+    return torch.where(mask > 0, k3(logp, ref_logp) * scale, 0.0).sum()
+
+
+# -- off-policy corrections: (behav, prox, cap) -> anchor, weight, keep ----------------------
+
+class Corrected(NamedTuple):
+    old_logp: Tensor  # (B, T) the ratio anchor
+    weight: Tensor  # (B, T) per-token weight, detached, already 0 where keep is 0
+    keep: Tensor  # (B, T) float 0/1; 0 = the correction drops the token (it still counts in the normaliser)
+
+
+def no_correction(behav: Tensor, prox: Tensor, cap: float) -> Corrected:
+    ones = torch.ones_like(prox)
+    return Corrected(prox, ones, ones)
+
+
+def tis(behav: Tensor, prox: Tensor, cap: float) -> Corrected:
+    """Truncated importance sampling: weight min(pi_prox / pi_behav, C)."""
+    w = (prox - behav).exp().clamp(max=cap)
+    return Corrected(prox, w.detach(), torch.ones_like(prox))
+
+
+def decoupled(behav: Tensor, prox: Tensor, cap: float) -> Corrected:
+    """AReaL decoupled PPO: (pi_prox / pi_behav) * clip(pi / pi_prox); tokens with weight > C dropped."""
+    w = (prox - behav).exp()
+    keep = w <= cap
+    return Corrected(prox, torch.where(keep, w, 0.0).detach(), keep.to(prox.dtype))
+
+
+def behaviour(behav: Tensor, prox: Tensor, cap: float) -> Corrected:
+    """Clip against the behaviour policy itself (DORA / plain off-policy PPO)."""
+    ones = torch.ones_like(prox)
+    return Corrected(behav, ones, ones)
+
+
+CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Corrected]] = {
+    "none": no_correction, "tis": tis, "decoupled": decoupled, "behaviour": behaviour,
+}
+
+
+# -- staleness -------------------------------------------------------------------------------
+
+def fresh_mask(versions: Tensor, trainer_version: int, max_staleness: int | None) -> Tensor:
+    """Float (B, T): 1 on response tokens (version >= 0) at most K versions behind the trainer.
+
+    Partial rollouts give one trajectory tokens of several versions; the older segment is masked.
+    max_staleness None = keep every response token.
+    """
+    resp = versions >= 0
+    if max_staleness is None:
+        return resp.float()
+    return (resp & (trainer_version - versions <= max_staleness)).float()
+
+
+# -- config ----------------------------------------------------------------------------------
+
+@dataclass
+class LossConfig:
+    name: str = "grpo"  # grpo | dapo | drgrpo
+    eps_low: float | None = None  # None = the variant's default (0.2)
+    eps_high: float | None = None  # None = the variant's default (0.2; dapo 0.28)
+    max_new_tokens: int | None = None  # drgrpo's constant normaliser; set to the rollout's max_new_tokens
+    kl_coef: float = 0.0  # k3 penalty to the reference policy; > 0 needs a ref_model
+    tis_cap: float = 2.0  # C for the tis and decoupled corrections
+    correction: str = "none"  # none | tis | decoupled | behaviour
+
+    def __post_init__(self) -> None:
+        if self.name not in LOSSES:
+            raise ConfigError(f"loss.name={self.name!r}: choose one of {', '.join(LOSSES)}")
+        if self.correction not in CORRECTIONS:
+            raise ConfigError(f"loss.correction={self.correction!r}: choose one of {', '.join(CORRECTIONS)}")
+        variant = LOSSES[self.name]
+        self.eps_low = variant.eps_low if self.eps_low is None else self.eps_low
+        self.eps_high = variant.eps_high if self.eps_high is None else self.eps_high
+        if not 0.0 < self.eps_low < 1.0:
+            raise ConfigError(f"loss.eps_low={self.eps_low}: must lie in (0, 1), e.g. 0.2")
+        if not self.eps_high > 0.0:
+            raise ConfigError(f"loss.eps_high={self.eps_high}: must be > 0, e.g. 0.2 (0.28 for clip-higher)")
+        if self.name == "drgrpo" and not (self.max_new_tokens and self.max_new_tokens > 0):
+            raise ConfigError("loss.max_new_tokens is required for drgrpo; set it to the rollout's max_new_tokens")
+        if self.max_new_tokens is not None and self.max_new_tokens <= 0:
+            raise ConfigError(f"loss.max_new_tokens={self.max_new_tokens}: must be positive")
+        if self.kl_coef < 0:
+            raise ConfigError(f"loss.kl_coef={self.kl_coef}: must be >= 0 (0 = no KL penalty)")
+        if self.tis_cap < 1.0:
+            raise ConfigError(f"loss.tis_cap={self.tis_cap}: must be >= 1 (2 is typical)")

@@ -1,0 +1,217 @@
+"""GRPOTrainer on a tiny causal stand-in model: accumulation, one step, metrics, checkpoints, weight sync."""
+import copy
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from tailrace.config import ConfigError, load_config
+from tailrace.trainer.grpo import GRPOTrainer, TrainerConfig
+from tailrace.trainer.logprobs import token_logprobs
+from tailrace.trainer.losses import LossConfig
+from tailrace.types import Finish, GenResult, Group, Trajectory
+
+V = 16
+
+
+class TinyLM(nn.Module):
+    """Causal by construction: position t sees the mean embedding of tokens 0..t."""
+
+    def __init__(self, tie: bool = False, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(V, 8)
+        self.mix = nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.ones(8))
+        self.lm_head = nn.Linear(8, V, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)  # (B, T, 8)
+        h = h.cumsum(1) / torch.arange(1, ids.shape[1] + 1, device=ids.device)[:, None]
+        return self.lm_head(torch.tanh(self.mix(h)) * self.gain)  # (B, T, V)
+
+
+@torch.no_grad()
+def model_logprobs(model, prompt, resp):
+    seq = torch.tensor([list(prompt) + list(resp)])
+    lp = token_logprobs(model(seq[:, :-1]), seq[:, 1:])[0]
+    return lp[len(prompt) - 1:].tolist()
+
+
+def make_groups(model, tv=0, n_groups=3, k=4, seed=0, noise=0.0, old_version_prefix=0):
+    """Random trajectories; behaviour logprobs are the model's own (+ noise), all at version tv
+    except the first `old_version_prefix` tokens of each response, which carry tv - 2."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(n_groups):
+        trajs = []
+        for i in range(k):
+            prompt = [rng.randrange(1, V) for _ in range(rng.randint(1, 4))]
+            resp = [rng.randrange(1, V) for _ in range(rng.randint(1, 7))]
+            lps = [x + noise * rng.gauss(0, 1) for x in model_logprobs(model, prompt, resp)]
+            vers = [tv - 2 if j < old_version_prefix else tv for j in range(len(resp))]
+            res = GenResult(f"{g}-{i}", tuple(resp), tuple(lps), tuple(vers), Finish.STOP)
+            trajs.append(Trajectory(group=g, sample_index=i, prompt_id=g, prompt_ids=tuple(prompt), result=res,
+                                    reward=float(i % 2 == 0), correct=i % 2 == 0))
+        groups.append(Group(id=g, prompt_id=g, trajectories=tuple(trajs)))
+    return groups
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "drgrpo"])
+@pytest.mark.parametrize("correction", ["none", "behaviour", "decoupled", "tis"])
+def test_micro_batch_accumulation_equals_full_batch(loss, correction):
+    base = TinyLM()
+    groups = make_groups(base, noise=0.3)  # behaviour != current: ratios move, some tokens clip or cap
+    lc = dict(name=loss, correction=correction, kl_coef=0.1, max_new_tokens=8, tis_cap=1.3)
+    out = {}
+    for mbt in (10_000, 9):
+        model = copy.deepcopy(base)
+        cfg = TrainerConfig(micro_batch_tokens=mbt, grad_clip=None, loss=LossConfig(**lc))
+        tr = GRPOTrainer(model, cfg, ref_model=TinyLM(seed=1))
+        m = tr.step(groups, trainer_version=0)
+        out[mbt] = (m, grads(model))
+    (m_full, g_full), (m_acc, g_acc) = out[10_000], out[9]
+    assert m_full["micro_batches"] == 1 and m_acc["micro_batches"] > 4
+    for n in g_full:
+        torch.testing.assert_close(g_acc[n], g_full[n], atol=1e-6, rtol=0)
+    for k in ("loss", "pg_loss", "kl", "clip_frac", "approx_kl", "ratio_mean", "ratio_max", "entropy",
+              "grad_norm", "dropped_frac", "tokens"):
+        assert m_acc[k] == pytest.approx(m_full[k], abs=1e-6), k
+    if correction == "behaviour":
+        assert m_full["clip_frac"] > 0  # the case exercises clipping
+    if correction == "decoupled":
+        assert m_full["dropped_frac"] > 0
+
+
+def test_step_changes_every_parameter_and_lowers_its_own_loss():
+    model = TinyLM()
+    groups = make_groups(model, tv=5)
+    # anchor = behaviour = the pre-step policy, so evaluate() after the step measures the same surrogate
+    cfg = TrainerConfig(lr=1e-3, loss=LossConfig(correction="behaviour"))
+    tr = GRPOTrainer(model, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    e0 = tr.evaluate(groups, trainer_version=5)
+    m = tr.step(groups, trainer_version=5)
+    e1 = tr.evaluate(groups, trainer_version=5)
+    for n, p in model.named_parameters():
+        assert not torch.equal(p, before[n]), f"{n} did not change"
+    assert m["loss"] == pytest.approx(e0["loss"], abs=1e-7)
+    assert e1["loss"] < e0["loss"] - 1e-4
+    assert m["step"] == 1 and tr.steps == 1
+
+
+def test_default_config_step_lowers_surrogate_against_pre_step_policy():
+    model = TinyLM()
+    groups = make_groups(model)
+    tr = GRPOTrainer(model, TrainerConfig(lr=1e-3))  # grpo loss, no correction: anchor = prox
+    batch = tr.make_batch(groups, 0)
+    with torch.no_grad():
+        prox = token_logprobs(model(batch.input_ids), batch.targets)
+    ones = torch.ones_like(prox)
+    l0, _ = tr.loss_fn(prox, prox, batch.adv, batch.mask, ones, scale=batch.scale)
+    tr.step(groups, trainer_version=0)
+    with torch.no_grad():
+        l1, _ = tr.loss_fn(token_logprobs(model(batch.input_ids), batch.targets), prox, batch.adv, batch.mask,
+                           ones, scale=batch.scale)
+    assert l1.item() < l0.item() - 1e-4
+
+
+def test_metrics_count_tokens_gap_and_staleness():
+    model = TinyLM()
+    groups = make_groups(model, tv=4, old_version_prefix=1)
+    n_resp = sum(t.length for g in groups for t in g.trajectories)
+    n_seq = sum(len(g.trajectories) for g in groups)
+    tr = GRPOTrainer(model, TrainerConfig(max_staleness=1))
+    m = tr.evaluate(groups, trainer_version=4)
+    assert m["sequences"] == n_seq
+    assert m["stale_tokens"] == n_seq  # the first token of each response is 2 versions old
+    assert m["tokens"] == n_resp - n_seq
+    assert m["gap_tokens"] == n_resp - n_seq
+    assert m["logprob_gap_max"] < 1e-5  # behaviour logprobs are this model's own
+    assert m["adv_mean"] == pytest.approx(0.0, abs=1e-6)  # grpo advantages centre each group
+    assert m["clip_frac"] == 0.0 and m["ratio_mean"] == pytest.approx(1.0)
+    h = m["entropy"]
+    assert 0.0 < h <= math.log(V)
+
+    noisy = make_groups(model, tv=4, noise=0.1)
+    m = tr.evaluate(noisy, trainer_version=4)
+    assert 0.05 < m["logprob_gap_mean"] < 0.12 and m["logprob_gap_max"] > m["logprob_gap_mean"]
+    assert math.isnan(tr.evaluate(noisy, trainer_version=9)["logprob_gap_mean"])  # no token at version 9
+
+
+def test_export_import_round_trip_exactly():
+    model = TinyLM(tie=True)
+    tr = GRPOTrainer(model, TrainerConfig(lr=1e-2))
+    w0 = tr.export_weights()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    views = w0.views()
+    assert set(views) == set(snapshot)  # tied names both present, sharing one slice
+    assert dict((n, o) for n, _, o in w0.layout)["lm_head.weight"] == dict((n, o) for n, _, o in w0.layout)[
+        "embed.weight"]
+    assert w0.buffer.numel() == sum(p.numel() for p in model.parameters())
+    for k, v in snapshot.items():
+        assert torch.equal(views[k], v)
+    tr.step(make_groups(model), trainer_version=0)
+    assert not torch.equal(tr.export_weights().buffer, w0.buffer)
+    assert torch.equal(w0.views()["mix.weight"], snapshot["mix.weight"])  # an export is a snapshot
+    tr.import_weights(w0)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, snapshot[k])
+    other = GRPOTrainer(TinyLM(tie=True, seed=3), TrainerConfig())
+    other.import_weights(w0.buffer)
+    assert torch.equal(other.export_weights().buffer, w0.buffer)
+
+
+def test_checkpoint_resume_continues_identically():
+    groups = make_groups(TinyLM())
+    a = GRPOTrainer(TinyLM(), TrainerConfig(lr=1e-2))
+    a.step(groups, 0)
+    state = copy.deepcopy(a.state_dict())
+    b = GRPOTrainer(TinyLM(seed=7), TrainerConfig(lr=1e-2))
+    b.load_state_dict(state)
+    assert b.steps == 1
+    a.step(groups, 1)
+    b.step(groups, 1)
+    assert torch.equal(a.export_weights().buffer, b.export_weights().buffer)
+
+
+def test_bf16_autocast_step_runs_close_to_fp32():
+    groups = make_groups(TinyLM())
+    m32 = GRPOTrainer(TinyLM(), TrainerConfig()).evaluate(groups, 0)
+    tr = GRPOTrainer(TinyLM(), TrainerConfig(bf16=True))
+    m16 = tr.step(groups, 0)
+    assert m16["entropy"] == pytest.approx(m32["entropy"], rel=2e-2)
+    assert math.isfinite(m16["grad_norm"]) and m16["grad_norm"] > 0
+    assert tr.flat.buffer.dtype == torch.float32  # master weights stay fp32
+
+
+def test_temperature_enters_logprobs():
+    model = TinyLM()
+    groups = make_groups(model)  # behaviour logprobs at T = 1
+    m1 = GRPOTrainer(copy.deepcopy(model), TrainerConfig()).evaluate(groups, 0)
+    m2 = GRPOTrainer(copy.deepcopy(model), TrainerConfig(temperature=0.5)).evaluate(groups, 0)
+    assert m1["logprob_gap_max"] < 1e-5 < m2["logprob_gap_mean"]
+
+
+def test_config_validation_and_yaml_mapping():
+    assert TrainerConfig().advantage == "grpo"
+    assert TrainerConfig(loss=LossConfig("drgrpo", max_new_tokens=64)).advantage == "drgrpo"
+    cfg = load_config(overrides=["--loss.name=dapo", "--lr=0.0001", "--betas=[0.9, 0.95]", "--max_staleness=2"],
+                      cls=TrainerConfig)
+    assert (cfg.loss.eps_high, cfg.lr, cfg.betas, cfg.max_staleness) == (0.28, 1e-4, (0.9, 0.95), 2)
+    for bad, field in [(dict(lr=0.0), "trainer.lr"), (dict(advantage="ppo"), "trainer.advantage"),
+                       (dict(micro_batch_tokens=0), "trainer.micro_batch_tokens"),
+                       (dict(grad_clip=-1.0), "trainer.grad_clip"), (dict(temperature=0.0), "trainer.temperature"),
+                       (dict(max_staleness=-1), "trainer.max_staleness"), (dict(betas=(0.9, 1.0)), "trainer.betas")]:
+        with pytest.raises(ConfigError, match=field):
+            TrainerConfig(**bad)
+    with pytest.raises(ValueError, match="ref_model"):
+        GRPOTrainer(TinyLM(), TrainerConfig(loss=LossConfig(kl_coef=0.1)))

@@ -1,0 +1,125 @@
+"""Loss variants, KL, corrections and the staleness mask against numbers worked out by hand.
+
+The shared case: 2 sequences x 3 tokens, ratios r = exp(logp - old_logp)
+    seq 0: r = [1.5, 1.25, 0.9], A = +1, all 3 tokens live
+    seq 1: r = [0.5, 1.1, 10.0], A = -1, last token is padding (its wild ratio must not count)
+With eps = 0.2 tokens (0,0) and (0,1) are clipped above (A > 0) and (1,0) below (A < 0).
+"""
+import math
+
+import pytest
+import torch
+
+from tailrace.config import ConfigError
+from tailrace.trainer.losses import (CORRECTIONS, LOSSES, LossConfig, fresh_mask, k3, kl_penalty,
+                                     seq_mean_scale)
+
+R = [[1.5, 1.25, 0.9], [0.5, 1.1, 10.0]]
+OLD = torch.full((2, 3), -1.0, dtype=torch.float64)
+ADV = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+ONES = torch.ones(2, 3, dtype=torch.float64)
+
+
+def _logp():
+    return (torch.tensor(R, dtype=torch.float64).log() + OLD).requires_grad_(True)
+
+
+def test_grpo_seq_mean_then_batch_mean():
+    logp = _logp()
+    loss, st = LOSSES["grpo"](logp, OLD, ADV, MASK, ONES)
+    # per-token -min(rA, clip(r)A): seq0 [-1.2, -1.2, -0.9] -> mean -1.1; seq1 [0.8, 1.1] -> mean 0.95
+    assert loss.item() == pytest.approx((-1.1 + 0.95) / 2, abs=1e-12)
+    assert st["clip_frac"].item() == pytest.approx(3 / 5)
+    assert st["ratio_mean"].item() == pytest.approx((1.5 + 1.25 + 0.9 + 0.5 + 1.1) / 5)
+    assert st["ratio_max"].item() == pytest.approx(1.5)
+    kl = sum(r - 1 - math.log(r) for r in [1.5, 1.25, 0.9, 0.5, 1.1]) / 5
+    assert st["approx_kl"].item() == pytest.approx(kl)
+    assert st["tokens"].item() == 5
+    loss.backward()
+    # clipped and padded tokens get no gradient; (0,2): -r*A/(3*2) = -0.15; (1,1): +r/(2*2) = 0.275
+    expect = torch.tensor([[0.0, 0.0, -0.15], [0.0, 0.275, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, expect, atol=1e-12, rtol=0)
+
+
+def test_dapo_clip_higher_token_mean():
+    loss, st = LOSSES["dapo"](_logp(), OLD, ADV, MASK, ONES)
+    # eps_high 0.28: seq0 [-1.28, -1.25, -0.9], seq1 [0.8, 1.1]; mean over 5 tokens
+    assert loss.item() == pytest.approx((-1.28 - 1.25 - 0.9 + 0.8 + 1.1) / 5, abs=1e-12)
+    assert loss.item() == pytest.approx(-0.306, abs=1e-12)
+    assert st["clip_frac"].item() == pytest.approx(2 / 5)  # 1.25 is inside the raised ceiling
+
+
+def test_drgrpo_constant_normaliser():
+    loss, st = LOSSES["drgrpo"](_logp(), OLD, ADV, MASK, ONES, max_new_tokens=4)
+    # (sum of per-token terms) / (max_new_tokens 4 * 2 sequences)
+    assert loss.item() == pytest.approx((-1.2 - 1.2 - 0.9 + 0.8 + 1.1) / 8, abs=1e-12)
+    assert st["clip_frac"].item() == pytest.approx(3 / 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        LOSSES["drgrpo"](_logp(), OLD, ADV, MASK, ONES)
+
+
+def test_weight_scales_tokens_and_explicit_scale_matches():
+    w = ONES.clone()
+    w[0, 0] = 2.0
+    loss, _ = LOSSES["grpo"](_logp(), OLD, ADV, MASK, w)
+    assert loss.item() == pytest.approx(((-2.4 - 1.2 - 0.9) / 3 + 0.95) / 2, abs=1e-12)
+    loss2, _ = LOSSES["grpo"](_logp(), OLD, ADV, MASK, w, scale=seq_mean_scale(MASK))
+    assert loss2.item() == loss.item()
+
+
+def test_custom_clip_range_overrides_default():
+    loss, st = LOSSES["grpo"](_logp(), OLD, ADV, MASK, ONES, eps_low=0.6, eps_high=1.0)
+    # nothing clipped: seq0 [-1.5, -1.25, -0.9] mean -3.65/3; seq1 [0.5, 1.1] mean 0.8
+    assert loss.item() == pytest.approx((-3.65 / 3 + 0.8) / 2, abs=1e-12)
+    assert st["clip_frac"].item() == 0.0
+
+
+def test_k3_values_and_aggregation():
+    logp = torch.zeros(1, 3, dtype=torch.float64)
+    ref = torch.tensor([[math.log(2), 0.0, -math.log(2)]], dtype=torch.float64)
+    # e^d - d - 1: d=ln2 -> 1 - ln2; d=0 -> 0; d=-ln2 -> ln2 - 1/2
+    expect = [1 - math.log(2), 0.0, math.log(2) - 0.5]
+    assert k3(logp, ref)[0].tolist() == pytest.approx(expect, abs=1e-12)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    assert kl_penalty(logp, ref, mask, seq_mean_scale(mask)).item() == pytest.approx(0.5 / 3, abs=1e-12)
+
+
+BEHAV = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64)
+PROX = BEHAV + torch.tensor([[math.log(0.5), 0.0, math.log(3.0)]], dtype=torch.float64)  # pi_prox/pi_behav = .5, 1, 3
+
+
+@pytest.mark.parametrize("name, anchor, weight, keep", [
+    ("none", PROX, [1, 1, 1], [1, 1, 1]),
+    ("tis", PROX, [0.5, 1, 2], [1, 1, 1]),  # min(w, C=2)
+    ("decoupled", PROX, [0.5, 1, 0], [1, 1, 0]),  # w=3 > C dropped
+    ("behaviour", BEHAV, [1, 1, 1], [1, 1, 1]),
+])
+def test_corrections(name, anchor, weight, keep):
+    c = CORRECTIONS[name](BEHAV, PROX, 2.0)
+    torch.testing.assert_close(c.old_logp, anchor)
+    assert c.weight[0].tolist() == pytest.approx(weight, abs=1e-12)
+    assert c.keep[0].tolist() == keep
+
+
+def test_staleness_mask():
+    v = torch.tensor([[3, 3, 4, 5], [5, 5, -1, -1]])
+    assert fresh_mask(v, 5, 1).tolist() == [[0, 0, 1, 1], [1, 1, 0, 0]]
+    assert fresh_mask(v, 5, 0).tolist() == [[0, 0, 0, 1], [1, 1, 0, 0]]
+    assert fresh_mask(v, 5, None).tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+def test_loss_config_defaults_and_messages():
+    assert (LossConfig("dapo").eps_low, LossConfig("dapo").eps_high) == (0.2, 0.28)
+    assert (LossConfig().eps_low, LossConfig().eps_high) == (0.2, 0.2)
+    assert LossConfig("dapo", eps_high=0.3).eps_high == 0.3
+    with pytest.raises(ConfigError, match="loss.max_new_tokens"):
+        LossConfig("drgrpo")
+    with pytest.raises(ConfigError, match="grpo, dapo, drgrpo"):
+        LossConfig("ppo")
+    with pytest.raises(ConfigError, match="loss.correction"):
+        LossConfig(correction="is")
+    with pytest.raises(ConfigError, match="loss.eps_low"):
+        LossConfig(eps_low=1.5)
+    with pytest.raises(ConfigError, match="loss.tis_cap"):
+        LossConfig(tis_cap=0.5)
