@@ -16,9 +16,10 @@ from typing import Any
 
 import yaml
 
+from tailrace.errors import ConfigError
+from tailrace.trainer.config import LossConfig, TrainerConfig
 
-class ConfigError(ValueError):
-    pass
+__all__ = ["ConfigError", "LossConfig", "TrainerConfig", "RunConfig", "load_config", "dump_config"]
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -88,10 +89,59 @@ class EvalConfig:
 
 
 @dataclass
+class RolloutConfig:
+    engines: int = 1  # rollout engine processes
+    slots: int = 64  # concurrent sequences per engine
+    lookahead: int = 16  # samples queued per engine beyond its slots
+    threads: int = 1  # torch threads per engine process
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 320
+    prefill_tokens: int = 512  # prompt tokens prefilled per engine step
+
+    def __post_init__(self) -> None:
+        for k in ("engines", "slots", "threads", "max_new_tokens", "prefill_tokens"):
+            _need(getattr(self, k) > 0, f"rollout.{k}={getattr(self, k)}: must be positive")
+        _need(self.lookahead >= 0, f"rollout.lookahead={self.lookahead}: must be >= 0")
+        _need(self.temperature > 0, f"rollout.temperature={self.temperature}: RL needs sampling; use a value > 0")
+        _need(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
+
+
+@dataclass
+class FlowConfig:
+    mode: str = "sync"  # sync (more modes plug in as policies)
+    prompts_per_round: int = 16  # R
+    samples_per_prompt: int = 8  # K
+    train_batch: int = 128  # B samples per optimizer step; U = B / K groups
+    steps: int = 120  # optimizer steps in the run
+    max_staleness: int = 1  # K for the off-policy modes (sync is always 0)
+
+    def __post_init__(self) -> None:
+        for k in ("prompts_per_round", "samples_per_prompt", "train_batch", "steps"):
+            _need(getattr(self, k) > 0, f"flow.{k}={getattr(self, k)}: must be positive")
+        _need(self.train_batch % self.samples_per_prompt == 0,
+              f"flow.train_batch={self.train_batch} is not a multiple of flow.samples_per_prompt="
+              f"{self.samples_per_prompt}; a step trains whole groups")
+        U = self.train_batch // self.samples_per_prompt
+        _need(self.prompts_per_round % U == 0,
+              f"flow.prompts_per_round={self.prompts_per_round} is not a multiple of train_batch/samples_per_prompt"
+              f"={U}; a round must split into whole steps")
+        _need(self.max_staleness >= 0, f"flow.max_staleness={self.max_staleness}: must be >= 0")
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.train_batch // self.samples_per_prompt
+
+
+@dataclass
 class RunConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     task: TaskConfig = field(default_factory=TaskConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    train: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
     out: str = "runs"
@@ -136,6 +186,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}={value!r}: expected a number")
     if tp is str:
         if isinstance(value, str):

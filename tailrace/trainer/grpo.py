@@ -18,54 +18,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from tailrace.config import ConfigError
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
-from tailrace.trainer.losses import CORRECTIONS, LOSSES, LossConfig, kl_penalty
+from tailrace.trainer.config import LossConfig, TrainerConfig
+from tailrace.trainer.losses import CORRECTIONS, LOSSES, kl_penalty
 from tailrace.trainer.optim import FlatWeights, build_adamw, flatten_parameters
 from tailrace.types import Group
-
-
-@dataclass
-class TrainerConfig:
-    # 2e-4 is what moved the default sub-1M..2M-parameter policy in DESIGN §6 (+18 points in 9 min);
-    # billion-parameter policies want ~1e-6.
-    lr: float = 2e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0  # decay would pull the policy away from its warm start regardless of reward
-    grad_clip: float | None = 1.0  # max global grad norm; None = measure only
-    micro_batch_tokens: int = 8192  # rows x padded length per forward; bounds activation memory
-    bf16: bool = False  # autocast the forward to bfloat16 (CPU and CUDA); weights stay in their dtype
-    temperature: float = 1.0  # must equal the rollout's sampling temperature
-    loss: LossConfig = field(default_factory=LossConfig)
-    advantage: str | None = None  # grpo | drgrpo | rloo; None = the loss's own (drgrpo -> drgrpo, else grpo)
-    max_staleness: int | None = None  # K: mask tokens more than K versions behind the trainer; None = off
-    pad_id: int = 0
-
-    def __post_init__(self) -> None:
-        if self.advantage is None:
-            self.advantage = LOSSES[self.loss.name].advantage
-        if self.advantage not in ADVANTAGES:
-            raise ConfigError(f"trainer.advantage={self.advantage!r}: choose one of {', '.join(ADVANTAGES)}")
-        if not self.lr > 0:
-            raise ConfigError(f"trainer.lr={self.lr}: must be > 0, e.g. 2e-4")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"trainer.betas={self.betas}: give two numbers in [0, 1), e.g. [0.9, 0.999]")
-        self.betas = (float(self.betas[0]), float(self.betas[1]))
-        if not self.eps > 0:
-            raise ConfigError(f"trainer.eps={self.eps}: must be > 0, e.g. 1e-8")
-        if self.weight_decay < 0:
-            raise ConfigError(f"trainer.weight_decay={self.weight_decay}: must be >= 0")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ConfigError(f"trainer.grad_clip={self.grad_clip}: must be > 0, or null to turn clipping off")
-        if self.micro_batch_tokens < 1:
-            raise ConfigError(f"trainer.micro_batch_tokens={self.micro_batch_tokens}: must be positive, e.g. 8192")
-        if not self.temperature > 0:
-            raise ConfigError(f"trainer.temperature={self.temperature}: must be > 0 (the sampling temperature)")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ConfigError(f"trainer.max_staleness={self.max_staleness}: must be >= 0, or null to turn it off")
 
 
 class _Sums:

@@ -18,7 +18,6 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from tailrace.config import ConfigError
 
 Tensor = torch.Tensor
 TokenScale = Callable[..., Tensor]  # (mask, max_new_tokens) -> scale
@@ -168,37 +167,3 @@ def fresh_mask(versions: Tensor, trainer_version: int, max_staleness: int | None
     if max_staleness is None:
         return resp.float()
     return (resp & (trainer_version - versions <= max_staleness)).float()
-
-
-# -- config ----------------------------------------------------------------------------------
-
-@dataclass
-class LossConfig:
-    name: str = "grpo"  # grpo | dapo | drgrpo
-    eps_low: float | None = None  # None = the variant's default (0.2)
-    eps_high: float | None = None  # None = the variant's default (0.2; dapo 0.28)
-    max_new_tokens: int | None = None  # drgrpo's constant normaliser; set to the rollout's max_new_tokens
-    kl_coef: float = 0.0  # k3 penalty to the reference policy; > 0 needs a ref_model
-    tis_cap: float = 2.0  # C for the tis and decoupled corrections
-    correction: str = "none"  # none | tis | decoupled | behaviour
-
-    def __post_init__(self) -> None:
-        if self.name not in LOSSES:
-            raise ConfigError(f"loss.name={self.name!r}: choose one of {', '.join(LOSSES)}")
-        if self.correction not in CORRECTIONS:
-            raise ConfigError(f"loss.correction={self.correction!r}: choose one of {', '.join(CORRECTIONS)}")
-        variant = LOSSES[self.name]
-        self.eps_low = variant.eps_low if self.eps_low is None else self.eps_low
-        self.eps_high = variant.eps_high if self.eps_high is None else self.eps_high
-        if not 0.0 < self.eps_low < 1.0:
-            raise ConfigError(f"loss.eps_low={self.eps_low}: must lie in (0, 1), e.g. 0.2")
-        if not self.eps_high > 0.0:
-            raise ConfigError(f"loss.eps_high={self.eps_high}: must be > 0, e.g. 0.2 (0.28 for clip-higher)")
-        if self.name == "drgrpo" and not (self.max_new_tokens and self.max_new_tokens > 0):
-            raise ConfigError("loss.max_new_tokens is required for drgrpo; set it to the rollout's max_new_tokens")
-        if self.max_new_tokens is not None and self.max_new_tokens <= 0:
-            raise ConfigError(f"loss.max_new_tokens={self.max_new_tokens}: must be positive")
-        if self.kl_coef < 0:
-            raise ConfigError(f"loss.kl_coef={self.kl_coef}: must be >= 0 (0 = no KL penalty)")
-        if self.tis_cap < 1.0:
-            raise ConfigError(f"loss.tis_cap={self.tis_cap}: must be >= 1 (2 is typical)")

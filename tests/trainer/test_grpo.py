@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from tailrace.config import ConfigError, load_config
-from tailrace.trainer.grpo import GRPOTrainer, TrainerConfig
+from tailrace.trainer.config import TrainerConfig
+from tailrace.trainer.grpo import GRPOTrainer
 from tailrace.trainer.logprobs import token_logprobs
-from tailrace.trainer.losses import LossConfig
+from tailrace.trainer.config import LossConfig
 from tailrace.types import Finish, GenResult, Group, Trajectory
 
 V = 16

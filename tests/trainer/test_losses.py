@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tailrace.config import ConfigError
-from tailrace.trainer.losses import (CORRECTIONS, LOSSES, LossConfig, fresh_mask, k3, kl_penalty,
+from tailrace.trainer.config import LossConfig
+from tailrace.trainer.losses import (CORRECTIONS, LOSSES, fresh_mask, k3, kl_penalty,
                                      seq_mean_scale)
 
 R = [[1.5, 1.25, 0.9], [0.5, 1.1, 10.0]]
@@ -123,3 +124,13 @@ def test_loss_config_defaults_and_messages():
         LossConfig(eps_low=1.5)
     with pytest.raises(ConfigError, match="loss.tis_cap"):
         LossConfig(tis_cap=0.5)
+
+
+def test_config_name_tables_match_registries():
+    from tailrace.trainer.advantages import ADVANTAGES
+    from tailrace.trainer.config import ADVANTAGE_NAMES, CORRECTION_NAMES, LOSS_DEFAULTS
+    assert set(LOSS_DEFAULTS) == set(LOSSES)
+    assert set(CORRECTION_NAMES) == set(CORRECTIONS)
+    assert set(ADVANTAGE_NAMES) == set(ADVANTAGES)
+    for name, (lo, hi, adv) in LOSS_DEFAULTS.items():
+        assert (LOSSES[name].eps_low, LOSSES[name].eps_high, LOSSES[name].advantage) == (lo, hi, adv)

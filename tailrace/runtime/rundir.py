@@ -1,0 +1,106 @@
+"""The run directory: config.yaml, metrics.jsonl, events.jsonl, journal.jsonl, checkpoints/.
+
+Everything is append-only JSON lines, flushed as written, so a killed run keeps what it produced.
+The journal is the scheduler's write-ahead log (groups opened, trajectories finished, discards);
+`--resume` replays it on top of the last checkpoint so no finished trajectory is lost.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator
+
+from tailrace.types import Finish, GenResult, Prompt, Trajectory
+
+
+def traj_to_dict(t: Trajectory) -> dict:
+    d = asdict(t)
+    d["result"]["finish"] = t.result.finish.value
+    return d
+
+
+def traj_from_dict(d: dict) -> Trajectory:
+    r = dict(d["result"])
+    r["finish"] = Finish(r["finish"])
+    for k in ("token_ids", "logprobs", "versions"):
+        r[k] = tuple(r[k])
+    res = GenResult(**r)
+    return Trajectory(group=d["group"], sample_index=d["sample_index"], prompt_id=d["prompt_id"],
+                      prompt_ids=tuple(d["prompt_ids"]), result=res, reward=d["reward"], correct=d["correct"],
+                      dispatch_version=d["dispatch_version"])
+
+
+def prompt_from_dict(d: dict) -> Prompt:
+    return Prompt(id=d["id"], token_ids=tuple(d["token_ids"]), task=d["task"], answer=d["answer"], text=d["text"])
+
+
+class JsonLines:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f = open(path, "a", buffering=1)
+
+    def write(self, obj: Any) -> None:
+        self._f.write(json.dumps(obj, default=_default) + "\n")
+
+    def sync(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _default(o: Any):
+    if isinstance(o, Trajectory):
+        return traj_to_dict(o)
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def read_lines(path: Path) -> Iterator[dict]:
+    """Records of a JSONL file; a torn last line (killed mid-write) is skipped."""
+    if not path.is_file():
+        return
+    with open(path) as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                return
+
+
+def truncate_lines(path: Path, keep) -> None:
+    """Rewrite `path` keeping only records for which keep(record) is true (atomically)."""
+    if not path.is_file():
+        return
+    kept = [r for r in read_lines(path) if keep(r)]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+class RunDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.ckpt = self.path / "checkpoints"
+
+    def create(self) -> None:
+        self.ckpt.mkdir(parents=True, exist_ok=True)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def latest(self) -> Path | None:
+        link = self.ckpt / "latest"
+        if not link.is_file():
+            return None
+        target = self.ckpt / link.read_text().strip()
+        return target if target.is_dir() else None
+
+    def set_latest(self, name: str) -> None:
+        tmp = self.ckpt / "latest.tmp"
+        tmp.write_text(name)
+        os.replace(tmp, self.ckpt / "latest")
