@@ -23,7 +23,8 @@ from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.config import LossConfig, TrainerConfig
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, kl_penalty
-from tailrace.trainer.optim import FlatWeights, build_adamw, flatten_parameters
+from tailrace.model.flat import FlatWeights, flatten_parameters
+from tailrace.trainer.optim import build_adamw
 from tailrace.types import Group
 
 
