@@ -1,0 +1,132 @@
+"""A Task over a JSONL file of question/answer rows (GSM8K, MATH and the like), scored by math-verify.
+
+Rows are read and checked when the task is built, so a bad file fails before a run starts. Without
+`test_path`, a row is test iff a hash of its question falls in `test_fraction`: deterministic, order
+independent, and duplicate questions never straddle the split. `examples` cycles through a split in
+epochs, each reshuffled, so `n` may exceed `size(split)` (then questions repeat).
+
+`Example.answer` is the gold answer text; GSM8K's "reasoning #### 72" becomes "72".
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import threading
+from pathlib import Path
+
+from tailrace.tasks.base import SPLITS, Example, Task, TaskError, check_split
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def gold_text(raw: object) -> str:
+    """The answer after the last '####' when present (GSM8K), stripped."""
+    text = str(raw)
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    return text.strip()
+
+
+def math_match(gold: str, response: str) -> bool:
+    """math-verify equivalence of `gold` and the answer in `response` (last boxed / 'answer is' /
+    last expression; after '####' when present). An unparseable gold falls back to exact text."""
+    from math_verify import parse, verify
+
+    # math-verify's own timeouts use SIGALRM, which only the main thread may set; elsewhere rely on
+    # the RewardGuard's timeout.
+    t = 5 if threading.current_thread() is threading.main_thread() else None
+    g = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", parsing_timeout=t)
+    if not g:
+        return gold_text(response) == gold
+    r = parse(gold_text(response), parsing_timeout=t)
+    return bool(r) and verify(g, r, timeout_seconds=t)
+
+
+def _hash_unit(text: str) -> float:
+    """A stable pseudo-random number in [0, 1) for `text`."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") / 2**64
+
+
+class JsonlTask(Task):
+    def __init__(self, path: str | Path, *, question_field: str = "question",
+                 answer_field: str = "answer", prompt_template: str = "{question}",
+                 test_fraction: float = 0.1, test_path: str | Path | None = None) -> None:
+        """`prompt_template`: `{question}` is the question field, `{<field>}` any field of the row;
+        other braces (LaTeX) are left alone."""
+        if "{question}" not in prompt_template and f"{{{question_field}}}" not in prompt_template:
+            raise TaskError(f"prompt_template {prompt_template!r} has no {{question}} placeholder; "
+                            f"add one where the question goes")
+        if test_path is None and not 0.0 < test_fraction < 1.0:
+            raise TaskError(f"test_fraction must be in (0, 1), got {test_fraction}; "
+                            f"or pass test_path= for a separate test file")
+        self.name = f"jsonl:{Path(path).stem}"
+        self.template = prompt_template
+        self.fields = (question_field, answer_field)
+        rows = self._load(Path(path))
+        if test_path is None:  # hash the raw question, so a new template keeps the split
+            test = [ex for q, ex in rows if _hash_unit(q) < test_fraction]
+            train = [ex for q, ex in rows if _hash_unit(q) >= test_fraction]
+        else:
+            train, test = [ex for _, ex in rows], [ex for _, ex in self._load(Path(test_path))]
+        self.rows: dict[str, list[Example]] = {"train": train, "test": test}
+
+    def size(self, split: str) -> int:
+        check_split(split)
+        return len(self.rows[split])
+
+    def _load(self, path: Path) -> list[tuple[str, Example]]:
+        """(raw question, example) per row, in file order."""
+        if not path.is_file():
+            raise TaskError(f"JSONL task file not found: {path}; pass the path of a .jsonl file "
+                            f"with one JSON object per line")
+        qf, af = self.fields
+        out: list[tuple[str, Example]] = []
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise TaskError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                            f"re-encode the file as UTF-8") from None
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
+                                f"each line must be one complete JSON object") from None
+            if not isinstance(row, dict):
+                raise TaskError(f"{where}: expected a JSON object, got {type(row).__name__}; "
+                                f"write one {{...}} object per line")
+            for field, arg in ((qf, "question_field"), (af, "answer_field")):
+                if field not in row:
+                    raise TaskError(f"{where}: missing field {field!r} (has {', '.join(row) or 'none'}); "
+                                    f"add it, or pass {arg}= naming the right field")
+            values = {**{k: str(v) for k, v in row.items()}, "question": str(row[qf])}
+            prompt = _PLACEHOLDER.sub(lambda m: values.get(m[1], m[0]), self.template)
+            out.append((values["question"], Example(len(out), prompt, gold_text(row[af]))))
+        if not out:
+            raise TaskError(f"{path}: no rows; add JSON objects with "
+                            f"{qf!r} and {af!r} fields, one per line")
+        return out
+
+    def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:
+        check_split(split)
+        rows = self.rows[split]
+        if not rows:
+            other = SPLITS[1 - SPLITS.index(split)]
+            raise TaskError(f"{self.name}: the {split} split is empty (all {len(self.rows[other])} "
+                            f"rows hashed to {other}); add rows, change test_fraction or pass test_path=")
+        rng = random.Random(f"jsonl/{split}/{seed}")
+        out: list[Example] = []
+        while len(out) < n:
+            epoch = list(rows)
+            rng.shuffle(epoch)
+            for ex in epoch[: n - len(out)]:
+                out.append(Example(id=len(out), question=ex.question, answer=ex.answer))
+        return out
+
+    def reward(self, example: Example, response: str) -> float:
+        return 1.0 if math_match(example.answer, response) else 0.0

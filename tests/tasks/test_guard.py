@@ -1,0 +1,156 @@
+"""RewardGuard: failures of user reward code become reward 0 with a reason; the run goes on."""
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tailrace.tasks.base import Example, Task
+from tailrace.tasks.guard import RewardGuard, Scored
+
+TIMEOUT = 0.5
+
+
+class Scripted(Task):
+    """The response says what the reward does: a number is compared to the answer."""
+    name = "scripted"
+
+    def examples(self, split, n, seed=0):
+        return [Example(i, f"q{i}", str(i)) for i in range(n)]
+
+    def reward(self, example, response):
+        if response == "raise":
+            raise ValueError("boom\nsecond line")
+        if response == "hang":
+            time.sleep(60)
+        if response == "exit":
+            os._exit(3)
+        if response in ("nan", "inf"):
+            return float(response)
+        if response == "str":
+            return "1.0"
+        if response == "bool":
+            return True
+        return 1.0 if response == example.answer else 0.0
+
+
+EX = Scripted().examples("train", 256)
+
+
+@pytest.fixture
+def guard():
+    with RewardGuard(Scripted(), timeout_s=TIMEOUT) as g:
+        yield g
+
+
+def test_correct_and_wrong_answers_pass_through(guard):
+    assert guard.score(EX[3], "3") == Scored(1.0, None)
+    assert guard.score(EX[3], "4") == Scored(0.0, None)
+    assert not guard.errors
+
+
+def test_raising_reward_is_zero_with_reason_counted_and_logged(guard, caplog):
+    with caplog.at_level(logging.WARNING, logger="tailrace.tasks"):
+        got = guard.score(EX[1], "raise")
+    assert got == Scored(0.0, "raised ValueError: boom second line")
+    assert guard.errors == {"raised ValueError": 1}
+    assert "example 1 forced to 0: raised ValueError" in caplog.text
+    assert guard.score(EX[2], "2").reward == 1.0  # the same worker carries on
+    assert guard.restarts == 0
+
+
+@pytest.mark.parametrize("response, reason", [
+    ("nan", "bad value: nan"), ("inf", "bad value: inf"),
+    ("str", "bad value: returned str '1.0', expected float"),
+    ("bool", "bad value: returned bool 'True', expected float"),
+])
+def test_non_finite_or_non_float_is_zero(guard, response, reason):
+    assert guard.score(EX[0], response) == Scored(0.0, reason)
+    assert guard.errors == {"bad value": 1}
+
+
+def test_hang_times_out_and_the_worker_is_replaced(guard):
+    pid = guard.worker_pid
+    t0 = time.monotonic()
+    assert guard.score(EX[0], "hang") == Scored(0.0, f"timeout after {TIMEOUT}s")
+    assert TIMEOUT <= time.monotonic() - t0 < TIMEOUT + 2.0
+    assert guard.errors == {"timeout": 1} and guard.restarts == 1
+    assert guard.worker_pid != pid and not _alive(pid)
+    assert guard.score(EX[5], "5") == Scored(1.0, None)
+
+
+def test_batch_with_hang_crash_and_raise_still_scores_the_rest(guard):
+    responses = ["0", "raise", "hang", "3", "exit", "5", "6"] + [str(i) for i in range(7, 100)]
+    got = guard.score_many(list(zip(EX, responses)))
+    assert [s.reward for s in got] == [1, 0, 0, 1, 0] + [1] * 95
+    assert got[1].error.startswith("raised ValueError")
+    assert got[2].error == f"timeout after {TIMEOUT}s"
+    assert got[4].error == "worker died (exit code 3)"
+    assert guard.errors == {"raised ValueError": 1, "timeout": 1, "worker died": 1}
+    assert guard.restarts == 2
+
+
+def test_inline_mode_catches_exceptions_without_a_worker():
+    g = RewardGuard(Scripted(), inline=True)
+    assert g.worker_pid is None
+    got = g.score_many([(EX[0], "0"), (EX[1], "raise"), (EX[2], "nan")])
+    assert got == [Scored(1.0), Scored(0.0, "raised ValueError: boom second line"),
+                   Scored(0.0, "bad value: nan")]
+    assert g.errors == {"raised ValueError": 1, "bad value": 1}
+
+
+def test_spawn_worker_gets_the_task_once_and_times_out_too():
+    with RewardGuard(Scripted(), timeout_s=TIMEOUT, start_method="spawn") as g:
+        got = g.score_many([(EX[0], "0"), (EX[1], "hang"), (EX[2], "2")])
+        assert got == [Scored(1.0), Scored(0.0, f"timeout after {TIMEOUT}s"), Scored(1.0)]
+
+
+def test_close_and_context_manager_end_the_worker():
+    with RewardGuard(Scripted()) as g:
+        pid = g.worker_pid
+        assert _alive(pid)
+    assert g.worker_pid is None
+    time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_batch_overhead_is_microseconds_per_item(guard):
+    """Loose bound (a 2-core box shared with other work): one round trip for 128 cheap items."""
+    pairs = [(ex, ex.answer) for ex in EX[:128]]
+    guard.score_many(pairs)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        assert all(s.reward == 1.0 for s in guard.score_many(pairs))
+    per_item = (time.perf_counter() - t0) / (10 * 128)
+    assert per_item < 200e-6, f"{per_item * 1e6:.1f} us per item"
+
+
+def test_worker_dies_with_its_parent(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+        from tests.tasks.test_guard import Scripted
+        from tailrace.tasks.guard import RewardGuard
+        g = RewardGuard(Scripted())
+        print(g.worker_pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 5.0
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie awaiting its reaper counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")

@@ -1,0 +1,125 @@
+"""JsonlTask: reading and checking files, deterministic disjoint splits, math-verify rewards."""
+import json
+
+import pytest
+
+from tailrace.tasks.base import TaskError
+from tailrace.tasks.jsonl import JsonlTask, gold_text
+
+
+def write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def gsm(tmp_path):
+    rows = [{"question": f"Tom has {i} apples and buys 3. How many?",
+             "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}"} for i in range(200)]
+    return write(tmp_path / "gsm.jsonl", rows)
+
+
+def test_gsm8k_answers_are_normalized(gsm):
+    task = JsonlTask(gsm)
+    assert task.name == "jsonl:gsm"
+    ex = task.examples("train", 1)[0]
+    n = int(ex.question.split()[2])
+    assert ex.answer == str(n + 3)
+    assert gold_text("She pays 2*36=72\n#### 72 ") == "72"
+    assert gold_text(1000) == "1000"
+
+
+def test_reward_uses_math_verify(gsm):
+    task = JsonlTask(gsm)
+    ex = task.examples("test", 1)[0]
+    right = int(ex.answer)
+    assert task.reward(ex, f"3 more apples, so the answer is {right}.") == 1.0
+    assert task.reward(ex, f"Working: 1+2=3.\n#### {right}") == 1.0
+    assert task.reward(ex, f"\\boxed{{{right}.0}}") == 1.0
+    assert task.reward(ex, f"The answer is {right + 1}.") == 0.0
+    assert task.reward(ex, "no idea") == 0.0
+
+
+def test_equivalent_latex_forms_are_accepted(tmp_path):
+    rows = [{"problem": "half?", "solution": "\\frac{1}{2}"},
+            {"problem": "root?", "solution": "\\frac{\\sqrt{2}}{2}"},
+            {"problem": "square?", "solution": "x^2+2x+1"}]
+    task = JsonlTask(write(tmp_path / "math.jsonl", rows), question_field="problem",
+                     answer_field="solution", test_path=write(tmp_path / "t.jsonl", rows))
+    half, root, square = task.rows["test"]  # file order
+    assert task.reward(half, "So it is \\boxed{0.5}") == 1.0
+    assert task.reward(half, "$\\frac{2}{4}$") == 1.0
+    assert task.reward(half, "\\boxed{\\frac{1}{3}}") == 0.0
+    assert task.reward(root, "\\boxed{\\sqrt{2}/2}") == 1.0
+    assert task.reward(square, "\\boxed{(x+1)^2}") == 1.0
+    assert task.reward(square, "\\boxed{(x+2)^2}") == 0.0
+
+
+def test_split_is_deterministic_disjoint_and_hash_based(gsm):
+    task = JsonlTask(gsm, test_fraction=0.25)
+    assert 25 <= task.size("test") <= 75 and task.size("train") + task.size("test") == 200
+    train = {e.question for e in task.rows["train"]}
+    test = {e.question for e in task.rows["test"]}
+    assert not train & test
+    lines = gsm.read_text().splitlines()
+    reordered = write(gsm.parent / "rev.jsonl", reversed(lines))
+    assert {e.question for e in JsonlTask(reordered, test_fraction=0.25).rows["test"]} == test
+
+
+def test_examples_are_reproducible_and_cycle_in_epochs(gsm):
+    task = JsonlTask(gsm)
+    a = task.examples("train", 50, seed=3)
+    assert a == task.examples("train", 50, seed=3) and a != task.examples("train", 50, seed=4)
+    m = task.size("train")
+    many = task.examples("train", 2 * m)
+    assert [e.id for e in many] == list(range(2 * m))
+    assert {e.question for e in many[:m]} == {e.question for e in task.rows["train"]}  # one epoch
+    assert len({e.question for e in many}) == m
+
+
+def test_prompt_template_fills_fields_and_leaves_latex_braces(tmp_path):
+    path = write(tmp_path / "d.jsonl", [{"q": "2+2?", "a": "4", "level": 3}])
+    task = JsonlTask(path, question_field="q", answer_field="a", test_path=path,
+                     prompt_template="[L{level}] {question}\nPut it in \\boxed{}.")
+    assert task.rows["test"][0].question == "[L3] 2+2?\nPut it in \\boxed{}."
+    with pytest.raises(TaskError, match=r"no \{question\} placeholder"):
+        JsonlTask(path, question_field="q", answer_field="a", prompt_template="Solve it")
+
+
+@pytest.mark.parametrize("line, what", [
+    ('{"question": "a", "answer": ', "not valid JSON"),
+    ('[1, 2]', "expected a JSON object, got list"),
+    ('{"question": "a"}', "missing field 'answer' (has question); add it, or pass answer_field="),
+])
+def test_malformed_line_names_file_line_and_fix(tmp_path, line, what):
+    path = write(tmp_path / "bad.jsonl", [{"question": "q1", "answer": "1"}, "", line])
+    with pytest.raises(TaskError) as e:
+        JsonlTask(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:3: {what}") and "\n" not in msg
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(TaskError, match=r"^JSONL task file not found: .*nope\.jsonl; pass the path"):
+        JsonlTask(tmp_path / "nope.jsonl")
+    with pytest.raises(TaskError, match="no rows"):
+        JsonlTask(write(tmp_path / "empty.jsonl", ["", "  "]))
+
+
+def test_empty_split_is_reported(tmp_path):
+    path = write(tmp_path / "one.jsonl", [{"question": "only", "answer": "1"}])
+    task = JsonlTask(path, test_fraction=0.01)
+    empty = "test" if task.size("train") else "train"
+    with pytest.raises(TaskError, match=f"the {empty} split is empty"):
+        task.examples(empty, 1)
+
+
+def test_scores_the_same_through_a_reward_guard_worker(gsm):
+    from tailrace.tasks.guard import RewardGuard
+
+    task = JsonlTask(gsm)
+    ex = task.examples("train", 1)[0]
+    pairs = [(ex, f"so the answer is {ex.answer}"), (ex, "so the answer is -1")]
+    with RewardGuard(task) as guard:
+        assert [s.reward for s in guard.score_many(pairs)] == [1.0, 0.0]
+    assert guard.errors == {}
