@@ -20,6 +20,7 @@ from typing import Iterator
 
 from tailrace.flow.commands import Abort, Command, DropWeights, Generate, LoadWeights, Sample, Train
 from tailrace.flow.ledger import Ledger
+from tailrace.flow.serde import prompt_to_dict
 from tailrace.flow.store import GroupState, Store
 from tailrace.types import Finish, Group, Prompt, Trajectory
 
@@ -74,6 +75,7 @@ class Scheduler:
         self.spec = spec
         self.prompts = prompts
         self.prompts_taken = 0
+        self.requeued: list[Prompt] = []  # prompts given back by a resume, served before new ones
         self.engines = [EngineState(i, slots, look) for i, (slots, look) in enumerate(engines)]
         self.store = Store()
         self.ledger = Ledger()
@@ -84,6 +86,9 @@ class Scheduler:
         self.next_group = 0
         self.samples: dict[str, Sample] = {}
         self.staleness: Counter = Counter()  # (trainer version - oldest token version) of trained samples
+        self.done_version = 0  # trainer version after the last finished step (what a checkpoint holds)
+        self._issued: dict[int, tuple[Counter, int | None]] = {}  # step -> (its staleness, version it publishes)
+        self.journal_seq = 0  # journal entries emitted so far (drained or not)
         self.now = 0.0
         self._out: list[Command] = []
         self._pending: dict[int, list[Sample]] = defaultdict(list)
@@ -105,6 +110,10 @@ class Scheduler:
         out, self._out = self._out, []
         return out
 
+    def _log(self, entry: dict) -> None:
+        self.journal.append(entry)
+        self.journal_seq += 1
+
     def mark(self, kind: str, **data) -> None:
         self.marks.append(Mark(self.now, kind, data))
 
@@ -122,6 +131,10 @@ class Scheduler:
         self.now = now
         groups = self.store.trained(step)
         self.ledger.on_trained(sum(len(g.done) for g in groups))
+        stale, publish = self._issued.pop(step)
+        self.staleness.update(stale)
+        if publish is not None:
+            self.done_version = publish
         self.steps_done += 1
         self.mark("trained", step=step)
 
@@ -139,15 +152,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ actions (called by policies)
     def open_group(self, version: int, wanted: int | None = None, keep: int | None = None) -> GroupState:
-        prompt = next(self.prompts)
-        self.prompts_taken += 1
+        requeued = bool(self.requeued)
+        if requeued:
+            prompt = self.requeued.pop(0)
+        else:
+            prompt = next(self.prompts)
+            self.prompts_taken += 1
         k = self.spec.samples_per_prompt
         g = GroupState(id=self.next_group, prompt=prompt, version=version, wanted=wanted or k, keep=keep or k,
                        opened=self.now)
         self.next_group += 1
         self.store.add_group(g)
-        self.journal.append({"kind": "open", "group": g.id, "version": version, "wanted": g.wanted,
-                             "keep": g.keep, "prompts_taken": self.prompts_taken, "prompt": _prompt_dict(prompt)})
+        self._log({"kind": "open", "group": g.id, "version": version, "wanted": g.wanted,
+                             "keep": g.keep, "prompts_taken": self.prompts_taken, "requeued": requeued, "prompt": prompt_to_dict(prompt)})
         return g
 
     def dispatch(self, engine: int, g: GroupState, n: int, version: int | None = None) -> int:
@@ -182,7 +199,7 @@ class Scheduler:
         """An aborted partial leaves for good: it is produced and discarded (e.g. early stop)."""
         self.ledger.on_produced()
         self.ledger.on_discarded(reason)
-        self.journal.append({"kind": "discard", "group": partial.group, "index": partial.sample_index,
+        self._log({"kind": "discard", "group": partial.group, "index": partial.sample_index,
                              "reason": reason})
         g = self.store.open.get(partial.group)
         if g is not None:
@@ -191,11 +208,13 @@ class Scheduler:
     def train(self, gids: list[int], publish: bool) -> int:
         step = self.steps_issued
         groups = self.store.take(gids, step)
+        stale: Counter = Counter()
         for g in groups:
             for t in g.done:
                 self._check_trainable(t)
-                self.staleness[self.trainer_version - t.oldest_version] += 1
+                stale[self.trainer_version - t.oldest_version] += 1
         publish_v = self.trainer_version + 1 if publish else None
+        self._issued[step] = (stale, publish_v)
         self._out.append(Train(step, tuple(Group(g.id, g.prompt.id, tuple(g.done)) for g in groups),
                                self.trainer_version, publish_v))
         self.steps_issued += 1
@@ -262,7 +281,7 @@ class Scheduler:
             return
         self.ledger.on_produced()
         g.done.append(t)
-        self.journal.append({"kind": "done", "group": g.id, "trajectory": t})
+        self._log({"kind": "done", "group": g.id, "trajectory": t})
         self._maybe_ready(g)
 
     def _maybe_ready(self, g: GroupState) -> None:
@@ -281,7 +300,3 @@ class Scheduler:
                                  f"{self.policy.max_staleness} of policy {self.policy.name}")
         if not self.policy.mixed_versions and len(set(t.versions)) > 1:
             raise InvariantError(f"group {t.group} sample {t.sample_index} mixes versions {sorted(set(t.versions))}")
-
-
-def _prompt_dict(p: Prompt) -> dict:
-    return {"id": p.id, "token_ids": list(p.token_ids), "task": p.task, "answer": p.answer, "text": p.text}

@@ -8,32 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
 
-from tailrace.types import Finish, GenResult, Prompt, Trajectory
-
-
-def traj_to_dict(t: Trajectory) -> dict:
-    d = asdict(t)
-    d["result"]["finish"] = t.result.finish.value
-    return d
-
-
-def traj_from_dict(d: dict) -> Trajectory:
-    r = dict(d["result"])
-    r["finish"] = Finish(r["finish"])
-    for k in ("token_ids", "logprobs", "versions"):
-        r[k] = tuple(r[k])
-    res = GenResult(**r)
-    return Trajectory(group=d["group"], sample_index=d["sample_index"], prompt_id=d["prompt_id"],
-                      prompt_ids=tuple(d["prompt_ids"]), result=res, reward=d["reward"], correct=d["correct"],
-                      dispatch_version=d["dispatch_version"])
-
-
-def prompt_from_dict(d: dict) -> Prompt:
-    return Prompt(id=d["id"], token_ids=tuple(d["token_ids"]), task=d["task"], answer=d["answer"], text=d["text"])
+from tailrace.flow.serde import traj_to_dict
+from tailrace.types import Trajectory
 
 
 class JsonLines:

@@ -40,6 +40,7 @@ class ScriptedCluster:
         self.trained: list[Train] = []
         self.t = 0
         self.busy_slot_ticks = 0
+        self.generated: list[Trajectory] = []  # every finished (not aborted) trajectory this cluster made
 
     def execute(self, cmds) -> None:
         for c in cmds:
@@ -92,7 +93,9 @@ class ScriptedCluster:
             for r in finished:
                 run.remove(r)
             if finished:
-                self.s.on_results(e, [self._traj(r, Finish.STOP) for r in finished], self.t)
+                out = [self._traj(r, Finish.STOP) for r in finished]
+                self.generated.extend(out)
+                self.s.on_results(e, out, self.t)
         if self.trainer:
             self.train_left += 1
             if self.train_left >= self.train_ticks:

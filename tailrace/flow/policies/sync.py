@@ -13,6 +13,8 @@ class SyncPolicy(Policy):
         self.round: list[int] = []  # group ids of the round being generated
 
     def decide(self, core) -> None:
+        if not self.round:  # after a resume, the groups of the interrupted round are already there
+            self.round = sorted(list(core.store.open) + list(core.store.ready))[:core.spec.groups_per_round]
         if not self.round:
             self._start_round(core)
             return
@@ -35,9 +37,3 @@ class SyncPolicy(Policy):
         self.round = [core.open_group(v).id for _ in range(core.spec.groups_per_round)]
         core.mark("round_start", version=v, groups=list(self.round))
         self.fill(core, [core.store.open[g] for g in self.round])
-
-    def state_dict(self) -> dict:
-        return {"round": list(self.round)}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.round = list(d["round"])

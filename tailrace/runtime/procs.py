@@ -1,0 +1,37 @@
+"""Process placement: which cores each role gets, and starting role processes.
+
+On a machine with n cores the trainer takes the first half and the engines share the rest (one core
+each when there are enough), so rollout and training really overlap (DESIGN.md §6). Workers start
+with the 'spawn' method: forking a process that already runs torch's thread pools is unsafe.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+
+def available_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def placement(engines: int) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """(trainer cores, [cores of engine i]). With one core everything shares it."""
+    cores = available_cores()
+    if len(cores) == 1:
+        return tuple(cores), [tuple(cores)] * engines
+    n_train = max(1, len(cores) // 2) if engines > 1 else max(1, len(cores) - engines)
+    train, rest = cores[:n_train], cores[n_train:]
+    per = max(1, len(rest) // engines)
+    return tuple(train), [tuple(rest[(i * per) % len(rest):(i * per) % len(rest) + per]) for i in range(engines)]
+
+
+def pin(cores: tuple[int, ...]) -> None:
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cores))
+
+
+def context():
+    return mp.get_context("spawn")
