@@ -1,0 +1,148 @@
+"""`CausalLM`: a Llama/Qwen2-family decoder in plain PyTorch, one module with two paths.
+
+Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM, so state_dicts map 1:1.
+
+- Training path (`cache=None`): whole sequences, causal attention. Callers right-pad batches, so no
+  padding mask is needed (a real token never attends to a later pad). Autograd and bf16 autocast work.
+- Cached path (`cache=KVCache`): prefill chunks and decode steps of B sequences living in cache rows
+  `rows`. Token t of sequence b has absolute position `positions[b, t]`; its k/v is written to
+  `cache.k[layer][rows[b], :, positions[b, t]]`, then it attends to cache positions
+  `[0, positions[b, t]]` of its row. Callers guarantee:
+    * within one call a row's positions are distinct and below cache.max_len;
+    * a right-padded prefill may give pad tokens any positions after the row's real tokens: their
+      (garbage) k/v land beyond the prompt, the mask hides them from the real tokens, and each later
+      decode token overwrites its own position before anything reads it;
+    * a token at position p may rely only on positions < p written earlier (or in the same call).
+  Only cache positions below S = positions.max() + 1 are read (the call's one host sync), so a step
+  costs B * S whatever the rows' own lengths. `rows` as a slice reads the cache as a view; as a
+  LongTensor it gathers (a copy of B * S k/v), so keep live rows contiguous (`KVCache.move_row`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tailrace.model.attention import Attention, CachedStep, CausalStep
+from tailrace.model.config import ModelConfig
+from tailrace.model.kv_cache import KVCache
+from tailrace.model.rope import Rotary
+
+
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: normalize in fp32, cast back to the input dtype, then scale by the weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, step: CausalStep | CachedStep, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)  # buffers only, none persistent: not part of the state_dict
+        self.tie_weights()
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, seed: int | None = None) -> "CausalLM":
+        """Initialized as HF does: linear and embedding weights ~ N(0, initializer_range), biases 0,
+        norms 1, and the embedding's pad row 0."""
+        model = cls(cfg)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = cfg.initializer_range
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, nn.Linear) and not (cfg.tie_word_embeddings and module is model.lm_head):
+                    module.weight.normal_(0.0, std, generator=gen)
+                    if module.bias is not None:
+                        module.bias.zero_()
+                elif isinstance(module, nn.Embedding):
+                    module.weight.normal_(0.0, std, generator=gen)
+                    if cfg.pad_token_id is not None:
+                        module.weight[cfg.pad_token_id].zero_()
+                elif isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+        return model
+
+    def tie_weights(self) -> None:
+        """Share one Parameter between lm_head and the embedding when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # a tied weight counts once
+
+    def new_cache(self, num_rows: int, max_len: int, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> KVCache:
+        """A zeroed cache for this model; dtype/device default to the model's (the dtype must be the one
+        attention computes in: the model's, or the autocast dtype)."""
+        w, c = self.model.embed_tokens.weight, self.config
+        return KVCache(c.num_hidden_layers, num_rows, c.num_key_value_heads, max_len, c.head_dim,
+                       dtype or w.dtype, device or w.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, V); positions (B, T) default arange(T) per row; rows (cache
+        path only) default slice(0, B). See the module docstring for the two paths' contracts."""
+        B, T = input_ids.shape
+        if cache is None:
+            if positions is None:
+                step = CausalStep(*self.rotary.prefix(T))
+            else:
+                step = CausalStep(*self.rotary.lookup(positions, int(positions.max()) + 1))
+        else:
+            if positions is None:
+                positions = torch.arange(T, device=input_ids.device).expand(B, T)
+            S = int(positions.max()) + 1  # the one host sync of a cached call
+            if S > cache.max_len:
+                raise ValueError(f"position {S - 1} does not fit a KVCache of max_len={cache.max_len}; "
+                                 "allocate a longer cache or stop the sequence earlier")
+            step = CachedStep(positions, S, cache, slice(0, B) if rows is None else rows,
+                              *self.rotary.lookup(positions, S), self.config.head_dim ** -0.5)
+        x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, step, i)
+        return self.lm_head(self.model.norm(x))
