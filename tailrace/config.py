@@ -116,6 +116,8 @@ class FlowConfig:
     train_batch: int = 128  # B samples per optimizer step; U = B / K groups
     steps: int = 120  # optimizer steps in the run
     max_staleness: int = 1  # K for the off-policy modes (sync is always 0)
+    checkpoint_every: int = 1  # publishing steps between checkpoints (and always the last step)
+    keep_checkpoints: int = 2  # older checkpoints are deleted
 
     def __post_init__(self) -> None:
         for k in ("prompts_per_round", "samples_per_prompt", "train_batch", "steps"):
@@ -128,6 +130,8 @@ class FlowConfig:
               f"flow.prompts_per_round={self.prompts_per_round} is not a multiple of train_batch/samples_per_prompt"
               f"={U}; a round must split into whole steps")
         _need(self.max_staleness >= 0, f"flow.max_staleness={self.max_staleness}: must be >= 0")
+        _need(self.checkpoint_every > 0, f"flow.checkpoint_every={self.checkpoint_every}: must be positive")
+        _need(self.keep_checkpoints > 0, f"flow.keep_checkpoints={self.keep_checkpoints}: must be positive")
 
     @property
     def groups_per_step(self) -> int:

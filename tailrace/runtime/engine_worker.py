@@ -101,7 +101,10 @@ def engine_main(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, 
             msg = conn.recv()
             if msg is None:
                 return
-            if isinstance(msg, Generate):
+            if isinstance(msg, tuple) and msg[0] == "eval":  # held-out requests, outside the scheduler
+                for req in msg[1]:
+                    engine.add(req)
+            elif isinstance(msg, Generate):
                 for s in msg.samples:
                     engine.add(to_request(s, spec))
             elif isinstance(msg, Abort):

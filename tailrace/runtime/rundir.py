@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -79,7 +80,11 @@ class RunDir:
         target = self.ckpt / link.read_text().strip()
         return target if target.is_dir() else None
 
-    def set_latest(self, name: str) -> None:
+    def set_latest(self, name: str, keep: int) -> None:
+        """Point `latest` at a complete checkpoint, then delete all but the newest `keep`."""
         tmp = self.ckpt / "latest.tmp"
         tmp.write_text(name)
         os.replace(tmp, self.ckpt / "latest")
+        done = sorted(p for p in self.ckpt.glob("step_*") if (p / "scheduler.json").is_file())
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)

@@ -5,7 +5,8 @@ from tailrace.flow.policies.sync import SyncPolicy
 POLICIES: dict[str, type[Policy]] = {"sync": SyncPolicy}
 
 
-def make_policy(mode: str, **kwargs) -> Policy:
+def make_policy(mode: str, **options) -> Policy:
+    """Build the policy for `mode`; each policy takes the options it understands from `options`."""
     if mode not in POLICIES:
         raise ValueError(f"unknown flow.mode {mode!r}; use one of {', '.join(POLICIES)}")
-    return POLICIES[mode](**kwargs)
+    return POLICIES[mode].from_options(**options)

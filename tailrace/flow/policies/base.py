@@ -20,6 +20,11 @@ class Policy:
     max_staleness = 0
     mixed_versions = False
 
+    @classmethod
+    def from_options(cls, **options) -> "Policy":
+        """Build from run options (e.g. max_staleness); a policy reads only the ones it has."""
+        return cls()
+
     def attach(self, core) -> None:
         self.core = core
 

@@ -1,0 +1,71 @@
+"""What a run needs besides its processes: model checkpoint, tokenizer, task, reward guard.
+
+Everything that touches text lives here (and in tasks/): prompts are tokenized on the way in, and
+responses decoded and scored on the way out; engines and the trainer see token ids only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from tailrace.config import RunConfig
+from tailrace.flow.commands import Sample
+from tailrace.model.checkpoint import read_config
+from tailrace.model.decoder import CausalLM
+from tailrace.model.flat import FlatWeights, flatten_parameters
+from tailrace.runtime.warmstart import ensure_warm_start
+from tailrace.tasks.base import Example
+from tailrace.tasks.guard import RewardGuard
+from tailrace.tasks.registry import make_task
+from tailrace.tokenizer import load_tokenizer
+from tailrace.types import Finish, GenResult, Prompt, Trajectory
+
+
+class Session:
+    def __init__(self, cfg: RunConfig, progress=None) -> None:
+        self.cfg = cfg
+        self.model_path = Path(cfg.model.path) if cfg.model.path else ensure_warm_start(cfg.sft, progress)
+        self.model_cfg = read_config(self.model_path)  # fails early, in one line, on a bad checkpoint
+        self.tok = load_tokenizer(self.model_path, eos_id=self.model_cfg.eos_token_id)
+        self.task = make_task(cfg.task.name)
+        self.guard = RewardGuard(self.task, cfg.task.reward_timeout_s)
+        self._examples: dict[int, Example] = {}
+
+    def close(self) -> None:
+        self.guard.close()
+
+    def prompt(self, ex: Example) -> Prompt:
+        return Prompt(id=ex.id, token_ids=tuple(self.tok.encode(ex.question, bos=self.tok.bos_id is not None)),
+                      task=self.task.name, answer=ex.answer, text=ex.question)
+
+    def prompt_stream(self) -> Iterator[Prompt]:
+        for ex in self.task.stream("train", seed=self.cfg.task.seed):
+            yield self.prompt(ex)
+
+    def heldout(self, n: int) -> list[Prompt]:
+        return [self.prompt(ex) for ex in self.task.examples("test", n, seed=self.cfg.task.seed)]
+
+    def score_results(self, prompts: list[Prompt], results: list[GenResult]) -> list[tuple[float, bool]]:
+        pairs = [(Example(p.id, p.text, p.answer), self.tok.decode(r.token_ids)) for p, r in zip(prompts, results)]
+        scored = self.guard.score_many(pairs)
+        return [(s.reward, s.reward >= 1.0) for s in scored]
+
+    def score(self, results: list[GenResult], samples: dict[str, Sample]) -> list[Trajectory]:
+        """Engine results -> scored Trajectories (aborted partials are not scored: reward 0)."""
+        smp = [samples[r.request_id] for r in results]
+        final = [i for i, r in enumerate(results) if r.finish != Finish.ABORTED]
+        scores = dict(zip(final, self.score_results([smp[i].prompt for i in final], [results[i] for i in final])))
+        out = []
+        for i, (r, s) in enumerate(zip(results, smp)):
+            reward, correct = scores.get(i, (0.0, False))
+            out.append(Trajectory(group=s.group, sample_index=s.index, prompt_id=s.prompt.id,
+                                  prompt_ids=s.prompt.token_ids, result=r, reward=reward, correct=correct,
+                                  dispatch_version=s.version))
+        return out
+
+    def flat_layout(self) -> FlatWeights:
+        """The trainer's flat-buffer layout, computed on the meta device (no memory, no weights)."""
+        with torch.device("meta"):
+            return flatten_parameters(CausalLM(self.model_cfg))
