@@ -1,0 +1,382 @@
+"""`Engine`: continuous batching of token-id requests over a preallocated KV cache. Knows nothing of RL.
+
+Token ids in; token ids, per-token logprobs and per-token policy versions out. Each `step()`:
+  1. admit waiting requests into free slots (cache rows);
+  2. prefill up to `prefill_tokens` prompt tokens (chunked, FIFO) with `CausalLM.forward`; a request
+     whose prompt is complete samples its first token and joins the decode batch;
+  3. decode one token for every decoding request: one `DecodeRunner` forward per version over that
+     version's contiguous rows (a view of the cache), then one batched sampling call;
+  4. one device->host read (stop flags, skipped when no live request has stop tokens), then finished
+     requests leave at once and the decode rows are compacted (`Slots`).
+Lengths are known on the host without reading the device (every decoding request gains one token
+per step), so the only other device reads are the outputs of requests that finish or are aborted.
+
+Not thread-safe: call `add`, `abort`, `load_weights`, ... between steps, from the thread that steps.
+The engine owns the model it is given (it may be overwritten by `load_weights(..., version=0)`); it
+is copied only when `device`/`dtype` ask for a different placement.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections import Counter, deque
+
+import torch
+
+from tailrace.engine import prefill
+from tailrace.engine.errors import EngineError
+from tailrace.engine.events import StepEvent
+from tailrace.engine.rows import POS, TOK, RowState
+from tailrace.engine.sampler import SampleFlags, sample, seed_key, vocab_salt
+from tailrace.engine.sequence import Sequence
+from tailrace.engine.slots import Slots
+from tailrace.engine.versions import Versions
+from tailrace.model.decoder import CausalLM
+from tailrace.types import Finish, GenRequest, GenResult
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class Engine:
+    def __init__(self, model: CausalLM, *, num_slots: int = 64, max_len: int | None = None,
+                 prefill_tokens: int = 512, device: torch.device | str | None = None,
+                 dtype: torch.dtype | str | None = None, seed: int = 0, threads: int | None = None,
+                 attention: str | None = None):
+        """`model` is version 0. `max_len`: context limit (prompt + response) per request, default the
+        model's max_position_embeddings. `threads`: torch intra-op threads (None leaves the caller's
+        setting). `attention`: decode attention kernel, 'bmm' or 'sdpa' (default by dtype)."""
+        if num_slots < 1:
+            raise EngineError(f"num_slots={num_slots} must be at least 1")
+        if prefill_tokens < 1:
+            raise EngineError(f"prefill_tokens={prefill_tokens} must be at least 1")
+        if threads is not None:
+            torch.set_num_threads(threads)
+        w = model.model.embed_tokens.weight
+        device = torch.device(device) if device is not None else w.device
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise EngineError(f"dtype={dtype!r} is unknown; use one of {sorted(_DTYPES)}")
+            dtype = _DTYPES[dtype]
+        dtype = dtype or w.dtype
+        if w.device != device or w.dtype != dtype:
+            model = copy.deepcopy(model).to(device=device, dtype=dtype)
+        cfg = model.config
+        max_len = max_len or cfg.max_position_embeddings
+        if max_len < 2:
+            raise EngineError(f"max_len={max_len} must be at least 2 (one prompt token and one new token)")
+        self.num_slots, self.max_len, self.prefill_tokens = num_slots, max_len, prefill_tokens
+        self.device, self.dtype, self.vocab_size = device, dtype, cfg.vocab_size
+        self._versions = Versions(model, max_len, attention)
+        self.cache = model.new_cache(num_slots + 1, max_len, dtype, device)  # +1: the swap row
+        self.rows = RowState(num_slots + 1, cfg.vocab_size, max_len, device)
+        self.slots = Slots(num_slots)
+        self._salt = vocab_salt(cfg.vocab_size, device)
+        self._rng = random.Random(seed)
+        self._seqs: dict[str, Sequence] = {}  # every request in the engine (waiting or running)
+        self._waiting: deque[Sequence] = deque()
+        self._prefilling: list[Sequence] = []  # admission order
+        self._done_next: list[GenResult] = []  # finished without compute, returned by the next step
+        self._per_version: Counter[int] = Counter()
+        self._decode_step = 0
+        self._finish_at: dict[int, list[Sequence]] = {}  # decode step -> sequences reaching their length
+        self._max_pos_key: dict[int, int] = {}  # version -> max of pos_key over its decode rows
+        self._n_sampled = self._n_filter = self._n_min_stop = self._n_stop = 0  # over decode rows
+        self._paused = False
+
+    # -- public API ---------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return self.slots.num_used
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        return self._versions.ids
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def add(self, req: GenRequest) -> None:
+        """Queue a request; raises `EngineError` (and changes nothing) if it is malformed."""
+        self._check(req)
+        seed = req.params.seed if req.params.seed is not None else self._rng.getrandbits(64)
+        seq = Sequence(req, seed_key(seed), time.perf_counter(), self.max_len)
+        if seq.allowed <= 0:  # a resumed partial that already has max_new_tokens
+            self._done_next.append(self._result(seq, [], [], Finish.LENGTH, seq.submitted))
+            return
+        self._seqs[req.id] = seq
+        self._per_version[req.version] += 1
+        self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> GenResult:
+        """Take a waiting or running request out; returns its partial (finish=ABORTED)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise EngineError(f"abort({request_id!r}): no such request in the engine (finished, aborted "
+                              "or never added); abort only requests that are waiting or running")
+        new_toks: list[int] = []
+        new_lps: list[float] = []
+        with torch.inference_mode():
+            if request_id not in self.slots.row:
+                self._waiting.remove(seq)
+            elif not self.slots.is_decoding(request_id):
+                self._prefilling.remove(seq)
+            else:
+                row, r0 = self.slots.row[request_id], seq.num_resumed
+                [(new_toks, new_lps)] = self.rows.outputs([row], [r0], [r0 + seq.num_new(self._decode_step)])
+            self._remove(seq)
+        return self._result(seq, new_toks, new_lps, Finish.ABORTED, time.perf_counter())
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Add weights as a new `version`, or overwrite an existing version in place (its in-flight
+        requests continue from the next step with the new weights on top of their cached k/v)."""
+        with torch.inference_mode():
+            self._versions.load(state_dict, version)
+
+    def drop_version(self, version: int) -> None:
+        if version not in self._versions:
+            raise EngineError(f"drop_version({version}): version not loaded; loaded: {self.versions}")
+        if self._per_version[version]:
+            raise EngineError(f"drop_version({version}): {self._per_version[version]} request(s) of it are "
+                              "waiting or running; abort them or let them finish first")
+        if len(self.versions) == 1:
+            raise EngineError(f"drop_version({version}): it is the only version; load another one first")
+        self._versions.drop(version)
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Run `requests` to completion on an idle engine; results in request order."""
+        if self._seqs or self._done_next:
+            raise EngineError("generate() needs an idle engine; step() until num_running and num_waiting are 0")
+        if self._paused:
+            raise EngineError("generate() on a paused engine would never finish; call resume() first")
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise EngineError(f"request id {dup!r} appears twice in generate(); give each request a unique id")
+        for r in requests:
+            self._check(r)
+        for r in requests:
+            self.add(r)
+        results: dict[str, GenResult] = {}
+        while len(results) < len(requests):
+            for res in self.step().finished:
+                results[res.request_id] = res
+        return [results[i] for i in ids]
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> StepEvent:
+        t0 = time.perf_counter()
+        if self._paused:
+            return StepEvent(t0, 0.0, 0, 0, 0, (), ())
+        with torch.inference_mode():
+            self._admit()
+            chunks = prefill.plan(self._prefilling, self.prefill_tokens)
+            advanced = tuple(self.slots.owner[:self.slots.num_decoding]) + tuple(c.seq.id for c in chunks)
+            completed, pre_stop = self._prefill(chunks)
+            active = self.slots.num_decoding
+            dec_stop = self._decode() if active else None
+            stopped = self._read_stops(completed, pre_stop, dec_stop)
+            finished = self._settle(completed, stopped, active)
+        return StepEvent(t0, time.perf_counter() - t0, active, sum(c.n for c in chunks), active + len(completed),
+                         advanced, finished)
+
+    def _admit(self) -> None:
+        while self._waiting and self.slots.num_free:
+            seq = self._waiting.popleft()
+            self.rows.set(self.slots.admit(seq.id), seq)
+            self._prefilling.append(seq)
+
+    def _prefill(self, chunks: list[prefill.Chunk]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Run the chunks; sample the first token of each request whose prompt completes.
+        Returns (those requests, their stop flags on device)."""
+        if not chunks:
+            return [], None
+        dev = self.device
+        done_rows: list[int] = []
+        done_logits = []
+        completed: list[Sequence] = []
+        for batch in prefill.batches(chunks, self.max_len):
+            T = batch[0].n
+            ids = torch.zeros(len(batch), T, dtype=torch.int64)
+            for i, c in enumerate(batch):
+                ids[i, :c.n] = torch.tensor(c.seq.ids[c.start:c.start + c.n])
+            starts = torch.tensor([c.start for c in batch])
+            positions = (starts[:, None] + torch.arange(T)).to(dev)
+            row_list = [self.slots.row[c.seq.id] for c in batch]
+            rows = slice(row_list[0], row_list[0] + 1) if len(batch) == 1 else torch.tensor(row_list, device=dev)
+            model = self._versions.model(batch[0].seq.version)
+            logits = model(ids.to(dev), positions, self.cache, rows)  # (k, T, V)
+            for i, c in enumerate(batch):
+                c.seq.prefilled += c.n
+                if c.completes:
+                    completed.append(c.seq)
+                    done_rows.append(row_list[i])
+                    done_logits.append(logits[i, c.n - 1])
+        if not completed:
+            return [], None
+        rows_t = torch.tensor(done_rows, device=dev)
+        ps = [s.req.params for s in completed]
+        flags = SampleFlags(any_sampled=any(p.temperature > 0 for p in ps),
+                            any_filter=any(p.top_k or p.top_p < 1 for p in ps),
+                            any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps))
+        tokens, lps = sample(torch.stack(done_logits), salt=self._salt, flags=flags, **self.rows.sampling_args(rows_t))
+        for s in completed:
+            self._prefilling.remove(s)
+        return completed, self.rows.record(rows_t, tokens, lps, advance_pos=False)
+
+    def _decode(self) -> torch.Tensor:
+        """One token for every decode row; returns the stop flags (n,) on device."""
+        n = self.slots.num_decoding
+        ints = self.rows.ints
+        groups = self.slots.groups
+        if len(groups) == 1:
+            g = groups[0]
+            logits = self._versions[g.version].decode(ints[:n, TOK], ints[:n, POS], self.cache, slice(0, n),
+                                                      self._max_pos(g.version))
+        else:
+            logits = torch.empty(n, self.vocab_size, dtype=self.dtype, device=self.device)
+            for g in groups:
+                s = slice(g.start, g.stop)
+                logits[s] = self._versions[g.version].decode(ints[s, TOK], ints[s, POS], self.cache, s,
+                                                             self._max_pos(g.version))
+        flags = SampleFlags(any_sampled=self._n_sampled > 0, any_filter=self._n_filter > 0,
+                            any_min_new=self._n_min_stop > 0)
+        tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(slice(0, n)))
+        self._decode_step += 1
+        return self.rows.record(slice(0, n), tokens, lps, advance_pos=True)
+
+    def _read_stops(self, completed: list[Sequence], pre_stop, dec_stop) -> list[int]:
+        """The one device->host read of a step: indices (prefill-completed requests first, then decode
+        rows) that sampled a stop token. Skipped when no request involved has stop tokens (rows without
+        stop tokens never flag, so the parts can be read together)."""
+        need = (dec_stop is not None and self._n_stop > 0) or any(s.req.params.stop_token_ids for s in completed)
+        if not need:
+            return []
+        parts = [t for t in (pre_stop, dec_stop) if t is not None]
+        return torch.nonzero(torch.cat(parts) if len(parts) > 1 else parts[0]).flatten().tolist()
+
+    def _settle(self, completed: list[Sequence], stopped: list[int], active: int) -> tuple[GenResult, ...]:
+        """Host bookkeeping after the step: finish requests, move prefilled ones into the decode batch."""
+        now = time.perf_counter()
+        nc = len(completed)
+        fin: list[tuple[Sequence, Finish]] = []
+        stop_ids = set()
+        for i in stopped:
+            seq = completed[i] if i < nc else self._seqs[self.slots.owner[i - nc]]
+            fin.append((seq, Finish.STOP))
+            stop_ids.add(seq.id)
+        if active:
+            for seq in self._finish_at.pop(self._decode_step, ()):
+                if self._seqs.get(seq.id) is seq and seq.id not in stop_ids:
+                    fin.append((seq, Finish.LENGTH))
+        for seq in completed:
+            seq.first_token, seq.new_at_join = now, 1
+            if seq.allowed == 1 and seq.id not in stop_ids:
+                fin.append((seq, Finish.LENGTH))
+        results = self._done_next
+        self._done_next = []
+        if fin:
+            step = self._decode_step
+            outs = self.rows.outputs([self.slots.row[s.id] for s, _ in fin], [s.num_resumed for s, _ in fin],
+                                     [s.num_resumed + s.num_new(step) for s, _ in fin])
+            for (seq, reason), (toks, lps) in zip(fin, outs):
+                results.append(self._result(seq, toks, lps, reason, now))
+                self._remove(seq)
+        for seq in completed:
+            if seq.id in self._seqs:
+                self._join(seq)
+        return tuple(results)
+
+    # -- bookkeeping --------------------------------------------------------------------------------
+
+    def _join(self, seq: Sequence) -> None:
+        self._apply(self.slots.start_decoding(seq.id, seq.version))
+        seq.joined_at = self._decode_step
+        seq.pos_key = len(seq.ids) - seq.joined_at  # its decode input's position minus the step counter
+        v = seq.version
+        if v in self._max_pos_key:
+            self._max_pos_key[v] = max(self._max_pos_key[v], seq.pos_key)
+        self._finish_at.setdefault(seq.joined_at + seq.allowed - 1, []).append(seq)
+        self._count(seq, +1)
+
+    def _remove(self, seq: Sequence) -> None:
+        del self._seqs[seq.id]
+        self._per_version[seq.version] -= 1
+        if seq.id not in self.slots.row:
+            return
+        decoding = self.slots.is_decoding(seq.id)
+        self._apply(self.slots.release(seq.id))
+        if decoding:
+            self._count(seq, -1)
+            self._max_pos_key.pop(seq.version, None)  # recomputed on next use
+
+    def _count(self, seq: Sequence, d: int) -> None:
+        p = seq.req.params
+        sampled = p.temperature > 0
+        self._n_sampled += d * sampled
+        self._n_filter += d * (sampled and (p.top_k > 0 or p.top_p < 1))
+        self._n_stop += d * bool(p.stop_token_ids)
+        self._n_min_stop += d * bool(p.stop_token_ids and p.min_new_tokens > 0)
+
+    def _apply(self, moves) -> None:
+        for src, dst, rid in moves:
+            seq = self._seqs[rid]
+            n = min(self.max_len, len(seq.ids) + seq.num_new(self._decode_step) + 1)
+            self.cache.move_row(src, dst, n)
+            self.rows.move(src, dst)
+
+    def _max_pos(self, version: int) -> int:
+        """Largest decode-input position in this version's group, from host counters."""
+        key = self._max_pos_key.get(version)
+        if key is None:
+            g = self.slots.group_of(version)
+            key = max(self._seqs[r].pos_key for r in self.slots.owner[g.start:g.stop])
+            self._max_pos_key[version] = key
+        return key + self._decode_step
+
+    def _result(self, seq: Sequence, toks: list[int], lps: list[float], finish: Finish, t: float) -> GenResult:
+        r = seq.req
+        return GenResult(request_id=r.id, token_ids=r.resume_ids + tuple(toks), logprobs=r.resume_logprobs + tuple(lps),
+                         versions=r.resume_versions + (r.version,) * len(toks), finish=finish,
+                         submitted=seq.submitted, first_token=seq.first_token, finished=t)
+
+    def _check(self, req: GenRequest) -> None:
+        if not isinstance(req, GenRequest):
+            raise EngineError(f"add() takes a GenRequest, got {type(req).__name__}; wrap ids in GenRequest(...)")
+        rid = req.id
+        if rid in self._seqs:
+            raise EngineError(f"request id {rid!r} is already in the engine; give each live request a unique id")
+        if not req.prompt_ids:
+            raise EngineError(f"request {rid!r} has an empty prompt; give at least one prompt token")
+        n_res = len(req.resume_ids)
+        if not n_res == len(req.resume_logprobs) == len(req.resume_versions):
+            raise EngineError(f"request {rid!r}: resume_ids/resume_logprobs/resume_versions have lengths "
+                              f"{n_res}/{len(req.resume_logprobs)}/{len(req.resume_versions)}; pass a partial "
+                              "GenResult's token_ids/logprobs/versions unchanged")
+        if req.version not in self._versions:
+            raise EngineError(f"request {rid!r} wants version {req.version}, which is not loaded (loaded: "
+                              f"{self.versions}); load_weights(state, {req.version}) first")
+        n = len(req.prompt_ids) + n_res
+        if n >= self.max_len:
+            raise EngineError(f"request {rid!r}: prompt ({len(req.prompt_ids)}) + resumed ({n_res}) = {n} tokens "
+                              f"leave no room for a new token in max_len={self.max_len}; shorten it or raise max_len")
+        V = self.vocab_size
+        ids = req.prompt_ids + req.resume_ids + req.params.stop_token_ids
+        if min(ids) < 0 or max(ids) >= V:
+            bad = next(t for t in ids if not 0 <= t < V)
+            raise EngineError(f"request {rid!r} has token id {bad} outside the vocabulary [0, {V}); "
+                              "check the tokenizer matches the model")

@@ -1,0 +1,124 @@
+"""`DecodeRunner`: the decode step (one new token per sequence) of one model version, fast.
+
+`CausalLM.forward` is the reference and serves prefill; decode, which runs every step on every live
+sequence, gets this dedicated path over the same weights and the same KV cache layout:
+  * q/k/v and gate/up projections fused into one GEMM each (fused copies of the weights, rebuilt by
+    `refresh` after a weight load), residual adds folded into `addmm`;
+  * RoPE applied to q and k in one op set, looked up in a table built by `tailrace.model.rope` (the
+    model's own table function, so positions rotate identically);
+  * attention of one query per sequence over a contiguous slice of cache rows (a view): batched GEMMs
+    with a precomputed additive mask in fp32, the fused CPU SDPA kernel in bf16/fp16 (it accumulates
+    in fp32, which plain bf16 bmm does not);
+  * the maximum position comes from the host, so the step needs no device->host sync.
+Supports exactly what `CausalLM` supports (Llama/Qwen2 biases, every RoPE type via the table); tests
+pin it to `CausalLM.forward` logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tailrace.model.decoder import CausalLM
+from tailrace.model.kv_cache import KVCache
+from tailrace.model.rope import inv_freq_and_scale, rope_table
+
+
+class _Layer:
+    __slots__ = ("n1", "n2", "qkv_w", "qkv_b", "o_wt", "o_b", "gu_w", "down_wt")
+
+
+class DecodeRunner:
+    def __init__(self, model: CausalLM, max_len: int, attention: str | None = None):
+        cfg = model.config
+        self.model = model
+        self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.G = self.H // self.Hkv
+        self.I = cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.D ** -0.5
+        w = model.model.embed_tokens.weight
+        self.dtype, self.device = w.dtype, w.device
+        if attention is None:
+            attention = "bmm" if self.dtype == torch.float32 else "sdpa"
+        if attention not in ("bmm", "sdpa"):
+            raise ValueError(f"attention={attention!r}: use 'bmm' or 'sdpa'")
+        self.attention = attention
+        inv_freq, scale = inv_freq_and_scale(cfg)
+        cos, sin = rope_table(inv_freq, scale, max_len)  # (max_len, D) fp32, sin first half negated
+        # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
+        self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+        self.refresh()
+
+    @torch.inference_mode()
+    def refresh(self) -> None:
+        """(Re)build the fused weights from the model's current parameters."""
+        m = self.model.model
+        self.embed = m.embed_tokens.weight
+        self.norm = m.norm.weight
+        self.lm_head = self.model.lm_head.weight
+        self.layers = []
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            L = _Layer()
+            L.n1, L.n2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            L.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            L.qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            L.o_wt, L.o_b = a.o_proj.weight.t(), a.o_proj.bias
+            L.gu_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            L.down_wt = mlp.down_proj.weight.t()
+            self.layers.append(L)
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        # As the model's RMSNorm: normalize in fp32, cast back, then scale in the model dtype.
+        return w * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
+               max_pos: int) -> torch.Tensor:
+        """tokens, positions (B,) int64 of the sequences in cache rows `rows` (a contiguous slice);
+        `max_pos` >= positions.max() (host-known). Writes each token's k/v at its position and
+        returns logits (B, V) in the model dtype."""
+        B = tokens.shape[0]
+        H, Hkv, D, G, I = self.H, self.Hkv, self.D, self.G, self.I
+        S, L = max_pos + 1, cache.max_len
+        dev = tokens.device
+        row_ids = torch.arange(rows.start, rows.stop, device=dev)
+        # flat index of (row, kv head, position) in cache.k[l].view(-1, D), ordered (b, h)
+        widx = ((row_ids[:, None] * Hkv + torch.arange(Hkv, device=dev)) * L + positions[:, None]).reshape(-1)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, D)
+        masked = torch.arange(S, device=dev)[None, :] > positions[:, None]  # (B, S)
+        if self.attention == "bmm":
+            bias = torch.zeros(B, Hkv * G, S, dtype=self.dtype, device=dev)
+            bias.masked_fill_(masked[:, None, :], float("-inf"))
+            bias = bias.view(B * Hkv, G, S)
+        else:
+            bias = torch.zeros(B, 1, 1, S, dtype=self.dtype, device=dev)
+            bias.masked_fill_(masked[:, None, None, :], float("-inf"))
+        x = F.embedding(tokens, self.embed)  # (B, hidden)
+        for i, lw in enumerate(self.layers):
+            h = self._rms(x, lw.n1)
+            qkv = F.linear(h, lw.qkv_w, lw.qkv_b)  # (B, (H + 2 Hkv) D)
+            qk = qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D)
+            half = D // 2
+            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
+            k = qk[:, H:].reshape(B * Hkv, D)
+            v = qkv[:, (H + Hkv) * D:].reshape(B * Hkv, D)
+            ck, cv = cache.k[i], cache.v[i]
+            ck.view(-1, D).index_copy_(0, widx, k)
+            cv.view(-1, D).index_copy_(0, widx, v)
+            kk, vv = ck[rows, :, :S], cv[rows, :, :S]  # (B, Hkv, S, D) views
+            if self.attention == "bmm":
+                q = qk[:, :H].reshape(B * Hkv, G, D)
+                scores = torch.baddbmm(bias, q, kk.reshape(B * Hkv, S, D).transpose(1, 2), alpha=self.scale)
+                o = torch.bmm(torch.softmax(scores, dim=-1), vv.reshape(B * Hkv, S, D))  # (B Hkv, G, D)
+            else:
+                q = qk[:, :H].view(B, Hkv, G, D)  # GQA: query heads of one kv head become G queries
+                o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=bias, scale=self.scale)
+            x = torch.addmm(x, o.reshape(B, H * D), lw.o_wt)
+            if lw.o_b is not None:
+                x = x + lw.o_b
+            gu = F.linear(self._rms(x, lw.n2), lw.gu_w)  # (B, 2 I)
+            act = F.silu(gu[:, :I]).mul_(gu[:, I:])
+            x = torch.addmm(x, act, lw.down_wt)
+        return F.linear(self._rms(x, self.norm), self.lm_head)

@@ -1,0 +1,180 @@
+"""Controlling the engine: abort and resume, versions, bad requests, pause, step events."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tailrace.engine import Engine, EngineError
+from tailrace.types import Finish, GenRequest, SamplingParams
+
+from tests.engine.engine_helpers import full_logprobs, req, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def other():
+    return tiny_model(7)
+
+
+def _run(eng: Engine, until=lambda e: False) -> dict:
+    out = {}
+    while (eng.num_running or eng.num_waiting) and not until(eng):
+        for r in eng.step().finished:
+            out[r.request_id] = r
+    return out
+
+
+def _resume(r: GenRequest, partial) -> GenRequest:
+    return GenRequest(r.id, r.prompt_ids, r.params, r.version, partial.token_ids, partial.logprobs, partial.versions)
+
+
+def test_abort_running_and_waiting_then_resume_gives_the_uninterrupted_tokens(model):
+    reqs = [req(f"r{i}", 5 + 3 * i, 30, temperature=1.0) for i in range(6)]
+    full = {r.request_id: r for r in Engine(model, num_slots=2).generate(reqs)}
+    eng = Engine(model, num_slots=2, prefill_tokens=8)
+    for r in reqs:
+        eng.add(r)
+    for _ in range(12):
+        eng.step()
+    partials = {rid: eng.abort(rid) for rid in ("r0", "r1", "r5")}  # r0, r1 decoding; r5 still waiting
+    for rid, p in partials.items():
+        assert p.finish == Finish.ABORTED
+        assert len(p.token_ids) == len(p.logprobs) == len(p.versions)
+        assert p.token_ids == full[rid].token_ids[:len(p.token_ids)]
+        assert p.versions == (0,) * len(p.token_ids)
+    assert 0 < len(partials["r0"].token_ids) < 30 and partials["r5"].token_ids == ()
+    rest = _run(eng)
+    assert set(rest) == {"r2", "r3", "r4"} and all(rest[k].token_ids == full[k].token_ids for k in rest)
+    with pytest.raises(EngineError, match="no such request"):
+        eng.abort("r0")
+    resumed = eng.generate([_resume(reqs[int(k[1])], p) for k, p in partials.items()])
+    for res in resumed:
+        f = full[res.request_id]
+        assert res.token_ids == f.token_ids and res.finish == f.finish
+        assert max(abs(a - b) for a, b in zip(res.logprobs, f.logprobs)) < 1e-4
+
+
+def test_abort_during_chunked_prefill(model):
+    eng = Engine(model, num_slots=2, prefill_tokens=4)
+    eng.add(req("long", 40, 5))
+    eng.add(req("short", 3, 5))
+    eng.step()
+    p = eng.abort("long")
+    assert p.token_ids == () and p.finish == Finish.ABORTED and eng.num_running == 1
+    assert _run(eng)["short"].token_ids == Engine(model, num_slots=1).generate([req("short", 3, 5)])[0].token_ids
+
+
+def test_resume_with_prefix_at_max_new_tokens_finishes_at_once(model):
+    r = req("z", 4, 5)
+    done = Engine(model, num_slots=1).generate([r])[0]
+    again = Engine(model, num_slots=1).generate([_resume(r, done)])[0]
+    assert again.token_ids == done.token_ids and again.finish == Finish.LENGTH
+
+
+def test_two_versions_each_match_their_own_weights(model, other):
+    reqs = [req(f"v{i}", 4 + 5 * i, 15 + i, version=i % 2, temperature=0.9) for i in range(8)]
+    eng = Engine(tiny_model(0), num_slots=5, prefill_tokens=16)
+    eng.load_weights(other.state_dict(), 1)
+    assert eng.versions == (0, 1)
+    both = eng.generate(reqs)
+    only0 = Engine(model, num_slots=5).generate([r for r in reqs if r.version == 0])
+    only1 = Engine(other, num_slots=5).generate([GenRequest(r.id, r.prompt_ids, r.params) for r in reqs if r.version == 1])
+    ref = {r.request_id: r.token_ids for r in only0 + only1}
+    for r, res in zip(reqs, both):
+        assert res.token_ids == ref[r.id] and res.versions == (r.version,) * len(res.token_ids)
+        lm = model if r.version == 0 else other
+        ref_lp = full_logprobs(lm, r.prompt_ids, res.token_ids, 0.9)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, ref_lp)) < 1e-4
+
+
+def test_load_weights_mid_run_affects_only_that_version(model, other):
+    eng = Engine(tiny_model(0), num_slots=4)
+    eng.load_weights(tiny_model(0).state_dict(), 1)  # version 1 starts as a copy of version 0
+    reqs = [req("a", 6, 20, version=0, temperature=0.0), req("b", 6, 20, version=1, temperature=0.0, pseed=1)]
+    for r in reqs:
+        eng.add(r)
+    for _ in range(6):
+        eng.step()
+    eng.load_weights(other.state_dict(), 1)  # overwrite version 1 in place
+    out = _run(eng)
+    base = Engine(model, num_slots=1).generate([reqs[0]])[0]
+    assert out["a"].token_ids == base.token_ids  # version 0 untouched
+    b_old = Engine(model, num_slots=1).generate([GenRequest("b", reqs[1].prompt_ids, reqs[1].params)])[0]
+    assert out["b"].token_ids[:6] == b_old.token_ids[:6] and out["b"].token_ids != b_old.token_ids
+    assert out["b"].versions == (1,) * 20
+    # after the load, version 1 generates with the new weights from scratch
+    fresh = eng.generate([GenRequest("c", reqs[1].prompt_ids, reqs[1].params, version=1)])[0]
+    assert fresh.token_ids == Engine(other, num_slots=1).generate([GenRequest("c", reqs[1].prompt_ids, reqs[1].params)])[0].token_ids
+
+
+def test_drop_version_refuses_while_in_use(model, other):
+    eng = Engine(tiny_model(0), num_slots=1)
+    eng.load_weights(other.state_dict(), 3)
+    eng.add(req("a", 4, 5, version=3))
+    eng.add(req("b", 4, 5, version=3))  # waits: one slot
+    with pytest.raises(EngineError, match="waiting or running"):
+        eng.drop_version(3)
+    _run(eng)
+    eng.drop_version(3)
+    assert eng.versions == (0,)
+    with pytest.raises(EngineError, match="not loaded"):
+        eng.drop_version(3)
+    with pytest.raises(EngineError, match="only version"):
+        eng.drop_version(0)
+    with pytest.raises(EngineError):
+        eng.load_weights({"nope": torch.zeros(1)}, 5)
+    assert eng.versions == (0,)
+
+
+BAD = {
+    "empty prompt": GenRequest("bad", (), SamplingParams()),
+    "longer than the context": GenRequest("bad", tuple(range(5)) * 13, SamplingParams()),
+    "unknown version": GenRequest("bad", (1, 2), SamplingParams(), version=9),
+    "duplicate id": GenRequest("dup", (1, 2), SamplingParams()),
+    "unequal resume": GenRequest("bad", (1, 2), SamplingParams(), resume_ids=(3, 4), resume_logprobs=(-1.0,),
+                                 resume_versions=(0, 0)),
+    "token outside vocab": GenRequest("bad", (1, 200), SamplingParams()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_request_raises_one_line_error_and_others_complete(model, case):
+    eng = Engine(model, num_slots=2, max_len=64)
+    good = [req("dup", 5, 12), req("g2", 9, 12)]
+    for r in good:
+        eng.add(r)
+    eng.step()
+    with pytest.raises(EngineError) as e:
+        eng.add(BAD[case])
+    assert "\n" not in str(e.value) and len(str(e.value)) < 250
+    out = _run(eng)
+    ref = Engine(model, num_slots=2, max_len=64).generate(good)
+    assert [out[r.id].token_ids for r in good] == [r.token_ids for r in ref]
+
+
+def test_pause_and_step_events(model):
+    eng = Engine(model, num_slots=3, prefill_tokens=10)
+    for i in range(4):
+        eng.add(req(f"e{i}", 6, 3 + i))
+    eng.pause()
+    ev = eng.step()
+    assert ev.active == 0 and ev.prefill_tokens == 0 and eng.num_waiting == 4
+    eng.resume()
+    events = []
+    while eng.num_running or eng.num_waiting:
+        events.append(eng.step())
+    assert events[0].prefill_tokens == 10 and events[0].active == 0  # budget: one prompt and a chunk
+    assert sum(e.prefill_tokens for e in events) == 24
+    assert sum(e.decode_tokens for e in events) == 3 + 4 + 5 + 6
+    assert max(e.active for e in events) == 3
+    assert sorted(r.request_id for e in events for r in e.finished) == ["e0", "e1", "e2", "e3"]
+    for e in events:
+        assert e.duration > 0 and e.active <= len(e.advanced)
+    res = [r for e in events for r in e.finished]
+    assert all(r.submitted <= r.first_token <= r.finished for r in res)
+    with pytest.raises(EngineError, match="unique id"):
+        eng.generate([req("x", 3, 2), req("x", 3, 2)])
