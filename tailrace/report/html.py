@@ -1,0 +1,116 @@
+"""report.html for a run directory: timeline (Gantt: one lane per engine and one for the trainer,
+coloured by phase), reward and accuracy curves, response-length histograms per step, staleness, and
+the run's configuration. Figures are matplotlib PNGs embedded inline, so the file stands alone."""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from tailrace.runtime.rundir import read_lines  # noqa: E402
+
+PHASE_COLORS = {"generate": "#4c78a8", "train": "#f58518", "sync": "#54a24b", "wait": "#dddddd"}
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return "<img src='data:image/png;base64," + base64.b64encode(buf.getvalue()).decode() + "'/>"
+
+
+def gantt(ax, events: list[dict], title: str = "") -> None:
+    """Draw one run's spans: a lane per engine/trainer, bars coloured by phase."""
+    spans = [e for e in events if "phase" in e]
+    lanes = sorted({e["lane"] for e in spans}, key=lambda n: (n != "trainer", n))
+    for y, lane in enumerate(lanes):
+        for phase in PHASE_COLORS:
+            bars = [(e["t0"], e["t1"] - e["t0"]) for e in spans if e["lane"] == lane and e["phase"] == phase]
+            if bars:
+                ax.broken_barh(bars, (y - 0.4, 0.8), color=PHASE_COLORS[phase], label=phase)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("seconds")
+    ax.set_title(title)
+    handles, labels = ax.get_legend_handles_labels()
+    uniq = dict(zip(labels, handles))
+    ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7)
+
+
+def timeline_figure(events: list[dict], title: str = "timeline") -> str:
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len({e.get("lane") for e in events if "phase" in e})))
+    gantt(ax, events, title)
+    return _png(fig)
+
+
+def curves_figure(steps: list[dict], evals: list[dict]) -> str:
+    fig, ax = plt.subplots(1, 2, figsize=(12, 3.2))
+    x = [s["step"] + 1 for s in steps]
+    ax[0].plot(x, [s["reward"] for s in steps], label="train reward")
+    ax[0].plot(x, [s["accuracy"] for s in steps], label="train accuracy", alpha=0.7)
+    for e in evals:
+        ax[0].scatter([e["step"]], [e["accuracy"]], marker="*", s=120, zorder=3, label=f"held-out ({e['tag']})")
+    ax[0].set_xlabel("step")
+    ax[0].legend(fontsize=7)
+    L = [s["length"] for s in steps]
+    for key in ("p50", "p90", "max"):
+        ax[1].plot(x, [d.get(key, 0) for d in L], label=f"length {key}")
+    ax[1].set_xlabel("step")
+    ax[1].legend(fontsize=7)
+    return _png(fig)
+
+
+def lengths_figure(journal: list[dict], events: list[dict]) -> str:
+    """Response-length histograms of the samples trained at a few steps (first, middle, last)."""
+    lens_of = {}
+    for e in journal:
+        if e.get("kind") == "done":
+            t = e["trajectory"]
+            lens_of.setdefault(t["group"], []).append(len(t["result"]["token_ids"]))
+    issued = {e["step"]: e["groups"] for e in events if e.get("kind") == "train_issued"}
+    fig, ax = plt.subplots(figsize=(12, 3))
+    if issued:
+        order = sorted(issued)
+        for step in sorted({order[0], order[len(order) // 2], order[-1]}):
+            lens = [n for g in issued[step] for n in lens_of.get(g, [])]
+            if lens:
+                ax.hist(lens, bins=30, alpha=0.5, label=f"step {step + 1}")
+    ax.set_xlabel("response length (tokens)")
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def write_report(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        from tailrace.errors import ConfigError
+        raise ConfigError(f"{run_dir} has no metrics.jsonl; pass a run directory written by tailrace train")
+    metrics = list(read_lines(run_dir / "metrics.jsonl"))
+    steps = [m for m in metrics if m.get("kind") == "step"]
+    evals = [m for m in metrics if m.get("kind") == "eval"]
+    events = list(read_lines(run_dir / "events.jsonl"))
+    journal = list(read_lines(run_dir / "journal.jsonl"))
+    last = steps[-1] if steps else {}
+    rows = "".join(f"<tr><td>{html.escape(e['tag'])}</td><td>{e['step']}</td><td>{e['accuracy']:.3f}</td>"
+                   f"<td>{e['p50']:.0f}</td><td>{e['p99']:.0f}</td><td>{e['max']}</td></tr>" for e in evals)
+    t = last.get("time", {})
+    body = f"""<html><head><meta charset='utf-8'><title>tailrace run {html.escape(run_dir.name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}} td,th{{padding:2px 10px;text-align:right}}</style></head><body>
+<h1>tailrace run {html.escape(run_dir.name)}</h1>
+<p>{len(steps)} steps, wall {t.get('wall_s', 0):.1f} s, trainer waiting ratio {t.get('trainer_wait_ratio', 0):.2f},
+rollout bubble ratio {t.get('bubble_ratio', 0):.2f}, ledger {json.dumps(last.get('ledger', {}))}</p>
+<h2>Held-out evaluation</h2><table><tr><th>when</th><th>step</th><th>accuracy</th><th>p50</th><th>p99</th><th>max</th></tr>{rows}</table>
+<h2>Reward, accuracy, lengths</h2>{curves_figure(steps, evals) if steps else ''}
+<h2>Timeline</h2>{timeline_figure(events)}
+<h2>Response lengths</h2>{lengths_figure(journal, events)}
+<h2>Configuration</h2><pre>{html.escape((run_dir / 'config.yaml').read_text() if (run_dir / 'config.yaml').is_file() else '')}</pre>
+</body></html>"""
+    out = run_dir / "report.html"
+    out.write_text(body)
+    return out

@@ -1,0 +1,54 @@
+"""Bad input ends in one clear line (exit code 2) that names the problem and the fix."""
+import json
+
+import pytest
+
+from tailrace.cli import main
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, (out.out + out.err).strip()
+
+
+def test_missing_checkpoint(capsys, tmp_path):
+    rc, out = run(capsys, "eval", f"--model.path={tmp_path / 'nope'}")
+    assert rc == 2 and len(out.splitlines()) == 1
+    assert "nope" in out and "not a directory" in out and "config.json" in out
+
+
+def test_corrupt_checkpoint(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    rc, out = run(capsys, "eval", f"--model.path={tmp_path}")
+    assert rc == 2 and len(out.splitlines()) == 1 and "config.json" in out
+
+
+def test_unknown_task(capsys, tmp_path):
+    rc, out = run(capsys, "train", "--task.name=chainsumm", f"--run-dir={tmp_path / 'r'}", "--model.path=/x")
+    assert rc == 2 and len(out.splitlines()) == 1 and "chainsumm" in out
+    assert "chainsum" in out and "gym:" in out
+
+
+def test_malformed_jsonl_line(capsys, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n{oops\n")
+    from tailrace.tasks.registry import make_task
+    from tailrace.tasks.base import TaskError
+    with pytest.raises(TaskError) as e:
+        make_task(f"jsonl:{data}")
+    msg = str(e.value)
+    assert "d.jsonl:2:" in msg and "JSON" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--flow.stepz=3"], "flow.steps"),
+    (["--flow.steps=abc"], "flow.steps"),
+    (["--flow.train_batch=100"], "train_batch"),
+    (["--train.lr=-1"], "lr"),
+    (["--rollout.temperature=0"], "temperature"),
+])
+def test_bad_config_is_rejected_before_anything_starts(capsys, tmp_path, args, needle):
+    rc, out = run(capsys, "train", f"--run-dir={tmp_path / 'r'}", *args)
+    assert rc == 2 and len(out.splitlines()) == 1 and needle in out
+    assert not (tmp_path / "r").exists(), "a rejected config must not create a run directory"
