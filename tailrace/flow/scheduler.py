@@ -85,6 +85,7 @@ class Scheduler:
         self.steps_done = 0
         self.next_group = 0
         self.samples: dict[str, Sample] = {}
+        self.aborting: set[str] = set()  # aborts sent whose partials have not come back yet
         self.staleness: Counter = Counter()  # (trainer version - oldest token version) of trained samples
         self.done_version = 0  # trainer version after the last finished step (what a checkpoint holds)
         self._issued: dict[int, tuple[Counter, int | None]] = {}  # step -> (its staleness, version it publishes)
@@ -125,6 +126,7 @@ class Scheduler:
             sid = t.result.request_id
             if eng.in_flight.pop(sid, None) is None:
                 raise InvariantError(f"engine {engine} returned sample {sid}, which it was not running")
+            self.aborting.discard(sid)
             self._finish_sample(sid, t)
 
     def on_trained(self, step: int, now: float) -> None:
@@ -192,8 +194,10 @@ class Scheduler:
         self._send(self.engines[engine], g, s, fresh=False)
 
     def abort(self, engine: int, sample_ids: list[str], reason: str) -> None:
-        if sample_ids:
-            self._out.append(Abort(engine, tuple(sample_ids), reason))
+        ids = [sid for sid in sample_ids if sid not in self.aborting]
+        if ids:
+            self.aborting.update(ids)
+            self._out.append(Abort(engine, tuple(ids), reason))
 
     def discard_partial(self, partial: Trajectory, reason: str) -> None:
         """An aborted partial leaves for good: it is produced and discarded (e.g. early stop)."""

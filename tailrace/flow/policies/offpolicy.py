@@ -1,0 +1,53 @@
+"""async: K-step off-policy training with rounds (verl's one-step-off generalised to K).
+
+Each round is one train step (U groups) generated entirely by one version: the newest published
+when the round starts. Round r is trained from trainer version r, so it may start only once version
+r - K is out — staleness is bounded by pacing admissions, never by discarding finished work. The next
+round starts when the previous one's generation is complete, so generation of step r+1.. overlaps
+the training of step r; engines switch weights only between rounds.
+"""
+from __future__ import annotations
+
+from tailrace.flow.policies.base import Policy
+
+
+class AsyncPolicy(Policy):
+    name = "async"
+
+    def __init__(self, max_staleness: int = 1) -> None:
+        if max_staleness < 1:
+            raise ValueError(f"async needs max_staleness >= 1 (got {max_staleness}); use mode sync for 0")
+        self.max_staleness = max_staleness
+        self.rounds: list[list[int]] = []  # generating or waiting to train, oldest first
+        self.next_round = 0
+
+    @classmethod
+    def from_options(cls, max_staleness: int = 1, **_) -> "AsyncPolicy":
+        return cls(max_staleness)
+
+    def decide(self, core) -> None:
+        if not self.rounds and (core.store.open or core.store.ready):  # resumed: adopt what is there
+            self._adopt(core)
+        # train whole rounds in order, as soon as each is complete
+        while self.rounds and all(g in core.store.ready for g in self.rounds[0]):
+            core.train(self.rounds.pop(0), publish=True)
+            self.next_round = max(self.next_round, core.steps_issued)
+        generating = [g for r in self.rounds for g in r if g in core.store.open]
+        if generating:
+            self.fill(core, [core.store.open[g] for g in generating])
+            return
+        r = core.steps_issued + len(self.rounds)  # the step that will train the next round
+        v = core.newest
+        if r - v > self.max_staleness or r >= core.spec.total_steps:
+            return  # too far ahead of the trainer: wait for newer weights
+        if not self.sync_engines(core, v):
+            return
+        U = core.spec.groups_per_step
+        self.rounds.append([core.open_group(v).id for _ in range(U)])
+        core.mark("round_start", version=v, step=r)
+        self.fill(core, [core.store.open[g] for g in self.rounds[-1]])
+
+    def _adopt(self, core) -> None:
+        U = core.spec.groups_per_step
+        ids = sorted(list(core.store.open) + list(core.store.ready))
+        self.rounds = [ids[i:i + U] for i in range(0, len(ids), U)]

@@ -1,0 +1,33 @@
+"""partial: partial rollout (Kimi k1.5 / AReaL style). Engines hold only the newest weights; at every
+weight update the unfinished samples are aborted and resumed under the new version. Tokens keep the
+version that produced them, so one trajectory carries several versions; the core bounds the oldest
+(the group's dispatch version) by K, and the trainer masks any token more than K behind (it cannot
+train a resumed sample's old segment unmasked — see tests)."""
+from __future__ import annotations
+
+from tailrace.flow.policies.streaming import StreamingPolicy
+
+
+class PartialPolicy(StreamingPolicy):
+    name = "partial"
+    mixed_versions = True
+
+    def decide(self, core) -> None:
+        self.train_ready(core)
+        v = core.newest
+        for e in core.engines:
+            core.load(e.id, v)
+            stale = [sid for sid, sv in e.in_flight.items() if sv < v]
+            if v in e.loaded and stale:
+                core.abort(e.id, stale, "weight-update")  # the core sends each abort once
+            for old in [x for x in e.loaded if x < v]:
+                core.drop(e.id, old)
+        if all(v in e.loaded for e in core.engines):
+            for g in self.pending(core):
+                self.fill(core, [g], version=v)
+            self.open_new(core, v)
+
+    def on_aborted(self, core, partial) -> None:
+        """Resume the partial on the engine that returned it, under the newest version it holds."""
+        engine = max(core.engines, key=lambda e: (max(e.loaded), e.free))
+        core.resume(engine.id, partial, max(engine.loaded))

@@ -1,0 +1,88 @@
+"""The skeleton shared by the streaming modes (partial rollout and multi-version rollout).
+
+Generation never stops for training: new prompts go to the newest loaded version, at most
+`rollout_groups` groups per version (the rollout batch, larger than the train batch), and every
+complete group joins the trainer FIFO; each optimizer step (U groups) publishes a new version.
+
+The window: a step that would move the trainer to version T+1 is issued only if every group not in
+it (or in an earlier step) was opened at version >= T+1-K. So when the oldest version's groups are
+not all collected, the trainer waits rather than a trajectory being dropped or going stale (C2, C3).
+Groups of the oldest version are trained first, then in completion order; admission opens no more
+groups of a version than the steps left before it goes stale can take, so the wait always ends.
+"""
+from __future__ import annotations
+
+from tailrace.flow.policies.base import Policy
+from tailrace.flow.store import GroupState
+
+
+class StreamingPolicy(Policy):
+    def __init__(self, max_staleness: int = 1, rollout_groups: int | None = None) -> None:
+        if max_staleness < 1:
+            raise ValueError(f"{self.name} needs max_staleness >= 1 (got {max_staleness}); use sync or pipe for 0")
+        self.max_staleness = max_staleness
+        self.rollout_groups = rollout_groups  # None = R (flow.prompts_per_round)
+
+    @classmethod
+    def from_options(cls, max_staleness: int = 1, rollout_groups: int | None = None, **_):
+        return cls(max_staleness, rollout_groups)
+
+    # -- training -------------------------------------------------------------------------------
+    def train_ready(self, core) -> None:
+        U, K = core.spec.groups_per_step, self.max_staleness
+        while core.steps_issued < core.spec.total_steps:
+            ready = sorted(core.store.ready.values(), key=lambda g: (g.version, g.completed_at, g.id))
+            if len(ready) < U:
+                return
+            batch = {g.id for g in ready[:U]}
+            rest = [g.version for g in core.store.all_groups() if g.id not in batch and not _in_training(core, g)]
+            if not _trainable_later(rest, U, K, core.trainer_version + 1):
+                core.mark("window_wait", oldest=min(rest), trainer=core.trainer_version)
+                return
+            core.train([g.id for g in ready[:U]], publish=True)
+
+    # -- admission ------------------------------------------------------------------------------
+    def open_new(self, core, version: int) -> None:
+        """Open groups at `version` while engines holding it have room and its rollout batch is not
+        full — and only as many as the steps left before `version` goes stale can train: every group
+        of version <= v must be trained by a step starting at trainer version <= v + K, and each step
+        takes U groups (oldest first). Without this bound the window could wait forever on a group
+        that no step may take."""
+        cap = self.rollout_groups or core.spec.groups_per_round
+        U, K = core.spec.groups_per_step, self.max_staleness
+        per_group = core.spec.samples_per_prompt
+        room = sum(e.free for e in core.engines if version in e.loaded)
+        needed = core.spec.total_steps * U
+        queued = [g.version for g in core.store.all_groups() if not _in_training(core, g)]
+        budget = min(U * (v + K - core.trainer_version + 1) - sum(1 for x in queued if x <= v)
+                     for v in set(queued) | {version} if v >= version)
+        while self.opened_at.get(version, 0) < cap and room >= per_group and core.next_group < needed and budget > 0:
+            g = core.open_group(version)
+            self.opened_at[version] = self.opened_at.get(version, 0) + 1
+            room -= per_group
+            budget -= 1
+            self.fill(core, [g])
+
+    def attach(self, core) -> None:
+        super().attach(core)
+        self.opened_at: dict[int, int] = {}  # groups this policy opened per version
+
+    def pending(self, core) -> list[GroupState]:
+        """Open groups with samples still to dispatch, oldest version first."""
+        return sorted((g for g in core.store.open.values() if g.todo), key=lambda g: (g.version, g.id))
+
+
+def _in_training(core, g: GroupState) -> bool:
+    return any(g is x for gs in core.store.training.values() for x in gs)
+
+
+def _trainable_later(versions: list[int], U: int, K: int, T: int) -> bool:
+    """Can groups of these versions all be trained by steps starting at trainer versions T, T+1, ...
+    (U groups a step, oldest first) without any going more than K versions stale? For every v, the
+    groups of version <= v must fit in the (v + K - T + 1) steps that may still take them."""
+    below = 0
+    for v in sorted(set(versions)):
+        below += versions.count(v)
+        if below > U * max(0, v + K - T + 1):
+            return False
+    return True
