@@ -1,0 +1,168 @@
+"""`SimCluster`: the real `Scheduler` and its policy driving simulated engines and a simulated trainer
+under SimPy's virtual clock.
+
+    poll the scheduler -> hand its commands to engines / the trainer -> wait for the next event ->
+    feed the reports back (on_results, on_loaded, on_trained, on_published) -> poll again
+
+Each engine and the trainer is a SimPy process. An engine sleeps until its next planned event (a
+completion, or the step boundary where newly posted commands apply) or until a command wakes it to
+re-plan; the trainer works through its FIFO of train steps. Polls are coalesced: every report at one
+instant is fed in, then the scheduler is polled once, as the real driver does with a batch of
+reports. The scheduler checks its invariants (staleness, one version per trajectory, ledger) as it
+does in a real run; a violation raises out of `run()`.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import simpy
+
+from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
+from tailrace.sim.costs import CostModel
+from tailrace.sim.engine import Block, SimEngine, Span
+from tailrace.sim.recorder import Recorder
+
+
+class SimStalled(RuntimeError):
+    pass
+
+
+class SimCluster:
+    def __init__(self, sched, engines: list[SimEngine], cost: CostModel, recorder: Recorder | None = None,
+                 colocated: bool = False) -> None:
+        if len(engines) != len(sched.engines):
+            raise ValueError(f"{len(engines)} simulated engines for a scheduler built with {len(sched.engines)}")
+        self.sched, self.engines, self.cost = sched, engines, cost
+        self.rec = recorder or Recorder()
+        self.colocated = colocated  # training holds the engines' devices: engines pause while it runs
+        self.env = simpy.Environment()
+        self.wakes = [self.env.event() for _ in engines]
+        self.train_queue: deque[Train] = deque()
+        self.train_wake = self.env.event()
+        self.trainer_spans: list[Span] = []
+        self.trainer_busy = 0.0
+        self.done = self.env.event()
+        self._poll_pending = False
+        self.events = 0
+        for e in engines:
+            self.env.process(self._engine_proc(e))
+        self.env.process(self._trainer_proc())
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, max_time: float | None = None) -> None:
+        self._request_poll()
+        until = self.done if max_time is None else simpy.AnyOf(self.env, [self.done, self.env.timeout(max_time)])
+        try:
+            self.env.run(until=until)
+        except RuntimeError as e:
+            if "No scheduled events left" not in str(e):
+                raise
+            raise SimStalled(self._stall_message()) from None
+        self.rec.finish(self)
+
+    def _stall_message(self) -> str:
+        s = self.sched
+        return (f"simulation stalled at t={self.env.now:.3f}s after {s.steps_done}/{s.spec.total_steps} steps: "
+                f"nothing is running and the policy {s.policy.name!r} issued no work "
+                f"(open groups {len(s.store.open)}, ready {len(s.store.ready)}, in flight {s.in_flight()}, "
+                f"published {sorted(s.published)})")
+
+    @property
+    def now(self) -> float:
+        return self.env.now
+
+    def _request_poll(self) -> None:
+        if self._poll_pending or self.done.triggered:
+            return
+        self._poll_pending = True
+        ev = self.env.timeout(0)
+        ev.callbacks.append(self._poll)
+
+    def _poll(self, _event=None) -> None:
+        self._poll_pending = False
+        if self.done.triggered:
+            return
+        cmds = self.sched.poll(self.now)
+        self.rec.drain(self.sched)
+        for c in cmds:
+            self._execute(c)
+
+    def _execute(self, c) -> None:
+        if isinstance(c, (Generate, Abort, LoadWeights, DropWeights)):
+            self._post(c.engine, c)
+        elif isinstance(c, Train):
+            self.rec.on_train_issued(c, self.now)
+            self.train_queue.append(c)
+            self._wake(self.train_wake)
+        else:
+            raise TypeError(f"unknown command {c!r}")
+
+    def _post(self, engine: int, cmd) -> None:
+        self.engines[engine].post(cmd)
+        self._wake(self.wakes[engine])
+
+    @staticmethod
+    def _wake(ev) -> None:
+        if not ev.triggered:
+            ev.succeed()
+
+    # ------------------------------------------------------------------ processes
+    def _engine_proc(self, eng: SimEngine):
+        env = self.env
+        while True:
+            when = eng.plan(env.now)
+            wake = self.wakes[eng.id] = env.event()
+            if when is None:
+                yield wake
+                continue
+            timer = env.timeout(max(0.0, when - env.now))
+            fired = yield timer | wake
+            if timer not in fired:
+                continue  # a command arrived: re-plan
+            rep = eng.fire()
+            self.events += 1
+            if rep.results:
+                self.sched.on_results(eng.id, rep.results, env.now)
+                self.rec.on_results(eng.id, rep.results)
+            for version, t in rep.loaded:
+                ev = env.timeout(t - env.now)
+                ev.callbacks.append(lambda _e, i=eng.id, v=version: self._loaded(i, v))
+            self._request_poll()
+
+    def _loaded(self, engine: int, version: int) -> None:
+        self.sched.on_loaded(engine, version, self.now)
+        self._request_poll()
+
+    def _trainer_proc(self):
+        env = self.env
+        while True:
+            if not self.train_queue:
+                self.train_wake = env.event()
+                yield self.train_wake
+                continue
+            c = self.train_queue.popleft()
+            lengths = [len(t.prompt_ids) + t.length for g in c.groups for t in g.trajectories]
+            dt = self.cost.train_time(lengths)
+            pub = self.cost.publish_time() if c.publish is not None else 0.0
+            t0 = env.now
+            if self.colocated:
+                for e in self.engines:
+                    self._post(e.id, Block(t0 + dt + pub))
+            yield env.timeout(dt)
+            self.trainer_spans.append(Span("train", t0, env.now))
+            self.trainer_busy += dt
+            sync = None
+            if pub:
+                yield env.timeout(pub)
+                self.trainer_spans.append(Span("sync", t0 + dt, env.now, c.publish))
+                sync = (t0 + dt, env.now)
+            self.events += 1
+            self.sched.on_trained(c.step, env.now)
+            if c.publish is not None:
+                self.sched.on_published(c.publish, env.now)
+            self.rec.on_trained(self, c, sum(lengths), (t0, t0 + dt), sync)
+            if self.sched.done:
+                self.rec.drain(self.sched)
+                self.done.succeed()
+                return
+            self._request_poll()

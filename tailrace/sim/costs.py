@@ -1,0 +1,112 @@
+"""`CostModel`: seconds for each thing a cluster does, from a `Hardware` and a `ModelShape`.
+
+Decode step (one forward per policy version in the batch; an engine is a tensor-parallel group of
+`engine_gpus` devices, so bandwidth and FLOPs scale with it):
+
+    memory  = (weight bytes read + KV bytes of the version's context) / (g * mem_bw * bw_eff)
+    compute = (2 * matmul params * batch + attention FLOPs over the context) / (g * peak * flops_eff)
+    step    = sum over versions of [max(memory, compute) + step_overhead + 2 * layers * tp_sync (g > 1)]
+              + per_seq * batch
+
+Prefill: the same roofline over the prompt tokens admitted at once (attention is causal: a prompt of
+p tokens costs p^2/2 context reads). Weight load on an engine: fixed latency + its bytes over the
+NIC (each of the g devices receives its 1/g shard in parallel). Train step: (6 + 2 if the old
+policy's logprobs are recomputed) * matmul params per token, plus causal attention, at `train_mfu`
+of the trainer's peak, plus a fixed per-step overhead. Publish (trainer side): the bytes over
+NVLink of one node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tailrace.sim.hardware import Hardware
+from tailrace.sim.models import ModelShape
+from tailrace.sim.segment import Segment
+
+
+@dataclass(frozen=True)
+class CostModel:
+    hw: Hardware
+    model: ModelShape
+    engine_gpus: int = 1  # devices per engine (tensor-parallel group)
+    trainer_gpus: int = 1
+    recompute_logprobs: bool = True  # the trainer runs a forward of the old policy before its step
+
+    def __post_init__(self) -> None:
+        if self.engine_gpus < 1 or self.trainer_gpus < 1:
+            raise ValueError("engine_gpus and trainer_gpus must be at least 1")
+
+    # -- rollout ---------------------------------------------------------------------------------
+    @property
+    def _bw(self) -> float:
+        return self.engine_gpus * self.hw.mem_bw * self.hw.bw_eff
+
+    @property
+    def _flops(self) -> float:
+        return self.engine_gpus * self.hw.peak_flops * self.hw.flops_eff
+
+    @property
+    def forward_overhead(self) -> float:
+        tp = 2 * self.model.layers * self.hw.tp_sync_s if self.engine_gpus > 1 else 0.0
+        return self.hw.step_overhead_s + tp
+
+    def version_terms(self, batch: int, context: int) -> tuple[float, float, float, float]:
+        """(a, b, c, d) of one version's forward: memory a + b k, compute c + d k at step k of a
+        segment in which `batch` sequences with `context` tokens in total each gain a token a step."""
+        m, bw, fl = self.model, self._bw, self._flops
+        kv = m.kv_bytes_per_token(self.hw.dtype_bytes)
+        attn = m.attn_flops_per_context_token
+        a = m.weight_bytes_read(batch, self.hw.dtype_bytes) / bw + kv * context / bw
+        c = 2.0 * m.matmul_params * batch / fl + attn * context / fl
+        return a, kv * batch / bw, c, attn * batch / fl
+
+    def decode_segment(self, batch: dict[int, tuple[int, int]]) -> Segment:
+        """batch: version -> (running sequences, their total context in tokens)."""
+        live = [(b, ctx) for b, ctx in batch.values() if b > 0]
+        base = len(live) * self.forward_overhead + self.hw.per_seq_s * sum(b for b, _ in live)
+        return Segment(base, tuple(self.version_terms(b, ctx) for b, ctx in live))
+
+    def decode_step_time(self, batch: int, context: int) -> float:
+        """One step of one version: `batch` sequences reading `context` tokens in total."""
+        return self.decode_segment({0: (batch, context)}).step_time(0)
+
+    def prefill_time(self, lengths: list[int]) -> float:
+        """Prefill of sequences of these lengths (prompt, plus any resumed tokens), admitted together."""
+        if not lengths:
+            return 0.0
+        m = self.model
+        tokens = sum(lengths)
+        flops = 2.0 * m.matmul_params * tokens + m.attn_flops_per_context_token * sum(p * p / 2 for p in lengths)
+        mem = m.weight_bytes_read(tokens, self.hw.dtype_bytes) / self._bw
+        return max(mem, flops / self._flops) + self.forward_overhead
+
+    def kv_capacity_tokens(self, reserve: float = 0.1) -> int:
+        """Tokens of KV cache an engine holds after its weights (keeping `reserve` of memory free)."""
+        free = self.engine_gpus * self.hw.mem_bytes * (1 - reserve) - self.weight_bytes
+        return max(0, int(free / self.model.kv_bytes_per_token(self.hw.dtype_bytes)))
+
+    # -- weights -----------------------------------------------------------------------------------
+    @property
+    def weight_bytes(self) -> float:
+        return self.model.params * self.hw.dtype_bytes
+
+    def load_time(self) -> float:
+        """One engine receives and installs a new version."""
+        return self.hw.sync_fixed_s + self.weight_bytes / (self.engine_gpus * self.hw.weight_load_bw)
+
+    def publish_time(self) -> float:
+        """The trainer gathers its shards into one sendable copy (one node's NVLink)."""
+        return self.weight_bytes / (min(self.trainer_gpus, 8) * self.hw.scaleup_bw)
+
+    # -- training ------------------------------------------------------------------------------------
+    def train_flops(self, lengths: list[int]) -> float:
+        """FLOPs of one optimizer step over sequences of these lengths (prompt + response)."""
+        m = self.model
+        mult = 8.0 if self.recompute_logprobs else 6.0
+        tokens = sum(lengths)
+        attn = m.attn_flops_per_context_token * sum(n * n / 2 for n in lengths)
+        return mult * m.matmul_params * tokens + (mult / 2) * attn
+
+    def train_time(self, lengths: list[int]) -> float:
+        peak = self.trainer_gpus * self.hw.peak_flops * self.hw.train_mfu
+        return self.train_flops(lengths) / peak + self.hw.train_step_overhead_s

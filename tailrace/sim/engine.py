@@ -1,0 +1,283 @@
+"""`SimEngine`: one rollout engine (a data-parallel replica of `engine_gpus` devices) as a state
+machine under a virtual clock. No SimPy here: the cluster asks `plan(now)` when the next thing
+happens, waits, and calls `fire()`.
+
+It behaves like the real engine worker: continuous batching over `slots`, a local queue for the
+lookahead the scheduler keeps topped up, commands (Generate, Abort, LoadWeights, DropWeights)
+applied between steps — at the next step boundary when the engine is decoding — and one forward per
+policy version present in the batch. Between two boundaries the batch is constant and time advances
+by a `Segment` in closed form; a step is the unit of progress (a command never splits one).
+
+Time is kept as (t_b, step): the engine sits at a step boundary at time t_b with `step` decode steps
+done since it started; decode step k after t_b ends at t_b + segment.time(k + 1). Prefill of newly
+admitted requests and weight loads are blocks that move t_b forward.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Sample
+from tailrace.sim.costs import CostModel
+from tailrace.sim.lengths import LengthModel
+from tailrace.sim.segment import Segment
+from tailrace.types import Finish, GenResult, Trajectory
+
+TOKEN = 1  # every simulated token has this id; only counts matter
+
+
+@dataclass(frozen=True)
+class Block:
+    """Stop decoding until `until` (colocated training holds the devices)."""
+
+    until: float
+
+
+@dataclass
+class Job:
+    sample: Sample
+    prompt_len: int
+    base: int  # tokens carried in from an aborted partial
+    target: int  # total response tokens when it finishes
+    truncated: bool
+    submitted: float
+    uid: int
+    start: int = -1  # engine step at which it joined the decode batch
+    first_token: float = 0.0
+
+    def tokens(self, step: int) -> int:
+        return self.base + (step - self.start if self.start >= 0 else 0)
+
+
+@dataclass
+class Report:
+    """What one `fire()` produced: results now, weight loads finished at their own time."""
+
+    results: list[Trajectory] = field(default_factory=list)
+    loaded: list[tuple[int, float]] = field(default_factory=list)  # (version, time it is usable)
+
+
+@dataclass
+class Span:
+    phase: str  # generate | sync | wait
+    t0: float
+    t1: float
+    version: int | None = None
+
+
+class SimEngine:
+    def __init__(self, eid: int, slots: int, cost: CostModel, lengths: LengthModel, accuracy: float = 0.5,
+                 seed: int = 0, start_version: int = 0) -> None:
+        if slots < 1:
+            raise ValueError(f"engine {eid}: slots={slots} must be at least 1")
+        self.id, self.slots, self.cost, self.lengths = eid, slots, cost, lengths
+        self.accuracy, self.seed = accuracy, seed
+        self.loaded = {start_version}
+        self.queue: deque[Job] = deque()
+        self.running: dict[str, Job] = {}
+        self.heap: list[tuple[int, int, str]] = []  # (finish step, uid, sample id)
+        self.inbox: list = []
+        self.received: set[str] = set()  # every sample id this engine was sent
+        self.t_b = 0.0
+        self.step = 0
+        self.count: dict[int, int] = {}  # version -> running sequences
+        self.ctx: dict[int, int] = {}  # version -> their total context at t_b
+        self.segment = Segment(0.0, ())
+        self._plan: tuple[float, int] | None = None
+        self._uid = 0
+        # accounting (cumulative)
+        self.slot_time = 0.0  # sum over steps of active sequences x step duration
+        self.busy_time = 0.0
+        self.gen_tokens = 0
+        self.spans: list[Span] = []
+
+    # ------------------------------------------------------------------ inputs
+    def post(self, cmd) -> None:
+        """Queue a command; it takes effect at the engine's next boundary (see `plan`). A plan made
+        before stays valid (an event due now applies the command too); re-plan to act sooner."""
+        self.inbox.append(cmd)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.queue or self.inbox)
+
+    # ------------------------------------------------------------------ clock
+    def plan(self, now: float) -> float | None:
+        """Absolute time of the next event (a completion, or the boundary where the inbox applies);
+        None when idle with nothing to do."""
+        best: tuple[float, int] | None = None
+        if self.running:
+            while True:  # drop lazily deleted (aborted) entries
+                _, uid, sid = self.heap[0]
+                job = self.running.get(sid)
+                if job is not None and job.uid == uid:
+                    break
+                heapq.heappop(self.heap)
+            n = self.heap[0][0] - self.step
+            best = (self.t_b + self.segment.time(n), n)
+        if self.inbox:
+            if not self.running or now <= self.t_b:
+                cand = (max(now, self.t_b), 0)
+            else:
+                n = self.segment.steps_within(now - self.t_b)
+                if self.t_b + self.segment.time(n) < now:
+                    n += 1  # a step is in progress: the command waits for its end
+                cand = (self.t_b + self.segment.time(n), n)
+            if best is None or cand[0] <= best[0]:
+                best = cand
+        self._plan = best
+        return None if best is None else best[0]
+
+    def fire(self) -> Report:
+        """Advance to the planned event and apply everything due there."""
+        if self._plan is None:
+            raise RuntimeError(f"engine {self.id}: fire() without a plan")
+        t, n = self._plan
+        self._plan = None
+        self._advance(n, t)
+        rep = Report()
+        self._finish(rep, t)
+        for cmd in self.inbox:
+            self._apply(cmd, rep)
+        self.inbox = []
+        self._admit()
+        self._resegment()
+        return rep
+
+    # ------------------------------------------------------------------ internals
+    def _advance(self, n: int, t: float) -> None:
+        if n > 0:
+            dt = self.segment.time(n)
+            active = sum(self.count.values())
+            self.slot_time += active * dt
+            self.busy_time += dt
+            self.gen_tokens += active * n
+            self._span("generate", self.t_b, self.t_b + dt)
+            for v, b in self.count.items():
+                self.ctx[v] += b * n
+            self.step += n
+            self.t_b += dt
+        self.t_b = max(self.t_b, t)
+
+    def _finish(self, rep: Report, t: float) -> None:
+        while self.heap and self.heap[0][0] <= self.step:
+            _, uid, sid = heapq.heappop(self.heap)
+            job = self.running.get(sid)
+            if job is None or job.uid != uid:
+                continue
+            self._remove(job)
+            rep.results.append(self._traj(job, Finish.LENGTH if job.truncated else Finish.STOP, t))
+
+    def _apply(self, cmd, rep: Report) -> None:
+        if isinstance(cmd, Generate):
+            for s in cmd.samples:
+                if s.version not in self.loaded:
+                    raise RuntimeError(f"engine {self.id}: sample {s.id} needs version {s.version}, "
+                                       f"engine holds {sorted(self.loaded)}")
+                self.queue.append(self._job(s))
+                self.received.add(s.id)
+        elif isinstance(cmd, Abort):
+            ids = set(cmd.sample_ids)
+            unknown = ids - self.received
+            if unknown:  # the real engine raises here too; one that already finished is a benign race
+                raise RuntimeError(f"engine {self.id}: abort of {sorted(unknown)}, which it was never sent "
+                                   "(commands apply in order: an Abort before its Generate finds nothing)")
+            for job in [j for j in self.queue if j.sample.id in ids]:
+                self.queue.remove(job)
+                rep.results.append(self._traj(job, Finish.ABORTED, self.t_b))
+            for sid in ids & self.running.keys():
+                job = self.running[sid]
+                self._remove(job)
+                rep.results.append(self._traj(job, Finish.ABORTED, self.t_b))
+        elif isinstance(cmd, LoadWeights):
+            dt = self.cost.load_time()
+            self._span("sync", self.t_b, self.t_b + dt, cmd.version)
+            self.busy_time += dt
+            self.t_b += dt
+            self.loaded.add(cmd.version)
+            rep.loaded.append((cmd.version, self.t_b))
+        elif isinstance(cmd, DropWeights):
+            if any(j.sample.version == cmd.version for j in [*self.running.values(), *self.queue]):
+                raise RuntimeError(f"engine {self.id}: drop of version {cmd.version}, which requests still use")
+            self.loaded.discard(cmd.version)
+        elif isinstance(cmd, Block):
+            if cmd.until > self.t_b:
+                self._span("wait", self.t_b, cmd.until)
+                self.t_b = cmd.until
+        else:
+            raise TypeError(f"engine {self.id}: unknown command {cmd!r}")
+
+    def _job(self, s: Sample) -> Job:
+        pid = s.prompt.id
+        base = len(s.resume_ids)
+        target = self.lengths.response(pid, s.index)
+        truncated = target >= self.lengths.max_len
+        self._uid += 1
+        return Job(s, len(s.prompt.token_ids), base, max(target, base + 1), truncated, self.t_b, self._uid)
+
+    def _admit(self) -> None:
+        new = []
+        while self.queue and len(self.running) + len(new) < self.slots:
+            job = self.queue.popleft()
+            new.append(job)
+        if not new:
+            return
+        dt = self.cost.prefill_time([j.prompt_len + j.base for j in new])
+        self._span("generate", self.t_b, self.t_b + dt)
+        self.busy_time += dt
+        self.slot_time += len(self.running) * dt  # the running batch waits through the prefill
+        self.t_b += dt
+        for job in new:
+            job.start = self.step
+            job.first_token = self.t_b
+            self.running[job.sample.id] = job
+            v = job.sample.version
+            self.count[v] = self.count.get(v, 0) + 1
+            self.ctx[v] = self.ctx.get(v, 0) + job.prompt_len + job.base
+            heapq.heappush(self.heap, (self.step + job.target - job.base, job.uid, job.sample.id))
+
+    def _remove(self, job: Job) -> None:
+        del self.running[job.sample.id]
+        v = job.sample.version
+        self.count[v] -= 1
+        self.ctx[v] -= job.prompt_len + job.tokens(self.step)
+        if not self.count[v]:
+            del self.count[v], self.ctx[v]
+
+    def _resegment(self) -> None:
+        self.segment = self.cost.decode_segment({v: (b, self.ctx[v]) for v, b in self.count.items()})
+
+    def _span(self, phase: str, t0: float, t1: float, version: int | None = None) -> None:
+        if t1 <= t0:
+            return
+        last = self.spans[-1] if self.spans else None
+        if last is not None and last.phase == phase == "generate" and t0 - last.t1 < 1e-12:
+            last.t1 = t1  # back-to-back work is one span
+        else:
+            self.spans.append(Span(phase, t0, t1, version))
+
+    def _traj(self, job: Job, finish: Finish, t: float) -> Trajectory:
+        s = job.sample
+        new = job.tokens(self.step) - job.base
+        v = s.version
+        res = GenResult(s.id, s.resume_ids + (TOKEN,) * new, s.resume_logprobs + (-1.0,) * new,
+                        s.resume_versions + (v,) * new, finish, job.submitted, job.first_token, t)
+        correct = finish != Finish.ABORTED and self._correct(s)
+        return Trajectory(group=s.group, sample_index=s.index, prompt_id=s.prompt.id, prompt_ids=s.prompt.token_ids,
+                          result=res, reward=float(correct), correct=correct, dispatch_version=v)
+
+    def _correct(self, s: Sample) -> bool:
+        return random.Random(f"{self.seed}/r/{s.prompt.id}/{s.index}").random() < self.accuracy
+
+    # ------------------------------------------------------------------ accounting
+    def slot_time_at(self, now: float) -> float:
+        """Slot-time up to `now`, counting the part of the current segment already run."""
+        if now <= self.t_b or not self.running:
+            return self.slot_time
+        return self.slot_time + len(self.running) * (now - self.t_b)
+
+    def kv_tokens(self) -> int:
+        return sum(self.ctx.values())
+

@@ -1,0 +1,193 @@
+"""`Scenario`: one simulated run — cluster, flow, workload — loadable from YAML like a run config, and
+`simulate()`, which builds the real scheduler and policy over simulated engines and runs it.
+
+    name: dora-64
+    cluster: {hardware: h800, model: qwen2.5-32b, engines: 8, engine_gpus: 4, slots: 0, trainer_gpus: 32}
+    flow: {mode: sync, prompts_per_round: 64, samples_per_prompt: 16, train_batch: 1024, steps: 10}
+    lengths: {kind: lognormal, median: 6000, max_len: 30720, runaway: 0.05, prompt: 512}
+
+`flow` is tailrace's own FlowConfig (the section a real run's config.yaml has), so a policy sees the
+same options in a simulated run as in a real one. `scenario_from_run(RUN_DIR)` rebuilds the scenario
+of a real run (its flow, rollout and model shape on the "cpu" preset, its recorded lengths).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from tailrace.config import ConfigError, FlowConfig, load_config
+from tailrace.flow.policies import make_policy
+from tailrace.flow.scheduler import FlowSpec, Scheduler
+from tailrace.sim.cluster import SimCluster
+from tailrace.sim.costs import CostModel
+from tailrace.sim.engine import TOKEN, SimEngine
+from tailrace.sim.hardware import get_hardware
+from tailrace.sim.lengths import LengthModel, make_lengths
+from tailrace.sim.models import ModelShape, get_model
+from tailrace.sim.recorder import Recorder
+from tailrace.types import Prompt
+
+MAX_AUTO_SLOTS = 256  # vLLM's default max_num_seqs: the cap when slots are sized from KV memory
+
+
+@dataclass
+class ClusterSpec:
+    hardware: str = "cpu"  # a100-80g | h100 | h800 | h20 | h200 | gb200 | cpu
+    hardware_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {train_mfu: 0.4}
+    model: str = "tailrace-default"  # a preset name, or a path to a HF config.json
+    model_config: dict[str, Any] = field(default_factory=dict)  # HF config.json fields; overrides `model`
+    engines: int = 1  # rollout engines (data-parallel replicas)
+    engine_gpus: int = 1  # devices per engine (tensor parallel)
+    slots: int = 64  # concurrent sequences per engine; 0 = size from KV memory (capped at 256)
+    lookahead: int = 16  # samples queued per engine beyond its slots
+    trainer_gpus: int = 1
+    colocated: bool = False  # trainer and engines share devices: engines pause while training runs
+    recompute_logprobs: bool = True  # the trainer runs a forward for old-policy logprobs before each step
+
+    def __post_init__(self) -> None:
+        for k in ("engines", "engine_gpus", "trainer_gpus"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"cluster.{k}={getattr(self, k)}: must be at least 1")
+        if self.slots < 0 or self.lookahead < 0:
+            raise ConfigError("cluster.slots and cluster.lookahead must be >= 0 (slots 0 = size from KV memory)")
+
+    @property
+    def gpus(self) -> int:
+        return self.engines * self.engine_gpus + (0 if self.colocated else self.trainer_gpus)
+
+
+@dataclass
+class Scenario:
+    name: str = "scenario"
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    flow: FlowConfig = field(default_factory=lambda: FlowConfig(steps=20))
+    lengths: dict[str, Any] = field(default_factory=lambda: {"kind": "lognormal", "median": 60, "max_len": 320,
+                                                              "prompt": 20})
+    accuracy: float = 0.5  # probability a sample is rewarded (only shaping policies look at rewards)
+    seed: int = 0
+    journal: bool = True  # write journal.jsonl (every token id: turn off at scale)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.accuracy <= 1.0:
+            raise ConfigError(f"accuracy={self.accuracy}: must lie in [0, 1]")
+        if not isinstance(self.lengths, dict) or "kind" not in self.lengths:
+            raise ConfigError("lengths: give a mapping with kind: constant | lognormal | empirical")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_scenario(path: str | Path | None = None, overrides: list[str] | None = None) -> Scenario:
+    return load_config(path, overrides, cls=Scenario)
+
+
+# ---------------------------------------------------------------------------------------------------
+def model_shape(spec: str) -> ModelShape:
+    p = Path(spec)
+    if p.suffix == ".json" or p.is_dir():
+        cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        return shape_from_hf(cfg, p.stem if p.suffix else p.name)
+    try:
+        return get_model(spec)
+    except KeyError as e:
+        raise ConfigError(str(e).strip('"')) from None
+
+
+def shape_from_hf(cfg: dict, name: str) -> ModelShape:
+    """A ModelShape from a Hugging Face config.json (dense Llama/Qwen2/Qwen3, or Qwen3-MoE)."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    return ModelShape(name, h, cfg["num_hidden_layers"], heads, cfg.get("num_key_value_heads") or heads,
+                      cfg.get("head_dim") or h // heads, cfg.get("intermediate_size", 0), cfg["vocab_size"],
+                      tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                      qkv_bias=cfg.get("model_type") == "qwen2", experts=cfg.get("num_experts", 0),
+                      experts_per_token=cfg.get("num_experts_per_tok", 0),
+                      expert_intermediate=cfg.get("moe_intermediate_size", 0))
+
+
+def cost_model(scn: Scenario) -> CostModel:
+    c = scn.cluster
+    try:
+        hw = get_hardware(c.hardware)
+        hw = dataclasses.replace(hw, **c.hardware_overrides) if c.hardware_overrides else hw
+    except KeyError as e:
+        raise ConfigError(str(e).strip('"')) from None
+    except TypeError as e:
+        raise ConfigError(f"cluster.hardware_overrides: {e}; valid keys are the fields of sim.hardware.Hardware") from None
+    shape = shape_from_hf(c.model_config, c.model) if c.model_config else model_shape(c.model)
+    return CostModel(hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs)
+
+
+def engine_slots(scn: Scenario, cost: CostModel, lengths: LengthModel) -> int:
+    if scn.cluster.slots:
+        return scn.cluster.slots
+    per_seq = lengths.prompt_len(0) + lengths.mean()
+    return max(1, min(MAX_AUTO_SLOTS, int(cost.kv_capacity_tokens() / per_seq)))
+
+
+def prompt_stream(lengths: LengthModel) -> Iterator[Prompt]:
+    i = 0
+    while True:
+        yield Prompt(id=i, token_ids=(TOKEN,) * lengths.prompt_len(i), task="sim", answer="")
+        i += 1
+
+
+def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
+    f = scn.flow
+    try:
+        lengths = make_lengths(scn.lengths, scn.seed)
+        options = {k: v for k, v in dataclasses.asdict(f).items() if k != "mode"}
+        policy = make_policy(f.mode, **options)
+    except (TypeError, ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"scenario {scn.name}: {e}") from None
+    cost = cost_model(scn)
+    slots = engine_slots(scn, cost, lengths)
+    spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
+    sched = Scheduler(policy, prompt_stream(lengths), [(slots, scn.cluster.lookahead)] * scn.cluster.engines, spec)
+    engines = [SimEngine(i, slots, cost, lengths, scn.accuracy, scn.seed) for i in range(scn.cluster.engines)]
+    rec = Recorder(out_dir, journal=scn.journal)
+    return SimCluster(sched, engines, cost, rec, colocated=scn.cluster.colocated)
+
+
+def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:
+    """Run the scenario; returns the summary (also written to out_dir/summary.json with the run files)."""
+    t0 = time.perf_counter()
+    cl = build(scn, out_dir)
+    if out_dir is not None:
+        import yaml
+        (Path(out_dir) / "config.yaml").write_text(yaml.safe_dump(scn.to_dict(), sort_keys=False))
+    cl.run()
+    summary = dict(cl.rec.summary, scenario=scn.name, gpus=scn.cluster.gpus, slots=cl.engines[0].slots,
+                   sim_seconds=time.perf_counter() - t0)
+    if out_dir is not None:
+        (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def scenario_from_run(run_dir: str | Path, steps: int | None = None) -> Scenario:
+    """The scenario of a real tailrace run: its flow and rollout settings, its model's shape on the
+    "cpu" preset (fp32 unless the run used bf16) and the lengths its journal recorded."""
+    from tailrace.config import RunConfig
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} has no config.yaml; pass a run directory written by tailrace train")
+    cfg = load_config(run_dir / "config.yaml", cls=RunConfig)
+    r, s = cfg.rollout, cfg.sft
+    model, shape = "tailrace-default", {}
+    if cfg.model.path:
+        model = str(Path(cfg.model.path) / "config.json")
+    else:  # the warm-started default model, shaped by the run's sft section (char tokenizer: 100 ids)
+        shape = {"hidden_size": s.hidden_size, "num_attention_heads": s.num_heads,
+                 "num_key_value_heads": s.num_kv_heads, "num_hidden_layers": s.num_layers,
+                 "intermediate_size": s.intermediate_size, "vocab_size": 100, "tie_word_embeddings": True,
+                 "model_type": "llama"}
+    overrides = {"dtype_bytes": 2} if cfg.model.dtype == "bfloat16" else {}
+    flow = dataclasses.replace(cfg.flow, steps=steps or cfg.flow.steps)
+    cluster = ClusterSpec(hardware="cpu", hardware_overrides=overrides, model=model, model_config=shape,
+                          engines=r.engines,
+                          slots=r.slots, lookahead=r.lookahead)
+    lengths = {"kind": "empirical", "run_dir": str(run_dir), "max_len": r.max_new_tokens}
+    return Scenario(name=f"like-{run_dir.name}", cluster=cluster, flow=flow, lengths=lengths, seed=cfg.seed)

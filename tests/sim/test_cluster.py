@@ -1,0 +1,140 @@
+"""The real scheduler and policies on simulated engines: closed-form step times, and the same
+invariants a real run enforces (the core's own checks raise inside the simulation)."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tailrace.flow.policies import POLICIES, SyncPolicy, make_policy
+from tailrace.flow.scheduler import FlowSpec, InvariantError, Scheduler
+from tailrace.sim.cluster import SimCluster, SimStalled
+from tailrace.sim.costs import CostModel
+from tailrace.sim.engine import SimEngine
+from tailrace.sim.hardware import GPUS
+from tailrace.sim.lengths import ConstantLengths, LognormalLengths
+from tailrace.sim.models import MODELS
+from tailrace.sim.recorder import Recorder
+from tailrace.sim.scenario import prompt_stream
+
+COST = CostModel(GPUS["h100"], MODELS["qwen3-1.7b"], engine_gpus=1, trainer_gpus=4)
+
+
+class Capture(Recorder):
+    def __init__(self):
+        super().__init__()
+        self.trains = []
+
+    def on_train_issued(self, c, now):
+        super().on_train_issued(c, now)
+        self.trains.append(c)
+
+
+def cluster(policy, lengths, R, K, U, steps, engines=1, slots=64, lookahead=0, cost=COST):
+    sched = Scheduler(policy, prompt_stream(lengths), [(slots, lookahead)] * engines, FlowSpec(R, K, U, steps))
+    engs = [SimEngine(i, slots, cost, lengths) for i in range(engines)]
+    return SimCluster(sched, engs, cost, Capture())
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_sync_constant_lengths_gives_the_closed_form_step_time(engines):
+    R, K, U, P, L, rounds = 8, 4, 4, 100, 700, 3
+    N = R * K // engines  # samples per engine per round; every engine admits its share at once
+    cl = cluster(SyncPolicy(), ConstantLengths(L, prompt=P), R, K, U, steps=rounds * R // U, engines=engines, slots=N)
+    cl.run()
+    prefill = COST.prefill_time([P] * N)
+    decode = COST.decode_segment({0: (N, N * P)}).time(L)
+    train = COST.train_time([P + L] * (U * K))
+    per_round = prefill + decode + (R // U) * train + COST.publish_time()
+    expected = rounds * per_round + (rounds - 1) * COST.load_time()
+    assert cl.now == pytest.approx(expected, rel=1e-9)
+    s = cl.rec.summary
+    assert s["trainer_wait_ratio"] == pytest.approx(1 - rounds * (R // U) * train / expected, rel=1e-9)
+    assert s["bubble_ratio"] == pytest.approx(1 - rounds * decode / expected, rel=1e-9)  # every slot busy in decode
+    assert s["length_bubble"] == 0.0
+    assert s["first_dispatch_s"] == pytest.approx(prefill + decode, rel=1e-9)
+
+
+def _check_trained(cl, policy):
+    s = cl.sched
+    assert s.ledger.produced == s.ledger.trained + s.store.in_store() + s.ledger.total_discarded
+    for c in cl.rec.trains:
+        for g in c.groups:
+            for t in g.trajectories:
+                assert 0 <= c.trainer_version - t.oldest_version <= policy.max_staleness
+                if not policy.mixed_versions:
+                    assert len(set(t.versions)) == 1
+
+
+@pytest.mark.parametrize("mode", sorted(POLICIES))
+def test_every_registered_policy_runs_and_keeps_its_invariants(mode):
+    policy = make_policy(mode, max_staleness=1)
+    lengths = LognormalLengths(median=300, max_len=2000, runaway=0.05, prompt=64, seed=1)
+    cl = cluster(policy, lengths, R=8, K=4, U=2, steps=12, engines=2, slots=8, lookahead=4)
+    cl.run()
+    assert cl.sched.steps_done == 12
+    _check_trained(cl, policy)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), median=st.floats(2, 400), sp=st.floats(0, 1.5), ss=st.floats(0, 1.0),
+       runaway=st.floats(0, 0.3), max_len=st.integers(1, 3000), engines=st.integers(1, 3), slots=st.integers(1, 16),
+       lookahead=st.integers(0, 4), K=st.integers(1, 4), U=st.integers(1, 3), per_round=st.integers(1, 3))
+def test_sync_invariants_under_random_length_distributions(seed, median, sp, ss, runaway, max_len, engines, slots,
+                                                          lookahead, K, U, per_round):
+    lengths = LognormalLengths(median=median, max_len=max_len, sigma_prompt=sp, sigma_sample=ss, runaway=runaway,
+                               prompt=32, seed=seed)
+    R = U * per_round
+    cl = cluster(SyncPolicy(), lengths, R, K, U, steps=2 * per_round, engines=engines, slots=slots,
+                 lookahead=lookahead)
+    cl.run()
+    assert cl.sched.ledger.trained == 2 * R * K
+    assert set(cl.sched.staleness) == {0}
+    _check_trained(cl, cl.sched.policy)
+    # the engines' books and the scheduler's agree: every generated token was trained
+    assert sum(e.gen_tokens for e in cl.engines) == sum(t.length for c in cl.rec.trains for g in c.groups
+                                                       for t in g.trajectories)
+
+
+class EagerSync(SyncPolicy):
+    """Claims to be on-policy but starts the next round on the weights the engines still hold."""
+
+    name = "eager"
+
+    def _start_round(self, core):
+        v = min(core.engines[0].loaded)
+        self.round = [core.open_group(v).id for _ in range(core.spec.groups_per_round)]
+        self.fill(core, [core.store.open[g] for g in self.round])
+
+
+def test_staleness_violation_raises_inside_the_simulation():
+    cl = cluster(EagerSync(), ConstantLengths(50, prompt=10), R=2, K=2, U=2, steps=3)
+    with pytest.raises(InvariantError, match="staleness 1 > bound 0"):
+        cl.run()
+
+
+class Hasty(SyncPolicy):
+    """Aborts a sample in the same poll that dispatches it: the Abort reaches the engine first."""
+
+    name = "hasty"
+
+    def decide(self, core):
+        super().decide(core)
+        for e in core.engines:
+            core.abort(e.id, list(e.in_flight)[:1], "test")
+
+
+def test_abort_sent_before_its_generate_is_caught_like_the_real_engine():
+    cl = cluster(Hasty(), ConstantLengths(50, prompt=10), R=2, K=2, U=2, steps=2)
+    with pytest.raises(RuntimeError, match="never sent"):
+        cl.run()
+
+
+class Idle(SyncPolicy):
+    name = "idle"
+
+    def decide(self, core):
+        pass
+
+
+def test_a_policy_that_issues_no_work_stalls_with_a_message():
+    cl = cluster(Idle(), ConstantLengths(50, prompt=10), R=2, K=2, U=2, steps=2)
+    with pytest.raises(SimStalled, match="issued no work"):
+        cl.run()

@@ -1,0 +1,90 @@
+"""The cost model against roofline numbers computed by hand from datasheets and config.json shapes."""
+import math
+
+import pytest
+
+from tailrace.sim.costs import CostModel
+from tailrace.sim.hardware import GPUS
+from tailrace.sim.models import MODELS
+
+H100 = GPUS["h100"]  # 989e12 FLOP/s, 3.35e12 B/s, bw_eff 0.75, flops_eff 0.5, 3 ms per step
+Q7 = MODELS["qwen2.5-7b"]
+# Qwen2.5-7B by hand: attention 3584*3584*2 + 3584*512*2 + bias 4608 = 29,364,736; MLP 3*3584*18944 =
+# 203,685,888; 28 layers + LM head 152064*3584 -> 7,070,414,848 parameters read per token.
+Q7_MATMUL = 7_070_414_848
+Q7_KV = 2 * 28 * 4 * 128 * 2  # bytes of K and V per token (bf16) = 57,344
+Q7_ATTN = 4 * 28 * 28 * 128  # attention FLOPs per (query, context) token pair = 401,408
+
+
+def test_shape_counts_match_hand_computation():
+    assert Q7.matmul_params == Q7_MATMUL
+    assert Q7.kv_bytes_per_token(2) == Q7_KV
+    assert Q7.attn_flops_per_context_token == Q7_ATTN
+    assert Q7.params == pytest.approx(7.6156e9, rel=1e-4)  # published: 7.61B
+    assert MODELS["qwen2.5-32b"].params == pytest.approx(32.76e9, rel=1e-3)  # published: 32.5B (non-tied head)
+    moe = MODELS["qwen3-235b-a22b"]
+    assert moe.params == pytest.approx(235.1e9, rel=1e-3) and moe.active_params == pytest.approx(22.19e9, rel=1e-3)
+
+
+def test_decode_step_memory_bound_at_batch_one():
+    cost = CostModel(H100, Q7)
+    mem = (Q7_MATMUL * 2 + Q7_KV * 1000) / (3.35e12 * 0.75)  # 5.651 ms
+    flops = (2 * Q7_MATMUL + Q7_ATTN * 1000) / (989e12 * 0.5)  # 0.029 ms
+    assert mem > flops
+    assert cost.decode_step_time(1, 1000) == pytest.approx(mem + 3e-3, rel=1e-12)
+    assert cost.decode_step_time(1, 1000) == pytest.approx(8.651e-3, rel=1e-3)
+
+
+def test_decode_step_compute_bound_at_large_batch():
+    cost = CostModel(H100, Q7)
+    B, ctx = 4096, 4096 * 500
+    mem = (Q7_MATMUL * 2 + Q7_KV * ctx) / (3.35e12 * 0.75)
+    flops = (2 * Q7_MATMUL * B + Q7_ATTN * ctx) / (989e12 * 0.5)
+    assert flops > mem
+    assert cost.decode_step_time(B, ctx) == pytest.approx(flops + 3e-3, rel=1e-12)
+
+
+def test_tensor_parallel_scales_bandwidth_and_adds_allreduces():
+    one, four = CostModel(H100, Q7, engine_gpus=1), CostModel(H100, Q7, engine_gpus=4)
+    mem1 = one.decode_step_time(1, 0) - 3e-3
+    assert four.decode_step_time(1, 0) == pytest.approx(mem1 / 4 + 3e-3 + 2 * 28 * 10e-6, rel=1e-12)
+
+
+def test_multi_version_batch_runs_one_forward_per_version():
+    cost = CostModel(H100, Q7)
+    seg = cost.decode_segment({0: (8, 8000), 1: (8, 8000)})
+    assert seg.step_time(0) == pytest.approx(2 * cost.decode_step_time(8, 8000), rel=1e-12)
+
+
+def test_moe_reads_more_experts_as_the_batch_grows():
+    moe = MODELS["qwen3-235b-a22b"]
+    assert moe.expert_fraction(1) == pytest.approx(8 / 128)
+    assert moe.expert_fraction(256) > 0.99
+    assert moe.weight_bytes_read(1, 2) < moe.weight_bytes_read(256, 2) <= moe.params * 2
+
+
+def test_train_time_is_6N_plus_attention_at_the_stated_mfu():
+    cost = CostModel(H100, Q7, trainer_gpus=8, recompute_logprobs=False)
+    flops = 6 * Q7_MATMUL * 1000 + 3 * Q7_ATTN * 1000 ** 2 / 2
+    assert cost.train_time([1000]) == pytest.approx(flops / (8 * 989e12 * 0.35) + 1.0, rel=1e-12)
+    with_recompute = CostModel(H100, Q7, trainer_gpus=8, recompute_logprobs=True)
+    assert with_recompute.train_flops([1000]) == pytest.approx(flops * 8 / 6, rel=1e-12)
+
+
+def test_weight_sync_from_model_bytes_and_link_bandwidth():
+    cost = CostModel(GPUS["h800"], MODELS["qwen2.5-32b"], engine_gpus=4, trainer_gpus=32)
+    bytes_ = MODELS["qwen2.5-32b"].params * 2
+    assert cost.load_time() == pytest.approx(2.0 + bytes_ / (4 * 50e9), rel=1e-12)  # 400 Gb/s NIC per GPU
+    assert cost.publish_time() == pytest.approx(bytes_ / (8 * 200e9), rel=1e-12)  # H800 NVLink 400 GB/s total
+
+
+def test_prefill_is_compute_bound_for_long_prompts():
+    cost = CostModel(H100, Q7)
+    flops = 2 * Q7_MATMUL * 8192 + Q7_ATTN * 8192 ** 2 / 2
+    assert cost.prefill_time([8192]) == pytest.approx(flops / (989e12 * 0.5) + 3e-3, rel=1e-12)
+
+
+def test_kv_capacity():
+    cost = CostModel(H100, Q7)
+    free = 80e9 * 0.9 - Q7.params * 2
+    assert cost.kv_capacity_tokens() == math.floor(free / Q7_KV)
