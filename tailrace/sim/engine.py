@@ -15,17 +15,29 @@ admitted requests and weight loads are blocks that move t_b forward.
 from __future__ import annotations
 
 import heapq
-import random
 from collections import deque
 from dataclasses import dataclass, field
 
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Sample
 from tailrace.sim.costs import CostModel
-from tailrace.sim.lengths import LengthModel
+from tailrace.sim.lengths import P_REWARD, LengthModel, uniform
+from tailrace.sim.runs import Runs
 from tailrace.sim.segment import Segment
 from tailrace.types import Finish, GenResult, Trajectory
 
 TOKEN = 1  # every simulated token has this id; only counts matter
+
+
+class SimTrajectory(Trajectory):
+    """A Trajectory whose per-token sequences are `Runs`; `oldest_version` reads the runs (the same
+    value Trajectory computes, in O(runs) instead of O(tokens))."""
+
+    @property
+    def oldest_version(self) -> int:
+        v = self.result.versions
+        if isinstance(v, Runs):
+            return v.min() if len(v) else self.dispatch_version
+        return super().oldest_version
 
 
 @dataclass(frozen=True)
@@ -262,14 +274,17 @@ class SimEngine:
         s = job.sample
         new = job.tokens(self.step) - job.base
         v = s.version
-        res = GenResult(s.id, s.resume_ids + (TOKEN,) * new, s.resume_logprobs + (-1.0,) * new,
-                        s.resume_versions + (v,) * new, finish, job.submitted, job.first_token, t)
+        ids, lps, vs = Runs.of(TOKEN, new), Runs.of(-1.0, new), Runs.of(v, new)
+        if job.base:  # a resumed partial: its old tokens keep their own versions
+            ids, lps, vs = (Runs.from_seq(s.resume_ids) + ids, Runs.from_seq(s.resume_logprobs) + lps,
+                            Runs.from_seq(s.resume_versions) + vs)
+        res = GenResult(s.id, ids, lps, vs, finish, job.submitted, job.first_token, t)
         correct = finish != Finish.ABORTED and self._correct(s)
-        return Trajectory(group=s.group, sample_index=s.index, prompt_id=s.prompt.id, prompt_ids=s.prompt.token_ids,
+        return SimTrajectory(group=s.group, sample_index=s.index, prompt_id=s.prompt.id, prompt_ids=s.prompt.token_ids,
                           result=res, reward=float(correct), correct=correct, dispatch_version=v)
 
     def _correct(self, s: Sample) -> bool:
-        return random.Random(f"{self.seed}/r/{s.prompt.id}/{s.index}").random() < self.accuracy
+        return uniform(self.seed, P_REWARD, s.prompt.id, s.index) < self.accuracy
 
     # ------------------------------------------------------------------ accounting
     def slot_time_at(self, now: float) -> float:

@@ -14,13 +14,41 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def _rng(*key) -> random.Random:
-    return random.Random("/".join(map(str, key)))
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-mixed 64-bit hash of x."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _hash(key: tuple[int, ...]) -> int:
+    h = 0
+    for k in key:
+        h = (h * 0x9E3779B97F4A7C15 + (k & _M64)) & _M64
+    return _mix(_mix(h))
+
+
+def uniform(*key: int) -> float:
+    """A uniform draw in [0, 1) that is a pure function of the integer key (fast, platform-stable)."""
+    return (_hash(key) >> 11) / 9007199254740992.0
+
+
+def normal(*key: int) -> float:
+    """A standard normal draw from the key (Box-Muller on the two 32-bit halves of one hash)."""
+    h = _hash(key)
+    u1, u2 = ((h >> 32) + 0.5) / 4294967296.0, (h & 0xFFFFFFFF) / 4294967296.0
+    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+
+
+P_DIFFICULTY, P_SAMPLE, P_RUNAWAY, P_PROMPT, P_REWARD = 1, 2, 3, 4, 5  # key tags
 
 
 class LengthModel:
@@ -80,20 +108,20 @@ class LognormalLengths(LengthModel):
     def _prompt_mu(self, prompt_id: int) -> float:
         mu = self._mu.get(prompt_id)
         if mu is None:
-            mu = self._mu[prompt_id] = math.log(self.median) + self.sigma_prompt * _rng(self.seed, "p", prompt_id).gauss(0, 1)
+            z = normal(self.seed, P_DIFFICULTY, prompt_id)
+            mu = self._mu[prompt_id] = math.log(self.median) + self.sigma_prompt * z
         return mu
 
     def response(self, prompt_id: int, index: int) -> int:
-        r = _rng(self.seed, "s", prompt_id, index)
-        if r.random() < self.runaway:
+        if self.runaway and uniform(self.seed, P_RUNAWAY, prompt_id, index) < self.runaway:
             return self.max_len
-        n = math.exp(self._prompt_mu(prompt_id) + self.sigma_sample * r.gauss(0, 1))
+        n = math.exp(self._prompt_mu(prompt_id) + self.sigma_sample * normal(self.seed, P_SAMPLE, prompt_id, index))
         return max(1, min(self.max_len, int(round(n))))
 
     def prompt_len(self, prompt_id: int) -> int:
         if not self.prompt_sigma:
             return self.prompt
-        z = _rng(self.seed, "q", prompt_id).gauss(0, 1)
+        z = normal(self.seed, P_PROMPT, prompt_id)
         return max(1, int(round(self.prompt * math.exp(self.prompt_sigma * z - self.prompt_sigma ** 2 / 2))))
 
 

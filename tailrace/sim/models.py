@@ -10,6 +10,7 @@ layout: attention q/k/v/o (+ q/k/v bias in Qwen2), SwiGLU MLP (3 matrices), RMSN
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -33,46 +34,46 @@ class ModelShape:
             raise ValueError(f"model {self.name}: an MoE needs 0 < experts_per_token <= experts and expert_intermediate > 0")
 
     # -- parameter counts ------------------------------------------------------------------------
-    @property
+    @cached_property
     def attn_params(self) -> int:
         """One layer's attention: q and o are heads*head_dim wide, k and v kv_heads*head_dim."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         bias = (q + 2 * kv) if self.qkv_bias else 0
         return self.hidden * q * 2 + self.hidden * kv * 2 + bias
 
-    @property
+    @cached_property
     def expert_params(self) -> int:
         return 3 * self.hidden * self.expert_intermediate
 
-    @property
+    @cached_property
     def mlp_params(self) -> int:
         """One layer's MLP, all experts (what sits in memory)."""
         if self.experts:
             return self.experts * self.expert_params + self.hidden * self.experts  # + router
         return 3 * self.hidden * self.intermediate
 
-    @property
+    @cached_property
     def active_mlp_params(self) -> int:
         """One layer's MLP as one token sees it (the active experts)."""
         if self.experts:
             return self.experts_per_token * self.expert_params + self.hidden * self.experts
         return self.mlp_params
 
-    @property
+    @cached_property
     def embed_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
-    @property
+    @cached_property
     def params(self) -> int:
         norms = self.layers * 2 * self.hidden + self.hidden
         return self.layers * (self.attn_params + self.mlp_params) + self.embed_params + norms
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         norms = self.layers * 2 * self.hidden + self.hidden
         return self.layers * (self.attn_params + self.active_mlp_params) + self.embed_params + norms
 
-    @property
+    @cached_property
     def matmul_params(self) -> int:
         """Parameters a token multiplies through (active, without the input embedding lookup)."""
         return self.layers * (self.attn_params + self.active_mlp_params) + self.vocab * self.hidden
@@ -82,7 +83,7 @@ class ModelShape:
         """K and V of one token, all layers."""
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
-    @property
+    @cached_property
     def attn_flops_per_context_token(self) -> int:
         """Forward FLOPs one query token spends per context token: QK^T and AV, all layers."""
         return 4 * self.layers * self.heads * self.head_dim

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tailrace.flow.commands import Train
 from tailrace.flow.serde import traj_to_dict
+from tailrace.sim.runs import Runs
 from tailrace.sim.metrics import length_stats, minus_length, staleness_hist
 from tailrace.types import Trajectory
 
@@ -24,6 +25,8 @@ def _default(o):
         return traj_to_dict(o)
     if isinstance(o, (set, frozenset)):
         return sorted(o)
+    if isinstance(o, Runs):
+        return list(o)
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 

@@ -70,10 +70,14 @@ class Scenario:
     accuracy: float = 0.5  # probability a sample is rewarded (only shaping policies look at rewards)
     seed: int = 0
     journal: bool = True  # write journal.jsonl (every token id: turn off at scale)
+    poll_s: float = 0.0  # the driver polls at most every poll_s virtual seconds (0 = at every event)
+    policy_options: dict[str, Any] = field(default_factory=dict)  # extra options for make_policy
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.accuracy <= 1.0:
             raise ConfigError(f"accuracy={self.accuracy}: must lie in [0, 1]")
+        if self.poll_s < 0:
+            raise ConfigError(f"poll_s={self.poll_s}: must be >= 0 (0 = poll after every event)")
         if not isinstance(self.lengths, dict) or "kind" not in self.lengths:
             raise ConfigError("lengths: give a mapping with kind: constant | lognormal | empirical")
 
@@ -139,7 +143,7 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     f = scn.flow
     try:
         lengths = make_lengths(scn.lengths, scn.seed)
-        options = {k: v for k, v in dataclasses.asdict(f).items() if k != "mode"}
+        options = {k: v for k, v in dataclasses.asdict(f).items() if k != "mode"} | scn.policy_options
         policy = make_policy(f.mode, **options)
     except (TypeError, ValueError, FileNotFoundError) as e:
         raise ConfigError(f"scenario {scn.name}: {e}") from None
@@ -149,7 +153,7 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     sched = Scheduler(policy, prompt_stream(lengths), [(slots, scn.cluster.lookahead)] * scn.cluster.engines, spec)
     engines = [SimEngine(i, slots, cost, lengths, scn.accuracy, scn.seed) for i in range(scn.cluster.engines)]
     rec = Recorder(out_dir, journal=scn.journal)
-    return SimCluster(sched, engines, cost, rec, colocated=scn.cluster.colocated)
+    return SimCluster(sched, engines, cost, rec, colocated=scn.cluster.colocated, poll_s=scn.poll_s)
 
 
 def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:
