@@ -167,3 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("interrupted; the run directory keeps everything so far (continue with --resume)")
         return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -63,6 +63,7 @@ class SFTConfig:
     warmup: int = 50
     seed: int = 0
     threads: int = 2
+    bf16: bool = True  # autocast the forward to bfloat16 (weights stay fp32)
 
     def __post_init__(self) -> None:
         for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_len",
@@ -79,7 +80,7 @@ class SFTConfig:
 class EvalConfig:
     n: int = 512  # held-out samples; at 256 the standard error is ~3 points
     temperature: float = 1.0  # accuracy of the sampling policy (pass@1), as trained
-    max_new_tokens: int = 320
+    max_new_tokens: int = 384
     batch: int = 64
 
     def __post_init__(self) -> None:
@@ -97,7 +98,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_new_tokens: int = 320
+    max_new_tokens: int = 384
     prefill_tokens: int = 512  # prompt tokens prefilled per engine step
 
     def __post_init__(self) -> None:

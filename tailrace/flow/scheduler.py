@@ -169,13 +169,16 @@ class Scheduler:
                              "keep": g.keep, "prompts_taken": self.prompts_taken, "requeued": requeued, "prompt": prompt_to_dict(prompt)})
         return g
 
-    def dispatch(self, engine: int, g: GroupState, n: int, version: int | None = None) -> int:
-        """Send up to n fresh samples of group g to an engine; returns how many went."""
+    def dispatch(self, engine: int, g: GroupState, n: int, version: int | None = None,
+                 queue_all: bool = False) -> int:
+        """Send up to n fresh samples of group g to an engine; returns how many went. `queue_all`
+        ignores the engine's free capacity (its local queue takes the rest): sync hands a whole
+        round over at once, so the engine's schedule does not depend on driver timing."""
         eng = self.engines[engine]
         v = g.version if version is None else version
         if v not in eng.loaded:
             raise InvariantError(f"dispatch of version {v} to engine {engine}, which holds {sorted(eng.loaded)}")
-        n = min(n, len(g.todo), eng.free)
+        n = min(n, len(g.todo)) if queue_all else min(n, len(g.todo), eng.free)
         for _ in range(n):
             idx = g.todo.pop(0)
             self._send(eng, g, Sample(id=f"{g.id}.{idx}.0", group=g.id, index=idx, prompt=g.prompt, version=v))

@@ -222,7 +222,7 @@ class Driver:
             "reward": sum(rewards) / len(rewards), "accuracy": sum(t.correct for t in trajs) / len(trajs),
             "samples": len(trajs), "length": length_stats(trajs),
             "staleness": staleness_hist(trajs, trainer_version),
-            "discards": dict(self.sched.ledger.discarded), "ledger": self.sched.ledger.state_dict(),
+            "discards": dict(self.sched.ledger.discarded), "ledger": {**self.sched.ledger.state_dict(), "in_store": self.sched.store.in_store()},
             "reward_errors": dict(self.ses.guard.errors),
             "train": {k: v for k, v in m.items() if isinstance(v, (int, float))},
             "time": timing,

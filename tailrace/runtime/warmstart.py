@@ -73,7 +73,8 @@ def build_warm_start(cfg: SFTConfig, out: Path, progress=None) -> dict:
         pairs = demonstrations(cfg, task, tok)
         t0 = time.perf_counter()
         losses = sft(model, pairs, lr=cfg.lr, warmup=cfg.warmup, batch_tokens=cfg.batch_tokens,
-                     epochs=cfg.epochs, pad_id=tok.pad_id, seed=cfg.seed, on_step=progress)
+                     epochs=cfg.epochs, pad_id=tok.pad_id, seed=cfg.seed, bf16=cfg.bf16,
+                     on_step=progress)
         seconds = time.perf_counter() - t0
     finally:
         torch.set_num_threads(prev_threads)

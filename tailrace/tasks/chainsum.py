@@ -1,16 +1,20 @@
 """chainsum: the built-in default task — add a chain of numbers with a scratchpad.
 
-    prompt:   "Q:12+7+30+5\n"
-    response: "12+7=19\n19+30=49\n49+5=54\nA:54"          (then <eos>)
+    prompt:   "Q:a7 b3 c9 d5\n"
+    response: "b:7+3=10\nc:10+9=19\nd:19+5=24\nA:24"      (then <eos>)
 
 Why this shape (DESIGN.md §6): a tail that survives RL must come from prompts that genuinely need
 long derivations. The number of terms is heavy-tailed (most chains are short, a few are long), and
 the response needs one line per term, so long prompts need long answers however good the policy.
-Intra-prompt spread comes from optional "wandering" lines — restating the next terms ("left:30,5")
-or re-checking a step by subtraction ("ck:49-30=19") — that add length without adding information
-(and the subtraction check adds a chance to be confused). Demonstrations choose them at random, so a
+Intra-prompt spread comes from optional "wandering" lines — restating the next term ("next:d5") or
+re-checking a step by subtraction ("ck:19-9=10") — that add length without adding information (and
+the subtraction check adds a chance to be confused). Demonstrations choose them at random, so a
 warm-started policy samples verbose and concise answers for the same prompt. The reward is an exact
 check of the final "A:" line.
+
+Each term carries a letter so a step can find its term by content ("c" -> 9) rather than by counting
+positions, which a small character-level model learns in minutes; the running total is carried line
+to line, so each step is one small addition whose errors compound over a long chain.
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ from tailrace.tasks.base import Example, Task, check_split
 @dataclass(frozen=True)
 class ChainSumSpec:
     # number of terms: with these weights, drawn uniformly from each (lo, hi) band
-    bands: tuple[tuple[float, int, int], ...] = ((0.60, 2, 4), (0.28, 5, 9), (0.12, 10, 16))
-    max_term: int = 99
+    bands: tuple[tuple[float, int, int], ...] = ((0.55, 2, 4), (0.30, 5, 10), (0.15, 11, 20))
+    max_term: int = 9
     p_restate: float = 0.20  # per demonstration: style with "left:" lines
     p_check: float = 0.15  # per demonstration: style with "ck:" lines
     p_line: float = 0.6  # within a verbose style, chance of the extra line at each step
@@ -73,9 +77,9 @@ class ChainSumTask(Task):
         lines, total = [], terms[0]
         for i, t in enumerate(terms[1:], start=1):
             if restate and rng.random() < self.spec.p_line:
-                lines.append("left:" + ",".join(map(str, terms[i:i + 3])))
+                lines.append(f"next:{LETTERS[i]}{t}")
             new = total + t
-            lines.append(f"{total}+{t}={new}")
+            lines.append(f"{LETTERS[i]}:{total}+{t}={new}")
             if check and rng.random() < self.spec.p_line:
                 lines.append(f"ck:{new}-{t}={total}")
             total = new
@@ -87,12 +91,15 @@ class ChainSumTask(Task):
         return 1.0 if final_answer(response) == example.answer else 0.0
 
 
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
 def question(terms: list[int]) -> str:
-    return "Q:" + "+".join(map(str, terms)) + "\n"
+    return "Q:" + " ".join(f"{LETTERS[i]}{t}" for i, t in enumerate(terms)) + "\n"
 
 
 def parse_terms(q: str) -> list[int]:
-    return [int(t) for t in q.strip()[2:].split("+")]
+    return [int(t[1:]) for t in q.strip()[2:].split(" ")]
 
 
 def final_answer(response: str) -> str | None:

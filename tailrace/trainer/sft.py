@@ -61,9 +61,11 @@ def collate(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, d
 
 
 def sft(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, lr: float,
-        warmup: int, batch_tokens: int, epochs: int, pad_id: int, seed: int,
+        warmup: int, batch_tokens: int, epochs: int, pad_id: int, seed: int, bf16: bool = False,
         on_step: Callable[[int, int, float], None] | None = None) -> list[float]:
-    """Train `model` in place; returns the per-step losses. `on_step(step, total, loss)` for progress."""
+    """Train `model` in place; returns the per-step losses. `on_step(step, total, loss)` for progress.
+    `bf16` autocasts the forward (weights and optimizer stay fp32): on CPUs with AVX512-BF16 it is
+    about twice as fast, since fp32 GEMMs there run through a slower BLAS path."""
     device = next(model.parameters()).device
     rng = random.Random(seed)
     lengths = [len(p) + len(r) for p, r in pairs]
@@ -79,7 +81,8 @@ def sft(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[in
         for g in opt.param_groups:
             g["lr"] = sched.lr_at(step)
         inp, tgt, mask = collate([pairs[i] for i in idx], pad_id, device)
-        logits = model(inp)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(inp)
         nll = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), reduction="none")
         loss = (nll * mask.flatten()).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)

@@ -31,7 +31,7 @@ def test_splits_are_disjoint_and_deterministic():
     test = [e.question for e in t.examples("test", 500)]
     assert not train & set(test)
     assert test == [e.question for e in ChainSumTask().examples("test", 500)]
-    assert question([1, 2]) == "Q:1+2\n"
+    assert question([1, 2]) == "Q:a1 b2\n"
 
 
 def test_demonstration_lengths_are_long_tailed_within_and_across_prompts():
@@ -40,6 +40,6 @@ def test_demonstration_lengths_are_long_tailed_within_and_across_prompts():
     exs = t.examples("train", 3000)
     lens = [len(t.demonstration(e, rng)) for e in exs]
     assert percentile(lens, 99) / percentile(lens, 50) >= 4
-    long = next(e for e in exs if e.question.count("+") >= 11)
+    long = next(e for e in exs if e.question.count(" ") >= 10)
     same = [len(t.demonstration(long, rng)) for _ in range(32)]
     assert max(same) / min(same) >= 1.4  # wandering lines spread one prompt's lengths

@@ -58,6 +58,17 @@ class Policy:
                 core.dispatch(e.id, g, 1, version=v)
 
     @staticmethod
+    def hand_over(core, groups: list[GroupState]) -> None:
+        """Dispatch every pending sample of `groups` now, round-robin over engines holding their
+        version, past their free capacity (the engines queue them)."""
+        i = 0
+        for g in groups:
+            while g.todo:
+                engines = [e for e in core.engines if g.version in e.loaded]
+                core.dispatch(engines[i % len(engines)].id, g, 1, queue_all=True)
+                i += 1
+
+    @staticmethod
     def sync_engines(core, version: int) -> bool:
         """Load `version` everywhere and drop older idle versions; True once every engine holds it."""
         for e in core.engines:

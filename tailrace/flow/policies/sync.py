@@ -1,5 +1,7 @@
 """sync: the slime/verl baseline. Generate R prompts x K samples with fixed weights, train on them
-in R/U optimizer steps, publish the new version, load it everywhere, repeat. Strictly on-policy."""
+in R/U optimizer steps, publish the new version, load it everywhere, repeat. Strictly on-policy.
+The whole round is handed to the engines at once (they queue what their slots cannot take), so a
+fixed seed gives the same engine schedule, and the same metrics, run after run."""
 from __future__ import annotations
 
 from tailrace.flow.policies.base import Policy
@@ -20,7 +22,7 @@ class SyncPolicy(Policy):
             return
         groups = [core.store.open[g] for g in self.round if g in core.store.open]
         if groups:
-            self.fill(core, groups)
+            self.hand_over(core, groups)
             return
         U = core.spec.groups_per_step
         for i in range(0, len(self.round), U):
@@ -36,4 +38,4 @@ class SyncPolicy(Policy):
             return
         self.round = [core.open_group(v).id for _ in range(core.spec.groups_per_round)]
         core.mark("round_start", version=v, groups=list(self.round))
-        self.fill(core, [core.store.open[g] for g in self.round])
+        self.hand_over(core, [core.store.open[g] for g in self.round])

@@ -1,0 +1,130 @@
+"""The same RL run under every overlap mode, side by side, on the local runtime.
+
+    .venv/bin/python bench/modes.py            # both configurations, all modes (< 20 min)
+    .venv/bin/python bench/modes.py --quick    # a smoke run
+
+Default model, default task, same seed, same number of trained samples; one rollout process and one
+trainer process on separate cores. Two configurations:
+  balanced   sync-mode generation and training take comparable time (as a deployment sizes its pools)
+  genheavy   generation >= 3x training (long chain-of-thought RL): the trainer is made cheap (bf16)
+             and the rollout budget long
+Per mode: wall time, steps/hour, trainer waiting ratio, rollout bubble ratio, engine mean active
+batch, staleness histogram, held-out accuracy, speedup vs sync measured in the same run. Writes
+bench/out/modes.json and bench/out/modes_<config>.html (one Gantt per mode).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tailrace.config import load_config  # noqa: E402
+from tailrace.report.html import gantt  # noqa: E402
+from tailrace.runtime.driver import Driver  # noqa: E402
+from tailrace.runtime.rundir import RunDir, read_lines  # noqa: E402
+from tailrace.runtime.session import Session  # noqa: E402
+
+MODES = [("sync", {}), ("pipe", {}), ("async", {"flow.max_staleness": 1}), ("async", {"flow.max_staleness": 2}),
+         ("partial", {"flow.max_staleness": 1}), ("multiversion", {"flow.max_staleness": 1}),
+         ("multiversion", {"flow.max_staleness": 2})]
+CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", "multiversion": "behaviour"}
+
+CONFIGS = {
+    # R=32 prompts x K=8 per round, B=64 samples per step: a round is 4 steps, so pipe can pipeline
+    "balanced": ["--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64"],
+    "genheavy": ["--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64",
+                 "--train.bf16=true", "--rollout.slots=32"],
+}
+
+
+def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: int) -> dict:
+    label = mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
+    rd = RunDir(out / config / label)
+    if rd.path.exists():
+        import shutil
+        shutil.rmtree(rd.path)
+    rd.create()
+    over = CONFIGS[config] + [f"--flow.mode={mode}", f"--flow.steps={steps}", f"--eval.n={eval_n}",
+                              f"--train.loss.correction={CORRECTION[mode]}", "--flow.checkpoint_every=1000"]
+    over += [f"--{k}={v}" for k, v in opts.items()]
+    cfg = load_config(None, over)
+    ses = Session(cfg)
+    drv = Driver(cfg, rd, ses)
+    try:
+        t0 = time.perf_counter()
+        summary = drv.train()
+        wall = time.perf_counter() - t0
+    finally:
+        drv.close()
+        ses.close()
+    steps_rec = [r for r in read_lines(rd.file("metrics.jsonl")) if r.get("kind") == "step"]
+    last = steps_rec[-1]
+    events = list(read_lines(rd.file("events.jsonl")))
+    train_wall = last["time"]["wall_s"]
+    stale = {}
+    for r in steps_rec:
+        for k, v in r["staleness"].items():
+            stale[k] = stale.get(k, 0) + v
+    gen = [e for e in events if e.get("phase") == "generate"]
+    busy = sum(e["t1"] - e["t0"] for e in gen)
+    return {"config": config, "mode": label, "wall_s": train_wall, "total_s": wall,
+            "steps_per_hour": len(steps_rec) / train_wall * 3600,
+            "trainer_wait_ratio": last["time"]["trainer_wait_ratio"], "bubble_ratio": last["time"]["bubble_ratio"],
+            "engine_busy_s": busy, "staleness": stale, "final_accuracy": summary.final_accuracy,
+            "base_accuracy": summary.base_accuracy, "run_dir": str(rd.path), "events": events}
+
+
+def table(rows: list[dict]) -> str:
+    sync = next(r for r in rows if r["mode"] == "sync")
+    head = f"{'mode':16s} {'wall s':>8s} {'steps/h':>8s} {'speedup':>8s} {'wait':>6s} {'bubble':>7s} {'acc':>6s}  staleness"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['mode']:16s} {r['wall_s']:8.1f} {r['steps_per_hour']:8.0f} "
+                     f"{sync['wall_s'] / r['wall_s']:7.2f}x {r['trainer_wait_ratio']:6.2f} {r['bubble_ratio']:7.2f} "
+                     f"{(r['final_accuracy'] or 0):6.3f}  {json.dumps(r['staleness'])}")
+    return "\n".join(lines)
+
+
+def timelines(rows: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+    from tailrace.report.html import _png
+    fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.6 * len(rows)), sharex=True)
+    for ax, r in zip(axes, rows):
+        gantt(ax, [e for e in r["events"] if "phase" in e], r["mode"])
+    path.write_text(f"<html><body><h1>{path.stem}</h1>{_png(fig)}</body></html>")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--configs", default="balanced,genheavy")
+    ap.add_argument("--modes", default=None, help="comma list of labels, e.g. sync,pipe,multiversion-K2")
+    ap.add_argument("--eval-n", type=int, default=256)
+    args = ap.parse_args()
+    steps = 4 if args.quick else args.steps
+    eval_n = 32 if args.quick else args.eval_n
+    out = ROOT / "bench" / "out" / "modes"
+    results = []
+    for config in args.configs.split(","):
+        rows = []
+        for mode, opts in MODES:
+            label = mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
+            if args.modes and label not in args.modes.split(","):
+                continue
+            print(f"[{config}] {label} ...", flush=True)
+            rows.append(run_one(config, mode, opts, steps, out, eval_n))
+        print(f"\n== {config} ({steps} steps each; speedup = sync wall / mode wall, same run) ==")
+        print(table(rows), flush=True)
+        timelines(rows, ROOT / "bench" / "out" / f"modes_{config}.html")
+        results += [{k: v for k, v in r.items() if k != "events"} for r in rows]
+    (ROOT / "bench" / "out" / "modes.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""`tailrace sim calibrate`: measure the real engine and trainer on this machine and fit the "cpu"
+hardware preset of the simulator (tailrace/sim/hardware.py), saved as JSON that preset loads.
+
+Outside tailrace/sim on purpose: it needs torch, the engine and the trainer; the simulator itself
+only reads the JSON. Measured on the default model's shape (random weights cost what trained ones
+do), one torch thread per role as on the testbed, fp32:
+
+- decode: steps of the real `Engine` at batch 1..64 with forced lengths; least squares of
+      step = overhead + per_seq * batch + (2 * matmul params * batch + attention FLOPs * context) / rate
+  (on this CPU a decode step of a ~2M-parameter model is bound by per-row work and FLOPs, not by
+  bytes: the weights sit in cache, so the memory side is set out of the way);
+- train: `GRPOTrainer.step` over synthetic groups; FLOPs per step (6N per token + attention) / time;
+- weights: the shared-memory publish (one memcpy) and the engine's load of a version.
+
+Timing on a shared machine is noisy: every figure is the median of repeats, and the JSON records
+the machine's load average at the time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tailrace.config import SFTConfig, TrainerConfig
+from tailrace.engine.engine import Engine
+from tailrace.model.decoder import CausalLM
+from tailrace.runtime.warmstart import model_config
+from tailrace.sim.costs import CostModel
+from tailrace.sim.hardware import CPU_FALLBACK, Hardware, cache_dir
+from tailrace.sim.models import ModelShape
+from tailrace.tokenizer import char_tokenizer
+from tailrace.trainer.grpo import GRPOTrainer
+from tailrace.types import Finish, GenRequest, GenResult, Group, SamplingParams, Trajectory
+
+
+def default_shape(cfg: SFTConfig) -> ModelShape:
+    return ModelShape("tailrace-default", cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.hidden_size // cfg.num_heads, cfg.intermediate_size, char_tokenizer().vocab_size,
+                      tied_embeddings=True)
+
+
+def _model(cfg: SFTConfig) -> CausalLM:
+    tok = char_tokenizer()
+    return CausalLM.from_config(model_config(cfg, tok.vocab_size, tok), seed=0)
+
+
+def measure_decode(model: CausalLM, batches=(1, 4, 16, 32, 64), length: int = 192, prompt: int = 16,
+                   repeats: int = 2) -> list[tuple[int, int, float]]:
+    """(batch, context tokens, step seconds) of pure decode steps."""
+    rows = []
+    for b in batches:
+        for rep in range(repeats):
+            eng = Engine(model, num_slots=max(batches), prefill_tokens=4096, seed=rep)
+            params = SamplingParams(max_new_tokens=length, min_new_tokens=length)
+            for i in range(b):
+                eng.add(GenRequest(f"{b}.{rep}.{i}", tuple([5] * prompt), params))
+            k = 0
+            while eng.num_running + eng.num_waiting:
+                ev = eng.step()
+                if ev.prefill_tokens == 0 and ev.active == b:
+                    rows.append((b, b * (prompt + k), ev.duration))
+                k += 1
+    return rows
+
+
+def fit_decode(rows, shape: ModelShape) -> dict:
+    """Least squares of t = overhead + per_seq * B + flops / rate (non-negative per_seq)."""
+    B = np.array([r[0] for r in rows], float)
+    ctx = np.array([r[1] for r in rows], float)
+    t = np.array([r[2] for r in rows], float)
+    flops = 2.0 * shape.matmul_params * B + shape.attn_flops_per_context_token * ctx
+    (a, s, inv), *_ = np.linalg.lstsq(np.stack([np.ones_like(B), B, flops], 1), t, rcond=None)
+    if s < 0:
+        (a, inv), *_ = np.linalg.lstsq(np.stack([np.ones_like(B), flops], 1), t, rcond=None)
+        s = 0.0
+    pred = a + s * B + inv * flops
+    return {"overhead_s": float(a), "per_seq_s": float(s), "flops_per_s": float(1.0 / inv),
+            "rel_err_median": float(np.median(np.abs(pred - t) / t)), "points": len(rows)}
+
+
+def _traj(group: int, i: int, n: int, prompt: tuple[int, ...]) -> Trajectory:
+    res = GenResult(f"{group}.{i}.0", (5,) * n, (-1.0,) * n, (0,) * n, Finish.STOP)
+    return Trajectory(group, i, group, prompt, res, reward=float(i % 2), correct=bool(i % 2))
+
+
+def measure_train(cfg: SFTConfig, shape: ModelShape, lengths=(64, 128, 256), groups: int = 16, k: int = 8,
+                  repeats: int = 3) -> list[tuple[int, float, float]]:
+    """(tokens, FLOPs, seconds) of real optimizer steps over synthetic groups."""
+    trainer = GRPOTrainer(_model(cfg), TrainerConfig())
+    prompt = (5,) * 16
+    rows = []
+    for n in lengths:
+        batch = [Group(g, g, tuple(_traj(g, i, n, prompt) for i in range(k))) for g in range(groups)]
+        per_seq = len(prompt) + n
+        flops = CostModel(CPU_FALLBACK, shape, recompute_logprobs=False).train_flops([per_seq] * groups * k)
+        trainer.step(batch, 0)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            trainer.step(batch, 0)
+            times.append(time.perf_counter() - t0)
+        rows.append((groups * k * per_seq, flops, statistics.median(times)))
+    return rows
+
+
+def measure_weights(model: CausalLM, repeats: int = 5) -> dict:
+    from tailrace.model.flat import flatten_parameters
+    from tailrace.runtime.weights import SharedWeights
+    flat = flatten_parameters(model)
+    ring = SharedWeights.like(flat, slots=2)
+    eng = Engine(model, num_slots=4)
+    pub, load = [], []
+    for v in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        ring.write(v, flat.buffer)
+        t1 = time.perf_counter()
+        eng.load_weights(ring.read(v).views(), v)
+        t2 = time.perf_counter()
+        eng.drop_version(v - 1) if v > 1 else None
+        pub.append(t1 - t0)
+        load.append(t2 - t1)
+    return {"bytes": flat.buffer.numel() * flat.buffer.element_size(), "publish_s": statistics.median(pub),
+            "load_s": statistics.median(load)}
+
+
+def calibrate(out: Path | None = None, quick: bool = False, progress=print) -> dict:
+    cfg = SFTConfig()
+    shape = default_shape(cfg)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _model(cfg)
+        progress("decode: real engine steps at batch 1..64")
+        rows = measure_decode(model, batches=(1, 16, 64) if quick else (1, 4, 16, 32, 64), repeats=1 if quick else 2)
+        dec = fit_decode(rows, shape)
+        progress(f"  overhead {dec['overhead_s'] * 1e3:.3f} ms/step, {dec['per_seq_s'] * 1e6:.2f} us/row, "
+                 f"{dec['flops_per_s'] / 1e9:.2f} GFLOP/s (median error {dec['rel_err_median']:.1%})")
+        progress("train: real GRPO optimizer steps")
+        tr = measure_train(cfg, shape, lengths=(64, 192) if quick else (64, 128, 256), repeats=1 if quick else 3)
+        train_rate = float(np.median([f / t for _, f, t in tr]))
+        progress(f"  {train_rate / 1e9:.2f} GFLOP/s ({', '.join(f'{n} tok {t:.2f} s' for n, _, t in tr)})")
+        progress("weights: shared-memory publish and engine load")
+        w = measure_weights(model)
+        progress(f"  {w['bytes'] / 1e6:.1f} MB: publish {w['publish_s'] * 1e3:.2f} ms, load {w['load_s'] * 1e3:.2f} ms")
+    finally:
+        torch.set_num_threads(prev)
+    peak = max(dec["flops_per_s"], train_rate)
+    hw = dataclasses.replace(
+        CPU_FALLBACK, peak_flops=peak, flops_eff=dec["flops_per_s"] / peak, train_mfu=train_rate / peak,
+        mem_bw=1e15, bw_eff=1.0, step_overhead_s=dec["overhead_s"], per_seq_s=dec["per_seq_s"],
+        dtype_bytes=4, train_step_overhead_s=0.0, sync_fixed_s=0.0,
+        load_bw=w["bytes"] / max(w["load_s"], 1e-9), scaleup_bw=w["bytes"] / max(w["publish_s"], 1e-9))
+    result = {"hardware": hw.to_dict(), "decode": dec, "decode_points": rows, "train_points": tr, "weights": w,
+              "model": dataclasses.asdict(shape), "load_average": os.getloadavg(), "time": time.time()}
+    out = out or cache_dir() / "cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def check_hardware(d: dict) -> Hardware:
+    """The saved preset, as the simulator will load it."""
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    return Hardware(**{k: v for k, v in d["hardware"].items() if k in fields})
