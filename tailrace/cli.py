@@ -151,7 +151,52 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "report": cmd_report}
+def cmd_sim(argv: list[str]) -> int:
+    """tailrace sim --config SCENARIO.yaml [--out DIR] [--key=value ...]   simulate a scenario (a run directory)
+    tailrace sim --like RUN_DIR [--out DIR] [--key=value ...]      a real run's setup on the cpu preset, compared
+    tailrace sim calibrate [--quick] [--out FILE]                  fit the cpu preset on this machine
+    tailrace sim presets                                           hardware and model presets"""
+    from tailrace.report.html import write_report
+    from tailrace.sim import compare, scenario
+    if argv[:1] == ["calibrate"]:
+        from tailrace.sim_calibrate import calibrate
+        flags, rest = _split(argv[1:], ("--out",))
+        if any(a != "--quick" for a in rest):
+            raise ConfigError("usage: tailrace sim calibrate [--quick] [--out FILE]")
+        res = calibrate(Path(flags["--out"]) if "--out" in flags else None, quick="--quick" in rest,
+                        progress=console.print)
+        console.print(f"saved the cpu preset (load average {res['load_average'][0]:.1f} while measuring)")
+        return 0
+    if argv[:1] == ["presets"]:
+        from tailrace.sim.hardware import GPUS
+        from tailrace.sim.models import MODELS
+        console.print("hardware: " + ", ".join([*GPUS, "cpu"]))
+        console.print("models:   " + ", ".join(f"{k} ({m.params / 1e9:.2f}B)" for k, m in MODELS.items()))
+        return 0
+    flags, rest = _split(argv, ("--config", "--like", "--out"))
+    if "--like" in flags:
+        scn = scenario.apply_overrides(scenario.scenario_from_run(flags["--like"]), rest)
+    elif "--config" in flags:
+        scn = scenario.load_scenario(flags["--config"], rest)
+    else:
+        raise ConfigError("usage: tailrace sim --config SCENARIO.yaml | --like RUN_DIR | calibrate | presets")
+    out = Path(flags.get("--out") or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sim-{scn.name}")
+    console.print(f"simulating {scn.name}: {scn.cluster.gpus} devices ({scn.cluster.hardware}), "
+                  f"{scn.flow.mode}, {scn.flow.steps} steps -> {out}")
+    s = scenario.simulate(scn, out)
+    console.print(f"{s['steps']} steps in {s['wall_s']:.1f} simulated s ({s['sim_seconds']:.1f} s to simulate): "
+                  f"{s['time_per_step_s']:.2f} s/step, trainer waiting {s['trainer_wait_ratio']:.2f}, "
+                  f"bubble {s['bubble_ratio']:.2f}, length bubble {s['length_bubble']:.2f}")
+    write_report(out)
+    if "--like" in flags:
+        real, sim = compare.step_figures(flags["--like"]), compare.step_figures(out)
+        for name, r, m, err in compare.compare(real, sim):
+            console.print(f"  {name:20s} real {r:10.3f}  sim {m:10.3f}  ({err:+.1%})")
+    console.print(f"report: {out / 'report.html'}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "report": cmd_report, "sim": cmd_sim}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,9 @@ Outside tailrace/sim on purpose: it needs torch, the engine and the trainer; the
 only reads the JSON. Measured on the default model's shape (random weights cost what trained ones
 do), one torch thread per role as on the testbed, fp32:
 
-- decode: steps of the real `Engine` at batch 1..64 with forced lengths; least squares of
-      step = overhead + per_seq * batch + (2 * matmul params * batch + attention FLOPs * context) / rate
-  (on this CPU a decode step of a ~2M-parameter model is bound by per-row work and FLOPs, not by
-  bytes: the weights sit in cache, so the memory side is set out of the way);
+- decode: steps of the real `Engine` at batch 1..64 with forced lengths, fitted to the simulator's own
+  form  step = overhead + per_seq * batch + max((weights + KV of the context) / bw, FLOPs / rate)
+  (see `fit_decode`; efficiencies are folded into the fitted bw and rate);
 - train: `GRPOTrainer.step` over synthetic groups; FLOPs per step (6N per token + attention) / time;
 - weights: the shared-memory publish (one memcpy) and the engine's load of a version.
 
@@ -69,19 +68,41 @@ def measure_decode(model: CausalLM, batches=(1, 4, 16, 32, 64), length: int = 19
     return rows
 
 
-def fit_decode(rows, shape: ModelShape) -> dict:
-    """Least squares of t = overhead + per_seq * B + flops / rate (non-negative per_seq)."""
-    B = np.array([r[0] for r in rows], float)
-    ctx = np.array([r[1] for r in rows], float)
-    t = np.array([r[2] for r in rows], float)
+def fit_decode(rows, shape: ModelShape, dtype_bytes: int = 4) -> dict:
+    """Fit the cost model's own decode form to measured steps:
+        t = overhead + per_seq * B + max((W + kv * ctx) / bw, (2 N B + attn * ctx) / rate)
+    by a log grid over (bw, rate) with overhead, per_seq >= 0 solved by least squares at each point;
+    the grid point with the smallest median relative error wins."""
+    P = np.array(rows, float)
+    B, ctx, t = P[:, 0], P[:, 1], P[:, 2]
+    W, kv = shape.weight_bytes_read(1, dtype_bytes), shape.kv_bytes_per_token(dtype_bytes)
     flops = 2.0 * shape.matmul_params * B + shape.attn_flops_per_context_token * ctx
-    (a, s, inv), *_ = np.linalg.lstsq(np.stack([np.ones_like(B), B, flops], 1), t, rcond=None)
-    if s < 0:
-        (a, inv), *_ = np.linalg.lstsq(np.stack([np.ones_like(B), flops], 1), t, rcond=None)
-        s = 0.0
-    pred = a + s * B + inv * flops
-    return {"overhead_s": float(a), "per_seq_s": float(s), "flops_per_s": float(1.0 / inv),
-            "rel_err_median": float(np.median(np.abs(pred - t) / t)), "points": len(rows)}
+    X = np.stack([np.ones_like(B), B], 1)
+    best = None
+    for bw in np.logspace(8.5, 11.5, 61):
+        for rate in np.logspace(8.5, 12, 71):
+            roof = np.maximum((W + kv * ctx) / bw, flops / rate)
+            (a, s), *_ = np.linalg.lstsq(X, t - roof, rcond=None)
+            if s < 0:
+                a, s = float(np.mean(t - roof)), 0.0
+            a = max(a, 0.0)
+            err = float(np.median(np.abs(a + s * B + roof - t) / t))
+            if best is None or err < best[0]:
+                best = (err, bw, rate, a, s)
+    err, bw, rate, a, s = best
+    return {"overhead_s": float(a), "per_seq_s": float(s), "mem_bw": float(bw), "flops_per_s": float(rate),
+            "rel_err_median": err, "points": len(rows)}
+
+
+def fit_train(rows) -> dict:
+    """t = overhead + FLOPs / rate, overhead >= 0."""
+    f = np.array([r[1] for r in rows], float)
+    t = np.array([r[2] for r in rows], float)
+    (a, inv), *_ = np.linalg.lstsq(np.stack([np.ones_like(f), f], 1), t, rcond=None)
+    if a < 0 or inv <= 0:
+        a, inv = 0.0, float(np.sum(t) / np.sum(f))
+    return {"overhead_s": float(a), "flops_per_s": float(1.0 / inv),
+            "rel_err_median": float(np.median(np.abs(a + inv * f - t) / t))}
 
 
 def _traj(group: int, i: int, n: int, prompt: tuple[int, ...]) -> Trajectory:
@@ -139,12 +160,15 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print) -> d
         progress("decode: real engine steps at batch 1..64")
         rows = measure_decode(model, batches=(1, 16, 64) if quick else (1, 4, 16, 32, 64), repeats=1 if quick else 2)
         dec = fit_decode(rows, shape)
-        progress(f"  overhead {dec['overhead_s'] * 1e3:.3f} ms/step, {dec['per_seq_s'] * 1e6:.2f} us/row, "
-                 f"{dec['flops_per_s'] / 1e9:.2f} GFLOP/s (median error {dec['rel_err_median']:.1%})")
+        progress(f"  overhead {dec['overhead_s'] * 1e3:.3f} ms/step, {dec['per_seq_s'] * 1e6:.1f} us/row, "
+                 f"{dec['mem_bw'] / 1e9:.2f} GB/s, {dec['flops_per_s'] / 1e9:.1f} GFLOP/s "
+                 f"(median error {dec['rel_err_median']:.1%})")
         progress("train: real GRPO optimizer steps")
         tr = measure_train(cfg, shape, lengths=(64, 192) if quick else (64, 128, 256), repeats=1 if quick else 3)
-        train_rate = float(np.median([f / t for _, f, t in tr]))
-        progress(f"  {train_rate / 1e9:.2f} GFLOP/s ({', '.join(f'{n} tok {t:.2f} s' for n, _, t in tr)})")
+        trf = fit_train(tr)
+        train_rate = trf["flops_per_s"]
+        progress(f"  {train_rate / 1e9:.2f} GFLOP/s + {trf['overhead_s']:.3f} s/step "
+                 f"({', '.join(f'{n} tok {t:.2f} s' for n, _, t in tr)})")
         progress("weights: shared-memory publish and engine load")
         w = measure_weights(model)
         progress(f"  {w['bytes'] / 1e6:.1f} MB: publish {w['publish_s'] * 1e3:.2f} ms, load {w['load_s'] * 1e3:.2f} ms")
@@ -153,10 +177,11 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print) -> d
     peak = max(dec["flops_per_s"], train_rate)
     hw = dataclasses.replace(
         CPU_FALLBACK, peak_flops=peak, flops_eff=dec["flops_per_s"] / peak, train_mfu=train_rate / peak,
-        mem_bw=1e15, bw_eff=1.0, step_overhead_s=dec["overhead_s"], per_seq_s=dec["per_seq_s"],
-        dtype_bytes=4, train_step_overhead_s=0.0, sync_fixed_s=0.0,
+        mem_bw=dec["mem_bw"], bw_eff=1.0, step_overhead_s=dec["overhead_s"], per_seq_s=dec["per_seq_s"],
+        dtype_bytes=4, train_step_overhead_s=trf["overhead_s"], sync_fixed_s=0.0,
         load_bw=w["bytes"] / max(w["load_s"], 1e-9), scaleup_bw=w["bytes"] / max(w["publish_s"], 1e-9))
-    result = {"hardware": hw.to_dict(), "decode": dec, "decode_points": rows, "train_points": tr, "weights": w,
+    result = {"hardware": hw.to_dict(), "decode": dec, "train": trf, "decode_points": rows, "train_points": tr,
+              "weights": w,
               "model": dataclasses.asdict(shape), "load_average": os.getloadavg(), "time": time.time()}
     out = out or cache_dir() / "cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -89,6 +89,19 @@ def load_scenario(path: str | Path | None = None, overrides: list[str] | None = 
     return load_config(path, overrides, cls=Scenario)
 
 
+def apply_overrides(scn: Scenario, overrides: list[str]) -> Scenario:
+    """The scenario with `--section.key=value` overrides applied (validated like a loaded one)."""
+    if not overrides:
+        return scn
+    import tempfile
+
+    import yaml
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        yaml.safe_dump(scn.to_dict(), f)
+        f.flush()
+        return load_scenario(f.name, overrides)
+
+
 # ---------------------------------------------------------------------------------------------------
 def model_shape(spec: str) -> ModelShape:
     p = Path(spec)
@@ -171,7 +184,7 @@ def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:
     return summary
 
 
-def scenario_from_run(run_dir: str | Path, steps: int | None = None) -> Scenario:
+def scenario_from_run(run_dir: str | Path) -> Scenario:
     """The scenario of a real tailrace run: its flow and rollout settings, its model's shape on the
     "cpu" preset (fp32 unless the run used bf16) and the lengths its journal recorded."""
     from tailrace.config import RunConfig
@@ -189,9 +202,9 @@ def scenario_from_run(run_dir: str | Path, steps: int | None = None) -> Scenario
                  "intermediate_size": s.intermediate_size, "vocab_size": 100, "tie_word_embeddings": True,
                  "model_type": "llama"}
     overrides = {"dtype_bytes": 2} if cfg.model.dtype == "bfloat16" else {}
-    flow = dataclasses.replace(cfg.flow, steps=steps or cfg.flow.steps)
+    flow = cfg.flow
     cluster = ClusterSpec(hardware="cpu", hardware_overrides=overrides, model=model, model_config=shape,
-                          engines=r.engines,
+                          engines=r.engines, recompute_logprobs=False,
                           slots=r.slots, lookahead=r.lookahead)
     lengths = {"kind": "empirical", "run_dir": str(run_dir), "max_len": r.max_new_tokens}
     return Scenario(name=f"like-{run_dir.name}", cluster=cluster, flow=flow, lengths=lengths, seed=cfg.seed)
