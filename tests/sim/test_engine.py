@@ -50,15 +50,16 @@ def reference(table, slots, smps, aborts=()):
                 out[sid] = (t, running.pop(sid)[0], Finish.ABORTED)
 
     while queue or running:
-        apply_aborts()
-        new = []
-        while queue and len(running) + len(new) < slots:
-            new.append(queue.pop(0))
-        if new:
+        while True:  # a boundary: apply what is due, admit into free slots (a prefill moves the clock)
+            apply_aborts()
+            new = []
+            while queue and len(running) + len(new) < slots:
+                new.append(queue.pop(0))
+            if not new:
+                break
             t += COST.prefill_time([50] * len(new))
             for s in new:
                 running[s.id] = [0, table[(s.group, s.index)], s.version]
-            apply_aborts()
         if not running:
             continue
         batch = {}

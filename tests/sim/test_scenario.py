@@ -1,0 +1,97 @@
+"""Scenarios from YAML, the run directory a simulation writes, and `tailrace sim` on the command line."""
+import json
+
+import pytest
+import yaml
+
+from tailrace.cli import main
+from tailrace.config import FlowConfig, RunConfig, dump_config
+from tailrace.errors import ConfigError
+from tailrace.sim import compare
+from tailrace.sim.scenario import ClusterSpec, Scenario, apply_overrides, load_scenario, scenario_from_run, simulate
+
+SMALL = {"name": "small", "cluster": {"hardware": "h100", "model": "qwen3-1.7b", "engines": 2, "slots": 16,
+                                      "trainer_gpus": 2},
+         "flow": {"mode": "sync", "prompts_per_round": 4, "samples_per_prompt": 4, "train_batch": 8, "steps": 4},
+         "lengths": {"kind": "lognormal", "median": 800, "max_len": 4096, "runaway": 0.05, "prompt": 128}}
+
+
+def test_a_simulated_run_writes_the_files_of_a_real_run(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(SMALL))
+    out = tmp_path / "run"
+    assert main(["sim", "--config", str(path), "--out", str(out)]) == 0
+    for f in ("config.yaml", "metrics.jsonl", "events.jsonl", "journal.jsonl", "report.html", "summary.json"):
+        assert (out / f).is_file(), f
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert {"step_s", "trainer_wait_ratio", "bubble_ratio", "gen_tok_s", "weight_sync_s"} <= set(steps[0]["time"])
+    assert steps[-1]["ledger"] == {"produced": 32, "trained": 32, "discarded": {}}
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    lanes = {e["lane"] for e in events}
+    assert {"engine0", "engine1", "trainer", "scheduler"} <= lanes
+    assert all(e["t1"] >= e["t0"] for e in events if "phase" in e)
+    assert load_scenario(out / "config.yaml").cluster.engines == 2  # the written config runs again
+
+
+def test_bad_scenarios_fail_with_one_line(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**SMALL, "cluster": {**SMALL["cluster"], "hardware": "tpu9"}}))
+    assert main(["sim", "--config", str(path), "--out", str(tmp_path / "x")]) == 2
+    assert main(["sim", "--config", str(path), "--cluster.engnes=3"]) == 2
+    with pytest.raises(ConfigError, match="train_batch"):
+        load_scenario(None, ["--flow.train_batch=12"])
+    with pytest.raises(ConfigError, match="engines"):
+        ClusterSpec(engines=0)
+
+
+def test_overrides_and_every_mode_on_a_gpu_scenario():
+    base = load_scenario(None, [f"--{k}={v}" for k, v in (("cluster.hardware", "h800"), ("cluster.model", "qwen2.5-7b"),
+                                                          ("flow.steps", 6), ("flow.prompts_per_round", 4),
+                                                          ("flow.samples_per_prompt", 4), ("flow.train_batch", 8))])
+    results = {}
+    for mode in ("sync", "pipe", "async", "partial", "multiversion"):
+        s = simulate(apply_overrides(base, [f"--flow.mode={mode}", "--journal=false"]))
+        assert s["steps"] == 6 and s["ledger"]["trained"] == 6 * 8
+        results[mode] = s
+    assert set(results["sync"]["staleness"]) == {"0"} and set(results["pipe"]["staleness"]) == {"0"}
+    assert results["pipe"]["trainer_wait_ratio"] < results["sync"]["trainer_wait_ratio"]
+
+
+def _fake_run(tmp_path):
+    """A run directory as tailrace train leaves it: config, journal of finished samples, step records."""
+    tmp_path.mkdir()
+    cfg = RunConfig(flow=FlowConfig(prompts_per_round=4, samples_per_prompt=4, train_batch=16, steps=3))
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    lines, steps = [], []
+    for g in range(12):
+        for i in range(4):
+            n = 20 + (g * 37 + i * 11) % 200
+            t = {"group": g, "sample_index": i, "prompt_ids": [1] * 12,
+                 "result": {"token_ids": [7] * n, "finish": "stop"}}
+            lines.append(json.dumps({"kind": "done", "group": g, "trajectory": t}))
+    (tmp_path / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    for k in range(3):
+        steps.append({"kind": "step", "step": k, "length": {"bubble": 0.5},
+                      "time": {"step_s": 1.0, "step_trainer_wait_ratio": 0.5, "step_bubble_ratio": 0.8,
+                               "gen_tok_s": 3000.0}})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, steps)) + "\n")
+    return tmp_path
+
+
+def test_a_real_run_directory_becomes_a_scenario_and_compares(tmp_path):
+    run = _fake_run(tmp_path / "real")
+    scn = scenario_from_run(run)
+    assert scn.cluster.hardware == "cpu" and scn.cluster.slots == 64 and scn.flow.steps == 3
+    assert scn.lengths == {"kind": "empirical", "run_dir": str(run), "max_len": RunConfig().rollout.max_new_tokens}
+    out = tmp_path / "sim"
+    assert main(["sim", "--like", str(run), "--out", str(out), "--flow.steps=2"]) == 0
+    real, sim = compare.step_figures(run), compare.step_figures(out)
+    assert sim["steps"] == 2 and real["step_s"] == 1.0
+    rows = compare.compare(real, sim)
+    assert [r[0] for r in rows] == list(compare.FIGURES)
+
+
+def test_default_scenario_is_the_cpu_testbed():
+    scn = Scenario()
+    assert scn.cluster.hardware == "cpu" and scn.cluster.slots == 64 and scn.flow.samples_per_prompt == 8
