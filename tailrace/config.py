@@ -109,6 +109,9 @@ class RolloutConfig:
         _need(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
 
 
+MODES = ("sync", "pipe", "async", "partial", "multiversion")  # = flow.policies.POLICIES (a test keeps them equal)
+
+
 @dataclass
 class FlowConfig:
     mode: str = "sync"  # sync (more modes plug in as policies)
@@ -121,6 +124,7 @@ class FlowConfig:
     keep_checkpoints: int = 2  # older checkpoints are deleted
 
     def __post_init__(self) -> None:
+        _need(self.mode in MODES, f"flow.mode={self.mode!r}: use one of {', '.join(MODES)}")
         for k in ("prompts_per_round", "samples_per_prompt", "train_batch", "steps"):
             _need(getattr(self, k) > 0, f"flow.{k}={getattr(self, k)}: must be positive")
         _need(self.train_batch % self.samples_per_prompt == 0,
@@ -131,6 +135,8 @@ class FlowConfig:
               f"flow.prompts_per_round={self.prompts_per_round} is not a multiple of train_batch/samples_per_prompt"
               f"={U}; a round must split into whole steps")
         _need(self.max_staleness >= 0, f"flow.max_staleness={self.max_staleness}: must be >= 0")
+        _need(self.mode in ("sync", "pipe") or self.max_staleness >= 1,
+              f"flow.max_staleness=0 with flow.mode={self.mode}: off-policy modes need >= 1 (or use sync/pipe)")
         _need(self.checkpoint_every > 0, f"flow.checkpoint_every={self.checkpoint_every}: must be positive")
         _need(self.keep_checkpoints > 0, f"flow.keep_checkpoints={self.keep_checkpoints}: must be positive")
 
@@ -150,6 +156,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
     out: str = "runs"
+    tensorboard: bool = False  # also write scalars to RUN_DIR/tensorboard (pip install tailrace[tensorboard])
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,7 @@ appended to the run directory as it happens.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -52,12 +53,12 @@ class Driver:
         self.metrics = JsonLines(run.file("metrics.jsonl"))
         self.events = JsonLines(run.file("events.jsonl"))
         self.journal = JsonLines(run.file("journal.jsonl"))
+        self.tb = _tensorboard(run) if cfg.tensorboard else None
         self.pending_trajs: dict[int, tuple[int, list[Trajectory]]] = {}  # step -> (version, trajectories)
 
     # ------------------------------------------------------------------ set-up
     def _restore(self) -> int:
         """Load the scheduler checkpoint and replay the journal; returns the version to start from."""
-        import json
         state = json.loads((self.resume_from / "scheduler.json").read_text())
         resume.load_state_dict(self.sched, state)
         entries = list(read_lines(self.run.file("journal.jsonl")))[state["journal_seq"]:]
@@ -109,6 +110,8 @@ class Driver:
                     p.kill()
         for f in (self.metrics, self.events, self.journal):
             f.close()
+        if self.tb is not None:
+            self.tb.close()
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Summary:
@@ -204,10 +207,12 @@ class Driver:
         record = self._step_record(rep, trajs, trainer_version, now)
         if rep.saved:
             self._drain_journal(sync=True)
-            import json
             (Path(rep.saved) / "scheduler.json").write_text(json.dumps(resume.state_dict(self.sched)))
             self.run.set_latest(Path(rep.saved).name, self.cfg.flow.keep_checkpoints)
         self.metrics.write(record)
+        if self.tb is not None:
+            for key, value in _flatten(record):
+                self.tb.add_scalar(key, value, rep.step + 1)
         if self.ui is not None:
             self.ui.step(record)
 
@@ -254,6 +259,25 @@ class Driver:
             if not p.is_alive():
                 raise RuntimeError(f"{name} process died (exit code {p.exitcode}); the run directory keeps "
                                    f"everything up to now — fix the cause and continue with --resume")
+
+
+def _tensorboard(run: RunDir):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from tailrace.errors import ConfigError
+        raise ConfigError("tensorboard=true needs the tensorboard package; pip install 'tailrace[tensorboard]' "
+                          "or drop --tensorboard") from None
+    return SummaryWriter(str(run.path / "tensorboard"))
+
+
+def _flatten(d: dict, prefix: str = ""):
+    """('length/p50', 37.0)... for every numeric leaf of a step record."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}/")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+            yield prefix + k, v
 
 
 def _expect(conn, what: str, proc, name: str, timeout: float = 300.0) -> None:
