@@ -161,6 +161,7 @@ class Recorder:
             "train_tokens": self.train_tokens, "sim_events": cl.events,
             "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
             "ledger": s.ledger.state_dict(),
+            "step_end_s": [r["end"] for r in sorted(self.step_log, key=lambda r: r["step"])],
         }
 
 

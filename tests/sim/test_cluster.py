@@ -138,3 +138,24 @@ def test_a_policy_that_issues_no_work_stalls_with_a_message():
     cl = cluster(Idle(), ConstantLengths(50, prompt=10), R=2, K=2, U=2, steps=2)
     with pytest.raises(SimStalled, match="issued no work"):
         cl.run()
+
+
+def test_colocated_training_pauses_the_engines():
+    lengths = LognormalLengths(median=400, max_len=3000, prompt=64, seed=2)
+
+    def run(mode, colocated):
+        sched = Scheduler(make_policy(mode), prompt_stream(lengths), [(16, 0)] * 2, FlowSpec(8, 4, 2, 8))
+        cl = SimCluster(sched, [SimEngine(i, 16, COST, lengths) for i in range(2)], COST, Capture(), colocated=colocated)
+        cl.run()
+        return cl
+    # sync never overlaps, so sharing the devices costs nothing
+    assert run("sync", True).now == pytest.approx(run("sync", False).now, rel=1e-9)
+    apart, shared = run("pipe", False), run("pipe", True)
+    assert shared.now > apart.now
+    waits = [sp for e in shared.engines for sp in e.spans if sp.phase == "wait"]
+    trains = [(sp.t0, sp.t1) for sp in shared.trainer_spans]  # train, then publish
+    assert waits and all(any(t0 - 1e-9 <= w.t1 <= t1 + 1e-9 for t0, t1 in trains) for w in waits)  # end with a step
+    for e in shared.engines:  # no decoding while the trainer holds the devices
+        for sp in e.spans:
+            if sp.phase == "generate":
+                assert not any(t0 + 1e-9 < sp.t0 < t1 - 1e-9 for t0, t1 in trains)
