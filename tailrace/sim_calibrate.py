@@ -9,7 +9,8 @@ do), one torch thread per role as on the testbed, fp32:
   form  step = overhead + per_seq * batch + max((weights + KV of the context) / bw, FLOPs / rate)
   (see `fit_decode`; efficiencies are folded into the fitted bw and rate);
 - train: `GRPOTrainer.step` over synthetic groups; FLOPs per step (6N per token + attention) / time;
-- weights: the shared-memory publish (one memcpy) and the engine's load of a version.
+- weights: the shared-memory publish (one memcpy) and the engine's load of a version;
+- checkpoint: the trainer worker's save after a publishing step (a real run's flow.checkpoint_every).
 
 Timing on a shared machine is noisy: every figure is the median of repeats, and the JSON records
 the machine's load average at the time.
@@ -110,10 +111,24 @@ def _traj(group: int, i: int, n: int, prompt: tuple[int, ...]) -> Trajectory:
     return Trajectory(group, i, group, prompt, res, reward=float(i % 2), correct=bool(i % 2))
 
 
+def measure_checkpoint(trainer: GRPOTrainer, repeats: int = 3) -> float:
+    """Seconds the trainer worker spends writing a checkpoint (model + optimizer + RNG)."""
+    import tempfile
+
+    from tailrace.runtime.trainer_worker import save_checkpoint
+    times = []
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            save_checkpoint(trainer, trainer.model, Path(d) / f"step_{i}")
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure_train(cfg: SFTConfig, shape: ModelShape, lengths=(64, 128, 256), groups: int = 16, k: int = 8,
-                  repeats: int = 3) -> list[tuple[int, float, float]]:
+                  repeats: int = 3, trainer: GRPOTrainer | None = None) -> list[tuple[int, float, float]]:
     """(tokens, FLOPs, seconds) of real optimizer steps over synthetic groups."""
-    trainer = GRPOTrainer(_model(cfg), TrainerConfig())
+    trainer = trainer or GRPOTrainer(_model(cfg), TrainerConfig())
     prompt = (5,) * 16
     rows = []
     for n in lengths:
@@ -164,7 +179,9 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print) -> d
                  f"{dec['mem_bw'] / 1e9:.2f} GB/s, {dec['flops_per_s'] / 1e9:.1f} GFLOP/s "
                  f"(median error {dec['rel_err_median']:.1%})")
         progress("train: real GRPO optimizer steps")
-        tr = measure_train(cfg, shape, lengths=(64, 192) if quick else (64, 128, 256), repeats=1 if quick else 3)
+        trainer = GRPOTrainer(_model(cfg), TrainerConfig())
+        tr = measure_train(cfg, shape, lengths=(64, 192) if quick else (64, 128, 256), repeats=1 if quick else 3,
+                           trainer=trainer)
         trf = fit_train(tr)
         train_rate = trf["flops_per_s"]
         progress(f"  {train_rate / 1e9:.2f} GFLOP/s + {trf['overhead_s']:.3f} s/step "
@@ -172,6 +189,8 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print) -> d
         progress("weights: shared-memory publish and engine load")
         w = measure_weights(model)
         progress(f"  {w['bytes'] / 1e6:.1f} MB: publish {w['publish_s'] * 1e3:.2f} ms, load {w['load_s'] * 1e3:.2f} ms")
+        ckpt = measure_checkpoint(trainer)
+        progress(f"checkpoint: {ckpt * 1e3:.1f} ms (model + optimizer)")
     finally:
         torch.set_num_threads(prev)
     peak = max(dec["flops_per_s"], train_rate)
@@ -181,7 +200,7 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print) -> d
         dtype_bytes=4, train_step_overhead_s=trf["overhead_s"], sync_fixed_s=0.0,
         load_bw=w["bytes"] / max(w["load_s"], 1e-9), scaleup_bw=w["bytes"] / max(w["publish_s"], 1e-9))
     result = {"hardware": hw.to_dict(), "decode": dec, "train": trf, "decode_points": rows, "train_points": tr,
-              "weights": w,
+              "weights": w, "extra": {"checkpoint_s": ckpt},
               "model": dataclasses.asdict(shape), "load_average": os.getloadavg(), "time": time.time()}
     out = out or cache_dir() / "cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -129,7 +129,6 @@ class SimCluster:
             self.events += 1
             if rep.results:
                 self.sched.on_results(eng.id, rep.results, env.now)
-                self.rec.on_results(eng.id, rep.results)
             for version, t in rep.loaded:
                 ev = env.timeout(t - env.now)
                 ev.callbacks.append(lambda _e, i=eng.id, v=version: self._loaded(i, v))
@@ -150,10 +149,11 @@ class SimCluster:
             lengths = [len(t.prompt_ids) + t.length for g in c.groups for t in g.trajectories]
             dt = self.cost.train_time(lengths)
             pub = self.cost.publish_time() if c.publish is not None else 0.0
+            ckpt = self.cost.checkpoint_s if c.publish is not None else 0.0
             t0 = env.now
             if self.colocated:
                 for e in self.engines:
-                    self._post(e.id, Block(t0 + dt + pub))
+                    self._post(e.id, Block(t0 + dt + pub + ckpt))
             yield env.timeout(dt)
             self.trainer_spans.append(Span("train", t0, env.now))
             self.trainer_busy += dt
@@ -162,6 +162,9 @@ class SimCluster:
                 yield env.timeout(pub)
                 self.trainer_spans.append(Span("sync", t0 + dt, env.now, c.publish))
                 sync = (t0 + dt, env.now)
+            if ckpt:
+                yield env.timeout(ckpt)
+                self.trainer_spans.append(Span("checkpoint", env.now - ckpt, env.now))
             self.events += 1
             self.sched.on_trained(c.step, env.now)
             if c.publish is not None:

@@ -31,6 +31,7 @@ class CostModel:
     engine_gpus: int = 1  # devices per engine (tensor-parallel group)
     trainer_gpus: int = 1
     recompute_logprobs: bool = True  # the trainer runs a forward of the old policy before its step
+    checkpoint_s: float = 0.0  # trainer time to write a checkpoint after a publishing step (measured, not modelled)
 
     def __post_init__(self) -> None:
         if self.engine_gpus < 1 or self.trainer_gpus < 1:

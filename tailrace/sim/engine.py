@@ -73,7 +73,7 @@ class Report:
 
 @dataclass
 class Span:
-    phase: str  # generate | sync | wait
+    phase: str  # generate | sync | wait | train | checkpoint
     t0: float
     t1: float
     version: int | None = None
@@ -110,10 +110,6 @@ class SimEngine:
         """Queue a command; it takes effect at the engine's next boundary (see `plan`). A plan made
         before stays valid (an event due now applies the command too); re-plan to act sooner."""
         self.inbox.append(cmd)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.running or self.queue or self.inbox)
 
     # ------------------------------------------------------------------ clock
     def plan(self, now: float) -> float | None:
@@ -292,7 +288,4 @@ class SimEngine:
         if now <= self.t_b or not self.running:
             return self.slot_time
         return self.slot_time + len(self.running) * (now - self.t_b)
-
-    def kv_tokens(self) -> int:
-        return sum(self.ctx.values())
 

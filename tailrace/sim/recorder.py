@@ -61,9 +61,6 @@ class Recorder:
             self._write("events", {"lane": "scheduler", "kind": m.kind, "t": m.t, **m.data})
         sched.marks.clear()
 
-    def on_results(self, engine: int, trajs: list[Trajectory]) -> None:
-        pass
-
     def on_train_issued(self, c: Train, now: float) -> None:
         self.issued[c.step] = (now, c)
 

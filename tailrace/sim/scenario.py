@@ -25,7 +25,7 @@ from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.sim.cluster import SimCluster
 from tailrace.sim.costs import CostModel
 from tailrace.sim.engine import TOKEN, SimEngine
-from tailrace.sim.hardware import get_hardware
+from tailrace.sim.hardware import cache_dir, get_hardware
 from tailrace.sim.lengths import LengthModel, make_lengths
 from tailrace.sim.models import ModelShape, get_model
 from tailrace.sim.recorder import Recorder
@@ -47,6 +47,7 @@ class ClusterSpec:
     trainer_gpus: int = 1
     colocated: bool = False  # trainer and engines share devices: engines pause while training runs
     recompute_logprobs: bool = True  # the trainer runs a forward for old-policy logprobs before each step
+    checkpoint_s: float = 0.0  # trainer seconds to write a checkpoint after each publishing step
 
     def __post_init__(self) -> None:
         for k in ("engines", "engine_gpus", "trainer_gpus"):
@@ -135,7 +136,7 @@ def cost_model(scn: Scenario) -> CostModel:
     except TypeError as e:
         raise ConfigError(f"cluster.hardware_overrides: {e}; valid keys are the fields of sim.hardware.Hardware") from None
     shape = shape_from_hf(c.model_config, c.model) if c.model_config else model_shape(c.model)
-    return CostModel(hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs)
+    return CostModel(hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s)
 
 
 def engine_slots(scn: Scenario, cost: CostModel, lengths: LengthModel) -> int:
@@ -184,6 +185,12 @@ def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:
     return summary
 
 
+def calibration() -> dict:
+    """Extra measurements `tailrace sim calibrate` saved next to the cpu preset (empty if none)."""
+    path = cache_dir() / "cpu.json"
+    return json.loads(path.read_text()).get("extra", {}) if path.is_file() else {}
+
+
 def scenario_from_run(run_dir: str | Path) -> Scenario:
     """The scenario of a real tailrace run: its flow and rollout settings, its model's shape on the
     "cpu" preset (fp32 unless the run used bf16) and the lengths its journal recorded."""
@@ -202,9 +209,11 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
                  "intermediate_size": s.intermediate_size, "vocab_size": 100, "tie_word_embeddings": True,
                  "model_type": "llama"}
     overrides = {"dtype_bytes": 2} if cfg.model.dtype == "bfloat16" else {}
+    # the trainer writes a checkpoint every `checkpoint_every` publishing steps: its measured cost, spread
+    ckpt = calibration().get("checkpoint_s", 0.0) / cfg.flow.checkpoint_every
     flow = cfg.flow
     cluster = ClusterSpec(hardware="cpu", hardware_overrides=overrides, model=model, model_config=shape,
-                          engines=r.engines, recompute_logprobs=False,
+                          engines=r.engines, recompute_logprobs=False, checkpoint_s=ckpt,
                           slots=r.slots, lookahead=r.lookahead)
     lengths = {"kind": "empirical", "run_dir": str(run_dir), "max_len": r.max_new_tokens}
     return Scenario(name=f"like-{run_dir.name}", cluster=cluster, flow=flow, lengths=lengths, seed=cfg.seed)
