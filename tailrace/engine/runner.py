@@ -3,7 +3,8 @@
 `CausalLM.forward` is the reference and serves prefill; decode, which runs every step on every live
 sequence, gets this dedicated path over the same weights and the same KV cache layout:
   * q/k/v and gate/up projections fused into one GEMM each (fused copies of the weights, rebuilt by
-    `refresh` after a weight load), residual adds folded into `addmm`;
+    `refresh` after a weight load), residual adds folded into `addmm`; in fp32 each RMSNorm weight is
+    folded into the columns of the projection that follows it ((x*w) W^T = x (W diag w)^T);
   * RoPE applied to q and k in one op set, looked up in a table built by `tailrace.model.rope` (the
     model's own table function, so positions rotate identically);
   * attention of one query per sequence over a contiguous slice of cache rows (a view) as two batched
@@ -18,17 +19,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tailrace.engine.linear import Linear, packing_supported
 from tailrace.model.decoder import CausalLM
 from tailrace.model.kv_cache import KVCache
 from tailrace.model.rope import inv_freq_and_scale, rope_table
 
 
 class _Layer:
-    __slots__ = ("n1", "n2", "qkv_w", "qkv_b", "o_wt", "o_b", "gu_w", "down_wt")
+    __slots__ = ("n1", "n2", "qkv", "o", "gate_up", "down")
 
 
 class DecodeRunner:
-    def __init__(self, model: CausalLM, max_len: int, attention: str | None = None):
+    def __init__(self, model: CausalLM, max_len: int, attention: str | None = None, packed: bool | None = None):
+        """`packed`: oneDNN packed weights (see `linear.py`); None = wherever supported."""
         cfg = model.config
         self.model = model
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -43,6 +46,11 @@ class DecodeRunner:
         if attention not in ("bmm", "sdpa"):
             raise ValueError(f"attention={attention!r}: use 'bmm' or 'sdpa'")
         self.attention = attention
+        self.packed = packing_supported(self.dtype) if packed is None else packed
+        if self.device.type != "cpu":
+            self.packed = False
+        # fp32 packed GEMMs lose to MKL at tiny batches (measured); bf16 ones win at every batch
+        self.packed_min_batch = 4 if self.dtype == torch.float32 else 1
         inv_freq, scale = inv_freq_and_scale(cfg)
         cos, sin = rope_table(inv_freq, scale, max_len)  # (max_len, D) fp32, sin first half negated
         # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
@@ -53,24 +61,31 @@ class DecodeRunner:
     def refresh(self) -> None:
         """(Re)build the fused weights from the model's current parameters."""
         m = self.model.model
+        fold = self.dtype == torch.float32  # in bf16 the model rounds x*w before the GEMM: keep that
+
+        pk = self.packed
+
+        def proj(norm_w, ws, bs=None):  # one GEMM for the projections that read one RMSNorm's output
+            w = torch.cat(ws)
+            b = torch.cat(bs) if bs and bs[0] is not None else None
+            return (Linear(w * norm_w, b, pk), None) if fold else (Linear(w, b, pk), norm_w)
+
         self.embed = m.embed_tokens.weight
-        self.norm = m.norm.weight
-        self.lm_head = self.model.lm_head.weight
+        self.lm_head, self.norm = proj(m.norm.weight, [self.model.lm_head.weight])
         self.layers = []
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
             L = _Layer()
-            L.n1, L.n2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-            L.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            L.qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-            L.o_wt, L.o_b = a.o_proj.weight.t(), a.o_proj.bias
-            L.gu_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            L.down_wt = mlp.down_proj.weight.t()
+            L.qkv, L.n1 = proj(layer.input_layernorm.weight, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                               [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk)
+            L.gate_up, L.n2 = proj(layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight])
+            L.down = Linear(mlp.down_proj.weight, None, pk)
             self.layers.append(L)
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+    def _rms(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        if w is None:  # weight folded into the next GEMM
+            return F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         # As the model's RMSNorm: normalize in fp32, cast back, then scale in the model dtype.
         return w * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -96,10 +111,10 @@ class DecodeRunner:
         else:
             bias = torch.zeros(B, 1, 1, S, dtype=self.dtype, device=dev)
             bias.masked_fill_(masked[:, None, None, :], float("-inf"))
+        pk = self.packed and B >= self.packed_min_batch
         x = F.embedding(tokens, self.embed)  # (B, hidden)
         for i, lw in enumerate(self.layers):
-            h = self._rms(x, lw.n1)
-            qkv = F.linear(h, lw.qkv_w, lw.qkv_b)  # (B, (H + 2 Hkv) D)
+            qkv = lw.qkv(self._rms(x, lw.n1), pk)  # (B, (H + 2 Hkv) D)
             qk = qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D)
             half = D // 2
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
@@ -120,10 +135,8 @@ class DecodeRunner:
             else:
                 q = qk[:, :H].view(B, Hkv, G, D)  # GQA: query heads of one kv head become G queries
                 o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=bias, scale=self.scale)
-            x = torch.addmm(x, o.reshape(B, H * D), lw.o_wt)
-            if lw.o_b is not None:
-                x = x + lw.o_b
-            gu = F.linear(self._rms(x, lw.n2), lw.gu_w)  # (B, 2 I)
+            x = lw.o.add(o.reshape(B, H * D), x, pk)
+            gu = lw.gate_up(self._rms(x, lw.n2), pk)  # (B, 2 I)
             act = F.silu(gu[:, :I]).mul_(gu[:, I:])
-            x = torch.addmm(x, act, lw.down_wt)
-        return F.linear(self._rms(x, self.norm), self.lm_head)
+            x = lw.down.add(act, x, pk)
+        return self.lm_head(self._rms(x, self.norm), pk)

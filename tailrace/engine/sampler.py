@@ -24,7 +24,7 @@ M32 = 0xFFFFFFFF
 # Multipliers of a xorshift-multiply finalizer. Both are odd and < 2**31, so products of 32-bit values
 # stay below 2**63 and int64 tensor arithmetic never overflows (no reliance on wrap-around).
 _C1, _C2 = 0x21F0AAAD, 0x735A2D97
-_IDX_SALT, _VOCAB_SALT = 0x2545F491, 0x6A09E667
+_IDX_STEP, _VOCAB_SALT = 0x2545F491, 0x6A09E667
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def gumbel_noise(key: torch.Tensor, index: torch.Tensor, salt: torch.Tensor) -> 
     """Standard Gumbel noise (B, V) float32 for rows with 32-bit `key` (B,) at token `index` (B,).
 
     u = hash(key, index, vocab id) read as a uniform in (0, 1) (24 bits), g = -log(-log(u))."""
-    row = mix32(key ^ mix32(index ^ _IDX_SALT))  # (B,), distinct for distinct indices of one key
+    row = mix32((key + index * _IDX_STEP) & M32)  # (B,), distinct for distinct indices (< 2**32) of one key
     bits = mix32(row[:, None] ^ salt[None, :]) >> 8  # (B, V) in [0, 2**24)
     u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return u.log_().neg_().log_().neg_()

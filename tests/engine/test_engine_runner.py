@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tailrace.engine.linear import packing_supported
 from tailrace.engine.runner import DecodeRunner
 
 from tests.engine.engine_helpers import tiny_model
@@ -18,12 +19,12 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("attention", ["bmm", "sdpa"])
+@pytest.mark.parametrize("attention,packed", [("bmm", False), ("bmm", True), ("sdpa", None)])
 @torch.inference_mode()
-def test_decode_matches_model_forward(name, attention):
+def test_decode_matches_model_forward(name, attention, packed):
     model = tiny_model(3, **CONFIGS[name])
     B, max_len = 5, 96
-    runner = DecodeRunner(model, max_len, attention)
+    runner = DecodeRunner(model, max_len, attention, packed=packed and packing_supported(torch.float32))
     lens = [7, 30, 1, 19, 44]
     ref_cache, cache = model.new_cache(B + 2, max_len), model.new_cache(B + 2, max_len)
     g = torch.Generator().manual_seed(0)
@@ -43,11 +44,11 @@ def test_decode_matches_model_forward(name, attention):
         torch.testing.assert_close(cache.v[layer], ref_cache.v[layer], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("attention,packed", [("bmm", False), ("bmm", True), ("sdpa", None)])
 @torch.inference_mode()
-def test_bf16_decode_close_to_model_forward():
+def test_bf16_decode_close_to_model_forward(attention, packed):
     model = tiny_model(4).to(torch.bfloat16)
-    runner = DecodeRunner(model, 64)
-    assert runner.attention == "sdpa"
+    runner = DecodeRunner(model, 64, attention, packed=packed and packing_supported(torch.bfloat16))
     ref_cache, cache = model.new_cache(3, 64), model.new_cache(3, 64)
     toks = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(1))
     for c in (ref_cache, cache):

@@ -1,0 +1,259 @@
+"""Engine throughput: tailrace's engine vs Hugging Face `generate` vs vLLM's CPU build, one run, one table.
+
+    .venv/bin/python bench/engine.py                # full run (writes bench/out/engine.json)
+    .venv/bin/python bench/engine.py --quick        # smoke run: batches 1 and 8, 32 new tokens
+
+Every contender generates the same shape of work from the same checkpoint: `batch` requests, each a
+16-token random prompt and exactly `--new-tokens` sampled tokens (temperature 1.0, no top-k/top-p, EOS
+ignored), torch pinned to `--threads` threads. tokens/s = batch * new_tokens / wall seconds of one
+whole generate call (prefill included), median of `--repeats` timed calls after one warm-up.
+
+- "gemm limit": the decode step's matrix multiplies alone (the engine's fused projections and the
+  LM head at that batch, in a loop), best of the repeats: the physical limit of this model on this
+  core; "share" = engine tokens/s / limit tokens/s.
+- vLLM runs through `bench/vllm_runner.py` in `.venv-vllm` (build it with `make vllm`), in its own
+  processes, with the same thread count.
+- The continuous-batching workload sends 512 requests with long-tailed (lognormal) response lengths
+  through 64 slots, then the same requests as static batches of 64 that wait for their longest.
+The machine may be shared: the 1-minute load average is printed and stored with the results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tailrace.engine import Engine  # noqa: E402
+from tailrace.engine.runner import DecodeRunner  # noqa: E402
+from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from tailrace.model.config import ModelConfig  # noqa: E402
+from tailrace.model.decoder import CausalLM  # noqa: E402
+from tailrace.tokenizer import char_tokenizer  # noqa: E402
+from tailrace.types import GenRequest, SamplingParams  # noqa: E402
+
+PROMPT_TOKENS = 16  # as bench/vllm_runner.py
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="HF checkpoint dir (default: the default architecture, random weights, "
+                                   "seeded, saved to a temp dir)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cb-requests", type=int, default=512)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--quick", action="store_true", help="batches 1,8; 32 new tokens; 1 repeat; 128 CB requests")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out" / "engine.json"))
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batches, a.new_tokens, a.repeats, a.cb_requests = "1,8", 32, 1, 128
+    a.batches = [int(x) for x in a.batches.split(",")]
+    a.dtypes = a.dtypes.split(",")
+    return a
+
+
+def default_model_dir(tmp: str) -> str:
+    """The default tailrace architecture with seeded random weights, plus its char tokenizer (vLLM needs one)."""
+    tok = char_tokenizer()
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                      pad_token_id=tok.pad_id, model_type="llama")
+    path = os.path.join(tmp, "model")
+    save_pretrained(CausalLM.from_config(cfg, seed=0), path)
+    tok.save(path)
+    return path
+
+
+def prompts(batch: int, vocab: int, rng: random.Random) -> list[tuple[int, ...]]:
+    return [tuple(rng.randrange(4, vocab) for _ in range(PROMPT_TOKENS)) for _ in range(batch)]
+
+
+def timed(fn, repeats: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# -- contenders -------------------------------------------------------------------------------------
+
+def bench_engine(engine: Engine, batch: int, new: int, repeats: int, rng: random.Random) -> float:
+    V = engine.vocab_size
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, min_new_tokens=new)
+    n = [0]
+
+    def run():
+        reqs = [GenRequest(f"b{n[0]}-{i}", p, params) for i, p in enumerate(prompts(batch, V, rng))]
+        n[0] += 1
+        engine.generate(reqs)
+    return batch * new / statistics.median(timed(run, repeats))
+
+
+def bench_hf(model_dir: str, dtype: torch.dtype, batch: int, new: int, repeats: int, rng: random.Random) -> float:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    V = hf.config.vocab_size
+
+    def run():
+        ids = torch.tensor(prompts(batch, V, rng))
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                        max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    return batch * new / statistics.median(timed(run, repeats))
+
+
+def bench_vllm(model_dir: str, dtype: str, batch: int, new: int, threads: int, repeats: int) -> float | str:
+    if not VLLM_PY.exists():
+        return "not installed (make vllm)"
+    cmd = [str(VLLM_PY), str(ROOT / "bench" / "vllm_runner.py"), "--model", model_dir, "--batch", str(batch),
+           "--dtype", dtype, "--new-tokens", str(new), "--threads", str(threads), "--repeats", str(repeats), "--json"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        return float(json.loads(p.stdout.strip().splitlines()[-1])["tokens_per_s"])
+    except Exception as e:  # report, never abort the whole bench
+        tail = (p.stderr.strip().splitlines() or ["?"])[-1] if "p" in locals() else str(e)
+        return f"failed: {tail[:60]}"
+
+
+def gemm_limit(runner: DecodeRunner, batch: int, repeats: int) -> float:
+    """tokens/s if a decode step were only its matrix multiplies (fused q/k/v, o, gate/up, down, LM head),
+    each by the faster of the runner's two GEMM paths (MKL, oneDNN packed), best of the repeats."""
+    dt, dev = runner.dtype, runner.device
+    x_h = torch.randn(batch, runner.embed.shape[1], dtype=dt, device=dev)
+    x_o = torch.randn(batch, runner.H * runner.D, dtype=dt, device=dev)
+    x_d = torch.randn(batch, runner.I, dtype=dt, device=dev)
+    mats = []
+    for L in runner.layers:
+        mats += [(x_h, L.qkv), (x_o, L.o), (x_h, L.gate_up), (x_d, L.down)]
+    mats.append((x_h, runner.lm_head))
+    best = math.inf
+    for packed in (False, True) if runner.packed else (False,):
+        def steps():
+            for _ in range(20):
+                for a, lin in mats:
+                    lin(a, packed)
+        with torch.inference_mode():
+            best = min(best, min(timed(steps, max(repeats, 3))) / 20)
+    return batch / best
+
+
+# -- continuous batching ----------------------------------------------------------------------------
+
+def cb_workload(n: int, vocab: int, rng: random.Random) -> list[GenRequest]:
+    """Lognormal response lengths (median 48, sigma 0.8: p99/median ~ 6), 16-token prompts."""
+    reqs = []
+    for i, p in enumerate(prompts(n, vocab, rng)):
+        m = int(min(480, max(1, round(math.exp(math.log(48) + 0.8 * rng.gauss(0, 1))))))
+        reqs.append(GenRequest(f"cb{i}", p, SamplingParams(temperature=1.0, max_new_tokens=m, min_new_tokens=m)))
+    return reqs
+
+
+def run_cb(engine: Engine, reqs: list[GenRequest], static: int | None) -> dict:
+    """All requests through the engine; `static`: admit in batches of that size, each waiting for its longest."""
+    t0 = time.perf_counter()
+    busy = 0.0
+    total = 0.0
+    groups = [reqs] if static is None else [reqs[i:i + static] for i in range(0, len(reqs), static)]
+    tokens = 0
+    for g in groups:
+        for r in g:
+            engine.add(r)
+        while engine.num_running or engine.num_waiting:
+            ev = engine.step()
+            busy += ev.active * ev.duration
+            total += ev.duration
+            tokens += sum(len(r.token_ids) for r in ev.finished)
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / wall, "slot_utilization": busy / (total * engine.num_slots), "seconds": wall}
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+def fmt(x) -> str:
+    return f"{x:,.0f}" if isinstance(x, (int, float)) else str(x)
+
+
+def ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) and b > 0 else "-"
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    tmp = tempfile.mkdtemp(prefix="tailrace-bench-")
+    model_dir = a.model or default_model_dir(tmp)
+    rng = random.Random(0)
+    rows = []
+    print(f"model {model_dir} | threads {a.threads} | {a.new_tokens} new tokens, {PROMPT_TOKENS}-token prompts | "
+          f"load avg {os.getloadavg()[0]:.2f}", flush=True)
+    for dn in a.dtypes:
+        dtype = DTYPES[dn]
+        model = load_pretrained(model_dir, dtype=dtype)
+        engine = Engine(model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0)
+        for b in a.batches:
+            row = {"dtype": dn, "batch": b}
+            row["tailrace"] = bench_engine(engine, b, a.new_tokens, a.repeats, rng)
+            row["gemm_limit"] = gemm_limit(engine._versions[0], b, a.repeats)
+            row["share"] = row["tailrace"] / row["gemm_limit"]
+            row["hf"] = "skipped" if a.no_hf else bench_hf(model_dir, dtype, b, a.new_tokens, a.repeats, rng)
+            row["vllm"] = "skipped" if a.no_vllm else bench_vllm(model_dir, dn, b, a.new_tokens, a.threads, a.repeats)
+            row["vs_hf"], row["vs_vllm"] = ratio(row["tailrace"], row["hf"]), ratio(row["tailrace"], row["vllm"])
+            rows.append(row)
+            print(f"  {dn} batch {b}: tailrace {fmt(row['tailrace'])} tok/s, hf {fmt(row['hf'])}, "
+                  f"vllm {fmt(row['vllm'])}, gemm limit {fmt(row['gemm_limit'])}", flush=True)
+
+    dn = a.dtypes[0]
+    engine = Engine(load_pretrained(model_dir, dtype=DTYPES[dn]), num_slots=64, max_len=PROMPT_TOKENS + 512, seed=0)
+    reqs = cb_workload(a.cb_requests, engine.vocab_size, random.Random(1))
+    lens = sorted(r.params.max_new_tokens for r in reqs)
+    run_cb(engine, reqs[:64], None)  # warm-up
+    cb = {"dtype": dn, "requests": len(reqs), "slots": 64, "median_len": lens[len(lens) // 2],
+          "p99_len": lens[int(0.99 * (len(lens) - 1))], "continuous": run_cb(engine, reqs, None),
+          "static": run_cb(engine, reqs, 64)}
+
+    header = f"{'dtype':5} {'batch':>5} {'tailrace':>10} {'HF':>10} {'vLLM':>26} {'gemm limit':>11} {'share':>6} " \
+             f"{'/HF':>6} {'/vLLM':>6}"
+    print("\ntokens/s (higher is better)\n" + header + "\n" + "-" * len(header))
+    for r in rows:
+        print(f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace']):>10} {fmt(r['hf']):>10} {fmt(r['vllm']):>26} "
+              f"{fmt(r['gemm_limit']):>11} {r['share']:>6.0%} {r['vs_hf']:>6} {r['vs_vllm']:>6}")
+    c, s = cb["continuous"], cb["static"]
+    print(f"\ncontinuous batching, {dn}: {cb['requests']} requests, lognormal lengths (median {cb['median_len']}, "
+          f"p99 {cb['p99_len']}, p99/median {cb['p99_len'] / cb['median_len']:.1f}) through {cb['slots']} slots")
+    print(f"  continuous  {fmt(c['tokens_per_s']):>8} tok/s  slot utilization {c['slot_utilization']:.0%}")
+    print(f"  static      {fmt(s['tokens_per_s']):>8} tok/s  slot utilization {s['slot_utilization']:.0%}")
+    print(f"  continuous / static: {c['tokens_per_s'] / s['tokens_per_s']:.2f}x")
+    out = {"args": {k: v for k, v in vars(a).items()}, "model": model_dir, "torch": torch.__version__,
+           "loadavg_1m_end": os.getloadavg()[0], "rows": rows, "continuous_batching": cb}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {a.out} | load avg {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
