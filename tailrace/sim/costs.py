@@ -63,9 +63,12 @@ class CostModel:
 
     def decode_segment(self, batch: dict[int, tuple[int, int]]) -> Segment:
         """batch: version -> (running sequences, their total context in tokens)."""
-        live = [(b, ctx) for b, ctx in batch.values() if b > 0]
-        base = len(live) * self.forward_overhead + self.hw.per_seq_s * sum(b for b, _ in live)
-        return Segment(base, tuple(self.version_terms(b, ctx) for b, ctx in live))
+        terms, seqs = [], 0
+        for b, ctx in batch.values():
+            if b > 0:
+                terms.append(self.version_terms(b, ctx))
+                seqs += b
+        return Segment(len(terms) * self.forward_overhead + self.hw.per_seq_s * seqs, tuple(terms))
 
     def decode_step_time(self, batch: int, context: int) -> float:
         """One step of one version: `batch` sequences reading `context` tokens in total."""

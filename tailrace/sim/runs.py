@@ -44,6 +44,8 @@ class Runs(Sequence):
         return self._len
 
     def __iter__(self):
+        if len(self.runs) == 1:  # the common case: one C iterator, no chaining
+            return itertools.repeat(*self.runs[0])
         return itertools.chain.from_iterable(itertools.repeat(v, n) for v, n in self.runs)
 
     def __getitem__(self, i):
