@@ -5,11 +5,17 @@ trainer under SimPy's virtual clock (DESIGN.md §2 "Simulator").
     models.py    ModelShape presets (parameter/KV/FLOP counts from config.json shapes)
     costs.py     CostModel: decode roofline, prefill, weight load/publish, train step
     segment.py   Segment: decode steps over a constant batch, summed in closed form
+    runs.py      Runs: run-length token/version sequences (exact, O(runs) memory)
     lengths.py   response-length models (constant, lognormal with tail, empirical replay)
     engine.py    SimEngine: continuous batching, one event per request boundary
     cluster.py   SimCluster: the scheduler loop under SimPy
     recorder.py  metrics.jsonl / events.jsonl / journal.jsonl and the run summary
     scenario.py  Scenario (YAML), simulate(), scenario_from_run()
+    compare.py   the same step figures read from a real and a simulated run directory
+    metrics.py   length/staleness/interval helpers (DESIGN.md §5 definitions)
 
-No torch, no processes, no wall clock (checked by .importlinter).
+Calibration of the "cpu" preset lives outside (tailrace/sim_calibrate.py): it needs torch.
+
+No torch and no processes (checked by .importlinter); time is SimPy's virtual clock (the wall clock only
+times the simulator itself).
 """
