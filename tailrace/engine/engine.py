@@ -82,7 +82,7 @@ class Engine:
         self._decode_step = 0
         self._finish_at: dict[int, list[Sequence]] = {}  # decode step -> sequences reaching their length
         self._max_pos_key: dict[int, int] = {}  # version -> max of pos_key over its decode rows
-        self._n_sampled = self._n_filter = self._n_min_stop = self._n_stop = 0  # over decode rows
+        self._n_sampled = self._n_tempered = self._n_filter = self._n_min_stop = self._n_stop = 0  # decode rows
         self._paused = False
 
     # -- public API ---------------------------------------------------------------------------------
@@ -231,6 +231,8 @@ class Engine:
         rows_t = torch.tensor(done_rows, device=dev)
         ps = [s.req.params for s in completed]
         flags = SampleFlags(any_sampled=any(p.temperature > 0 for p in ps),
+                            any_greedy=any(p.temperature == 0 for p in ps),
+                            any_tempered=any(p.temperature not in (0, 1) for p in ps),
                             any_filter=any(p.top_k or p.top_p < 1 for p in ps),
                             any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps))
         tokens, lps = sample(torch.stack(done_logits), salt=self._salt, flags=flags, **self.rows.sampling_args(rows_t))
@@ -253,7 +255,8 @@ class Engine:
                 s = slice(g.start, g.stop)
                 logits[s] = self._versions[g.version].decode(ints[s, TOK], ints[s, POS], self.cache, s,
                                                              self._max_pos(g.version))
-        flags = SampleFlags(any_sampled=self._n_sampled > 0, any_filter=self._n_filter > 0,
+        flags = SampleFlags(any_sampled=self._n_sampled > 0, any_greedy=self._n_sampled < n,
+                            any_tempered=self._n_tempered > 0, any_filter=self._n_filter > 0,
                             any_min_new=self._n_min_stop > 0)
         tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(slice(0, n)))
         self._decode_step += 1
@@ -328,6 +331,7 @@ class Engine:
         p = seq.req.params
         sampled = p.temperature > 0
         self._n_sampled += d * sampled
+        self._n_tempered += d * (p.temperature not in (0, 1))
         self._n_filter += d * (sampled and (p.top_k > 0 or p.top_p < 1))
         self._n_stop += d * bool(p.stop_token_ids)
         self._n_min_stop += d * bool(p.stop_token_ids and p.min_new_tokens > 0)

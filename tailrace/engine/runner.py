@@ -54,7 +54,9 @@ class DecodeRunner:
         inv_freq, scale = inv_freq_and_scale(cfg)
         cos, sin = rope_table(inv_freq, scale, max_len)  # (max_len, D) fp32, sin first half negated
         # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
-        self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+        self.cos_sin = torch.stack((cos, sin), dim=1).to(self.device, self.dtype)  # (max_len, 2, D)
+        self.arange = torch.arange(max_len, device=self.device)
+        self._write_base: dict[tuple[int, int, int], torch.Tensor] = {}
         self.refresh()
 
     @torch.inference_mode()
@@ -83,6 +85,18 @@ class DecodeRunner:
             L.down = Linear(mlp.down_proj.weight, None, pk)
             self.layers.append(L)
 
+    def _write_index(self, rows: slice, L: int) -> torch.Tensor:
+        """(B Hkv,) flat index of position 0 of each (row, kv head) in cache.k[l].view(-1, D); cached."""
+        key = (rows.start, rows.stop, L)
+        base = self._write_base.get(key)
+        if base is None:
+            if len(self._write_base) > 1024:
+                self._write_base.clear()
+            r = torch.arange(rows.start, rows.stop, device=self.device)
+            base = ((r[:, None] * self.Hkv + torch.arange(self.Hkv, device=self.device)) * L).reshape(-1)
+            self._write_base[key] = base
+        return base
+
     def _rms(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         if w is None:  # weight folded into the next GEMM
             return F.rms_norm(x, (x.shape[-1],), eps=self.eps)
@@ -97,20 +111,15 @@ class DecodeRunner:
         B = tokens.shape[0]
         H, Hkv, D, G, I = self.H, self.Hkv, self.D, self.G, self.I
         S, L = max_pos + 1, cache.max_len
-        dev = tokens.device
-        row_ids = torch.arange(rows.start, rows.stop, device=dev)
-        # flat index of (row, kv head, position) in cache.k[l].view(-1, D), ordered (b, h)
-        widx = ((row_ids[:, None] * Hkv + torch.arange(Hkv, device=dev)) * L + positions[:, None]).reshape(-1)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, D)
-        masked = torch.arange(S, device=dev)[None, :] > positions[:, None]  # (B, S)
-        fp32 = self.dtype == torch.float32
-        if self.attention == "bmm":  # additive mask (B Hkv, G, S), fp32 whenever the softmax is
-            bias = torch.zeros(B, Hkv * G, S, dtype=torch.float32, device=dev)
-            bias.masked_fill_(masked[:, None, :], float("-inf"))
-            bias = bias.view(B * Hkv, G, S)
+        widx = self._write_index(rows, L) + positions.repeat_interleave(Hkv)  # (B Hkv,) into k.view(-1, D)
+        cs = self.cos_sin[positions]  # (B, 2, D)
+        cos, sin = cs[:, 0:1], cs[:, 1:2]  # (B, 1, D)
+        bias = torch.where(self.arange[:S] > positions[:, None], float("-inf"), 0.0)  # (B, S) fp32 mask
+        if self.attention == "bmm":
+            bias = bias.repeat_interleave(Hkv, dim=0).view(B * Hkv, 1, S)  # broadcast over G
         else:
-            bias = torch.zeros(B, 1, 1, S, dtype=self.dtype, device=dev)
-            bias.masked_fill_(masked[:, None, None, :], float("-inf"))
+            bias = bias.to(self.dtype).view(B, 1, 1, S)
+        fp32 = self.dtype == torch.float32
         pk = self.packed and B >= self.packed_min_batch
         x = F.embedding(tokens, self.embed)  # (B, hidden)
         for i, lw in enumerate(self.layers):

@@ -60,9 +60,10 @@ def vocab_salt(vocab_size: int, device: torch.device | str | None = None) -> tor
 def gumbel_noise(key: torch.Tensor, index: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise (B, V) float32 for rows with 32-bit `key` (B,) at token `index` (B,).
 
-    u = hash(key, index, vocab id) read as a uniform in (0, 1) (24 bits), g = -log(-log(u))."""
-    row = mix32((key + index * _IDX_STEP) & M32)  # (B,), distinct for distinct indices (< 2**32) of one key
-    bits = mix32(row[:, None] ^ salt[None, :]) >> 8  # (B, V) in [0, 2**24)
+    u = hash(key, index, vocab id) read as a uniform in (0, 1) (24 bits), g = -log(-log(u)). The three
+    parts enter one finalizer as key + index * odd + salt[vocab] (mod 2**32)."""
+    row = key + index * _IDX_STEP  # (B,)
+    bits = mix32((row[:, None] + salt[None, :]) & M32) >> 8  # (B, V) in [0, 2**24)
     u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return u.log_().neg_().log_().neg_()
 
@@ -72,6 +73,8 @@ class SampleFlags:
     """Host-side facts about the rows being sampled, so unused features cost nothing."""
 
     any_sampled: bool = True  # some row has temperature > 0
+    any_greedy: bool = True  # some row has temperature 0
+    any_tempered: bool = True  # some row has a temperature other than 0 and 1
     any_filter: bool = False  # some row has top-k or top-p on
     any_min_new: bool = False  # some row may still be below min_new_tokens and has stop ids
 
@@ -90,12 +93,15 @@ def sample(logits: torch.Tensor, *, inv_temp: torch.Tensor, noise_scale: torch.T
     if flags.any_min_new and stop_mask is not None:
         ban = stop_mask & (index < min_new)[:, None]
         z = z.masked_fill(ban, float("-inf"))
-    z = z * inv_temp[:, None]
+    if flags.any_tempered:
+        z = z * inv_temp[:, None]
     if flags.any_filter:
         z = _filter_top_k_top_p(z, top_k, top_p)
     logp = torch.log_softmax(z, dim=-1)
     if flags.any_sampled:
-        noise = gumbel_noise(key, index, salt).mul_(noise_scale[:, None])
+        noise = gumbel_noise(key, index, salt)
+        if flags.any_greedy:
+            noise.mul_(noise_scale[:, None])
         tokens = (logp + noise).argmax(dim=-1)  # logp differs from z by a per-row constant
     else:
         tokens = logp.argmax(dim=-1)
