@@ -99,7 +99,8 @@ def fit_train(rows) -> dict:
     """t = overhead + FLOPs / rate, overhead >= 0."""
     f = np.array([r[1] for r in rows], float)
     t = np.array([r[2] for r in rows], float)
-    (a, inv), *_ = np.linalg.lstsq(np.stack([np.ones_like(f), f], 1), t, rcond=None)
+    w = 1.0 / t  # relative error: a small step's time matters as much as a big one's
+    (a, inv), *_ = np.linalg.lstsq(np.stack([w, f * w], 1), np.ones_like(t), rcond=None)
     if a < 0 or inv <= 0:
         a, inv = 0.0, float(np.sum(t) / np.sum(f))
     return {"overhead_s": float(a), "flops_per_s": float(1.0 / inv),
@@ -125,13 +126,16 @@ def measure_checkpoint(trainer: GRPOTrainer, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def measure_train(cfg: SFTConfig, shape: ModelShape, lengths=(64, 128, 256), groups: int = 16, k: int = 8,
-                  repeats: int = 3, trainer: GRPOTrainer | None = None) -> list[tuple[int, float, float]]:
+TRAIN_SHAPES = ((2, 32), (16, 64), (16, 128), (16, 256))  # (groups of 8, response length): small steps fix the intercept
+
+
+def measure_train(cfg: SFTConfig, shape: ModelShape, shapes=TRAIN_SHAPES, k: int = 8, repeats: int = 3,
+                  trainer: GRPOTrainer | None = None) -> list[tuple[int, float, float]]:
     """(tokens, FLOPs, seconds) of real optimizer steps over synthetic groups."""
     trainer = trainer or GRPOTrainer(_model(cfg), TrainerConfig())
     prompt = (5,) * 16
     rows = []
-    for n in lengths:
+    for groups, n in shapes:
         batch = [Group(g, g, tuple(_traj(g, i, n, prompt) for i in range(k))) for g in range(groups)]
         per_seq = len(prompt) + n
         flops = CostModel(CPU_FALLBACK, shape, recompute_logprobs=False).train_flops([per_seq] * groups * k)
@@ -180,8 +184,8 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print) -> d
                  f"(median error {dec['rel_err_median']:.1%})")
         progress("train: real GRPO optimizer steps")
         trainer = GRPOTrainer(_model(cfg), TrainerConfig())
-        tr = measure_train(cfg, shape, lengths=(64, 192) if quick else (64, 128, 256), repeats=1 if quick else 3,
-                           trainer=trainer)
+        tr = measure_train(cfg, shape, shapes=((2, 32), (16, 192)) if quick else TRAIN_SHAPES,
+                           repeats=1 if quick else 3, trainer=trainer)
         trf = fit_train(tr)
         train_rate = trf["flops_per_s"]
         progress(f"  {train_rate / 1e9:.2f} GFLOP/s + {trf['overhead_s']:.3f} s/step "
