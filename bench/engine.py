@@ -88,19 +88,27 @@ def prompts(batch: int, vocab: int, rng: random.Random) -> list[tuple[int, ...]]
     return [tuple(rng.randrange(4, vocab) for _ in range(PROMPT_TOKENS)) for _ in range(batch)]
 
 
-def timed(fn, repeats: int) -> list[float]:
+def timed(fn, repeats: int, cpu: list | None = None) -> list[float]:
+    """Wall seconds of `repeats` calls after one warm-up; the calling thread's CPU seconds go to `cpu`."""
     fn()  # warm-up
     out = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
         out.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.thread_time() - c0)
     return out
+
+
+def rates(tokens: int, wall: list[float], cpu: list[float]) -> dict:
+    return {"tok_s": tokens / statistics.median(wall), "best_tok_s": tokens / min(wall),
+            "cpu_tok_s": tokens / statistics.median(cpu) if cpu else None}
 
 
 # -- contenders -------------------------------------------------------------------------------------
 
-def bench_engine(engine: Engine, batch: int, new: int, repeats: int, rng: random.Random) -> float:
+def bench_engine(engine: Engine, batch: int, new: int, repeats: int, rng: random.Random) -> dict:
     V = engine.vocab_size
     params = SamplingParams(temperature=1.0, max_new_tokens=new, min_new_tokens=new)
     n = [0]
@@ -109,10 +117,11 @@ def bench_engine(engine: Engine, batch: int, new: int, repeats: int, rng: random
         reqs = [GenRequest(f"b{n[0]}-{i}", p, params) for i, p in enumerate(prompts(batch, V, rng))]
         n[0] += 1
         engine.generate(reqs)
-    return batch * new / statistics.median(timed(run, repeats))
+    cpu: list[float] = []
+    return rates(batch * new, timed(run, repeats, cpu), cpu)
 
 
-def bench_hf(model_dir: str, dtype: torch.dtype, batch: int, new: int, repeats: int, rng: random.Random) -> float:
+def bench_hf(model_dir: str, dtype: torch.dtype, batch: int, new: int, repeats: int, rng: random.Random) -> dict:
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -123,17 +132,22 @@ def bench_hf(model_dir: str, dtype: torch.dtype, batch: int, new: int, repeats: 
         with torch.inference_mode():
             hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                         max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-    return batch * new / statistics.median(timed(run, repeats))
+    cpu: list[float] = []
+    return rates(batch * new, timed(run, repeats, cpu), cpu)
 
 
-def bench_vllm(model_dir: str, dtype: str, batch: int, new: int, threads: int, repeats: int) -> float | str:
+def bench_vllm(model_dir: str, dtype: str, batch: int, new: int, threads: int, repeats: int) -> dict | str:
+    """The runner's JSON; its worker runs in another process (CPU time only if the runner reports it)."""
     if not VLLM_PY.exists():
         return "not installed (make vllm)"
     cmd = [str(VLLM_PY), str(ROOT / "bench" / "vllm_runner.py"), "--model", model_dir, "--batch", str(batch),
            "--dtype", dtype, "--new-tokens", str(new), "--threads", str(threads), "--repeats", str(repeats), "--json"]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        return float(json.loads(p.stdout.strip().splitlines()[-1])["tokens_per_s"])
+        d = json.loads(p.stdout.strip().splitlines()[-1])
+        cpu_s = d.get("worker_cpu_s")
+        return {"tok_s": float(d["tokens_per_s"]), "best_tok_s": d.get("tokens_per_s_best"),
+                "cpu_tok_s": batch * new * repeats / cpu_s if cpu_s else None, "runner": d}
     except Exception as e:  # report, never abort the whole bench
         tail = (p.stderr.strip().splitlines() or ["?"])[-1] if "p" in locals() else str(e)
         return f"failed: {tail[:60]}"
@@ -193,11 +207,17 @@ def run_cb(engine: Engine, reqs: list[GenRequest], static: int | None) -> dict:
 
 # -- main -------------------------------------------------------------------------------------------
 
-def fmt(x) -> str:
+def fmt(x, key: str = "tok_s") -> str:
+    if isinstance(x, dict):
+        x = x.get(key)
+    if x is None:
+        return "-"
     return f"{x:,.0f}" if isinstance(x, (int, float)) else str(x)
 
 
-def ratio(a, b) -> str:
+def ratio(a, b, key: str = "tok_s") -> str:
+    a = a.get(key) if isinstance(a, dict) else a
+    b = b.get(key) if isinstance(b, dict) else b
     return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) and b > 0 else "-"
 
 
@@ -218,10 +238,12 @@ def main(argv=None) -> int:
             row = {"dtype": dn, "batch": b}
             row["tailrace"] = bench_engine(engine, b, a.new_tokens, a.repeats, rng)
             row["gemm_limit"] = gemm_limit(engine._versions[0], b, a.repeats)
-            row["share"] = row["tailrace"] / row["gemm_limit"]
+            row["share"] = row["tailrace"]["tok_s"] / row["gemm_limit"]
             row["hf"] = "skipped" if a.no_hf else bench_hf(model_dir, dtype, b, a.new_tokens, a.repeats, rng)
             row["vllm"] = "skipped" if a.no_vllm else bench_vllm(model_dir, dn, b, a.new_tokens, a.threads, a.repeats)
             row["vs_hf"], row["vs_vllm"] = ratio(row["tailrace"], row["hf"]), ratio(row["tailrace"], row["vllm"])
+            row["cpu_vs_hf"] = ratio(row["tailrace"], row["hf"], "cpu_tok_s")
+            row["cpu_vs_vllm"] = ratio(row["tailrace"], row["vllm"], "cpu_tok_s")
             rows.append(row)
             print(f"  {dn} batch {b}: tailrace {fmt(row['tailrace'])} tok/s, hf {fmt(row['hf'])}, "
                   f"vllm {fmt(row['vllm'])}, gemm limit {fmt(row['gemm_limit'])}", flush=True)
@@ -241,6 +263,12 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace']):>10} {fmt(r['hf']):>10} {fmt(r['vllm']):>26} "
               f"{fmt(r['gemm_limit']):>11} {r['share']:>6.0%} {r['vs_hf']:>6} {r['vs_vllm']:>6}")
+    print("\nper CPU-second of the generating thread (the machine may be shared; vLLM: its worker process, "
+          "when the runner reports worker_cpu_s)\n" + f"{'dtype':5} {'batch':>5} {'tailrace':>10} {'HF':>10} "
+          f"{'vLLM':>10} {'/HF':>6} {'/vLLM':>6}")
+    for r in rows:
+        print(f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace'], 'cpu_tok_s'):>10} {fmt(r['hf'], 'cpu_tok_s'):>10} "
+              f"{fmt(r['vllm'], 'cpu_tok_s'):>10} {r['cpu_vs_hf']:>6} {r['cpu_vs_vllm']:>6}")
     c, s = cb["continuous"], cb["static"]
     print(f"\ncontinuous batching, {dn}: {cb['requests']} requests, lognormal lengths (median {cb['median_len']}, "
           f"p99 {cb['p99_len']}, p99/median {cb['p99_len'] / cb['median_len']:.1f}) through {cb['slots']} slots")
