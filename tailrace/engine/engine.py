@@ -11,6 +11,11 @@ Token ids in; token ids, per-token logprobs and per-token policy versions out. E
 Lengths are known on the host without reading the device (every decoding request gains one token
 per step), so the only other device reads are the outputs of requests that finish or are aborted.
 
+A request ends with STOP on one of its `stop_token_ids` (the engine adds no EOS of its own), with
+LENGTH at `max_new_tokens` (resumed tokens count) or when prompt + response fill `max_len`.
+Seeded requests are batch-invariant (see `sampler`): the same tokens alone or in any batch, up to
+floating-point differences between batch shapes (a flip needs a near-tie of perturbed logits).
+
 Not thread-safe: call `add`, `abort`, `load_weights`, ... between steps, from the thread that steps.
 The engine owns the model it is given (it may be overwritten by `load_weights(..., version=0)`); it
 is copied only when `device`/`dtype` ask for a different placement.
@@ -25,7 +30,7 @@ from collections import Counter, deque
 import torch
 
 from tailrace.engine import prefill
-from tailrace.engine.errors import EngineError
+from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
 from tailrace.engine.rows import POS, TOK, RowState
 from tailrace.engine.sampler import SampleFlags, sample, seed_key, vocab_salt
@@ -103,9 +108,13 @@ class Engine:
     def paused(self) -> bool:
         return self._paused
 
+    def __contains__(self, request_id: str) -> bool:
+        """Whether a request is waiting or running (so `abort` would succeed)."""
+        return request_id in self._seqs
+
     def add(self, req: GenRequest) -> None:
         """Queue a request; raises `EngineError` (and changes nothing) if it is malformed."""
-        self._check(req)
+        check_request(req, self._seqs, self._versions, self.max_len, self.vocab_size)
         seed = req.params.seed if req.params.seed is not None else self._rng.getrandbits(64)
         seq = Sequence(req, seed_key(seed), time.perf_counter(), self.max_len)
         if seq.allowed <= 0:  # a resumed partial that already has max_new_tokens
@@ -164,10 +173,10 @@ class Engine:
             raise EngineError("generate() on a paused engine would never finish; call resume() first")
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
-            dup = next(i for i in ids if ids.count(i) > 1)
+            dup = next(i for i, n in Counter(ids).items() if n > 1)
             raise EngineError(f"request id {dup!r} appears twice in generate(); give each request a unique id")
         for r in requests:
-            self._check(r)
+            check_request(r, self._seqs, self._versions, self.max_len, self.vocab_size)
         for r in requests:
             self.add(r)
         results: dict[str, GenResult] = {}
@@ -357,30 +366,3 @@ class Engine:
         return GenResult(request_id=r.id, token_ids=r.resume_ids + tuple(toks), logprobs=r.resume_logprobs + tuple(lps),
                          versions=r.resume_versions + (r.version,) * len(toks), finish=finish,
                          submitted=seq.submitted, first_token=seq.first_token, finished=t)
-
-    def _check(self, req: GenRequest) -> None:
-        if not isinstance(req, GenRequest):
-            raise EngineError(f"add() takes a GenRequest, got {type(req).__name__}; wrap ids in GenRequest(...)")
-        rid = req.id
-        if rid in self._seqs:
-            raise EngineError(f"request id {rid!r} is already in the engine; give each live request a unique id")
-        if not req.prompt_ids:
-            raise EngineError(f"request {rid!r} has an empty prompt; give at least one prompt token")
-        n_res = len(req.resume_ids)
-        if not n_res == len(req.resume_logprobs) == len(req.resume_versions):
-            raise EngineError(f"request {rid!r}: resume_ids/resume_logprobs/resume_versions have lengths "
-                              f"{n_res}/{len(req.resume_logprobs)}/{len(req.resume_versions)}; pass a partial "
-                              "GenResult's token_ids/logprobs/versions unchanged")
-        if req.version not in self._versions:
-            raise EngineError(f"request {rid!r} wants version {req.version}, which is not loaded (loaded: "
-                              f"{self.versions}); load_weights(state, {req.version}) first")
-        n = len(req.prompt_ids) + n_res
-        if n >= self.max_len:
-            raise EngineError(f"request {rid!r}: prompt ({len(req.prompt_ids)}) + resumed ({n_res}) = {n} tokens "
-                              f"leave no room for a new token in max_len={self.max_len}; shorten it or raise max_len")
-        V = self.vocab_size
-        ids = req.prompt_ids + req.resume_ids + req.params.stop_token_ids
-        if min(ids) < 0 or max(ids) >= V:
-            bad = next(t for t in ids if not 0 <= t < V)
-            raise EngineError(f"request {rid!r} has token id {bad} outside the vocabulary [0, {V}); "
-                              "check the tokenizer matches the model")

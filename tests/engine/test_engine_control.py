@@ -40,6 +40,7 @@ def test_abort_running_and_waiting_then_resume_gives_the_uninterrupted_tokens(mo
         eng.add(r)
     for _ in range(12):
         eng.step()
+    assert all(r.id in eng for r in reqs)
     partials = {rid: eng.abort(rid) for rid in ("r0", "r1", "r5")}  # r0, r1 decoding; r5 still waiting
     for rid, p in partials.items():
         assert p.finish == Finish.ABORTED
@@ -49,6 +50,7 @@ def test_abort_running_and_waiting_then_resume_gives_the_uninterrupted_tokens(mo
     assert 0 < len(partials["r0"].token_ids) < 30 and partials["r5"].token_ids == ()
     rest = _run(eng)
     assert set(rest) == {"r2", "r3", "r4"} and all(rest[k].token_ids == full[k].token_ids for k in rest)
+    assert "r0" not in eng and "r2" not in eng
     with pytest.raises(EngineError, match="no such request"):
         eng.abort("r0")
     resumed = eng.generate([_resume(reqs[int(k[1])], p) for k, p in partials.items()])
