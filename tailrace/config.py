@@ -119,6 +119,7 @@ class FlowConfig:
     samples_per_prompt: int = 8  # K
     train_batch: int = 128  # B samples per optimizer step; U = B / K groups
     steps: int = 120  # optimizer steps in the run
+    time_limit_s: float | None = None  # stop issuing steps after this much training time (None = off)
     max_staleness: int = 1  # K for the off-policy modes (sync is always 0)
     checkpoint_every: int = 1  # publishing steps between checkpoints (and always the last step)
     keep_checkpoints: int = 2  # older checkpoints are deleted
@@ -137,6 +138,8 @@ class FlowConfig:
         _need(self.max_staleness >= 0, f"flow.max_staleness={self.max_staleness}: must be >= 0")
         _need(self.mode in ("sync", "pipe") or self.max_staleness >= 1,
               f"flow.max_staleness=0 with flow.mode={self.mode}: off-policy modes need >= 1 (or use sync/pipe)")
+        _need(self.time_limit_s is None or self.time_limit_s > 0,
+              f"flow.time_limit_s={self.time_limit_s}: must be positive seconds, or null for no limit")
         _need(self.checkpoint_every > 0, f"flow.checkpoint_every={self.checkpoint_every}: must be positive")
         _need(self.keep_checkpoints > 0, f"flow.keep_checkpoints={self.keep_checkpoints}: must be positive")
 

@@ -15,7 +15,7 @@ declares (staleness bound, one version per trajectory), and the ledger identity 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from tailrace.flow.commands import Abort, Command, DropWeights, Generate, LoadWeights, Sample, Train
@@ -101,6 +101,10 @@ class Scheduler:
     @property
     def done(self) -> bool:
         return self.steps_done >= self.spec.total_steps
+
+    def stop(self) -> None:
+        """Finish with the steps already issued (e.g. a time limit): no new steps, no new work."""
+        self.spec = replace(self.spec, total_steps=self.steps_issued)
 
     def poll(self, now: float) -> list[Command]:
         self.now = now

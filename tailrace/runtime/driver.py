@@ -124,7 +124,10 @@ class Driver:
             self.metrics.write({"kind": "eval", "tag": "base", "step": self.sched.steps_done, **base})
         if self.ui is not None:
             self.ui.begin(self.sched.steps_done, self.cfg.flow.steps, base)
+        limit = self.cfg.flow.time_limit_s
         while not self.sched.done:
+            if limit is not None and self._now() > limit and self.sched.spec.total_steps > self.sched.steps_issued:
+                self.sched.stop()
             self._execute(self.sched.poll(self._now()))
             self._drain_journal()
             ready = wait([self.trainer_conn, *self.engine_conns], timeout=1.0)

@@ -45,8 +45,10 @@ def bucket_batches(lengths: Sequence[int], batch_tokens: int, rng: random.Random
     return batches
 
 
-def collate(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: torch.device):
-    """Right-padded (inputs, targets, mask): targets[t] = seq[t+1], mask on response targets only."""
+def collate(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: torch.device,
+            prompt_weight: float = 0.0):
+    """Right-padded (inputs, targets, mask): targets[t] = seq[t+1]; mask 1 on response targets and
+    `prompt_weight` on prompt targets (predicting the prompt teaches its structure, e.g. a b c ...)."""
     seqs = [list(p) + list(r) for p, r in pairs]
     T = max(len(s) for s in seqs) - 1
     inp = torch.full((len(seqs), T), pad_id, dtype=torch.long)
@@ -56,13 +58,14 @@ def collate(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, d
         n = len(s) - 1
         inp[b, :n] = torch.tensor(s[:-1])
         tgt[b, :n] = torch.tensor(s[1:])
+        mask[b, :len(p) - 1] = prompt_weight
         mask[b, len(p) - 1:n] = 1.0  # predicting response token j from everything before it
     return inp.to(device), tgt.to(device), mask.to(device)
 
 
 def sft(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, lr: float,
         warmup: int, batch_tokens: int, epochs: int, pad_id: int, seed: int, bf16: bool = False,
-        on_step: Callable[[int, int, float], None] | None = None) -> list[float]:
+        prompt_weight: float = 0.0, on_step: Callable[[int, int, float], None] | None = None) -> list[float]:
     """Train `model` in place; returns the per-step losses. `on_step(step, total, loss)` for progress.
     `bf16` autocasts the forward (weights and optimizer stay fp32): on CPUs with AVX512-BF16 it is
     about twice as fast, since fp32 GEMMs there run through a slower BLAS path."""
@@ -80,7 +83,7 @@ def sft(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[in
     for step, idx in enumerate(plan):
         for g in opt.param_groups:
             g["lr"] = sched.lr_at(step)
-        inp, tgt, mask = collate([pairs[i] for i in idx], pad_id, device)
+        inp, tgt, mask = collate([pairs[i] for i in idx], pad_id, device, prompt_weight)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(inp)
         nll = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), reduction="none")

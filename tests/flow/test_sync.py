@@ -67,3 +67,15 @@ def test_sync_metrics_are_deterministic():
         c.run()
         return [(m.t, m.kind, sorted(m.data.items())) for m in s.marks]
     assert once() == once()
+
+
+def test_stop_finishes_with_the_steps_already_issued():
+    s = make(R=4, K=2, U=2, steps=100)
+    c = ScriptedCluster(s, length=lambda g, i: 3, slots=4, train_ticks=5)
+    while s.steps_issued < 3:
+        c.execute(s.poll(c.t))
+        c.tick()
+    s.stop()
+    c.run()
+    assert s.steps_done == s.steps_issued == 4  # the round's second step was issued with the first
+    s.ledger.check(s.store.in_store())
