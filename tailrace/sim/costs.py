@@ -12,7 +12,8 @@ Prefill: the same roofline over the prompt tokens admitted at once (attention is
 p tokens costs p^2/2 context reads). Weight load on an engine: fixed latency + its bytes over the
 NIC (each of the g devices receives its 1/g shard in parallel). Train step: (6 + 2 if the old
 policy's logprobs are recomputed) * matmul params per token, plus causal attention, at `train_mfu`
-of the trainer's peak, plus a fixed per-step overhead. Publish (trainer side): the bytes over
+of the trainer's peak, plus a fixed per-step overhead; packed sequences by default, or padded
+micro-batches like tailrace's own trainer (`micro_batch_tokens`). Publish (trainer side): the bytes over
 NVLink of one node.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ class CostModel:
     trainer_gpus: int = 1
     recompute_logprobs: bool = True  # the trainer runs a forward of the old policy before its step
     checkpoint_s: float = 0.0  # trainer time to write a checkpoint after a publishing step (measured, not modelled)
+    micro_batch_tokens: int = 0  # > 0: the trainer pads micro-batches (tailrace's trainer); 0: packed sequences
 
     def __post_init__(self) -> None:
         if self.engine_gpus < 1 or self.trainer_gpus < 1:
@@ -104,12 +106,27 @@ class CostModel:
 
     # -- training ------------------------------------------------------------------------------------
     def train_flops(self, lengths: list[int]) -> float:
-        """FLOPs of one optimizer step over sequences of these lengths (prompt + response)."""
+        """FLOPs of one optimizer step over sequences of these lengths (prompt + response). With
+        `micro_batch_tokens`, every row is computed at its micro-batch's padded length, micro-batches
+        formed as tailrace's trainer forms them (longest first, rows x longest <= micro_batch_tokens)."""
         m = self.model
         mult = 8.0 if self.recompute_logprobs else 6.0
-        tokens = sum(lengths)
-        attn = m.attn_flops_per_context_token * sum(n * n / 2 for n in lengths)
-        return mult * m.matmul_params * tokens + (mult / 2) * attn
+        rows = self.padded(lengths) if self.micro_batch_tokens else lengths
+        attn = m.attn_flops_per_context_token * sum(n * n / 2 for n in rows)
+        return mult * m.matmul_params * sum(rows) + (mult / 2) * attn
+
+    def padded(self, lengths: list[int]) -> list[int]:
+        """Each row's computed length once micro-batches are padded to their longest row."""
+        out: list[int] = []
+        longest, n = 0, 0
+        for x in sorted(lengths, reverse=True):
+            if n and longest * (n + 1) > self.micro_batch_tokens:
+                out += [longest] * n
+                n = 0
+            if n == 0:
+                longest = x
+            n += 1
+        return out + [longest] * n
 
     def train_time(self, lengths: list[int]) -> float:
         peak = self.trainer_gpus * self.hw.peak_flops * self.hw.train_mfu

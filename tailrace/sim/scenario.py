@@ -48,6 +48,7 @@ class ClusterSpec:
     colocated: bool = False  # trainer and engines share devices: engines pause while training runs
     recompute_logprobs: bool = True  # the trainer runs a forward for old-policy logprobs before each step
     checkpoint_s: float = 0.0  # trainer seconds to write a checkpoint after each publishing step
+    micro_batch_tokens: int = 0  # > 0: the trainer pads micro-batches of this many tokens (tailrace's); 0: packed
 
     def __post_init__(self) -> None:
         for k in ("engines", "engine_gpus", "trainer_gpus"):
@@ -136,7 +137,8 @@ def cost_model(scn: Scenario) -> CostModel:
     except TypeError as e:
         raise ConfigError(f"cluster.hardware_overrides: {e}; valid keys are the fields of sim.hardware.Hardware") from None
     shape = shape_from_hf(c.model_config, c.model) if c.model_config else model_shape(c.model)
-    return CostModel(hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s)
+    return CostModel(hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s,
+                     c.micro_batch_tokens)
 
 
 def engine_slots(scn: Scenario, cost: CostModel, lengths: LengthModel) -> int:
@@ -214,6 +216,7 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
     flow = cfg.flow
     cluster = ClusterSpec(hardware="cpu", hardware_overrides=overrides, model=model, model_config=shape,
                           engines=r.engines, recompute_logprobs=False, checkpoint_s=ckpt,
+                          micro_batch_tokens=cfg.train.micro_batch_tokens,
                           slots=r.slots, lookahead=r.lookahead)
     lengths = {"kind": "empirical", "run_dir": str(run_dir), "max_len": r.max_new_tokens}
     return Scenario(name=f"like-{run_dir.name}", cluster=cluster, flow=flow, lengths=lengths, seed=cfg.seed)

@@ -88,3 +88,26 @@ def test_kv_capacity():
     cost = CostModel(H100, Q7)
     free = 80e9 * 0.9 - Q7.params * 2
     assert cost.kv_capacity_tokens() == math.floor(free / Q7_KV)
+
+
+def test_padded_micro_batches_match_tailraces_trainer():
+    """The trainer cost of the cpu testbed pads rows like tailrace's trainer forms its micro-batches."""
+    import random
+
+    import torch
+
+    from tailrace.trainer.batch import TrainBatch
+    from tailrace.types import Finish, GenResult, Group, Trajectory
+    rng = random.Random(0)
+    groups = []
+    for g in range(16):
+        trajs = []
+        for i in range(8):
+            n = max(1, int(rng.lognormvariate(4, 1)))
+            res = GenResult(f"{g}.{i}.0", (5,) * n, (0.0,) * n, (0,) * n, Finish.STOP)
+            trajs.append(Trajectory(g, i, g, (1,) * rng.randint(5, 30), res, 0.0, False))
+        groups.append(Group(g, g, tuple(trajs), advantages=(1.0,) * 8))
+    batch = TrainBatch.from_groups(groups, trainer_version=0, token_scale=lambda mask, m: mask.float())
+    real = sorted(int(mb.lengths.max()) for mb in batch.micro_batches(2048) for _ in range(mb.num_seqs))
+    cost = CostModel(GPUS["h100"], Q7, micro_batch_tokens=2048)
+    assert sorted(cost.padded([int(x) for x in batch.lengths])) == real
