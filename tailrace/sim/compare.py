@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FIGURES = ("step_s", "trainer_wait_ratio", "bubble_ratio", "gen_tok_s", "length_bubble")
+FIGURES = ("step_s", "train_s", "rollout_s", "trainer_wait_ratio", "bubble_ratio", "length_bubble")
 
 
 def step_records(run_dir: str | Path) -> list[dict]:
@@ -29,8 +29,9 @@ def step_records(run_dir: str | Path) -> list[dict]:
 
 
 def step_figures(run_dir: str | Path, skip: int = 1) -> dict:
-    """Means over the steps after the first `skip`: step time, per-step trainer waiting and bubble
-    ratios, generated tokens/s, and DORA's length bubble (max - mean) / max."""
+    """Means over the steps after the first `skip`: step time, its train part and the rest (rollout,
+    weight sync, driver), per-step trainer waiting and bubble ratios, generated tokens/s, and DORA's
+    length bubble (max - mean) / max."""
     steps = step_records(run_dir)
     use = steps[skip:] if len(steps) > skip else steps
     if not use:
@@ -40,6 +41,8 @@ def step_figures(run_dir: str | Path, skip: int = 1) -> dict:
         xs = list(xs)
         return sum(xs) / len(xs)
     return {"steps": len(steps), "step_s": mean(r["time"]["step_s"] for r in use),
+            "train_s": mean(r["time"]["train_s"] for r in use),
+            "rollout_s": mean(r["time"]["step_s"] - r["time"]["train_s"] for r in use),
             "trainer_wait_ratio": mean(r["time"]["step_trainer_wait_ratio"] for r in use),
             "bubble_ratio": mean(r["time"]["step_bubble_ratio"] for r in use),
             "gen_tok_s": mean(r["time"]["gen_tok_s"] for r in use),
@@ -49,3 +52,50 @@ def step_figures(run_dir: str | Path, skip: int = 1) -> dict:
 def compare(real: dict, sim: dict) -> list[tuple[str, float, float, float]]:
     """(figure, real, simulated, relative error of the simulation)."""
     return [(k, real[k], sim[k], (sim[k] - real[k]) / real[k] if real[k] else float("nan")) for k in FIGURES]
+
+
+def trainer_rate(run_dir: str | Path, cost, skip: int = 1) -> tuple[float, float]:
+    """(seconds per step, FLOP/s) of the trainer as a run measured it: its train spans against the
+    FLOPs `cost` charges for the same trajectories (from the journal and the train_issued marks).
+    Separates what the machine delivered during the run from the simulator's composition of it."""
+    import numpy as np
+    run_dir = Path(run_dir)
+    lens: dict[int, list[int]] = {}
+    with open(run_dir / "journal.jsonl") as f:
+        for line in f:
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if e.get("kind") == "done":
+                t = e["trajectory"]
+                lens.setdefault(t["group"], []).append(len(t["prompt_ids"]) + len(t["result"]["token_ids"]))
+    issued = {}
+    with open(run_dir / "events.jsonl") as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("kind") == "train_issued":
+                issued[e["step"]] = e["groups"]
+    flops, secs = [], []
+    for r in step_records(run_dir)[skip:]:
+        rows = [n for g in issued.get(r["step"], []) for n in lens.get(g, [])]
+        if rows:
+            flops.append(cost.train_flops(rows))
+            secs.append(r["time"]["train_s"])
+    f, t = np.array(flops), np.array(secs)
+    w = 1.0 / t
+    (a, inv), *_ = np.linalg.lstsq(np.stack([w, f * w], 1), np.ones_like(t), rcond=None)
+    if a < 0 or inv <= 0:
+        a, inv = 0.0, float(t.sum() / f.sum())
+    return float(a), float(1.0 / inv)
+
+
+def generate_busy_s(run_dir: str | Path) -> float:
+    """Total time the engines spent in generate spans (events.jsonl), summed over engines."""
+    total = 0.0
+    with open(Path(run_dir) / "events.jsonl") as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("phase") == "generate" and str(e.get("lane", "")).startswith("engine"):
+                total += e["t1"] - e["t0"]
+    return total
