@@ -73,7 +73,7 @@ def _fake_run(tmp_path):
     (tmp_path / "journal.jsonl").write_text("\n".join(lines) + "\n")
     for k in range(3):
         steps.append({"kind": "step", "step": k, "length": {"bubble": 0.5},
-                      "time": {"step_s": 1.0, "step_trainer_wait_ratio": 0.5, "step_bubble_ratio": 0.8,
+                      "time": {"step_s": 1.0, "train_s": 0.4, "step_trainer_wait_ratio": 0.5, "step_bubble_ratio": 0.8,
                                "gen_tok_s": 3000.0}})
     (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, steps)) + "\n")
     return tmp_path
