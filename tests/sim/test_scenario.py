@@ -95,3 +95,16 @@ def test_a_real_run_directory_becomes_a_scenario_and_compares(tmp_path):
 def test_default_scenario_is_the_cpu_testbed():
     scn = Scenario()
     assert scn.cluster.hardware == "cpu" and scn.cluster.slots == 64 and scn.flow.samples_per_prompt == 8
+
+
+def test_trainer_speed_is_recovered_from_a_run_directory(tmp_path):
+    scn = load_scenario(None, ["--cluster.hardware=h100", "--cluster.model=qwen3-1.7b", "--cluster.trainer_gpus=2",
+                               "--flow.prompts_per_round=4", "--flow.samples_per_prompt=4", "--flow.train_batch=8",
+                               "--flow.steps=6", "--lengths={kind: lognormal, median: 500, max_len: 4000, prompt: 64}"])
+    simulate(scn, tmp_path / "run")
+    from tailrace.sim.scenario import cost_model
+    cost = cost_model(scn)
+    overhead, rate = compare.trainer_rate(tmp_path / "run", cost)
+    assert overhead == pytest.approx(cost.hw.train_step_overhead_s, rel=1e-6)
+    assert rate == pytest.approx(2 * cost.hw.peak_flops * cost.hw.train_mfu, rel=1e-6)
+    assert compare.generate_busy_s(tmp_path / "run") > 0
