@@ -1,7 +1,7 @@
 """bench/sim.py: the simulator on the published setups (TECHNIQUES.md §1, §2, §4), next to the
 published figures, plus the scale check and (with --real RUN_DIR) the CPU-testbed validation.
 
-    .venv/bin/python bench/sim.py [--quick] [--real RUN_DIR] [--no-scale]
+    .venv/bin/python bench/sim.py [--quick] [--real RUN_DIR ...] [--no-scale]
 
 Every scenario uses the hardware presets and efficiency constants of tailrace/sim/hardware.py as
 they are; nothing is tuned per row. What a paper does not state is an assumption, written once per
@@ -99,7 +99,7 @@ def row(rows, setup, figure, published: tuple[float, float] | str, sim: float, f
     rows.append((setup, figure, pub, fmt.format(sim), ok, note))
 
 
-def run(quick: bool, real: str | None, do_scale: bool) -> list[tuple]:
+def run(quick: bool, real: list[str], do_scale: bool) -> list[tuple]:
     rows: list[tuple] = []
     t0 = time.perf_counter()
     # ---- §2 RolloutPipe: sync (slime) vs pipe (CGP + FGD)
@@ -155,8 +155,8 @@ def run(quick: bool, real: str | None, do_scale: bool) -> list[tuple]:
             s["sim_cpu_seconds"], fmt="{:.1f}", note=f"wall {s['sim_seconds']:.0f} s on the shared machine (load "
             f"{os.getloadavg()[0]:.1f}); {s['gen_tokens'] / 1e9:.2f}B tokens, {s['sim_events']} engine events")
     # ---- the CPU testbed against a real run
-    if real:
-        rows += validate(real)
+    for r in real:
+        rows += validate(r)
     rows.append(("", "", "", "", "", f"bench wall time {time.perf_counter() - t0:.0f} s"))
     return rows
 
@@ -168,6 +168,7 @@ def validate(real: str) -> list[tuple]:
     (c) leave the simulator's composition of rollout, training, sync and the tail."""
     rows: list[tuple] = []
     scn = scenario_from_run(real)
+    mode = scn.flow.mode
     cost = cost_model(scn)
     overhead, rate = compare.trainer_rate(real, cost)
     hw = cost.hw
@@ -187,9 +188,9 @@ def validate(real: str) -> list[tuple]:
         m = compare.step_figures(out)
         for name in ("step_s", "train_s", "rollout_s", "trainer_wait_ratio", "bubble_ratio"):
             fmt = "{:.0%}" if "ratio" in name else "{:.2f}"
-            row(rows, f"CPU testbed sync, {label}", f"{name} (real {fmt.format(r[name])})",
+            row(rows, f"CPU testbed {mode}, {label}", f"{name} (real {fmt.format(r[name])})",
                 (0.85 * r[name], 1.15 * r[name]), m[name], fmt=fmt, note="target: within 15% of the real run")
-    rows.append(("CPU testbed sync", "trainer FLOP/s: calibrated vs in the run", "",
+    rows.append((f"CPU testbed {mode}", "trainer FLOP/s: calibrated vs in the run", "",
                  f"{hw.peak_flops * hw.train_mfu / 1e9:.1f} vs {rate / 1e9:.1f} G", "-",
                  f"the machine was shared (load {os.getloadavg()[0]:.1f} now): a pinned role gets what is left"))
     return rows
@@ -235,7 +236,8 @@ def table(rows) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke test)")
-    ap.add_argument("--real", help="a real `tailrace train` run directory to validate the CPU testbed against")
+    ap.add_argument("--real", nargs="*", default=[],
+                    help="real `tailrace train` run directories to validate the CPU testbed against")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1,024-GPU scale check")
     a = ap.parse_args()
     rows = run(a.quick, a.real, not a.no_scale)
