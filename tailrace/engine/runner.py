@@ -3,13 +3,15 @@
 `CausalLM.forward` is the reference and serves prefill; decode, which runs every step on every live
 sequence, gets this dedicated path over the same weights and the same KV cache layout:
   * q/k/v and gate/up projections fused into one GEMM each (fused copies of the weights, rebuilt by
-    `refresh` after a weight load), residual adds folded into `addmm`; in fp32 each RMSNorm weight is
-    folded into the columns of the projection that follows it ((x*w) W^T = x (W diag w)^T);
+    `refresh` after a weight load), residual adds folded into `addmm`; each RMSNorm weight is folded
+    into the columns of the projection that follows it ((x*w) W^T = x (W diag w)^T; in bf16 this
+    rounds W*w instead of x*w, a difference of the size of bf16 rounding itself);
   * RoPE applied to q and k in one op set, looked up in a table built by `tailrace.model.rope` (the
     model's own table function, so positions rotate identically);
   * attention of one query per sequence over a contiguous slice of cache rows (a view) as two batched
     GEMMs per layer with an additive mask built once per step; in bf16/fp16 the scores GEMM runs as
-    K @ q^T (measured ~2x faster than q @ K^T there) and the softmax in fp32, as HF's eager path;
+    K @ q^T (measured ~2x faster than q @ K^T there) and the softmax in fp32, as HF's eager path
+    (at batch <= 8 the whole attention runs in fp32 on upcast copies, which is faster there);
   * the maximum position comes from the host, so the step needs no device->host sync.
 Supports exactly what `CausalLM` supports (Llama/Qwen2 biases, every RoPE type via the table); tests
 pin it to `CausalLM.forward` logits.
@@ -25,8 +27,13 @@ from tailrace.model.kv_cache import KVCache
 from tailrace.model.rope import inv_freq_and_scale, rope_table
 
 
+# bf16/fp16 attention at small batches: fp32 GEMMs on upcast copies beat bf16 bmm (measured ~20% of
+# the step at batch 1-4, even at batch 8, worse above).
+_UPCAST_MAX_BATCH = 8
+
+
 class _Layer:
-    __slots__ = ("n1", "n2", "qkv", "o", "gate_up", "down")
+    __slots__ = ("qkv", "o", "gate_up", "down")
 
 
 class DecodeRunner:
@@ -63,25 +70,24 @@ class DecodeRunner:
     def refresh(self) -> None:
         """(Re)build the fused weights from the model's current parameters."""
         m = self.model.model
-        fold = self.dtype == torch.float32  # in bf16 the model rounds x*w before the GEMM: keep that
 
         pk = self.packed
 
         def proj(norm_w, ws, bs=None):  # one GEMM for the projections that read one RMSNorm's output
             w = torch.cat(ws)
             b = torch.cat(bs) if bs and bs[0] is not None else None
-            return (Linear(w * norm_w, b, pk), None) if fold else (Linear(w, b, pk), norm_w)
+            return Linear(w * norm_w, b, pk)
 
         self.embed = m.embed_tokens.weight
-        self.lm_head, self.norm = proj(m.norm.weight, [self.model.lm_head.weight])
+        self.lm_head = proj(m.norm.weight, [self.model.lm_head.weight])
         self.layers = []
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
             L = _Layer()
-            L.qkv, L.n1 = proj(layer.input_layernorm.weight, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+            L.qkv = proj(layer.input_layernorm.weight, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
                                [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
             L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk)
-            L.gate_up, L.n2 = proj(layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight])
+            L.gate_up = proj(layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight])
             L.down = Linear(mlp.down_proj.weight, None, pk)
             self.layers.append(L)
 
@@ -97,12 +103,10 @@ class DecodeRunner:
             self._write_base[key] = base
         return base
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-        if w is None:  # weight folded into the next GEMM
-            return F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-        # As the model's RMSNorm: normalize in fp32, cast back, then scale in the model dtype (the fused
-        # kernel computes in fp32 for bf16 input: bitwise equal to x.float() ... .to(bf16), fewer ops).
-        return w * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+    def _rms(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm without its weight (folded into the next GEMM). For bf16 input the fused kernel
+        normalizes in fp32 and rounds once, bitwise as the model's x.float() ... .to(bf16)."""
+        return F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
                max_pos: int) -> torch.Tensor:
@@ -116,7 +120,7 @@ class DecodeRunner:
         cs = self.cos_sin[positions]  # (B, 2, D)
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # (B, 1, D)
         bias = torch.where(self.arange[:S] > positions[:, None], float("-inf"), 0.0)  # (B, S) fp32 mask
-        if self.attention == "bmm":
+        if self.attention != "sdpa":
             bias = bias.repeat_interleave(Hkv, dim=0).view(B * Hkv, 1, S)  # broadcast over G
         else:
             bias = bias.to(self.dtype).view(B, 1, 1, S)
@@ -124,7 +128,7 @@ class DecodeRunner:
         pk = self.packed and B >= self.packed_min_batch
         x = F.embedding(tokens, self.embed)  # (B, hidden)
         for i, lw in enumerate(self.layers):
-            qkv = lw.qkv(self._rms(x, lw.n1), pk)  # (B, (H + 2 Hkv) D)
+            qkv = lw.qkv(self._rms(x), pk)  # (B, (H + 2 Hkv) D)
             qk = qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D)
             half = D // 2
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
@@ -134,7 +138,12 @@ class DecodeRunner:
             ck.view(-1, D).index_copy_(0, widx, k)
             cv.view(-1, D).index_copy_(0, widx, v)
             kk, vv = ck[rows, :, :S], cv[rows, :, :S]  # (B, Hkv, S, D) views
-            if self.attention == "bmm":
+            if self.attention == "bmm" and not fp32 and B <= _UPCAST_MAX_BATCH:  # fp32 on upcast copies
+                q = qk[:, :H].reshape(B * Hkv, G, D).float()
+                k3, v3 = kk.reshape(B * Hkv, S, D).float(), vv.reshape(B * Hkv, S, D).float()
+                scores = torch.baddbmm(bias, q, k3.transpose(1, 2), alpha=self.scale)
+                o = torch.bmm(torch.softmax(scores, dim=-1), v3).to(self.dtype)
+            elif self.attention != "sdpa":
                 q = qk[:, :H].reshape(B * Hkv, G, D)
                 k3, v3 = kk.reshape(B * Hkv, S, D), vv.reshape(B * Hkv, S, D)  # views
                 if fp32:
@@ -146,7 +155,7 @@ class DecodeRunner:
                 q = qk[:, :H].view(B, Hkv, G, D)  # GQA: query heads of one kv head become G queries
                 o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=bias, scale=self.scale)
             x = lw.o.add(o.reshape(B, H * D), x, pk)
-            gu = lw.gate_up(self._rms(x, lw.n2), pk)  # (B, 2 I)
+            gu = lw.gate_up(self._rms(x), pk)  # (B, 2 I)
             act = F.silu(gu[:, :I]).mul_(gu[:, I:])
             x = lw.down.add(act, x, pk)
-        return self.lm_head(self._rms(x, self.norm), pk)
+        return self.lm_head(self._rms(x), pk)
