@@ -65,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--quick", action="store_true", help="batches 1,8; 32 new tokens; 1 repeat; 128 CB requests")
+    p.add_argument("--profile", action="store_true", help="only profile decode steps at each batch/dtype")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "engine.json"))
     a = p.parse_args(argv)
     if a.quick:
@@ -205,6 +206,40 @@ def gemm_limit(runner: DecodeRunner, batch: int, repeats: int) -> float:
     return batch / best
 
 
+# -- profile --------------------------------------------------------------------------------------
+
+_KINDS = (("gemm", ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")),
+          ("attention", ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::_scaled_dot_product")),
+          ("kv write", ("aten::index_copy_",)))
+
+
+def profile_decode(engine: Engine, batch: int, new: int, rng: random.Random) -> None:
+    """torch.profiler over 20 steady-state decode steps: self CPU time by kind of op, then the top ops.
+    (The profiler adds a few microseconds per op, so small elementwise ops look costlier than they are.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, min_new_tokens=new)
+    for i, p in enumerate(prompts(batch, engine.vocab_size, rng)):
+        engine.add(GenRequest(f"prof-{batch}-{i}", p, params))
+    for _ in range(new // 2):
+        engine.step()
+    t0 = time.thread_time()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            engine.step()
+    per_step = (time.thread_time() - t0) / 20
+    while engine.num_running or engine.num_waiting:
+        engine.step()
+    events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::"))]
+    total = sum(e.self_cpu_time_total for e in events)
+    kinds = {k: sum(e.self_cpu_time_total for e in events if e.key.startswith(names)) for k, names in _KINDS}
+    kinds["other ops"] = total - sum(kinds.values())
+    print(f"\n{engine.dtype} batch {batch}: {per_step * 1e3:.2f} ms CPU per step (profiled), self CPU by kind: "
+          + ", ".join(f"{k} {v / total:.0%}" for k, v in kinds.items()))
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]:
+        print(f"    {e.key:42} {e.self_cpu_time_total / total:6.1%}  {e.count // 20:4d} calls/step")
+
+
 # -- continuous batching ----------------------------------------------------------------------------
 
 def cb_workload(n: int, vocab: int, rng: random.Random) -> list[GenRequest]:
@@ -265,6 +300,10 @@ def main(argv=None) -> int:
         dtype = DTYPES[dn]
         model = load_pretrained(model_dir, dtype=dtype)
         engine = Engine(model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0)
+        if a.profile:
+            for b in a.batches:
+                profile_decode(engine, b, a.new_tokens, rng)
+            continue
         for b in a.batches:
             row = {"dtype": dn, "batch": b}
             row["tailrace"] = bench_engine(engine, b, a.new_tokens, a.repeats, rng)
@@ -279,6 +318,8 @@ def main(argv=None) -> int:
             print(f"  {dn} batch {b}: tailrace {fmt(row['tailrace'])} tok/s, hf {fmt(row['hf'])}, "
                   f"vllm {fmt(row['vllm'])}, gemm limit {fmt(row['gemm_limit'])}", flush=True)
 
+    if a.profile:
+        return 0
     dn = a.dtypes[0]
     engine = Engine(load_pretrained(model_dir, dtype=DTYPES[dn]), num_slots=64, max_len=PROMPT_TOKENS + 512, seed=0)
     reqs = cb_workload(a.cb_requests, engine.vocab_size, random.Random(1))
