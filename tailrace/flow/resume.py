@@ -19,13 +19,14 @@ from tailrace.flow.store import GroupState
 def _group_dict(g: GroupState) -> dict:
     in_flight = sorted(int(sid.split(".")[1]) for sid in g.in_flight)
     return {"id": g.id, "prompt": prompt_to_dict(g.prompt), "version": g.version, "wanted": g.wanted,
-            "keep": g.keep, "opened": g.opened, "dispatched": g.dispatched - len(in_flight),
+            "keep": g.keep, "opened": g.opened, "dispatched": g.dispatched - len(in_flight), "discarded": g.discarded,
             "todo": sorted(g.todo + in_flight), "done": [traj_to_dict(t) for t in g.done]}
 
 
 def _group_from(d: dict) -> GroupState:
     return GroupState(id=d["id"], prompt=prompt_from_dict(d["prompt"]), version=d["version"], wanted=d["wanted"],
-                      keep=d["keep"], opened=d["opened"], dispatched=d["dispatched"], todo=list(d["todo"]),
+                      keep=d["keep"], opened=d["opened"], dispatched=d["dispatched"], discarded=d["discarded"],
+                      todo=list(d["todo"]),
                       done=[traj_from_dict(t) for t in d["done"]])
 
 
@@ -86,7 +87,7 @@ def replay(s, entries: list[dict]) -> None:
                 # made by weights of a step that did not survive the crash: accounted, not trained
                 s.ledger.on_discarded("resume:weights-lost")
                 g.todo.append(t.sample_index)
-                g.dispatched -= 1
+                g.dispatched -= 1  # the sample will be generated again; the lost one is accounted above
             else:
                 g.done.append(t)
             s._maybe_ready(g)
@@ -95,6 +96,7 @@ def replay(s, entries: list[dict]) -> None:
             if g is not None and e["index"] in g.todo:
                 g.todo.remove(e["index"])
                 g.dispatched += 1
+                g.discarded += 1
             s.ledger.on_produced()
             s.ledger.on_discarded(e["reason"])
             if g is not None:

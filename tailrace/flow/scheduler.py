@@ -112,6 +112,10 @@ class Scheduler:
             self.policy.decide(self)
         self._flush()
         self.ledger.check(self.store.in_store())
+        for g in self.store.open.values():  # every dispatched sample is done, in flight or discarded
+            if g.dispatched != len(g.done) + len(g.in_flight) + g.discarded:
+                raise InvariantError(f"group {g.id}: {g.dispatched} dispatched but {len(g.done)} done + "
+                                     f"{len(g.in_flight)} in flight + {g.discarded} discarded")
         out, self._out = self._out, []
         return out
 
@@ -203,6 +207,7 @@ class Scheduler:
     def abort(self, engine: int, sample_ids: list[str], reason: str) -> None:
         ids = [sid for sid in sample_ids if sid not in self.aborting]
         if ids:
+            self._flush()  # a Generate booked earlier in this poll must reach the engine before its Abort
             self.aborting.update(ids)
             self._out.append(Abort(engine, tuple(ids), reason))
 
@@ -214,6 +219,7 @@ class Scheduler:
                              "reason": reason})
         g = self.store.open.get(partial.group)
         if g is not None:
+            g.discarded += 1
             self._maybe_ready(g)
 
     def train(self, gids: list[int], publish: bool) -> int:

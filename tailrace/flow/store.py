@@ -24,6 +24,7 @@ class GroupState:
     todo: list[int] = field(default_factory=list)  # sample indices not yet dispatched
     done: list[Trajectory] = field(default_factory=list)
     in_flight: set[str] = field(default_factory=set)  # sample ids
+    discarded: int = 0  # dispatched samples that left for good (early stop, ...)
     completed_at: float | None = None
 
     def __post_init__(self) -> None:

@@ -47,7 +47,8 @@ class Driver:
         self.resume_from = resume_from
         f = cfg.flow
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
-        policy = make_policy(f.mode, max_staleness=f.max_staleness)
+        policy = make_policy(f.mode, max_staleness=f.max_staleness, frontier=f.frontier,
+                             rollout_groups=f.rollout_groups)
         engines = [(cfg.rollout.slots, cfg.rollout.lookahead)] * cfg.rollout.engines
         self.sched = Scheduler(policy, session.prompt_stream(), engines, spec)
         self.metrics = JsonLines(run.file("metrics.jsonl"))

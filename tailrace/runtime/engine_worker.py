@@ -107,8 +107,8 @@ def engine_main(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, 
             elif isinstance(msg, Generate):
                 for s in msg.samples:
                     engine.add(to_request(s, spec))
-            elif isinstance(msg, Abort):
-                results.extend(engine.abort(sid) for sid in msg.sample_ids)
+            elif isinstance(msg, Abort):  # a sample that finished meanwhile comes back as a normal result
+                results.extend(engine.abort(sid) for sid in msg.sample_ids if sid in engine)
             elif isinstance(msg, LoadWeights):
                 t0 = time.perf_counter()
                 engine.load_weights(weights.read(msg.version).views(), msg.version)

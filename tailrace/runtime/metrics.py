@@ -6,44 +6,11 @@ compared exactly on the rest.
 """
 from __future__ import annotations
 
-import math
-from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from tailrace.types import Finish, Trajectory
+from tailrace.metrics import length_stats, percentile, staleness_hist
 
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), without numpy."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def length_stats(trajs: list[Trajectory]) -> dict:
-    """Tail of the response-length distribution of one step's trajectories."""
-    lens = [t.length for t in trajs]
-    if not lens:
-        return {}
-    by_prompt = defaultdict(list)
-    for t in trajs:
-        by_prompt[t.group].append(t.length)
-    stds = [_std(v) for v in by_prompt.values() if len(v) > 1]
-    p50, mx = percentile(lens, 50), max(lens)
-    mean = sum(lens) / len(lens)
-    return {"p50": p50, "p90": percentile(lens, 90), "p99": percentile(lens, 99), "max": mx, "mean": mean,
-            "max_over_median": mx / p50 if p50 else float("nan"),
-            "intra_prompt_std": sum(stds) / len(stds) if stds else 0.0,
-            "truncated_frac": sum(t.result.finish == Finish.LENGTH for t in trajs) / len(trajs),
-            "bubble": (mx - mean) / mx if mx else 0.0}
-
-
-def _std(v: list[float]) -> float:
-    m = sum(v) / len(v)
-    return math.sqrt(sum((x - m) ** 2 for x in v) / len(v))
+__all__ = ["Utilization", "length_stats", "percentile", "staleness_hist"]
 
 
 @dataclass
@@ -81,8 +48,3 @@ class Utilization:
             "gen_tok_s": (self.gen_tokens - prev[3]) / dt,
             "train_tok_s": (self.train_tokens - prev[4]) / dt,
         }
-
-
-def staleness_hist(trajs: list[Trajectory], trainer_version: int) -> dict[str, int]:
-    c = Counter(trainer_version - t.oldest_version for t in trajs)
-    return {str(k): v for k, v in sorted(c.items())}

@@ -16,7 +16,8 @@ from pathlib import Path
 from tailrace.flow.commands import Train
 from tailrace.flow.serde import traj_to_dict
 from tailrace.sim.runs import Runs
-from tailrace.sim.metrics import length_stats, minus_length, staleness_hist
+from tailrace.metrics import length_stats, staleness_hist
+from tailrace.sim.metrics import minus_length
 from tailrace.types import Trajectory
 
 

@@ -21,7 +21,7 @@ class StreamingPolicy(Policy):
         if max_staleness < 1:
             raise ValueError(f"{self.name} needs max_staleness >= 1 (got {max_staleness}); use sync or pipe for 0")
         self.max_staleness = max_staleness
-        self.rollout_groups = rollout_groups  # None = R (flow.prompts_per_round)
+        self.rollout_groups = rollout_groups  # None = max(R, 2U): more than one train step per version
 
     @classmethod
     def from_options(cls, max_staleness: int = 1, rollout_groups: int | None = None, **_):
@@ -48,7 +48,7 @@ class StreamingPolicy(Policy):
         of version <= v must be trained by a step starting at trainer version <= v + K, and each step
         takes U groups (oldest first). Without this bound the window could wait forever on a group
         that no step may take."""
-        cap = self.rollout_groups or core.spec.groups_per_round
+        cap = self.rollout_groups or max(core.spec.groups_per_round, 2 * core.spec.groups_per_step)
         U, K = core.spec.groups_per_step, self.max_staleness
         per_group = core.spec.samples_per_prompt
         room = sum(e.free for e in core.engines if version in e.loaded)
