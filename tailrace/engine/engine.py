@@ -2,10 +2,13 @@
 
 Token ids in; token ids, per-token logprobs and per-token policy versions out. Each `step()`:
   1. admit waiting requests into free slots (cache rows);
-  2. prefill up to `prefill_tokens` prompt tokens (chunked, FIFO) with `CausalLM.forward`; a request
-     whose prompt is complete samples its first token and joins the decode batch;
-  3. decode one token for every decoding request: one `DecodeRunner` forward per version over that
-     version's contiguous rows (a view of the cache), then one batched sampling call;
+  2. pick up to `prefill_tokens` prompt tokens to prefill (pieces of prompts, FIFO: a long prompt
+     never stalls the decode batch for more than one budget);
+  3. one `DecodeRunner.forward` per version present runs its decode rows (one token each, over that
+     version's contiguous rows: views of the cache; attention cut into chunks of similar length, see
+     `chunks`) together with its prefill pieces, one pass over the weights; then one sampling call
+     for the decode rows and one for the requests whose prompt completed (their first token; they
+     join the decode batch next step);
   4. one device->host read (stop flags, skipped when no live request has stop tokens), then finished
      requests leave at once and the decode rows are compacted (`Slots`).
 Lengths are known on the host without reading the device (every decoding request gains one token
@@ -29,7 +32,7 @@ from collections import Counter, deque
 
 import torch
 
-from tailrace.engine import prefill
+from tailrace.engine import chunks, prefill
 from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
 from tailrace.engine.rows import POS, TOK, RowState
@@ -86,7 +89,7 @@ class Engine:
         self._per_version: Counter[int] = Counter()
         self._decode_step = 0
         self._finish_at: dict[int, list[Sequence]] = {}  # decode step -> sequences reaching their length
-        self._max_pos_key: dict[int, int] = {}  # version -> max of pos_key over its decode rows
+        self._sorting: dict[int, list] = {}  # version -> [steps since its rows were sorted, overhead then]
         self._n_sampled = self._n_tempered = self._n_filter = self._n_min_stop = self._n_stop = 0  # decode rows
         self._paused = False
 
@@ -193,14 +196,13 @@ class Engine:
             return StepEvent(t0, 0.0, 0, 0, 0, (), ())
         with torch.inference_mode():
             self._admit()
-            chunks = prefill.plan(self._prefilling, self.prefill_tokens)
-            advanced = tuple(self.slots.owner[:self.slots.num_decoding]) + tuple(c.seq.id for c in chunks)
-            completed, pre_stop = self._prefill(chunks)
+            pieces = prefill.plan(self._prefilling, self.prefill_tokens)
             active = self.slots.num_decoding
-            dec_stop = self._decode() if active else None
+            advanced = tuple(self.slots.owner[:active]) + tuple(p.seq.id for p in pieces)
+            completed, pre_stop, dec_stop = self._forward(pieces, self._arrange())
             stopped = self._read_stops(completed, pre_stop, dec_stop)
             finished = self._settle(completed, stopped, active)
-        return StepEvent(t0, time.perf_counter() - t0, active, sum(c.n for c in chunks), active + len(completed),
+        return StepEvent(t0, time.perf_counter() - t0, active, sum(p.n for p in pieces), active + len(completed),
                          advanced, finished)
 
     def _admit(self) -> None:
@@ -209,67 +211,87 @@ class Engine:
             self.rows.set(self.slots.admit(seq.id), seq)
             self._prefilling.append(seq)
 
-    def _prefill(self, chunks: list[prefill.Chunk]) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Run the chunks; sample the first token of each request whose prompt completes.
-        Returns (those requests, their stop flags on device)."""
-        if not chunks:
-            return [], None
-        dev = self.device
-        done_rows: list[int] = []
-        done_logits = []
-        completed: list[Sequence] = []
-        for batch in prefill.batches(chunks, self.max_len):
-            T = batch[0].n
-            ids = torch.zeros(len(batch), T, dtype=torch.int64)
-            for i, c in enumerate(batch):
-                ids[i, :c.n] = torch.tensor(c.seq.ids[c.start:c.start + c.n])
-            starts = torch.tensor([c.start for c in batch])
-            positions = (starts[:, None] + torch.arange(T)).to(dev)
-            row_list = [self.slots.row[c.seq.id] for c in batch]
-            rows = slice(row_list[0], row_list[0] + 1) if len(batch) == 1 else torch.tensor(row_list, device=dev)
-            model = self._versions.model(batch[0].seq.version)
-            logits = model(ids.to(dev), positions, self.cache, rows)  # (k, T, V)
-            for i, c in enumerate(batch):
-                c.seq.prefilled += c.n
-                if c.completes:
-                    completed.append(c.seq)
-                    done_rows.append(row_list[i])
-                    done_logits.append(logits[i, c.n - 1])
-        if not completed:
-            return [], None
-        rows_t = torch.tensor(done_rows, device=dev)
-        ps = [s.req.params for s in completed]
-        flags = SampleFlags(any_sampled=any(p.temperature > 0 for p in ps),
-                            any_greedy=any(p.temperature == 0 for p in ps),
-                            any_tempered=any(p.temperature not in (0, 1) for p in ps),
-                            any_filter=any(p.top_k or p.top_p < 1 for p in ps),
-                            any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps))
-        tokens, lps = sample(torch.stack(done_logits), salt=self._salt, flags=flags, **self.rows.sampling_args(rows_t))
-        for s in completed:
-            self._prefilling.remove(s)
-        return completed, self.rows.record(rows_t, tokens, lps, advance_pos=False)
+    def _arrange(self) -> list[list[chunks.Chunk]]:
+        """Per decode group: attention chunks of its rows; re-sorts the group's rows (longest first)
+        when they have drifted far enough out of order that chunking loses (see `chunks`)."""
+        plans = []
+        for g in self.slots.groups:
+            step = self._decode_step
+            positions = [self._seqs[r].pos_key + step for r in self.slots.owner[g.start:g.stop]]
+            plan = chunks.plan(positions)
+            ratio = chunks.overhead(positions, plan)
+            st = self._sorting.setdefault(g.version, [0, 1.0])  # steps since sort, overhead after it
+            st[0] += 1
+            if chunks.needs_sort(ratio, st[1], st[0]):
+                order = sorted(self.slots.owner[g.start:g.stop], key=lambda r: -self._seqs[r].pos_key)
+                self._apply(self.slots.reorder(g.version, order))
+                positions = [self._seqs[r].pos_key + step for r in order]
+                plan = chunks.plan(positions)
+                st[0], st[1] = 0, chunks.overhead(positions, plan)
+            plans.append(plan)
+        return plans
 
-    def _decode(self) -> torch.Tensor:
-        """One token for every decode row; returns the stop flags (n,) on device."""
+    def _forward(self, pieces: list[prefill.Piece], plans: list[list[chunks.Chunk]]):
+        """One runner call per version present: its decode rows and its prefill pieces together (one
+        pass over the weights). Samples every decode row and the first token of each request whose
+        prompt completes. Returns (those requests, their stop flags, the decode rows' stop flags)."""
+        dev, ints = self.device, self.rows.ints
+        plan_of = {g.version: (g, plan) for g, plan in zip(self.slots.groups, plans)}
+        by_version: dict[int, list[prefill.Piece]] = {}
+        for p in pieces:
+            by_version.setdefault(p.seq.version, []).append(p)
+        dec_logits, done_logits, completed, done_rows = [], [], [], []
+        for v in [g.version for g in self.slots.groups] + [v for v in by_version if v not in plan_of]:
+            g, plan = plan_of.get(v, (None, []))
+            rows = slice(g.start, g.stop) if g else slice(0, 0)
+            tokens, positions = ints[rows, TOK], ints[rows, POS]
+            B, want, spans = rows.stop - rows.start, None, []
+            if v in by_version:
+                ps = by_version[v]
+                ids = [t for p in ps for t in p.seq.ids[p.start:p.start + p.n]]
+                tokens = torch.cat((tokens, torch.tensor(ids).to(dev, non_blocking=True)))
+                positions = torch.cat((positions, torch.tensor([i for p in ps for i in range(p.start, p.start + p.n)])
+                                       .to(dev, non_blocking=True)))
+                spans = [(self.slots.row[p.seq.id], p.start, p.n) for p in ps]
+                last, off = [], B
+                for p in ps:
+                    off += p.n
+                    p.seq.prefilled += p.n
+                    if p.completes:
+                        last.append(off - 1)
+                        completed.append(p.seq)
+                        done_rows.append(self.slots.row[p.seq.id])
+                if last:
+                    want = torch.tensor(list(range(B)) + last).to(dev, non_blocking=True)
+            logits = self._versions[v].forward(tokens, positions, self.cache, rows, plan, spans, want)
+            if B:
+                dec_logits.append(logits[:B])
+            if logits.shape[0] > B:
+                done_logits.append(logits[B:])
         n = self.slots.num_decoding
-        ints = self.rows.ints
-        groups = self.slots.groups
-        if len(groups) == 1:
-            g = groups[0]
-            logits = self._versions[g.version].decode(ints[:n, TOK], ints[:n, POS], self.cache, slice(0, n),
-                                                      self._max_pos(g.version))
-        else:
-            logits = torch.empty(n, self.vocab_size, dtype=self.dtype, device=self.device)
-            for g in groups:
-                s = slice(g.start, g.stop)
-                logits[s] = self._versions[g.version].decode(ints[s, TOK], ints[s, POS], self.cache, s,
-                                                             self._max_pos(g.version))
-        flags = SampleFlags(any_sampled=self._n_sampled > 0, any_greedy=self._n_sampled < n,
-                            any_tempered=self._n_tempered > 0, any_filter=self._n_filter > 0,
-                            any_min_new=self._n_min_stop > 0)
-        tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(slice(0, n)))
-        self._decode_step += 1
-        return self.rows.record(slice(0, n), tokens, lps, advance_pos=True)
+        dec_stop = pre_stop = None
+        if n:
+            logits = dec_logits[0] if len(dec_logits) == 1 else torch.cat(dec_logits)
+            flags = SampleFlags(any_sampled=self._n_sampled > 0, any_greedy=self._n_sampled < n,
+                                any_tempered=self._n_tempered > 0, any_filter=self._n_filter > 0,
+                                any_min_new=self._n_min_stop > 0)
+            tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(slice(0, n)))
+            self._decode_step += 1
+            dec_stop = self.rows.record(slice(0, n), tokens, lps, advance_pos=True)
+        if completed:
+            rows_t = torch.tensor(done_rows).to(dev, non_blocking=True)
+            ps = [s.req.params for s in completed]
+            flags = SampleFlags(any_sampled=any(p.temperature > 0 for p in ps),
+                                any_greedy=any(p.temperature == 0 for p in ps),
+                                any_tempered=any(p.temperature not in (0, 1) for p in ps),
+                                any_filter=any(p.top_k or p.top_p < 1 for p in ps),
+                                any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps))
+            logits = done_logits[0] if len(done_logits) == 1 else torch.cat(done_logits)
+            tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(rows_t))
+            pre_stop = self.rows.record(rows_t, tokens, lps, advance_pos=False)
+            for s in completed:
+                self._prefilling.remove(s)
+        return completed, pre_stop, dec_stop
 
     def _read_stops(self, completed: list[Sequence], pre_stop, dec_stop) -> list[int]:
         """The one device->host read of a step: indices (prefill-completed requests first, then decode
@@ -319,9 +341,6 @@ class Engine:
         self._apply(self.slots.start_decoding(seq.id, seq.version))
         seq.joined_at = self._decode_step
         seq.pos_key = len(seq.ids) - seq.joined_at  # its decode input's position minus the step counter
-        v = seq.version
-        if v in self._max_pos_key:
-            self._max_pos_key[v] = max(self._max_pos_key[v], seq.pos_key)
         self._finish_at.setdefault(seq.joined_at + seq.allowed - 1, []).append(seq)
         self._count(seq, +1)
 
@@ -334,7 +353,6 @@ class Engine:
         self._apply(self.slots.release(seq.id))
         if decoding:
             self._count(seq, -1)
-            self._max_pos_key.pop(seq.version, None)  # recomputed on next use
 
     def _count(self, seq: Sequence, d: int) -> None:
         p = seq.req.params
@@ -351,15 +369,6 @@ class Engine:
             n = min(self.max_len, len(seq.ids) + seq.num_new(self._decode_step) + 1)
             self.cache.move_row(src, dst, n)
             self.rows.move(src, dst)
-
-    def _max_pos(self, version: int) -> int:
-        """Largest decode-input position in this version's group, from host counters."""
-        key = self._max_pos_key.get(version)
-        if key is None:
-            g = self.slots.group_of(version)
-            key = max(self._seqs[r].pos_key for r in self.slots.owner[g.start:g.stop])
-            self._max_pos_key[version] = key
-        return key + self._decode_step
 
     def _result(self, seq: Sequence, toks: list[int], lps: list[float], finish: Finish, t: float) -> GenResult:
         r = seq.req

@@ -63,6 +63,7 @@ class DecodeRunner:
         # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
         self.cos_sin = torch.stack((cos, sin), dim=1).to(self.device, self.dtype)  # (max_len, 2, D)
         self.arange = torch.arange(max_len, device=self.device)
+        self.heads = torch.arange(self.Hkv, device=self.device)
         self._write_base: dict[tuple[int, int, int], torch.Tensor] = {}
         self.refresh()
 
@@ -103,59 +104,118 @@ class DecodeRunner:
             self._write_base[key] = base
         return base
 
+    def _attend(self, qk: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, r0: int, chunks, masks,
+                mode: str) -> torch.Tensor:
+        """Attention of qk[:, :H] (B, H, D) over cache rows r0 + [lo, hi) up to S, chunk by chunk;
+        the cache slices are views. Returns (B, H D) in the model dtype."""
+        B, H, Hkv, G, D = qk.shape[0], self.H, self.Hkv, self.G, self.D
+        if mode == "sdpa":
+            q = qk[:, :H].view(B, Hkv, G, D)  # GQA: the query heads of one kv head become G queries
+        else:
+            q = qk[:, :H].reshape(B * Hkv, G, D)
+            if mode == "up":
+                q = q.float()
+        outs = []
+        for (lo, hi, S), m in zip(chunks, masks):
+            kk, vv = ck[r0 + lo:r0 + hi, :, :S], cv[r0 + lo:r0 + hi, :, :S]  # (n, Hkv, S, D) views
+            if mode == "sdpa":
+                outs.append(F.scaled_dot_product_attention(q[lo:hi], kk, vv, attn_mask=m, scale=self.scale))
+                continue
+            n = hi - lo
+            k3, v3 = kk.reshape(n * Hkv, S, D), vv.reshape(n * Hkv, S, D)  # views
+            qc = q[lo * Hkv:hi * Hkv]
+            if mode == "bmm16":  # K @ q^T, fp32 softmax
+                s = torch.add(m, torch.bmm(k3, qc.transpose(1, 2)).transpose(1, 2), alpha=self.scale)
+                outs.append(torch.bmm(torch.softmax(s, dim=-1).to(self.dtype), v3))
+            else:  # "bmm" (fp32) or "up" (fp32 on upcast copies)
+                if mode == "up":
+                    k3, v3 = k3.float(), v3.float()
+                s = torch.baddbmm(m, qc, k3.transpose(1, 2), alpha=self.scale)  # (n Hkv, G, S)
+                outs.append(torch.bmm(torch.softmax(s, dim=-1), v3))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return o.reshape(B, H * D).to(self.dtype)
+
     def _rms(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm without its weight (folded into the next GEMM). For bf16 input the fused kernel
         normalizes in fp32 and rounds once, bitwise as the model's x.float() ... .to(bf16)."""
         return F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
-               max_pos: int) -> torch.Tensor:
-        """tokens, positions (B,) int64 of the sequences in cache rows `rows` (a contiguous slice);
-        `max_pos` >= positions.max() (host-known). Writes each token's k/v at its position and
-        returns logits (B, V) in the model dtype."""
-        B = tokens.shape[0]
-        H, Hkv, D, G, I = self.H, self.Hkv, self.D, self.G, self.I
-        S, L = max_pos + 1, cache.max_len
-        widx = self._write_index(rows, L) + positions.repeat_interleave(Hkv)  # (B Hkv,) into k.view(-1, D)
-        cs = self.cos_sin[positions]  # (B, 2, D)
-        cos, sin = cs[:, 0:1], cs[:, 1:2]  # (B, 1, D)
-        bias = torch.where(self.arange[:S] > positions[:, None], float("-inf"), 0.0)  # (B, S) fp32 mask
-        if self.attention != "sdpa":
-            bias = bias.repeat_interleave(Hkv, dim=0).view(B * Hkv, 1, S)  # broadcast over G
+               chunks: list[tuple[int, int, int]] | int) -> torch.Tensor:
+        """Decode only: see `forward`. An int `chunks` S = one chunk over all rows."""
+        if isinstance(chunks, int):
+            chunks = [(0, tokens.shape[0], chunks)]
+        return self.forward(tokens, positions, cache, rows, chunks)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
+                chunks: list[tuple[int, int, int]], pieces: list[tuple[int, int, int]] = (),
+                want: torch.Tensor | None = None) -> torch.Tensor:
+        """One step over M tokens: B = len(rows) decode tokens first, then prefill pieces.
+
+        tokens, positions (M,) int64 on device. Decode token b sits in cache row rows.start + b;
+        `chunks`: (lo, hi, S) per attention chunk of the decode rows (rows [lo, hi) attend to
+        positions [0, S), S > their positions; see `engine.chunks`). `pieces`: (row, start, n) per
+        prefill piece, its n tokens (next in `tokens`) at positions start.. of that row, attending
+        causally to the row's cache. Every token's k/v is written at its position first. Returns
+        logits (len(want), V) of the tokens `want` indexes (default: the B decode tokens)."""
+        B, M = rows.stop - rows.start, tokens.shape[0]
+        H, Hkv, D, I = self.H, self.Hkv, self.D, self.I
+        L = cache.max_len
+        widx = self._write_index(rows, L) + positions[:B].repeat_interleave(Hkv)  # (B Hkv,) into k.view(-1, D)
+        if pieces:
+            pre_rows = torch.tensor([r for r, _, n in pieces for _ in range(n)], device=tokens.device)
+            pre = ((pre_rows[:, None] * Hkv + self.heads) * L + positions[B:, None]).reshape(-1)
+            widx = torch.cat((widx, pre))
+        cs = self.cos_sin[positions]  # (M, 2, D)
+        cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
+        if self.attention == "sdpa":
+            mode = "sdpa"
+        elif self.dtype == torch.float32:
+            mode = "bmm"
         else:
-            bias = bias.to(self.dtype).view(B, 1, 1, S)
-        fp32 = self.dtype == torch.float32
-        pk = self.packed and B >= self.packed_min_batch
-        x = F.embedding(tokens, self.embed)  # (B, hidden)
+            mode = "up" if B <= _UPCAST_MAX_BATCH else "bmm16"
+        masks = []  # per decode chunk, additive fp32 (bmm) or model-dtype (sdpa) mask, built once per step
+        for lo, hi, S in chunks:
+            m = torch.where(self.arange[:S] > positions[lo:hi, None], float("-inf"), 0.0)  # (n, S)
+            if mode == "sdpa":
+                masks.append(m.to(self.dtype).view(hi - lo, 1, 1, S))
+            else:
+                masks.append(m.repeat_interleave(Hkv, dim=0).view((hi - lo) * Hkv, 1, S))  # broadcast over G
+        causal = []  # per prefill piece, its causal mask (1, n G, start + n) fp32
+        for _, start, n in pieces:
+            m = torch.where(self.arange[:start + n] > self.arange[start:start + n, None], float("-inf"), 0.0)
+            causal.append(m.repeat_interleave(self.G, dim=0)[None])
+        pk = self.packed and M >= self.packed_min_batch
+        x = F.embedding(tokens, self.embed)  # (M, hidden)
         for i, lw in enumerate(self.layers):
-            qkv = lw.qkv(self._rms(x), pk)  # (B, (H + 2 Hkv) D)
-            qk = qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D)
+            qkv = lw.qkv(self._rms(x), pk)  # (M, (H + 2 Hkv) D)
+            qk = qkv[:, :(H + Hkv) * D].view(M, H + Hkv, D)
             half = D // 2
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
-            k = qk[:, H:].reshape(B * Hkv, D)
-            v = qkv[:, (H + Hkv) * D:].reshape(B * Hkv, D)
             ck, cv = cache.k[i], cache.v[i]
-            ck.view(-1, D).index_copy_(0, widx, k)
-            cv.view(-1, D).index_copy_(0, widx, v)
-            kk, vv = ck[rows, :, :S], cv[rows, :, :S]  # (B, Hkv, S, D) views
-            if self.attention == "bmm" and not fp32 and B <= _UPCAST_MAX_BATCH:  # fp32 on upcast copies
-                q = qk[:, :H].reshape(B * Hkv, G, D).float()
-                k3, v3 = kk.reshape(B * Hkv, S, D).float(), vv.reshape(B * Hkv, S, D).float()
-                scores = torch.baddbmm(bias, q, k3.transpose(1, 2), alpha=self.scale)
-                o = torch.bmm(torch.softmax(scores, dim=-1), v3).to(self.dtype)
-            elif self.attention != "sdpa":
-                q = qk[:, :H].reshape(B * Hkv, G, D)
-                k3, v3 = kk.reshape(B * Hkv, S, D), vv.reshape(B * Hkv, S, D)  # views
-                if fp32:
-                    scores = torch.baddbmm(bias, q, k3.transpose(1, 2), alpha=self.scale)  # (B Hkv, G, S)
-                else:
-                    scores = torch.add(bias, torch.bmm(k3, q.transpose(1, 2)).transpose(1, 2), alpha=self.scale)
-                o = torch.bmm(torch.softmax(scores, dim=-1).to(self.dtype), v3)  # (B Hkv, G, D)
-            else:
-                q = qk[:, :H].view(B, Hkv, G, D)  # GQA: query heads of one kv head become G queries
-                o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=bias, scale=self.scale)
-            x = lw.o.add(o.reshape(B, H * D), x, pk)
-            gu = lw.gate_up(self._rms(x), pk)  # (B, 2 I)
+            ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D))
+            cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D:].reshape(M * Hkv, D))
+            outs = [self._attend(qk[:B], ck, cv, rows.start, chunks, masks, mode)] if B else []  # (B, H D)
+            off = B
+            for (row, start, n), m in zip(pieces, causal):
+                outs.append(self._attend_piece(qk[off:off + n, :H], ck[row, :, :start + n], cv[row, :, :start + n], m))
+                off += n
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
+            x = lw.o.add(o, x, pk)
+            gu = lw.gate_up(self._rms(x), pk)  # (M, 2 I)
             act = F.silu(gu[:, :I]).mul_(gu[:, I:])
             x = lw.down.add(act, x, pk)
-        return self.lm_head(self._rms(x), pk)
+        if want is not None:
+            x = x.index_select(0, want)
+        elif M > B:
+            x = x[:B]
+        return self.lm_head(self._rms(x), pk and x.shape[0] >= self.packed_min_batch)
+
+    def _attend_piece(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Causal attention of one prefill piece, in fp32: q (n, H, D); k, v (Hkv, S, D) cache views;
+        mask (1, n G, S). Returns (n, H D) in the model dtype."""
+        n, Hkv, G, D = q.shape[0], self.Hkv, self.G, self.D
+        q = q.reshape(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, n * G, D).float()  # rows ordered (n, G)
+        s = torch.baddbmm(mask, q, k.float().transpose(1, 2), alpha=self.scale)  # (Hkv, n G, S)
+        o = torch.bmm(torch.softmax(s, dim=-1), v.float())  # (Hkv, n G, D)
+        return o.view(Hkv, n, G * D).transpose(0, 1).reshape(n, Hkv * G * D).to(self.dtype)

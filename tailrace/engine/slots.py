@@ -130,6 +130,27 @@ class Slots:
         self.num_decoding -= 1
         return moves
 
+    def reorder(self, version: int, order: list[str]) -> list[Move]:
+        """Permute a decode group's rows so that row `start + i` holds `order[i]` (a permutation of
+        the group's requests): one move per displaced row plus one per cycle, through the spare row."""
+        g = self.group_of(version)
+        assert g is not None and len(order) == len(g) and set(order) == set(self.owner[g.start:g.stop])
+        target = {rid: g.start + i for i, rid in enumerate(order)}
+        moves: list[Move] = []
+        for r in range(g.start, g.stop):
+            if target[self.owner[r]] == r:
+                continue
+            moves.append(self._move(r, self.spare))  # open the cycle at r
+            hole = r
+            while True:  # fill the hole with the request that belongs there
+                src = self.row[order[hole - g.start]]
+                if src == self.spare:
+                    break
+                moves.append(self._move(src, hole))
+                hole = src
+            moves.append(self._move(self.spare, hole))
+        return moves
+
     # -- internals ----------------------------------------------------------------------------------
 
     def _put(self, rid: str, r: int) -> None:

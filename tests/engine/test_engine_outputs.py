@@ -62,6 +62,24 @@ def test_continuous_batching_equals_running_alone(model):
     assert [len(r.token_ids) for r in batched] == news
 
 
+def test_long_tail_with_chunked_attention_and_row_sorting_equals_running_alone(model, monkeypatch):
+    """Long-tailed lengths through 16 slots: the decode rows get re-sorted by length and their
+    attention cut into chunks; every request still gets its solo tokens."""
+    from tailrace.engine.slots import Slots
+
+    calls = []
+    orig = Slots.reorder
+    monkeypatch.setattr(Slots, "reorder", lambda self, v, order: calls.append(len(order)) or orig(self, v, order))
+    g = torch.Generator().manual_seed(7)
+    news = torch.exp(torch.randn(48, generator=g) * 0.9 + 2.5).clamp(1, 150).long().tolist()
+    reqs = [req(f"t{i}", 1 + i % 7, m, temperature=1.0) for i, m in enumerate(news)]
+    batched = Engine(model, num_slots=16, prefill_tokens=64).generate(reqs)
+    assert calls, "expected at least one re-sort of the decode rows"
+    for r, res in list(zip(reqs, batched))[::6]:
+        assert Engine(model, num_slots=1).generate([r])[0].token_ids == res.token_ids
+    assert [len(r.token_ids) for r in batched] == news
+
+
 def test_unseeded_requests_follow_the_engine_seed(model):
     reqs = [GenRequest(f"u{i}", prompt(i, 6), SamplingParams(max_new_tokens=10)) for i in range(4)]
     a = Engine(model, num_slots=4, seed=11).generate(reqs)

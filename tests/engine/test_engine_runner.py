@@ -34,9 +34,12 @@ def test_decode_matches_model_forward(name, attention, packed):
             model(toks[b:b + 1, :n], None, c, slice(b + 1, b + 2))
     pos = torch.tensor(lens)
     for step in range(3):
+        # one chunk, then rows cut into chunks that each attend only as far as their longest row
+        chunks = int(pos.max()) + 1 if step == 0 else [(0, 2, int(pos[:2].max()) + 1), (2, 3, int(pos[2]) + 1),
+                                                       (3, B, int(pos[3:].max()) + 1)]
         x = toks[torch.arange(B), pos]
         ref = model(x[:, None], pos[:, None], ref_cache, slice(1, B + 1))[:, 0]
-        got = runner.decode(x, pos, cache, slice(1, B + 1), int(pos.max()))
+        got = runner.decode(x, pos, cache, slice(1, B + 1), chunks)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
         pos = pos + 1
     for layer in range(model.config.num_hidden_layers):
@@ -56,5 +59,36 @@ def test_bf16_decode_close_to_model_forward(attention, packed, B):
         model(toks[:, :12], None, c, slice(0, B))
     pos = torch.full((B,), 12)
     ref = model(toks[:, 12:13], pos[:, None], ref_cache, slice(0, B))[:, 0].float()
-    got = runner.decode(toks[:, 12], pos, cache, slice(0, B), 12).float()
+    got = runner.decode(toks[:, 12], pos, cache, slice(0, B), [(0, 1, 13), (1, B, 13)]).float()
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_mixed_prefill_and_decode_step_matches_model_forward(dtype):
+    """Decode rows and prefill pieces (a whole prompt, and the second chunk of another) in one step."""
+    model = tiny_model(5).to(dtype)
+    runner = DecodeRunner(model, 64)
+    V = model.config.vocab_size
+    toks = torch.randint(0, V, (4, 30), generator=torch.Generator().manual_seed(2))
+    ref_cache, cache = model.new_cache(5, 64), model.new_cache(5, 64)
+    for c in (ref_cache, cache):  # rows 0, 1 decode from position 9 and 14; row 3 has 6 tokens prefilled
+        model(toks[0:1, :9], None, c, slice(0, 1))
+        model(toks[1:2, :14], None, c, slice(1, 2))
+        model(toks[3:4, :6], None, c, slice(3, 4))
+    pos = torch.tensor([9, 14])
+    ref_dec = model(toks[:2, :1] * 0 + torch.stack([toks[0, 9], toks[1, 14]])[:, None], pos[:, None],
+                    ref_cache, slice(0, 2))[:, 0]
+    ref_a = model(toks[2:3, :11], None, ref_cache, slice(2, 3))[0, -1]  # whole prompt into row 2
+    ref_b = model(toks[3:4, 6:13], torch.arange(6, 13)[None], ref_cache, slice(3, 4))[0, -1]  # chunk 2 of row 3
+    tokens = torch.cat([torch.stack([toks[0, 9], toks[1, 14]]), toks[2, :11], toks[3, 6:13]])
+    positions = torch.cat([pos, torch.arange(11), torch.arange(6, 13)])
+    want = torch.tensor([0, 1, 2 + 10, 2 + 11 + 6])
+    got = runner.forward(tokens, positions, cache, slice(0, 2), [(0, 1, 10), (1, 2, 15)],
+                         [(2, 0, 11), (3, 6, 7)], want).float()
+    ref = torch.stack([ref_dec[0], ref_dec[1], ref_a, ref_b]).float()
+    tol = 2e-5 if dtype == torch.float32 else 0.05 * float(ref.abs().max())
+    assert (got - ref).abs().max() < tol
+    for layer in range(model.config.num_hidden_layers):
+        for r, n in ((0, 10), (1, 15), (2, 11), (3, 13)):
+            assert (cache.k[layer][r, :, :n].float() - ref_cache.k[layer][r, :, :n].float()).abs().max() < tol
