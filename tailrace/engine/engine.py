@@ -235,63 +235,72 @@ class Engine:
         """One runner call per version present: its decode rows and its prefill pieces together (one
         pass over the weights). Samples every decode row and the first token of each request whose
         prompt completes. Returns (those requests, their stop flags, the decode rows' stop flags)."""
-        dev, ints = self.device, self.rows.ints
         plan_of = {g.version: (g, plan) for g, plan in zip(self.slots.groups, plans)}
         by_version: dict[int, list[prefill.Piece]] = {}
         for p in pieces:
             by_version.setdefault(p.seq.version, []).append(p)
-        dec_logits, done_logits, completed, done_rows = [], [], [], []
+        dec_logits, first_logits, completed = [], [], []
         for v in [g.version for g in self.slots.groups] + [v for v in by_version if v not in plan_of]:
             g, plan = plan_of.get(v, (None, []))
             rows = slice(g.start, g.stop) if g else slice(0, 0)
-            tokens, positions = ints[rows, TOK], ints[rows, POS]
-            B, want, spans = rows.stop - rows.start, None, []
-            if v in by_version:
-                ps = by_version[v]
-                ids = [t for p in ps for t in p.seq.ids[p.start:p.start + p.n]]
-                tokens = torch.cat((tokens, torch.tensor(ids).to(dev, non_blocking=True)))
-                positions = torch.cat((positions, torch.tensor([i for p in ps for i in range(p.start, p.start + p.n)])
-                                       .to(dev, non_blocking=True)))
-                spans = [(self.slots.row[p.seq.id], p.start, p.n) for p in ps]
-                last, off = [], B
-                for p in ps:
-                    off += p.n
-                    p.seq.prefilled += p.n
-                    if p.completes:
-                        last.append(off - 1)
-                        completed.append(p.seq)
-                        done_rows.append(self.slots.row[p.seq.id])
-                if last:
-                    want = torch.tensor(list(range(B)) + last).to(dev, non_blocking=True)
+            B = rows.stop - rows.start
+            tokens, positions, spans, want = self._inputs(rows, by_version.get(v, []), completed)
             logits = self._versions[v].forward(tokens, positions, self.cache, rows, plan, spans, want)
             if B:
                 dec_logits.append(logits[:B])
             if logits.shape[0] > B:
-                done_logits.append(logits[B:])
-        n = self.slots.num_decoding
-        dec_stop = pre_stop = None
-        if n:
-            logits = dec_logits[0] if len(dec_logits) == 1 else torch.cat(dec_logits)
-            flags = SampleFlags(any_sampled=self._n_sampled > 0, any_greedy=self._n_sampled < n,
-                                any_tempered=self._n_tempered > 0, any_filter=self._n_filter > 0,
-                                any_min_new=self._n_min_stop > 0)
-            tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(slice(0, n)))
-            self._decode_step += 1
-            dec_stop = self.rows.record(slice(0, n), tokens, lps, advance_pos=True)
-        if completed:
-            rows_t = torch.tensor(done_rows).to(dev, non_blocking=True)
-            ps = [s.req.params for s in completed]
-            flags = SampleFlags(any_sampled=any(p.temperature > 0 for p in ps),
-                                any_greedy=any(p.temperature == 0 for p in ps),
-                                any_tempered=any(p.temperature not in (0, 1) for p in ps),
-                                any_filter=any(p.top_k or p.top_p < 1 for p in ps),
-                                any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps))
-            logits = done_logits[0] if len(done_logits) == 1 else torch.cat(done_logits)
-            tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(rows_t))
-            pre_stop = self.rows.record(rows_t, tokens, lps, advance_pos=False)
-            for s in completed:
-                self._prefilling.remove(s)
+                first_logits.append(logits[B:])
+        dec_stop = self._sample_decode(_cat(dec_logits)) if dec_logits else None
+        pre_stop = self._sample_first(_cat(first_logits), completed) if completed else None
         return completed, pre_stop, dec_stop
+
+    def _inputs(self, rows: slice, pieces: list[prefill.Piece], completed: list[Sequence]):
+        """Tokens and positions of one version's forward: its decode rows, then its prefill pieces;
+        the pieces' (row, start, n); which outputs need logits (None: the decode rows only). Requests
+        whose prompt completes are appended to `completed`."""
+        ints, dev = self.rows.ints, self.device
+        tokens, positions = ints[rows, TOK], ints[rows, POS]
+        if not pieces:
+            return tokens, positions, [], None
+        B = rows.stop - rows.start
+        ids = [t for p in pieces for t in p.seq.ids[p.start:p.start + p.n]]
+        pos = [i for p in pieces for i in range(p.start, p.start + p.n)]
+        tokens = torch.cat((tokens, torch.tensor(ids).to(dev, non_blocking=True)))
+        positions = torch.cat((positions, torch.tensor(pos).to(dev, non_blocking=True)))
+        spans = [(self.slots.row[p.seq.id], p.start, p.n) for p in pieces]
+        last, off = [], B
+        for p in pieces:
+            off += p.n
+            p.seq.prefilled += p.n
+            if p.completes:
+                last.append(off - 1)
+                completed.append(p.seq)
+        want = torch.tensor(list(range(B)) + last).to(dev, non_blocking=True) if last else None
+        return tokens, positions, spans, want
+
+    def _sample_decode(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sample the next token of every decode row [0, n); returns their stop flags."""
+        n = logits.shape[0]
+        flags = SampleFlags(any_sampled=self._n_sampled > 0, any_greedy=self._n_sampled < n,
+                            any_tempered=self._n_tempered > 0, any_filter=self._n_filter > 0,
+                            any_min_new=self._n_min_stop > 0)
+        tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(slice(0, n)))
+        self._decode_step += 1
+        return self.rows.record(slice(0, n), tokens, lps, advance_pos=True)
+
+    def _sample_first(self, logits: torch.Tensor, completed: list[Sequence]) -> torch.Tensor:
+        """Sample the first new token of each request whose prompt completed; returns their stop flags."""
+        rows_t = torch.tensor([self.slots.row[s.id] for s in completed]).to(self.device, non_blocking=True)
+        ps = [s.req.params for s in completed]
+        flags = SampleFlags(any_sampled=any(p.temperature > 0 for p in ps),
+                            any_greedy=any(p.temperature == 0 for p in ps),
+                            any_tempered=any(p.temperature not in (0, 1) for p in ps),
+                            any_filter=any(p.top_k or p.top_p < 1 for p in ps),
+                            any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps))
+        tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(rows_t))
+        for s in completed:
+            self._prefilling.remove(s)
+        return self.rows.record(rows_t, tokens, lps, advance_pos=False)
 
     def _read_stops(self, completed: list[Sequence], pre_stop, dec_stop) -> list[int]:
         """The one device->host read of a step: indices (prefill-completed requests first, then decode
@@ -375,3 +384,7 @@ class Engine:
         return GenResult(request_id=r.id, token_ids=r.resume_ids + tuple(toks), logprobs=r.resume_logprobs + tuple(lps),
                          versions=r.resume_versions + (r.version,) * len(toks), finish=finish,
                          submitted=seq.submitted, first_token=seq.first_token, finished=t)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
