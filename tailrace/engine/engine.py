@@ -51,10 +51,12 @@ class Engine:
     def __init__(self, model: CausalLM, *, num_slots: int = 64, max_len: int | None = None,
                  prefill_tokens: int = 512, device: torch.device | str | None = None,
                  dtype: torch.dtype | str | None = None, seed: int = 0, threads: int | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, kv_dtype: torch.dtype | None = None):
         """`model` is version 0. `max_len`: context limit (prompt + response) per request, default the
         model's max_position_embeddings. `threads`: torch intra-op threads (None leaves the caller's
-        setting). `attention`: decode attention kernel, 'bmm' or 'sdpa' (default by dtype)."""
+        setting). `attention`: decode attention kernel, 'bmm' (default) or 'sdpa'. `kv_dtype`: the KV
+        cache's dtype; None = float32 on CPU (for bf16 models too: measured faster there, see
+        `runner`), the model's dtype elsewhere."""
         if num_slots < 1:
             raise EngineError(f"num_slots={num_slots} must be at least 1")
         if prefill_tokens < 1:
@@ -77,7 +79,8 @@ class Engine:
         self.num_slots, self.max_len, self.prefill_tokens = num_slots, max_len, prefill_tokens
         self.device, self.dtype, self.vocab_size = device, dtype, cfg.vocab_size
         self._versions = Versions(model, max_len, attention)
-        self.cache = model.new_cache(num_slots + 1, max_len, dtype, device)  # +1: the swap row
+        kv_dtype = kv_dtype or (torch.float32 if device.type == "cpu" else dtype)
+        self.cache = model.new_cache(num_slots + 1, max_len, kv_dtype, device)  # +1: the swap row
         self.rows = RowState(num_slots + 1, cfg.vocab_size, max_len, device)
         self.slots = Slots(num_slots)
         self._salt = vocab_salt(cfg.vocab_size, device)

@@ -9,9 +9,10 @@ sequence, gets this dedicated path over the same weights and the same KV cache l
   * RoPE applied to q and k in one op set, looked up in a table built by `tailrace.model.rope` (the
     model's own table function, so positions rotate identically);
   * attention of one query per sequence over a contiguous slice of cache rows (a view) as two batched
-    GEMMs per layer with an additive mask built once per step; in bf16/fp16 the scores GEMM runs as
-    K @ q^T (measured ~2x faster than q @ K^T there) and the softmax in fp32, as HF's eager path
-    (at batch <= 8 the whole attention runs in fp32 on upcast copies, which is faster there);
+    GEMMs per layer with an additive mask built once per step, in fp32 whenever the cache is fp32
+    (the engine's default on CPU, also for bf16 models: fp32 MKL reads strided cache views in place,
+    bf16 bmm copies them). With a bf16/fp16 cache the scores GEMM runs as K @ q^T (~2x faster than
+    q @ K^T there) with an fp32 softmax, and at batch <= 8 on fp32 upcast copies (faster there);
   * the maximum position comes from the host, so the step needs no device->host sync.
 Supports exactly what `CausalLM` supports (Llama/Qwen2 biases, every RoPE type via the table); tests
 pin it to `CausalLM.forward` logits.
@@ -110,10 +111,10 @@ class DecodeRunner:
         the cache slices are views. Returns (B, H D) in the model dtype."""
         B, H, Hkv, G, D = qk.shape[0], self.H, self.Hkv, self.G, self.D
         if mode == "sdpa":
-            q = qk[:, :H].view(B, Hkv, G, D)  # GQA: the query heads of one kv head become G queries
+            q = qk[:, :H].view(B, Hkv, G, D).to(ck.dtype)  # GQA: the query heads of one kv head -> G queries
         else:
             q = qk[:, :H].reshape(B * Hkv, G, D)
-            if mode == "up":
+            if mode != "bmm16":
                 q = q.float()
         outs = []
         for (lo, hi, S), m in zip(chunks, masks):
@@ -170,15 +171,15 @@ class DecodeRunner:
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
         if self.attention == "sdpa":
             mode = "sdpa"
-        elif self.dtype == torch.float32:
+        elif cache.dtype == torch.float32:  # fp32 attention (an fp32 cache may serve a bf16 model)
             mode = "bmm"
         else:
             mode = "up" if B <= _UPCAST_MAX_BATCH else "bmm16"
-        masks = []  # per decode chunk, additive fp32 (bmm) or model-dtype (sdpa) mask, built once per step
+        masks = []  # per decode chunk, additive fp32 (bmm) or cache-dtype (sdpa) mask, built once per step
         for lo, hi, S in chunks:
             m = torch.where(self.arange[:S] > positions[lo:hi, None], float("-inf"), 0.0)  # (n, S)
             if mode == "sdpa":
-                masks.append(m.to(self.dtype).view(hi - lo, 1, 1, S))
+                masks.append(m.to(cache.dtype).view(hi - lo, 1, 1, S))
             else:
                 masks.append(m.repeat_interleave(Hkv, dim=0).view((hi - lo) * Hkv, 1, S))  # broadcast over G
         causal = []  # per prefill piece, its causal mask (1, n G, start + n) fp32
@@ -193,8 +194,8 @@ class DecodeRunner:
             half = D // 2
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             ck, cv = cache.k[i], cache.v[i]
-            ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D))
-            cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D:].reshape(M * Hkv, D))
+            ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D).to(ck.dtype))
+            cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D:].reshape(M * Hkv, D).to(cv.dtype))
             outs = [self._attend(qk[:B], ck, cv, rows.start, chunks, masks, mode)] if B else []  # (B, H D)
             off = B
             for (row, start, n), m in zip(pieces, causal):

@@ -47,16 +47,21 @@ def test_decode_matches_model_forward(name, attention, packed):
         torch.testing.assert_close(cache.v[layer], ref_cache.v[layer], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float32])  # the engine's CPU default: fp32 cache
 @pytest.mark.parametrize("B", [3, 12])  # upcast fp32 attention at small batches, bf16 GEMMs above
 @pytest.mark.parametrize("attention,packed", [("bmm", False), ("bmm", True), ("sdpa", None)])
 @torch.inference_mode()
-def test_bf16_decode_close_to_model_forward(attention, packed, B):
+def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
     model = tiny_model(4).to(torch.bfloat16)
     runner = DecodeRunner(model, 64, attention, packed=packed and packing_supported(torch.bfloat16))
     ref_cache, cache = model.new_cache(B, 64), model.new_cache(B, 64)
+    if kv == torch.float32:  # same prompt k/v, held in fp32
+        cache.k, cache.v = [t.float() for t in cache.k], [t.float() for t in cache.v]
     toks = torch.randint(0, model.config.vocab_size, (B, 20), generator=torch.Generator().manual_seed(1))
-    for c in (ref_cache, cache):
-        model(toks[:, :12], None, c, slice(0, B))
+    model(toks[:, :12], None, ref_cache, slice(0, B))
+    for layer in range(model.config.num_hidden_layers):
+        cache.k[layer].copy_(ref_cache.k[layer])
+        cache.v[layer].copy_(ref_cache.v[layer])
     pos = torch.full((B,), 12)
     ref = model(toks[:, 12:13], pos[:, None], ref_cache, slice(0, B))[:, 0].float()
     got = runner.decode(toks[:, 12], pos, cache, slice(0, B), [(0, 1, 13), (1, B, 13)]).float()
