@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tailrace.engine import Engine  # noqa: E402
-from tailrace.engine.runner import DecodeRunner  # noqa: E402
+from tailrace.engine.runner import Runner  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from tailrace.model.config import ModelConfig  # noqa: E402
 from tailrace.model.decoder import CausalLM  # noqa: E402
@@ -182,7 +182,7 @@ def bench_vllm(model_dir: str, dtype: str, batch: int, new: int, threads: int, r
         return f"failed: {tail[:60]}"
 
 
-def gemm_limit(runner: DecodeRunner, batch: int, repeats: int) -> float:
+def gemm_limit(runner: Runner, batch: int, repeats: int) -> float:
     """tokens/s if a decode step were only its matrix multiplies (fused q/k/v, o, gate/up, down, LM head),
     each by the faster of the runner's two GEMM paths (MKL, oneDNN packed), best of the repeats."""
     dt, dev = runner.dtype, runner.device

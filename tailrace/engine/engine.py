@@ -4,7 +4,7 @@ Token ids in; token ids, per-token logprobs and per-token policy versions out. E
   1. admit waiting requests into free slots (cache rows);
   2. pick up to `prefill_tokens` prompt tokens to prefill (pieces of prompts, FIFO: a long prompt
      never stalls the decode batch for more than one budget);
-  3. one `DecodeRunner.forward` per version present runs its decode rows (one token each, over that
+  3. one `Runner.forward` per version present runs its decode rows (one token each, over that
      version's contiguous rows: views of the cache; attention cut into chunks of similar length, see
      `chunks`) together with its prefill pieces, one pass over the weights; then one sampling call
      for the decode rows and one for the requests whose prompt completed (their first token; they

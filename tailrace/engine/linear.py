@@ -1,4 +1,4 @@
-"""`Linear`: y = x W^T (+ b) (+ residual) for the decode runner, by MKL or by oneDNN on packed weights.
+"""`Linear`: y = x W^T (+ b) (+ residual) for the engine's runner, by MKL or by oneDNN on packed weights.
 
 On CPU, MKL re-packs the weight on every call; oneDNN can pack it once (`_reorder_linear_weight`) and
 then reads it in its own blocked layout, and fuses the residual add. Measured on the default model

@@ -1,7 +1,9 @@
-"""`DecodeRunner`: the decode step (one new token per sequence) of one model version, fast.
+"""`Runner`: one engine step of one model version -- decode rows and prefill pieces in one forward.
 
-`CausalLM.forward` is the reference and serves prefill; decode, which runs every step on every live
-sequence, gets this dedicated path over the same weights and the same KV cache layout:
+`CausalLM.forward` is the reference (tests pin this runner to its logits and cache writes); the
+engine's steps run here, over the same weights and the same KV cache layout, built for speed:
+  * the decode rows (one token each) and the prefill pieces (prompt chunks, causal within the piece)
+    are one (M, hidden) batch through every GEMM: one pass over the weights per step, no padding;
   * q/k/v and gate/up projections fused into one GEMM each (fused copies of the weights, rebuilt by
     `refresh` after a weight load), residual adds folded into `addmm`; each RMSNorm weight is folded
     into the columns of the projection that follows it ((x*w) W^T = x (W diag w)^T; in bf16 this
@@ -13,7 +15,7 @@ sequence, gets this dedicated path over the same weights and the same KV cache l
     (the engine's default on CPU, also for bf16 models: fp32 MKL reads strided cache views in place,
     bf16 bmm copies them). With a bf16/fp16 cache the scores GEMM runs as K @ q^T (~2x faster than
     q @ K^T there) with an fp32 softmax, and at batch <= 8 on fp32 upcast copies (faster there);
-  * the maximum position comes from the host, so the step needs no device->host sync.
+  * the attended lengths come from the host, so the step needs no device->host sync.
 Supports exactly what `CausalLM` supports (Llama/Qwen2 biases, every RoPE type via the table); tests
 pin it to `CausalLM.forward` logits.
 """
@@ -37,7 +39,7 @@ class _Layer:
     __slots__ = ("qkv", "o", "gate_up", "down")
 
 
-class DecodeRunner:
+class Runner:
     def __init__(self, model: CausalLM, max_len: int, attention: str | None = None, packed: bool | None = None):
         """`packed`: oneDNN packed weights (see `linear.py`); None = wherever supported."""
         cfg = model.config

@@ -1,4 +1,4 @@
-"""`Versions`: the policy versions an engine holds, one `CausalLM` (+ its `DecodeRunner`) each.
+"""`Versions`: the policy versions an engine holds, one `CausalLM` (+ its `Runner`) each.
 
 Versions share nothing but the KV-cache layout. A new version is built on the meta device from the
 first version's config and filled from the state dict (copied: the engine never aliases a trainer's
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tailrace.engine.errors import EngineError
-from tailrace.engine.runner import DecodeRunner
+from tailrace.engine.runner import Runner
 from tailrace.model.decoder import CausalLM
 
 
@@ -20,12 +20,12 @@ class Versions:
         self.dtype, self.device = w.dtype, w.device
         self.max_len = max_len
         self.attention = attention
-        self._runners: dict[int, DecodeRunner] = {0: self._runner(model)}
+        self._runners: dict[int, Runner] = {0: self._runner(model)}
 
     def __contains__(self, version: int) -> bool:
         return version in self._runners
 
-    def __getitem__(self, version: int) -> DecodeRunner:
+    def __getitem__(self, version: int) -> Runner:
         return self._runners[version]
 
     def model(self, version: int) -> CausalLM:
@@ -53,9 +53,9 @@ class Versions:
     def drop(self, version: int) -> None:
         del self._runners[version]
 
-    def _runner(self, model: CausalLM) -> DecodeRunner:
+    def _runner(self, model: CausalLM) -> Runner:
         model.eval().requires_grad_(False)
-        return DecodeRunner(model, self.max_len, self.attention)
+        return Runner(model, self.max_len, self.attention)
 
     def _copy_into(self, model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
         own = self._check(model, state_dict)

@@ -1,11 +1,11 @@
-"""`DecodeRunner` is pinned to `CausalLM.forward`: same logits, same KV-cache writes."""
+"""`Runner` is pinned to `CausalLM.forward`: same logits, same KV-cache writes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tailrace.engine.linear import packing_supported
-from tailrace.engine.runner import DecodeRunner
+from tailrace.engine.runner import Runner
 
 from tests.engine.engine_helpers import tiny_model
 
@@ -24,7 +24,7 @@ CONFIGS = {
 def test_decode_matches_model_forward(name, attention, packed):
     model = tiny_model(3, **CONFIGS[name])
     B, max_len = 5, 96
-    runner = DecodeRunner(model, max_len, attention, packed=packed and packing_supported(torch.float32))
+    runner = Runner(model, max_len, attention, packed=packed and packing_supported(torch.float32))
     lens = [7, 30, 1, 19, 44]
     ref_cache, cache = model.new_cache(B + 2, max_len), model.new_cache(B + 2, max_len)
     g = torch.Generator().manual_seed(0)
@@ -53,7 +53,7 @@ def test_decode_matches_model_forward(name, attention, packed):
 @torch.inference_mode()
 def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
     model = tiny_model(4).to(torch.bfloat16)
-    runner = DecodeRunner(model, 64, attention, packed=packed and packing_supported(torch.bfloat16))
+    runner = Runner(model, 64, attention, packed=packed and packing_supported(torch.bfloat16))
     ref_cache, cache = model.new_cache(B, 64), model.new_cache(B, 64)
     if kv == torch.float32:  # same prompt k/v, held in fp32
         cache.k, cache.v = [t.float() for t in cache.k], [t.float() for t in cache.v]
@@ -73,7 +73,7 @@ def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
 def test_mixed_prefill_and_decode_step_matches_model_forward(dtype):
     """Decode rows and prefill pieces (a whole prompt, and the second chunk of another) in one step."""
     model = tiny_model(5).to(dtype)
-    runner = DecodeRunner(model, 64)
+    runner = Runner(model, 64)
     V = model.config.vocab_size
     toks = torch.randint(0, V, (4, 30), generator=torch.Generator().manual_seed(2))
     ref_cache, cache = model.new_cache(5, 64), model.new_cache(5, 64)
