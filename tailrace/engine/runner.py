@@ -12,9 +12,9 @@ engine's steps run here, over the same weights and the same KV cache layout, bui
     model's own table function, so positions rotate identically);
   * attention of one query per sequence over a contiguous slice of cache rows (a view) as two batched
     GEMMs per layer with an additive mask built once per step, in fp32 whenever the cache is fp32
-    (the engine's default on CPU, also for bf16 models: fp32 MKL reads strided cache views in place,
-    bf16 bmm copies them). With a bf16/fp16 cache the scores GEMM runs as K @ q^T (~2x faster than
-    q @ K^T there) with an fp32 softmax, and at batch <= 8 on fp32 upcast copies (faster there);
+    (fp32 MKL reads the strided cache views in place). With a bf16/fp16 cache (bf16 bmm copies them)
+    the scores GEMM runs as K @ q^T (~2x faster than q @ K^T there) with an fp32 softmax, and at
+    batch <= 8 on fp32 upcast copies (faster there);
   * the attended lengths come from the host, so the step needs no device->host sync.
 Supports exactly what `CausalLM` supports (Llama/Qwen2 biases, every RoPE type via the table); tests
 pin it to `CausalLM.forward` logits.

@@ -156,11 +156,12 @@ def test_engine_sampling_matches_model_distribution(model):
     assert chi2 < df * (1 - a + 4.753 * math.sqrt(a)) ** 3, chi2
 
 
-def test_bf16_engine_logprobs_close_to_fp32_forward(model):
-    """bf16 weights (fp32 KV cache, the CPU default): logprobs within bf16 noise of the fp32 model."""
-    eng = Engine(model, num_slots=4, dtype="bf16")
-    assert eng.cache.dtype == torch.float32 and eng.dtype == torch.bfloat16
-    reqs = [req(f"b{i}", 4 + 6 * i, 16) for i in range(4)]
+@pytest.mark.parametrize("kv", [None, torch.float32])
+def test_bf16_engine_logprobs_close_to_fp32_forward(model, kv):
+    """bf16 weights (bf16 or fp32 KV cache): logprobs within bf16 noise of the fp32 model."""
+    eng = Engine(model, num_slots=4, dtype="bf16", kv_dtype=kv)
+    assert eng.cache.dtype == (kv or torch.bfloat16) and eng.dtype == torch.bfloat16
+    reqs = [req(f"b{i}", 4 + 6 * i, 16) for i in range(12)]
     for r, res in zip(reqs, eng.generate(reqs)):
         ref = full_logprobs(model, r.prompt_ids, res.token_ids)
         assert sum(abs(a - b) for a, b in zip(res.logprobs, ref)) / len(ref) < 0.05
