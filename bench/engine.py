@@ -42,8 +42,9 @@ sys.path.insert(0, str(ROOT))
 from tailrace.engine import Engine  # noqa: E402
 from tailrace.engine.runner import Runner  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
-from tailrace.model.config import ModelConfig  # noqa: E402
+from tailrace.config import SFTConfig  # noqa: E402
 from tailrace.model.decoder import CausalLM  # noqa: E402
+from tailrace.runtime import warmstart  # noqa: E402
 from tailrace.tokenizer import char_tokenizer  # noqa: E402
 from tailrace.types import GenRequest, SamplingParams  # noqa: E402
 
@@ -76,12 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def default_model_dir(tmp: str) -> str:
-    """The default tailrace architecture with seeded random weights, plus its char tokenizer (vLLM needs one)."""
+    """The default tailrace architecture (the warm-start recipe's) with seeded random weights, plus its
+    char tokenizer (vLLM needs one)."""
     tok = char_tokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                      pad_token_id=tok.pad_id, model_type="llama")
+    cfg = warmstart.model_config(SFTConfig(), tok.vocab_size, tok)
     path = os.path.join(tmp, "model")
     save_pretrained(CausalLM.from_config(cfg, seed=0), path)
     tok.save(path)

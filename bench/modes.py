@@ -42,13 +42,15 @@ CONFIGS = {
 }
 
 
-def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: int) -> dict:
+def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: int, base: dict | None) -> dict:
     label = mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
     rd = RunDir(out / config / label)
     if rd.path.exists():
         import shutil
         shutil.rmtree(rd.path)
     rd.create()
+    if base is not None:  # the base model is the same in every mode: evaluate it once per configuration
+        rd.file("metrics.jsonl").write_text(json.dumps(base) + "\n")
     over = CONFIGS[config] + [f"--flow.mode={mode}", f"--flow.steps={steps}", f"--eval.n={eval_n}",
                               f"--train.loss.correction={CORRECTION[mode]}", "--flow.checkpoint_every=1000"]
     over += [f"--{k}={v}" for k, v in opts.items()]
@@ -63,6 +65,7 @@ def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: i
         drv.close()
         ses.close()
     steps_rec = [r for r in read_lines(rd.file("metrics.jsonl")) if r.get("kind") == "step"]
+    base_rec = next(r for r in read_lines(rd.file("metrics.jsonl")) if r.get("tag") == "base")
     last = steps_rec[-1]
     events = list(read_lines(rd.file("events.jsonl")))
     train_wall = last["time"]["wall_s"]
@@ -75,18 +78,41 @@ def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: i
     return {"config": config, "mode": label, "wall_s": train_wall, "total_s": wall,
             "steps_per_hour": len(steps_rec) / train_wall * 3600,
             "trainer_wait_ratio": last["time"]["trainer_wait_ratio"], "bubble_ratio": last["time"]["bubble_ratio"],
+            "mean_active_batch": last["time"]["mean_active_batch"], "base_record": base_rec,
+            "round_window_s": round_windows(events, cfg.flow.prompts_per_round) if mode in ("sync", "pipe") else None,
             "engine_busy_s": busy, "staleness": stale, "final_accuracy": summary.final_accuracy,
             "base_accuracy": summary.base_accuracy, "run_dir": str(rd.path), "events": events}
 
 
+def round_windows(events: list[dict], R: int) -> float | None:
+    """Mean rollout-to-train-end window of the on-policy rounds: from the round's first dispatched request
+    to the publication of the weights trained on it (round r is groups [rR, (r+1)R), published as v = r+1)."""
+    first: dict[int, float] = {}
+    for e in events:
+        if e.get("kind") == "group_first_dispatch":
+            r = e["group"] // R
+            first[r] = min(first.get(r, e["t"]), e["t"])
+    pub = {e["version"]: e["t"] for e in events if e.get("kind") == "published"}
+    spans = [pub[r + 1] - t for r, t in first.items() if r + 1 in pub]
+    return sum(spans) / len(spans) if spans else None
+
+
 def table(rows: list[dict]) -> str:
     sync = next(r for r in rows if r["mode"] == "sync")
-    head = f"{'mode':16s} {'wall s':>8s} {'steps/h':>8s} {'speedup':>8s} {'wait':>6s} {'bubble':>7s} {'acc':>6s}  staleness"
+    head = (f"{'mode':16s} {'wall s':>7s} {'steps/h':>8s} {'speedup':>8s} {'wait':>5s} {'bubble':>6s} "
+            f"{'batch':>6s} {'window s':>8s} {'acc':>6s}  staleness")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['mode']:16s} {r['wall_s']:8.1f} {r['steps_per_hour']:8.0f} "
-                     f"{sync['wall_s'] / r['wall_s']:7.2f}x {r['trainer_wait_ratio']:6.2f} {r['bubble_ratio']:7.2f} "
-                     f"{(r['final_accuracy'] or 0):6.3f}  {json.dumps(r['staleness'])}")
+        win = f"{r['round_window_s']:8.1f}" if r["round_window_s"] is not None else f"{'-':>8s}"
+        lines.append(f"{r['mode']:16s} {r['wall_s']:7.1f} {r['steps_per_hour']:8.0f} "
+                     f"{sync['wall_s'] / r['wall_s']:7.2f}x {r['trainer_wait_ratio']:5.2f} {r['bubble_ratio']:6.2f} "
+                     f"{r['mean_active_batch']:6.1f} {win} {(r['final_accuracy'] or 0):6.3f}  {json.dumps(r['staleness'])}")
+    base = rows[0]["base_accuracy"]
+    lines.append(f"base accuracy {base:.3f}; wait = trainer waiting ratio, bubble = rollout bubble ratio, batch = "
+                 "engine mean active batch while generating, window = rollout-to-train-end time of a round")
+    pipe = next((r for r in rows if r["mode"] == "pipe"), None)
+    if pipe and pipe["round_window_s"] and sync["round_window_s"]:
+        lines.append(f"pipe cuts the rollout-to-train-end window by {1 - pipe['round_window_s'] / sync['round_window_s']:.0%}")
     return "\n".join(lines)
 
 
@@ -112,13 +138,14 @@ def main() -> None:
     out = ROOT / "bench" / "out" / "modes"
     results = []
     for config in args.configs.split(","):
-        rows = []
+        rows, base = [], None
         for mode, opts in MODES:
             label = mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
             if args.modes and label not in args.modes.split(","):
                 continue
             print(f"[{config}] {label} ...", flush=True)
-            rows.append(run_one(config, mode, opts, steps, out, eval_n))
+            rows.append(run_one(config, mode, opts, steps, out, eval_n, base))
+            base = rows[-1].pop("base_record")
         print(f"\n== {config} ({steps} steps each; speedup = sync wall / mode wall, same run) ==")
         print(table(rows), flush=True)
         timelines(rows, ROOT / "bench" / "out" / f"modes_{config}.html")

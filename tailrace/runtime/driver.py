@@ -123,6 +123,8 @@ class Driver:
         if base is None and evaluator is not None:
             base = evaluator.run("base", version, self._on_engine_report)
             self.metrics.write({"kind": "eval", "tag": "base", "step": self.sched.steps_done, **base})
+        # utilization counts from here: the base evaluation is not part of the training timeline
+        self.util = Utilization(time.perf_counter(), slots=self.util.slots)
         if self.ui is not None:
             self.ui.begin(self.sched.steps_done, self.cfg.flow.steps, base)
         limit = self.cfg.flow.time_limit_s

@@ -18,7 +18,8 @@ class Utilization:
     """Busy time of the trainer and slot-time of the engines, cumulative since the run started.
 
     trainer waiting ratio = trainer idle (waiting for data) / wall time;
-    rollout bubble ratio = engine slot-time idle / engine slot-time available.
+    rollout bubble ratio = engine slot-time idle / engine slot-time available;
+    mean active batch = engine slot-time / engine busy time (sequences per decode step while generating).
     """
 
     start: float
@@ -42,6 +43,7 @@ class Utilization:
             "wall_s": wall,
             "trainer_wait_ratio": 1.0 - min(1.0, self.trainer_busy / wall),
             "bubble_ratio": 1.0 - min(1.0, self.slot_time / (self.slots * wall)),
+            "mean_active_batch": self.slot_time / self.engine_busy if self.engine_busy > 0 else 0.0,
             "step_s": dt,
             "step_trainer_wait_ratio": 1.0 - min(1.0, (self.trainer_busy - prev[1]) / dt),
             "step_bubble_ratio": 1.0 - min(1.0, (self.slot_time - prev[2]) / (self.slots * dt)),

@@ -63,7 +63,7 @@ def demonstrations(cfg: SFTConfig, task: ChainSumTask, tok) -> list[tuple[list[i
 
 def build_warm_start(cfg: SFTConfig, out: Path, progress=None) -> dict:
     """Train the default model from scratch into `out` (atomically: built aside, then renamed)."""
-    task = ChainSumTask()
+    task = ChainSumTask(dataclasses.replace(ChainSumTask().spec, p_slip=cfg.slip))
     tok = char_tokenizer()
     torch.manual_seed(cfg.seed)
     prev_threads = torch.get_num_threads()

@@ -33,6 +33,7 @@ class ChainSumSpec:
     p_restate: float = 0.20  # per demonstration: style with "left:" lines
     p_check: float = 0.15  # per demonstration: style with "ck:" lines
     p_line: float = 0.6  # within a verbose style, chance of the extra line at each step
+    p_slip: float = 0.0  # demonstrations only: chance that a step's sum is off by one (and carried on)
     test_mod: int = 8  # a question is in the test split iff hash(question) % test_mod == 0
 
 
@@ -79,6 +80,8 @@ class ChainSumTask(Task):
             if restate and rng.random() < self.spec.p_line:
                 lines.append(f"next:{LETTERS[i]}{t}")
             new = total + t
+            if rng.random() < self.spec.p_slip:
+                new += rng.choice((-1, 1))  # a slip: the demonstration carries the wrong total on
             lines.append(f"{LETTERS[i]}:{total}+{t}={new}")
             if check and rng.random() < self.spec.p_line:
                 lines.append(f"ck:{new}-{t}={total}")

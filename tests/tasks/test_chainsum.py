@@ -25,6 +25,25 @@ def test_demonstrations_compute_the_sum_step_by_step():
         assert int(final_answer(demo)) == sum(terms)
 
 
+def test_slipped_demonstrations_carry_an_off_by_one_sum_to_a_wrong_answer():
+    from dataclasses import replace
+    t = ChainSumTask(replace(ChainSumTask().spec, p_slip=0.3))
+    rng, wrong = random.Random(2), 0
+    for ex in t.examples("train", 200):
+        demo = t.demonstration(ex, rng)
+        terms = parse_terms(ex.question)
+        steps = [ln.split(":", 1)[1] for ln in demo.splitlines() if "=" in ln and not ln.startswith("ck:")]
+        total = terms[0]
+        for step, term in zip(steps, terms[1:]):
+            left, new = step.split("=")
+            assert left == f"{total}+{term}"  # each step starts from the total carried so far
+            assert abs(int(new) - (total + term)) <= 1
+            total = int(new)
+        assert int(final_answer(demo)) == total
+        wrong += t.reward(ex, demo) == 0.0
+    assert 40 < wrong < 180  # slips happen, and long chains collect more of them
+
+
 def test_splits_are_disjoint_and_deterministic():
     t = ChainSumTask()
     train = {e.question for e in t.examples("train", 3000)}
