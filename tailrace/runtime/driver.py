@@ -105,7 +105,7 @@ class Driver:
                 except (BrokenPipeError, OSError):
                     pass
         for p in [getattr(self, "trainer", None), *getattr(self, "engine_procs", [])]:
-            if p is not None:
+            if p is not None and p.pid is not None:  # a process that failed before start has nothing to join
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()

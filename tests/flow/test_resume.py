@@ -72,3 +72,18 @@ def test_crash_and_resume(seed, crash_tick, every, U):
         assert lost == 0, "with a checkpoint per step, no finished trajectory may be lost"
     # strictly on-policy after resume too
     assert set(s2.staleness) == {0}
+
+
+def test_trajectory_records_round_trip_through_json_with_every_field():
+    import dataclasses
+    import json
+
+    from tailrace.flow.serde import traj_from_dict
+    from tailrace.types import Finish, GenResult, Trajectory
+    r = GenResult("g3.1", (5, 6, 7), (-0.5, -1.25, -0.125), (2, 2, 3), Finish.ABORTED, 1.0, 2.0, 3.0)
+    t = Trajectory(group=3, sample_index=1, prompt_id=17, prompt_ids=(1, 9), result=r, reward=0.5, correct=False,
+                   dispatch_version=2)
+    d = traj_to_dict(t)
+    assert set(d) == {f.name for f in dataclasses.fields(Trajectory)}  # a new field must be serialized too
+    assert set(d["result"]) == {f.name for f in dataclasses.fields(GenResult)}
+    assert traj_from_dict(json.loads(json.dumps(d))) == t
