@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tailrace.config import load_config  # noqa: E402
+from tailrace.config import dump_config, load_config  # noqa: E402
 from tailrace.report.html import gantt  # noqa: E402
 from tailrace.runtime.driver import Driver  # noqa: E402
 from tailrace.runtime.rundir import RunDir, read_lines  # noqa: E402
@@ -58,6 +58,7 @@ def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: i
                               f"--train.loss.correction={CORRECTION[mode]}", "--flow.checkpoint_every=1000"]
     over += [f"--{k}={v}" for k, v in opts.items()]
     cfg = load_config(None, over)
+    rd.file("config.yaml").write_text(dump_config(cfg))  # as tailrace train: `tailrace sim --like` reads it
     ses = Session(cfg)
     drv = Driver(cfg, rd, ses)
     try:
