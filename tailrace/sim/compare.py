@@ -91,11 +91,19 @@ def trainer_rate(run_dir: str | Path, cost, skip: int = 1) -> tuple[float, float
 
 
 def generate_busy_s(run_dir: str | Path) -> float:
-    """Total time the engines spent in generate spans (events.jsonl), summed over engines."""
-    total = 0.0
+    """Time the engines spent in generate spans (events.jsonl), summed over engines, inside the training
+    window: from the first dispatched sample to the last trained step. A real run's held-out evaluations
+    (before and after training) also generate on the engines; the simulator runs none."""
+    spans, first, last = [], None, None
     with open(Path(run_dir) / "events.jsonl") as f:
         for line in f:
             e = json.loads(line)
             if e.get("phase") == "generate" and str(e.get("lane", "")).startswith("engine"):
-                total += e["t1"] - e["t0"]
-    return total
+                spans.append((e["t0"], e["t1"]))
+            elif e.get("kind") == "group_first_dispatch":
+                first = e["t"] if first is None else min(first, e["t"])
+            elif e.get("kind") == "trained":
+                last = e["t"] if last is None else max(last, e["t"])
+    lo = first if first is not None else float("-inf")
+    hi = last if last is not None else float("inf")
+    return sum(max(0.0, min(t1, hi) - max(t0, lo)) for t0, t1 in spans)

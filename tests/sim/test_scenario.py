@@ -108,3 +108,14 @@ def test_trainer_speed_is_recovered_from_a_run_directory(tmp_path):
     assert overhead == pytest.approx(cost.hw.train_step_overhead_s, rel=1e-6)
     assert rate == pytest.approx(2 * cost.hw.peak_flops * cost.hw.train_mfu, rel=1e-6)
     assert compare.generate_busy_s(tmp_path / "run") > 0
+
+
+def test_generate_busy_counts_only_the_training_window(tmp_path):
+    events = [{"lane": "engine0", "phase": "generate", "t0": 0.0, "t1": 2.0},  # base evaluation
+              {"lane": "scheduler", "kind": "group_first_dispatch", "t": 2.5, "group": 0},
+              {"lane": "engine0", "phase": "generate", "t0": 2.5, "t1": 4.0},
+              {"lane": "engine0", "phase": "generate", "t0": 4.5, "t1": 6.0},  # straddles the last step
+              {"lane": "scheduler", "kind": "trained", "t": 5.0, "step": 0},
+              {"lane": "engine0", "phase": "generate", "t0": 6.0, "t1": 9.0}]  # final evaluation
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert compare.generate_busy_s(tmp_path) == pytest.approx(1.5 + 0.5)
