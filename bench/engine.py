@@ -161,6 +161,26 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def _reap_group(pgid: int, wait_s: float = 30.0) -> None:
+    """Terminate what is left of a finished subprocess's process group and wait until it is gone."""
+    import signal
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    t_end = time.monotonic() + wait_s
+    while time.monotonic() < t_end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def bench_vllm(model_dir: str, dtype: str, batch: int, new: int, threads: int, repeats: int) -> dict | str:
     """The runner's tokens/s (median wall) and, from the probe, tokens per CPU-second of its model worker."""
     if not VLLM_PY.exists():
@@ -169,7 +189,10 @@ def bench_vllm(model_dir: str, dtype: str, batch: int, new: int, threads: int, r
            "--batch", str(batch), "--dtype", dtype, "--new-tokens", str(new), "--threads", str(threads),
            "--repeats", str(repeats), "--json"]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        # its own session: vLLM's engine-core process can outlive the runner, and must not share the
+        # CPU with the next measurement
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, start_new_session=True)
+        _reap_group(p.pid)
         d = json.loads(p.stdout.strip().splitlines()[-1])
         probes = [json.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
                   if line.startswith("TAILRACE_CPU ")][1:]  # the first call is the runner's warm-up

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/modes.py            # both configurations, all modes (< 20 min)
     .venv/bin/python bench/modes.py --quick    # a smoke run
+    .venv/bin/python bench/modes.py --tables   # reprint the last run's tables
 
 Default model, default task, same seed, same number of trained samples; one rollout process and one
 trainer process on separate cores. Two configurations:
@@ -112,8 +113,9 @@ def table(rows: list[dict]) -> str:
                      f"{sync['wall_s'] / r['wall_s']:7.2f}x {r['trainer_wait_ratio']:5.2f} {r['bubble_ratio']:6.2f} "
                      f"{r['mean_active_batch']:6.1f} {win} {(r['final_accuracy'] or 0):6.3f}  {json.dumps(r['staleness'])}")
     base = rows[0]["base_accuracy"]
-    lines.append(f"base accuracy {base:.3f}; wait = trainer waiting ratio, bubble = rollout bubble ratio, batch = "
-                 "engine mean active batch while generating, window = rollout-to-train-end time of a round")
+    lines.append(f"base accuracy {base:.3f}; speedup = sync wall / mode wall; wait = trainer waiting ratio, "
+                 "bubble = rollout bubble ratio, "
+                 "batch = engine mean active batch while generating, window = rollout-to-train-end time of a round")
     pipe = next((r for r in rows if r["mode"] == "pipe"), None)
     if pipe and pipe["round_window_s"] and sync["round_window_s"]:
         lines.append(f"pipe cuts the rollout-to-train-end window by {1 - pipe['round_window_s'] / sync['round_window_s']:.0%}")
@@ -136,7 +138,15 @@ def main() -> None:
     ap.add_argument("--configs", default="balanced,genheavy")
     ap.add_argument("--modes", default=None, help="comma list of labels, e.g. sync,pipe,multiversion-K2")
     ap.add_argument("--eval-n", type=int, default=256)
+    ap.add_argument("--tables", action="store_true", help="reprint the tables of the last run (bench/out/modes.json)")
     args = ap.parse_args()
+    if args.tables:
+        saved = json.loads((ROOT / "bench" / "out" / "modes.json").read_text())
+        for config in dict.fromkeys(r["config"] for r in saved):
+            rows = [r for r in saved if r["config"] == config]
+            print(f"\n== {config} ==")
+            print(table(rows))
+        return
     steps = 4 if args.quick else args.steps
     eval_n = 32 if args.quick else args.eval_n
     out = ROOT / "bench" / "out" / "modes"

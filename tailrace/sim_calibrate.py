@@ -10,7 +10,8 @@ do), one torch thread per role as on the testbed, fp32:
   (see `fit_decode`; efficiencies are folded into the fitted bw and rate);
 - train: `GRPOTrainer.step` over synthetic groups; FLOPs per step (6N per token + attention) / time;
 - weights: the shared-memory publish (one memcpy) and the engine's load of a version;
-- checkpoint: the trainer worker's save after a publishing step (a real run's flow.checkpoint_every).
+- checkpoint: the trainer worker's save after a publishing step (a real run's flow.checkpoint_every);
+- co-running: decode steps alone and while a trainer computes on the other core (`corun_slowdown`).
 
 Timing on a shared machine is noisy: every figure is the median of repeats, and the JSON records
 the machine's load average at the time.
@@ -149,6 +150,63 @@ def measure_train(cfg: SFTConfig, shape: ModelShape, shapes=TRAIN_SHAPES, k: int
     return rows
 
 
+def _train_loop(cores, stop, ready) -> None:
+    """Child process of `measure_corun`: real optimizer steps on its own core until `stop` is set."""
+    from tailrace.runtime.procs import pin
+    pin(cores)
+    torch.set_num_threads(1)
+    cfg = SFTConfig()
+    trainer = GRPOTrainer(_model(cfg), TrainerConfig())
+    batch = [Group(g, g, tuple(_traj(g, i, 96, (5,) * 16) for i in range(8))) for g in range(8)]
+    trainer.step(batch, 0)
+    ready.set()
+    while not stop.is_set():
+        trainer.step(batch, 0)
+
+
+def _decode_time(model: CausalLM, batch: int, length: int, seed: int) -> float:
+    """Median seconds of a pure decode step at `batch` over `length` tokens."""
+    eng = Engine(model, num_slots=batch, prefill_tokens=4096, seed=seed)
+    params = SamplingParams(max_new_tokens=length, min_new_tokens=length)
+    for i in range(batch):
+        eng.add(GenRequest(f"c{seed}.{i}", tuple([5] * 16), params))
+    times = []
+    while eng.num_running + eng.num_waiting:
+        ev = eng.step()
+        if ev.prefill_tokens == 0:
+            times.append(ev.duration)
+    return statistics.median(times)
+
+
+def measure_corun(model: CausalLM, batch: int = 16, length: int = 128, repeats: int = 3) -> dict:
+    """How much longer a decode step takes while a trainer computes on another core of this host (the
+    runtime's placement: engine and trainer pinned apart): shared memory bandwidth and last-level cache.
+    1.0 where there is a single core (the roles then time-share it, which the simulator does not model)."""
+    from tailrace.runtime.procs import available_cores, context, pin, placement
+    cores = available_cores()
+    if len(cores) < 2:
+        return {"slowdown": 1.0, "alone_s": None, "corun_s": None}
+    train_cores, engine_cores = placement(1)
+    pin(engine_cores[0])
+    try:
+        alone = statistics.median(_decode_time(model, batch, length, r) for r in range(repeats))
+        ctx = context()
+        stop, ready = ctx.Event(), ctx.Event()
+        child = ctx.Process(target=_train_loop, args=(train_cores, stop, ready), daemon=True)
+        child.start()
+        try:
+            ready.wait(timeout=120)
+            corun = statistics.median(_decode_time(model, batch, length, r) for r in range(repeats))
+        finally:
+            stop.set()
+            child.join(timeout=30)
+            if child.is_alive():
+                child.kill()
+    finally:
+        pin(tuple(cores))
+    return {"slowdown": max(1.0, corun / alone), "alone_s": alone, "corun_s": corun}
+
+
 def measure_weights(model: CausalLM, repeats: int = 5) -> dict:
     from tailrace.model.flat import flatten_parameters
     from tailrace.runtime.weights import SharedWeights
@@ -195,6 +253,11 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print) -> d
         progress(f"  {w['bytes'] / 1e6:.1f} MB: publish {w['publish_s'] * 1e3:.2f} ms, load {w['load_s'] * 1e3:.2f} ms")
         ckpt = measure_checkpoint(trainer)
         progress(f"checkpoint: {ckpt * 1e3:.1f} ms (model + optimizer)")
+        progress("co-running: decode steps alone vs while a trainer computes on the other core")
+        co = measure_corun(model, repeats=1 if quick else 3)
+        if co["alone_s"] is not None:
+            progress(f"  {co['alone_s'] * 1e3:.2f} ms alone, {co['corun_s'] * 1e3:.2f} ms co-running: "
+                     f"x{co['slowdown']:.2f}")
     finally:
         torch.set_num_threads(prev)
     peak = max(dec["flops_per_s"], train_rate)
@@ -202,9 +265,10 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print) -> d
         CPU_FALLBACK, peak_flops=peak, flops_eff=dec["flops_per_s"] / peak, train_mfu=train_rate / peak,
         mem_bw=dec["mem_bw"], bw_eff=1.0, step_overhead_s=dec["overhead_s"], per_seq_s=dec["per_seq_s"],
         dtype_bytes=4, train_step_overhead_s=trf["overhead_s"], sync_fixed_s=0.0,
-        load_bw=w["bytes"] / max(w["load_s"], 1e-9), scaleup_bw=w["bytes"] / max(w["publish_s"], 1e-9))
+        load_bw=w["bytes"] / max(w["load_s"], 1e-9), scaleup_bw=w["bytes"] / max(w["publish_s"], 1e-9),
+        corun_slowdown=co["slowdown"])
     result = {"hardware": hw.to_dict(), "decode": dec, "train": trf, "decode_points": rows, "train_points": tr,
-              "weights": w, "extra": {"checkpoint_s": ckpt},
+              "weights": w, "corun": co, "extra": {"checkpoint_s": ckpt},
               "model": dataclasses.asdict(shape), "load_average": os.getloadavg(), "time": time.time()}
     out = out or cache_dir() / "cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)

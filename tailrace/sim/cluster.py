@@ -22,7 +22,7 @@ import simpy
 
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.sim.costs import CostModel
-from tailrace.sim.engine import Block, SimEngine, Span
+from tailrace.sim.engine import Block, CoRun, SimEngine, Span
 from tailrace.sim.recorder import Recorder
 
 
@@ -151,10 +151,17 @@ class SimCluster:
             pub = self.cost.publish_time() if c.publish is not None else 0.0
             ckpt = self.cost.checkpoint_s if c.publish is not None else 0.0
             t0 = env.now
+            corun = self.cost.hw.corun_slowdown if not self.colocated else 1.0
             if self.colocated:
                 for e in self.engines:
                     self._post(e.id, Block(t0 + dt + pub + ckpt))
+            elif corun != 1.0:
+                for e in self.engines:
+                    self._post(e.id, CoRun(corun))
             yield env.timeout(dt)
+            if corun != 1.0:
+                for e in self.engines:
+                    self._post(e.id, CoRun(1.0))
             self.trainer_spans.append(Span("train", t0, env.now))
             self.trainer_busy += dt
             sync = None

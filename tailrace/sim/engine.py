@@ -47,6 +47,14 @@ class Block:
     until: float
 
 
+@dataclass(frozen=True)
+class CoRun:
+    """From the next step on, decode steps take `factor` times their cost (a trainer computing on the
+    same host slows them; 1.0 when it stops). See `Hardware.corun_slowdown`."""
+
+    factor: float
+
+
 @dataclass
 class Job:
     sample: Sample
@@ -97,6 +105,7 @@ class SimEngine:
         self.count: dict[int, int] = {}  # version -> running sequences
         self.ctx: dict[int, int] = {}  # version -> their total context at t_b
         self.segment = Segment(0.0, ())
+        self.slowdown = 1.0  # see CoRun
         self._plan: tuple[float, int] | None = None
         self._uid = 0
         # accounting (cumulative)
@@ -210,6 +219,8 @@ class SimEngine:
             if any(j.sample.version == cmd.version for j in [*self.running.values(), *self.queue]):
                 raise RuntimeError(f"engine {self.id}: drop of version {cmd.version}, which requests still use")
             self.loaded.discard(cmd.version)
+        elif isinstance(cmd, CoRun):
+            self.slowdown = cmd.factor
         elif isinstance(cmd, Block):
             if cmd.until > self.t_b:
                 self._span("wait", self.t_b, cmd.until)
@@ -256,6 +267,8 @@ class SimEngine:
 
     def _resegment(self) -> None:
         self.segment = self.cost.decode_segment({v: (b, self.ctx[v]) for v, b in self.count.items()})
+        if self.slowdown != 1.0:
+            self.segment = self.segment.scaled(self.slowdown)
 
     def _span(self, phase: str, t0: float, t1: float, version: int | None = None) -> None:
         if t1 <= t0:

@@ -43,11 +43,17 @@ class Hardware:
     train_step_overhead_s: float = 1.0  # per optimizer step: optimizer update, loss bookkeeping
     sync_fixed_s: float = 2.0  # fixed latency of one weight load on an engine
     load_bw: float = 0.0  # bytes/s a weight load reaches per device; 0 = net_bw
+    # Decode steps take this factor longer while the trainer computes on the same host: on a CPU
+    # testbed the two roles share memory bandwidth and the last-level cache (measured by calibrate);
+    # separate GPUs do not slow each other, so 1.0 there.
+    corun_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         for k in ("peak_flops", "mem_bw", "mem_bytes", "net_bw"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"hardware {self.name}: {k} must be positive")
+        if not self.corun_slowdown >= 1.0:
+            raise ValueError(f"hardware {self.name}: corun_slowdown={self.corun_slowdown} must be >= 1")
         for k in ("bw_eff", "flops_eff", "train_mfu"):
             if not 0 < getattr(self, k) <= 1:
                 raise ValueError(f"hardware {self.name}: {k}={getattr(self, k)} must lie in (0, 1]")

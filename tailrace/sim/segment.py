@@ -44,6 +44,10 @@ class Segment:
         """Duration of step k (0-based) of the segment."""
         return self.base + sum(max(a + b * k, c + d * k) for a, b, c, d in self.terms)
 
+    def scaled(self, f: float) -> "Segment":
+        """Every step f times as long (exact: max(f a, f c) = f max(a, c) for f > 0)."""
+        return Segment(self.base * f, tuple((a * f, b * f, c * f, d * f) for a, b, c, d in self.terms))
+
     def time(self, n: int) -> float:
         """Duration of the first n steps."""
         if n <= 0:

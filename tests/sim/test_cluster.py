@@ -163,3 +163,29 @@ def test_colocated_training_pauses_the_engines():
         for sp in e.spans:
             if sp.phase == "generate":
                 assert not any(t0 + 1e-9 < sp.t0 < t1 - 1e-9 for t0, t1 in trains)
+
+
+def test_co_running_training_slows_only_the_decode_steps_it_overlaps():
+    import dataclasses
+    lengths = LognormalLengths(median=400, max_len=3000, prompt=64, seed=2)
+    slow = CostModel(dataclasses.replace(GPUS["h100"], corun_slowdown=1.5), MODELS["qwen3-1.7b"], engine_gpus=1,
+                     trainer_gpus=4)
+
+    def run(mode, cost):
+        sched = Scheduler(make_policy(mode), prompt_stream(lengths), [(16, 0)] * 2, FlowSpec(8, 4, 2, 8))
+        cl = SimCluster(sched, [SimEngine(i, 16, cost, lengths) for i in range(2)], cost, Capture())
+        cl.run()
+        return cl
+    # sync never decodes while it trains: nothing to slow
+    assert run("sync", slow).now == pytest.approx(run("sync", COST).now, rel=1e-9)
+    base, co = run("pipe", COST), run("pipe", slow)
+    busy = lambda cl: sum(e.busy_time for e in cl.engines)  # noqa: E731
+    assert co.now > base.now and busy(co) > busy(base)
+    assert busy(co) < 1.5 * busy(base)  # only the overlapped part is slowed
+    assert co.trainer_busy == pytest.approx(base.trainer_busy, rel=1e-9)  # training itself is not
+
+
+def test_a_scaled_segment_takes_proportionally_longer():
+    from tailrace.sim.segment import Segment
+    seg = Segment(0.002, ((0.001, 1e-6, 0.0005, 3e-6),))
+    assert seg.scaled(1.25).time(700) == pytest.approx(1.25 * seg.time(700), rel=1e-12)
