@@ -191,8 +191,11 @@ def bench_vllm(model_dir: str, dtype: str, batch: int, new: int, threads: int, r
     try:
         # its own session: vLLM's engine-core process can outlive the runner, and must not share the
         # CPU with the next measurement
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, start_new_session=True)
-        _reap_group(p.pid)
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as proc:
+            out, err = proc.communicate(timeout=1800)
+        _reap_group(proc.pid)
+        p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
         d = json.loads(p.stdout.strip().splitlines()[-1])
         probes = [json.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
                   if line.startswith("TAILRACE_CPU ")][1:]  # the first call is the runner's warm-up
