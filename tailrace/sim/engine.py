@@ -296,6 +296,12 @@ class SimEngine:
         return uniform(self.seed, P_REWARD, s.prompt.id, s.index) < self.accuracy
 
     # ------------------------------------------------------------------ accounting
+    def busy_time_at(self, now: float) -> float:
+        """Decoding time up to `now`, counting the part of the current segment already run."""
+        if now <= self.t_b or not self.running:
+            return self.busy_time
+        return self.busy_time + (now - self.t_b)
+
     def slot_time_at(self, now: float) -> float:
         """Slot-time up to `now`, counting the part of the current segment already run."""
         if now <= self.t_b or not self.running:

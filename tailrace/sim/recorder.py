@@ -76,6 +76,7 @@ class Recorder:
         slots = sum(e.slots for e in cl.engines)
         busy, slot_time = cl.trainer_busy, sum(e.slot_time_at(now) for e in cl.engines)
         gen = sum(e.gen_tokens for e in cl.engines)
+        engine_busy = sum(e.busy_time_at(now) for e in cl.engines)
         p = self._prev
         dt, wall = max(1e-12, now - p[0]), max(1e-12, now)
         self._prev = (now, busy, slot_time, gen, self.train_tokens)
@@ -83,6 +84,7 @@ class Recorder:
             "wall_s": now,
             "trainer_wait_ratio": 1.0 - min(1.0, busy / wall),
             "bubble_ratio": 1.0 - min(1.0, slot_time / (slots * wall)),
+            "mean_active_batch": slot_time / engine_busy if engine_busy > 0 else 0.0,
             "step_s": now - p[0],
             "step_trainer_wait_ratio": 1.0 - min(1.0, (busy - p[1]) / dt),
             "step_bubble_ratio": 1.0 - min(1.0, (slot_time - p[2]) / (slots * dt)),

@@ -50,6 +50,9 @@ def test_sync_constant_lengths_gives_the_closed_form_step_time(engines):
     assert s["bubble_ratio"] == pytest.approx(1 - rounds * decode / expected, rel=1e-9)  # every slot busy in decode
     assert s["length_bubble"] == 0.0
     assert s["first_dispatch_s"] == pytest.approx(prefill + decode, rel=1e-9)
+    # every slot decodes while the engine works; only its prefills and weight loads hold fewer
+    busy = rounds * (prefill + decode) + (rounds - 1) * COST.load_time()
+    assert cl.rec.steps[-1]["time"]["mean_active_batch"] == pytest.approx(N * rounds * decode / busy, rel=1e-9)
 
 
 def _check_trained(cl, policy):
