@@ -44,7 +44,7 @@ class Stats:
 
     steps: int = 0
     busy_s: float = 0.0
-    slot_s: float = 0.0  # sum over steps of active sequences x step duration
+    slot_s: float = 0.0  # sum over steps of occupied slots (decoding or prefilling) x step duration
     decode_tokens: int = 0
     prefill_tokens: int = 0
     spans: list[tuple[float, float]] = field(default_factory=list)  # merged busy intervals
@@ -118,7 +118,9 @@ def engine_main(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, 
             busy = engine.num_running + engine.num_waiting > 0
         if busy:
             ev = engine.step()
-            stats.add(ev.t_start, ev.duration, ev.active, ev.prefill_tokens, ev.decode_tokens)
+            # slots occupied this step: the decoding rows and the rows being prefilled (a request's
+            # prefill step holds its slot and samples its first token)
+            stats.add(ev.t_start, ev.duration, len(set(ev.advanced)), ev.prefill_tokens, ev.decode_tokens)
             results.extend(ev.finished)
         now = time.perf_counter()
         if results or loaded or (stats.steps and now - last >= report_s):

@@ -246,7 +246,9 @@ class SimEngine:
         dt = self.cost.prefill_time([j.prompt_len + j.base for j in new])
         self._span("generate", self.t_b, self.t_b + dt)
         self.busy_time += dt
-        self.slot_time += len(self.running) * dt  # the running batch waits through the prefill
+        # the running batch waits through the prefill; the new rows hold their slots during it (as the
+        # real engine counts a row in its prefill step)
+        self.slot_time += (len(self.running) + len(new)) * dt
         self.t_b += dt
         for job in new:
             job.start = self.step

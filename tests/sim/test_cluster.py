@@ -47,12 +47,14 @@ def test_sync_constant_lengths_gives_the_closed_form_step_time(engines):
     assert cl.now == pytest.approx(expected, rel=1e-9)
     s = cl.rec.summary
     assert s["trainer_wait_ratio"] == pytest.approx(1 - rounds * (R // U) * train / expected, rel=1e-9)
-    assert s["bubble_ratio"] == pytest.approx(1 - rounds * decode / expected, rel=1e-9)  # every slot busy in decode
+    # every slot is held through its prefill and decode
+    assert s["bubble_ratio"] == pytest.approx(1 - rounds * (prefill + decode) / expected, rel=1e-9)
     assert s["length_bubble"] == 0.0
     assert s["first_dispatch_s"] == pytest.approx(prefill + decode, rel=1e-9)
-    # every slot decodes while the engine works; only its prefills and weight loads hold fewer
+    # every slot is held while the engine works, except through weight loads
     busy = rounds * (prefill + decode) + (rounds - 1) * COST.load_time()
-    assert cl.rec.steps[-1]["time"]["mean_active_batch"] == pytest.approx(N * rounds * decode / busy, rel=1e-9)
+    assert cl.rec.steps[-1]["time"]["mean_active_batch"] == pytest.approx(N * rounds * (prefill + decode) / busy,
+                                                                           rel=1e-9)
 
 
 def _check_trained(cl, policy):
