@@ -3,6 +3,7 @@
     .venv/bin/python bench/modes.py            # both configurations, all modes (< 20 min)
     .venv/bin/python bench/modes.py --quick    # a smoke run
     .venv/bin/python bench/modes.py --tables   # reprint the last run's tables
+    .venv/bin/python bench/modes.py --seeds 0,1,2 --modes sync,multiversion-K2   # spread over seeds
 
 Default model, default task, same seed, same number of trained samples; one rollout process and one
 trainer process on separate cores. Two configurations:
@@ -46,9 +47,10 @@ CONFIGS = {
 }
 
 
-def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: int, base: dict | None) -> dict:
+def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: int, base: dict | None,
+            seed: int = 0) -> dict:
     label = mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
-    rd = RunDir(out / config / label)
+    rd = RunDir(out / config / (label if seed == 0 else f"{label}-seed{seed}"))
     if rd.path.exists():
         import shutil
         shutil.rmtree(rd.path)
@@ -56,7 +58,8 @@ def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: i
     if base is not None:  # the base model is the same in every mode: evaluate it once per configuration
         rd.file("metrics.jsonl").write_text(json.dumps(base) + "\n")
     over = CONFIGS[config] + [f"--flow.mode={mode}", f"--flow.steps={steps}", f"--eval.n={eval_n}",
-                              f"--train.loss.correction={CORRECTION[mode]}", "--flow.checkpoint_every=1000"]
+                              f"--train.loss.correction={CORRECTION[mode]}", "--flow.checkpoint_every=1000",
+                              f"--seed={seed}"]
     over += [f"--{k}={v}" for k, v in opts.items()]
     cfg = load_config(None, over)
     rd.file("config.yaml").write_text(dump_config(cfg))  # as tailrace train: `tailrace sim --like` reads it
@@ -80,7 +83,7 @@ def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: i
             stale[k] = stale.get(k, 0) + v
     gen = [e for e in events if e.get("phase") == "generate"]
     busy = sum(e["t1"] - e["t0"] for e in gen)
-    return {"config": config, "mode": label, "wall_s": train_wall, "total_s": wall,
+    return {"config": config, "mode": label, "seed": seed, "wall_s": train_wall, "total_s": wall,
             "steps_per_hour": len(steps_rec) / train_wall * 3600,
             "trainer_wait_ratio": last["time"]["trainer_wait_ratio"], "bubble_ratio": last["time"]["bubble_ratio"],
             "mean_active_batch": last["time"]["mean_active_batch"], "base_record": base_rec,
@@ -122,6 +125,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def spread(rows: list[dict]) -> str:
+    """Across seeds: per mode, the speedup over the same seed's sync run and the final accuracy."""
+    import statistics
+    sync = {r["seed"]: r["wall_s"] for r in rows if r["mode"] == "sync"}
+    lines = [f"{'mode':16s} {'speedup mean':>12s} {'min-max':>12s} {'acc mean':>9s} {'acc sd':>7s}  seeds"]
+    for label in dict.fromkeys(r["mode"] for r in rows):
+        rs = [r for r in rows if r["mode"] == label and r["seed"] in sync]
+        sp = [sync[r["seed"]] / r["wall_s"] for r in rs]
+        acc = [r["final_accuracy"] or 0.0 for r in rs]
+        sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
+        lines.append(f"{label:16s} {statistics.mean(sp):11.2f}x {min(sp):5.2f}-{max(sp):.2f}x "
+                     f"{statistics.mean(acc):9.3f} {sd:7.3f}  {len(rs)}")
+    return "\n".join(lines)
+
+
 def timelines(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     from tailrace.report.html import _png
@@ -138,32 +156,45 @@ def main() -> None:
     ap.add_argument("--configs", default="balanced,genheavy")
     ap.add_argument("--modes", default=None, help="comma list of labels, e.g. sync,pipe,multiversion-K2")
     ap.add_argument("--eval-n", type=int, default=256)
+    ap.add_argument("--seeds", default="0", help="comma list of run seeds; with several, a spread table too")
     ap.add_argument("--tables", action="store_true", help="reprint the tables of the last run (bench/out/modes.json)")
     args = ap.parse_args()
     if args.tables:
         saved = json.loads((ROOT / "bench" / "out" / "modes.json").read_text())
         for config in dict.fromkeys(r["config"] for r in saved):
             rows = [r for r in saved if r["config"] == config]
-            print(f"\n== {config} ==")
-            print(table(rows))
+            for seed in dict.fromkeys(r.get("seed", 0) for r in rows):
+                print(f"\n== {config}, seed {seed} ==")
+                print(table([r for r in rows if r.get("seed", 0) == seed]))
+            if len({r.get("seed", 0) for r in rows}) > 1:
+                print(f"\n== {config}: spread over seeds ==")
+                print(spread([{"seed": 0, **r} for r in rows]))
         return
     steps = 4 if args.quick else args.steps
     eval_n = 32 if args.quick else args.eval_n
     out = ROOT / "bench" / "out" / "modes"
+    seeds = [int(x) for x in args.seeds.split(",")]
     results = []
     for config in args.configs.split(","):
-        rows, base = [], None
-        for mode, opts in MODES:
-            label = mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
-            if args.modes and label not in args.modes.split(","):
-                continue
-            print(f"[{config}] {label} ...", flush=True)
-            rows.append(run_one(config, mode, opts, steps, out, eval_n, base))
-            base = rows[-1].pop("base_record")
-        print(f"\n== {config} ({steps} steps each; speedup = sync wall / mode wall, same run) ==")
-        print(table(rows), flush=True)
-        timelines(rows, ROOT / "bench" / "out" / f"modes_{config}.html")
-        results += [{k: v for k, v in r.items() if k != "events"} for r in rows]
+        base, every = None, []
+        for seed in seeds:
+            rows = []
+            for mode, opts in MODES:
+                label = mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
+                if args.modes and label not in args.modes.split(","):
+                    continue
+                print(f"[{config} seed {seed}] {label} ...", flush=True)
+                rows.append(run_one(config, mode, opts, steps, out, eval_n, base, seed))
+                base = rows[-1].pop("base_record")
+            print(f"\n== {config}, seed {seed} ({steps} steps each; speedup = sync wall / mode wall, same run) ==")
+            print(table(rows), flush=True)
+            if seed == seeds[0]:
+                timelines(rows, ROOT / "bench" / "out" / f"modes_{config}.html")
+            every += [{k: v for k, v in r.items() if k != "events"} for r in rows]
+        if len(seeds) > 1:
+            print(f"\n== {config}: spread over seeds {args.seeds} ==")
+            print(spread(every), flush=True)
+        results += every
     (ROOT / "bench" / "out" / "modes.json").write_text(json.dumps(results, indent=2))
 
 
