@@ -10,9 +10,10 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tailrace.flow.serde import traj_to_dict
+from tailrace.jsonlines import read_lines
 from tailrace.types import Trajectory
 
 
@@ -38,18 +39,6 @@ def _default(o: Any):
     if isinstance(o, (set, frozenset)):
         return sorted(o)
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
-
-
-def read_lines(path: Path) -> Iterator[dict]:
-    """Records of a JSONL file; a torn last line (killed mid-write) is skipped."""
-    if not path.is_file():
-        return
-    with open(path) as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                return
 
 
 def truncate_lines(path: Path, keep) -> None:

@@ -6,26 +6,18 @@ evaluation) that the simulator does not model.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from tailrace.jsonlines import read_lines
 
 FIGURES = ("step_s", "train_s", "rollout_s", "trainer_wait_ratio", "bubble_ratio", "length_bubble")
 
 
 def step_records(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
-    out = []
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass a run directory written by tailrace train or sim")
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if r.get("kind") == "step":
-                out.append(r)
-    return out
+    return [r for r in read_lines(path) if r.get("kind") == "step"]
 
 
 def step_figures(run_dir: str | Path, skip: int = 1) -> dict:
@@ -61,21 +53,11 @@ def trainer_rate(run_dir: str | Path, cost, skip: int = 1) -> tuple[float, float
     import numpy as np
     run_dir = Path(run_dir)
     lens: dict[int, list[int]] = {}
-    with open(run_dir / "journal.jsonl") as f:
-        for line in f:
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if e.get("kind") == "done":
-                t = e["trajectory"]
-                lens.setdefault(t["group"], []).append(len(t["prompt_ids"]) + len(t["result"]["token_ids"]))
-    issued = {}
-    with open(run_dir / "events.jsonl") as f:
-        for line in f:
-            e = json.loads(line)
-            if e.get("kind") == "train_issued":
-                issued[e["step"]] = e["groups"]
+    for e in read_lines(run_dir / "journal.jsonl"):
+        if e.get("kind") == "done":
+            t = e["trajectory"]
+            lens.setdefault(t["group"], []).append(len(t["prompt_ids"]) + len(t["result"]["token_ids"]))
+    issued = {e["step"]: e["groups"] for e in read_lines(run_dir / "events.jsonl") if e.get("kind") == "train_issued"}
     flops, secs = [], []
     for r in step_records(run_dir)[skip:]:
         rows = [n for g in issued.get(r["step"], []) for n in lens.get(g, [])]
@@ -95,15 +77,13 @@ def generate_busy_s(run_dir: str | Path) -> float:
     window: from the first dispatched sample to the last trained step. A real run's held-out evaluations
     (before and after training) also generate on the engines; the simulator runs none."""
     spans, first, last = [], None, None
-    with open(Path(run_dir) / "events.jsonl") as f:
-        for line in f:
-            e = json.loads(line)
-            if e.get("phase") == "generate" and str(e.get("lane", "")).startswith("engine"):
-                spans.append((e["t0"], e["t1"]))
-            elif e.get("kind") == "group_first_dispatch":
-                first = e["t"] if first is None else min(first, e["t"])
-            elif e.get("kind") == "trained":
-                last = e["t"] if last is None else max(last, e["t"])
+    for e in read_lines(Path(run_dir) / "events.jsonl"):
+        if e.get("phase") == "generate" and str(e.get("lane", "")).startswith("engine"):
+            spans.append((e["t0"], e["t1"]))
+        elif e.get("kind") == "group_first_dispatch":
+            first = e["t"] if first is None else min(first, e["t"])
+        elif e.get("kind") == "trained":
+            last = e["t"] if last is None else max(last, e["t"])
     lo = first if first is not None else float("-inf")
     hi = last if last is not None else float("inf")
     return sum(max(0.0, min(t1, hi) - max(t0, lo)) for t0, t1 in spans)

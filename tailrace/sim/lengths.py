@@ -12,10 +12,11 @@ length it would have had, two policies see the same workload, and runs repeat ex
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tailrace.jsonlines import read_lines
 
 
 _M64 = (1 << 64) - 1
@@ -140,20 +141,15 @@ class EmpiricalLengths(LengthModel):
         by_group: dict[int, list[int]] = {}
         prompts: dict[int, int] = {}
         limit = 0
-        with open(path) as f:
-            for line in f:
-                try:
-                    e = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a torn last line
-                if e.get("kind") != "done":
-                    continue
-                t = e["trajectory"]
-                n = len(t["result"]["token_ids"])
-                by_group.setdefault(t["group"], []).append(n)
-                prompts[t["group"]] = len(t.get("prompt_ids", ())) or 1
-                if t["result"].get("finish") == "length":
-                    limit = max(limit, n)
+        for e in read_lines(path):  # a torn last line ends the journal
+            if e.get("kind") != "done":
+                continue
+            t = e["trajectory"]
+            n = len(t["result"]["token_ids"])
+            by_group.setdefault(t["group"], []).append(n)
+            prompts[t["group"]] = len(t.get("prompt_ids", ())) or 1
+            if t["result"].get("finish") == "length":
+                limit = max(limit, n)
         if not by_group:
             raise ValueError(f"{path} records no finished trajectory")
         order = sorted(by_group)
