@@ -46,3 +46,25 @@ def _std(v: list[float]) -> float:
 def staleness_hist(trajs: list[Trajectory], trainer_version: int) -> dict[str, int]:
     c = Counter(trainer_version - t.oldest_version for t in trajs)
     return {str(k): v for k, v in sorted(c.items())}
+
+
+def utilization(start: float, cur: tuple, prev: tuple, slots: int, engine_busy: float) -> dict:
+    """The time figures of a step record, cumulative since `start` and over the window since `prev`.
+    `cur`, `prev`: (time, trainer busy s, engine slot-time s, generated tokens, trained tokens).
+
+    trainer waiting ratio = trainer idle (waiting for data) / wall time;
+    rollout bubble ratio = engine slot-time idle / engine slot-time available (`slots` in all);
+    mean active batch = engine slot-time / engine busy time (sequences per step while generating)."""
+    now, busy, slot_time, gen, trained = cur
+    wall, dt = max(1e-9, now - start), max(1e-9, now - prev[0])
+    return {
+        "wall_s": wall,
+        "trainer_wait_ratio": 1.0 - min(1.0, busy / wall),
+        "bubble_ratio": 1.0 - min(1.0, slot_time / (slots * wall)),
+        "mean_active_batch": slot_time / engine_busy if engine_busy > 0 else 0.0,
+        "step_s": dt,
+        "step_trainer_wait_ratio": 1.0 - min(1.0, (busy - prev[1]) / dt),
+        "step_bubble_ratio": 1.0 - min(1.0, (slot_time - prev[2]) / (slots * dt)),
+        "gen_tok_s": (gen - prev[3]) / dt,
+        "train_tok_s": (trained - prev[4]) / dt,
+    }

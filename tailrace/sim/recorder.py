@@ -16,7 +16,7 @@ from pathlib import Path
 from tailrace.flow.commands import Train
 from tailrace.flow.serde import traj_to_dict
 from tailrace.sim.runs import Runs
-from tailrace.metrics import length_stats, staleness_hist
+from tailrace.metrics import length_stats, staleness_hist, utilization
 from tailrace.sim.metrics import minus_length
 from tailrace.types import Trajectory
 
@@ -77,23 +77,14 @@ class Recorder:
         busy, slot_time = cl.trainer_busy, sum(e.slot_time_at(now) for e in cl.engines)
         gen = sum(e.gen_tokens for e in cl.engines)
         engine_busy = sum(e.busy_time_at(now) for e in cl.engines)
-        p = self._prev
-        dt, wall = max(1e-12, now - p[0]), max(1e-12, now)
-        self._prev = (now, busy, slot_time, gen, self.train_tokens)
-        timing = {
-            "wall_s": now,
-            "trainer_wait_ratio": 1.0 - min(1.0, busy / wall),
-            "bubble_ratio": 1.0 - min(1.0, slot_time / (slots * wall)),
-            "mean_active_batch": slot_time / engine_busy if engine_busy > 0 else 0.0,
-            "step_s": now - p[0],
-            "step_trainer_wait_ratio": 1.0 - min(1.0, (busy - p[1]) / dt),
-            "step_bubble_ratio": 1.0 - min(1.0, (slot_time - p[2]) / (slots * dt)),
-            "gen_tok_s": (gen - p[3]) / dt,
-            "train_tok_s": (self.train_tokens - p[4]) / dt,
+        cur = (now, busy, slot_time, gen, self.train_tokens)
+        timing = utilization(0.0, cur, self._prev, slots, engine_busy)
+        self._prev = cur
+        timing.update({
             "train_s": span[1] - span[0],
             "weight_sync_s": (sync[1] - sync[0]) if sync else 0.0,
             "trainer_step_s": span[1] - span[0],
-        }
+        })
         s = cl.sched
         rec = {"kind": "step", "step": c.step, "version": s.done_version,
                "reward": sum(t.reward for t in trajs) / len(trajs),
