@@ -47,9 +47,14 @@ CONFIGS = {
 }
 
 
+def mode_label(mode: str, opts: dict) -> str:
+    """e.g. multiversion-K2: the mode and its staleness bound."""
+    return mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
+
+
 def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: int, base: dict | None,
             seed: int = 0) -> dict:
-    label = mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
+    label = mode_label(mode, opts)
     rd = RunDir(out / config / (label if seed == 0 else f"{label}-seed{seed}"))
     if rd.path.exists():
         import shutil
@@ -180,7 +185,7 @@ def main() -> None:
         for seed in seeds:
             rows = []
             for mode, opts in MODES:
-                label = mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
+                label = mode_label(mode, opts)
                 if args.modes and label not in args.modes.split(","):
                     continue
                 print(f"[{config} seed {seed}] {label} ...", flush=True)

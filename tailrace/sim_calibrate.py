@@ -164,20 +164,6 @@ def _train_loop(cores, stop, ready) -> None:
         trainer.step(batch, 0)
 
 
-def _decode_time(model: CausalLM, batch: int, length: int, seed: int) -> float:
-    """Median seconds of a pure decode step at `batch` over `length` tokens."""
-    eng = Engine(model, num_slots=batch, prefill_tokens=4096, seed=seed)
-    params = SamplingParams(max_new_tokens=length, min_new_tokens=length)
-    for i in range(batch):
-        eng.add(GenRequest(f"c{seed}.{i}", tuple([5] * 16), params))
-    times = []
-    while eng.num_running + eng.num_waiting:
-        ev = eng.step()
-        if ev.prefill_tokens == 0:
-            times.append(ev.duration)
-    return statistics.median(times)
-
-
 def measure_corun(model: CausalLM, batch: int = 16, length: int = 128, repeats: int = 3) -> dict:
     """How much longer a decode step takes while a trainer computes on another core of this host (the
     runtime's placement: engine and trainer pinned apart): shared memory bandwidth and last-level cache.
@@ -189,14 +175,16 @@ def measure_corun(model: CausalLM, batch: int = 16, length: int = 128, repeats: 
     train_cores, engine_cores = placement(1)
     pin(engine_cores[0])
     try:
-        alone = statistics.median(_decode_time(model, batch, length, r) for r in range(repeats))
+        def decode_step_s() -> float:  # median pure decode step at `batch`
+            return statistics.median(t for _, _, t in measure_decode(model, (batch,), length, repeats=repeats))
+        alone = decode_step_s()
         ctx = context()
         stop, ready = ctx.Event(), ctx.Event()
         child = ctx.Process(target=_train_loop, args=(train_cores, stop, ready), daemon=True)
         child.start()
         try:
             ready.wait(timeout=120)
-            corun = statistics.median(_decode_time(model, batch, length, r) for r in range(repeats))
+            corun = decode_step_s()
         finally:
             stop.set()
             child.join(timeout=30)

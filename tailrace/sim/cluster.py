@@ -107,6 +107,10 @@ class SimCluster:
         self.engines[engine].post(cmd)
         self._wake(self.wakes[engine])
 
+    def _post_all(self, cmd) -> None:
+        for e in self.engines:
+            self._post(e.id, cmd)
+
     @staticmethod
     def _wake(ev) -> None:
         if not ev.triggered:
@@ -153,15 +157,12 @@ class SimCluster:
             t0 = env.now
             corun = self.cost.hw.corun_slowdown if not self.colocated else 1.0
             if self.colocated:
-                for e in self.engines:
-                    self._post(e.id, Block(t0 + dt + pub + ckpt))
+                self._post_all(Block(t0 + dt + pub + ckpt))
             elif corun != 1.0:
-                for e in self.engines:
-                    self._post(e.id, CoRun(corun))
+                self._post_all(CoRun(corun))
             yield env.timeout(dt)
             if corun != 1.0:
-                for e in self.engines:
-                    self._post(e.id, CoRun(1.0))
+                self._post_all(CoRun(1.0))
             self.trainer_spans.append(Span("train", t0, env.now))
             self.trainer_busy += dt
             sync = None
