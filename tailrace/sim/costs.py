@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tailrace.packing import micro_batches
 from tailrace.sim.hardware import Hardware
 from tailrace.sim.models import ModelShape
 from tailrace.sim.segment import Segment
@@ -117,16 +118,7 @@ class CostModel:
 
     def padded(self, lengths: list[int]) -> list[int]:
         """Each row's computed length once micro-batches are padded to their longest row."""
-        out: list[int] = []
-        longest, n = 0, 0
-        for x in sorted(lengths, reverse=True):
-            if n and longest * (n + 1) > self.micro_batch_tokens:
-                out += [longest] * n
-                n = 0
-            if n == 0:
-                longest = x
-            n += 1
-        return out + [longest] * n
+        return [lengths[idx[0]] for idx in micro_batches(lengths, self.micro_batch_tokens) for _ in idx]
 
     def train_time(self, lengths: list[int]) -> float:
         peak = self.trainer_gpus * self.hw.peak_flops * self.hw.train_mfu

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tailrace.packing import micro_batches
 from tailrace.trainer.advantages import Advantage
 from tailrace.trainer.losses import TokenScale, fresh_mask
 from tailrace.types import Group, Trajectory
@@ -102,16 +103,7 @@ class TrainBatch:
 
         Rows are taken longest first so each micro-batch pads little.
         """
-        order = sorted(range(self.num_seqs), key=lambda b: -int(self.lengths[b]))
-        out, cur = [], []
-        for b in order:
-            if cur and int(self.lengths[cur[0]]) * (len(cur) + 1) > max_tokens:
-                out.append(self.rows(cur))
-                cur = []
-            cur.append(b)
-        if cur:
-            out.append(self.rows(cur))
-        return out
+        return [self.rows(idx) for idx in micro_batches(self.lengths.tolist(), max_tokens)]
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         return self._map(lambda x: x.to(device, non_blocking=True))
