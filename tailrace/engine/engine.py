@@ -54,9 +54,9 @@ class Engine:
                  attention: str | None = None, kv_dtype: torch.dtype | None = None):
         """`model` is version 0. `max_len`: context limit (prompt + response) per request, default the
         model's max_position_embeddings. `threads`: torch intra-op threads (None leaves the caller's
-        setting). `attention`: decode attention kernel, 'bmm' (default) or 'sdpa'. `kv_dtype`: the KV
-        cache's dtype, default the model's (float32 with a bf16 model gives fp32 attention; measured
-        10-15% slower on CPU: twice the cache bytes cost more than bf16 bmm's operand copies)."""
+        setting). `attention`: decode attention, 'kernel' (the C kernel: default on CPU with one
+        thread, see runner.py), 'bmm' (default elsewhere) or 'sdpa'. `kv_dtype`: the KV
+        cache's dtype, default the model's (float32 with a bf16 model: fp32 cache, twice the bytes)."""
         if num_slots < 1:
             raise EngineError(f"num_slots={num_slots} must be at least 1")
         if prefill_tokens < 1:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tailrace.cachedir import cache_root
 from tailrace.config import SFTConfig
 from tailrace.model.checkpoint import save_pretrained
 from tailrace.model.config import ModelConfig
@@ -27,10 +28,6 @@ from tailrace.tokenizer import char_tokenizer
 from tailrace.trainer.sft import sft
 
 RECIPE_VERSION = 1  # bump when the warm-start code changes what it produces
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TAILRACE_CACHE", Path.home() / ".cache" / "tailrace"))
 
 
 def recipe_key(cfg: SFTConfig, task: ChainSumTask) -> str:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from tailrace.cachedir import cache_root
 
 GB = 1e9
 TB = 1e12
@@ -94,7 +95,7 @@ CPU_FALLBACK = Hardware("cpu", peak_flops=2.0e10, mem_bw=1.0e10, mem_bytes=8 * G
 
 def cache_dir() -> Path:
     """Where calibration results live (the same root as tailrace's warm-start cache)."""
-    return Path(os.environ.get("TAILRACE_CACHE", Path.home() / ".cache" / "tailrace")) / "sim"
+    return cache_root() / "sim"
 
 
 def cpu_hardware(path: Path | None = None) -> Hardware:

@@ -19,7 +19,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("attention,packed", [("bmm", False), ("bmm", True), ("sdpa", None)])
+@pytest.mark.parametrize("attention,packed", [("kernel", None), ("bmm", False), ("bmm", True), ("sdpa", None)])
 @torch.inference_mode()
 def test_decode_matches_model_forward(name, attention, packed):
     model = tiny_model(3, **CONFIGS[name])
@@ -49,7 +49,7 @@ def test_decode_matches_model_forward(name, attention, packed):
 
 @pytest.mark.parametrize("kv", [torch.bfloat16, torch.float32])  # the engine's CPU default: fp32 cache
 @pytest.mark.parametrize("B", [3, 12])  # upcast fp32 attention at small batches, bf16 GEMMs above
-@pytest.mark.parametrize("attention,packed", [("bmm", False), ("bmm", True), ("sdpa", None)])
+@pytest.mark.parametrize("attention,packed", [("kernel", None), ("bmm", False), ("bmm", True), ("sdpa", None)])
 @torch.inference_mode()
 def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
     model = tiny_model(4).to(torch.bfloat16)

@@ -1,0 +1,117 @@
+"""The engine's C decode-attention kernel (kernels/decode_attn.c): built once per machine, loaded by ctypes.
+
+Built with the system C compiler ($CC, default `cc`; -O3 -march=native) into
+$TAILRACE_CACHE/kernels/ under a name hashing the source, the flags, the compiler and this CPU's
+feature flags, so a shared home directory never hands one machine another's instructions. Written to a
+temporary name and renamed, so processes building at once never load a half-written library. No torch
+headers: a build takes well under a second. Where there is no compiler (or the build fails) `load()`
+returns None, `unavailable()` says why, and the engine runs its torch attention instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from tailrace.cachedir import cache_root
+
+SOURCE = Path(__file__).with_name("kernels") / "decode_attn.c"
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp-simd", "-shared", "-fPIC"]
+MAX_HEAD_DIM = 256
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+class DecodeAttention:
+    """`run(q, k, v, pos, row0, scale)`: attention of q (B, Hkv, G, D) fp32 over cache rows row0.. of
+    k, v (rows, Hkv, L, D) fp32/bf16, row b over positions [0, pos[b]]; returns (B, Hkv, G, D) fp32."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fns = {torch.float32: lib.decode_attn_f32, torch.bfloat16: lib.decode_attn_bf16}
+        for fn in self._fns.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        self._scratch = torch.empty(0)
+
+    @staticmethod
+    def supports(cache_dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+        return device.type == "cpu" and cache_dtype in (torch.float32, torch.bfloat16) and head_dim <= MAX_HEAD_DIM
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row0: int,
+            scale: float) -> torch.Tensor:
+        B, Hkv, G, D = q.shape
+        L = k.shape[2]
+        if not (q.dtype == torch.float32 and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+                and k.dtype == v.dtype and pos.dtype == torch.int64 and pos.is_contiguous()
+                and k.shape[1:] == (Hkv, L, D) and row0 + B <= k.shape[0] and pos.shape == (B,)):
+            raise ValueError(f"decode_attn: bad operands q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
+                             f"{k.dtype}, pos {tuple(pos.shape)} {pos.dtype}, rows {row0}..{row0 + B}")
+        if self._scratch.numel() < G * L:
+            self._scratch = torch.empty(G * L)
+        out = torch.empty_like(q)
+        rc = self._fns[k.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), pos.data_ptr(), out.data_ptr(),
+                                B, Hkv, G, D, row0, L, scale, self._scratch.data_ptr())
+        if rc:
+            raise ValueError(f"decode_attn: {'head_dim > 256' if rc == -1 else 'a position outside the cache'}"
+                             f" (rows {row0}..{row0 + B}, max_len {L}, positions {pos.tolist()})")
+        return out
+
+
+def _build_key(cc: str) -> str:
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"no C compiler {cc!r} ({e}); set CC to one") from e
+    cpu = platform.machine()
+    try:
+        cpu += next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), cpu.encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC", "cc")
+    out = cache_root() / "kernels" / f"decode_attn-{_build_key(cc)}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if r.returncode:
+            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {r.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> DecodeAttention | None:
+    """The kernel, built on first use in this process; None where it cannot be built (see `unavailable`)."""
+    with _lock:
+        if "kernel" not in _state:
+            try:
+                _state["kernel"] = DecodeAttention(ctypes.CDLL(str(_build())))
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                _state["kernel"], _state["why"] = None, str(e)
+        return _state["kernel"]  # type: ignore[return-value]
+
+
+def unavailable() -> str | None:
+    """Why `load()` returned None (None when it did not)."""
+    load()
+    return _state.get("why")  # type: ignore[return-value]
