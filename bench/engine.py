@@ -242,7 +242,8 @@ _KINDS = (("gemm", ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")),
 
 def profile_decode(engine: Engine, batch: int, new: int, rng: random.Random) -> None:
     """torch.profiler over 20 steady-state decode steps: self CPU time by kind of op, then the top ops.
-    (The profiler adds a few microseconds per op, so small elementwise ops look costlier than they are.)"""
+    (The profiler adds a few microseconds per op, so small elementwise ops look costlier than they are.
+    The C attention kernel is no aten op: its time is in the step, not in these shares; see ckernel.py.)"""
     from torch.profiler import ProfilerActivity, profile
 
     params = SamplingParams(temperature=1.0, max_new_tokens=new, min_new_tokens=new)
