@@ -9,7 +9,7 @@ Default model, default task, same seed, same number of trained samples; one roll
 trainer process on separate cores. Two configurations:
   balanced   sync-mode generation and training take comparable time (as a deployment sizes its pools):
              an 8-slot engine against the fp32 trainer
-  genheavy   generation-bound (long chain-of-thought RL): a 2-slot engine against the bf16 trainer
+  genheavy   generation-bound (long chain-of-thought RL): a 2-slot bf16 engine against the bf16 trainer
 Per mode: wall time, steps/hour, trainer waiting ratio, rollout bubble ratio, engine mean active
 batch, staleness histogram, held-out accuracy, speedup vs sync measured in the same run. Writes
 bench/out/modes.json and bench/out/modes_<config>.html (one Gantt per mode).
@@ -38,12 +38,13 @@ CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", 
 
 CONFIGS = {
     # R=32 prompts x K=8 per round, B=64 samples per step: a round is 4 steps, so pipe can pipeline.
-    # One core each; the engine's slot count sizes the rollout pool against the trainer (measured in
-    # sync mode on the 2-core testbed: 8 slots -> generation ~52% of the step, 2 slots -> ~71%).
+    # One core each; the engine's slot count (and dtype) sizes the rollout pool against the trainer
+    # (measured in sync mode on the 2-core testbed: 8 fp32 slots -> generation ~50% of the step,
+    # 2 bf16 slots -> ~75%, i.e. 3x training).
     "balanced": ["--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64",
                  "--rollout.slots=8"],
     "genheavy": ["--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64",
-                 "--train.bf16=true", "--rollout.slots=2"],
+                 "--train.bf16=true", "--model.dtype=bfloat16", "--rollout.slots=2"],
 }
 
 
