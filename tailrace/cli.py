@@ -154,23 +154,27 @@ def cmd_report(argv: list[str]) -> int:
 def cmd_sim(argv: list[str]) -> int:
     """tailrace sim --config SCENARIO.yaml [--out DIR] [--key=value ...]   simulate a scenario (a run directory)
     tailrace sim --like RUN_DIR [--out DIR] [--key=value ...]      a real run's setup on the cpu preset, compared
-    tailrace sim calibrate [--quick] [--out FILE]                  fit the cpu preset on this machine
+    tailrace sim calibrate [--quick] [--dtype D [--out FILE]]      fit the cpu presets on this machine (fp32, bf16)
     tailrace sim presets                                           hardware and model presets"""
     from tailrace.report.html import write_report
     from tailrace.sim import compare, scenario
     if argv[:1] == ["calibrate"]:
         from tailrace.sim_calibrate import calibrate
-        flags, rest = _split(argv[1:], ("--out",))
-        if any(a != "--quick" for a in rest):
-            raise ConfigError("usage: tailrace sim calibrate [--quick] [--out FILE]")
-        res = calibrate(Path(flags["--out"]) if "--out" in flags else None, quick="--quick" in rest,
-                        progress=console.print)
-        console.print(f"saved the cpu preset (load average {res['load_average'][0]:.1f} while measuring)")
+        flags, rest = _split(argv[1:], ("--out", "--dtype"))
+        dtypes = flags.get("--dtype", "float32,bfloat16").split(",")
+        if any(a != "--quick" for a in rest) or any(d not in ("float32", "bfloat16") for d in dtypes) \
+                or ("--out" in flags and len(dtypes) > 1):
+            raise ConfigError("usage: tailrace sim calibrate [--quick] [--dtype float32|bfloat16 [--out FILE]]")
+        for d in dtypes:
+            res = calibrate(Path(flags["--out"]) if "--out" in flags else None, quick="--quick" in rest,
+                            progress=console.print, dtype=d)
+            console.print(f"saved the {res['hardware']['name']} preset "
+                          f"(load average {res['load_average'][0]:.1f} while measuring)")
         return 0
     if argv[:1] == ["presets"]:
-        from tailrace.sim.hardware import GPUS
+        from tailrace.sim.hardware import CPU_PRESETS, GPUS
         from tailrace.sim.models import MODELS
-        console.print("hardware: " + ", ".join([*GPUS, "cpu"]))
+        console.print("hardware: " + ", ".join([*GPUS, *CPU_PRESETS]))
         console.print("models:   " + ", ".join(f"{k} ({m.params / 1e9:.2f}B)" for k, m in MODELS.items()))
         return 0
     flags, rest = _split(argv, ("--config", "--like", "--out"))

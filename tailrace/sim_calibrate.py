@@ -3,7 +3,9 @@ hardware preset of the simulator (tailrace/sim/hardware.py), saved as JSON that 
 
 Outside tailrace/sim on purpose: it needs torch, the engine and the trainer; the simulator itself
 only reads the JSON. Measured on the default model's shape (random weights cost what trained ones
-do), one torch thread per role as on the testbed, fp32:
+do), one torch thread per role as on the testbed, once per dtype: fp32 (engine and trainer in fp32:
+the "cpu" preset, cpu.json) and bf16 (a bf16 engine and a bf16-autocast trainer: "cpu-bf16",
+cpu-bf16.json):
 
 - decode: steps of the real `Engine` at batch 1..64 with forced lengths, fitted to the simulator's own
   form  step = overhead + per_seq * batch + max((weights + KV of the context) / bw, FLOPs / rate)
@@ -11,6 +13,9 @@ do), one torch thread per role as on the testbed, fp32:
 - train: `GRPOTrainer.step` over synthetic groups; FLOPs per step (6N per token + attention) / time;
 - weights: the shared-memory publish (one memcpy) and the engine's load of a version;
 - checkpoint: the trainer worker's save after a publishing step (a real run's flow.checkpoint_every);
+- the engine worker: the runtime's worker process fed as the driver feeds it; wall time between its
+  steps that is not a step (its loop: pipe, requests, results) is `host_gap_s` per step, and its busy
+  time per step over the decode fit's prediction scales the fit (`worker_factor`);
 - co-running: decode steps alone and while a trainer computes on the other core (`corun_slowdown`).
 
 Timing on a shared machine is noisy: every figure is the median of repeats, and the JSON records
@@ -33,7 +38,7 @@ from tailrace.engine.engine import Engine
 from tailrace.model.decoder import CausalLM
 from tailrace.runtime.warmstart import model_config
 from tailrace.sim.costs import CostModel
-from tailrace.sim.hardware import CPU_FALLBACK, Hardware, cache_dir
+from tailrace.sim.hardware import CPU_FALLBACK, Hardware, preset_path
 from tailrace.sim.models import ModelShape
 from tailrace.tokenizer import char_tokenizer
 from tailrace.trainer.grpo import GRPOTrainer
@@ -46,9 +51,17 @@ def default_shape(cfg: SFTConfig) -> ModelShape:
                       tied_embeddings=True)
 
 
-def _model(cfg: SFTConfig) -> CausalLM:
+DTYPES = {"float32": (torch.float32, "cpu", 4), "bfloat16": (torch.bfloat16, "cpu-bf16", 2)}
+
+
+def _model(cfg: SFTConfig, dtype: torch.dtype = torch.float32) -> CausalLM:
     tok = char_tokenizer()
-    return CausalLM.from_config(model_config(cfg, tok.vocab_size, tok), seed=0)
+    return CausalLM.from_config(model_config(cfg, tok.vocab_size, tok), seed=0).to(dtype)
+
+
+def _trainer(cfg: SFTConfig, dtype: torch.dtype) -> GRPOTrainer:
+    """The runtime's trainer: fp32 weights, the forward autocast to bf16 for a bf16 run."""
+    return GRPOTrainer(_model(cfg), TrainerConfig(bf16=dtype == torch.bfloat16))
 
 
 def measure_decode(model: CausalLM, batches=(1, 4, 16, 32, 64), length: int = 192, prompt: int = 16,
@@ -133,7 +146,7 @@ TRAIN_SHAPES = ((2, 32), (16, 64), (16, 128), (16, 256))  # (groups of 8, respon
 def measure_train(cfg: SFTConfig, shape: ModelShape, shapes=TRAIN_SHAPES, k: int = 8, repeats: int = 3,
                   trainer: GRPOTrainer | None = None) -> list[tuple[int, float, float]]:
     """(tokens, FLOPs, seconds) of real optimizer steps over synthetic groups."""
-    trainer = trainer or GRPOTrainer(_model(cfg), TrainerConfig())
+    trainer = trainer or _trainer(cfg, torch.float32)
     prompt = (5,) * 16
     rows = []
     for groups, n in shapes:
@@ -150,49 +163,153 @@ def measure_train(cfg: SFTConfig, shape: ModelShape, shapes=TRAIN_SHAPES, k: int
     return rows
 
 
-def _train_loop(cores, stop, ready) -> None:
-    """Child process of `measure_corun`: real optimizer steps on its own core until `stop` is set."""
+def _train_loop(cores, stop, ready, go, computing, dtype) -> None:
+    """Child process of `measure_corun`: real optimizer steps on its own core while `go` is set
+    (`computing` says whether it is), until `stop` is set."""
     from tailrace.runtime.procs import pin
     pin(cores)
     torch.set_num_threads(1)
-    cfg = SFTConfig()
-    trainer = GRPOTrainer(_model(cfg), TrainerConfig())
+    trainer = _trainer(SFTConfig(), dtype)
     batch = [Group(g, g, tuple(_traj(g, i, 96, (5,) * 16) for i in range(8))) for g in range(8)]
     trainer.step(batch, 0)
     ready.set()
     while not stop.is_set():
-        trainer.step(batch, 0)
+        if go.is_set():
+            computing.set()
+            trainer.step(batch, 0)
+        else:
+            computing.clear()
+            go.wait(0.05)
 
 
-def measure_corun(model: CausalLM, batch: int = 16, length: int = 128, repeats: int = 3) -> dict:
-    """How much longer a decode step takes while a trainer computes on another core of this host (the
-    runtime's placement: engine and trainer pinned apart): shared memory bandwidth and last-level cache.
-    1.0 where there is a single core (the roles then time-share it, which the simulator does not model)."""
+def measure_corun(model: CausalLM, batch: int = 8, samples: int = 96, pairs: int = 4) -> dict:
+    """How much longer a step of the engine worker (`measure_worker`: `batch` slots, `samples` requests)
+    takes while a trainer (in the model's dtype) computes on another core
+    of this host (the runtime's placement: engine and trainer pinned apart): shared memory bandwidth,
+    last-level cache, and, where the two vCPUs are hyperthreads of one core, its execution units.
+    Alone and co-running alternate `pairs` times (the machine's speed drifts; a ratio of neighbours
+    does not), the median ratio wins. 1.0 where there is a single core (the roles then time-share it,
+    which the simulator does not model)."""
     from tailrace.runtime.procs import available_cores, context, pin, placement
     cores = available_cores()
     if len(cores) < 2:
         return {"slowdown": 1.0, "alone_s": None, "corun_s": None}
     train_cores, engine_cores = placement(1)
     pin(engine_cores[0])
+    ctx = context()
+    stop, ready, go, computing = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_train_loop, args=(train_cores, stop, ready, go, computing,
+                                                 model.model.embed_tokens.weight.dtype), daemon=True)
+    child.start()
+    alone, corun = [], []
     try:
-        def decode_step_s() -> float:  # median pure decode step at `batch`
-            return statistics.median(t for _, _, t in measure_decode(model, (batch,), length, repeats=repeats))
-        alone = decode_step_s()
-        ctx = context()
-        stop, ready = ctx.Event(), ctx.Event()
-        child = ctx.Process(target=_train_loop, args=(train_cores, stop, ready), daemon=True)
-        child.start()
-        try:
-            ready.wait(timeout=120)
-            corun = decode_step_s()
-        finally:
-            stop.set()
-            child.join(timeout=30)
-            if child.is_alive():
-                child.kill()
+        if not ready.wait(timeout=120):
+            raise RuntimeError("calibrate: the co-running trainer did not start within 120 s")
+        def decode_step_s() -> float:  # busy time per step of the runtime's engine worker
+            return measure_worker(model, slots=batch, samples=samples)["mean_step_s"]
+        for _ in range(pairs):
+            go.clear()
+            deadline = time.monotonic() + 120
+            while computing.is_set() and time.monotonic() < deadline:  # the step in flight ends first
+                time.sleep(0.01)
+            alone.append(decode_step_s())
+            go.set()
+            if not computing.wait(timeout=120):
+                raise RuntimeError("calibrate: the co-running trainer did not start within 120 s")
+            corun.append(decode_step_s())
     finally:
+        stop.set()
+        go.set()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
         pin(tuple(cores))
-    return {"slowdown": max(1.0, corun / alone), "alone_s": alone, "corun_s": corun}
+    ratio = statistics.median(c / a for a, c in zip(alone, corun))
+    return {"slowdown": max(1.0, ratio), "alone_s": statistics.median(alone), "corun_s": statistics.median(corun),
+            "ratios": [c / a for a, c in zip(alone, corun)]}
+
+
+def measure_worker(model: CausalLM, slots: int = 8, samples: int = 192, lookahead: int = 16,
+                   max_new: int = 160) -> dict:
+    """The runtime's engine worker process (`engine_main`) fed as the driver feeds it: `slots` +
+    `lookahead` samples queued, one more sent per result that comes back. Its reports give the steps'
+    busy time; the rest of the wall time between the first and the last step is the worker's loop
+    (pipe polling, taking requests, sending results): `host_gap_s` per step. Random weights: lengths
+    end at the EOS the model happens to sample, or at `max_new`."""
+    import tempfile
+
+    from tailrace.flow.commands import Generate, Sample
+    from tailrace.model.checkpoint import save_pretrained
+    from tailrace.model.flat import flatten_parameters
+    from tailrace.runtime.engine_worker import EngineReport, EngineSpec, engine_main
+    from tailrace.runtime.procs import context, placement
+    from tailrace.runtime.weights import SharedWeights
+    from tailrace.types import Prompt
+    dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    tok = char_tokenizer()
+    _, engine_cores = placement(1)
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model.float(), d)
+        model.to(getattr(torch, dtype))
+        spec = EngineSpec(d, slots, max_new, 1.0, 1.0, 0, 512, 1, engine_cores[0], 0, tok.eos_id, dtype)
+        ctx = context()
+        conn, child = ctx.Pipe()
+        weights = SharedWeights.like(flatten_parameters(model), slots=1)
+        proc = ctx.Process(target=engine_main, args=(0, spec, child, weights), daemon=True)
+        proc.start()
+        try:
+            if not conn.poll(120):
+                raise RuntimeError("calibrate: the engine worker did not start within 120 s")
+            conn.recv()  # ("ready", 0)
+            prompt = Prompt(0, tuple(range(5, 21)), "calibrate", "")
+            sent = done = steps = 0
+            busy, slot_s, t_first, t_last, lengths = 0.0, 0.0, None, None, []
+
+            def send(n: int) -> int:
+                batch = tuple(Sample(f"c{i}", i, 0, prompt, 0) for i in range(sent, min(samples, sent + n)))
+                if batch:
+                    conn.send(Generate(0, batch))
+                return len(batch)
+            sent += send(slots + lookahead)
+            while done < samples:
+                if not conn.poll(120):
+                    raise RuntimeError("calibrate: the engine worker stopped reporting")
+                rep = conn.recv()
+                if not isinstance(rep, EngineReport):
+                    continue
+                done += len(rep.results)
+                lengths += [len(r.token_ids) for r in rep.results]
+                sent += send(len(rep.results))
+                if rep.stats.steps:
+                    steps += rep.stats.steps
+                    busy += rep.stats.busy_s
+                    slot_s += rep.stats.slot_s
+                    t_first = rep.stats.spans[0][0] if t_first is None else t_first
+                    t_last = rep.stats.spans[-1][1]
+            conn.send(None)
+        finally:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    wall = t_last - t_first
+    L = np.array(lengths, float)
+    return {"steps": steps, "busy_s": busy, "wall_s": wall, "host_gap_s": max(0.0, wall - busy) / max(steps, 1),
+            "mean_step_s": busy / max(steps, 1), "mean_batch": slot_s / max(busy, 1e-9),
+            # a running row's mean context: the prompt plus its mean position, length-biased (a long
+            # response is in the batch for more steps)
+            "mean_row_context": len(prompt.token_ids) + float((L * L).sum() / (2 * L.sum()))}
+
+
+def worker_factor(dec: dict, wk: dict, shape: ModelShape, dtype_bytes: int) -> float:
+    """The worker's measured busy time per step over what the fitted decode form predicts for its mean
+    batch and context: what a step costs in the runtime (its sampling, stop checks and prompt
+    prefills mixed in) beyond the pure decode steps the fit saw."""
+    B = wk["mean_batch"]
+    ctx = B * wk["mean_row_context"]
+    W, kv = shape.weight_bytes_read(1, dtype_bytes), shape.kv_bytes_per_token(dtype_bytes)
+    flops = 2.0 * shape.matmul_params * B + shape.attn_flops_per_context_token * ctx
+    pred = dec["overhead_s"] + dec["per_seq_s"] * B + max((W + kv * ctx) / dec["mem_bw"], flops / dec["flops_per_s"])
+    return wk["mean_step_s"] / pred
 
 
 def measure_weights(model: CausalLM, repeats: int = 5) -> dict:
@@ -215,50 +332,61 @@ def measure_weights(model: CausalLM, repeats: int = 5) -> dict:
             "load_s": statistics.median(load)}
 
 
-def calibrate(out: Path | None = None, quick: bool = False, progress=print) -> dict:
+def calibrate(out: Path | None = None, quick: bool = False, progress=print, dtype: str = "float32") -> dict:
+    """Measure and fit one preset: `dtype` float32 -> "cpu" (cpu.json), bfloat16 -> "cpu-bf16"."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    tdtype, name, dtype_bytes = DTYPES[dtype]
     cfg = SFTConfig()
     shape = default_shape(cfg)
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = _model(cfg)
-        progress("decode: real engine steps at batch 1..64")
+        model = _model(cfg, tdtype)
+        progress(f"{name}: decode: real {dtype} engine steps at batch 1..64")
         rows = measure_decode(model, batches=(1, 16, 64) if quick else (1, 4, 16, 32, 64), repeats=1 if quick else 2)
-        dec = fit_decode(rows, shape)
+        dec = fit_decode(rows, shape, dtype_bytes)
         progress(f"  overhead {dec['overhead_s'] * 1e3:.3f} ms/step, {dec['per_seq_s'] * 1e6:.1f} us/row, "
                  f"{dec['mem_bw'] / 1e9:.2f} GB/s, {dec['flops_per_s'] / 1e9:.1f} GFLOP/s "
                  f"(median error {dec['rel_err_median']:.1%})")
-        progress("train: real GRPO optimizer steps")
-        trainer = GRPOTrainer(_model(cfg), TrainerConfig())
+        progress(f"{name}: train: real GRPO optimizer steps{' (bf16 autocast)' if dtype_bytes == 2 else ''}")
+        trainer = _trainer(cfg, tdtype)
         tr = measure_train(cfg, shape, shapes=((2, 32), (16, 192)) if quick else TRAIN_SHAPES,
                            repeats=1 if quick else 3, trainer=trainer)
         trf = fit_train(tr)
         train_rate = trf["flops_per_s"]
         progress(f"  {train_rate / 1e9:.2f} GFLOP/s + {trf['overhead_s']:.3f} s/step "
                  f"({', '.join(f'{n} tok {t:.2f} s' for n, _, t in tr)})")
-        progress("weights: shared-memory publish and engine load")
+        progress(f"{name}: weights: shared-memory publish and engine load")
         w = measure_weights(model)
         progress(f"  {w['bytes'] / 1e6:.1f} MB: publish {w['publish_s'] * 1e3:.2f} ms, load {w['load_s'] * 1e3:.2f} ms")
         ckpt = measure_checkpoint(trainer)
-        progress(f"checkpoint: {ckpt * 1e3:.1f} ms (model + optimizer)")
-        progress("co-running: decode steps alone vs while a trainer computes on the other core")
-        co = measure_corun(model, repeats=1 if quick else 3)
+        progress(f"{name}: checkpoint: {ckpt * 1e3:.1f} ms (model + optimizer)")
+        progress(f"{name}: engine worker: the runtime's worker process, fed as the driver feeds it")
+        wk = measure_worker(model, samples=64 if quick else 192)
+        f = worker_factor(dec, wk, shape, dtype_bytes)
+        progress(f"  {wk['steps']} steps, {wk['mean_step_s'] * 1e3:.2f} ms/step busy (x{f:.2f} the fit at batch "
+                 f"{wk['mean_batch']:.1f}: the fit is scaled by it), {wk['host_gap_s'] * 1e6:.0f} us/step between steps")
+        dec = dict(dec, overhead_s=dec["overhead_s"] * f, per_seq_s=dec["per_seq_s"] * f, mem_bw=dec["mem_bw"] / f,
+                   flops_per_s=dec["flops_per_s"] / f, worker_factor=f)
+        progress(f"{name}: co-running: decode steps alone vs while a trainer computes on the other core")
+        co = measure_corun(model, pairs=2 if quick else 5)
         if co["alone_s"] is not None:
             progress(f"  {co['alone_s'] * 1e3:.2f} ms alone, {co['corun_s'] * 1e3:.2f} ms co-running: "
-                     f"x{co['slowdown']:.2f}")
+                     f"x{co['slowdown']:.2f} (median of {', '.join(f'{r:.2f}' for r in co['ratios'])})")
     finally:
         torch.set_num_threads(prev)
     peak = max(dec["flops_per_s"], train_rate)
     hw = dataclasses.replace(
-        CPU_FALLBACK, peak_flops=peak, flops_eff=dec["flops_per_s"] / peak, train_mfu=train_rate / peak,
+        CPU_FALLBACK, name=name, peak_flops=peak, flops_eff=dec["flops_per_s"] / peak, train_mfu=train_rate / peak,
         mem_bw=dec["mem_bw"], bw_eff=1.0, step_overhead_s=dec["overhead_s"], per_seq_s=dec["per_seq_s"],
-        dtype_bytes=4, train_step_overhead_s=trf["overhead_s"], sync_fixed_s=0.0,
+        dtype_bytes=dtype_bytes, train_step_overhead_s=trf["overhead_s"], sync_fixed_s=0.0,
         load_bw=w["bytes"] / max(w["load_s"], 1e-9), scaleup_bw=w["bytes"] / max(w["publish_s"], 1e-9),
-        corun_slowdown=co["slowdown"])
+        corun_slowdown=co["slowdown"], host_gap_s=wk["host_gap_s"])
     result = {"hardware": hw.to_dict(), "decode": dec, "train": trf, "decode_points": rows, "train_points": tr,
-              "weights": w, "corun": co, "extra": {"checkpoint_s": ckpt},
+              "weights": w, "corun": co, "worker": wk, "extra": {"checkpoint_s": ckpt},
               "model": dataclasses.asdict(shape), "load_average": os.getloadavg(), "time": time.time()}
-    out = out or cache_dir() / "cpu.json"
+    out = out or preset_path(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result

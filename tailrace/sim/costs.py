@@ -71,7 +71,7 @@ class CostModel:
             if b > 0:
                 terms.append(self.version_terms(b, ctx))
                 seqs += b
-        return Segment(len(terms) * self.forward_overhead + self.hw.per_seq_s * seqs, tuple(terms))
+        return Segment(len(terms) * self.forward_overhead + self.hw.per_seq_s * seqs, tuple(terms), self.hw.host_gap_s)
 
     def decode_step_time(self, batch: int, context: int) -> float:
         """One step of one version: `batch` sequences reading `context` tokens in total."""

@@ -166,10 +166,10 @@ class SimEngine:
     # ------------------------------------------------------------------ internals
     def _advance(self, n: int, t: float) -> None:
         if n > 0:
-            dt = self.segment.time(n)
+            dt, busy = self.segment.time(n), self.segment.busy(n)
             active = sum(self.count.values())
-            self.slot_time += active * dt
-            self.busy_time += dt
+            self.slot_time += active * busy
+            self.busy_time += busy
             self.gen_tokens += active * n
             self._span("generate", self.t_b, self.t_b + dt)
             for v, b in self.count.items():
@@ -298,15 +298,17 @@ class SimEngine:
         return uniform(self.seed, P_REWARD, s.prompt.id, s.index) < self.accuracy
 
     # ------------------------------------------------------------------ accounting
+    def _busy_since_boundary(self, now: float) -> float:
+        """Busy time of the current segment's part already run (host gaps after whole steps excluded)."""
+        if now <= self.t_b or not self.running:
+            return 0.0
+        return (now - self.t_b) - self.segment.steps_within(now - self.t_b) * self.segment.gap
+
     def busy_time_at(self, now: float) -> float:
         """Decoding time up to `now`, counting the part of the current segment already run."""
-        if now <= self.t_b or not self.running:
-            return self.busy_time
-        return self.busy_time + (now - self.t_b)
+        return self.busy_time + self._busy_since_boundary(now)
 
     def slot_time_at(self, now: float) -> float:
         """Slot-time up to `now`, counting the part of the current segment already run."""
-        if now <= self.t_b or not self.running:
-            return self.slot_time
-        return self.slot_time + len(self.running) * (now - self.t_b)
+        return self.slot_time + len(self.running) * self._busy_since_boundary(now)
 

@@ -48,6 +48,10 @@ class Hardware:
     # testbed the two roles share memory bandwidth and the last-level cache (measured by calibrate);
     # separate GPUs do not slow each other, so 1.0 there.
     corun_slowdown: float = 1.0
+    # Host time between two decode steps that is not a step: the engine worker's loop (polling its
+    # pipe, taking requests, sending results). It delays the next step but is not busy time, so it
+    # shows as rollout bubble (measured by calibrate on the CPU testbed; 0 where it overlaps the device).
+    host_gap_s: float = 0.0
 
     def __post_init__(self) -> None:
         for k in ("peak_flops", "mem_bw", "mem_bytes", "net_bw"):
@@ -55,6 +59,8 @@ class Hardware:
                 raise ValueError(f"hardware {self.name}: {k} must be positive")
         if not self.corun_slowdown >= 1.0:
             raise ValueError(f"hardware {self.name}: corun_slowdown={self.corun_slowdown} must be >= 1")
+        if not self.host_gap_s >= 0.0:
+            raise ValueError(f"hardware {self.name}: host_gap_s={self.host_gap_s} must be >= 0")
         for k in ("bw_eff", "flops_eff", "train_mfu"):
             if not 0 < getattr(self, k) <= 1:
                 raise ValueError(f"hardware {self.name}: {k}={getattr(self, k)} must lie in (0, 1]")
@@ -98,10 +104,19 @@ def cache_dir() -> Path:
     return cache_root() / "sim"
 
 
-def cpu_hardware(path: Path | None = None) -> Hardware:
-    path = path or cache_dir() / "cpu.json"
+CPU_PRESETS = ("cpu", "cpu-bf16")  # fp32 engine and trainer; bf16 engine and bf16-autocast trainer
+
+
+def preset_path(name: str) -> Path:
+    """The JSON `tailrace sim calibrate` writes for a cpu preset: cpu.json, cpu-bf16.json."""
+    return cache_dir() / f"{name}.json"
+
+
+def cpu_hardware(path: Path | None = None, name: str = "cpu") -> Hardware:
+    """A calibrated cpu preset; without its file, the fallback above (bf16: half the bytes per value)."""
+    path = path or preset_path(name)
     if not path.is_file():
-        return CPU_FALLBACK
+        return CPU_FALLBACK if name == "cpu" else dataclasses.replace(CPU_FALLBACK, name=name, dtype_bytes=2)
     d = json.loads(path.read_text())
     fields = {f.name for f in dataclasses.fields(Hardware)}
     return Hardware(**{k: v for k, v in d["hardware"].items() if k in fields})
@@ -111,6 +126,8 @@ def get_hardware(name: str) -> Hardware:
     key = name.lower()
     if key in ("cpu", "this-cpu"):
         return cpu_hardware()
+    if key in CPU_PRESETS:
+        return cpu_hardware(name=key)
     if key not in GPUS:
-        raise KeyError(f"unknown hardware preset {name!r}; use one of {', '.join(GPUS)}, cpu")
+        raise KeyError(f"unknown hardware preset {name!r}; use one of {', '.join([*GPUS, *CPU_PRESETS])}")
     return GPUS[key]

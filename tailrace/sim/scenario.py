@@ -25,7 +25,7 @@ from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.sim.cluster import SimCluster
 from tailrace.sim.costs import CostModel
 from tailrace.sim.engine import TOKEN, SimEngine
-from tailrace.sim.hardware import cache_dir, get_hardware
+from tailrace.sim.hardware import get_hardware, preset_path
 from tailrace.sim.lengths import LengthModel, make_lengths
 from tailrace.sim.models import ModelShape, get_model
 from tailrace.sim.recorder import Recorder
@@ -187,15 +187,17 @@ def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:
     return summary
 
 
-def calibration() -> dict:
-    """Extra measurements `tailrace sim calibrate` saved next to the cpu preset (empty if none)."""
-    path = cache_dir() / "cpu.json"
+def calibration(name: str = "cpu") -> dict:
+    """Extra measurements `tailrace sim calibrate` saved with a cpu preset (empty if none)."""
+    path = preset_path(name)
     return json.loads(path.read_text()).get("extra", {}) if path.is_file() else {}
 
 
 def scenario_from_run(run_dir: str | Path) -> Scenario:
-    """The scenario of a real tailrace run: its flow and rollout settings, its model's shape on the
-    "cpu" preset (fp32 unless the run used bf16) and the lengths its journal recorded."""
+    """The scenario of a real tailrace run: its flow and rollout settings, its model's shape on the cpu
+    preset of its engine's dtype ("cpu" for fp32, "cpu-bf16" for bf16; the trainer is costed by the same
+    preset, as calibrated: fp32 trainer with the fp32 engine, bf16 autocast with the bf16 one) and the
+    lengths its journal recorded."""
     from tailrace.config import RunConfig
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -210,11 +212,11 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
                  "num_key_value_heads": s.num_kv_heads, "num_hidden_layers": s.num_layers,
                  "intermediate_size": s.intermediate_size, "vocab_size": 100, "tie_word_embeddings": True,
                  "model_type": "llama"}
-    overrides = {"dtype_bytes": 2} if cfg.model.dtype == "bfloat16" else {}
+    preset = "cpu-bf16" if cfg.model.dtype == "bfloat16" else "cpu"
     # the trainer writes a checkpoint every `checkpoint_every` publishing steps: its measured cost, spread
-    ckpt = calibration().get("checkpoint_s", 0.0) / cfg.flow.checkpoint_every
+    ckpt = calibration(preset).get("checkpoint_s", 0.0) / cfg.flow.checkpoint_every
     flow = cfg.flow
-    cluster = ClusterSpec(hardware="cpu", hardware_overrides=overrides, model=model, model_config=shape,
+    cluster = ClusterSpec(hardware=preset, model=model, model_config=shape,
                           engines=r.engines, recompute_logprobs=False, checkpoint_s=ckpt,
                           micro_batch_tokens=cfg.train.micro_batch_tokens,
                           slots=r.slots, lookahead=r.lookahead)

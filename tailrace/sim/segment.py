@@ -39,20 +39,25 @@ def _sum_max(a: float, b: float, c: float, d: float, n: int) -> float:
 class Segment:
     base: float  # seconds per step that do not depend on the context (overheads)
     terms: tuple[tuple[float, float, float, float], ...]  # (a, b, c, d): memory a+bk vs compute c+dk
+    gap: float = 0.0  # host time after each step that is not busy time (Hardware.host_gap_s)
 
     def step_time(self, k: int) -> float:
-        """Duration of step k (0-based) of the segment."""
-        return self.base + sum(max(a + b * k, c + d * k) for a, b, c, d in self.terms)
+        """Duration of step k (0-based) of the segment, its gap included."""
+        return self.base + self.gap + sum(max(a + b * k, c + d * k) for a, b, c, d in self.terms)
 
     def scaled(self, f: float) -> "Segment":
         """Every step f times as long (exact: max(f a, f c) = f max(a, c) for f > 0)."""
-        return Segment(self.base * f, tuple((a * f, b * f, c * f, d * f) for a, b, c, d in self.terms))
+        return Segment(self.base * f, tuple((a * f, b * f, c * f, d * f) for a, b, c, d in self.terms), self.gap * f)
 
     def time(self, n: int) -> float:
-        """Duration of the first n steps."""
+        """Duration of the first n steps, their gaps included."""
         if n <= 0:
             return 0.0
-        return n * self.base + sum(_sum_max(a, b, c, d, n) for a, b, c, d in self.terms)
+        return n * (self.base + self.gap) + sum(_sum_max(a, b, c, d, n) for a, b, c, d in self.terms)
+
+    def busy(self, n: int) -> float:
+        """The part of time(n) that is steps (busy time): without the gaps."""
+        return self.time(n) - n * self.gap if n > 0 else 0.0
 
     def steps_within(self, dt: float) -> int:
         """The most whole steps that fit in dt seconds."""

@@ -164,3 +164,22 @@ def test_random_lengths_match_the_per_token_reference(seed, n, slots):
     t_end = max(v[0] for v in reference(table, slots, smps).values())
     aborts = [(rng.uniform(0, t_end), s.id) for s in rng.sample(smps, min(3, len(smps)))]
     check(reference(table, slots, smps, aborts), analytic(table, slots, smps, aborts, loaded=(0, 1))[0])
+
+
+def test_host_gap_shows_as_bubble_not_as_slot_time():
+    """A full batch of equal lengths: each step costs its roofline plus the gap; slot-time counts the
+    steps only, so (slot-time / slots) / wall = step / (step + gap)."""
+    import dataclasses
+    gap = 2e-3
+    cost = CostModel(dataclasses.replace(GPUS["h100"], host_gap_s=gap), COST.model)
+    table = {(0, i): 200 for i in range(8)}
+    eng = SimEngine(0, 8, cost, Table(table), seed=0)
+    eng.post(Generate(0, tuple(samples(table))))
+    t = eng.plan(0.0)
+    eng.fire()
+    prefill = eng.t_b
+    while (t := eng.plan(t)) is not None:
+        eng.fire()
+    step = cost.decode_segment({0: (8, 8 * 50)}).busy(200) / 200
+    assert eng.t_b - prefill == pytest.approx(200 * (step + gap), rel=1e-6)
+    assert eng.slot_time_at(eng.t_b) / 8 == pytest.approx(prefill + 200 * step, rel=1e-6)

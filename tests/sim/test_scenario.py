@@ -8,6 +8,7 @@ from tailrace.cli import main
 from tailrace.config import FlowConfig, RunConfig, dump_config
 from tailrace.errors import ConfigError
 from tailrace.sim import compare
+from tailrace.sim.hardware import get_hardware
 from tailrace.sim.scenario import ClusterSpec, Scenario, apply_overrides, load_scenario, scenario_from_run, simulate
 
 SMALL = {"name": "small", "cluster": {"hardware": "h100", "model": "qwen3-1.7b", "engines": 2, "slots": 16,
@@ -58,10 +59,11 @@ def test_overrides_and_every_mode_on_a_gpu_scenario():
     assert results["pipe"]["trainer_wait_ratio"] < results["sync"]["trainer_wait_ratio"]
 
 
-def _fake_run(tmp_path):
+def _fake_run(tmp_path, dtype="float32"):
     """A run directory as tailrace train leaves it: config, journal of finished samples, step records."""
     tmp_path.mkdir()
     cfg = RunConfig(flow=FlowConfig(prompts_per_round=4, samples_per_prompt=4, train_batch=16, steps=3))
+    cfg.model.dtype = dtype
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     lines, steps = [], []
     for g in range(12):
@@ -90,6 +92,13 @@ def test_a_real_run_directory_becomes_a_scenario_and_compares(tmp_path):
     assert sim["steps"] == 2 and real["step_s"] == 1.0
     rows = compare.compare(real, sim)
     assert [r[0] for r in rows] == list(compare.FIGURES)
+
+
+def test_a_bf16_run_is_simulated_on_the_bf16_cpu_preset(tmp_path):
+    scn = scenario_from_run(_fake_run(tmp_path / "real", dtype="bfloat16"))
+    assert scn.cluster.hardware == "cpu-bf16" and not scn.cluster.hardware_overrides
+    hw = get_hardware("cpu-bf16")  # uncalibrated here: the fallback at half the bytes per value
+    assert hw.name == "cpu-bf16" and hw.dtype_bytes == 2 and get_hardware("cpu").dtype_bytes == 4
 
 
 def test_default_scenario_is_the_cpu_testbed():

@@ -30,3 +30,9 @@ def test_crossing_from_memory_to_compute_bound():
     seg = Segment(0.0, ((1.0, 0.0, 0.0, 0.5),))
     assert [seg.step_time(k) for k in range(5)] == [1.0, 1.0, 1.0, 1.5, 2.0]
     assert seg.time(5) == 6.5
+
+
+def test_host_gap_delays_each_step_but_is_not_busy_time():
+    seg = Segment(0.5, ((1.0, 0.0, 0.0, 0.0),), gap=0.25)
+    assert seg.step_time(0) == 1.75 and seg.time(4) == 7.0 and seg.busy(4) == 6.0
+    assert seg.scaled(2.0).time(4) == 14.0 and seg.scaled(2.0).busy(4) == 12.0
