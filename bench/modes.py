@@ -8,10 +8,11 @@
 Default model, default task, same seed, same number of trained samples; one rollout process and one
 trainer process on separate cores. Two configurations:
   balanced   sync-mode generation and training take comparable time (as a deployment sizes its pools):
-             an 8-slot engine against the fp32 trainer
+             a 6-slot fp32 engine against the fp32 trainer
   genheavy   generation-bound (long chain-of-thought RL): a 2-slot bf16 engine against the bf16 trainer
-Per mode: wall time, steps/hour, trainer waiting ratio, rollout bubble ratio, engine mean active
-batch, staleness histogram, held-out accuracy, speedup vs sync measured in the same run. Writes
+Per mode: wall time, steps/hour (the whole run, and over its middle rounds: without the pipeline's
+one-time fill and drain), trainer waiting ratio, rollout bubble ratio, engine mean active batch,
+staleness histogram, held-out accuracy, speedup vs sync measured in the same run. Writes
 bench/out/modes.json and bench/out/modes_<config>.html (one Gantt per mode).
 """
 from __future__ import annotations
@@ -39,10 +40,10 @@ CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", 
 CONFIGS = {
     # R=32 prompts x K=8 per round, B=64 samples per step: a round is 4 steps, so pipe can pipeline.
     # One core each; the engine's slot count (and dtype) sizes the rollout pool against the trainer
-    # (measured in sync mode on the 2-core testbed: 8 fp32 slots -> generation ~50% of the step,
+    # (measured in sync mode on the 2-core testbed: 6 fp32 slots -> generation ~54% of the step,
     # 2 bf16 slots -> ~75%, i.e. 3x training).
     "balanced": ["--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64",
-                 "--rollout.slots=8"],
+                 "--rollout.slots=6"],
     "genheavy": ["--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64",
                  "--train.bf16=true", "--model.dtype=bfloat16", "--rollout.slots=2"],
 }
@@ -54,7 +55,7 @@ def mode_label(mode: str, opts: dict) -> str:
 
 
 def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: int, base: dict | None,
-            seed: int = 0) -> dict:
+            seed: int = 0, extra: tuple[str, ...] = ()) -> dict:
     label = mode_label(mode, opts)
     rd = RunDir(out / config / (label if seed == 0 else f"{label}-seed{seed}"))
     if rd.path.exists():
@@ -66,7 +67,7 @@ def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: i
     over = CONFIGS[config] + [f"--flow.mode={mode}", f"--flow.steps={steps}", f"--eval.n={eval_n}",
                               f"--train.loss.correction={CORRECTION[mode]}", "--flow.checkpoint_every=1000",
                               f"--seed={seed}"]
-    over += [f"--{k}={v}" for k, v in opts.items()]
+    over += [f"--{k}={v}" for k, v in opts.items()] + list(extra)
     cfg = load_config(None, over)
     rd.file("config.yaml").write_text(dump_config(cfg))  # as tailrace train: `tailrace sim --like` reads it
     ses = Session(cfg)
@@ -91,11 +92,25 @@ def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: i
     busy = sum(e["t1"] - e["t0"] for e in gen)
     return {"config": config, "mode": label, "seed": seed, "wall_s": train_wall, "total_s": wall,
             "steps_per_hour": len(steps_rec) / train_wall * 3600,
+            "middle_steps_per_hour": middle_rate(steps_rec, cfg.flow.prompts_per_round * cfg.flow.samples_per_prompt
+                                                // cfg.flow.train_batch),
             "trainer_wait_ratio": last["time"]["trainer_wait_ratio"], "bubble_ratio": last["time"]["bubble_ratio"],
             "mean_active_batch": last["time"]["mean_active_batch"], "base_record": base_rec,
             "round_window_s": round_windows(events, cfg.flow.prompts_per_round) if mode in ("sync", "pipe") else None,
             "engine_busy_s": busy, "staleness": stale, "final_accuracy": summary.final_accuracy,
             "base_accuracy": summary.base_accuracy, "run_dir": str(rd.path), "events": events}
+
+
+def middle_rate(steps_rec: list[dict], per_round: int) -> float | None:
+    """Steps per hour over the middle rounds: from the end of the first round's last step to the end of
+    the last-but-one round's, the same step window in every mode. It leaves out what a run pays once:
+    the pipeline's fill (the trainer waits for the first batch) and drain (the engine idles while the
+    last steps train), a large share of a 16-step run and a small one of a long run."""
+    n = len(steps_rec)
+    if n < 3 * per_round:
+        return None
+    walls = [r["time"]["wall_s"] for r in steps_rec]
+    return (n - 2 * per_round) / (walls[n - per_round - 1] - walls[per_round - 1]) * 3600
 
 
 def round_windows(events: list[dict], R: int) -> float | None:
@@ -113,16 +128,21 @@ def round_windows(events: list[dict], R: int) -> float | None:
 
 def table(rows: list[dict]) -> str:
     sync = next(r for r in rows if r["mode"] == "sync")
-    head = (f"{'mode':16s} {'wall s':>7s} {'steps/h':>8s} {'speedup':>8s} {'wait':>5s} {'bubble':>6s} "
+    head = (f"{'mode':16s} {'wall s':>7s} {'steps/h':>8s} {'speedup':>8s} {'middle':>7s} {'wait':>5s} {'bubble':>6s} "
             f"{'batch':>6s} {'window s':>8s} {'acc':>6s}  staleness")
     lines = [head, "-" * len(head)]
+
+    def middle(r):
+        a, b = r.get("middle_steps_per_hour"), sync.get("middle_steps_per_hour")
+        return f"{a / b:6.2f}x" if a and b else f"{'-':>7s}"
     for r in rows:
         win = f"{r['round_window_s']:8.1f}" if r["round_window_s"] is not None else f"{'-':>8s}"
         lines.append(f"{r['mode']:16s} {r['wall_s']:7.1f} {r['steps_per_hour']:8.0f} "
-                     f"{sync['wall_s'] / r['wall_s']:7.2f}x {r['trainer_wait_ratio']:5.2f} {r['bubble_ratio']:6.2f} "
+                     f"{sync['wall_s'] / r['wall_s']:7.2f}x {middle(r)} {r['trainer_wait_ratio']:5.2f} {r['bubble_ratio']:6.2f} "
                      f"{r['mean_active_batch']:6.1f} {win} {(r['final_accuracy'] or 0):6.3f}  {json.dumps(r['staleness'])}")
     base = rows[0]["base_accuracy"]
-    lines.append(f"base accuracy {base:.3f}; speedup = sync wall / mode wall; wait = trainer waiting ratio, "
+    lines.append(f"base accuracy {base:.3f}; speedup = sync wall / mode wall; middle = steps/hour over the middle "
+                 "rounds vs sync's (no pipeline fill or drain); wait = trainer waiting ratio, "
                  "bubble = rollout bubble ratio, "
                  "batch = engine mean active batch while generating, window = rollout-to-train-end time of a round")
     pipe = next((r for r in rows if r["mode"] == "pipe"), None)
@@ -134,14 +154,18 @@ def table(rows: list[dict]) -> str:
 def spread(rows: list[dict]) -> str:
     """Across seeds: per mode, the speedup over the same seed's sync run and the final accuracy."""
     import statistics
-    sync = {r["seed"]: r["wall_s"] for r in rows if r["mode"] == "sync"}
-    lines = [f"{'mode':16s} {'speedup mean':>12s} {'min-max':>12s} {'acc mean':>9s} {'acc sd':>7s}  seeds"]
+    sync = {r["seed"]: r for r in rows if r["mode"] == "sync"}
+    lines = [f"{'mode':16s} {'speedup mean':>12s} {'min-max':>12s} {'middle mean':>11s} {'acc mean':>9s} "
+             f"{'acc sd':>7s}  seeds"]
     for label in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == label and r["seed"] in sync]
-        sp = [sync[r["seed"]] / r["wall_s"] for r in rs]
+        sp = [sync[r["seed"]]["wall_s"] / r["wall_s"] for r in rs]
+        mid = [r["middle_steps_per_hour"] / sync[r["seed"]]["middle_steps_per_hour"] for r in rs
+               if r.get("middle_steps_per_hour") and sync[r["seed"]].get("middle_steps_per_hour")]
         acc = [r["final_accuracy"] or 0.0 for r in rs]
         sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
-        lines.append(f"{label:16s} {statistics.mean(sp):11.2f}x {min(sp):5.2f}-{max(sp):.2f}x "
+        m = f"{statistics.mean(mid):10.2f}x" if mid else f"{'-':>11s}"
+        lines.append(f"{label:16s} {statistics.mean(sp):11.2f}x {min(sp):5.2f}-{max(sp):.2f}x {m} "
                      f"{statistics.mean(acc):9.3f} {sd:7.3f}  {len(rs)}")
     return "\n".join(lines)
 
@@ -164,9 +188,13 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=256)
     ap.add_argument("--seeds", default="0", help="comma list of run seeds; with several, a spread table too")
     ap.add_argument("--tables", action="store_true", help="reprint the tables of the last run (bench/out/modes.json)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run, e.g. --set rollout.attention=bmm (repeatable)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="where run directories, JSON and HTML go")
     args = ap.parse_args()
+    root = Path(args.out)
     if args.tables:
-        saved = json.loads((ROOT / "bench" / "out" / "modes.json").read_text())
+        saved = json.loads((root / "modes.json").read_text())
         for config in dict.fromkeys(r["config"] for r in saved):
             rows = [r for r in saved if r["config"] == config]
             for seed in dict.fromkeys(r.get("seed", 0) for r in rows):
@@ -178,7 +206,7 @@ def main() -> None:
         return
     steps = 4 if args.quick else args.steps
     eval_n = 32 if args.quick else args.eval_n
-    out = ROOT / "bench" / "out" / "modes"
+    out = root / "modes"
     seeds = [int(x) for x in args.seeds.split(",")]
     results = []
     for config in args.configs.split(","):
@@ -190,18 +218,20 @@ def main() -> None:
                 if args.modes and label not in args.modes.split(","):
                     continue
                 print(f"[{config} seed {seed}] {label} ...", flush=True)
-                rows.append(run_one(config, mode, opts, steps, out, eval_n, base, seed))
+                rows.append(run_one(config, mode, opts, steps, out, eval_n, base, seed,
+                                    tuple(f"--{kv}" for kv in args.set)))
                 base = rows[-1].pop("base_record")
             print(f"\n== {config}, seed {seed} ({steps} steps each; speedup = sync wall / mode wall, same run) ==")
             print(table(rows), flush=True)
             if seed == seeds[0]:
-                timelines(rows, ROOT / "bench" / "out" / f"modes_{config}.html")
+                timelines(rows, root / f"modes_{config}.html")
             every += [{k: v for k, v in r.items() if k != "events"} for r in rows]
         if len(seeds) > 1:
             print(f"\n== {config}: spread over seeds {args.seeds} ==")
             print(spread(every), flush=True)
         results += every
-    (ROOT / "bench" / "out" / "modes.json").write_text(json.dumps(results, indent=2))
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "modes.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -111,8 +111,11 @@ class RolloutConfig:
     top_k: int = 0
     max_new_tokens: int = 384
     prefill_tokens: int = 512  # prompt tokens prefilled per engine step
+    attention: str = "auto"  # decode attention: auto | kernel (C, CPU) | bmm | sdpa (see engine/runner.py)
 
     def __post_init__(self) -> None:
+        _need(self.attention in ("auto", "kernel", "bmm", "sdpa"),
+              f"rollout.attention={self.attention!r}: use auto, kernel, bmm or sdpa")
         for k in ("engines", "slots", "threads", "max_new_tokens", "prefill_tokens"):
             _need(getattr(self, k) > 0, f"rollout.{k}={getattr(self, k)}: must be positive")
         _need(self.lookahead >= 0, f"rollout.lookahead={self.lookahead}: must be >= 0")

@@ -86,7 +86,7 @@ class Driver:
         for i, cores in enumerate(engine_cores):
             espec = EngineSpec(str(ses.model_path), r.slots, r.max_new_tokens, r.temperature, r.top_p, r.top_k,
                                r.prefill_tokens, r.threads, cores, cfg.seed, ses.tok.eos_id, cfg.model.dtype,
-                               start_version=version)
+                               start_version=version, attention=r.attention)
             conn, child = ctx.Pipe()
             p = ctx.Process(target=engine_main, args=(i, espec, child, self.weights), daemon=True)
             p.start()

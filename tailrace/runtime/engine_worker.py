@@ -36,6 +36,7 @@ class EngineSpec:
     dtype: str = "float32"
     start_version: int = 0
     device: str = "cpu"
+    attention: str = "auto"
 
 
 @dataclass
@@ -88,7 +89,7 @@ def engine_main(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, 
     torch.set_num_threads(spec.threads)
     model = load_pretrained(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     engine = Engine(model, num_slots=spec.slots, prefill_tokens=spec.prefill_tokens, device=spec.device,
-                    seed=spec.seed)
+                    seed=spec.seed, attention=None if spec.attention == "auto" else spec.attention)
     if spec.start_version != 0:
         engine.load_weights(weights.read(spec.start_version).views(), spec.start_version)
         engine.drop_version(0)
