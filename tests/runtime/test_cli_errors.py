@@ -47,6 +47,7 @@ def test_malformed_jsonl_line(capsys, tmp_path):
     (["--flow.train_batch=100"], "train_batch"),
     (["--train.lr=-1"], "lr"),
     (["--rollout.temperature=0"], "temperature"),
+    (["--rollout.attention=flash"], "rollout.attention"),
 ])
 def test_bad_config_is_rejected_before_anything_starts(capsys, tmp_path, args, needle):
     rc, out = run(capsys, "train", f"--run-dir={tmp_path / 'r'}", *args)
