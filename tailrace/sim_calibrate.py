@@ -258,8 +258,14 @@ def measure_worker(model: CausalLM, slots: int = 8, samples: int = 192, lookahea
         proc = ctx.Process(target=engine_main, args=(0, spec, child, weights), daemon=True)
         proc.start()
         try:
-            if not conn.poll(120):
-                raise RuntimeError("calibrate: the engine worker did not start within 120 s")
+            def wait(what: str) -> None:  # a reply, or a clear error as soon as the worker is gone
+                for _ in range(120):
+                    if conn.poll(1.0):
+                        return
+                    if not proc.is_alive():
+                        raise RuntimeError(f"calibrate: the engine worker exited (code {proc.exitcode}) {what}")
+                raise RuntimeError(f"calibrate: the engine worker sent nothing for 120 s {what}")
+            wait("while starting")
             conn.recv()  # ("ready", 0)
             prompt = Prompt(0, tuple(range(5, 21)), "calibrate", "")
             sent = done = steps = 0
@@ -272,8 +278,7 @@ def measure_worker(model: CausalLM, slots: int = 8, samples: int = 192, lookahea
                 return len(batch)
             sent += send(slots + lookahead)
             while done < samples:
-                if not conn.poll(120):
-                    raise RuntimeError("calibrate: the engine worker stopped reporting")
+                wait("while generating")
                 rep = conn.recv()
                 if not isinstance(rep, EngineReport):
                     continue
