@@ -52,8 +52,9 @@ def test_kernel_ignores_cache_beyond_each_rows_length():
 def test_kernel_rejects_positions_outside_the_cache_and_bad_operands():
     k = v = torch.zeros(2, 1, 8, 16)
     q = torch.zeros(2, 1, 1, 16)
-    with pytest.raises(ValueError, match="position outside the cache"):
-        KERNEL.run(q, k, v, torch.tensor([3, 8]), 0, 1.0)
+    for bad in (8, -1, 10 ** 15):  # the next row's position is only prefetched from, then checked
+        with pytest.raises(ValueError, match="position outside the cache"):
+            KERNEL.run(q, k, v, torch.tensor([3, bad]), 0, 1.0)
     with pytest.raises(ValueError, match="bad operands"):
         KERNEL.run(q, k, v, torch.tensor([3, 4]), 1, 1.0)  # rows 1..3 of a 2-row cache
     with pytest.raises(ValueError, match="bad operands"):

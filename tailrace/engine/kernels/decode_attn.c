@@ -142,7 +142,8 @@ int NAME(const float *restrict q, const KT *restrict k, const KT *restrict v,   
             float *oh = out + (b * Hkv + h) * G * D;                                                 \
             if (b + 1 < B || h + 1 < Hkv) { /* the next (row, head)'s K and V, ahead of their use */      \
                 const int64_t nb = h + 1 < Hkv ? b : b + 1, nh = h + 1 < Hkv ? h + 1 : 0;             \
-                const int64_t nn = (pos[nb] + 1) * D * (int64_t)sizeof(KT);                         \
+                const int64_t pn = pos[nb] < 0 ? 0 : pos[nb] >= L ? L - 1 : pos[nb]; /* checked later */ \
+                const int64_t nn = (pn + 1) * D * (int64_t)sizeof(KT);                               \
                 const char *pk = (const char *)(k + ((row0 + nb) * Hkv + nh) * L * D);               \
                 const char *pv = (const char *)(v + ((row0 + nb) * Hkv + nh) * L * D);               \
                 for (int64_t o = 0; o < nn; o += 64) {                                               \
