@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 from tailrace.config import dump_config, load_config  # noqa: E402
 from tailrace.report.html import gantt  # noqa: E402
 from tailrace.runtime.driver import Driver  # noqa: E402
-from tailrace.runtime.rundir import RunDir, read_lines  # noqa: E402
+from tailrace.jsonlines import read_lines  # noqa: E402
+from tailrace.runtime.rundir import RunDir  # noqa: E402
 from tailrace.runtime.session import Session  # noqa: E402
 
 MODES = [("sync", {}), ("pipe", {}), ("async", {"flow.max_staleness": 1}), ("async", {"flow.max_staleness": 2}),

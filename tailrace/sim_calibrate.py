@@ -83,6 +83,13 @@ def measure_decode(model: CausalLM, batches=(1, 4, 16, 32, 64), length: int = 19
     return rows
 
 
+def _decode_work(shape: ModelShape, dtype_bytes: int, B, ctx):
+    """(bytes read, FLOPs) of a decode step of B rows reading ctx cached tokens in all: the two sides
+    of the roofline the fit and `worker_factor` evaluate (scalars or arrays)."""
+    mem = shape.weight_bytes_read(1, dtype_bytes) + shape.kv_bytes_per_token(dtype_bytes) * ctx
+    return mem, 2.0 * shape.matmul_params * B + shape.attn_flops_per_context_token * ctx
+
+
 def fit_decode(rows, shape: ModelShape, dtype_bytes: int = 4) -> dict:
     """Fit the cost model's own decode form to measured steps:
         t = overhead + per_seq * B + max((W + kv * ctx) / bw, (2 N B + attn * ctx) / rate)
@@ -90,13 +97,12 @@ def fit_decode(rows, shape: ModelShape, dtype_bytes: int = 4) -> dict:
     the grid point with the smallest median relative error wins."""
     P = np.array(rows, float)
     B, ctx, t = P[:, 0], P[:, 1], P[:, 2]
-    W, kv = shape.weight_bytes_read(1, dtype_bytes), shape.kv_bytes_per_token(dtype_bytes)
-    flops = 2.0 * shape.matmul_params * B + shape.attn_flops_per_context_token * ctx
+    mem, flops = _decode_work(shape, dtype_bytes, B, ctx)
     X = np.stack([np.ones_like(B), B], 1)
     best = None
     for bw in np.logspace(8.5, 11.5, 61):
         for rate in np.logspace(8.5, 12, 71):
-            roof = np.maximum((W + kv * ctx) / bw, flops / rate)
+            roof = np.maximum(mem / bw, flops / rate)
             (a, s), *_ = np.linalg.lstsq(X, t - roof, rcond=None)
             if s < 0:
                 a, s = float(np.mean(t - roof)), 0.0
@@ -205,18 +211,18 @@ def measure_corun(model: CausalLM, batch: int = 8, samples: int = 96, pairs: int
     try:
         if not ready.wait(timeout=120):
             raise RuntimeError("calibrate: the co-running trainer did not start within 120 s")
-        def decode_step_s() -> float:  # busy time per step of the runtime's engine worker
+        def worker_step_s() -> float:  # busy time per step of the runtime's engine worker
             return measure_worker(model, slots=batch, samples=samples)["mean_step_s"]
         for _ in range(pairs):
             go.clear()
             deadline = time.monotonic() + 120
             while computing.is_set() and time.monotonic() < deadline:  # the step in flight ends first
                 time.sleep(0.01)
-            alone.append(decode_step_s())
+            alone.append(worker_step_s())
             go.set()
             if not computing.wait(timeout=120):
                 raise RuntimeError("calibrate: the co-running trainer did not start within 120 s")
-            corun.append(decode_step_s())
+            corun.append(worker_step_s())
     finally:
         stop.set()
         go.set()
@@ -249,8 +255,7 @@ def measure_worker(model: CausalLM, slots: int = 8, samples: int = 192, lookahea
     tok = char_tokenizer()
     _, engine_cores = placement(1)
     with tempfile.TemporaryDirectory() as d:
-        save_pretrained(model.float(), d)
-        model.to(getattr(torch, dtype))
+        save_pretrained(model, d)  # in its dtype; the worker loads it in the same one
         spec = EngineSpec(d, slots, max_new, 1.0, 1.0, 0, 512, 1, engine_cores[0], 0, tok.eos_id, dtype)
         ctx = context()
         conn, child = ctx.Pipe()
@@ -310,10 +315,8 @@ def worker_factor(dec: dict, wk: dict, shape: ModelShape, dtype_bytes: int) -> f
     batch and context: what a step costs in the runtime (its sampling, stop checks and prompt
     prefills mixed in) beyond the pure decode steps the fit saw."""
     B = wk["mean_batch"]
-    ctx = B * wk["mean_row_context"]
-    W, kv = shape.weight_bytes_read(1, dtype_bytes), shape.kv_bytes_per_token(dtype_bytes)
-    flops = 2.0 * shape.matmul_params * B + shape.attn_flops_per_context_token * ctx
-    pred = dec["overhead_s"] + dec["per_seq_s"] * B + max((W + kv * ctx) / dec["mem_bw"], flops / dec["flops_per_s"])
+    mem, flops = _decode_work(shape, dtype_bytes, B, B * wk["mean_row_context"])
+    pred = dec["overhead_s"] + dec["per_seq_s"] * B + max(mem / dec["mem_bw"], flops / dec["flops_per_s"])
     return wk["mean_step_s"] / pred
 
 
@@ -374,7 +377,7 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print, dtyp
                  f"{wk['mean_batch']:.1f}: the fit is scaled by it), {wk['host_gap_s'] * 1e6:.0f} us/step between steps")
         dec = dict(dec, overhead_s=dec["overhead_s"] * f, per_seq_s=dec["per_seq_s"] * f, mem_bw=dec["mem_bw"] / f,
                    flops_per_s=dec["flops_per_s"] / f, worker_factor=f)
-        progress(f"{name}: co-running: decode steps alone vs while a trainer computes on the other core")
+        progress(f"{name}: co-running: worker steps alone vs while a trainer computes on the other core")
         co = measure_corun(model, pairs=2 if quick else 5)
         if co["alone_s"] is not None:
             progress(f"  {co['alone_s'] * 1e3:.2f} ms alone, {co['corun_s'] * 1e3:.2f} ms co-running: "

@@ -39,11 +39,8 @@ class DecodeAttention:
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        self.dtypes = tuple(self._fns)  # the cache dtypes it reads
         self._scratch = torch.empty(0)
-
-    @staticmethod
-    def supports(cache_dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-        return device.type == "cpu" and cache_dtype in (torch.float32, torch.bfloat16) and head_dim <= MAX_HEAD_DIM
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row0: int,
             scale: float) -> torch.Tensor:

@@ -15,7 +15,8 @@ engine's steps run here, over the same weights and the same KV cache layout, bui
     faster than the GEMM form below at batch 64). Used by default with one torch thread (the kernel is
     single-threaded; the GEMMs below use every thread), where it builds, and for head_dim <= 256;
   * otherwise (CUDA, several threads, attention='bmm'): attention of one query per sequence over a
-    contiguous slice of cache rows (a view) as two batched GEMMs per layer with an additive mask built once per step, in fp32 whenever the cache is fp32
+    contiguous slice of cache rows (a view) as two batched GEMMs per layer with an additive mask
+    built once per step, in fp32 whenever the cache is fp32
     (fp32 MKL reads the strided cache views in place). With a bf16/fp16 cache (bf16 bmm copies them)
     the scores GEMM runs as K @ q^T (~2x faster than q @ K^T there) with an fp32 softmax, and at
     batch <= 8 on fp32 upcast copies (faster there);
@@ -183,7 +184,7 @@ class Runner:
             widx = torch.cat((widx, pre))
         cs = self.cos_sin[positions]  # (M, 2, D)
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
-        if self.attention == "kernel" and cache.dtype in (torch.float32, torch.bfloat16):
+        if self.attention == "kernel" and cache.dtype in self.kernel.dtypes:
             mode = "kernel"
         elif self.attention == "sdpa":
             mode = "sdpa"

@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tailrace.runtime.rundir import read_lines  # noqa: E402
+from tailrace.jsonlines import read_lines  # noqa: E402
 
 PHASE_COLORS = {"generate": "#4c78a8", "train": "#f58518", "sync": "#54a24b", "wait": "#dddddd"}
 

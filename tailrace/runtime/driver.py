@@ -24,7 +24,8 @@ from tailrace.runtime.engine_worker import EngineReport, EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.metrics import Utilization, length_stats, staleness_hist
 from tailrace.runtime.procs import context, placement
-from tailrace.runtime.rundir import JsonLines, RunDir, read_lines, truncate_lines
+from tailrace.jsonlines import read_lines
+from tailrace.runtime.rundir import JsonLines, RunDir, truncate_lines
 from tailrace.runtime.session import Session
 from tailrace.runtime.trainer_worker import TrainerReport, TrainerSpec, TrainOrder, trainer_main
 from tailrace.runtime.weights import SharedWeights

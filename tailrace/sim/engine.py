@@ -302,6 +302,8 @@ class SimEngine:
         """Busy time of the current segment's part already run (host gaps after whole steps excluded)."""
         if now <= self.t_b or not self.running:
             return 0.0
+        if not self.segment.gap:
+            return now - self.t_b
         return (now - self.t_b) - self.segment.steps_within(now - self.t_b) * self.segment.gap
 
     def busy_time_at(self, now: float) -> float:
