@@ -61,6 +61,61 @@ def test_kernel_rejects_positions_outside_the_cache_and_bad_operands():
         KERNEL.run(q.to(torch.bfloat16), k, v, torch.tensor([3, 4]), 0, 1.0)
 
 
+def layer_reference(qkv, cos_sin, k, v, pos, row0, G, scale):
+    """RoPE (the model's apply_rope), cache writes and attention written out in torch; returns o, k, v."""
+    from tailrace.model.rope import apply_rope
+    B = qkv.shape[0]
+    rows, Hkv, L, D = k.shape
+    H = Hkv * G
+    x = qkv.view(B, H + 2 * Hkv, D)
+    cs = cos_sin[pos]  # (B, 2, D)
+    qk = apply_rope(x[:, None, :H + Hkv], cs[:, None, 0:1], cs[:, None, 1:2])[:, 0]  # in qkv's dtype
+    k, v = k.clone(), v.clone()
+    for b in range(B):
+        k[row0 + b, :, pos[b]] = qk[b, H:]
+        v[row0 + b, :, pos[b]] = x[b, H + Hkv:]
+    o = reference(qk[:, :H].float().reshape(B, Hkv, G, D), k.float(), v.float(), pos, row0, scale)
+    return o.reshape(B, H * D), k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,G", [(32, 2), (16, 1), (40, 3), (64, 4)])
+def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G):
+    from tailrace.model.rope import rope_table
+    g = torch.Generator().manual_seed(D + G)
+    rows, Hkv, L, B, row0 = 6, 2, 40, 4, 1
+    k = torch.randn(rows, Hkv, L, D, generator=g).to(dtype)
+    v = torch.randn(rows, Hkv, L, D, generator=g).to(dtype)
+    qkv = torch.randn(B, (G + 2) * Hkv * D, generator=g).to(dtype)
+    cos, sin = rope_table(1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), 1.0, L)
+    cos_sin = torch.stack((cos, sin), dim=1).to(dtype)
+    pos = torch.tensor([0, 39, 17, 5])
+    want_o, want_k, want_v = layer_reference(qkv, cos_sin, k, v, pos, row0, G, D ** -0.5)
+    got = KERNEL.layer(qkv, cos_sin, k, v, pos, row0, G, D ** -0.5)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.allclose(k, want_k, atol=1e-6) and torch.equal(v, want_v)
+        assert (got.double() - want_o).abs().max() < 2e-6
+    else:  # here RoPE is computed in fp32 and rounded once (torch's bf16 ops round each product)
+        _, exact_k, _ = layer_reference(qkv.float(), cos_sin.float(), k.float(), v.float(), pos, row0, G, 1.0)
+        rounded = exact_k.to(dtype).float()
+        assert ((k.float() - rounded).abs() <= rounded.abs() * 2 ** -8).all()  # within one bf16 step
+        assert torch.equal(v, want_v)
+        assert (got.double() - want_o).abs().max() < 0.05
+
+
+@needs_kernel
+def test_fused_layer_rejects_a_bad_position_before_writing_anything():
+    k, v = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 16)
+    qkv, cos_sin = torch.ones(2, 3 * 16), torch.ones(8, 2, 16)
+    with pytest.raises(ValueError, match="position outside the cache"):
+        KERNEL.layer(qkv, cos_sin, k, v, torch.tensor([3, 8]), 0, 1, 1.0)
+    assert not k.any() and not v.any()  # row 0's valid position was not written either
+    with pytest.raises(ValueError, match="bad operands"):
+        KERNEL.layer(qkv.to(torch.bfloat16), cos_sin, k, v, torch.tensor([3, 4]), 0, 1, 1.0)
+
+
 def test_no_compiler_falls_back_with_the_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("TAILRACE_CACHE", str(tmp_path))

@@ -124,40 +124,232 @@ HEAD_T_OUTER(h_bf16_64, uint16_t, widen_bf16, 64)
 HEAD_T_OUTER(h_bf16_128, uint16_t, widen_bf16, 128)
 HEAD_T_OUTER(h_bf16_any, uint16_t, widen_bf16, 0)
 
+
+#if defined(__AVX512F__)
+/* AVX-512, D a multiple of 16. Scores: blocks of 8 positions, two query heads at a time, each K row
+   loaded once for both; the 8 dot products' lanes are summed by one transposing reduction (hsum8)
+   instead of one horizontal reduction per position. Values: each V row loaded once for two heads. */
+#include <immintrin.h>
+
+static inline __m512 ld_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld_bf16(const uint16_t *p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* The horizontal sums of 8 vectors, as one vector of 8. */
+static inline __m256 hsum8(const __m512 *a) {
+    __m256 b[8];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+    const __m256 t01 = _mm256_hadd_ps(b[0], b[1]), t23 = _mm256_hadd_ps(b[2], b[3]);
+    const __m256 t45 = _mm256_hadd_ps(b[4], b[5]), t67 = _mm256_hadd_ps(b[6], b[7]);
+    const __m256 u0 = _mm256_hadd_ps(t01, t23), u1 = _mm256_hadd_ps(t45, t67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+#define HEAD_AVX512(NAME, KT, LD, DD)                                                                \
+static void NAME(const float *restrict qh, const KT *restrict kb, const KT *restrict vb, int64_t n,   \
+                 int64_t G, int64_t D_, float scale, float *restrict s, float *restrict oh) {        \
+    const int64_t D = DD ? DD : D_, C = D / 16;                                                      \
+    const __m256 sc = _mm256_set1_ps(scale);                                                         \
+    for (int64_t g0 = 0; g0 < G; g0 += 2) {                                                          \
+        const int two = g0 + 1 < G;                                                                  \
+        const float *qa = qh + g0 * D, *qb = two ? qa + D : qa;                                      \
+        float *sa = s + g0 * n, *sb = two ? sa + n : sa;                                             \
+        int64_t t = 0;                                                                               \
+        for (; t + 8 <= n; t += 8) {                                                                 \
+            __m512 a[8], b[8];                                                                       \
+            for (int i = 0; i < 8; i++) { a[i] = _mm512_setzero_ps(); b[i] = _mm512_setzero_ps(); }  \
+            for (int64_t c = 0; c < C; c++) {                                                        \
+                const __m512 xa = _mm512_loadu_ps(qa + 16 * c), xb = _mm512_loadu_ps(qb + 16 * c);   \
+                for (int i = 0; i < 8; i++) {                                                        \
+                    const __m512 kv = LD(kb + (t + i) * D + 16 * c);                                 \
+                    a[i] = _mm512_fmadd_ps(xa, kv, a[i]);                                            \
+                    b[i] = _mm512_fmadd_ps(xb, kv, b[i]);                                            \
+                }                                                                                    \
+            }                                                                                        \
+            _mm256_storeu_ps(sa + t, _mm256_mul_ps(hsum8(a), sc));                                   \
+            if (two) _mm256_storeu_ps(sb + t, _mm256_mul_ps(hsum8(b), sc));                          \
+        }                                                                                            \
+        for (; t < n; t++) {                                                                         \
+            __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();                                 \
+            for (int64_t c = 0; c < C; c++) {                                                        \
+                const __m512 kv = LD(kb + t * D + 16 * c);                                           \
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qa + 16 * c), kv, a);                            \
+                b = _mm512_fmadd_ps(_mm512_loadu_ps(qb + 16 * c), kv, b);                            \
+            }                                                                                        \
+            sa[t] = _mm512_reduce_add_ps(a) * scale;                                                 \
+            if (two) sb[t] = _mm512_reduce_add_ps(b) * scale;                                        \
+        }                                                                                            \
+        float ia, ib;                                                                                \
+        {                                                                                            \
+            float m = -INFINITY;                                                                     \
+            for (int64_t i = 0; i < n; i++) m = sa[i] > m ? sa[i] : m;                               \
+            ia = 1.0f / exp_shift_sum(sa, n, m);                                                     \
+        }                                                                                            \
+        if (two) {                                                                                   \
+            float m = -INFINITY;                                                                     \
+            for (int64_t i = 0; i < n; i++) m = sb[i] > m ? sb[i] : m;                               \
+            ib = 1.0f / exp_shift_sum(sb, n, m);                                                     \
+        } else ib = ia;                                                                              \
+        __m512 oa[DD ? DD / 16 : 16], ob[DD ? DD / 16 : 16];                                        \
+        for (int64_t c = 0; c < C; c++) { oa[c] = _mm512_setzero_ps(); ob[c] = _mm512_setzero_ps(); } \
+        for (int64_t u = 0; u < n; u++) {                                                            \
+            const __m512 wa = _mm512_set1_ps(sa[u]), wb = _mm512_set1_ps(sb[u]);                     \
+            for (int64_t c = 0; c < C; c++) {                                                        \
+                const __m512 vv = LD(vb + u * D + 16 * c);                                           \
+                oa[c] = _mm512_fmadd_ps(wa, vv, oa[c]);                                              \
+                ob[c] = _mm512_fmadd_ps(wb, vv, ob[c]);                                              \
+            }                                                                                        \
+        }                                                                                            \
+        const __m512 va = _mm512_set1_ps(ia), vb_ = _mm512_set1_ps(ib);                              \
+        for (int64_t c = 0; c < C; c++) {                                                            \
+            _mm512_storeu_ps(oh + g0 * D + 16 * c, _mm512_mul_ps(oa[c], va));                        \
+            if (two) _mm512_storeu_ps(oh + (g0 + 1) * D + 16 * c, _mm512_mul_ps(ob[c], vb_));         \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+HEAD_AVX512(x_f32_32, float, ld_f32, 32)
+HEAD_AVX512(x_f32_64, float, ld_f32, 64)
+HEAD_AVX512(x_f32_128, float, ld_f32, 128)
+HEAD_AVX512(x_f32_any, float, ld_f32, 0)
+HEAD_AVX512(x_bf16_32, uint16_t, ld_bf16, 32)
+HEAD_AVX512(x_bf16_64, uint16_t, ld_bf16, 64)
+HEAD_AVX512(x_bf16_128, uint16_t, ld_bf16, 128)
+HEAD_AVX512(x_bf16_any, uint16_t, ld_bf16, 0)
+#endif
+
+/* One (row, kv head): the AVX-512 path where D is a multiple of 16, else the portable one. */
+static void attend_f32(const float *qh, const float *kb, const float *vb, int64_t n, int64_t G, int64_t D,
+                       float scale, float *s, float *oh) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        if (D == 32) x_f32_32(qh, kb, vb, n, G, D, scale, s, oh);
+        else if (D == 64) x_f32_64(qh, kb, vb, n, G, D, scale, s, oh);
+        else if (D == 128) x_f32_128(qh, kb, vb, n, G, D, scale, s, oh);
+        else x_f32_any(qh, kb, vb, n, G, D, scale, s, oh);
+        return;
+    }
+#endif
+    if (D == 32) h_f32_32(qh, kb, vb, n, G, D, scale, s, oh);
+    else if (D == 64) h_f32_64(qh, kb, vb, n, G, D, scale, s, oh);
+    else if (D == 128) h_f32_128(qh, kb, vb, n, G, D, scale, s, oh);
+    else h_f32_any(qh, kb, vb, n, G, D, scale, s, oh);
+}
+static void attend_bf16(const float *qh, const uint16_t *kb, const uint16_t *vb, int64_t n, int64_t G,
+                        int64_t D, float scale, float *s, float *oh) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        if (D == 32) x_bf16_32(qh, kb, vb, n, G, D, scale, s, oh);
+        else if (D == 64) x_bf16_64(qh, kb, vb, n, G, D, scale, s, oh);
+        else if (D == 128) x_bf16_128(qh, kb, vb, n, G, D, scale, s, oh);
+        else x_bf16_any(qh, kb, vb, n, G, D, scale, s, oh);
+        return;
+    }
+#endif
+    if (D == 32) h_bf16_32(qh, kb, vb, n, G, D, scale, s, oh);
+    else if (D == 64) h_bf16_64(qh, kb, vb, n, G, D, scale, s, oh);
+    else if (D == 128) h_bf16_128(qh, kb, vb, n, G, D, scale, s, oh);
+    else h_bf16_any(qh, kb, vb, n, G, D, scale, s, oh);
+}
+#ifndef PF_AHEAD
+#define PF_AHEAD 1
+#endif
+#ifndef PF_LOC
+#define PF_LOC 2
+#endif
+/* Prefetch the K and V of (row, head) j = b Hkv + h, its position clamped to the cache (checked when used). */
+#define PREFETCH(KT, j)                                                                                  \
+    do {                                                                                                 \
+        const int64_t pb = (j) / Hkv, ph = (j) % Hkv;                                                    \
+        const int64_t pn = pos[pb] < 0 ? 0 : pos[pb] >= L ? L - 1 : pos[pb];                            \
+        const int64_t nn = (pn + 1) * D * (int64_t)sizeof(KT);                                          \
+        const char *pk = (const char *)(k + ((row0 + pb) * Hkv + ph) * L * D);                          \
+        const char *pv = (const char *)(v + ((row0 + pb) * Hkv + ph) * L * D);                          \
+        for (int64_t o = 0; o < nn; o += 64) {                                                          \
+            __builtin_prefetch(pk + o, 0, PF_LOC);                                                      \
+            __builtin_prefetch(pv + o, 0, PF_LOC);                                                      \
+        }                                                                                                \
+    } while (0)
+
 /* q (B, Hkv, G, D) fp32; cache k, v (rows, Hkv, L, D); row b reads cache row row0 + b, positions
    [0, pos[b]]; out (B, Hkv, G, D) fp32; scratch >= G * L floats. Returns 0, -1 (D > 256), -2 (a position
-   outside [0, L)). */
-#define DRIVER(NAME, KT, P32, P64, P128, PANY)                                                       \
+   outside [0, L)). The (row, head) PF_AHEAD ahead is prefetched (into L2) while one is computed. */
+#define DRIVER(NAME, KT, ATTEND)                                                                     \
 int NAME(const float *restrict q, const KT *restrict k, const KT *restrict v,                         \
          const int64_t *restrict pos, float *restrict out, int64_t B, int64_t Hkv, int64_t G,         \
          int64_t D, int64_t row0, int64_t L, float scale, float *restrict scratch) {                 \
     if (D > 256) return -1;                                                                          \
-    for (int64_t b = 0; b < B; b++) {                                                                \
-        const int64_t n = pos[b] + 1;                                                                \
+    const int64_t J = B * Hkv;                                                                       \
+    for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(KT, j);                                 \
+    for (int64_t j = 0; j < J; j++) {                                                                \
+        const int64_t b = j / Hkv, n = pos[b] + 1;                                                   \
         if (n < 1 || n > L) return -2;                                                               \
-        for (int64_t h = 0; h < Hkv; h++) {                                                          \
-            const KT *kb = k + ((row0 + b) * Hkv + h) * L * D;                                       \
-            const KT *vb = v + ((row0 + b) * Hkv + h) * L * D;                                       \
-            const float *qh = q + (b * Hkv + h) * G * D;                                             \
-            float *oh = out + (b * Hkv + h) * G * D;                                                 \
-            if (b + 1 < B || h + 1 < Hkv) { /* the next (row, head)'s K and V, ahead of their use */      \
-                const int64_t nb = h + 1 < Hkv ? b : b + 1, nh = h + 1 < Hkv ? h + 1 : 0;             \
-                const int64_t pn = pos[nb] < 0 ? 0 : pos[nb] >= L ? L - 1 : pos[nb]; /* checked later */ \
-                const int64_t nn = (pn + 1) * D * (int64_t)sizeof(KT);                               \
-                const char *pk = (const char *)(k + ((row0 + nb) * Hkv + nh) * L * D);               \
-                const char *pv = (const char *)(v + ((row0 + nb) * Hkv + nh) * L * D);               \
-                for (int64_t o = 0; o < nn; o += 64) {                                               \
-                    __builtin_prefetch(pk + o, 0, 3);                                                \
-                    __builtin_prefetch(pv + o, 0, 3);                                                \
-                }                                                                                    \
-            }                                                                                        \
-            if (D == 32) P32(qh, kb, vb, n, G, D, scale, scratch, oh);                               \
-            else if (D == 64) P64(qh, kb, vb, n, G, D, scale, scratch, oh);                          \
-            else if (D == 128) P128(qh, kb, vb, n, G, D, scale, scratch, oh);                        \
-            else PANY(qh, kb, vb, n, G, D, scale, scratch, oh);                                      \
-        }                                                                                            \
+        if (j + PF_AHEAD < J) PREFETCH(KT, j + PF_AHEAD);                                            \
+        const KT *kb = k + (row0 * Hkv + j) * L * D, *vb = v + (row0 * Hkv + j) * L * D;             \
+        const float *qh = q + j * G * D;                                                             \
+        float *oh = out + j * G * D;                                                                 \
+        ATTEND(qh, kb, vb, n, G, D, scale, scratch, oh);                                             \
     }                                                                                                \
     return 0;                                                                                        \
 }
-DRIVER(decode_attn_f32, float, h_f32_32, h_f32_64, h_f32_128, h_f32_any)
-DRIVER(decode_attn_bf16, uint16_t, h_bf16_32, h_bf16_64, h_bf16_128, h_bf16_any)
+DRIVER(decode_attn_f32, float, attend_f32)
+DRIVER(decode_attn_bf16, uint16_t, attend_bf16)
+
+/* -- one decode layer's attention block after the q/k/v projection, fused ---------------------------
+
+   qkv (B, (H + 2 Hkv) D) in the model dtype T (fp32 or bf16; the cache has the same dtype): RoPE on q and
+   k (cos/sin rows of the runner's table cs (L, 2, D), sin's first half negated: x cos + rot(x) sin, rot
+   swapping the halves), k and v written into the cache at pos[b], then attention; out (B, H D) in T.
+   As torch, the rotated q/k are rounded to T before use; bf16 is rounded to nearest even. Positions are
+   all checked before anything is written. scratch >= G L + 2 G D floats. Returns as the driver above. */
+static inline float f32_in(float x) { return x; }
+static inline float f32_out(float x) { return x; }
+static inline float bf16_in(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t bf16_out(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define FUSED(NAME, T, IN, OUT, ATTEND)                                                                 \
+int NAME(const T *restrict qkv, const T *restrict cs, const int64_t *restrict pos, T *restrict k,        \
+         T *restrict v, T *restrict out, int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t row0,      \
+         int64_t L, float scale, float *restrict scratch) {                                              \
+    if (D > 256 || D % 2) return -1;                                                                     \
+    for (int64_t b = 0; b < B; b++)                                                                      \
+        if (pos[b] < 0 || pos[b] >= L) return -2;                                                        \
+    const int64_t H = Hkv * G, W = (H + 2 * Hkv) * D, half = D / 2, J = B * Hkv;                         \
+    float *qf = scratch + G * L, *of = qf + G * D;                                                       \
+    for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(T, j);                                      \
+    for (int64_t j = 0; j < J; j++) {                                                                    \
+        const int64_t b = j / Hkv, h = j % Hkv, p = pos[b];                                              \
+        if (j + PF_AHEAD < J) PREFETCH(T, j + PF_AHEAD);                                                 \
+        const T *src = qkv + b * W, *c = cs + p * 2 * D, *sn = c + D;                                    \
+        T *kb = k + (row0 * Hkv + j) * L * D, *vb = v + (row0 * Hkv + j) * L * D;                       \
+        const T *ks = src + (H + h) * D, *vs = src + (H + Hkv + h) * D;                                  \
+        for (int64_t d = 0; d < D; d++) {                                                                \
+            const int64_t r = d < half ? d + half : d - half;                                            \
+            kb[p * D + d] = OUT(IN(ks[d]) * IN(c[d]) + IN(ks[r]) * IN(sn[d]));                            \
+            vb[p * D + d] = vs[d];                                                                       \
+        }                                                                                                \
+        for (int64_t g = 0; g < G; g++) {                                                                \
+            const T *qs = src + (h * G + g) * D;                                                         \
+            for (int64_t d = 0; d < D; d++) {                                                            \
+                const int64_t r = d < half ? d + half : d - half;                                        \
+                qf[g * D + d] = IN(OUT(IN(qs[d]) * IN(c[d]) + IN(qs[r]) * IN(sn[d])));                   \
+            }                                                                                            \
+        }                                                                                                \
+        ATTEND(qf, kb, vb, p + 1, G, D, scale, scratch, of);                                            \
+        T *o = out + b * H * D + h * G * D;                                                              \
+        for (int64_t i = 0; i < G * D; i++) o[i] = OUT(of[i]);                                           \
+    }                                                                                                    \
+    return 0;                                                                                            \
+}
+
+FUSED(decode_layer_f32, float, f32_in, f32_out, attend_f32)
+FUSED(decode_layer_bf16, uint16_t, bf16_in, bf16_out, attend_bf16)
