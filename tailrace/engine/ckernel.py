@@ -1,4 +1,4 @@
-"""The engine's C decode-attention kernel (kernels/decode_attn.c): built once per machine, loaded by ctypes.
+"""The engine's C kernels for the decode step (kernels/decode.c): built once per machine, loaded by ctypes.
 
 Built with the system C compiler ($CC, default `cc`; -O3 -march=native) into
 $TAILRACE_CACHE/kernels/ under a name hashing the source, the flags, the compiler and this CPU's
@@ -22,7 +22,7 @@ import torch
 
 from tailrace.cachedir import cache_root
 
-SOURCE = Path(__file__).with_name("kernels") / "decode_attn.c"
+SOURCE = Path(__file__).with_name("kernels") / "decode.c"
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp-simd", "-shared", "-fPIC"]
 MAX_HEAD_DIM = 256
 
@@ -30,7 +30,7 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-class DecodeAttention:
+class Kernels:
     """`layer(...)`: RoPE, cache write and attention of a decode layer in one call (below).
     `run(q, k, v, pos, row0, scale)`: attention of q (B, Hkv, G, D) fp32 over cache rows row0.. of
     k, v (rows, Hkv, L, D) fp32/bf16, row b over positions [0, pos[b]]; returns (B, Hkv, G, D) fp32."""
@@ -45,7 +45,32 @@ class DecodeAttention:
         for fn in self._layer.values():
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        self._rms = {torch.float32: lib.rms_f32, torch.bfloat16: lib.rms_bf16}
+        self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
+        for fn in self._rms.values():
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        for fn in self._silu_mul.values():
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         self._scratch = torch.empty(0)
+
+    def rms(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm without weight of each row of x (M, N), fp32 or bf16 (normalized in fp32, rounded once)."""
+        if not (x.dtype in self._rms and x.dim() == 2 and x.is_contiguous()):
+            raise ValueError(f"rms: bad operand {tuple(x.shape)} {x.dtype}")
+        y = torch.empty_like(x)
+        self._rms[x.dtype](x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+        return y
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gu[:, :I]) * gu[:, I:] of gu (M, 2 I), fp32 or bf16 (computed in fp32, rounded once)."""
+        if not (gu.dtype in self._silu_mul and gu.dim() == 2 and gu.is_contiguous() and gu.shape[1] % 2 == 0):
+            raise ValueError(f"silu_mul: bad operand {tuple(gu.shape)} {gu.dtype}")
+        M, I = gu.shape[0], gu.shape[1] // 2
+        out = torch.empty(M, I, dtype=gu.dtype)
+        self._silu_mul[gu.dtype](gu.data_ptr(), out.data_ptr(), M, I)
+        return out
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row0: int,
             scale: float) -> torch.Tensor:
@@ -113,7 +138,7 @@ def _build_key(cc: str) -> str:
 
 def _build() -> Path:
     cc = os.environ.get("CC", "cc")
-    out = cache_root() / "kernels" / f"decode_attn-{_build_key(cc)}.so"
+    out = cache_root() / "kernels" / f"decode-{_build_key(cc)}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -130,12 +155,12 @@ def _build() -> Path:
     return out
 
 
-def load() -> DecodeAttention | None:
+def load() -> Kernels | None:
     """The kernel, built on first use in this process; None where it cannot be built (see `unavailable`)."""
     with _lock:
         if "kernel" not in _state:
             try:
-                _state["kernel"] = DecodeAttention(ctypes.CDLL(str(_build())))
+                _state["kernel"] = Kernels(ctypes.CDLL(str(_build())))
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 _state["kernel"], _state["why"] = None, str(e)
         return _state["kernel"]  # type: ignore[return-value]

@@ -10,7 +10,7 @@ engine's steps run here, over the same weights and the same KV cache layout, bui
     rounds W*w instead of x*w, a difference of the size of bf16 rounding itself);
   * RoPE applied to q and k in one op set, looked up in a table built by `tailrace.model.rope` (the
     model's own table function, so positions rotate identically);
-  * decode attention on CPU by the C kernel `ckernel` (kernels/decode_attn.c): each row reads its own
+  * decode attention on CPU by the C kernel `ckernel` (kernels/decode.c): each row reads its own
     K/V exactly to its own length, in place, fp32 arithmetic for fp32 and bf16 caches. In a decode-only
     step with the cache in the model's dtype, one C call per layer also does the RoPE and both cache
     writes (`_decode_fused`: measured 1.3x the step of separate torch ops + kernel at batch 64, fp32 and
@@ -243,20 +243,21 @@ class Runner:
         return self.lm_head(self._rms(x), pk and x.shape[0] >= self.packed_min_batch)
 
     def _decode_fused(self, tokens, positions, cache, rows, want) -> torch.Tensor:
-        """A decode-only step with the kernel: per layer one C call does RoPE, the cache writes and the
-        attention (`ckernel.DecodeAttention.layer`) between the q/k/v and output projections."""
+        """A decode-only step with the kernels: per layer one C call does RoPE, the cache writes and the
+        attention (`ckernel.Kernels.layer`) between the q/k/v and output projections; RMSNorm and
+        SiLU-and-multiply are C calls too (each torch op costs more to dispatch than to compute here)."""
         pk = self.packed and tokens.shape[0] >= self.packed_min_batch
         pos = positions.contiguous()
+        kn, eps = self.kernel, self.eps
         x = F.embedding(tokens, self.embed)
         for i, lw in enumerate(self.layers):
-            qkv = lw.qkv(self._rms(x), pk)
-            o = self.kernel.layer(qkv, self.cos_sin, cache.k[i], cache.v[i], pos, rows.start, self.G, self.scale)
+            qkv = lw.qkv(kn.rms(x, eps), pk)
+            o = kn.layer(qkv, self.cos_sin, cache.k[i], cache.v[i], pos, rows.start, self.G, self.scale)
             x = lw.o.add(o, x, pk)
-            gu = lw.gate_up(self._rms(x), pk)
-            x = lw.down.add(F.silu(gu[:, :self.I]).mul_(gu[:, self.I:]), x, pk)
+            x = lw.down.add(kn.silu_mul(lw.gate_up(kn.rms(x, eps), pk)), x, pk)
         if want is not None:
             x = x.index_select(0, want)
-        return self.lm_head(self._rms(x), pk and x.shape[0] >= self.packed_min_batch)
+        return self.lm_head(kn.rms(x, eps), pk and x.shape[0] >= self.packed_min_batch)
 
     def _attend_piece(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Causal attention of one prefill piece, in fp32: q (n, H, D); k, v (Hkv, S, D) cache views;

@@ -116,6 +116,25 @@ def test_fused_layer_rejects_a_bad_position_before_writing_anything():
         KERNEL.layer(qkv.to(torch.bfloat16), cos_sin, k, v, torch.tensor([3, 4]), 0, 1, 1.0)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_and_silu_mul_match_torch(dtype):
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(9, 40, generator=g) * 3).to(dtype)
+    gu = (torch.randn(9, 2 * 24, generator=g) * 4).to(dtype)
+    gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # e^-g clamped both ways
+    want_rms = F.rms_norm(x.float(), (40,), eps=1e-6)
+    want_act = F.silu(gu[:, :24].float()) * gu[:, 24:].float()
+    got_rms, got_act = KERNEL.rms(x, 1e-6), KERNEL.silu_mul(gu)
+    assert got_rms.dtype == got_act.dtype == dtype and got_act.shape == (9, 24)
+    tol = 2e-6 if dtype == torch.float32 else 2 ** -8  # fp32 rounding / one bf16 step
+    assert ((got_rms.float() - want_rms).abs() <= want_rms.abs() * tol + 1e-6).all()
+    assert ((got_act.float() - want_act).abs() <= want_act.abs() * tol + 1e-6).all()
+    with pytest.raises(ValueError, match="bad operand"):
+        KERNEL.rms(x.t(), 1e-6)  # not contiguous
+
+
 def test_no_compiler_falls_back_with_the_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("TAILRACE_CACHE", str(tmp_path))

@@ -1,11 +1,16 @@
-/* Decode attention for tailrace's engine on CPU: one query token per sequence, read in place from the
-   engine's KV cache (rows, Hkv, L, D), fp32 or bf16, each row attending to exactly its own length.
+/* The CPU kernels of tailrace's engine decode step (built by tailrace/engine/ckernel.py with the system C
+   compiler; no torch headers):
+   - decode attention: one query token per sequence, read in place from the engine's KV cache
+     (rows, Hkv, L, D), fp32 or bf16, each row attending to exactly its own length;
+   - a decode layer's whole attention block after the q/k/v projection (RoPE, both cache writes,
+     attention) in one call;
+   - RMSNorm and SiLU-and-multiply, the elementwise ops between the GEMMs.
 
-   Why a kernel: as batched GEMMs (torch.bmm) this step reads every row up to the longest row of its chunk,
-   builds a mask, runs softmax as separate passes and (bf16) copies strided cache views; measured, it was
-   ~45% (fp32) to ~60% (bf16) of a batch-64 decode step of the default model. Here each (row, kv head)
-   reads its K and V once for all G query heads that share them, in fp32 arithmetic, with the softmax in
-   between. Built by tailrace/engine/ckernel.py with the system C compiler; no torch headers. */
+   Why: as batched GEMMs (torch.bmm) attention reads every row up to the longest row of its chunk, builds a
+   mask, runs softmax as separate passes and (bf16) copies strided cache views; measured, it was ~45% (fp32)
+   to ~60% (bf16) of a batch-64 decode step of the default model. Here each (row, kv head) reads its K and V
+   once for all G query heads that share them, in fp32 arithmetic, with the softmax in between; and each
+   small torch op the kernels replace costs more in dispatch than in arithmetic at these sizes. */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -21,27 +26,31 @@ static inline const float *widen_bf16(float *restrict buf, const uint16_t *restr
 }
 
 
-/* s[i] = exp(s[i] - m) for s[i] <= m; returns the sum. Cody-Waite reduction to |r| <= ln2/2, degree-6
-   Taylor polynomial: relative error ~1e-7 (float rounding); inputs below -87 give ~1e-38 instead of 0. */
+/* e^x for x in [-87, 88] (clamped outside): Cody-Waite reduction to |r| <= ln2/2, degree-6 Taylor
+   polynomial, relative error ~1e-7 (float rounding); inlines into vectorized loops. */
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float t = x * 1.44269504088896341f;
+    const float fn = (t + 12582912.0f) - 12582912.0f;
+    const float r = x - fn * 0.693145751953125f - fn * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t e = ((int32_t)fn + 127) << 23;
+    float sc; memcpy(&sc, &e, 4);
+    return p * sc;
+}
+
+/* s[i] = exp(s[i] - m) for s[i] <= m; returns the sum. */
 static float exp_shift_sum(float *restrict s, int64_t n, float m) {
     float sum = 0.f;
 #pragma omp simd reduction(+:sum)
     for (int64_t i = 0; i < n; i++) {
-        float x = s[i] - m;
-        x = x < -87.0f ? -87.0f : x;
-        float t = x * 1.44269504088896341f;
-        float fn = (t + 12582912.0f) - 12582912.0f;
-        float r = x - fn * 0.693145751953125f - fn * 1.428606765330187e-06f;
-        float p = 1.0f / 720.0f;
-        p = p * r + 1.0f / 120.0f;
-        p = p * r + 1.0f / 24.0f;
-        p = p * r + 1.0f / 6.0f;
-        p = p * r + 0.5f;
-        p = p * r + 1.0f;
-        p = p * r + 1.0f;
-        int32_t e = ((int32_t)fn + 127) << 23;
-        float sc; memcpy(&sc, &e, 4);
-        float y = p * sc;
+        const float y = exp_poly(s[i] - m);
         s[i] = y;
         sum += y;
     }
@@ -353,3 +362,40 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int64_t *restrict po
 
 FUSED(decode_layer_f32, float, f32_in, f32_out, attend_f32)
 FUSED(decode_layer_bf16, uint16_t, bf16_in, bf16_out, attend_bf16)
+
+/* -- the elementwise ops between the GEMMs ---------------------------------------------------------- */
+
+/* y = x / sqrt(mean(x^2) + eps) per row of x (M, N), in fp32, rounded once to T (as torch's rms_norm
+   without a weight: the runner folds the weight into the next GEMM). */
+#define RMS(NAME, T, IN, OUT)                                                                           \
+void NAME(const T *restrict x, T *restrict y, int64_t M, int64_t N, float eps) {                        \
+    for (int64_t m = 0; m < M; m++) {                                                                   \
+        const T *xm = x + m * N;                                                                        \
+        float ss = 0.f;                                                                                 \
+        _Pragma("omp simd reduction(+:ss)")                                                             \
+        for (int64_t i = 0; i < N; i++) { const float a = IN(xm[i]); ss += a * a; }                     \
+        const float r = 1.0f / sqrtf(ss / (float)N + eps);                                              \
+        T *ym = y + m * N;                                                                              \
+        _Pragma("omp simd")                                                                             \
+        for (int64_t i = 0; i < N; i++) ym[i] = OUT(IN(xm[i]) * r);                                     \
+    }                                                                                                   \
+}
+RMS(rms_f32, float, f32_in, f32_out)
+RMS(rms_bf16, uint16_t, bf16_in, bf16_out)
+
+/* out (M, I) = silu(gu[:, :I]) * gu[:, I:], gu (M, 2 I); silu(g) = g / (1 + e^-g) in fp32, the product
+   rounded to T. e^x by exp_poly. */
+#define SILU_MUL(NAME, T, IN, OUT)                                                                      \
+void NAME(const T *restrict gu, T *restrict out, int64_t M, int64_t I) {                                \
+    for (int64_t m = 0; m < M; m++) {                                                                   \
+        const T *g = gu + m * 2 * I, *u = g + I;                                                        \
+        T *o = out + m * I;                                                                             \
+        _Pragma("omp simd")                                                                             \
+        for (int64_t i = 0; i < I; i++) {                                                               \
+            const float a = IN(g[i]);                                                                   \
+            o[i] = OUT(a / (1.0f + exp_poly(-a)) * IN(u[i]));                                           \
+        }                                                                                               \
+    }                                                                                                   \
+}
+SILU_MUL(silu_mul_f32, float, f32_in, f32_out)
+SILU_MUL(silu_mul_bf16, uint16_t, bf16_in, bf16_out)
