@@ -44,7 +44,7 @@ class Kernels:
         self._layer = {torch.float32: lib.decode_layer_f32, torch.bfloat16: lib.decode_layer_bf16}
         for fn in self._layer.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+            fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
         self._rms = {torch.float32: lib.rms_f32, torch.bfloat16: lib.rms_bf16}
         self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
         for fn in self._rms.values():
@@ -93,30 +93,31 @@ class Kernels:
 
 
     def layer(self, qkv: torch.Tensor, cos_sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              pos: torch.Tensor, row0: int, G: int, scale: float) -> torch.Tensor:
-        """One decode layer's attention block after the q/k/v projection: qkv (B, (H + 2 Hkv) D) rotated
-        by RoPE (cos_sin (L, 2, D), the runner's table), k and v written into the cache at pos, q attended
-        over rows row0.. up to pos; returns o (B, H D). Everything in one dtype, fp32 or bf16."""
-        B, W = qkv.shape
+              row: torch.Tensor, pos: torch.Tensor, G: int, scale: float) -> torch.Tensor:
+        """One layer's attention block after the q/k/v projection: token t of qkv (M, (H + 2 Hkv) D)
+        rotated by RoPE (cos_sin (>= L, 2, D), the runner's table), its k and v written into cache row
+        row[t] at pos[t], its q attended over that row's positions [0, pos[t]] (a prefill piece: one
+        row's tokens in increasing positions, causal); returns o (M, H D). One dtype, fp32 or bf16."""
+        M, W = qkv.shape
         rows, Hkv, L, D = k.shape
         dt = qkv.dtype
         if not (dt in self._layer and cos_sin.dtype == k.dtype == v.dtype == dt and k.shape == v.shape
                 and qkv.is_contiguous() and cos_sin.is_contiguous() and k.is_contiguous() and v.is_contiguous()
                 and W == (G + 2) * Hkv * D and cos_sin.shape[0] >= L and cos_sin.shape[1:] == (2, D)
-                and pos.shape == (B,)
-                and pos.dtype == torch.int64 and pos.is_contiguous() and row0 + B <= rows):
+                and pos.shape == row.shape == (M,) and pos.dtype == row.dtype == torch.int64
+                and pos.is_contiguous() and row.is_contiguous()):
             raise ValueError(f"decode_layer: bad operands qkv {tuple(qkv.shape)} {dt}, k {tuple(k.shape)} "
                              f"{k.dtype}, cos_sin {tuple(cos_sin.shape)} {cos_sin.dtype}, G {G}, pos "
-                             f"{tuple(pos.shape)} {pos.dtype}, rows {row0}..{row0 + B}")
+                             f"{tuple(pos.shape)} {pos.dtype}, row {tuple(row.shape)} {row.dtype}")
         need = G * L + 2 * G * D
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
-        out = torch.empty(B, G * Hkv * D, dtype=dt)
-        rc = self._layer[dt](qkv.data_ptr(), cos_sin.data_ptr(), pos.data_ptr(), k.data_ptr(), v.data_ptr(),
-                             out.data_ptr(), B, Hkv, G, D, row0, L, scale, self._scratch.data_ptr())
+        out = torch.empty(M, G * Hkv * D, dtype=dt)
+        rc = self._layer[dt](qkv.data_ptr(), cos_sin.data_ptr(), row.data_ptr(), pos.data_ptr(), k.data_ptr(),
+                             v.data_ptr(), out.data_ptr(), M, rows, Hkv, G, D, L, scale, self._scratch.data_ptr())
         if rc:
-            raise ValueError(f"decode_layer: {'head_dim > 256 or odd' if rc == -1 else 'a position outside the cache'}"
-                             f" (rows {row0}..{row0 + B}, max_len {L}, positions {pos.tolist()})")
+            why = {-1: "head_dim > 256 or odd", -2: "a position outside the cache", -3: "a row outside the cache"}[rc]
+            raise ValueError(f"decode_layer: {why} (rows {row.tolist()}, max_len {L}, positions {pos.tolist()})")
         return out
 
 

@@ -13,8 +13,8 @@ engine's steps run here, over the same weights and the same KV cache layout, bui
   * decode attention on CPU by the C kernel `ckernel` (kernels/decode.c): each row reads its own
     K/V exactly to its own length, in place, fp32 arithmetic for fp32 and bf16 caches. In a decode-only
     step with the cache in the model's dtype, one C call per layer also does the RoPE and both cache
-    writes (`_decode_fused`: measured 1.3x the step of separate torch ops + kernel at batch 64, fp32 and
-    bf16). Used by default with one torch thread (the kernel is single-threaded; the GEMMs use every
+    writes, for decode rows and prefill pieces alike (measured 1.3x the step of separate torch ops +
+    kernel at batch 64, fp32 and bf16), and RMSNorm and SiLU-and-multiply are C calls too. Used by default with one torch thread (the kernel is single-threaded; the GEMMs use every
     thread), where it builds, and for head_dim <= 256;
   * otherwise (CUDA, several threads, attention='bmm'): attention of one query per sequence over a
     contiguous slice of cache rows (a view) as two batched GEMMs per layer with an additive mask
@@ -83,6 +83,7 @@ class Runner:
         self.arange = torch.arange(max_len, device=self.device)
         self.heads = torch.arange(self.Hkv, device=self.device)
         self._write_base: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._rows_cache: dict[tuple[int, int], torch.Tensor] = {}
         self.refresh()
 
     @torch.inference_mode()
@@ -154,9 +155,18 @@ class Runner:
         return o.reshape(B, H * D).to(self.dtype)
 
     def _rms(self, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm without its weight (folded into the next GEMM). For bf16 input the fused kernel
-        normalizes in fp32 and rounds once, bitwise as the model's x.float() ... .to(bf16)."""
+        """RMSNorm without its weight (folded into the next GEMM), normalized in fp32 and rounded once
+        (for bf16 as the model's x.float() ... .to(bf16)); by the C kernel where it is loaded (each torch
+        op costs more to dispatch than to compute at decode sizes)."""
+        if self.kernel is not None and x.dtype in self.kernel.dtypes:
+            return self.kernel.rms(x.contiguous(), self.eps)
         return F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+
+    def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused gate/up projection's output (M, 2 I)."""
+        if self.kernel is not None and gu.dtype in self.kernel.dtypes:
+            return self.kernel.silu_mul(gu)
+        return F.silu(gu[:, :self.I]).mul_(gu[:, self.I:])
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
                chunks: list[tuple[int, int, int]] | int) -> torch.Tensor:
@@ -177,19 +187,9 @@ class Runner:
         causally to the row's cache. Every token's k/v is written at its position first. Returns
         logits (len(want), V) of the tokens `want` indexes (default: the B decode tokens)."""
         B, M = rows.stop - rows.start, tokens.shape[0]
-        H, Hkv, D, I = self.H, self.Hkv, self.D, self.I
-        L = cache.max_len
-        if self.kernel is not None and not pieces and B and cache.dtype == self.dtype \
-                and self.dtype in self.kernel.dtypes and self.attention == "kernel":
-            return self._decode_fused(tokens, positions, cache, rows, want)
-        widx = self._write_index(rows, L) + positions[:B].repeat_interleave(Hkv)  # (B Hkv,) into k.view(-1, D)
-        if pieces:
-            pre_rows = torch.tensor([r for r, _, n in pieces for _ in range(n)], device=tokens.device)
-            pre = ((pre_rows[:, None] * Hkv + self.heads) * L + positions[B:, None]).reshape(-1)
-            widx = torch.cat((widx, pre))
-        cs = self.cos_sin[positions]  # (M, 2, D)
-        cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
-        if self.attention == "kernel" and cache.dtype in self.kernel.dtypes:
+        if self.attention == "kernel" and cache.dtype == self.dtype and self.dtype in self.kernel.dtypes:
+            mode = "fused"
+        elif self.attention == "kernel" and cache.dtype in self.kernel.dtypes:
             mode = "kernel"
         elif self.attention == "sdpa":
             mode = "sdpa"
@@ -197,6 +197,36 @@ class Runner:
             mode = "bmm"
         else:
             mode = "up" if B <= _UPCAST_MAX_BATCH else "bmm16"
+        pk = self.packed and M >= self.packed_min_batch
+        x = F.embedding(tokens, self.embed)  # (M, hidden)
+        if mode == "fused":  # every token: RoPE, cache writes and attention in one C call per layer
+            trow = self._token_rows(rows, pieces)
+            pos = positions.contiguous()
+            for i, lw in enumerate(self.layers):
+                qkv = lw.qkv(self._rms(x), pk)
+                o = self.kernel.layer(qkv, self.cos_sin, cache.k[i], cache.v[i], trow, pos, self.G, self.scale)
+                x = lw.o.add(o, x, pk)
+                x = lw.down.add(self._silu_mul(lw.gate_up(self._rms(x), pk)), x, pk)
+        else:
+            x = self._layers_torch(x, positions, cache, rows, chunks, pieces, mode, pk)
+        if want is not None:
+            x = x.index_select(0, want)
+        elif M > B:
+            x = x[:B]
+        return self.lm_head(self._rms(x), pk and x.shape[0] >= self.packed_min_batch)
+
+    def _layers_torch(self, x, positions, cache, rows, chunks, pieces, mode, pk) -> torch.Tensor:
+        """The layers with RoPE, cache writes and attention as torch ops (and the unfused kernel)."""
+        B, M = rows.stop - rows.start, x.shape[0]
+        H, Hkv, D = self.H, self.Hkv, self.D
+        L = cache.max_len
+        widx = self._write_index(rows, L) + positions[:B].repeat_interleave(Hkv)  # (B Hkv,) into k.view(-1, D)
+        if pieces:
+            pre_rows = torch.tensor([r for r, _, n in pieces for _ in range(n)], device=x.device)
+            pre = ((pre_rows[:, None] * Hkv + self.heads) * L + positions[B:, None]).reshape(-1)
+            widx = torch.cat((widx, pre))
+        cs = self.cos_sin[positions]  # (M, 2, D)
+        cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
         masks = []  # per decode chunk, additive fp32 (bmm) or cache-dtype (sdpa) mask, built once per step
         kpos = positions[:B].contiguous() if mode == "kernel" else None  # each decode row's last position
         for lo, hi, S in chunks if mode != "kernel" else ():
@@ -209,8 +239,6 @@ class Runner:
         for _, start, n in pieces:
             m = torch.where(self.arange[:start + n] > self.arange[start:start + n, None], float("-inf"), 0.0)
             causal.append(m.repeat_interleave(self.G, dim=0)[None])
-        pk = self.packed and M >= self.packed_min_batch
-        x = F.embedding(tokens, self.embed)  # (M, hidden)
         for i, lw in enumerate(self.layers):
             qkv = lw.qkv(self._rms(x), pk)  # (M, (H + 2 Hkv) D)
             qk = qkv[:, :(H + Hkv) * D].view(M, H + Hkv, D)
@@ -233,31 +261,20 @@ class Runner:
                 off += n
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = lw.o.add(o, x, pk)
-            gu = lw.gate_up(self._rms(x), pk)  # (M, 2 I)
-            act = F.silu(gu[:, :I]).mul_(gu[:, I:])
-            x = lw.down.add(act, x, pk)
-        if want is not None:
-            x = x.index_select(0, want)
-        elif M > B:
-            x = x[:B]
-        return self.lm_head(self._rms(x), pk and x.shape[0] >= self.packed_min_batch)
+            x = lw.down.add(self._silu_mul(lw.gate_up(self._rms(x), pk)), x, pk)
+        return x
 
-    def _decode_fused(self, tokens, positions, cache, rows, want) -> torch.Tensor:
-        """A decode-only step with the kernels: per layer one C call does RoPE, the cache writes and the
-        attention (`ckernel.Kernels.layer`) between the q/k/v and output projections; RMSNorm and
-        SiLU-and-multiply are C calls too (each torch op costs more to dispatch than to compute here)."""
-        pk = self.packed and tokens.shape[0] >= self.packed_min_batch
-        pos = positions.contiguous()
-        kn, eps = self.kernel, self.eps
-        x = F.embedding(tokens, self.embed)
-        for i, lw in enumerate(self.layers):
-            qkv = lw.qkv(kn.rms(x, eps), pk)
-            o = kn.layer(qkv, self.cos_sin, cache.k[i], cache.v[i], pos, rows.start, self.G, self.scale)
-            x = lw.o.add(o, x, pk)
-            x = lw.down.add(kn.silu_mul(lw.gate_up(kn.rms(x, eps), pk)), x, pk)
-        if want is not None:
-            x = x.index_select(0, want)
-        return self.lm_head(kn.rms(x, eps), pk and x.shape[0] >= self.packed_min_batch)
+    def _token_rows(self, rows: slice, pieces) -> torch.Tensor:
+        """(M,) cache row of each token: the decode rows, then each prefill piece's row n times."""
+        key = (rows.start, rows.stop)
+        base = self._rows_cache.get(key)
+        if base is None:
+            if len(self._rows_cache) > 1024:
+                self._rows_cache.clear()
+            base = self._rows_cache[key] = torch.arange(rows.start, rows.stop, device=self.device)
+        if not pieces:
+            return base
+        return torch.cat((base, torch.tensor([r for r, _, n in pieces for _ in range(n)], device=self.device)))
 
     def _attend_piece(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Causal attention of one prefill piece, in fp32: q (n, H, D); k, v (Hkv, S, D) cache views;

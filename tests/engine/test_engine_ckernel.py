@@ -61,21 +61,24 @@ def test_kernel_rejects_positions_outside_the_cache_and_bad_operands():
         KERNEL.run(q.to(torch.bfloat16), k, v, torch.tensor([3, 4]), 0, 1.0)
 
 
-def layer_reference(qkv, cos_sin, k, v, pos, row0, G, scale):
-    """RoPE (the model's apply_rope), cache writes and attention written out in torch; returns o, k, v."""
+def layer_reference(qkv, cos_sin, k, v, row, pos, G, scale):
+    """RoPE (the model's apply_rope), cache writes and attention written out in torch, token by token
+    in order (a prefill piece's tokens see those before them); returns o (float64), k, v."""
     from tailrace.model.rope import apply_rope
-    B = qkv.shape[0]
+    M = qkv.shape[0]
     rows, Hkv, L, D = k.shape
     H = Hkv * G
-    x = qkv.view(B, H + 2 * Hkv, D)
-    cs = cos_sin[pos]  # (B, 2, D)
+    x = qkv.view(M, H + 2 * Hkv, D)
+    cs = cos_sin[pos]  # (M, 2, D)
     qk = apply_rope(x[:, None, :H + Hkv], cs[:, None, 0:1], cs[:, None, 1:2])[:, 0]  # in qkv's dtype
     k, v = k.clone(), v.clone()
-    for b in range(B):
-        k[row0 + b, :, pos[b]] = qk[b, H:]
-        v[row0 + b, :, pos[b]] = x[b, H + Hkv:]
-    o = reference(qk[:, :H].float().reshape(B, Hkv, G, D), k.float(), v.float(), pos, row0, scale)
-    return o.reshape(B, H * D), k, v
+    o = torch.empty(M, H * D, dtype=torch.float64)
+    for t in range(M):
+        r, p = int(row[t]), int(pos[t])
+        k[r, :, p], v[r, :, p] = qk[t, H:], x[t, H + Hkv:]
+        q = qk[t:t + 1, :H].float().reshape(1, Hkv, G, D)
+        o[t] = reference(q, k[r:r + 1].float(), v[r:r + 1].float(), pos[t:t + 1], 0, scale).reshape(-1)
+    return o, k, v
 
 
 @needs_kernel
@@ -84,21 +87,23 @@ def layer_reference(qkv, cos_sin, k, v, pos, row0, G, scale):
 def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G):
     from tailrace.model.rope import rope_table
     g = torch.Generator().manual_seed(D + G)
-    rows, Hkv, L, B, row0 = 6, 2, 40, 4, 1
+    rows, Hkv, L = 6, 2, 40
     k = torch.randn(rows, Hkv, L, D, generator=g).to(dtype)
     v = torch.randn(rows, Hkv, L, D, generator=g).to(dtype)
-    qkv = torch.randn(B, (G + 2) * Hkv * D, generator=g).to(dtype)
+    # four decode rows (a first token, a full row), then a prefill piece of 5 tokens in row 0 at 3..7
+    row = torch.tensor([1, 2, 3, 4, 0, 0, 0, 0, 0])
+    pos = torch.tensor([0, 39, 17, 5, 3, 4, 5, 6, 7])
+    qkv = torch.randn(len(row), (G + 2) * Hkv * D, generator=g).to(dtype)
     cos, sin = rope_table(1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), 1.0, L)
     cos_sin = torch.stack((cos, sin), dim=1).to(dtype)
-    pos = torch.tensor([0, 39, 17, 5])
-    want_o, want_k, want_v = layer_reference(qkv, cos_sin, k, v, pos, row0, G, D ** -0.5)
-    got = KERNEL.layer(qkv, cos_sin, k, v, pos, row0, G, D ** -0.5)
+    want_o, want_k, want_v = layer_reference(qkv, cos_sin, k, v, row, pos, G, D ** -0.5)
+    got = KERNEL.layer(qkv, cos_sin, k, v, row, pos, G, D ** -0.5)
     assert got.dtype == dtype
     if dtype == torch.float32:
         assert torch.allclose(k, want_k, atol=1e-6) and torch.equal(v, want_v)
         assert (got.double() - want_o).abs().max() < 2e-6
     else:  # here RoPE is computed in fp32 and rounded once (torch's bf16 ops round each product)
-        _, exact_k, _ = layer_reference(qkv.float(), cos_sin.float(), k.float(), v.float(), pos, row0, G, 1.0)
+        _, exact_k, _ = layer_reference(qkv.float(), cos_sin.float(), k.float(), v.float(), row, pos, G, 1.0)
         rounded = exact_k.to(dtype).float()
         assert ((k.float() - rounded).abs() <= rounded.abs() * 2 ** -8).all()  # within one bf16 step
         assert torch.equal(v, want_v)
@@ -106,14 +111,16 @@ def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G):
 
 
 @needs_kernel
-def test_fused_layer_rejects_a_bad_position_before_writing_anything():
+def test_fused_layer_rejects_a_bad_position_or_row_before_writing_anything():
     k, v = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 16)
     qkv, cos_sin = torch.ones(2, 3 * 16), torch.ones(8, 2, 16)
     with pytest.raises(ValueError, match="position outside the cache"):
-        KERNEL.layer(qkv, cos_sin, k, v, torch.tensor([3, 8]), 0, 1, 1.0)
-    assert not k.any() and not v.any()  # row 0's valid position was not written either
+        KERNEL.layer(qkv, cos_sin, k, v, torch.tensor([0, 1]), torch.tensor([3, 8]), 1, 1.0)
+    with pytest.raises(ValueError, match="row outside the cache"):
+        KERNEL.layer(qkv, cos_sin, k, v, torch.tensor([0, 2]), torch.tensor([3, 4]), 1, 1.0)
+    assert not k.any() and not v.any()  # the valid token was not written either
     with pytest.raises(ValueError, match="bad operands"):
-        KERNEL.layer(qkv.to(torch.bfloat16), cos_sin, k, v, torch.tensor([3, 4]), 0, 1, 1.0)
+        KERNEL.layer(qkv.to(torch.bfloat16), cos_sin, k, v, torch.tensor([0, 1]), torch.tensor([3, 4]), 1, 1.0)
 
 
 @needs_kernel

@@ -270,14 +270,14 @@ static void attend_bf16(const float *qh, const uint16_t *kb, const uint16_t *vb,
 #ifndef PF_LOC
 #define PF_LOC 2
 #endif
-/* Prefetch the K and V of (row, head) j = b Hkv + h, its position clamped to the cache (checked when used). */
-#define PREFETCH(KT, j)                                                                                  \
+/* Prefetch the K and V of cache row r, kv head h, positions [0, p] (p clamped to the cache; checked
+   when used). */
+#define PREFETCH(KT, r, h, p)                                                                            \
     do {                                                                                                 \
-        const int64_t pb = (j) / Hkv, ph = (j) % Hkv;                                                    \
-        const int64_t pn = pos[pb] < 0 ? 0 : pos[pb] >= L ? L - 1 : pos[pb];                            \
+        const int64_t pn = (p) < 0 ? 0 : (p) >= L ? L - 1 : (p);                                        \
         const int64_t nn = (pn + 1) * D * (int64_t)sizeof(KT);                                          \
-        const char *pk = (const char *)(k + ((row0 + pb) * Hkv + ph) * L * D);                          \
-        const char *pv = (const char *)(v + ((row0 + pb) * Hkv + ph) * L * D);                          \
+        const char *pk = (const char *)(k + ((r) * Hkv + (h)) * L * D);                                 \
+        const char *pv = (const char *)(v + ((r) * Hkv + (h)) * L * D);                                 \
         for (int64_t o = 0; o < nn; o += 64) {                                                          \
             __builtin_prefetch(pk + o, 0, PF_LOC);                                                      \
             __builtin_prefetch(pv + o, 0, PF_LOC);                                                      \
@@ -293,11 +293,14 @@ int NAME(const float *restrict q, const KT *restrict k, const KT *restrict v,   
          int64_t D, int64_t row0, int64_t L, float scale, float *restrict scratch) {                 \
     if (D > 256) return -1;                                                                          \
     const int64_t J = B * Hkv;                                                                       \
-    for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(KT, j);                                 \
+    for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(KT, row0 + j / Hkv, j % Hkv, pos[j / Hkv]); \
     for (int64_t j = 0; j < J; j++) {                                                                \
         const int64_t b = j / Hkv, n = pos[b] + 1;                                                   \
         if (n < 1 || n > L) return -2;                                                               \
-        if (j + PF_AHEAD < J) PREFETCH(KT, j + PF_AHEAD);                                            \
+        if (j + PF_AHEAD < J) {                                                                      \
+            const int64_t a = j + PF_AHEAD;                                                          \
+            PREFETCH(KT, row0 + a / Hkv, a % Hkv, pos[a / Hkv]);                                    \
+        }                                                                                            \
         const KT *kb = k + (row0 * Hkv + j) * L * D, *vb = v + (row0 * Hkv + j) * L * D;             \
         const float *qh = q + j * G * D;                                                             \
         float *oh = out + j * G * D;                                                                 \
@@ -308,13 +311,17 @@ int NAME(const float *restrict q, const KT *restrict k, const KT *restrict v,   
 DRIVER(decode_attn_f32, float, attend_f32)
 DRIVER(decode_attn_bf16, uint16_t, attend_bf16)
 
-/* -- one decode layer's attention block after the q/k/v projection, fused ---------------------------
+/* -- one layer's attention block after the q/k/v projection, fused ----------------------------------
 
-   qkv (B, (H + 2 Hkv) D) in the model dtype T (fp32 or bf16; the cache has the same dtype): RoPE on q and
-   k (cos/sin rows of the runner's table cs (L, 2, D), sin's first half negated: x cos + rot(x) sin, rot
-   swapping the halves), k and v written into the cache at pos[b], then attention; out (B, H D) in T.
-   As torch, the rotated q/k are rounded to T before use; bf16 is rounded to nearest even. Positions are
-   all checked before anything is written. scratch >= G L + 2 G D floats. Returns as the driver above. */
+   qkv (M, (H + 2 Hkv) D) in the model dtype T (fp32 or bf16; the cache has the same dtype), token t in
+   cache row row[t] at position pos[t]: RoPE on its q and k (cos/sin rows of the runner's table cs (L, 2,
+   D), sin's first half negated: x cos + rot(x) sin, rot swapping the halves), its k and v written into the
+   cache, then its q attends to positions [0, pos[t]] of its row; out (M, H D) in T. A decode token is one
+   per row; a prefill piece is consecutive tokens of one row in increasing positions, each attending
+   causally to those before it (written by then). As torch, the rotated q/k are rounded to T before use;
+   bf16 is rounded to nearest even. Rows and positions are all checked before anything is written.
+   scratch >= G L + 2 G D floats. Returns 0, -1 (D > 256 or odd), -2 (a position outside [0, L)),
+   -3 (a row outside [0, rows)). */
 static inline float f32_in(float x) { return x; }
 static inline float f32_out(float x) { return x; }
 static inline float bf16_in(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -326,20 +333,25 @@ static inline uint16_t bf16_out(float f) {
 }
 
 #define FUSED(NAME, T, IN, OUT, ATTEND)                                                                 \
-int NAME(const T *restrict qkv, const T *restrict cs, const int64_t *restrict pos, T *restrict k,        \
-         T *restrict v, T *restrict out, int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t row0,      \
-         int64_t L, float scale, float *restrict scratch) {                                              \
+int NAME(const T *restrict qkv, const T *restrict cs, const int64_t *restrict row,                      \
+         const int64_t *restrict pos, T *restrict k, T *restrict v, T *restrict out, int64_t M,          \
+         int64_t rows, int64_t Hkv, int64_t G, int64_t D, int64_t L, float scale, float *restrict scratch) { \
     if (D > 256 || D % 2) return -1;                                                                     \
-    for (int64_t b = 0; b < B; b++)                                                                      \
-        if (pos[b] < 0 || pos[b] >= L) return -2;                                                        \
-    const int64_t H = Hkv * G, W = (H + 2 * Hkv) * D, half = D / 2, J = B * Hkv;                         \
+    for (int64_t t = 0; t < M; t++) {                                                                    \
+        if (pos[t] < 0 || pos[t] >= L) return -2;                                                        \
+        if (row[t] < 0 || row[t] >= rows) return -3;                                                     \
+    }                                                                                                    \
+    const int64_t H = Hkv * G, W = (H + 2 * Hkv) * D, half = D / 2, J = M * Hkv;                         \
     float *qf = scratch + G * L, *of = qf + G * D;                                                       \
-    for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(T, j);                                      \
+    for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(T, row[j / Hkv], j % Hkv, pos[j / Hkv]);    \
     for (int64_t j = 0; j < J; j++) {                                                                    \
-        const int64_t b = j / Hkv, h = j % Hkv, p = pos[b];                                              \
-        if (j + PF_AHEAD < J) PREFETCH(T, j + PF_AHEAD);                                                 \
-        const T *src = qkv + b * W, *c = cs + p * 2 * D, *sn = c + D;                                    \
-        T *kb = k + (row0 * Hkv + j) * L * D, *vb = v + (row0 * Hkv + j) * L * D;                       \
+        const int64_t t = j / Hkv, h = j % Hkv, p = pos[t];                                              \
+        if (j + PF_AHEAD < J) {                                                                          \
+            const int64_t a = j + PF_AHEAD;                                                              \
+            PREFETCH(T, row[a / Hkv], a % Hkv, pos[a / Hkv]);                                            \
+        }                                                                                                \
+        const T *src = qkv + t * W, *c = cs + p * 2 * D, *sn = c + D;                                    \
+        T *kb = k + (row[t] * Hkv + h) * L * D, *vb = v + (row[t] * Hkv + h) * L * D;                    \
         const T *ks = src + (H + h) * D, *vs = src + (H + Hkv + h) * D;                                  \
         for (int64_t d = 0; d < D; d++) {                                                                \
             const int64_t r = d < half ? d + half : d - half;                                            \
@@ -354,7 +366,7 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int64_t *restrict po
             }                                                                                            \
         }                                                                                                \
         ATTEND(qf, kb, vb, p + 1, G, D, scale, scratch, of);                                            \
-        T *o = out + b * H * D + h * G * D;                                                              \
+        T *o = out + t * H * D + h * G * D;                                                              \
         for (int64_t i = 0; i < G * D; i++) o[i] = OUT(of[i]);                                           \
     }                                                                                                    \
     return 0;                                                                                            \
