@@ -329,7 +329,8 @@ def main(argv=None) -> int:
         dtype = DTYPES[dn]
         model = load_pretrained(model_dir, dtype=dtype)
         engine = Engine(model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0)
-        # the same engine with the batched-GEMM attention the C kernel replaced (when the kernel is in use)
+        # the same engine on torch ops (batched-GEMM attention, torch RoPE/cache writes/RMSNorm/SiLU), which
+        # the C kernels replaced where they are in use
         bmm = None if engine._versions[0].attention != "kernel" else Engine(
             model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0, attention="bmm")
         if a.profile:
@@ -349,7 +350,7 @@ def main(argv=None) -> int:
             row["cpu_vs_hf"] = ratio(row["tailrace"], row["hf"], "cpu_tok_s")
             row["cpu_vs_vllm"] = ratio(row["tailrace"], row["vllm"], "cpu_tok_s")
             rows.append(row)
-            print(f"  {dn} batch {b}: tailrace {fmt(row['tailrace'])} tok/s (bmm attention {fmt(row['bmm'])}), "
+            print(f"  {dn} batch {b}: tailrace {fmt(row['tailrace'])} tok/s (torch ops {fmt(row['bmm'])}), "
                   f"hf {fmt(row['hf'])}, "
                   f"vllm {fmt(row['vllm'])}, gemm limit {fmt(row['gemm_limit'])}", flush=True)
 
@@ -370,8 +371,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace']):>10} {fmt(r['hf']):>10} {fmt(r['vllm']):>26} "
               f"{fmt(r['gemm_limit']):>11} {r['share']:>6.0%} {r['vs_hf']:>6} {r['vs_vllm']:>6}")
-    print("\nthe C attention kernel vs the batched-GEMM attention it replaced (same engine otherwise)\n"
-          f"{'dtype':5} {'batch':>5} {'kernel':>10} {'bmm':>10} {'ratio':>6}")
+    print("\nthe C kernels (RoPE + cache writes + attention per layer, RMSNorm, SiLU-mul) vs the same engine on "
+          "torch ops (batched-GEMM attention)\n"
+          f"{'dtype':5} {'batch':>5} {'kernels':>10} {'torch':>10} {'ratio':>6}")
     for r in rows:
         print(f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace']):>10} {fmt(r['bmm']):>10} {r['vs_bmm']:>6}")
     print("\nper CPU-second of the generating thread (the machine may be shared; vLLM: its worker process, "
