@@ -16,6 +16,9 @@ cpu-bf16.json):
 - the engine worker: the runtime's worker process fed as the driver feeds it; wall time between its
   steps that is not a step (its loop: pipe, requests, results) is `host_gap_s` per step, and its busy
   time per step over the decode fit's prediction scales the fit (`worker_factor`);
+- the driver: its real handling of an engine report (scoring, scheduler, journal) per report and per
+  result (`driver_report_s`, `driver_result_s`: the simulator charges it to the engine's core while the
+  trainer computes, as the unpinned driver process then runs there);
 - co-running: decode steps alone and while a trainer computes on the other core (`corun_slowdown`).
 
 Timing on a shared machine is noisy: every figure is the median of repeats, and the JSON records
@@ -310,6 +313,70 @@ def measure_worker(model: CausalLM, slots: int = 8, samples: int = 192, lookahea
             "mean_row_context": len(prompt.token_ids) + float((L * L).sum() / (2 * L.sum()))}
 
 
+def measure_driver(model: CausalLM, sizes=(1, 4), reports: int = 24) -> dict:
+    """Host seconds the runtime's driver spends on one engine report, as its loop does it: the real
+    `Driver._on_engine_report` (scoring through the reward worker process, the scheduler, events), then
+    its poll and journal drain, on reports of `sizes` results (random responses of 20-120 tokens to the
+    samples the scheduler dispatched, in a multiversion run of the default task); fitted as
+    per_report + per_result * results. No engine or trainer runs: the driver alone, on an idle host."""
+    import random
+    import tempfile
+
+    from tailrace.config import FlowConfig, ModelSpec, RunConfig
+    from tailrace.flow.commands import Generate
+    from tailrace.model.checkpoint import save_pretrained
+    from tailrace.runtime.driver import Driver
+    from tailrace.runtime.engine_worker import EngineReport, Stats
+    from tailrace.runtime.metrics import Utilization
+    from tailrace.runtime.rundir import RunDir
+    from tailrace.runtime.session import Session
+    tok = char_tokenizer()
+    rng = random.Random(0)
+    rows: list[tuple[int, float]] = []
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, Path(d) / "model")
+        tok.save(Path(d) / "model")
+        cfg = RunConfig(model=ModelSpec(path=str(Path(d) / "model")), flow=FlowConfig(mode="multiversion", steps=10 ** 6))
+        run = RunDir(Path(d) / "run")
+        run.create()
+        ses = Session(cfg)
+        drv = Driver(cfg, run, ses)
+        try:
+            drv.t0 = time.perf_counter()
+            drv.util = Utilization(drv.t0, slots=cfg.rollout.slots)
+            pool = []
+
+            def poll() -> None:
+                pool.extend(s for c in drv.sched.poll(drv._now()) if isinstance(c, Generate) for s in c.samples)
+                drv._drain_journal()
+            poll()
+            for k in range(reports * len(sizes) + 2):
+                n = sizes[k % len(sizes)]
+                done, pool[:n] = pool[:n], []
+                results = []
+                for smp in done:
+                    m = rng.randint(20, 120)
+                    results.append(GenResult(smp.id, tuple(rng.randrange(4, tok.vocab_size) for _ in range(m)),
+                                             (-1.0,) * m, (smp.version,) * m, Finish.STOP))
+                now = time.perf_counter()
+                rep = EngineReport(0, results, Stats(steps=1, busy_s=1e-3, spans=[(now - 1e-3, now)]), [], now)
+                t0 = time.perf_counter()
+                drv._on_engine_report(rep)
+                poll()
+                if k >= 2:  # the first two warm up (the reward worker starts on first use)
+                    rows.append((len(results), time.perf_counter() - t0))
+        finally:
+            drv.close()
+            ses.close()
+    n = np.array([r[0] for r in rows], float)
+    t = np.array([r[1] for r in rows], float)
+    per_n = {int(k): float(np.median(t[n == k])) for k in sorted(set(n.tolist()))}
+    lo, hi = min(per_n), max(per_n)
+    per_result = max(0.0, (per_n[hi] - per_n[lo]) / (hi - lo)) if hi > lo else 0.0
+    return {"per_report_s": max(0.0, per_n[lo] - per_result * lo), "per_result_s": per_result,
+            "median_by_results": per_n}
+
+
 def worker_factor(dec: dict, wk: dict, shape: ModelShape, dtype_bytes: int) -> float:
     """The worker's measured busy time per step over what the fitted decode form predicts for its mean
     batch and context: what a step costs in the runtime (its sampling, stop checks and prompt
@@ -377,6 +444,9 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print, dtyp
                  f"{wk['mean_batch']:.1f}: the fit is scaled by it), {wk['host_gap_s'] * 1e6:.0f} us/step between steps")
         dec = dict(dec, overhead_s=dec["overhead_s"] * f, per_seq_s=dec["per_seq_s"] * f, mem_bw=dec["mem_bw"] / f,
                    flops_per_s=dec["flops_per_s"] / f, worker_factor=f)
+        drv = measure_driver(model, reports=8 if quick else 24)
+        progress(f"{name}: driver: {drv['per_report_s'] * 1e6:.0f} us per engine report + "
+                 f"{drv['per_result_s'] * 1e6:.0f} us per result (scoring, scheduler, journal)")
         progress(f"{name}: co-running: worker steps alone vs while a trainer computes on the other core")
         co = measure_corun(model, pairs=2 if quick else 5)
         if co["alone_s"] is not None:
@@ -390,9 +460,10 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print, dtyp
         mem_bw=dec["mem_bw"], bw_eff=1.0, step_overhead_s=dec["overhead_s"], per_seq_s=dec["per_seq_s"],
         dtype_bytes=dtype_bytes, train_step_overhead_s=trf["overhead_s"], sync_fixed_s=0.0,
         load_bw=w["bytes"] / max(w["load_s"], 1e-9), scaleup_bw=w["bytes"] / max(w["publish_s"], 1e-9),
-        corun_slowdown=co["slowdown"], host_gap_s=wk["host_gap_s"])
+        corun_slowdown=co["slowdown"], host_gap_s=wk["host_gap_s"], driver_report_s=drv["per_report_s"],
+        driver_result_s=drv["per_result_s"])
     result = {"hardware": hw.to_dict(), "decode": dec, "train": trf, "decode_points": rows, "train_points": tr,
-              "weights": w, "corun": co, "worker": wk, "extra": {"checkpoint_s": ckpt},
+              "weights": w, "corun": co, "worker": wk, "driver": drv, "extra": {"checkpoint_s": ckpt},
               "model": dataclasses.asdict(shape), "load_average": os.getloadavg(), "time": time.time()}
     out = out or preset_path(name)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -126,6 +126,7 @@ class Driver:
             self.metrics.write({"kind": "eval", "tag": "base", "step": self.sched.steps_done, **base})
         # utilization counts from here: the base evaluation is not part of the training timeline
         self.util = Utilization(time.perf_counter(), slots=self.util.slots)
+        self._cpu_mark = time.process_time()
         if self.ui is not None:
             self.ui.begin(self.sched.steps_done, self.cfg.flow.steps, base)
         limit = self.cfg.flow.time_limit_s
@@ -227,8 +228,10 @@ class Driver:
         m = rep.metrics
         rewards = [t.reward for t in trajs]
         timing = self.util.snapshot(now + self.t0)
+        cpu = time.process_time()
         timing.update(train_s=rep.span[1] - rep.span[0], weight_sync_s=m.pop("weight_sync_s", 0.0),
-                      trainer_step_s=m.pop("time_s", 0.0))
+                      trainer_step_s=m.pop("time_s", 0.0), driver_cpu_s=cpu - self._cpu_mark)
+        self._cpu_mark = cpu
         return {
             "kind": "step", "step": rep.step, "version": self.sched.done_version,
             "reward": sum(rewards) / len(rewards), "accuracy": sum(t.correct for t in trajs) / len(trajs),

@@ -22,7 +22,7 @@ import simpy
 
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.sim.costs import CostModel
-from tailrace.sim.engine import Block, CoRun, SimEngine, Span
+from tailrace.sim.engine import Block, CoRun, SimEngine, Span, Stall
 from tailrace.sim.recorder import Recorder
 
 
@@ -44,6 +44,7 @@ class SimCluster:
         self.train_wake = self.env.event()
         self.trainer_spans: list[Span] = []
         self.trainer_busy = 0.0
+        self.training = False  # the trainer is computing (not syncing or waiting)
         self.done = self.env.event()
         self._poll_pending = False
         self.poll_s = poll_s
@@ -133,6 +134,10 @@ class SimCluster:
             self.events += 1
             if rep.results:
                 self.sched.on_results(eng.id, rep.results, env.now)
+                hw = self.cost.hw
+                if self.training and not self.colocated and (hw.driver_report_s or hw.driver_result_s):
+                    # the driver handles the report on this engine's host core (the trainer's is busy)
+                    eng.post(Stall(hw.driver_report_s + hw.driver_result_s * len(rep.results)))
             for version, t in rep.loaded:
                 ev = env.timeout(t - env.now)
                 ev.callbacks.append(lambda _e, i=eng.id, v=version: self._loaded(i, v))
@@ -160,7 +165,9 @@ class SimCluster:
                 self._post_all(Block(t0 + dt + pub + ckpt))
             elif corun != 1.0:
                 self._post_all(CoRun(corun))
+            self.training = True
             yield env.timeout(dt)
+            self.training = False
             if corun != 1.0:
                 self._post_all(CoRun(1.0))
             self.trainer_spans.append(Span("train", t0, env.now))

@@ -48,6 +48,14 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Stall:
+    """Stop decoding for `seconds` from the next step boundary (the host core is taken by other work:
+    the driver handling this engine's report; see `Hardware.driver_report_s`)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
 class CoRun:
     """From the next step on, decode steps take `factor` times their cost (a trainer computing on the
     same host slows them; 1.0 when it stops). See `Hardware.corun_slowdown`."""
@@ -111,6 +119,7 @@ class SimEngine:
         # accounting (cumulative)
         self.slot_time = 0.0  # sum over steps of active sequences x step duration
         self.busy_time = 0.0
+        self.stalled = 0.0  # time lost to Stall commands
         self.gen_tokens = 0
         self.spans: list[Span] = []
 
@@ -221,6 +230,10 @@ class SimEngine:
             self.loaded.discard(cmd.version)
         elif isinstance(cmd, CoRun):
             self.slowdown = cmd.factor
+        elif isinstance(cmd, Stall):
+            self._span("wait", self.t_b, self.t_b + cmd.seconds)
+            self.t_b += cmd.seconds
+            self.stalled += cmd.seconds
         elif isinstance(cmd, Block):
             if cmd.until > self.t_b:
                 self._span("wait", self.t_b, cmd.until)

@@ -52,6 +52,13 @@ class Hardware:
     # pipe, taking requests, sending results). It delays the next step but is not busy time, so it
     # shows as rollout bubble (measured by calibrate on the CPU testbed; 0 where it overlaps the device).
     host_gap_s: float = 0.0
+    # Host time of the run's driver per engine report it handles (scoring through the reward worker,
+    # the scheduler, events and journal): per report + per result in it. Where the driver shares the
+    # roles' cores (the CPU testbed: engine and trainer pinned to one core each, the driver unpinned), it
+    # wakes on the reporting engine's core whenever the trainer's core is busy, and the engine's next
+    # step waits for it (measured by calibrate); 0 on a cluster, where the driver has host cores to itself.
+    driver_report_s: float = 0.0
+    driver_result_s: float = 0.0
 
     def __post_init__(self) -> None:
         for k in ("peak_flops", "mem_bw", "mem_bytes", "net_bw"):
@@ -59,8 +66,9 @@ class Hardware:
                 raise ValueError(f"hardware {self.name}: {k} must be positive")
         if not self.corun_slowdown >= 1.0:
             raise ValueError(f"hardware {self.name}: corun_slowdown={self.corun_slowdown} must be >= 1")
-        if not self.host_gap_s >= 0.0:
-            raise ValueError(f"hardware {self.name}: host_gap_s={self.host_gap_s} must be >= 0")
+        for k in ("host_gap_s", "driver_report_s", "driver_result_s"):
+            if not getattr(self, k) >= 0.0:
+                raise ValueError(f"hardware {self.name}: {k}={getattr(self, k)} must be >= 0")
         for k in ("bw_eff", "flops_eff", "train_mfu"):
             if not 0 < getattr(self, k) <= 1:
                 raise ValueError(f"hardware {self.name}: {k}={getattr(self, k)} must lie in (0, 1]")

@@ -190,6 +190,33 @@ def test_co_running_training_slows_only_the_decode_steps_it_overlaps():
     assert co.trainer_busy == pytest.approx(base.trainer_busy, rel=1e-9)  # training itself is not
 
 
+def test_the_driver_takes_the_engines_core_only_while_the_trainer_computes():
+    import dataclasses
+    lengths = LognormalLengths(median=400, max_len=3000, prompt=64, seed=3)
+    hw = dataclasses.replace(GPUS["h100"], driver_report_s=0.05, driver_result_s=0.01)
+    drv = CostModel(hw, MODELS["qwen3-1.7b"], engine_gpus=1, trainer_gpus=4)
+
+    def run(mode, cost):
+        sched = Scheduler(make_policy(mode), prompt_stream(lengths), [(16, 0)] * 2, FlowSpec(8, 4, 2, 8))
+        cl = SimCluster(sched, [SimEngine(i, 16, cost, lengths) for i in range(2)], cost, Capture())
+        cl.run()
+        return cl
+    # sync never generates while it trains: the driver has the trainer's core
+    assert run("sync", drv).now == pytest.approx(run("sync", COST).now, rel=1e-9)
+    base, slow = run("multiversion", COST), run("multiversion", drv)
+    stalled = sum(e.stalled for e in slow.engines)
+    assert stalled > 0 and slow.now > base.now
+    assert sum(e.stalled for e in base.engines) == 0.0
+    # each stall is one report's cost, charged only for reports that arrive while the trainer computes
+    trains = [(sp.t0, sp.t1) for sp in slow.trainer_spans if sp.phase == "train"]
+    for e in slow.engines:
+        for sp in e.spans:
+            if sp.phase == "wait":
+                assert sp.t1 - sp.t0 >= 0.06 - 1e-12
+                assert any(t0 - 1e-9 <= sp.t0 <= t1 + 1.0 for t0, t1 in trains)
+    assert slow.rec.summary["bubble_ratio"] > base.rec.summary["bubble_ratio"]
+
+
 def test_a_scaled_segment_takes_proportionally_longer():
     from tailrace.sim.segment import Segment
     seg = Segment(0.002, ((0.001, 1e-6, 0.0005, 3e-6),))
