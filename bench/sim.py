@@ -240,6 +240,8 @@ def main() -> int:
                     help="real `tailrace train` run directories to validate the CPU testbed against")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1,024-GPU scale check")
     a = ap.parse_args()
+    for r in a.real:  # a wrong directory fails now, not after the published scenarios
+        scenario_from_run(r)
     rows = run(a.quick, a.real, not a.no_scale)
     print(table(rows))
     print("\nAssumptions (not stated by the papers; the same for every row of a setup):")

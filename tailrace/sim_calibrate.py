@@ -15,7 +15,8 @@ cpu-bf16.json):
 - checkpoint: the trainer worker's save after a publishing step (a real run's flow.checkpoint_every);
 - the engine worker: the runtime's worker process fed as the driver feeds it; wall time between its
   steps that is not a step (its loop: pipe, requests, results) is `host_gap_s` per step, and its busy
-  time per step over the decode fit's prediction scales the fit (`worker_factor`);
+  time per step beyond the decode fit's prediction, per running row, is added to the fit's per-row
+  cost (`worker_excess`: sampling, stop checks, admissions' prefills grow with the rows);
 - the driver: its real handling of an engine report (scoring, scheduler, journal) per report and per
   result (`driver_report_s`, `driver_result_s`: the simulator charges it to the engine's core while the
   trainer computes, as the unpinned driver process then runs there);
@@ -67,7 +68,7 @@ def _trainer(cfg: SFTConfig, dtype: torch.dtype) -> GRPOTrainer:
     return GRPOTrainer(_model(cfg), TrainerConfig(bf16=dtype == torch.bfloat16))
 
 
-def measure_decode(model: CausalLM, batches=(1, 4, 16, 32, 64), length: int = 192, prompt: int = 16,
+def measure_decode(model: CausalLM, batches=(1, 2, 4, 8, 16, 32, 64), length: int = 192, prompt: int = 16,
                    repeats: int = 2) -> list[tuple[int, int, float]]:
     """(batch, context tokens, step seconds) of pure decode steps."""
     rows = []
@@ -88,7 +89,7 @@ def measure_decode(model: CausalLM, batches=(1, 4, 16, 32, 64), length: int = 19
 
 def _decode_work(shape: ModelShape, dtype_bytes: int, B, ctx):
     """(bytes read, FLOPs) of a decode step of B rows reading ctx cached tokens in all: the two sides
-    of the roofline the fit and `worker_factor` evaluate (scalars or arrays)."""
+    of the roofline the fit and `worker_excess` evaluate (scalars or arrays)."""
     mem = shape.weight_bytes_read(1, dtype_bytes) + shape.kv_bytes_per_token(dtype_bytes) * ctx
     return mem, 2.0 * shape.matmul_params * B + shape.attn_flops_per_context_token * ctx
 
@@ -377,14 +378,14 @@ def measure_driver(model: CausalLM, sizes=(1, 4), reports: int = 24) -> dict:
             "median_by_results": per_n}
 
 
-def worker_factor(dec: dict, wk: dict, shape: ModelShape, dtype_bytes: int) -> float:
-    """The worker's measured busy time per step over what the fitted decode form predicts for its mean
-    batch and context: what a step costs in the runtime (its sampling, stop checks and prompt
-    prefills mixed in) beyond the pure decode steps the fit saw."""
+def worker_excess(dec: dict, wk: dict, shape: ModelShape, dtype_bytes: int) -> float:
+    """Seconds per running row per step that the runtime's worker spends beyond the fitted pure decode
+    step at its mean batch and context (its sampling, stop checks and result packaging, and the prompt
+    prefills of admissions mixed into its steps: work that grows with the rows, not with the step)."""
     B = wk["mean_batch"]
     mem, flops = _decode_work(shape, dtype_bytes, B, B * wk["mean_row_context"])
     pred = dec["overhead_s"] + dec["per_seq_s"] * B + max(mem / dec["mem_bw"], flops / dec["flops_per_s"])
-    return wk["mean_step_s"] / pred
+    return max(0.0, wk["mean_step_s"] - pred) / B
 
 
 def measure_weights(model: CausalLM, repeats: int = 5) -> dict:
@@ -419,7 +420,8 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print, dtyp
     try:
         model = _model(cfg, tdtype)
         progress(f"{name}: decode: real {dtype} engine steps at batch 1..64")
-        rows = measure_decode(model, batches=(1, 16, 64) if quick else (1, 4, 16, 32, 64), repeats=1 if quick else 2)
+        rows = measure_decode(model, batches=(1, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64),
+                              repeats=1 if quick else 2)
         dec = fit_decode(rows, shape, dtype_bytes)
         progress(f"  overhead {dec['overhead_s'] * 1e3:.3f} ms/step, {dec['per_seq_s'] * 1e6:.1f} us/row, "
                  f"{dec['mem_bw'] / 1e9:.2f} GB/s, {dec['flops_per_s'] / 1e9:.1f} GFLOP/s "
@@ -439,11 +441,11 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print, dtyp
         progress(f"{name}: checkpoint: {ckpt * 1e3:.1f} ms (model + optimizer)")
         progress(f"{name}: engine worker: the runtime's worker process, fed as the driver feeds it")
         wk = measure_worker(model, samples=64 if quick else 192)
-        f = worker_factor(dec, wk, shape, dtype_bytes)
-        progress(f"  {wk['steps']} steps, {wk['mean_step_s'] * 1e3:.2f} ms/step busy (x{f:.2f} the fit at batch "
-                 f"{wk['mean_batch']:.1f}: the fit is scaled by it), {wk['host_gap_s'] * 1e6:.0f} us/step between steps")
-        dec = dict(dec, overhead_s=dec["overhead_s"] * f, per_seq_s=dec["per_seq_s"] * f, mem_bw=dec["mem_bw"] / f,
-                   flops_per_s=dec["flops_per_s"] / f, worker_factor=f)
+        ex = worker_excess(dec, wk, shape, dtype_bytes)
+        progress(f"  {wk['steps']} steps at batch {wk['mean_batch']:.1f}, {wk['mean_step_s'] * 1e3:.2f} ms/step busy: "
+                 f"{ex * 1e6:.1f} us per row per step beyond the decode fit (added to its per-row cost), "
+                 f"{wk['host_gap_s'] * 1e6:.0f} us/step between steps")
+        dec = dict(dec, per_seq_s=dec["per_seq_s"] + ex, worker_excess_s=ex)
         drv = measure_driver(model, reports=8 if quick else 24)
         progress(f"{name}: driver: {drv['per_report_s'] * 1e6:.0f} us per engine report + "
                  f"{drv['per_result_s'] * 1e6:.0f} us per result (scoring, scheduler, journal)")

@@ -2,8 +2,9 @@
 
 On CPU, MKL re-packs the weight on every call; oneDNN can pack it once (`_reorder_linear_weight`) and
 then reads it in its own blocked layout, and fuses the residual add. Measured on the default model
-(one thread): the step's GEMMs ~15-20% faster at batch >= 4 in fp32 and at every batch in bf16, but
-slower at batch 1-3 in fp32, so `packed` is chosen per call. These `torch.ops.mkldnn` ops are what
+(one thread, the step's GEMMs in a loop): bf16 packed 0.8-0.9x MKL's time at every batch; fp32 packed
+1.7x at 2-4 rows, 1.3x at 16, 1.04x at 64 (in a whole step at 64 the fused add makes it ~2% faster),
+so `packed` is chosen per call (the runner's `packed_min_batch`). These `torch.ops.mkldnn` ops are what
 torch's own inductor uses on CPU; `packing_supported` checks them once and everything falls back to
 plain `F.linear`/`addmm` where they are missing or disagree.
 """
