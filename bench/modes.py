@@ -10,6 +10,7 @@ trainer process on separate cores. Two configurations:
   balanced   sync-mode generation and training take comparable time (as a deployment sizes its pools):
              a 6-slot fp32 engine against the fp32 trainer
   genheavy   generation-bound (long chain-of-thought RL): a 2-slot bf16 engine against the bf16 trainer
+(sized so before the engine's C kernels made decode ~1.5x faster; see CONFIGS)
 Per mode: wall time, steps/hour (the whole run, and over its middle rounds: without the pipeline's
 one-time fill and drain), trainer waiting ratio, rollout bubble ratio, engine mean active batch,
 staleness histogram, held-out accuracy, speedup vs sync measured in the same run. Writes
@@ -41,8 +42,9 @@ CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", 
 CONFIGS = {
     # R=32 prompts x K=8 per round, B=64 samples per step: a round is 4 steps, so pipe can pipeline.
     # One core each; the engine's slot count (and dtype) sizes the rollout pool against the trainer
-    # (measured in sync mode on the 2-core testbed: 6 fp32 slots -> generation ~54% of the step,
-    # 2 bf16 slots -> ~75%, i.e. 3x training).
+    # (measured in sync mode on the 2-core testbed when they were sized: 6 fp32 slots -> generation ~54%
+    # of the step, 2 bf16 slots -> ~75%, i.e. 3x training; since the engine's C kernels of 2026-11-29
+    # (~1.5x faster decode) they measure ~36% and ~62%: see bench/README.md).
     "balanced": ["--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64",
                  "--rollout.slots=6"],
     "genheavy": ["--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64",

@@ -53,7 +53,42 @@ class Kernels:
         for fn in self._silu_mul.values():
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.gumbel_f32.restype = None
+        lib.gumbel_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.sample_f32.restype = None
+        lib.sample_f32.argtypes = ([ctypes.c_void_p] + [ctypes.c_void_p, ctypes.c_int64] * 4
+                                   + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3)
+        self._lib = lib
         self._scratch = torch.empty(0)
+
+    def gumbel(self, key: torch.Tensor, index: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+        """`sampler.gumbel_noise` computed here: (B, V) fp32 from key, index (B,) int64 (any stride) and
+        salt (V,) int64. The same hash; the logarithms by a polynomial (relative error ~1e-7)."""
+        B, V = key.shape[0], salt.shape[0]
+        if not (key.dtype == index.dtype == salt.dtype == torch.int64 and index.shape == (B,) and key.dim() == 1
+                and salt.is_contiguous()):
+            raise ValueError(f"gumbel: bad operands key {tuple(key.shape)}, index {tuple(index.shape)}, salt {tuple(salt.shape)}")
+        out = torch.empty(B, V)
+        self._lib.gumbel_f32(key.data_ptr(), key.stride(0), index.data_ptr(), index.stride(0), salt.data_ptr(),
+                             out.data_ptr(), B, V)
+        return out
+
+    def sample(self, logits: torch.Tensor, inv_temp: torch.Tensor, noise_scale: torch.Tensor, key: torch.Tensor,
+               index: torch.Tensor, salt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draw per row of logits (B, V) fp32 without top-k/top-p or bans: `sampler.sample`'s
+        token given this module's noise, and its logprob under log_softmax(logits * inv_temp)."""
+        B, V = logits.shape
+        if not (logits.dtype == inv_temp.dtype == noise_scale.dtype == torch.float32 and logits.is_contiguous()
+                and key.dtype == index.dtype == salt.dtype == torch.int64 and salt.shape == (V,)
+                and salt.is_contiguous() and inv_temp.shape == noise_scale.shape == key.shape == index.shape == (B,)):
+            raise ValueError(f"sample: bad operands logits {tuple(logits.shape)} {logits.dtype}, salt {tuple(salt.shape)}")
+        if self._scratch.numel() < 2 * V:
+            self._scratch = torch.empty(2 * V)
+        tokens, lps = torch.empty(B, dtype=torch.int64), torch.empty(B)
+        self._lib.sample_f32(logits.data_ptr(), inv_temp.data_ptr(), inv_temp.stride(0), noise_scale.data_ptr(),
+                             noise_scale.stride(0), key.data_ptr(), key.stride(0), index.data_ptr(), index.stride(0),
+                             salt.data_ptr(), B, V, self._scratch.data_ptr(), tokens.data_ptr(), lps.data_ptr())
+        return tokens, lps
 
     def rms(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm without weight of each row of x (M, N), fp32 or bf16 (normalized in fp32, rounded once)."""

@@ -84,6 +84,7 @@ class Engine:
         self.rows = RowState(num_slots + 1, cfg.vocab_size, max_len, device)
         self.slots = Slots(num_slots)
         self._salt = vocab_salt(cfg.vocab_size, device)
+        self._sample_kernel = self._versions[0].kernel  # the runner's CPU kernels, None where it has none
         self._rng = random.Random(seed)
         self._seqs: dict[str, Sequence] = {}  # every request in the engine (waiting or running)
         self._waiting: deque[Sequence] = deque()
@@ -287,7 +288,7 @@ class Engine:
         flags = SampleFlags(any_sampled=self._n_sampled > 0, any_greedy=self._n_sampled < n,
                             any_tempered=self._n_tempered > 0, any_filter=self._n_filter > 0,
                             any_min_new=self._n_min_stop > 0)
-        tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(slice(0, n)))
+        tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(slice(0, n)), kernel=self._sample_kernel)
         self._decode_step += 1
         return self.rows.record(slice(0, n), tokens, lps, advance_pos=True)
 
@@ -300,7 +301,7 @@ class Engine:
                             any_tempered=any(p.temperature not in (0, 1) for p in ps),
                             any_filter=any(p.top_k or p.top_p < 1 for p in ps),
                             any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps))
-        tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(rows_t))
+        tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(rows_t), kernel=self._sample_kernel)
         for s in completed:
             self._prefilling.remove(s)
         return self.rows.record(rows_t, tokens, lps, advance_pos=False)

@@ -82,13 +82,19 @@ class SampleFlags:
 def sample(logits: torch.Tensor, *, inv_temp: torch.Tensor, noise_scale: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, key: torch.Tensor, index: torch.Tensor, salt: torch.Tensor,
            stop_mask: torch.Tensor | None = None, min_new: torch.Tensor | None = None,
-           flags: SampleFlags = SampleFlags()) -> tuple[torch.Tensor, torch.Tensor]:
+           flags: SampleFlags = SampleFlags(), kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (tokens (B,) int64, logprobs (B,) float32).
 
     logits (B, V) any float dtype; inv_temp (B,) float32 (1/temperature, 1 for greedy rows);
     noise_scale (B,) float32 (1 sampled, 0 greedy); top_k (B,) int64 (V = off); top_p (B,) float32
     (> 1 = off); key/index (B,) int64; stop_mask (B, V) bool and min_new (B,) int64: stop tokens are
-    banned while index < min_new. Greedy rows must have top_k = V and top_p > 1."""
+    banned while index < min_new. Greedy rows must have top_k = V and top_p > 1.
+
+    `kernel` (the engine's CPU kernels, `ckernel.Kernels`): the noise comes from it, and without
+    filters or bans the whole draw does (one call instead of ~25 small ops); the tokens are the same
+    either way, as both add the same noise to the same tempered logits."""
+    if kernel is not None and not flags.any_filter and not (flags.any_min_new and stop_mask is not None):
+        return kernel.sample(logits.float().contiguous(), inv_temp, noise_scale, key, index, salt)
     z = logits.float()
     if flags.any_min_new and stop_mask is not None:
         ban = stop_mask & (index < min_new)[:, None]
@@ -99,12 +105,12 @@ def sample(logits: torch.Tensor, *, inv_temp: torch.Tensor, noise_scale: torch.T
         z = _filter_top_k_top_p(z, top_k, top_p)
     logp = torch.log_softmax(z, dim=-1)
     if flags.any_sampled:
-        noise = gumbel_noise(key, index, salt)
+        noise = gumbel_noise(key, index, salt) if kernel is None else kernel.gumbel(key, index, salt)
         if flags.any_greedy:
             noise.mul_(noise_scale[:, None])
-        tokens = (logp + noise).argmax(dim=-1)  # logp differs from z by a per-row constant
+        tokens = (z + noise).argmax(dim=-1)  # = argmax of logp + noise: they differ by a per-row constant
     else:
-        tokens = logp.argmax(dim=-1)
+        tokens = z.argmax(dim=-1)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 

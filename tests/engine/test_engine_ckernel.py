@@ -163,3 +163,34 @@ def test_build_is_cached_per_machine(monkeypatch, tmp_path):
     assert ckernel.load() is not None
     built = list((tmp_path / "kernels").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so"  # no temporary left behind
+
+
+@needs_kernel
+def test_gumbel_noise_is_the_samplers_hash():
+    from tailrace.engine.sampler import gumbel_noise, vocab_salt
+    g = torch.Generator().manual_seed(3)
+    ints = torch.randint(0, 2 ** 32, (9, 6), generator=g, dtype=torch.int64)  # strided columns, as RowState's
+    key, index, salt = ints[:, 3], ints[:, 2] % 5000, vocab_salt(301)
+    got, want = KERNEL.gumbel(key, index, salt), gumbel_noise(key, index, salt)
+    assert got.shape == (9, 301) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_draw_is_the_torch_paths_token_and_logprob():
+    from tailrace.engine.sampler import SampleFlags, sample, vocab_salt
+    g = torch.Generator().manual_seed(4)
+    B, V = 16, 257
+    logits = torch.randn(B, V, generator=g) * 3
+    floats = torch.tensor([[1.0, 1.0, 2.0], [1 / 0.7, 1.0, 2.0], [1.0, 0.0, 2.0], [1 / 1.5, 1.0, 2.0]] * 4)
+    inv_temp, noise = floats[:, 0], floats[:, 1]  # row 2 mod 4 is greedy
+    key, index, salt = torch.arange(B) * 7919 + 3, torch.arange(B) * 3, vocab_salt(V)
+    args = dict(inv_temp=inv_temp, noise_scale=noise, top_k=torch.full((B,), V), top_p=torch.full((B,), 2.0),
+                key=key, index=index, salt=salt)
+    fast = sample(logits, **args, flags=SampleFlags(), kernel=KERNEL)  # one C call
+    torch_path = sample(logits, **args, flags=SampleFlags(any_filter=True), kernel=KERNEL)  # torch ops, C noise
+    assert torch.equal(fast[0], torch_path[0])
+    assert torch.allclose(fast[1], torch_path[1], atol=1e-5)
+    z = logits * inv_temp[:, None]
+    assert torch.equal(fast[0][2::4], z[2::4].argmax(-1))  # greedy rows
+    want_lp = torch.log_softmax(z, -1).gather(1, fast[0][:, None]).squeeze(1)
+    assert torch.allclose(fast[1], want_lp, atol=1e-5)

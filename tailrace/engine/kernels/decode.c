@@ -4,7 +4,10 @@
      (rows, Hkv, L, D), fp32 or bf16, each row attending to exactly its own length;
    - a decode layer's whole attention block after the q/k/v projection (RoPE, both cache writes,
      attention) in one call;
-   - RMSNorm and SiLU-and-multiply, the elementwise ops between the GEMMs.
+   - RMSNorm and SiLU-and-multiply, the elementwise ops between the GEMMs;
+   - sampling: the engine sampler's Gumbel noise (tailrace/engine/sampler.py: the same counter-based
+     hash) and, for rows without top-k/top-p or banned stop tokens, the whole draw (argmax of tempered
+     logits + noise) with the log-softmax logprob of the drawn token.
 
    Why: as batched GEMMs (torch.bmm) attention reads every row up to the longest row of its chunk, builds a
    mask, runs softmax as separate passes and (bf16) copies strided cache views; measured, it was ~45% (fp32)
@@ -411,3 +414,85 @@ void NAME(const T *restrict gu, T *restrict out, int64_t M, int64_t I) {        
 }
 SILU_MUL(silu_mul_f32, float, f32_in, f32_out)
 SILU_MUL(silu_mul_bf16, uint16_t, bf16_in, bf16_out)
+
+/* -- sampling (see tailrace/engine/sampler.py, whose hash this is) --------------------------------- */
+
+/* ln x for a normal x > 0: x = m 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s), s = (m-1)/(m+1),
+   |s| <= 0.172, odd series to s^9: relative error ~1e-7; inlines into vectorized loops. */
+static inline float log_poly(float x) {
+    uint32_t u; memcpy(&u, &x, 4);
+    int32_t e = (int32_t)((u >> 23) & 0xff) - 127;
+    u = (u & 0x007fffffu) | 0x3f800000u;  /* m in [1, 2) */
+    float m; memcpy(&m, &u, 4);
+    if (m > 1.41421356f) { m *= 0.5f; e += 1; }
+    const float s = (m - 1.0f) / (m + 1.0f), s2 = s * s;
+    const float p = s * (2.0f + s2 * (2.0f / 3 + s2 * (2.0f / 5 + s2 * (2.0f / 7 + s2 * (2.0f / 9)))));
+    return (float)e * 0.693147180559945f + p;
+}
+
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x21F0AAADu;
+    x ^= x >> 15;
+    x *= 0x735A2D97u;
+    x ^= x >> 15;
+    return x;
+}
+
+/* Standard Gumbel noise of vocab entry v for a row whose hash base is `row`: u from 24 bits of
+   mix32(row + salt[v]) in (0, 1), g = -ln(-ln u). */
+static inline float gumbel_one(uint32_t row, int64_t salt) {
+    const uint32_t bits = mix32(row + (uint32_t)salt) >> 8;
+    const float u = ((float)bits + 0.5f) * (1.0f / 16777216.0f);
+    return -log_poly(-log_poly(u));
+}
+
+static inline uint32_t row_base(int64_t key, int64_t index) {
+    return (uint32_t)((uint64_t)key + (uint64_t)index * 0x2545F491u);
+}
+
+/* out (B, V) fp32: the noise of row b (key[b * ks], index[b * is]) for every vocab id. */
+void gumbel_f32(const int64_t *restrict key, int64_t ks, const int64_t *restrict index, int64_t is,
+                const int64_t *restrict salt, float *restrict out, int64_t B, int64_t V) {
+    for (int64_t b = 0; b < B; b++) {
+        const uint32_t row = row_base(key[b * ks], index[b * is]);
+        float *o = out + b * V;
+#pragma omp simd
+        for (int64_t v = 0; v < V; v++) o[v] = gumbel_one(row, salt[v]);
+    }
+}
+
+/* One draw per row of logits (B, V) fp32: z = logits * inv_temp, token = the first argmax of
+   z + noise_scale * gumbel (noise_scale 0: greedy), logprob = z[token] - logsumexp(z). Per-row operands
+   are strided columns (the engine's row-state tensors). As torch's path it adds the noise to z, not to
+   log_softmax(z), so both draw the same token bit for bit given the same noise. */
+void sample_f32(const float *restrict logits, const float *restrict inv_temp, int64_t ts,
+                const float *restrict noise_scale, int64_t ns, const int64_t *restrict key, int64_t ks,
+                const int64_t *restrict index, int64_t is, const int64_t *restrict salt, int64_t B, int64_t V,
+                float *restrict z /* 2 V scratch */, int64_t *restrict tokens, float *restrict logprobs) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *l = logits + b * V, it = inv_temp[b * ts], sc = noise_scale[b * ns];
+        const uint32_t row = row_base(key[b * ks], index[b * is]);
+        float m = -INFINITY;
+        for (int64_t v = 0; v < V; v++) {
+            z[v] = l[v] * it;
+            m = z[v] > m ? z[v] : m;
+        }
+        const float *y = z;
+        if (sc != 0.0f) {  /* the noise in a vectorized pass, the argmax in a scalar one */
+            float *w = z + V;
+#pragma omp simd
+            for (int64_t v = 0; v < V; v++) w[v] = z[v] + sc * gumbel_one(row, salt[v]);
+            y = w;
+        }
+        int64_t best = 0;
+        float top = -INFINITY;
+        for (int64_t v = 0; v < V; v++)
+            if (y[v] > top) { top = y[v]; best = v; }
+        float sum = 0.f;
+#pragma omp simd reduction(+:sum)
+        for (int64_t v = 0; v < V; v++) sum += exp_poly(z[v] - m);
+        tokens[b] = best;
+        logprobs[b] = z[best] - (m + logf(sum));
+    }
+}
