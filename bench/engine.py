@@ -6,7 +6,9 @@
 Every contender generates the same shape of work from the same checkpoint: `batch` requests, each a
 16-token random prompt and exactly `--new-tokens` sampled tokens (temperature 1.0, no top-k/top-p, EOS
 ignored), torch pinned to `--threads` threads. tokens/s = batch * new_tokens / wall seconds of one
-whole generate call (prefill included), median of `--repeats` timed calls after one warm-up.
+whole generate call (prefill included), median of `--repeats` timed calls after one warm-up; the
+in-process contenders (tailrace, the same engine on torch ops, HF) take turns call by call, so the
+machine's drift over minutes falls on all of them alike.
 
 - "gemm limit": the decode step's matrix multiplies alone (the engine's fused projections and the
   LM head at that batch, in a loop), least CPU time of the repeats: the physical limit of this model
@@ -111,7 +113,8 @@ def rates(tokens: int, wall: list[float], cpu: list[float]) -> dict:
 
 # -- contenders -------------------------------------------------------------------------------------
 
-def bench_engine(engine: Engine, batch: int, new: int, repeats: int, rng: random.Random) -> dict:
+def engine_job(engine: Engine, batch: int, new: int, rng: random.Random):
+    """One whole `generate` of `batch` fresh requests per call."""
     V = engine.vocab_size
     params = SamplingParams(temperature=1.0, max_new_tokens=new, min_new_tokens=new)
     n = [0]
@@ -120,11 +123,11 @@ def bench_engine(engine: Engine, batch: int, new: int, repeats: int, rng: random
         reqs = [GenRequest(f"b{n[0]}-{i}", p, params) for i, p in enumerate(prompts(batch, V, rng))]
         n[0] += 1
         engine.generate(reqs)
-    cpu: list[float] = []
-    return rates(batch * new, timed(run, repeats, cpu), cpu)
+    return run
 
 
-def bench_hf(model_dir: str, dtype: torch.dtype, batch: int, new: int, repeats: int, rng: random.Random) -> dict:
+def hf_job(model_dir: str, dtype: torch.dtype, batch: int, new: int, rng: random.Random):
+    """One Hugging Face `generate` call of `batch` fresh prompts per call (the model loaded once)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -135,8 +138,23 @@ def bench_hf(model_dir: str, dtype: torch.dtype, batch: int, new: int, repeats: 
         with torch.inference_mode():
             hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                         max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-    cpu: list[float] = []
-    return rates(batch * new, timed(run, repeats, cpu), cpu)
+    return run
+
+
+def measure(jobs: dict, tokens: int, repeats: int) -> dict[str, dict]:
+    """The in-process contenders' calls interleaved (one warm-up each, then A B C, A B C, ...): the
+    machine's speed drifts over minutes, and interleaving gives every contender the same drift."""
+    for fn in jobs.values():
+        fn()
+    wall: dict[str, list[float]] = {k: [] for k in jobs}
+    cpu: dict[str, list[float]] = {k: [] for k in jobs}
+    for _ in range(repeats):
+        for k, fn in jobs.items():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.thread_time() - c0)
+    return {k: rates(tokens, wall[k], cpu[k]) for k in jobs}
 
 
 # Runs bench/vllm_runner.py unchanged, with LLM.generate wrapped to read the model worker's CPU time
@@ -339,12 +357,17 @@ def main(argv=None) -> int:
             continue
         for b in a.batches:
             row = {"dtype": dn, "batch": b}
-            row["tailrace"] = bench_engine(engine, b, a.new_tokens, a.repeats, rng)
-            row["bmm"] = "no kernel" if bmm is None else bench_engine(bmm, b, a.new_tokens, a.repeats, rng)
+            jobs = {"tailrace": engine_job(engine, b, a.new_tokens, rng)}
+            if bmm is not None:
+                jobs["bmm"] = engine_job(bmm, b, a.new_tokens, rng)
+            if not a.no_hf:
+                jobs["hf"] = hf_job(model_dir, dtype, b, a.new_tokens, rng)
+            row.update(measure(jobs, b * a.new_tokens, a.repeats))
+            row.setdefault("bmm", "no kernel")
+            row.setdefault("hf", "skipped")
             row["vs_bmm"] = ratio(row["tailrace"], row["bmm"])
             row["gemm_limit"] = gemm_limit(engine._versions[0], b, a.repeats)
             row["share"] = row["tailrace"]["cpu_tok_s"] / row["gemm_limit"]
-            row["hf"] = "skipped" if a.no_hf else bench_hf(model_dir, dtype, b, a.new_tokens, a.repeats, rng)
             row["vllm"] = "skipped" if a.no_vllm else bench_vllm(model_dir, dn, b, a.new_tokens, a.threads, a.repeats)
             row["vs_hf"], row["vs_vllm"] = ratio(row["tailrace"], row["hf"]), ratio(row["tailrace"], row["vllm"])
             row["cpu_vs_hf"] = ratio(row["tailrace"], row["hf"], "cpu_tok_s")
