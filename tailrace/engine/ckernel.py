@@ -5,7 +5,7 @@ $TAILRACE_CACHE/kernels/ under a name hashing the source, the flags, the compile
 feature flags, so a shared home directory never hands one machine another's instructions. Written to a
 temporary name and renamed, so processes building at once never load a half-written library. No torch
 headers: a build takes well under a second. Where there is no compiler (or the build fails) `load()`
-returns None, `unavailable()` says why, and the engine runs its torch attention instead.
+returns None, `unavailable()` says why, and the engine runs torch ops instead.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ _state: dict[str, object] = {}
 
 
 class Kernels:
-    """`layer(...)`: RoPE, cache write and attention of a decode layer in one call (below).
+    """The decode step's kernels: `layer` (RoPE, cache writes and attention of a layer in one call),
+    `rms`, `silu_mul`, `gumbel` and `sample` (the sampler's noise and draw), and
     `run(q, k, v, pos, row0, scale)`: attention of q (B, Hkv, G, D) fp32 over cache rows row0.. of
     k, v (rows, Hkv, L, D) fp32/bf16, row b over positions [0, pos[b]]; returns (B, Hkv, G, D) fp32."""
 

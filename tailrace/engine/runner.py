@@ -8,15 +8,17 @@ engine's steps run here, over the same weights and the same KV cache layout, bui
     `refresh` after a weight load), residual adds folded into `addmm`; each RMSNorm weight is folded
     into the columns of the projection that follows it ((x*w) W^T = x (W diag w)^T; in bf16 this
     rounds W*w instead of x*w, a difference of the size of bf16 rounding itself);
-  * RoPE applied to q and k in one op set, looked up in a table built by `tailrace.model.rope` (the
-    model's own table function, so positions rotate identically);
-  * decode attention on CPU by the C kernel `ckernel` (kernels/decode.c): each row reads its own
-    K/V exactly to its own length, in place, fp32 arithmetic for fp32 and bf16 caches. In a decode-only
-    step with the cache in the model's dtype, one C call per layer also does the RoPE and both cache
-    writes, for decode rows and prefill pieces alike (measured 1.3x the step of separate torch ops +
-    kernel at batch 64, fp32 and bf16), and RMSNorm and SiLU-and-multiply are C calls too. Used by default with one torch thread (the kernel is single-threaded; the GEMMs use every
-    thread), where it builds, and for head_dim <= 256;
-  * otherwise (CUDA, several threads, attention='bmm'): attention of one query per sequence over a
+  * on CPU, the C kernels of `ckernel` (kernels/decode.c): per layer one call does RoPE, both cache
+    writes and attention for every token of the step (decode rows and prefill pieces; each row reads
+    its own K/V exactly to its own length, in place, in fp32 arithmetic for fp32 and bf16 caches), and
+    RMSNorm and SiLU-and-multiply are C calls too (measured 1.6-2.9x the engine on torch ops, see
+    bench/README.md). Used by default with one torch thread (the kernels are single-threaded; the GEMMs
+    use every thread), where they build, for head_dim <= 256. An fp32 cache serving a bf16 model keeps
+    torch's RoPE and cache writes and uses the kernel's attention alone ('kernel' mode below);
+  * otherwise RoPE is applied to q and k in one op set, looked up in a table built by
+    `tailrace.model.rope` (the model's own table function, so positions rotate identically; the C call
+    reads the same table), and the k/v writes are index copies;
+  * and there (CUDA, several threads, attention='bmm') attention of one query per sequence over a
     contiguous slice of cache rows (a view) as two batched GEMMs per layer with an additive mask
     built once per step, in fp32 whenever the cache is fp32
     (fp32 MKL reads the strided cache views in place). With a bf16/fp16 cache (bf16 bmm copies them)
