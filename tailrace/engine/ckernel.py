@@ -62,6 +62,12 @@ class Kernels:
         self._lib = lib
         self._scratch = torch.empty(0)
 
+    def _scratch_of(self, n: int) -> torch.Tensor:
+        """The kernels' fp32 work buffer, grown to at least n floats (one per instance: one engine thread)."""
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n)
+        return self._scratch
+
     def gumbel(self, key: torch.Tensor, index: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
         """`sampler.gumbel_noise` computed here: (B, V) fp32 from key, index (B,) int64 (any stride) and
         salt (V,) int64. The same hash; the logarithms by a polynomial (relative error ~1e-7)."""
@@ -83,12 +89,11 @@ class Kernels:
                 and key.dtype == index.dtype == salt.dtype == torch.int64 and salt.shape == (V,)
                 and salt.is_contiguous() and inv_temp.shape == noise_scale.shape == key.shape == index.shape == (B,)):
             raise ValueError(f"sample: bad operands logits {tuple(logits.shape)} {logits.dtype}, salt {tuple(salt.shape)}")
-        if self._scratch.numel() < 2 * V:
-            self._scratch = torch.empty(2 * V)
+        scratch = self._scratch_of(2 * V)
         tokens, lps = torch.empty(B, dtype=torch.int64), torch.empty(B)
         self._lib.sample_f32(logits.data_ptr(), inv_temp.data_ptr(), inv_temp.stride(0), noise_scale.data_ptr(),
                              noise_scale.stride(0), key.data_ptr(), key.stride(0), index.data_ptr(), index.stride(0),
-                             salt.data_ptr(), B, V, self._scratch.data_ptr(), tokens.data_ptr(), lps.data_ptr())
+                             salt.data_ptr(), B, V, scratch.data_ptr(), tokens.data_ptr(), lps.data_ptr())
         return tokens, lps
 
     def rms(self, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,16 +122,14 @@ class Kernels:
                 and k.shape[1:] == (Hkv, L, D) and row0 + B <= k.shape[0] and pos.shape == (B,)):
             raise ValueError(f"decode_attn: bad operands q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
                              f"{k.dtype}, pos {tuple(pos.shape)} {pos.dtype}, rows {row0}..{row0 + B}")
-        if self._scratch.numel() < G * L:
-            self._scratch = torch.empty(G * L)
+        scratch = self._scratch_of(G * L)
         out = torch.empty_like(q)
         rc = self._fns[k.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), pos.data_ptr(), out.data_ptr(),
-                                B, Hkv, G, D, row0, L, scale, self._scratch.data_ptr())
+                                B, Hkv, G, D, row0, L, scale, scratch.data_ptr())
         if rc:
             raise ValueError(f"decode_attn: {'head_dim > 256' if rc == -1 else 'a position outside the cache'}"
                              f" (rows {row0}..{row0 + B}, max_len {L}, positions {pos.tolist()})")
         return out
-
 
     def layer(self, qkv: torch.Tensor, cos_sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               row: torch.Tensor, pos: torch.Tensor, G: int, scale: float) -> torch.Tensor:
@@ -145,12 +148,10 @@ class Kernels:
             raise ValueError(f"decode_layer: bad operands qkv {tuple(qkv.shape)} {dt}, k {tuple(k.shape)} "
                              f"{k.dtype}, cos_sin {tuple(cos_sin.shape)} {cos_sin.dtype}, G {G}, pos "
                              f"{tuple(pos.shape)} {pos.dtype}, row {tuple(row.shape)} {row.dtype}")
-        need = G * L + 2 * G * D
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+        scratch = self._scratch_of(G * L + 2 * G * D)
         out = torch.empty(M, G * Hkv * D, dtype=dt)
         rc = self._layer[dt](qkv.data_ptr(), cos_sin.data_ptr(), row.data_ptr(), pos.data_ptr(), k.data_ptr(),
-                             v.data_ptr(), out.data_ptr(), M, rows, Hkv, G, D, L, scale, self._scratch.data_ptr())
+                             v.data_ptr(), out.data_ptr(), M, rows, Hkv, G, D, L, scale, scratch.data_ptr())
         if rc:
             why = {-1: "head_dim > 256 or odd", -2: "a position outside the cache", -3: "a row outside the cache"}[rc]
             raise ValueError(f"decode_layer: {why} (rows {row.tolist()}, max_len {L}, positions {pos.tolist()})")

@@ -288,7 +288,8 @@ class Engine:
         flags = SampleFlags(any_sampled=self._n_sampled > 0, any_greedy=self._n_sampled < n,
                             any_tempered=self._n_tempered > 0, any_filter=self._n_filter > 0,
                             any_min_new=self._n_min_stop > 0)
-        tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(slice(0, n)), kernel=self._sample_kernel)
+        tokens, lps = sample(logits, salt=self._salt, flags=flags, kernel=self._sample_kernel,
+                             **self.rows.sampling_args(slice(0, n)))
         self._decode_step += 1
         return self.rows.record(slice(0, n), tokens, lps, advance_pos=True)
 
@@ -301,7 +302,8 @@ class Engine:
                             any_tempered=any(p.temperature not in (0, 1) for p in ps),
                             any_filter=any(p.top_k or p.top_p < 1 for p in ps),
                             any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps))
-        tokens, lps = sample(logits, salt=self._salt, flags=flags, **self.rows.sampling_args(rows_t), kernel=self._sample_kernel)
+        tokens, lps = sample(logits, salt=self._salt, flags=flags, kernel=self._sample_kernel,
+                             **self.rows.sampling_args(rows_t))
         for s in completed:
             self._prefilling.remove(s)
         return self.rows.record(rows_t, tokens, lps, advance_pos=False)

@@ -225,8 +225,7 @@ class Runner:
         L = cache.max_len
         widx = self._write_index(rows, L) + positions[:B].repeat_interleave(Hkv)  # (B Hkv,) into k.view(-1, D)
         if pieces:
-            pre_rows = torch.tensor([r for r, _, n in pieces for _ in range(n)], device=x.device)
-            pre = ((pre_rows[:, None] * Hkv + self.heads) * L + positions[B:, None]).reshape(-1)
+            pre = ((self._piece_rows(pieces)[:, None] * Hkv + self.heads) * L + positions[B:, None]).reshape(-1)
             widx = torch.cat((widx, pre))
         cs = self.cos_sin[positions]  # (M, 2, D)
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
@@ -275,9 +274,11 @@ class Runner:
             if len(self._rows_cache) > 1024:
                 self._rows_cache.clear()
             base = self._rows_cache[key] = torch.arange(rows.start, rows.stop, device=self.device)
-        if not pieces:
-            return base
-        return torch.cat((base, torch.tensor([r for r, _, n in pieces for _ in range(n)], device=self.device)))
+        return torch.cat((base, self._piece_rows(pieces))) if pieces else base
+
+    def _piece_rows(self, pieces) -> torch.Tensor:
+        """(tokens,) the cache row of each prefill piece's tokens, in order."""
+        return torch.tensor([r for r, _, n in pieces for _ in range(n)], device=self.device)
 
     def _attend_piece(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Causal attention of one prefill piece, in fp32: q (n, H, D); k, v (Hkv, S, D) cache views;

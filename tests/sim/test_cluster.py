@@ -170,20 +170,22 @@ def test_colocated_training_pauses_the_engines():
                 assert not any(t0 + 1e-9 < sp.t0 < t1 - 1e-9 for t0, t1 in trains)
 
 
+def two_engines(mode, cost, lengths):
+    """A mode on two 16-slot engines (R=8, K=4, U=2, 8 steps), run to the end."""
+    cl = cluster(make_policy(mode), lengths, 8, 4, 2, 8, engines=2, slots=16, cost=cost)
+    cl.run()
+    return cl
+
+
 def test_co_running_training_slows_only_the_decode_steps_it_overlaps():
     import dataclasses
     lengths = LognormalLengths(median=400, max_len=3000, prompt=64, seed=2)
     slow = CostModel(dataclasses.replace(GPUS["h100"], corun_slowdown=1.5), MODELS["qwen3-1.7b"], engine_gpus=1,
                      trainer_gpus=4)
-
-    def run(mode, cost):
-        sched = Scheduler(make_policy(mode), prompt_stream(lengths), [(16, 0)] * 2, FlowSpec(8, 4, 2, 8))
-        cl = SimCluster(sched, [SimEngine(i, 16, cost, lengths) for i in range(2)], cost, Capture())
-        cl.run()
-        return cl
     # sync never decodes while it trains: nothing to slow
-    assert run("sync", slow).now == pytest.approx(run("sync", COST).now, rel=1e-9)
-    base, co = run("pipe", COST), run("pipe", slow)
+    assert two_engines("sync", slow, lengths).now == pytest.approx(two_engines("sync", COST, lengths).now,
+                                                                   rel=1e-9)
+    base, co = two_engines("pipe", COST, lengths), two_engines("pipe", slow, lengths)
     busy = lambda cl: sum(e.busy_time for e in cl.engines)  # noqa: E731
     assert co.now > base.now and busy(co) > busy(base)
     assert busy(co) < 1.5 * busy(base)  # only the overlapped part is slowed
@@ -195,15 +197,10 @@ def test_the_driver_takes_the_engines_core_only_while_the_trainer_computes():
     lengths = LognormalLengths(median=400, max_len=3000, prompt=64, seed=3)
     hw = dataclasses.replace(GPUS["h100"], driver_report_s=0.05, driver_result_s=0.01)
     drv = CostModel(hw, MODELS["qwen3-1.7b"], engine_gpus=1, trainer_gpus=4)
-
-    def run(mode, cost):
-        sched = Scheduler(make_policy(mode), prompt_stream(lengths), [(16, 0)] * 2, FlowSpec(8, 4, 2, 8))
-        cl = SimCluster(sched, [SimEngine(i, 16, cost, lengths) for i in range(2)], cost, Capture())
-        cl.run()
-        return cl
     # sync never generates while it trains: the driver has the trainer's core
-    assert run("sync", drv).now == pytest.approx(run("sync", COST).now, rel=1e-9)
-    base, slow = run("multiversion", COST), run("multiversion", drv)
+    assert two_engines("sync", drv, lengths).now == pytest.approx(two_engines("sync", COST, lengths).now,
+                                                                  rel=1e-9)
+    base, slow = two_engines("multiversion", COST, lengths), two_engines("multiversion", drv, lengths)
     stalled = sum(e.stalled for e in slow.engines)
     assert stalled > 0 and slow.now > base.now
     assert sum(e.stalled for e in base.engines) == 0.0

@@ -18,16 +18,24 @@
 #include <string.h>
 #include <math.h>
 
-/* A cache row as fp32: bf16 widened into buf (a shift: bf16 is the top half of an fp32), fp32 as is. */
-static inline const float *widen_bf16(float *restrict buf, const uint16_t *restrict x, int64_t D) {
-#pragma omp simd
-    for (int64_t d = 0; d < D; d++) {
-        uint32_t u = (uint32_t)x[d] << 16;
-        memcpy(buf + d, &u, 4);
-    }
-    return buf;
+/* One element as fp32 / back to the storage type: bf16 is the top half of an fp32 (widening is a shift),
+   rounded to nearest even on the way back (as torch), NaN kept NaN. */
+static inline float f32_in(float x) { return x; }
+static inline float f32_out(float x) { return x; }
+static inline float bf16_in(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t bf16_out(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
 }
 
+/* A bf16 cache row widened into buf as fp32. */
+static inline const float *widen_bf16(float *restrict buf, const uint16_t *restrict x, int64_t D) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) buf[d] = bf16_in(x[d]);
+    return buf;
+}
 
 /* e^x for x in [-87, 88] (clamped outside): Cody-Waite reduction to |r| <= ln2/2, degree-6 Taylor
    polynomial, relative error ~1e-7 (float rounding); inlines into vectorized loops. */
@@ -234,38 +242,28 @@ HEAD_AVX512(x_bf16_128, uint16_t, ld_bf16, 128)
 HEAD_AVX512(x_bf16_any, uint16_t, ld_bf16, 0)
 #endif
 
-/* One (row, kv head): the AVX-512 path where D is a multiple of 16, else the portable one. */
+/* One (row, kv head): the AVX-512 path where D is a multiple of 16, else the portable one; each with its
+   compiled-in head dims. */
+#define BY_HEAD_DIM(P) \
+    do { \
+        if (D == 32) P##_32(qh, kb, vb, n, G, D, scale, s, oh); \
+        else if (D == 64) P##_64(qh, kb, vb, n, G, D, scale, s, oh); \
+        else if (D == 128) P##_128(qh, kb, vb, n, G, D, scale, s, oh); \
+        else P##_any(qh, kb, vb, n, G, D, scale, s, oh); \
+    } while (0)
 static void attend_f32(const float *qh, const float *kb, const float *vb, int64_t n, int64_t G, int64_t D,
                        float scale, float *s, float *oh) {
 #if defined(__AVX512F__)
-    if (D % 16 == 0) {
-        if (D == 32) x_f32_32(qh, kb, vb, n, G, D, scale, s, oh);
-        else if (D == 64) x_f32_64(qh, kb, vb, n, G, D, scale, s, oh);
-        else if (D == 128) x_f32_128(qh, kb, vb, n, G, D, scale, s, oh);
-        else x_f32_any(qh, kb, vb, n, G, D, scale, s, oh);
-        return;
-    }
+    if (D % 16 == 0) { BY_HEAD_DIM(x_f32); return; }
 #endif
-    if (D == 32) h_f32_32(qh, kb, vb, n, G, D, scale, s, oh);
-    else if (D == 64) h_f32_64(qh, kb, vb, n, G, D, scale, s, oh);
-    else if (D == 128) h_f32_128(qh, kb, vb, n, G, D, scale, s, oh);
-    else h_f32_any(qh, kb, vb, n, G, D, scale, s, oh);
+    BY_HEAD_DIM(h_f32);
 }
 static void attend_bf16(const float *qh, const uint16_t *kb, const uint16_t *vb, int64_t n, int64_t G,
                         int64_t D, float scale, float *s, float *oh) {
 #if defined(__AVX512F__)
-    if (D % 16 == 0) {
-        if (D == 32) x_bf16_32(qh, kb, vb, n, G, D, scale, s, oh);
-        else if (D == 64) x_bf16_64(qh, kb, vb, n, G, D, scale, s, oh);
-        else if (D == 128) x_bf16_128(qh, kb, vb, n, G, D, scale, s, oh);
-        else x_bf16_any(qh, kb, vb, n, G, D, scale, s, oh);
-        return;
-    }
+    if (D % 16 == 0) { BY_HEAD_DIM(x_bf16); return; }
 #endif
-    if (D == 32) h_bf16_32(qh, kb, vb, n, G, D, scale, s, oh);
-    else if (D == 64) h_bf16_64(qh, kb, vb, n, G, D, scale, s, oh);
-    else if (D == 128) h_bf16_128(qh, kb, vb, n, G, D, scale, s, oh);
-    else h_bf16_any(qh, kb, vb, n, G, D, scale, s, oh);
+    BY_HEAD_DIM(h_bf16);
 }
 #ifndef PF_AHEAD
 #define PF_AHEAD 1
@@ -325,16 +323,6 @@ DRIVER(decode_attn_bf16, uint16_t, attend_bf16)
    bf16 is rounded to nearest even. Rows and positions are all checked before anything is written.
    scratch >= G L + 2 G D floats. Returns 0, -1 (D > 256 or odd), -2 (a position outside [0, L)),
    -3 (a row outside [0, rows)). */
-static inline float f32_in(float x) { return x; }
-static inline float f32_out(float x) { return x; }
-static inline float bf16_in(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t bf16_out(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 #define FUSED(NAME, T, IN, OUT, ATTEND)                                                                 \
 int NAME(const T *restrict qkv, const T *restrict cs, const int64_t *restrict row,                      \
          const int64_t *restrict pos, T *restrict k, T *restrict v, T *restrict out, int64_t M,          \
