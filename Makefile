@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine:
 #   make demo   set up .venv, warm-start the default model (cached) and run a short RL job
-#   make test   set up .venv and run the test suite plus the architecture contracts
+#   make test   set up .venv and run lint (ruff), the architecture contracts and the test suite
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,6 +19,8 @@ demo: $(STAMP)
 	$(BIN)/tailrace train
 
 test: $(STAMP)
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
 	$(BIN)/lint-imports
 	$(BIN)/pytest
 

@@ -22,6 +22,7 @@ machine's drift over minutes falls on all of them alike.
   through 64 slots, then the same requests as static batches of 64 that wait for their longest.
 The machine may be shared: the 1-minute load average is printed and stored with the results.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tailrace.config import SFTConfig  # noqa: E402
 from tailrace.engine import Engine  # noqa: E402
 from tailrace.engine.runner import Runner  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
-from tailrace.config import SFTConfig  # noqa: E402
 from tailrace.model.decoder import CausalLM  # noqa: E402
 from tailrace.runtime import warmstart  # noqa: E402
 from tailrace.tokenizer import char_tokenizer  # noqa: E402
@@ -57,8 +58,11 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="HF checkpoint dir (default: the default architecture, random weights, "
-                                   "seeded, saved to a temp dir)")
+    p.add_argument(
+        "--model",
+        help="HF checkpoint dir (default: the default architecture, random weights, "
+        "seeded, saved to a temp dir)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--dtypes", default="fp32,bf16")
@@ -67,7 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cb-requests", type=int, default=512)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-vllm", action="store_true")
-    p.add_argument("--quick", action="store_true", help="batches 1,8; 32 new tokens; 1 repeat; 128 CB requests")
+    p.add_argument(
+        "--quick", action="store_true", help="batches 1,8; 32 new tokens; 1 repeat; 128 CB requests"
+    )
     p.add_argument("--profile", action="store_true", help="only profile decode steps at each batch/dtype")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "engine.json"))
     a = p.parse_args(argv)
@@ -107,11 +113,15 @@ def timed(fn, repeats: int, cpu: list | None = None) -> list[float]:
 
 
 def rates(tokens: int, wall: list[float], cpu: list[float]) -> dict:
-    return {"tok_s": tokens / statistics.median(wall), "best_tok_s": tokens / min(wall),
-            "cpu_tok_s": tokens / statistics.median(cpu) if cpu else None}
+    return {
+        "tok_s": tokens / statistics.median(wall),
+        "best_tok_s": tokens / min(wall),
+        "cpu_tok_s": tokens / statistics.median(cpu) if cpu else None,
+    }
 
 
 # -- contenders -------------------------------------------------------------------------------------
+
 
 def engine_job(engine: Engine, batch: int, new: int, rng: random.Random):
     """One whole `generate` of `batch` fresh requests per call."""
@@ -123,6 +133,7 @@ def engine_job(engine: Engine, batch: int, new: int, rng: random.Random):
         reqs = [GenRequest(f"b{n[0]}-{i}", p, params) for i, p in enumerate(prompts(batch, V, rng))]
         n[0] += 1
         engine.generate(reqs)
+
     return run
 
 
@@ -136,8 +147,18 @@ def hf_job(model_dir: str, dtype: torch.dtype, batch: int, new: int, rng: random
     def run():
         ids = torch.tensor(prompts(batch, V, rng))
         with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                        max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
+
     return run
 
 
@@ -182,6 +203,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def _reap_group(pgid: int, wait_s: float = 30.0) -> None:
     """Terminate what is left of a finished subprocess's process group and wait until it is gone."""
     import signal
+
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
@@ -203,23 +225,47 @@ def bench_vllm(model_dir: str, dtype: str, batch: int, new: int, threads: int, r
     """The runner's tokens/s (median wall) and, from the probe, tokens per CPU-second of its model worker."""
     if not VLLM_PY.exists():
         return "not installed (make vllm)"
-    cmd = [str(VLLM_PY), "-c", _VLLM_CPU_PROBE, str(ROOT / "bench" / "vllm_runner.py"), "--model", model_dir,
-           "--batch", str(batch), "--dtype", dtype, "--new-tokens", str(new), "--threads", str(threads),
-           "--repeats", str(repeats), "--json"]
+    cmd = [
+        str(VLLM_PY),
+        "-c",
+        _VLLM_CPU_PROBE,
+        str(ROOT / "bench" / "vllm_runner.py"),
+        "--model",
+        model_dir,
+        "--batch",
+        str(batch),
+        "--dtype",
+        dtype,
+        "--new-tokens",
+        str(new),
+        "--threads",
+        str(threads),
+        "--repeats",
+        str(repeats),
+        "--json",
+    ]
     try:
         # its own session: vLLM's engine-core process can outlive the runner, and must not share the
         # CPU with the next measurement
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) as proc:
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        ) as proc:
             out, err = proc.communicate(timeout=1800)
         _reap_group(proc.pid)
         p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
         d = json.loads(p.stdout.strip().splitlines()[-1])
-        probes = [json.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
-                  if line.startswith("TAILRACE_CPU ")][1:]  # the first call is the runner's warm-up
+        probes = [
+            json.loads(line.split(" ", 1)[1])
+            for line in p.stderr.splitlines()
+            if line.startswith("TAILRACE_CPU ")
+        ][1:]  # the first call is the runner's warm-up
         cpu = [x["worker_cpu"] for x in probes]
-        return {"tok_s": float(d["tokens_per_s"]), "best_tok_s": d.get("tokens_per_s_best"),
-                "cpu_tok_s": batch * new / statistics.median(cpu) if cpu else None, "runner": d}
+        return {
+            "tok_s": float(d["tokens_per_s"]),
+            "best_tok_s": d.get("tokens_per_s_best"),
+            "cpu_tok_s": batch * new / statistics.median(cpu) if cpu else None,
+            "runner": d,
+        }
     except Exception as e:  # report, never abort the whole bench
         tail = (p.stderr.strip().splitlines() or ["?"])[-1] if "p" in locals() else str(e)
         return f"failed: {tail[:60]}"
@@ -238,10 +284,12 @@ def gemm_limit(runner: Runner, batch: int, repeats: int) -> float:
     mats.append((x_h, runner.lm_head))
     best = math.inf
     for packed in (False, True) if runner.packed else (False,):
+
         def steps():
             for _ in range(20):
                 for a, lin in mats:
                     lin(a, packed)
+
         cpu: list[float] = []
         with torch.inference_mode():
             timed(steps, max(repeats, 3), cpu)
@@ -253,9 +301,11 @@ def gemm_limit(runner: Runner, batch: int, repeats: int) -> float:
 
 # Top-level ops of each kind; their CPU time *with children* counts (bf16 bmm copies its strided
 # operands inside the op, and that copy belongs to attention).
-_KINDS = (("gemm", ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")),
-          ("attention", ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::scaled_dot_product_attention")),
-          ("kv write", ("aten::index_copy_",)))
+_KINDS = (
+    ("gemm", ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")),
+    ("attention", ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::scaled_dot_product_attention")),
+    ("kv write", ("aten::index_copy_",)),
+)
 
 
 def profile_decode(engine: Engine, batch: int, new: int, rng: random.Random) -> None:
@@ -280,8 +330,10 @@ def profile_decode(engine: Engine, batch: int, new: int, rng: random.Random) -> 
     total = sum(e.self_cpu_time_total for e in events)
     kinds = {k: sum(e.cpu_time_total for e in events if e.key in names) for k, names in _KINDS}
     kinds["other ops"] = total - sum(kinds.values())
-    print(f"\n{engine.dtype} batch {batch}: {per_step * 1e3:.2f} ms CPU per step (profiled), CPU by kind: "
-          + ", ".join(f"{k} {v / total:.0%}" for k, v in kinds.items()))
+    print(
+        f"\n{engine.dtype} batch {batch}: {per_step * 1e3:.2f} ms CPU per step (profiled), CPU by kind: "
+        + ", ".join(f"{k} {v / total:.0%}" for k, v in kinds.items())
+    )
     print("    top ops by self CPU time (bf16 bmm's operand copies show as aten::copy_):")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]:
         print(f"    {e.key:42} {e.self_cpu_time_total / total:6.1%}  {e.count // 20:4d} calls/step")
@@ -289,12 +341,15 @@ def profile_decode(engine: Engine, batch: int, new: int, rng: random.Random) -> 
 
 # -- continuous batching ----------------------------------------------------------------------------
 
+
 def cb_workload(n: int, vocab: int, rng: random.Random) -> list[GenRequest]:
     """Lognormal response lengths (median 48, sigma 0.8: p99/median ~ 6), 16-token prompts."""
     reqs = []
     for i, p in enumerate(prompts(n, vocab, rng)):
         m = int(min(480, max(1, round(math.exp(math.log(48) + 0.8 * rng.gauss(0, 1))))))
-        reqs.append(GenRequest(f"cb{i}", p, SamplingParams(temperature=1.0, max_new_tokens=m, min_new_tokens=m)))
+        reqs.append(
+            GenRequest(f"cb{i}", p, SamplingParams(temperature=1.0, max_new_tokens=m, min_new_tokens=m))
+        )
     return reqs
 
 
@@ -303,7 +358,7 @@ def run_cb(engine: Engine, reqs: list[GenRequest], static: int | None) -> dict:
     t0, c0 = time.perf_counter(), time.thread_time()
     busy = 0.0
     total = 0.0
-    groups = [reqs] if static is None else [reqs[i:i + static] for i in range(0, len(reqs), static)]
+    groups = [reqs] if static is None else [reqs[i : i + static] for i in range(0, len(reqs), static)]
     tokens = 0
     for g in groups:
         for r in g:
@@ -314,11 +369,16 @@ def run_cb(engine: Engine, reqs: list[GenRequest], static: int | None) -> dict:
             total += ev.duration
             tokens += sum(len(r.token_ids) for r in ev.finished)
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-    return {"tokens_per_s": tokens / wall, "cpu_tokens_per_s": tokens / cpu,
-            "slot_utilization": busy / (total * engine.num_slots), "seconds": wall}
+    return {
+        "tokens_per_s": tokens / wall,
+        "cpu_tokens_per_s": tokens / cpu,
+        "slot_utilization": busy / (total * engine.num_slots),
+        "seconds": wall,
+    }
 
 
 # -- main -------------------------------------------------------------------------------------------
+
 
 def fmt(x, key: str = "tok_s") -> str:
     if isinstance(x, dict):
@@ -341,16 +401,30 @@ def main(argv=None) -> int:
     model_dir = a.model or default_model_dir(tmp)
     rng = random.Random(0)
     rows = []
-    print(f"model {model_dir} | threads {a.threads} | {a.new_tokens} new tokens, {PROMPT_TOKENS}-token prompts | "
-          f"load avg {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"model {model_dir} | threads {a.threads} | {a.new_tokens} new tokens, {PROMPT_TOKENS}-token prompts | "
+        f"load avg {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     for dn in a.dtypes:
         dtype = DTYPES[dn]
         model = load_pretrained(model_dir, dtype=dtype)
-        engine = Engine(model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0)
+        engine = Engine(
+            model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0
+        )
         # the same engine on torch ops (batched-GEMM attention, torch RoPE/cache writes/RMSNorm/SiLU), which
         # the C kernels replaced where they are in use
-        bmm = None if engine._versions[0].attention != "kernel" else Engine(
-            model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0, attention="bmm")
+        bmm = (
+            None
+            if engine._versions[0].attention != "kernel"
+            else Engine(
+                model,
+                num_slots=max(64, *a.batches),
+                max_len=PROMPT_TOKENS + a.new_tokens + 16,
+                seed=0,
+                attention="bmm",
+            )
+        )
         if a.profile:
             for b in a.batches:
                 profile_decode(engine, b, a.new_tokens, rng)
@@ -368,53 +442,91 @@ def main(argv=None) -> int:
             row["vs_bmm"] = ratio(row["tailrace"], row["bmm"])
             row["gemm_limit"] = gemm_limit(engine._versions[0], b, a.repeats)
             row["share"] = row["tailrace"]["cpu_tok_s"] / row["gemm_limit"]
-            row["vllm"] = "skipped" if a.no_vllm else bench_vllm(model_dir, dn, b, a.new_tokens, a.threads, a.repeats)
-            row["vs_hf"], row["vs_vllm"] = ratio(row["tailrace"], row["hf"]), ratio(row["tailrace"], row["vllm"])
+            row["vllm"] = (
+                "skipped" if a.no_vllm else bench_vllm(model_dir, dn, b, a.new_tokens, a.threads, a.repeats)
+            )
+            row["vs_hf"], row["vs_vllm"] = (
+                ratio(row["tailrace"], row["hf"]),
+                ratio(row["tailrace"], row["vllm"]),
+            )
             row["cpu_vs_hf"] = ratio(row["tailrace"], row["hf"], "cpu_tok_s")
             row["cpu_vs_vllm"] = ratio(row["tailrace"], row["vllm"], "cpu_tok_s")
             rows.append(row)
-            print(f"  {dn} batch {b}: tailrace {fmt(row['tailrace'])} tok/s (torch ops {fmt(row['bmm'])}), "
-                  f"hf {fmt(row['hf'])}, "
-                  f"vllm {fmt(row['vllm'])}, gemm limit {fmt(row['gemm_limit'])}", flush=True)
+            print(
+                f"  {dn} batch {b}: tailrace {fmt(row['tailrace'])} tok/s (torch ops {fmt(row['bmm'])}), "
+                f"hf {fmt(row['hf'])}, "
+                f"vllm {fmt(row['vllm'])}, gemm limit {fmt(row['gemm_limit'])}",
+                flush=True,
+            )
 
     if a.profile:
         return 0
     dn = a.dtypes[0]
-    engine = Engine(load_pretrained(model_dir, dtype=DTYPES[dn]), num_slots=64, max_len=PROMPT_TOKENS + 512, seed=0)
+    engine = Engine(
+        load_pretrained(model_dir, dtype=DTYPES[dn]), num_slots=64, max_len=PROMPT_TOKENS + 512, seed=0
+    )
     reqs = cb_workload(a.cb_requests, engine.vocab_size, random.Random(1))
     lens = sorted(r.params.max_new_tokens for r in reqs)
     run_cb(engine, reqs[:64], None)  # warm-up
-    cb = {"dtype": dn, "requests": len(reqs), "slots": 64, "median_len": lens[len(lens) // 2],
-          "p99_len": lens[int(0.99 * (len(lens) - 1))], "continuous": run_cb(engine, reqs, None),
-          "static": run_cb(engine, reqs, 64)}
+    cb = {
+        "dtype": dn,
+        "requests": len(reqs),
+        "slots": 64,
+        "median_len": lens[len(lens) // 2],
+        "p99_len": lens[int(0.99 * (len(lens) - 1))],
+        "continuous": run_cb(engine, reqs, None),
+        "static": run_cb(engine, reqs, 64),
+    }
 
-    header = f"{'dtype':5} {'batch':>5} {'tailrace':>10} {'HF':>10} {'vLLM':>26} {'gemm limit':>11} {'share':>6} " \
-             f"{'/HF':>6} {'/vLLM':>6}"
+    header = (
+        f"{'dtype':5} {'batch':>5} {'tailrace':>10} {'HF':>10} {'vLLM':>26} {'gemm limit':>11} {'share':>6} "
+        f"{'/HF':>6} {'/vLLM':>6}"
+    )
     print("\ntokens/s (higher is better)\n" + header + "\n" + "-" * len(header))
     for r in rows:
-        print(f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace']):>10} {fmt(r['hf']):>10} {fmt(r['vllm']):>26} "
-              f"{fmt(r['gemm_limit']):>11} {r['share']:>6.0%} {r['vs_hf']:>6} {r['vs_vllm']:>6}")
-    print("\nthe C kernels (RoPE + cache writes + attention per layer, RMSNorm, SiLU-mul) vs the same engine on "
-          "torch ops (batched-GEMM attention)\n"
-          f"{'dtype':5} {'batch':>5} {'kernels':>10} {'torch':>10} {'ratio':>6}")
+        print(
+            f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace']):>10} {fmt(r['hf']):>10} {fmt(r['vllm']):>26} "
+            f"{fmt(r['gemm_limit']):>11} {r['share']:>6.0%} {r['vs_hf']:>6} {r['vs_vllm']:>6}"
+        )
+    print(
+        "\nthe C kernels (RoPE + cache writes + attention per layer, RMSNorm, SiLU-mul) vs the same engine on "
+        "torch ops (batched-GEMM attention)\n"
+        f"{'dtype':5} {'batch':>5} {'kernels':>10} {'torch':>10} {'ratio':>6}"
+    )
     for r in rows:
         print(f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace']):>10} {fmt(r['bmm']):>10} {r['vs_bmm']:>6}")
-    print("\nper CPU-second of the generating thread (the machine may be shared; vLLM: its worker process, "
-          "when the runner reports worker_cpu_s)\n" + f"{'dtype':5} {'batch':>5} {'tailrace':>10} {'HF':>10} "
-          f"{'vLLM':>10} {'/HF':>6} {'/vLLM':>6}")
+    print(
+        "\nper CPU-second of the generating thread (the machine may be shared; vLLM: its worker process, "
+        "when the runner reports worker_cpu_s)\n" + f"{'dtype':5} {'batch':>5} {'tailrace':>10} {'HF':>10} "
+        f"{'vLLM':>10} {'/HF':>6} {'/vLLM':>6}"
+    )
     for r in rows:
-        print(f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace'], 'cpu_tok_s'):>10} {fmt(r['hf'], 'cpu_tok_s'):>10} "
-              f"{fmt(r['vllm'], 'cpu_tok_s'):>10} {r['cpu_vs_hf']:>6} {r['cpu_vs_vllm']:>6}")
+        print(
+            f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace'], 'cpu_tok_s'):>10} {fmt(r['hf'], 'cpu_tok_s'):>10} "
+            f"{fmt(r['vllm'], 'cpu_tok_s'):>10} {r['cpu_vs_hf']:>6} {r['cpu_vs_vllm']:>6}"
+        )
     c, s = cb["continuous"], cb["static"]
-    print(f"\ncontinuous batching, {dn}: {cb['requests']} requests, lognormal lengths (median {cb['median_len']}, "
-          f"p99 {cb['p99_len']}, p99/median {cb['p99_len'] / cb['median_len']:.1f}) through {cb['slots']} slots")
+    print(
+        f"\ncontinuous batching, {dn}: {cb['requests']} requests, lognormal lengths (median {cb['median_len']}, "
+        f"p99 {cb['p99_len']}, p99/median {cb['p99_len'] / cb['median_len']:.1f}) through {cb['slots']} slots"
+    )
     for name, r in (("continuous", c), ("static", s)):
-        print(f"  {name:10}  {fmt(r['tokens_per_s']):>8} tok/s ({fmt(r['cpu_tokens_per_s'])} per CPU-s)  "
-              f"slot utilization {r['slot_utilization']:.0%}")
-    print(f"  continuous / static: {c['tokens_per_s'] / s['tokens_per_s']:.2f}x wall, "
-          f"{c['cpu_tokens_per_s'] / s['cpu_tokens_per_s']:.2f}x per CPU-s")
-    out = {"args": {k: v for k, v in vars(a).items()}, "model": model_dir, "torch": torch.__version__,
-           "loadavg_1m_end": os.getloadavg()[0], "rows": rows, "continuous_batching": cb}
+        print(
+            f"  {name:10}  {fmt(r['tokens_per_s']):>8} tok/s ({fmt(r['cpu_tokens_per_s'])} per CPU-s)  "
+            f"slot utilization {r['slot_utilization']:.0%}"
+        )
+    print(
+        f"  continuous / static: {c['tokens_per_s'] / s['tokens_per_s']:.2f}x wall, "
+        f"{c['cpu_tokens_per_s'] / s['cpu_tokens_per_s']:.2f}x per CPU-s"
+    )
+    out = {
+        "args": {k: v for k, v in vars(a).items()},
+        "model": model_dir,
+        "torch": torch.__version__,
+        "loadavg_1m_end": os.getloadavg()[0],
+        "rows": rows,
+        "continuous_batching": cb,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwrote {a.out} | load avg {os.getloadavg()[0]:.2f}")

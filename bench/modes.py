@@ -16,6 +16,7 @@ one-time fill and drain), trainer waiting ratio, rollout bubble ratio, engine me
 staleness histogram, held-out accuracy, speedup vs sync measured in the same run. Writes
 bench/out/modes.json and bench/out/modes_<config>.html (one Gantt per mode).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,15 +29,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tailrace.config import dump_config, load_config  # noqa: E402
+from tailrace.jsonlines import read_lines  # noqa: E402
 from tailrace.report.html import gantt  # noqa: E402
 from tailrace.runtime.driver import Driver  # noqa: E402
-from tailrace.jsonlines import read_lines  # noqa: E402
 from tailrace.runtime.rundir import RunDir  # noqa: E402
 from tailrace.runtime.session import Session  # noqa: E402
 
-MODES = [("sync", {}), ("pipe", {}), ("async", {"flow.max_staleness": 1}), ("async", {"flow.max_staleness": 2}),
-         ("partial", {"flow.max_staleness": 1}), ("multiversion", {"flow.max_staleness": 1}),
-         ("multiversion", {"flow.max_staleness": 2})]
+MODES = [
+    ("sync", {}),
+    ("pipe", {}),
+    ("async", {"flow.max_staleness": 1}),
+    ("async", {"flow.max_staleness": 2}),
+    ("partial", {"flow.max_staleness": 1}),
+    ("multiversion", {"flow.max_staleness": 1}),
+    ("multiversion", {"flow.max_staleness": 2}),
+]
 CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", "multiversion": "behaviour"}
 
 CONFIGS = {
@@ -45,10 +52,20 @@ CONFIGS = {
     # (measured in sync mode on the 2-core testbed when they were sized: 6 fp32 slots -> generation ~54%
     # of the step, 2 bf16 slots -> ~75%, i.e. 3x training; since the engine's C kernels of 2026-11-29
     # (~1.5x faster decode) they measure ~36% and ~62%: see bench/README.md).
-    "balanced": ["--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64",
-                 "--rollout.slots=6"],
-    "genheavy": ["--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64",
-                 "--train.bf16=true", "--model.dtype=bfloat16", "--rollout.slots=2"],
+    "balanced": [
+        "--flow.prompts_per_round=32",
+        "--flow.samples_per_prompt=8",
+        "--flow.train_batch=64",
+        "--rollout.slots=6",
+    ],
+    "genheavy": [
+        "--flow.prompts_per_round=32",
+        "--flow.samples_per_prompt=8",
+        "--flow.train_batch=64",
+        "--train.bf16=true",
+        "--model.dtype=bfloat16",
+        "--rollout.slots=2",
+    ],
 }
 
 
@@ -57,19 +74,34 @@ def mode_label(mode: str, opts: dict) -> str:
     return mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
 
 
-def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: int, base: dict | None,
-            seed: int = 0, extra: tuple[str, ...] = ()) -> dict:
+def run_one(
+    config: str,
+    mode: str,
+    opts: dict,
+    steps: int,
+    out: Path,
+    eval_n: int,
+    base: dict | None,
+    seed: int = 0,
+    extra: tuple[str, ...] = (),
+) -> dict:
     label = mode_label(mode, opts)
     rd = RunDir(out / config / (label if seed == 0 else f"{label}-seed{seed}"))
     if rd.path.exists():
         import shutil
+
         shutil.rmtree(rd.path)
     rd.create()
     if base is not None:  # the base model is the same in every mode: evaluate it once per configuration
         rd.file("metrics.jsonl").write_text(json.dumps(base) + "\n")
-    over = CONFIGS[config] + [f"--flow.mode={mode}", f"--flow.steps={steps}", f"--eval.n={eval_n}",
-                              f"--train.loss.correction={CORRECTION[mode]}", "--flow.checkpoint_every=1000",
-                              f"--seed={seed}"]
+    over = CONFIGS[config] + [
+        f"--flow.mode={mode}",
+        f"--flow.steps={steps}",
+        f"--eval.n={eval_n}",
+        f"--train.loss.correction={CORRECTION[mode]}",
+        "--flow.checkpoint_every=1000",
+        f"--seed={seed}",
+    ]
     over += [f"--{k}={v}" for k, v in opts.items()] + list(extra)
     cfg = load_config(None, over)
     rd.file("config.yaml").write_text(dump_config(cfg))  # as tailrace train: `tailrace sim --like` reads it
@@ -93,15 +125,30 @@ def run_one(config: str, mode: str, opts: dict, steps: int, out: Path, eval_n: i
             stale[k] = stale.get(k, 0) + v
     gen = [e for e in events if e.get("phase") == "generate"]
     busy = sum(e["t1"] - e["t0"] for e in gen)
-    return {"config": config, "mode": label, "seed": seed, "wall_s": train_wall, "total_s": wall,
-            "steps_per_hour": len(steps_rec) / train_wall * 3600,
-            "middle_steps_per_hour": middle_rate(steps_rec, cfg.flow.prompts_per_round * cfg.flow.samples_per_prompt
-                                                // cfg.flow.train_batch),
-            "trainer_wait_ratio": last["time"]["trainer_wait_ratio"], "bubble_ratio": last["time"]["bubble_ratio"],
-            "mean_active_batch": last["time"]["mean_active_batch"], "base_record": base_rec,
-            "round_window_s": round_windows(events, cfg.flow.prompts_per_round) if mode in ("sync", "pipe") else None,
-            "engine_busy_s": busy, "staleness": stale, "final_accuracy": summary.final_accuracy,
-            "base_accuracy": summary.base_accuracy, "run_dir": str(rd.path), "events": events}
+    return {
+        "config": config,
+        "mode": label,
+        "seed": seed,
+        "wall_s": train_wall,
+        "total_s": wall,
+        "steps_per_hour": len(steps_rec) / train_wall * 3600,
+        "middle_steps_per_hour": middle_rate(
+            steps_rec, cfg.flow.prompts_per_round * cfg.flow.samples_per_prompt // cfg.flow.train_batch
+        ),
+        "trainer_wait_ratio": last["time"]["trainer_wait_ratio"],
+        "bubble_ratio": last["time"]["bubble_ratio"],
+        "mean_active_batch": last["time"]["mean_active_batch"],
+        "base_record": base_rec,
+        "round_window_s": round_windows(events, cfg.flow.prompts_per_round)
+        if mode in ("sync", "pipe")
+        else None,
+        "engine_busy_s": busy,
+        "staleness": stale,
+        "final_accuracy": summary.final_accuracy,
+        "base_accuracy": summary.base_accuracy,
+        "run_dir": str(rd.path),
+        "events": events,
+    }
 
 
 def middle_rate(steps_rec: list[dict], per_round: int) -> float | None:
@@ -131,51 +178,70 @@ def round_windows(events: list[dict], R: int) -> float | None:
 
 def table(rows: list[dict]) -> str:
     sync = next(r for r in rows if r["mode"] == "sync")
-    head = (f"{'mode':16s} {'wall s':>7s} {'steps/h':>8s} {'speedup':>8s} {'middle':>7s} {'wait':>5s} {'bubble':>6s} "
-            f"{'batch':>6s} {'window s':>8s} {'acc':>6s}  staleness")
+    head = (
+        f"{'mode':16s} {'wall s':>7s} {'steps/h':>8s} {'speedup':>8s} {'middle':>7s} {'wait':>5s} {'bubble':>6s} "
+        f"{'batch':>6s} {'window s':>8s} {'acc':>6s}  staleness"
+    )
     lines = [head, "-" * len(head)]
 
     def middle(r):
         a, b = r.get("middle_steps_per_hour"), sync.get("middle_steps_per_hour")
         return f"{a / b:6.2f}x" if a and b else f"{'-':>7s}"
+
     for r in rows:
         win = f"{r['round_window_s']:8.1f}" if r["round_window_s"] is not None else f"{'-':>8s}"
-        lines.append(f"{r['mode']:16s} {r['wall_s']:7.1f} {r['steps_per_hour']:8.0f} "
-                     f"{sync['wall_s'] / r['wall_s']:7.2f}x {middle(r)} {r['trainer_wait_ratio']:5.2f} {r['bubble_ratio']:6.2f} "
-                     f"{r['mean_active_batch']:6.1f} {win} {(r['final_accuracy'] or 0):6.3f}  {json.dumps(r['staleness'])}")
+        lines.append(
+            f"{r['mode']:16s} {r['wall_s']:7.1f} {r['steps_per_hour']:8.0f} "
+            f"{sync['wall_s'] / r['wall_s']:7.2f}x {middle(r)} {r['trainer_wait_ratio']:5.2f} {r['bubble_ratio']:6.2f} "
+            f"{r['mean_active_batch']:6.1f} {win} {(r['final_accuracy'] or 0):6.3f}  {json.dumps(r['staleness'])}"
+        )
     base = rows[0]["base_accuracy"]
-    lines.append(f"base accuracy {base:.3f}; speedup = sync wall / mode wall; middle = steps/hour over the middle "
-                 "rounds vs sync's (no pipeline fill or drain); wait = trainer waiting ratio, "
-                 "bubble = rollout bubble ratio, "
-                 "batch = engine mean active batch while generating, window = rollout-to-train-end time of a round")
+    lines.append(
+        f"base accuracy {base:.3f}; speedup = sync wall / mode wall; middle = steps/hour over the middle "
+        "rounds vs sync's (no pipeline fill or drain); wait = trainer waiting ratio, "
+        "bubble = rollout bubble ratio, "
+        "batch = engine mean active batch while generating, window = rollout-to-train-end time of a round"
+    )
     pipe = next((r for r in rows if r["mode"] == "pipe"), None)
     if pipe and pipe["round_window_s"] and sync["round_window_s"]:
-        lines.append(f"pipe cuts the rollout-to-train-end window by {1 - pipe['round_window_s'] / sync['round_window_s']:.0%}")
+        lines.append(
+            f"pipe cuts the rollout-to-train-end window by {1 - pipe['round_window_s'] / sync['round_window_s']:.0%}"
+        )
     return "\n".join(lines)
 
 
 def spread(rows: list[dict]) -> str:
     """Across seeds: per mode, the speedup over the same seed's sync run and the final accuracy."""
     import statistics
+
     sync = {r["seed"]: r for r in rows if r["mode"] == "sync"}
-    lines = [f"{'mode':16s} {'speedup mean':>12s} {'min-max':>12s} {'middle mean':>11s} {'acc mean':>9s} "
-             f"{'acc sd':>7s}  seeds"]
+    lines = [
+        f"{'mode':16s} {'speedup mean':>12s} {'min-max':>12s} {'middle mean':>11s} {'acc mean':>9s} "
+        f"{'acc sd':>7s}  seeds"
+    ]
     for label in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == label and r["seed"] in sync]
         sp = [sync[r["seed"]]["wall_s"] / r["wall_s"] for r in rs]
-        mid = [r["middle_steps_per_hour"] / sync[r["seed"]]["middle_steps_per_hour"] for r in rs
-               if r.get("middle_steps_per_hour") and sync[r["seed"]].get("middle_steps_per_hour")]
+        mid = [
+            r["middle_steps_per_hour"] / sync[r["seed"]]["middle_steps_per_hour"]
+            for r in rs
+            if r.get("middle_steps_per_hour") and sync[r["seed"]].get("middle_steps_per_hour")
+        ]
         acc = [r["final_accuracy"] or 0.0 for r in rs]
         sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
         m = f"{statistics.mean(mid):10.2f}x" if mid else f"{'-':>11s}"
-        lines.append(f"{label:16s} {statistics.mean(sp):11.2f}x {min(sp):5.2f}-{max(sp):.2f}x {m} "
-                     f"{statistics.mean(acc):9.3f} {sd:7.3f}  {len(rs)}")
+        lines.append(
+            f"{label:16s} {statistics.mean(sp):11.2f}x {min(sp):5.2f}-{max(sp):.2f}x {m} "
+            f"{statistics.mean(acc):9.3f} {sd:7.3f}  {len(rs)}"
+        )
     return "\n".join(lines)
 
 
 def timelines(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
+
     from tailrace.report.html import _png
+
     fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.6 * len(rows)), sharex=True)
     for ax, r in zip(axes, rows):
         gantt(ax, [e for e in r["events"] if "phase" in e], r["mode"])
@@ -190,10 +256,19 @@ def main() -> None:
     ap.add_argument("--modes", default=None, help="comma list of labels, e.g. sync,pipe,multiversion-K2")
     ap.add_argument("--eval-n", type=int, default=256)
     ap.add_argument("--seeds", default="0", help="comma list of run seeds; with several, a spread table too")
-    ap.add_argument("--tables", action="store_true", help="reprint the tables of the last run (bench/out/modes.json)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for every run, e.g. --set rollout.attention=bmm (repeatable)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="where run directories, JSON and HTML go")
+    ap.add_argument(
+        "--tables", action="store_true", help="reprint the tables of the last run (bench/out/modes.json)"
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run, e.g. --set rollout.attention=bmm (repeatable)",
+    )
+    ap.add_argument(
+        "--out", default=str(ROOT / "bench" / "out"), help="where run directories, JSON and HTML go"
+    )
     args = ap.parse_args()
     root = Path(args.out)
     if args.tables:
@@ -221,10 +296,23 @@ def main() -> None:
                 if args.modes and label not in args.modes.split(","):
                     continue
                 print(f"[{config} seed {seed}] {label} ...", flush=True)
-                rows.append(run_one(config, mode, opts, steps, out, eval_n, base, seed,
-                                    tuple(f"--{kv}" for kv in args.set)))
+                rows.append(
+                    run_one(
+                        config,
+                        mode,
+                        opts,
+                        steps,
+                        out,
+                        eval_n,
+                        base,
+                        seed,
+                        tuple(f"--{kv}" for kv in args.set),
+                    )
+                )
                 base = rows[-1].pop("base_record")
-            print(f"\n== {config}, seed {seed} ({steps} steps each; speedup = sync wall / mode wall, same run) ==")
+            print(
+                f"\n== {config}, seed {seed} ({steps} steps each; speedup = sync wall / mode wall, same run) =="
+            )
             print(table(rows), flush=True)
             if seed == seeds[0]:
                 timelines(rows, root / f"modes_{config}.html")

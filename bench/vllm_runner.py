@@ -52,12 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the vLLM worker")
     p.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed passes after the warm-up; seconds is their median")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed passes after the warm-up; seconds is their median"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eager", action="store_true", help="enforce_eager=True (skip torch.compile)")
-    p.add_argument("--detokenize", action="store_true",
-                   help="also detokenize outputs (off: time token generation only)")
+    p.add_argument(
+        "--detokenize", action="store_true", help="also detokenize outputs (off: time token generation only)"
+    )
     a = p.parse_args(argv)
     if a.batch < 1:
         p.error("--batch must be >= 1")
@@ -73,8 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_model_dir(path: str) -> dict:
     """Exit (status 1) with a readable message unless DIR holds a usable checkpoint."""
     if not os.path.isdir(path):
-        sys.exit(f"vllm_runner: model directory not found: {path!r} "
-                 "(expected a local HF checkpoint: config.json, model.safetensors, tokenizer.json)")
+        sys.exit(
+            f"vllm_runner: model directory not found: {path!r} "
+            "(expected a local HF checkpoint: config.json, model.safetensors, tokenizer.json)"
+        )
     missing = [f for f in ("config.json", "tokenizer.json") if not os.path.isfile(os.path.join(path, f))]
     if not any(n.endswith(".safetensors") for n in os.listdir(path)):
         missing.append("model.safetensors")
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     model = os.path.abspath(a.model)
     cfg = check_model_dir(model)
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB; the auto size is wrong on small boxes
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the auto size is wrong on small boxes
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -192,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
     if not a.json:
-        print(f"{total} tokens in {seconds:.3f}s -> {total / seconds:.1f} tok/s "
-              f"(batch {a.batch}, {a.dtype}, {a.threads} thread(s))", file=sys.stderr)
+        print(
+            f"{total} tokens in {seconds:.3f}s -> {total / seconds:.1f} tok/s "
+            f"(batch {a.batch}, {a.dtype}, {a.threads} thread(s))",
+            file=sys.stderr,
+        )
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

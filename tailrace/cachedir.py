@@ -1,4 +1,5 @@
 """Where tailrace keeps what it builds once per machine: $TAILRACE_CACHE, default ~/.cache/tailrace."""
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@
 Bad input ends in one line naming the problem and the fix (exit code 2); nothing already written to a
 run directory is touched by a failing command.
 """
+
 from __future__ import annotations
 
 import sys
@@ -26,6 +27,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from tailrace.model.checkpoint import CheckpointError
     from tailrace.tasks.base import TaskError
     from tailrace.tokenizer import TokenizerError
+
     return ConfigError, CheckpointError, TaskError, TokenizerError, EngineError
 
 
@@ -51,19 +53,27 @@ def _split(argv: list[str], flags: tuple[str, ...]) -> tuple[dict[str, str], lis
 
 def _sft_progress():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     state = {}
 
     def on_step(step: int, total: int, loss: float) -> None:
         if "p" not in state:
             console.print("warm start: training the default model from scratch (cached for later runs)")
-            p = Progress(TextColumn("[bold]warm start"), BarColumn(), MofNCompleteColumn(),
-                         TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn(), console=console,
-                         transient=True)
+            p = Progress(
+                TextColumn("[bold]warm start"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.3f}"),
+                TimeRemainingColumn(),
+                console=console,
+                transient=True,
+            )
             state["p"], state["t"] = p, p.add_task("sft", total=total, loss=loss)
             p.start()
         state["p"].update(state["t"], completed=step + 1, loss=loss)
         if step + 1 == total:
             state["p"].stop()
+
     return on_step
 
 
@@ -79,10 +89,14 @@ def cmd_train(argv: list[str]) -> int:
     if "--resume" in flags:
         run = RunDir(flags["--resume"])
         if not run.file("config.yaml").is_file():
-            raise ConfigError(f"--resume {run.path}: no config.yaml there; pass a run directory written by tailrace train")
+            raise ConfigError(
+                f"--resume {run.path}: no config.yaml there; pass a run directory written by tailrace train"
+            )
         if rest:
-            raise ConfigError("--resume continues a run exactly as configured; drop the overrides "
-                              f"({' '.join(rest)}) or start a new run")
+            raise ConfigError(
+                "--resume continues a run exactly as configured; drop the overrides "
+                f"({' '.join(rest)}) or start a new run"
+            )
         cfg = load_config(run.file("config.yaml"))
         resume_from = run.latest()
         if resume_from is None:
@@ -95,8 +109,10 @@ def cmd_train(argv: list[str]) -> int:
         run.file("config.yaml").write_text(dump_config(cfg))
     session = Session(cfg, progress=_sft_progress())
     ui = ConsoleUI(console)
-    console.print(f"run directory: {run.path}  (mode {cfg.flow.mode}, {cfg.flow.steps} steps, "
-                  f"{cfg.flow.prompts_per_round} prompts x {cfg.flow.samples_per_prompt} samples per round)")
+    console.print(
+        f"run directory: {run.path}  (mode {cfg.flow.mode}, {cfg.flow.steps} steps, "
+        f"{cfg.flow.prompts_per_round} prompts x {cfg.flow.samples_per_prompt} samples per round)"
+    )
     driver = Driver(cfg, run, session, resume_from=resume_from, ui=ui)
     try:
         summary = driver.train()
@@ -106,8 +122,10 @@ def cmd_train(argv: list[str]) -> int:
         session.close()
     if summary.base_accuracy is not None and summary.final_accuracy is not None:
         gain = 100 * (summary.final_accuracy - summary.base_accuracy)
-        console.print(f"[bold]held-out accuracy {summary.base_accuracy:.1%} -> {summary.final_accuracy:.1%} "
-                      f"({gain:+.1f} points) after {summary.steps} steps in {_duration(summary.wall_s)}[/bold]")
+        console.print(
+            f"[bold]held-out accuracy {summary.base_accuracy:.1%} -> {summary.final_accuracy:.1%} "
+            f"({gain:+.1f} points) after {summary.steps} steps in {_duration(summary.wall_s)}[/bold]"
+        )
     console.print(f"metrics: {run.file('metrics.jsonl')}   report: tailrace report {run.path}")
     return 0
 
@@ -119,6 +137,7 @@ def _duration(s: float) -> str:
 def cmd_sft(argv: list[str]) -> int:
     from tailrace.config import load_config
     from tailrace.runtime.warmstart import ensure_warm_start, warm_start_dir
+
     cfg = load_config(None, argv)
     cached = (warm_start_dir(cfg.sft) / "warmstart.json").is_file()
     path = ensure_warm_start(cfg.sft, _sft_progress())
@@ -129,13 +148,18 @@ def cmd_sft(argv: list[str]) -> int:
 def cmd_eval(argv: list[str]) -> int:
     from tailrace.config import load_config
     from tailrace.runtime.standalone import evaluate_model
+
     cfg = load_config(None, argv)
     res = evaluate_model(cfg, progress=_sft_progress())
     console.print(f"model {res['model']}")
-    console.print(f"held-out accuracy {res['accuracy']:.1%} on {res['n']} prompts of {cfg.task.name} "
-                  f"(temperature {cfg.eval.temperature})")
-    console.print(f"response length: p50 {res['p50']:.0f}  p90 {res['p90']:.0f}  p99 {res['p99']:.0f}  "
-                  f"max {res['max']}  (p99/p50 {res['p99_over_p50']:.1f})")
+    console.print(
+        f"held-out accuracy {res['accuracy']:.1%} on {res['n']} prompts of {cfg.task.name} "
+        f"(temperature {cfg.eval.temperature})"
+    )
+    console.print(
+        f"response length: p50 {res['p50']:.0f}  p90 {res['p90']:.0f}  p99 {res['p99']:.0f}  "
+        f"max {res['max']}  (p99/p50 {res['p99_over_p50']:.1f})"
+    )
     peak = max(c for _, _, c in res["histogram"]) or 1
     for lo, hi, c in res["histogram"]:
         console.print(f"  {lo:4d}-{hi:<4d} {c:5d} {'#' * round(40 * c / peak)}")
@@ -144,6 +168,7 @@ def cmd_eval(argv: list[str]) -> int:
 
 def cmd_report(argv: list[str]) -> int:
     from tailrace.report.html import write_report
+
     if len(argv) != 1:
         raise ConfigError("usage: tailrace report RUN_DIR")
     out = write_report(Path(argv[0]))
@@ -158,22 +183,36 @@ def cmd_sim(argv: list[str]) -> int:
     tailrace sim presets                                           hardware and model presets"""
     from tailrace.report.html import write_report
     from tailrace.sim import compare, scenario
+
     if argv[:1] == ["calibrate"]:
         from tailrace.sim_calibrate import calibrate
+
         flags, rest = _split(argv[1:], ("--out", "--dtype"))
         dtypes = flags.get("--dtype", "float32,bfloat16").split(",")
-        if any(a != "--quick" for a in rest) or any(d not in ("float32", "bfloat16") for d in dtypes) \
-                or ("--out" in flags and len(dtypes) > 1):
-            raise ConfigError("usage: tailrace sim calibrate [--quick] [--dtype float32|bfloat16 [--out FILE]]")
+        if (
+            any(a != "--quick" for a in rest)
+            or any(d not in ("float32", "bfloat16") for d in dtypes)
+            or ("--out" in flags and len(dtypes) > 1)
+        ):
+            raise ConfigError(
+                "usage: tailrace sim calibrate [--quick] [--dtype float32|bfloat16 [--out FILE]]"
+            )
         for d in dtypes:
-            res = calibrate(Path(flags["--out"]) if "--out" in flags else None, quick="--quick" in rest,
-                            progress=console.print, dtype=d)
-            console.print(f"saved the {res['hardware']['name']} preset "
-                          f"(load average {res['load_average'][0]:.1f} while measuring)")
+            res = calibrate(
+                Path(flags["--out"]) if "--out" in flags else None,
+                quick="--quick" in rest,
+                progress=console.print,
+                dtype=d,
+            )
+            console.print(
+                f"saved the {res['hardware']['name']} preset "
+                f"(load average {res['load_average'][0]:.1f} while measuring)"
+            )
         return 0
     if argv[:1] == ["presets"]:
         from tailrace.sim.hardware import CPU_PRESETS, GPUS
         from tailrace.sim.models import MODELS
+
         console.print("hardware: " + ", ".join([*GPUS, *CPU_PRESETS]))
         console.print("models:   " + ", ".join(f"{k} ({m.params / 1e9:.2f}B)" for k, m in MODELS.items()))
         return 0
@@ -185,12 +224,16 @@ def cmd_sim(argv: list[str]) -> int:
     else:
         raise ConfigError("usage: tailrace sim --config SCENARIO.yaml | --like RUN_DIR | calibrate | presets")
     out = Path(flags.get("--out") or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sim-{scn.name}")
-    console.print(f"simulating {scn.name}: {scn.cluster.gpus} devices ({scn.cluster.hardware}), "
-                  f"{scn.flow.mode}, {scn.flow.steps} steps -> {out}")
+    console.print(
+        f"simulating {scn.name}: {scn.cluster.gpus} devices ({scn.cluster.hardware}), "
+        f"{scn.flow.mode}, {scn.flow.steps} steps -> {out}"
+    )
     s = scenario.simulate(scn, out)
-    console.print(f"{s['steps']} steps in {s['wall_s']:.1f} simulated s ({s['sim_seconds']:.1f} s to simulate): "
-                  f"{s['time_per_step_s']:.2f} s/step, trainer waiting {s['trainer_wait_ratio']:.2f}, "
-                  f"bubble {s['bubble_ratio']:.2f}, length bubble {s['length_bubble']:.2f}")
+    console.print(
+        f"{s['steps']} steps in {s['wall_s']:.1f} simulated s ({s['sim_seconds']:.1f} s to simulate): "
+        f"{s['time_per_step_s']:.2f} s/step, trainer waiting {s['trainer_wait_ratio']:.2f}, "
+        f"bubble {s['bubble_ratio']:.2f}, length bubble {s['length_bubble']:.2f}"
+    )
     write_report(out)
     if "--like" in flags:
         real, sim = compare.step_figures(flags["--like"]), compare.step_figures(out)

@@ -4,6 +4,7 @@ Each dataclass validates itself in `__post_init__` and names the field and the f
 `--section.key=value` overrides map onto the dataclasses mechanically (`load_config`); an unknown
 key or a value of the wrong type is a `ConfigError` before any process starts. No torch here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,9 @@ class TaskConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
+        _need(
+            self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds"
+        )
 
 
 @dataclass
@@ -76,14 +79,28 @@ class SFTConfig:
     bf16: bool = True  # autocast the forward to bfloat16 (weights stay fp32)
 
     def __post_init__(self) -> None:
-        for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_len",
-                  "examples", "batch_tokens", "epochs", "threads"):
+        for k in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_len",
+            "examples",
+            "batch_tokens",
+            "epochs",
+            "threads",
+        ):
             _need(getattr(self, k) > 0, f"sft.{k}={getattr(self, k)}: must be positive")
         _need(0.0 <= self.slip < 1.0, f"sft.slip={self.slip}: must be in [0, 1)")
-        _need(self.hidden_size % self.num_heads == 0,
-              f"sft.hidden_size={self.hidden_size} is not divisible by sft.num_heads={self.num_heads}")
-        _need(self.num_heads % self.num_kv_heads == 0,
-              f"sft.num_heads={self.num_heads} is not divisible by sft.num_kv_heads={self.num_kv_heads}")
+        _need(
+            self.hidden_size % self.num_heads == 0,
+            f"sft.hidden_size={self.hidden_size} is not divisible by sft.num_heads={self.num_heads}",
+        )
+        _need(
+            self.num_heads % self.num_kv_heads == 0,
+            f"sft.num_heads={self.num_heads} is not divisible by sft.num_kv_heads={self.num_kv_heads}",
+        )
         _need(self.lr > 0, f"sft.lr={self.lr}: must be > 0")
 
 
@@ -114,16 +131,27 @@ class RolloutConfig:
     attention: str = "auto"  # decode attention: auto | kernel (C, CPU) | bmm | sdpa (see engine/runner.py)
 
     def __post_init__(self) -> None:
-        _need(self.attention in ("auto", "kernel", "bmm", "sdpa"),
-              f"rollout.attention={self.attention!r}: use auto, kernel, bmm or sdpa")
+        _need(
+            self.attention in ("auto", "kernel", "bmm", "sdpa"),
+            f"rollout.attention={self.attention!r}: use auto, kernel, bmm or sdpa",
+        )
         for k in ("engines", "slots", "threads", "max_new_tokens", "prefill_tokens"):
             _need(getattr(self, k) > 0, f"rollout.{k}={getattr(self, k)}: must be positive")
         _need(self.lookahead >= 0, f"rollout.lookahead={self.lookahead}: must be >= 0")
-        _need(self.temperature > 0, f"rollout.temperature={self.temperature}: RL needs sampling; use a value > 0")
+        _need(
+            self.temperature > 0,
+            f"rollout.temperature={self.temperature}: RL needs sampling; use a value > 0",
+        )
         _need(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
 
 
-MODES = ("sync", "pipe", "async", "partial", "multiversion")  # = flow.policies.POLICIES (a test keeps them equal)
+MODES = (
+    "sync",
+    "pipe",
+    "async",
+    "partial",
+    "multiversion",
+)  # = flow.policies.POLICIES (a test keeps them equal)
 
 
 @dataclass
@@ -144,22 +172,35 @@ class FlowConfig:
         _need(self.mode in MODES, f"flow.mode={self.mode!r}: use one of {', '.join(MODES)}")
         for k in ("prompts_per_round", "samples_per_prompt", "train_batch", "steps"):
             _need(getattr(self, k) > 0, f"flow.{k}={getattr(self, k)}: must be positive")
-        _need(self.train_batch % self.samples_per_prompt == 0,
-              f"flow.train_batch={self.train_batch} is not a multiple of flow.samples_per_prompt="
-              f"{self.samples_per_prompt}; a step trains whole groups")
+        _need(
+            self.train_batch % self.samples_per_prompt == 0,
+            f"flow.train_batch={self.train_batch} is not a multiple of flow.samples_per_prompt="
+            f"{self.samples_per_prompt}; a step trains whole groups",
+        )
         U = self.train_batch // self.samples_per_prompt
-        _need(self.prompts_per_round % U == 0,
-              f"flow.prompts_per_round={self.prompts_per_round} is not a multiple of train_batch/samples_per_prompt"
-              f"={U}; a round must split into whole steps")
+        _need(
+            self.prompts_per_round % U == 0,
+            f"flow.prompts_per_round={self.prompts_per_round} is not a multiple of train_batch/samples_per_prompt"
+            f"={U}; a round must split into whole steps",
+        )
         _need(self.max_staleness >= 0, f"flow.max_staleness={self.max_staleness}: must be >= 0")
-        _need(self.mode in ("sync", "pipe") or self.max_staleness >= 1,
-              f"flow.max_staleness=0 with flow.mode={self.mode}: off-policy modes need >= 1 (or use sync/pipe)")
-        _need(self.frontier is None or self.frontier > 0, f"flow.frontier={self.frontier}: must be positive or null")
-        _need(self.rollout_groups is None or self.rollout_groups >= self.groups_per_step,
-              f"flow.rollout_groups={self.rollout_groups}: must be >= train_batch/samples_per_prompt "
-              f"({self.groups_per_step}) so a version can fill a train step")
-        _need(self.time_limit_s is None or self.time_limit_s > 0,
-              f"flow.time_limit_s={self.time_limit_s}: must be positive seconds, or null for no limit")
+        _need(
+            self.mode in ("sync", "pipe") or self.max_staleness >= 1,
+            f"flow.max_staleness=0 with flow.mode={self.mode}: off-policy modes need >= 1 (or use sync/pipe)",
+        )
+        _need(
+            self.frontier is None or self.frontier > 0,
+            f"flow.frontier={self.frontier}: must be positive or null",
+        )
+        _need(
+            self.rollout_groups is None or self.rollout_groups >= self.groups_per_step,
+            f"flow.rollout_groups={self.rollout_groups}: must be >= train_batch/samples_per_prompt "
+            f"({self.groups_per_step}) so a version can fill a train step",
+        )
+        _need(
+            self.time_limit_s is None or self.time_limit_s > 0,
+            f"flow.time_limit_s={self.time_limit_s}: must be positive seconds, or null for no limit",
+        )
         _need(self.checkpoint_every > 0, f"flow.checkpoint_every={self.checkpoint_every}: must be positive")
         _need(self.keep_checkpoints > 0, f"flow.keep_checkpoints={self.keep_checkpoints}: must be positive")
 
@@ -186,6 +227,7 @@ class RunConfig:
 
 
 # -- mechanical mapping of dicts / overrides onto dataclasses ---------------------------------
+
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check/convert `value` to the annotated type `tp`; strings from the CLI are parsed as YAML."""
@@ -300,8 +342,9 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                cls: type = RunConfig) -> Any:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, cls: type = RunConfig
+) -> Any:
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -310,7 +353,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax") from None
+            raise ConfigError(
+                f"config file {p} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax"
+            ) from None
     data = _merge(data, parse_overrides(overrides or []))
     return _build(cls, data, "")
 

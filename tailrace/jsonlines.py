@@ -1,5 +1,6 @@
 """Reading JSONL record files (metrics, events, journal) written by runs and the simulator; torch-free,
 so the simulator and the runtime share it."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 
 Pure Python on records, no torch, so both layers import the same formulas.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,11 +32,17 @@ def length_stats(trajs: list[Trajectory]) -> dict:
     stds = [_std(v) for v in by_prompt.values() if len(v) > 1]
     p50, mx = percentile(lens, 50), max(lens)
     mean = sum(lens) / len(lens)
-    return {"p50": p50, "p90": percentile(lens, 90), "p99": percentile(lens, 99), "max": mx, "mean": mean,
-            "max_over_median": mx / p50 if p50 else float("nan"),
-            "intra_prompt_std": sum(stds) / len(stds) if stds else 0.0,
-            "truncated_frac": sum(t.result.finish == Finish.LENGTH for t in trajs) / len(trajs),
-            "bubble": (mx - mean) / mx if mx else 0.0}
+    return {
+        "p50": p50,
+        "p90": percentile(lens, 90),
+        "p99": percentile(lens, 99),
+        "max": mx,
+        "mean": mean,
+        "max_over_median": mx / p50 if p50 else float("nan"),
+        "intra_prompt_std": sum(stds) / len(stds) if stds else 0.0,
+        "truncated_frac": sum(t.result.finish == Finish.LENGTH for t in trajs) / len(trajs),
+        "bubble": (mx - mean) / mx if mx else 0.0,
+    }
 
 
 def _std(v: list[float]) -> float:

@@ -1,5 +1,6 @@
 """How the trainer splits a batch into micro-batches, torch-free so the simulator charges exactly the
 padding tailrace's trainer computes (`trainer.batch.TrainBatch.micro_batches`, `sim.costs.CostModel`)."""
+
 from __future__ import annotations
 
 

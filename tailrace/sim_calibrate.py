@@ -25,6 +25,7 @@ cpu-bf16.json):
 Timing on a shared machine is noisy: every figure is the median of repeats, and the JSON records
 the machine's load average at the time.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,9 +51,17 @@ from tailrace.types import Finish, GenRequest, GenResult, Group, SamplingParams,
 
 
 def default_shape(cfg: SFTConfig) -> ModelShape:
-    return ModelShape("tailrace-default", cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.hidden_size // cfg.num_heads, cfg.intermediate_size, char_tokenizer().vocab_size,
-                      tied_embeddings=True)
+    return ModelShape(
+        "tailrace-default",
+        cfg.hidden_size,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.hidden_size // cfg.num_heads,
+        cfg.intermediate_size,
+        char_tokenizer().vocab_size,
+        tied_embeddings=True,
+    )
 
 
 DTYPES = {"float32": (torch.float32, "cpu", 4), "bfloat16": (torch.bfloat16, "cpu-bf16", 2)}
@@ -68,8 +77,9 @@ def _trainer(cfg: SFTConfig, dtype: torch.dtype) -> GRPOTrainer:
     return GRPOTrainer(_model(cfg), TrainerConfig(bf16=dtype == torch.bfloat16))
 
 
-def measure_decode(model: CausalLM, batches=(1, 2, 4, 8, 16, 32, 64), length: int = 192, prompt: int = 16,
-                   repeats: int = 2) -> list[tuple[int, int, float]]:
+def measure_decode(
+    model: CausalLM, batches=(1, 2, 4, 8, 16, 32, 64), length: int = 192, prompt: int = 16, repeats: int = 2
+) -> list[tuple[int, int, float]]:
     """(batch, context tokens, step seconds) of pure decode steps."""
     rows = []
     for b in batches:
@@ -115,8 +125,14 @@ def fit_decode(rows, shape: ModelShape, dtype_bytes: int = 4) -> dict:
             if best is None or err < best[0]:
                 best = (err, bw, rate, a, s)
     err, bw, rate, a, s = best
-    return {"overhead_s": float(a), "per_seq_s": float(s), "mem_bw": float(bw), "flops_per_s": float(rate),
-            "rel_err_median": err, "points": len(rows)}
+    return {
+        "overhead_s": float(a),
+        "per_seq_s": float(s),
+        "mem_bw": float(bw),
+        "flops_per_s": float(rate),
+        "rel_err_median": err,
+        "points": len(rows),
+    }
 
 
 def fit_train(rows) -> dict:
@@ -127,8 +143,11 @@ def fit_train(rows) -> dict:
     (a, inv), *_ = np.linalg.lstsq(np.stack([w, f * w], 1), np.ones_like(t), rcond=None)
     if a < 0 or inv <= 0:
         a, inv = 0.0, float(np.sum(t) / np.sum(f))
-    return {"overhead_s": float(a), "flops_per_s": float(1.0 / inv),
-            "rel_err_median": float(np.median(np.abs(a + inv * f - t) / t))}
+    return {
+        "overhead_s": float(a),
+        "flops_per_s": float(1.0 / inv),
+        "rel_err_median": float(np.median(np.abs(a + inv * f - t) / t)),
+    }
 
 
 def _traj(group: int, i: int, n: int, prompt: tuple[int, ...]) -> Trajectory:
@@ -141,6 +160,7 @@ def measure_checkpoint(trainer: GRPOTrainer, repeats: int = 3) -> float:
     import tempfile
 
     from tailrace.runtime.trainer_worker import save_checkpoint
+
     times = []
     with tempfile.TemporaryDirectory() as d:
         for i in range(repeats):
@@ -150,11 +170,22 @@ def measure_checkpoint(trainer: GRPOTrainer, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-TRAIN_SHAPES = ((2, 32), (16, 64), (16, 128), (16, 256))  # (groups of 8, response length): small steps fix the intercept
+TRAIN_SHAPES = (
+    (2, 32),
+    (16, 64),
+    (16, 128),
+    (16, 256),
+)  # (groups of 8, response length): small steps fix the intercept
 
 
-def measure_train(cfg: SFTConfig, shape: ModelShape, shapes=TRAIN_SHAPES, k: int = 8, repeats: int = 3,
-                  trainer: GRPOTrainer | None = None) -> list[tuple[int, float, float]]:
+def measure_train(
+    cfg: SFTConfig,
+    shape: ModelShape,
+    shapes=TRAIN_SHAPES,
+    k: int = 8,
+    repeats: int = 3,
+    trainer: GRPOTrainer | None = None,
+) -> list[tuple[int, float, float]]:
     """(tokens, FLOPs, seconds) of real optimizer steps over synthetic groups."""
     trainer = trainer or _trainer(cfg, torch.float32)
     prompt = (5,) * 16
@@ -177,6 +208,7 @@ def _train_loop(cores, stop, ready, go, computing, dtype) -> None:
     """Child process of `measure_corun`: real optimizer steps on its own core while `go` is set
     (`computing` says whether it is), until `stop` is set."""
     from tailrace.runtime.procs import pin
+
     pin(cores)
     torch.set_num_threads(1)
     trainer = _trainer(SFTConfig(), dtype)
@@ -201,6 +233,7 @@ def measure_corun(model: CausalLM, batch: int = 8, samples: int = 96, pairs: int
     does not), the median ratio wins. 1.0 where there is a single core (the roles then time-share it,
     which the simulator does not model)."""
     from tailrace.runtime.procs import available_cores, context, pin, placement
+
     cores = available_cores()
     if len(cores) < 2:
         return {"slowdown": 1.0, "alone_s": None, "corun_s": None}
@@ -208,15 +241,20 @@ def measure_corun(model: CausalLM, batch: int = 8, samples: int = 96, pairs: int
     pin(engine_cores[0])
     ctx = context()
     stop, ready, go, computing = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
-    child = ctx.Process(target=_train_loop, args=(train_cores, stop, ready, go, computing,
-                                                 model.model.embed_tokens.weight.dtype), daemon=True)
+    child = ctx.Process(
+        target=_train_loop,
+        args=(train_cores, stop, ready, go, computing, model.model.embed_tokens.weight.dtype),
+        daemon=True,
+    )
     child.start()
     alone, corun = [], []
     try:
         if not ready.wait(timeout=120):
             raise RuntimeError("calibrate: the co-running trainer did not start within 120 s")
+
         def worker_step_s() -> float:  # busy time per step of the runtime's engine worker
             return measure_worker(model, slots=batch, samples=samples)["mean_step_s"]
+
         for _ in range(pairs):
             go.clear()
             deadline = time.monotonic() + 120
@@ -235,12 +273,17 @@ def measure_corun(model: CausalLM, batch: int = 8, samples: int = 96, pairs: int
             child.kill()
         pin(tuple(cores))
     ratio = statistics.median(c / a for a, c in zip(alone, corun))
-    return {"slowdown": max(1.0, ratio), "alone_s": statistics.median(alone), "corun_s": statistics.median(corun),
-            "ratios": [c / a for a, c in zip(alone, corun)]}
+    return {
+        "slowdown": max(1.0, ratio),
+        "alone_s": statistics.median(alone),
+        "corun_s": statistics.median(corun),
+        "ratios": [c / a for a, c in zip(alone, corun)],
+    }
 
 
-def measure_worker(model: CausalLM, slots: int = 8, samples: int = 192, lookahead: int = 16,
-                   max_new: int = 160) -> dict:
+def measure_worker(
+    model: CausalLM, slots: int = 8, samples: int = 192, lookahead: int = 16, max_new: int = 160
+) -> dict:
     """The runtime's engine worker process (`engine_main`) fed as the driver feeds it: `slots` +
     `lookahead` samples queued, one more sent per result that comes back. Its reports give the steps'
     busy time; the rest of the wall time between the first and the last step is the worker's loop
@@ -255,6 +298,7 @@ def measure_worker(model: CausalLM, slots: int = 8, samples: int = 192, lookahea
     from tailrace.runtime.procs import context, placement
     from tailrace.runtime.weights import SharedWeights
     from tailrace.types import Prompt
+
     dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     tok = char_tokenizer()
     _, engine_cores = placement(1)
@@ -267,13 +311,17 @@ def measure_worker(model: CausalLM, slots: int = 8, samples: int = 192, lookahea
         proc = ctx.Process(target=engine_main, args=(0, spec, child, weights), daemon=True)
         proc.start()
         try:
+
             def wait(what: str) -> None:  # a reply, or a clear error as soon as the worker is gone
                 for _ in range(120):
                     if conn.poll(1.0):
                         return
                     if not proc.is_alive():
-                        raise RuntimeError(f"calibrate: the engine worker exited (code {proc.exitcode}) {what}")
+                        raise RuntimeError(
+                            f"calibrate: the engine worker exited (code {proc.exitcode}) {what}"
+                        )
                 raise RuntimeError(f"calibrate: the engine worker sent nothing for 120 s {what}")
+
             wait("while starting")
             conn.recv()  # ("ready", 0)
             prompt = Prompt(0, tuple(range(5, 21)), "calibrate", "")
@@ -285,6 +333,7 @@ def measure_worker(model: CausalLM, slots: int = 8, samples: int = 192, lookahea
                 if batch:
                     conn.send(Generate(0, batch))
                 return len(batch)
+
             sent += send(slots + lookahead)
             while done < samples:
                 wait("while generating")
@@ -307,11 +356,17 @@ def measure_worker(model: CausalLM, slots: int = 8, samples: int = 192, lookahea
                 proc.kill()
     wall = t_last - t_first
     L = np.array(lengths, float)
-    return {"steps": steps, "busy_s": busy, "wall_s": wall, "host_gap_s": max(0.0, wall - busy) / max(steps, 1),
-            "mean_step_s": busy / max(steps, 1), "mean_batch": slot_s / max(busy, 1e-9),
-            # a running row's mean context: the prompt plus its mean position, length-biased (a long
-            # response is in the batch for more steps)
-            "mean_row_context": len(prompt.token_ids) + float((L * L).sum() / (2 * L.sum()))}
+    return {
+        "steps": steps,
+        "busy_s": busy,
+        "wall_s": wall,
+        "host_gap_s": max(0.0, wall - busy) / max(steps, 1),
+        "mean_step_s": busy / max(steps, 1),
+        "mean_batch": slot_s / max(busy, 1e-9),
+        # a running row's mean context: the prompt plus its mean position, length-biased (a long
+        # response is in the batch for more steps)
+        "mean_row_context": len(prompt.token_ids) + float((L * L).sum() / (2 * L.sum())),
+    }
 
 
 def measure_driver(model: CausalLM, sizes=(1, 4), reports: int = 24) -> dict:
@@ -331,13 +386,16 @@ def measure_driver(model: CausalLM, sizes=(1, 4), reports: int = 24) -> dict:
     from tailrace.runtime.metrics import Utilization
     from tailrace.runtime.rundir import RunDir
     from tailrace.runtime.session import Session
+
     tok = char_tokenizer()
     rng = random.Random(0)
     rows: list[tuple[int, float]] = []
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, Path(d) / "model")
         tok.save(Path(d) / "model")
-        cfg = RunConfig(model=ModelSpec(path=str(Path(d) / "model")), flow=FlowConfig(mode="multiversion", steps=10 ** 6))
+        cfg = RunConfig(
+            model=ModelSpec(path=str(Path(d) / "model")), flow=FlowConfig(mode="multiversion", steps=10**6)
+        )
         run = RunDir(Path(d) / "run")
         run.create()
         ses = Session(cfg)
@@ -348,8 +406,11 @@ def measure_driver(model: CausalLM, sizes=(1, 4), reports: int = 24) -> dict:
             pool = []
 
             def poll() -> None:
-                pool.extend(s for c in drv.sched.poll(drv._now()) if isinstance(c, Generate) for s in c.samples)
+                pool.extend(
+                    s for c in drv.sched.poll(drv._now()) if isinstance(c, Generate) for s in c.samples
+                )
                 drv._drain_journal()
+
             poll()
             for k in range(reports * len(sizes) + 2):
                 n = sizes[k % len(sizes)]
@@ -357,10 +418,19 @@ def measure_driver(model: CausalLM, sizes=(1, 4), reports: int = 24) -> dict:
                 results = []
                 for smp in done:
                     m = rng.randint(20, 120)
-                    results.append(GenResult(smp.id, tuple(rng.randrange(4, tok.vocab_size) for _ in range(m)),
-                                             (-1.0,) * m, (smp.version,) * m, Finish.STOP))
+                    results.append(
+                        GenResult(
+                            smp.id,
+                            tuple(rng.randrange(4, tok.vocab_size) for _ in range(m)),
+                            (-1.0,) * m,
+                            (smp.version,) * m,
+                            Finish.STOP,
+                        )
+                    )
                 now = time.perf_counter()
-                rep = EngineReport(0, results, Stats(steps=1, busy_s=1e-3, spans=[(now - 1e-3, now)]), [], now)
+                rep = EngineReport(
+                    0, results, Stats(steps=1, busy_s=1e-3, spans=[(now - 1e-3, now)]), [], now
+                )
                 t0 = time.perf_counter()
                 drv._on_engine_report(rep)
                 poll()
@@ -374,8 +444,11 @@ def measure_driver(model: CausalLM, sizes=(1, 4), reports: int = 24) -> dict:
     per_n = {int(k): float(np.median(t[n == k])) for k in sorted(set(n.tolist()))}
     lo, hi = min(per_n), max(per_n)
     per_result = max(0.0, (per_n[hi] - per_n[lo]) / (hi - lo)) if hi > lo else 0.0
-    return {"per_report_s": max(0.0, per_n[lo] - per_result * lo), "per_result_s": per_result,
-            "median_by_results": per_n}
+    return {
+        "per_report_s": max(0.0, per_n[lo] - per_result * lo),
+        "per_result_s": per_result,
+        "median_by_results": per_n,
+    }
 
 
 def worker_excess(dec: dict, wk: dict, shape: ModelShape, dtype_bytes: int) -> float:
@@ -391,6 +464,7 @@ def worker_excess(dec: dict, wk: dict, shape: ModelShape, dtype_bytes: int) -> f
 def measure_weights(model: CausalLM, repeats: int = 5) -> dict:
     from tailrace.model.flat import flatten_parameters
     from tailrace.runtime.weights import SharedWeights
+
     flat = flatten_parameters(model)
     ring = SharedWeights.like(flat, slots=2)
     eng = Engine(model, num_slots=4)
@@ -404,8 +478,11 @@ def measure_weights(model: CausalLM, repeats: int = 5) -> dict:
         eng.drop_version(v - 1) if v > 1 else None
         pub.append(t1 - t0)
         load.append(t2 - t1)
-    return {"bytes": flat.buffer.numel() * flat.buffer.element_size(), "publish_s": statistics.median(pub),
-            "load_s": statistics.median(load)}
+    return {
+        "bytes": flat.buffer.numel() * flat.buffer.element_size(),
+        "publish_s": statistics.median(pub),
+        "load_s": statistics.median(load),
+    }
 
 
 def calibrate(out: Path | None = None, quick: bool = False, progress=print, dtype: str = "float32") -> dict:
@@ -420,53 +497,96 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print, dtyp
     try:
         model = _model(cfg, tdtype)
         progress(f"{name}: decode: real {dtype} engine steps at batch 1..64")
-        rows = measure_decode(model, batches=(1, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64),
-                              repeats=1 if quick else 2)
+        rows = measure_decode(
+            model, batches=(1, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64), repeats=1 if quick else 2
+        )
         dec = fit_decode(rows, shape, dtype_bytes)
-        progress(f"  overhead {dec['overhead_s'] * 1e3:.3f} ms/step, {dec['per_seq_s'] * 1e6:.1f} us/row, "
-                 f"{dec['mem_bw'] / 1e9:.2f} GB/s, {dec['flops_per_s'] / 1e9:.1f} GFLOP/s "
-                 f"(median error {dec['rel_err_median']:.1%})")
+        progress(
+            f"  overhead {dec['overhead_s'] * 1e3:.3f} ms/step, {dec['per_seq_s'] * 1e6:.1f} us/row, "
+            f"{dec['mem_bw'] / 1e9:.2f} GB/s, {dec['flops_per_s'] / 1e9:.1f} GFLOP/s "
+            f"(median error {dec['rel_err_median']:.1%})"
+        )
         progress(f"{name}: train: real GRPO optimizer steps{' (bf16 autocast)' if dtype_bytes == 2 else ''}")
         trainer = _trainer(cfg, tdtype)
-        tr = measure_train(cfg, shape, shapes=((2, 32), (16, 192)) if quick else TRAIN_SHAPES,
-                           repeats=1 if quick else 3, trainer=trainer)
+        tr = measure_train(
+            cfg,
+            shape,
+            shapes=((2, 32), (16, 192)) if quick else TRAIN_SHAPES,
+            repeats=1 if quick else 3,
+            trainer=trainer,
+        )
         trf = fit_train(tr)
         train_rate = trf["flops_per_s"]
-        progress(f"  {train_rate / 1e9:.2f} GFLOP/s + {trf['overhead_s']:.3f} s/step "
-                 f"({', '.join(f'{n} tok {t:.2f} s' for n, _, t in tr)})")
+        progress(
+            f"  {train_rate / 1e9:.2f} GFLOP/s + {trf['overhead_s']:.3f} s/step "
+            f"({', '.join(f'{n} tok {t:.2f} s' for n, _, t in tr)})"
+        )
         progress(f"{name}: weights: shared-memory publish and engine load")
         w = measure_weights(model)
-        progress(f"  {w['bytes'] / 1e6:.1f} MB: publish {w['publish_s'] * 1e3:.2f} ms, load {w['load_s'] * 1e3:.2f} ms")
+        progress(
+            f"  {w['bytes'] / 1e6:.1f} MB: publish {w['publish_s'] * 1e3:.2f} ms, load {w['load_s'] * 1e3:.2f} ms"
+        )
         ckpt = measure_checkpoint(trainer)
         progress(f"{name}: checkpoint: {ckpt * 1e3:.1f} ms (model + optimizer)")
         progress(f"{name}: engine worker: the runtime's worker process, fed as the driver feeds it")
         wk = measure_worker(model, samples=64 if quick else 192)
         ex = worker_excess(dec, wk, shape, dtype_bytes)
-        progress(f"  {wk['steps']} steps at batch {wk['mean_batch']:.1f}, {wk['mean_step_s'] * 1e3:.2f} ms/step busy: "
-                 f"{ex * 1e6:.1f} us per row per step beyond the decode fit (added to its per-row cost), "
-                 f"{wk['host_gap_s'] * 1e6:.0f} us/step between steps")
+        progress(
+            f"  {wk['steps']} steps at batch {wk['mean_batch']:.1f}, {wk['mean_step_s'] * 1e3:.2f} ms/step busy: "
+            f"{ex * 1e6:.1f} us per row per step beyond the decode fit (added to its per-row cost), "
+            f"{wk['host_gap_s'] * 1e6:.0f} us/step between steps"
+        )
         dec = dict(dec, per_seq_s=dec["per_seq_s"] + ex, worker_excess_s=ex)
         drv = measure_driver(model, reports=8 if quick else 24)
-        progress(f"{name}: driver: {drv['per_report_s'] * 1e6:.0f} us per engine report + "
-                 f"{drv['per_result_s'] * 1e6:.0f} us per result (scoring, scheduler, journal)")
+        progress(
+            f"{name}: driver: {drv['per_report_s'] * 1e6:.0f} us per engine report + "
+            f"{drv['per_result_s'] * 1e6:.0f} us per result (scoring, scheduler, journal)"
+        )
         progress(f"{name}: co-running: worker steps alone vs while a trainer computes on the other core")
         co = measure_corun(model, pairs=2 if quick else 5)
         if co["alone_s"] is not None:
-            progress(f"  {co['alone_s'] * 1e3:.2f} ms alone, {co['corun_s'] * 1e3:.2f} ms co-running: "
-                     f"x{co['slowdown']:.2f} (median of {', '.join(f'{r:.2f}' for r in co['ratios'])})")
+            progress(
+                f"  {co['alone_s'] * 1e3:.2f} ms alone, {co['corun_s'] * 1e3:.2f} ms co-running: "
+                f"x{co['slowdown']:.2f} (median of {', '.join(f'{r:.2f}' for r in co['ratios'])})"
+            )
     finally:
         torch.set_num_threads(prev)
     peak = max(dec["flops_per_s"], train_rate)
     hw = dataclasses.replace(
-        CPU_FALLBACK, name=name, peak_flops=peak, flops_eff=dec["flops_per_s"] / peak, train_mfu=train_rate / peak,
-        mem_bw=dec["mem_bw"], bw_eff=1.0, step_overhead_s=dec["overhead_s"], per_seq_s=dec["per_seq_s"],
-        dtype_bytes=dtype_bytes, train_step_overhead_s=trf["overhead_s"], sync_fixed_s=0.0,
-        load_bw=w["bytes"] / max(w["load_s"], 1e-9), scaleup_bw=w["bytes"] / max(w["publish_s"], 1e-9),
-        corun_slowdown=co["slowdown"], host_gap_s=wk["host_gap_s"], driver_report_s=drv["per_report_s"],
-        driver_result_s=drv["per_result_s"])
-    result = {"hardware": hw.to_dict(), "decode": dec, "train": trf, "decode_points": rows, "train_points": tr,
-              "weights": w, "corun": co, "worker": wk, "driver": drv, "extra": {"checkpoint_s": ckpt},
-              "model": dataclasses.asdict(shape), "load_average": os.getloadavg(), "time": time.time()}
+        CPU_FALLBACK,
+        name=name,
+        peak_flops=peak,
+        flops_eff=dec["flops_per_s"] / peak,
+        train_mfu=train_rate / peak,
+        mem_bw=dec["mem_bw"],
+        bw_eff=1.0,
+        step_overhead_s=dec["overhead_s"],
+        per_seq_s=dec["per_seq_s"],
+        dtype_bytes=dtype_bytes,
+        train_step_overhead_s=trf["overhead_s"],
+        sync_fixed_s=0.0,
+        load_bw=w["bytes"] / max(w["load_s"], 1e-9),
+        scaleup_bw=w["bytes"] / max(w["publish_s"], 1e-9),
+        corun_slowdown=co["slowdown"],
+        host_gap_s=wk["host_gap_s"],
+        driver_report_s=drv["per_report_s"],
+        driver_result_s=drv["per_result_s"],
+    )
+    result = {
+        "hardware": hw.to_dict(),
+        "decode": dec,
+        "train": trf,
+        "decode_points": rows,
+        "train_points": tr,
+        "weights": w,
+        "corun": co,
+        "worker": wk,
+        "driver": drv,
+        "extra": {"checkpoint_s": ckpt},
+        "model": dataclasses.asdict(shape),
+        "load_average": os.getloadavg(),
+        "time": time.time(),
+    }
     out = out or preset_path(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -2,6 +2,7 @@
 standard tokenizer.json (loadable by transformers' PreTrainedTokenizerFast); real checkpoints
 bring their own. Only tasks and the CLI see text; the engine and trainer see ids.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,14 @@ class Tokenizer:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(d / "tokenizer.json"))
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-               "pad_token": PAD, "unk_token": UNK, "model_max_length": 1 << 20}
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "unk_token": UNK,
+            "model_max_length": 1 << 20,
+        }
         (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
         special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
         (d / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
@@ -63,12 +70,16 @@ def load_tokenizer(directory: str | Path, eos_id: int | None = None) -> Tokenize
     d = Path(directory)
     path = d / "tokenizer.json"
     if not path.is_file():
-        raise TokenizerError(f"no tokenizer.json in {d}; save one with the checkpoint "
-                             "(tokenizer.save_pretrained) or point --model.path at a full HF checkpoint")
+        raise TokenizerError(
+            f"no tokenizer.json in {d}; save one with the checkpoint "
+            "(tokenizer.save_pretrained) or point --model.path at a full HF checkpoint"
+        )
     try:
         tok = _HFTokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
-        raise TokenizerError(f"{path} is not a valid tokenizer.json ({e}); re-save it from the original tokenizer") from None
+        raise TokenizerError(
+            f"{path} is not a valid tokenizer.json ({e}); re-save it from the original tokenizer"
+        ) from None
     cfg = {}
     cfg_path = d / "tokenizer_config.json"
     if cfg_path.is_file():

@@ -3,6 +3,7 @@
 Engine-level records (`SamplingParams`, `GenRequest`, `GenResult`) know nothing of RL: token ids in,
 token ids + logprobs + versions out. RL records (`Prompt`, `Trajectory`, `Group`) wrap them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} is negative; use 0 for greedy or a positive value")
+            raise ValueError(
+                f"temperature={self.temperature} is negative; use 0 for greedy or a positive value"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
         if self.top_k < 0:

@@ -9,6 +9,7 @@ counted here as `CHUNK_COST` row-positions. Pure Python: the host knows every po
 Rows drift out of order as finished rows are refilled by the newest (shortest) ones; `needs_sort`
 says when re-sorting the group (a row permutation, see `Slots.reorder`) pays off.
 """
+
 from __future__ import annotations
 
 CHUNK_COST = 96  # ~ the op overhead of one more chunk, in row-positions of attention (measured, CPU)

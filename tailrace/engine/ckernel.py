@@ -7,6 +7,7 @@ temporary name and renamed, so processes building at once never load a half-writ
 headers: a build takes well under a second. Where there is no compiler (or the build fails) `load()`
 returns None, `unavailable()` says why, and the engine runs torch ops instead.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -55,10 +56,17 @@ class Kernels:
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.gumbel_f32.restype = None
-        lib.gumbel_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.gumbel_f32.argtypes = (
+            [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        )
         lib.sample_f32.restype = None
-        lib.sample_f32.argtypes = ([ctypes.c_void_p] + [ctypes.c_void_p, ctypes.c_int64] * 4
-                                   + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3)
+        lib.sample_f32.argtypes = (
+            [ctypes.c_void_p]
+            + [ctypes.c_void_p, ctypes.c_int64] * 4
+            + [ctypes.c_void_p]
+            + [ctypes.c_int64] * 2
+            + [ctypes.c_void_p] * 3
+        )
         self._lib = lib
         self._scratch = torch.empty(0)
 
@@ -72,28 +80,70 @@ class Kernels:
         """`sampler.gumbel_noise` computed here: (B, V) fp32 from key, index (B,) int64 (any stride) and
         salt (V,) int64. The same hash; the logarithms by a polynomial (relative error ~1e-7)."""
         B, V = key.shape[0], salt.shape[0]
-        if not (key.dtype == index.dtype == salt.dtype == torch.int64 and index.shape == (B,) and key.dim() == 1
-                and salt.is_contiguous()):
-            raise ValueError(f"gumbel: bad operands key {tuple(key.shape)}, index {tuple(index.shape)}, salt {tuple(salt.shape)}")
+        if not (
+            key.dtype == index.dtype == salt.dtype == torch.int64
+            and index.shape == (B,)
+            and key.dim() == 1
+            and salt.is_contiguous()
+        ):
+            raise ValueError(
+                f"gumbel: bad operands key {tuple(key.shape)}, index {tuple(index.shape)}, salt {tuple(salt.shape)}"
+            )
         out = torch.empty(B, V)
-        self._lib.gumbel_f32(key.data_ptr(), key.stride(0), index.data_ptr(), index.stride(0), salt.data_ptr(),
-                             out.data_ptr(), B, V)
+        self._lib.gumbel_f32(
+            key.data_ptr(),
+            key.stride(0),
+            index.data_ptr(),
+            index.stride(0),
+            salt.data_ptr(),
+            out.data_ptr(),
+            B,
+            V,
+        )
         return out
 
-    def sample(self, logits: torch.Tensor, inv_temp: torch.Tensor, noise_scale: torch.Tensor, key: torch.Tensor,
-               index: torch.Tensor, salt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        inv_temp: torch.Tensor,
+        noise_scale: torch.Tensor,
+        key: torch.Tensor,
+        index: torch.Tensor,
+        salt: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draw per row of logits (B, V) fp32 without top-k/top-p or bans: `sampler.sample`'s
         token given this module's noise, and its logprob under log_softmax(logits * inv_temp)."""
         B, V = logits.shape
-        if not (logits.dtype == inv_temp.dtype == noise_scale.dtype == torch.float32 and logits.is_contiguous()
-                and key.dtype == index.dtype == salt.dtype == torch.int64 and salt.shape == (V,)
-                and salt.is_contiguous() and inv_temp.shape == noise_scale.shape == key.shape == index.shape == (B,)):
-            raise ValueError(f"sample: bad operands logits {tuple(logits.shape)} {logits.dtype}, salt {tuple(salt.shape)}")
+        if not (
+            logits.dtype == inv_temp.dtype == noise_scale.dtype == torch.float32
+            and logits.is_contiguous()
+            and key.dtype == index.dtype == salt.dtype == torch.int64
+            and salt.shape == (V,)
+            and salt.is_contiguous()
+            and inv_temp.shape == noise_scale.shape == key.shape == index.shape == (B,)
+        ):
+            raise ValueError(
+                f"sample: bad operands logits {tuple(logits.shape)} {logits.dtype}, salt {tuple(salt.shape)}"
+            )
         scratch = self._scratch_of(2 * V)
         tokens, lps = torch.empty(B, dtype=torch.int64), torch.empty(B)
-        self._lib.sample_f32(logits.data_ptr(), inv_temp.data_ptr(), inv_temp.stride(0), noise_scale.data_ptr(),
-                             noise_scale.stride(0), key.data_ptr(), key.stride(0), index.data_ptr(), index.stride(0),
-                             salt.data_ptr(), B, V, scratch.data_ptr(), tokens.data_ptr(), lps.data_ptr())
+        self._lib.sample_f32(
+            logits.data_ptr(),
+            inv_temp.data_ptr(),
+            inv_temp.stride(0),
+            noise_scale.data_ptr(),
+            noise_scale.stride(0),
+            key.data_ptr(),
+            key.stride(0),
+            index.data_ptr(),
+            index.stride(0),
+            salt.data_ptr(),
+            B,
+            V,
+            scratch.data_ptr(),
+            tokens.data_ptr(),
+            lps.data_ptr(),
+        )
         return tokens, lps
 
     def rms(self, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,26 +163,62 @@ class Kernels:
         self._silu_mul[gu.dtype](gu.data_ptr(), out.data_ptr(), M, I)
         return out
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row0: int,
-            scale: float) -> torch.Tensor:
+    def run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row0: int, scale: float
+    ) -> torch.Tensor:
         B, Hkv, G, D = q.shape
         L = k.shape[2]
-        if not (q.dtype == torch.float32 and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-                and k.dtype == v.dtype and pos.dtype == torch.int64 and pos.is_contiguous()
-                and k.shape[1:] == (Hkv, L, D) and row0 + B <= k.shape[0] and pos.shape == (B,)):
-            raise ValueError(f"decode_attn: bad operands q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
-                             f"{k.dtype}, pos {tuple(pos.shape)} {pos.dtype}, rows {row0}..{row0 + B}")
+        if not (
+            q.dtype == torch.float32
+            and q.is_contiguous()
+            and k.is_contiguous()
+            and v.is_contiguous()
+            and k.dtype == v.dtype
+            and pos.dtype == torch.int64
+            and pos.is_contiguous()
+            and k.shape[1:] == (Hkv, L, D)
+            and row0 + B <= k.shape[0]
+            and pos.shape == (B,)
+        ):
+            raise ValueError(
+                f"decode_attn: bad operands q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
+                f"{k.dtype}, pos {tuple(pos.shape)} {pos.dtype}, rows {row0}..{row0 + B}"
+            )
         scratch = self._scratch_of(G * L)
         out = torch.empty_like(q)
-        rc = self._fns[k.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), pos.data_ptr(), out.data_ptr(),
-                                B, Hkv, G, D, row0, L, scale, scratch.data_ptr())
+        rc = self._fns[k.dtype](
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            pos.data_ptr(),
+            out.data_ptr(),
+            B,
+            Hkv,
+            G,
+            D,
+            row0,
+            L,
+            scale,
+            scratch.data_ptr(),
+        )
         if rc:
-            raise ValueError(f"decode_attn: {'head_dim > 256' if rc == -1 else 'a position outside the cache'}"
-                             f" (rows {row0}..{row0 + B}, max_len {L}, positions {pos.tolist()})")
+            raise ValueError(
+                f"decode_attn: {'head_dim > 256' if rc == -1 else 'a position outside the cache'}"
+                f" (rows {row0}..{row0 + B}, max_len {L}, positions {pos.tolist()})"
+            )
         return out
 
-    def layer(self, qkv: torch.Tensor, cos_sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              row: torch.Tensor, pos: torch.Tensor, G: int, scale: float) -> torch.Tensor:
+    def layer(
+        self,
+        qkv: torch.Tensor,
+        cos_sin: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        row: torch.Tensor,
+        pos: torch.Tensor,
+        G: int,
+        scale: float,
+    ) -> torch.Tensor:
         """One layer's attention block after the q/k/v projection: token t of qkv (M, (H + 2 Hkv) D)
         rotated by RoPE (cos_sin (>= L, 2, D), the runner's table), its k and v written into cache row
         row[t] at pos[t], its q attended over that row's positions [0, pos[t]] (a prefill piece: one
@@ -140,21 +226,55 @@ class Kernels:
         M, W = qkv.shape
         rows, Hkv, L, D = k.shape
         dt = qkv.dtype
-        if not (dt in self._layer and cos_sin.dtype == k.dtype == v.dtype == dt and k.shape == v.shape
-                and qkv.is_contiguous() and cos_sin.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-                and W == (G + 2) * Hkv * D and cos_sin.shape[0] >= L and cos_sin.shape[1:] == (2, D)
-                and pos.shape == row.shape == (M,) and pos.dtype == row.dtype == torch.int64
-                and pos.is_contiguous() and row.is_contiguous()):
-            raise ValueError(f"decode_layer: bad operands qkv {tuple(qkv.shape)} {dt}, k {tuple(k.shape)} "
-                             f"{k.dtype}, cos_sin {tuple(cos_sin.shape)} {cos_sin.dtype}, G {G}, pos "
-                             f"{tuple(pos.shape)} {pos.dtype}, row {tuple(row.shape)} {row.dtype}")
+        if not (
+            dt in self._layer
+            and cos_sin.dtype == k.dtype == v.dtype == dt
+            and k.shape == v.shape
+            and qkv.is_contiguous()
+            and cos_sin.is_contiguous()
+            and k.is_contiguous()
+            and v.is_contiguous()
+            and W == (G + 2) * Hkv * D
+            and cos_sin.shape[0] >= L
+            and cos_sin.shape[1:] == (2, D)
+            and pos.shape == row.shape == (M,)
+            and pos.dtype == row.dtype == torch.int64
+            and pos.is_contiguous()
+            and row.is_contiguous()
+        ):
+            raise ValueError(
+                f"decode_layer: bad operands qkv {tuple(qkv.shape)} {dt}, k {tuple(k.shape)} "
+                f"{k.dtype}, cos_sin {tuple(cos_sin.shape)} {cos_sin.dtype}, G {G}, pos "
+                f"{tuple(pos.shape)} {pos.dtype}, row {tuple(row.shape)} {row.dtype}"
+            )
         scratch = self._scratch_of(G * L + 2 * G * D)
         out = torch.empty(M, G * Hkv * D, dtype=dt)
-        rc = self._layer[dt](qkv.data_ptr(), cos_sin.data_ptr(), row.data_ptr(), pos.data_ptr(), k.data_ptr(),
-                             v.data_ptr(), out.data_ptr(), M, rows, Hkv, G, D, L, scale, scratch.data_ptr())
+        rc = self._layer[dt](
+            qkv.data_ptr(),
+            cos_sin.data_ptr(),
+            row.data_ptr(),
+            pos.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            out.data_ptr(),
+            M,
+            rows,
+            Hkv,
+            G,
+            D,
+            L,
+            scale,
+            scratch.data_ptr(),
+        )
         if rc:
-            why = {-1: "head_dim > 256 or odd", -2: "a position outside the cache", -3: "a row outside the cache"}[rc]
-            raise ValueError(f"decode_layer: {why} (rows {row.tolist()}, max_len {L}, positions {pos.tolist()})")
+            why = {
+                -1: "head_dim > 256 or odd",
+                -2: "a position outside the cache",
+                -3: "a row outside the cache",
+            }[rc]
+            raise ValueError(
+                f"decode_layer: {why} (rows {row.tolist()}, max_len {L}, positions {pos.tolist()})"
+            )
         return out
 
 
@@ -165,7 +285,9 @@ def _build_key(cc: str) -> str:
         raise RuntimeError(f"no C compiler {cc!r} ({e}); set CC to one") from e
     cpu = platform.machine()
     try:
-        cpu += next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        cpu += next(
+            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), ""
+        )
     except OSError:
         pass
     h = hashlib.sha256()

@@ -23,6 +23,7 @@ Not thread-safe: call `add`, `abort`, `load_weights`, ... between steps, from th
 The engine owns the model it is given (it may be overwritten by `load_weights(..., version=0)`); it
 is copied only when `device`/`dtype` ask for a different placement.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,15 +44,31 @@ from tailrace.engine.versions import Versions
 from tailrace.model.decoder import CausalLM
 from tailrace.types import Finish, GenRequest, GenResult
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 class Engine:
-    def __init__(self, model: CausalLM, *, num_slots: int = 64, max_len: int | None = None,
-                 prefill_tokens: int = 512, device: torch.device | str | None = None,
-                 dtype: torch.dtype | str | None = None, seed: int = 0, threads: int | None = None,
-                 attention: str | None = None, kv_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        num_slots: int = 64,
+        max_len: int | None = None,
+        prefill_tokens: int = 512,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        seed: int = 0,
+        threads: int | None = None,
+        attention: str | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ):
         """`model` is version 0. `max_len`: context limit (prompt + response) per request, default the
         model's max_position_embeddings. `threads`: torch intra-op threads (None leaves the caller's
         setting). `attention`: decode attention, 'kernel' (the C kernel: default on CPU with one
@@ -94,7 +111,9 @@ class Engine:
         self._decode_step = 0
         self._finish_at: dict[int, list[Sequence]] = {}  # decode step -> sequences reaching their length
         self._sorting: dict[int, list] = {}  # version -> [steps since its rows were sorted, overhead then]
-        self._n_sampled = self._n_tempered = self._n_filter = self._n_min_stop = self._n_stop = 0  # decode rows
+        self._n_sampled = self._n_tempered = self._n_filter = self._n_min_stop = self._n_stop = (
+            0  # decode rows
+        )
         self._paused = False
 
     # -- public API ---------------------------------------------------------------------------------
@@ -135,8 +154,10 @@ class Engine:
         """Take a waiting or running request out; returns its partial (finish=ABORTED)."""
         seq = self._seqs.get(request_id)
         if seq is None:
-            raise EngineError(f"abort({request_id!r}): no such request in the engine (finished, aborted "
-                              "or never added); abort only requests that are waiting or running")
+            raise EngineError(
+                f"abort({request_id!r}): no such request in the engine (finished, aborted "
+                "or never added); abort only requests that are waiting or running"
+            )
         new_toks: list[int] = []
         new_lps: list[float] = []
         with torch.inference_mode():
@@ -160,8 +181,10 @@ class Engine:
         if version not in self._versions:
             raise EngineError(f"drop_version({version}): version not loaded; loaded: {self.versions}")
         if self._per_version[version]:
-            raise EngineError(f"drop_version({version}): {self._per_version[version]} request(s) of it are "
-                              "waiting or running; abort them or let them finish first")
+            raise EngineError(
+                f"drop_version({version}): {self._per_version[version]} request(s) of it are "
+                "waiting or running; abort them or let them finish first"
+            )
         if len(self.versions) == 1:
             raise EngineError(f"drop_version({version}): it is the only version; load another one first")
         self._versions.drop(version)
@@ -175,13 +198,17 @@ class Engine:
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Run `requests` to completion on an idle engine; results in request order."""
         if self._seqs or self._done_next:
-            raise EngineError("generate() needs an idle engine; step() until num_running and num_waiting are 0")
+            raise EngineError(
+                "generate() needs an idle engine; step() until num_running and num_waiting are 0"
+            )
         if self._paused:
             raise EngineError("generate() on a paused engine would never finish; call resume() first")
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             dup = next(i for i, n in Counter(ids).items() if n > 1)
-            raise EngineError(f"request id {dup!r} appears twice in generate(); give each request a unique id")
+            raise EngineError(
+                f"request id {dup!r} appears twice in generate(); give each request a unique id"
+            )
         for r in requests:
             check_request(r, self._seqs, self._versions, self.max_len, self.vocab_size)
         for r in requests:
@@ -206,8 +233,15 @@ class Engine:
             completed, pre_stop, dec_stop = self._forward(pieces, self._arrange())
             stopped = self._read_stops(completed, pre_stop, dec_stop)
             finished = self._settle(completed, stopped, active)
-        return StepEvent(t0, time.perf_counter() - t0, active, sum(p.n for p in pieces), active + len(completed),
-                         advanced, finished)
+        return StepEvent(
+            t0,
+            time.perf_counter() - t0,
+            active,
+            sum(p.n for p in pieces),
+            active + len(completed),
+            advanced,
+            finished,
+        )
 
     def _admit(self) -> None:
         while self._waiting and self.slots.num_free:
@@ -221,13 +255,13 @@ class Engine:
         plans = []
         for g in self.slots.groups:
             step = self._decode_step
-            positions = [self._seqs[r].pos_key + step for r in self.slots.owner[g.start:g.stop]]
+            positions = [self._seqs[r].pos_key + step for r in self.slots.owner[g.start : g.stop]]
             plan = chunks.plan(positions)
             ratio = chunks.overhead(positions, plan)
             st = self._sorting.setdefault(g.version, [0, 1.0])  # steps since sort, overhead after it
             st[0] += 1
             if chunks.needs_sort(ratio, st[1], st[0]):
-                order = sorted(self.slots.owner[g.start:g.stop], key=lambda r: -self._seqs[r].pos_key)
+                order = sorted(self.slots.owner[g.start : g.stop], key=lambda r: -self._seqs[r].pos_key)
                 self._apply(self.slots.reorder(g.version, order))
                 positions = [self._seqs[r].pos_key + step for r in order]
                 plan = chunks.plan(positions)
@@ -267,7 +301,7 @@ class Engine:
         if not pieces:
             return tokens, positions, [], None
         B = rows.stop - rows.start
-        ids = [t for p in pieces for t in p.seq.ids[p.start:p.start + p.n]]
+        ids = [t for p in pieces for t in p.seq.ids[p.start : p.start + p.n]]
         pos = [i for p in pieces for i in range(p.start, p.start + p.n)]
         tokens = torch.cat((tokens, torch.tensor(ids).to(dev, non_blocking=True)))
         positions = torch.cat((positions, torch.tensor(pos).to(dev, non_blocking=True)))
@@ -285,11 +319,20 @@ class Engine:
     def _sample_decode(self, logits: torch.Tensor) -> torch.Tensor:
         """Sample the next token of every decode row [0, n); returns their stop flags."""
         n = logits.shape[0]
-        flags = SampleFlags(any_sampled=self._n_sampled > 0, any_greedy=self._n_sampled < n,
-                            any_tempered=self._n_tempered > 0, any_filter=self._n_filter > 0,
-                            any_min_new=self._n_min_stop > 0)
-        tokens, lps = sample(logits, salt=self._salt, flags=flags, kernel=self._sample_kernel,
-                             **self.rows.sampling_args(slice(0, n)))
+        flags = SampleFlags(
+            any_sampled=self._n_sampled > 0,
+            any_greedy=self._n_sampled < n,
+            any_tempered=self._n_tempered > 0,
+            any_filter=self._n_filter > 0,
+            any_min_new=self._n_min_stop > 0,
+        )
+        tokens, lps = sample(
+            logits,
+            salt=self._salt,
+            flags=flags,
+            kernel=self._sample_kernel,
+            **self.rows.sampling_args(slice(0, n)),
+        )
         self._decode_step += 1
         return self.rows.record(slice(0, n), tokens, lps, advance_pos=True)
 
@@ -297,13 +340,20 @@ class Engine:
         """Sample the first new token of each request whose prompt completed; returns their stop flags."""
         rows_t = torch.tensor([self.slots.row[s.id] for s in completed]).to(self.device, non_blocking=True)
         ps = [s.req.params for s in completed]
-        flags = SampleFlags(any_sampled=any(p.temperature > 0 for p in ps),
-                            any_greedy=any(p.temperature == 0 for p in ps),
-                            any_tempered=any(p.temperature not in (0, 1) for p in ps),
-                            any_filter=any(p.top_k or p.top_p < 1 for p in ps),
-                            any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps))
-        tokens, lps = sample(logits, salt=self._salt, flags=flags, kernel=self._sample_kernel,
-                             **self.rows.sampling_args(rows_t))
+        flags = SampleFlags(
+            any_sampled=any(p.temperature > 0 for p in ps),
+            any_greedy=any(p.temperature == 0 for p in ps),
+            any_tempered=any(p.temperature not in (0, 1) for p in ps),
+            any_filter=any(p.top_k or p.top_p < 1 for p in ps),
+            any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps),
+        )
+        tokens, lps = sample(
+            logits,
+            salt=self._salt,
+            flags=flags,
+            kernel=self._sample_kernel,
+            **self.rows.sampling_args(rows_t),
+        )
         for s in completed:
             self._prefilling.remove(s)
         return self.rows.record(rows_t, tokens, lps, advance_pos=False)
@@ -312,7 +362,9 @@ class Engine:
         """The one device->host read of a step: indices (prefill-completed requests first, then decode
         rows) that sampled a stop token. Skipped when no request involved has stop tokens (rows without
         stop tokens never flag, so the parts can be read together)."""
-        need = (dec_stop is not None and self._n_stop > 0) or any(s.req.params.stop_token_ids for s in completed)
+        need = (dec_stop is not None and self._n_stop > 0) or any(
+            s.req.params.stop_token_ids for s in completed
+        )
         if not need:
             return []
         parts = [t for t in (pre_stop, dec_stop) if t is not None]
@@ -340,8 +392,11 @@ class Engine:
         self._done_next = []
         if fin:
             step = self._decode_step
-            outs = self.rows.outputs([self.slots.row[s.id] for s, _ in fin], [s.num_resumed for s, _ in fin],
-                                     [s.num_resumed + s.num_new(step) for s, _ in fin])
+            outs = self.rows.outputs(
+                [self.slots.row[s.id] for s, _ in fin],
+                [s.num_resumed for s, _ in fin],
+                [s.num_resumed + s.num_new(step) for s, _ in fin],
+            )
             for (seq, reason), (toks, lps) in zip(fin, outs):
                 results.append(self._result(seq, toks, lps, reason, now))
                 self._remove(seq)
@@ -385,11 +440,20 @@ class Engine:
             self.cache.move_row(src, dst, n)
             self.rows.move(src, dst)
 
-    def _result(self, seq: Sequence, toks: list[int], lps: list[float], finish: Finish, t: float) -> GenResult:
+    def _result(
+        self, seq: Sequence, toks: list[int], lps: list[float], finish: Finish, t: float
+    ) -> GenResult:
         r = seq.req
-        return GenResult(request_id=r.id, token_ids=r.resume_ids + tuple(toks), logprobs=r.resume_logprobs + tuple(lps),
-                         versions=r.resume_versions + (r.version,) * len(toks), finish=finish,
-                         submitted=seq.submitted, first_token=seq.first_token, finished=t)
+        return GenResult(
+            request_id=r.id,
+            token_ids=r.resume_ids + tuple(toks),
+            logprobs=r.resume_logprobs + tuple(lps),
+            versions=r.resume_versions + (r.version,) * len(toks),
+            finish=finish,
+            submitted=seq.submitted,
+            first_token=seq.first_token,
+            finished=t,
+        )
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 `check_request` raises it before any state changes, so the other requests in the engine are never
 disturbed."""
+
 from __future__ import annotations
 
 from collections.abc import Container
@@ -13,8 +14,9 @@ class EngineError(ValueError):
     pass
 
 
-def check_request(req: GenRequest, live: Container[str], versions: Container[int], max_len: int,
-                  vocab_size: int) -> None:
+def check_request(
+    req: GenRequest, live: Container[str], versions: Container[int], max_len: int, vocab_size: int
+) -> None:
     """`live`: ids of the requests in the engine; `versions`: the loaded versions."""
     if not isinstance(req, GenRequest):
         raise EngineError(f"add() takes a GenRequest, got {type(req).__name__}; wrap ids in GenRequest(...)")
@@ -25,18 +27,26 @@ def check_request(req: GenRequest, live: Container[str], versions: Container[int
         raise EngineError(f"request {rid!r} has an empty prompt; give at least one prompt token")
     n_res = len(req.resume_ids)
     if not n_res == len(req.resume_logprobs) == len(req.resume_versions):
-        raise EngineError(f"request {rid!r}: resume_ids/resume_logprobs/resume_versions have lengths "
-                          f"{n_res}/{len(req.resume_logprobs)}/{len(req.resume_versions)}; pass a partial "
-                          "GenResult's token_ids/logprobs/versions unchanged")
+        raise EngineError(
+            f"request {rid!r}: resume_ids/resume_logprobs/resume_versions have lengths "
+            f"{n_res}/{len(req.resume_logprobs)}/{len(req.resume_versions)}; pass a partial "
+            "GenResult's token_ids/logprobs/versions unchanged"
+        )
     if req.version not in versions:
-        raise EngineError(f"request {rid!r} wants version {req.version}, which is not loaded; "
-                          f"load_weights(state, {req.version}) first")
+        raise EngineError(
+            f"request {rid!r} wants version {req.version}, which is not loaded; "
+            f"load_weights(state, {req.version}) first"
+        )
     n = len(req.prompt_ids) + n_res
     if n >= max_len:
-        raise EngineError(f"request {rid!r}: prompt ({len(req.prompt_ids)}) + resumed ({n_res}) = {n} tokens "
-                          f"leave no room for a new token in max_len={max_len}; shorten it or raise max_len")
+        raise EngineError(
+            f"request {rid!r}: prompt ({len(req.prompt_ids)}) + resumed ({n_res}) = {n} tokens "
+            f"leave no room for a new token in max_len={max_len}; shorten it or raise max_len"
+        )
     ids = req.prompt_ids + req.resume_ids + req.params.stop_token_ids
     if min(ids) < 0 or max(ids) >= vocab_size:
         bad = next(t for t in ids if not 0 <= t < vocab_size)
-        raise EngineError(f"request {rid!r} has token id {bad} outside the vocabulary [0, {vocab_size}); "
-                          "check the tokenizer matches the model")
+        raise EngineError(
+            f"request {rid!r} has token id {bad} outside the vocabulary [0, {vocab_size}); "
+            "check the tokenizer matches the model"
+        )

@@ -1,4 +1,5 @@
 """`StepEvent`: what one engine step did -- the raw material for slot utilization and timelines."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ so `packed` is chosen per call (the runner's `packed_min_batch`). These `torch.o
 torch's own inductor uses on CPU; `packing_supported` checks them once and everything falls back to
 plain `F.linear`/`addmm` where they are missing or disagree.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,7 +34,9 @@ def packing_supported(dtype: torch.dtype) -> bool:
         lin = Linear(w, None, packed=True)
         tol = 1e-5 if dtype == torch.float32 else 5e-2
         ok = torch.allclose(lin(x, True).float(), F.linear(x, w).float(), atol=tol, rtol=tol)
-        ok &= torch.allclose(lin.add(x, r, True).float(), torch.addmm(r, x, w.t()).float(), atol=tol, rtol=tol)
+        ok &= torch.allclose(
+            lin.add(x, r, True).float(), torch.addmm(r, x, w.t()).float(), atol=tol, rtol=tol
+        )
         return bool(ok)
     except (RuntimeError, AttributeError):
         return False

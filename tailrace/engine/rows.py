@@ -5,6 +5,7 @@ key, sampling parameters, a stop-token mask, and output buffers holding each sam
 logprob at its response index. Rows move with their KV-cache rows (`move`), so a decode step reads
 and updates a contiguous slice with a handful of tensor ops and never crosses to the host.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,10 +38,12 @@ class RowState:
         top_k = V if greedy or p.top_k == 0 else min(p.top_k, V)
         top_p = TOP_P_OFF if greedy or p.top_p >= 1.0 else p.top_p
         dev = self.ints.device
-        self.ints[row] = torch.tensor([0, len(seq.ids), seq.num_resumed, seq.key, top_k, p.min_new_tokens],
-                                      dtype=torch.int64).to(dev, non_blocking=True)
-        self.floats[row] = torch.tensor([1.0 if greedy else 1.0 / p.temperature, 0.0 if greedy else 1.0, top_p],
-                                        dtype=torch.float32).to(dev, non_blocking=True)
+        self.ints[row] = torch.tensor(
+            [0, len(seq.ids), seq.num_resumed, seq.key, top_k, p.min_new_tokens], dtype=torch.int64
+        ).to(dev, non_blocking=True)
+        self.floats[row] = torch.tensor(
+            [1.0 if greedy else 1.0 / p.temperature, 0.0 if greedy else 1.0, top_p], dtype=torch.float32
+        ).to(dev, non_blocking=True)
         self.stop_mask[row] = False
         if p.stop_token_ids:
             self.stop_mask[row, list(p.stop_token_ids)] = True
@@ -52,20 +55,28 @@ class RowState:
     def sampling_args(self, rows: slice | torch.Tensor) -> dict[str, torch.Tensor]:
         """Keyword arguments of `sampler.sample` for these rows (views for a slice)."""
         ints, floats = self.ints[rows], self.floats[rows]
-        return dict(inv_temp=floats[:, INV_T], noise_scale=floats[:, NOISE], top_p=floats[:, TOPP],
-                    top_k=ints[:, TOPK], key=ints[:, KEY], index=ints[:, IDX], min_new=ints[:, MINNEW],
-                    stop_mask=self.stop_mask[rows])
+        return dict(
+            inv_temp=floats[:, INV_T],
+            noise_scale=floats[:, NOISE],
+            top_p=floats[:, TOPP],
+            top_k=ints[:, TOPK],
+            key=ints[:, KEY],
+            index=ints[:, IDX],
+            min_new=ints[:, MINNEW],
+            stop_mask=self.stop_mask[rows],
+        )
 
-    def record(self, rows: slice | torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
-               advance_pos: bool) -> torch.Tensor:
+    def record(
+        self, rows: slice | torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, advance_pos: bool
+    ) -> torch.Tensor:
         """Store sampled tokens at each row's response index, make them the next decode inputs and
         advance the index (and the position, for decode rows). Returns the stop flags (B,) bool."""
         if isinstance(rows, slice):
-            idx = self.ints[rows, IDX:IDX + 1]  # (B, 1) view
+            idx = self.ints[rows, IDX : IDX + 1]  # (B, 1) view
             self.out_tok[rows].scatter_(1, idx, tokens[:, None])
             self.out_lp[rows].scatter_(1, idx, logprobs[:, None])
             self.ints[rows, TOK] = tokens
-            self.ints[rows, (POS if advance_pos else IDX):IDX + 1] += 1
+            self.ints[rows, (POS if advance_pos else IDX) : IDX + 1] += 1
             stop = self.stop_mask[rows].gather(1, tokens[:, None])
         else:
             idx = self.ints[rows, IDX]
@@ -78,7 +89,9 @@ class RowState:
             stop = self.stop_mask[rows].gather(1, tokens[:, None])
         return stop.squeeze(1)
 
-    def outputs(self, rows: list[int], start: list[int], stop: list[int]) -> list[tuple[list[int], list[float]]]:
+    def outputs(
+        self, rows: list[int], start: list[int], stop: list[int]
+    ) -> list[tuple[list[int], list[float]]]:
         """Tokens and logprobs at response indices [start, stop) of each row: one device->host copy."""
         if not rows:
             return []
@@ -87,5 +100,7 @@ class RowState:
         r = torch.tensor(rows, device=self.out_tok.device)
         # Token ids are exact in float64, so both come back in one copy.
         toks, lps = torch.stack((self.out_tok[r, lo:hi].double(), self.out_lp[r, lo:hi].double())).tolist()
-        return [([int(x) for x in t[s - lo:e - lo]], lp[s - lo:e - lo])
-                for t, lp, s, e in zip(toks, lps, start, stop)]
+        return [
+            ([int(x) for x in t[s - lo : e - lo]], lp[s - lo : e - lo])
+            for t, lp, s, e in zip(toks, lps, start, stop)
+        ]

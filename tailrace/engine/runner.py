@@ -28,6 +28,7 @@ engine's steps run here, over the same weights and the same KV cache layout, bui
 Supports exactly what `CausalLM` supports (Llama/Qwen2 biases, every RoPE type via the table); tests
 pin it to `CausalLM.forward` logits.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,6 @@ from tailrace.model.decoder import CausalLM
 from tailrace.model.kv_cache import KVCache
 from tailrace.model.rope import inv_freq_and_scale, rope_table
 
-
 # bf16/fp16 attention at small batches: fp32 GEMMs on upcast copies beat bf16 bmm (measured ~20% of
 # the step at batch 1-4, even at batch 8, worse above).
 _UPCAST_MAX_BATCH = 8
@@ -50,7 +50,9 @@ class _Layer:
 
 
 class Runner:
-    def __init__(self, model: CausalLM, max_len: int, attention: str | None = None, packed: bool | None = None):
+    def __init__(
+        self, model: CausalLM, max_len: int, attention: str | None = None, packed: bool | None = None
+    ):
         """`attention`: 'kernel', 'bmm' or 'sdpa'; None = 'kernel' where it applies (see above), else 'bmm'.
         `packed`: oneDNN packed weights (see `linear.py`); None = wherever supported."""
         cfg = model.config
@@ -59,12 +61,16 @@ class Runner:
         self.G = self.H // self.Hkv
         self.I = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
-        self.scale = self.D ** -0.5
+        self.scale = self.D**-0.5
         w = model.model.embed_tokens.weight
         self.dtype, self.device = w.dtype, w.device
         self.kernel = None
-        if attention in (None, "kernel") and self.device.type == "cpu" and self.D <= ckernel.MAX_HEAD_DIM \
-                and (attention == "kernel" or torch.get_num_threads() == 1):
+        if (
+            attention in (None, "kernel")
+            and self.device.type == "cpu"
+            and self.D <= ckernel.MAX_HEAD_DIM
+            and (attention == "kernel" or torch.get_num_threads() == 1)
+        ):
             self.kernel = ckernel.load()
             if self.kernel is None and attention == "kernel":
                 raise RuntimeError(f"attention='kernel': {ckernel.unavailable()}; or use attention='bmm'")
@@ -107,10 +113,15 @@ class Runner:
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
             L = _Layer()
-            L.qkv = proj(layer.input_layernorm.weight, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
-                               [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            L.qkv = proj(
+                layer.input_layernorm.weight,
+                [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
+            )
             L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk)
-            L.gate_up = proj(layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight])
+            L.gate_up = proj(
+                layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight]
+            )
             L.down = Linear(mlp.down_proj.weight, None, pk)
             self.layers.append(L)
 
@@ -126,8 +137,9 @@ class Runner:
             self._write_base[key] = base
         return base
 
-    def _attend(self, qk: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, r0: int, chunks, masks,
-                mode: str) -> torch.Tensor:
+    def _attend(
+        self, qk: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, r0: int, chunks, masks, mode: str
+    ) -> torch.Tensor:
         """Attention of qk[:, :H] (B, H, D) over cache rows r0 + [lo, hi) up to S, chunk by chunk;
         the cache slices are views. Returns (B, H D) in the model dtype."""
         B, H, Hkv, G, D = qk.shape[0], self.H, self.Hkv, self.G, self.D
@@ -139,13 +151,13 @@ class Runner:
                 q = q.float()
         outs = []
         for (lo, hi, S), m in zip(chunks, masks):
-            kk, vv = ck[r0 + lo:r0 + hi, :, :S], cv[r0 + lo:r0 + hi, :, :S]  # (n, Hkv, S, D) views
+            kk, vv = ck[r0 + lo : r0 + hi, :, :S], cv[r0 + lo : r0 + hi, :, :S]  # (n, Hkv, S, D) views
             if mode == "sdpa":
                 outs.append(F.scaled_dot_product_attention(q[lo:hi], kk, vv, attn_mask=m, scale=self.scale))
                 continue
             n = hi - lo
             k3, v3 = kk.reshape(n * Hkv, S, D), vv.reshape(n * Hkv, S, D)  # views
-            qc = q[lo * Hkv:hi * Hkv]
+            qc = q[lo * Hkv : hi * Hkv]
             if mode == "bmm16":  # K @ q^T, fp32 softmax
                 s = torch.add(m, torch.bmm(k3, qc.transpose(1, 2)).transpose(1, 2), alpha=self.scale)
                 outs.append(torch.bmm(torch.softmax(s, dim=-1).to(self.dtype), v3))
@@ -169,18 +181,31 @@ class Runner:
         """silu(gate) * up of the fused gate/up projection's output (M, 2 I)."""
         if self.kernel is not None and gu.dtype in self.kernel.dtypes:
             return self.kernel.silu_mul(gu)
-        return F.silu(gu[:, :self.I]).mul_(gu[:, self.I:])
+        return F.silu(gu[:, : self.I]).mul_(gu[:, self.I :])
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
-               chunks: list[tuple[int, int, int]] | int) -> torch.Tensor:
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        rows: slice,
+        chunks: list[tuple[int, int, int]] | int,
+    ) -> torch.Tensor:
         """Decode only: see `forward`. An int `chunks` S = one chunk over all rows."""
         if isinstance(chunks, int):
             chunks = [(0, tokens.shape[0], chunks)]
         return self.forward(tokens, positions, cache, rows, chunks)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
-                chunks: list[tuple[int, int, int]], pieces: list[tuple[int, int, int]] = (),
-                want: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        rows: slice,
+        chunks: list[tuple[int, int, int]],
+        pieces: list[tuple[int, int, int]] = (),
+        want: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One step over M tokens: B = len(rows) decode tokens first, then prefill pieces.
 
         tokens, positions (M,) int64 on device. Decode token b sits in cache row rows.start + b;
@@ -207,7 +232,9 @@ class Runner:
             pos = positions.contiguous()
             for i, lw in enumerate(self.layers):
                 qkv = lw.qkv(self._rms(x), pk)
-                o = self.kernel.layer(qkv, self.cos_sin, cache.k[i], cache.v[i], trow, pos, self.G, self.scale)
+                o = self.kernel.layer(
+                    qkv, self.cos_sin, cache.k[i], cache.v[i], trow, pos, self.G, self.scale
+                )
                 x = lw.o.add(o, x, pk)
                 x = lw.down.add(self._silu_mul(lw.gate_up(self._rms(x), pk)), x, pk)
         else:
@@ -223,9 +250,13 @@ class Runner:
         B, M = rows.stop - rows.start, x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
         L = cache.max_len
-        widx = self._write_index(rows, L) + positions[:B].repeat_interleave(Hkv)  # (B Hkv,) into k.view(-1, D)
+        widx = self._write_index(rows, L) + positions[:B].repeat_interleave(
+            Hkv
+        )  # (B Hkv,) into k.view(-1, D)
         if pieces:
-            pre = ((self._piece_rows(pieces)[:, None] * Hkv + self.heads) * L + positions[B:, None]).reshape(-1)
+            pre = ((self._piece_rows(pieces)[:, None] * Hkv + self.heads) * L + positions[B:, None]).reshape(
+                -1
+            )
             widx = torch.cat((widx, pre))
         cs = self.cos_sin[positions]  # (M, 2, D)
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
@@ -239,16 +270,18 @@ class Runner:
                 masks.append(m.repeat_interleave(Hkv, dim=0).view((hi - lo) * Hkv, 1, S))  # broadcast over G
         causal = []  # per prefill piece, its causal mask (1, n G, start + n) fp32
         for _, start, n in pieces:
-            m = torch.where(self.arange[:start + n] > self.arange[start:start + n, None], float("-inf"), 0.0)
+            m = torch.where(
+                self.arange[: start + n] > self.arange[start : start + n, None], float("-inf"), 0.0
+            )
             causal.append(m.repeat_interleave(self.G, dim=0)[None])
         for i, lw in enumerate(self.layers):
             qkv = lw.qkv(self._rms(x), pk)  # (M, (H + 2 Hkv) D)
-            qk = qkv[:, :(H + Hkv) * D].view(M, H + Hkv, D)
+            qk = qkv[:, : (H + Hkv) * D].view(M, H + Hkv, D)
             half = D // 2
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             ck, cv = cache.k[i], cache.v[i]
             ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D).to(ck.dtype))
-            cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D:].reshape(M * Hkv, D).to(cv.dtype))
+            cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D :].reshape(M * Hkv, D).to(cv.dtype))
             if not B:
                 outs = []
             elif mode == "kernel":
@@ -259,7 +292,11 @@ class Runner:
                 outs = [self._attend(qk[:B], ck, cv, rows.start, chunks, masks, mode)]  # (B, H D)
             off = B
             for (row, start, n), m in zip(pieces, causal):
-                outs.append(self._attend_piece(qk[off:off + n, :H], ck[row, :, :start + n], cv[row, :, :start + n], m))
+                outs.append(
+                    self._attend_piece(
+                        qk[off : off + n, :H], ck[row, :, : start + n], cv[row, :, : start + n], m
+                    )
+                )
                 off += n
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = lw.o.add(o, x, pk)
@@ -280,7 +317,9 @@ class Runner:
         """(tokens,) the cache row of each prefill piece's tokens, in order."""
         return torch.tensor([r for r, _, n in pieces for _ in range(n)], device=self.device)
 
-    def _attend_piece(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _attend_piece(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """Causal attention of one prefill piece, in fp32: q (n, H, D); k, v (Hkv, S, D) cache views;
         mask (1, n G, S). Returns (n, H D) in the model dtype."""
         n, Hkv, G, D = q.shape[0], self.Hkv, self.G, self.D

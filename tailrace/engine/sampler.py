@@ -14,6 +14,7 @@ What a row's logprob means (the distribution it was sampled from):
 Top-k is applied before top-p (as Hugging Face orders its warpers); tokens tied with the cut-off
 value are kept. Stop tokens are masked out while a row has fewer than its min_new_tokens.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,10 +80,21 @@ class SampleFlags:
     any_min_new: bool = False  # some row may still be below min_new_tokens and has stop ids
 
 
-def sample(logits: torch.Tensor, *, inv_temp: torch.Tensor, noise_scale: torch.Tensor, top_k: torch.Tensor,
-           top_p: torch.Tensor, key: torch.Tensor, index: torch.Tensor, salt: torch.Tensor,
-           stop_mask: torch.Tensor | None = None, min_new: torch.Tensor | None = None,
-           flags: SampleFlags = SampleFlags(), kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor,
+    *,
+    inv_temp: torch.Tensor,
+    noise_scale: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    key: torch.Tensor,
+    index: torch.Tensor,
+    salt: torch.Tensor,
+    stop_mask: torch.Tensor | None = None,
+    min_new: torch.Tensor | None = None,
+    flags: SampleFlags = SampleFlags(),
+    kernel=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (tokens (B,) int64, logprobs (B,) float32).
 
     logits (B, V) any float dtype; inv_temp (B,) float32 (1/temperature, 1 for greedy rows);

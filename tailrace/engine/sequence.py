@@ -5,14 +5,25 @@ the host keeps only counters, from which it knows every length without reading t
 a decoding sequence gains exactly one token per decode step, so its count is
 `new_at_join + (engine decode steps since it joined)`.
 """
+
 from __future__ import annotations
 
 from tailrace.types import GenRequest
 
 
 class Sequence:
-    __slots__ = ("req", "ids", "key", "submitted", "first_token", "prefilled", "new_at_join",
-                 "joined_at", "allowed", "pos_key")
+    __slots__ = (
+        "req",
+        "ids",
+        "key",
+        "submitted",
+        "first_token",
+        "prefilled",
+        "new_at_join",
+        "joined_at",
+        "allowed",
+        "pos_key",
+    )
 
     def __init__(self, req: GenRequest, key: int, submitted: float, max_len: int):
         self.req = req

@@ -9,6 +9,7 @@ everything indexed by row (KV cache, per-row tensors). A finished decode row is 
 of its group, and each later group slides down by moving its last row into the gap: 1 + (later groups)
 moves. Joining the decode region costs the same. Pure Python, no torch: tested on its own.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ class Slots:
 
     def decoding_ids(self) -> list[str | None]:
         """Request ids of the decode rows, in row order."""
-        return self.owner[:self.num_decoding]
+        return self.owner[: self.num_decoding]
 
     def group_of(self, version: int) -> Group | None:
         for g in self.groups:
@@ -83,7 +84,7 @@ class Slots:
         if g is None:
             g = Group(version, self.num_decoding, self.num_decoding)
             self.groups.append(g)
-        later = self.groups[self.groups.index(g) + 1:]
+        later = self.groups[self.groups.index(g) + 1 :]
         end = self.num_decoding  # the row the decode region grows into
         moves: list[Move] = []
         if not later and p == end:
@@ -119,7 +120,7 @@ class Slots:
             moves.append(self._move(g.stop - 1, hole))
         g.stop -= 1
         hole = g.stop
-        for h in self.groups[gi + 1:]:  # slide each later group down by one row
+        for h in self.groups[gi + 1 :]:  # slide each later group down by one row
             if h.stop - 1 != hole:
                 moves.append(self._move(h.stop - 1, hole))
             h.start -= 1
@@ -134,7 +135,7 @@ class Slots:
         """Permute a decode group's rows so that row `start + i` holds `order[i]` (a permutation of
         the group's requests): one move per displaced row plus one per cycle, through the spare row."""
         g = self.group_of(version)
-        assert g is not None and len(order) == len(g) and set(order) == set(self.owner[g.start:g.stop])
+        assert g is not None and len(order) == len(g) and set(order) == set(self.owner[g.start : g.stop])
         target = {rid: g.start + i for i, rid in enumerate(order)}
         moves: list[Move] = []
         for r in range(g.start, g.stop):

@@ -4,6 +4,7 @@ Versions share nothing but the KV-cache layout. A new version is built on the me
 first version's config and filled from the state dict (copied: the engine never aliases a trainer's
 live tensors); loading an existing version overwrites its parameters in place.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,17 +69,24 @@ class Versions:
     @staticmethod
     def _check(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         own = model.state_dict()
-        missing = [k for k in own if k not in state_dict
-                   and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+        missing = [
+            k
+            for k in own
+            if k not in state_dict and not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+        ]
         unexpected = [k for k in state_dict if k not in own]
         if missing or unexpected:
-            raise EngineError(f"state_dict does not fit the engine's model: missing {missing[:3]}, unexpected "
-                              f"{unexpected[:3]}; pass the state_dict of a model with the same config")
+            raise EngineError(
+                f"state_dict does not fit the engine's model: missing {missing[:3]}, unexpected "
+                f"{unexpected[:3]}; pass the state_dict of a model with the same config"
+            )
         for k, t in own.items():
             src = state_dict.get(k)
             if src is None:
                 continue
             if src.shape != t.shape:
-                raise EngineError(f"state_dict[{k!r}] has shape {tuple(src.shape)}, the engine's model "
-                                  f"{tuple(t.shape)}; pass weights of a model with the same config")
+                raise EngineError(
+                    f"state_dict[{k!r}] has shape {tuple(src.shape)}, the engine's model "
+                    f"{tuple(t.shape)}; pass weights of a model with the same config"
+                )
         return own

@@ -3,6 +3,7 @@
 Commands are decisions, not requests for information: each is final once emitted, and the scheduler
 has already updated its own books (in-flight counts, ledger) as if it had happened.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

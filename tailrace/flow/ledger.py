@@ -5,6 +5,7 @@
 `produced` counts samples that reached a terminal state (stopped, truncated, or aborted for good);
 an aborted partial that will be resumed is not produced yet. Every discard carries a reason.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -40,8 +41,10 @@ class Ledger:
         """Raise unless produced = trained + in_store + discarded (in_store counted by the caller)."""
         rhs = self.trained + in_store + self.total_discarded
         if self.produced != rhs:
-            raise LedgerError(f"ledger broken: produced {self.produced} != trained {self.trained} + in_store "
-                              f"{in_store} + discarded {self.total_discarded} ({dict(self.discarded)})")
+            raise LedgerError(
+                f"ledger broken: produced {self.produced} != trained {self.trained} + in_store "
+                f"{in_store} + discarded {self.total_discarded} ({dict(self.discarded)})"
+            )
 
     def state_dict(self) -> dict:
         return {"produced": self.produced, "trained": self.trained, "discarded": dict(self.discarded)}

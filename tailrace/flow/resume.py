@@ -7,6 +7,7 @@ regenerated), and the trainer version is the one the checkpointed weights hold. 
 entries the scheduler emitted after the checkpoint — is then replayed on top: groups opened and
 trajectories finished since come back exactly as they were.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -18,24 +19,46 @@ from tailrace.flow.store import GroupState
 
 def _group_dict(g: GroupState) -> dict:
     in_flight = sorted(int(sid.split(".")[1]) for sid in g.in_flight)
-    return {"id": g.id, "prompt": prompt_to_dict(g.prompt), "version": g.version, "wanted": g.wanted,
-            "keep": g.keep, "opened": g.opened, "dispatched": g.dispatched - len(in_flight), "discarded": g.discarded,
-            "todo": sorted(g.todo + in_flight), "done": [traj_to_dict(t) for t in g.done]}
+    return {
+        "id": g.id,
+        "prompt": prompt_to_dict(g.prompt),
+        "version": g.version,
+        "wanted": g.wanted,
+        "keep": g.keep,
+        "opened": g.opened,
+        "dispatched": g.dispatched - len(in_flight),
+        "discarded": g.discarded,
+        "todo": sorted(g.todo + in_flight),
+        "done": [traj_to_dict(t) for t in g.done],
+    }
 
 
 def _group_from(d: dict) -> GroupState:
-    return GroupState(id=d["id"], prompt=prompt_from_dict(d["prompt"]), version=d["version"], wanted=d["wanted"],
-                      keep=d["keep"], opened=d["opened"], dispatched=d["dispatched"], discarded=d["discarded"],
-                      todo=list(d["todo"]),
-                      done=[traj_from_dict(t) for t in d["done"]])
+    return GroupState(
+        id=d["id"],
+        prompt=prompt_from_dict(d["prompt"]),
+        version=d["version"],
+        wanted=d["wanted"],
+        keep=d["keep"],
+        opened=d["opened"],
+        dispatched=d["dispatched"],
+        discarded=d["discarded"],
+        todo=list(d["todo"]),
+        done=[traj_from_dict(t) for t in d["done"]],
+    )
 
 
 def state_dict(s) -> dict:
     unfinished = [g for step in sorted(s.store.training) for g in s.store.training[step]]
     return {
-        "prompts_taken": s.prompts_taken, "next_group": s.next_group, "version": s.done_version,
-        "steps_done": s.steps_done, "ledger": s.ledger.state_dict(), "staleness": dict(s.staleness),
-        "journal_seq": s.journal_seq, "requeued": [prompt_to_dict(p) for p in s.requeued],
+        "prompts_taken": s.prompts_taken,
+        "next_group": s.next_group,
+        "version": s.done_version,
+        "steps_done": s.steps_done,
+        "ledger": s.ledger.state_dict(),
+        "staleness": dict(s.staleness),
+        "journal_seq": s.journal_seq,
+        "requeued": [prompt_to_dict(p) for p in s.requeued],
         "open": [_group_dict(g) for g in s.store.open.values()],
         "ready": [_group_dict(g) for g in unfinished + list(s.store.ready.values())],
         "policy": s.policy.state_dict(),
@@ -73,8 +96,14 @@ def replay(s, entries: list[dict]) -> None:
                 s.requeued.pop(0)
             else:
                 next(s.prompts)
-            g = GroupState(id=e["group"], prompt=prompt_from_dict(e["prompt"]), version=e["version"],
-                           wanted=e["wanted"], keep=e["keep"], opened=s.now)
+            g = GroupState(
+                id=e["group"],
+                prompt=prompt_from_dict(e["prompt"]),
+                version=e["version"],
+                wanted=e["wanted"],
+                keep=e["keep"],
+                opened=s.now,
+            )
             s.store.add_group(g)
             s.prompts_taken, s.next_group = e["prompts_taken"], e["group"] + 1
         elif kind == "done":

@@ -12,6 +12,7 @@ A policy (flow/policies/) reads the core's state and calls its actions: `open_gr
 `abort`, `train`, `load`, `drop`. The core checks, at every train step, the invariants a policy
 declares (staleness bound, one version per trajectory), and the ledger identity every poll.
 """
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -70,7 +71,9 @@ class Mark:
 
 
 class Scheduler:
-    def __init__(self, policy, prompts: Iterator[Prompt], engines: list[tuple[int, int]], spec: FlowSpec) -> None:
+    def __init__(
+        self, policy, prompts: Iterator[Prompt], engines: list[tuple[int, int]], spec: FlowSpec
+    ) -> None:
         self.policy = policy
         self.spec = spec
         self.prompts = prompts
@@ -88,7 +91,9 @@ class Scheduler:
         self.aborting: set[str] = set()  # aborts sent whose partials have not come back yet
         self.staleness: Counter = Counter()  # (trainer version - oldest token version) of trained samples
         self.done_version = 0  # trainer version after the last finished step (what a checkpoint holds)
-        self._issued: dict[int, tuple[Counter, int | None]] = {}  # step -> (its staleness, version it publishes)
+        self._issued: dict[
+            int, tuple[Counter, int | None]
+        ] = {}  # step -> (its staleness, version it publishes)
         self.journal_seq = 0  # journal entries emitted so far (drained or not)
         self.now = 0.0
         self._out: list[Command] = []
@@ -114,8 +119,10 @@ class Scheduler:
         self.ledger.check(self.store.in_store())
         for g in self.store.open.values():  # every dispatched sample is done, in flight or discarded
             if g.dispatched != len(g.done) + len(g.in_flight) + g.discarded:
-                raise InvariantError(f"group {g.id}: {g.dispatched} dispatched but {len(g.done)} done + "
-                                     f"{len(g.in_flight)} in flight + {g.discarded} discarded")
+                raise InvariantError(
+                    f"group {g.id}: {g.dispatched} dispatched but {len(g.done)} done + "
+                    f"{len(g.in_flight)} in flight + {g.discarded} discarded"
+                )
         out, self._out = self._out, []
         return out
 
@@ -169,27 +176,48 @@ class Scheduler:
             prompt = next(self.prompts)
             self.prompts_taken += 1
         k = self.spec.samples_per_prompt
-        g = GroupState(id=self.next_group, prompt=prompt, version=version, wanted=wanted or k, keep=keep or k,
-                       opened=self.now)
+        g = GroupState(
+            id=self.next_group,
+            prompt=prompt,
+            version=version,
+            wanted=wanted or k,
+            keep=keep or k,
+            opened=self.now,
+        )
         self.next_group += 1
         self.store.add_group(g)
-        self._log({"kind": "open", "group": g.id, "version": version, "wanted": g.wanted,
-                             "keep": g.keep, "prompts_taken": self.prompts_taken, "requeued": requeued, "prompt": prompt_to_dict(prompt)})
+        self._log(
+            {
+                "kind": "open",
+                "group": g.id,
+                "version": version,
+                "wanted": g.wanted,
+                "keep": g.keep,
+                "prompts_taken": self.prompts_taken,
+                "requeued": requeued,
+                "prompt": prompt_to_dict(prompt),
+            }
+        )
         return g
 
-    def dispatch(self, engine: int, g: GroupState, n: int, version: int | None = None,
-                 queue_all: bool = False) -> int:
+    def dispatch(
+        self, engine: int, g: GroupState, n: int, version: int | None = None, queue_all: bool = False
+    ) -> int:
         """Send up to n fresh samples of group g to an engine; returns how many went. `queue_all`
         ignores the engine's free capacity (its local queue takes the rest): sync hands a whole
         round over at once, so the engine's schedule does not depend on driver timing."""
         eng = self.engines[engine]
         v = g.version if version is None else version
         if v not in eng.loaded:
-            raise InvariantError(f"dispatch of version {v} to engine {engine}, which holds {sorted(eng.loaded)}")
+            raise InvariantError(
+                f"dispatch of version {v} to engine {engine}, which holds {sorted(eng.loaded)}"
+            )
         n = min(n, len(g.todo)) if queue_all else min(n, len(g.todo), eng.free)
         for _ in range(n):
             idx = g.todo.pop(0)
-            self._send(eng, g, Sample(id=f"{g.id}.{idx}.0", group=g.id, index=idx, prompt=g.prompt, version=v))
+            self._send(
+                eng, g, Sample(id=f"{g.id}.{idx}.0", group=g.id, index=idx, prompt=g.prompt, version=v)
+            )
         if n and g.dispatched == n:
             self.mark("group_first_dispatch", group=g.id)
         return n
@@ -199,9 +227,16 @@ class Scheduler:
         g = self.store.open[partial.group]
         attempt = int(partial.result.request_id.rsplit(".", 1)[1]) + 1
         r = partial.result
-        s = Sample(id=f"{g.id}.{partial.sample_index}.{attempt}", group=g.id, index=partial.sample_index,
-                   prompt=g.prompt, version=version, resume_ids=r.token_ids, resume_logprobs=r.logprobs,
-                   resume_versions=r.versions)
+        s = Sample(
+            id=f"{g.id}.{partial.sample_index}.{attempt}",
+            group=g.id,
+            index=partial.sample_index,
+            prompt=g.prompt,
+            version=version,
+            resume_ids=r.token_ids,
+            resume_logprobs=r.logprobs,
+            resume_versions=r.versions,
+        )
         self._send(self.engines[engine], g, s, fresh=False)
 
     def abort(self, engine: int, sample_ids: list[str], reason: str) -> None:
@@ -215,8 +250,9 @@ class Scheduler:
         """An aborted partial leaves for good: it is produced and discarded (e.g. early stop)."""
         self.ledger.on_produced()
         self.ledger.on_discarded(reason)
-        self._log({"kind": "discard", "group": partial.group, "index": partial.sample_index,
-                             "reason": reason})
+        self._log(
+            {"kind": "discard", "group": partial.group, "index": partial.sample_index, "reason": reason}
+        )
         g = self.store.open.get(partial.group)
         if g is not None:
             g.discarded += 1
@@ -232,8 +268,14 @@ class Scheduler:
                 stale[self.trainer_version - t.oldest_version] += 1
         publish_v = self.trainer_version + 1 if publish else None
         self._issued[step] = (stale, publish_v)
-        self._out.append(Train(step, tuple(Group(g.id, g.prompt.id, tuple(g.done)) for g in groups),
-                               self.trainer_version, publish_v))
+        self._out.append(
+            Train(
+                step,
+                tuple(Group(g.id, g.prompt.id, tuple(g.done)) for g in groups),
+                self.trainer_version,
+                publish_v,
+            )
+        )
         self.steps_issued += 1
         if publish_v is not None:
             self.trainer_version = publish_v
@@ -313,7 +355,11 @@ class Scheduler:
     def _check_trainable(self, t: Trajectory) -> None:
         stale = self.trainer_version - t.oldest_version
         if stale > self.policy.max_staleness:
-            raise InvariantError(f"group {t.group} sample {t.sample_index}: staleness {stale} > bound "
-                                 f"{self.policy.max_staleness} of policy {self.policy.name}")
+            raise InvariantError(
+                f"group {t.group} sample {t.sample_index}: staleness {stale} > bound "
+                f"{self.policy.max_staleness} of policy {self.policy.name}"
+            )
         if not self.policy.mixed_versions and len(set(t.versions)) > 1:
-            raise InvariantError(f"group {t.group} sample {t.sample_index} mixes versions {sorted(set(t.versions))}")
+            raise InvariantError(
+                f"group {t.group} sample {t.sample_index} mixes versions {sorted(set(t.versions))}"
+            )

@@ -4,6 +4,7 @@ A group is *open* while samples are still wanted, *ready* once complete (FIFO in
 order, waiting for the trainer), *training* once handed to a train step, and leaves the store when
 that step is done. Trajectories inside the store count as `in_store` for the ledger.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

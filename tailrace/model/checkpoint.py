@@ -4,6 +4,7 @@ Reads Llama and Qwen2-family checkpoints (Qwen2.5 and SmolLM included: their mod
 llama) and writes ones `transformers.AutoModelForCausalLM.from_pretrained` loads. Every bad input
 raises `CheckpointError` with one line naming the problem and the fix. Nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,19 +39,26 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     try:
         d = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f} is not valid JSON ({_one_line(e)}); restore the file from the original checkpoint")
+        raise CheckpointError(
+            f"{f} is not valid JSON ({_one_line(e)}); restore the file from the original checkpoint"
+        )
     if not isinstance(d, dict):
-        raise CheckpointError(f"{f} holds a {type(d).__name__}, not a JSON object; restore the original config.json")
+        raise CheckpointError(
+            f"{f} holds a {type(d).__name__}, not a JSON object; restore the original config.json"
+        )
     try:
         return ModelConfig.from_hf(d)
     except KeyError as e:
-        raise CheckpointError(f"{f} lacks the field {e.args[0]!r}; add it (see the model's original config.json)")
+        raise CheckpointError(
+            f"{f} lacks the field {e.args[0]!r}; add it (see the model's original config.json)"
+        )
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{f}: {_one_line(e)}")
 
 
-def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> CausalLM:
+def load_pretrained(
+    path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> CausalLM:
     """The model in `path` (config attached as `model.config`), in eval mode. dtype None keeps the stored
     dtype (as transformers' dtype="auto"); device None is the CPU."""
     path = _checkpoint_dir(path)
@@ -65,21 +73,29 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
         del state[name]
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all) for a "
-                              f"{cfg.model_type} model with this config.json; check that config.json belongs to "
-                              "these weights")
+        raise CheckpointError(
+            f"{path}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all) for a "
+            f"{cfg.model_type} model with this config.json; check that config.json belongs to "
+            "these weights"
+        )
     for name, meta in expected.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         if name not in state:
-            raise CheckpointError(f"{path}: tensor {name!r} is missing; the weights do not match config.json "
-                                  "(or a shard is missing)")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is missing; the weights do not match config.json "
+                "(or a shard is missing)"
+            )
         if tuple(state[name].shape) != tuple(meta.shape):
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(state[name].shape)}, config.json implies "
-                                  f"{tuple(meta.shape)}; the weights do not match config.json")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(state[name].shape)}, config.json implies "
+                f"{tuple(meta.shape)}; the weights do not match config.json"
+            )
         if not state[name].is_floating_point():
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {state[name].dtype}; only unquantized float "
-                                  "checkpoints are supported")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has dtype {state[name].dtype}; only unquantized float "
+                "checkpoints are supported"
+            )
     target = dtype or state["model.embed_tokens.weight"].dtype
     state = {n: t.to(target) for n, t in state.items()}
     if cfg.tie_word_embeddings:
@@ -122,8 +138,9 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
 def _checkpoint_dir(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory; pass a local checkpoint directory holding "
-                              f"{CONFIG} and {WEIGHTS}")
+        raise CheckpointError(
+            f"{path} is not a directory; pass a local checkpoint directory holding {CONFIG} and {WEIGHTS}"
+        )
     return path
 
 
@@ -131,13 +148,21 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     if (path / WEIGHTS).is_file():
         return _read_file(path / WEIGHTS)
     if not (path / INDEX).is_file():
-        hint = " (found pytorch_model.bin: convert it to safetensors)" if (path / "pytorch_model.bin").exists() else ""
-        raise CheckpointError(f"{path} has neither {WEIGHTS} nor {INDEX}{hint}; save the weights as safetensors")
+        hint = (
+            " (found pytorch_model.bin: convert it to safetensors)"
+            if (path / "pytorch_model.bin").exists()
+            else ""
+        )
+        raise CheckpointError(
+            f"{path} has neither {WEIGHTS} nor {INDEX}{hint}; save the weights as safetensors"
+        )
     try:
         weight_map = json.loads((path / INDEX).read_text())["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path / INDEX} is not a valid shard index ({_one_line(e)}); restore it from the "
-                              "original checkpoint")
+        raise CheckpointError(
+            f"{path / INDEX} is not a valid shard index ({_one_line(e)}); restore it from the "
+            "original checkpoint"
+        )
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         if not (path / shard).is_file():
@@ -151,8 +176,10 @@ def _read_file(f: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(f), framework="pt") as fh:
             return {name: fh.get_tensor(name) for name in fh.keys()}
     except Exception as e:  # safetensors raises its own error types (and OSError) for corrupt files
-        raise CheckpointError(f"{f} is not a readable safetensors file ({_one_line(e)}); it is corrupt or "
-                              "truncated: re-save or re-copy it")
+        raise CheckpointError(
+            f"{f} is not a readable safetensors file ({_one_line(e)}); it is corrupt or "
+            "truncated: re-save or re-copy it"
+        )
 
 
 def _one_line(e: BaseException) -> str:

@@ -6,6 +6,7 @@ loads into LlamaForCausalLM / Qwen2ForCausalLM. Features those classes have and 
 (sliding windows, MLP bias, partial rotary, non-SiLU activations, other RoPE types) are rejected, never
 silently ignored.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,21 +50,34 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"model_type={self.model_type!r} is not supported; use one of {sorted(ARCHITECTURES)}")
+            raise ValueError(
+                f"model_type={self.model_type!r} is not supported; use one of {sorted(ARCHITECTURES)}"
+            )
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name}={v!r} must be a positive int")
         if self.hidden_size % self.num_attention_heads:
             # transformers' LlamaConfig rejects this even when head_dim is explicit.
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                             f"{self.num_attention_heads}; change one of them")
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}; change one of them"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                             f"num_key_value_heads={self.num_key_value_heads}; pick a divisor for num_key_value_heads")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads={self.num_key_value_heads}; pick a divisor for num_key_value_heads"
+            )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
@@ -77,12 +91,16 @@ class ModelConfig:
         if self.attention_bias is None:
             self.attention_bias = self.model_type == "qwen2"
         if self.model_type == "qwen2" and not self.attention_bias:
-            raise ValueError("attention_bias=False is impossible for model_type='qwen2' (Qwen2 always has "
-                             "q/k/v bias); set attention_bias=True or model_type='llama'")
+            raise ValueError(
+                "attention_bias=False is impossible for model_type='qwen2' (Qwen2 always has "
+                "q/k/v bias); set attention_bias=True or model_type='llama'"
+            )
         for name in ("bos_token_id", "pad_token_id"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.vocab_size:
-                raise ValueError(f"{name}={v} is outside [0, vocab_size={self.vocab_size}); fix it or set None")
+                raise ValueError(
+                    f"{name}={v} is outside [0, vocab_size={self.vocab_size}); fix it or set None"
+                )
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
 
     @property
@@ -99,47 +117,76 @@ class ModelConfig:
             by_arch = {a: t for t, a in ARCHITECTURES.items()}
             model_type = next((by_arch[a] for a in d.get("architectures") or [] if a in by_arch), None)
         if model_type not in ARCHITECTURES:
-            raise ValueError(f"model_type={model_type!r} is not supported; supported: "
-                             + ", ".join(f"{t} ({a})" for t, a in ARCHITECTURES.items()))
+            raise ValueError(
+                f"model_type={model_type!r} is not supported; supported: "
+                + ", ".join(f"{t} ({a})" for t, a in ARCHITECTURES.items())
+            )
         archs = d.get("architectures")
         if archs and ARCHITECTURES[model_type] not in archs:
-            raise ValueError(f"architectures={archs} is not a causal LM this decoder implements; "
-                             f"expected {ARCHITECTURES[model_type]!r} for model_type={model_type!r}")
+            raise ValueError(
+                f"architectures={archs} is not a causal LM this decoder implements; "
+                f"expected {ARCHITECTURES[model_type]!r} for model_type={model_type!r}"
+            )
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported; only bias-free MLPs")
         if d.get("use_sliding_window") or any(t != "full_attention" for t in d.get("layer_types") or []):
-            raise ValueError("sliding-window attention is not supported; use a checkpoint with "
-                             "use_sliding_window=false and full_attention layers")
+            raise ValueError(
+                "sliding-window attention is not supported; use a checkpoint with "
+                "use_sliding_window=false and full_attention layers"
+            )
         heads = d["num_attention_heads"]
         max_pos = d.get("max_position_embeddings", _HF_DEFAULT_MAX_POS[model_type])
         theta, scaling = _rope_from_hf(d, max_pos)
         return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads, head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=max_pos, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            bos_token_id=_token_id(d.get("bos_token_id"), d["vocab_size"]), eos_token_id=d.get("eos_token_id"),
-            pad_token_id=_token_id(d.get("pad_token_id"), d["vocab_size"]), model_type=model_type,
-            initializer_range=d.get("initializer_range", 0.02))
+            bos_token_id=_token_id(d.get("bos_token_id"), d["vocab_size"]),
+            eos_token_id=d.get("eos_token_id"),
+            pad_token_id=_token_id(d.get("pad_token_id"), d["vocab_size"]),
+            model_type=model_type,
+            initializer_range=d.get("initializer_range", 0.02),
+        )
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict for transformers 5.19 (also carries the older rope keys for older readers)."""
-        rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta, **{
-            k: v for k, v in (self.rope_scaling or {}).items() if k != "rope_type"}}
+        rope = {
+            "rope_type": self.rope_type,
+            "rope_theta": self.rope_theta,
+            **{k: v for k, v in (self.rope_scaling or {}).items() if k != "rope_type"},
+        }
         d: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings, "initializer_range": self.initializer_range,
-            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
-            "rope_theta": self.rope_theta, "rope_parameters": rope,
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
         }
         if self.rope_scaling:
             d["rope_scaling"] = dict(self.rope_scaling)
@@ -162,7 +209,9 @@ def _normalize_rope_scaling(rs: dict | None, max_pos: int) -> dict | None:
     if rs is None:
         return None
     if not isinstance(rs, dict):
-        raise ValueError(f"rope_scaling={rs!r} must be a dict like {{'rope_type': 'linear', 'factor': 2.0}} or None")
+        raise ValueError(
+            f"rope_scaling={rs!r} must be a dict like {{'rope_type': 'linear', 'factor': 2.0}} or None"
+        )
     rs = dict(rs)
     rope_type = rs.pop("rope_type", None) or rs.pop("type", None) or "default"
     rs.pop("type", None)
@@ -170,8 +219,9 @@ def _normalize_rope_scaling(rs: dict | None, max_pos: int) -> dict | None:
     if rope_type == "default":
         return None
     if rope_type not in ROPE_REQUIRED:
-        raise ValueError(f"rope_scaling rope_type={rope_type!r} is not supported; use one of "
-                         f"{['default', *ROPE_REQUIRED]}")
+        raise ValueError(
+            f"rope_scaling rope_type={rope_type!r} is not supported; use one of {['default', *ROPE_REQUIRED]}"
+        )
     if rs.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("rope_scaling partial_rotary_factor != 1 is not supported; rotate the whole head")
     rs.pop("partial_rotary_factor", None)
@@ -179,7 +229,9 @@ def _normalize_rope_scaling(rs: dict | None, max_pos: int) -> dict | None:
         rs.setdefault("original_max_position_embeddings", max_pos)
     missing = [k for k in ROPE_REQUIRED[rope_type] if rs.get(k) is None]
     if missing:
-        raise ValueError(f"rope_scaling for rope_type={rope_type!r} lacks {missing}; add them to rope_scaling")
+        raise ValueError(
+            f"rope_scaling for rope_type={rope_type!r} lacks {missing}; add them to rope_scaling"
+        )
     if not rs["factor"] > 0:
         raise ValueError(f"rope_scaling factor={rs['factor']!r} must be > 0")
     if rope_type == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
@@ -199,5 +251,7 @@ def _rope_from_hf(d: dict, max_pos: int) -> tuple[float, dict | None]:
         raise ValueError("partial_rotary_factor != 1 is not supported; rotate the whole head")
     rope_type = src.get("rope_type") or src.get("type") or "default"
     if rope_type in ("yarn", "llama3", "longrope") and d.get("original_max_position_embeddings"):
-        src["original_max_position_embeddings"] = d["original_max_position_embeddings"]  # HF gives it priority
+        src["original_max_position_embeddings"] = d[
+            "original_max_position_embeddings"
+        ]  # HF gives it priority
     return float(theta), _normalize_rope_scaling(src, max_pos)

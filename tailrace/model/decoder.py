@@ -17,6 +17,7 @@ Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM, so stat
   costs B * S whatever the rows' own lengths. `rows` as a slice reads the cache as a view; as a
   LongTensor it gathers (a copy of B * S k/v), so keep live rows contiguous (`KVCache.move_row`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -95,7 +96,9 @@ class CausalLM(nn.Module):
         std = cfg.initializer_range
         with torch.no_grad():
             for module in model.modules():
-                if isinstance(module, nn.Linear) and not (cfg.tie_word_embeddings and module is model.lm_head):
+                if isinstance(module, nn.Linear) and not (
+                    cfg.tie_word_embeddings and module is model.lm_head
+                ):
                     module.weight.normal_(0.0, std, generator=gen)
                     if module.bias is not None:
                         module.bias.zero_()
@@ -115,16 +118,33 @@ class CausalLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied weight counts once
 
-    def new_cache(self, num_rows: int, max_len: int, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> KVCache:
+    def new_cache(
+        self,
+        num_rows: int,
+        max_len: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
         """A zeroed cache for this model; dtype/device default to the model's (the dtype must be the one
         attention computes in: the model's, or the autocast dtype)."""
         w, c = self.model.embed_tokens.weight, self.config
-        return KVCache(c.num_hidden_layers, num_rows, c.num_key_value_heads, max_len, c.head_dim,
-                       dtype or w.dtype, device or w.device)
+        return KVCache(
+            c.num_hidden_layers,
+            num_rows,
+            c.num_key_value_heads,
+            max_len,
+            c.head_dim,
+            dtype or w.dtype,
+            device or w.device,
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        rows: slice | torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V); positions (B, T) default arange(T) per row; rows (cache
         path only) default slice(0, B). See the module docstring for the two paths' contracts."""
         B, T = input_ids.shape
@@ -138,10 +158,18 @@ class CausalLM(nn.Module):
                 positions = torch.arange(T, device=input_ids.device).expand(B, T)
             S = int(positions.max()) + 1  # the one host sync of a cached call
             if S > cache.max_len:
-                raise ValueError(f"position {S - 1} does not fit a KVCache of max_len={cache.max_len}; "
-                                 "allocate a longer cache or stop the sequence earlier")
-            step = CachedStep(positions, S, cache, slice(0, B) if rows is None else rows,
-                              *self.rotary.lookup(positions, S), self.config.head_dim ** -0.5)
+                raise ValueError(
+                    f"position {S - 1} does not fit a KVCache of max_len={cache.max_len}; "
+                    "allocate a longer cache or stop the sequence earlier"
+                )
+            step = CachedStep(
+                positions,
+                S,
+                cache,
+                slice(0, B) if rows is None else rows,
+                *self.rotary.lookup(positions, S),
+                self.config.head_dim**-0.5,
+            )
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, step, i)

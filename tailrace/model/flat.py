@@ -6,6 +6,7 @@ trainer's AdamW updates the views in place, and engines rebuild named views over
 from the layout alone. Tied weights (one Parameter under two names) occupy one slice; the layout
 lists both names at the same offset.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,7 @@ class FlatWeights:
 
     def views(self) -> dict[str, torch.Tensor]:
         """name -> view into `buffer` (no copy); tied names share storage."""
-        return {n: self.buffer[o:o + math.prod(s)].view(s) for n, s, o in self.layout}
+        return {n: self.buffer[o : o + math.prod(s)].view(s) for n, s, o in self.layout}
 
 
 def flatten_parameters(model: nn.Module) -> FlatWeights:
@@ -40,8 +41,10 @@ def flatten_parameters(model: nn.Module) -> FlatWeights:
         raise ValueError("model has no parameters to train")
     kinds = {(p.dtype, p.device) for p in uniq}
     if len(kinds) != 1:
-        raise ValueError(f"parameters mix dtypes/devices {sorted(map(str, kinds))}; keep one master copy "
-                         f"(e.g. fp32 weights with bf16 autocast)")
+        raise ValueError(
+            f"parameters mix dtypes/devices {sorted(map(str, kinds))}; keep one master copy "
+            f"(e.g. fp32 weights with bf16 autocast)"
+        )
     dtype, device = kinds.pop()
     offsets, total = {}, 0
     for p in uniq:
@@ -51,9 +54,10 @@ def flatten_parameters(model: nn.Module) -> FlatWeights:
     with torch.no_grad():
         for p in uniq:
             o = offsets[id(p)]
-            buf[o:o + p.numel()].copy_(p.reshape(-1))
+            buf[o : o + p.numel()].copy_(p.reshape(-1))
             p.grad = None
-            p.data = buf[o:o + p.numel()].view_as(p)
-    layout = tuple((n, tuple(p.shape), offsets[id(p)])
-                   for n, p in model.named_parameters(remove_duplicate=False))
+            p.data = buf[o : o + p.numel()].view_as(p)
+    layout = tuple(
+        (n, tuple(p.shape), offsets[id(p)]) for n, p in model.named_parameters(remove_duplicate=False)
+    )
     return FlatWeights(buf, layout)

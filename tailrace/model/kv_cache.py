@@ -5,16 +5,30 @@ cache=, rows=, positions=)`, which scatters each token's k/v at its absolute pos
 storage and row moves, nothing else. Tensors start zeroed: attention masks hide unwritten positions
 with a zero weight, and 0 * garbage is only safe while the garbage is finite.
 """
+
 from __future__ import annotations
 
 import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        for name, v in (("num_layers", num_layers), ("num_rows", num_rows), ("num_kv_heads", num_kv_heads),
-                        ("max_len", max_len), ("head_dim", head_dim)):
+    def __init__(
+        self,
+        num_layers: int,
+        num_rows: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        for name, v in (
+            ("num_layers", num_layers),
+            ("num_rows", num_rows),
+            ("num_kv_heads", num_kv_heads),
+            ("max_len", max_len),
+            ("head_dim", head_dim),
+        ):
             if v <= 0:
                 raise ValueError(f"KVCache {name}={v} must be positive")
         shape = (num_rows, num_kv_heads, max_len, head_dim)

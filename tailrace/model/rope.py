@@ -5,6 +5,7 @@ The table holds `cat(freqs, freqs).cos() * attention_scaling` computed in fp32 f
 0..len-1, so looking a position up gives the same numbers HF computes on the fly. `sin` is stored with
 its first half negated so that `rotate_half(x) * sin == cat(x2, x1) * sin_signed` (negation is exact).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,7 @@ def inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """(inv_freq (head_dim/2,) fp32, always on CPU, attention_scaling applied to cos/sin)."""
     base, dim, rs = cfg.rope_theta, cfg.head_dim, cfg.rope_scaling or {}
     exps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim
-    inv_freq = 1.0 / (base ** exps)
+    inv_freq = 1.0 / (base**exps)
     kind = cfg.rope_type
     if kind in ("default", "dynamic"):
         # dynamic NTK equals default up to max_position_embeddings; beyond it is rejected (rope_limit).
@@ -71,7 +72,9 @@ class Rotary(nn.Module):
         self.limit = rope_limit(cfg)
         # Explicitly on the CPU, so that building under torch.device("meta") still yields real tables.
         self.inv_freq, self.scale = inv_freq_and_scale(cfg)
-        cos, sin = rope_table(self.inv_freq, self.scale, self._length(min(cfg.max_position_embeddings, _MIN_LEN)))
+        cos, sin = rope_table(
+            self.inv_freq, self.scale, self._length(min(cfg.max_position_embeddings, _MIN_LEN))
+        )
         self.register_buffer("cos", cos, persistent=False)  # (L, D)
         self.register_buffer("sin", sin, persistent=False)  # (L, D), first half negated
 
@@ -93,9 +96,11 @@ class Rotary(nn.Module):
 
     def _length(self, end: int) -> int:
         if self.limit is not None and end > self.limit:
-            raise ValueError(f"position {end - 1} is beyond max_position_embeddings={self.limit}, where 'dynamic' "
-                             "RoPE changes with the sequence length (unsupported); shorten the sequence or use "
-                             "another rope_type")
+            raise ValueError(
+                f"position {end - 1} is beyond max_position_embeddings={self.limit}, where 'dynamic' "
+                "RoPE changes with the sequence length (unsupported); shorten the sequence or use "
+                "another rope_type"
+            )
         n = _MIN_LEN
         while n < end:
             n *= 2

@@ -1,6 +1,7 @@
 """report.html for a run directory: timeline (Gantt: one lane per engine and one for the trainer,
 coloured by phase), reward and accuracy curves, response-length histograms per step, staleness, and
 the run's configuration. Figures are matplotlib PNGs embedded inline, so the file stands alone."""
+
 from __future__ import annotations
 
 import base64
@@ -55,7 +56,9 @@ def curves_figure(steps: list[dict], evals: list[dict]) -> str:
     ax[0].plot(x, [s["reward"] for s in steps], label="train reward")
     ax[0].plot(x, [s["accuracy"] for s in steps], label="train accuracy", alpha=0.7)
     for e in evals:
-        ax[0].scatter([e["step"]], [e["accuracy"]], marker="*", s=120, zorder=3, label=f"held-out ({e['tag']})")
+        ax[0].scatter(
+            [e["step"]], [e["accuracy"]], marker="*", s=120, zorder=3, label=f"held-out ({e['tag']})"
+        )
     ax[0].set_xlabel("step")
     ax[0].legend(fontsize=7)
     L = [s["length"] for s in steps]
@@ -90,6 +93,7 @@ def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         from tailrace.errors import ConfigError
+
         raise ConfigError(f"{run_dir} has no metrics.jsonl; pass a run directory written by tailrace train")
     metrics = list(read_lines(run_dir / "metrics.jsonl"))
     steps = [m for m in metrics if m.get("kind") == "step"]
@@ -97,19 +101,24 @@ def write_report(run_dir: Path) -> Path:
     events = list(read_lines(run_dir / "events.jsonl"))
     journal = list(read_lines(run_dir / "journal.jsonl"))
     last = steps[-1] if steps else {}
-    rows = "".join(f"<tr><td>{html.escape(e['tag'])}</td><td>{e['step']}</td><td>{e['accuracy']:.3f}</td>"
-                   f"<td>{e['p50']:.0f}</td><td>{e['p99']:.0f}</td><td>{e['max']}</td></tr>" for e in evals)
+    rows = "".join(
+        f"<tr><td>{html.escape(e['tag'])}</td><td>{e['step']}</td><td>{e['accuracy']:.3f}</td>"
+        f"<td>{e['p50']:.0f}</td><td>{e['p99']:.0f}</td><td>{e['max']}</td></tr>"
+        for e in evals
+    )
     t = last.get("time", {})
+    config = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else ""
     body = f"""<html><head><meta charset='utf-8'><title>tailrace run {html.escape(run_dir.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}} td,th{{padding:2px 10px;text-align:right}}</style></head><body>
 <h1>tailrace run {html.escape(run_dir.name)}</h1>
-<p>{len(steps)} steps, wall {t.get('wall_s', 0):.1f} s, trainer waiting ratio {t.get('trainer_wait_ratio', 0):.2f},
-rollout bubble ratio {t.get('bubble_ratio', 0):.2f}, ledger {json.dumps(last.get('ledger', {}))}</p>
-<h2>Held-out evaluation</h2><table><tr><th>when</th><th>step</th><th>accuracy</th><th>p50</th><th>p99</th><th>max</th></tr>{rows}</table>
-<h2>Reward, accuracy, lengths</h2>{curves_figure(steps, evals) if steps else ''}
+<p>{len(steps)} steps, wall {t.get("wall_s", 0):.1f} s, trainer waiting ratio {t.get("trainer_wait_ratio", 0):.2f},
+rollout bubble ratio {t.get("bubble_ratio", 0):.2f}, ledger {json.dumps(last.get("ledger", {}))}</p>
+<h2>Held-out evaluation</h2><table>
+<tr><th>when</th><th>step</th><th>accuracy</th><th>p50</th><th>p99</th><th>max</th></tr>{rows}</table>
+<h2>Reward, accuracy, lengths</h2>{curves_figure(steps, evals) if steps else ""}
 <h2>Timeline</h2>{timeline_figure(events)}
 <h2>Response lengths</h2>{lengths_figure(journal, events)}
-<h2>Configuration</h2><pre>{html.escape((run_dir / 'config.yaml').read_text() if (run_dir / 'config.yaml').is_file() else '')}</pre>
+<h2>Configuration</h2><pre>{html.escape(config)}</pre>
 </body></html>"""
     out = run_dir / "report.html"
     out.write_text(body)

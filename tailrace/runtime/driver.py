@@ -7,6 +7,7 @@ crashes the run), turns them into Trajectories and hands them to the scheduler. 
 each finished step (durable when a checkpoint was asked for). Everything the run produces is
 appended to the run directory as it happens.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,11 +21,11 @@ from tailrace.flow import resume
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
+from tailrace.jsonlines import read_lines
 from tailrace.runtime.engine_worker import EngineReport, EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.metrics import Utilization, length_stats, staleness_hist
 from tailrace.runtime.procs import context, placement
-from tailrace.jsonlines import read_lines
 from tailrace.runtime.rundir import JsonLines, RunDir, truncate_lines
 from tailrace.runtime.session import Session
 from tailrace.runtime.trainer_worker import TrainerReport, TrainerSpec, TrainOrder, trainer_main
@@ -42,14 +43,16 @@ class Summary:
 
 
 class Driver:
-    def __init__(self, cfg: RunConfig, run: RunDir, session: Session, resume_from: Path | None = None,
-                 ui=None) -> None:
+    def __init__(
+        self, cfg: RunConfig, run: RunDir, session: Session, resume_from: Path | None = None, ui=None
+    ) -> None:
         self.cfg, self.run, self.ses, self.ui = cfg, run, session, ui
         self.resume_from = resume_from
         f = cfg.flow
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
-        policy = make_policy(f.mode, max_staleness=f.max_staleness, frontier=f.frontier,
-                             rollout_groups=f.rollout_groups)
+        policy = make_policy(
+            f.mode, max_staleness=f.max_staleness, frontier=f.frontier, rollout_groups=f.rollout_groups
+        )
         engines = [(cfg.rollout.slots, cfg.rollout.lookahead)] * cfg.rollout.engines
         self.sched = Scheduler(policy, session.prompt_stream(), engines, spec)
         self.metrics = JsonLines(run.file("metrics.jsonl"))
@@ -63,7 +66,7 @@ class Driver:
         """Load the scheduler checkpoint and replay the journal; returns the version to start from."""
         state = json.loads((self.resume_from / "scheduler.json").read_text())
         resume.load_state_dict(self.sched, state)
-        entries = list(read_lines(self.run.file("journal.jsonl")))[state["journal_seq"]:]
+        entries = list(read_lines(self.run.file("journal.jsonl")))[state["journal_seq"] :]
         resume.replay(self.sched, entries)
         done = state["steps_done"]
         truncate_lines(self.run.file("metrics.jsonl"), lambda r: r.get("kind") != "step" or r["step"] < done)
@@ -76,18 +79,37 @@ class Driver:
         train_cores, engine_cores = placement(cfg.rollout.engines)
         self.weights = SharedWeights.like(ses.flat_layout(), slots=cfg.flow.max_staleness + 3)
         self.trainer_conn, child = ctx.Pipe()
-        tspec = TrainerSpec(str(ses.model_path), cfg.train, threads=len(train_cores), cores=train_cores,
-                            seed=cfg.seed, start_version=version,
-                            resume_from=str(self.resume_from) if self.resume_from else None)
+        tspec = TrainerSpec(
+            str(ses.model_path),
+            cfg.train,
+            threads=len(train_cores),
+            cores=train_cores,
+            seed=cfg.seed,
+            start_version=version,
+            resume_from=str(self.resume_from) if self.resume_from else None,
+        )
         self.trainer = ctx.Process(target=trainer_main, args=(tspec, child, self.weights), daemon=True)
         self.trainer.start()
         _expect(self.trainer_conn, "ready", self.trainer, "trainer")
         r = cfg.rollout
         self.engine_conns, self.engine_procs = [], []
         for i, cores in enumerate(engine_cores):
-            espec = EngineSpec(str(ses.model_path), r.slots, r.max_new_tokens, r.temperature, r.top_p, r.top_k,
-                               r.prefill_tokens, r.threads, cores, cfg.seed, ses.tok.eos_id, cfg.model.dtype,
-                               start_version=version, attention=r.attention)
+            espec = EngineSpec(
+                str(ses.model_path),
+                r.slots,
+                r.max_new_tokens,
+                r.temperature,
+                r.top_p,
+                r.top_k,
+                r.prefill_tokens,
+                r.threads,
+                cores,
+                cfg.seed,
+                ses.tok.eos_id,
+                cfg.model.dtype,
+                start_version=version,
+                attention=r.attention,
+            )
             conn, child = ctx.Pipe()
             p = ctx.Process(target=engine_main, args=(i, espec, child, self.weights), daemon=True)
             p.start()
@@ -131,7 +153,11 @@ class Driver:
             self.ui.begin(self.sched.steps_done, self.cfg.flow.steps, base)
         limit = self.cfg.flow.time_limit_s
         while not self.sched.done:
-            if limit is not None and self._now() > limit and self.sched.spec.total_steps > self.sched.steps_issued:
+            if (
+                limit is not None
+                and self._now() > limit
+                and self.sched.spec.total_steps > self.sched.steps_issued
+            ):
                 self.sched.stop()
             self._execute(self.sched.poll(self._now()))
             self._drain_journal()
@@ -146,8 +172,13 @@ class Driver:
             final = evaluator.run("final", self.sched.done_version, self._on_engine_report)
             self.metrics.write({"kind": "eval", "tag": "final", "step": self.sched.steps_done, **final})
         wall = self._now()
-        return Summary(self.sched.steps_done, wall, base["accuracy"] if base else None,
-                       final["accuracy"] if final else None, str(self.run.path))
+        return Summary(
+            self.sched.steps_done,
+            wall,
+            base["accuracy"] if base else None,
+            final["accuracy"] if final else None,
+            str(self.run.path),
+        )
 
     def _recorded_eval(self, tag: str) -> dict | None:
         for r in read_lines(self.run.file("metrics.jsonl")):
@@ -167,7 +198,10 @@ class Driver:
                 save = None
                 if c.publish is not None and (c.step + 1) % every == 0 or c.step + 1 == self.cfg.flow.steps:
                     save = str(self.run.ckpt / f"step_{c.step + 1:06d}")
-                self.pending_trajs[c.step] = (c.trainer_version, [t for g in c.groups for t in g.trajectories])
+                self.pending_trajs[c.step] = (
+                    c.trainer_version,
+                    [t for g in c.groups for t in g.trajectories],
+                )
                 self.trainer_conn.send(TrainOrder(c, save))
 
     def _receive(self, conn) -> None:
@@ -184,11 +218,19 @@ class Driver:
         self.util.engine_busy += st.busy_s
         self.util.gen_tokens += st.decode_tokens
         for t0, t1 in st.spans:
-            self.events.write({"lane": f"engine{rep.engine}", "phase": "generate", "t0": t0 - self.t0,
-                               "t1": t1 - self.t0})
+            self.events.write(
+                {"lane": f"engine{rep.engine}", "phase": "generate", "t0": t0 - self.t0, "t1": t1 - self.t0}
+            )
         for v, t0, t1 in rep.loaded:
-            self.events.write({"lane": f"engine{rep.engine}", "phase": "sync", "t0": t0 - self.t0,
-                               "t1": t1 - self.t0, "version": v})
+            self.events.write(
+                {
+                    "lane": f"engine{rep.engine}",
+                    "phase": "sync",
+                    "t0": t0 - self.t0,
+                    "t1": t1 - self.t0,
+                    "version": v,
+                }
+            )
             self.sched.on_loaded(rep.engine, v, self._now())
         evals = [r for r in rep.results if r.request_id.startswith("eval")]
         mine = [r for r in rep.results if not r.request_id.startswith("eval")]
@@ -202,12 +244,20 @@ class Driver:
         t0, t1 = rep.span
         self.util.trainer_busy += t1 - t0
         self.util.train_tokens += int(rep.metrics.get("tokens", 0))
-        self.events.write({"lane": "trainer", "phase": "train", "t0": t0 - self.t0, "t1": t1 - self.t0,
-                           "step": rep.step})
+        self.events.write(
+            {"lane": "trainer", "phase": "train", "t0": t0 - self.t0, "t1": t1 - self.t0, "step": rep.step}
+        )
         if rep.sync_span:
             self.util.sync_time += rep.sync_span[1] - rep.sync_span[0]
-            self.events.write({"lane": "trainer", "phase": "sync", "t0": rep.sync_span[0] - self.t0,
-                               "t1": rep.sync_span[1] - self.t0, "version": rep.published})
+            self.events.write(
+                {
+                    "lane": "trainer",
+                    "phase": "sync",
+                    "t0": rep.sync_span[0] - self.t0,
+                    "t1": rep.sync_span[1] - self.t0,
+                    "version": rep.published,
+                }
+            )
         self.sched.on_trained(rep.step, now)
         if rep.published is not None:
             self.sched.on_published(rep.published, now)
@@ -224,20 +274,31 @@ class Driver:
         if self.ui is not None:
             self.ui.step(record)
 
-    def _step_record(self, rep: TrainerReport, trajs: list[Trajectory], trainer_version: int, now: float) -> dict:
+    def _step_record(
+        self, rep: TrainerReport, trajs: list[Trajectory], trainer_version: int, now: float
+    ) -> dict:
         m = rep.metrics
         rewards = [t.reward for t in trajs]
         timing = self.util.snapshot(now + self.t0)
         cpu = time.process_time()
-        timing.update(train_s=rep.span[1] - rep.span[0], weight_sync_s=m.pop("weight_sync_s", 0.0),
-                      trainer_step_s=m.pop("time_s", 0.0), driver_cpu_s=cpu - self._cpu_mark)
+        timing.update(
+            train_s=rep.span[1] - rep.span[0],
+            weight_sync_s=m.pop("weight_sync_s", 0.0),
+            trainer_step_s=m.pop("time_s", 0.0),
+            driver_cpu_s=cpu - self._cpu_mark,
+        )
         self._cpu_mark = cpu
         return {
-            "kind": "step", "step": rep.step, "version": self.sched.done_version,
-            "reward": sum(rewards) / len(rewards), "accuracy": sum(t.correct for t in trajs) / len(trajs),
-            "samples": len(trajs), "length": length_stats(trajs),
+            "kind": "step",
+            "step": rep.step,
+            "version": self.sched.done_version,
+            "reward": sum(rewards) / len(rewards),
+            "accuracy": sum(t.correct for t in trajs) / len(trajs),
+            "samples": len(trajs),
+            "length": length_stats(trajs),
             "staleness": staleness_hist(trajs, trainer_version),
-            "discards": dict(self.sched.ledger.discarded), "ledger": {**self.sched.ledger.state_dict(), "in_store": self.sched.store.in_store()},
+            "discards": dict(self.sched.ledger.discarded),
+            "ledger": {**self.sched.ledger.state_dict(), "in_store": self.sched.store.in_store()},
             "reward_errors": dict(self.ses.guard.errors),
             "train": {k: v for k, v in m.items() if isinstance(v, (int, float))},
             "time": timing,
@@ -265,10 +326,14 @@ class Driver:
                     self._receive(conn)
 
     def _check_alive(self) -> None:
-        for name, p in [("trainer", self.trainer)] + [(f"engine{i}", p) for i, p in enumerate(self.engine_procs)]:
+        for name, p in [("trainer", self.trainer)] + [
+            (f"engine{i}", p) for i, p in enumerate(self.engine_procs)
+        ]:
             if not p.is_alive():
-                raise RuntimeError(f"{name} process died (exit code {p.exitcode}); the run directory keeps "
-                                   f"everything up to now — fix the cause and continue with --resume")
+                raise RuntimeError(
+                    f"{name} process died (exit code {p.exitcode}); the run directory keeps "
+                    f"everything up to now — fix the cause and continue with --resume"
+                )
 
 
 def _tensorboard(run: RunDir):
@@ -276,8 +341,11 @@ def _tensorboard(run: RunDir):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         from tailrace.errors import ConfigError
-        raise ConfigError("tensorboard=true needs the tensorboard package; pip install 'tailrace[tensorboard]' "
-                          "or drop --tensorboard") from None
+
+        raise ConfigError(
+            "tensorboard=true needs the tensorboard package; pip install 'tailrace[tensorboard]' "
+            "or drop --tensorboard"
+        ) from None
     return SummaryWriter(str(run.path / "tensorboard"))
 
 
@@ -298,5 +366,7 @@ def _expect(conn, what: str, proc, name: str, timeout: float = 300.0) -> None:
             if isinstance(msg, tuple) and msg[0] == what:
                 return
         if not proc.is_alive():
-            raise RuntimeError(f"{name} process failed to start (exit code {proc.exitcode}); see the error above")
+            raise RuntimeError(
+                f"{name} process failed to start (exit code {proc.exitcode}); see the error above"
+            )
     raise RuntimeError(f"{name} process did not become ready within {timeout:.0f}s")

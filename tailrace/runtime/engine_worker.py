@@ -4,6 +4,7 @@ The worker runs the engine's step loop and talks to the driver in batches, never
 steps it drains its inbox (Generate / Abort / LoadWeights / DropWeights / Stop); after a step it
 sends what finished, plus aggregated step statistics and busy spans at most every `report_s`.
 """
+
 from __future__ import annotations
 
 import time
@@ -77,19 +78,39 @@ def sample_seed(run_seed: int, sample_id: str) -> int:
 
 
 def to_request(s: Sample, spec: EngineSpec) -> GenRequest:
-    params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-                            max_new_tokens=spec.max_new_tokens, stop_token_ids=(spec.eos_id,),
-                            seed=sample_seed(spec.seed, s.id))
-    return GenRequest(id=s.id, prompt_ids=s.prompt.token_ids, params=params, version=s.version,
-                      resume_ids=s.resume_ids, resume_logprobs=s.resume_logprobs, resume_versions=s.resume_versions)
+    params = SamplingParams(
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        max_new_tokens=spec.max_new_tokens,
+        stop_token_ids=(spec.eos_id,),
+        seed=sample_seed(spec.seed, s.id),
+    )
+    return GenRequest(
+        id=s.id,
+        prompt_ids=s.prompt.token_ids,
+        params=params,
+        version=s.version,
+        resume_ids=s.resume_ids,
+        resume_logprobs=s.resume_logprobs,
+        resume_versions=s.resume_versions,
+    )
 
 
-def engine_main(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, report_s: float = 0.05) -> None:
+def engine_main(
+    engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, report_s: float = 0.05
+) -> None:
     pin(spec.cores)
     torch.set_num_threads(spec.threads)
     model = load_pretrained(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
-    engine = Engine(model, num_slots=spec.slots, prefill_tokens=spec.prefill_tokens, device=spec.device,
-                    seed=spec.seed, attention=None if spec.attention == "auto" else spec.attention)
+    engine = Engine(
+        model,
+        num_slots=spec.slots,
+        prefill_tokens=spec.prefill_tokens,
+        device=spec.device,
+        seed=spec.seed,
+        attention=None if spec.attention == "auto" else spec.attention,
+    )
     if spec.start_version != 0:
         engine.load_weights(weights.read(spec.start_version).views(), spec.start_version)
         engine.drop_version(0)

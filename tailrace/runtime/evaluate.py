@@ -1,4 +1,5 @@
 """Held-out evaluation on the rollout engines: pass@1 accuracy of the sampling policy, and lengths."""
+
 from __future__ import annotations
 
 import zlib
@@ -24,10 +25,17 @@ def histogram(lengths: list[int], bins: int = 12) -> list[tuple[int, int, int]]:
 
 def summarize(lengths: list[int], correct: list[bool]) -> dict:
     n = len(lengths)
-    return {"accuracy": sum(correct) / n, "n": n, "p50": percentile(lengths, 50), "p90": percentile(lengths, 90),
-            "p99": percentile(lengths, 99), "max": max(lengths), "mean": sum(lengths) / n,
-            "p99_over_p50": percentile(lengths, 99) / max(1e-9, percentile(lengths, 50)),
-            "histogram": histogram(lengths)}
+    return {
+        "accuracy": sum(correct) / n,
+        "n": n,
+        "p50": percentile(lengths, 50),
+        "p90": percentile(lengths, 90),
+        "p99": percentile(lengths, 99),
+        "max": max(lengths),
+        "mean": sum(lengths) / n,
+        "p99_over_p50": percentile(lengths, 99) / max(1e-9, percentile(lengths, 50)),
+        "histogram": histogram(lengths),
+    }
 
 
 class Evaluator:
@@ -39,13 +47,22 @@ class Evaluator:
         """Generate one sample per held-out prompt on the engines (under `version`) and score them.
         `on_report(report)` lets the driver account the engines' reports; it returns eval results."""
         c = self.cfg
-        reqs = [GenRequest(id=f"eval.{tag}.{i}", prompt_ids=p.token_ids, version=version,
-                           params=SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens,
-                                                 stop_token_ids=(self.ses.tok.eos_id,),
-                                                 seed=zlib.crc32(f"eval/{p.id}".encode())))
-                for i, p in enumerate(self.prompts)]
+        reqs = [
+            GenRequest(
+                id=f"eval.{tag}.{i}",
+                prompt_ids=p.token_ids,
+                version=version,
+                params=SamplingParams(
+                    temperature=c.temperature,
+                    max_new_tokens=c.max_new_tokens,
+                    stop_token_ids=(self.ses.tok.eos_id,),
+                    seed=zlib.crc32(f"eval/{p.id}".encode()),
+                ),
+            )
+            for i, p in enumerate(self.prompts)
+        ]
         for i, conn in enumerate(self.conns):
-            conn.send(("eval", reqs[i::len(self.conns)]))
+            conn.send(("eval", reqs[i :: len(self.conns)]))
         results = {}
         while len(results) < len(reqs):
             for conn in wait(self.conns, timeout=5.0):

@@ -4,6 +4,7 @@ Deterministic quantities (rewards, lengths, staleness, losses) sit at the top le
 everything that depends on wall-clock time sits under "time", so two runs of the same seed can be
 compared exactly on the rest.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

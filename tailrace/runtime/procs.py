@@ -4,6 +4,7 @@ On a machine with n cores the trainer takes the first half and the engines share
 each when there are enough), so rollout and training really overlap (DESIGN.md §6). Workers start
 with the 'spawn' method: forking a process that already runs torch's thread pools is unsafe.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -25,7 +26,9 @@ def placement(engines: int) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
     n_train = max(1, len(cores) // 2) if engines > 1 else max(1, len(cores) - engines)
     train, rest = cores[:n_train], cores[n_train:]
     per = max(1, len(rest) // engines)
-    return tuple(train), [tuple(rest[(i * per) % len(rest):(i * per) % len(rest) + per]) for i in range(engines)]
+    return tuple(train), [
+        tuple(rest[(i * per) % len(rest) : (i * per) % len(rest) + per]) for i in range(engines)
+    ]
 
 
 def pin(cores: tuple[int, ...]) -> None:

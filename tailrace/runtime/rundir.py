@@ -4,6 +4,7 @@ Everything is append-only JSON lines, flushed as written, so a killed run keeps 
 The journal is the scheduler's write-ahead log (groups opened, trajectories finished, discards);
 `--resume` replays it on top of the last checkpoint so no finished trajectory is lost.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 Everything that touches text lives here (and in tasks/): prompts are tokenized on the way in, and
 responses decoded and scored on the way out; engines and the trainer see token ids only.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,8 +38,13 @@ class Session:
         self.guard.close()
 
     def prompt(self, ex: Example) -> Prompt:
-        return Prompt(id=ex.id, token_ids=tuple(self.tok.encode(ex.question, bos=self.tok.bos_id is not None)),
-                      task=self.task.name, answer=ex.answer, text=ex.question)
+        return Prompt(
+            id=ex.id,
+            token_ids=tuple(self.tok.encode(ex.question, bos=self.tok.bos_id is not None)),
+            task=self.task.name,
+            answer=ex.answer,
+            text=ex.question,
+        )
 
     def prompt_stream(self) -> Iterator[Prompt]:
         for ex in self.task.stream("train", seed=self.cfg.task.seed):
@@ -48,7 +54,9 @@ class Session:
         return [self.prompt(ex) for ex in self.task.examples("test", n, seed=self.cfg.task.seed)]
 
     def score_results(self, prompts: list[Prompt], results: list[GenResult]) -> list[tuple[float, bool]]:
-        pairs = [(Example(p.id, p.text, p.answer), self.tok.decode(r.token_ids)) for p, r in zip(prompts, results)]
+        pairs = [
+            (Example(p.id, p.text, p.answer), self.tok.decode(r.token_ids)) for p, r in zip(prompts, results)
+        ]
         scored = self.guard.score_many(pairs)
         return [(s.reward, s.reward >= 1.0) for s in scored]
 
@@ -56,13 +64,24 @@ class Session:
         """Engine results -> scored Trajectories (aborted partials are not scored: reward 0)."""
         smp = [samples[r.request_id] for r in results]
         final = [i for i, r in enumerate(results) if r.finish != Finish.ABORTED]
-        scores = dict(zip(final, self.score_results([smp[i].prompt for i in final], [results[i] for i in final])))
+        scores = dict(
+            zip(final, self.score_results([smp[i].prompt for i in final], [results[i] for i in final]))
+        )
         out = []
         for i, (r, s) in enumerate(zip(results, smp)):
             reward, correct = scores.get(i, (0.0, False))
-            out.append(Trajectory(group=s.group, sample_index=s.index, prompt_id=s.prompt.id,
-                                  prompt_ids=s.prompt.token_ids, result=r, reward=reward, correct=correct,
-                                  dispatch_version=s.version))
+            out.append(
+                Trajectory(
+                    group=s.group,
+                    sample_index=s.index,
+                    prompt_id=s.prompt.id,
+                    prompt_ids=s.prompt.token_ids,
+                    result=r,
+                    reward=reward,
+                    correct=correct,
+                    dispatch_version=s.version,
+                )
+            )
         return out
 
     def flat_layout(self) -> FlatWeights:

@@ -5,6 +5,7 @@ flat weights are copied into the shared-memory ring (one memcpy, timed); when it
 directory, model + optimizer + step + RNG state are written there before the reply goes out, so a
 reply with `saved` set means the step is durable.
 """
+
 from __future__ import annotations
 
 import time

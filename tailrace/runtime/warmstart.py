@@ -5,6 +5,7 @@ on chainsum demonstrations. The result is an ordinary HF checkpoint directory, c
 $TAILRACE_CACHE (default ~/.cache/tailrace) in a folder named by the hash of the recipe, so a later
 run reuses it and a changed recipe rebuilds it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,11 +42,20 @@ def warm_start_dir(cfg: SFTConfig, task: ChainSumTask | None = None) -> Path:
 
 
 def model_config(cfg: SFTConfig, vocab_size: int, tok) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                       num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_len,
-                       tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                       pad_token_id=tok.pad_id, model_type="llama")
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_len,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+        model_type="llama",
+    )
 
 
 def demonstrations(cfg: SFTConfig, task: ChainSumTask, tok) -> list[tuple[list[int], list[int]]]:
@@ -69,9 +79,18 @@ def build_warm_start(cfg: SFTConfig, out: Path, progress=None) -> dict:
         model = CausalLM.from_config(model_config(cfg, tok.vocab_size, tok), seed=cfg.seed)
         pairs = demonstrations(cfg, task, tok)
         t0 = time.perf_counter()
-        losses = sft(model, pairs, lr=cfg.lr, warmup=cfg.warmup, batch_tokens=cfg.batch_tokens,
-                     epochs=cfg.epochs, pad_id=tok.pad_id, seed=cfg.seed, bf16=cfg.bf16,
-                     on_step=progress)
+        losses = sft(
+            model,
+            pairs,
+            lr=cfg.lr,
+            warmup=cfg.warmup,
+            batch_tokens=cfg.batch_tokens,
+            epochs=cfg.epochs,
+            pad_id=tok.pad_id,
+            seed=cfg.seed,
+            bf16=cfg.bf16,
+            on_step=progress,
+        )
         seconds = time.perf_counter() - t0
     finally:
         torch.set_num_threads(prev_threads)
@@ -79,9 +98,14 @@ def build_warm_start(cfg: SFTConfig, out: Path, progress=None) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(model, tmp)
     tok.save(tmp)
-    info = {"recipe": dataclasses.asdict(cfg), "task": dataclasses.asdict(task.spec), "seconds": round(seconds, 1),
-            "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4), "steps": len(losses),
-            "parameters": model.num_parameters()}
+    info = {
+        "recipe": dataclasses.asdict(cfg),
+        "task": dataclasses.asdict(task.spec),
+        "seconds": round(seconds, 1),
+        "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
+        "steps": len(losses),
+        "parameters": model.num_parameters(),
+    }
     (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)

@@ -6,6 +6,7 @@ one memcpy — and reports version v; an engine rebuilds named views over that s
 and loads them. The driver never lets a slot be overwritten while an engine still has to load the
 version it holds (the ring holds more versions than a policy keeps live).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,9 @@ from tailrace.model.flat import FlatWeights, Layout
 
 
 class SharedWeights:
-    def __init__(self, layout: Layout, numel: int, dtype: torch.dtype = torch.float32, slots: int = 4) -> None:
+    def __init__(
+        self, layout: Layout, numel: int, dtype: torch.dtype = torch.float32, slots: int = 4
+    ) -> None:
         self.layout = layout
         self.buf = torch.zeros(slots, numel, dtype=dtype).share_memory_()
         self.versions = torch.full((slots,), -1, dtype=torch.long).share_memory_()
@@ -37,6 +40,8 @@ class SharedWeights:
         slot = version % self.slots
         held = int(self.versions[slot])
         if held != version:
-            raise RuntimeError(f"weights of version {version} are not in shared memory (slot holds {held}); "
-                               f"more versions are live than the ring's {self.slots} slots")
+            raise RuntimeError(
+                f"weights of version {version} are not in shared memory (slot holds {held}); "
+                f"more versions are live than the ring's {self.slots} slots"
+            )
         return FlatWeights(self.buf[slot], self.layout)

@@ -14,6 +14,7 @@ minutes, a fraction of a second of dispatch latency changes nothing and saves mo
 The scheduler checks its invariants (staleness, one version per trajectory, ledger) as it
 does in a real run; a violation raises out of `run()`.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -31,10 +32,19 @@ class SimStalled(RuntimeError):
 
 
 class SimCluster:
-    def __init__(self, sched, engines: list[SimEngine], cost: CostModel, recorder: Recorder | None = None,
-                 colocated: bool = False, poll_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        sched,
+        engines: list[SimEngine],
+        cost: CostModel,
+        recorder: Recorder | None = None,
+        colocated: bool = False,
+        poll_s: float = 0.0,
+    ) -> None:
         if len(engines) != len(sched.engines):
-            raise ValueError(f"{len(engines)} simulated engines for a scheduler built with {len(sched.engines)}")
+            raise ValueError(
+                f"{len(engines)} simulated engines for a scheduler built with {len(sched.engines)}"
+            )
         self.sched, self.engines, self.cost = sched, engines, cost
         self.rec = recorder or Recorder()
         self.colocated = colocated  # training holds the engines' devices: engines pause while it runs
@@ -57,7 +67,9 @@ class SimCluster:
     # ------------------------------------------------------------------ the loop
     def run(self, max_time: float | None = None) -> None:
         self._request_poll()
-        until = self.done if max_time is None else simpy.AnyOf(self.env, [self.done, self.env.timeout(max_time)])
+        until = (
+            self.done if max_time is None else simpy.AnyOf(self.env, [self.done, self.env.timeout(max_time)])
+        )
         try:
             self.env.run(until=until)
         except RuntimeError as e:
@@ -68,10 +80,12 @@ class SimCluster:
 
     def _stall_message(self) -> str:
         s = self.sched
-        return (f"simulation stalled at t={self.env.now:.3f}s after {s.steps_done}/{s.spec.total_steps} steps: "
-                f"nothing is running and the policy {s.policy.name!r} issued no work "
-                f"(open groups {len(s.store.open)}, ready {len(s.store.ready)}, in flight {s.in_flight()}, "
-                f"published {sorted(s.published)})")
+        return (
+            f"simulation stalled at t={self.env.now:.3f}s after {s.steps_done}/{s.spec.total_steps} steps: "
+            f"nothing is running and the policy {s.policy.name!r} issued no work "
+            f"(open groups {len(s.store.open)}, ready {len(s.store.ready)}, in flight {s.in_flight()}, "
+            f"published {sorted(s.published)})"
+        )
 
     @property
     def now(self) -> float:

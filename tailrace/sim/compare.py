@@ -4,6 +4,7 @@ Both runs are read by the same function, so a difference is the simulator's, not
 The first step is left out of the means: in a real run it carries start-up (process launch, the base
 evaluation) that the simulator does not model.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,9 @@ FIGURES = ("step_s", "train_s", "rollout_s", "trainer_wait_ratio", "bubble_ratio
 def step_records(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; pass a run directory written by tailrace train or sim")
+        raise FileNotFoundError(
+            f"{path} does not exist; pass a run directory written by tailrace train or sim"
+        )
     return [r for r in read_lines(path) if r.get("kind") == "step"]
 
 
@@ -32,13 +35,17 @@ def step_figures(run_dir: str | Path, skip: int = 1) -> dict:
     def mean(xs):
         xs = list(xs)
         return sum(xs) / len(xs)
-    return {"steps": len(steps), "step_s": mean(r["time"]["step_s"] for r in use),
-            "train_s": mean(r["time"]["train_s"] for r in use),
-            "rollout_s": mean(r["time"]["step_s"] - r["time"]["train_s"] for r in use),
-            "trainer_wait_ratio": mean(r["time"]["step_trainer_wait_ratio"] for r in use),
-            "bubble_ratio": mean(r["time"]["step_bubble_ratio"] for r in use),
-            "gen_tok_s": mean(r["time"]["gen_tok_s"] for r in use),
-            "length_bubble": mean(r["length"].get("bubble", 0.0) for r in use)}
+
+    return {
+        "steps": len(steps),
+        "step_s": mean(r["time"]["step_s"] for r in use),
+        "train_s": mean(r["time"]["train_s"] for r in use),
+        "rollout_s": mean(r["time"]["step_s"] - r["time"]["train_s"] for r in use),
+        "trainer_wait_ratio": mean(r["time"]["step_trainer_wait_ratio"] for r in use),
+        "bubble_ratio": mean(r["time"]["step_bubble_ratio"] for r in use),
+        "gen_tok_s": mean(r["time"]["gen_tok_s"] for r in use),
+        "length_bubble": mean(r["length"].get("bubble", 0.0) for r in use),
+    }
 
 
 def compare(real: dict, sim: dict) -> list[tuple[str, float, float, float]]:
@@ -51,13 +58,18 @@ def trainer_rate(run_dir: str | Path, cost, skip: int = 1) -> tuple[float, float
     FLOPs `cost` charges for the same trajectories (from the journal and the train_issued marks).
     Separates what the machine delivered during the run from the simulator's composition of it."""
     import numpy as np
+
     run_dir = Path(run_dir)
     lens: dict[int, list[int]] = {}
     for e in read_lines(run_dir / "journal.jsonl"):
         if e.get("kind") == "done":
             t = e["trajectory"]
             lens.setdefault(t["group"], []).append(len(t["prompt_ids"]) + len(t["result"]["token_ids"]))
-    issued = {e["step"]: e["groups"] for e in read_lines(run_dir / "events.jsonl") if e.get("kind") == "train_issued"}
+    issued = {
+        e["step"]: e["groups"]
+        for e in read_lines(run_dir / "events.jsonl")
+        if e.get("kind") == "train_issued"
+    }
     flops, secs = [], []
     for r in step_records(run_dir)[skip:]:
         rows = [n for g in issued.get(r["step"], []) for n in lens.get(g, [])]

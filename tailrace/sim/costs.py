@@ -16,6 +16,7 @@ of the trainer's peak, plus a fixed per-step overhead; packed sequences by defau
 micro-batches like tailrace's own trainer (`micro_batch_tokens`). Publish (trainer side): the bytes over
 NVLink of one node.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,12 @@ class CostModel:
     engine_gpus: int = 1  # devices per engine (tensor-parallel group)
     trainer_gpus: int = 1
     recompute_logprobs: bool = True  # the trainer runs a forward of the old policy before its step
-    checkpoint_s: float = 0.0  # trainer time to write a checkpoint after a publishing step (measured, not modelled)
-    micro_batch_tokens: int = 0  # > 0: the trainer pads micro-batches (tailrace's trainer); 0: packed sequences
+    checkpoint_s: float = (
+        0.0  # trainer time to write a checkpoint after a publishing step (measured, not modelled)
+    )
+    micro_batch_tokens: int = (
+        0  # > 0: the trainer pads micro-batches (tailrace's trainer); 0: packed sequences
+    )
 
     def __post_init__(self) -> None:
         if self.engine_gpus < 1 or self.trainer_gpus < 1:
@@ -71,7 +76,9 @@ class CostModel:
             if b > 0:
                 terms.append(self.version_terms(b, ctx))
                 seqs += b
-        return Segment(len(terms) * self.forward_overhead + self.hw.per_seq_s * seqs, tuple(terms), self.hw.host_gap_s)
+        return Segment(
+            len(terms) * self.forward_overhead + self.hw.per_seq_s * seqs, tuple(terms), self.hw.host_gap_s
+        )
 
     def decode_step_time(self, batch: int, context: int) -> float:
         """One step of one version: `batch` sequences reading `context` tokens in total."""
@@ -83,7 +90,9 @@ class CostModel:
             return 0.0
         m = self.model
         tokens = sum(lengths)
-        flops = 2.0 * m.matmul_params * tokens + m.attn_flops_per_context_token * sum(p * p / 2 for p in lengths)
+        flops = 2.0 * m.matmul_params * tokens + m.attn_flops_per_context_token * sum(
+            p * p / 2 for p in lengths
+        )
         mem = m.weight_bytes_read(tokens, self.hw.dtype_bytes) / self._bw
         return max(mem, flops / self._flops) + self.forward_overhead
 

@@ -12,6 +12,7 @@ Time is kept as (t_b, step): the engine sits at a step boundary at time t_b with
 done since it started; decode step k after t_b ends at t_b + segment.time(k + 1). Prefill of newly
 admitted requests and weight loads are blocks that move t_b forward.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -96,8 +97,16 @@ class Span:
 
 
 class SimEngine:
-    def __init__(self, eid: int, slots: int, cost: CostModel, lengths: LengthModel, accuracy: float = 0.5,
-                 seed: int = 0, start_version: int = 0) -> None:
+    def __init__(
+        self,
+        eid: int,
+        slots: int,
+        cost: CostModel,
+        lengths: LengthModel,
+        accuracy: float = 0.5,
+        seed: int = 0,
+        start_version: int = 0,
+    ) -> None:
         if slots < 1:
             raise ValueError(f"engine {eid}: slots={slots} must be at least 1")
         self.id, self.slots, self.cost, self.lengths = eid, slots, cost, lengths
@@ -200,16 +209,20 @@ class SimEngine:
         if isinstance(cmd, Generate):
             for s in cmd.samples:
                 if s.version not in self.loaded:
-                    raise RuntimeError(f"engine {self.id}: sample {s.id} needs version {s.version}, "
-                                       f"engine holds {sorted(self.loaded)}")
+                    raise RuntimeError(
+                        f"engine {self.id}: sample {s.id} needs version {s.version}, "
+                        f"engine holds {sorted(self.loaded)}"
+                    )
                 self.queue.append(self._job(s))
                 self.received.add(s.id)
         elif isinstance(cmd, Abort):
             ids = set(cmd.sample_ids)
             unknown = ids - self.received
             if unknown:  # the real engine raises here too; one that already finished is a benign race
-                raise RuntimeError(f"engine {self.id}: abort of {sorted(unknown)}, which it was never sent "
-                                   "(commands apply in order: an Abort before its Generate finds nothing)")
+                raise RuntimeError(
+                    f"engine {self.id}: abort of {sorted(unknown)}, which it was never sent "
+                    "(commands apply in order: an Abort before its Generate finds nothing)"
+                )
             for job in [j for j in self.queue if j.sample.id in ids]:
                 self.queue.remove(job)
                 rep.results.append(self._traj(job, Finish.ABORTED, self.t_b))
@@ -226,7 +239,9 @@ class SimEngine:
             rep.loaded.append((cmd.version, self.t_b))
         elif isinstance(cmd, DropWeights):
             if any(j.sample.version == cmd.version for j in [*self.running.values(), *self.queue]):
-                raise RuntimeError(f"engine {self.id}: drop of version {cmd.version}, which requests still use")
+                raise RuntimeError(
+                    f"engine {self.id}: drop of version {cmd.version}, which requests still use"
+                )
             self.loaded.discard(cmd.version)
         elif isinstance(cmd, CoRun):
             self.slowdown = cmd.factor
@@ -300,12 +315,23 @@ class SimEngine:
         v = s.version
         ids, lps, vs = Runs.of(TOKEN, new), Runs.of(-1.0, new), Runs.of(v, new)
         if job.base:  # a resumed partial: its old tokens keep their own versions
-            ids, lps, vs = (Runs.from_seq(s.resume_ids) + ids, Runs.from_seq(s.resume_logprobs) + lps,
-                            Runs.from_seq(s.resume_versions) + vs)
+            ids, lps, vs = (
+                Runs.from_seq(s.resume_ids) + ids,
+                Runs.from_seq(s.resume_logprobs) + lps,
+                Runs.from_seq(s.resume_versions) + vs,
+            )
         res = GenResult(s.id, ids, lps, vs, finish, job.submitted, job.first_token, t)
         correct = finish != Finish.ABORTED and self._correct(s)
-        return SimTrajectory(group=s.group, sample_index=s.index, prompt_id=s.prompt.id, prompt_ids=s.prompt.token_ids,
-                          result=res, reward=float(correct), correct=correct, dispatch_version=v)
+        return SimTrajectory(
+            group=s.group,
+            sample_index=s.index,
+            prompt_id=s.prompt.id,
+            prompt_ids=s.prompt.token_ids,
+            result=res,
+            reward=float(correct),
+            correct=correct,
+            dispatch_version=v,
+        )
 
     def _correct(self, s: Sample) -> bool:
         return uniform(self.seed, P_REWARD, s.prompt.id, s.index) < self.accuracy
@@ -326,4 +352,3 @@ class SimEngine:
     def slot_time_at(self, now: float) -> float:
         """Slot-time up to `now`, counting the part of the current segment already run."""
         return self.slot_time + len(self.running) * self._busy_since_boundary(now)
-

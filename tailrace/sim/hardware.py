@@ -13,6 +13,7 @@ a decode step costs 3 ms of fixed scheduling/sampling/launch overhead, training 
 $TAILRACE_CACHE/sim/cpu.json (default ~/.cache/tailrace/sim/cpu.json); without that file the
 built-in fit below (measured on the 2-core testbed) is used.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -101,10 +102,24 @@ GPUS: dict[str, Hardware] = {
 
 # The 2-core testbed (DESIGN.md §6), fitted by `tailrace sim calibrate` on one core each for the engine
 # and the trainer, fp32. Effective numbers: efficiencies are folded in (bw_eff = flops_eff = 1).
-CPU_FALLBACK = Hardware("cpu", peak_flops=2.0e10, mem_bw=1.0e10, mem_bytes=8 * GB, scaleup_bw=5 * GB,
-                        net_bw=5 * GB, dtype_bytes=4, bw_eff=1.0, flops_eff=1.0, step_overhead_s=6e-4,
-                        per_seq_s=4e-6, tp_sync_s=0.0, train_mfu=0.5, train_step_overhead_s=0.01,
-                        sync_fixed_s=1e-3, load_bw=2 * GB)
+CPU_FALLBACK = Hardware(
+    "cpu",
+    peak_flops=2.0e10,
+    mem_bw=1.0e10,
+    mem_bytes=8 * GB,
+    scaleup_bw=5 * GB,
+    net_bw=5 * GB,
+    dtype_bytes=4,
+    bw_eff=1.0,
+    flops_eff=1.0,
+    step_overhead_s=6e-4,
+    per_seq_s=4e-6,
+    tp_sync_s=0.0,
+    train_mfu=0.5,
+    train_step_overhead_s=0.01,
+    sync_fixed_s=1e-3,
+    load_bw=2 * GB,
+)
 
 
 def cache_dir() -> Path:

@@ -10,6 +10,7 @@ length it would have had, two policies see the same workload, and runs repeat ex
 - `EmpiricalLengths`: replays the response lengths recorded in a tailrace run directory's
   journal.jsonl, prompt by prompt (so intra-prompt spread is the recorded one).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tailrace.jsonlines import read_lines
-
 
 _M64 = (1 << 64) - 1
 
@@ -116,14 +116,16 @@ class LognormalLengths(LengthModel):
     def response(self, prompt_id: int, index: int) -> int:
         if self.runaway and uniform(self.seed, P_RUNAWAY, prompt_id, index) < self.runaway:
             return self.max_len
-        n = math.exp(self._prompt_mu(prompt_id) + self.sigma_sample * normal(self.seed, P_SAMPLE, prompt_id, index))
+        n = math.exp(
+            self._prompt_mu(prompt_id) + self.sigma_sample * normal(self.seed, P_SAMPLE, prompt_id, index)
+        )
         return max(1, min(self.max_len, int(round(n))))
 
     def prompt_len(self, prompt_id: int) -> int:
         if not self.prompt_sigma:
             return self.prompt
         z = normal(self.seed, P_PROMPT, prompt_id)
-        return max(1, int(round(self.prompt * math.exp(self.prompt_sigma * z - self.prompt_sigma ** 2 / 2))))
+        return max(1, int(round(self.prompt * math.exp(self.prompt_sigma * z - self.prompt_sigma**2 / 2))))
 
 
 @dataclass

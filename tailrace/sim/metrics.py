@@ -2,6 +2,7 @@
 published systems' own figures: RolloutPipe's rollout-to-train-end window and first dispatch, DORA's
 per-step bubble and rollout-only share.
 """
+
 from __future__ import annotations
 
 import math

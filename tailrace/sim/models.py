@@ -7,6 +7,7 @@ layout: attention q/k/v/o (+ q/k/v bias in Qwen2), SwiGLU MLP (3 matrices), RMSN
 (tied or not). MoE (Qwen3-MoE layout): every layer's MLP is `experts` SwiGLU experts of width
 `expert_intermediate`, `experts_per_token` of them active per token, plus a router.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         if self.experts and not (0 < self.experts_per_token <= self.experts and self.expert_intermediate > 0):
-            raise ValueError(f"model {self.name}: an MoE needs 0 < experts_per_token <= experts and expert_intermediate > 0")
+            raise ValueError(
+                f"model {self.name}: an MoE needs 0 < experts_per_token <= experts and expert_intermediate > 0"
+            )
 
     # -- parameter counts ------------------------------------------------------------------------
     @cached_property
@@ -105,8 +108,18 @@ class ModelShape:
 
 
 def _qwen2(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied):
-    return ModelShape(name, hidden, layers, heads, kv_heads, hidden // heads, intermediate, vocab,
-                      tied_embeddings=tied, qkv_bias=True)
+    return ModelShape(
+        name,
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        hidden // heads,
+        intermediate,
+        vocab,
+        tied_embeddings=tied,
+        qkv_bias=True,
+    )
 
 
 def _qwen3(name, hidden, layers, heads, kv_heads, intermediate, tied):
@@ -124,8 +137,19 @@ MODELS: dict[str, ModelShape] = {
     "qwen3-8b": _qwen3("qwen3-8b", 4096, 36, 32, 8, 12288, False),  # 8.19B
     # huggingface.co/Qwen/Qwen3-235B-A22B/config.json: 94 layers, 64 q / 4 kv heads of 128, 128 experts of
     # width 1536, 8 active per token; untied embeddings. 235B total, 22B active.
-    "qwen3-235b-a22b": ModelShape("qwen3-235b-a22b", 4096, 94, 64, 4, 128, 0, 151936, experts=128,
-                                  experts_per_token=8, expert_intermediate=1536),
+    "qwen3-235b-a22b": ModelShape(
+        "qwen3-235b-a22b",
+        4096,
+        94,
+        64,
+        4,
+        128,
+        0,
+        151936,
+        experts=128,
+        experts_per_token=8,
+        expert_intermediate=1536,
+    ),
     # tailrace's default policy (config.SFTConfig defaults; char tokenizer: 4 specials + 96 printable = 100)
     "tailrace-default": ModelShape("tailrace-default", 256, 4, 8, 4, 32, 512, 100, tied_embeddings=True),
 }

@@ -7,6 +7,7 @@ top level and everything time-dependent under "time"; spans are {"lane", "phase"
 scheduler marks are {"lane": "scheduler", "kind", "t", ...}. The journal is optional (`journal=False`)
 because at scale it holds every token id.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,9 @@ from pathlib import Path
 
 from tailrace.flow.commands import Train
 from tailrace.flow.serde import traj_to_dict
-from tailrace.sim.runs import Runs
 from tailrace.metrics import length_stats, staleness_hist, utilization
 from tailrace.sim.metrics import minus_length
+from tailrace.sim.runs import Runs
 from tailrace.types import Trajectory
 
 
@@ -70,9 +71,17 @@ class Recorder:
         issued_at, _ = self.issued.pop(c.step)
         trajs = [t for g in c.groups for t in g.trajectories]
         self.train_tokens += tokens
-        self.step_log.append({"step": c.step, "groups": [g.id for g in c.groups], "issued": issued_at,
-                              "t0": span[0], "end": now, "publish": c.publish,
-                              "lengths": [t.length for t in trajs]})
+        self.step_log.append(
+            {
+                "step": c.step,
+                "groups": [g.id for g in c.groups],
+                "issued": issued_at,
+                "t0": span[0],
+                "end": now,
+                "publish": c.publish,
+                "lengths": [t.length for t in trajs],
+            }
+        )
         slots = sum(e.slots for e in cl.engines)
         busy, slot_time = cl.trainer_busy, sum(e.slot_time_at(now) for e in cl.engines)
         gen = sum(e.gen_tokens for e in cl.engines)
@@ -80,18 +89,29 @@ class Recorder:
         cur = (now, busy, slot_time, gen, self.train_tokens)
         timing = utilization(0.0, cur, self._prev, slots, engine_busy)
         self._prev = cur
-        timing.update({
-            "train_s": span[1] - span[0],
-            "weight_sync_s": (sync[1] - sync[0]) if sync else 0.0,
-            "trainer_step_s": span[1] - span[0],
-        })
+        timing.update(
+            {
+                "train_s": span[1] - span[0],
+                "weight_sync_s": (sync[1] - sync[0]) if sync else 0.0,
+                "trainer_step_s": span[1] - span[0],
+            }
+        )
         s = cl.sched
-        rec = {"kind": "step", "step": c.step, "version": s.done_version,
-               "reward": sum(t.reward for t in trajs) / len(trajs),
-               "accuracy": sum(t.correct for t in trajs) / len(trajs), "samples": len(trajs),
-               "length": length_stats(trajs), "staleness": staleness_hist(trajs, c.trainer_version),
-               "discards": dict(s.ledger.discarded), "ledger": s.ledger.state_dict(), "reward_errors": {},
-               "train": {"tokens": tokens, "sequences": len(trajs)}, "time": timing}
+        rec = {
+            "kind": "step",
+            "step": c.step,
+            "version": s.done_version,
+            "reward": sum(t.reward for t in trajs) / len(trajs),
+            "accuracy": sum(t.correct for t in trajs) / len(trajs),
+            "samples": len(trajs),
+            "length": length_stats(trajs),
+            "staleness": staleness_hist(trajs, c.trainer_version),
+            "discards": dict(s.ledger.discarded),
+            "ledger": s.ledger.state_dict(),
+            "reward_errors": {},
+            "train": {"tokens": tokens, "sequences": len(trajs)},
+            "time": timing,
+        }
         self.steps.append(rec)
         self._write("metrics", rec)
 
@@ -123,9 +143,16 @@ class Recorder:
             start = min(self.first_dispatch.get(g, steps[0]["issued"]) for g in groups)
             lens = [n for s in steps for n in s["lengths"]]
             mx = max(lens)
-            res.append({"start": start, "end": steps[-1]["end"], "window_s": steps[-1]["end"] - start,
-                        "first_dispatch_s": min(s["issued"] for s in steps) - start,
-                        "length_bubble": (mx - sum(lens) / len(lens)) / mx, "steps": len(steps)})
+            res.append(
+                {
+                    "start": start,
+                    "end": steps[-1]["end"],
+                    "window_s": steps[-1]["end"] - start,
+                    "first_dispatch_s": min(s["issued"] for s in steps) - start,
+                    "length_bubble": (mx - sum(lens) / len(lens)) / mx,
+                    "steps": len(steps),
+                }
+            )
         return res
 
     def _summary(self, cl) -> dict:
@@ -139,17 +166,24 @@ class Recorder:
 
         def mean(key):
             return sum(r[key] for r in rounds) / len(rounds) if rounds else float("nan")
+
         return {
-            "policy": s.policy.name, "steps": steps, "rounds": len(rounds), "wall_s": now,
-            "time_per_step_s": now / max(1, steps), "time_per_round_s": now / max(1, len(rounds)),
+            "policy": s.policy.name,
+            "steps": steps,
+            "rounds": len(rounds),
+            "wall_s": now,
+            "time_per_step_s": now / max(1, steps),
+            "time_per_round_s": now / max(1, len(rounds)),
             "trainer_wait_ratio": last.get("trainer_wait_ratio", float("nan")),
             "bubble_ratio": last.get("bubble_ratio", float("nan")),
-            "length_bubble": mean("length_bubble"), "window_s": mean("window_s"),
+            "length_bubble": mean("length_bubble"),
+            "window_s": mean("window_s"),
             "first_dispatch_s": mean("first_dispatch_s"),
             "rollout_only_share": minus_length(gen_spans, train_spans) / now if now else float("nan"),
             "gen_tokens": sum(e.gen_tokens for e in cl.engines),
             "gen_tok_s": sum(e.gen_tokens for e in cl.engines) / now if now else 0.0,
-            "train_tokens": self.train_tokens, "sim_events": cl.events,
+            "train_tokens": self.train_tokens,
+            "sim_events": cl.events,
             "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
             "ledger": s.ledger.state_dict(),
             "step_end_s": [r["end"] for r in sorted(self.step_log, key=lambda r: r["step"])],

@@ -6,6 +6,7 @@ they mean for the expanded tuple; only memory is O(runs) instead of O(tokens), s
 trajectory costs a few dozen bytes. Iteration expands in C (itertools), so code that scans every
 token (the core's one-version check) still pays O(tokens), but nothing else does.
 """
+
 from __future__ import annotations
 
 import itertools

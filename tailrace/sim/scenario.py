@@ -10,6 +10,7 @@
 same options in a simulated run as in a real one. `scenario_from_run(RUN_DIR)` rebuilds the scenario
 of a real run (its flow, rollout and model shape on the "cpu" preset, its recorded lengths).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,14 +49,18 @@ class ClusterSpec:
     colocated: bool = False  # trainer and engines share devices: engines pause while training runs
     recompute_logprobs: bool = True  # the trainer runs a forward for old-policy logprobs before each step
     checkpoint_s: float = 0.0  # trainer seconds to write a checkpoint after each publishing step
-    micro_batch_tokens: int = 0  # > 0: the trainer pads micro-batches of this many tokens (tailrace's); 0: packed
+    micro_batch_tokens: int = (
+        0  # > 0: the trainer pads micro-batches of this many tokens (tailrace's); 0: packed
+    )
 
     def __post_init__(self) -> None:
         for k in ("engines", "engine_gpus", "trainer_gpus"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"cluster.{k}={getattr(self, k)}: must be at least 1")
         if self.slots < 0 or self.lookahead < 0:
-            raise ConfigError("cluster.slots and cluster.lookahead must be >= 0 (slots 0 = size from KV memory)")
+            raise ConfigError(
+                "cluster.slots and cluster.lookahead must be >= 0 (slots 0 = size from KV memory)"
+            )
 
     @property
     def gpus(self) -> int:
@@ -67,8 +72,9 @@ class Scenario:
     name: str = "scenario"
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     flow: FlowConfig = field(default_factory=lambda: FlowConfig(steps=20))
-    lengths: dict[str, Any] = field(default_factory=lambda: {"kind": "lognormal", "median": 60, "max_len": 320,
-                                                              "prompt": 20})
+    lengths: dict[str, Any] = field(
+        default_factory=lambda: {"kind": "lognormal", "median": 60, "max_len": 320, "prompt": 20}
+    )
     accuracy: float = 0.5  # probability a sample is rewarded (only shaping policies look at rewards)
     seed: int = 0
     journal: bool = True  # write journal.jsonl (every token id: turn off at scale)
@@ -98,6 +104,7 @@ def apply_overrides(scn: Scenario, overrides: list[str]) -> Scenario:
     import tempfile
 
     import yaml
+
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         yaml.safe_dump(scn.to_dict(), f)
         f.flush()
@@ -119,12 +126,21 @@ def model_shape(spec: str) -> ModelShape:
 def shape_from_hf(cfg: dict, name: str) -> ModelShape:
     """A ModelShape from a Hugging Face config.json (dense Llama/Qwen2/Qwen3, or Qwen3-MoE)."""
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    return ModelShape(name, h, cfg["num_hidden_layers"], heads, cfg.get("num_key_value_heads") or heads,
-                      cfg.get("head_dim") or h // heads, cfg.get("intermediate_size", 0), cfg["vocab_size"],
-                      tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                      qkv_bias=cfg.get("model_type") == "qwen2", experts=cfg.get("num_experts", 0),
-                      experts_per_token=cfg.get("num_experts_per_tok", 0),
-                      expert_intermediate=cfg.get("moe_intermediate_size", 0))
+    return ModelShape(
+        name,
+        h,
+        cfg["num_hidden_layers"],
+        heads,
+        cfg.get("num_key_value_heads") or heads,
+        cfg.get("head_dim") or h // heads,
+        cfg.get("intermediate_size", 0),
+        cfg["vocab_size"],
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=cfg.get("model_type") == "qwen2",
+        experts=cfg.get("num_experts", 0),
+        experts_per_token=cfg.get("num_experts_per_tok", 0),
+        expert_intermediate=cfg.get("moe_intermediate_size", 0),
+    )
 
 
 def cost_model(scn: Scenario) -> CostModel:
@@ -135,10 +151,13 @@ def cost_model(scn: Scenario) -> CostModel:
     except KeyError as e:
         raise ConfigError(str(e).strip('"')) from None
     except TypeError as e:
-        raise ConfigError(f"cluster.hardware_overrides: {e}; valid keys are the fields of sim.hardware.Hardware") from None
+        raise ConfigError(
+            f"cluster.hardware_overrides: {e}; valid keys are the fields of sim.hardware.Hardware"
+        ) from None
     shape = shape_from_hf(c.model_config, c.model) if c.model_config else model_shape(c.model)
-    return CostModel(hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s,
-                     c.micro_batch_tokens)
+    return CostModel(
+        hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s, c.micro_batch_tokens
+    )
 
 
 def engine_slots(scn: Scenario, cost: CostModel, lengths: LengthModel) -> int:
@@ -166,7 +185,9 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     cost = cost_model(scn)
     slots = engine_slots(scn, cost, lengths)
     spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
-    sched = Scheduler(policy, prompt_stream(lengths), [(slots, scn.cluster.lookahead)] * scn.cluster.engines, spec)
+    sched = Scheduler(
+        policy, prompt_stream(lengths), [(slots, scn.cluster.lookahead)] * scn.cluster.engines, spec
+    )
     engines = [SimEngine(i, slots, cost, lengths, scn.accuracy, scn.seed) for i in range(scn.cluster.engines)]
     rec = Recorder(out_dir, journal=scn.journal)
     return SimCluster(sched, engines, cost, rec, colocated=scn.cluster.colocated, poll_s=scn.poll_s)
@@ -178,10 +199,17 @@ def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:
     cl = build(scn, out_dir)
     if out_dir is not None:
         import yaml
+
         (Path(out_dir) / "config.yaml").write_text(yaml.safe_dump(scn.to_dict(), sort_keys=False))
     cl.run()
-    summary = dict(cl.rec.summary, scenario=scn.name, gpus=scn.cluster.gpus, slots=cl.engines[0].slots,
-                   sim_seconds=time.perf_counter() - t0, sim_cpu_seconds=time.process_time() - c0)
+    summary = dict(
+        cl.rec.summary,
+        scenario=scn.name,
+        gpus=scn.cluster.gpus,
+        slots=cl.engines[0].slots,
+        sim_seconds=time.perf_counter() - t0,
+        sim_cpu_seconds=time.process_time() - c0,
+    )
     if out_dir is not None:
         (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -199,6 +227,7 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
     preset, as calibrated: fp32 trainer with the fp32 engine, bf16 autocast with the bf16 one) and the
     lengths its journal recorded."""
     from tailrace.config import RunConfig
+
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} has no config.yaml; pass a run directory written by tailrace train")
@@ -208,17 +237,30 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
     if cfg.model.path:
         model = str(Path(cfg.model.path) / "config.json")
     else:  # the warm-started default model, shaped by the run's sft section (char tokenizer: 100 ids)
-        shape = {"hidden_size": s.hidden_size, "num_attention_heads": s.num_heads,
-                 "num_key_value_heads": s.num_kv_heads, "num_hidden_layers": s.num_layers,
-                 "intermediate_size": s.intermediate_size, "vocab_size": 100, "tie_word_embeddings": True,
-                 "model_type": "llama"}
+        shape = {
+            "hidden_size": s.hidden_size,
+            "num_attention_heads": s.num_heads,
+            "num_key_value_heads": s.num_kv_heads,
+            "num_hidden_layers": s.num_layers,
+            "intermediate_size": s.intermediate_size,
+            "vocab_size": 100,
+            "tie_word_embeddings": True,
+            "model_type": "llama",
+        }
     preset = "cpu-bf16" if cfg.model.dtype == "bfloat16" else "cpu"
     # the trainer writes a checkpoint every `checkpoint_every` publishing steps: its measured cost, spread
     ckpt = calibration(preset).get("checkpoint_s", 0.0) / cfg.flow.checkpoint_every
     flow = cfg.flow
-    cluster = ClusterSpec(hardware=preset, model=model, model_config=shape,
-                          engines=r.engines, recompute_logprobs=False, checkpoint_s=ckpt,
-                          micro_batch_tokens=cfg.train.micro_batch_tokens,
-                          slots=r.slots, lookahead=r.lookahead)
+    cluster = ClusterSpec(
+        hardware=preset,
+        model=model,
+        model_config=shape,
+        engines=r.engines,
+        recompute_logprobs=False,
+        checkpoint_s=ckpt,
+        micro_batch_tokens=cfg.train.micro_batch_tokens,
+        slots=r.slots,
+        lookahead=r.lookahead,
+    )
     lengths = {"kind": "empirical", "run_dir": str(run_dir), "max_len": r.max_new_tokens}
     return Scenario(name=f"like-{run_dir.name}", cluster=cluster, flow=flow, lengths=lengths, seed=cfg.seed)

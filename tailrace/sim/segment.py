@@ -10,6 +10,7 @@ Each max switches side at most once, so sum_{k<n} T(k) is a sum of arithmetic se
 the next completion costs O(versions), however many tokens lie between. This is what lets the
 simulator take one event per request boundary instead of one per token.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,9 @@ class Segment:
 
     def scaled(self, f: float) -> "Segment":
         """Every step f times as long (exact: max(f a, f c) = f max(a, c) for f > 0)."""
-        return Segment(self.base * f, tuple((a * f, b * f, c * f, d * f) for a, b, c, d in self.terms), self.gap * f)
+        return Segment(
+            self.base * f, tuple((a * f, b * f, c * f, d * f) for a, b, c, d in self.terms), self.gap * f
+        )
 
     def time(self, n: int) -> float:
         """Duration of the first n steps, their gaps included."""

@@ -4,6 +4,7 @@ A task is deterministic given its seed: `examples("train")` and `examples("test"
 reproducible streams. `reward(example, response)` scores one response text; it may be slow or
 buggy (user code), so the runtime always calls it through `tasks.guard.RewardGuard`.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -16,6 +16,7 @@ Each term carries a letter so a step can find its term by content ("c" -> 9) rat
 positions, which a small character-level model learns in minutes; the running total is carried line
 to line, so each step is one small addition whose errors compound over a long chain.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -110,4 +111,4 @@ def final_answer(response: str) -> str | None:
     at = response.rfind("A:")
     if at < 0:
         return None
-    return response[at + 2:].split("\n", 1)[0].strip()
+    return response[at + 2 :].split("\n", 1)[0].strip()

@@ -11,6 +11,7 @@ memory before each item; the parent watches it, and kills and replaces a worker 
 has run `timeout_s`, then sends the rest of the batch to the new one. `inline=True` scores in the
 calling process: exceptions are caught, hangs are not (for trusted tasks and tests).
 """
+
 from __future__ import annotations
 
 import logging
@@ -87,8 +88,9 @@ def _worker_main(task: Task, conn, progress, parent_pid: int, flush_s: float) ->
 
 
 class RewardGuard:
-    def __init__(self, task: Task, timeout_s: float = 5.0, *, inline: bool = False,
-                 start_method: str | None = None) -> None:
+    def __init__(
+        self, task: Task, timeout_s: float = 5.0, *, inline: bool = False, start_method: str | None = None
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.task, self.timeout_s, self.inline = task, timeout_s, inline
@@ -153,8 +155,11 @@ class RewardGuard:
         # a fresh pipe per worker: a killed worker may have left a half-written message in the old one
         self._conn, child = self._ctx.Pipe()
         self._proc = self._ctx.Process(
-            target=_worker_main, name=f"reward-{self.task.name}", daemon=True,
-            args=(self.task, child, self._progress, os.getpid(), self.timeout_s / 10))
+            target=_worker_main,
+            name=f"reward-{self.task.name}",
+            daemon=True,
+            args=(self.task, child, self._progress, os.getpid(), self.timeout_s / 10),
+        )
         self._proc.start()
         child.close()
         # wait for the worker to be up, so a slow start (spawn imports) never counts as a hang
@@ -164,9 +169,11 @@ class RewardGuard:
         except (EOFError, OSError):
             pass
         self._stop()
-        raise RuntimeError(f"reward worker for {self.task.name} failed to start within "
-                           f"{_START_TIMEOUT_S}s (exit code {self._proc_exitcode}); under "
-                           f"start_method='spawn' the task must be picklable and importable")
+        raise RuntimeError(
+            f"reward worker for {self.task.name} failed to start within "
+            f"{_START_TIMEOUT_S}s (exit code {self._proc_exitcode}); under "
+            f"start_method='spawn' the task must be picklable and importable"
+        )
 
     def _stop(self) -> None:
         if self._proc.is_alive():

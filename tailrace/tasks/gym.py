@@ -9,6 +9,7 @@ datasets score with the entry's metadata (countdown checks the numbers used, sud
 the reward rebuilds the entry from (seed, index) — in whichever process it runs. `gold(example)`
 gives the dataset's answer text (None where many answers are valid).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -24,6 +25,7 @@ LIST_HINT = 'list them with: python -c "from tailrace.tasks.gym import gym_names
 
 def gym_names() -> list[str]:
     from reasoning_gym.factory import DATASETS
+
     return sorted(DATASETS)
 
 
@@ -35,11 +37,11 @@ def extract_answer(response: str, tag: str | None = "answer", marker: str | None
         if close >= 0:
             start = response.rfind(f"<{tag}>", 0, close)
             if start >= 0:
-                return response[start + len(tag) + 2:close].strip()
+                return response[start + len(tag) + 2 : close].strip()
     if marker:
         at = response.rfind(marker)
         if at >= 0:
-            return response[at + len(marker):].strip()
+            return response[at + len(marker) :].strip()
     return response.strip()
 
 
@@ -48,9 +50,17 @@ def _hash32(text: str) -> int:
 
 
 class ReasoningGymTask(Task):
-    def __init__(self, dataset: str, *, config: dict[str, Any] | None = None,
-                 suffix: str = DEFAULT_SUFFIX, answer_tag: str | None = "answer",
-                 answer_marker: str | None = "Answer:", test_mod: int = 8, block: int = 256) -> None:
+    def __init__(
+        self,
+        dataset: str,
+        *,
+        config: dict[str, Any] | None = None,
+        suffix: str = DEFAULT_SUFFIX,
+        answer_tag: str | None = "answer",
+        answer_marker: str | None = "Answer:",
+        test_mod: int = 8,
+        block: int = 256,
+    ) -> None:
         """`config`: the dataset's own config fields (e.g. {"min_terms": 2}), passed to create_dataset.
         1 question in `test_mod` (by hash) is test. `block`: items per generated dataset; part of the
         handle's meaning, so changing it changes which entry a handle names."""
@@ -60,8 +70,10 @@ class ReasoningGymTask(Task):
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise TaskError(f"unknown reasoning-gym dataset {dataset!r}; {hint}{LIST_HINT}")
         if test_mod < 2 or block < 1:
-            raise TaskError(f"gym:{dataset}: test_mod must be >= 2 and block >= 1 "
-                            f"(got test_mod={test_mod}, block={block})")
+            raise TaskError(
+                f"gym:{dataset}: test_mod must be >= 2 and block >= 1 "
+                f"(got test_mod={test_mod}, block={block})"
+            )
         self.name = f"gym:{dataset}"
         self.dataset = dataset
         self.config = dict(config or {})
@@ -102,9 +114,11 @@ class ReasoningGymTask(Task):
         tried, b = 0, 0
         while len(out) < n:
             if tried >= limit:
-                raise TaskError(f"{self.name}: found only {len(out)} of {n} {split} examples in "
-                                f"{tried} generated; the question space is too small — ask for "
-                                f"fewer or widen the dataset config")
+                raise TaskError(
+                    f"{self.name}: found only {len(out)} of {n} {split} examples in "
+                    f"{tried} generated; the question space is too small — ask for "
+                    f"fewer or widen the dataset config"
+                )
             bseed = self._block_seed(split, seed, b)
             for i in range(self.block):
                 entry = self._entry(bseed, i)
@@ -142,6 +156,9 @@ def _create(name: str, config: dict[str, Any], seed: int, size: int):
         return reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
     except (TypeError, ValueError, AssertionError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        fix = (f"pass only fields of reasoning_gym.factory.DATASETS[{name!r}][1]"
-               if isinstance(e, TypeError) else "fix the config values")
+        fix = (
+            f"pass only fields of reasoning_gym.factory.DATASETS[{name!r}][1]"
+            if isinstance(e, TypeError)
+            else "fix the config values"
+        )
         raise TaskError(f"gym:{name}: bad config {config}: {msg}; {fix}") from None

@@ -7,6 +7,7 @@ epochs, each reshuffled, so `n` may exceed `size(split)` (then questions repeat)
 
 `Example.answer` is the gold answer text; GSM8K's "reasoning #### 72" becomes "72".
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,17 +51,28 @@ def _hash_unit(text: str) -> float:
 
 
 class JsonlTask(Task):
-    def __init__(self, path: str | Path, *, question_field: str = "question",
-                 answer_field: str = "answer", prompt_template: str = "{question}",
-                 test_fraction: float = 0.1, test_path: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        question_field: str = "question",
+        answer_field: str = "answer",
+        prompt_template: str = "{question}",
+        test_fraction: float = 0.1,
+        test_path: str | Path | None = None,
+    ) -> None:
         """`prompt_template`: `{question}` is the question field, `{<field>}` any field of the row;
         other braces (LaTeX) are left alone."""
         if "{question}" not in prompt_template and f"{{{question_field}}}" not in prompt_template:
-            raise TaskError(f"prompt_template {prompt_template!r} has no {{question}} placeholder; "
-                            f"add one where the question goes")
+            raise TaskError(
+                f"prompt_template {prompt_template!r} has no {{question}} placeholder; "
+                f"add one where the question goes"
+            )
         if test_path is None and not 0.0 < test_fraction < 1.0:
-            raise TaskError(f"test_fraction must be in (0, 1), got {test_fraction}; "
-                            f"or pass test_path= for a separate test file")
+            raise TaskError(
+                f"test_fraction must be in (0, 1), got {test_fraction}; "
+                f"or pass test_path= for a separate test file"
+            )
         self.name = f"jsonl:{Path(path).stem}"
         self.template = prompt_template
         self.fields = (question_field, answer_field)
@@ -79,15 +91,18 @@ class JsonlTask(Task):
     def _load(self, path: Path) -> list[tuple[str, Example]]:
         """(raw question, example) per row, in file order."""
         if not path.is_file():
-            raise TaskError(f"JSONL task file not found: {path}; pass the path of a .jsonl file "
-                            f"with one JSON object per line")
+            raise TaskError(
+                f"JSONL task file not found: {path}; pass the path of a .jsonl file "
+                f"with one JSON object per line"
+            )
         qf, af = self.fields
         out: list[tuple[str, Example]] = []
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as e:
-            raise TaskError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); "
-                            f"re-encode the file as UTF-8") from None
+            raise TaskError(
+                f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); re-encode the file as UTF-8"
+            ) from None
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -95,21 +110,26 @@ class JsonlTask(Task):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise TaskError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
-                                f"each line must be one complete JSON object") from None
+                raise TaskError(
+                    f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
+                    f"each line must be one complete JSON object"
+                ) from None
             if not isinstance(row, dict):
-                raise TaskError(f"{where}: expected a JSON object, got {type(row).__name__}; "
-                                f"write one {{...}} object per line")
+                raise TaskError(
+                    f"{where}: expected a JSON object, got {type(row).__name__}; "
+                    f"write one {{...}} object per line"
+                )
             for field, arg in ((qf, "question_field"), (af, "answer_field")):
                 if field not in row:
-                    raise TaskError(f"{where}: missing field {field!r} (has {', '.join(row) or 'none'}); "
-                                    f"add it, or pass {arg}= naming the right field")
+                    raise TaskError(
+                        f"{where}: missing field {field!r} (has {', '.join(row) or 'none'}); "
+                        f"add it, or pass {arg}= naming the right field"
+                    )
             values = {**{k: str(v) for k, v in row.items()}, "question": str(row[qf])}
             prompt = _PLACEHOLDER.sub(lambda m: values.get(m[1], m[0]), self.template)
             out.append((values["question"], Example(len(out), prompt, gold_text(row[af]))))
         if not out:
-            raise TaskError(f"{path}: no rows; add JSON objects with "
-                            f"{qf!r} and {af!r} fields, one per line")
+            raise TaskError(f"{path}: no rows; add JSON objects with {qf!r} and {af!r} fields, one per line")
         return out
 
     def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:
@@ -117,8 +137,10 @@ class JsonlTask(Task):
         rows = self.rows[split]
         if not rows:
             other = SPLITS[1 - SPLITS.index(split)]
-            raise TaskError(f"{self.name}: the {split} split is empty (all {len(self.rows[other])} "
-                            f"rows hashed to {other}); add rows, change test_fraction or pass test_path=")
+            raise TaskError(
+                f"{self.name}: the {split} split is empty (all {len(self.rows[other])} "
+                f"rows hashed to {other}); add rows, change test_fraction or pass test_path="
+            )
         rng = random.Random(f"jsonl/{split}/{seed}")
         out: list[Example] = []
         while len(out) < n:

@@ -2,12 +2,15 @@
 
 Each kind is imported only when asked for: reasoning-gym alone takes over a second to import.
 """
+
 from __future__ import annotations
 
 from tailrace.tasks.base import Task, TaskError
 
-FORMS = ("'chainsum' (built-in default), 'gym:<reasoning-gym dataset>' (e.g. gym:basic_arithmetic) "
-         "or 'jsonl:<path to .jsonl>'")
+FORMS = (
+    "'chainsum' (built-in default), 'gym:<reasoning-gym dataset>' (e.g. gym:basic_arithmetic) "
+    "or 'jsonl:<path to .jsonl>'"
+)
 
 
 def make_task(spec: str, **kwargs) -> Task:
@@ -15,13 +18,16 @@ def make_task(spec: str, **kwargs) -> Task:
     kind, sep, arg = spec.partition(":")
     if spec == "chainsum":
         from tailrace.tasks.chainsum import ChainSumTask
+
         return ChainSumTask(**kwargs)
     if sep and kind == "gym":
         from tailrace.tasks.gym import ReasoningGymTask
+
         return ReasoningGymTask(arg, **kwargs)
     if sep and kind == "jsonl":
         if not arg:
             raise TaskError("task spec 'jsonl:' has no path; write jsonl:<path to .jsonl>")
         from tailrace.tasks.jsonl import JsonlTask
+
         return JsonlTask(arg, **kwargs)
     raise TaskError(f"unknown task spec {spec!r}; use {FORMS}")

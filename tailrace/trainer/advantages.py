@@ -3,6 +3,7 @@
 Pure functions on plain floats (no torch), picked once by name from `ADVANTAGES`. Every trajectory
 of a group gets a scalar; the batch broadcasts it over that trajectory's response tokens.
 """
+
 from __future__ import annotations
 
 import math

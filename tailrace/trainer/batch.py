@@ -5,6 +5,7 @@ position is live when its target is a response token that passes the staleness m
 each live token's share of the whole batch's loss normaliser, so micro-batches (row subsets) sum to
 exactly the full-batch loss and gradient whatever the aggregation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -38,9 +39,16 @@ class TrainBatch:
         return self.input_ids.shape[0]
 
     @staticmethod
-    def from_groups(groups: Sequence[Group], *, trainer_version: int, token_scale: TokenScale,
-                    advantage: Advantage | None = None, max_new_tokens: int | None = None,
-                    max_staleness: int | None = None, pad_id: int = 0) -> "TrainBatch":
+    def from_groups(
+        groups: Sequence[Group],
+        *,
+        trainer_version: int,
+        token_scale: TokenScale,
+        advantage: Advantage | None = None,
+        max_new_tokens: int | None = None,
+        max_staleness: int | None = None,
+        pad_id: int = 0,
+    ) -> "TrainBatch":
         """Flatten `groups`; a group without `advantages` gets them from `advantage(rewards)`."""
         trajs: list[Trajectory] = []
         advs: list[float] = []
@@ -49,8 +57,10 @@ class TrainBatch:
                 raise ValueError(f"group {g.id} (prompt {g.prompt_id}) is empty; drop it before training")
             if g.advantages:
                 if len(g.advantages) != len(g.trajectories):
-                    raise ValueError(f"group {g.id} has {len(g.advantages)} advantages for "
-                                     f"{len(g.trajectories)} trajectories; give one per trajectory")
+                    raise ValueError(
+                        f"group {g.id} has {len(g.advantages)} advantages for "
+                        f"{len(g.trajectories)} trajectories; give one per trajectory"
+                    )
                 a = list(g.advantages)
             elif advantage is not None:
                 a = advantage([t.reward for t in g.trajectories])
@@ -72,10 +82,14 @@ class TrainBatch:
         for b, t in enumerate(trajs):
             r = t.result
             if not t.prompt_ids:
-                raise ValueError(f"trajectory {r.request_id} has an empty prompt; its first token has no context")
+                raise ValueError(
+                    f"trajectory {r.request_id} has an empty prompt; its first token has no context"
+                )
             if not len(r.logprobs) == len(r.versions) == len(r.token_ids):
-                raise ValueError(f"trajectory {r.request_id}: {len(r.token_ids)} tokens, {len(r.logprobs)} logprobs, "
-                                 f"{len(r.versions)} versions; the engine must record one of each per token")
+                raise ValueError(
+                    f"trajectory {r.request_id}: {len(r.token_ids)} tokens, {len(r.logprobs)} logprobs, "
+                    f"{len(r.versions)} versions; the engine must record one of each per token"
+                )
             seq = list(t.prompt_ids) + list(r.token_ids)
             n, p = len(seq) - 1, len(t.prompt_ids) - 1  # positions; first response prediction
             lengths[b] = n
@@ -88,9 +102,18 @@ class TrainBatch:
                 adv[b, p:n] = float(advs[b])
         mask = fresh_mask(versions, trainer_version, max_staleness)
         adv = adv * mask
-        return TrainBatch(input_ids=input_ids, targets=targets, mask=mask, adv=adv, behav_logp=behav,
-                          versions=versions, scale=token_scale(mask, max_new_tokens), lengths=lengths,
-                          seq_adv=torch.tensor(advs, dtype=torch.float32), trainer_version=trainer_version)
+        return TrainBatch(
+            input_ids=input_ids,
+            targets=targets,
+            mask=mask,
+            adv=adv,
+            behav_logp=behav,
+            versions=versions,
+            scale=token_scale(mask, max_new_tokens),
+            lengths=lengths,
+            seq_adv=torch.tensor(advs, dtype=torch.float32),
+            trainer_version=trainer_version,
+        )
 
     def rows(self, idx: Sequence[int]) -> "TrainBatch":
         """The rows `idx`, cut to their longest; `scale` keeps the full batch's normaliser."""
@@ -109,4 +132,6 @@ class TrainBatch:
         return self._map(lambda x: x.to(device, non_blocking=True))
 
     def _map(self, fn: Callable[[Tensor], Tensor]) -> "TrainBatch":
-        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "trainer_version"})
+        return replace(
+            self, **{f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "trainer_version"}
+        )

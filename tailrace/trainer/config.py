@@ -2,6 +2,7 @@
 
 The name tables mirror the registries in losses.py / advantages.py (a test keeps them equal).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,7 +29,9 @@ class LossConfig:
         if self.name not in LOSS_DEFAULTS:
             raise ConfigError(f"loss.name={self.name!r}: choose one of {', '.join(LOSS_DEFAULTS)}")
         if self.correction not in CORRECTION_NAMES:
-            raise ConfigError(f"loss.correction={self.correction!r}: choose one of {', '.join(CORRECTION_NAMES)}")
+            raise ConfigError(
+                f"loss.correction={self.correction!r}: choose one of {', '.join(CORRECTION_NAMES)}"
+            )
         eps_low, eps_high, _ = LOSS_DEFAULTS[self.name]
         self.eps_low = eps_low if self.eps_low is None else self.eps_low
         self.eps_high = eps_high if self.eps_high is None else self.eps_high
@@ -37,7 +40,9 @@ class LossConfig:
         if not self.eps_high > 0.0:
             raise ConfigError(f"loss.eps_high={self.eps_high}: must be > 0, e.g. 0.2 (0.28 for clip-higher)")
         if self.name == "drgrpo" and not (self.max_new_tokens and self.max_new_tokens > 0):
-            raise ConfigError("loss.max_new_tokens is required for drgrpo; set it to the rollout's max_new_tokens")
+            raise ConfigError(
+                "loss.max_new_tokens is required for drgrpo; set it to the rollout's max_new_tokens"
+            )
         if self.max_new_tokens is not None and self.max_new_tokens <= 0:
             raise ConfigError(f"loss.max_new_tokens={self.max_new_tokens}: must be positive")
         if self.kl_coef < 0:
@@ -67,7 +72,9 @@ class TrainerConfig:
         if self.advantage is None:
             self.advantage = LOSS_DEFAULTS[self.loss.name][2]
         if self.advantage not in ADVANTAGE_NAMES:
-            raise ConfigError(f"trainer.advantage={self.advantage!r}: choose one of {', '.join(ADVANTAGE_NAMES)}")
+            raise ConfigError(
+                f"trainer.advantage={self.advantage!r}: choose one of {', '.join(ADVANTAGE_NAMES)}"
+            )
         if not self.lr > 0:
             raise ConfigError(f"trainer.lr={self.lr}: must be > 0, e.g. 2e-4")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -78,10 +85,18 @@ class TrainerConfig:
         if self.weight_decay < 0:
             raise ConfigError(f"trainer.weight_decay={self.weight_decay}: must be >= 0")
         if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ConfigError(f"trainer.grad_clip={self.grad_clip}: must be > 0, or null to turn clipping off")
+            raise ConfigError(
+                f"trainer.grad_clip={self.grad_clip}: must be > 0, or null to turn clipping off"
+            )
         if self.micro_batch_tokens < 1:
-            raise ConfigError(f"trainer.micro_batch_tokens={self.micro_batch_tokens}: must be positive, e.g. 8192")
+            raise ConfigError(
+                f"trainer.micro_batch_tokens={self.micro_batch_tokens}: must be positive, e.g. 8192"
+            )
         if not self.temperature > 0:
-            raise ConfigError(f"trainer.temperature={self.temperature}: must be > 0 (the sampling temperature)")
+            raise ConfigError(
+                f"trainer.temperature={self.temperature}: must be > 0 (the sampling temperature)"
+            )
         if self.max_staleness is not None and self.max_staleness < 0:
-            raise ConfigError(f"trainer.max_staleness={self.max_staleness}: must be >= 0, or null to turn it off")
+            raise ConfigError(
+                f"trainer.max_staleness={self.max_staleness}: must be >= 0, or null to turn it off"
+            )

@@ -7,23 +7,23 @@ and steps AdamW. One step per batch means the pre-update ("proximal") policy is 
 `model(input_ids (B, T)) -> logits (B, T, V)`; it runs in eval mode (no dropout), because the policy
 whose ratio we clip must be the one the engine sampled from.
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from tailrace.model.flat import FlatWeights, flatten_parameters
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
+from tailrace.trainer.config import TrainerConfig
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
-from tailrace.trainer.config import LossConfig, TrainerConfig
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, kl_penalty
-from tailrace.model.flat import FlatWeights, flatten_parameters
 from tailrace.trainer.optim import build_adamw
 from tailrace.types import Group
 
@@ -91,9 +91,15 @@ class GRPOTrainer:
 
     def make_batch(self, groups: Sequence[Group], trainer_version: int) -> TrainBatch:
         lc = self.cfg.loss
-        return TrainBatch.from_groups(groups, trainer_version=trainer_version, token_scale=self.loss_fn.token_scale,
-                                      advantage=self.advantage, max_new_tokens=lc.max_new_tokens,
-                                      max_staleness=self.cfg.max_staleness, pad_id=self.cfg.pad_id)
+        return TrainBatch.from_groups(
+            groups,
+            trainer_version=trainer_version,
+            token_scale=self.loss_fn.token_scale,
+            advantage=self.advantage,
+            max_new_tokens=lc.max_new_tokens,
+            max_staleness=self.cfg.max_staleness,
+            pad_id=self.cfg.pad_id,
+        )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
@@ -107,8 +113,16 @@ class GRPOTrainer:
         logp = token_logprobs(logits, mb.targets, cfg.temperature)  # (b, t) fp32
         prox = logp.detach()  # one step per batch: the pre-update policy is the current one
         corr = self.correct(mb.behav_logp, prox, lc.tis_cap)
-        pg, st = self.loss_fn(logp, corr.old_logp, mb.adv, mb.mask, corr.weight, eps_low=lc.eps_low,
-                              eps_high=lc.eps_high, scale=mb.scale)
+        pg, st = self.loss_fn(
+            logp,
+            corr.old_logp,
+            mb.adv,
+            mb.mask,
+            corr.weight,
+            eps_low=lc.eps_low,
+            eps_high=lc.eps_high,
+            scale=mb.scale,
+        )
         loss = pg
         if self.ref_model is not None:
             with torch.no_grad(), self._autocast():
@@ -134,9 +148,14 @@ class GRPOTrainer:
             acc.peak("gap_max", torch.where(same, gap, 0.0).max())
             acc.add("gap_tokens", same.sum())
 
-    def _metrics(self, acc: _Sums, batch: TrainBatch, n_micro: int, grad_norm: float, dt: float) -> dict[str, Any]:
+    def _metrics(
+        self, acc: _Sums, batch: TrainBatch, n_micro: int, grad_norm: float, dt: float
+    ) -> dict[str, Any]:
         tok = acc.get("tokens")
-        per_tok = lambda k: acc.get(k) / tok if tok else 0.0
+
+        def per_tok(k: str) -> float:
+            return acc.get(k) / tok if tok else 0.0
+
         gap_n = acc.get("gap_tokens")
         return {
             "step": self.steps,
@@ -180,7 +199,9 @@ class GRPOTrainer:
         """Overwrite the weights from an export (one memcpy); optimizer state is left as it is."""
         buf = weights.buffer if isinstance(weights, FlatWeights) else weights
         if buf.shape != self.flat.buffer.shape:
-            raise ValueError(f"weight buffer has {buf.numel()} elements, this model {self.flat.buffer.numel()}; "
-                             f"export from the same architecture")
+            raise ValueError(
+                f"weight buffer has {buf.numel()} elements, this model {self.flat.buffer.numel()}; "
+                f"export from the same architecture"
+            )
         with torch.no_grad():
             self.flat.buffer.copy_(buf)

@@ -5,6 +5,7 @@
 the per-row log-normaliser (B*T floats), and the backward recomputes each chunk's softmax. The only
 full-size allocation beyond the logits themselves is their gradient, which backward must produce.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,9 +33,9 @@ class _TokenLogprobs(torch.autograd.Function):
         lse = torch.empty_like(out)
         rows = _rows(flat.shape[0], V, chunk_rows)
         for s in rows:
-            x = flat[s:s + rows.step].to(acc) / temperature  # (c, V), freed each iteration
-            lse[s:s + rows.step] = torch.logsumexp(x, dim=-1)
-            out[s:s + rows.step] = x.gather(1, tgt[s:s + rows.step]).squeeze(1) - lse[s:s + rows.step]
+            x = flat[s : s + rows.step].to(acc) / temperature  # (c, V), freed each iteration
+            lse[s : s + rows.step] = torch.logsumexp(x, dim=-1)
+            out[s : s + rows.step] = x.gather(1, tgt[s : s + rows.step]).squeeze(1) - lse[s : s + rows.step]
         ctx.save_for_backward(logits, targets, lse)  # logits are saved, not copied
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
         return out.view(targets.shape)
@@ -58,8 +59,9 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad.view_as(logits), None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   *, chunk_rows: int | None = None) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, chunk_rows: int | None = None
+) -> torch.Tensor:
     """log_softmax(logits / temperature) gathered at `targets`.
 
     logits (B, T, V) any float dtype; targets (B, T) long -> (B, T) in float32 (float64 for float64
@@ -71,8 +73,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 @torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, *, chunk_rows: int | None = None
-                        ) -> torch.Tensor:
+def entropy_from_logits(
+    logits: torch.Tensor, temperature: float = 1.0, *, chunk_rows: int | None = None
+) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position: (B, T, V) -> (B, T). A metric: no grad."""
     V = logits.shape[-1]
     flat = logits.reshape(-1, V)
@@ -80,7 +83,7 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, *, chunk
     out = torch.empty(flat.shape[0], dtype=acc, device=logits.device)
     rows = _rows(flat.shape[0], V, chunk_rows)
     for s in rows:
-        x = flat[s:s + rows.step].to(acc) / temperature
+        x = flat[s : s + rows.step].to(acc) / temperature
         logp = torch.log_softmax(x, dim=-1)
-        out[s:s + rows.step] = -(logp.exp() * logp).sum(-1)  # H = -sum p log p
+        out[s : s + rows.step] = -(logp.exp() * logp).sum(-1)  # H = -sum p log p
     return out.view(logits.shape[:-1])

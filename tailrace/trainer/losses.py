@@ -11,6 +11,7 @@ Aggregation is a per-token coefficient `scale` with loss = sum(scale * per_token
 once on the whole step's batch and slicing it per micro-batch is what makes gradient accumulation
 exactly equal to one big batch in every mode.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,15 +19,17 @@ from typing import Callable, NamedTuple
 
 import torch
 
-
 Tensor = torch.Tensor
 TokenScale = Callable[..., Tensor]  # (mask, max_new_tokens) -> scale
 
 
 # -- aggregation: mask (B, T) -> scale (B, T), zero off the mask -----------------------------
 
+
 def _live_seqs(mask: Tensor) -> Tensor:
-    return (mask.sum(-1) > 0).sum().clamp(min=1)  # sequences with a live token; a fully masked one adds nothing
+    return (
+        (mask.sum(-1) > 0).sum().clamp(min=1)
+    )  # sequences with a live token; a fully masked one adds nothing
 
 
 def seq_mean_scale(mask: Tensor, max_new_tokens: int | None = None) -> Tensor:
@@ -43,14 +46,25 @@ def token_mean_scale(mask: Tensor, max_new_tokens: int | None = None) -> Tensor:
 def const_scale(mask: Tensor, max_new_tokens: int | None = None) -> Tensor:
     """Sum over tokens / (max_new_tokens * sequences) (Dr. GRPO): a normaliser free of response lengths."""
     if not max_new_tokens:
-        raise ValueError("the drgrpo aggregation needs max_new_tokens (the rollout's); set loss.max_new_tokens")
+        raise ValueError(
+            "the drgrpo aggregation needs max_new_tokens (the rollout's); set loss.max_new_tokens"
+        )
     return mask / (max_new_tokens * _live_seqs(mask))
 
 
 # -- the clipped surrogate -------------------------------------------------------------------
 
-def clipped_pg(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, weight: Tensor, scale: Tensor,
-               eps_low: float, eps_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+
+def clipped_pg(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """sum(scale * weight * -min(r A, clip(r, 1-eps_low, 1+eps_high) A)), r = exp(logp - old_logp).
 
     Returns (loss, stats); stats are detached 0-d tensors over live tokens: clip_frac (the clipped
@@ -87,15 +101,32 @@ class PGLoss:
     eps_high: float
     advantage: str  # the estimator the variant was published with
 
-    def __call__(self, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, weight: Tensor, *,
-                 eps_low: float | None = None, eps_high: float | None = None, max_new_tokens: int | None = None,
-                 scale: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(
+        self,
+        logp: Tensor,
+        old_logp: Tensor,
+        adv: Tensor,
+        mask: Tensor,
+        weight: Tensor,
+        *,
+        eps_low: float | None = None,
+        eps_high: float | None = None,
+        max_new_tokens: int | None = None,
+        scale: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """`scale` = this micro-batch's slice of the whole batch's coefficients; None = this batch is all."""
         if scale is None:
             scale = self.token_scale(mask, max_new_tokens)
-        return clipped_pg(logp, old_logp, adv, mask, weight, scale,
-                          self.eps_low if eps_low is None else eps_low,
-                          self.eps_high if eps_high is None else eps_high)
+        return clipped_pg(
+            logp,
+            old_logp,
+            adv,
+            mask,
+            weight,
+            scale,
+            self.eps_low if eps_low is None else eps_low,
+            self.eps_high if eps_high is None else eps_high,
+        )
 
 
 LOSSES: dict[str, PGLoss] = {
@@ -106,6 +137,7 @@ LOSSES: dict[str, PGLoss] = {
 
 
 # -- KL penalty to a reference policy --------------------------------------------------------
+
 
 def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """exp(ref - logp) - (ref - logp) - 1 per token: unbiased for KL(new || ref), never negative."""
@@ -119,6 +151,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: Tensor) -> T
 
 
 # -- off-policy corrections: (behav, prox, cap) -> anchor, weight, keep ----------------------
+
 
 class Corrected(NamedTuple):
     old_logp: Tensor  # (B, T) the ratio anchor
@@ -151,11 +184,15 @@ def behaviour(behav: Tensor, prox: Tensor, cap: float) -> Corrected:
 
 
 CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Corrected]] = {
-    "none": no_correction, "tis": tis, "decoupled": decoupled, "behaviour": behaviour,
+    "none": no_correction,
+    "tis": tis,
+    "decoupled": decoupled,
+    "behaviour": behaviour,
 }
 
 
 # -- staleness -------------------------------------------------------------------------------
+
 
 def fresh_mask(versions: Tensor, trainer_version: int, max_staleness: int | None) -> Tensor:
     """Float (B, T): 1 on response tokens (version >= 0) at most K versions behind the trainer.

@@ -4,6 +4,7 @@ Loss is next-token cross-entropy on response tokens only. Batches are length-buc
 length, cut to a token budget, shuffled) so padding stays small without packing unrelated
 sequences into one attention window.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,12 @@ def bucket_batches(lengths: Sequence[int], batch_tokens: int, rng: random.Random
     return batches
 
 
-def collate(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: torch.device,
-            prompt_weight: float = 0.0):
+def collate(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    pad_id: int,
+    device: torch.device,
+    prompt_weight: float = 0.0,
+):
     """Right-padded (inputs, targets, mask): targets[t] = seq[t+1]; mask 1 on response targets and
     `prompt_weight` on prompt targets (predicting the prompt teaches its structure, e.g. a b c ...)."""
     seqs = [list(p) + list(r) for p, r in pairs]
@@ -58,14 +63,25 @@ def collate(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, d
         n = len(s) - 1
         inp[b, :n] = torch.tensor(s[:-1])
         tgt[b, :n] = torch.tensor(s[1:])
-        mask[b, :len(p) - 1] = prompt_weight
-        mask[b, len(p) - 1:n] = 1.0  # predicting response token j from everything before it
+        mask[b, : len(p) - 1] = prompt_weight
+        mask[b, len(p) - 1 : n] = 1.0  # predicting response token j from everything before it
     return inp.to(device), tgt.to(device), mask.to(device)
 
 
-def sft(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, lr: float,
-        warmup: int, batch_tokens: int, epochs: int, pad_id: int, seed: int, bf16: bool = False,
-        prompt_weight: float = 0.0, on_step: Callable[[int, int, float], None] | None = None) -> list[float]:
+def sft(
+    model: torch.nn.Module,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    lr: float,
+    warmup: int,
+    batch_tokens: int,
+    epochs: int,
+    pad_id: int,
+    seed: int,
+    bf16: bool = False,
+    prompt_weight: float = 0.0,
+    on_step: Callable[[int, int, float], None] | None = None,
+) -> list[float]:
     """Train `model` in place; returns the per-step losses. `on_step(step, total, loss)` for progress.
     `bf16` autocasts the forward (weights and optimizer stay fp32): on CPUs with AVX512-BF16 it is
     about twice as fast, since fp32 GEMMs there run through a slower BLAS path."""
@@ -76,8 +92,12 @@ def sft(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[in
     sched = SFTSchedule(lr=lr, warmup=warmup, total=len(plan))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.98), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+    )
     model.train()
     losses = []
     for step, idx in enumerate(plan):

@@ -1,4 +1,5 @@
 """Attention chunk planning (pure): chunks tile the rows, cover every row's position, and cut work."""
+
 from __future__ import annotations
 
 import random

@@ -1,4 +1,5 @@
 """The C decode-attention kernel against softmax attention written out in torch."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,8 @@ def test_kernel_matches_softmax_attention(dtype, D, G):
     v = torch.randn(rows, Hkv, L, D, generator=g).to(dtype)
     q = torch.randn(B, Hkv, G, D, generator=g)
     pos = torch.tensor([0, 49, 13, 1, 30])  # a first token (attends to itself only) and a full row
-    got = KERNEL.run(q, k, v, pos, row0, D ** -0.5)
-    want = reference(q, k.float(), v.float(), pos, row0, D ** -0.5)
+    got = KERNEL.run(q, k, v, pos, row0, D**-0.5)
+    want = reference(q, k.float(), v.float(), pos, row0, D**-0.5)
     assert (got.double() - want).abs().max() < 2e-6
 
 
@@ -52,7 +53,7 @@ def test_kernel_ignores_cache_beyond_each_rows_length():
 def test_kernel_rejects_positions_outside_the_cache_and_bad_operands():
     k = v = torch.zeros(2, 1, 8, 16)
     q = torch.zeros(2, 1, 1, 16)
-    for bad in (8, -1, 10 ** 15):  # the next row's position is only prefetched from, then checked
+    for bad in (8, -1, 10**15):  # the next row's position is only prefetched from, then checked
         with pytest.raises(ValueError, match="position outside the cache"):
             KERNEL.run(q, k, v, torch.tensor([3, bad]), 0, 1.0)
     with pytest.raises(ValueError, match="bad operands"):
@@ -65,19 +66,20 @@ def layer_reference(qkv, cos_sin, k, v, row, pos, G, scale):
     """RoPE (the model's apply_rope), cache writes and attention written out in torch, token by token
     in order (a prefill piece's tokens see those before them); returns o (float64), k, v."""
     from tailrace.model.rope import apply_rope
+
     M = qkv.shape[0]
     rows, Hkv, L, D = k.shape
     H = Hkv * G
     x = qkv.view(M, H + 2 * Hkv, D)
     cs = cos_sin[pos]  # (M, 2, D)
-    qk = apply_rope(x[:, None, :H + Hkv], cs[:, None, 0:1], cs[:, None, 1:2])[:, 0]  # in qkv's dtype
+    qk = apply_rope(x[:, None, : H + Hkv], cs[:, None, 0:1], cs[:, None, 1:2])[:, 0]  # in qkv's dtype
     k, v = k.clone(), v.clone()
     o = torch.empty(M, H * D, dtype=torch.float64)
     for t in range(M):
         r, p = int(row[t]), int(pos[t])
-        k[r, :, p], v[r, :, p] = qk[t, H:], x[t, H + Hkv:]
-        q = qk[t:t + 1, :H].float().reshape(1, Hkv, G, D)
-        o[t] = reference(q, k[r:r + 1].float(), v[r:r + 1].float(), pos[t:t + 1], 0, scale).reshape(-1)
+        k[r, :, p], v[r, :, p] = qk[t, H:], x[t, H + Hkv :]
+        q = qk[t : t + 1, :H].float().reshape(1, Hkv, G, D)
+        o[t] = reference(q, k[r : r + 1].float(), v[r : r + 1].float(), pos[t : t + 1], 0, scale).reshape(-1)
     return o, k, v
 
 
@@ -86,6 +88,7 @@ def layer_reference(qkv, cos_sin, k, v, row, pos, G, scale):
 @pytest.mark.parametrize("D,G", [(32, 2), (16, 1), (40, 3), (64, 4)])
 def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G):
     from tailrace.model.rope import rope_table
+
     g = torch.Generator().manual_seed(D + G)
     rows, Hkv, L = 6, 2, 40
     k = torch.randn(rows, Hkv, L, D, generator=g).to(dtype)
@@ -96,8 +99,8 @@ def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G):
     qkv = torch.randn(len(row), (G + 2) * Hkv * D, generator=g).to(dtype)
     cos, sin = rope_table(1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), 1.0, L)
     cos_sin = torch.stack((cos, sin), dim=1).to(dtype)
-    want_o, want_k, want_v = layer_reference(qkv, cos_sin, k, v, row, pos, G, D ** -0.5)
-    got = KERNEL.layer(qkv, cos_sin, k, v, row, pos, G, D ** -0.5)
+    want_o, want_k, want_v = layer_reference(qkv, cos_sin, k, v, row, pos, G, D**-0.5)
+    got = KERNEL.layer(qkv, cos_sin, k, v, row, pos, G, D**-0.5)
     assert got.dtype == dtype
     if dtype == torch.float32:
         assert torch.allclose(k, want_k, atol=1e-6) and torch.equal(v, want_v)
@@ -105,7 +108,7 @@ def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G):
     else:  # here RoPE is computed in fp32 and rounded once (torch's bf16 ops round each product)
         _, exact_k, _ = layer_reference(qkv.float(), cos_sin.float(), k.float(), v.float(), row, pos, G, 1.0)
         rounded = exact_k.to(dtype).float()
-        assert ((k.float() - rounded).abs() <= rounded.abs() * 2 ** -8).all()  # within one bf16 step
+        assert ((k.float() - rounded).abs() <= rounded.abs() * 2**-8).all()  # within one bf16 step
         assert torch.equal(v, want_v)
         assert (got.double() - want_o).abs().max() < 0.05
 
@@ -120,13 +123,16 @@ def test_fused_layer_rejects_a_bad_position_or_row_before_writing_anything():
         KERNEL.layer(qkv, cos_sin, k, v, torch.tensor([0, 2]), torch.tensor([3, 4]), 1, 1.0)
     assert not k.any() and not v.any()  # the valid token was not written either
     with pytest.raises(ValueError, match="bad operands"):
-        KERNEL.layer(qkv.to(torch.bfloat16), cos_sin, k, v, torch.tensor([0, 1]), torch.tensor([3, 4]), 1, 1.0)
+        KERNEL.layer(
+            qkv.to(torch.bfloat16), cos_sin, k, v, torch.tensor([0, 1]), torch.tensor([3, 4]), 1, 1.0
+        )
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_and_silu_mul_match_torch(dtype):
     import torch.nn.functional as F
+
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(9, 40, generator=g) * 3).to(dtype)
     gu = (torch.randn(9, 2 * 24, generator=g) * 4).to(dtype)
@@ -135,7 +141,7 @@ def test_rms_and_silu_mul_match_torch(dtype):
     want_act = F.silu(gu[:, :24].float()) * gu[:, 24:].float()
     got_rms, got_act = KERNEL.rms(x, 1e-6), KERNEL.silu_mul(gu)
     assert got_rms.dtype == got_act.dtype == dtype and got_act.shape == (9, 24)
-    tol = 2e-6 if dtype == torch.float32 else 2 ** -8  # fp32 rounding / one bf16 step
+    tol = 2e-6 if dtype == torch.float32 else 2**-8  # fp32 rounding / one bf16 step
     assert ((got_rms.float() - want_rms).abs() <= want_rms.abs() * tol + 1e-6).all()
     assert ((got_act.float() - want_act).abs() <= want_act.abs() * tol + 1e-6).all()
     with pytest.raises(ValueError, match="bad operand"):
@@ -148,8 +154,9 @@ def test_no_compiler_falls_back_with_the_reason(monkeypatch, tmp_path):
     monkeypatch.setattr(ckernel, "_state", {})
     assert ckernel.load() is None
     assert "no C compiler" in ckernel.unavailable() and "CC" in ckernel.unavailable()
-    from tests.engine.engine_helpers import tiny_model
     from tailrace.engine.runner import Runner
+    from tests.engine.engine_helpers import tiny_model
+
     assert Runner(tiny_model(), 32).attention == "bmm"
     with pytest.raises(RuntimeError, match="attention='bmm'"):
         Runner(tiny_model(), 32, "kernel")
@@ -168,8 +175,9 @@ def test_build_is_cached_per_machine(monkeypatch, tmp_path):
 @needs_kernel
 def test_gumbel_noise_is_the_samplers_hash():
     from tailrace.engine.sampler import gumbel_noise, vocab_salt
+
     g = torch.Generator().manual_seed(3)
-    ints = torch.randint(0, 2 ** 32, (9, 6), generator=g, dtype=torch.int64)  # strided columns, as RowState's
+    ints = torch.randint(0, 2**32, (9, 6), generator=g, dtype=torch.int64)  # strided columns, as RowState's
     key, index, salt = ints[:, 3], ints[:, 2] % 5000, vocab_salt(301)
     got, want = KERNEL.gumbel(key, index, salt), gumbel_noise(key, index, salt)
     assert got.shape == (9, 301) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -178,16 +186,26 @@ def test_gumbel_noise_is_the_samplers_hash():
 @needs_kernel
 def test_kernel_draw_is_the_torch_paths_token_and_logprob():
     from tailrace.engine.sampler import SampleFlags, sample, vocab_salt
+
     g = torch.Generator().manual_seed(4)
     B, V = 16, 257
     logits = torch.randn(B, V, generator=g) * 3
     floats = torch.tensor([[1.0, 1.0, 2.0], [1 / 0.7, 1.0, 2.0], [1.0, 0.0, 2.0], [1 / 1.5, 1.0, 2.0]] * 4)
     inv_temp, noise = floats[:, 0], floats[:, 1]  # row 2 mod 4 is greedy
     key, index, salt = torch.arange(B) * 7919 + 3, torch.arange(B) * 3, vocab_salt(V)
-    args = dict(inv_temp=inv_temp, noise_scale=noise, top_k=torch.full((B,), V), top_p=torch.full((B,), 2.0),
-                key=key, index=index, salt=salt)
+    args = dict(
+        inv_temp=inv_temp,
+        noise_scale=noise,
+        top_k=torch.full((B,), V),
+        top_p=torch.full((B,), 2.0),
+        key=key,
+        index=index,
+        salt=salt,
+    )
     fast = sample(logits, **args, flags=SampleFlags(), kernel=KERNEL)  # one C call
-    torch_path = sample(logits, **args, flags=SampleFlags(any_filter=True), kernel=KERNEL)  # torch ops, C noise
+    torch_path = sample(
+        logits, **args, flags=SampleFlags(any_filter=True), kernel=KERNEL
+    )  # torch ops, C noise
     assert torch.equal(fast[0], torch_path[0])
     assert torch.allclose(fast[1], torch_path[1], atol=1e-5)
     z = logits * inv_temp[:, None]

@@ -1,4 +1,5 @@
 """Controlling the engine: abort and resume, versions, bad requests, pause, step events."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,6 @@ import torch
 
 from tailrace.engine import Engine, EngineError
 from tailrace.types import Finish, GenRequest, SamplingParams
-
 from tests.engine.engine_helpers import full_logprobs, req, tiny_model
 
 
@@ -29,7 +29,9 @@ def _run(eng: Engine, until=lambda e: False) -> dict:
 
 
 def _resume(r: GenRequest, partial) -> GenRequest:
-    return GenRequest(r.id, r.prompt_ids, r.params, r.version, partial.token_ids, partial.logprobs, partial.versions)
+    return GenRequest(
+        r.id, r.prompt_ids, r.params, r.version, partial.token_ids, partial.logprobs, partial.versions
+    )
 
 
 def test_abort_running_and_waiting_then_resume_gives_the_uninterrupted_tokens(model):
@@ -45,7 +47,7 @@ def test_abort_running_and_waiting_then_resume_gives_the_uninterrupted_tokens(mo
     for rid, p in partials.items():
         assert p.finish == Finish.ABORTED
         assert len(p.token_ids) == len(p.logprobs) == len(p.versions)
-        assert p.token_ids == full[rid].token_ids[:len(p.token_ids)]
+        assert p.token_ids == full[rid].token_ids[: len(p.token_ids)]
         assert p.versions == (0,) * len(p.token_ids)
     assert 0 < len(partials["r0"].token_ids) < 30 and partials["r5"].token_ids == ()
     rest = _run(eng)
@@ -67,7 +69,9 @@ def test_abort_during_chunked_prefill(model):
     eng.step()
     p = eng.abort("long")
     assert p.token_ids == () and p.finish == Finish.ABORTED and eng.num_running == 1
-    assert _run(eng)["short"].token_ids == Engine(model, num_slots=1).generate([req("short", 3, 5)])[0].token_ids
+    assert (
+        _run(eng)["short"].token_ids == Engine(model, num_slots=1).generate([req("short", 3, 5)])[0].token_ids
+    )
 
 
 def test_resume_with_prefix_at_max_new_tokens_finishes_at_once(model):
@@ -84,7 +88,9 @@ def test_two_versions_each_match_their_own_weights(model, other):
     assert eng.versions == (0, 1)
     both = eng.generate(reqs)
     only0 = Engine(model, num_slots=5).generate([r for r in reqs if r.version == 0])
-    only1 = Engine(other, num_slots=5).generate([GenRequest(r.id, r.prompt_ids, r.params) for r in reqs if r.version == 1])
+    only1 = Engine(other, num_slots=5).generate(
+        [GenRequest(r.id, r.prompt_ids, r.params) for r in reqs if r.version == 1]
+    )
     ref = {r.request_id: r.token_ids for r in only0 + only1}
     for r, res in zip(reqs, both):
         assert res.token_ids == ref[r.id] and res.versions == (r.version,) * len(res.token_ids)
@@ -110,7 +116,12 @@ def test_load_weights_mid_run_affects_only_that_version(model, other):
     assert out["b"].versions == (1,) * 20
     # after the load, version 1 generates with the new weights from scratch
     fresh = eng.generate([GenRequest("c", reqs[1].prompt_ids, reqs[1].params, version=1)])[0]
-    assert fresh.token_ids == Engine(other, num_slots=1).generate([GenRequest("c", reqs[1].prompt_ids, reqs[1].params)])[0].token_ids
+    assert (
+        fresh.token_ids
+        == Engine(other, num_slots=1)
+        .generate([GenRequest("c", reqs[1].prompt_ids, reqs[1].params)])[0]
+        .token_ids
+    )
 
 
 def test_drop_version_refuses_while_in_use(model, other):
@@ -137,8 +148,9 @@ BAD = {
     "longer than the context": GenRequest("bad", tuple(range(5)) * 13, SamplingParams()),
     "unknown version": GenRequest("bad", (1, 2), SamplingParams(), version=9),
     "duplicate id": GenRequest("dup", (1, 2), SamplingParams()),
-    "unequal resume": GenRequest("bad", (1, 2), SamplingParams(), resume_ids=(3, 4), resume_logprobs=(-1.0,),
-                                 resume_versions=(0, 0)),
+    "unequal resume": GenRequest(
+        "bad", (1, 2), SamplingParams(), resume_ids=(3, 4), resume_logprobs=(-1.0,), resume_versions=(0, 0)
+    ),
     "token outside vocab": GenRequest("bad", (1, 200), SamplingParams()),
 }
 

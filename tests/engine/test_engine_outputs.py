@@ -1,4 +1,5 @@
 """What the engine generates: logprobs, greedy parity with Hugging Face, batch invariance, stop rules."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,6 @@ import torch
 from tailrace.engine import Engine
 from tailrace.model.checkpoint import save_pretrained
 from tailrace.types import Finish, GenRequest, SamplingParams
-
 from tests.engine.engine_helpers import VOCAB, full_logprobs, prompt, req, tiny_model
 
 
@@ -20,7 +20,9 @@ def model():
 
 def test_logprobs_equal_full_sequence_forward(model):
     eng = Engine(model, num_slots=4, prefill_tokens=16)
-    reqs = [req(f"a{i}", 3 + 7 * i, 12 + 5 * i, temperature=t) for i, t in enumerate([1.0, 0.7, 1.6, 1.0, 0.4])]
+    reqs = [
+        req(f"a{i}", 3 + 7 * i, 12 + 5 * i, temperature=t) for i, t in enumerate([1.0, 0.7, 1.6, 1.0, 0.4])
+    ]
     for r, res in zip(reqs, eng.generate(reqs)):
         assert len(res.token_ids) == r.params.max_new_tokens and res.finish == Finish.LENGTH
         ref = full_logprobs(model, r.prompt_ids, res.token_ids, r.params.temperature)
@@ -37,9 +39,15 @@ def test_greedy_matches_hugging_face_generate(tmp_path):
     reqs = [req(f"g{i}", n, 24, temperature=0.0) for i, n in enumerate([1, 5, 17, 40])]
     results = eng.generate(reqs)
     for r, res in zip(reqs, results):
-        out = hf.generate(torch.tensor([r.prompt_ids]), attention_mask=torch.ones(1, len(r.prompt_ids), dtype=torch.long),
-                          do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0)
-        assert res.token_ids == tuple(out[0, len(r.prompt_ids):].tolist())
+        out = hf.generate(
+            torch.tensor([r.prompt_ids]),
+            attention_mask=torch.ones(1, len(r.prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=24,
+            min_new_tokens=24,
+            pad_token_id=0,
+        )
+        assert res.token_ids == tuple(out[0, len(r.prompt_ids) :].tolist())
         # greedy logprobs are under the untempered softmax
         ref = full_logprobs(model, r.prompt_ids, res.token_ids, 1.0)
         assert max(abs(a - b) for a, b in zip(res.logprobs, ref)) < 1e-4
@@ -51,8 +59,10 @@ def test_continuous_batching_equals_running_alone(model):
     g = torch.Generator().manual_seed(5)
     lens = torch.randint(1, 60, (40,), generator=g).tolist()
     news = torch.randint(1, 40, (40,), generator=g).tolist()
-    reqs = [req(f"c{i}", n, m, temperature=1.0, top_k=(0, 20)[i % 2], top_p=(1.0, 0.9)[i % 3 == 0])
-            for i, (n, m) in enumerate(zip(lens, news))]
+    reqs = [
+        req(f"c{i}", n, m, temperature=1.0, top_k=(0, 20)[i % 2], top_p=(1.0, 0.9)[i % 3 == 0])
+        for i, (n, m) in enumerate(zip(lens, news))
+    ]
     eng = Engine(model, num_slots=5, prefill_tokens=24)
     batched = eng.generate(reqs)
     for r, res in zip(reqs[:12], batched[:12]):
@@ -69,7 +79,9 @@ def test_long_tail_with_chunked_attention_and_row_sorting_equals_running_alone(m
 
     calls = []
     orig = Slots.reorder
-    monkeypatch.setattr(Slots, "reorder", lambda self, v, order: calls.append(len(order)) or orig(self, v, order))
+    monkeypatch.setattr(
+        Slots, "reorder", lambda self, v, order: calls.append(len(order)) or orig(self, v, order)
+    )
     g = torch.Generator().manual_seed(7)
     news = torch.exp(torch.randn(48, generator=g) * 0.9 + 2.5).clamp(1, 150).long().tolist()
     reqs = [req(f"t{i}", 1 + i % 7, m, temperature=1.0) for i, m in enumerate(news)]
@@ -96,10 +108,12 @@ def test_stop_tokens_and_min_new_tokens(model):
     stop_tok = probe.token_ids[2]
     first = probe.token_ids.index(stop_tok)
     res = eng.generate([req("s", 9, 20, temperature=0.0, pseed=1, stop_token_ids=(stop_tok,))])[0]
-    assert res.finish == Finish.STOP and res.token_ids == probe.token_ids[:first + 1]
+    assert res.finish == Finish.STOP and res.token_ids == probe.token_ids[: first + 1]
     # with min_new_tokens the stop token is masked until reached
-    res = eng.generate([req("m", 9, 20, temperature=0.0, pseed=1, stop_token_ids=(stop_tok,), min_new_tokens=first + 3)])[0]
-    assert stop_tok not in res.token_ids[:first + 3]
+    res = eng.generate(
+        [req("m", 9, 20, temperature=0.0, pseed=1, stop_token_ids=(stop_tok,), min_new_tokens=first + 3)]
+    )[0]
+    assert stop_tok not in res.token_ids[: first + 3]
     assert res.finish == Finish.LENGTH or res.token_ids.index(stop_tok) == len(res.token_ids) - 1
     # sampled requests honour stop ids and min_new_tokens too (many stop ids: they stop early)
     stops = tuple(range(0, VOCAB, 3))
@@ -118,7 +132,7 @@ def test_top_k_top_p_in_engine_stay_in_allowed_set(model):
     for r, res in zip(reqs, Engine(model, num_slots=6).generate(reqs)):
         ids = torch.tensor([r.prompt_ids + res.token_ids])
         with torch.no_grad():
-            logits = model(ids)[0, len(r.prompt_ids) - 1:-1] / 1.2
+            logits = model(ids)[0, len(r.prompt_ids) - 1 : -1] / 1.2
         for t, lp, row in zip(res.token_ids, res.logprobs, logits):
             top = row.topk(4)
             p = torch.softmax(top.values, -1)
@@ -140,7 +154,10 @@ def test_engine_sampling_matches_model_distribution(model):
     (Wilson-Hilferty), so a false failure has probability about 1e-6."""
     p_ids = prompt(123, 5)
     N = 4000
-    reqs = [GenRequest(f"d{i}", p_ids, SamplingParams(max_new_tokens=1, temperature=1.5, seed=i)) for i in range(N)]
+    reqs = [
+        GenRequest(f"d{i}", p_ids, SamplingParams(max_new_tokens=1, temperature=1.5, seed=i))
+        for i in range(N)
+    ]
     res = Engine(model, num_slots=64, prefill_tokens=1024).generate(reqs)
     counts = torch.bincount(torch.tensor([r.token_ids[0] for r in res]), minlength=VOCAB).double()
     with torch.no_grad():

@@ -1,4 +1,5 @@
 """`Runner` is pinned to `CausalLM.forward`: same logits, same KV-cache writes."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,15 +8,21 @@ import torch
 from tailrace.engine import ckernel
 from tailrace.engine.linear import packing_supported
 from tailrace.engine.runner import Runner
-
 from tests.engine.engine_helpers import tiny_model
 
 CONFIGS = {
     "llama": {},
     "llama-bias-mha": dict(attention_bias=True, num_key_value_heads=4),
     "qwen2-tied": dict(model_type="qwen2", tie_word_embeddings=True),
-    "llama3-rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3-rope": dict(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    ),
 }
 
 
@@ -25,7 +32,9 @@ def skip_without_kernel(attention: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("attention,packed", [("kernel", None), ("bmm", False), ("bmm", True), ("sdpa", None)])
+@pytest.mark.parametrize(
+    "attention,packed", [("kernel", None), ("bmm", False), ("bmm", True), ("sdpa", None)]
+)
 @torch.inference_mode()
 def test_decode_matches_model_forward(name, attention, packed):
     skip_without_kernel(attention)
@@ -38,12 +47,15 @@ def test_decode_matches_model_forward(name, attention, packed):
     toks = torch.randint(0, model.config.vocab_size, (B, max(lens) + 3), generator=g)
     for b, n in enumerate(lens):  # prompts into rows 1..B of both caches
         for c in (ref_cache, cache):
-            model(toks[b:b + 1, :n], None, c, slice(b + 1, b + 2))
+            model(toks[b : b + 1, :n], None, c, slice(b + 1, b + 2))
     pos = torch.tensor(lens)
     for step in range(3):
         # one chunk, then rows cut into chunks that each attend only as far as their longest row
-        chunks = int(pos.max()) + 1 if step == 0 else [(0, 2, int(pos[:2].max()) + 1), (2, 3, int(pos[2]) + 1),
-                                                       (3, B, int(pos[3:].max()) + 1)]
+        chunks = (
+            int(pos.max()) + 1
+            if step == 0
+            else [(0, 2, int(pos[:2].max()) + 1), (2, 3, int(pos[2]) + 1), (3, B, int(pos[3:].max()) + 1)]
+        )
         x = toks[torch.arange(B), pos]
         ref = model(x[:, None], pos[:, None], ref_cache, slice(1, B + 1))[:, 0]
         got = runner.decode(x, pos, cache, slice(1, B + 1), chunks)
@@ -56,7 +68,9 @@ def test_decode_matches_model_forward(name, attention, packed):
 
 @pytest.mark.parametrize("kv", [torch.bfloat16, torch.float32])  # the engine's CPU default: fp32 cache
 @pytest.mark.parametrize("B", [3, 12])  # upcast fp32 attention at small batches, bf16 GEMMs above
-@pytest.mark.parametrize("attention,packed", [("kernel", None), ("bmm", False), ("bmm", True), ("sdpa", None)])
+@pytest.mark.parametrize(
+    "attention,packed", [("kernel", None), ("bmm", False), ("bmm", True), ("sdpa", None)]
+)
 @torch.inference_mode()
 def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
     skip_without_kernel(attention)
@@ -90,15 +104,22 @@ def test_mixed_prefill_and_decode_step_matches_model_forward(dtype):
         model(toks[1:2, :14], None, c, slice(1, 2))
         model(toks[3:4, :6], None, c, slice(3, 4))
     pos = torch.tensor([9, 14])
-    ref_dec = model(toks[:2, :1] * 0 + torch.stack([toks[0, 9], toks[1, 14]])[:, None], pos[:, None],
-                    ref_cache, slice(0, 2))[:, 0]
+    ref_dec = model(
+        toks[:2, :1] * 0 + torch.stack([toks[0, 9], toks[1, 14]])[:, None],
+        pos[:, None],
+        ref_cache,
+        slice(0, 2),
+    )[:, 0]
     ref_a = model(toks[2:3, :11], None, ref_cache, slice(2, 3))[0, -1]  # whole prompt into row 2
-    ref_b = model(toks[3:4, 6:13], torch.arange(6, 13)[None], ref_cache, slice(3, 4))[0, -1]  # chunk 2 of row 3
+    ref_b = model(toks[3:4, 6:13], torch.arange(6, 13)[None], ref_cache, slice(3, 4))[
+        0, -1
+    ]  # chunk 2 of row 3
     tokens = torch.cat([torch.stack([toks[0, 9], toks[1, 14]]), toks[2, :11], toks[3, 6:13]])
     positions = torch.cat([pos, torch.arange(11), torch.arange(6, 13)])
     want = torch.tensor([0, 1, 2 + 10, 2 + 11 + 6])
-    got = runner.forward(tokens, positions, cache, slice(0, 2), [(0, 1, 10), (1, 2, 15)],
-                         [(2, 0, 11), (3, 6, 7)], want).float()
+    got = runner.forward(
+        tokens, positions, cache, slice(0, 2), [(0, 1, 10), (1, 2, 15)], [(2, 0, 11), (3, 6, 7)], want
+    ).float()
     ref = torch.stack([ref_dec[0], ref_dec[1], ref_a, ref_b]).float()
     tol = 2e-5 if dtype == torch.float32 else 0.05 * float(ref.abs().max())
     assert (got - ref).abs().max() < tol

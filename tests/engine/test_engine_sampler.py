@@ -1,4 +1,5 @@
 """The sampler alone: exact distributions, filters, greedy, min_new_tokens, seeded batch invariance."""
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,11 @@ def _args(B, V, *, temperature=1.0, top_k=0, top_p=1.0, keys=None, index=None, s
         key=torch.full((B,), seed_key(1), dtype=torch.int64) if keys is None else keys,
         index=torch.arange(B, dtype=torch.int64) if index is None else index,
         salt=vocab_salt(V),
-        stop_mask=torch.zeros(B, V, dtype=torch.bool).index_fill_(1, torch.tensor(stop, dtype=torch.int64), True)
-        if stop else torch.zeros(B, V, dtype=torch.bool),
+        stop_mask=torch.zeros(B, V, dtype=torch.bool).index_fill_(
+            1, torch.tensor(stop, dtype=torch.int64), True
+        )
+        if stop
+        else torch.zeros(B, V, dtype=torch.bool),
         min_new=torch.full((B,), min_new, dtype=torch.int64),
     )
 
@@ -32,7 +36,7 @@ def _args(B, V, *, temperature=1.0, top_k=0, top_p=1.0, keys=None, index=None, s
 def _target(z: list[float], temperature: float, top_k: int, top_p: float) -> dict[int, float]:
     """Reference: temperature, then top-k, then the smallest top-p nucleus, renormalized (float64)."""
     zt = [x / temperature for x in z]
-    order = sorted(range(len(z)), key=lambda i: -zt[i])[:top_k or len(z)]
+    order = sorted(range(len(z)), key=lambda i: -zt[i])[: top_k or len(z)]
     m = max(zt[i] for i in order)
     w = {i: math.exp(zt[i] - m) for i in order}
     tot = sum(w.values())
@@ -63,8 +67,11 @@ def test_frequencies_match_target_distribution():
     keys = torch.tensor([seed_key(s) for s in range(N // 100)], dtype=torch.int64).repeat_interleave(100)
     index = torch.arange(N, dtype=torch.int64) % 100
     for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.6)):
-        tokens, lps = sample(logits, flags=ALL_ON, **_args(N, V, temperature=temperature, top_k=top_k, top_p=top_p,
-                                                         keys=keys, index=index))
+        tokens, lps = sample(
+            logits,
+            flags=ALL_ON,
+            **_args(N, V, temperature=temperature, top_k=top_k, top_p=top_p, keys=keys, index=index),
+        )
         target = _target(z, temperature, top_k, top_p)
         counts = torch.bincount(tokens, minlength=V).tolist()
         assert all(counts[i] == 0 for i in range(V) if i not in target), "sampled a filtered token"
@@ -87,17 +94,30 @@ def test_uniforms_are_uniform():
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32), B=st.integers(1, 6), V=st.integers(2, 24), top_k=st.integers(0, 24),
-       top_p=st.floats(0.05, 1.0), temperature=st.floats(0.2, 2.0))
+@given(
+    seed=st.integers(0, 2**32),
+    B=st.integers(1, 6),
+    V=st.integers(2, 24),
+    top_k=st.integers(0, 24),
+    top_p=st.floats(0.05, 1.0),
+    temperature=st.floats(0.2, 2.0),
+)
 def test_samples_lie_in_allowed_set(seed, B, V, top_k, top_p, temperature):
     g = torch.Generator().manual_seed(seed % 2**31)
     logits = torch.randn(B, V, generator=g, dtype=torch.float64).float() * 3
-    a = _args(B, V, temperature=temperature, top_k=min(top_k, V), top_p=top_p,
-              keys=torch.randint(0, 2**32, (B,), generator=g), index=torch.randint(0, 1000, (B,), generator=g))
+    a = _args(
+        B,
+        V,
+        temperature=temperature,
+        top_k=min(top_k, V),
+        top_p=top_p,
+        keys=torch.randint(0, 2**32, (B,), generator=g),
+        index=torch.randint(0, 1000, (B,), generator=g),
+    )
     for row in logits.tolist():  # skip nuclei whose edge is within float32 rounding of top_p
-        zt = sorted((x / temperature for x in row), reverse=True)[:min(top_k, V) or V]
-        m, w = zt[0], [math.exp(x - zt[0]) for x in zt]
-        cum = [sum(w[:i + 1]) / sum(w) for i in range(len(w))]
+        zt = sorted((x / temperature for x in row), reverse=True)[: min(top_k, V) or V]
+        w = [math.exp(x - zt[0]) for x in zt]
+        cum = [sum(w[: i + 1]) / sum(w) for i in range(len(w))]
         assume(all(abs(c - top_p) > 1e-4 for c in cum))
     tokens, lps = sample(logits, flags=ALL_ON, **a)
     for row, t, lp in zip(logits.tolist(), tokens.tolist(), lps.tolist()):
@@ -121,7 +141,9 @@ def test_min_new_tokens_bans_stop_tokens_only_before_the_threshold():
     logits = torch.zeros(4, V)
     logits[:, 3] = 50.0  # the stop token dominates
     index = torch.tensor([0, 2, 3, 7])
-    tokens, lps = sample(logits, flags=ALL_ON, **_args(4, V, temperature=0.0, stop=(3,), min_new=3, index=index))
+    tokens, lps = sample(
+        logits, flags=ALL_ON, **_args(4, V, temperature=0.0, stop=(3,), min_new=3, index=index)
+    )
     assert [t != 3 for t in tokens.tolist()] == [True, True, False, False]
     assert torch.isfinite(lps).all()
 
@@ -133,6 +155,6 @@ def test_noise_depends_only_on_key_index_and_vocab():
     idx = torch.tensor([0, 9, 4])
     full = gumbel_noise(keys, idx, salt)
     for i in range(3):
-        assert torch.equal(gumbel_noise(keys[i:i + 1], idx[i:i + 1], salt)[0], full[i])
+        assert torch.equal(gumbel_noise(keys[i : i + 1], idx[i : i + 1], salt)[0], full[i])
     assert not torch.equal(gumbel_noise(keys[:1], idx[:1] + 1, salt), full[:1])
     assert seed_key(7) == seed_key(7 + 2**64) and seed_key(7) != seed_key(8)

@@ -1,5 +1,6 @@
 """`Slots` alone: random admit / start_decoding / release sequences keep the layout invariants, and
 the returned moves, replayed on a model of the cache, keep every request's data in its row."""
+
 from __future__ import annotations
 
 import random
@@ -28,9 +29,17 @@ def _check(s: Slots, data: list, versions: dict[str, int]) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["admit", "decode", "release", "reorder"]), st.integers(0, 10**6),
-                              st.integers(0, 2)), max_size=120),
-       num_slots=st.integers(1, 9))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "decode", "release", "reorder"]),
+            st.integers(0, 10**6),
+            st.integers(0, 2),
+        ),
+        max_size=120,
+    ),
+    num_slots=st.integers(1, 9),
+)
 def test_random_operations_keep_invariants(ops, num_slots):
     s = Slots(num_slots)
     data: list = [None] * (num_slots + 1)  # what each cache row holds
@@ -53,10 +62,10 @@ def test_random_operations_keep_invariants(ops, num_slots):
             assert len(moves) <= 3 + len(s.groups)
         elif op == "reorder" and s.groups:
             g = s.groups[pick % len(s.groups)]
-            order = list(s.owner[g.start:g.stop])
+            order = list(s.owner[g.start : g.stop])
             random.Random(pick).shuffle(order)
             moves = s.reorder(g.version, order)
-            assert s.owner[g.start:g.stop] == order
+            assert s.owner[g.start : g.stop] == order
             assert len(moves) <= len(g) + len(g) // 2
         elif op == "release" and live:
             rid = live[pick % len(live)]

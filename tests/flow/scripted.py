@@ -1,6 +1,7 @@
 """A scripted cluster for scheduler tests: engines that emit one token per tick per running sample,
 a trainer that takes a fixed number of ticks per step, weight loads that take a fixed time.
 Lengths come from a function of (group, index), so tests choose any distribution."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,8 +27,15 @@ class Running:
 
 
 class ScriptedCluster:
-    def __init__(self, sched, length: Callable[[int, int], int], slots: int, train_ticks: int = 5,
-                 load_ticks: int = 1, reward: Callable[[int, int], float] = lambda g, i: float(i % 2)):
+    def __init__(
+        self,
+        sched,
+        length: Callable[[int, int], int],
+        slots: int,
+        train_ticks: int = 5,
+        load_ticks: int = 1,
+        reward: Callable[[int, int], float] = lambda g, i: float(i % 2),
+    ):
         self.s, self.length, self.slots = sched, length, slots
         self.train_ticks, self.load_ticks, self.reward = train_ticks, load_ticks, reward
         n = len(sched.engines)
@@ -47,8 +55,14 @@ class ScriptedCluster:
             if isinstance(c, Generate):
                 for smp in c.samples:
                     assert smp.version in self.loaded[c.engine], "dispatched a version the engine lacks"
-                    self.queue[c.engine].append(Running(smp, self.length(smp.group, smp.index),
-                                                        list(smp.resume_ids), list(smp.resume_versions)))
+                    self.queue[c.engine].append(
+                        Running(
+                            smp,
+                            self.length(smp.group, smp.index),
+                            list(smp.resume_ids),
+                            list(smp.resume_versions),
+                        )
+                    )
             elif isinstance(c, Abort):
                 out = []
                 for pool in (self.queue[c.engine], self.running[c.engine]):
@@ -61,16 +75,25 @@ class ScriptedCluster:
             elif isinstance(c, LoadWeights):
                 self.loads.append((self.t + self.load_ticks, c.engine, c.version))
             elif isinstance(c, DropWeights):
-                assert not any(r.sample.version == c.version for r in self.running[c.engine]), "dropped in use"
+                assert not any(r.sample.version == c.version for r in self.running[c.engine]), (
+                    "dropped in use"
+                )
                 self.loaded[c.engine].discard(c.version)
 
     def _traj(self, r: Running, finish: Finish) -> Trajectory:
         smp = r.sample
         res = GenResult(smp.id, tuple(r.tokens), tuple(0.0 for _ in r.tokens), tuple(r.versions), finish)
         rew = self.reward(smp.group, smp.index) if finish != Finish.ABORTED else 0.0
-        return Trajectory(group=smp.group, sample_index=smp.index, prompt_id=smp.prompt.id,
-                          prompt_ids=smp.prompt.token_ids, result=res, reward=rew, correct=rew > 0,
-                          dispatch_version=smp.version)
+        return Trajectory(
+            group=smp.group,
+            sample_index=smp.index,
+            prompt_id=smp.prompt.id,
+            prompt_ids=smp.prompt.token_ids,
+            result=res,
+            reward=rew,
+            correct=rew > 0,
+            dispatch_version=smp.version,
+        )
 
     def tick(self) -> None:
         self.t += 1

@@ -2,9 +2,11 @@
 distributions and timings (hypothesis). The core raises on a staleness or one-version violation at
 every train step and checks the ledger at every poll, so finishing a run is itself the check of
 those; the assertions below add the per-mode promises."""
+
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
@@ -13,8 +15,9 @@ from tests.flow.scripted import ScriptedCluster, prompts
 MODES = ["sync", "pipe", "async", "partial", "multiversion"]
 
 
-def run_mode(mode, seed, K=1, R=4, Kp=2, U=2, steps=6, engines=1, slots=4, train_ticks=4, load_ticks=1,
-             heavy_tail=True):
+def run_mode(
+    mode, seed, K=1, R=4, Kp=2, U=2, steps=6, engines=1, slots=4, train_ticks=4, load_ticks=1, heavy_tail=True
+):
     rng = random.Random(seed)
     lengths = {}
 
@@ -31,11 +34,19 @@ def run_mode(mode, seed, K=1, R=4, Kp=2, U=2, steps=6, engines=1, slots=4, train
 
 
 @settings(max_examples=25, deadline=None)
-@given(mode=st.sampled_from(MODES), seed=st.integers(0, 10_000), K=st.integers(1, 3),
-       engines=st.integers(1, 2), slots=st.integers(2, 8), train_ticks=st.integers(1, 12),
-       load_ticks=st.integers(0, 3))
+@given(
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 10_000),
+    K=st.integers(1, 3),
+    engines=st.integers(1, 2),
+    slots=st.integers(2, 8),
+    train_ticks=st.integers(1, 12),
+    load_ticks=st.integers(0, 3),
+)
 def test_invariants_hold_in_every_mode(mode, seed, K, engines, slots, train_ticks, load_ticks):
-    s, c = run_mode(mode, seed, K=K, engines=engines, slots=slots, train_ticks=train_ticks, load_ticks=load_ticks)
+    s, c = run_mode(
+        mode, seed, K=K, engines=engines, slots=slots, train_ticks=train_ticks, load_ticks=load_ticks
+    )
     trained = [tr for t in c.trained for g in t.groups for tr in g.trajectories]
     assert len(c.trained) == 6 and s.ledger.trained == len(trained) == 6 * 2 * 2
     s.ledger.check(s.store.in_store())
@@ -82,4 +93,5 @@ def test_pipe_trains_before_the_round_is_complete():
 def test_config_lists_exactly_the_registered_modes():
     from tailrace.config import MODES
     from tailrace.flow.policies import POLICIES
+
     assert set(MODES) == set(POLICIES)

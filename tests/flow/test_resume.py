@@ -1,7 +1,9 @@
 """Crash anywhere, resume from the last checkpoint + journal: nothing lost, no step repeated."""
+
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tailrace.flow import resume
 from tailrace.flow.policies import SyncPolicy
@@ -22,8 +24,9 @@ def run_until_crash(s, c, every, crash_tick):
         c.execute(s.poll(c.t))
         before = s.steps_done
         c.tick()
-        journal.extend(dict(e, trajectory=traj_to_dict(e["trajectory"])) if e["kind"] == "done" else e
-                       for e in s.journal)
+        journal.extend(
+            dict(e, trajectory=traj_to_dict(e["trajectory"])) if e["kind"] == "done" else e for e in s.journal
+        )
         s.journal.clear()
         if s.steps_done > before and s.steps_done % every == 0:
             ckpt = resume.state_dict(s)  # the moment that step is durable
@@ -31,8 +34,12 @@ def run_until_crash(s, c, every, crash_tick):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 1000), crash_tick=st.integers(5, 120), every=st.sampled_from([1, 2]),
-       U=st.sampled_from([1, 3]))
+@given(
+    seed=st.integers(0, 1000),
+    crash_tick=st.integers(5, 120),
+    every=st.sampled_from([1, 2]),
+    U=st.sampled_from([1, 3]),
+)
 def test_crash_and_resume(seed, crash_tick, every, U):
     rng = random.Random(seed)
     lengths = {}
@@ -47,7 +54,7 @@ def test_crash_and_resume(seed, crash_tick, every, U):
         return
     s2 = build(U)
     resume.load_state_dict(s2, ckpt)
-    tail = journal[ckpt["journal_seq"]:]
+    tail = journal[ckpt["journal_seq"] :]
     resume.replay(s2, tail)
     c2 = ScriptedCluster(s2, length, slots=3, train_ticks=3)
     c2.t = c.t
@@ -62,8 +69,11 @@ def test_crash_and_resume(seed, crash_tick, every, U):
     assert s2.ledger.trained == STEPS * U * K
     # trajectories finished after the checkpoint came back from the journal instead of being regenerated,
     # unless their weights were lost with the crash (then they are discarded with a reason)
-    replayed = {(e["trajectory"]["group"], e["trajectory"]["sample_index"]) for e in tail if e["kind"] == "done"
-                and max(e["trajectory"]["result"]["versions"]) <= ckpt["version"]}
+    replayed = {
+        (e["trajectory"]["group"], e["trajectory"]["sample_index"])
+        for e in tail
+        if e["kind"] == "done" and max(e["trajectory"]["result"]["versions"]) <= ckpt["version"]
+    }
     regenerated = {(t.group, t.sample_index) for t in c2.generated}
     assert not (replayed & regenerated)
     lost = len([e for e in tail if e["kind"] == "done"]) - len(replayed)
@@ -80,9 +90,18 @@ def test_trajectory_records_round_trip_through_json_with_every_field():
 
     from tailrace.flow.serde import traj_from_dict
     from tailrace.types import Finish, GenResult, Trajectory
+
     r = GenResult("g3.1", (5, 6, 7), (-0.5, -1.25, -0.125), (2, 2, 3), Finish.ABORTED, 1.0, 2.0, 3.0)
-    t = Trajectory(group=3, sample_index=1, prompt_id=17, prompt_ids=(1, 9), result=r, reward=0.5, correct=False,
-                   dispatch_version=2)
+    t = Trajectory(
+        group=3,
+        sample_index=1,
+        prompt_id=17,
+        prompt_ids=(1, 9),
+        result=r,
+        reward=0.5,
+        correct=False,
+        dispatch_version=2,
+    )
     d = traj_to_dict(t)
     assert set(d) == {f.name for f in dataclasses.fields(Trajectory)}  # a new field must be serialized too
     assert set(d["result"]) == {f.name for f in dataclasses.fields(GenResult)}

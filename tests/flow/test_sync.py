@@ -1,8 +1,8 @@
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tailrace.flow.commands import Train
 from tailrace.flow.policies import SyncPolicy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tests.flow.scripted import ScriptedCluster, prompts
@@ -43,8 +43,13 @@ def test_sync_does_not_generate_while_training():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), R=st.integers(1, 5), K=st.integers(1, 4), engines=st.integers(1, 3),
-       slots=st.integers(1, 6))
+@given(
+    seed=st.integers(0, 10_000),
+    R=st.integers(1, 5),
+    K=st.integers(1, 4),
+    engines=st.integers(1, 3),
+    slots=st.integers(1, 6),
+)
 def test_sync_ledger_and_on_policy_under_random_lengths(seed, R, K, engines, slots):
     rng = random.Random(seed)
     lengths = {}
@@ -53,7 +58,9 @@ def test_sync_ledger_and_on_policy_under_random_lengths(seed, R, K, engines, slo
         return lengths.setdefault((g, i), max(1, int(rng.lognormvariate(1.5, 1.0))))
 
     s = Scheduler(SyncPolicy(), prompts(), [(slots, rng.randint(0, 3))] * engines, FlowSpec(R, K, R, 3))
-    c = ScriptedCluster(s, length=length, slots=slots, train_ticks=rng.randint(1, 6), load_ticks=rng.randint(0, 3))
+    c = ScriptedCluster(
+        s, length=length, slots=slots, train_ticks=rng.randint(1, 6), load_ticks=rng.randint(0, 3)
+    )
     c.run()
     assert s.ledger.trained == 3 * R * K
     assert s.ledger.produced == s.ledger.trained + s.store.in_store() + s.ledger.total_discarded
@@ -66,6 +73,7 @@ def test_sync_metrics_are_deterministic():
         c = ScriptedCluster(s, length=lambda g, i: 1 + (g * 5 + i) % 6, slots=3)
         c.run()
         return [(m.t, m.kind, sorted(m.data.items())) for m in s.marks]
+
     assert once() == once()
 
 

@@ -1,4 +1,5 @@
 """Shared fixtures for tests/model: small random configs and HF reference models built from our weights."""
+
 from __future__ import annotations
 
 import torch
@@ -12,24 +13,55 @@ TOL = 1e-4  # max abs fp32 logits difference allowed against transformers
 CONFIGS = {
     "llama-mha-default": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4),
     "llama-gqa2-tied-headdim-linear": dict(
-        model_type="llama", num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True,
-        rope_scaling={"type": "linear", "factor": 2.0}),
+        model_type="llama",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        tie_word_embeddings=True,
+        rope_scaling={"type": "linear", "factor": 2.0},
+    ),
     "llama-gqa4-bias-llama3": dict(
-        model_type="llama", num_attention_heads=8, num_key_value_heads=2, attention_bias=True, rope_theta=500.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8}),
+        model_type="llama",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        attention_bias=True,
+        rope_theta=500.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    ),
     "qwen2-gqa2-tied-yarn": dict(
-        model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        rope_theta=1000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+        model_type="qwen2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    ),
     "qwen2-gqa4-headdim-dynamic": dict(
-        model_type="qwen2", num_attention_heads=8, num_key_value_heads=2, head_dim=12,
-        rope_scaling={"type": "dynamic", "factor": 2.0}),
+        model_type="qwen2",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=12,
+        rope_scaling={"type": "dynamic", "factor": 2.0},
+    ),
 }
 
 
 def make_config(**overrides) -> ModelConfig:
-    base = dict(vocab_size=53, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=64, rms_norm_eps=1e-5)
+    base = dict(
+        vocab_size=53,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -49,6 +81,7 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
 def hf_from_ours(model: CausalLM, tmp_path):
     """transformers' own model, loaded from our save_pretrained output."""
     from transformers import AutoModelForCausalLM
+
     save_pretrained(model, tmp_path)
     return AutoModelForCausalLM.from_pretrained(tmp_path).eval()
 

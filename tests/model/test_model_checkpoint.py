@@ -1,13 +1,14 @@
 """Checkpoint I/O: round trips (single file, sharded, tied, dtype) and one-line errors for bad input."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from model_helpers import make_config, max_diff, random_model
 from safetensors.torch import load_file, save_file
 
-from model_helpers import make_config, max_diff, random_model
 from tailrace.model import CheckpointError, load_pretrained, save_pretrained
 from tailrace.model import checkpoint as ckpt
 
@@ -89,6 +90,7 @@ def test_crash_while_saving_keeps_the_old_checkpoint(saved, tmp_path, monkeypatc
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
+
     monkeypatch.setattr(ckpt, "save_file", crash)
     with pytest.raises(OSError):
         save_pretrained(random_model(model.config, seed=9), path)
@@ -99,6 +101,7 @@ def test_crash_while_saving_keeps_the_old_checkpoint(saved, tmp_path, monkeypatc
 
 
 # -- bad input: CheckpointError (a ValueError) with one line naming the problem and the fix ----------
+
 
 def expect_error(path, *words):
     with pytest.raises(CheckpointError) as e:
@@ -126,12 +129,21 @@ def test_config_not_json(saved, text):
     expect_error(path, "config.json", "JSON")
 
 
-@pytest.mark.parametrize("changes, words", [
-    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, ["gpt2", "llama", "qwen2"]),
-    ({"architectures": ["LlamaForTokenClassification"]}, ["LlamaForTokenClassification", "LlamaForCausalLM"]),
-    ({"use_sliding_window": True, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, ["sliding"]),
-    ({"num_key_value_heads": 3}, ["num_key_value_heads=3"]),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, ["gpt2", "llama", "qwen2"]),
+        (
+            {"architectures": ["LlamaForTokenClassification"]},
+            ["LlamaForTokenClassification", "LlamaForCausalLM"],
+        ),
+        (
+            {"use_sliding_window": True, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+            ["sliding"],
+        ),
+        ({"num_key_value_heads": 3}, ["num_key_value_heads=3"]),
+    ],
+)
 def test_unsupported_config(saved, changes, words):
     _, path = saved
     d = json.loads((path / "config.json").read_text())

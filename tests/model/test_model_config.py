@@ -1,9 +1,10 @@
 """ModelConfig: validation messages, both HF rope spellings, and a config.json transformers loads."""
+
 from __future__ import annotations
 
 import pytest
-
 from model_helpers import CONFIGS, make_config
+
 from tailrace.model import ModelConfig
 
 
@@ -16,6 +17,7 @@ def test_to_hf_from_hf_round_trip(name):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_transformers_reads_our_config_json(name):
     from transformers import AutoConfig
+
     cfg = make_config(**CONFIGS[name])
     hf = AutoConfig.for_model(**cfg.to_hf())
     assert type(hf).__name__ == {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[cfg.model_type]
@@ -29,10 +31,20 @@ def test_transformers_reads_our_config_json(name):
 def test_both_rope_spellings_normalize_the_same():
     base = make_config().to_hf()
     del base["rope_parameters"], base["rope_theta"]
-    new = {**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
-                                       "original_max_position_embeddings": 16}}
-    old = {**base, "rope_theta": 5e5, "rope_scaling": {"type": "yarn", "factor": 4.0,
-                                                       "original_max_position_embeddings": 16}}
+    new = {
+        **base,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 5e5,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    }
+    old = {
+        **base,
+        "rope_theta": 5e5,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    }
     a, b = ModelConfig.from_hf(new), ModelConfig.from_hf(old)
     assert a == b
     assert a.rope_theta == 5e5
@@ -50,28 +62,43 @@ def test_defaults_follow_hf():
     assert cfg.num_key_value_heads == 8 and cfg.head_dim == 8
     assert make_config(model_type="qwen2").attention_bias is True
     assert make_config(model_type="llama").attention_bias is False
-    minimal = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-               "num_hidden_layers": 1, "num_attention_heads": 2}
+    minimal = {
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     cfg = ModelConfig.from_hf(minimal)
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings) == (10000.0, None, 2048)
     assert ModelConfig.from_hf({**minimal, "eos_token_id": [1, 2]}).eos_token_id == [1, 2]
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (dict(num_attention_heads=4, num_key_value_heads=3), ["num_key_value_heads=3", "divisor"]),
-    (dict(hidden_size=60, num_attention_heads=8), ["hidden_size=60", "num_attention_heads=8"]),
-    (dict(vocab_size=0), ["vocab_size=0", "positive"]),
-    (dict(num_hidden_layers=-1), ["num_hidden_layers=-1"]),
-    (dict(head_dim=7), ["head_dim=7", "even"]),
-    (dict(model_type="gpt2"), ["model_type='gpt2'", "llama", "qwen2"]),
-    (dict(model_type="qwen2", attention_bias=False), ["attention_bias=False", "qwen2"]),
-    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}), ["longrope", "linear", "yarn", "llama3"]),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), ["low_freq_factor", "high_freq_factor"]),
-    (dict(rope_scaling={"rope_type": "linear"}), ["factor"]),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}), ["partial_rotary_factor"]),
-    (dict(pad_token_id=99), ["pad_token_id=99", "vocab_size"]),
-    (dict(rms_norm_eps=0.0), ["rms_norm_eps"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (dict(num_attention_heads=4, num_key_value_heads=3), ["num_key_value_heads=3", "divisor"]),
+        (dict(hidden_size=60, num_attention_heads=8), ["hidden_size=60", "num_attention_heads=8"]),
+        (dict(vocab_size=0), ["vocab_size=0", "positive"]),
+        (dict(num_hidden_layers=-1), ["num_hidden_layers=-1"]),
+        (dict(head_dim=7), ["head_dim=7", "even"]),
+        (dict(model_type="gpt2"), ["model_type='gpt2'", "llama", "qwen2"]),
+        (dict(model_type="qwen2", attention_bias=False), ["attention_bias=False", "qwen2"]),
+        (
+            dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}),
+            ["longrope", "linear", "yarn", "llama3"],
+        ),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), ["low_freq_factor", "high_freq_factor"]),
+        (dict(rope_scaling={"rope_type": "linear"}), ["factor"]),
+        (
+            dict(rope_scaling={"type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
+            ["partial_rotary_factor"],
+        ),
+        (dict(pad_token_id=99), ["pad_token_id=99", "vocab_size"]),
+        (dict(rms_norm_eps=0.0), ["rms_norm_eps"]),
+    ],
+)
 def test_validation_names_field_and_fix(overrides, words):
     with pytest.raises(ValueError) as e:
         make_config(**overrides)
@@ -79,14 +106,17 @@ def test_validation_names_field_and_fix(overrides, words):
         assert w in str(e.value)
 
 
-@pytest.mark.parametrize("changes, words", [
-    (dict(use_sliding_window=True), ["sliding"]),
-    (dict(hidden_act="gelu"), ["hidden_act", "silu"]),
-    (dict(mlp_bias=True), ["mlp_bias"]),
-    (dict(architectures=["LlamaForSequenceClassification"]), ["LlamaForCausalLM"]),
-    (dict(model_type="mistral"), ["mistral", "llama", "qwen2"]),
-    (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), ["per-layer"]),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (dict(use_sliding_window=True), ["sliding"]),
+        (dict(hidden_act="gelu"), ["hidden_act", "silu"]),
+        (dict(mlp_bias=True), ["mlp_bias"]),
+        (dict(architectures=["LlamaForSequenceClassification"]), ["LlamaForCausalLM"]),
+        (dict(model_type="mistral"), ["mistral", "llama", "qwen2"]),
+        (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), ["per-layer"]),
+    ],
+)
 def test_from_hf_rejects_features_we_lack(changes, words):
     d = {**make_config().to_hf(), **changes}
     with pytest.raises(ValueError) as e:

@@ -1,20 +1,27 @@
 """CausalLM and KVCache behaviour beyond HF parity: init, training, autocast, cache rows, errors."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from model_helpers import CONFIGS, TOL, hf_from_ours, make_config, max_diff, random_model
+
 from tailrace.model import CausalLM, KVCache
 
 
 def test_parameter_names_are_hf_names():
     model = CausalLM(make_config(model_type="qwen2", num_hidden_layers=1, tie_word_embeddings=True))
     names = set(model.state_dict())
-    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-            "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.v_proj.bias",
-            "model.layers.0.mlp.gate_proj.weight", "model.layers.0.input_layernorm.weight",
-            "model.layers.0.post_attention_layernorm.weight"} <= names
+    assert {
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.self_attn.v_proj.bias",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    } <= names
     assert "model.layers.0.self_attn.o_proj.bias" not in names
     assert not any("rotary" in n for n in names)  # rope tables are not persistent
 
@@ -71,7 +78,7 @@ def test_bf16_model_decodes_close_to_fp32():
         assert cache.dtype == torch.bfloat16
         bf(ids[:, :8], torch.arange(8).expand(2, 8), cache)
         for t in range(8, 16):
-            out = bf(ids[:, t:t + 1], torch.full((2, 1), t), cache)
+            out = bf(ids[:, t : t + 1], torch.full((2, 1), t), cache)
             assert max_diff(out[:, 0], ref[:, t]) < 0.05 * ref.abs().max().item()
 
 
@@ -112,7 +119,9 @@ def test_kv_cache_shape_and_move_row():
     cache.move_row(2, 0)
     assert all(torch.all(t[0] == i + 1) for i, t in enumerate(cache.k + cache.v))
     cache.move_row(1, 0, length=3)
-    assert all(not t[0, :, :3].any() and torch.all(t[0, :, 3:] == i + 1) for i, t in enumerate(cache.k + cache.v))
+    assert all(
+        not t[0, :, :3].any() and torch.all(t[0, :, 3:] == i + 1) for i, t in enumerate(cache.k + cache.v)
+    )
     assert cache.nbytes() == 4 * 3 * 2 * 8 * 4 * 4
 
 
@@ -127,7 +136,7 @@ def test_decoding_continues_after_compacting_rows():
         model(ids[:, :6], torch.arange(6)[None], cache, slice(3, 4))
         cache.move_row(3, 1, length=6)
         for t in range(6, 14):
-            out = model(ids[:, t:t + 1], torch.tensor([[t]]), cache, slice(1, 2))
+            out = model(ids[:, t : t + 1], torch.tensor([[t]]), cache, slice(1, 2))
             assert max_diff(out[0, 0], ref[0, t]) <= TOL
 
 

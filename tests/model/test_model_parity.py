@@ -1,13 +1,14 @@
 """fp32 logits parity with transformers' LlamaForCausalLM / Qwen2ForCausalLM (max abs diff <= 1e-4):
 full forward both ways through checkpoints, and cached decoding against HF's full-forward logits."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-
 from model_helpers import CONFIGS, TOL, hf_from_ours, make_config, max_diff, random_model, randomize_
+
 from tailrace.model import CausalLM, ModelConfig, load_pretrained
 
 T = 24
@@ -40,7 +41,7 @@ def test_prefill_then_token_by_token_decode_matches_hf(pair):
         out = ours(ids[:1, :prompt], torch.arange(prompt)[None], cache, slice(1, 2))
         assert max_diff(out[0], ref[0, :prompt]) <= TOL
         for t in range(prompt, T):
-            out = ours(ids[:1, t:t + 1], torch.tensor([[t]]), cache, slice(1, 2))
+            out = ours(ids[:1, t : t + 1], torch.tensor([[t]]), cache, slice(1, 2))
             assert max_diff(out[0, 0], ref[0, t]) <= TOL, f"position {t}"
 
 
@@ -58,13 +59,15 @@ def test_batched_decode_at_different_positions_matches_hf(pair, rows_kind):
         cache = ours.new_cache(num_rows=6, max_len=T + 8)
         out = ours(padded, torch.arange(width).expand(3, width), cache, rows)
         for b in range(3):
-            assert max_diff(out[b, :lens[b]], ref[b, :lens[b]]) <= TOL
+            assert max_diff(out[b, : lens[b]], ref[b, : lens[b]]) <= TOL
         cur = lens.clone()
         for step in range(10):
             n = 2 if step == 4 else 1
             pos = cur[:, None] + torch.arange(n)
             out = ours(ids.gather(1, pos), pos, cache, rows)
-            assert max_diff(out, ref.gather(1, pos[..., None].expand(-1, -1, ref.shape[-1]))) <= TOL, f"step {step}"
+            assert max_diff(out, ref.gather(1, pos[..., None].expand(-1, -1, ref.shape[-1]))) <= TOL, (
+                f"step {step}"
+            )
             cur += n
 
 
@@ -79,14 +82,38 @@ def test_chunked_prefill_matches_hf(pair):
 
 def test_hf_saved_checkpoint_loads_and_matches(tmp_path):
     """HF builds and saves (its own config.json and naming, tied and untied); we load and agree."""
-    from transformers import LlamaConfig, Qwen2Config, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
     hf_cfgs = [
-        LlamaConfig(vocab_size=40, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-                    num_key_value_heads=3, head_dim=16, tie_word_embeddings=True, max_position_embeddings=64,
-                    rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16,
-                                  "beta_fast": 16, "beta_slow": 2}),
-        Qwen2Config(vocab_size=40, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=1, tie_word_embeddings=False, max_position_embeddings=64, rope_theta=777.0),
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            head_dim=16,
+            tie_word_embeddings=True,
+            max_position_embeddings=64,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 16,
+                "beta_slow": 2,
+            },
+        ),
+        Qwen2Config(
+            vocab_size=40,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            max_position_embeddings=64,
+            rope_theta=777.0,
+        ),
     ]
     ids = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(3))
     for i, hcfg in enumerate(hf_cfgs):
@@ -102,6 +129,7 @@ def test_hf_saved_checkpoint_loads_and_matches(tmp_path):
 def test_old_style_rope_config_json_reads_like_hf(tmp_path):
     """A config.json in the pre-transformers-5 spelling: top-level rope_theta + rope_scaling{type}."""
     from transformers import AutoModelForCausalLM
+
     cfg = make_config(rope_theta=300.0, rope_scaling={"rope_type": "linear", "factor": 3.0})
     ours = random_model(cfg)
     hf_from_ours(ours, tmp_path)  # writes the checkpoint
@@ -136,9 +164,12 @@ def test_rope_variant_changes_logits():
     base = make_config()
     ids = torch.randint(0, base.vocab_size, (1, 40))
     logits = {}
-    for name, scaling in [("default", None), ("linear", {"rope_type": "linear", "factor": 4.0}),
-                          ("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
-                          ("llama3", CONFIGS["llama-gqa4-bias-llama3"]["rope_scaling"])]:
+    for name, scaling in [
+        ("default", None),
+        ("linear", {"rope_type": "linear", "factor": 4.0}),
+        ("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+        ("llama3", CONFIGS["llama-gqa4-bias-llama3"]["rope_scaling"]),
+    ]:
         model = random_model(base.replace(rope_scaling=scaling))
         with torch.no_grad():
             logits[name] = model(ids)

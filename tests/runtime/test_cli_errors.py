@@ -1,4 +1,5 @@
 """Bad input ends in one clear line (exit code 2) that names the problem and the fix."""
+
 import json
 
 import pytest
@@ -33,22 +34,26 @@ def test_unknown_task(capsys, tmp_path):
 def test_malformed_jsonl_line(capsys, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n{oops\n")
-    from tailrace.tasks.registry import make_task
     from tailrace.tasks.base import TaskError
+    from tailrace.tasks.registry import make_task
+
     with pytest.raises(TaskError) as e:
         make_task(f"jsonl:{data}")
     msg = str(e.value)
     assert "d.jsonl:2:" in msg and "JSON" in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--flow.stepz=3"], "flow.steps"),
-    (["--flow.steps=abc"], "flow.steps"),
-    (["--flow.train_batch=100"], "train_batch"),
-    (["--train.lr=-1"], "lr"),
-    (["--rollout.temperature=0"], "temperature"),
-    (["--rollout.attention=flash"], "rollout.attention"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--flow.stepz=3"], "flow.steps"),
+        (["--flow.steps=abc"], "flow.steps"),
+        (["--flow.train_batch=100"], "train_batch"),
+        (["--train.lr=-1"], "lr"),
+        (["--rollout.temperature=0"], "temperature"),
+        (["--rollout.attention=flash"], "rollout.attention"),
+    ],
+)
 def test_bad_config_is_rejected_before_anything_starts(capsys, tmp_path, args, needle):
     rc, out = run(capsys, "train", f"--run-dir={tmp_path / 'r'}", *args)
     assert rc == 2 and len(out.splitlines()) == 1 and needle in out

@@ -1,4 +1,5 @@
 """End to end through real processes: determinism of sync mode, and kill -9 then --resume."""
+
 import json
 import os
 import signal
@@ -24,16 +25,29 @@ def test_sync_with_a_fixed_seed_gives_identical_metrics(tiny_model, tmp_path):
         runs.append([{k: v for k, v in r.items() if k != "time"} for r in steps_of(tmp_path / name)])
     assert len(runs[0]) == 4
     assert runs[0] == runs[1]
-    assert any(r["length"]["p50"] != runs[0][0]["length"]["p50"] or r["train"]["entropy"] != runs[0][0]["train"]["entropy"]
-               for r in runs[0][1:]), "steps should differ from each other (the test would be vacuous)"
+    assert any(
+        r["length"]["p50"] != runs[0][0]["length"]["p50"]
+        or r["train"]["entropy"] != runs[0][0]["train"]["entropy"]
+        for r in runs[0][1:]
+    ), "steps should differ from each other (the test would be vacuous)"
 
 
 def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, tmp_path):
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "tailrace.cli", "train", f"--run-dir={run}", f"--model.path={tiny_model}",
-            *TINY_RUN, "--flow.steps=8"]
+    args = [
+        sys.executable,
+        "-m",
+        "tailrace.cli",
+        "train",
+        f"--run-dir={run}",
+        f"--model.path={tiny_model}",
+        *TINY_RUN,
+        "--flow.steps=8",
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline = time.time() + 240
     while time.time() < deadline and (not (run / "metrics.jsonl").exists() or len(steps_of(run)) < 3):
         assert p.poll() is None, p.stderr.read().decode()[-2000:]
@@ -44,13 +58,16 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     assert 3 <= killed_at < 8
     done_before = [json.loads(l) for l in (run / "journal.jsonl").read_text().splitlines() if '"done"' in l]
 
-    rc = subprocess.run([sys.executable, "-m", "tailrace.cli", "train", f"--resume={run}"], env=env,
-                        capture_output=True).returncode
+    rc = subprocess.run(
+        [sys.executable, "-m", "tailrace.cli", "train", f"--resume={run}"], env=env, capture_output=True
+    ).returncode
     assert rc == 0
     steps = [r["step"] for r in steps_of(run)]
     assert steps == list(range(8)), f"steps after resume: {steps}"
     journal = [json.loads(l) for l in (run / "journal.jsonl").read_text().splitlines()]
-    done = [(e["trajectory"]["group"], e["trajectory"]["sample_index"]) for e in journal if e["kind"] == "done"]
+    done = [
+        (e["trajectory"]["group"], e["trajectory"]["sample_index"]) for e in journal if e["kind"] == "done"
+    ]
     assert len(done) == len(set(done)), "a finished trajectory was generated twice"
     assert {(e["trajectory"]["group"], e["trajectory"]["sample_index"]) for e in done_before} <= set(done)
     final = steps_of(run)[-1]["ledger"]

@@ -1,4 +1,5 @@
 """`tailrace sim calibrate`'s fits recover known constants from points made by their own forms."""
+
 import numpy as np
 import pytest
 
@@ -9,17 +10,22 @@ from tailrace.sim_calibrate import default_shape, fit_decode, fit_train
 @pytest.mark.parametrize("dtype_bytes", [4, 2])
 def test_decode_fit_recovers_the_roofline_it_was_made_from(dtype_bytes):
     shape = default_shape(SFTConfig())
-    overhead, per_seq, bw, rate = 4e-4, 6e-6, 10 ** 10.3, 10 ** 9.7  # bw and rate on the fit's log grid
+    overhead, per_seq, bw, rate = 4e-4, 6e-6, 10**10.3, 10**9.7  # bw and rate on the fit's log grid
     W, kv = shape.weight_bytes_read(1, dtype_bytes), shape.kv_bytes_per_token(dtype_bytes)
     rows = []
     for B in (1, 4, 16, 32, 64):
         for ctx_per in (20, 100, 200):
             ctx = B * ctx_per
-            roof = max((W + kv * ctx) / bw, (2.0 * shape.matmul_params * B + shape.attn_flops_per_context_token * ctx) / rate)
+            roof = max(
+                (W + kv * ctx) / bw,
+                (2.0 * shape.matmul_params * B + shape.attn_flops_per_context_token * ctx) / rate,
+            )
             rows.append((B, ctx, overhead + per_seq * B + roof))
     fit = fit_decode(rows, shape, dtype_bytes)
     assert fit["rel_err_median"] < 1e-6
-    assert fit["overhead_s"] == pytest.approx(overhead, rel=1e-3) and fit["per_seq_s"] == pytest.approx(per_seq, rel=1e-3)
+    assert fit["overhead_s"] == pytest.approx(overhead, rel=1e-3) and fit["per_seq_s"] == pytest.approx(
+        per_seq, rel=1e-3
+    )
     assert fit["flops_per_s"] == pytest.approx(rate, rel=1e-3)
 
 

@@ -1,7 +1,9 @@
 """The real scheduler and policies on simulated engines: closed-form step times, and the same
 invariants a real run enforces (the core's own checks raise inside the simulation)."""
+
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tailrace.flow.policies import POLICIES, SyncPolicy, make_policy
 from tailrace.flow.scheduler import FlowSpec, InvariantError, Scheduler
@@ -28,7 +30,9 @@ class Capture(Recorder):
 
 
 def cluster(policy, lengths, R, K, U, steps, engines=1, slots=64, lookahead=0, cost=COST):
-    sched = Scheduler(policy, prompt_stream(lengths), [(slots, lookahead)] * engines, FlowSpec(R, K, U, steps))
+    sched = Scheduler(
+        policy, prompt_stream(lengths), [(slots, lookahead)] * engines, FlowSpec(R, K, U, steps)
+    )
     engs = [SimEngine(i, slots, cost, lengths) for i in range(engines)]
     return SimCluster(sched, engs, cost, Capture())
 
@@ -37,7 +41,9 @@ def cluster(policy, lengths, R, K, U, steps, engines=1, slots=64, lookahead=0, c
 def test_sync_constant_lengths_gives_the_closed_form_step_time(engines):
     R, K, U, P, L, rounds = 8, 4, 4, 100, 700, 3
     N = R * K // engines  # samples per engine per round; every engine admits its share at once
-    cl = cluster(SyncPolicy(), ConstantLengths(L, prompt=P), R, K, U, steps=rounds * R // U, engines=engines, slots=N)
+    cl = cluster(
+        SyncPolicy(), ConstantLengths(L, prompt=P), R, K, U, steps=rounds * R // U, engines=engines, slots=N
+    )
     cl.run()
     prefill = COST.prefill_time([P] * N)
     decode = COST.decode_segment({0: (N, N * P)}).time(L)
@@ -53,8 +59,9 @@ def test_sync_constant_lengths_gives_the_closed_form_step_time(engines):
     assert s["first_dispatch_s"] == pytest.approx(prefill + decode, rel=1e-9)
     # every slot is held while the engine works, except through weight loads
     busy = rounds * (prefill + decode) + (rounds - 1) * COST.load_time()
-    assert cl.rec.steps[-1]["time"]["mean_active_batch"] == pytest.approx(N * rounds * (prefill + decode) / busy,
-                                                                           rel=1e-9)
+    assert cl.rec.steps[-1]["time"]["mean_active_batch"] == pytest.approx(
+        N * rounds * (prefill + decode) / busy, rel=1e-9
+    )
 
 
 def _check_trained(cl, policy):
@@ -79,23 +86,44 @@ def test_every_registered_policy_runs_and_keeps_its_invariants(mode):
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), median=st.floats(2, 400), sp=st.floats(0, 1.5), ss=st.floats(0, 1.0),
-       runaway=st.floats(0, 0.3), max_len=st.integers(1, 3000), engines=st.integers(1, 3), slots=st.integers(1, 16),
-       lookahead=st.integers(0, 4), K=st.integers(1, 4), U=st.integers(1, 3), per_round=st.integers(1, 3))
-def test_sync_invariants_under_random_length_distributions(seed, median, sp, ss, runaway, max_len, engines, slots,
-                                                          lookahead, K, U, per_round):
-    lengths = LognormalLengths(median=median, max_len=max_len, sigma_prompt=sp, sigma_sample=ss, runaway=runaway,
-                               prompt=32, seed=seed)
+@given(
+    seed=st.integers(0, 10_000),
+    median=st.floats(2, 400),
+    sp=st.floats(0, 1.5),
+    ss=st.floats(0, 1.0),
+    runaway=st.floats(0, 0.3),
+    max_len=st.integers(1, 3000),
+    engines=st.integers(1, 3),
+    slots=st.integers(1, 16),
+    lookahead=st.integers(0, 4),
+    K=st.integers(1, 4),
+    U=st.integers(1, 3),
+    per_round=st.integers(1, 3),
+)
+def test_sync_invariants_under_random_length_distributions(
+    seed, median, sp, ss, runaway, max_len, engines, slots, lookahead, K, U, per_round
+):
+    lengths = LognormalLengths(
+        median=median,
+        max_len=max_len,
+        sigma_prompt=sp,
+        sigma_sample=ss,
+        runaway=runaway,
+        prompt=32,
+        seed=seed,
+    )
     R = U * per_round
-    cl = cluster(SyncPolicy(), lengths, R, K, U, steps=2 * per_round, engines=engines, slots=slots,
-                 lookahead=lookahead)
+    cl = cluster(
+        SyncPolicy(), lengths, R, K, U, steps=2 * per_round, engines=engines, slots=slots, lookahead=lookahead
+    )
     cl.run()
     assert cl.sched.ledger.trained == 2 * R * K
     assert set(cl.sched.staleness) == {0}
     _check_trained(cl, cl.sched.policy)
     # the engines' books and the scheduler's agree: every generated token was trained
-    assert sum(e.gen_tokens for e in cl.engines) == sum(t.length for c in cl.rec.trains for g in c.groups
-                                                       for t in g.trajectories)
+    assert sum(e.gen_tokens for e in cl.engines) == sum(
+        t.length for c in cl.rec.trains for g in c.groups for t in g.trajectories
+    )
 
 
 class EagerSync(SyncPolicy):
@@ -154,16 +182,21 @@ def test_colocated_training_pauses_the_engines():
 
     def run(mode, colocated):
         sched = Scheduler(make_policy(mode), prompt_stream(lengths), [(16, 0)] * 2, FlowSpec(8, 4, 2, 8))
-        cl = SimCluster(sched, [SimEngine(i, 16, COST, lengths) for i in range(2)], COST, Capture(), colocated=colocated)
+        cl = SimCluster(
+            sched, [SimEngine(i, 16, COST, lengths) for i in range(2)], COST, Capture(), colocated=colocated
+        )
         cl.run()
         return cl
+
     # sync never overlaps, so sharing the devices costs nothing
     assert run("sync", True).now == pytest.approx(run("sync", False).now, rel=1e-9)
     apart, shared = run("pipe", False), run("pipe", True)
     assert shared.now > apart.now
     waits = [sp for e in shared.engines for sp in e.spans if sp.phase == "wait"]
     trains = [(sp.t0, sp.t1) for sp in shared.trainer_spans]  # train, then publish
-    assert waits and all(any(t0 - 1e-9 <= w.t1 <= t1 + 1e-9 for t0, t1 in trains) for w in waits)  # end with a step
+    assert waits and all(
+        any(t0 - 1e-9 <= w.t1 <= t1 + 1e-9 for t0, t1 in trains) for w in waits
+    )  # end with a step
     for e in shared.engines:  # no decoding while the trainer holds the devices
         for sp in e.spans:
             if sp.phase == "generate":
@@ -179,12 +212,18 @@ def two_engines(mode, cost, lengths):
 
 def test_co_running_training_slows_only_the_decode_steps_it_overlaps():
     import dataclasses
+
     lengths = LognormalLengths(median=400, max_len=3000, prompt=64, seed=2)
-    slow = CostModel(dataclasses.replace(GPUS["h100"], corun_slowdown=1.5), MODELS["qwen3-1.7b"], engine_gpus=1,
-                     trainer_gpus=4)
+    slow = CostModel(
+        dataclasses.replace(GPUS["h100"], corun_slowdown=1.5),
+        MODELS["qwen3-1.7b"],
+        engine_gpus=1,
+        trainer_gpus=4,
+    )
     # sync never decodes while it trains: nothing to slow
-    assert two_engines("sync", slow, lengths).now == pytest.approx(two_engines("sync", COST, lengths).now,
-                                                                   rel=1e-9)
+    assert two_engines("sync", slow, lengths).now == pytest.approx(
+        two_engines("sync", COST, lengths).now, rel=1e-9
+    )
     base, co = two_engines("pipe", COST, lengths), two_engines("pipe", slow, lengths)
     busy = lambda cl: sum(e.busy_time for e in cl.engines)  # noqa: E731
     assert co.now > base.now and busy(co) > busy(base)
@@ -194,12 +233,14 @@ def test_co_running_training_slows_only_the_decode_steps_it_overlaps():
 
 def test_the_driver_takes_the_engines_core_only_while_the_trainer_computes():
     import dataclasses
+
     lengths = LognormalLengths(median=400, max_len=3000, prompt=64, seed=3)
     hw = dataclasses.replace(GPUS["h100"], driver_report_s=0.05, driver_result_s=0.01)
     drv = CostModel(hw, MODELS["qwen3-1.7b"], engine_gpus=1, trainer_gpus=4)
     # sync never generates while it trains: the driver has the trainer's core
-    assert two_engines("sync", drv, lengths).now == pytest.approx(two_engines("sync", COST, lengths).now,
-                                                                  rel=1e-9)
+    assert two_engines("sync", drv, lengths).now == pytest.approx(
+        two_engines("sync", COST, lengths).now, rel=1e-9
+    )
     base, slow = two_engines("multiversion", COST, lengths), two_engines("multiversion", drv, lengths)
     stalled = sum(e.stalled for e in slow.engines)
     assert stalled > 0 and slow.now > base.now
@@ -216,5 +257,6 @@ def test_the_driver_takes_the_engines_core_only_while_the_trainer_computes():
 
 def test_a_scaled_segment_takes_proportionally_longer():
     from tailrace.sim.segment import Segment
+
     seg = Segment(0.002, ((0.001, 1e-6, 0.0005, 3e-6),))
     assert seg.scaled(1.25).time(700) == pytest.approx(1.25 * seg.time(700), rel=1e-12)

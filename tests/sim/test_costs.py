@@ -1,4 +1,5 @@
 """The cost model against roofline numbers computed by hand from datasheets and config.json shapes."""
+
 import math
 
 import pytest
@@ -21,9 +22,13 @@ def test_shape_counts_match_hand_computation():
     assert Q7.kv_bytes_per_token(2) == Q7_KV
     assert Q7.attn_flops_per_context_token == Q7_ATTN
     assert Q7.params == pytest.approx(7.6156e9, rel=1e-4)  # published: 7.61B
-    assert MODELS["qwen2.5-32b"].params == pytest.approx(32.76e9, rel=1e-3)  # published: 32.5B (non-tied head)
+    assert MODELS["qwen2.5-32b"].params == pytest.approx(
+        32.76e9, rel=1e-3
+    )  # published: 32.5B (non-tied head)
     moe = MODELS["qwen3-235b-a22b"]
-    assert moe.params == pytest.approx(235.1e9, rel=1e-3) and moe.active_params == pytest.approx(22.19e9, rel=1e-3)
+    assert moe.params == pytest.approx(235.1e9, rel=1e-3) and moe.active_params == pytest.approx(
+        22.19e9, rel=1e-3
+    )
 
 
 def test_decode_step_memory_bound_at_batch_one():
@@ -65,7 +70,7 @@ def test_moe_reads_more_experts_as_the_batch_grows():
 
 def test_train_time_is_6N_plus_attention_at_the_stated_mfu():
     cost = CostModel(H100, Q7, trainer_gpus=8, recompute_logprobs=False)
-    flops = 6 * Q7_MATMUL * 1000 + 3 * Q7_ATTN * 1000 ** 2 / 2
+    flops = 6 * Q7_MATMUL * 1000 + 3 * Q7_ATTN * 1000**2 / 2
     assert cost.train_time([1000]) == pytest.approx(flops / (8 * 989e12 * 0.35) + 1.0, rel=1e-12)
     with_recompute = CostModel(H100, Q7, trainer_gpus=8, recompute_logprobs=True)
     assert with_recompute.train_flops([1000]) == pytest.approx(flops * 8 / 6, rel=1e-12)
@@ -80,7 +85,7 @@ def test_weight_sync_from_model_bytes_and_link_bandwidth():
 
 def test_prefill_is_compute_bound_for_long_prompts():
     cost = CostModel(H100, Q7)
-    flops = 2 * Q7_MATMUL * 8192 + Q7_ATTN * 8192 ** 2 / 2
+    flops = 2 * Q7_MATMUL * 8192 + Q7_ATTN * 8192**2 / 2
     assert cost.prefill_time([8192]) == pytest.approx(flops / (989e12 * 0.5) + 3e-3, rel=1e-12)
 
 
@@ -94,10 +99,9 @@ def test_padded_micro_batches_match_tailraces_trainer():
     """The trainer cost of the cpu testbed pads rows like tailrace's trainer forms its micro-batches."""
     import random
 
-    import torch
-
     from tailrace.trainer.batch import TrainBatch
     from tailrace.types import Finish, GenResult, Group, Trajectory
+
     rng = random.Random(0)
     groups = []
     for g in range(16):

@@ -1,9 +1,11 @@
 """The simulated engine's analytic advance (one event per request boundary) against a per-token
 reference that recomputes the step time from scratch at every token."""
+
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tailrace.flow.commands import Abort, Generate, LoadWeights, Sample
 from tailrace.sim.costs import CostModel
@@ -136,8 +138,16 @@ def test_resumed_partial_keeps_old_versions_and_finishes_at_its_length():
     eng = SimEngine(0, 4, COST, Table(table))
     eng.loaded = {0, 1}
     p = Prompt(id=0, token_ids=(1,) * 50, task="t", answer="")
-    s = Sample(id="0.0.1", group=0, index=0, prompt=p, version=1, resume_ids=(1,) * 120,
-               resume_logprobs=(-1.0,) * 120, resume_versions=(0,) * 120)
+    s = Sample(
+        id="0.0.1",
+        group=0,
+        index=0,
+        prompt=p,
+        version=1,
+        resume_ids=(1,) * 120,
+        resume_logprobs=(-1.0,) * 120,
+        resume_versions=(0,) * 120,
+    )
     eng.post(Generate(0, (s,)))
     now, res = 0.0, []
     while (nxt := eng.plan(now)) is not None:
@@ -170,6 +180,7 @@ def test_host_gap_shows_as_bubble_not_as_slot_time():
     """A full batch of equal lengths: each step costs its roofline plus the gap; slot-time counts the
     steps only, so (slot-time / slots) / wall = step / (step + gap)."""
     import dataclasses
+
     gap = 2e-3
     cost = CostModel(dataclasses.replace(GPUS["h100"], host_gap_s=gap), COST.model)
     table = {(0, i): 200 for i in range(8)}

@@ -8,8 +8,12 @@ from tailrace.sim.lengths import ConstantLengths, EmpiricalLengths, LognormalLen
 def test_lognormal_is_a_pure_function_of_seed_prompt_and_index():
     a = LognormalLengths(median=500, max_len=4000, runaway=0.05, seed=3)
     b = LognormalLengths(median=500, max_len=4000, runaway=0.05, seed=3)
-    assert [a.response(p, i) for p in range(50) for i in range(4)] == [b.response(p, i) for p in range(50) for i in range(4)]
-    assert [a.response(p, 0) for p in range(50)] != [LognormalLengths(500, 4000, seed=4).response(p, 0) for p in range(50)]
+    assert [a.response(p, i) for p in range(50) for i in range(4)] == [
+        b.response(p, i) for p in range(50) for i in range(4)
+    ]
+    assert [a.response(p, 0) for p in range(50)] != [
+        LognormalLengths(500, 4000, seed=4).response(p, 0) for p in range(50)
+    ]
 
 
 def test_lognormal_tail_truncation_and_intra_prompt_spread():
@@ -29,8 +33,12 @@ def _journal(tmp_path, groups):
     lines = []
     for g, lens in enumerate(groups):
         for i, n in enumerate(lens):
-            t = {"group": g, "sample_index": i, "prompt_ids": [1] * (5 + g),
-                 "result": {"token_ids": [7] * n, "finish": "length" if n == 64 else "stop"}}
+            t = {
+                "group": g,
+                "sample_index": i,
+                "prompt_ids": [1] * (5 + g),
+                "result": {"token_ids": [7] * n, "finish": "length" if n == 64 else "stop"},
+            }
             lines.append(json.dumps({"kind": "done", "group": g, "trajectory": t}))
     (tmp_path / "journal.jsonl").write_text("\n".join(lines) + "\n{torn")
     return tmp_path

@@ -1,8 +1,10 @@
 """Runs is an exact sequence: everything a tuple answers, it answers the same."""
+
 import copy
 import json
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tailrace.sim.runs import Runs
 

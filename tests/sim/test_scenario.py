@@ -1,4 +1,5 @@
 """Scenarios from YAML, the run directory a simulation writes, and `tailrace sim` on the command line."""
+
 import json
 
 import pytest
@@ -9,12 +10,21 @@ from tailrace.config import FlowConfig, RunConfig, dump_config
 from tailrace.errors import ConfigError
 from tailrace.sim import compare
 from tailrace.sim.hardware import get_hardware
-from tailrace.sim.scenario import ClusterSpec, Scenario, apply_overrides, load_scenario, scenario_from_run, simulate
+from tailrace.sim.scenario import (
+    ClusterSpec,
+    Scenario,
+    apply_overrides,
+    load_scenario,
+    scenario_from_run,
+    simulate,
+)
 
-SMALL = {"name": "small", "cluster": {"hardware": "h100", "model": "qwen3-1.7b", "engines": 2, "slots": 16,
-                                      "trainer_gpus": 2},
-         "flow": {"mode": "sync", "prompts_per_round": 4, "samples_per_prompt": 4, "train_batch": 8, "steps": 4},
-         "lengths": {"kind": "lognormal", "median": 800, "max_len": 4096, "runaway": 0.05, "prompt": 128}}
+SMALL = {
+    "name": "small",
+    "cluster": {"hardware": "h100", "model": "qwen3-1.7b", "engines": 2, "slots": 16, "trainer_gpus": 2},
+    "flow": {"mode": "sync", "prompts_per_round": 4, "samples_per_prompt": 4, "train_batch": 8, "steps": 4},
+    "lengths": {"kind": "lognormal", "median": 800, "max_len": 4096, "runaway": 0.05, "prompt": 128},
+}
 
 
 def test_a_simulated_run_writes_the_files_of_a_real_run(tmp_path):
@@ -26,7 +36,9 @@ def test_a_simulated_run_writes_the_files_of_a_real_run(tmp_path):
         assert (out / f).is_file(), f
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
-    assert {"step_s", "trainer_wait_ratio", "bubble_ratio", "gen_tok_s", "weight_sync_s"} <= set(steps[0]["time"])
+    assert {"step_s", "trainer_wait_ratio", "bubble_ratio", "gen_tok_s", "weight_sync_s"} <= set(
+        steps[0]["time"]
+    )
     assert steps[-1]["ledger"] == {"produced": 32, "trained": 32, "discarded": {}}
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     lanes = {e["lane"] for e in events}
@@ -47,9 +59,20 @@ def test_bad_scenarios_fail_with_one_line(tmp_path):
 
 
 def test_overrides_and_every_mode_on_a_gpu_scenario():
-    base = load_scenario(None, [f"--{k}={v}" for k, v in (("cluster.hardware", "h800"), ("cluster.model", "qwen2.5-7b"),
-                                                          ("flow.steps", 6), ("flow.prompts_per_round", 4),
-                                                          ("flow.samples_per_prompt", 4), ("flow.train_batch", 8))])
+    base = load_scenario(
+        None,
+        [
+            f"--{k}={v}"
+            for k, v in (
+                ("cluster.hardware", "h800"),
+                ("cluster.model", "qwen2.5-7b"),
+                ("flow.steps", 6),
+                ("flow.prompts_per_round", 4),
+                ("flow.samples_per_prompt", 4),
+                ("flow.train_batch", 8),
+            )
+        ],
+    )
     results = {}
     for mode in ("sync", "pipe", "async", "partial", "multiversion"):
         s = simulate(apply_overrides(base, [f"--flow.mode={mode}", "--journal=false"]))
@@ -69,14 +92,29 @@ def _fake_run(tmp_path, dtype="float32"):
     for g in range(12):
         for i in range(4):
             n = 20 + (g * 37 + i * 11) % 200
-            t = {"group": g, "sample_index": i, "prompt_ids": [1] * 12,
-                 "result": {"token_ids": [7] * n, "finish": "stop"}}
+            t = {
+                "group": g,
+                "sample_index": i,
+                "prompt_ids": [1] * 12,
+                "result": {"token_ids": [7] * n, "finish": "stop"},
+            }
             lines.append(json.dumps({"kind": "done", "group": g, "trajectory": t}))
     (tmp_path / "journal.jsonl").write_text("\n".join(lines) + "\n")
     for k in range(3):
-        steps.append({"kind": "step", "step": k, "length": {"bubble": 0.5},
-                      "time": {"step_s": 1.0, "train_s": 0.4, "step_trainer_wait_ratio": 0.5, "step_bubble_ratio": 0.8,
-                               "gen_tok_s": 3000.0}})
+        steps.append(
+            {
+                "kind": "step",
+                "step": k,
+                "length": {"bubble": 0.5},
+                "time": {
+                    "step_s": 1.0,
+                    "train_s": 0.4,
+                    "step_trainer_wait_ratio": 0.5,
+                    "step_bubble_ratio": 0.8,
+                    "gen_tok_s": 3000.0,
+                },
+            }
+        )
     (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, steps)) + "\n")
     return tmp_path
 
@@ -85,7 +123,11 @@ def test_a_real_run_directory_becomes_a_scenario_and_compares(tmp_path):
     run = _fake_run(tmp_path / "real")
     scn = scenario_from_run(run)
     assert scn.cluster.hardware == "cpu" and scn.cluster.slots == 64 and scn.flow.steps == 3
-    assert scn.lengths == {"kind": "empirical", "run_dir": str(run), "max_len": RunConfig().rollout.max_new_tokens}
+    assert scn.lengths == {
+        "kind": "empirical",
+        "run_dir": str(run),
+        "max_len": RunConfig().rollout.max_new_tokens,
+    }
     out = tmp_path / "sim"
     assert main(["sim", "--like", str(run), "--out", str(out), "--flow.steps=2"]) == 0
     real, sim = compare.step_figures(run), compare.step_figures(out)
@@ -107,11 +149,22 @@ def test_default_scenario_is_the_cpu_testbed():
 
 
 def test_trainer_speed_is_recovered_from_a_run_directory(tmp_path):
-    scn = load_scenario(None, ["--cluster.hardware=h100", "--cluster.model=qwen3-1.7b", "--cluster.trainer_gpus=2",
-                               "--flow.prompts_per_round=4", "--flow.samples_per_prompt=4", "--flow.train_batch=8",
-                               "--flow.steps=6", "--lengths={kind: lognormal, median: 500, max_len: 4000, prompt: 64}"])
+    scn = load_scenario(
+        None,
+        [
+            "--cluster.hardware=h100",
+            "--cluster.model=qwen3-1.7b",
+            "--cluster.trainer_gpus=2",
+            "--flow.prompts_per_round=4",
+            "--flow.samples_per_prompt=4",
+            "--flow.train_batch=8",
+            "--flow.steps=6",
+            "--lengths={kind: lognormal, median: 500, max_len: 4000, prompt: 64}",
+        ],
+    )
     simulate(scn, tmp_path / "run")
     from tailrace.sim.scenario import cost_model
+
     cost = cost_model(scn)
     overhead, rate = compare.trainer_rate(tmp_path / "run", cost)
     assert overhead == pytest.approx(cost.hw.train_step_overhead_s, rel=1e-6)
@@ -120,11 +173,13 @@ def test_trainer_speed_is_recovered_from_a_run_directory(tmp_path):
 
 
 def test_generate_busy_counts_only_the_training_window(tmp_path):
-    events = [{"lane": "engine0", "phase": "generate", "t0": 0.0, "t1": 2.0},  # base evaluation
-              {"lane": "scheduler", "kind": "group_first_dispatch", "t": 2.5, "group": 0},
-              {"lane": "engine0", "phase": "generate", "t0": 2.5, "t1": 4.0},
-              {"lane": "engine0", "phase": "generate", "t0": 4.5, "t1": 6.0},  # straddles the last step
-              {"lane": "scheduler", "kind": "trained", "t": 5.0, "step": 0},
-              {"lane": "engine0", "phase": "generate", "t0": 6.0, "t1": 9.0}]  # final evaluation
+    events = [
+        {"lane": "engine0", "phase": "generate", "t0": 0.0, "t1": 2.0},  # base evaluation
+        {"lane": "scheduler", "kind": "group_first_dispatch", "t": 2.5, "group": 0},
+        {"lane": "engine0", "phase": "generate", "t0": 2.5, "t1": 4.0},
+        {"lane": "engine0", "phase": "generate", "t0": 4.5, "t1": 6.0},  # straddles the last step
+        {"lane": "scheduler", "kind": "trained", "t": 5.0, "step": 0},
+        {"lane": "engine0", "phase": "generate", "t0": 6.0, "t1": 9.0},
+    ]  # final evaluation
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     assert compare.generate_busy_s(tmp_path) == pytest.approx(1.5 + 0.5)

@@ -1,6 +1,8 @@
 """The closed-form segment sum against the step-by-step sum it replaces."""
+
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tailrace.sim.segment import Segment
 

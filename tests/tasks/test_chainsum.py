@@ -27,6 +27,7 @@ def test_demonstrations_compute_the_sum_step_by_step():
 
 def test_slipped_demonstrations_carry_an_off_by_one_sum_to_a_wrong_answer():
     from dataclasses import replace
+
     t = ChainSumTask(replace(ChainSumTask().spec, p_slip=0.3))
     rng, wrong = random.Random(2), 0
     for ex in t.examples("train", 200):

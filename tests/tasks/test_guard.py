@@ -1,4 +1,5 @@
 """RewardGuard: failures of user reward code become reward 0 with a reason; the run goes on."""
+
 import logging
 import os
 import subprocess
@@ -17,6 +18,7 @@ TIMEOUT = 0.5
 
 class Scripted(Task):
     """The response says what the reward does: a number is compared to the answer."""
+
     name = "scripted"
 
     def examples(self, split, n, seed=0):
@@ -63,11 +65,15 @@ def test_raising_reward_is_zero_with_reason_counted_and_logged(guard, caplog):
     assert guard.restarts == 0
 
 
-@pytest.mark.parametrize("response, reason", [
-    ("nan", "bad value: nan"), ("inf", "bad value: inf"),
-    ("str", "bad value: returned str '1.0', expected float"),
-    ("bool", "bad value: returned bool 'True', expected float"),
-])
+@pytest.mark.parametrize(
+    "response, reason",
+    [
+        ("nan", "bad value: nan"),
+        ("inf", "bad value: inf"),
+        ("str", "bad value: returned str '1.0', expected float"),
+        ("bool", "bad value: returned bool 'True', expected float"),
+    ],
+)
 def test_non_finite_or_non_float_is_zero(guard, response, reason):
     assert guard.score(EX[0], response) == Scored(0.0, reason)
     assert guard.errors == {"bad value": 1}
@@ -98,8 +104,11 @@ def test_inline_mode_catches_exceptions_without_a_worker():
     g = RewardGuard(Scripted(), inline=True)
     assert g.worker_pid is None
     got = g.score_many([(EX[0], "0"), (EX[1], "raise"), (EX[2], "nan")])
-    assert got == [Scored(1.0), Scored(0.0, "raised ValueError: boom second line"),
-                   Scored(0.0, "bad value: nan")]
+    assert got == [
+        Scored(1.0),
+        Scored(0.0, "raised ValueError: boom second line"),
+        Scored(0.0, "bad value: nan"),
+    ]
     assert g.errors == {"raised ValueError": 1, "bad value": 1}
 
 

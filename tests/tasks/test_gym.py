@@ -1,4 +1,5 @@
 """ReasoningGymTask: deterministic disjoint splits, the dataset's own scoring, one-line errors."""
+
 import pickle
 import re
 
@@ -80,8 +81,9 @@ def test_bad_config_is_one_line():
 
 
 def test_config_reaches_the_dataset():
-    t = ReasoningGymTask("basic_arithmetic", config={"min_terms": 2, "max_terms": 2,
-                                                     "min_digits": 1, "max_digits": 1})
+    t = ReasoningGymTask(
+        "basic_arithmetic", config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    )
     for ex in t.examples("train", 20):
         numbers = re.findall(r"\d+", ex.question.split("\n")[0])
         assert len(numbers) == 2 and all(len(x) == 1 for x in numbers), ex.question

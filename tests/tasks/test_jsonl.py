@@ -1,4 +1,5 @@
 """JsonlTask: reading and checking files, deterministic disjoint splits, math-verify rewards."""
+
 import json
 
 import pytest
@@ -14,8 +15,13 @@ def write(path, rows):
 
 @pytest.fixture
 def gsm(tmp_path):
-    rows = [{"question": f"Tom has {i} apples and buys 3. How many?",
-             "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}"} for i in range(200)]
+    rows = [
+        {
+            "question": f"Tom has {i} apples and buys 3. How many?",
+            "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}",
+        }
+        for i in range(200)
+    ]
     return write(tmp_path / "gsm.jsonl", rows)
 
 
@@ -41,11 +47,17 @@ def test_reward_uses_math_verify(gsm):
 
 
 def test_equivalent_latex_forms_are_accepted(tmp_path):
-    rows = [{"problem": "half?", "solution": "\\frac{1}{2}"},
-            {"problem": "root?", "solution": "\\frac{\\sqrt{2}}{2}"},
-            {"problem": "square?", "solution": "x^2+2x+1"}]
-    task = JsonlTask(write(tmp_path / "math.jsonl", rows), question_field="problem",
-                     answer_field="solution", test_path=write(tmp_path / "t.jsonl", rows))
+    rows = [
+        {"problem": "half?", "solution": "\\frac{1}{2}"},
+        {"problem": "root?", "solution": "\\frac{\\sqrt{2}}{2}"},
+        {"problem": "square?", "solution": "x^2+2x+1"},
+    ]
+    task = JsonlTask(
+        write(tmp_path / "math.jsonl", rows),
+        question_field="problem",
+        answer_field="solution",
+        test_path=write(tmp_path / "t.jsonl", rows),
+    )
     half, root, square = task.rows["test"]  # file order
     assert task.reward(half, "So it is \\boxed{0.5}") == 1.0
     assert task.reward(half, "$\\frac{2}{4}$") == 1.0
@@ -79,18 +91,26 @@ def test_examples_are_reproducible_and_cycle_in_epochs(gsm):
 
 def test_prompt_template_fills_fields_and_leaves_latex_braces(tmp_path):
     path = write(tmp_path / "d.jsonl", [{"q": "2+2?", "a": "4", "level": 3}])
-    task = JsonlTask(path, question_field="q", answer_field="a", test_path=path,
-                     prompt_template="[L{level}] {question}\nPut it in \\boxed{}.")
+    task = JsonlTask(
+        path,
+        question_field="q",
+        answer_field="a",
+        test_path=path,
+        prompt_template="[L{level}] {question}\nPut it in \\boxed{}.",
+    )
     assert task.rows["test"][0].question == "[L3] 2+2?\nPut it in \\boxed{}."
     with pytest.raises(TaskError, match=r"no \{question\} placeholder"):
         JsonlTask(path, question_field="q", answer_field="a", prompt_template="Solve it")
 
 
-@pytest.mark.parametrize("line, what", [
-    ('{"question": "a", "answer": ', "not valid JSON"),
-    ('[1, 2]', "expected a JSON object, got list"),
-    ('{"question": "a"}', "missing field 'answer' (has question); add it, or pass answer_field="),
-])
+@pytest.mark.parametrize(
+    "line, what",
+    [
+        ('{"question": "a", "answer": ', "not valid JSON"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"question": "a"}', "missing field 'answer' (has question); add it, or pass answer_field="),
+    ],
+)
 def test_malformed_line_names_file_line_and_fix(tmp_path, line, what):
     path = write(tmp_path / "bad.jsonl", [{"question": "q1", "answer": "1"}, "", line])
     with pytest.raises(TaskError) as e:

@@ -1,4 +1,5 @@
 """make_task: spec strings to tasks, and one-line errors for the rest."""
+
 import json
 
 import pytest

@@ -10,7 +10,7 @@ def test_grpo_normalises_by_population_std():
     assert a == pytest.approx([s, -s, -s, s], abs=1e-12)
     # rewards [3, 0, 0]: mean 1, population std sqrt(2)
     a = ADVANTAGES["grpo"]([3.0, 0.0, 0.0])
-    assert a == pytest.approx([2 / (2 ** 0.5 + 1e-6), -1 / (2 ** 0.5 + 1e-6), -1 / (2 ** 0.5 + 1e-6)], abs=1e-12)
+    assert a == pytest.approx([2 / (2**0.5 + 1e-6), -1 / (2**0.5 + 1e-6), -1 / (2**0.5 + 1e-6)], abs=1e-12)
 
 
 def test_grpo_equal_rewards_give_zero():

@@ -1,4 +1,5 @@
 """GRPOTrainer on a tiny causal stand-in model: accumulation, one step, metrics, checkpoints, weight sync."""
+
 import copy
 import math
 import random
@@ -8,10 +9,9 @@ import torch
 from torch import nn
 
 from tailrace.config import ConfigError, load_config
-from tailrace.trainer.config import TrainerConfig
+from tailrace.trainer.config import LossConfig, TrainerConfig
 from tailrace.trainer.grpo import GRPOTrainer
 from tailrace.trainer.logprobs import token_logprobs
-from tailrace.trainer.config import LossConfig
 from tailrace.types import Finish, GenResult, Group, Trajectory
 
 V = 16
@@ -40,7 +40,7 @@ class TinyLM(nn.Module):
 def model_logprobs(model, prompt, resp):
     seq = torch.tensor([list(prompt) + list(resp)])
     lp = token_logprobs(model(seq[:, :-1]), seq[:, 1:])[0]
-    return lp[len(prompt) - 1:].tolist()
+    return lp[len(prompt) - 1 :].tolist()
 
 
 def make_groups(model, tv=0, n_groups=3, k=4, seed=0, noise=0.0, old_version_prefix=0):
@@ -56,8 +56,17 @@ def make_groups(model, tv=0, n_groups=3, k=4, seed=0, noise=0.0, old_version_pre
             lps = [x + noise * rng.gauss(0, 1) for x in model_logprobs(model, prompt, resp)]
             vers = [tv - 2 if j < old_version_prefix else tv for j in range(len(resp))]
             res = GenResult(f"{g}-{i}", tuple(resp), tuple(lps), tuple(vers), Finish.STOP)
-            trajs.append(Trajectory(group=g, sample_index=i, prompt_id=g, prompt_ids=tuple(prompt), result=res,
-                                    reward=float(i % 2 == 0), correct=i % 2 == 0))
+            trajs.append(
+                Trajectory(
+                    group=g,
+                    sample_index=i,
+                    prompt_id=g,
+                    prompt_ids=tuple(prompt),
+                    result=res,
+                    reward=float(i % 2 == 0),
+                    correct=i % 2 == 0,
+                )
+            )
         groups.append(Group(id=g, prompt_id=g, trajectories=tuple(trajs)))
     return groups
 
@@ -83,8 +92,19 @@ def test_micro_batch_accumulation_equals_full_batch(loss, correction):
     assert m_full["micro_batches"] == 1 and m_acc["micro_batches"] > 4
     for n in g_full:
         torch.testing.assert_close(g_acc[n], g_full[n], atol=1e-6, rtol=0)
-    for k in ("loss", "pg_loss", "kl", "clip_frac", "approx_kl", "ratio_mean", "ratio_max", "entropy",
-              "grad_norm", "dropped_frac", "tokens"):
+    for k in (
+        "loss",
+        "pg_loss",
+        "kl",
+        "clip_frac",
+        "approx_kl",
+        "ratio_mean",
+        "ratio_max",
+        "entropy",
+        "grad_norm",
+        "dropped_frac",
+        "tokens",
+    ):
         assert m_acc[k] == pytest.approx(m_full[k], abs=1e-6), k
     if correction == "behaviour":
         assert m_full["clip_frac"] > 0  # the case exercises clipping
@@ -120,8 +140,14 @@ def test_default_config_step_lowers_surrogate_against_pre_step_policy():
     l0, _ = tr.loss_fn(prox, prox, batch.adv, batch.mask, ones, scale=batch.scale)
     tr.step(groups, trainer_version=0)
     with torch.no_grad():
-        l1, _ = tr.loss_fn(token_logprobs(model(batch.input_ids), batch.targets), prox, batch.adv, batch.mask,
-                           ones, scale=batch.scale)
+        l1, _ = tr.loss_fn(
+            token_logprobs(model(batch.input_ids), batch.targets),
+            prox,
+            batch.adv,
+            batch.mask,
+            ones,
+            scale=batch.scale,
+        )
     assert l1.item() < l0.item() - 1e-4
 
 
@@ -155,8 +181,10 @@ def test_export_import_round_trip_exactly():
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     views = w0.views()
     assert set(views) == set(snapshot)  # tied names both present, sharing one slice
-    assert dict((n, o) for n, _, o in w0.layout)["lm_head.weight"] == dict((n, o) for n, _, o in w0.layout)[
-        "embed.weight"]
+    assert (
+        dict((n, o) for n, _, o in w0.layout)["lm_head.weight"]
+        == dict((n, o) for n, _, o in w0.layout)["embed.weight"]
+    )
     assert w0.buffer.numel() == sum(p.numel() for p in model.parameters())
     for k, v in snapshot.items():
         assert torch.equal(views[k], v)
@@ -205,13 +233,20 @@ def test_temperature_enters_logprobs():
 def test_config_validation_and_yaml_mapping():
     assert TrainerConfig().advantage == "grpo"
     assert TrainerConfig(loss=LossConfig("drgrpo", max_new_tokens=64)).advantage == "drgrpo"
-    cfg = load_config(overrides=["--loss.name=dapo", "--lr=0.0001", "--betas=[0.9, 0.95]", "--max_staleness=2"],
-                      cls=TrainerConfig)
+    cfg = load_config(
+        overrides=["--loss.name=dapo", "--lr=0.0001", "--betas=[0.9, 0.95]", "--max_staleness=2"],
+        cls=TrainerConfig,
+    )
     assert (cfg.loss.eps_high, cfg.lr, cfg.betas, cfg.max_staleness) == (0.28, 1e-4, (0.9, 0.95), 2)
-    for bad, field in [(dict(lr=0.0), "trainer.lr"), (dict(advantage="ppo"), "trainer.advantage"),
-                       (dict(micro_batch_tokens=0), "trainer.micro_batch_tokens"),
-                       (dict(grad_clip=-1.0), "trainer.grad_clip"), (dict(temperature=0.0), "trainer.temperature"),
-                       (dict(max_staleness=-1), "trainer.max_staleness"), (dict(betas=(0.9, 1.0)), "trainer.betas")]:
+    for bad, field in [
+        (dict(lr=0.0), "trainer.lr"),
+        (dict(advantage="ppo"), "trainer.advantage"),
+        (dict(micro_batch_tokens=0), "trainer.micro_batch_tokens"),
+        (dict(grad_clip=-1.0), "trainer.grad_clip"),
+        (dict(temperature=0.0), "trainer.temperature"),
+        (dict(max_staleness=-1), "trainer.max_staleness"),
+        (dict(betas=(0.9, 1.0)), "trainer.betas"),
+    ]:
         with pytest.raises(ConfigError, match=field):
             TrainerConfig(**bad)
     with pytest.raises(ValueError, match="ref_model"):

@@ -5,6 +5,7 @@ The shared case: 2 sequences x 3 tokens, ratios r = exp(logp - old_logp)
     seq 1: r = [0.5, 1.1, 10.0], A = -1, last token is padding (its wild ratio must not count)
 With eps = 0.2 tokens (0,0) and (0,1) are clipped above (A > 0) and (1,0) below (A < 0).
 """
+
 import math
 
 import pytest
@@ -12,8 +13,7 @@ import torch
 
 from tailrace.config import ConfigError
 from tailrace.trainer.config import LossConfig
-from tailrace.trainer.losses import (CORRECTIONS, LOSSES, fresh_mask, k3, kl_penalty,
-                                     seq_mean_scale)
+from tailrace.trainer.losses import CORRECTIONS, LOSSES, fresh_mask, k3, kl_penalty, seq_mean_scale
 
 R = [[1.5, 1.25, 0.9], [0.5, 1.1, 10.0]]
 OLD = torch.full((2, 3), -1.0, dtype=torch.float64)
@@ -87,15 +87,20 @@ def test_k3_values_and_aggregation():
 
 
 BEHAV = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64)
-PROX = BEHAV + torch.tensor([[math.log(0.5), 0.0, math.log(3.0)]], dtype=torch.float64)  # pi_prox/pi_behav = .5, 1, 3
+PROX = BEHAV + torch.tensor(
+    [[math.log(0.5), 0.0, math.log(3.0)]], dtype=torch.float64
+)  # pi_prox/pi_behav = .5, 1, 3
 
 
-@pytest.mark.parametrize("name, anchor, weight, keep", [
-    ("none", PROX, [1, 1, 1], [1, 1, 1]),
-    ("tis", PROX, [0.5, 1, 2], [1, 1, 1]),  # min(w, C=2)
-    ("decoupled", PROX, [0.5, 1, 0], [1, 1, 0]),  # w=3 > C dropped
-    ("behaviour", BEHAV, [1, 1, 1], [1, 1, 1]),
-])
+@pytest.mark.parametrize(
+    "name, anchor, weight, keep",
+    [
+        ("none", PROX, [1, 1, 1], [1, 1, 1]),
+        ("tis", PROX, [0.5, 1, 2], [1, 1, 1]),  # min(w, C=2)
+        ("decoupled", PROX, [0.5, 1, 0], [1, 1, 0]),  # w=3 > C dropped
+        ("behaviour", BEHAV, [1, 1, 1], [1, 1, 1]),
+    ],
+)
 def test_corrections(name, anchor, weight, keep):
     c = CORRECTIONS[name](BEHAV, PROX, 2.0)
     torch.testing.assert_close(c.old_logp, anchor)
@@ -129,6 +134,7 @@ def test_loss_config_defaults_and_messages():
 def test_config_name_tables_match_registries():
     from tailrace.trainer.advantages import ADVANTAGES
     from tailrace.trainer.config import ADVANTAGE_NAMES, CORRECTION_NAMES, LOSS_DEFAULTS
+
     assert set(LOSS_DEFAULTS) == set(LOSSES)
     assert set(CORRECTION_NAMES) == set(CORRECTIONS)
     assert set(ADVANTAGE_NAMES) == set(ADVANTAGES)

@@ -10,10 +10,13 @@ def test_hand_values():
     # logits [0, ln 3] -> softmax [1/4, 3/4]; at temperature 2 -> [0, ln3/2] -> [1/(1+√3), √3/(1+√3)]
     logits = torch.tensor([[[0.0, math.log(3)], [0.0, math.log(3)]]])
     tgt = torch.tensor([[1, 0]])
-    assert token_logprobs(logits, tgt)[0].tolist() == pytest.approx([math.log(0.75), math.log(0.25)], abs=1e-6)
+    assert token_logprobs(logits, tgt)[0].tolist() == pytest.approx(
+        [math.log(0.75), math.log(0.25)], abs=1e-6
+    )
     s3 = math.sqrt(3)
     assert token_logprobs(logits, tgt, 2.0)[0].tolist() == pytest.approx(
-        [math.log(s3 / (1 + s3)), math.log(1 / (1 + s3))], abs=1e-6)
+        [math.log(s3 / (1 + s3)), math.log(1 / (1 + s3))], abs=1e-6
+    )
     # H of [1/4, 3/4] = -(1/4 ln 1/4 + 3/4 ln 3/4)
     h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     assert entropy_from_logits(logits)[0].tolist() == pytest.approx([h, h], abs=1e-6)

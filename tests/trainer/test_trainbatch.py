@@ -9,8 +9,15 @@ from tailrace.types import Finish, GenResult, Group, Trajectory
 
 def traj(pid, prompt, resp, lps, vers, reward=0.0, rid="r"):
     res = GenResult(rid, tuple(resp), tuple(lps), tuple(vers), Finish.STOP)
-    return Trajectory(group=pid, sample_index=0, prompt_id=pid, prompt_ids=tuple(prompt), result=res, reward=reward,
-                      correct=reward > 0)
+    return Trajectory(
+        group=pid,
+        sample_index=0,
+        prompt_id=pid,
+        prompt_ids=tuple(prompt),
+        result=res,
+        reward=reward,
+        correct=reward > 0,
+    )
 
 
 def close(t, expect):
@@ -21,8 +28,10 @@ def groups():
     a = traj(0, [1, 2], [5, 6, 7], [-0.1, -0.2, -0.3], [3, 3, 3], reward=1.0, rid="a")
     b = traj(0, [1, 2], [8], [-0.4], [3], reward=0.0, rid="b")
     c = traj(1, [9], [4, 4], [-0.5, -0.6], [2, 3], rid="c")  # a partial rollout: two versions
-    return [Group(id=0, prompt_id=0, trajectories=(a, b)),
-            Group(id=1, prompt_id=1, trajectories=(c,), advantages=(0.5,))]
+    return [
+        Group(id=0, prompt_id=0, trajectories=(a, b)),
+        Group(id=1, prompt_id=1, trajectories=(c,), advantages=(0.5,)),
+    ]
 
 
 def test_flatten_layout():
@@ -41,8 +50,9 @@ def test_flatten_layout():
 
 
 def test_staleness_masks_old_segment_and_renormalises():
-    tb = TrainBatch.from_groups(groups(), trainer_version=3, token_scale=token_mean_scale, advantage=grpo,
-                                max_staleness=0)
+    tb = TrainBatch.from_groups(
+        groups(), trainer_version=3, token_scale=token_mean_scale, advantage=grpo, max_staleness=0
+    )
     assert tb.mask.tolist() == [[0, 1, 1, 1], [0, 1, 0, 0], [0, 1, 0, 0]]
     assert tb.scale.sum().item() == pytest.approx(1.0)
     close(tb.scale[2], [0, 1 / 5, 0, 0])
@@ -62,8 +72,12 @@ def test_micro_batches_respect_budget_and_keep_global_scale():
 def test_errors_name_the_problem():
     bad = traj(0, [1], [5, 6], [-0.1], [0, 0])
     with pytest.raises(ValueError, match="1 logprobs"):
-        TrainBatch.from_groups([Group(id=0, prompt_id=0, trajectories=(bad,))], trainer_version=0,
-                               token_scale=seq_mean_scale, advantage=grpo)
+        TrainBatch.from_groups(
+            [Group(id=0, prompt_id=0, trajectories=(bad,))],
+            trainer_version=0,
+            token_scale=seq_mean_scale,
+            advantage=grpo,
+        )
     with pytest.raises(ValueError, match="no advantages"):
         TrainBatch.from_groups(groups(), trainer_version=0, token_scale=seq_mean_scale)
     with pytest.raises(ValueError, match="one per trajectory"):

@@ -1,4 +1,5 @@
 """Overlap and shaping policies: each a small class plugged into the scheduler core."""
+
 from tailrace.flow.policies.base import Policy
 from tailrace.flow.policies.multiversion import MultiVersionPolicy
 from tailrace.flow.policies.offpolicy import AsyncPolicy
@@ -6,8 +7,13 @@ from tailrace.flow.policies.partial import PartialPolicy
 from tailrace.flow.policies.pipe import PipePolicy
 from tailrace.flow.policies.sync import SyncPolicy
 
-POLICIES: dict[str, type[Policy]] = {"sync": SyncPolicy, "pipe": PipePolicy, "async": AsyncPolicy,
-                                     "partial": PartialPolicy, "multiversion": MultiVersionPolicy}
+POLICIES: dict[str, type[Policy]] = {
+    "sync": SyncPolicy,
+    "pipe": PipePolicy,
+    "async": AsyncPolicy,
+    "partial": PartialPolicy,
+    "multiversion": MultiVersionPolicy,
+}
 
 
 def make_policy(mode: str, **options) -> Policy:

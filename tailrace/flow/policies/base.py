@@ -9,6 +9,7 @@
 Class attributes declare the invariants the core enforces at every train step:
 `max_staleness` (trainer version - oldest token version) and `mixed_versions`.
 """
+
 from __future__ import annotations
 
 from tailrace.flow.store import GroupState

@@ -7,6 +7,7 @@ of older groups still waiting to be dispatched go first, to the engines that hol
 engine serving several versions runs one forward per version). The rollout batch per version
 (`rollout_groups`, default R) exceeds the train batch U, so generation continues through training.
 """
+
 from __future__ import annotations
 
 from tailrace.flow.policies.streaming import StreamingPolicy

@@ -6,6 +6,7 @@ r - K is out — staleness is bounded by pacing admissions, never by discarding 
 round starts when the previous one's generation is complete, so generation of step r+1.. overlaps
 the training of step r; engines switch weights only between rounds.
 """
+
 from __future__ import annotations
 
 from tailrace.flow.policies.base import Policy
@@ -50,4 +51,4 @@ class AsyncPolicy(Policy):
     def _adopt(self, core) -> None:
         U = core.spec.groups_per_step
         ids = sorted(list(core.store.open) + list(core.store.ready))
-        self.rounds = [ids[i:i + U] for i in range(0, len(ids), U)]
+        self.rounds = [ids[i : i + U] for i in range(0, len(ids), U)]

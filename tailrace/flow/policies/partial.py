@@ -3,6 +3,7 @@ weight update the unfinished samples are aborted and resumed under the new versi
 version that produced them, so one trajectory carries several versions; the core bounds the oldest
 (the group's dispatch version) by K, and the trainer masks any token more than K behind (it cannot
 train a resumed sample's old segment unmasked — see tests)."""
+
 from __future__ import annotations
 
 from tailrace.flow.policies.streaming import StreamingPolicy

@@ -6,6 +6,7 @@
 - FGD: samples are admitted only for the F_w lowest-numbered unfinished groups of the round (the
   frontier, default U), refilled as groups complete, so trainer-ready groups arrive early and steadily.
 """
+
 from __future__ import annotations
 
 from tailrace.flow.policies.base import Policy

@@ -10,6 +10,7 @@ not all collected, the trainer waits rather than a trajectory being dropped or g
 Groups of the oldest version are trained first, then in completion order; admission opens no more
 groups of a version than the steps left before it goes stale can take, so the wait always ends.
 """
+
 from __future__ import annotations
 
 from tailrace.flow.policies.base import Policy
@@ -19,7 +20,9 @@ from tailrace.flow.store import GroupState
 class StreamingPolicy(Policy):
     def __init__(self, max_staleness: int = 1, rollout_groups: int | None = None) -> None:
         if max_staleness < 1:
-            raise ValueError(f"{self.name} needs max_staleness >= 1 (got {max_staleness}); use sync or pipe for 0")
+            raise ValueError(
+                f"{self.name} needs max_staleness >= 1 (got {max_staleness}); use sync or pipe for 0"
+            )
         self.max_staleness = max_staleness
         self.rollout_groups = rollout_groups  # None = max(R, 2U): more than one train step per version
 
@@ -35,7 +38,9 @@ class StreamingPolicy(Policy):
             if len(ready) < U:
                 return
             batch = {g.id for g in ready[:U]}
-            rest = [g.version for g in core.store.all_groups() if g.id not in batch and not _in_training(core, g)]
+            rest = [
+                g.version for g in core.store.all_groups() if g.id not in batch and not _in_training(core, g)
+            ]
             if not _trainable_later(rest, U, K, core.trainer_version + 1):
                 core.mark("window_wait", oldest=min(rest), trainer=core.trainer_version)
                 return
@@ -54,9 +59,17 @@ class StreamingPolicy(Policy):
         room = sum(e.free for e in core.engines if version in e.loaded)
         needed = core.spec.total_steps * U
         queued = [g.version for g in core.store.all_groups() if not _in_training(core, g)]
-        budget = min(U * (v + K - core.trainer_version + 1) - sum(1 for x in queued if x <= v)
-                     for v in set(queued) | {version} if v >= version)
-        while self.opened_at.get(version, 0) < cap and room >= per_group and core.next_group < needed and budget > 0:
+        budget = min(
+            U * (v + K - core.trainer_version + 1) - sum(1 for x in queued if x <= v)
+            for v in set(queued) | {version}
+            if v >= version
+        )
+        while (
+            self.opened_at.get(version, 0) < cap
+            and room >= per_group
+            and core.next_group < needed
+            and budget > 0
+        ):
             g = core.open_group(version)
             self.opened_at[version] = self.opened_at.get(version, 0) + 1
             room -= per_group

@@ -2,6 +2,7 @@
 in R/U optimizer steps, publish the new version, load it everywhere, repeat. Strictly on-policy.
 The whole round is handed to the engines at once (they queue what their slots cannot take), so a
 fixed seed gives the same engine schedule, and the same metrics, run after run."""
+
 from __future__ import annotations
 
 from tailrace.flow.policies.base import Policy
@@ -16,7 +17,7 @@ class SyncPolicy(Policy):
 
     def decide(self, core) -> None:
         if not self.round:  # after a resume, the groups of the interrupted round are already there
-            self.round = sorted(list(core.store.open) + list(core.store.ready))[:core.spec.groups_per_round]
+            self.round = sorted(list(core.store.open) + list(core.store.ready))[: core.spec.groups_per_round]
         if not self.round:
             self._start_round(core)
             return
@@ -26,7 +27,7 @@ class SyncPolicy(Policy):
             return
         U = core.spec.groups_per_step
         for i in range(0, len(self.round), U):
-            chunk = self.round[i:i + U]
+            chunk = self.round[i : i + U]
             core.train(chunk, publish=i + U >= len(self.round))
         self.round = []
 
