@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tailrace.config import dump_config, load_config  # noqa: E402
-from tailrace.jsonlines import read_lines  # noqa: E402
+from tailrace.records import EvalRecord, Mark, Span, StepRecord, dumps, read_events, read_metrics  # noqa: E402
 from tailrace.report.html import gantt  # noqa: E402
 from tailrace.runtime.driver import Driver  # noqa: E402
 from tailrace.runtime.rundir import RunDir  # noqa: E402
@@ -81,7 +81,7 @@ def run_one(
     steps: int,
     out: Path,
     eval_n: int,
-    base: dict | None,
+    base: EvalRecord | None,
     seed: int = 0,
     extra: tuple[str, ...] = (),
 ) -> dict:
@@ -93,7 +93,7 @@ def run_one(
         shutil.rmtree(rd.path)
     rd.create()
     if base is not None:  # the base model is the same in every mode: evaluate it once per configuration
-        rd.file("metrics.jsonl").write_text(json.dumps(base) + "\n")
+        rd.file("metrics.jsonl").write_text(dumps(base) + "\n")
     over = CONFIGS[config] + [
         f"--flow.mode={mode}",
         f"--flow.steps={steps}",
@@ -114,17 +114,17 @@ def run_one(
     finally:
         drv.close()
         ses.close()
-    steps_rec = [r for r in read_lines(rd.file("metrics.jsonl")) if r.get("kind") == "step"]
-    base_rec = next(r for r in read_lines(rd.file("metrics.jsonl")) if r.get("tag") == "base")
+    metrics = list(read_metrics(rd.file("metrics.jsonl")))
+    steps_rec = [r for r in metrics if isinstance(r, StepRecord)]
+    base_rec = next(r for r in metrics if isinstance(r, EvalRecord) and r.tag == "base")
     last = steps_rec[-1]
-    events = list(read_lines(rd.file("events.jsonl")))
-    train_wall = last["time"]["wall_s"]
+    events = list(read_events(rd.file("events.jsonl")))
+    train_wall = last.time["wall_s"]
     stale = {}
     for r in steps_rec:
-        for k, v in r["staleness"].items():
+        for k, v in r.staleness.items():
             stale[k] = stale.get(k, 0) + v
-    gen = [e for e in events if e.get("phase") == "generate"]
-    busy = sum(e["t1"] - e["t0"] for e in gen)
+    busy = sum(e.t1 - e.t0 for e in events if isinstance(e, Span) and e.phase == "generate")
     return {
         "config": config,
         "mode": label,
@@ -135,9 +135,9 @@ def run_one(
         "middle_steps_per_hour": middle_rate(
             steps_rec, cfg.flow.prompts_per_round * cfg.flow.samples_per_prompt // cfg.flow.train_batch
         ),
-        "trainer_wait_ratio": last["time"]["trainer_wait_ratio"],
-        "bubble_ratio": last["time"]["bubble_ratio"],
-        "mean_active_batch": last["time"]["mean_active_batch"],
+        "trainer_wait_ratio": last.time["trainer_wait_ratio"],
+        "bubble_ratio": last.time["bubble_ratio"],
+        "mean_active_batch": last.time["mean_active_batch"],
         "base_record": base_rec,
         "round_window_s": round_windows(events, cfg.flow.prompts_per_round)
         if mode in ("sync", "pipe")
@@ -151,7 +151,7 @@ def run_one(
     }
 
 
-def middle_rate(steps_rec: list[dict], per_round: int) -> float | None:
+def middle_rate(steps_rec: list[StepRecord], per_round: int) -> float | None:
     """Steps per hour over the middle rounds: from the end of the first round's last step to the end of
     the last-but-one round's, the same step window in every mode. It leaves out what a run pays once:
     the pipeline's fill (the trainer waits for the first batch) and drain (the engine idles while the
@@ -159,19 +159,20 @@ def middle_rate(steps_rec: list[dict], per_round: int) -> float | None:
     n = len(steps_rec)
     if n < 3 * per_round:
         return None
-    walls = [r["time"]["wall_s"] for r in steps_rec]
+    walls = [r.time["wall_s"] for r in steps_rec]
     return (n - 2 * per_round) / (walls[n - per_round - 1] - walls[per_round - 1]) * 3600
 
 
-def round_windows(events: list[dict], R: int) -> float | None:
+def round_windows(events: list[Span | Mark], R: int) -> float | None:
     """Mean rollout-to-train-end window of the on-policy rounds: from the round's first dispatched request
     to the publication of the weights trained on it (round r is groups [rR, (r+1)R), published as v = r+1)."""
     first: dict[int, float] = {}
-    for e in events:
-        if e.get("kind") == "group_first_dispatch":
-            r = e["group"] // R
-            first[r] = min(first.get(r, e["t"]), e["t"])
-    pub = {e["version"]: e["t"] for e in events if e.get("kind") == "published"}
+    marks = [e for e in events if isinstance(e, Mark)]
+    for e in marks:
+        if e.kind == "group_first_dispatch":
+            r = e.data["group"] // R
+            first[r] = min(first.get(r, e.t), e.t)
+    pub = {e.data["version"]: e.t for e in marks if e.kind == "published"}
     spans = [pub[r + 1] - t for r, t in first.items() if r + 1 in pub]
     return sum(spans) / len(spans) if spans else None
 
@@ -244,7 +245,7 @@ def timelines(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.6 * len(rows)), sharex=True)
     for ax, r in zip(axes, rows):
-        gantt(ax, [e for e in r["events"] if "phase" in e], r["mode"])
+        gantt(ax, r["events"], r["mode"])
     path.write_text(f"<html><body><h1>{path.stem}</h1>{_png(fig)}</body></html>")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
+from tailrace.records import StepRecord
 from tailrace.types import Finish, Trajectory
 
 
@@ -75,3 +76,32 @@ def utilization(start: float, cur: tuple, prev: tuple, slots: int, engine_busy: 
         "gen_tok_s": (gen - prev[3]) / dt,
         "train_tok_s": (trained - prev[4]) / dt,
     }
+
+
+def step_record(
+    step: int,
+    version: int,
+    trajs: list[Trajectory],
+    trainer_version: int,
+    ledger: dict,
+    reward_errors: dict[str, int],
+    train: dict[str, float],
+    time: dict[str, float],
+) -> StepRecord:
+    """The record of one optimizer step over `trajs`, trained from `trainer_version`; `ledger` is the
+    scheduler's books after it (`Scheduler.ledger_record`). Real and simulated runs both use this."""
+    n = len(trajs)
+    return StepRecord(
+        step=step,
+        version=version,
+        reward=sum(t.reward for t in trajs) / n,
+        accuracy=sum(t.correct for t in trajs) / n,
+        samples=n,
+        length=length_stats(trajs),
+        staleness=staleness_hist(trajs, trainer_version),
+        discards=dict(ledger["discarded"]),
+        ledger=ledger,
+        reward_errors=dict(reward_errors),
+        train={k: v for k, v in train.items() if isinstance(v, (int, float))},
+        time=time,
+    )

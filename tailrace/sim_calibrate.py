@@ -291,20 +291,21 @@ def measure_worker(
     end at the EOS the model happens to sample, or at `max_new`."""
     import tempfile
 
-    from tailrace.flow.commands import Generate, Sample
+    from tailrace.flow.commands import Generate
+    from tailrace.flow.keys import sample_seed
     from tailrace.model.checkpoint import save_pretrained
     from tailrace.model.flat import flatten_parameters
-    from tailrace.runtime.engine_worker import EngineReport, EngineSpec, engine_main
+    from tailrace.runtime.engine_worker import EngineSpec, engine_main
+    from tailrace.runtime.messages import EngineReport, Shutdown
     from tailrace.runtime.procs import context, placement
     from tailrace.runtime.weights import SharedWeights
-    from tailrace.types import Prompt
 
     dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     tok = char_tokenizer()
     _, engine_cores = placement(1)
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, d)  # in its dtype; the worker loads it in the same one
-        spec = EngineSpec(d, slots, max_new, 1.0, 1.0, 0, 512, 1, engine_cores[0], 0, tok.eos_id, dtype)
+        spec = EngineSpec(d, slots, 512, 1, engine_cores[0], 0, dtype)
         ctx = context()
         conn, child = ctx.Pipe()
         weights = SharedWeights.like(flatten_parameters(model), slots=1)
@@ -323,13 +324,18 @@ def measure_worker(
                 raise RuntimeError(f"calibrate: the engine worker sent nothing for 120 s {what}")
 
             wait("while starting")
-            conn.recv()  # ("ready", 0)
-            prompt = Prompt(0, tuple(range(5, 21)), "calibrate", "")
+            conn.recv()  # Ready
+            prompt_ids = tuple(range(5, 21))
+            params = SamplingParams(max_new_tokens=max_new, stop_token_ids=(tok.eos_id,))
             sent = done = steps = 0
             busy, slot_s, t_first, t_last, lengths = 0.0, 0.0, None, None, []
 
             def send(n: int) -> int:
-                batch = tuple(Sample(f"c{i}", i, 0, prompt, 0) for i in range(sent, min(samples, sent + n)))
+                ids = [f"c{i}" for i in range(sent, min(samples, sent + n))]
+                batch = tuple(
+                    GenRequest(i, prompt_ids, dataclasses.replace(params, seed=sample_seed(0, i)))
+                    for i in ids
+                )
                 if batch:
                     conn.send(Generate(0, batch))
                 return len(batch)
@@ -349,7 +355,7 @@ def measure_worker(
                     slot_s += rep.stats.slot_s
                     t_first = rep.stats.spans[0][0] if t_first is None else t_first
                     t_last = rep.stats.spans[-1][1]
-            conn.send(None)
+            conn.send(Shutdown())
         finally:
             proc.join(timeout=30)
             if proc.is_alive():
@@ -365,7 +371,7 @@ def measure_worker(
         "mean_batch": slot_s / max(busy, 1e-9),
         # a running row's mean context: the prompt plus its mean position, length-biased (a long
         # response is in the batch for more steps)
-        "mean_row_context": len(prompt.token_ids) + float((L * L).sum() / (2 * L.sum())),
+        "mean_row_context": len(prompt_ids) + float((L * L).sum() / (2 * L.sum())),
     }
 
 
@@ -382,7 +388,7 @@ def measure_driver(model: CausalLM, sizes=(1, 4), reports: int = 24) -> dict:
     from tailrace.flow.commands import Generate
     from tailrace.model.checkpoint import save_pretrained
     from tailrace.runtime.driver import Driver
-    from tailrace.runtime.engine_worker import EngineReport, Stats
+    from tailrace.runtime.messages import EngineReport, Stats
     from tailrace.runtime.metrics import Utilization
     from tailrace.runtime.rundir import RunDir
     from tailrace.runtime.session import Session
@@ -406,24 +412,23 @@ def measure_driver(model: CausalLM, sizes=(1, 4), reports: int = 24) -> dict:
             pool = []
 
             def poll() -> None:
-                pool.extend(
-                    s for c in drv.sched.poll(drv._now()) if isinstance(c, Generate) for s in c.samples
-                )
-                drv._drain_journal()
+                out = drv.sched.poll(drv._now())
+                pool.extend(r for c in out.commands if isinstance(c, Generate) for r in c.requests)
+                drv._record(out)
 
             poll()
             for k in range(reports * len(sizes) + 2):
                 n = sizes[k % len(sizes)]
                 done, pool[:n] = pool[:n], []
                 results = []
-                for smp in done:
+                for req in done:
                     m = rng.randint(20, 120)
                     results.append(
                         GenResult(
-                            smp.id,
+                            req.id,
                             tuple(rng.randrange(4, tok.vocab_size) for _ in range(m)),
                             (-1.0,) * m,
-                            (smp.version,) * m,
+                            (req.version,) * m,
                             Finish.STOP,
                         )
                     )

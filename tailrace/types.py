@@ -1,7 +1,7 @@
 """Records that cross component boundaries. Plain, typed, immutable once complete; no torch.
 
 Engine-level records (`SamplingParams`, `GenRequest`, `GenResult`) know nothing of RL: token ids in,
-token ids + logprobs + versions out. RL records (`Prompt`, `Trajectory`, `Group`) wrap them.
+token ids + logprobs + versions out. RL records (`Prompt`, `Scored`, `Trajectory`, `Group`) wrap them.
 """
 
 from __future__ import annotations
@@ -72,9 +72,17 @@ class GenResult:
 class Prompt:
     id: int
     token_ids: tuple[int, ...]
-    task: str
     answer: str  # ground-truth handle the task's reward understands
     text: str = ""
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The reward of one finished (not aborted) engine result, computed by whoever knows text."""
+
+    request_id: str
+    reward: float
+    correct: bool
 
 
 @dataclass(frozen=True)

@@ -8,38 +8,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tailrace.types import Group, Prompt
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One response to generate: sample `index` of group `group` under weights `version`.
-
-    `resume_*` carry an aborted partial (partial rollout); its tokens keep their own versions.
-    """
-
-    id: str
-    group: int
-    index: int
-    prompt: Prompt
-    version: int
-    resume_ids: tuple[int, ...] = ()
-    resume_logprobs: tuple[float, ...] = ()
-    resume_versions: tuple[int, ...] = ()
+from tailrace.types import GenRequest, Group
 
 
 @dataclass(frozen=True)
 class Generate:
+    """Queue these requests on an engine (the engine's own record: the scheduler builds it once)."""
+
     engine: int
-    samples: tuple[Sample, ...]
+    requests: tuple[GenRequest, ...]
 
 
 @dataclass(frozen=True)
 class Abort:
-    """Stop these samples; the engine returns their partials (finish = aborted)."""
+    """Stop these requests; the engine returns their partials (finish = aborted)."""
 
     engine: int
-    sample_ids: tuple[str, ...]
+    request_ids: tuple[str, ...]
     reason: str
 
 

@@ -1,29 +1,40 @@
 """The scheduler core: the books, the mechanics and the invariants; every decision is a policy's.
 
 Pure Python, no torch, no threads, no wall clock: `now` comes in with every call. The runtime (real
-processes) and the simulator (cost models under a virtual clock) drive the same object:
+processes), the simulator (cost models under a virtual clock) and the scripted test cluster drive
+the same object through one surface:
 
-    cmds = sched.poll(now)          # policy decides; the core books its decisions and returns them
-    ... execute cmds, wait for something to happen ...
-    sched.on_results(engine, trajectories, now) | on_trained(step, now) | on_published(version, now)
-    | on_loaded(engine, version, now)
+    out = sched.poll(now)        # the policy decides; the core books its decisions
+    ... execute out.commands, record out.journal and out.marks, wait for something to happen ...
+    sched.on_results(engine, results, scores, now)   # engine results + the rewards of finished ones
+    sched.on_trained(step, now) | on_published(version, now) | on_loaded(engine, version, now)
 
-A policy (flow/policies/) reads the core's state and calls its actions: `open_group`, `dispatch`,
-`abort`, `train`, `load`, `drop`. The core checks, at every train step, the invariants a policy
-declares (staleness bound, one version per trajectory), and the ledger identity every poll.
+The scheduler owns a sample's whole lifecycle: it builds each engine request once (the run's
+`SamplingParams`, a per-request seed), and turns results and their `Scored` rewards into
+`Trajectory`s. Whoever drives it only turns text into rewards (`prompt_of` says which prompt a
+request answers).
+
+A policy (flow/policies/) reads the core's read-only view (`open`, `ready`, `in_training`,
+`queued`, `engines`, `spec`, `newest`, `trainer_version`, ...) and calls its actions: `open_group`,
+`dispatch`, `resume`, `abort`, `discard_partial`, `train`, `load`, `drop`, `mark`. The core checks,
+at every train step, the invariants a policy declares (staleness bound, one version per
+trajectory), and the ledger identity every poll. Checkpoints and journal replay: see `state.py`.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from types import MappingProxyType
+from typing import Iterator, Mapping, Sequence
 
-from tailrace.flow.commands import Abort, Command, DropWeights, Generate, LoadWeights, Sample, Train
+from tailrace.flow.commands import Abort, Command, DropWeights, Generate, LoadWeights, Train
+from tailrace.flow.keys import SampleKey, sample_seed
 from tailrace.flow.ledger import Ledger
-from tailrace.flow.serde import prompt_to_dict
+from tailrace.flow.state import SchedulerState
 from tailrace.flow.store import GroupState, Store
-from tailrace.types import Finish, Group, Prompt, Trajectory
+from tailrace.records import Discarded, Finished, JournalEntry, Mark, Opened
+from tailrace.types import Finish, GenRequest, GenResult, Group, Prompt, SamplingParams, Scored, Trajectory
 
 
 class InvariantError(AssertionError):
@@ -35,8 +46,8 @@ class FlowSpec:
     """The sizes every policy works with (validated by the run config)."""
 
     groups_per_round: int  # R: prompts per round (one published version per round in sync/pipe)
-    samples_per_prompt: int  # K: samples trained per group
-    groups_per_step: int  # U = B/K: groups per optimizer step
+    samples_per_prompt: int  # the group size: samples trained per group
+    groups_per_step: int  # U = B / group size: groups per optimizer step
     total_steps: int  # optimizer steps in the run
 
 
@@ -44,10 +55,10 @@ class FlowSpec:
 class EngineState:
     id: int
     slots: int
-    lookahead: int  # samples queued beyond the slots, so a freed slot never waits for the driver
+    lookahead: int  # requests queued beyond the slots, so a freed slot never waits for the driver
     loaded: set[int] = field(default_factory=lambda: {0})
     loading: set[int] = field(default_factory=set)
-    in_flight: dict[str, int] = field(default_factory=dict)  # sample id -> version
+    in_flight: dict[str, int] = field(default_factory=dict)  # request id -> version
 
     @property
     def capacity(self) -> int:
@@ -62,44 +73,51 @@ class EngineState:
 
 
 @dataclass
-class Mark:
-    """A time-stamped scheduler event for metrics and timelines (rollout windows, first dispatch)."""
+class Outbox:
+    """What one poll hands its driver: commands to execute in order, records to append."""
 
-    t: float
-    kind: str
-    data: dict
+    commands: list[Command] = field(default_factory=list)
+    journal: list[JournalEntry] = field(default_factory=list)  # the write-ahead log (journal.jsonl)
+    marks: list[Mark] = field(default_factory=list)  # scheduler events (events.jsonl)
 
 
-class Scheduler:
+class Scheduler(SchedulerState):
     def __init__(
-        self, policy, prompts: Iterator[Prompt], engines: list[tuple[int, int]], spec: FlowSpec
+        self,
+        policy,
+        prompts: Iterator[Prompt],
+        engines: list[tuple[int, int]],
+        spec: FlowSpec,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
     ) -> None:
+        """`engines`: (slots, lookahead) per engine. `sampling`: the params of every request (a
+        policy may pass others to `dispatch`); each request gets its own seed from `seed` and its id."""
         self.policy = policy
         self.spec = spec
-        self.prompts = prompts
+        self._prompts = prompts
+        self._sampling = sampling or SamplingParams()
+        self._seed = seed
         self.prompts_taken = 0
-        self.requeued: list[Prompt] = []  # prompts given back by a resume, served before new ones
-        self.engines = [EngineState(i, slots, look) for i, (slots, look) in enumerate(engines)]
-        self.store = Store()
+        self._requeued: list[Prompt] = []  # prompts given back by a resume, served before new ones
+        self.engines = tuple(EngineState(i, slots, look) for i, (slots, look) in enumerate(engines))
+        self._store = Store()
         self.ledger = Ledger()
         self.trainer_version = 0  # weights the trainer holds now (published or about to be)
         self.published = {0}  # versions whose weights can be loaded into engines
         self.steps_issued = 0
         self.steps_done = 0
-        self.next_group = 0
-        self.samples: dict[str, Sample] = {}
-        self.aborting: set[str] = set()  # aborts sent whose partials have not come back yet
+        self.groups_opened = 0
+        self._aborting: set[str] = set()  # aborts sent whose partials have not come back yet
         self.staleness: Counter = Counter()  # (trainer version - oldest token version) of trained samples
         self.done_version = 0  # trainer version after the last finished step (what a checkpoint holds)
         self._issued: dict[
             int, tuple[Counter, int | None]
         ] = {}  # step -> (its staleness, version it publishes)
-        self.journal_seq = 0  # journal entries emitted so far (drained or not)
+        self.journal_seq = 0  # journal entries emitted so far (handed out or not)
         self.now = 0.0
-        self._out: list[Command] = []
-        self._pending: dict[int, list[Sample]] = defaultdict(list)
-        self.marks: list[Mark] = []
-        self.journal: list[dict] = []  # write-ahead entries for resume (drained by the runtime)
+        self._out = Outbox()
+        self._pending: dict[int, list[GenRequest]] = defaultdict(list)
         policy.attach(self)
 
     # ------------------------------------------------------------------ driving
@@ -111,42 +129,69 @@ class Scheduler:
         """Finish with the steps already issued (e.g. a time limit): no new steps, no new work."""
         self.spec = replace(self.spec, total_steps=self.steps_issued)
 
-    def poll(self, now: float) -> list[Command]:
+    def poll(self, now: float) -> Outbox:
         self.now = now
         if not self.done:
             self.policy.decide(self)
         self._flush()
-        self.ledger.check(self.store.in_store())
-        for g in self.store.open.values():  # every dispatched sample is done, in flight or discarded
+        self.ledger.check(self._store.in_store())
+        for g in self._store.open.values():  # every dispatched sample is done, in flight or discarded
             if g.dispatched != len(g.done) + len(g.in_flight) + g.discarded:
                 raise InvariantError(
                     f"group {g.id}: {g.dispatched} dispatched but {len(g.done)} done + "
                     f"{len(g.in_flight)} in flight + {g.discarded} discarded"
                 )
-        out, self._out = self._out, []
+        out, self._out = self._out, Outbox()
         return out
 
-    def _log(self, entry: dict) -> None:
-        self.journal.append(entry)
-        self.journal_seq += 1
+    def in_store(self) -> int:
+        """Trajectories in the store (open, ready or in training), recounted from the data."""
+        return self._store.in_store()
 
-    def mark(self, kind: str, **data) -> None:
-        self.marks.append(Mark(self.now, kind, data))
+    def ledger_record(self) -> dict:
+        """The ledger's counts and `in_store` (a step record's `ledger`)."""
+        return {**self.ledger.state_dict(), "in_store": self.in_store()}
+
+    def prompt_of(self, request_id: str) -> Prompt:
+        """The prompt an in-flight request answers (what a driver needs to score its result)."""
+        g = self._store.open.get(SampleKey.parse(request_id).group)
+        if g is None or SampleKey.parse(request_id) not in g.in_flight:
+            raise InvariantError(f"request {request_id} is not in flight")
+        return g.prompt
 
     # ------------------------------------------------------------------ events
-    def on_results(self, engine: int, trajs: list[Trajectory], now: float) -> None:
+    def on_results(
+        self, engine: int, results: Sequence[GenResult], scores: Sequence[Scored], now: float
+    ) -> None:
+        """Finished or aborted requests of `engine`; `scores` holds one `Scored` per result that is
+        not aborted (an aborted partial has no reward)."""
         self.now = now
         eng = self.engines[engine]
-        for t in trajs:
-            sid = t.result.request_id
-            if eng.in_flight.pop(sid, None) is None:
-                raise InvariantError(f"engine {engine} returned sample {sid}, which it was not running")
-            self.aborting.discard(sid)
-            self._finish_sample(sid, t)
+        scored = {s.request_id: s for s in scores}
+        for r in results:
+            rid = r.request_id
+            version = eng.in_flight.pop(rid, None)
+            if version is None:
+                raise InvariantError(f"engine {engine} returned request {rid}, which it was not running")
+            self._aborting.discard(rid)
+            key = SampleKey.parse(rid)
+            g = self._store.open[key.group]
+            g.in_flight.discard(key)
+            if r.finish == Finish.ABORTED:
+                self.policy.on_aborted(self, self._trajectory(g, key, r, version, None))
+                continue  # resumed or discarded by the policy; never silently lost
+            s = scored.get(rid)
+            if s is None:
+                raise InvariantError(f"request {rid} finished ({r.finish.value}) without a score")
+            t = self._trajectory(g, key, r, version, s)
+            self.ledger.on_produced()
+            g.done.append(t)
+            self._log(Finished(t))
+            self._maybe_ready(g)
 
     def on_trained(self, step: int, now: float) -> None:
         self.now = now
-        groups = self.store.trained(step)
+        groups = self._store.trained(step)
         self.ledger.on_trained(sum(len(g.done) for g in groups))
         stale, publish = self._issued.pop(step)
         self.staleness.update(stale)
@@ -167,45 +212,63 @@ class Scheduler:
         e.loaded.add(version)
         self.mark("loaded", engine=engine, version=version)
 
+    # ------------------------------------------------------------------ the policies' view
+    @property
+    def open(self) -> Mapping[int, GroupState]:
+        """Groups still generating, by id."""
+        return MappingProxyType(self._store.open)
+
+    @property
+    def ready(self) -> Mapping[int, GroupState]:
+        """Complete groups waiting for the trainer, in completion order."""
+        return MappingProxyType(self._store.ready)
+
+    def in_training(self, gid: int) -> bool:
+        return self._store.in_training(gid)
+
+    def queued(self) -> Iterator[GroupState]:
+        """Groups not yet handed to a train step (open, then ready)."""
+        return self._store.queued()
+
+    @property
+    def newest(self) -> int:
+        return max(self.published)
+
+    def in_flight(self, version: int | None = None) -> int:
+        return sum(len(e.in_flight) if version is None else e.count(version) for e in self.engines)
+
+    def live_versions(self) -> set[int]:
+        """Versions some not-yet-trained sample depends on (open groups, or in flight)."""
+        live = {g.version for g in self._store.open.values()}
+        return live | {v for e in self.engines for v in e.in_flight.values()}
+
     # ------------------------------------------------------------------ actions (called by policies)
-    def open_group(self, version: int, wanted: int | None = None, keep: int | None = None) -> GroupState:
-        requeued = bool(self.requeued)
+    def open_group(self, version: int) -> GroupState:
+        requeued = bool(self._requeued)
         if requeued:
-            prompt = self.requeued.pop(0)
+            prompt = self._requeued.pop(0)
         else:
-            prompt = next(self.prompts)
+            prompt = next(self._prompts)
             self.prompts_taken += 1
-        k = self.spec.samples_per_prompt
-        g = GroupState(
-            id=self.next_group,
-            prompt=prompt,
-            version=version,
-            wanted=wanted or k,
-            keep=keep or k,
-            opened=self.now,
-        )
-        self.next_group += 1
-        self.store.add_group(g)
-        self._log(
-            {
-                "kind": "open",
-                "group": g.id,
-                "version": version,
-                "wanted": g.wanted,
-                "keep": g.keep,
-                "prompts_taken": self.prompts_taken,
-                "requeued": requeued,
-                "prompt": prompt_to_dict(prompt),
-            }
-        )
+        g = GroupState(self.groups_opened, prompt, version, self.spec.samples_per_prompt, opened=self.now)
+        self.groups_opened += 1
+        self._store.add_group(g)
+        self._log(Opened(g.id, version, self.prompts_taken, requeued, prompt))
         return g
 
     def dispatch(
-        self, engine: int, g: GroupState, n: int, version: int | None = None, queue_all: bool = False
+        self,
+        engine: int,
+        g: GroupState,
+        n: int,
+        version: int | None = None,
+        queue_all: bool = False,
+        params: SamplingParams | None = None,
     ) -> int:
         """Send up to n fresh samples of group g to an engine; returns how many went. `queue_all`
         ignores the engine's free capacity (its local queue takes the rest): sync hands a whole
-        round over at once, so the engine's schedule does not depend on driver timing."""
+        round over at once, so the engine's schedule does not depend on driver timing. `params`
+        replaces the run's sampling params for these samples (their seeds stay per request)."""
         eng = self.engines[engine]
         v = g.version if version is None else version
         if v not in eng.loaded:
@@ -214,53 +277,38 @@ class Scheduler:
             )
         n = min(n, len(g.todo)) if queue_all else min(n, len(g.todo), eng.free)
         for _ in range(n):
-            idx = g.todo.pop(0)
-            self._send(
-                eng, g, Sample(id=f"{g.id}.{idx}.0", group=g.id, index=idx, prompt=g.prompt, version=v)
-            )
+            g.dispatched += 1
+            self._send(eng, g, SampleKey(g.id, g.todo.pop(0)), v, params)
         if n and g.dispatched == n:
             self.mark("group_first_dispatch", group=g.id)
         return n
 
     def resume(self, engine: int, partial: Trajectory, version: int) -> None:
         """Re-dispatch an aborted partial under `version`; its tokens keep their own versions."""
-        g = self.store.open[partial.group]
-        attempt = int(partial.result.request_id.rsplit(".", 1)[1]) + 1
-        r = partial.result
-        s = Sample(
-            id=f"{g.id}.{partial.sample_index}.{attempt}",
-            group=g.id,
-            index=partial.sample_index,
-            prompt=g.prompt,
-            version=version,
-            resume_ids=r.token_ids,
-            resume_logprobs=r.logprobs,
-            resume_versions=r.versions,
-        )
-        self._send(self.engines[engine], g, s, fresh=False)
+        g = self._store.open[partial.group]
+        key = SampleKey.parse(partial.result.request_id).next_attempt()
+        self._send(self.engines[engine], g, key, version, None, partial.result)
 
-    def abort(self, engine: int, sample_ids: list[str], reason: str) -> None:
-        ids = [sid for sid in sample_ids if sid not in self.aborting]
+    def abort(self, engine: int, request_ids: list[str], reason: str) -> None:
+        ids = [rid for rid in request_ids if rid not in self._aborting]
         if ids:
             self._flush()  # a Generate booked earlier in this poll must reach the engine before its Abort
-            self.aborting.update(ids)
-            self._out.append(Abort(engine, tuple(ids), reason))
+            self._aborting.update(ids)
+            self._out.commands.append(Abort(engine, tuple(ids), reason))
 
     def discard_partial(self, partial: Trajectory, reason: str) -> None:
         """An aborted partial leaves for good: it is produced and discarded (e.g. early stop)."""
         self.ledger.on_produced()
         self.ledger.on_discarded(reason)
-        self._log(
-            {"kind": "discard", "group": partial.group, "index": partial.sample_index, "reason": reason}
-        )
-        g = self.store.open.get(partial.group)
+        self._log(Discarded(partial.group, partial.sample_index, reason))
+        g = self._store.open.get(partial.group)
         if g is not None:
             g.discarded += 1
             self._maybe_ready(g)
 
     def train(self, gids: list[int], publish: bool) -> int:
         step = self.steps_issued
-        groups = self.store.take(gids, step)
+        groups = self._store.take(gids, step)
         stale: Counter = Counter()
         for g in groups:
             for t in g.done:
@@ -268,14 +316,8 @@ class Scheduler:
                 stale[self.trainer_version - t.oldest_version] += 1
         publish_v = self.trainer_version + 1 if publish else None
         self._issued[step] = (stale, publish_v)
-        self._out.append(
-            Train(
-                step,
-                tuple(Group(g.id, g.prompt.id, tuple(g.done)) for g in groups),
-                self.trainer_version,
-                publish_v,
-            )
-        )
+        batch = tuple(Group(g.id, g.prompt.id, tuple(g.done)) for g in groups)
+        self._out.commands.append(Train(step, batch, self.trainer_version, publish_v))
         self.steps_issued += 1
         if publish_v is not None:
             self.trainer_version = publish_v
@@ -289,67 +331,59 @@ class Scheduler:
         if version not in self.published:
             raise InvariantError(f"load of unpublished version {version}")
         e.loading.add(version)
-        self._out.append(LoadWeights(engine, version))
+        self._out.commands.append(LoadWeights(engine, version))
 
     def drop(self, engine: int, version: int) -> None:
         e = self.engines[engine]
         if version in e.loaded and e.count(version) == 0:
             e.loaded.discard(version)
-            self._out.append(DropWeights(engine, version))
+            self._out.commands.append(DropWeights(engine, version))
 
-    # ------------------------------------------------------------------ queries
-    @property
-    def newest(self) -> int:
-        return max(self.published)
-
-    def open_groups(self) -> list[GroupState]:
-        return list(self.store.open.values())
-
-    def ready_ids(self) -> list[int]:
-        return list(self.store.ready.keys())
-
-    def in_flight(self, version: int | None = None) -> int:
-        return sum(len(e.in_flight) if version is None else e.count(version) for e in self.engines)
-
-    def live_versions(self) -> set[int]:
-        """Versions some not-yet-trained sample depends on (open groups, or in flight)."""
-        live = {g.version for g in self.store.open.values()}
-        return live | {v for e in self.engines for v in e.in_flight.values()}
+    def mark(self, kind: str, **data) -> None:
+        self._out.marks.append(Mark(self.now, kind, data))
 
     # ------------------------------------------------------------------ internals
-    def _send(self, eng: EngineState, g: GroupState, s: Sample, fresh: bool = True) -> None:
-        if fresh:
-            g.dispatched += 1
-        g.in_flight.add(s.id)
-        eng.in_flight[s.id] = s.version
-        self.samples[s.id] = s
-        self._pending[eng.id].append(s)
+    def _log(self, entry: JournalEntry) -> None:
+        self._out.journal.append(entry)
+        self.journal_seq += 1
+
+    def _send(
+        self, eng: EngineState, g: GroupState, key: SampleKey, version: int, params, partial=None
+    ) -> None:
+        rid = str(key)
+        p = replace(params or self._sampling, seed=sample_seed(self._seed, rid))
+        if partial is None:
+            req = GenRequest(rid, g.prompt.token_ids, p, version)
+        else:
+            req = GenRequest(rid, g.prompt.token_ids, p, version, partial.token_ids, partial.logprobs,
+                             partial.versions)  # fmt: skip
+        g.in_flight.add(key)
+        eng.in_flight[rid] = version
+        self._pending[eng.id].append(req)
 
     def _flush(self) -> None:
-        for engine, samples in self._pending.items():
-            if samples:
-                self._out.append(Generate(engine, tuple(samples)))
+        for engine, reqs in self._pending.items():
+            if reqs:
+                self._out.commands.append(Generate(engine, tuple(reqs)))
         self._pending.clear()
 
-    def _finish_sample(self, sid: str, t: Trajectory) -> None:
-        g = self.store.open[t.group]
-        g.in_flight.discard(sid)
-        self.samples.pop(sid, None)
-        if t.result.finish == Finish.ABORTED:
-            self.policy.on_aborted(self, t)  # resume or discard_partial; never silently lost
-            return
-        self.ledger.on_produced()
-        g.done.append(t)
-        self._log({"kind": "done", "group": g.id, "trajectory": t})
-        self._maybe_ready(g)
+    @staticmethod
+    def _trajectory(
+        g: GroupState, key: SampleKey, r: GenResult, version: int, s: Scored | None
+    ) -> Trajectory:
+        return Trajectory(
+            group=g.id, sample_index=key.index, prompt_id=g.prompt.id, prompt_ids=g.prompt.token_ids,
+            result=r, reward=s.reward if s else 0.0, correct=s.correct if s else False,
+            dispatch_version=version,
+        )  # fmt: skip
 
     def _maybe_ready(self, g: GroupState) -> None:
-        if g.id in self.store.open and not g.todo and not g.in_flight:
+        if g.id in self._store.open and not g.todo and not g.in_flight:
             kept, dropped = self.policy.select(g)
             for t, reason in dropped:
                 self.ledger.on_discarded(reason)
             g.done = kept
-            self.store.mark_ready(g.id, self.now)
+            self._store.mark_ready(g.id, self.now)
             self.mark("group_ready", group=g.id, version=g.version)
 
     def _check_trainable(self, t: Trajectory) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Iterator
 
+from tailrace.flow.keys import SampleKey
+from tailrace.records import prompt_from_json, prompt_to_json, trajectory_from_json, trajectory_to_json
 from tailrace.types import Prompt, Trajectory
 
 
@@ -18,26 +21,45 @@ class GroupState:
     id: int
     prompt: Prompt
     version: int  # dispatch version of the group's samples (the newest live version when opened)
-    wanted: int  # samples to dispatch for this group (over-sampling may raise it above K)
-    keep: int  # samples the group trains on (K)
+    size: int  # samples the group trains on
     opened: float
     dispatched: int = 0
     todo: list[int] = field(default_factory=list)  # sample indices not yet dispatched
     done: list[Trajectory] = field(default_factory=list)
-    in_flight: set[str] = field(default_factory=set)  # sample ids
+    in_flight: set[SampleKey] = field(default_factory=set)
     discarded: int = 0  # dispatched samples that left for good (early stop, ...)
     completed_at: float | None = None
 
     def __post_init__(self) -> None:
         if not self.todo and not self.dispatched:
-            self.todo = list(range(self.wanted))
+            self.todo = list(range(self.size))
+
+    def to_json(self) -> dict:
+        """As of the finished steps: samples in flight go back to the to-do list (regenerated)."""
+        back = sorted(k.index for k in self.in_flight)
+        return {
+            "id": self.id, "prompt": prompt_to_json(self.prompt), "version": self.version,
+            "size": self.size, "opened": self.opened, "dispatched": self.dispatched - len(back),
+            "discarded": self.discarded, "todo": sorted(self.todo + back),
+            "done": [trajectory_to_json(t) for t in self.done],
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict) -> GroupState:
+        prompt = prompt_from_json(d["prompt"])
+        return cls(
+            id=d["id"], prompt=prompt, version=d["version"], size=d["size"], opened=d["opened"],
+            dispatched=d["dispatched"], discarded=d["discarded"], todo=list(d["todo"]),
+            done=[trajectory_from_json(t, prompt.token_ids) for t in d["done"]],
+        )  # fmt: skip
 
 
 class Store:
     def __init__(self) -> None:
         self.open: dict[int, GroupState] = {}
         self.ready: OrderedDict[int, GroupState] = OrderedDict()
-        self.training: dict[int, list[GroupState]] = {}  # train step -> its groups
+        self._training: dict[int, list[GroupState]] = {}  # train step -> its groups
+        self._training_ids: set[int] = set()
 
     def add_group(self, g: GroupState) -> None:
         self.open[g.id] = g
@@ -50,19 +72,45 @@ class Store:
 
     def take(self, gids: list[int], step: int) -> list[GroupState]:
         groups = [self.ready.pop(gid) for gid in gids]
-        self.training[step] = groups
+        self._training[step] = groups
+        self._training_ids.update(gids)
         return groups
 
     def trained(self, step: int) -> list[GroupState]:
-        return self.training.pop(step)
+        groups = self._training.pop(step)
+        self._training_ids.difference_update(g.id for g in groups)
+        return groups
+
+    def in_training(self, gid: int) -> bool:
+        return gid in self._training_ids
 
     def in_store(self) -> int:
         """Trajectories held (open, ready or in training), recounted from the data, not a counter."""
-        n = sum(len(g.done) for g in self.open.values()) + sum(len(g.done) for g in self.ready.values())
-        return n + sum(len(g.done) for gs in self.training.values() for g in gs)
+        return sum(len(g.done) for g in self.all_groups())
 
-    def all_groups(self):
+    def queued(self) -> Iterator[GroupState]:
+        """Groups not yet handed to a train step: open, then ready."""
         yield from self.open.values()
         yield from self.ready.values()
-        for gs in self.training.values():
+
+    def all_groups(self) -> Iterator[GroupState]:
+        yield from self.queued()
+        for gs in self._training.values():
             yield from gs
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        """As of the finished steps: groups handed to unfinished steps go back to ready (a step that
+        really happens will train them), ahead of the groups that were ready."""
+        unfinished = [g for step in sorted(self._training) for g in self._training[step]]
+        return {
+            "open": [g.to_json() for g in self.open.values()],
+            "ready": [g.to_json() for g in unfinished + list(self.ready.values())],
+        }
+
+    def load_json(self, d: dict) -> None:
+        for gd in d["open"]:
+            self.add_group(GroupState.from_json(gd))
+        for gd in d["ready"]:
+            g = GroupState.from_json(gd)
+            self.ready[g.id] = g

@@ -13,6 +13,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from tailrace.records import EvalRecord, StepRecord
+
 
 class ConsoleUI:
     def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
@@ -20,11 +22,12 @@ class ConsoleUI:
         self.quiet = quiet
         self.progress: Progress | None = None
 
-    def begin(self, done: int, total: int, base: dict | None) -> None:
+    def begin(self, done: int, total: int, base: EvalRecord | None) -> None:
         if base is not None:
+            b = base.summary
             self.console.print(
-                f"base policy: held-out accuracy {base['accuracy']:.1%} on {base['n']} prompts, "
-                f"length p50 {base['p50']:.0f} p99 {base['p99']:.0f} max {base['max']}"
+                f"base policy: held-out accuracy {b['accuracy']:.1%} on {b['n']} prompts, "
+                f"length p50 {b['p50']:.0f} p99 {b['p99']:.0f} max {b['max']}"
             )
         if self.quiet:
             return
@@ -42,10 +45,10 @@ class ConsoleUI:
         self.task = self.progress.add_task("train", total=total, completed=done, info="")
         self.progress.start()
 
-    def step(self, r: dict) -> None:
-        t, L = r["time"], r["length"]
+    def step(self, r: StepRecord) -> None:
+        t, L = r.time, r.length
         line = (
-            f"step {r['step'] + 1:4d} v{r['version']:<3d} reward {r['reward']:.3f} acc {r['accuracy']:.3f} "
+            f"step {r.step + 1:4d} v{r.version:<3d} reward {r.reward:.3f} acc {r.accuracy:.3f} "
             f"len p50 {L.get('p50', 0):.0f} max {L.get('max', 0):.0f}  gen {t['gen_tok_s']:.0f} tok/s  "
             f"step {t['step_s']:.2f}s  wait {t['trainer_wait_ratio']:.2f} bubble {t['bubble_ratio']:.2f}"
         )
@@ -53,8 +56,8 @@ class ConsoleUI:
             self.progress.console.print(line)
             self.progress.update(
                 self.task,
-                completed=r["step"] + 1,
-                info=f"reward {r['reward']:.3f} acc {r['accuracy']:.3f} {t['gen_tok_s']:.0f} tok/s",
+                completed=r.step + 1,
+                info=f"reward {r.reward:.3f} acc {r.accuracy:.3f} {t['gen_tok_s']:.0f} tok/s",
             )
         else:
             self.console.print(line)

@@ -15,7 +15,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tailrace.jsonlines import read_lines  # noqa: E402
+from tailrace.records import (  # noqa: E402
+    EvalRecord,
+    Finished,
+    JournalEntry,
+    Mark,
+    Span,
+    StepRecord,
+    read_events,
+    read_journal,
+    read_metrics,
+)
 
 PHASE_COLORS = {"generate": "#4c78a8", "train": "#f58518", "sync": "#54a24b", "wait": "#dddddd"}
 
@@ -27,13 +37,13 @@ def _png(fig) -> str:
     return "<img src='data:image/png;base64," + base64.b64encode(buf.getvalue()).decode() + "'/>"
 
 
-def gantt(ax, events: list[dict], title: str = "") -> None:
+def gantt(ax, events: list[Span | Mark], title: str = "") -> None:
     """Draw one run's spans: a lane per engine/trainer, bars coloured by phase."""
-    spans = [e for e in events if "phase" in e]
-    lanes = sorted({e["lane"] for e in spans}, key=lambda n: (n != "trainer", n))
+    spans = [e for e in events if isinstance(e, Span)]
+    lanes = sorted({e.lane for e in spans}, key=lambda n: (n != "trainer", n))
     for y, lane in enumerate(lanes):
         for phase in PHASE_COLORS:
-            bars = [(e["t0"], e["t1"] - e["t0"]) for e in spans if e["lane"] == lane and e["phase"] == phase]
+            bars = [(e.t0, e.t1 - e.t0) for e in spans if e.lane == lane and e.phase == phase]
             if bars:
                 ax.broken_barh(bars, (y - 0.4, 0.8), color=PHASE_COLORS[phase], label=phase)
     ax.set_yticks(range(len(lanes)), lanes)
@@ -44,24 +54,22 @@ def gantt(ax, events: list[dict], title: str = "") -> None:
     ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7)
 
 
-def timeline_figure(events: list[dict], title: str = "timeline") -> str:
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len({e.get("lane") for e in events if "phase" in e})))
+def timeline_figure(events: list[Span | Mark], title: str = "timeline") -> str:
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len({e.lane for e in events if isinstance(e, Span)})))
     gantt(ax, events, title)
     return _png(fig)
 
 
-def curves_figure(steps: list[dict], evals: list[dict]) -> str:
+def curves_figure(steps: list[StepRecord], evals: list[EvalRecord]) -> str:
     fig, ax = plt.subplots(1, 2, figsize=(12, 3.2))
-    x = [s["step"] + 1 for s in steps]
-    ax[0].plot(x, [s["reward"] for s in steps], label="train reward")
-    ax[0].plot(x, [s["accuracy"] for s in steps], label="train accuracy", alpha=0.7)
+    x = [s.step + 1 for s in steps]
+    ax[0].plot(x, [s.reward for s in steps], label="train reward")
+    ax[0].plot(x, [s.accuracy for s in steps], label="train accuracy", alpha=0.7)
     for e in evals:
-        ax[0].scatter(
-            [e["step"]], [e["accuracy"]], marker="*", s=120, zorder=3, label=f"held-out ({e['tag']})"
-        )
+        ax[0].scatter([e.step], [e.accuracy], marker="*", s=120, zorder=3, label=f"held-out ({e.tag})")
     ax[0].set_xlabel("step")
     ax[0].legend(fontsize=7)
-    L = [s["length"] for s in steps]
+    L = [s.length for s in steps]
     for key in ("p50", "p90", "max"):
         ax[1].plot(x, [d.get(key, 0) for d in L], label=f"length {key}")
     ax[1].set_xlabel("step")
@@ -69,14 +77,15 @@ def curves_figure(steps: list[dict], evals: list[dict]) -> str:
     return _png(fig)
 
 
-def lengths_figure(journal: list[dict], events: list[dict]) -> str:
+def lengths_figure(journal: list[JournalEntry], events: list[Span | Mark]) -> str:
     """Response-length histograms of the samples trained at a few steps (first, middle, last)."""
     lens_of = {}
     for e in journal:
-        if e.get("kind") == "done":
-            t = e["trajectory"]
-            lens_of.setdefault(t["group"], []).append(len(t["result"]["token_ids"]))
-    issued = {e["step"]: e["groups"] for e in events if e.get("kind") == "train_issued"}
+        if isinstance(e, Finished):
+            lens_of.setdefault(e.trajectory.group, []).append(e.trajectory.length)
+    issued = {
+        e.data["step"]: e.data["groups"] for e in events if isinstance(e, Mark) and e.kind == "train_issued"
+    }
     fig, ax = plt.subplots(figsize=(12, 3))
     if issued:
         order = sorted(issued)
@@ -95,24 +104,25 @@ def write_report(run_dir: Path) -> Path:
         from tailrace.errors import ConfigError
 
         raise ConfigError(f"{run_dir} has no metrics.jsonl; pass a run directory written by tailrace train")
-    metrics = list(read_lines(run_dir / "metrics.jsonl"))
-    steps = [m for m in metrics if m.get("kind") == "step"]
-    evals = [m for m in metrics if m.get("kind") == "eval"]
-    events = list(read_lines(run_dir / "events.jsonl"))
-    journal = list(read_lines(run_dir / "journal.jsonl"))
-    last = steps[-1] if steps else {}
+    metrics = list(read_metrics(run_dir / "metrics.jsonl"))
+    steps = [m for m in metrics if isinstance(m, StepRecord)]
+    evals = [m for m in metrics if isinstance(m, EvalRecord)]
+    events = list(read_events(run_dir / "events.jsonl"))
+    journal = list(read_journal(run_dir / "journal.jsonl"))
+    last = steps[-1] if steps else None
     rows = "".join(
-        f"<tr><td>{html.escape(e['tag'])}</td><td>{e['step']}</td><td>{e['accuracy']:.3f}</td>"
-        f"<td>{e['p50']:.0f}</td><td>{e['p99']:.0f}</td><td>{e['max']}</td></tr>"
+        f"<tr><td>{html.escape(e.tag)}</td><td>{e.step}</td><td>{e.accuracy:.3f}</td>"
+        f"<td>{e.summary['p50']:.0f}</td><td>{e.summary['p99']:.0f}</td><td>{e.summary['max']}</td></tr>"
         for e in evals
     )
-    t = last.get("time", {})
+    t = last.time if last else {}
+    ledger = last.ledger if last else {}
     config = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else ""
     body = f"""<html><head><meta charset='utf-8'><title>tailrace run {html.escape(run_dir.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}} td,th{{padding:2px 10px;text-align:right}}</style></head><body>
 <h1>tailrace run {html.escape(run_dir.name)}</h1>
 <p>{len(steps)} steps, wall {t.get("wall_s", 0):.1f} s, trainer waiting ratio {t.get("trainer_wait_ratio", 0):.2f},
-rollout bubble ratio {t.get("bubble_ratio", 0):.2f}, ledger {json.dumps(last.get("ledger", {}))}</p>
+rollout bubble ratio {t.get("bubble_ratio", 0):.2f}, ledger {json.dumps(ledger)}</p>
 <h2>Held-out evaluation</h2><table>
 <tr><th>when</th><th>step</th><th>accuracy</th><th>p50</th><th>p99</th><th>max</th></tr>{rows}</table>
 <h2>Reward, accuracy, lengths</h2>{curves_figure(steps, evals) if steps else ""}

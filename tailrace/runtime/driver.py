@@ -1,11 +1,12 @@
 """The local driver: scheduler in this process, trainer and engines in their own pinned processes.
 
-    poll the scheduler -> send its commands -> wait for reports -> feed them back -> log
+    poll the scheduler -> execute its commands, record its journal and marks -> wait for reports
+    -> score engine results and feed them back -> log
 
 Engines report finished results in batches; the driver scores them (RewardGuard: timeouts, never
-crashes the run), turns them into Trajectories and hands them to the scheduler. The trainer reports
-each finished step (durable when a checkpoint was asked for). Everything the run produces is
-appended to the run directory as it happens.
+crashes the run) and hands results and scores to the scheduler, which builds the trajectories. The
+trainer reports each finished step (durable when a checkpoint was asked for). Everything the run
+produces is appended to the run directory as it happens.
 """
 
 from __future__ import annotations
@@ -17,20 +18,22 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from tailrace.config import RunConfig
-from tailrace.flow import resume
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.policies import make_policy
-from tailrace.flow.scheduler import FlowSpec, Scheduler
+from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.jsonlines import read_lines
-from tailrace.runtime.engine_worker import EngineReport, EngineSpec, engine_main
+from tailrace.metrics import step_record
+from tailrace.records import EvalRecord, Span, StepRecord, journal_from_json, read_metrics
+from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
-from tailrace.runtime.metrics import Utilization, length_stats, staleness_hist
+from tailrace.runtime.messages import EngineReport, Ready, Shutdown, TrainerReport, TrainOrder
+from tailrace.runtime.metrics import Utilization
 from tailrace.runtime.procs import context, placement
-from tailrace.runtime.rundir import JsonLines, RunDir, truncate_lines
+from tailrace.runtime.rundir import RecordFile, RunDir, truncate_lines
 from tailrace.runtime.session import Session
-from tailrace.runtime.trainer_worker import TrainerReport, TrainerSpec, TrainOrder, trainer_main
+from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.weights import SharedWeights
-from tailrace.types import Trajectory
+from tailrace.types import Finish, GenResult, SamplingParams, Trajectory
 
 
 @dataclass
@@ -48,29 +51,38 @@ class Driver:
     ) -> None:
         self.cfg, self.run, self.ses, self.ui = cfg, run, session, ui
         self.resume_from = resume_from
-        f = cfg.flow
+        f, r = cfg.flow, cfg.rollout
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
             f.mode, max_staleness=f.max_staleness, frontier=f.frontier, rollout_groups=f.rollout_groups
         )
-        engines = [(cfg.rollout.slots, cfg.rollout.lookahead)] * cfg.rollout.engines
-        self.sched = Scheduler(policy, session.prompt_stream(), engines, spec)
-        self.metrics = JsonLines(run.file("metrics.jsonl"))
-        self.events = JsonLines(run.file("events.jsonl"))
-        self.journal = JsonLines(run.file("journal.jsonl"))
+        sampling = SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=(session.tok.eos_id,),
+        )
+        engines = [(r.slots, r.lookahead)] * r.engines
+        self.sched = Scheduler(policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed)
+        self.metrics = RecordFile(run.file("metrics.jsonl"))
+        self.events = RecordFile(run.file("events.jsonl"))
+        self.journal = RecordFile(run.file("journal.jsonl"))
         self.tb = _tensorboard(run) if cfg.tensorboard else None
         self.pending_trajs: dict[int, tuple[int, list[Trajectory]]] = {}  # step -> (version, trajectories)
+        self._eval_wanted: set[str] = set()  # ids of held-out requests not yet returned
+        self._eval_results: list[GenResult] = []
 
     # ------------------------------------------------------------------ set-up
     def _restore(self) -> int:
         """Load the scheduler checkpoint and replay the journal; returns the version to start from."""
         state = json.loads((self.resume_from / "scheduler.json").read_text())
-        resume.load_state_dict(self.sched, state)
-        entries = list(read_lines(self.run.file("journal.jsonl")))[state["journal_seq"] :]
-        resume.replay(self.sched, entries)
+        self.sched.load_state_dict(state)
+        lines = list(read_lines(self.run.file("journal.jsonl")))[state["journal_seq"] :]
+        self.sched.replay(journal_from_json(d) for d in lines)
         done = state["steps_done"]
         truncate_lines(self.run.file("metrics.jsonl"), lambda r: r.get("kind") != "step" or r["step"] < done)
-        self.metrics = JsonLines(self.run.file("metrics.jsonl"))
+        self.metrics = RecordFile(self.run.file("metrics.jsonl"))
         return state["version"]
 
     def _start(self, version: int) -> None:
@@ -90,33 +102,21 @@ class Driver:
         )
         self.trainer = ctx.Process(target=trainer_main, args=(tspec, child, self.weights), daemon=True)
         self.trainer.start()
-        _expect(self.trainer_conn, "ready", self.trainer, "trainer")
+        _expect_ready(self.trainer_conn, self.trainer, "trainer")
         r = cfg.rollout
         self.engine_conns, self.engine_procs = [], []
         for i, cores in enumerate(engine_cores):
             espec = EngineSpec(
-                str(ses.model_path),
-                r.slots,
-                r.max_new_tokens,
-                r.temperature,
-                r.top_p,
-                r.top_k,
-                r.prefill_tokens,
-                r.threads,
-                cores,
-                cfg.seed,
-                ses.tok.eos_id,
-                cfg.model.dtype,
-                start_version=version,
-                attention=r.attention,
-            )
+                str(ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, cfg.seed, cfg.model.dtype,
+                start_version=version, attention=r.attention,
+            )  # fmt: skip
             conn, child = ctx.Pipe()
             p = ctx.Process(target=engine_main, args=(i, espec, child, self.weights), daemon=True)
             p.start()
             self.engine_conns.append(conn)
             self.engine_procs.append(p)
         for conn, p in zip(self.engine_conns, self.engine_procs):
-            _expect(conn, "ready", p, "engine")
+            _expect_ready(conn, p, "engine")
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)
 
@@ -124,7 +124,7 @@ class Driver:
         for conn in [getattr(self, "trainer_conn", None), *getattr(self, "engine_conns", [])]:
             if conn is not None:
                 try:
-                    conn.send(None)
+                    conn.send(Shutdown())
                 except (BrokenPipeError, OSError):
                     pass
         for p in [getattr(self, "trainer", None), *getattr(self, "engine_procs", [])]:
@@ -141,11 +141,10 @@ class Driver:
     def train(self) -> Summary:
         version = self._restore() if self.resume_from else 0
         self._start(version)
-        evaluator = Evaluator(self.ses, self.engine_conns, self.cfg.eval) if self.cfg.eval.n else None
+        evaluator = Evaluator(self.ses, self.cfg.eval) if self.cfg.eval.n else None
         base = self._recorded_eval("base")
         if base is None and evaluator is not None:
-            base = evaluator.run("base", version, self._on_engine_report)
-            self.metrics.write({"kind": "eval", "tag": "base", "step": self.sched.steps_done, **base})
+            base = self._evaluate(evaluator, "base", version)
         # utilization counts from here: the base evaluation is not part of the training timeline
         self.util = Utilization(time.perf_counter(), slots=self.util.slots)
         self._cpu_mark = time.process_time()
@@ -159,50 +158,70 @@ class Driver:
                 and self.sched.spec.total_steps > self.sched.steps_issued
             ):
                 self.sched.stop()
-            self._execute(self.sched.poll(self._now()))
-            self._drain_journal()
-            ready = wait([self.trainer_conn, *self.engine_conns], timeout=1.0)
-            for conn in ready:
+            self._handle(self.sched.poll(self._now()))
+            for conn in wait([self.trainer_conn, *self.engine_conns], timeout=1.0):
                 self._receive(conn)
             self._check_alive()
-        self._finish_marks()
+        self._handle(self.sched.poll(self._now()), sync=True)
         final = None
         if evaluator is not None:
             self._load_final()
-            final = evaluator.run("final", self.sched.done_version, self._on_engine_report)
-            self.metrics.write({"kind": "eval", "tag": "final", "step": self.sched.steps_done, **final})
-        wall = self._now()
+            final = self._evaluate(evaluator, "final", self.sched.done_version)
         return Summary(
             self.sched.steps_done,
-            wall,
-            base["accuracy"] if base else None,
-            final["accuracy"] if final else None,
+            self._now(),
+            base.accuracy if base else None,
+            final.accuracy if final else None,
             str(self.run.path),
         )
 
-    def _recorded_eval(self, tag: str) -> dict | None:
-        for r in read_lines(self.run.file("metrics.jsonl")):
-            if r.get("kind") == "eval" and r.get("tag") == tag:
-                return r
-        return None
+    def _recorded_eval(self, tag: str) -> EvalRecord | None:
+        records = read_metrics(self.run.file("metrics.jsonl"))
+        return next((r for r in records if isinstance(r, EvalRecord) and r.tag == tag), None)
+
+    def _evaluate(self, evaluator: Evaluator, tag: str, version: int) -> EvalRecord:
+        """Held-out requests through the engines' command path; the scheduler is idle meanwhile."""
+        reqs = evaluator.requests(version)
+        self._eval_wanted = {r.id for r in reqs}
+        n = len(self.engine_conns)
+        for i, conn in enumerate(self.engine_conns):
+            conn.send(Generate(i, tuple(reqs[i::n])))
+        while self._eval_wanted:
+            for conn in wait(self.engine_conns, timeout=5.0):
+                self._receive(conn)
+        results, self._eval_results = self._eval_results, []
+        rec = EvalRecord(tag, self.sched.steps_done, evaluator.summarize(reqs, results))
+        self.metrics.write(rec)
+        return rec
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def _execute(self, cmds) -> None:
-        for c in cmds:
+    def _handle(self, out: Outbox, sync: bool = False) -> None:
+        """Append a poll's records (the journal first: it is the write-ahead log), then execute its
+        commands."""
+        self._record(out, sync)
+        for c in out.commands:
             if isinstance(c, (Generate, Abort, LoadWeights, DropWeights)):
                 self.engine_conns[c.engine].send(c)
             elif isinstance(c, Train):
-                every = self.cfg.flow.checkpoint_every
-                save = None
-                if c.publish is not None and (c.step + 1) % every == 0 or c.step + 1 == self.cfg.flow.steps:
-                    save = str(self.run.ckpt / f"step_{c.step + 1:06d}")
-                self.pending_trajs[c.step] = (
-                    c.trainer_version,
-                    [t for g in c.groups for t in g.trajectories],
-                )
-                self.trainer_conn.send(TrainOrder(c, save))
+                self._send_train(c)
+
+    def _record(self, out: Outbox, sync: bool = False) -> None:
+        for e in out.journal:
+            self.journal.write(e)
+        if sync:
+            self.journal.sync()
+        for m in out.marks:
+            self.events.write(m)
+
+    def _send_train(self, c: Train) -> None:
+        every, steps = self.cfg.flow.checkpoint_every, self.cfg.flow.steps
+        save = None
+        if c.publish is not None and (c.step + 1) % every == 0 or c.step + 1 == steps:
+            save = str(self.run.ckpt / f"step_{c.step + 1:06d}")
+        self.pending_trajs[c.step] = (c.trainer_version, [t for g in c.groups for t in g.trajectories])
+        self.trainer_conn.send(TrainOrder(c, save))
 
     def _receive(self, conn) -> None:
         msg = conn.recv()
@@ -211,74 +230,60 @@ class Driver:
         elif isinstance(msg, TrainerReport):
             self._on_trainer_report(msg)
 
-    def _on_engine_report(self, rep: EngineReport) -> list:
-        """Account an engine report; returns eval results (ids starting with 'eval') to the caller."""
+    def _on_engine_report(self, rep: EngineReport) -> None:
         st = rep.stats
         self.util.slot_time += st.slot_s
         self.util.engine_busy += st.busy_s
         self.util.gen_tokens += st.decode_tokens
+        lane = f"engine{rep.engine}"
         for t0, t1 in st.spans:
-            self.events.write(
-                {"lane": f"engine{rep.engine}", "phase": "generate", "t0": t0 - self.t0, "t1": t1 - self.t0}
-            )
+            self.events.write(Span(lane, "generate", t0 - self.t0, t1 - self.t0))
         for v, t0, t1 in rep.loaded:
-            self.events.write(
-                {
-                    "lane": f"engine{rep.engine}",
-                    "phase": "sync",
-                    "t0": t0 - self.t0,
-                    "t1": t1 - self.t0,
-                    "version": v,
-                }
-            )
+            self.events.write(Span(lane, "sync", t0 - self.t0, t1 - self.t0, version=v))
             self.sched.on_loaded(rep.engine, v, self._now())
-        evals = [r for r in rep.results if r.request_id.startswith("eval")]
-        mine = [r for r in rep.results if not r.request_id.startswith("eval")]
+        mine = []
+        for r in rep.results:
+            if r.request_id in self._eval_wanted:
+                self._eval_wanted.discard(r.request_id)
+                self._eval_results.append(r)
+            else:
+                mine.append(r)
         if mine:
-            trajs = self.ses.score(mine, self.sched.samples)
-            self.sched.on_results(rep.engine, trajs, self._now())
-        return evals
+            final = [r for r in mine if r.finish != Finish.ABORTED]
+            scores = self.ses.score([self.sched.prompt_of(r.request_id) for r in final], final)
+            self.sched.on_results(rep.engine, mine, scores, self._now())
 
     def _on_trainer_report(self, rep: TrainerReport) -> None:
         now = self._now()
         t0, t1 = rep.span
         self.util.trainer_busy += t1 - t0
         self.util.train_tokens += int(rep.metrics.get("tokens", 0))
-        self.events.write(
-            {"lane": "trainer", "phase": "train", "t0": t0 - self.t0, "t1": t1 - self.t0, "step": rep.step}
-        )
+        self.events.write(Span("trainer", "train", t0 - self.t0, t1 - self.t0, step=rep.step))
         if rep.sync_span:
-            self.util.sync_time += rep.sync_span[1] - rep.sync_span[0]
-            self.events.write(
-                {
-                    "lane": "trainer",
-                    "phase": "sync",
-                    "t0": rep.sync_span[0] - self.t0,
-                    "t1": rep.sync_span[1] - self.t0,
-                    "version": rep.published,
-                }
-            )
+            s0, s1 = rep.sync_span
+            self.util.sync_time += s1 - s0
+            self.events.write(Span("trainer", "sync", s0 - self.t0, s1 - self.t0, version=rep.published))
         self.sched.on_trained(rep.step, now)
         if rep.published is not None:
             self.sched.on_published(rep.published, now)
         trainer_version, trajs = self.pending_trajs.pop(rep.step)
         record = self._step_record(rep, trajs, trainer_version, now)
         if rep.saved:
-            self._drain_journal(sync=True)
-            (Path(rep.saved) / "scheduler.json").write_text(json.dumps(resume.state_dict(self.sched)))
+            # everything the scheduler emitted up to now goes to disk before the state that counts it
+            self._handle(self.sched.poll(self._now()), sync=True)
+            (Path(rep.saved) / "scheduler.json").write_text(json.dumps(self.sched.state_dict()))
             self.run.set_latest(Path(rep.saved).name, self.cfg.flow.keep_checkpoints)
         self.metrics.write(record)
         if self.tb is not None:
-            for key, value in _flatten(record):
+            for key, value in _flatten(record.to_json()):
                 self.tb.add_scalar(key, value, rep.step + 1)
         if self.ui is not None:
             self.ui.step(record)
 
     def _step_record(
         self, rep: TrainerReport, trajs: list[Trajectory], trainer_version: int, now: float
-    ) -> dict:
+    ) -> StepRecord:
         m = rep.metrics
-        rewards = [t.reward for t in trajs]
         timing = self.util.snapshot(now + self.t0)
         cpu = time.process_time()
         timing.update(
@@ -288,34 +293,10 @@ class Driver:
             driver_cpu_s=cpu - self._cpu_mark,
         )
         self._cpu_mark = cpu
-        return {
-            "kind": "step",
-            "step": rep.step,
-            "version": self.sched.done_version,
-            "reward": sum(rewards) / len(rewards),
-            "accuracy": sum(t.correct for t in trajs) / len(trajs),
-            "samples": len(trajs),
-            "length": length_stats(trajs),
-            "staleness": staleness_hist(trajs, trainer_version),
-            "discards": dict(self.sched.ledger.discarded),
-            "ledger": {**self.sched.ledger.state_dict(), "in_store": self.sched.store.in_store()},
-            "reward_errors": dict(self.ses.guard.errors),
-            "train": {k: v for k, v in m.items() if isinstance(v, (int, float))},
-            "time": timing,
-        }
-
-    def _drain_journal(self, sync: bool = False) -> None:
-        for e in self.sched.journal:
-            self.journal.write(e)
-        self.sched.journal.clear()
-        if sync:
-            self.journal.sync()
-        for m in self.sched.marks:
-            self.events.write({"lane": "scheduler", "kind": m.kind, "t": m.t, **m.data})
-        self.sched.marks.clear()
-
-    def _finish_marks(self) -> None:
-        self._drain_journal(sync=True)
+        return step_record(
+            rep.step, self.sched.done_version, trajs, trainer_version, self.sched.ledger_record(),
+            self.ses.guard.errors, m, timing,
+        )  # fmt: skip
 
     def _load_final(self) -> None:
         v = self.sched.done_version
@@ -358,13 +339,11 @@ def _flatten(d: dict, prefix: str = ""):
             yield prefix + k, v
 
 
-def _expect(conn, what: str, proc, name: str, timeout: float = 300.0) -> None:
+def _expect_ready(conn, proc, name: str, timeout: float = 300.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if conn.poll(0.5):
-            msg = conn.recv()
-            if isinstance(msg, tuple) and msg[0] == what:
-                return
+        if conn.poll(0.5) and isinstance(conn.recv(), Ready):
+            return
         if not proc.is_alive():
             raise RuntimeError(
                 f"{name} process failed to start (exit code {proc.exitcode}); see the error above"

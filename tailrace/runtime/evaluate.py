@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import zlib
-from multiprocessing.connection import wait
 
 from tailrace.config import EvalConfig
-from tailrace.runtime.engine_worker import EngineReport
 from tailrace.runtime.metrics import percentile
-from tailrace.types import GenRequest, SamplingParams
+from tailrace.types import GenRequest, GenResult, SamplingParams
 
 
 def histogram(lengths: list[int], bins: int = 12) -> list[tuple[int, int, int]]:
@@ -39,17 +37,18 @@ def summarize(lengths: list[int], correct: list[bool]) -> dict:
 
 
 class Evaluator:
-    def __init__(self, session, engine_conns, cfg: EvalConfig) -> None:
-        self.ses, self.conns, self.cfg = session, engine_conns, cfg
+    """One sample per held-out prompt, seeded by the prompt (the same requests at every evaluation);
+    the driver sends them through the engines' command path and hands back the results."""
+
+    def __init__(self, session, cfg: EvalConfig) -> None:
+        self.ses, self.cfg = session, cfg
         self.prompts = session.heldout(cfg.n)
 
-    def run(self, tag: str, version: int, on_report) -> dict:
-        """Generate one sample per held-out prompt on the engines (under `version`) and score them.
-        `on_report(report)` lets the driver account the engines' reports; it returns eval results."""
+    def requests(self, version: int) -> list[GenRequest]:
         c = self.cfg
-        reqs = [
+        return [
             GenRequest(
-                id=f"eval.{tag}.{i}",
+                id=f"heldout-{i}",
                 prompt_ids=p.token_ids,
                 version=version,
                 params=SamplingParams(
@@ -61,15 +60,9 @@ class Evaluator:
             )
             for i, p in enumerate(self.prompts)
         ]
-        for i, conn in enumerate(self.conns):
-            conn.send(("eval", reqs[i :: len(self.conns)]))
-        results = {}
-        while len(results) < len(reqs):
-            for conn in wait(self.conns, timeout=5.0):
-                msg = conn.recv()
-                if isinstance(msg, EngineReport):
-                    for r in on_report(msg):
-                        results[r.request_id] = r
-        ordered = [results[r.id] for r in reqs]
-        scores = self.ses.score_results(self.prompts, ordered)
-        return summarize([len(r.token_ids) for r in ordered], [ok for _, ok in scores])
+
+    def summarize(self, requests: list[GenRequest], results: list[GenResult]) -> dict:
+        by_id = {r.request_id: r for r in results}
+        ordered = [by_id[r.id] for r in requests]
+        scores = self.ses.score(self.prompts, ordered)
+        return summarize([len(r.token_ids) for r in ordered], [s.correct for s in scores])

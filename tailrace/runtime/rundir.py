@@ -11,20 +11,20 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
-from tailrace.flow.serde import traj_to_dict
 from tailrace.jsonlines import read_lines
-from tailrace.types import Trajectory
+from tailrace.records import Record, dumps
 
 
-class JsonLines:
+class RecordFile:
+    """An append-only JSONL file of typed records (`tailrace.records`), a line per record."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self._f = open(path, "a", buffering=1)
 
-    def write(self, obj: Any) -> None:
-        self._f.write(json.dumps(obj, default=_default) + "\n")
+    def write(self, record: Record) -> None:
+        self._f.write(dumps(record) + "\n")
 
     def sync(self) -> None:
         self._f.flush()
@@ -32,14 +32,6 @@ class JsonLines:
 
     def close(self) -> None:
         self._f.close()
-
-
-def _default(o: Any):
-    if isinstance(o, Trajectory):
-        return traj_to_dict(o)
-    if isinstance(o, (set, frozenset)):
-        return sorted(o)
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
 def truncate_lines(path: Path, keep) -> None:

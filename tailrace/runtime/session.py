@@ -12,7 +12,6 @@ from typing import Iterator
 import torch
 
 from tailrace.config import RunConfig
-from tailrace.flow.commands import Sample
 from tailrace.model.checkpoint import read_config
 from tailrace.model.decoder import CausalLM
 from tailrace.model.flat import FlatWeights, flatten_parameters
@@ -21,7 +20,7 @@ from tailrace.tasks.base import Example
 from tailrace.tasks.guard import RewardGuard
 from tailrace.tasks.registry import make_task
 from tailrace.tokenizer import load_tokenizer
-from tailrace.types import Finish, GenResult, Prompt, Trajectory
+from tailrace.types import GenResult, Prompt, Scored
 
 
 class Session:
@@ -41,7 +40,6 @@ class Session:
         return Prompt(
             id=ex.id,
             token_ids=tuple(self.tok.encode(ex.question, bos=self.tok.bos_id is not None)),
-            task=self.task.name,
             answer=ex.answer,
             text=ex.question,
         )
@@ -53,36 +51,14 @@ class Session:
     def heldout(self, n: int) -> list[Prompt]:
         return [self.prompt(ex) for ex in self.task.examples("test", n, seed=self.cfg.task.seed)]
 
-    def score_results(self, prompts: list[Prompt], results: list[GenResult]) -> list[tuple[float, bool]]:
+    def score(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
+        """The reward of each finished result (the guard contains reward code that raises or hangs);
+        correct means verified: reward 1."""
         pairs = [
             (Example(p.id, p.text, p.answer), self.tok.decode(r.token_ids)) for p, r in zip(prompts, results)
         ]
         scored = self.guard.score_many(pairs)
-        return [(s.reward, s.reward >= 1.0) for s in scored]
-
-    def score(self, results: list[GenResult], samples: dict[str, Sample]) -> list[Trajectory]:
-        """Engine results -> scored Trajectories (aborted partials are not scored: reward 0)."""
-        smp = [samples[r.request_id] for r in results]
-        final = [i for i, r in enumerate(results) if r.finish != Finish.ABORTED]
-        scores = dict(
-            zip(final, self.score_results([smp[i].prompt for i in final], [results[i] for i in final]))
-        )
-        out = []
-        for i, (r, s) in enumerate(zip(results, smp)):
-            reward, correct = scores.get(i, (0.0, False))
-            out.append(
-                Trajectory(
-                    group=s.group,
-                    sample_index=s.index,
-                    prompt_id=s.prompt.id,
-                    prompt_ids=s.prompt.token_ids,
-                    result=r,
-                    reward=reward,
-                    correct=correct,
-                    dispatch_version=s.version,
-                )
-            )
-        return out
+        return [Scored(r.request_id, s.reward, s.reward >= 1.0) for r, s in zip(results, scored)]
 
     def flat_layout(self) -> FlatWeights:
         """The trainer's flat-buffer layout, computed on the meta device (no memory, no weights)."""

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tailrace.flow.commands import Train
 from tailrace.model.checkpoint import load_pretrained, save_pretrained
+from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
 from tailrace.runtime.procs import pin
 from tailrace.runtime.weights import SharedWeights
 from tailrace.trainer.config import TrainerConfig
@@ -32,22 +32,6 @@ class TrainerSpec:
     resume_from: str | None = None  # checkpoint dir holding trainer.pt
     start_version: int = 0
     device: str = "cpu"
-
-
-@dataclass
-class TrainOrder:
-    train: Train
-    save_dir: str | None = None
-
-
-@dataclass
-class TrainerReport:
-    step: int
-    metrics: dict
-    published: int | None
-    saved: str | None
-    span: tuple[float, float]  # the step's compute
-    sync_span: tuple[float, float] | None  # copying weights into shared memory
 
 
 def save_checkpoint(trainer: GRPOTrainer, model, out: Path) -> None:
@@ -70,10 +54,10 @@ def trainer_main(spec: TrainerSpec, conn, weights: SharedWeights) -> None:
         trainer.load_state_dict(state["trainer"])
         torch.set_rng_state(state["rng"])
     weights.write(spec.start_version, trainer.flat.buffer)
-    conn.send(("ready", spec.start_version))
+    conn.send(Ready(spec.start_version))
     while True:
-        order = conn.recv()
-        if order is None:
+        order: TrainOrder | Shutdown = conn.recv()
+        if isinstance(order, Shutdown):
             return
         t = order.train
         t0 = time.perf_counter()

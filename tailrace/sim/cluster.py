@@ -22,9 +22,12 @@ from collections import deque
 import simpy
 
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
+from tailrace.flow.keys import SampleKey
 from tailrace.sim.costs import CostModel
 from tailrace.sim.engine import Block, CoRun, SimEngine, Span, Stall
+from tailrace.sim.lengths import P_REWARD, uniform
 from tailrace.sim.recorder import Recorder
+from tailrace.types import Finish, GenResult, Scored
 
 
 class SimStalled(RuntimeError):
@@ -40,12 +43,19 @@ class SimCluster:
         recorder: Recorder | None = None,
         colocated: bool = False,
         poll_s: float = 0.0,
+        accuracy: float = 0.5,
+        seed: int = 0,
     ) -> None:
+        """`accuracy`: the chance that a sample is scored correct (reward 1), drawn per (prompt,
+        sample index) from `seed`: the cluster scores results as the real driver does."""
         if len(engines) != len(sched.engines):
             raise ValueError(
                 f"{len(engines)} simulated engines for a scheduler built with {len(sched.engines)}"
             )
         self.sched, self.engines, self.cost = sched, engines, cost
+        self.accuracy, self.seed = accuracy, seed
+        for e in engines:
+            e.describe = self._describe
         self.rec = recorder or Recorder()
         self.colocated = colocated  # training holds the engines' devices: engines pause while it runs
         self.env = simpy.Environment()
@@ -83,7 +93,7 @@ class SimCluster:
         return (
             f"simulation stalled at t={self.env.now:.3f}s after {s.steps_done}/{s.spec.total_steps} steps: "
             f"nothing is running and the policy {s.policy.name!r} issued no work "
-            f"(open groups {len(s.store.open)}, ready {len(s.store.ready)}, in flight {s.in_flight()}, "
+            f"(open groups {len(s.open)}, ready {len(s.ready)}, in flight {s.in_flight()}, "
             f"published {sorted(s.published)})"
         )
 
@@ -103,9 +113,9 @@ class SimCluster:
         if self.done.triggered:
             return
         self._last_poll = self.now
-        cmds = self.sched.poll(self.now)
-        self.rec.drain(self.sched)
-        for c in cmds:
+        out = self.sched.poll(self.now)
+        self.rec.record(out)
+        for c in out.commands:
             self._execute(c)
 
     def _execute(self, c) -> None:
@@ -147,7 +157,7 @@ class SimCluster:
             rep = eng.fire()
             self.events += 1
             if rep.results:
-                self.sched.on_results(eng.id, rep.results, env.now)
+                self.sched.on_results(eng.id, rep.results, self._score(rep.results), env.now)
                 hw = self.cost.hw
                 if self.training and not self.colocated and (hw.driver_report_s or hw.driver_result_s):
                     # the driver handles the report on this engine's host core (the trainer's is busy)
@@ -156,6 +166,18 @@ class SimCluster:
                 ev = env.timeout(t - env.now)
                 ev.callbacks.append(lambda _e, i=eng.id, v=version: self._loaded(i, v))
             self._request_poll()
+
+    def _describe(self, request_id: str) -> tuple[int, int]:
+        """(prompt id, sample index) of a request: what the length model and the reward key on."""
+        return self.sched.prompt_of(request_id).id, SampleKey.parse(request_id).index
+
+    def _score(self, results: list[GenResult]) -> list[Scored]:
+        out = []
+        for r in results:
+            if r.finish != Finish.ABORTED:
+                ok = uniform(self.seed, P_REWARD, *self._describe(r.request_id)) < self.accuracy
+                out.append(Scored(r.request_id, float(ok), ok))
+        return out
 
     def _loaded(self, engine: int, version: int) -> None:
         self.sched.on_loaded(engine, version, self.now)
@@ -200,7 +222,7 @@ class SimCluster:
                 self.sched.on_published(c.publish, env.now)
             self.rec.on_trained(self, c, sum(lengths), (t0, t0 + dt), sync)
             if self.sched.done:
-                self.rec.drain(self.sched)
+                self.rec.record(self.sched.poll(env.now))
                 self.done.succeed()
                 return
             self._request_poll()

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tailrace.jsonlines import read_lines
+from tailrace.records import Finished, Mark, Opened, Span, StepRecord, read_events, read_journal, read_metrics
 
 FIGURES = ("step_s", "train_s", "rollout_s", "trainer_wait_ratio", "bubble_ratio", "length_bubble")
 
 
-def step_records(run_dir: str | Path) -> list[dict]:
+def step_records(run_dir: str | Path) -> list[StepRecord]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} does not exist; pass a run directory written by tailrace train or sim"
         )
-    return [r for r in read_lines(path) if r.get("kind") == "step"]
+    return [r for r in read_metrics(path) if isinstance(r, StepRecord)]
 
 
 def step_figures(run_dir: str | Path, skip: int = 1) -> dict:
@@ -38,13 +38,13 @@ def step_figures(run_dir: str | Path, skip: int = 1) -> dict:
 
     return {
         "steps": len(steps),
-        "step_s": mean(r["time"]["step_s"] for r in use),
-        "train_s": mean(r["time"]["train_s"] for r in use),
-        "rollout_s": mean(r["time"]["step_s"] - r["time"]["train_s"] for r in use),
-        "trainer_wait_ratio": mean(r["time"]["step_trainer_wait_ratio"] for r in use),
-        "bubble_ratio": mean(r["time"]["step_bubble_ratio"] for r in use),
-        "gen_tok_s": mean(r["time"]["gen_tok_s"] for r in use),
-        "length_bubble": mean(r["length"].get("bubble", 0.0) for r in use),
+        "step_s": mean(r.time["step_s"] for r in use),
+        "train_s": mean(r.time["train_s"] for r in use),
+        "rollout_s": mean(r.time["step_s"] - r.time["train_s"] for r in use),
+        "trainer_wait_ratio": mean(r.time["step_trainer_wait_ratio"] for r in use),
+        "bubble_ratio": mean(r.time["step_bubble_ratio"] for r in use),
+        "gen_tok_s": mean(r.time["gen_tok_s"] for r in use),
+        "length_bubble": mean(r.length.get("bubble", 0.0) for r in use),
     }
 
 
@@ -60,22 +60,25 @@ def trainer_rate(run_dir: str | Path, cost, skip: int = 1) -> tuple[float, float
     import numpy as np
 
     run_dir = Path(run_dir)
+    prompt_len: dict[int, int] = {}
     lens: dict[int, list[int]] = {}
-    for e in read_lines(run_dir / "journal.jsonl"):
-        if e.get("kind") == "done":
-            t = e["trajectory"]
-            lens.setdefault(t["group"], []).append(len(t["prompt_ids"]) + len(t["result"]["token_ids"]))
+    for e in read_journal(run_dir / "journal.jsonl"):
+        if isinstance(e, Opened):
+            prompt_len[e.group] = len(e.prompt.token_ids)
+        elif isinstance(e, Finished):
+            t = e.trajectory
+            lens.setdefault(t.group, []).append(prompt_len.get(t.group, 0) + t.length)
     issued = {
-        e["step"]: e["groups"]
-        for e in read_lines(run_dir / "events.jsonl")
-        if e.get("kind") == "train_issued"
+        e.data["step"]: e.data["groups"]
+        for e in read_events(run_dir / "events.jsonl")
+        if isinstance(e, Mark) and e.kind == "train_issued"
     }
     flops, secs = [], []
     for r in step_records(run_dir)[skip:]:
-        rows = [n for g in issued.get(r["step"], []) for n in lens.get(g, [])]
+        rows = [n for g in issued.get(r.step, []) for n in lens.get(g, [])]
         if rows:
             flops.append(cost.train_flops(rows))
-            secs.append(r["time"]["train_s"])
+            secs.append(r.time["train_s"])
     f, t = np.array(flops), np.array(secs)
     w = 1.0 / t
     (a, inv), *_ = np.linalg.lstsq(np.stack([w, f * w], 1), np.ones_like(t), rcond=None)
@@ -89,13 +92,14 @@ def generate_busy_s(run_dir: str | Path) -> float:
     window: from the first dispatched sample to the last trained step. A real run's held-out evaluations
     (before and after training) also generate on the engines; the simulator runs none."""
     spans, first, last = [], None, None
-    for e in read_lines(Path(run_dir) / "events.jsonl"):
-        if e.get("phase") == "generate" and str(e.get("lane", "")).startswith("engine"):
-            spans.append((e["t0"], e["t1"]))
-        elif e.get("kind") == "group_first_dispatch":
-            first = e["t"] if first is None else min(first, e["t"])
-        elif e.get("kind") == "trained":
-            last = e["t"] if last is None else max(last, e["t"])
+    for e in read_events(Path(run_dir) / "events.jsonl"):
+        if isinstance(e, Span):
+            if e.phase == "generate" and e.lane.startswith("engine"):
+                spans.append((e.t0, e.t1))
+        elif e.kind == "group_first_dispatch":
+            first = e.t if first is None else min(first, e.t)
+        elif e.kind == "trained":
+            last = e.t if last is None else max(last, e.t)
     lo = first if first is not None else float("-inf")
     hi = last if last is not None else float("inf")
     return sum(max(0.0, min(t1, hi) - max(t0, lo)) for t0, t1 in spans)

@@ -18,27 +18,17 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Sample
+from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights
+from tailrace.flow.keys import SampleKey
 from tailrace.sim.costs import CostModel
-from tailrace.sim.lengths import P_REWARD, LengthModel, uniform
+from tailrace.sim.lengths import LengthModel
 from tailrace.sim.runs import Runs
 from tailrace.sim.segment import Segment
-from tailrace.types import Finish, GenResult, Trajectory
+from tailrace.types import Finish, GenRequest, GenResult
 
 TOKEN = 1  # every simulated token has this id; only counts matter
-
-
-class SimTrajectory(Trajectory):
-    """A Trajectory whose per-token sequences are `Runs`; `oldest_version` reads the runs (the same
-    value Trajectory computes, in O(runs) instead of O(tokens))."""
-
-    @property
-    def oldest_version(self) -> int:
-        v = self.result.versions
-        if isinstance(v, Runs):
-            return v.min() if len(v) else self.dispatch_version
-        return super().oldest_version
 
 
 @dataclass(frozen=True)
@@ -66,7 +56,7 @@ class CoRun:
 
 @dataclass
 class Job:
-    sample: Sample
+    request: GenRequest
     prompt_len: int
     base: int  # tokens carried in from an aborted partial
     target: int  # total response tokens when it finishes
@@ -84,7 +74,7 @@ class Job:
 class Report:
     """What one `fire()` produced: results now, weight loads finished at their own time."""
 
-    results: list[Trajectory] = field(default_factory=list)
+    results: list[GenResult] = field(default_factory=list)
     loaded: list[tuple[int, float]] = field(default_factory=list)  # (version, time it is usable)
 
 
@@ -103,20 +93,21 @@ class SimEngine:
         slots: int,
         cost: CostModel,
         lengths: LengthModel,
-        accuracy: float = 0.5,
-        seed: int = 0,
         start_version: int = 0,
     ) -> None:
+        """`lengths` says how long each request runs, by (prompt id, sample index): the driver sets
+        `describe` (request id -> that pair) from its scheduler; by default the request id is read
+        as a sample key with the group standing for the prompt."""
         if slots < 1:
             raise ValueError(f"engine {eid}: slots={slots} must be at least 1")
         self.id, self.slots, self.cost, self.lengths = eid, slots, cost, lengths
-        self.accuracy, self.seed = accuracy, seed
+        self.describe: Callable[[str], tuple[int, int]] = _group_and_index
         self.loaded = {start_version}
         self.queue: deque[Job] = deque()
         self.running: dict[str, Job] = {}
-        self.heap: list[tuple[int, int, str]] = []  # (finish step, uid, sample id)
+        self.heap: list[tuple[int, int, str]] = []  # (finish step, uid, request id)
         self.inbox: list = []
-        self.received: set[str] = set()  # every sample id this engine was sent
+        self.received: set[str] = set()  # every request id this engine was sent
         self.t_b = 0.0
         self.step = 0
         self.count: dict[int, int] = {}  # version -> running sequences
@@ -203,33 +194,33 @@ class SimEngine:
             if job is None or job.uid != uid:
                 continue
             self._remove(job)
-            rep.results.append(self._traj(job, Finish.LENGTH if job.truncated else Finish.STOP, t))
+            rep.results.append(self._result(job, Finish.LENGTH if job.truncated else Finish.STOP, t))
 
     def _apply(self, cmd, rep: Report) -> None:
         if isinstance(cmd, Generate):
-            for s in cmd.samples:
+            for s in cmd.requests:
                 if s.version not in self.loaded:
                     raise RuntimeError(
-                        f"engine {self.id}: sample {s.id} needs version {s.version}, "
+                        f"engine {self.id}: request {s.id} needs version {s.version}, "
                         f"engine holds {sorted(self.loaded)}"
                     )
                 self.queue.append(self._job(s))
                 self.received.add(s.id)
         elif isinstance(cmd, Abort):
-            ids = set(cmd.sample_ids)
+            ids = set(cmd.request_ids)
             unknown = ids - self.received
             if unknown:  # the real engine raises here too; one that already finished is a benign race
                 raise RuntimeError(
                     f"engine {self.id}: abort of {sorted(unknown)}, which it was never sent "
                     "(commands apply in order: an Abort before its Generate finds nothing)"
                 )
-            for job in [j for j in self.queue if j.sample.id in ids]:
+            for job in [j for j in self.queue if j.request.id in ids]:
                 self.queue.remove(job)
-                rep.results.append(self._traj(job, Finish.ABORTED, self.t_b))
+                rep.results.append(self._result(job, Finish.ABORTED, self.t_b))
             for sid in ids & self.running.keys():
                 job = self.running[sid]
                 self._remove(job)
-                rep.results.append(self._traj(job, Finish.ABORTED, self.t_b))
+                rep.results.append(self._result(job, Finish.ABORTED, self.t_b))
         elif isinstance(cmd, LoadWeights):
             dt = self.cost.load_time()
             self._span("sync", self.t_b, self.t_b + dt, cmd.version)
@@ -238,7 +229,7 @@ class SimEngine:
             self.loaded.add(cmd.version)
             rep.loaded.append((cmd.version, self.t_b))
         elif isinstance(cmd, DropWeights):
-            if any(j.sample.version == cmd.version for j in [*self.running.values(), *self.queue]):
+            if any(j.request.version == cmd.version for j in [*self.running.values(), *self.queue]):
                 raise RuntimeError(
                     f"engine {self.id}: drop of version {cmd.version}, which requests still use"
                 )
@@ -256,13 +247,12 @@ class SimEngine:
         else:
             raise TypeError(f"engine {self.id}: unknown command {cmd!r}")
 
-    def _job(self, s: Sample) -> Job:
-        pid = s.prompt.id
-        base = len(s.resume_ids)
-        target = self.lengths.response(pid, s.index)
+    def _job(self, r: GenRequest) -> Job:
+        base = len(r.resume_ids)
+        target = self.lengths.response(*self.describe(r.id))
         truncated = target >= self.lengths.max_len
         self._uid += 1
-        return Job(s, len(s.prompt.token_ids), base, max(target, base + 1), truncated, self.t_b, self._uid)
+        return Job(r, len(r.prompt_ids), base, max(target, base + 1), truncated, self.t_b, self._uid)
 
     def _admit(self) -> None:
         new = []
@@ -281,15 +271,15 @@ class SimEngine:
         for job in new:
             job.start = self.step
             job.first_token = self.t_b
-            self.running[job.sample.id] = job
-            v = job.sample.version
+            self.running[job.request.id] = job
+            v = job.request.version
             self.count[v] = self.count.get(v, 0) + 1
             self.ctx[v] = self.ctx.get(v, 0) + job.prompt_len + job.base
-            heapq.heappush(self.heap, (self.step + job.target - job.base, job.uid, job.sample.id))
+            heapq.heappush(self.heap, (self.step + job.target - job.base, job.uid, job.request.id))
 
     def _remove(self, job: Job) -> None:
-        del self.running[job.sample.id]
-        v = job.sample.version
+        del self.running[job.request.id]
+        v = job.request.version
         self.count[v] -= 1
         self.ctx[v] -= job.prompt_len + job.tokens(self.step)
         if not self.count[v]:
@@ -309,32 +299,15 @@ class SimEngine:
         else:
             self.spans.append(Span(phase, t0, t1, version))
 
-    def _traj(self, job: Job, finish: Finish, t: float) -> Trajectory:
-        s = job.sample
+    def _result(self, job: Job, finish: Finish, t: float) -> GenResult:
+        r = job.request
         new = job.tokens(self.step) - job.base
-        v = s.version
-        ids, lps, vs = Runs.of(TOKEN, new), Runs.of(-1.0, new), Runs.of(v, new)
+        ids, lps, vs = Runs.of(TOKEN, new), Runs.of(-1.0, new), Runs.of(r.version, new)
         if job.base:  # a resumed partial: its old tokens keep their own versions
-            ids, lps, vs = (
-                Runs.from_seq(s.resume_ids) + ids,
-                Runs.from_seq(s.resume_logprobs) + lps,
-                Runs.from_seq(s.resume_versions) + vs,
-            )
-        res = GenResult(s.id, ids, lps, vs, finish, job.submitted, job.first_token, t)
-        correct = finish != Finish.ABORTED and self._correct(s)
-        return SimTrajectory(
-            group=s.group,
-            sample_index=s.index,
-            prompt_id=s.prompt.id,
-            prompt_ids=s.prompt.token_ids,
-            result=res,
-            reward=float(correct),
-            correct=correct,
-            dispatch_version=v,
-        )
-
-    def _correct(self, s: Sample) -> bool:
-        return uniform(self.seed, P_REWARD, s.prompt.id, s.index) < self.accuracy
+            ids = Runs.from_seq(r.resume_ids) + ids
+            lps = Runs.from_seq(r.resume_logprobs) + lps
+            vs = Runs.from_seq(r.resume_versions) + vs
+        return GenResult(r.id, ids, lps, vs, finish, job.submitted, job.first_token, t)
 
     # ------------------------------------------------------------------ accounting
     def _busy_since_boundary(self, now: float) -> float:
@@ -352,3 +325,8 @@ class SimEngine:
     def slot_time_at(self, now: float) -> float:
         """Slot-time up to `now`, counting the part of the current segment already run."""
         return self.slot_time + len(self.running) * self._busy_since_boundary(now)
+
+
+def _group_and_index(request_id: str) -> tuple[int, int]:
+    key = SampleKey.parse(request_id)
+    return key.group, key.index

@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailrace.jsonlines import read_lines
+from tailrace.records import Finished, Opened, read_journal
+from tailrace.types import Finish
 
 _M64 = (1 << 64) - 1
 
@@ -136,27 +137,26 @@ class EmpiricalLengths(LengthModel):
 
     @classmethod
     def from_run(cls, run_dir: str | Path, max_len: int | None = None) -> "EmpiricalLengths":
-        """Lengths of every finished trajectory in RUN_DIR/journal.jsonl ({"kind": "done", ...})."""
+        """Lengths of every finished trajectory in RUN_DIR/journal.jsonl, and of its group's prompt."""
         path = Path(run_dir) / "journal.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist; pass a run directory written by tailrace train")
         by_group: dict[int, list[int]] = {}
         prompts: dict[int, int] = {}
         limit = 0
-        for e in read_lines(path):  # a torn last line ends the journal
-            if e.get("kind") != "done":
-                continue
-            t = e["trajectory"]
-            n = len(t["result"]["token_ids"])
-            by_group.setdefault(t["group"], []).append(n)
-            prompts[t["group"]] = len(t.get("prompt_ids", ())) or 1
-            if t["result"].get("finish") == "length":
-                limit = max(limit, n)
+        for e in read_journal(path):  # a torn last line ends the journal
+            if isinstance(e, Opened):
+                prompts[e.group] = len(e.prompt.token_ids) or 1
+            elif isinstance(e, Finished):
+                t = e.trajectory
+                by_group.setdefault(t.group, []).append(t.length)
+                if t.result.finish == Finish.LENGTH:
+                    limit = max(limit, t.length)
         if not by_group:
             raise ValueError(f"{path} records no finished trajectory")
         order = sorted(by_group)
         top = max(max(v) for v in by_group.values())
-        return cls([by_group[g] for g in order], [prompts[g] for g in order], max_len or limit or top)
+        return cls([by_group[g] for g in order], [prompts.get(g, 1) for g in order], max_len or limit or top)
 
     def response(self, prompt_id: int, index: int) -> int:
         g = self.groups[prompt_id % len(self.groups)]

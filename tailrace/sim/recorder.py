@@ -2,34 +2,19 @@
 (metrics.jsonl step records, events.jsonl spans and scheduler marks, journal.jsonl) and a summary of
 the figures the published systems report.
 
-Record shapes follow tailrace/runtime/driver.py: a step record has the deterministic fields at the
-top level and everything time-dependent under "time"; spans are {"lane", "phase", "t0", "t1"};
-scheduler marks are {"lane": "scheduler", "kind", "t", ...}. The journal is optional (`journal=False`)
-because at scale it holds every token id.
+The records are `tailrace.records`' (StepRecord via the same `metrics.step_record` as a real run,
+Span, Mark, journal entries). The journal is optional (`journal=False`) because at scale it holds
+every token id.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
 from pathlib import Path
 
 from tailrace.flow.commands import Train
-from tailrace.flow.serde import traj_to_dict
-from tailrace.metrics import length_stats, staleness_hist, utilization
+from tailrace.metrics import step_record, utilization
+from tailrace.records import Record, Span, StepRecord, dumps
 from tailrace.sim.metrics import minus_length
-from tailrace.sim.runs import Runs
-from tailrace.types import Trajectory
-
-
-def _default(o):
-    if isinstance(o, Trajectory):
-        return traj_to_dict(o)
-    if isinstance(o, (set, frozenset)):
-        return sorted(o)
-    if isinstance(o, Runs):
-        return list(o)
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
 class Recorder:
@@ -40,28 +25,27 @@ class Recorder:
             self.out.mkdir(parents=True, exist_ok=True)
             names = ["metrics", "events"] + (["journal"] if journal else [])
             self._files = {n: open(self.out / f"{n}.jsonl", "w", buffering=1 << 16) for n in names}
-        self.steps: list[dict] = []
+        self.steps: list[StepRecord] = []
         self.first_dispatch: dict[int, float] = {}  # group -> time its first sample went out
         self.issued: dict[int, tuple[float, Train]] = {}  # step -> (time issued, command)
         self.step_log: list[dict] = []  # per finished step: groups, times, publish, lengths
         self._prev = (0.0, 0.0, 0.0, 0, 0)  # (t, trainer busy, slot time, gen tokens, train tokens)
         self.train_tokens = 0
 
-    def _write(self, name: str, rec: dict) -> None:
+    def _write(self, name: str, rec: Record) -> None:
         f = self._files.get(name)
         if f is not None:
-            f.write(json.dumps(rec, default=_default) + "\n")
+            f.write(dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ scheduler side
-    def drain(self, sched) -> None:
-        for e in sched.journal:
+    def record(self, out) -> None:
+        """A poll's journal entries and marks (its `Outbox`)."""
+        for e in out.journal:
             self._write("journal", e)
-        sched.journal.clear()
-        for m in sched.marks:
+        for m in out.marks:
             if m.kind == "group_first_dispatch":
                 self.first_dispatch.setdefault(m.data["group"], m.t)
-            self._write("events", {"lane": "scheduler", "kind": m.kind, "t": m.t, **m.data})
-        sched.marks.clear()
+            self._write("events", m)
 
     def on_train_issued(self, c: Train, now: float) -> None:
         self.issued[c.step] = (now, c)
@@ -97,21 +81,10 @@ class Recorder:
             }
         )
         s = cl.sched
-        rec = {
-            "kind": "step",
-            "step": c.step,
-            "version": s.done_version,
-            "reward": sum(t.reward for t in trajs) / len(trajs),
-            "accuracy": sum(t.correct for t in trajs) / len(trajs),
-            "samples": len(trajs),
-            "length": length_stats(trajs),
-            "staleness": staleness_hist(trajs, c.trainer_version),
-            "discards": dict(s.ledger.discarded),
-            "ledger": s.ledger.state_dict(),
-            "reward_errors": {},
-            "train": {"tokens": tokens, "sequences": len(trajs)},
-            "time": timing,
-        }
+        train = {"tokens": tokens, "sequences": len(trajs)}
+        rec = step_record(
+            c.step, s.done_version, trajs, c.trainer_version, s.ledger_record(), {}, train, timing
+        )
         self.steps.append(rec)
         self._write("metrics", rec)
 
@@ -119,9 +92,9 @@ class Recorder:
     def finish(self, cl) -> None:
         for e in cl.engines:
             for sp in e.spans:
-                self._write("events", _span(f"engine{e.id}", sp))
+                self._write("events", Span(f"engine{e.id}", sp.phase, sp.t0, sp.t1, sp.version))
         for sp in cl.trainer_spans:
-            self._write("events", _span("trainer", sp))
+            self._write("events", Span("trainer", sp.phase, sp.t0, sp.t1, sp.version))
         self.summary = self._summary(cl)
         for f in self._files.values():
             f.close()
@@ -162,7 +135,7 @@ class Recorder:
         rounds = self.rounds()
         gen_spans = [(sp.t0, sp.t1) for e in cl.engines for sp in e.spans if sp.phase == "generate"]
         train_spans = [(sp.t0, sp.t1) for sp in cl.trainer_spans]
-        last = self.steps[-1]["time"] if self.steps else {}
+        last = self.steps[-1].time if self.steps else {}
 
         def mean(key):
             return sum(r[key] for r in rounds) / len(rounds) if rounds else float("nan")
@@ -188,8 +161,3 @@ class Recorder:
             "ledger": s.ledger.state_dict(),
             "step_end_s": [r["end"] for r in sorted(self.step_log, key=lambda r: r["step"])],
         }
-
-
-def _span(lane: str, sp) -> dict:
-    d = {"lane": lane, **{k: v for k, v in asdict(sp).items() if v is not None}}
-    return d

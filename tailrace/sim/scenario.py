@@ -170,7 +170,7 @@ def engine_slots(scn: Scenario, cost: CostModel, lengths: LengthModel) -> int:
 def prompt_stream(lengths: LengthModel) -> Iterator[Prompt]:
     i = 0
     while True:
-        yield Prompt(id=i, token_ids=(TOKEN,) * lengths.prompt_len(i), task="sim", answer="")
+        yield Prompt(id=i, token_ids=(TOKEN,) * lengths.prompt_len(i), answer="")
         i += 1
 
 
@@ -188,9 +188,11 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     sched = Scheduler(
         policy, prompt_stream(lengths), [(slots, scn.cluster.lookahead)] * scn.cluster.engines, spec
     )
-    engines = [SimEngine(i, slots, cost, lengths, scn.accuracy, scn.seed) for i in range(scn.cluster.engines)]
+    engines = [SimEngine(i, slots, cost, lengths) for i in range(scn.cluster.engines)]
     rec = Recorder(out_dir, journal=scn.journal)
-    return SimCluster(sched, engines, cost, rec, colocated=scn.cluster.colocated, poll_s=scn.poll_s)
+    return SimCluster(
+        sched, engines, cost, rec, scn.cluster.colocated, scn.poll_s, accuracy=scn.accuracy, seed=scn.seed
+    )
 
 
 def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:

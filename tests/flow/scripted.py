@@ -7,20 +7,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Sample, Train
-from tailrace.types import Finish, GenResult, Prompt, Trajectory
+from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
+from tailrace.flow.keys import SampleKey
+from tailrace.flow.scheduler import Outbox
+from tailrace.records import JournalEntry, Mark
+from tailrace.types import Finish, GenRequest, GenResult, Prompt, Scored
 
 
 def prompts():
     i = 0
     while True:
-        yield Prompt(id=i, token_ids=(1, 2, 3), task="scripted", answer=str(i))
+        yield Prompt(id=i, token_ids=(1, 2, 3), answer=str(i))
         i += 1
 
 
 @dataclass
 class Running:
-    sample: Sample
+    request: GenRequest
+    key: SampleKey
     target: int
     tokens: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -48,52 +52,47 @@ class ScriptedCluster:
         self.trained: list[Train] = []
         self.t = 0
         self.busy_slot_ticks = 0
-        self.generated: list[Trajectory] = []  # every finished (not aborted) trajectory this cluster made
+        self.generated: list[SampleKey] = []  # every sample this cluster finished (not aborted)
+        self.journal: list[JournalEntry] = []  # the journal and marks of every poll, in order
+        self.marks: list[Mark] = []
 
-    def execute(self, cmds) -> None:
-        for c in cmds:
+    def execute(self, out: Outbox) -> None:
+        self.journal.extend(out.journal)
+        self.marks.extend(out.marks)
+        for c in out.commands:
             if isinstance(c, Generate):
-                for smp in c.samples:
-                    assert smp.version in self.loaded[c.engine], "dispatched a version the engine lacks"
+                for req in c.requests:
+                    assert req.version in self.loaded[c.engine], "dispatched a version the engine lacks"
+                    key = SampleKey.parse(req.id)
+                    target = self.length(key.group, key.index)
                     self.queue[c.engine].append(
-                        Running(
-                            smp,
-                            self.length(smp.group, smp.index),
-                            list(smp.resume_ids),
-                            list(smp.resume_versions),
-                        )
+                        Running(req, key, target, list(req.resume_ids), list(req.resume_versions))
                     )
             elif isinstance(c, Abort):
                 out = []
                 for pool in (self.queue[c.engine], self.running[c.engine]):
-                    for r in [r for r in pool if r.sample.id in c.sample_ids]:
+                    for r in [r for r in pool if r.request.id in c.request_ids]:
                         pool.remove(r)
-                        out.append(self._traj(r, Finish.ABORTED))
-                self.s.on_results(c.engine, out, self.t)
+                        out.append(self._result(r, Finish.ABORTED))
+                self.s.on_results(c.engine, out, [], self.t)
             elif isinstance(c, Train):
                 self.trainer.append(c)
             elif isinstance(c, LoadWeights):
                 self.loads.append((self.t + self.load_ticks, c.engine, c.version))
             elif isinstance(c, DropWeights):
-                assert not any(r.sample.version == c.version for r in self.running[c.engine]), (
+                assert not any(r.request.version == c.version for r in self.running[c.engine]), (
                     "dropped in use"
                 )
                 self.loaded[c.engine].discard(c.version)
 
-    def _traj(self, r: Running, finish: Finish) -> Trajectory:
-        smp = r.sample
-        res = GenResult(smp.id, tuple(r.tokens), tuple(0.0 for _ in r.tokens), tuple(r.versions), finish)
-        rew = self.reward(smp.group, smp.index) if finish != Finish.ABORTED else 0.0
-        return Trajectory(
-            group=smp.group,
-            sample_index=smp.index,
-            prompt_id=smp.prompt.id,
-            prompt_ids=smp.prompt.token_ids,
-            result=res,
-            reward=rew,
-            correct=rew > 0,
-            dispatch_version=smp.version,
+    def _result(self, r: Running, finish: Finish) -> GenResult:
+        return GenResult(
+            r.request.id, tuple(r.tokens), tuple(0.0 for _ in r.tokens), tuple(r.versions), finish
         )
+
+    def _score(self, r: Running) -> Scored:
+        reward = self.reward(r.key.group, r.key.index)
+        return Scored(r.request.id, reward, reward > 0)
 
     def tick(self) -> None:
         self.t += 1
@@ -110,15 +109,15 @@ class ScriptedCluster:
             finished = []
             for r in run:
                 r.tokens.append(7)
-                r.versions.append(r.sample.version)
+                r.versions.append(r.request.version)
                 if len(r.tokens) >= r.target:
                     finished.append(r)
             for r in finished:
                 run.remove(r)
             if finished:
-                out = [self._traj(r, Finish.STOP) for r in finished]
-                self.generated.extend(out)
-                self.s.on_results(e, out, self.t)
+                self.generated.extend(r.key for r in finished)
+                results = [self._result(r, Finish.STOP) for r in finished]
+                self.s.on_results(e, results, [self._score(r) for r in finished], self.t)
         if self.trainer:
             self.train_left += 1
             if self.train_left >= self.train_ticks:

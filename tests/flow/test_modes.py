@@ -49,7 +49,7 @@ def test_invariants_hold_in_every_mode(mode, seed, K, engines, slots, train_tick
     )
     trained = [tr for t in c.trained for g in t.groups for tr in g.trajectories]
     assert len(c.trained) == 6 and s.ledger.trained == len(trained) == 6 * 2 * 2
-    s.ledger.check(s.store.in_store())
+    s.ledger.check(s.in_store())
     # staleness bound, measured independently of the core's own check
     for t in c.trained:
         for g in t.groups:
@@ -85,8 +85,8 @@ def test_multiversion_keeps_the_engine_busy_through_training():
 
 def test_pipe_trains_before_the_round_is_complete():
     s, c = run_mode("pipe", seed=1, R=6, U=2, steps=6, slots=2, train_ticks=1)
-    first_train = next(m.t for m in s.marks if m.kind == "train_issued")
-    last_ready = [m.t for m in s.marks if m.kind == "group_ready"][5]  # the first round's 6th group
+    first_train = next(m.t for m in c.marks if m.kind == "train_issued")
+    last_ready = [m.t for m in c.marks if m.kind == "group_ready"][5]  # the first round's 6th group
     assert first_train < last_ready
 
 

@@ -63,7 +63,7 @@ def test_sync_ledger_and_on_policy_under_random_lengths(seed, R, K, engines, slo
     )
     c.run()
     assert s.ledger.trained == 3 * R * K
-    assert s.ledger.produced == s.ledger.trained + s.store.in_store() + s.ledger.total_discarded
+    assert s.ledger.produced == s.ledger.trained + s.in_store() + s.ledger.total_discarded
     assert set(s.staleness) == {0}
 
 
@@ -72,7 +72,7 @@ def test_sync_metrics_are_deterministic():
         s = make()
         c = ScriptedCluster(s, length=lambda g, i: 1 + (g * 5 + i) % 6, slots=3)
         c.run()
-        return [(m.t, m.kind, sorted(m.data.items())) for m in s.marks]
+        return [(m.t, m.kind, sorted(m.data.items())) for m in c.marks]
 
     assert once() == once()
 
@@ -86,4 +86,4 @@ def test_stop_finishes_with_the_steps_already_issued():
     s.stop()
     c.run()
     assert s.steps_done == s.steps_issued == 4  # the round's second step was issued with the first
-    s.ledger.check(s.store.in_store())
+    s.ledger.check(s.in_store())

@@ -9,12 +9,19 @@ import time
 from pathlib import Path
 
 from tailrace.cli import main
+from tailrace.records import Finished, read_journal
 from tests.runtime.conftest import TINY_RUN
 
 
 def steps_of(run: Path) -> list[dict]:
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
     return [r for r in recs if r["kind"] == "step"]
+
+
+def finished(run: Path) -> list[tuple[int, int]]:
+    """(group, sample index) of every finished trajectory in the run's journal."""
+    journal = read_journal(run / "journal.jsonl")
+    return [(e.trajectory.group, e.trajectory.sample_index) for e in journal if isinstance(e, Finished)]
 
 
 def test_sync_with_a_fixed_seed_gives_identical_metrics(tiny_model, tmp_path):
@@ -56,7 +63,7 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     p.wait()
     killed_at = len(steps_of(run))
     assert 3 <= killed_at < 8
-    done_before = [json.loads(l) for l in (run / "journal.jsonl").read_text().splitlines() if '"done"' in l]
+    done_before = finished(run)
 
     rc = subprocess.run(
         [sys.executable, "-m", "tailrace.cli", "train", f"--resume={run}"], env=env, capture_output=True
@@ -64,12 +71,9 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     assert rc == 0
     steps = [r["step"] for r in steps_of(run)]
     assert steps == list(range(8)), f"steps after resume: {steps}"
-    journal = [json.loads(l) for l in (run / "journal.jsonl").read_text().splitlines()]
-    done = [
-        (e["trajectory"]["group"], e["trajectory"]["sample_index"]) for e in journal if e["kind"] == "done"
-    ]
+    done = finished(run)
     assert len(done) == len(set(done)), "a finished trajectory was generated twice"
-    assert {(e["trajectory"]["group"], e["trajectory"]["sample_index"]) for e in done_before} <= set(done)
+    assert set(done_before) <= set(done)
     final = steps_of(run)[-1]["ledger"]
     discarded = sum(final["discarded"].values())
     assert final["trained"] == 8 * 16

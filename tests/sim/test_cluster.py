@@ -59,14 +59,14 @@ def test_sync_constant_lengths_gives_the_closed_form_step_time(engines):
     assert s["first_dispatch_s"] == pytest.approx(prefill + decode, rel=1e-9)
     # every slot is held while the engine works, except through weight loads
     busy = rounds * (prefill + decode) + (rounds - 1) * COST.load_time()
-    assert cl.rec.steps[-1]["time"]["mean_active_batch"] == pytest.approx(
+    assert cl.rec.steps[-1].time["mean_active_batch"] == pytest.approx(
         N * rounds * (prefill + decode) / busy, rel=1e-9
     )
 
 
 def _check_trained(cl, policy):
     s = cl.sched
-    assert s.ledger.produced == s.ledger.trained + s.store.in_store() + s.ledger.total_discarded
+    assert s.ledger.produced == s.ledger.trained + s.in_store() + s.ledger.total_discarded
     for c in cl.rec.trains:
         for g in c.groups:
             for t in g.trajectories:
@@ -134,7 +134,7 @@ class EagerSync(SyncPolicy):
     def _start_round(self, core):
         v = min(core.engines[0].loaded)
         self.round = [core.open_group(v).id for _ in range(core.spec.groups_per_round)]
-        self.fill(core, [core.store.open[g] for g in self.round])
+        self.fill(core, [core.open[g] for g in self.round])
 
 
 def test_staleness_violation_raises_inside_the_simulation():

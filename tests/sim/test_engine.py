@@ -7,12 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tailrace.flow.commands import Abort, Generate, LoadWeights, Sample
+from tailrace.flow.commands import Abort, Generate, LoadWeights
+from tailrace.flow.keys import SampleKey
 from tailrace.sim.costs import CostModel
 from tailrace.sim.engine import SimEngine
 from tailrace.sim.hardware import GPUS
 from tailrace.sim.lengths import LengthModel
-from tailrace.types import Finish, Prompt
+from tailrace.types import Finish, GenRequest, SamplingParams
 
 COST = CostModel(GPUS["h100"], __import__("tailrace.sim.models", fromlist=["MODELS"]).MODELS["qwen2.5-7b"])
 
@@ -29,11 +30,17 @@ class Table(LengthModel):
 
 
 def samples(lengths: dict, versions=lambda i: 0):
+    """One request per (prompt, index) of `lengths`; its id is the sample key (group = prompt id)."""
     out = []
     for i, (pid, idx) in enumerate(sorted(lengths)):
-        p = Prompt(id=pid, token_ids=(1,) * 50, task="t", answer="")
-        out.append(Sample(id=f"{pid}.{idx}.0", group=pid, index=idx, prompt=p, version=versions(i)))
+        rid = str(SampleKey(pid, idx))
+        out.append(GenRequest(rid, (1,) * 50, SamplingParams(), version=versions(i)))
     return out
+
+
+def key(s: GenRequest) -> tuple[int, int]:
+    k = SampleKey.parse(s.id)
+    return k.group, k.index
 
 
 def reference(table, slots, smps, aborts=()):
@@ -61,7 +68,7 @@ def reference(table, slots, smps, aborts=()):
                 break
             t += COST.prefill_time([50] * len(new))
             for s in new:
-                running[s.id] = [0, table[(s.group, s.index)], s.version]
+                running[s.id] = [0, table[key(s)], s.version]
         if not running:
             continue
         batch = {}
@@ -92,9 +99,10 @@ def analytic(table, slots, smps, aborts=(), loaded=(0,)):
             return out, events, eng
         now = nxt
         events += 1
-        for tr in eng.fire().results:
-            out[tr.result.request_id] = (now, tr.length, tr.result.finish)
-            assert set(tr.versions) <= {tr.dispatch_version}
+        version = {s.id: s.version for s in smps}
+        for r in eng.fire().results:
+            out[r.request_id] = (now, len(r.token_ids), r.finish)
+            assert set(r.versions) <= {version[r.request_id]}
 
 
 def check(ref, got):
@@ -137,12 +145,10 @@ def test_resumed_partial_keeps_old_versions_and_finishes_at_its_length():
     table = {(0, 0): 300}
     eng = SimEngine(0, 4, COST, Table(table))
     eng.loaded = {0, 1}
-    p = Prompt(id=0, token_ids=(1,) * 50, task="t", answer="")
-    s = Sample(
-        id="0.0.1",
-        group=0,
-        index=0,
-        prompt=p,
+    s = GenRequest(
+        "0.0.1",
+        (1,) * 50,
+        SamplingParams(),
         version=1,
         resume_ids=(1,) * 120,
         resume_logprobs=(-1.0,) * 120,
@@ -153,8 +159,8 @@ def test_resumed_partial_keeps_old_versions_and_finishes_at_its_length():
     while (nxt := eng.plan(now)) is not None:
         now = nxt
         res += eng.fire().results
-    (tr,) = res
-    assert tr.length == 300 and tr.versions == (0,) * 120 + (1,) * 180
+    (r,) = res
+    assert len(r.token_ids) == 300 and r.versions == (0,) * 120 + (1,) * 180
 
 
 def test_weight_load_blocks_the_engine_and_reports_when_usable():
@@ -184,7 +190,7 @@ def test_host_gap_shows_as_bubble_not_as_slot_time():
     gap = 2e-3
     cost = CostModel(dataclasses.replace(GPUS["h100"], host_gap_s=gap), COST.model)
     table = {(0, i): 200 for i in range(8)}
-    eng = SimEngine(0, 8, cost, Table(table), seed=0)
+    eng = SimEngine(0, 8, cost, Table(table))
     eng.post(Generate(0, tuple(samples(table))))
     t = eng.plan(0.0)
     eng.fire()

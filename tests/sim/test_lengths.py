@@ -1,8 +1,8 @@
-import json
-
 import pytest
 
+from tailrace.records import Finished, Opened, dumps
 from tailrace.sim.lengths import ConstantLengths, EmpiricalLengths, LognormalLengths, make_lengths
+from tailrace.types import Finish, GenResult, Prompt, Trajectory
 
 
 def test_lognormal_is_a_pure_function_of_seed_prompt_and_index():
@@ -32,14 +32,12 @@ def test_lognormal_tail_truncation_and_intra_prompt_spread():
 def _journal(tmp_path, groups):
     lines = []
     for g, lens in enumerate(groups):
+        prompt = Prompt(g, (1,) * (5 + g), "")
+        lines.append(dumps(Opened(g, 0, g + 1, False, prompt)))
         for i, n in enumerate(lens):
-            t = {
-                "group": g,
-                "sample_index": i,
-                "prompt_ids": [1] * (5 + g),
-                "result": {"token_ids": [7] * n, "finish": "length" if n == 64 else "stop"},
-            }
-            lines.append(json.dumps({"kind": "done", "group": g, "trajectory": t}))
+            finish = Finish.LENGTH if n == 64 else Finish.STOP
+            r = GenResult(f"{g}.{i}.0", (7,) * n, (-1.0,) * n, (0,) * n, finish)
+            lines.append(dumps(Finished(Trajectory(g, i, g, prompt.token_ids, r, 0.0, False))))
     (tmp_path / "journal.jsonl").write_text("\n".join(lines) + "\n{torn")
     return tmp_path
 

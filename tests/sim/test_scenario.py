@@ -8,6 +8,7 @@ import yaml
 from tailrace.cli import main
 from tailrace.config import FlowConfig, RunConfig, dump_config
 from tailrace.errors import ConfigError
+from tailrace.records import Finished, Opened, StepRecord, dumps
 from tailrace.sim import compare
 from tailrace.sim.hardware import get_hardware
 from tailrace.sim.scenario import (
@@ -18,6 +19,7 @@ from tailrace.sim.scenario import (
     scenario_from_run,
     simulate,
 )
+from tailrace.types import Finish, GenResult, Prompt, Trajectory
 
 SMALL = {
     "name": "small",
@@ -39,7 +41,7 @@ def test_a_simulated_run_writes_the_files_of_a_real_run(tmp_path):
     assert {"step_s", "trainer_wait_ratio", "bubble_ratio", "gen_tok_s", "weight_sync_s"} <= set(
         steps[0]["time"]
     )
-    assert steps[-1]["ledger"] == {"produced": 32, "trained": 32, "discarded": {}}
+    assert steps[-1]["ledger"] == {"produced": 32, "trained": 32, "discarded": {}, "in_store": 0}
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     lanes = {e["lane"] for e in events}
     assert {"engine0", "engine1", "trainer", "scheduler"} <= lanes
@@ -90,32 +92,19 @@ def _fake_run(tmp_path, dtype="float32"):
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     lines, steps = [], []
     for g in range(12):
+        lines.append(dumps(Opened(g, 0, g + 1, False, Prompt(g, (1,) * 12, ""))))
         for i in range(4):
             n = 20 + (g * 37 + i * 11) % 200
-            t = {
-                "group": g,
-                "sample_index": i,
-                "prompt_ids": [1] * 12,
-                "result": {"token_ids": [7] * n, "finish": "stop"},
-            }
-            lines.append(json.dumps({"kind": "done", "group": g, "trajectory": t}))
+            r = GenResult(f"{g}.{i}.0", (7,) * n, (-1.0,) * n, (0,) * n, Finish.STOP)
+            lines.append(dumps(Finished(Trajectory(g, i, g, (1,) * 12, r, 1.0, True))))
     (tmp_path / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    time = {"step_s": 1.0, "train_s": 0.4, "step_trainer_wait_ratio": 0.5, "step_bubble_ratio": 0.8}
     for k in range(3):
-        steps.append(
-            {
-                "kind": "step",
-                "step": k,
-                "length": {"bubble": 0.5},
-                "time": {
-                    "step_s": 1.0,
-                    "train_s": 0.4,
-                    "step_trainer_wait_ratio": 0.5,
-                    "step_bubble_ratio": 0.8,
-                    "gen_tok_s": 3000.0,
-                },
-            }
+        rec = StepRecord(
+            k, 0, 0.5, 0.5, 16, {"bubble": 0.5}, {}, {}, {}, {}, {}, {**time, "gen_tok_s": 3000.0}
         )
-    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, steps)) + "\n")
+        steps.append(dumps(rec))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(steps) + "\n")
     return tmp_path
 
 

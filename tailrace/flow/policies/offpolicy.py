@@ -27,15 +27,15 @@ class AsyncPolicy(Policy):
         return cls(max_staleness)
 
     def decide(self, core) -> None:
-        if not self.rounds and (core.store.open or core.store.ready):  # resumed: adopt what is there
+        if not self.rounds and (core.open or core.ready):  # resumed: adopt what is there
             self._adopt(core)
         # train whole rounds in order, as soon as each is complete
-        while self.rounds and all(g in core.store.ready for g in self.rounds[0]):
+        while self.rounds and all(g in core.ready for g in self.rounds[0]):
             core.train(self.rounds.pop(0), publish=True)
             self.next_round = max(self.next_round, core.steps_issued)
-        generating = [g for r in self.rounds for g in r if g in core.store.open]
+        generating = [g for r in self.rounds for g in r if g in core.open]
         if generating:
-            self.fill(core, [core.store.open[g] for g in generating])
+            self.fill(core, [core.open[g] for g in generating])
             return
         r = core.steps_issued + len(self.rounds)  # the step that will train the next round
         v = core.newest
@@ -46,9 +46,9 @@ class AsyncPolicy(Policy):
         U = core.spec.groups_per_step
         self.rounds.append([core.open_group(v).id for _ in range(U)])
         core.mark("round_start", version=v, step=r)
-        self.fill(core, [core.store.open[g] for g in self.rounds[-1]])
+        self.fill(core, [core.open[g] for g in self.rounds[-1]])
 
     def _adopt(self, core) -> None:
         U = core.spec.groups_per_step
-        ids = sorted(list(core.store.open) + list(core.store.ready))
+        ids = sorted(list(core.open) + list(core.ready))
         self.rounds = [ids[i : i + U] for i in range(0, len(ids), U)]

@@ -31,7 +31,7 @@ class PipePolicy(Policy):
             self._start_round(core)
             if not self.round:
                 return
-        ready = [g for g in core.ready_ids() if g in self.round]  # completion order (FIFO)
+        ready = [g for g in list(core.ready) if g in self.round]  # completion order (FIFO)
         while len(ready) >= U:
             chunk, ready = ready[:U], ready[U:]
             self.trained_in_round += U
@@ -42,7 +42,7 @@ class PipePolicy(Policy):
                 self.round, self.trained_in_round = [], 0
                 return
         width = self.frontier or U
-        frontier = [core.store.open[g] for g in self.round if g in core.store.open][:width]
+        frontier = [core.open[g] for g in self.round if g in core.open][:width]
         self.fill(core, [g for g in frontier if g.todo])
 
     def _start_round(self, core) -> None:
@@ -52,7 +52,7 @@ class PipePolicy(Policy):
         if not self.sync_engines(core, v):
             return
         R = core.spec.groups_per_round
-        leftover = sorted(list(core.store.open) + list(core.store.ready))[:R]  # a resumed round's groups
+        leftover = sorted(list(core.open) + list(core.ready))[:R]  # a resumed round's groups
         self.round = leftover + [core.open_group(v).id for _ in range(R - len(leftover))]
         self.trained_in_round = 0
         core.mark("round_start", version=v, groups=list(self.round))

@@ -34,13 +34,11 @@ class StreamingPolicy(Policy):
     def train_ready(self, core) -> None:
         U, K = core.spec.groups_per_step, self.max_staleness
         while core.steps_issued < core.spec.total_steps:
-            ready = sorted(core.store.ready.values(), key=lambda g: (g.version, g.completed_at, g.id))
+            ready = sorted(core.ready.values(), key=lambda g: (g.version, g.completed_at, g.id))
             if len(ready) < U:
                 return
             batch = {g.id for g in ready[:U]}
-            rest = [
-                g.version for g in core.store.all_groups() if g.id not in batch and not _in_training(core, g)
-            ]
+            rest = [g.version for g in core.queued() if g.id not in batch]
             if not _trainable_later(rest, U, K, core.trainer_version + 1):
                 core.mark("window_wait", oldest=min(rest), trainer=core.trainer_version)
                 return
@@ -58,7 +56,7 @@ class StreamingPolicy(Policy):
         per_group = core.spec.samples_per_prompt
         room = sum(e.free for e in core.engines if version in e.loaded)
         needed = core.spec.total_steps * U
-        queued = [g.version for g in core.store.all_groups() if not _in_training(core, g)]
+        queued = [g.version for g in core.queued()]
         budget = min(
             U * (v + K - core.trainer_version + 1) - sum(1 for x in queued if x <= v)
             for v in set(queued) | {version}
@@ -67,7 +65,7 @@ class StreamingPolicy(Policy):
         while (
             self.opened_at.get(version, 0) < cap
             and room >= per_group
-            and core.next_group < needed
+            and core.groups_opened < needed
             and budget > 0
         ):
             g = core.open_group(version)
@@ -82,11 +80,7 @@ class StreamingPolicy(Policy):
 
     def pending(self, core) -> list[GroupState]:
         """Open groups with samples still to dispatch, oldest version first."""
-        return sorted((g for g in core.store.open.values() if g.todo), key=lambda g: (g.version, g.id))
-
-
-def _in_training(core, g: GroupState) -> bool:
-    return any(g is x for gs in core.store.training.values() for x in gs)
+        return sorted((g for g in core.open.values() if g.todo), key=lambda g: (g.version, g.id))
 
 
 def _trainable_later(versions: list[int], U: int, K: int, T: int) -> bool:

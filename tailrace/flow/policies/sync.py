@@ -17,11 +17,11 @@ class SyncPolicy(Policy):
 
     def decide(self, core) -> None:
         if not self.round:  # after a resume, the groups of the interrupted round are already there
-            self.round = sorted(list(core.store.open) + list(core.store.ready))[: core.spec.groups_per_round]
+            self.round = sorted(list(core.open) + list(core.ready))[: core.spec.groups_per_round]
         if not self.round:
             self._start_round(core)
             return
-        groups = [core.store.open[g] for g in self.round if g in core.store.open]
+        groups = [core.open[g] for g in self.round if g in core.open]
         if groups:
             self.hand_over(core, groups)
             return
@@ -39,4 +39,4 @@ class SyncPolicy(Policy):
             return
         self.round = [core.open_group(v).id for _ in range(core.spec.groups_per_round)]
         core.mark("round_start", version=v, groups=list(self.round))
-        self.hand_over(core, [core.store.open[g] for g in self.round])
+        self.hand_over(core, [core.open[g] for g in self.round])

@@ -1,0 +1,102 @@
+"""Scheduler checkpoints and journal replay: resume loses no finished trajectory, repeats no step.
+
+A checkpoint is taken right after train step n is durable. It records the state *as of the finished
+steps*: groups handed to steps that had not finished go back to ready (they will be trained again,
+by a step that really happens), samples in flight go back to the group's to-do list (their work is
+regenerated), and the trainer version is the one the checkpointed weights hold. The journal —
+entries the scheduler emitted after the checkpoint — is then replayed on top: groups opened and
+trajectories finished since come back exactly as they were.
+
+These are methods of `Scheduler` (a mixin, to keep each file to one concern); they use its store's
+own checkpoint operations.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from typing import Iterable
+
+from tailrace.flow.ledger import Ledger
+from tailrace.flow.store import GroupState
+from tailrace.records import Discarded, Finished, JournalEntry, Opened, prompt_from_json, prompt_to_json
+
+
+class SchedulerState:
+    def state_dict(self) -> dict:
+        """The checkpoint; take it after a poll (the journal entries it counts must all be handed out,
+        or a resume would miss them)."""
+        if self._out.journal:
+            raise RuntimeError(
+                f"state_dict with {len(self._out.journal)} journal entries not yet handed out; poll "
+                "and record the outbox first"
+            )
+        return {
+            "prompts_taken": self.prompts_taken, "groups_opened": self.groups_opened,
+            "version": self.done_version, "steps_done": self.steps_done, "ledger": self.ledger.state_dict(),
+            "staleness": dict(self.staleness), "journal_seq": self.journal_seq,
+            "requeued": [prompt_to_json(p) for p in self._requeued], **self._store.to_json(),
+            "policy": self.policy.state_dict(),
+        }  # fmt: skip
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore a fresh scheduler (built with the same policy, spec and prompt stream)."""
+        for _ in range(d["prompts_taken"]):
+            next(self._prompts)
+        self.prompts_taken, self.groups_opened = d["prompts_taken"], d["groups_opened"]
+        self.trainer_version = self.done_version = d["version"]
+        self.published = {d["version"]}
+        for e in self.engines:
+            e.loaded = {d["version"]}
+        self.steps_done = self.steps_issued = d["steps_done"]
+        self.ledger = Ledger.from_state(d["ledger"])
+        self.staleness = Counter({int(k): v for k, v in d["staleness"].items()})
+        self.journal_seq = d["journal_seq"]
+        self._requeued = [prompt_from_json(p) for p in d["requeued"]]
+        self._store.load_json(d)
+        self.policy.load_state_dict(d["policy"])
+
+    def replay(self, entries: Iterable[JournalEntry]) -> None:
+        """Apply the journal entries written after the checkpoint, in order."""
+        store = self._store
+        for e in entries:
+            if isinstance(e, Opened):
+                if e.requeued:
+                    self._requeued.pop(0)
+                else:
+                    next(self._prompts)
+                store.add_group(
+                    GroupState(e.group, e.prompt, e.version, self.spec.samples_per_prompt, self.now)
+                )
+                self.prompts_taken, self.groups_opened = e.prompts_taken, e.group + 1
+            elif isinstance(e, Finished):
+                g = store.open[e.trajectory.group]
+                t = replace(e.trajectory, prompt_ids=g.prompt.token_ids)  # the journal keeps them once
+                g.todo.remove(t.sample_index)
+                self.ledger.on_produced()
+                if max(t.versions, default=t.dispatch_version) > self.done_version:
+                    # made by weights of a step that did not survive the crash: accounted, not trained
+                    self.ledger.on_discarded("resume:weights-lost")
+                    g.todo.append(t.sample_index)  # generated again; the lost one is accounted above
+                else:
+                    g.dispatched += 1
+                    g.done.append(t)
+                self._maybe_ready(g)
+            elif isinstance(e, Discarded):
+                g = store.open.get(e.group)
+                if g is not None and e.index in g.todo:
+                    g.todo.remove(e.index)
+                    g.dispatched += 1
+                    g.discarded += 1
+                self.ledger.on_produced()
+                self.ledger.on_discarded(e.reason)
+                if g is not None:
+                    self._maybe_ready(g)
+            self.journal_seq += 1
+        # groups opened under weights that did not survive are un-opened: their prompts go back to the
+        # front of the queue (their finished samples were discarded above, with a reason)
+        for g in sorted(store.open.values(), key=lambda g: g.id):
+            if g.version > self.done_version:
+                assert not g.done and not g.in_flight
+                del store.open[g.id]
+                self._requeued.append(g.prompt)

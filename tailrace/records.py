@@ -1,0 +1,283 @@
+"""The run directory's records, and their one serializer. Torch-free: the runtime, the simulator, the
+scheduler (its journal), resume, the report, `sim/compare` and `tailrace trace` all use these.
+
+    metrics.jsonl   StepRecord (kind "step") and EvalRecord (kind "eval"), one per line
+    events.jsonl    Span (a component busy in a phase) and Mark (a scheduler event)
+    journal.jsonl   Opened / Finished / Discarded: the scheduler's write-ahead log
+
+Token ids and logprobs of a trajectory are stored as base64 of packed little-endian arrays (ids in
+the narrowest unsigned width that holds them, logprobs as float32 when that is exact, else float64),
+and per-token versions as (version, count) runs: every value round-trips exactly, at a fraction of
+the bytes of JSON numbers. Each record stays one JSON line, so a torn last line is the only damage a
+crash can do.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from array import array
+from dataclasses import dataclass, field
+from itertools import groupby
+from pathlib import Path
+from typing import Any, Iterator
+
+from tailrace.jsonlines import read_lines
+from tailrace.types import Finish, GenResult, Prompt, Trajectory
+
+# -- packed arrays ------------------------------------------------------------------------------
+
+
+def _pack(a: array) -> str:
+    if sys.byteorder == "big":
+        a.byteswap()
+    return base64.b64encode(a.tobytes()).decode("ascii")
+
+
+def _unpack(code: str, s: str) -> list:
+    a = array(code)
+    a.frombytes(base64.b64decode(s))
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
+
+
+def _pack_ids(ids) -> tuple[str, str]:
+    top = max(ids, default=0)
+    code = "B" if top < 1 << 8 else "H" if top < 1 << 16 else "I"
+    return code, _pack(array(code, ids))
+
+
+def _pack_floats(xs) -> tuple[str, str]:
+    xs = list(xs)
+    f32 = array("f", xs)
+    return ("f", _pack(f32)) if f32.tolist() == xs else ("d", _pack(array("d", xs)))
+
+
+def _runs(xs) -> list[list[int]]:
+    return [[v, sum(1 for _ in g)] for v, g in groupby(xs)]
+
+
+def _expand(runs: list[list[int]]) -> tuple[int, ...]:
+    return tuple(v for v, n in runs for _ in range(n))
+
+
+# -- prompts and trajectories ---------------------------------------------------------------------
+
+
+def prompt_to_json(p: Prompt) -> dict:
+    return {"id": p.id, "token_ids": list(p.token_ids), "answer": p.answer, "text": p.text}
+
+
+def prompt_from_json(d: dict) -> Prompt:
+    return Prompt(id=d["id"], token_ids=tuple(d["token_ids"]), answer=d["answer"], text=d["text"])
+
+
+def trajectory_to_json(t: Trajectory) -> dict:
+    """Everything but the prompt's token ids (the group's prompt holds them)."""
+    r = t.result
+    id_code, ids = _pack_ids(r.token_ids)
+    lp_code, lps = _pack_floats(r.logprobs)
+    return {
+        "group": t.group, "index": t.sample_index, "prompt_id": t.prompt_id, "request_id": r.request_id,
+        "reward": t.reward, "correct": t.correct, "version": t.dispatch_version, "finish": r.finish.value,
+        "times": [r.submitted, r.first_token, r.finished], "n": len(r.token_ids),
+        "ids": [id_code, ids], "logprobs": [lp_code, lps], "versions": _runs(r.versions),
+    }  # fmt: skip
+
+
+def trajectory_from_json(d: dict, prompt_ids: tuple[int, ...]) -> Trajectory:
+    submitted, first, finished = d["times"]
+    result = GenResult(
+        d["request_id"], tuple(_unpack(*d["ids"])), tuple(_unpack(*d["logprobs"])),
+        _expand(d["versions"]), Finish(d["finish"]), submitted, first, finished,
+    )  # fmt: skip
+    return Trajectory(
+        group=d["group"], sample_index=d["index"], prompt_id=d["prompt_id"], prompt_ids=prompt_ids,
+        result=result, reward=d["reward"], correct=d["correct"], dispatch_version=d["version"],
+    )  # fmt: skip
+
+
+# -- the journal --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A group was opened at `version` on `prompt` (taken fresh from the stream, or requeued)."""
+
+    group: int
+    version: int
+    prompts_taken: int  # prompts taken from the stream so far, this one included if fresh
+    requeued: bool
+    prompt: Prompt
+    kind = "open"
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind, "group": self.group, "version": self.version,
+            "prompts_taken": self.prompts_taken, "requeued": self.requeued,
+            "prompt": prompt_to_json(self.prompt),
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A sample finished (stopped or truncated) and joined its group in the store."""
+
+    trajectory: Trajectory
+    kind = "done"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, **trajectory_to_json(self.trajectory)}
+
+
+@dataclass(frozen=True)
+class Discarded:
+    """A sample left for good without being trained (an aborted partial not resumed, ...)."""
+
+    group: int
+    index: int
+    reason: str
+    kind = "discard"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "group": self.group, "index": self.index, "reason": self.reason}
+
+
+JournalEntry = Opened | Finished | Discarded
+
+
+def journal_from_json(d: dict) -> JournalEntry:
+    """Decode one journal line. A Finished trajectory comes without its prompt's token ids (`()`):
+    the Opened entry of its group holds them."""
+    kind = d["kind"]
+    if kind == "open":
+        return Opened(
+            d["group"], d["version"], d["prompts_taken"], d["requeued"], prompt_from_json(d["prompt"])
+        )
+    if kind == "done":
+        return Finished(trajectory_from_json(d, ()))
+    if kind == "discard":
+        return Discarded(d["group"], d["index"], d["reason"])
+    raise ValueError(f"unknown journal entry kind {kind!r}")
+
+
+# -- events -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    """A component (`lane`: engine0, trainer, ...) busy in `phase` (generate, train, sync, wait, ...)."""
+
+    lane: str
+    phase: str
+    t0: float
+    t1: float
+    version: int | None = None
+    step: int | None = None
+
+    def to_json(self) -> dict:
+        d = {"lane": self.lane, "phase": self.phase, "t0": self.t0, "t1": self.t1}
+        if self.version is not None:
+            d["version"] = self.version
+        if self.step is not None:
+            d["step"] = self.step
+        return d
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A time-stamped scheduler event (round start, group ready, train issued, ...)."""
+
+    t: float
+    kind: str
+    data: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"lane": "scheduler", "kind": self.kind, "t": self.t, **self.data}
+
+
+def event_from_json(d: dict) -> Span | Mark:
+    if "phase" in d:
+        return Span(d["lane"], d["phase"], d["t0"], d["t1"], d.get("version"), d.get("step"))
+    data = {k: v for k, v in d.items() if k not in ("lane", "kind", "t")}
+    return Mark(d["t"], d["kind"], data)
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step. Deterministic figures at the top level; everything that depends on wall
+    time under `time` (so two seeded sync runs give equal records but for `time`)."""
+
+    step: int
+    version: int  # trainer version after the step
+    reward: float
+    accuracy: float  # fraction of the step's samples the task scored correct
+    samples: int
+    length: dict[str, float]  # metrics.length_stats
+    staleness: dict[str, int]  # trainer version - oldest token version -> samples
+    discards: dict[str, int]  # reason -> samples, cumulative
+    ledger: dict[str, Any]  # produced, trained, discarded, in_store (cumulative)
+    reward_errors: dict[str, int]
+    train: dict[str, float]  # the trainer's step metrics
+    time: dict[str, float]  # metrics.utilization + train_s, weight_sync_s, ...
+    kind = "step"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """Held-out accuracy and response lengths of one evaluation (`tag`: base, final, ...)."""
+
+    tag: str
+    step: int
+    summary: dict[str, Any]  # accuracy, n, p50, p90, p99, max, mean, p99_over_p50, histogram
+    kind = "eval"
+
+    @property
+    def accuracy(self) -> float:
+        return self.summary["accuracy"]
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "tag": self.tag, "step": self.step, **self.summary}
+
+
+def metric_from_json(d: dict) -> StepRecord | EvalRecord:
+    if d.get("kind") == "step":
+        return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__})
+    if d.get("kind") == "eval":
+        return EvalRecord(
+            d["tag"], d["step"], {k: v for k, v in d.items() if k not in ("kind", "tag", "step")}
+        )
+    raise ValueError(f"unknown metrics record kind {d.get('kind')!r}")
+
+
+# -- reading a run directory's files ----------------------------------------------------------
+
+
+def read_journal(path: str | Path) -> Iterator[JournalEntry]:
+    return (journal_from_json(d) for d in read_lines(path))
+
+
+def read_events(path: str | Path) -> Iterator[Span | Mark]:
+    return (event_from_json(d) for d in read_lines(path))
+
+
+def read_metrics(path: str | Path) -> Iterator[StepRecord | EvalRecord]:
+    return (metric_from_json(d) for d in read_lines(path))
+
+
+# -- the one encoder ----------------------------------------------------------------------------
+
+Record = StepRecord | EvalRecord | Span | Mark | JournalEntry
+
+
+def dumps(record: Record) -> str:
+    """One JSON line (without the newline) for any record."""
+    return json.dumps(record.to_json(), separators=(",", ":"))

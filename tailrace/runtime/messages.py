@@ -1,0 +1,72 @@
+"""What the driver and its worker processes say to each other, besides the scheduler's commands
+(Generate / Abort / LoadWeights / DropWeights go to engines as they are; Train goes to the trainer
+inside a `TrainOrder`). Every message is one of these records: no tuples, no sentinels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tailrace.flow.commands import Train
+from tailrace.types import GenResult
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A worker finished starting up, holding weights `version`."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """The driver is done with this worker: it exits its loop."""
+
+
+@dataclass
+class Stats:
+    """Engine step statistics accumulated between two reports."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    slot_s: float = 0.0  # sum over steps of occupied slots (decoding or prefilling) x step duration
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    spans: list[tuple[float, float]] = field(default_factory=list)  # merged busy intervals
+
+    def add(self, t0: float, dt: float, active: int, prefill: int, decode: int) -> None:
+        self.steps += 1
+        self.busy_s += dt
+        self.slot_s += active * dt
+        self.decode_tokens += decode
+        self.prefill_tokens += prefill
+        if self.spans and t0 - self.spans[-1][1] < 2e-3:  # merge back-to-back steps into one span
+            self.spans[-1] = (self.spans[-1][0], t0 + dt)
+        else:
+            self.spans.append((t0, t0 + dt))
+
+
+@dataclass
+class EngineReport:
+    """What an engine finished since its last report, with its step statistics and weight loads."""
+
+    engine: int
+    results: list[GenResult]
+    stats: Stats
+    loaded: list[tuple[int, float, float]]  # (version, t0, t1) weight loads since the last report
+    t: float
+
+
+@dataclass(frozen=True)
+class TrainOrder:
+    train: Train
+    save_dir: str | None = None  # write a checkpoint there after the step
+
+
+@dataclass
+class TrainerReport:
+    step: int
+    metrics: dict
+    published: int | None
+    saved: str | None
+    span: tuple[float, float]  # the step's compute
+    sync_span: tuple[float, float] | None  # copying weights into shared memory
