@@ -47,7 +47,7 @@ MODES = [
 CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", "multiversion": "behaviour"}
 
 CONFIGS = {
-    # R=32 prompts x K=8 per round, B=64 samples per step: a round is 4 steps, so pipe can pipeline.
+    # R=32 prompts x G=8 samples per round, B=64 samples per step: a round is 4 steps, so pipe can pipeline.
     # One core each; the engine's slot count (and dtype) sizes the rollout pool against the trainer
     # (measured in sync mode on the 2-core testbed when they were sized: 6 fp32 slots -> generation ~54%
     # of the step, 2 bf16 slots -> ~75%, i.e. 3x training; since the engine's C kernels of 2026-11-29

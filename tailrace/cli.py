@@ -4,6 +4,7 @@
     tailrace sft   [--sft.key=value ...]          build (or reuse) the warm-started default model
     tailrace eval  [--model.path=DIR] [...]       held-out accuracy and response-length histogram
     tailrace report RUN_DIR                       write RUN_DIR/report.html
+    tailrace trace RUN_DIR                        write RUN_DIR/trace.json (Perfetto / chrome://tracing)
 
 Bad input ends in one line naming the problem and the fix (exit code 2); nothing already written to a
 run directory is touched by a failing command.
@@ -176,6 +177,16 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def cmd_trace(argv: list[str]) -> int:
+    from tailrace.report.trace import write_trace
+
+    if len(argv) != 1:
+        raise ConfigError("usage: tailrace trace RUN_DIR")
+    out = write_trace(Path(argv[0]))
+    console.print(f"wrote {out} (open it in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 def cmd_sim(argv: list[str]) -> int:
     """tailrace sim --config SCENARIO.yaml [--out DIR] [--key=value ...]   simulate a scenario (a run directory)
     tailrace sim --like RUN_DIR [--out DIR] [--key=value ...]      a real run's setup on the cpu preset, compared
@@ -243,7 +254,14 @@ def cmd_sim(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "report": cmd_report, "sim": cmd_sim}
+COMMANDS = {
+    "train": cmd_train,
+    "sft": cmd_sft,
+    "eval": cmd_eval,
+    "report": cmd_report,
+    "trace": cmd_trace,
+    "sim": cmd_sim,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -246,8 +246,16 @@ class Driver:
             if r.request_id in self._eval_wanted:
                 self._eval_wanted.discard(r.request_id)
                 self._eval_results.append(r)
-            else:
-                mine.append(r)
+            else:  # the journal keeps request times on the run's clock, as events.jsonl
+                t0 = self.t0
+                mine.append(
+                    replace(
+                        r,
+                        submitted=r.submitted - t0,
+                        first_token=r.first_token - t0,
+                        finished=r.finished - t0,
+                    )
+                )
         if mine:
             final = [r for r in mine if r.finish != Finish.ABORTED]
             scores = self.ses.score([self.sched.prompt_of(r.request_id) for r in final], final)

@@ -12,8 +12,13 @@ Class attributes declare the invariants the core enforces at every train step:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tailrace.flow.store import GroupState
 from tailrace.types import Trajectory
+
+if TYPE_CHECKING:
+    from tailrace.flow.scheduler import Scheduler
 
 
 class Policy:
@@ -26,13 +31,13 @@ class Policy:
         """Build from run options (e.g. max_staleness); a policy reads only the ones it has."""
         return cls()
 
-    def attach(self, core) -> None:
+    def attach(self, core: Scheduler) -> None:
         self.core = core
 
-    def decide(self, core) -> None:
+    def decide(self, core: Scheduler) -> None:
         raise NotImplementedError
 
-    def on_aborted(self, core, partial: Trajectory) -> None:
+    def on_aborted(self, core: Scheduler, partial: Trajectory) -> None:
         core.discard_partial(partial, "aborted")
 
     def select(self, g: GroupState) -> tuple[list[Trajectory], list[tuple[Trajectory, str]]]:
@@ -46,7 +51,7 @@ class Policy:
 
     # -- helpers shared by policies -------------------------------------------------------------
     @staticmethod
-    def fill(core, groups: list[GroupState], version: int | None = None) -> None:
+    def fill(core: Scheduler, groups: list[GroupState], version: int | None = None) -> None:
         """Dispatch pending samples of `groups`, in order, to engines that hold their version,
         spreading across engines by free capacity."""
         for g in groups:
@@ -59,7 +64,7 @@ class Policy:
                 core.dispatch(e.id, g, 1, version=v)
 
     @staticmethod
-    def hand_over(core, groups: list[GroupState]) -> None:
+    def hand_over(core: Scheduler, groups: list[GroupState]) -> None:
         """Dispatch every pending sample of `groups` now, round-robin over engines holding their
         version, past their free capacity (the engines queue them)."""
         i = 0
@@ -70,7 +75,7 @@ class Policy:
                 i += 1
 
     @staticmethod
-    def sync_engines(core, version: int) -> bool:
+    def sync_engines(core: Scheduler, version: int) -> bool:
         """Load `version` everywhere and drop older idle versions; True once every engine holds it."""
         for e in core.engines:
             core.load(e.id, version)

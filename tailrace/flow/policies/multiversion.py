@@ -10,13 +10,18 @@ engine serving several versions runs one forward per version). The rollout batch
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tailrace.flow.policies.streaming import StreamingPolicy
+
+if TYPE_CHECKING:
+    from tailrace.flow.scheduler import Scheduler
 
 
 class MultiVersionPolicy(StreamingPolicy):
     name = "multiversion"
 
-    def decide(self, core) -> None:
+    def decide(self, core: Scheduler) -> None:
         self.train_ready(core)
         v = core.newest
         live = core.live_versions()

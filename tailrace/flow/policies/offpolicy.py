@@ -9,7 +9,12 @@ the training of step r; engines switch weights only between rounds.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tailrace.flow.policies.base import Policy
+
+if TYPE_CHECKING:
+    from tailrace.flow.scheduler import Scheduler
 
 
 class AsyncPolicy(Policy):
@@ -26,7 +31,7 @@ class AsyncPolicy(Policy):
     def from_options(cls, max_staleness: int = 1, **_) -> "AsyncPolicy":
         return cls(max_staleness)
 
-    def decide(self, core) -> None:
+    def decide(self, core: Scheduler) -> None:
         if not self.rounds and (core.open or core.ready):  # resumed: adopt what is there
             self._adopt(core)
         # train whole rounds in order, as soon as each is complete
@@ -48,7 +53,7 @@ class AsyncPolicy(Policy):
         core.mark("round_start", version=v, step=r)
         self.fill(core, [core.open[g] for g in self.rounds[-1]])
 
-    def _adopt(self, core) -> None:
+    def _adopt(self, core: Scheduler) -> None:
         U = core.spec.groups_per_step
         ids = sorted(list(core.open) + list(core.ready))
         self.rounds = [ids[i : i + U] for i in range(0, len(ids), U)]

@@ -6,14 +6,19 @@ train a resumed sample's old segment unmasked — see tests)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tailrace.flow.policies.streaming import StreamingPolicy
+
+if TYPE_CHECKING:
+    from tailrace.flow.scheduler import Scheduler
 
 
 class PartialPolicy(StreamingPolicy):
     name = "partial"
     mixed_versions = True
 
-    def decide(self, core) -> None:
+    def decide(self, core: Scheduler) -> None:
         self.train_ready(core)
         v = core.newest
         for e in core.engines:
@@ -28,7 +33,7 @@ class PartialPolicy(StreamingPolicy):
                 self.fill(core, [g], version=v)
             self.open_new(core, v)
 
-    def on_aborted(self, core, partial) -> None:
+    def on_aborted(self, core: Scheduler, partial) -> None:
         """Resume the partial on the engine that returned it, under the newest version it holds."""
         engine = max(core.engines, key=lambda e: (max(e.loaded), e.free))
         core.resume(engine.id, partial, max(engine.loaded))

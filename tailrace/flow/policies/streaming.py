@@ -13,8 +13,13 @@ groups of a version than the steps left before it goes stale can take, so the wa
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tailrace.flow.policies.base import Policy
 from tailrace.flow.store import GroupState
+
+if TYPE_CHECKING:
+    from tailrace.flow.scheduler import Scheduler
 
 
 class StreamingPolicy(Policy):
@@ -31,7 +36,7 @@ class StreamingPolicy(Policy):
         return cls(max_staleness, rollout_groups)
 
     # -- training -------------------------------------------------------------------------------
-    def train_ready(self, core) -> None:
+    def train_ready(self, core: Scheduler) -> None:
         U, K = core.spec.groups_per_step, self.max_staleness
         while core.steps_issued < core.spec.total_steps:
             ready = sorted(core.ready.values(), key=lambda g: (g.version, g.completed_at, g.id))
@@ -45,7 +50,7 @@ class StreamingPolicy(Policy):
             core.train([g.id for g in ready[:U]], publish=True)
 
     # -- admission ------------------------------------------------------------------------------
-    def open_new(self, core, version: int) -> None:
+    def open_new(self, core: Scheduler, version: int) -> None:
         """Open groups at `version` while engines holding it have room and its rollout batch is not
         full — and only as many as the steps left before `version` goes stale can train: every group
         of version <= v must be trained by a step starting at trainer version <= v + K, and each step
@@ -74,11 +79,11 @@ class StreamingPolicy(Policy):
             budget -= 1
             self.fill(core, [g])
 
-    def attach(self, core) -> None:
+    def attach(self, core: Scheduler) -> None:
         super().attach(core)
         self.opened_at: dict[int, int] = {}  # groups this policy opened per version
 
-    def pending(self, core) -> list[GroupState]:
+    def pending(self, core: Scheduler) -> list[GroupState]:
         """Open groups with samples still to dispatch, oldest version first."""
         return sorted((g for g in core.open.values() if g.todo), key=lambda g: (g.version, g.id))
 

@@ -1,11 +1,17 @@
-"""sync: the slime/verl baseline. Generate R prompts x K samples with fixed weights, train on them
-in R/U optimizer steps, publish the new version, load it everywhere, repeat. Strictly on-policy.
+"""sync: the slime/verl baseline. Generate R prompts x G samples (G: the group size) with fixed
+weights, train on them in R/U optimizer steps, publish the new version, load it everywhere, repeat.
+Strictly on-policy.
 The whole round is handed to the engines at once (they queue what their slots cannot take), so a
 fixed seed gives the same engine schedule, and the same metrics, run after run."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tailrace.flow.policies.base import Policy
+
+if TYPE_CHECKING:
+    from tailrace.flow.scheduler import Scheduler
 
 
 class SyncPolicy(Policy):
@@ -15,7 +21,7 @@ class SyncPolicy(Policy):
     def __init__(self) -> None:
         self.round: list[int] = []  # group ids of the round being generated
 
-    def decide(self, core) -> None:
+    def decide(self, core: Scheduler) -> None:
         if not self.round:  # after a resume, the groups of the interrupted round are already there
             self.round = sorted(list(core.open) + list(core.ready))[: core.spec.groups_per_round]
         if not self.round:
@@ -31,7 +37,7 @@ class SyncPolicy(Policy):
             core.train(chunk, publish=i + U >= len(self.round))
         self.round = []
 
-    def _start_round(self, core) -> None:
+    def _start_round(self, core: Scheduler) -> None:
         v = core.trainer_version
         if core.steps_done < core.steps_issued or v not in core.published:
             return  # still training, or the new weights are not out yet
