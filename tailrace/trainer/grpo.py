@@ -18,10 +18,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from tailrace.config import TrainerConfig
 from tailrace.model.flat import FlatWeights, flatten_parameters
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
-from tailrace.trainer.config import TrainerConfig
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, kl_penalty
 from tailrace.trainer.optim import build_adamw

@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tailrace.config import ConfigError, load_config
-from tailrace.trainer.config import LossConfig, TrainerConfig
+from tailrace.config import ConfigError, LossConfig, TrainerConfig, load_config
 from tailrace.trainer.grpo import GRPOTrainer
 from tailrace.trainer.logprobs import token_logprobs
 from tailrace.types import Finish, GenResult, Group, Trajectory

@@ -11,8 +11,7 @@ import math
 import pytest
 import torch
 
-from tailrace.config import ConfigError
-from tailrace.trainer.config import LossConfig
+from tailrace.config import ConfigError, LossConfig
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, fresh_mask, k3, kl_penalty, seq_mean_scale
 
 R = [[1.5, 1.25, 0.9], [0.5, 1.1, 10.0]]
@@ -132,8 +131,8 @@ def test_loss_config_defaults_and_messages():
 
 
 def test_config_name_tables_match_registries():
+    from tailrace.config.train import ADVANTAGE_NAMES, CORRECTION_NAMES, LOSS_DEFAULTS
     from tailrace.trainer.advantages import ADVANTAGES
-    from tailrace.trainer.config import ADVANTAGE_NAMES, CORRECTION_NAMES, LOSS_DEFAULTS
 
     assert set(LOSS_DEFAULTS) == set(LOSSES)
     assert set(CORRECTION_NAMES) == set(CORRECTIONS)

@@ -1,6 +1,7 @@
-"""The trainer's configuration: plain dataclasses, no torch, so `RunConfig` can compose them.
+"""The trainer's sections: the optimizer and batch shape (`TrainerConfig`) and its loss (`LossConfig`).
 
-The name tables mirror the registries in losses.py / advantages.py (a test keeps them equal).
+The name tables mirror the registries in trainer/losses.py and trainer/advantages.py (a test keeps them
+equal).
 """
 
 from __future__ import annotations
