@@ -139,8 +139,8 @@ def cmd_sft(argv: list[str]) -> int:
     from tailrace.runtime.warmstart import ensure_warm_start, warm_start_dir
 
     cfg = load_config(None, argv)
-    cached = (warm_start_dir(cfg.sft) / "warmstart.json").is_file()
-    path = ensure_warm_start(cfg.sft, _sft_progress())
+    cached = (warm_start_dir(cfg.arch, cfg.sft) / "warmstart.json").is_file()
+    path = ensure_warm_start(cfg.arch, cfg.sft, _sft_progress())
     console.print(f"{'cached' if cached else 'built'} warm-started model: {path}")
     return 0
 

@@ -17,16 +17,13 @@ class ModelSpec:
 
 
 @dataclass
-class SFTConfig:
-    """The warm-start recipe. Its hash names the cache entry, so a changed recipe rebuilds.
+class ArchConfig:
+    """The built-in default model's shape (a Llama-style decoder over the character tokenizer).
 
-    The default model is small on purpose (0.8M parameters, hidden 128, 4 layers): on two CPU cores
-    it crosses chainsum's learning transition (finding each term by its letter) in ~1,500 small
-    steps and is past it by ~2,700 (30,000 demonstrations, under 5 minutes), a point a 2.4M
-    hidden-256 model reaches far later here (3.9% after 900 steps vs 23%). One demonstration step in
-    five carries a slip (a sum off by one, carried on): the warm-started policy then makes the
-    mistakes a real base model makes, lands at ~40% accuracy, and GRPO has errors to remove that
-    compound over long chains. Without slips it lands higher with less to gain (53% at 15% slips).
+    Used when model.path is unset; with `SFTConfig` it makes the warm-start recipe. Small on purpose
+    (0.8M parameters): on two CPU cores it crosses chainsum's learning transition (finding each term
+    by its letter) in ~1,500 small steps and is past it by ~2,700 (30,000 demonstrations, under 5
+    minutes), a point a 2.4M hidden-256 model reaches far later here (3.9% after 900 steps vs 23%).
     """
 
     hidden_size: int = 128
@@ -35,6 +32,31 @@ class SFTConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 384
     max_len: int = 512
+
+    def __post_init__(self) -> None:
+        for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_len"):
+            need(getattr(self, k) > 0, f"arch.{k}={getattr(self, k)}: must be positive")
+        need(
+            self.hidden_size % self.num_heads == 0,
+            f"arch.hidden_size={self.hidden_size} is not divisible by arch.num_heads={self.num_heads}",
+        )
+        need(
+            self.num_heads % self.num_kv_heads == 0,
+            f"arch.num_heads={self.num_heads} is not divisible by arch.num_kv_heads={self.num_kv_heads}",
+        )
+
+
+@dataclass
+class SFTConfig:
+    """How the built-in default model is warm-started: supervised training on chainsum demonstrations.
+
+    With `ArchConfig` this is the warm-start recipe; its hash names the cache entry, so a changed
+    recipe rebuilds. One demonstration step in five carries a slip (a sum off by one, carried on):
+    the warm-started policy then makes the mistakes a real base model makes, lands at ~40% accuracy,
+    and GRPO has errors to remove that compound over long chains. Without slips it lands higher with
+    less to gain (53% at 15% slips).
+    """
+
     examples: int = 30000
     slip: float = 0.2  # chance that a demonstration step's sum is off by one (carried on to the answer)
     batch_tokens: int = 1024  # tokens per optimizer step (length-bucketed): many small steps learn fastest
@@ -46,26 +68,7 @@ class SFTConfig:
     bf16: bool = True  # autocast the forward to bfloat16 (weights stay fp32)
 
     def __post_init__(self) -> None:
-        for k in (
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "intermediate_size",
-            "max_len",
-            "examples",
-            "batch_tokens",
-            "epochs",
-            "threads",
-        ):
+        for k in ("examples", "batch_tokens", "epochs", "threads"):
             need(getattr(self, k) > 0, f"sft.{k}={getattr(self, k)}: must be positive")
         need(0.0 <= self.slip < 1.0, f"sft.slip={self.slip}: must be in [0, 1)")
-        need(
-            self.hidden_size % self.num_heads == 0,
-            f"sft.hidden_size={self.hidden_size} is not divisible by sft.num_heads={self.num_heads}",
-        )
-        need(
-            self.num_heads % self.num_kv_heads == 0,
-            f"sft.num_heads={self.num_heads} is not divisible by sft.num_kv_heads={self.num_kv_heads}",
-        )
         need(self.lr > 0, f"sft.lr={self.lr}: must be > 0")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tailrace.config.check import need
-from tailrace.config.model import ModelSpec, SFTConfig
+from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
 from tailrace.config.train import TrainerConfig
 
 
@@ -129,6 +129,7 @@ class EvalConfig:
 @dataclass
 class RunConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
+    arch: ArchConfig = field(default_factory=ArchConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -232,11 +232,11 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} has no config.yaml; pass a run directory written by tailrace train")
     cfg = load_config(run_dir / "config.yaml", cls=RunConfig)
-    r, s = cfg.rollout, cfg.sft
+    r, s = cfg.rollout, cfg.arch
     model, shape = "tailrace-default", {}
     if cfg.model.path:
         model = str(Path(cfg.model.path) / "config.json")
-    else:  # the warm-started default model, shaped by the run's sft section (char tokenizer: 100 ids)
+    else:  # the warm-started default model, shaped by the run's arch section (char tokenizer: 100 ids)
         shape = {
             "hidden_size": s.hidden_size,
             "num_attention_heads": s.num_heads,
