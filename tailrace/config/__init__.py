@@ -6,7 +6,7 @@ Each section validates itself in `__post_init__` with a message that names the k
 
 from tailrace.config.load import dump_config, load_config
 from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
-from tailrace.config.run import MODES, EvalConfig, FlowConfig, RolloutConfig, RunConfig, TaskConfig
+from tailrace.config.run import EvalConfig, FlowConfig, RolloutConfig, RunConfig, TaskConfig
 from tailrace.config.train import LossConfig, TrainerConfig
 from tailrace.errors import ConfigError
 
@@ -16,7 +16,6 @@ __all__ = [
     "EvalConfig",
     "FlowConfig",
     "LossConfig",
-    "MODES",
     "ModelSpec",
     "RolloutConfig",
     "RunConfig",

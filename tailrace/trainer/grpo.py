@@ -57,7 +57,7 @@ class GRPOTrainer:
         self.opt = build_adamw(model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.loss_fn = LOSSES[cfg.loss.name]
         self.correct = CORRECTIONS[cfg.loss.correction]
-        self.advantage = ADVANTAGES[cfg.advantage]
+        self.advantage = ADVANTAGES[cfg.advantage or self.loss_fn.advantage]  # None: the loss's own
         self.device = self.flat.buffer.device
         self.steps = 0
 

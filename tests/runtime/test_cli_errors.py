@@ -52,6 +52,9 @@ def test_malformed_jsonl_line(capsys, tmp_path):
         (["--train.lr=-1"], "lr"),
         (["--rollout.temperature=0"], "temperature"),
         (["--rollout.attention=flash"], "rollout.attention"),
+        (["--flow.mode=pip"], "multiversion"),
+        (["--train.loss.name=ppo"], "drgrpo"),
+        (["--flow.mode=async", "--flow.max_staleness=0"], "max_staleness"),
     ],
 )
 def test_bad_config_is_rejected_before_anything_starts(capsys, tmp_path, args, needle):

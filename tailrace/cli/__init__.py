@@ -78,6 +78,7 @@ def _sft_progress():
 
 
 def cmd_train(argv: list[str]) -> int:
+    from tailrace.cli.choices import check
     from tailrace.config import dump_config, load_config
     from tailrace.report.console import ConsoleUI
     from tailrace.runtime.driver import Driver
@@ -98,11 +99,13 @@ def cmd_train(argv: list[str]) -> int:
                 f"({' '.join(rest)}) or start a new run"
             )
         cfg = load_config(run.file("config.yaml"))
+        check(cfg)
         resume_from = run.latest()
         if resume_from is None:
             raise ConfigError(f"--resume {run.path}: no complete checkpoint yet; start the run again instead")
     else:
         cfg = load_config(flags.get("--config"), rest)
+        check(cfg)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run = RunDir(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
         run.create()
@@ -135,10 +138,12 @@ def _duration(s: float) -> str:
 
 
 def cmd_sft(argv: list[str]) -> int:
+    from tailrace.cli.choices import check
     from tailrace.config import load_config
     from tailrace.runtime.warmstart import ensure_warm_start, warm_start_dir
 
     cfg = load_config(None, argv)
+    check(cfg)
     cached = (warm_start_dir(cfg.arch, cfg.sft) / "warmstart.json").is_file()
     path = ensure_warm_start(cfg.arch, cfg.sft, _sft_progress())
     console.print(f"{'cached' if cached else 'built'} warm-started model: {path}")
@@ -146,10 +151,12 @@ def cmd_sft(argv: list[str]) -> int:
 
 
 def cmd_eval(argv: list[str]) -> int:
+    from tailrace.cli.choices import check
     from tailrace.config import load_config
     from tailrace.runtime.standalone import evaluate_model
 
     cfg = load_config(None, argv)
+    check(cfg)
     res = evaluate_model(cfg, progress=_sft_progress())
     console.print(f"model {res['model']}")
     console.print(
@@ -181,6 +188,7 @@ def cmd_sim(argv: list[str]) -> int:
     tailrace sim --like RUN_DIR [--out DIR] [--key=value ...]      a real run's setup on the cpu preset, compared
     tailrace sim calibrate [--quick] [--dtype D [--out FILE]]      fit the cpu presets on this machine (fp32, bf16)
     tailrace sim presets                                           hardware and model presets"""
+    from tailrace.cli.choices import check_names
     from tailrace.report.html import write_report
     from tailrace.sim import compare, scenario
 
@@ -223,6 +231,7 @@ def cmd_sim(argv: list[str]) -> int:
         scn = scenario.load_scenario(flags["--config"], rest)
     else:
         raise ConfigError("usage: tailrace sim --config SCENARIO.yaml | --like RUN_DIR | calibrate | presets")
+    check_names(scn)
     out = Path(flags.get("--out") or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sim-{scn.name}")
     console.print(
         f"simulating {scn.name}: {scn.cluster.gpus} devices ({scn.cluster.hardware}), "
