@@ -40,6 +40,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r}: expected a list, e.g. [1, 2]")
         (inner, *_) = typing.get_args(tp) or (Any,)
         return origin(_coerce(v, inner, key) for v in value)
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, typing.get_args(tp)))}")
     if tp is Any:
         return value
     if tp is bool:

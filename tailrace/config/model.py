@@ -1,19 +1,21 @@
-"""The model sections: which policy to train, and the warm-start recipe of the built-in default."""
+"""The model sections: which policy to train, and the shape and warm-start recipe of the built-in one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from tailrace.config.check import need
+from tailrace.config.fields import need, setting
 
 
 @dataclass
 class ModelSpec:
-    path: str | None = None  # a local HF checkpoint dir; None = the built-in warm-started default
-    dtype: str = "float32"  # float32 | bfloat16
-
-    def __post_init__(self) -> None:
-        need(self.dtype in ("float32", "bfloat16"), f"model.dtype={self.dtype!r}: use float32 or bfloat16")
+    path: str | None = setting(
+        None, "a local Hugging Face checkpoint dir; null = the built-in model (arch), warm-started (sft)"
+    )
+    dtype: Literal["float32", "bfloat16"] = setting(
+        "float32", "the rollout engines' (and eval's) weight dtype"
+    )
 
 
 @dataclass
@@ -26,12 +28,12 @@ class ArchConfig:
     minutes), a point a 2.4M hidden-256 model reaches far later here (3.9% after 900 steps vs 23%).
     """
 
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-    max_len: int = 512
+    hidden_size: int = setting(128, "model width")
+    num_layers: int = setting(4, "decoder layers")
+    num_heads: int = setting(4, "attention heads (must divide hidden_size)")
+    num_kv_heads: int = setting(2, "key/value heads, shared by groups of query heads (must divide num_heads)")
+    intermediate_size: int = setting(384, "width of each layer's gated MLP")
+    max_len: int = setting(512, "longest sequence the model takes, prompt + response, in tokens")
 
     def __post_init__(self) -> None:
         for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_len"):
@@ -57,15 +59,19 @@ class SFTConfig:
     less to gain (53% at 15% slips).
     """
 
-    examples: int = 30000
-    slip: float = 0.2  # chance that a demonstration step's sum is off by one (carried on to the answer)
-    batch_tokens: int = 1024  # tokens per optimizer step (length-bucketed): many small steps learn fastest
-    epochs: int = 1
-    lr: float = 2e-3
-    warmup: int = 100
-    seed: int = 0
-    threads: int = 2
-    bf16: bool = True  # autocast the forward to bfloat16 (weights stay fp32)
+    examples: int = setting(30000, "chainsum demonstrations to train on")
+    slip: float = setting(
+        0.2, "chance that a demonstration step's sum is off by one (carried on to the answer)"
+    )
+    batch_tokens: int = setting(
+        1024, "tokens per optimizer step (length-bucketed): many small steps learn fastest"
+    )
+    epochs: int = setting(1, "passes over the demonstrations")
+    lr: float = setting(2e-3, "peak learning rate: linear warmup, then cosine decay to a tenth")
+    warmup: int = setting(100, "optimizer steps of learning-rate warmup")
+    seed: int = setting(0, "seed of the demonstrations and the initial weights")
+    threads: int = setting(2, "torch threads while warm-starting")
+    bf16: bool = setting(True, "autocast the forward to bfloat16 (weights stay fp32)")
 
     def __post_init__(self) -> None:
         for k in ("examples", "batch_tokens", "epochs", "threads"):

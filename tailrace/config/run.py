@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from tailrace.config.check import need
+from tailrace.config.fields import need, section, setting
 from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
 from tailrace.config.train import TrainerConfig
 
 
 @dataclass
 class TaskConfig:
-    name: str = "chainsum"  # chainsum | gym:<reasoning_gym name> | jsonl:<path>
-    reward_timeout_s: float = 5.0
-    seed: int = 0
+    name: str = setting(
+        "chainsum", "chainsum (built in), gym:<reasoning-gym dataset> or jsonl:<path> (question/answer lines)"
+    )
+    reward_timeout_s: float = setting(5.0, "seconds a reward may take; one that hangs or raises scores 0")
+    seed: int = setting(0, "seed of the training prompt stream and the held-out set")
 
     def __post_init__(self) -> None:
         need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
@@ -23,22 +25,20 @@ class TaskConfig:
 
 @dataclass
 class RolloutConfig:
-    engines: int = 1  # rollout engine processes
-    slots: int = 64  # concurrent sequences per engine
-    lookahead: int = 16  # samples queued per engine beyond its slots
-    threads: int = 1  # torch threads per engine process
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 384
-    prefill_tokens: int = 512  # prompt tokens prefilled per engine step
-    attention: str = "auto"  # decode attention: auto | kernel (C, CPU) | bmm | sdpa (see engine/runner.py)
+    engines: int = setting(1, "rollout engine processes")
+    slots: int = setting(64, "concurrent sequences per engine")
+    lookahead: int = setting(16, "samples queued per engine beyond its slots")
+    threads: int = setting(1, "torch threads per engine process")
+    temperature: float = setting(1.0, "sampling temperature (RL samples: > 0)")
+    top_p: float = setting(1.0, "nucleus sampling: keep the most likely tokens up to this mass (1 = all)")
+    top_k: int = setting(0, "sample among the k most likely tokens (0 = all)")
+    max_new_tokens: int = setting(384, "response length limit in tokens; a longer response is cut off")
+    prefill_tokens: int = setting(512, "prompt tokens prefilled per engine step")
+    attention: Literal["auto", "kernel", "bmm", "sdpa"] = setting(
+        "auto", "decode attention: the C kernel (CPU), bmm or sdpa; auto picks (see engine/runner.py)"
+    )
 
     def __post_init__(self) -> None:
-        need(
-            self.attention in ("auto", "kernel", "bmm", "sdpa"),
-            f"rollout.attention={self.attention!r}: use auto, kernel, bmm or sdpa",
-        )
         for k in ("engines", "slots", "threads", "max_new_tokens", "prefill_tokens"):
             need(getattr(self, k) > 0, f"rollout.{k}={getattr(self, k)}: must be positive")
         need(self.lookahead >= 0, f"rollout.lookahead={self.lookahead}: must be >= 0")
@@ -51,17 +51,25 @@ class RolloutConfig:
 
 @dataclass
 class FlowConfig:
-    mode: str = "sync"  # sync (more modes plug in as policies)
-    prompts_per_round: int = 16  # R
-    samples_per_prompt: int = 8  # K
-    train_batch: int = 128  # B samples per optimizer step; U = B / K groups
-    steps: int = 120  # optimizer steps in the run
-    time_limit_s: float | None = None  # stop issuing steps after this much training time (None = off)
-    max_staleness: int = 1  # K for the off-policy modes (sync is always 0)
-    frontier: int | None = None  # pipe: admit only the F_w lowest unfinished groups (None = U)
-    rollout_groups: int | None = None  # partial/multiversion: groups per version (None = max(R, 2U))
-    checkpoint_every: int = 1  # publishing steps between checkpoints (and always the last step)
-    keep_checkpoints: int = 2  # older checkpoints are deleted
+    mode: str = setting("sync", "how rollout and training overlap: a policy of flow/policies")
+    prompts_per_round: int = setting(16, "R: prompts issued per round")
+    samples_per_prompt: int = setting(8, "K: samples per prompt, one group (advantages are taken within it)")
+    train_batch: int = setting(128, "B: samples per optimizer step, U = B / K groups")
+    steps: int = setting(120, "optimizer steps in the run")
+    time_limit_s: float | None = setting(
+        None, "stop issuing steps after this many seconds of training (null = no limit)"
+    )
+    max_staleness: int = setting(
+        1, "off-policy modes: how many versions behind the trainer a trained sample may be"
+    )
+    frontier: int | None = setting(None, "pipe: admit only the F lowest unfinished groups (null = U)")
+    rollout_groups: int | None = setting(
+        None, "partial, multiversion: groups per version (null = max(R, 2U))"
+    )
+    checkpoint_every: int = setting(
+        1, "publishing steps between checkpoints (the last step always writes one)"
+    )
+    keep_checkpoints: int = setting(2, "checkpoints kept; older ones are deleted")
 
     def __post_init__(self) -> None:
         for k in ("prompts_per_round", "samples_per_prompt", "train_batch", "steps"):
@@ -101,10 +109,12 @@ class FlowConfig:
 
 @dataclass
 class EvalConfig:
-    n: int = 512  # held-out samples; at 256 the standard error is ~3 points
-    temperature: float = 1.0  # accuracy of the sampling policy (pass@1), as trained
-    max_new_tokens: int = 384
-    batch: int = 64
+    n: int = setting(512, "held-out prompts (at 256 the standard error is ~3 points)")
+    temperature: float = setting(
+        1.0, "sampling temperature: the accuracy of the sampling policy (pass@1), as trained; 0 = greedy"
+    )
+    max_new_tokens: int = setting(384, "response length limit in tokens")
+    batch: int = setting(64, "prompts decoded at once")
 
     def __post_init__(self) -> None:
         need(self.n > 0, f"eval.n={self.n}: must be positive")
@@ -114,17 +124,19 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    model: ModelSpec = field(default_factory=ModelSpec)
-    arch: ArchConfig = field(default_factory=ArchConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    flow: FlowConfig = field(default_factory=FlowConfig)
-    train: TrainerConfig = field(default_factory=TrainerConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    seed: int = 0
-    out: str = "runs"
-    tensorboard: bool = False  # also write scalars to RUN_DIR/tensorboard (pip install tailrace[tensorboard])
+    model: ModelSpec = section(ModelSpec, "the policy to train")
+    arch: ArchConfig = section(ArchConfig, "the built-in model's shape (when model.path is null)")
+    task: TaskConfig = section(TaskConfig, "prompts and their rewards")
+    sft: SFTConfig = section(SFTConfig, "how the built-in model is warm-started (cached by recipe)")
+    rollout: RolloutConfig = section(RolloutConfig, "the rollout engines")
+    flow: FlowConfig = section(FlowConfig, "the scheduler: batch shape, overlap mode, run length")
+    train: TrainerConfig = section(TrainerConfig, "the GRPO trainer")
+    eval: EvalConfig = section(EvalConfig, "held-out accuracy before and after training")
+    seed: int = setting(0, "seed of the engines' sampling and the trainer")
+    out: str = setting("runs", "where new run directories go: OUT/<date>-<time>-<mode>")
+    tensorboard: bool = setting(
+        False, "also write scalars to RUN_DIR/tensorboard (pip install tailrace[tensorboard])"
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,20 +8,22 @@ the CLI checks a name against its registry right after loading (cli/choices.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from tailrace.config.check import need
+from tailrace.config.fields import need, section, setting
 
 
 @dataclass
 class LossConfig:
-    name: str = "grpo"  # grpo | dapo | drgrpo
-    eps_low: float | None = None  # None = the variant's default (0.2)
-    eps_high: float | None = None  # None = the variant's default (0.2; dapo 0.28)
-    max_new_tokens: int | None = None  # drgrpo's constant normaliser; set to the rollout's max_new_tokens
-    kl_coef: float = 0.0  # k3 penalty to the reference policy; > 0 needs a ref_model
-    tis_cap: float = 2.0  # C for the tis and decoupled corrections
-    correction: str = "none"  # none | tis | decoupled | behaviour
+    name: str = setting("grpo", "the policy-gradient variant: how per-token terms aggregate, its clip range")
+    eps_low: float | None = setting(None, "clip the ratio below at 1 - eps_low (null = the variant's own)")
+    eps_high: float | None = setting(None, "clip the ratio above at 1 + eps_high (null = the variant's own)")
+    max_new_tokens: int | None = setting(
+        None, "drgrpo's constant normaliser: set it to rollout.max_new_tokens"
+    )
+    kl_coef: float = setting(0.0, "weight of the k3 penalty to the reference policy (0 = none)")
+    tis_cap: float = setting(2.0, "C: the importance-weight cap of the tis and decoupled corrections")
+    correction: str = setting("none", "off-policy correction: where the ratio's anchor and weight come from")
 
     def __post_init__(self) -> None:
         need(
@@ -46,20 +48,23 @@ class LossConfig:
 
 @dataclass
 class TrainerConfig:
-    # 2e-4 is what moved the default sub-1M..2M-parameter policy in DESIGN §6 (+18 points in 9 min);
-    # billion-parameter policies want ~1e-6.
-    lr: float = 2e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0  # decay would pull the policy away from its warm start regardless of reward
-    grad_clip: float | None = 1.0  # max global grad norm; None = measure only
-    micro_batch_tokens: int = 8192  # rows x padded length per forward; bounds activation memory
-    bf16: bool = False  # autocast the forward to bfloat16 (CPU and CUDA); weights stay in their dtype
-    temperature: float = 1.0  # must equal the rollout's sampling temperature
-    loss: LossConfig = field(default_factory=LossConfig)
-    advantage: str | None = None  # grpo | drgrpo | rloo; None = the loss's own (drgrpo -> drgrpo, else grpo)
-    max_staleness: int | None = None  # K: mask tokens more than K versions behind the trainer; None = off
-    pad_id: int = 0
+    # 2e-4 is what moved the default sub-1M..2M-parameter policy in DESIGN §6 (+18 points in 9 min)
+    lr: float = setting(2e-4, "AdamW learning rate (billion-parameter policies want ~1e-6)")
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas")
+    eps: float = setting(1e-8, "AdamW epsilon")
+    weight_decay: float = setting(
+        0.0, "AdamW weight decay; it pulls the policy from its warm start regardless of reward"
+    )
+    grad_clip: float | None = setting(1.0, "max global gradient norm (null = measure only)")
+    micro_batch_tokens: int = setting(8192, "rows x padded length per forward; bounds activation memory")
+    bf16: bool = setting(False, "autocast the forward to bfloat16 (CPU and CUDA); weights keep their dtype")
+    temperature: float = setting(1.0, "temperature of the trained logprobs: must equal rollout.temperature")
+    loss: LossConfig = section(LossConfig, "the clipped policy-gradient loss")
+    advantage: str | None = setting(None, "advantage estimator (null = the one the loss was published with)")
+    max_staleness: int | None = setting(
+        None, "mask tokens more than this many versions behind the trainer (null = off)"
+    )
+    pad_id: int = setting(0, "token id padding micro-batch rows (masked out of the loss)")
 
     def __post_init__(self) -> None:
         need(self.lr > 0, f"train.lr={self.lr}: must be > 0, e.g. 2e-4")
