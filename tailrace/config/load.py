@@ -70,20 +70,34 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of `cls`, nested sections spelled out."""
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        out += _keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [prefix + name]
+    return out
+
+
+def _unknown(key: str, fields: list[str], prefix: str, root: type) -> ConfigError:
+    """A typo gets the close key of its section; a key that lives in another section gets that one."""
+    guess = [prefix + k for k in difflib.get_close_matches(key, fields, n=1)]
+    guess = guess or [k for k in _keys(root) if k.rsplit(".", 1)[-1] == key]
+    hint = f"did you mean {' or '.join(guess)}?" if guess else f"valid keys: {', '.join(fields)}"
+    return ConfigError(f"unknown config key {prefix}{key}; {hint}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, root: type) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
+            raise _unknown(key, fields, prefix, root)
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.", root)
         else:
             kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
     try:
@@ -151,7 +165,7 @@ def load_config(
                 f"config file {p} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax"
             ) from None
     data = _merge(data, parse_overrides(overrides or []))
-    return _build(cls, data, "")
+    return _build(cls, data, "", cls)
 
 
 def dump_config(cfg: Any) -> str:

@@ -41,6 +41,8 @@ def test_yaml_then_overrides(tmp_path):
         ("--rollout.attention=flash", "rollout.attention='flash': choose one of auto, kernel, bmm, sdpa"),
         ("--flow.steps=abc", "flow.steps='abc': expected an integer"),
         ("--flow.stepz=3", "unknown config key flow.stepz; did you mean flow.steps?"),
+        ("--sft.hidden_size=64", "unknown config key sft.hidden_size; did you mean arch.hidden_size?"),
+        ("--flow.lr=1e-4", "unknown config key flow.lr; did you mean sft.lr or train.lr?"),
     ],
 )
 def test_bad_values_are_one_line_with_the_fix(override, message):
