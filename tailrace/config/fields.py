@@ -7,7 +7,7 @@ the help cannot drift from the dataclasses; a test holds every field to having o
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from tailrace.errors import ConfigError
 
@@ -17,9 +17,9 @@ def setting(default: Any, doc: str) -> Any:
     return dataclasses.field(default=default, metadata={"doc": doc})
 
 
-def section(cls: type, doc: str) -> Any:
-    """A nested section, built with its own defaults: its one-line meaning."""
-    return dataclasses.field(default_factory=cls, metadata={"doc": doc})
+def section(factory: Callable[[], Any], doc: str) -> Any:
+    """A field built afresh for each config by `factory` (a section's class, or a mutable default)."""
+    return dataclasses.field(default_factory=factory, metadata={"doc": doc})
 
 
 def doc(f: dataclasses.Field) -> str:
