@@ -15,8 +15,10 @@ from typing import Any, Collection
 from tailrace.config import FlowConfig, LossConfig, RunConfig, TrainerConfig
 from tailrace.errors import ConfigError
 
+Registries = dict[tuple[type, str], Collection[str]]  # (section, field) -> the names it may take
 
-def registries() -> dict[tuple[type, str], Collection[str]]:
+
+def registries() -> Registries:
     """(section, field) -> the registry whose names the field takes (imports the trainer's, and torch)."""
     from tailrace.flow.policies import POLICIES
     from tailrace.trainer.advantages import ADVANTAGES
@@ -30,12 +32,12 @@ def registries() -> dict[tuple[type, str], Collection[str]]:
     }
 
 
-def check_names(cfg: Any, prefix: str = "") -> None:
+def check_names(cfg: Any) -> None:
     """Reject a field whose value its registry lacks, naming the valid choices (None = the default)."""
-    _walk(cfg, prefix, registries())
+    _walk(cfg, "", registries())
 
 
-def _walk(cfg: Any, prefix: str, table: dict[tuple[type, str], Collection[str]]) -> None:
+def _walk(cfg: Any, prefix: str, table: Registries) -> None:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
