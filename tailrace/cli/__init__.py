@@ -10,6 +10,8 @@ import difflib
 import sys
 from typing import Any
 
+from rich.markup import escape
+
 from tailrace.cli import commands, sim
 from tailrace.cli.commands import console
 from tailrace.cli.verb import Flag, Verb
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             _check_sections(verb, args.rest)
         return verb.run(args)
     except _user_errors() as e:
-        console.print(f"[red]error:[/red] {e}", soft_wrap=True)
+        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)  # [x] in it is text
         return 2
     except KeyboardInterrupt:
         console.print("interrupted; the run directory keeps everything so far (continue with --resume)")

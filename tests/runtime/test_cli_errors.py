@@ -19,6 +19,11 @@ def test_missing_checkpoint(capsys, tmp_path):
     assert "nope" in out and "not a directory" in out and "config.json" in out
 
 
+def test_brackets_in_a_message_are_printed(capsys, tmp_path):
+    rc, out = run(capsys, "eval", f"--model.path={tmp_path / 'x[model]'}")
+    assert rc == 2 and len(out.splitlines()) == 1 and "x[model]" in out
+
+
 def test_corrupt_checkpoint(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     rc, out = run(capsys, "eval", f"--model.path={tmp_path}")
