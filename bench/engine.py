@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tailrace.config import SFTConfig  # noqa: E402
+from tailrace.config import ArchConfig  # noqa: E402
 from tailrace.engine import Engine  # noqa: E402
 from tailrace.engine.runner import Runner  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
@@ -88,7 +88,7 @@ def default_model_dir(tmp: str) -> str:
     """The default tailrace architecture (the warm-start recipe's) with seeded random weights, plus its
     char tokenizer (vLLM needs one)."""
     tok = char_tokenizer()
-    cfg = warmstart.model_config(SFTConfig(), tok.vocab_size, tok)
+    cfg = warmstart.model_config(ArchConfig(), tok.vocab_size, tok)
     path = os.path.join(tmp, "model")
     save_pretrained(CausalLM.from_config(cfg, seed=0), path)
     tok.save(path)

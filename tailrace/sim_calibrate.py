@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tailrace.config import SFTConfig, TrainerConfig
+from tailrace.config import ArchConfig, TrainerConfig
 from tailrace.engine.engine import Engine
 from tailrace.model.decoder import CausalLM
 from tailrace.runtime.warmstart import model_config
@@ -50,7 +50,7 @@ from tailrace.trainer.grpo import GRPOTrainer
 from tailrace.types import Finish, GenRequest, GenResult, Group, SamplingParams, Trajectory
 
 
-def default_shape(cfg: SFTConfig) -> ModelShape:
+def default_shape(cfg: ArchConfig) -> ModelShape:
     return ModelShape(
         "tailrace-default",
         cfg.hidden_size,
@@ -67,12 +67,12 @@ def default_shape(cfg: SFTConfig) -> ModelShape:
 DTYPES = {"float32": (torch.float32, "cpu", 4), "bfloat16": (torch.bfloat16, "cpu-bf16", 2)}
 
 
-def _model(cfg: SFTConfig, dtype: torch.dtype = torch.float32) -> CausalLM:
+def _model(cfg: ArchConfig, dtype: torch.dtype = torch.float32) -> CausalLM:
     tok = char_tokenizer()
     return CausalLM.from_config(model_config(cfg, tok.vocab_size, tok), seed=0).to(dtype)
 
 
-def _trainer(cfg: SFTConfig, dtype: torch.dtype) -> GRPOTrainer:
+def _trainer(cfg: ArchConfig, dtype: torch.dtype) -> GRPOTrainer:
     """The runtime's trainer: fp32 weights, the forward autocast to bf16 for a bf16 run."""
     return GRPOTrainer(_model(cfg), TrainerConfig(bf16=dtype == torch.bfloat16))
 
@@ -179,7 +179,7 @@ TRAIN_SHAPES = (
 
 
 def measure_train(
-    cfg: SFTConfig,
+    cfg: ArchConfig,
     shape: ModelShape,
     shapes=TRAIN_SHAPES,
     k: int = 8,
@@ -211,7 +211,7 @@ def _train_loop(cores, stop, ready, go, computing, dtype) -> None:
 
     pin(cores)
     torch.set_num_threads(1)
-    trainer = _trainer(SFTConfig(), dtype)
+    trainer = _trainer(ArchConfig(), dtype)
     batch = [Group(g, g, tuple(_traj(g, i, 96, (5,) * 16) for i in range(8))) for g in range(8)]
     trainer.step(batch, 0)
     ready.set()
@@ -495,7 +495,7 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print, dtyp
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
     tdtype, name, dtype_bytes = DTYPES[dtype]
-    cfg = SFTConfig()
+    cfg = ArchConfig()
     shape = default_shape(cfg)
     prev = torch.get_num_threads()
     torch.set_num_threads(1)

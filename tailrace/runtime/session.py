@@ -27,7 +27,9 @@ class Session:
     def __init__(self, cfg: RunConfig, progress=None) -> None:
         self.cfg = cfg
         self.task = make_task(cfg.task.name)  # cheap checks first: a typo never costs a warm start
-        self.model_path = Path(cfg.model.path) if cfg.model.path else ensure_warm_start(cfg.sft, progress)
+        self.model_path = (
+            Path(cfg.model.path) if cfg.model.path else ensure_warm_start(cfg.arch, cfg.sft, progress)
+        )
         self.model_cfg = read_config(self.model_path)  # fails early, in one line, on a bad checkpoint
         self.tok = load_tokenizer(self.model_path, eos_id=self.model_cfg.eos_token_id)
         self.guard = RewardGuard(self.task, cfg.task.reward_timeout_s)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
+from tailrace.config import TrainerConfig
 from tailrace.model.checkpoint import load_pretrained, save_pretrained
 from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
 from tailrace.runtime.procs import pin
 from tailrace.runtime.weights import SharedWeights
-from tailrace.trainer.config import TrainerConfig
 from tailrace.trainer.grpo import GRPOTrainer
 
 

@@ -2,8 +2,8 @@
 
 The default model is a small Llama-style decoder with the character tokenizer, trained from scratch
 on chainsum demonstrations. The result is an ordinary HF checkpoint directory, cached under
-$TAILRACE_CACHE (default ~/.cache/tailrace) in a folder named by the hash of the recipe, so a later
-run reuses it and a changed recipe rebuilds it.
+$TAILRACE_CACHE (default ~/.cache/tailrace) in a folder named by the hash of the recipe (the arch and
+sft sections), so a later run reuses it and a changed recipe rebuilds it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tailrace.cachedir import cache_root
-from tailrace.config import SFTConfig
+from tailrace.config import ArchConfig, SFTConfig
 from tailrace.model.checkpoint import save_pretrained
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
@@ -31,17 +31,23 @@ from tailrace.trainer.sft import sft
 RECIPE_VERSION = 1  # bump when the warm-start code changes what it produces
 
 
-def recipe_key(cfg: SFTConfig, task: ChainSumTask) -> str:
-    recipe = {"v": RECIPE_VERSION, "sft": dataclasses.asdict(cfg), "task": dataclasses.asdict(task.spec)}
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+def recipe(arch: ArchConfig, sft: SFTConfig) -> dict:
+    """The recipe as one flat dict: the shape, then the training (the names the sft section once held
+    alone, so the default recipe's hash, and with it the cached default model, did not change)."""
+    return dataclasses.asdict(arch) | dataclasses.asdict(sft)
 
 
-def warm_start_dir(cfg: SFTConfig, task: ChainSumTask | None = None) -> Path:
+def recipe_key(arch: ArchConfig, sft: SFTConfig, task: ChainSumTask) -> str:
+    data = {"v": RECIPE_VERSION, "sft": recipe(arch, sft), "task": dataclasses.asdict(task.spec)}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def warm_start_dir(arch: ArchConfig, sft: SFTConfig, task: ChainSumTask | None = None) -> Path:
     task = task or ChainSumTask()
-    return cache_root() / "warmstart" / f"chainsum-{recipe_key(cfg, task)}"
+    return cache_root() / "warmstart" / f"chainsum-{recipe_key(arch, sft, task)}"
 
 
-def model_config(cfg: SFTConfig, vocab_size: int, tok) -> ModelConfig:
+def model_config(cfg: ArchConfig, vocab_size: int, tok) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -68,7 +74,7 @@ def demonstrations(cfg: SFTConfig, task: ChainSumTask, tok) -> list[tuple[list[i
     return pairs
 
 
-def build_warm_start(cfg: SFTConfig, out: Path, progress=None) -> dict:
+def build_warm_start(arch: ArchConfig, cfg: SFTConfig, out: Path, progress=None) -> dict:
     """Train the default model from scratch into `out` (atomically: built aside, then renamed)."""
     task = ChainSumTask(dataclasses.replace(ChainSumTask().spec, p_slip=cfg.slip))
     tok = char_tokenizer()
@@ -76,7 +82,7 @@ def build_warm_start(cfg: SFTConfig, out: Path, progress=None) -> dict:
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        model = CausalLM.from_config(model_config(cfg, tok.vocab_size, tok), seed=cfg.seed)
+        model = CausalLM.from_config(model_config(arch, tok.vocab_size, tok), seed=cfg.seed)
         pairs = demonstrations(cfg, task, tok)
         t0 = time.perf_counter()
         losses = sft(
@@ -99,7 +105,7 @@ def build_warm_start(cfg: SFTConfig, out: Path, progress=None) -> dict:
     save_pretrained(model, tmp)
     tok.save(tmp)
     info = {
-        "recipe": dataclasses.asdict(cfg),
+        "recipe": recipe(arch, cfg),
         "task": dataclasses.asdict(task.spec),
         "seconds": round(seconds, 1),
         "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
@@ -113,8 +119,8 @@ def build_warm_start(cfg: SFTConfig, out: Path, progress=None) -> dict:
     return info
 
 
-def ensure_warm_start(cfg: SFTConfig, progress=None) -> Path:
-    out = warm_start_dir(cfg)
+def ensure_warm_start(arch: ArchConfig, sft: SFTConfig, progress=None) -> Path:
+    out = warm_start_dir(arch, sft)
     if not (out / "warmstart.json").is_file():
-        build_warm_start(cfg, out, progress)
+        build_warm_start(arch, sft, out, progress)
     return out

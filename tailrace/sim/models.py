@@ -150,7 +150,7 @@ MODELS: dict[str, ModelShape] = {
         experts_per_token=8,
         expert_intermediate=1536,
     ),
-    # tailrace's default policy (config.SFTConfig defaults; char tokenizer: 4 specials + 96 printable = 100)
+    # tailrace's default policy (config.ArchConfig defaults; char tokenizer: 4 specials + 96 printable = 100)
     "tailrace-default": ModelShape("tailrace-default", 256, 4, 8, 4, 32, 512, 100, tied_embeddings=True),
 }
 

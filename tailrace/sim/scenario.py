@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from tailrace.config import ConfigError, FlowConfig, load_config
+from tailrace.config.fields import section, setting
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.sim.cluster import SimCluster
@@ -37,20 +38,24 @@ MAX_AUTO_SLOTS = 256  # vLLM's default max_num_seqs: the cap when slots are size
 
 @dataclass
 class ClusterSpec:
-    hardware: str = "cpu"  # a100-80g | h100 | h800 | h20 | h200 | gb200 | cpu
-    hardware_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {train_mfu: 0.4}
-    model: str = "tailrace-default"  # a preset name, or a path to a HF config.json
-    model_config: dict[str, Any] = field(default_factory=dict)  # HF config.json fields; overrides `model`
-    engines: int = 1  # rollout engines (data-parallel replicas)
-    engine_gpus: int = 1  # devices per engine (tensor parallel)
-    slots: int = 64  # concurrent sequences per engine; 0 = size from KV memory (capped at 256)
-    lookahead: int = 16  # samples queued per engine beyond its slots
-    trainer_gpus: int = 1
-    colocated: bool = False  # trainer and engines share devices: engines pause while training runs
-    recompute_logprobs: bool = True  # the trainer runs a forward for old-policy logprobs before each step
-    checkpoint_s: float = 0.0  # trainer seconds to write a checkpoint after each publishing step
-    micro_batch_tokens: int = (
-        0  # > 0: the trainer pads micro-batches of this many tokens (tailrace's); 0: packed
+    hardware: str = setting("cpu", "a hardware preset (tailrace sim presets lists them)")
+    hardware_overrides: dict[str, Any] = section(
+        dict, "fields of the hardware preset to replace, e.g. {train_mfu: 0.4}"
+    )
+    model: str = setting("tailrace-default", "a model preset name, or a path to a HF config.json")
+    model_config: dict[str, Any] = section(dict, "HF config.json fields; given, they replace `model`")
+    engines: int = setting(1, "rollout engines (data-parallel replicas)")
+    engine_gpus: int = setting(1, "devices per engine (tensor parallel)")
+    slots: int = setting(64, "concurrent sequences per engine; 0 = size from KV memory (capped at 256)")
+    lookahead: int = setting(16, "samples queued per engine beyond its slots")
+    trainer_gpus: int = setting(1, "devices of the trainer")
+    colocated: bool = setting(False, "trainer and engines share devices: engines pause while training runs")
+    recompute_logprobs: bool = setting(
+        True, "the trainer runs a forward for old-policy logprobs before each step"
+    )
+    checkpoint_s: float = setting(0.0, "trainer seconds to write a checkpoint after each publishing step")
+    micro_batch_tokens: int = setting(
+        0, "> 0: the trainer pads micro-batches of this many tokens (tailrace's); 0: packed"
     )
 
     def __post_init__(self) -> None:
@@ -69,17 +74,20 @@ class ClusterSpec:
 
 @dataclass
 class Scenario:
-    name: str = "scenario"
-    cluster: ClusterSpec = field(default_factory=ClusterSpec)
-    flow: FlowConfig = field(default_factory=lambda: FlowConfig(steps=20))
-    lengths: dict[str, Any] = field(
-        default_factory=lambda: {"kind": "lognormal", "median": 60, "max_len": 320, "prompt": 20}
+    name: str = setting("scenario", "the scenario's name, in its run directory's name")
+    cluster: ClusterSpec = section(ClusterSpec, "the simulated devices, model and engines")
+    flow: FlowConfig = section(
+        lambda: FlowConfig(steps=20), "a real run's flow section, driving the same policy"
     )
-    accuracy: float = 0.5  # probability a sample is rewarded (only shaping policies look at rewards)
-    seed: int = 0
-    journal: bool = True  # write journal.jsonl (every token id: turn off at scale)
-    poll_s: float = 0.0  # the driver polls at most every poll_s virtual seconds (0 = at every event)
-    policy_options: dict[str, Any] = field(default_factory=dict)  # extra options for make_policy
+    lengths: dict[str, Any] = section(
+        lambda: {"kind": "lognormal", "median": 60, "max_len": 320, "prompt": 20},
+        "response lengths: {kind: constant | lognormal | empirical, ...} (sim/lengths.py)",
+    )
+    accuracy: float = setting(0.5, "probability a sample is rewarded (only shaping policies look at rewards)")
+    seed: int = setting(0, "seed of the lengths and rewards")
+    journal: bool = setting(True, "write journal.jsonl (every token id: turn off at scale)")
+    poll_s: float = setting(0.0, "the driver polls at most every poll_s virtual seconds (0 = at every event)")
+    policy_options: dict[str, Any] = section(dict, "extra options for the flow policy (make_policy)")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.accuracy <= 1.0:
@@ -234,11 +242,11 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} has no config.yaml; pass a run directory written by tailrace train")
     cfg = load_config(run_dir / "config.yaml", cls=RunConfig)
-    r, s = cfg.rollout, cfg.sft
+    r, s = cfg.rollout, cfg.arch
     model, shape = "tailrace-default", {}
     if cfg.model.path:
         model = str(Path(cfg.model.path) / "config.json")
-    else:  # the warm-started default model, shaped by the run's sft section (char tokenizer: 100 ids)
+    else:  # the warm-started default model, shaped by the run's arch section (char tokenizer: 100 ids)
         shape = {
             "hidden_size": s.hidden_size,
             "num_attention_heads": s.num_heads,

@@ -18,10 +18,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from tailrace.config import TrainerConfig
 from tailrace.model.flat import FlatWeights, flatten_parameters
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
-from tailrace.trainer.config import TrainerConfig
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, kl_penalty
 from tailrace.trainer.optim import build_adamw
@@ -57,7 +57,7 @@ class GRPOTrainer:
         self.opt = build_adamw(model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.loss_fn = LOSSES[cfg.loss.name]
         self.correct = CORRECTIONS[cfg.loss.correction]
-        self.advantage = ADVANTAGES[cfg.advantage]
+        self.advantage = ADVANTAGES[cfg.advantage or self.loss_fn.advantage]  # None: the loss's own
         self.device = self.flat.buffer.device
         self.steps = 0
 

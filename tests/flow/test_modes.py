@@ -88,10 +88,3 @@ def test_pipe_trains_before_the_round_is_complete():
     first_train = next(m.t for m in c.marks if m.kind == "train_issued")
     last_ready = [m.t for m in c.marks if m.kind == "group_ready"][5]  # the first round's 6th group
     assert first_train < last_ready
-
-
-def test_config_lists_exactly_the_registered_modes():
-    from tailrace.config import MODES
-    from tailrace.flow.policies import POLICIES
-
-    assert set(MODES) == set(POLICIES)

@@ -33,7 +33,9 @@ def test_trace_has_a_track_per_component_and_each_steps_longest_request(tmp_path
     for j in read_journal(run / "journal.jsonl"):
         if isinstance(j, Finished):
             lengths.setdefault(j.trajectory.group, []).append(j.trajectory.length)
-    issued = [e for e in read_events(run / "events.jsonl") if isinstance(e, Mark) and e.kind == "train_issued"]
+    issued = [
+        e for e in read_events(run / "events.jsonl") if isinstance(e, Mark) and e.kind == "train_issued"
+    ]
     longest = [e for e in spans if names[e["tid"]] == "tail 1"]
     assert len(longest) == len(issued) == 4
     for mark, ev in zip(issued, longest):

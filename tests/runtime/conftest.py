@@ -2,12 +2,8 @@ from pathlib import Path
 
 import pytest
 
+TINY_ARCH = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 TINY_SFT = dict(
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=128,
     examples=600,
     batch_tokens=2048,
     lr=3e-3,
@@ -30,11 +26,11 @@ TINY_RUN = [
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny warm-started chainsum model (seconds to build), as a normal HF checkpoint directory."""
-    from tailrace.config import SFTConfig
+    from tailrace.config import ArchConfig, SFTConfig
     from tailrace.runtime.warmstart import build_warm_start
 
     out = tmp_path_factory.mktemp("tiny") / "model"
-    build_warm_start(SFTConfig(**TINY_SFT), out)
+    build_warm_start(ArchConfig(**TINY_ARCH), SFTConfig(**TINY_SFT), out)
     return out
 
 

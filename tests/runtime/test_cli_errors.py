@@ -19,6 +19,11 @@ def test_missing_checkpoint(capsys, tmp_path):
     assert "nope" in out and "not a directory" in out and "config.json" in out
 
 
+def test_brackets_in_a_message_are_printed(capsys, tmp_path):
+    rc, out = run(capsys, "eval", f"--model.path={tmp_path / 'x[model]'}")
+    assert rc == 2 and len(out.splitlines()) == 1 and "x[model]" in out
+
+
 def test_corrupt_checkpoint(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     rc, out = run(capsys, "eval", f"--model.path={tmp_path}")
@@ -52,6 +57,9 @@ def test_malformed_jsonl_line(capsys, tmp_path):
         (["--train.lr=-1"], "lr"),
         (["--rollout.temperature=0"], "temperature"),
         (["--rollout.attention=flash"], "rollout.attention"),
+        (["--flow.mode=pip"], "multiversion"),
+        (["--train.loss.name=ppo"], "drgrpo"),
+        (["--flow.mode=async", "--flow.max_staleness=0"], "max_staleness"),
     ],
 )
 def test_bad_config_is_rejected_before_anything_starts(capsys, tmp_path, args, needle):

@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
-from tailrace.config import SFTConfig
+from tailrace.config import ArchConfig
 from tailrace.sim_calibrate import default_shape, fit_decode, fit_train
 
 
 @pytest.mark.parametrize("dtype_bytes", [4, 2])
 def test_decode_fit_recovers_the_roofline_it_was_made_from(dtype_bytes):
-    shape = default_shape(SFTConfig())
+    shape = default_shape(ArchConfig())
     overhead, per_seq, bw, rate = 4e-4, 6e-6, 10**10.3, 10**9.7  # bw and rate on the fit's log grid
     W, kv = shape.weight_bytes_read(1, dtype_bytes), shape.kv_bytes_per_token(dtype_bytes)
     rows = []

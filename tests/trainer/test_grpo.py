@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from tailrace.config import ConfigError, load_config
-from tailrace.trainer.config import LossConfig, TrainerConfig
+from tailrace.config import ConfigError, LossConfig, TrainerConfig, load_config
+from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.grpo import GRPOTrainer
 from tailrace.trainer.logprobs import token_logprobs
 from tailrace.types import Finish, GenResult, Group, Trajectory
@@ -230,22 +230,27 @@ def test_temperature_enters_logprobs():
     assert m1["logprob_gap_max"] < 1e-5 < m2["logprob_gap_mean"]
 
 
+def test_advantage_defaults_to_the_losss_own():
+    assert GRPOTrainer(TinyLM(), TrainerConfig()).advantage is ADVANTAGES["grpo"]
+    drgrpo = TrainerConfig(loss=LossConfig("drgrpo", max_new_tokens=64))
+    assert GRPOTrainer(TinyLM(), drgrpo).advantage is ADVANTAGES["drgrpo"]
+    rloo = TrainerConfig(loss=LossConfig("drgrpo", max_new_tokens=64), advantage="rloo")
+    assert GRPOTrainer(TinyLM(), rloo).advantage is ADVANTAGES["rloo"]
+
+
 def test_config_validation_and_yaml_mapping():
-    assert TrainerConfig().advantage == "grpo"
-    assert TrainerConfig(loss=LossConfig("drgrpo", max_new_tokens=64)).advantage == "drgrpo"
     cfg = load_config(
         overrides=["--loss.name=dapo", "--lr=0.0001", "--betas=[0.9, 0.95]", "--max_staleness=2"],
         cls=TrainerConfig,
     )
-    assert (cfg.loss.eps_high, cfg.lr, cfg.betas, cfg.max_staleness) == (0.28, 1e-4, (0.9, 0.95), 2)
+    assert (cfg.loss.name, cfg.lr, cfg.betas, cfg.max_staleness) == ("dapo", 1e-4, (0.9, 0.95), 2)
     for bad, field in [
-        (dict(lr=0.0), "trainer.lr"),
-        (dict(advantage="ppo"), "trainer.advantage"),
-        (dict(micro_batch_tokens=0), "trainer.micro_batch_tokens"),
-        (dict(grad_clip=-1.0), "trainer.grad_clip"),
-        (dict(temperature=0.0), "trainer.temperature"),
-        (dict(max_staleness=-1), "trainer.max_staleness"),
-        (dict(betas=(0.9, 1.0)), "trainer.betas"),
+        (dict(lr=0.0), "train.lr"),
+        (dict(micro_batch_tokens=0), "train.micro_batch_tokens"),
+        (dict(grad_clip=-1.0), "train.grad_clip"),
+        (dict(temperature=0.0), "train.temperature"),
+        (dict(max_staleness=-1), "train.max_staleness"),
+        (dict(betas=(0.9, 1.0)), "train.betas"),
     ]:
         with pytest.raises(ConfigError, match=field):
             TrainerConfig(**bad)

@@ -11,8 +11,7 @@ import math
 import pytest
 import torch
 
-from tailrace.config import ConfigError
-from tailrace.trainer.config import LossConfig
+from tailrace.config import ConfigError, LossConfig
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, fresh_mask, k3, kl_penalty, seq_mean_scale
 
 R = [[1.5, 1.25, 0.9], [0.5, 1.1, 10.0]]
@@ -115,28 +114,25 @@ def test_staleness_mask():
     assert fresh_mask(v, 5, None).tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
 
 
-def test_loss_config_defaults_and_messages():
-    assert (LossConfig("dapo").eps_low, LossConfig("dapo").eps_high) == (0.2, 0.28)
-    assert (LossConfig().eps_low, LossConfig().eps_high) == (0.2, 0.2)
+def test_loss_config_leaves_defaults_to_the_registry():
+    """None in the config means the variant's own clip range, which lives in its LOSSES entry."""
+    assert (LossConfig("dapo").eps_low, LossConfig("dapo").eps_high) == (None, None)
+    assert (LOSSES["dapo"].eps_low, LOSSES["dapo"].eps_high) == (0.2, 0.28)
     assert LossConfig("dapo", eps_high=0.3).eps_high == 0.3
-    with pytest.raises(ConfigError, match="loss.max_new_tokens"):
+    torch.manual_seed(0)
+    logp, old, adv = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5)
+    mask, weight = torch.ones(2, 5), torch.ones(2, 5)
+    default, _ = LOSSES["dapo"](logp, old, adv, mask, weight, eps_low=None, eps_high=None)
+    explicit, _ = LOSSES["dapo"](logp, old, adv, mask, weight, eps_low=0.2, eps_high=0.28)
+    assert default == explicit
+    grpo_clip, _ = LOSSES["dapo"](logp, old, adv, mask, weight, eps_low=0.2, eps_high=0.2)
+    assert default != grpo_clip
+
+
+def test_loss_config_messages():
+    with pytest.raises(ConfigError, match="train.loss.max_new_tokens"):
         LossConfig("drgrpo")
-    with pytest.raises(ConfigError, match="grpo, dapo, drgrpo"):
-        LossConfig("ppo")
-    with pytest.raises(ConfigError, match="loss.correction"):
-        LossConfig(correction="is")
-    with pytest.raises(ConfigError, match="loss.eps_low"):
+    with pytest.raises(ConfigError, match="train.loss.eps_low"):
         LossConfig(eps_low=1.5)
-    with pytest.raises(ConfigError, match="loss.tis_cap"):
+    with pytest.raises(ConfigError, match="train.loss.tis_cap"):
         LossConfig(tis_cap=0.5)
-
-
-def test_config_name_tables_match_registries():
-    from tailrace.trainer.advantages import ADVANTAGES
-    from tailrace.trainer.config import ADVANTAGE_NAMES, CORRECTION_NAMES, LOSS_DEFAULTS
-
-    assert set(LOSS_DEFAULTS) == set(LOSSES)
-    assert set(CORRECTION_NAMES) == set(CORRECTIONS)
-    assert set(ADVANTAGE_NAMES) == set(ADVANTAGES)
-    for name, (lo, hi, adv) in LOSS_DEFAULTS.items():
-        assert (LOSSES[name].eps_low, LOSSES[name].eps_high, LOSSES[name].advantage) == (lo, hi, adv)

@@ -1,0 +1,170 @@
+"""Command line: tailrace train | sft | eval | report | trace | sim. `tailrace VERB --help` documents each verb.
+
+Bad input ends in one line naming the problem and the fix (exit code 2); nothing already written to a
+run directory is touched by a failing command.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from typing import Any
+
+from rich.markup import escape
+
+from tailrace.cli import commands, sim
+from tailrace.cli.commands import console
+from tailrace.cli.verb import Flag, Verb
+from tailrace.config import RunConfig
+from tailrace.errors import ConfigError
+
+KEYS = "[--section.key=VALUE ...]"
+
+
+def _scenario() -> Any:
+    from tailrace.sim.scenario import Scenario  # numpy and the simulator: only for tailrace sim
+
+    return Scenario()
+
+
+TAILRACE = Verb(
+    "",
+    "Fast RL post-training (GRPO family) of language models.",
+    ("VERB [-h] [...]",),
+    verbs=(
+        Verb(
+            "train",
+            "RL post-training: warm-start or load the policy, then rollout and GRPO steps, evaluated",
+            (f"train [--config FILE] [--run-dir DIR] {KEYS}", "train --resume RUN_DIR"),
+            commands.train,
+            flags=(
+                Flag("--config", "FILE", "a YAML file of config keys (section: {key: value}); overrides win"),
+                Flag("--run-dir", "DIR", "the new run directory (default: OUT/<date>-<time>-<mode>)"),
+                Flag("--resume", "RUN_DIR", "continue a killed run from its last checkpoint, as configured"),
+            ),
+            config=RunConfig,
+        ),
+        Verb(
+            "sft",
+            "build (or reuse, from the cache) the warm-started built-in model",
+            (f"sft {KEYS}",),
+            commands.sft,
+            config=RunConfig,
+            sections=("arch", "sft"),
+        ),
+        Verb(
+            "eval",
+            "held-out accuracy and response-length histogram of a model",
+            (f"eval {KEYS}",),
+            commands.evaluate,
+            config=RunConfig,
+            sections=("model", "arch", "task", "sft", "eval", "seed"),
+        ),
+        Verb(
+            "report",
+            "write RUN_DIR/report.html: timeline, lengths, rewards",
+            ("report RUN_DIR",),
+            commands.report,
+        ),
+        Verb(
+            "trace",
+            "write RUN_DIR/trace.json, the run as a Chrome/Perfetto trace (engines, trainer, weight sync, "
+            "each step's longest requests)",
+            ("trace RUN_DIR",),
+            commands.trace,
+        ),
+        Verb(
+            "sim",
+            "simulate a scenario (a run directory), or a real run's setup on the cpu preset, compared",
+            (
+                f"sim --config SCENARIO.yaml [--out DIR] {KEYS}",
+                f"sim --like RUN_DIR [--out DIR] {KEYS}",
+                "sim calibrate [--quick] [--dtype D] [--out FILE]",
+                "sim presets",
+            ),
+            sim.simulate,
+            flags=(
+                Flag("--config", "FILE", "the scenario, a YAML file of the keys below"),
+                Flag("--like", "RUN_DIR", "the scenario of a real run (its flow, rollout, model, lengths)"),
+                Flag("--out", "DIR", "the simulated run directory (default: runs/<date>-<time>-sim-<name>)"),
+            ),
+            config=_scenario,
+            verbs=(
+                Verb(
+                    "sim calibrate",
+                    "fit the simulator's cpu presets to this machine (fp32 cpu, bf16 cpu-bf16)",
+                    ("sim calibrate [--quick] [--dtype D] [--out FILE]",),
+                    sim.calibrate,
+                    flags=(
+                        Flag("--quick", None, "fewer, shorter measurements"),
+                        Flag("--dtype", "D", "float32, bfloat16, or both: float32,bfloat16 (the default)"),
+                        Flag("--out", "FILE", "write the preset here instead of the cache (one dtype only)"),
+                    ),
+                ),
+                Verb("sim presets", "list the hardware and model presets", ("sim presets",), sim.presets),
+            ),
+        ),
+    ),
+)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from tailrace.engine.errors import EngineError
+    from tailrace.model.checkpoint import CheckpointError
+    from tailrace.tasks.base import TaskError
+    from tailrace.tokenizer import TokenizerError
+
+    return ConfigError, CheckpointError, TaskError, TokenizerError, EngineError
+
+
+def _find(argv: list[str]) -> tuple[Verb, list[str]]:
+    """The verb argv names (following sub-verbs) and the arguments after it."""
+    verb = TAILRACE
+    while argv and verb.verbs and not argv[0].startswith("-"):
+        sub = verb.sub(argv[0])
+        if sub is None and verb.run is None:
+            names = [v.word for v in verb.verbs]
+            close = difflib.get_close_matches(argv[0], names, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"use one of {', '.join(names)}"
+            raise ConfigError(f"unknown verb {argv[0]!r}; {hint} (tailrace --help lists them)")
+        if sub is None:
+            break
+        verb, argv = sub, argv[1:]
+    return verb, argv
+
+
+def _check_sections(verb: Verb, overrides: list[str]) -> None:
+    """A verb that reads only some sections rejects keys of the others instead of ignoring them."""
+    from tailrace.config.load import parse_overrides
+
+    for key, value in parse_overrides(overrides).items():
+        if key not in verb.sections:
+            raise ConfigError(
+                f"tailrace {verb.name} does not read {key}{'.*' if isinstance(value, dict) else ''}; "
+                f"it reads {', '.join(verb.sections)} (tailrace {verb.name} --help lists the keys)"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        verb, rest = _find(argv)
+        if "-h" in rest or "--help" in rest or (verb.run is None and not rest):
+            from tailrace.cli.usage import render
+
+            print(render(verb))
+            return 0
+        if verb.run is None:
+            raise ConfigError(
+                f"{rest[0]}: name a verb first, e.g. tailrace train {rest[0]} (see tailrace --help)"
+            )
+        args = verb.parse(rest)
+        if verb.sections is not None:
+            _check_sections(verb, args.rest)
+        return verb.run(args)
+    except _user_errors() as e:
+        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)  # [x] in it is text
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted; the run directory keeps everything so far (continue with --resume)")
+        return 130

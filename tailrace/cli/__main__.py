@@ -1,0 +1,5 @@
+import sys
+
+from tailrace.cli import main
+
+sys.exit(main())

@@ -1,0 +1,59 @@
+"""Config values that name a registry entry, checked against that registry before anything starts.
+
+Each vocabulary has one home, its registry: overlap modes are `flow.policies.POLICIES`, policy-gradient
+losses (with each one's default clip range and paired advantage estimator) and off-policy corrections
+`trainer.losses.LOSSES` and `CORRECTIONS`, advantage estimators `trainer.advantages.ADVANTAGES`. The
+config fields that name them are plain strings, so the config stays torch-free; the CLI calls `check`
+right after loading a config, and its help lists each field's choices from the same table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Collection
+
+from tailrace.config import FlowConfig, LossConfig, RunConfig, TrainerConfig
+from tailrace.errors import ConfigError
+
+Registries = dict[tuple[type, str], Collection[str]]  # (section, field) -> the names it may take
+
+
+def registries() -> Registries:
+    """(section, field) -> the registry whose names the field takes (imports the trainer's, and torch)."""
+    from tailrace.flow.policies import POLICIES
+    from tailrace.trainer.advantages import ADVANTAGES
+    from tailrace.trainer.losses import CORRECTIONS, LOSSES
+
+    return {
+        (FlowConfig, "mode"): POLICIES,
+        (LossConfig, "name"): LOSSES,
+        (LossConfig, "correction"): CORRECTIONS,
+        (TrainerConfig, "advantage"): ADVANTAGES,
+    }
+
+
+def check_names(cfg: Any) -> None:
+    """Reject a field whose value its registry lacks, naming the valid choices (None = the default)."""
+    _walk(cfg, "", registries())
+
+
+def _walk(cfg: Any, prefix: str, table: Registries) -> None:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            _walk(value, f"{prefix}{f.name}.", table)
+        names = table.get((type(cfg), f.name))
+        if names is not None and value is not None and value not in names:
+            raise ConfigError(f"{prefix}{f.name}={value!r}: choose one of {', '.join(names)}")
+
+
+def check(cfg: RunConfig) -> None:
+    """Every name in its registry, and the flow settings ones the chosen policy accepts."""
+    from tailrace.flow.policies import make_policy
+
+    check_names(cfg)
+    options = {k: v for k, v in dataclasses.asdict(cfg.flow).items() if k != "mode"}
+    try:
+        make_policy(cfg.flow.mode, **options)
+    except ValueError as e:
+        raise ConfigError(f"flow.mode={cfg.flow.mode}: {e}") from None

@@ -1,0 +1,155 @@
+"""The verbs that run on the run config: train, sft, eval, and report on what train wrote."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from tailrace.cli.verb import Args
+from tailrace.config import RunConfig, dump_config, load_config
+from tailrace.errors import ConfigError
+
+console = Console(highlight=False, soft_wrap=True)
+
+
+def _sft_progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    state = {}
+
+    def on_step(step: int, total: int, loss: float) -> None:
+        if "p" not in state:
+            console.print("warm start: training the default model from scratch (cached for later runs)")
+            p = Progress(
+                TextColumn("[bold]warm start"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.3f}"),
+                TimeRemainingColumn(),
+                console=console,
+                transient=True,
+            )
+            state["p"], state["t"] = p, p.add_task("sft", total=total, loss=loss)
+            p.start()
+        state["p"].update(state["t"], completed=step + 1, loss=loss)
+        if step + 1 == total:
+            state["p"].stop()
+
+    return on_step
+
+
+def load(path: str | Path | None, overrides: list[str]) -> RunConfig:
+    """The run config of a file and overrides, every registry name in it checked."""
+    from tailrace.cli.choices import check  # the registries: torch
+
+    cfg = load_config(path, overrides)
+    check(cfg)
+    return cfg
+
+
+def train(args: Args) -> int:
+    from tailrace.report.console import ConsoleUI
+    from tailrace.runtime.driver import Driver
+    from tailrace.runtime.rundir import RunDir
+    from tailrace.runtime.session import Session
+
+    flags, rest = args.flags, args.rest
+    resume_from = None
+    if "--resume" in flags:
+        run = RunDir(flags["--resume"])
+        if not run.file("config.yaml").is_file():
+            raise ConfigError(
+                f"--resume {run.path}: no config.yaml there; pass a run directory written by tailrace train"
+            )
+        if rest:
+            raise ConfigError(
+                "--resume continues a run exactly as configured; drop the overrides "
+                f"({' '.join(rest)}) or start a new run"
+            )
+        cfg = load(run.file("config.yaml"), [])
+        resume_from = run.latest()
+        if resume_from is None:
+            raise ConfigError(f"--resume {run.path}: no complete checkpoint yet; start the run again instead")
+    else:
+        cfg = load(flags.get("--config"), rest)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run = RunDir(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
+        run.create()
+        run.file("config.yaml").write_text(dump_config(cfg))
+    session = Session(cfg, progress=_sft_progress())
+    ui = ConsoleUI(console)
+    console.print(
+        f"run directory: {run.path}  (mode {cfg.flow.mode}, {cfg.flow.steps} steps, "
+        f"{cfg.flow.prompts_per_round} prompts x {cfg.flow.samples_per_prompt} samples per round)"
+    )
+    driver = Driver(cfg, run, session, resume_from=resume_from, ui=ui)
+    try:
+        summary = driver.train()
+    finally:
+        ui.end()
+        driver.close()
+        session.close()
+    if summary.base_accuracy is not None and summary.final_accuracy is not None:
+        gain = 100 * (summary.final_accuracy - summary.base_accuracy)
+        console.print(
+            f"[bold]held-out accuracy {summary.base_accuracy:.1%} -> {summary.final_accuracy:.1%} "
+            f"({gain:+.1f} points) after {summary.steps} steps in {_duration(summary.wall_s)}[/bold]"
+        )
+    console.print(f"metrics: {run.file('metrics.jsonl')}   report: tailrace report {run.path}")
+    return 0
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def sft(args: Args) -> int:
+    from tailrace.runtime.warmstart import ensure_warm_start, warm_start_dir
+
+    cfg = load(None, args.rest)
+    cached = (warm_start_dir(cfg.arch, cfg.sft) / "warmstart.json").is_file()
+    path = ensure_warm_start(cfg.arch, cfg.sft, _sft_progress())
+    console.print(f"{'cached' if cached else 'built'} warm-started model: {path}")
+    return 0
+
+
+def evaluate(args: Args) -> int:
+    from tailrace.runtime.standalone import evaluate_model
+
+    cfg = load(None, args.rest)
+    res = evaluate_model(cfg, progress=_sft_progress())
+    console.print(f"model {res['model']}")
+    console.print(
+        f"held-out accuracy {res['accuracy']:.1%} on {res['n']} prompts of {cfg.task.name} "
+        f"(temperature {cfg.eval.temperature})"
+    )
+    console.print(
+        f"response length: p50 {res['p50']:.0f}  p90 {res['p90']:.0f}  p99 {res['p99']:.0f}  "
+        f"max {res['max']}  (p99/p50 {res['p99_over_p50']:.1f})"
+    )
+    peak = max(c for _, _, c in res["histogram"]) or 1
+    for lo, hi, c in res["histogram"]:
+        console.print(f"  {lo:4d}-{hi:<4d} {c:5d} {'#' * round(40 * c / peak)}")
+    return 0
+
+
+def report(args: Args) -> int:
+    from tailrace.report.html import write_report
+
+    if len(args.rest) != 1 or args.rest[0].startswith("-"):
+        raise ConfigError("usage: tailrace report RUN_DIR")
+    out = write_report(Path(args.rest[0]))
+    console.print(f"wrote {out}")
+    return 0
+
+
+def trace(args: Args) -> int:
+    from tailrace.report.trace import write_trace
+
+    if len(args.rest) != 1 or args.rest[0].startswith("-"):
+        raise ConfigError("usage: tailrace trace RUN_DIR")
+    out = write_trace(Path(args.rest[0]))
+    console.print(f"wrote {out} (open it in ui.perfetto.dev or chrome://tracing)")
+    return 0

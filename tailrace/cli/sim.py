@@ -1,0 +1,76 @@
+"""The simulator's verbs: simulate a scenario or a real run's setup, calibrate the cpu presets, list presets."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tailrace.cli.commands import console
+from tailrace.cli.verb import Args
+from tailrace.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16")
+
+
+def simulate(args: Args) -> int:
+    from tailrace.cli.choices import check_names
+    from tailrace.report.html import write_report
+    from tailrace.sim import compare, scenario
+
+    flags, rest = args.flags, args.rest
+    if "--like" in flags:
+        scn = scenario.apply_overrides(scenario.scenario_from_run(flags["--like"]), rest)
+    elif "--config" in flags:
+        scn = scenario.load_scenario(flags["--config"], rest)
+    else:
+        raise ConfigError("usage: tailrace sim --config SCENARIO.yaml | --like RUN_DIR | calibrate | presets")
+    check_names(scn)
+    out = Path(flags.get("--out") or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sim-{scn.name}")
+    console.print(
+        f"simulating {scn.name}: {scn.cluster.gpus} devices ({scn.cluster.hardware}), "
+        f"{scn.flow.mode}, {scn.flow.steps} steps -> {out}"
+    )
+    s = scenario.simulate(scn, out)
+    console.print(
+        f"{s['steps']} steps in {s['wall_s']:.1f} simulated s ({s['sim_seconds']:.1f} s to simulate): "
+        f"{s['time_per_step_s']:.2f} s/step, trainer waiting {s['trainer_wait_ratio']:.2f}, "
+        f"bubble {s['bubble_ratio']:.2f}, length bubble {s['length_bubble']:.2f}"
+    )
+    write_report(out)
+    if "--like" in flags:
+        real, sim = compare.step_figures(flags["--like"]), compare.step_figures(out)
+        for name, r, m, err in compare.compare(real, sim):
+            console.print(f"  {name:20s} real {r:10.3f}  sim {m:10.3f}  ({err:+.1%})")
+    console.print(f"report: {out / 'report.html'}")
+    return 0
+
+
+def calibrate(args: Args) -> int:
+    from tailrace.sim_calibrate import calibrate
+
+    flags = args.flags
+    dtypes = flags.get("--dtype", ",".join(DTYPES)).split(",")
+    if args.rest or any(d not in DTYPES for d in dtypes) or ("--out" in flags and len(dtypes) > 1):
+        raise ConfigError("usage: tailrace sim calibrate [--quick] [--dtype float32|bfloat16 [--out FILE]]")
+    for d in dtypes:
+        res = calibrate(
+            Path(flags["--out"]) if "--out" in flags else None,
+            quick="--quick" in flags,
+            progress=console.print,
+            dtype=d,
+        )
+        console.print(
+            f"saved the {res['hardware']['name']} preset (load average {res['load_average'][0]:.1f} while measuring)"
+        )
+    return 0
+
+
+def presets(args: Args) -> int:
+    from tailrace.sim.hardware import CPU_PRESETS, GPUS
+    from tailrace.sim.models import MODELS
+
+    if args.rest:
+        raise ConfigError("usage: tailrace sim presets")
+    console.print("hardware: " + ", ".join([*GPUS, *CPU_PRESETS]))
+    console.print("models:   " + ", ".join(f"{k} ({m.params / 1e9:.2f}B)" for k, m in MODELS.items()))
+    return 0

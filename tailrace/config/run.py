@@ -1,0 +1,142 @@
+"""The run's sections (task, rollout, flow, eval) and `RunConfig`, which composes every section."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tailrace.config.fields import need, section, setting
+from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
+from tailrace.config.train import TrainerConfig
+
+
+@dataclass
+class TaskConfig:
+    name: str = setting(
+        "chainsum", "chainsum (built in), gym:<reasoning-gym dataset> or jsonl:<path> (question/answer lines)"
+    )
+    reward_timeout_s: float = setting(5.0, "seconds a reward may take; one that hangs or raises scores 0")
+    seed: int = setting(0, "seed of the training prompt stream and the held-out set")
+
+    def __post_init__(self) -> None:
+        need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
+
+
+@dataclass
+class RolloutConfig:
+    engines: int = setting(1, "rollout engine processes")
+    slots: int = setting(64, "concurrent sequences per engine")
+    lookahead: int = setting(16, "samples queued per engine beyond its slots")
+    threads: int = setting(1, "torch threads per engine process")
+    temperature: float = setting(1.0, "sampling temperature (RL samples: > 0)")
+    top_p: float = setting(1.0, "nucleus sampling: keep the most likely tokens up to this mass (1 = all)")
+    top_k: int = setting(0, "sample among the k most likely tokens (0 = all)")
+    max_new_tokens: int = setting(384, "response length limit in tokens; a longer response is cut off")
+    prefill_tokens: int = setting(512, "prompt tokens prefilled per engine step")
+    attention: Literal["auto", "kernel", "bmm", "sdpa"] = setting(
+        "auto", "decode attention: the C kernel (CPU), bmm or sdpa; auto picks (see engine/runner.py)"
+    )
+
+    def __post_init__(self) -> None:
+        for k in ("engines", "slots", "threads", "max_new_tokens", "prefill_tokens"):
+            need(getattr(self, k) > 0, f"rollout.{k}={getattr(self, k)}: must be positive")
+        need(self.lookahead >= 0, f"rollout.lookahead={self.lookahead}: must be >= 0")
+        need(
+            self.temperature > 0,
+            f"rollout.temperature={self.temperature}: RL needs sampling; use a value > 0",
+        )
+        need(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
+
+
+@dataclass
+class FlowConfig:
+    mode: str = setting("sync", "how rollout and training overlap: a policy of flow/policies")
+    prompts_per_round: int = setting(16, "R: prompts issued per round")
+    samples_per_prompt: int = setting(8, "K: samples per prompt, one group (advantages are taken within it)")
+    train_batch: int = setting(128, "B: samples per optimizer step, U = B / K groups")
+    steps: int = setting(120, "optimizer steps in the run")
+    time_limit_s: float | None = setting(
+        None, "stop issuing steps after this many seconds of training (null = no limit)"
+    )
+    max_staleness: int = setting(
+        1, "off-policy modes: how many versions behind the trainer a trained sample may be"
+    )
+    frontier: int | None = setting(None, "pipe: admit only the F lowest unfinished groups (null = U)")
+    rollout_groups: int | None = setting(
+        None, "partial, multiversion: groups per version (null = max(R, 2U))"
+    )
+    checkpoint_every: int = setting(
+        1, "publishing steps between checkpoints (the last step always writes one)"
+    )
+    keep_checkpoints: int = setting(2, "checkpoints kept; older ones are deleted")
+
+    def __post_init__(self) -> None:
+        for k in ("prompts_per_round", "samples_per_prompt", "train_batch", "steps"):
+            need(getattr(self, k) > 0, f"flow.{k}={getattr(self, k)}: must be positive")
+        need(
+            self.train_batch % self.samples_per_prompt == 0,
+            f"flow.train_batch={self.train_batch} is not a multiple of flow.samples_per_prompt="
+            f"{self.samples_per_prompt}; a step trains whole groups",
+        )
+        U = self.train_batch // self.samples_per_prompt
+        need(
+            self.prompts_per_round % U == 0,
+            f"flow.prompts_per_round={self.prompts_per_round} is not a multiple of train_batch/samples_per_prompt"
+            f"={U}; a round must split into whole steps",
+        )
+        need(self.max_staleness >= 0, f"flow.max_staleness={self.max_staleness}: must be >= 0")
+        need(
+            self.frontier is None or self.frontier > 0,
+            f"flow.frontier={self.frontier}: must be positive or null",
+        )
+        need(
+            self.rollout_groups is None or self.rollout_groups >= self.groups_per_step,
+            f"flow.rollout_groups={self.rollout_groups}: must be >= train_batch/samples_per_prompt "
+            f"({self.groups_per_step}) so a version can fill a train step",
+        )
+        need(
+            self.time_limit_s is None or self.time_limit_s > 0,
+            f"flow.time_limit_s={self.time_limit_s}: must be positive seconds, or null for no limit",
+        )
+        need(self.checkpoint_every > 0, f"flow.checkpoint_every={self.checkpoint_every}: must be positive")
+        need(self.keep_checkpoints > 0, f"flow.keep_checkpoints={self.keep_checkpoints}: must be positive")
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.train_batch // self.samples_per_prompt
+
+
+@dataclass
+class EvalConfig:
+    n: int = setting(512, "held-out prompts (at 256 the standard error is ~3 points)")
+    temperature: float = setting(
+        1.0, "sampling temperature: the accuracy of the sampling policy (pass@1), as trained; 0 = greedy"
+    )
+    max_new_tokens: int = setting(384, "response length limit in tokens")
+    batch: int = setting(64, "prompts decoded at once")
+
+    def __post_init__(self) -> None:
+        need(self.n > 0, f"eval.n={self.n}: must be positive")
+        need(self.temperature >= 0, f"eval.temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        need(self.batch > 0, f"eval.batch={self.batch}: must be positive")
+
+
+@dataclass
+class RunConfig:
+    model: ModelSpec = section(ModelSpec, "the policy to train")
+    arch: ArchConfig = section(ArchConfig, "the built-in model's shape (when model.path is null)")
+    task: TaskConfig = section(TaskConfig, "prompts and their rewards")
+    sft: SFTConfig = section(SFTConfig, "how the built-in model is warm-started (cached by recipe)")
+    rollout: RolloutConfig = section(RolloutConfig, "the rollout engines")
+    flow: FlowConfig = section(FlowConfig, "the scheduler: batch shape, overlap mode, run length")
+    train: TrainerConfig = section(TrainerConfig, "the GRPO trainer")
+    eval: EvalConfig = section(EvalConfig, "held-out accuracy before and after training")
+    seed: int = setting(0, "seed of the engines' sampling and the trainer")
+    out: str = setting("runs", "where new run directories go: OUT/<date>-<time>-<mode>")
+    tensorboard: bool = setting(
+        False, "also write scalars to RUN_DIR/tensorboard (pip install tailrace[tensorboard])"
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,93 @@
+"""The trainer's sections: the optimizer and batch shape (`TrainerConfig`) and its loss (`LossConfig`).
+
+The loss, correction and advantage names are plain strings here: the registries in trainer/losses.py
+and trainer/advantages.py own the names and each loss's defaults (clip range, paired estimator), and
+the CLI checks a name against its registry right after loading (cli/choices.py). None below means
+"the chosen variant's own default", resolved by the trainer when it picks the variant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tailrace.config.fields import need, section, setting
+
+
+@dataclass
+class LossConfig:
+    name: str = setting("grpo", "the policy-gradient variant: how per-token terms aggregate, its clip range")
+    eps_low: float | None = setting(None, "clip the ratio below at 1 - eps_low (null = the variant's own)")
+    eps_high: float | None = setting(None, "clip the ratio above at 1 + eps_high (null = the variant's own)")
+    max_new_tokens: int | None = setting(
+        None, "drgrpo's constant normaliser: set it to rollout.max_new_tokens"
+    )
+    kl_coef: float = setting(0.0, "weight of the k3 penalty to the reference policy (0 = none)")
+    tis_cap: float = setting(2.0, "C: the importance-weight cap of the tis and decoupled corrections")
+    correction: str = setting("none", "off-policy correction: where the ratio's anchor and weight come from")
+
+    def __post_init__(self) -> None:
+        need(
+            self.eps_low is None or 0.0 < self.eps_low < 1.0,
+            f"train.loss.eps_low={self.eps_low}: must lie in (0, 1), e.g. 0.2",
+        )
+        need(
+            self.eps_high is None or self.eps_high > 0.0,
+            f"train.loss.eps_high={self.eps_high}: must be > 0, e.g. 0.2 (0.28 for clip-higher)",
+        )
+        need(
+            self.name != "drgrpo" or bool(self.max_new_tokens and self.max_new_tokens > 0),
+            "train.loss.max_new_tokens is required for drgrpo; set it to the rollout's max_new_tokens",
+        )
+        need(
+            self.max_new_tokens is None or self.max_new_tokens > 0,
+            f"train.loss.max_new_tokens={self.max_new_tokens}: must be positive",
+        )
+        need(self.kl_coef >= 0, f"train.loss.kl_coef={self.kl_coef}: must be >= 0 (0 = no KL penalty)")
+        need(self.tis_cap >= 1.0, f"train.loss.tis_cap={self.tis_cap}: must be >= 1 (2 is typical)")
+
+
+@dataclass
+class TrainerConfig:
+    # 2e-4 is what moved the default sub-1M..2M-parameter policy in DESIGN §6 (+18 points in 9 min)
+    lr: float = setting(2e-4, "AdamW learning rate (billion-parameter policies want ~1e-6)")
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas")
+    eps: float = setting(1e-8, "AdamW epsilon")
+    weight_decay: float = setting(
+        0.0, "AdamW weight decay; it pulls the policy from its warm start regardless of reward"
+    )
+    grad_clip: float | None = setting(1.0, "max global gradient norm (null = measure only)")
+    micro_batch_tokens: int = setting(8192, "rows x padded length per forward; bounds activation memory")
+    bf16: bool = setting(False, "autocast the forward to bfloat16 (CPU and CUDA); weights keep their dtype")
+    temperature: float = setting(1.0, "temperature of the trained logprobs: must equal rollout.temperature")
+    loss: LossConfig = section(LossConfig, "the clipped policy-gradient loss")
+    advantage: str | None = setting(None, "advantage estimator (null = the one the loss was published with)")
+    max_staleness: int | None = setting(
+        None, "mask tokens more than this many versions behind the trainer (null = off)"
+    )
+    pad_id: int = setting(0, "token id padding micro-batch rows (masked out of the loss)")
+
+    def __post_init__(self) -> None:
+        need(self.lr > 0, f"train.lr={self.lr}: must be > 0, e.g. 2e-4")
+        need(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            f"train.betas={self.betas}: give two numbers in [0, 1), e.g. [0.9, 0.999]",
+        )
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        need(self.eps > 0, f"train.eps={self.eps}: must be > 0, e.g. 1e-8")
+        need(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay}: must be >= 0")
+        need(
+            self.grad_clip is None or self.grad_clip > 0,
+            f"train.grad_clip={self.grad_clip}: must be > 0, or null to turn clipping off",
+        )
+        need(
+            self.micro_batch_tokens >= 1,
+            f"train.micro_batch_tokens={self.micro_batch_tokens}: must be positive, e.g. 8192",
+        )
+        need(
+            self.temperature > 0,
+            f"train.temperature={self.temperature}: must be > 0 (the sampling temperature)",
+        )
+        need(
+            self.max_staleness is None or self.max_staleness >= 0,
+            f"train.max_staleness={self.max_staleness}: must be >= 0, or null to turn it off",
+        )

@@ -1,0 +1,43 @@
+"""A name a registry lacks is rejected right after loading, in one line listing the registry's names."""
+
+import pytest
+
+from tailrace.cli.choices import check, registries
+from tailrace.config import ConfigError, FlowConfig, LossConfig, TrainerConfig, load_config
+from tailrace.flow.policies import POLICIES
+from tailrace.trainer.advantages import ADVANTAGES
+from tailrace.trainer.losses import CORRECTIONS, LOSSES
+
+
+@pytest.mark.parametrize(
+    "override,registry",
+    [
+        ("--flow.mode=pip", POLICIES),
+        ("--train.loss.name=ppo", LOSSES),
+        ("--train.loss.correction=is", CORRECTIONS),
+        ("--train.advantage=gae", ADVANTAGES),
+    ],
+)
+def test_unknown_name_lists_the_registry(override, registry):
+    key, value = override[2:].split("=")
+    with pytest.raises(ConfigError) as e:
+        check(load_config(overrides=[override]))
+    msg = str(e.value)
+    assert msg.startswith(f"{key}={value!r}") and msg.endswith(", ".join(registry)) and "\n" not in msg
+
+
+def test_every_registered_name_passes():
+    prefix = {FlowConfig: "flow", LossConfig: "train.loss", TrainerConfig: "train"}
+    for (section, field), names in registries().items():
+        for name in names:  # drgrpo needs its normaliser, and async & co. staleness >= 1 (the default)
+            check(
+                load_config(
+                    overrides=[f"--{prefix[section]}.{field}={name}", "--train.loss.max_new_tokens=64"]
+                )
+            )
+
+
+def test_the_chosen_policy_judges_its_options():
+    with pytest.raises(ConfigError, match="flow.mode=async: .*max_staleness"):
+        check(load_config(overrides=["--flow.mode=async", "--flow.max_staleness=0"]))
+    check(load_config(overrides=["--flow.mode=pipe", "--flow.max_staleness=0"]))

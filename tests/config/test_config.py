@@ -1,0 +1,51 @@
+"""Config sections: every key documented, YAML and overrides mapped onto them, bad input in one line."""
+
+import dataclasses
+import typing
+
+import pytest
+
+from tailrace.config import ConfigError, RunConfig, dump_config, load_config
+from tailrace.config.fields import doc
+
+
+def fields_of(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        yield prefix + f.name, f
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from fields_of(hints[f.name], f"{prefix}{f.name}.")
+
+
+def test_every_field_has_a_one_line_meaning():
+    for key, f in fields_of(RunConfig):
+        assert doc(f) and "\n" not in doc(f), f"{key}: declare it with setting(default, meaning) or section()"
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("flow: {mode: pipe, steps: 7}\ntrain: {lr: 1e-4, betas: [0.9, 0.95]}\n")
+    cfg = load_config(path, ["--flow.steps=9", "--model.dtype", "bfloat16", "--flow.frontier=null"])
+    assert (cfg.flow.mode, cfg.flow.steps, cfg.flow.frontier) == ("pipe", 9, None)
+    assert (cfg.train.lr, cfg.train.betas, cfg.model.dtype) == (1e-4, (0.9, 0.95), "bfloat16")
+    assert load_config(None, []) == RunConfig()
+    again = tmp_path / "again.yaml"
+    again.write_text(dump_config(cfg))
+    assert load_config(again) == cfg
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("--model.dtype=fp16", "model.dtype='fp16': choose one of float32, bfloat16"),
+        ("--rollout.attention=flash", "rollout.attention='flash': choose one of auto, kernel, bmm, sdpa"),
+        ("--flow.steps=abc", "flow.steps='abc': expected an integer"),
+        ("--flow.stepz=3", "unknown config key flow.stepz; did you mean flow.steps?"),
+        ("--sft.hidden_size=64", "unknown config key sft.hidden_size; did you mean arch.hidden_size?"),
+        ("--flow.lr=1e-4", "unknown config key flow.lr; did you mean sft.lr or train.lr?"),
+    ],
+)
+def test_bad_values_are_one_line_with_the_fix(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value) == message
