@@ -7,6 +7,7 @@ buggy (user code), so the runtime always calls it through `tasks.guard.RewardGua
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterator
@@ -36,9 +37,6 @@ class Task(ABC):
     def reward(self, example: Example, response: str) -> float:
         """Score of one response in [0, 1]; 1 means verified correct."""
 
-    def is_correct(self, example: Example, response: str) -> bool:
-        return self.reward(example, response) >= 1.0
-
     def stream(self, split: str, seed: int = 0, chunk: int = 1024) -> Iterator[Example]:
         """An endless stream of examples (fresh chunks, ids continuing), for RL prompt queues."""
         base = 0
@@ -46,6 +44,17 @@ class Task(ABC):
             for ex in self.examples(split, chunk, seed=seed + base):
                 yield Example(id=base + ex.id, question=ex.question, answer=ex.answer)
             base += chunk
+
+
+def stable_hash(text: str) -> int:
+    """A 32-bit hash of `text` that every machine and Python run agrees on (splits, derived seeds)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
+
+
+def in_test_split(question: str, test_mod: int) -> bool:
+    """Whether `question` is held out: one question in `test_mod`, chosen by its hash, so the train
+    and test splits never share a question and a question never changes sides."""
+    return stable_hash(question) % test_mod == 0
 
 
 def check_split(split: str) -> None:

@@ -19,11 +19,10 @@ to line, so each step is one small addition whose errors compound over a long ch
 
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass
 
-from tailrace.tasks.base import Example, Task, check_split
+from tailrace.tasks.base import Example, Task, check_split, in_test_split
 
 
 @dataclass(frozen=True)
@@ -54,10 +53,6 @@ class ChainSumTask(Task):
         n = rng.randint(lo, hi)
         return [rng.randint(1, self.spec.max_term) for _ in range(n)]
 
-    def _in_test(self, question: str) -> bool:
-        h = int.from_bytes(hashlib.blake2b(question.encode(), digest_size=4).digest(), "little")
-        return h % self.spec.test_mod == 0
-
     def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:
         check_split(split)
         rng = random.Random(f"chainsum/{split}/{seed}")
@@ -66,7 +61,7 @@ class ChainSumTask(Task):
         while len(out) < n:
             terms = self._terms(rng)
             q = question(terms)
-            if self._in_test(q) == want_test:
+            if in_test_split(q, self.spec.test_mod) == want_test:
                 out.append(Example(id=len(out), question=q, answer=str(sum(terms))))
         return out
 

@@ -13,11 +13,10 @@ gives the dataset's answer text (None where many answers are valid).
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 from typing import Any
 
-from tailrace.tasks.base import Example, Task, TaskError, check_split
+from tailrace.tasks.base import Example, Task, TaskError, check_split, in_test_split, stable_hash
 
 DEFAULT_SUFFIX = "\n\nGive your final answer on the last line, as 'Answer: <answer>'."
 LIST_HINT = 'list them with: python -c "from tailrace.tasks.gym import gym_names; print(*gym_names())"'
@@ -43,10 +42,6 @@ def extract_answer(response: str, tag: str | None = "answer", marker: str | None
         if at >= 0:
             return response[at + len(marker) :].strip()
     return response.strip()
-
-
-def _hash32(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
 
 
 class ReasoningGymTask(Task):
@@ -104,7 +99,7 @@ class ReasoningGymTask(Task):
         return self._entries[key]
 
     def _block_seed(self, split: str, seed: int, block: int) -> int:
-        return _hash32(f"{self.dataset}/{split}/{seed}/{block}")
+        return stable_hash(f"{self.dataset}/{split}/{seed}/{block}")
 
     def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:
         check_split(split)
@@ -123,7 +118,7 @@ class ReasoningGymTask(Task):
             for i in range(self.block):
                 entry = self._entry(bseed, i)
                 tried += 1
-                if (_hash32(entry["question"]) % self.test_mod == 0) != want_test:
+                if in_test_split(entry["question"], self.test_mod) != want_test:
                     continue
                 handle = json.dumps({"gold": entry["answer"], "seed": bseed, "index": i}, default=str)
                 out.append(Example(id=len(out), question=entry["question"] + self.suffix, answer=handle))

@@ -1,7 +1,7 @@
 """A Task over a JSONL file of question/answer rows (GSM8K, MATH and the like), scored by math-verify.
 
 Rows are read and checked when the task is built, so a bad file fails before a run starts. Without
-`test_path`, a row is test iff a hash of its question falls in `test_fraction`: deterministic, order
+`test_path`, a row is test iff its question's hash says so (one in `test_mod`): deterministic, order
 independent, and duplicate questions never straddle the split. `examples` cycles through a split in
 epochs, each reshuffled, so `n` may exceed `size(split)` (then questions repeat).
 
@@ -10,14 +10,13 @@ epochs, each reshuffled, so `n` may exceed `size(split)` (then questions repeat)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
 import threading
 from pathlib import Path
 
-from tailrace.tasks.base import SPLITS, Example, Task, TaskError, check_split
+from tailrace.tasks.base import SPLITS, Example, Task, TaskError, check_split, in_test_split
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
@@ -45,11 +44,6 @@ def math_match(gold: str, response: str) -> bool:
     return bool(r) and verify(g, r, timeout_seconds=t)
 
 
-def _hash_unit(text: str) -> float:
-    """A stable pseudo-random number in [0, 1) for `text`."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") / 2**64
-
-
 class JsonlTask(Task):
     def __init__(
         self,
@@ -58,7 +52,7 @@ class JsonlTask(Task):
         question_field: str = "question",
         answer_field: str = "answer",
         prompt_template: str = "{question}",
-        test_fraction: float = 0.1,
+        test_mod: int = 10,
         test_path: str | Path | None = None,
     ) -> None:
         """`prompt_template`: `{question}` is the question field, `{<field>}` any field of the row;
@@ -68,9 +62,9 @@ class JsonlTask(Task):
                 f"prompt_template {prompt_template!r} has no {{question}} placeholder; "
                 f"add one where the question goes"
             )
-        if test_path is None and not 0.0 < test_fraction < 1.0:
+        if test_path is None and test_mod < 2:
             raise TaskError(
-                f"test_fraction must be in (0, 1), got {test_fraction}; "
+                f"test_mod must be >= 2 (one question in test_mod is held out), got {test_mod}; "
                 f"or pass test_path= for a separate test file"
             )
         self.name = f"jsonl:{Path(path).stem}"
@@ -78,8 +72,8 @@ class JsonlTask(Task):
         self.fields = (question_field, answer_field)
         rows = self._load(Path(path))
         if test_path is None:  # hash the raw question, so a new template keeps the split
-            test = [ex for q, ex in rows if _hash_unit(q) < test_fraction]
-            train = [ex for q, ex in rows if _hash_unit(q) >= test_fraction]
+            test = [ex for q, ex in rows if in_test_split(q, test_mod)]
+            train = [ex for q, ex in rows if not in_test_split(q, test_mod)]
         else:
             train, test = [ex for _, ex in rows], [ex for _, ex in self._load(Path(test_path))]
         self.rows: dict[str, list[Example]] = {"train": train, "test": test}
@@ -139,7 +133,7 @@ class JsonlTask(Task):
             other = SPLITS[1 - SPLITS.index(split)]
             raise TaskError(
                 f"{self.name}: the {split} split is empty (all {len(self.rows[other])} "
-                f"rows hashed to {other}); add rows, change test_fraction or pass test_path="
+                f"rows hashed to {other}); add rows, change test_mod or pass test_path="
             )
         rng = random.Random(f"jsonl/{split}/{seed}")
         out: list[Example] = []

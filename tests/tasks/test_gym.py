@@ -5,8 +5,7 @@ import re
 
 import pytest
 
-from tailrace.tasks import gym
-from tailrace.tasks.base import TaskError
+from tailrace.tasks.base import TaskError, in_test_split
 from tailrace.tasks.gym import ReasoningGymTask, extract_answer
 
 # countdown scores with the entry's metadata (the numbers given), so it checks the handle round trip
@@ -98,7 +97,7 @@ def test_too_small_question_space_fails_instead_of_looping(monkeypatch):
     one = {"question": "Q", "answer": "1", "metadata": {}}  # a dataset with a single question
     t = ReasoningGymTask("gcd")
     monkeypatch.setattr(t, "_entry", lambda seed, index: one)
-    empty = "train" if gym._hash32("Q") % t.test_mod == 0 else "test"
+    empty = "train" if in_test_split("Q", t.test_mod) else "test"
     with pytest.raises(TaskError, match=f"found only 0 of 1 {empty} examples in 4096 generated"):
         t.examples(empty, 1)
 

@@ -68,14 +68,14 @@ def test_equivalent_latex_forms_are_accepted(tmp_path):
 
 
 def test_split_is_deterministic_disjoint_and_hash_based(gsm):
-    task = JsonlTask(gsm, test_fraction=0.25)
+    task = JsonlTask(gsm, test_mod=4)
     assert 25 <= task.size("test") <= 75 and task.size("train") + task.size("test") == 200
     train = {e.question for e in task.rows["train"]}
     test = {e.question for e in task.rows["test"]}
     assert not train & test
     lines = gsm.read_text().splitlines()
     reordered = write(gsm.parent / "rev.jsonl", reversed(lines))
-    assert {e.question for e in JsonlTask(reordered, test_fraction=0.25).rows["test"]} == test
+    assert {e.question for e in JsonlTask(reordered, test_mod=4).rows["test"]} == test
 
 
 def test_examples_are_reproducible_and_cycle_in_epochs(gsm):
@@ -128,7 +128,7 @@ def test_missing_and_empty_files(tmp_path):
 
 def test_empty_split_is_reported(tmp_path):
     path = write(tmp_path / "one.jsonl", [{"question": "only", "answer": "1"}])
-    task = JsonlTask(path, test_fraction=0.01)
+    task = JsonlTask(path, test_mod=100)
     empty = "test" if task.size("train") else "train"
     with pytest.raises(TaskError, match=f"the {empty} split is empty"):
         task.examples(empty, 1)
