@@ -23,7 +23,6 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any, Iterator
 
-from tailrace.jsonlines import read_lines
 from tailrace.types import Finish, GenResult, Prompt, Trajectory
 
 # -- packed arrays ------------------------------------------------------------------------------
@@ -259,6 +258,19 @@ def metric_from_json(d: dict) -> StepRecord | EvalRecord:
 
 
 # -- reading a run directory's files ----------------------------------------------------------
+
+
+def read_lines(path: str | Path) -> Iterator[dict]:
+    """Records of a JSONL file; a torn last line (killed mid-write) ends the file. A missing file has none."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    with open(path) as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                return
 
 
 def read_journal(path: str | Path) -> Iterator[JournalEntry]:

@@ -15,8 +15,8 @@ from rich.markup import escape
 from tailrace.cli import commands, sim
 from tailrace.cli.commands import console
 from tailrace.cli.verb import Flag, Verb
+from tailrace.common import ConfigError
 from tailrace.config import RunConfig
-from tailrace.errors import ConfigError
 
 KEYS = "[--section.key=VALUE ...]"
 

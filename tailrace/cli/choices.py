@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Collection
 
+from tailrace.common import ConfigError
 from tailrace.config import FlowConfig, LossConfig, RunConfig, TrainerConfig
-from tailrace.errors import ConfigError
 
 Registries = dict[tuple[type, str], Collection[str]]  # (section, field) -> the names it may take
 

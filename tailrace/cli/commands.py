@@ -8,8 +8,8 @@ from pathlib import Path
 from rich.console import Console
 
 from tailrace.cli.verb import Args
+from tailrace.common import ConfigError
 from tailrace.config import RunConfig, dump_config, load_config
-from tailrace.errors import ConfigError
 
 console = Console(highlight=False, soft_wrap=True)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tailrace.cli.commands import console
 from tailrace.cli.verb import Args
-from tailrace.errors import ConfigError
+from tailrace.common import ConfigError
 
 DTYPES = ("float32", "bfloat16")
 

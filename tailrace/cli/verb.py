@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tailrace.errors import ConfigError
+from tailrace.common import ConfigError
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ Each section validates itself in `__post_init__` with a message that names the k
 `load_config` maps YAML files and `--section.key=value` overrides onto the sections mechanically.
 """
 
+from tailrace.common import ConfigError
 from tailrace.config.load import dump_config, load_config
 from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
 from tailrace.config.run import EvalConfig, FlowConfig, RolloutConfig, RunConfig, TaskConfig
 from tailrace.config.train import LossConfig, TrainerConfig
-from tailrace.errors import ConfigError
 
 __all__ = [
     "ArchConfig",

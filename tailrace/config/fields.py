@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from tailrace.errors import ConfigError
+from tailrace.common import ConfigError
 
 
 def setting(default: Any, doc: str) -> Any:

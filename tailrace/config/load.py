@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
+from tailrace.common import ConfigError
 from tailrace.config.run import RunConfig
-from tailrace.errors import ConfigError
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:

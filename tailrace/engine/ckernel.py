@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tailrace.cachedir import cache_root
+from tailrace.common import cache_root
 
 SOURCE = Path(__file__).with_name("kernels") / "decode.c"
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp-simd", "-shared", "-fPIC"]

@@ -101,7 +101,7 @@ def lengths_figure(journal: list[JournalEntry], events: list[Span | Mark]) -> st
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
-        from tailrace.errors import ConfigError
+        from tailrace.common import ConfigError
 
         raise ConfigError(f"{run_dir} has no metrics.jsonl; pass a run directory written by tailrace train")
     metrics = list(read_metrics(run_dir / "metrics.jsonl"))

@@ -67,7 +67,7 @@ def _with_track_ids(events: list[dict]) -> list[dict]:
 def write_trace(run_dir: Path, out: Path | None = None) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "events.jsonl").is_file():
-        from tailrace.errors import ConfigError
+        from tailrace.common import ConfigError
 
         raise ConfigError(
             f"{run_dir} has no events.jsonl; pass a run directory written by tailrace train or sim"

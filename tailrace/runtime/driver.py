@@ -21,9 +21,8 @@ from tailrace.config import RunConfig
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
-from tailrace.jsonlines import read_lines
 from tailrace.metrics import step_record
-from tailrace.records import EvalRecord, Span, StepRecord, journal_from_json, read_metrics
+from tailrace.records import EvalRecord, Span, StepRecord, journal_from_json, read_lines, read_metrics
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.messages import EngineReport, Ready, Shutdown, TrainerReport, TrainOrder
@@ -329,7 +328,7 @@ def _tensorboard(run: RunDir):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        from tailrace.errors import ConfigError
+        from tailrace.common import ConfigError
 
         raise ConfigError(
             "tensorboard=true needs the tensorboard package; pip install 'tailrace[tensorboard]' "

@@ -12,8 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tailrace.jsonlines import read_lines
-from tailrace.records import Record, dumps
+from tailrace.records import Record, dumps, read_lines
 
 
 class RecordFile:

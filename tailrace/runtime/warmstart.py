@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tailrace.cachedir import cache_root
+from tailrace.common import cache_root
 from tailrace.config import ArchConfig, SFTConfig
 from tailrace.model.checkpoint import save_pretrained
 from tailrace.model.config import ModelConfig

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tailrace.packing import micro_batches
 from tailrace.sim.hardware import Hardware
 from tailrace.sim.models import ModelShape
 from tailrace.sim.segment import Segment
+from tailrace.trainer.packing import micro_batches
 
 
 @dataclass(frozen=True)

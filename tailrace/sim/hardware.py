@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailrace.cachedir import cache_root
+from tailrace.common import cache_root
 
 GB = 1e9
 TB = 1e12

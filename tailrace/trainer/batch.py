@@ -13,9 +13,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from tailrace.packing import micro_batches
 from tailrace.trainer.advantages import Advantage
 from tailrace.trainer.losses import TokenScale, fresh_mask
+from tailrace.trainer.packing import micro_batches
 from tailrace.types import Group, Trajectory
 
 Tensor = torch.Tensor

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from tailrace.cli import main
+from tailrace.common import ConfigError
 from tailrace.config import FlowConfig, RunConfig, dump_config
-from tailrace.errors import ConfigError
 from tailrace.records import Finished, Opened, StepRecord, dumps
 from tailrace.sim import compare
 from tailrace.sim.hardware import get_hardware
