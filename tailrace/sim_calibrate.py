@@ -43,7 +43,7 @@ from tailrace.engine.engine import Engine
 from tailrace.model.decoder import CausalLM
 from tailrace.runtime.warmstart import model_config
 from tailrace.sim.costs import CostModel
-from tailrace.sim.hardware import CPU_FALLBACK, Hardware, preset_path
+from tailrace.sim.hardware import CPU_FALLBACK, preset_path
 from tailrace.sim.models import ModelShape
 from tailrace.tokenizer import char_tokenizer
 from tailrace.trainer.grpo import GRPOTrainer
@@ -596,9 +596,3 @@ def calibrate(out: Path | None = None, quick: bool = False, progress=print, dtyp
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result
-
-
-def check_hardware(d: dict) -> Hardware:
-    """The saved preset, as the simulator will load it."""
-    fields = {f.name for f in dataclasses.fields(Hardware)}
-    return Hardware(**{k: v for k, v in d["hardware"].items() if k in fields})

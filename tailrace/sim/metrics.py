@@ -5,19 +5,6 @@ per-step bubble and rollout-only share.
 
 from __future__ import annotations
 
-import math
-
-
-def union_length(spans: list[tuple[float, float]]) -> float:
-    """Total length of the union of intervals."""
-    total, end = 0.0, -math.inf
-    for t0, t1 in sorted(spans):
-        if t1 <= end:
-            continue
-        total += t1 - max(t0, end)
-        end = t1
-    return total
-
 
 def merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []

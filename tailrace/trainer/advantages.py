@@ -41,9 +41,3 @@ def rloo(rewards: Sequence[float]) -> list[float]:
 
 
 ADVANTAGES: dict[str, Advantage] = {"grpo": grpo, "drgrpo": drgrpo, "rloo": rloo}
-
-
-def get_advantage(name: str) -> Advantage:
-    if name not in ADVANTAGES:
-        raise KeyError(f"unknown advantage estimator {name!r}; choose one of {', '.join(ADVANTAGES)}")
-    return ADVANTAGES[name]

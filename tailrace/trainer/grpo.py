@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tailrace.config import TrainerConfig
-from tailrace.model.flat import FlatWeights, flatten_parameters
+from tailrace.model.flat import flatten_parameters
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
@@ -190,18 +190,3 @@ class GRPOTrainer:
         self.model.load_state_dict(state["model"])  # copies into the flat buffer's views
         self.opt.load_state_dict(state["optimizer"])
         self.steps = int(state["step"])
-
-    def export_weights(self) -> FlatWeights:
-        """A snapshot of the weights: one memcpy of the flat buffer; the caller owns it."""
-        return FlatWeights(self.flat.buffer.detach().clone(), self.flat.layout)
-
-    def import_weights(self, weights: FlatWeights | torch.Tensor) -> None:
-        """Overwrite the weights from an export (one memcpy); optimizer state is left as it is."""
-        buf = weights.buffer if isinstance(weights, FlatWeights) else weights
-        if buf.shape != self.flat.buffer.shape:
-            raise ValueError(
-                f"weight buffer has {buf.numel()} elements, this model {self.flat.buffer.numel()}; "
-                f"export from the same architecture"
-            )
-        with torch.no_grad():
-            self.flat.buffer.copy_(buf)

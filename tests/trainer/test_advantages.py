@@ -1,6 +1,6 @@
 import pytest
 
-from tailrace.trainer.advantages import ADVANTAGES, get_advantage
+from tailrace.trainer.advantages import ADVANTAGES
 
 
 def test_grpo_normalises_by_population_std():
@@ -27,9 +27,3 @@ def test_rloo_leave_one_out_baseline():
     # 1 - (0+0+1)/3 = 2/3
     assert ADVANTAGES["rloo"]([1.0, 0.0, 0.0, 1.0]) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
     assert ADVANTAGES["rloo"]([5.0]) == [0.0]
-
-
-def test_unknown_name_lists_choices():
-    with pytest.raises(KeyError, match="grpo, drgrpo, rloo"):
-        get_advantage("ppo")
-    assert get_advantage("rloo") is ADVANTAGES["rloo"]

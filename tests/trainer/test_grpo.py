@@ -174,29 +174,21 @@ def test_metrics_count_tokens_gap_and_staleness():
     assert math.isnan(tr.evaluate(noisy, trainer_version=9)["logprob_gap_mean"])  # no token at version 9
 
 
-def test_export_import_round_trip_exactly():
+def test_the_flat_buffer_is_the_models_parameters():
+    """What the trainer publishes (one memcpy of `flat.buffer`) is exactly the model's weights, tied
+    names sharing one slice, before and after a step."""
     model = TinyLM(tie=True)
     tr = GRPOTrainer(model, TrainerConfig(lr=1e-2))
-    w0 = tr.export_weights()
-    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
-    views = w0.views()
-    assert set(views) == set(snapshot)  # tied names both present, sharing one slice
-    assert (
-        dict((n, o) for n, _, o in w0.layout)["lm_head.weight"]
-        == dict((n, o) for n, _, o in w0.layout)["embed.weight"]
-    )
-    assert w0.buffer.numel() == sum(p.numel() for p in model.parameters())
-    for k, v in snapshot.items():
-        assert torch.equal(views[k], v)
+    w0 = tr.flat.buffer.clone()
+    layout = dict((n, o) for n, _, o in tr.flat.layout)
+    assert layout["lm_head.weight"] == layout["embed.weight"]
+    assert tr.flat.buffer.numel() == sum(p.numel() for p in model.parameters())
+    views = tr.flat.views()
+    assert set(views) == set(model.state_dict())  # tied names both present, sharing one slice
     tr.step(make_groups(model), trainer_version=0)
-    assert not torch.equal(tr.export_weights().buffer, w0.buffer)
-    assert torch.equal(w0.views()["mix.weight"], snapshot["mix.weight"])  # an export is a snapshot
-    tr.import_weights(w0)
+    assert not torch.equal(tr.flat.buffer, w0)
     for k, v in model.state_dict().items():
-        assert torch.equal(v, snapshot[k])
-    other = GRPOTrainer(TinyLM(tie=True, seed=3), TrainerConfig())
-    other.import_weights(w0.buffer)
-    assert torch.equal(other.export_weights().buffer, w0.buffer)
+        assert torch.equal(views[k], v)  # the views follow the parameters: they are the same memory
 
 
 def test_checkpoint_resume_continues_identically():
@@ -209,7 +201,7 @@ def test_checkpoint_resume_continues_identically():
     assert b.steps == 1
     a.step(groups, 1)
     b.step(groups, 1)
-    assert torch.equal(a.export_weights().buffer, b.export_weights().buffer)
+    assert torch.equal(a.flat.buffer, b.flat.buffer)
 
 
 def test_bf16_autocast_step_runs_close_to_fp32():
