@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tailrace.config import SFTConfig  # noqa: E402
-from tailrace.engine import Engine  # noqa: E402
+from tailrace.engine import TailraceEngine  # noqa: E402
 from tailrace.engine.runner import Runner  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from tailrace.model.decoder import CausalLM  # noqa: E402
@@ -123,7 +123,7 @@ def rates(tokens: int, wall: list[float], cpu: list[float]) -> dict:
 # -- contenders -------------------------------------------------------------------------------------
 
 
-def engine_job(engine: Engine, batch: int, new: int, rng: random.Random):
+def engine_job(engine: TailraceEngine, batch: int, new: int, rng: random.Random):
     """One whole `generate` of `batch` fresh requests per call."""
     V = engine.vocab_size
     params = SamplingParams(temperature=1.0, max_new_tokens=new, min_new_tokens=new)
@@ -308,7 +308,7 @@ _KINDS = (
 )
 
 
-def profile_decode(engine: Engine, batch: int, new: int, rng: random.Random) -> None:
+def profile_decode(engine: TailraceEngine, batch: int, new: int, rng: random.Random) -> None:
     """torch.profiler over 20 steady-state decode steps: self CPU time by kind of op, then the top ops.
     (The profiler adds a few microseconds per op, so small elementwise ops look costlier than they are.
     The C attention kernel is no aten op: its time is in the step, not in these shares; see ckernel.py.)"""
@@ -353,7 +353,7 @@ def cb_workload(n: int, vocab: int, rng: random.Random) -> list[GenRequest]:
     return reqs
 
 
-def run_cb(engine: Engine, reqs: list[GenRequest], static: int | None) -> dict:
+def run_cb(engine: TailraceEngine, reqs: list[GenRequest], static: int | None) -> dict:
     """All requests through the engine; `static`: admit in batches of that size, each waiting for its longest."""
     t0, c0 = time.perf_counter(), time.thread_time()
     busy = 0.0
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
     for dn in a.dtypes:
         dtype = DTYPES[dn]
         model = load_pretrained(model_dir, dtype=dtype)
-        engine = Engine(
+        engine = TailraceEngine(
             model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0
         )
         # the same engine on torch ops (batched-GEMM attention, torch RoPE/cache writes/RMSNorm/SiLU), which
@@ -417,7 +417,7 @@ def main(argv=None) -> int:
         bmm = (
             None
             if engine._versions[0].attention != "kernel"
-            else Engine(
+            else TailraceEngine(
                 model,
                 num_slots=max(64, *a.batches),
                 max_len=PROMPT_TOKENS + a.new_tokens + 16,
@@ -462,7 +462,7 @@ def main(argv=None) -> int:
     if a.profile:
         return 0
     dn = a.dtypes[0]
-    engine = Engine(
+    engine = TailraceEngine(
         load_pretrained(model_dir, dtype=DTYPES[dn]), num_slots=64, max_len=PROMPT_TOKENS + 512, seed=0
     )
     reqs = cb_workload(a.cb_requests, engine.vocab_size, random.Random(1))

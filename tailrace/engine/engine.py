@@ -1,4 +1,5 @@
-"""`Engine`: continuous batching of token-id requests over a preallocated KV cache. Knows nothing of RL.
+"""`TailraceEngine`: continuous batching of token-id requests over a preallocated KV cache. Knows nothing
+of RL. tailrace's own implementation of the `Engine` protocol (see `protocol`).
 
 Token ids in; token ids, per-token logprobs and per-token policy versions out. Each `step()`:
   1. admit waiting requests into free slots (cache rows);
@@ -36,6 +37,7 @@ import torch
 from tailrace.engine import chunks, prefill
 from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
+from tailrace.engine.protocol import Capabilities
 from tailrace.engine.rows import POS, TOK, RowState
 from tailrace.engine.sampler import SampleFlags, sample, seed_key, vocab_salt
 from tailrace.engine.sequence import Sequence
@@ -54,7 +56,14 @@ _DTYPES = {
 }
 
 
-class Engine:
+class TailraceEngine:
+    """tailrace's own engine, in PyTorch (CPU and CUDA). Named for its implementer, as an adapter to
+    another engine is named for that engine (`VLLMEngine`); both implement `Engine`."""
+
+    capabilities = Capabilities(
+        abort_resume=True, versions_at_once=None, per_request_seed=True, speculative=False
+    )
+
     def __init__(
         self,
         model: CausalLM,
@@ -95,7 +104,7 @@ class Engine:
             raise EngineError(f"max_len={max_len} must be at least 2 (one prompt token and one new token)")
         self.num_slots, self.max_len, self.prefill_tokens = num_slots, max_len, prefill_tokens
         self.device, self.dtype, self.vocab_size = device, dtype, cfg.vocab_size
-        self._versions = Versions(model, max_len, attention)
+        self._versions = Versions(model, max_len, None if attention == "auto" else attention)
         kv_dtype = kv_dtype or dtype
         self.cache = model.new_cache(num_slots + 1, max_len, kv_dtype, device)  # +1: the swap row
         self.rows = RowState(num_slots + 1, cfg.vocab_size, max_len, device)
