@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from tailrace.config import SFTConfig  # noqa: E402
 from tailrace.engine import TailraceEngine  # noqa: E402
-from tailrace.engine.runner import Runner  # noqa: E402
+from tailrace.engine.backends.weights import FusedWeights  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from tailrace.model.decoder import CausalLM  # noqa: E402
 from tailrace.runtime import warmstart  # noqa: E402
@@ -271,19 +271,19 @@ def bench_vllm(model_dir: str, dtype: str, batch: int, new: int, threads: int, r
         return f"failed: {tail[:60]}"
 
 
-def gemm_limit(runner: Runner, batch: int, repeats: int) -> float:
+def gemm_limit(weights: FusedWeights, batch: int, repeats: int) -> float:
     """tokens/s if a decode step were only its matrix multiplies (fused q/k/v, o, gate/up, down, LM head),
-    each by the faster of the runner's two GEMM paths (MKL, oneDNN packed), best of the repeats."""
-    dt, dev = runner.dtype, runner.device
-    x_h = torch.randn(batch, runner.embed.shape[1], dtype=dt, device=dev)
-    x_o = torch.randn(batch, runner.H * runner.D, dtype=dt, device=dev)
-    x_d = torch.randn(batch, runner.I, dtype=dt, device=dev)
+    each by the faster of the engine's two GEMM paths (MKL, oneDNN packed), best of the repeats."""
+    dt, dev = weights.dtype, weights.device
+    x_h = torch.randn(batch, weights.embed.shape[1], dtype=dt, device=dev)
+    x_o = torch.randn(batch, weights.H * weights.D, dtype=dt, device=dev)
+    x_d = torch.randn(batch, weights.I, dtype=dt, device=dev)
     mats = []
-    for L in runner.layers:
+    for L in weights.layers:
         mats += [(x_h, L.qkv), (x_o, L.o), (x_h, L.gate_up), (x_d, L.down)]
-    mats.append((x_h, runner.lm_head))
+    mats.append((x_h, weights.lm_head))
     best = math.inf
-    for packed in (False, True) if runner.packed else (False,):
+    for packed in (False, True) if weights.packed else (False,):
 
         def steps():
             for _ in range(20):
@@ -412,11 +412,12 @@ def main(argv=None) -> int:
         engine = TailraceEngine(
             model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0
         )
+        weights = FusedWeights(model)  # the engine's fused GEMMs, for the limit
         # the same engine on torch ops (batched-GEMM attention, torch RoPE/cache writes/RMSNorm/SiLU), which
         # the C kernels replaced where they are in use
         bmm = (
             None
-            if engine._versions[0].attention != "kernel"
+            if engine.backend != "kernel"
             else TailraceEngine(
                 model,
                 num_slots=max(64, *a.batches),
@@ -440,7 +441,7 @@ def main(argv=None) -> int:
             row.setdefault("bmm", "no kernel")
             row.setdefault("hf", "skipped")
             row["vs_bmm"] = ratio(row["tailrace"], row["bmm"])
-            row["gemm_limit"] = gemm_limit(engine._versions[0], b, a.repeats)
+            row["gemm_limit"] = gemm_limit(weights, b, a.repeats)
             row["share"] = row["tailrace"]["cpu_tok_s"] / row["gemm_limit"]
             row["vllm"] = (
                 "skipped" if a.no_vllm else bench_vllm(model_dir, dn, b, a.new_tokens, a.threads, a.repeats)

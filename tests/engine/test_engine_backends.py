@@ -1,4 +1,4 @@
-"""`Runner` is pinned to `CausalLM.forward`: same logits, same KV-cache writes."""
+"""Both backends are pinned to `CausalLM.forward`: same logits, same KV-cache writes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from tailrace.engine import ckernel
-from tailrace.engine.linear import packing_supported
-from tailrace.engine.runner import Runner
+from tailrace.engine.backends import select
+from tailrace.engine.backends.cpu_kernels import KernelAttentionBackend, KernelBackend
+from tailrace.engine.backends.linear import packing_supported
+from tailrace.engine.backends.torch_ref import TorchBackend
 from tests.engine.engine_helpers import tiny_model
 
 CONFIGS = {
@@ -26,6 +28,13 @@ CONFIGS = {
 }
 
 
+def decode(backend, tokens, positions, cache, rows, chunks):
+    """A decode-only step; an int `chunks` S = one chunk over all rows."""
+    if isinstance(chunks, int):
+        chunks = [(0, tokens.shape[0], chunks)]
+    return backend.forward(tokens, positions, cache, rows, chunks)
+
+
 def skip_without_kernel(attention: str) -> None:
     if attention == "kernel" and ckernel.load() is None:  # no C compiler here: the torch paths still run
         pytest.skip(f"C kernel unavailable: {ckernel.unavailable()}")
@@ -40,7 +49,9 @@ def test_decode_matches_model_forward(name, attention, packed):
     skip_without_kernel(attention)
     model = tiny_model(3, **CONFIGS[name])
     B, max_len = 5, 96
-    runner = Runner(model, max_len, attention, packed=packed and packing_supported(torch.float32))
+    backend = select(attention, model, max_len, torch.float32)(
+        model, packed=packed and packing_supported(torch.float32)
+    )
     lens = [7, 30, 1, 19, 44]
     ref_cache, cache = model.new_cache(B + 2, max_len), model.new_cache(B + 2, max_len)
     g = torch.Generator().manual_seed(0)
@@ -58,7 +69,7 @@ def test_decode_matches_model_forward(name, attention, packed):
         )
         x = toks[torch.arange(B), pos]
         ref = model(x[:, None], pos[:, None], ref_cache, slice(1, B + 1))[:, 0]
-        got = runner.decode(x, pos, cache, slice(1, B + 1), chunks)
+        got = decode(backend, x, pos, cache, slice(1, B + 1), chunks)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
         pos = pos + 1
     for layer in range(model.config.num_hidden_layers):
@@ -75,7 +86,7 @@ def test_decode_matches_model_forward(name, attention, packed):
 def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
     skip_without_kernel(attention)
     model = tiny_model(4).to(torch.bfloat16)
-    runner = Runner(model, 64, attention, packed=packed and packing_supported(torch.bfloat16))
+    backend = select(attention, model, 64, kv)(model, packed=packed and packing_supported(torch.bfloat16))
     ref_cache, cache = model.new_cache(B, 64), model.new_cache(B, 64)
     if kv == torch.float32:  # same prompt k/v, held in fp32
         cache.k, cache.v = [t.float() for t in cache.k], [t.float() for t in cache.v]
@@ -86,7 +97,7 @@ def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
         cache.v[layer].copy_(ref_cache.v[layer])
     pos = torch.full((B,), 12)
     ref = model(toks[:, 12:13], pos[:, None], ref_cache, slice(0, B))[:, 0].float()
-    got = runner.decode(toks[:, 12], pos, cache, slice(0, B), [(0, 1, 13), (1, B, 13)]).float()
+    got = decode(backend, toks[:, 12], pos, cache, slice(0, B), [(0, 1, 13), (1, B, 13)]).float()
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
@@ -95,7 +106,7 @@ def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
 def test_mixed_prefill_and_decode_step_matches_model_forward(dtype):
     """Decode rows and prefill pieces (a whole prompt, and the second chunk of another) in one step."""
     model = tiny_model(5).to(dtype)
-    runner = Runner(model, 64)
+    backend = select("auto", model, 64, dtype)(model)
     V = model.config.vocab_size
     toks = torch.randint(0, V, (4, 30), generator=torch.Generator().manual_seed(2))
     ref_cache, cache = model.new_cache(5, 64), model.new_cache(5, 64)
@@ -117,7 +128,7 @@ def test_mixed_prefill_and_decode_step_matches_model_forward(dtype):
     tokens = torch.cat([torch.stack([toks[0, 9], toks[1, 14]]), toks[2, :11], toks[3, 6:13]])
     positions = torch.cat([pos, torch.arange(11), torch.arange(6, 13)])
     want = torch.tensor([0, 1, 2 + 10, 2 + 11 + 6])
-    got = runner.forward(
+    got = backend.forward(
         tokens, positions, cache, slice(0, 2), [(0, 1, 10), (1, 2, 15)], [(2, 0, 11), (3, 6, 7)], want
     ).float()
     ref = torch.stack([ref_dec[0], ref_dec[1], ref_a, ref_b]).float()
@@ -126,3 +137,25 @@ def test_mixed_prefill_and_decode_step_matches_model_forward(dtype):
     for layer in range(model.config.num_hidden_layers):
         for r, n in ((0, 10), (1, 15), (2, 11), (3, 13)):
             assert (cache.k[layer][r, :, :n].float() - ref_cache.k[layer][r, :, :n].float()).abs().max() < tol
+
+
+def test_select_resolves_attention_to_one_backend_class():
+    model, f32, bf16 = tiny_model(), torch.float32, torch.bfloat16
+    for attention in ("bmm", "sdpa"):
+        backend = select(attention, model, 32, f32)(model)
+        assert type(backend) is TorchBackend and backend.name == attention and backend.kernel is None
+    with pytest.raises(ValueError, match="use 'auto', 'kernel', 'bmm' or 'sdpa'"):
+        select("flash", model, 32, f32)
+    if ckernel.load() is None:
+        assert select("auto", model, 32, f32)(model).name == "bmm"
+        return
+    assert type(select(None, model, 32, f32)(model)) is KernelBackend  # one torch thread (conftest)
+    half = tiny_model().to(bf16)
+    assert type(select("auto", half, 32, f32)(half)) is KernelAttentionBackend  # fp32 cache, bf16 model
+    assert type(select("auto", half, 32, torch.float16)(half)) is TorchBackend  # a cache the kernels lack
+    torch.set_num_threads(2)
+    try:
+        assert select("auto", model, 32, f32)(model).name == "bmm"
+        assert select("kernel", model, 32, f32)(model).name == "kernel"
+    finally:
+        torch.set_num_threads(1)
