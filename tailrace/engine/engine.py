@@ -37,6 +37,7 @@ import torch
 from tailrace.engine import backends, chunks, prefill
 from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
+from tailrace.engine.kv_cache import KVCache
 from tailrace.engine.protocol import Capabilities
 from tailrace.engine.rows import POS, TOK, RowState
 from tailrace.engine.sampler import SampleFlags, sample, seed_key, vocab_salt
@@ -109,7 +110,7 @@ class TailraceEngine:
         kv_dtype = kv_dtype or dtype
         self._versions = Versions(model, backends.select(attention, model, max_len, kv_dtype))
         self.backend = self._versions[0].name
-        self.cache = model.new_cache(num_slots + 1, max_len, kv_dtype, device)  # +1: the swap row
+        self.cache = KVCache.for_model(model, num_slots + 1, max_len, kv_dtype, device)  # +1: the swap row
         self.rows = RowState(num_slots + 1, cfg.vocab_size, max_len, device)
         self.slots = Slots(num_slots)
         self._salt = vocab_salt(cfg.vocab_size, device)

@@ -17,8 +17,8 @@ from tailrace.engine import ckernel
 from tailrace.engine.backends.cpu_kernels import KernelAttentionBackend, KernelBackend
 from tailrace.engine.backends.torch_ref import Span, TorchBackend
 from tailrace.engine.chunks import Chunk
+from tailrace.engine.kv_cache import KVCache
 from tailrace.model.decoder import CausalLM
-from tailrace.model.kv_cache import KVCache
 
 ATTENTION = ("auto", "kernel", "bmm", "sdpa")
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from tailrace.engine.backends.weights import FusedWeights
 from tailrace.engine.chunks import Chunk
 from tailrace.engine.ckernel import Kernels
+from tailrace.engine.kv_cache import KVCache
 from tailrace.model.decoder import CausalLM
-from tailrace.model.kv_cache import KVCache
 from tailrace.model.rope import inv_freq_and_scale, rope_table
 
 UPCAST_MAX_BATCH = 8  # bf16/fp16 decode attention of at most this many rows runs on fp32 copies
