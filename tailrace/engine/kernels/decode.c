@@ -10,10 +10,10 @@
      logits + noise) with the log-softmax logprob of the drawn token.
 
    Why: as batched GEMMs (torch.bmm) attention reads every row up to the longest row of its chunk, builds a
-   mask, runs softmax as separate passes and (bf16) copies strided cache views; measured, it was ~45% (fp32)
-   to ~60% (bf16) of a batch-64 decode step of the default model. Here each (row, kv head) reads its K and V
-   once for all G query heads that share them, in fp32 arithmetic, with the softmax in between; and each
-   small torch op the kernels replace costs more in dispatch than in arithmetic at these sizes. */
+   mask, runs softmax as separate passes and (bf16) copies strided cache views (its share of a decode step:
+   bench/README.md). Here each (row, kv head) reads its K and V once for all G query heads that share
+   them, in fp32 arithmetic, with the softmax in between; and each small torch op the kernels replace
+   costs more in dispatch than in arithmetic at these sizes. */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
