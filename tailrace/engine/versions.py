@@ -31,9 +31,6 @@ class Versions:
     def __getitem__(self, version: int) -> Backend:
         return self._backends[version]
 
-    def model(self, version: int) -> CausalLM:
-        return self._backends[version].model
-
     @property
     def ids(self) -> tuple[int, ...]:
         return tuple(sorted(self._backends))
