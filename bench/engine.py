@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tailrace.config import ArchConfig  # noqa: E402
-from tailrace.engine import Engine  # noqa: E402
-from tailrace.engine.runner import Runner  # noqa: E402
+from tailrace.engine import TailraceEngine  # noqa: E402
+from tailrace.engine.backends.weights import FusedWeights  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from tailrace.model.decoder import CausalLM  # noqa: E402
 from tailrace.runtime import warmstart  # noqa: E402
@@ -123,7 +123,7 @@ def rates(tokens: int, wall: list[float], cpu: list[float]) -> dict:
 # -- contenders -------------------------------------------------------------------------------------
 
 
-def engine_job(engine: Engine, batch: int, new: int, rng: random.Random):
+def engine_job(engine: TailraceEngine, batch: int, new: int, rng: random.Random):
     """One whole `generate` of `batch` fresh requests per call."""
     V = engine.vocab_size
     params = SamplingParams(temperature=1.0, max_new_tokens=new, min_new_tokens=new)
@@ -271,19 +271,19 @@ def bench_vllm(model_dir: str, dtype: str, batch: int, new: int, threads: int, r
         return f"failed: {tail[:60]}"
 
 
-def gemm_limit(runner: Runner, batch: int, repeats: int) -> float:
+def gemm_limit(weights: FusedWeights, batch: int, repeats: int) -> float:
     """tokens/s if a decode step were only its matrix multiplies (fused q/k/v, o, gate/up, down, LM head),
-    each by the faster of the runner's two GEMM paths (MKL, oneDNN packed), best of the repeats."""
-    dt, dev = runner.dtype, runner.device
-    x_h = torch.randn(batch, runner.embed.shape[1], dtype=dt, device=dev)
-    x_o = torch.randn(batch, runner.H * runner.D, dtype=dt, device=dev)
-    x_d = torch.randn(batch, runner.I, dtype=dt, device=dev)
+    each by the faster of the engine's two GEMM paths (MKL, oneDNN packed), best of the repeats."""
+    dt, dev = weights.dtype, weights.device
+    x_h = torch.randn(batch, weights.embed.shape[1], dtype=dt, device=dev)
+    x_o = torch.randn(batch, weights.H * weights.D, dtype=dt, device=dev)
+    x_d = torch.randn(batch, weights.I, dtype=dt, device=dev)
     mats = []
-    for L in runner.layers:
+    for L in weights.layers:
         mats += [(x_h, L.qkv), (x_o, L.o), (x_h, L.gate_up), (x_d, L.down)]
-    mats.append((x_h, runner.lm_head))
+    mats.append((x_h, weights.lm_head))
     best = math.inf
-    for packed in (False, True) if runner.packed else (False,):
+    for packed in (False, True) if weights.packed else (False,):
 
         def steps():
             for _ in range(20):
@@ -308,7 +308,7 @@ _KINDS = (
 )
 
 
-def profile_decode(engine: Engine, batch: int, new: int, rng: random.Random) -> None:
+def profile_decode(engine: TailraceEngine, batch: int, new: int, rng: random.Random) -> None:
     """torch.profiler over 20 steady-state decode steps: self CPU time by kind of op, then the top ops.
     (The profiler adds a few microseconds per op, so small elementwise ops look costlier than they are.
     The C attention kernel is no aten op: its time is in the step, not in these shares; see ckernel.py.)"""
@@ -353,7 +353,7 @@ def cb_workload(n: int, vocab: int, rng: random.Random) -> list[GenRequest]:
     return reqs
 
 
-def run_cb(engine: Engine, reqs: list[GenRequest], static: int | None) -> dict:
+def run_cb(engine: TailraceEngine, reqs: list[GenRequest], static: int | None) -> dict:
     """All requests through the engine; `static`: admit in batches of that size, each waiting for its longest."""
     t0, c0 = time.perf_counter(), time.thread_time()
     busy = 0.0
@@ -409,15 +409,16 @@ def main(argv=None) -> int:
     for dn in a.dtypes:
         dtype = DTYPES[dn]
         model = load_pretrained(model_dir, dtype=dtype)
-        engine = Engine(
+        engine = TailraceEngine(
             model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0
         )
+        weights = FusedWeights(model)  # the engine's fused GEMMs, for the limit
         # the same engine on torch ops (batched-GEMM attention, torch RoPE/cache writes/RMSNorm/SiLU), which
         # the C kernels replaced where they are in use
         bmm = (
             None
-            if engine._versions[0].attention != "kernel"
-            else Engine(
+            if engine.backend != "kernel"
+            else TailraceEngine(
                 model,
                 num_slots=max(64, *a.batches),
                 max_len=PROMPT_TOKENS + a.new_tokens + 16,
@@ -440,7 +441,7 @@ def main(argv=None) -> int:
             row.setdefault("bmm", "no kernel")
             row.setdefault("hf", "skipped")
             row["vs_bmm"] = ratio(row["tailrace"], row["bmm"])
-            row["gemm_limit"] = gemm_limit(engine._versions[0], b, a.repeats)
+            row["gemm_limit"] = gemm_limit(weights, b, a.repeats)
             row["share"] = row["tailrace"]["cpu_tok_s"] / row["gemm_limit"]
             row["vllm"] = (
                 "skipped" if a.no_vllm else bench_vllm(model_dir, dn, b, a.new_tokens, a.threads, a.repeats)
@@ -462,7 +463,7 @@ def main(argv=None) -> int:
     if a.profile:
         return 0
     dn = a.dtypes[0]
-    engine = Engine(
+    engine = TailraceEngine(
         load_pretrained(model_dir, dtype=DTYPES[dn]), num_slots=64, max_len=PROMPT_TOKENS + 512, seed=0
     )
     reqs = cb_workload(a.cb_requests, engine.vocab_size, random.Random(1))

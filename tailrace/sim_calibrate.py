@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from tailrace.config import ArchConfig, TrainerConfig
-from tailrace.engine.engine import Engine
+from tailrace.engine import build_engine
 from tailrace.model.decoder import CausalLM
 from tailrace.runtime.warmstart import model_config
 from tailrace.sim.costs import CostModel
@@ -84,7 +84,7 @@ def measure_decode(
     rows = []
     for b in batches:
         for rep in range(repeats):
-            eng = Engine(model, num_slots=max(batches), prefill_tokens=4096, seed=rep)
+            eng = build_engine(model, num_slots=max(batches), prefill_tokens=4096, seed=rep)
             params = SamplingParams(max_new_tokens=length, min_new_tokens=length)
             for i in range(b):
                 eng.add(GenRequest(f"{b}.{rep}.{i}", tuple([5] * prompt), params))
@@ -472,7 +472,7 @@ def measure_weights(model: CausalLM, repeats: int = 5) -> dict:
 
     flat = flatten_parameters(model)
     ring = SharedWeights.like(flat, slots=2)
-    eng = Engine(model, num_slots=4)
+    eng = build_engine(model, num_slots=4)
     pub, load = [], []
     for v in range(1, repeats + 1):
         t0 = time.perf_counter()

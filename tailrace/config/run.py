@@ -35,7 +35,8 @@ class RolloutConfig:
     max_new_tokens: int = setting(384, "response length limit in tokens; a longer response is cut off")
     prefill_tokens: int = setting(512, "prompt tokens prefilled per engine step")
     attention: Literal["auto", "kernel", "bmm", "sdpa"] = setting(
-        "auto", "decode attention: the C kernel (CPU), bmm or sdpa; auto picks (see engine/runner.py)"
+        "auto",
+        "decode attention: the C kernel (CPU), bmm or sdpa; auto picks (see engine/backends/__init__.py)",
     )
 
     def __post_init__(self) -> None:

@@ -220,7 +220,7 @@ class Kernels:
         scale: float,
     ) -> torch.Tensor:
         """One layer's attention block after the q/k/v projection: token t of qkv (M, (H + 2 Hkv) D)
-        rotated by RoPE (cos_sin (>= L, 2, D), the runner's table), its k and v written into cache row
+        rotated by RoPE (cos_sin (>= L, 2, D), the backend's table), its k and v written into cache row
         row[t] at pos[t], its q attended over that row's positions [0, pos[t]] (a prefill piece: one
         row's tokens in increasing positions, causal); returns o (M, H D). One dtype, fp32 or bf16."""
         M, W = qkv.shape

@@ -1,10 +1,11 @@
-"""`Engine`: continuous batching of token-id requests over a preallocated KV cache. Knows nothing of RL.
+"""`TailraceEngine`: continuous batching of token-id requests over a preallocated KV cache. Knows nothing
+of RL. tailrace's own implementation of the `Engine` protocol (see `protocol`).
 
 Token ids in; token ids, per-token logprobs and per-token policy versions out. Each `step()`:
   1. admit waiting requests into free slots (cache rows);
   2. pick up to `prefill_tokens` prompt tokens to prefill (pieces of prompts, FIFO: a long prompt
      never stalls the decode batch for more than one budget);
-  3. one `Runner.forward` per version present runs its decode rows (one token each, over that
+  3. one `Backend.forward` per version present runs its decode rows (one token each, over that
      version's contiguous rows: views of the cache; attention cut into chunks of similar length, see
      `chunks`) together with its prefill pieces, one pass over the weights; then one sampling call
      for the decode rows and one for the requests whose prompt completed (their first token; they
@@ -33,9 +34,11 @@ from collections import Counter, deque
 
 import torch
 
-from tailrace.engine import chunks, prefill
+from tailrace.engine import backends, chunks, prefill
 from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
+from tailrace.engine.kv_cache import KVCache
+from tailrace.engine.protocol import Capabilities
 from tailrace.engine.rows import POS, TOK, RowState
 from tailrace.engine.sampler import SampleFlags, sample, seed_key, vocab_salt
 from tailrace.engine.sequence import Sequence
@@ -54,7 +57,14 @@ _DTYPES = {
 }
 
 
-class Engine:
+class TailraceEngine:
+    """tailrace's own engine, in PyTorch (CPU and CUDA). Named for its implementer, as an adapter to
+    another engine is named for that engine (`VLLMEngine`); both implement `Engine`."""
+
+    capabilities = Capabilities(
+        abort_resume=True, versions_at_once=None, per_request_seed=True, speculative=False
+    )
+
     def __init__(
         self,
         model: CausalLM,
@@ -71,9 +81,11 @@ class Engine:
     ):
         """`model` is version 0. `max_len`: context limit (prompt + response) per request, default the
         model's max_position_embeddings. `threads`: torch intra-op threads (None leaves the caller's
-        setting). `attention`: decode attention, 'kernel' (the C kernel: default on CPU with one
-        thread, see runner.py), 'bmm' (default elsewhere) or 'sdpa'. `kv_dtype`: the KV
-        cache's dtype, default the model's (float32 with a bf16 model: fp32 cache, twice the bytes)."""
+        setting). `attention`: the step's backend, chosen once: 'auto' (None), 'kernel' (the CPU C
+        kernels; 'auto' picks them on CPU with one thread), 'bmm' or 'sdpa' (the torch backend with
+        that decode attention), see `backends.select`; `backend` names the one chosen. `kv_dtype`:
+        the KV cache's dtype, default the model's (float32 with a bf16 model: fp32 cache, twice the
+        bytes)."""
         if num_slots < 1:
             raise EngineError(f"num_slots={num_slots} must be at least 1")
         if prefill_tokens < 1:
@@ -95,13 +107,14 @@ class Engine:
             raise EngineError(f"max_len={max_len} must be at least 2 (one prompt token and one new token)")
         self.num_slots, self.max_len, self.prefill_tokens = num_slots, max_len, prefill_tokens
         self.device, self.dtype, self.vocab_size = device, dtype, cfg.vocab_size
-        self._versions = Versions(model, max_len, attention)
         kv_dtype = kv_dtype or dtype
-        self.cache = model.new_cache(num_slots + 1, max_len, kv_dtype, device)  # +1: the swap row
+        self._versions = Versions(model, backends.select(attention, model, max_len, kv_dtype))
+        self.backend = self._versions[0].name
+        self.cache = KVCache.for_model(model, num_slots + 1, max_len, kv_dtype, device)  # +1: the swap row
         self.rows = RowState(num_slots + 1, cfg.vocab_size, max_len, device)
         self.slots = Slots(num_slots)
         self._salt = vocab_salt(cfg.vocab_size, device)
-        self._sample_kernel = self._versions[0].kernel  # the runner's CPU kernels, None where it has none
+        self._sample_kernel = self._versions[0].kernel  # the backend's CPU kernels, None where it has none
         self._rng = random.Random(seed)
         self._seqs: dict[str, Sequence] = {}  # every request in the engine (waiting or running)
         self._waiting: deque[Sequence] = deque()
@@ -270,7 +283,7 @@ class Engine:
         return plans
 
     def _forward(self, pieces: list[prefill.Piece], plans: list[list[chunks.Chunk]]):
-        """One runner call per version present: its decode rows and its prefill pieces together (one
+        """One backend call per version present: its decode rows and its prefill pieces together (one
         pass over the weights). Samples every decode row and the first token of each request whose
         prompt completes. Returns (those requests, their stop flags, the decode rows' stop flags)."""
         plan_of = {g.version: (g, plan) for g, plan in zip(self.slots.groups, plans)}

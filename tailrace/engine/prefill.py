@@ -2,7 +2,7 @@
 
 A step prefills at most `budget` tokens, first come first served, so a long prompt is cut into
 pieces and never stalls the decode batch for more than one budget's worth of compute. The pieces run
-in the same forward as the decode rows (see `Runner.forward`), so no padding is needed.
+in the same forward as the decode rows (see `Backend.forward`), so no padding is needed.
 """
 
 from __future__ import annotations

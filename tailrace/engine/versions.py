@@ -1,4 +1,4 @@
-"""`Versions`: the policy versions an engine holds, one `CausalLM` (+ its `Runner`) each.
+"""`Versions`: the policy versions an engine holds, one `CausalLM` (+ its `Backend`) each.
 
 Versions share nothing but the KV-cache layout. A new version is built on the meta device from the
 first version's config and filled from the state dict (copied: the engine never aliases a trainer's
@@ -7,56 +7,55 @@ live tensors); loading an existing version overwrites its parameters in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from tailrace.engine.backends import Backend
 from tailrace.engine.errors import EngineError
-from tailrace.engine.runner import Runner
 from tailrace.model.decoder import CausalLM
 
 
 class Versions:
-    def __init__(self, model: CausalLM, max_len: int, attention: str | None = None):
+    def __init__(self, model: CausalLM, make: Callable[[CausalLM], Backend]):
+        """`model`: version 0; `make`: a version's backend from its model (`backends.select`)."""
         self.config = model.config
         w = model.model.embed_tokens.weight
         self.dtype, self.device = w.dtype, w.device
-        self.max_len = max_len
-        self.attention = attention
-        self._runners: dict[int, Runner] = {0: self._runner(model)}
+        self._make = make
+        self._backends: dict[int, Backend] = {0: self._build(model)}
 
     def __contains__(self, version: int) -> bool:
-        return version in self._runners
+        return version in self._backends
 
-    def __getitem__(self, version: int) -> Runner:
-        return self._runners[version]
-
-    def model(self, version: int) -> CausalLM:
-        return self._runners[version].model
+    def __getitem__(self, version: int) -> Backend:
+        return self._backends[version]
 
     @property
     def ids(self) -> tuple[int, ...]:
-        return tuple(sorted(self._runners))
+        return tuple(sorted(self._backends))
 
     def load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        if version in self._runners:
-            runner = self._runners[version]
-            self._copy_into(runner.model, state_dict)
-            runner.refresh()
+        if version in self._backends:
+            backend = self._backends[version]
+            self._copy_into(backend.model, state_dict)
+            backend.refresh()
             return
-        self._check(self._runners[min(self._runners)].model, state_dict)
+        self._check(self._backends[min(self._backends)].model, state_dict)
         with torch.device("meta"):  # no init work; the RoPE tables are built on the CPU regardless
             model = CausalLM(self.config)
         copies = {k: t.detach().to(self.device, self.dtype, copy=True) for k, t in state_dict.items()}
         model.load_state_dict(copies, strict=False, assign=True)
         model.tie_weights()
         model.to(self.device, self.dtype)  # the RoPE buffers
-        self._runners[version] = self._runner(model)
+        self._backends[version] = self._build(model)
 
     def drop(self, version: int) -> None:
-        del self._runners[version]
+        del self._backends[version]
 
-    def _runner(self, model: CausalLM) -> Runner:
+    def _build(self, model: CausalLM) -> Backend:
         model.eval().requires_grad_(False)
-        return Runner(model, self.max_len, self.attention)
+        return self._make(model)
 
     def _copy_into(self, model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
         own = self._check(model, state_dict)

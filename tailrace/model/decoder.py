@@ -1,21 +1,11 @@
-"""`CausalLM`: a Llama/Qwen2-family decoder in plain PyTorch, one module with two paths.
+"""`CausalLM`: a Llama/Qwen2-family decoder in plain PyTorch.
 
 Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM, so state_dicts map 1:1.
 
-- Training path (`cache=None`): whole sequences, causal attention. Callers right-pad batches, so no
-  padding mask is needed (a real token never attends to a later pad). Autograd and bf16 autocast work.
-- Cached path (`cache=KVCache`): prefill chunks and decode steps of B sequences living in cache rows
-  `rows`. Token t of sequence b has absolute position `positions[b, t]`; its k/v is written to
-  `cache.k[layer][rows[b], :, positions[b, t]]`, then it attends to cache positions
-  `[0, positions[b, t]]` of its row. Callers guarantee:
-    * within one call a row's positions are distinct and below cache.max_len;
-    * a right-padded prefill may give pad tokens any positions after the row's real tokens: their
-      (garbage) k/v land beyond the prompt, the mask hides them from the real tokens, and each later
-      decode token overwrites its own position before anything reads it;
-    * a token at position p may rely only on positions < p written earlier (or in the same call).
-  Only cache positions below S = positions.max() + 1 are read (the call's one host sync), so a step
-  costs B * S whatever the rows' own lengths. `rows` as a slice reads the cache as a view; as a
-  LongTensor it gathers (a copy of B * S k/v), so keep live rows contiguous (`KVCache.move_row`).
+The forward runs whole sequences with causal attention. Callers right-pad batches, so no padding mask
+is needed (a real token never attends to a later pad). Autograd and bf16 autocast work. There is no
+cached path here: incremental decoding over a KV cache is the engine's (`tailrace.engine.backends`),
+and tests pin it to this forward's logits.
 """
 
 from __future__ import annotations
@@ -24,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailrace.model.attention import Attention, CachedStep, CausalStep
+from tailrace.model.attention import Attention, CausalStep
 from tailrace.model.config import ModelConfig
-from tailrace.model.kv_cache import KVCache
 from tailrace.model.rope import Rotary
 
 
@@ -63,8 +52,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, step: CausalStep | CachedStep, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step, layer)
+    def forward(self, x: torch.Tensor, step: CausalStep) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -118,59 +107,14 @@ class CausalLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied weight counts once
 
-    def new_cache(
-        self,
-        num_rows: int,
-        max_len: int,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> KVCache:
-        """A zeroed cache for this model; dtype/device default to the model's (the dtype must be the one
-        attention computes in: the model's, or the autocast dtype)."""
-        w, c = self.model.embed_tokens.weight, self.config
-        return KVCache(
-            c.num_hidden_layers,
-            num_rows,
-            c.num_key_value_heads,
-            max_len,
-            c.head_dim,
-            dtype or w.dtype,
-            device or w.device,
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        rows: slice | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, T, V); positions (B, T) default arange(T) per row; rows (cache
-        path only) default slice(0, B). See the module docstring for the two paths' contracts."""
-        B, T = input_ids.shape
-        if cache is None:
-            if positions is None:
-                step = CausalStep(*self.rotary.prefix(T))
-            else:
-                step = CausalStep(*self.rotary.lookup(positions, int(positions.max()) + 1))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, V); positions (B, T) default arange(T) per row."""
+        T = input_ids.shape[1]
+        if positions is None:
+            step = CausalStep(*self.rotary.prefix(T))
         else:
-            if positions is None:
-                positions = torch.arange(T, device=input_ids.device).expand(B, T)
-            S = int(positions.max()) + 1  # the one host sync of a cached call
-            if S > cache.max_len:
-                raise ValueError(
-                    f"position {S - 1} does not fit a KVCache of max_len={cache.max_len}; "
-                    "allocate a longer cache or stop the sequence earlier"
-                )
-            step = CachedStep(
-                positions,
-                S,
-                cache,
-                slice(0, B) if rows is None else rows,
-                *self.rotary.lookup(positions, S),
-                self.config.head_dim**-0.5,
-            )
+            step = CausalStep(*self.rotary.lookup(positions, int(positions.max()) + 1))
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, step, i)
+        for layer in self.model.layers:
+            x = layer(x, step)
         return self.lm_head(self.model.norm(x))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tailrace.engine.engine import Engine
+from tailrace.engine import Engine, build_engine
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.runtime.messages import EngineReport, Ready, Shutdown, Stats
@@ -41,13 +41,13 @@ def engine_main(
     pin(spec.cores)
     torch.set_num_threads(spec.threads)
     model = load_pretrained(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
-    engine = Engine(
+    engine: Engine = build_engine(
         model,
         num_slots=spec.slots,
         prefill_tokens=spec.prefill_tokens,
         device=spec.device,
         seed=spec.seed,
-        attention=None if spec.attention == "auto" else spec.attention,
+        attention=spec.attention,
     )
     if spec.start_version != 0:
         engine.load_weights(weights.read(spec.start_version).views(), spec.start_version)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tailrace.config import RunConfig
-from tailrace.engine.engine import Engine
+from tailrace.engine import build_engine
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.procs import available_cores
@@ -17,7 +17,7 @@ def evaluate_model(cfg: RunConfig, progress=None) -> dict:
     try:
         torch.set_num_threads(len(available_cores()))
         model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype))
-        engine = Engine(model, num_slots=cfg.eval.batch, seed=cfg.seed)
+        engine = build_engine(model, num_slots=cfg.eval.batch, seed=cfg.seed)
         evaluator = Evaluator(ses, cfg.eval)
         reqs = evaluator.requests(version=0)
         out = evaluator.summarize(reqs, engine.generate(reqs))

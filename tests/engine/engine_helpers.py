@@ -1,11 +1,14 @@
-"""Tiny random models and request builders for the engine tests."""
+"""Tiny random models, request builders and reference KV-cache contents for the engine tests."""
 
 from __future__ import annotations
 
 import torch
 
+from tailrace.engine.backends import Backend
+from tailrace.engine.kv_cache import KVCache
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
+from tailrace.model.rope import apply_rope
 from tailrace.types import GenRequest, SamplingParams
 
 VOCAB = 97
@@ -61,3 +64,50 @@ def full_logprobs(model: CausalLM, prompt_ids, token_ids, temperature: float = 1
     logits = model(ids)[0, len(prompt_ids) - 1 : -1].float()
     lp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     return lp.gather(1, torch.tensor(token_ids)[:, None]).squeeze(1).tolist()
+
+
+@torch.no_grad()
+def reference_kv(model: CausalLM, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k, v), each (B, Hkv, T, D), of the whole-sequence forward of ids (B, T): k after RoPE,
+    in the model's dtype, as a KV cache holds them."""
+    cfg = model.config
+    B, T = ids.shape
+    Hkv, D = cfg.num_key_value_heads, cfg.head_dim
+    out: dict[tuple[int, str], torch.Tensor] = {}
+    hooks = [
+        getattr(layer.self_attn, name).register_forward_hook(
+            lambda mod, args, y, key=(i, name): out.__setitem__(key, y)
+        )
+        for i, layer in enumerate(model.model.layers)
+        for name in ("k_proj", "v_proj")
+    ]
+    try:
+        model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    cos, sin = model.rotary.prefix(T)
+    return [
+        (
+            apply_rope(out[i, "k_proj"].view(B, T, Hkv, D), cos, sin).transpose(1, 2),
+            out[i, "v_proj"].view(B, T, Hkv, D).transpose(1, 2),
+        )
+        for i in range(cfg.num_hidden_layers)
+    ]
+
+
+def write_kv(cache: KVCache, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Put `reference_kv`'s k/v of B sequences into positions [0, T) of cache rows row, row + 1, ..."""
+    for layer, (k, v) in enumerate(kv):
+        B, _, T, _ = k.shape
+        cache.k[layer][row : row + B, :, :T] = k
+        cache.v[layer][row : row + B, :, :T] = v
+
+
+def forward_pieces(backend: Backend, cache: KVCache, pieces: list[tuple[int, int, torch.Tensor]]):
+    """A step of prefill pieces only, (row, start, token ids) each; logits (tokens, V) of every token."""
+    tokens = torch.cat([ids for _, _, ids in pieces])
+    positions = torch.cat([torch.arange(start, start + len(ids)) for _, start, ids in pieces])
+    spans = [(row, start, len(ids)) for row, start, ids in pieces]
+    want = torch.arange(tokens.shape[0])
+    return backend.forward(tokens, positions, cache, slice(0, 0), [], spans, want)

@@ -154,12 +154,12 @@ def test_no_compiler_falls_back_with_the_reason(monkeypatch, tmp_path):
     monkeypatch.setattr(ckernel, "_state", {})
     assert ckernel.load() is None
     assert "no C compiler" in ckernel.unavailable() and "CC" in ckernel.unavailable()
-    from tailrace.engine.runner import Runner
+    from tailrace.engine import TailraceEngine
     from tests.engine.engine_helpers import tiny_model
 
-    assert Runner(tiny_model(), 32).attention == "bmm"
+    assert TailraceEngine(tiny_model(), num_slots=1, max_len=32).backend == "bmm"
     with pytest.raises(RuntimeError, match="attention='bmm'"):
-        Runner(tiny_model(), 32, "kernel")
+        TailraceEngine(tiny_model(), num_slots=1, max_len=32, attention="kernel")
 
 
 def test_build_is_cached_per_machine(monkeypatch, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tailrace.engine import Engine, EngineError
+from tailrace.engine import Capabilities, Engine, EngineError, TailraceEngine, build_engine
 from tailrace.types import Finish, GenRequest, SamplingParams
 from tests.engine.engine_helpers import full_logprobs, req, tiny_model
 
@@ -20,7 +20,7 @@ def other():
     return tiny_model(7)
 
 
-def _run(eng: Engine, until=lambda e: False) -> dict:
+def _run(eng: TailraceEngine, until=lambda e: False) -> dict:
     out = {}
     while (eng.num_running or eng.num_waiting) and not until(eng):
         for r in eng.step().finished:
@@ -36,8 +36,8 @@ def _resume(r: GenRequest, partial) -> GenRequest:
 
 def test_abort_running_and_waiting_then_resume_gives_the_uninterrupted_tokens(model):
     reqs = [req(f"r{i}", 5 + 3 * i, 30, temperature=1.0) for i in range(6)]
-    full = {r.request_id: r for r in Engine(model, num_slots=2).generate(reqs)}
-    eng = Engine(model, num_slots=2, prefill_tokens=8)
+    full = {r.request_id: r for r in TailraceEngine(model, num_slots=2).generate(reqs)}
+    eng = TailraceEngine(model, num_slots=2, prefill_tokens=8)
     for r in reqs:
         eng.add(r)
     for _ in range(12):
@@ -63,32 +63,33 @@ def test_abort_running_and_waiting_then_resume_gives_the_uninterrupted_tokens(mo
 
 
 def test_abort_during_chunked_prefill(model):
-    eng = Engine(model, num_slots=2, prefill_tokens=4)
+    eng = TailraceEngine(model, num_slots=2, prefill_tokens=4)
     eng.add(req("long", 40, 5))
     eng.add(req("short", 3, 5))
     eng.step()
     p = eng.abort("long")
     assert p.token_ids == () and p.finish == Finish.ABORTED and eng.num_running == 1
     assert (
-        _run(eng)["short"].token_ids == Engine(model, num_slots=1).generate([req("short", 3, 5)])[0].token_ids
+        _run(eng)["short"].token_ids
+        == TailraceEngine(model, num_slots=1).generate([req("short", 3, 5)])[0].token_ids
     )
 
 
 def test_resume_with_prefix_at_max_new_tokens_finishes_at_once(model):
     r = req("z", 4, 5)
-    done = Engine(model, num_slots=1).generate([r])[0]
-    again = Engine(model, num_slots=1).generate([_resume(r, done)])[0]
+    done = TailraceEngine(model, num_slots=1).generate([r])[0]
+    again = TailraceEngine(model, num_slots=1).generate([_resume(r, done)])[0]
     assert again.token_ids == done.token_ids and again.finish == Finish.LENGTH
 
 
 def test_two_versions_each_match_their_own_weights(model, other):
     reqs = [req(f"v{i}", 4 + 5 * i, 15 + i, version=i % 2, temperature=0.9) for i in range(8)]
-    eng = Engine(tiny_model(0), num_slots=5, prefill_tokens=16)
+    eng = TailraceEngine(tiny_model(0), num_slots=5, prefill_tokens=16)
     eng.load_weights(other.state_dict(), 1)
     assert eng.versions == (0, 1)
     both = eng.generate(reqs)
-    only0 = Engine(model, num_slots=5).generate([r for r in reqs if r.version == 0])
-    only1 = Engine(other, num_slots=5).generate(
+    only0 = TailraceEngine(model, num_slots=5).generate([r for r in reqs if r.version == 0])
+    only1 = TailraceEngine(other, num_slots=5).generate(
         [GenRequest(r.id, r.prompt_ids, r.params) for r in reqs if r.version == 1]
     )
     ref = {r.request_id: r.token_ids for r in only0 + only1}
@@ -100,7 +101,7 @@ def test_two_versions_each_match_their_own_weights(model, other):
 
 
 def test_load_weights_mid_run_affects_only_that_version(model, other):
-    eng = Engine(tiny_model(0), num_slots=4)
+    eng = TailraceEngine(tiny_model(0), num_slots=4)
     eng.load_weights(tiny_model(0).state_dict(), 1)  # version 1 starts as a copy of version 0
     reqs = [req("a", 6, 20, version=0, temperature=0.0), req("b", 6, 20, version=1, temperature=0.0, pseed=1)]
     for r in reqs:
@@ -109,23 +110,25 @@ def test_load_weights_mid_run_affects_only_that_version(model, other):
         eng.step()
     eng.load_weights(other.state_dict(), 1)  # overwrite version 1 in place
     out = _run(eng)
-    base = Engine(model, num_slots=1).generate([reqs[0]])[0]
+    base = TailraceEngine(model, num_slots=1).generate([reqs[0]])[0]
     assert out["a"].token_ids == base.token_ids  # version 0 untouched
-    b_old = Engine(model, num_slots=1).generate([GenRequest("b", reqs[1].prompt_ids, reqs[1].params)])[0]
+    b_old = TailraceEngine(model, num_slots=1).generate(
+        [GenRequest("b", reqs[1].prompt_ids, reqs[1].params)]
+    )[0]
     assert out["b"].token_ids[:6] == b_old.token_ids[:6] and out["b"].token_ids != b_old.token_ids
     assert out["b"].versions == (1,) * 20
     # after the load, version 1 generates with the new weights from scratch
     fresh = eng.generate([GenRequest("c", reqs[1].prompt_ids, reqs[1].params, version=1)])[0]
     assert (
         fresh.token_ids
-        == Engine(other, num_slots=1)
+        == TailraceEngine(other, num_slots=1)
         .generate([GenRequest("c", reqs[1].prompt_ids, reqs[1].params)])[0]
         .token_ids
     )
 
 
 def test_drop_version_refuses_while_in_use(model, other):
-    eng = Engine(tiny_model(0), num_slots=1)
+    eng = TailraceEngine(tiny_model(0), num_slots=1)
     eng.load_weights(other.state_dict(), 3)
     eng.add(req("a", 4, 5, version=3))
     eng.add(req("b", 4, 5, version=3))  # waits: one slot
@@ -157,7 +160,7 @@ BAD = {
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_request_raises_one_line_error_and_others_complete(model, case):
-    eng = Engine(model, num_slots=2, max_len=64)
+    eng = TailraceEngine(model, num_slots=2, max_len=64)
     good = [req("dup", 5, 12), req("g2", 9, 12)]
     for r in good:
         eng.add(r)
@@ -166,12 +169,12 @@ def test_bad_request_raises_one_line_error_and_others_complete(model, case):
         eng.add(BAD[case])
     assert "\n" not in str(e.value) and len(str(e.value)) < 250
     out = _run(eng)
-    ref = Engine(model, num_slots=2, max_len=64).generate(good)
+    ref = TailraceEngine(model, num_slots=2, max_len=64).generate(good)
     assert [out[r.id].token_ids for r in good] == [r.token_ids for r in ref]
 
 
 def test_pause_and_step_events(model):
-    eng = Engine(model, num_slots=3, prefill_tokens=10)
+    eng = TailraceEngine(model, num_slots=3, prefill_tokens=10)
     for i in range(4):
         eng.add(req(f"e{i}", 6, 3 + i))
     eng.pause()
@@ -192,3 +195,11 @@ def test_pause_and_step_events(model):
     assert all(r.submitted <= r.first_token <= r.finished for r in res)
     with pytest.raises(EngineError, match="unique id"):
         eng.generate([req("x", 3, 2), req("x", 3, 2)])
+
+
+def test_built_engine_implements_the_protocol_and_states_its_capabilities(model):
+    eng = build_engine(model, num_slots=1)
+    assert isinstance(eng, Engine) and isinstance(eng, TailraceEngine)
+    assert eng.capabilities == Capabilities(
+        abort_resume=True, versions_at_once=None, per_request_seed=True, speculative=False
+    )

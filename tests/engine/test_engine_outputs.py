@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tailrace.engine import Engine
+from tailrace.engine import TailraceEngine
 from tailrace.model.checkpoint import save_pretrained
 from tailrace.types import Finish, GenRequest, SamplingParams
 from tests.engine.engine_helpers import VOCAB, full_logprobs, prompt, req, tiny_model
@@ -19,7 +19,7 @@ def model():
 
 
 def test_logprobs_equal_full_sequence_forward(model):
-    eng = Engine(model, num_slots=4, prefill_tokens=16)
+    eng = TailraceEngine(model, num_slots=4, prefill_tokens=16)
     reqs = [
         req(f"a{i}", 3 + 7 * i, 12 + 5 * i, temperature=t) for i, t in enumerate([1.0, 0.7, 1.6, 1.0, 0.4])
     ]
@@ -35,7 +35,7 @@ def test_greedy_matches_hugging_face_generate(tmp_path):
     model = tiny_model(1, eos_token_id=None)
     save_pretrained(model, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    eng = Engine(model, num_slots=3, prefill_tokens=8)
+    eng = TailraceEngine(model, num_slots=3, prefill_tokens=8)
     reqs = [req(f"g{i}", n, 24, temperature=0.0) for i, n in enumerate([1, 5, 17, 40])]
     results = eng.generate(reqs)
     for r, res in zip(reqs, results):
@@ -63,10 +63,10 @@ def test_continuous_batching_equals_running_alone(model):
         req(f"c{i}", n, m, temperature=1.0, top_k=(0, 20)[i % 2], top_p=(1.0, 0.9)[i % 3 == 0])
         for i, (n, m) in enumerate(zip(lens, news))
     ]
-    eng = Engine(model, num_slots=5, prefill_tokens=24)
+    eng = TailraceEngine(model, num_slots=5, prefill_tokens=24)
     batched = eng.generate(reqs)
     for r, res in zip(reqs[:12], batched[:12]):
-        alone = Engine(model, num_slots=1).generate([r])[0]
+        alone = TailraceEngine(model, num_slots=1).generate([r])[0]
         assert alone.token_ids == res.token_ids
         assert max(abs(a - b) for a, b in zip(alone.logprobs, res.logprobs)) < 1e-4
     assert [len(r.token_ids) for r in batched] == news
@@ -85,24 +85,24 @@ def test_long_tail_with_chunked_attention_and_row_sorting_equals_running_alone(m
     g = torch.Generator().manual_seed(7)
     news = torch.exp(torch.randn(48, generator=g) * 0.9 + 2.5).clamp(1, 150).long().tolist()
     reqs = [req(f"t{i}", 1 + i % 7, m, temperature=1.0) for i, m in enumerate(news)]
-    batched = Engine(model, num_slots=16, prefill_tokens=64).generate(reqs)
+    batched = TailraceEngine(model, num_slots=16, prefill_tokens=64).generate(reqs)
     assert calls, "expected at least one re-sort of the decode rows"
     for r, res in list(zip(reqs, batched))[::6]:
-        assert Engine(model, num_slots=1).generate([r])[0].token_ids == res.token_ids
+        assert TailraceEngine(model, num_slots=1).generate([r])[0].token_ids == res.token_ids
     assert [len(r.token_ids) for r in batched] == news
 
 
 def test_unseeded_requests_follow_the_engine_seed(model):
     reqs = [GenRequest(f"u{i}", prompt(i, 6), SamplingParams(max_new_tokens=10)) for i in range(4)]
-    a = Engine(model, num_slots=4, seed=11).generate(reqs)
-    b = Engine(model, num_slots=2, seed=11).generate(reqs)
-    c = Engine(model, num_slots=4, seed=12).generate(reqs)
+    a = TailraceEngine(model, num_slots=4, seed=11).generate(reqs)
+    b = TailraceEngine(model, num_slots=2, seed=11).generate(reqs)
+    c = TailraceEngine(model, num_slots=4, seed=12).generate(reqs)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert [r.token_ids for r in a] != [r.token_ids for r in c]
 
 
 def test_stop_tokens_and_min_new_tokens(model):
-    eng = Engine(model, num_slots=8)
+    eng = TailraceEngine(model, num_slots=8)
     # greedy runs of this model revisit few tokens: stop on the 3rd generated token's id
     probe = eng.generate([req("p", 9, 20, temperature=0.0, pseed=1)])[0]
     stop_tok = probe.token_ids[2]
@@ -129,7 +129,7 @@ def test_stop_tokens_and_min_new_tokens(model):
 
 def test_top_k_top_p_in_engine_stay_in_allowed_set(model):
     reqs = [req(f"k{i}", 5, 12, top_k=4, top_p=0.7, temperature=1.2) for i in range(6)]
-    for r, res in zip(reqs, Engine(model, num_slots=6).generate(reqs)):
+    for r, res in zip(reqs, TailraceEngine(model, num_slots=6).generate(reqs)):
         ids = torch.tensor([r.prompt_ids + res.token_ids])
         with torch.no_grad():
             logits = model(ids)[0, len(r.prompt_ids) - 1 : -1] / 1.2
@@ -143,7 +143,7 @@ def test_top_k_top_p_in_engine_stay_in_allowed_set(model):
 
 
 def test_context_limit_ends_with_length(model):
-    eng = Engine(model, num_slots=2, max_len=20)
+    eng = TailraceEngine(model, num_slots=2, max_len=20)
     res = eng.generate([req("l", 15, 100), req("l2", 19, 100)])
     assert [len(r.token_ids) for r in res] == [5, 1] and all(r.finish == Finish.LENGTH for r in res)
 
@@ -158,7 +158,7 @@ def test_engine_sampling_matches_model_distribution(model):
         GenRequest(f"d{i}", p_ids, SamplingParams(max_new_tokens=1, temperature=1.5, seed=i))
         for i in range(N)
     ]
-    res = Engine(model, num_slots=64, prefill_tokens=1024).generate(reqs)
+    res = TailraceEngine(model, num_slots=64, prefill_tokens=1024).generate(reqs)
     counts = torch.bincount(torch.tensor([r.token_ids[0] for r in res]), minlength=VOCAB).double()
     with torch.no_grad():
         p = torch.softmax(model(torch.tensor([p_ids]))[0, -1].double() / 1.5, -1)
@@ -176,7 +176,7 @@ def test_engine_sampling_matches_model_distribution(model):
 @pytest.mark.parametrize("kv", [None, torch.float32])
 def test_bf16_engine_logprobs_close_to_fp32_forward(model, kv):
     """bf16 weights (bf16 or fp32 KV cache): logprobs within bf16 noise of the fp32 model."""
-    eng = Engine(model, num_slots=4, dtype="bf16", kv_dtype=kv)
+    eng = TailraceEngine(model, num_slots=4, dtype="bf16", kv_dtype=kv)
     assert eng.cache.dtype == (kv or torch.bfloat16) and eng.dtype == torch.bfloat16
     reqs = [req(f"b{i}", 4 + 6 * i, 16) for i in range(12)]
     for r, res in zip(reqs, eng.generate(reqs)):

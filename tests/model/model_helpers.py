@@ -88,3 +88,16 @@ def hf_from_ours(model: CausalLM, tmp_path):
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
+
+
+def hf_reference(name: str, tmp_path, T: int = 24):
+    """(ours, HF logits of `ids`, ids (3, T)) for CONFIGS[name]: our random model and transformers' own
+    model loaded from its checkpoint."""
+    cfg = make_config(**CONFIGS[name])
+    ours = random_model(cfg, seed=len(name))
+    hf = hf_from_ours(ours, tmp_path)
+    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.model_type]
+    ids = torch.randint(0, cfg.vocab_size, (3, T), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    return ours, ref, ids

@@ -1,5 +1,6 @@
 """fp32 logits parity with transformers' LlamaForCausalLM / Qwen2ForCausalLM (max abs diff <= 1e-4):
-full forward both ways through checkpoints, and cached decoding against HF's full-forward logits."""
+full forward both ways through checkpoints. (Cached decoding is the engine's:
+tests/engine/test_engine_hf_parity.py.)"""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import json
 
 import pytest
 import torch
-from model_helpers import CONFIGS, TOL, hf_from_ours, make_config, max_diff, random_model, randomize_
+from model_helpers import (
+    CONFIGS,
+    TOL,
+    hf_from_ours,
+    hf_reference,
+    make_config,
+    max_diff,
+    random_model,
+    randomize_,
+)
 
 from tailrace.model import CausalLM, ModelConfig, load_pretrained
 
@@ -17,67 +27,13 @@ T = 24
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def pair(request, tmp_path_factory):
     """(ours, HF reference logits for `ids`, ids) for one config."""
-    cfg = make_config(**CONFIGS[request.param])
-    ours = random_model(cfg, seed=len(request.param))
-    hf = hf_from_ours(ours, tmp_path_factory.mktemp(request.param))
-    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.model_type]
-    ids = torch.randint(0, cfg.vocab_size, (3, T), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        ref = hf(ids).logits
-    return ours, ref, ids
+    return hf_reference(request.param, tmp_path_factory.mktemp(request.param), T)
 
 
 def test_full_forward_matches_hf(pair):
     ours, ref, ids = pair
     with torch.no_grad():
         assert max_diff(ours(ids), ref) <= TOL
-
-
-def test_prefill_then_token_by_token_decode_matches_hf(pair):
-    ours, ref, ids = pair
-    prompt = 7
-    with torch.inference_mode():
-        cache = ours.new_cache(num_rows=2, max_len=T + 4)
-        out = ours(ids[:1, :prompt], torch.arange(prompt)[None], cache, slice(1, 2))
-        assert max_diff(out[0], ref[0, :prompt]) <= TOL
-        for t in range(prompt, T):
-            out = ours(ids[:1, t : t + 1], torch.tensor([[t]]), cache, slice(1, 2))
-            assert max_diff(out[0, 0], ref[0, t]) <= TOL, f"position {t}"
-
-
-@pytest.mark.parametrize("rows_kind", ["slice", "tensor"])
-def test_batched_decode_at_different_positions_matches_hf(pair, rows_kind):
-    """Three sequences of different prompt lengths: one right-padded prefill, then decode steps where
-    every row sits at its own position, with one two-token step (T > 1, as a speculative verify)."""
-    ours, ref, ids = pair
-    lens = torch.tensor([5, 9, 3])
-    rows = slice(2, 5) if rows_kind == "slice" else torch.tensor([5, 0, 3])
-    width = int(lens.max())
-    padded = ids[:, :width].clone()
-    padded[torch.arange(width)[None, :] >= lens[:, None]] = 0  # pad id; these tokens write garbage k/v
-    with torch.inference_mode():
-        cache = ours.new_cache(num_rows=6, max_len=T + 8)
-        out = ours(padded, torch.arange(width).expand(3, width), cache, rows)
-        for b in range(3):
-            assert max_diff(out[b, : lens[b]], ref[b, : lens[b]]) <= TOL
-        cur = lens.clone()
-        for step in range(10):
-            n = 2 if step == 4 else 1
-            pos = cur[:, None] + torch.arange(n)
-            out = ours(ids.gather(1, pos), pos, cache, rows)
-            assert max_diff(out, ref.gather(1, pos[..., None].expand(-1, -1, ref.shape[-1]))) <= TOL, (
-                f"step {step}"
-            )
-            cur += n
-
-
-def test_chunked_prefill_matches_hf(pair):
-    ours, ref, ids = pair
-    with torch.inference_mode():
-        cache = ours.new_cache(num_rows=3, max_len=T)
-        a = ours(ids[:, :10], torch.arange(10).expand(3, 10), cache)
-        b = ours(ids[:, 10:T], torch.arange(10, T).expand(3, T - 10), cache)
-    assert max_diff(torch.cat([a, b], 1), ref) <= TOL
 
 
 def test_hf_saved_checkpoint_loads_and_matches(tmp_path):

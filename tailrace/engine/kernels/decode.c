@@ -10,10 +10,10 @@
      logits + noise) with the log-softmax logprob of the drawn token.
 
    Why: as batched GEMMs (torch.bmm) attention reads every row up to the longest row of its chunk, builds a
-   mask, runs softmax as separate passes and (bf16) copies strided cache views; measured, it was ~45% (fp32)
-   to ~60% (bf16) of a batch-64 decode step of the default model. Here each (row, kv head) reads its K and V
-   once for all G query heads that share them, in fp32 arithmetic, with the softmax in between; and each
-   small torch op the kernels replace costs more in dispatch than in arithmetic at these sizes. */
+   mask, runs softmax as separate passes and (bf16) copies strided cache views (its share of a decode step:
+   bench/README.md). Here each (row, kv head) reads its K and V once for all G query heads that share
+   them, in fp32 arithmetic, with the softmax in between; and each small torch op the kernels replace
+   costs more in dispatch than in arithmetic at these sizes. */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -315,7 +315,7 @@ DRIVER(decode_attn_bf16, uint16_t, attend_bf16)
 /* -- one layer's attention block after the q/k/v projection, fused ----------------------------------
 
    qkv (M, (H + 2 Hkv) D) in the model dtype T (fp32 or bf16; the cache has the same dtype), token t in
-   cache row row[t] at position pos[t]: RoPE on its q and k (cos/sin rows of the runner's table cs (L, 2,
+   cache row row[t] at position pos[t]: RoPE on its q and k (cos/sin rows of the backend's table cs (L, 2,
    D), sin's first half negated: x cos + rot(x) sin, rot swapping the halves), its k and v written into the
    cache, then its q attends to positions [0, pos[t]] of its row; out (M, H D) in T. A decode token is one
    per row; a prefill piece is consecutive tokens of one row in increasing positions, each attending
@@ -369,7 +369,7 @@ FUSED(decode_layer_bf16, uint16_t, bf16_in, bf16_out, attend_bf16)
 /* -- the elementwise ops between the GEMMs ---------------------------------------------------------- */
 
 /* y = x / sqrt(mean(x^2) + eps) per row of x (M, N), in fp32, rounded once to T (as torch's rms_norm
-   without a weight: the runner folds the weight into the next GEMM). */
+   without a weight: the backend folds the weight into the next GEMM). */
 #define RMS(NAME, T, IN, OUT)                                                                           \
 void NAME(const T *restrict x, T *restrict y, int64_t M, int64_t N, float eps) {                        \
     for (int64_t m = 0; m < M; m++) {                                                                   \

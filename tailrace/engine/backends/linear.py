@@ -1,12 +1,11 @@
-"""`Linear`: y = x W^T (+ b) (+ residual) for the engine's runner, by MKL or by oneDNN on packed weights.
+"""`Linear`: y = x W^T (+ b) (+ residual) for the engine step, by MKL or by oneDNN on packed weights.
 
 On CPU, MKL re-packs the weight on every call; oneDNN can pack it once (`_reorder_linear_weight`) and
-then reads it in its own blocked layout, and fuses the residual add. Measured on the default model
-(one thread, the step's GEMMs in a loop): bf16 packed 0.8-0.9x MKL's time at every batch; fp32 packed
-1.7x at 2-4 rows, 1.3x at 16, 1.04x at 64 (in a whole step at 64 the fused add makes it ~2% faster),
-so `packed` is chosen per call (the runner's `packed_min_batch`). These `torch.ops.mkldnn` ops are what
-torch's own inductor uses on CPU; `packing_supported` checks them once and everything falls back to
-plain `F.linear`/`addmm` where they are missing or disagree.
+then reads it in its own blocked layout, and fuses the residual add. Which is faster depends on the
+dtype and the batch (figures: bench/README.md), so `packed` is chosen per call
+(`FusedWeights.packed_at`). These `torch.ops.mkldnn` ops are what torch's own inductor uses on CPU;
+`packing_supported` checks them once and everything falls back to plain `F.linear`/`addmm` where
+they are missing or disagree.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
 """`KVCache`: per-layer key/value tensors indexed by (row, kv_head, position, head_dim).
 
-A row holds one sequence (an engine slot). Rows are written only through `CausalLM.forward(...,
-cache=, rows=, positions=)`, which scatters each token's k/v at its absolute position; this class owns
-storage and row moves, nothing else. Tensors start zeroed: attention masks hide unwritten positions
+A row holds one sequence (an engine slot). Rows are written only by a backend's forward
+(`engine.backends`), which scatters each token's k/v at its absolute position (after RoPE); this class
+owns storage and row moves, nothing else. Tensors start zeroed: attention masks hide unwritten positions
 with a zero weight, and 0 * garbage is only safe while the garbage is finite.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tailrace.model.decoder import CausalLM
 
 
 class KVCache:
@@ -36,6 +38,27 @@ class KVCache:
         with torch.inference_mode(False):
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(
+        cls,
+        model: CausalLM,
+        num_rows: int,
+        max_len: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A zeroed cache for `model`'s layers and heads; dtype/device default to the model's."""
+        w, c = model.model.embed_tokens.weight, model.config
+        return cls(
+            c.num_hidden_layers,
+            num_rows,
+            c.num_key_value_heads,
+            max_len,
+            c.head_dim,
+            dtype or w.dtype,
+            device or w.device,
+        )
 
     @property
     def num_rows(self) -> int:

@@ -1,0 +1,86 @@
+"""The engine step's backends: `Backend`, what the engine calls, and `select`, its one choice per engine.
+
+`TorchBackend` (torch_ref.py) is the reference and runs wherever torch does; `KernelBackend`
+(cpu_kernels.py) runs the step on the C kernels on CPU. Every version an engine holds uses the backend
+chosen when the engine was built: nothing in the step re-derives it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from tailrace.engine import ckernel
+from tailrace.engine.backends.cpu_kernels import KernelAttentionBackend, KernelBackend
+from tailrace.engine.backends.torch_ref import Span, TorchBackend
+from tailrace.engine.chunks import Chunk
+from tailrace.engine.kv_cache import KVCache
+from tailrace.model.decoder import CausalLM
+
+ATTENTION = ("auto", "kernel", "bmm", "sdpa")
+
+
+class Backend(Protocol):
+    name: str  # what `attention` resolved to: 'kernel', 'bmm' or 'sdpa'
+    kernel: ckernel.Kernels | None  # the C kernels it runs on (the sampler uses them too), or None
+    model: CausalLM  # its weights; call `refresh` after changing them
+
+    def refresh(self) -> None:
+        """Rebuild the derived (fused) weights from `model`'s current parameters."""
+        ...
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        rows: slice,
+        chunks: list[Chunk],
+        pieces: Sequence[Span] = (),
+        want: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One step over M tokens: B = len(rows) decode tokens first, then prefill pieces.
+
+        tokens, positions (M,) int64 on device. Decode token b sits in cache row rows.start + b;
+        `chunks`: (lo, hi, S) per attention chunk of the decode rows (rows [lo, hi) attend to
+        positions [0, S), S > their positions; see `engine.chunks`). `pieces`: (row, start, n) per
+        prefill piece, its n tokens (next in `tokens`) at positions start.. of that row, attending
+        causally to the row's cache. Every token's k/v is written at its position first. The cache has
+        the dtype and length the backend was built for. Returns logits (len(want), V) of the tokens
+        `want` indexes (default: the B decode tokens)."""
+        ...
+
+
+def select(
+    attention: str | None, model: CausalLM, max_len: int, kv_dtype: torch.dtype
+) -> Callable[..., Backend]:
+    """The backend of an engine serving `model` (on its device, in its dtype) over a cache of `max_len`
+    positions in `kv_dtype`; call it with each version's model. `attention`:
+      'auto' (or None): `KernelBackend` on CPU with one torch thread, else the torch backend's 'bmm';
+      'kernel': `KernelBackend` on CPU with any number of threads (RuntimeError where the kernels do not
+      build), else 'bmm';
+      'bmm', 'sdpa': `TorchBackend` with that decode attention.
+    The kernels need head_dim <= 256 and fp32/bf16 weights and cache; elsewhere 'auto' and 'kernel'
+    fall back to 'bmm'."""
+    attention = attention or "auto"
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: use 'auto', 'kernel', 'bmm' or 'sdpa'")
+    w = model.model.embed_tokens.weight
+    kernel = None
+    if (
+        attention in ("auto", "kernel")
+        and w.device.type == "cpu"
+        and model.config.head_dim <= ckernel.MAX_HEAD_DIM
+        and (attention == "kernel" or torch.get_num_threads() == 1)
+    ):
+        kernel = ckernel.load()
+        if kernel is None and attention == "kernel":
+            raise RuntimeError(f"attention='kernel': {ckernel.unavailable()}; or use attention='bmm'")
+    if kernel is not None and w.dtype in kernel.dtypes and kv_dtype in kernel.dtypes:
+        cls = KernelBackend if kv_dtype == w.dtype else KernelAttentionBackend
+        return functools.partial(cls, max_len=max_len, kv_dtype=kv_dtype, kernel=kernel)
+    variant = "sdpa" if attention == "sdpa" else "bmm"
+    return functools.partial(TorchBackend, max_len=max_len, kv_dtype=kv_dtype, variant=variant)

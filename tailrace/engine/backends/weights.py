@@ -1,0 +1,72 @@
+"""`FusedWeights`: one model version's parameters laid out for the engine step (both backends).
+
+* q/k/v and gate/up projections fused into one GEMM each (fused copies of the weights, rebuilt by
+  `refresh` after a weight load), residual adds folded into `addmm`; each RMSNorm weight is folded
+  into the columns of the projection that follows it ((x*w) W^T = x (W diag w)^T; in bf16 this
+  rounds W*w instead of x*w, a difference of the size of bf16 rounding itself);
+* on CPU, GEMMs over oneDNN packed copies of the weights at batches where they beat MKL (`packed_at`;
+  see `linear.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tailrace.engine.backends.linear import Linear, packing_supported
+from tailrace.model.decoder import CausalLM
+
+
+class _Layer:
+    __slots__ = ("qkv", "o", "gate_up", "down")
+
+
+class FusedWeights:
+    def __init__(self, model: CausalLM, packed: bool | None = None):
+        """`packed`: oneDNN packed weights; None = wherever supported (CPU only)."""
+        cfg = model.config
+        self.model = model
+        self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.G = self.H // self.Hkv  # query heads per kv head
+        self.I = cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.D**-0.5
+        w = model.model.embed_tokens.weight
+        self.dtype, self.device = w.dtype, w.device
+        self.packed = packing_supported(self.dtype) if packed is None else packed
+        if self.device.type != "cpu":
+            self.packed = False
+        # fp32 packed GEMMs lose to MKL at small batches, bf16 ones win at every batch (bench/README.md)
+        self.packed_min_batch = 48 if self.dtype == torch.float32 else 1
+        self.refresh()
+
+    def packed_at(self, rows: int) -> bool:
+        """Whether GEMMs over `rows` input rows use the packed weights."""
+        return self.packed and rows >= self.packed_min_batch
+
+    @torch.inference_mode()
+    def refresh(self) -> None:
+        """(Re)build the fused weights from the model's current parameters."""
+        m, pk = self.model.model, self.packed
+
+        def proj(norm_w, ws, bs=None):  # one GEMM for the projections that read one RMSNorm's output
+            w = torch.cat(ws)
+            b = torch.cat(bs) if bs and bs[0] is not None else None
+            return Linear(w * norm_w, b, pk)
+
+        self.embed = m.embed_tokens.weight
+        self.lm_head = proj(m.norm.weight, [self.model.lm_head.weight])
+        self.layers = []
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            L = _Layer()
+            L.qkv = proj(
+                layer.input_layernorm.weight,
+                [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
+            )
+            L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk)
+            L.gate_up = proj(
+                layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight]
+            )
+            L.down = Linear(mlp.down_proj.weight, None, pk)
+            self.layers.append(L)

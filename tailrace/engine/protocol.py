@@ -1,0 +1,81 @@
+"""`Engine`: what the runtime needs of a rollout engine, and `Capabilities`: what one can do.
+
+Token ids in; token ids, per-token behaviour logprobs and per-token policy versions out. tailrace's own
+engine (`TailraceEngine`) implements this protocol, and an adapter to another engine (vLLM) is a second
+implementation of it. Callers depend on this protocol and read `capabilities`, never an engine's class
+or backend name.
+
+Contract shared by every implementation:
+  * `add` queues a request (raising `EngineError`, and changing nothing, if it is malformed);
+  * each `step` does a bounded amount of work and returns a `StepEvent` with the results that
+    finished in it; a request ends once, as a finished result or as the partial `abort` returns;
+  * `load_weights(state, v)` adds version v, or overwrites it in place; `drop_version(v)` refuses while
+    requests of v are waiting or running;
+  * calls are made between steps, from the thread that steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tailrace.engine.events import StepEvent
+from tailrace.types import GenRequest, GenResult
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine supports; scheduling policies read this, never an engine's name."""
+
+    # `abort` returns the partial trajectory, and a request carrying it (`GenRequest.resume_*`)
+    # continues it with the tokens it would have drawn uninterrupted.
+    abort_resume: bool
+    # how many weight versions it holds and serves in one step; None: any number (memory permitting)
+    versions_at_once: int | None
+    # a request's `SamplingParams.seed` fixes its tokens whatever else is in the batch
+    per_request_seed: bool
+    # speculative decoding (lossless: the same tokens as without it)
+    speculative: bool
+
+
+@runtime_checkable
+class Engine(Protocol):
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot (prefilling or decoding)."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot."""
+        ...
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The loaded weight versions, ascending."""
+        ...
+
+    def __contains__(self, request_id: str) -> bool:
+        """Whether a request is waiting or running (so `abort` would succeed)."""
+        ...
+
+    def add(self, req: GenRequest) -> None: ...
+
+    def step(self) -> StepEvent: ...
+
+    def abort(self, request_id: str) -> GenResult:
+        """Take a waiting or running request out; returns its partial (finish=ABORTED)."""
+        ...
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def drop_version(self, version: int) -> None: ...
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Run `requests` to completion on an idle engine; results in request order."""
+        ...

@@ -1,0 +1,168 @@
+"""Both backends are pinned to `CausalLM.forward` over whole sequences: same logits, same KV-cache
+writes (the k/v of that forward, after RoPE)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tailrace.engine import ckernel
+from tailrace.engine.backends import select
+from tailrace.engine.backends.cpu_kernels import KernelAttentionBackend, KernelBackend
+from tailrace.engine.backends.linear import packing_supported
+from tailrace.engine.backends.torch_ref import TorchBackend
+from tailrace.engine.kv_cache import KVCache
+from tests.engine.engine_helpers import forward_pieces, reference_kv, tiny_model, write_kv
+
+CONFIGS = {
+    "llama": {},
+    "llama-bias-mha": dict(attention_bias=True, num_key_value_heads=4),
+    "qwen2-tied": dict(model_type="qwen2", tie_word_embeddings=True),
+    "llama3-rope": dict(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    ),
+}
+
+
+def decode(backend, tokens, positions, cache, rows, chunks):
+    """A decode-only step; an int `chunks` S = one chunk over all rows."""
+    if isinstance(chunks, int):
+        chunks = [(0, tokens.shape[0], chunks)]
+    return backend.forward(tokens, positions, cache, rows, chunks)
+
+
+def skip_without_kernel(attention: str) -> None:
+    if attention == "kernel" and ckernel.load() is None:  # no C compiler here: the torch paths still run
+        pytest.skip(f"C kernel unavailable: {ckernel.unavailable()}")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize(
+    "attention,packed", [("kernel", None), ("bmm", False), ("bmm", True), ("sdpa", None)]
+)
+@torch.inference_mode()
+def test_decode_matches_model_forward(name, attention, packed):
+    skip_without_kernel(attention)
+    model = tiny_model(3, **CONFIGS[name])
+    B, max_len = 5, 96
+    backend = select(attention, model, max_len, torch.float32)(
+        model, packed=packed and packing_supported(torch.float32)
+    )
+    lens = [7, 30, 1, 19, 44]
+    ref_cache, cache = KVCache.for_model(model, B + 2, max_len), KVCache.for_model(model, B + 2, max_len)
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, model.config.vocab_size, (B, max(lens) + 3), generator=g)
+    for b, n in enumerate(lens):  # prompts into rows 1..B; the reference holds the whole sequences
+        write_kv(cache, b + 1, reference_kv(model, toks[b : b + 1, :n]))
+        write_kv(ref_cache, b + 1, reference_kv(model, toks[b : b + 1, : n + 3]))
+    pos = torch.tensor(lens)
+    for step in range(3):
+        # one chunk, then rows cut into chunks that each attend only as far as their longest row
+        chunks = (
+            int(pos.max()) + 1
+            if step == 0
+            else [(0, 2, int(pos[:2].max()) + 1), (2, 3, int(pos[2]) + 1), (3, B, int(pos[3:].max()) + 1)]
+        )
+        x = toks[torch.arange(B), pos]
+        ref = torch.stack([model(toks[b : b + 1, : int(pos[b]) + 1])[0, -1] for b in range(B)])
+        got = decode(backend, x, pos, cache, slice(1, B + 1), chunks)
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+        pos = pos + 1
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(cache.k[layer], ref_cache.k[layer], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(cache.v[layer], ref_cache.v[layer], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float32])  # a bf16 model's cache in either dtype
+@pytest.mark.parametrize("B", [3, 12])  # upcast fp32 attention at small batches, bf16 GEMMs above
+@pytest.mark.parametrize(
+    "attention,packed", [("kernel", None), ("bmm", False), ("bmm", True), ("sdpa", None)]
+)
+@torch.inference_mode()
+def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
+    skip_without_kernel(attention)
+    model = tiny_model(4).to(torch.bfloat16)
+    backend = select(attention, model, 64, kv)(model, packed=packed and packing_supported(torch.bfloat16))
+    cache = KVCache.for_model(model, B, 64, kv)
+    toks = torch.randint(0, model.config.vocab_size, (B, 20), generator=torch.Generator().manual_seed(1))
+    write_kv(cache, 0, reference_kv(model, toks[:, :12]))  # the model's bf16 prompt k/v, held in `kv`
+    pos = torch.full((B,), 12)
+    ref = model(toks[:, :13])[:, 12].float()
+    got = decode(backend, toks[:, 12], pos, cache, slice(0, B), [(0, 1, 13), (1, B, 13)]).float()
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_mixed_prefill_and_decode_step_matches_model_forward(dtype):
+    """Decode rows and prefill pieces (a whole prompt, and the second chunk of another) in one step."""
+    model = tiny_model(5).to(dtype)
+    backend = select("auto", model, 64, dtype)(model)
+    V = model.config.vocab_size
+    toks = torch.randint(0, V, (4, 30), generator=torch.Generator().manual_seed(2))
+    cache = KVCache.for_model(model, 5, 64)
+    # rows 0, 1 decode from position 9 and 14; row 3 has 6 tokens prefilled
+    for row, n in ((0, 9), (1, 14), (3, 6)):
+        write_kv(cache, row, reference_kv(model, toks[row : row + 1, :n]))
+    pos = torch.tensor([9, 14])
+    ref_dec = [model(toks[0:1, :10])[0, -1], model(toks[1:2, :15])[0, -1]]
+    ref_a = model(toks[2:3, :11])[0, -1]  # whole prompt into row 2
+    ref_b = model(toks[3:4, :13])[0, -1]  # chunk 2 of row 3
+    tokens = torch.cat([torch.stack([toks[0, 9], toks[1, 14]]), toks[2, :11], toks[3, 6:13]])
+    positions = torch.cat([pos, torch.arange(11), torch.arange(6, 13)])
+    want = torch.tensor([0, 1, 2 + 10, 2 + 11 + 6])
+    got = backend.forward(
+        tokens, positions, cache, slice(0, 2), [(0, 1, 10), (1, 2, 15)], [(2, 0, 11), (3, 6, 7)], want
+    ).float()
+    ref = torch.stack([ref_dec[0], ref_dec[1], ref_a, ref_b]).float()
+    tol = 2e-5 if dtype == torch.float32 else 0.05 * float(ref.abs().max())
+    assert (got - ref).abs().max() < tol
+    for r, n in ((0, 10), (1, 15), (2, 11), (3, 13)):
+        ref_k = reference_kv(model, toks[r : r + 1, :n])
+        for layer in range(model.config.num_hidden_layers):
+            assert (cache.k[layer][r, :, :n].float() - ref_k[layer][0][0].float()).abs().max() < tol
+
+
+@pytest.mark.parametrize("attention", ["kernel", "bmm", "sdpa"])
+@torch.inference_mode()
+def test_bf16_prefill_then_decode_close_to_bf16_forward(attention):
+    """A bf16 model's cache is bf16; prefill then token-by-token decode stay within bf16 noise."""
+    skip_without_kernel(attention)
+    model = tiny_model(6, num_key_value_heads=2).to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    ref = model(ids)
+    cache = KVCache.for_model(model, 2, 16)
+    assert cache.dtype == torch.bfloat16
+    backend = select(attention, model, 16, cache.dtype)(model)
+    forward_pieces(backend, cache, [(0, 0, ids[0, :8]), (1, 0, ids[1, :8])])
+    for t in range(8, 16):
+        out = decode(backend, ids[:, t], torch.full((2,), t), cache, slice(0, 2), t + 1)
+        assert (out.float() - ref[:, t].float()).abs().max() < 0.05 * ref.abs().max().item()
+
+
+def test_select_resolves_attention_to_one_backend_class():
+    model, f32, bf16 = tiny_model(), torch.float32, torch.bfloat16
+    for attention in ("bmm", "sdpa"):
+        backend = select(attention, model, 32, f32)(model)
+        assert type(backend) is TorchBackend and backend.name == attention and backend.kernel is None
+    with pytest.raises(ValueError, match="use 'auto', 'kernel', 'bmm' or 'sdpa'"):
+        select("flash", model, 32, f32)
+    if ckernel.load() is None:
+        assert select("auto", model, 32, f32)(model).name == "bmm"
+        return
+    assert type(select(None, model, 32, f32)(model)) is KernelBackend  # one torch thread (conftest)
+    half = tiny_model().to(bf16)
+    assert type(select("auto", half, 32, f32)(half)) is KernelAttentionBackend  # fp32 cache, bf16 model
+    assert type(select("auto", half, 32, torch.float16)(half)) is TorchBackend  # a cache the kernels lack
+    torch.set_num_threads(2)
+    try:
+        assert select("auto", model, 32, f32)(model).name == "bmm"
+        assert select("kernel", model, 32, f32)(model).name == "kernel"
+    finally:
+        torch.set_num_threads(1)
