@@ -46,7 +46,7 @@ def simulate(args: Args) -> int:
 
 
 def calibrate(args: Args) -> int:
-    from tailrace.sim_calibrate import calibrate
+    from tailrace.calibrate import calibrate
 
     flags = args.flags
     dtypes = flags.get("--dtype", ",".join(DTYPES)).split(",")

@@ -14,7 +14,7 @@ trainer under SimPy's virtual clock (DESIGN.md §2 "Simulator").
     compare.py   the same step figures read from a real and a simulated run directory
     metrics.py   length/staleness/interval helpers (DESIGN.md §5 definitions)
 
-Calibration of the "cpu" preset lives outside (tailrace/sim_calibrate.py): it needs torch.
+Calibration of the "cpu" presets lives outside (tailrace/calibrate/): it needs torch.
 
 No torch and no processes (checked by .importlinter); time is SimPy's virtual clock (the wall clock only
 times the simulator itself).

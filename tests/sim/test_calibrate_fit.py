@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from tailrace.calibrate.fit import default_shape, fit_decode, fit_train
 from tailrace.config import ArchConfig
-from tailrace.sim_calibrate import default_shape, fit_decode, fit_train
 
 
 @pytest.mark.parametrize("dtype_bytes", [4, 2])
