@@ -135,21 +135,22 @@ def evaluate(args: Args) -> int:
     return 0
 
 
+def _run_dir(args: Args, verb: str) -> Path:
+    if len(args.rest) != 1 or args.rest[0].startswith("-"):
+        raise ConfigError(f"usage: tailrace {verb} RUN_DIR")
+    return Path(args.rest[0])
+
+
 def report(args: Args) -> int:
     from tailrace.report.html import write_report
 
-    if len(args.rest) != 1 or args.rest[0].startswith("-"):
-        raise ConfigError("usage: tailrace report RUN_DIR")
-    out = write_report(Path(args.rest[0]))
-    console.print(f"wrote {out}")
+    console.print(f"wrote {write_report(_run_dir(args, 'report'))}")
     return 0
 
 
 def trace(args: Args) -> int:
     from tailrace.report.trace import write_trace
 
-    if len(args.rest) != 1 or args.rest[0].startswith("-"):
-        raise ConfigError("usage: tailrace trace RUN_DIR")
-    out = write_trace(Path(args.rest[0]))
+    out = write_trace(_run_dir(args, "trace"))
     console.print(f"wrote {out} (open it in ui.perfetto.dev or chrome://tracing)")
     return 0
