@@ -54,8 +54,8 @@ class RolloutConfig:
 class FlowConfig:
     mode: str = setting("sync", "how rollout and training overlap: a policy of flow/policies")
     prompts_per_round: int = setting(16, "R: prompts issued per round")
-    samples_per_prompt: int = setting(8, "K: samples per prompt, one group (advantages are taken within it)")
-    train_batch: int = setting(128, "B: samples per optimizer step, U = B / K groups")
+    samples_per_prompt: int = setting(8, "G: samples per prompt, one group (advantages are taken within it)")
+    train_batch: int = setting(128, "B: samples per optimizer step, U = B / G groups")
     steps: int = setting(120, "optimizer steps in the run")
     time_limit_s: float | None = setting(
         None, "stop issuing steps after this many seconds of training (null = no limit)"

@@ -127,7 +127,6 @@ class TailraceEngine:
         self._n_sampled = self._n_tempered = self._n_filter = self._n_min_stop = self._n_stop = (
             0  # decode rows
         )
-        self._paused = False
 
     # -- public API ---------------------------------------------------------------------------------
 
@@ -142,10 +141,6 @@ class TailraceEngine:
     @property
     def versions(self) -> tuple[int, ...]:
         return self._versions.ids
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
 
     def __contains__(self, request_id: str) -> bool:
         """Whether a request is waiting or running (so `abort` would succeed)."""
@@ -202,20 +197,12 @@ class TailraceEngine:
             raise EngineError(f"drop_version({version}): it is the only version; load another one first")
         self._versions.drop(version)
 
-    def pause(self) -> None:
-        self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
-
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Run `requests` to completion on an idle engine; results in request order."""
         if self._seqs or self._done_next:
             raise EngineError(
                 "generate() needs an idle engine; step() until num_running and num_waiting are 0"
             )
-        if self._paused:
-            raise EngineError("generate() on a paused engine would never finish; call resume() first")
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             dup = next(i for i, n in Counter(ids).items() if n > 1)
@@ -236,8 +223,6 @@ class TailraceEngine:
 
     def step(self) -> StepEvent:
         t0 = time.perf_counter()
-        if self._paused:
-            return StepEvent(t0, 0.0, 0, 0, 0, (), ())
         with torch.inference_mode():
             self._admit()
             pieces = prefill.plan(self._prefilling, self.prefill_tokens)

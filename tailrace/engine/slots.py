@@ -53,10 +53,6 @@ class Slots:
     def is_decoding(self, rid: str) -> bool:
         return rid in self._decoding
 
-    def decoding_ids(self) -> list[str | None]:
-        """Request ids of the decode rows, in row order."""
-        return self.owner[: self.num_decoding]
-
     def group_of(self, version: int) -> Group | None:
         for g in self.groups:
             if g.version == version:

@@ -28,7 +28,7 @@ from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.messages import EngineReport, Ready, Shutdown, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import Utilization
 from tailrace.runtime.procs import context, placement
-from tailrace.runtime.rundir import RecordFile, RunDir, truncate_lines
+from tailrace.runtime.rundir import RecordFile, RunDir, truncate_metrics
 from tailrace.runtime.session import Session
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.weights import SharedWeights
@@ -80,7 +80,9 @@ class Driver:
         lines = list(read_lines(self.run.file("journal.jsonl")))[state["journal_seq"] :]
         self.sched.replay(journal_from_json(d) for d in lines)
         done = state["steps_done"]
-        truncate_lines(self.run.file("metrics.jsonl"), lambda r: r.get("kind") != "step" or r["step"] < done)
+        truncate_metrics(
+            self.run.file("metrics.jsonl"), lambda r: not isinstance(r, StepRecord) or r.step < done
+        )
         self.metrics = RecordFile(self.run.file("metrics.jsonl"))
         return state["version"]
 

@@ -7,12 +7,12 @@ The journal is the scheduler's write-ahead log (groups opened, trajectories fini
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
-from tailrace.records import Record, dumps, read_lines
+from tailrace.records import EvalRecord, Record, StepRecord, dumps, read_metrics
 
 
 class RecordFile:
@@ -33,13 +33,13 @@ class RecordFile:
         self._f.close()
 
 
-def truncate_lines(path: Path, keep) -> None:
-    """Rewrite `path` keeping only records for which keep(record) is true (atomically)."""
+def truncate_metrics(path: Path, keep: Callable[[StepRecord | EvalRecord], bool]) -> None:
+    """Rewrite metrics.jsonl keeping only the records for which keep(record) is true (atomically)."""
     if not path.is_file():
         return
-    kept = [r for r in read_lines(path) if keep(r)]
+    kept = [r for r in read_metrics(path) if keep(r)]
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.write_text("".join(dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
 
 
