@@ -48,6 +48,7 @@ class RolloutConfig:
             f"rollout.temperature={self.temperature}: RL needs sampling; use a value > 0",
         )
         need(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        need(self.top_k >= 0, f"rollout.top_k={self.top_k}: must be >= 0 (0 = all tokens)")
 
 
 @dataclass
@@ -119,6 +120,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         need(self.n > 0, f"eval.n={self.n}: must be positive")
+        need(self.max_new_tokens > 0, f"eval.max_new_tokens={self.max_new_tokens}: must be positive")
         need(self.temperature >= 0, f"eval.temperature={self.temperature}: must be >= 0 (0 = greedy)")
         need(self.batch > 0, f"eval.batch={self.batch}: must be positive")
 
