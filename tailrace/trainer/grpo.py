@@ -5,7 +5,8 @@ micro-batch (gradient accumulation, exact thanks to the batch's global `scale`),
 and steps AdamW. One step per batch means the pre-update ("proximal") policy is the current one:
 `prox = logp.detach()` from the same forward, with no second pass. The model is only called as
 `model(input_ids (B, T)) -> logits (B, T, V)`; it runs in eval mode (no dropout), because the policy
-whose ratio we clip must be the one the engine sampled from.
+whose ratio we clip must be the one the engine sampled from. A loss or gradient norm that is not finite
+raises `NonFiniteError` before the optimizer moves, so the weights never take a nan.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, kl_penalty
 from tailrace.trainer.optim import build_adamw
 from tailrace.types import Group
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient is inf or nan; raised before the optimizer moves."""
 
 
 class _Sums:
@@ -72,10 +77,18 @@ class GRPOTrainer:
         for mb in micro:
             self._forward_backward(mb.to(self.device), acc, backward=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or math.inf)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or math.inf))
+        loss = acc.get("loss")
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.opt.zero_grad(set_to_none=True)
+            raise NonFiniteError(
+                f"step {self.steps + 1}: the loss ({loss}) or the gradient norm ({grad_norm}) is not "
+                "finite, so the step was not applied and its weights not published; lower train.lr "
+                "(or check train.temperature and the rewards) and start again"
+            )
         self.opt.step()
         self.steps += 1
-        return self._metrics(acc, batch, len(micro), float(grad_norm), time.perf_counter() - t0)
+        return self._metrics(acc, batch, len(micro), grad_norm, time.perf_counter() - t0)
 
     @torch.no_grad()
     def evaluate(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:

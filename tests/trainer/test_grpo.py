@@ -10,7 +10,7 @@ from torch import nn
 
 from tailrace.config import ConfigError, LossConfig, TrainerConfig, load_config
 from tailrace.trainer.advantages import ADVANTAGES
-from tailrace.trainer.grpo import GRPOTrainer
+from tailrace.trainer.grpo import GRPOTrainer, NonFiniteError
 from tailrace.trainer.logprobs import token_logprobs
 from tailrace.types import Finish, GenResult, Group, Trajectory
 
@@ -248,3 +248,18 @@ def test_config_validation_and_yaml_mapping():
             TrainerConfig(**bad)
     with pytest.raises(ValueError, match="ref_model"):
         GRPOTrainer(TinyLM(), TrainerConfig(loss=LossConfig(kl_coef=0.1)))
+
+
+@pytest.mark.parametrize("poison", ["logprobs", "weights"])
+def test_a_non_finite_step_raises_and_leaves_the_weights_untouched(poison):
+    model = TinyLM()
+    groups = make_groups(model)
+    tr = GRPOTrainer(model, TrainerConfig(temperature=1e-45 if poison == "logprobs" else 1.0))
+    if poison == "weights":
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] = math.inf
+    before = tr.flat.buffer.clone()
+    with pytest.raises(NonFiniteError, match="not finite.*train.lr"):
+        tr.step(groups, 0)
+    assert torch.equal(tr.flat.buffer, before) and tr.steps == 0
+    assert not tr.opt.state, "the optimizer must not have moved"
