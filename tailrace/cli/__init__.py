@@ -10,7 +10,7 @@ import difflib
 import sys
 from typing import Any
 
-from rich.markup import escape
+from rich.text import Text
 
 from tailrace.cli import commands, sim
 from tailrace.cli.commands import console
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             _check_sections(verb, args.rest)
         return verb.run(args)
     except _user_errors() as e:
-        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)  # [x] in it is text
+        console.print(Text("error:", style="red"), str(e))
         return 2
     except KeyboardInterrupt:
         console.print("interrupted; the run directory keeps everything so far (continue with --resume)")

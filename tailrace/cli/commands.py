@@ -11,7 +11,9 @@ from tailrace.cli.verb import Args
 from tailrace.common import ConfigError
 from tailrace.config import RunConfig, dump_config, load_config
 
-console = Console(highlight=False, soft_wrap=True)
+# markup off: what tailrace prints is text, and paths and messages may hold [brackets]; a styled line
+# says its style (style="bold"), never in markup
+console = Console(highlight=False, soft_wrap=True, markup=False)
 
 
 def _sft_progress():
@@ -94,8 +96,9 @@ def train(args: Args) -> int:
     if summary.base_accuracy is not None and summary.final_accuracy is not None:
         gain = 100 * (summary.final_accuracy - summary.base_accuracy)
         console.print(
-            f"[bold]held-out accuracy {summary.base_accuracy:.1%} -> {summary.final_accuracy:.1%} "
-            f"({gain:+.1f} points) after {summary.steps} steps in {_duration(summary.wall_s)}[/bold]"
+            f"held-out accuracy {summary.base_accuracy:.1%} -> {summary.final_accuracy:.1%} "
+            f"({gain:+.1f} points) after {summary.steps} steps in {_duration(summary.wall_s)}",
+            style="bold",
         )
     console.print(f"metrics: {run.file('metrics.jsonl')}   report: tailrace report {run.path}")
     return 0

@@ -18,7 +18,7 @@ from tailrace.records import EvalRecord, StepRecord
 
 class ConsoleUI:
     def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
-        self.console = console or Console(highlight=False)
+        self.console = console or Console(highlight=False, markup=False)
         self.quiet = quiet
         self.progress: Progress | None = None
 
