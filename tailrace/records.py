@@ -17,12 +17,14 @@ from __future__ import annotations
 import base64
 import json
 import sys
+import warnings
 from array import array
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from tailrace.common import InputError
 from tailrace.types import Finish, GenResult, Prompt, Trajectory
 
 # -- packed arrays ------------------------------------------------------------------------------
@@ -260,29 +262,79 @@ def metric_from_json(d: dict) -> StepRecord | EvalRecord:
 # -- reading a run directory's files ----------------------------------------------------------
 
 
-def read_lines(path: str | Path) -> Iterator[dict]:
-    """Records of a JSONL file; a torn last line (killed mid-write) ends the file. A missing file has none."""
+class RecordFormatError(InputError):
+    """A line is a JSON object but not a record this tailrace writes: the file comes from another
+    tailrace version (or was edited). Damage (a line that is not a JSON object) is skipped instead."""
+
+
+class DamagedLineWarning(UserWarning):
+    """A line that is not a JSON object was skipped; the records after it are read."""
+
+
+def numbered_lines(path: str | Path) -> Iterator[tuple[int, dict | None]]:
+    """(line number, record) for each line of a JSONL file, None for a blank line (where a resume
+    quarantined a damaged one) or a damaged line (not a JSON object: warned about, then skipped), so a
+    reader keyed by position (journal replay) keeps its positions. A torn last line — a write cut
+    short, with no newline — ends the file quietly. A missing file has no lines."""
     path = Path(path)
     if not path.is_file():
         return
-    with open(path) as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            record = parse_line(raw)
+            if not raw.endswith(b"\n") and record is None:
                 return
+            if record is None and raw.strip():
+                warnings.warn(
+                    f"{path} line {n} is damaged (not a JSON record); skipped it and read on",
+                    DamagedLineWarning,
+                    stacklevel=2,
+                )
+            yield n, record
+
+
+def parse_line(raw: bytes) -> dict | None:
+    """The JSON object a line holds, or None (blank, damaged, or not an object)."""
+    try:
+        d = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def read_lines(path: str | Path) -> Iterator[dict]:
+    """The records of a JSONL file, past any damaged line (see `numbered_lines`)."""
+    return (d for _, d in numbered_lines(path) if d is not None)
+
+
+def decode(path: str | Path, n: int, d: dict, from_json: Callable[[dict], Any]) -> Any:
+    """`from_json(d)`, a mismatch of shape reported as one line naming the file and line."""
+    try:
+        return from_json(d)
+    except KeyError as e:
+        why = f"no field {e.args[0]!r}"
+    except (TypeError, ValueError) as e:  # binascii.Error (bad base64) is a ValueError
+        why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+    raise RecordFormatError(
+        f"{path} line {n} is not a record this tailrace reads ({why}); the run directory was written by "
+        "another tailrace version (or edited): read it with that version, or start a new run"
+    )
+
+
+def _read(path: str | Path, from_json: Callable[[dict], Any]) -> Iterator[Any]:
+    return (decode(path, n, d, from_json) for n, d in numbered_lines(path) if d is not None)
 
 
 def read_journal(path: str | Path) -> Iterator[JournalEntry]:
-    return (journal_from_json(d) for d in read_lines(path))
+    return _read(path, journal_from_json)
 
 
 def read_events(path: str | Path) -> Iterator[Span | Mark]:
-    return (event_from_json(d) for d in read_lines(path))
+    return _read(path, event_from_json)
 
 
 def read_metrics(path: str | Path) -> Iterator[StepRecord | EvalRecord]:
-    return (metric_from_json(d) for d in read_lines(path))
+    return _read(path, metric_from_json)
 
 
 # -- the one encoder ----------------------------------------------------------------------------

@@ -12,13 +12,15 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models
 
+from tailrace.common import InputError
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
 # printable ASCII without the rare whitespace characters; ids are stable: specials 0-3, chars from 4
 CHARS = tuple(c for c in string.printable if c not in "\x0b\x0c\r\t")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     pass
 
 

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tailrace.common import InputError, one_line
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
 
@@ -27,7 +28,7 @@ INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint directory that cannot be loaded; the message says what is wrong and how to fix it."""
 
 
@@ -40,7 +41,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
         d = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(
-            f"{f} is not valid JSON ({_one_line(e)}); restore the file from the original checkpoint"
+            f"{f} is not valid JSON ({one_line(e)}); restore the file from the original checkpoint"
         )
     if not isinstance(d, dict):
         raise CheckpointError(
@@ -53,7 +54,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
             f"{f} lacks the field {e.args[0]!r}; add it (see the model's original config.json)"
         )
     except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{f}: {_one_line(e)}")
+        raise CheckpointError(f"{f}: {one_line(e)}")
 
 
 def load_pretrained(
@@ -160,7 +161,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         weight_map = json.loads((path / INDEX).read_text())["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(
-            f"{path / INDEX} is not a valid shard index ({_one_line(e)}); restore it from the "
+            f"{path / INDEX} is not a valid shard index ({one_line(e)}); restore it from the "
             "original checkpoint"
         )
     state: dict[str, torch.Tensor] = {}
@@ -177,11 +178,6 @@ def _read_file(f: Path) -> dict[str, torch.Tensor]:
             return {name: fh.get_tensor(name) for name in fh.keys()}
     except Exception as e:  # safetensors raises its own error types (and OSError) for corrupt files
         raise CheckpointError(
-            f"{f} is not a readable safetensors file ({_one_line(e)}); it is corrupt or "
+            f"{f} is not a readable safetensors file ({one_line(e)}); it is corrupt or "
             "truncated: re-save or re-copy it"
         )
-
-
-def _one_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return s.splitlines()[0] if s else type(e).__name__

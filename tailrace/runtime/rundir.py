@@ -7,16 +7,19 @@ The journal is the scheduler's write-ahead log (groups opened, trajectories fini
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tailrace.records import EvalRecord, Record, StepRecord, dumps, read_metrics
+from tailrace.records import EvalRecord, Record, StepRecord, dumps, parse_line, read_metrics
 
 
 class RecordFile:
-    """An append-only JSONL file of typed records (`tailrace.records`), a line per record."""
+    """An append-only JSONL file of typed records (`tailrace.records`), a line per record. Before a
+    resume appends to an existing file, `repair` it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -31,6 +34,72 @@ class RecordFile:
 
     def close(self) -> None:
         self._f.close()
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What `repair` did to one file."""
+
+    path: Path
+    torn: bool = False  # a torn last line was cut off
+    quarantined: tuple[int, ...] = ()  # line numbers moved to <file>.quarantine
+
+    def message(self) -> str:
+        """One line for the user ("" when the file needed nothing)."""
+        done = []
+        if self.quarantined:
+            n = self.quarantined
+            which = ", ".join(map(str, n[:5])) + (f" ... ({len(n)} in all)" if len(n) > 5 else "")
+            done.append(
+                f"moved damaged line{'s' if len(n) > 1 else ''} {which} to {self.path.name}.quarantine"
+            )
+        if self.torn:
+            done.append("cut off a torn last line (a write the crash cut short)")
+        return f"{self.path}: {'; '.join(done)}" if done else ""
+
+
+def repair(path: Path) -> Repair:
+    """Make a JSONL file safe to append to: cut off a torn last line (no newline; a whole record
+    missing only its newline gets it back), and move each damaged line (not a JSON object) to
+    <file>.quarantine as {"line", "text"}, leaving a blank line in its place so positions — the
+    journal's sequence numbers — stay put. A sound file is not touched."""
+    if not path.is_file():
+        return Repair(path)
+    damaged, tail, end = [], None, 0  # end: bytes up to the last newline
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):  # only the last line can lack its newline
+                tail = raw
+                break
+            end += len(raw)
+            if raw.strip() and parse_line(raw) is None:
+                damaged.append((n, raw))
+    torn = tail is not None and parse_line(tail) is None
+    if tail is not None and not torn:
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    if damaged:
+        _quarantine(path, damaged, keep_tail=not torn)
+    elif torn:
+        os.truncate(path, end)
+    return Repair(path, torn, tuple(n for n, _ in damaged))
+
+
+def _quarantine(path: Path, damaged: list[tuple[int, bytes]], keep_tail: bool) -> None:
+    with open(path.with_name(path.name + ".quarantine"), "a") as q:
+        for n, raw in damaged:
+            text = raw.rstrip(b"\n").decode("utf-8", errors="replace")
+            q.write(json.dumps({"line": n, "text": text}) + "\n")
+    bad = {n for n, _ in damaged}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        for n, raw in enumerate(src, 1):
+            if not raw.endswith(b"\n") and not keep_tail:
+                break
+            dst.write(b"\n" if n in bad else raw)
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, path)
 
 
 def truncate_metrics(path: Path, keep: Callable[[StepRecord | EvalRecord], bool]) -> None:

@@ -12,10 +12,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterator
 
+from tailrace.common import InputError
+
 SPLITS = ("train", "test")
 
 
-class TaskError(ValueError):
+class TaskError(InputError):
     """A task cannot be built or read. The message is one line: what is wrong and how to fix it."""
 
 
