@@ -6,12 +6,13 @@ Every way a command can end is one line and an exit code:
          it and the fix; nothing already in a run directory is touched
     3    a fault while running (a worker died, hung or failed; training went non-finite; the disk
          filled): the line gives the cause; the run directory keeps everything up to its last checkpoint
-    130  Ctrl-C: the run directory keeps everything so far (continue with --resume)
+    130  Ctrl-C, 143 SIGTERM: the run directory keeps everything so far (continue with --resume)
 """
 
 from __future__ import annotations
 
 import difflib
+import signal
 import sys
 import warnings
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from rich.text import Text
 
 from tailrace.cli import commands, sim
-from tailrace.cli.commands import console
+from tailrace.cli.commands import Terminated, console
 from tailrace.cli.verb import Flag, Verb
 from tailrace.common import ConfigError, Fault, InputError, one_line
 from tailrace.config import RunConfig
@@ -145,6 +146,7 @@ def _check_sections(verb: Verb, overrides: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always", DamagedLineWarning)
@@ -154,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         return _error(e, 2)
     except (Fault, OSError) as e:  # OSError: the disk filled, a directory turned read-only, ...
         return _error(e, 3)
-    except KeyboardInterrupt:
-        console.print("interrupted; the run directory keeps everything so far (continue with --resume)")
-        return 130
+    except KeyboardInterrupt as e:
+        console.print("terminated" if isinstance(e, Terminated) else "interrupted")
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(argv: list[str]) -> int:
@@ -183,3 +187,7 @@ def _error(e: BaseException, code: int) -> int:
 
 def _warn(message, category, filename, lineno, file=None, line=None) -> None:
     console.print(Text("warning:", style="yellow"), str(message))
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tailrace.cli.verb import Args
-from tailrace.common import ConfigError
+from tailrace.common import ConfigError, Fault, one_line
 from tailrace.config import RunConfig, dump_config, load_config
 
 # markup off: what tailrace prints is text, and paths and messages may hold [brackets]; a styled line
@@ -51,6 +51,10 @@ def load(path: str | Path | None, overrides: list[str]) -> RunConfig:
     return cfg
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (exit code 143 instead of 130)."""
+
+
 def train(args: Args) -> int:
     from tailrace.report.console import ConsoleUI
     from tailrace.runtime.driver import Driver
@@ -89,6 +93,12 @@ def train(args: Args) -> int:
     driver = Driver(cfg, run, session, resume_from=resume_from, ui=ui)
     try:
         summary = driver.train()
+    except KeyboardInterrupt as e:
+        ui.end()
+        console.print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}; {_continue(run)}")
+        return 143 if isinstance(e, Terminated) else 130
+    except (Fault, OSError) as e:  # OSError: the run directory's disk filled or turned read-only
+        raise Fault(f"{one_line(e)}; {_continue(run)}") from None
     finally:
         ui.end()
         driver.close()
@@ -102,6 +112,13 @@ def train(args: Args) -> int:
         )
     console.print(f"metrics: {run.file('metrics.jsonl')}   report: tailrace report {run.path}")
     return 0
+
+
+def _continue(run) -> str:
+    """How to go on after a run stopped early."""
+    if run.latest() is None:
+        return f"no checkpoint was written yet: start the run again (remove {run.path} or pass another --run-dir)"
+    return f"{run.path} keeps everything so far: continue with tailrace train --resume {run.path}"
 
 
 def _duration(s: float) -> str:

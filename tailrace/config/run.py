@@ -140,6 +140,15 @@ class RunConfig:
     tensorboard: bool = setting(
         False, "also write scalars to RUN_DIR/tensorboard (pip install tailrace[tensorboard])"
     )
+    worker_timeout_s: float = setting(
+        120.0, "seconds a worker process may miss its heartbeat (sent every second) before the run stops"
+    )
+
+    def __post_init__(self) -> None:
+        need(
+            self.worker_timeout_s >= 3,
+            f"worker_timeout_s={self.worker_timeout_s}: must be at least 3 seconds (heartbeats come every second)",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

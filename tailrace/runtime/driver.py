@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, replace
-from multiprocessing.connection import wait
 from pathlib import Path
 
 from tailrace.config import RunConfig
@@ -25,13 +24,14 @@ from tailrace.metrics import step_record
 from tailrace.records import EvalRecord, Span, StepRecord, journal_from_json, read_lines, read_metrics
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
-from tailrace.runtime.messages import EngineReport, Ready, Shutdown, TrainerReport, TrainOrder
+from tailrace.runtime.messages import EngineReport, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import Utilization
-from tailrace.runtime.procs import context, placement
+from tailrace.runtime.procs import placement
 from tailrace.runtime.rundir import RecordFile, RunDir, truncate_metrics
 from tailrace.runtime.session import Session
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.weights import SharedWeights
+from tailrace.runtime.workers import Worker, Workers
 from tailrace.types import Finish, GenResult, SamplingParams, Trajectory
 
 
@@ -64,6 +64,7 @@ class Driver:
         )
         engines = [(r.slots, r.lookahead)] * r.engines
         self.sched = Scheduler(policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed)
+        self.workers = Workers(cfg.worker_timeout_s, run.file("errors.log"))
         self.metrics = RecordFile(run.file("metrics.jsonl"))
         self.events = RecordFile(run.file("events.jsonl"))
         self.journal = RecordFile(run.file("journal.jsonl"))
@@ -87,52 +88,28 @@ class Driver:
         return state["version"]
 
     def _start(self, version: int) -> None:
-        ctx = context()
-        cfg, ses = self.cfg, self.ses
-        train_cores, engine_cores = placement(cfg.rollout.engines)
+        cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
+        train_cores, engine_cores = placement(r.engines)
         self.weights = SharedWeights.like(ses.flat_layout(), slots=cfg.flow.max_staleness + 3)
-        self.trainer_conn, child = ctx.Pipe()
         tspec = TrainerSpec(
-            str(ses.model_path),
-            cfg.train,
-            threads=len(train_cores),
-            cores=train_cores,
-            seed=cfg.seed,
-            start_version=version,
-            resume_from=str(self.resume_from) if self.resume_from else None,
-        )
-        self.trainer = ctx.Process(target=trainer_main, args=(tspec, child, self.weights), daemon=True)
-        self.trainer.start()
-        _expect_ready(self.trainer_conn, self.trainer, "trainer")
-        r = cfg.rollout
-        self.engine_conns, self.engine_procs = [], []
+            str(ses.model_path), cfg.train, threads=len(train_cores), cores=train_cores, seed=cfg.seed,
+            start_version=version, resume_from=str(self.resume_from) if self.resume_from else None,
+        )  # fmt: skip
+        self.trainer = self.workers.start("trainer", trainer_main, tspec, self.weights)
+        self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
+        self.engines: list[Worker] = []
         for i, cores in enumerate(engine_cores):
             espec = EngineSpec(
                 str(ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, cfg.seed, cfg.model.dtype,
                 start_version=version, attention=r.attention,
             )  # fmt: skip
-            conn, child = ctx.Pipe()
-            p = ctx.Process(target=engine_main, args=(i, espec, child, self.weights), daemon=True)
-            p.start()
-            self.engine_conns.append(conn)
-            self.engine_procs.append(p)
-        for conn, p in zip(self.engine_conns, self.engine_procs):
-            _expect_ready(conn, p, "engine")
+            self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
+        self.workers.ready(self.engines)
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)
 
     def close(self) -> None:
-        for conn in [getattr(self, "trainer_conn", None), *getattr(self, "engine_conns", [])]:
-            if conn is not None:
-                try:
-                    conn.send(Shutdown())
-                except (BrokenPipeError, OSError):
-                    pass
-        for p in [getattr(self, "trainer", None), *getattr(self, "engine_procs", [])]:
-            if p is not None and p.pid is not None:  # a process that failed before start has nothing to join
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+        self.workers.close()
         for f in (self.metrics, self.events, self.journal):
             f.close()
         if self.tb is not None:
@@ -160,9 +137,7 @@ class Driver:
             ):
                 self.sched.stop()
             self._handle(self.sched.poll(self._now()))
-            for conn in wait([self.trainer_conn, *self.engine_conns], timeout=1.0):
-                self._receive(conn)
-            self._check_alive()
+            self._pump(timeout=1.0)
         self._handle(self.sched.poll(self._now()), sync=True)
         final = None
         if evaluator is not None:
@@ -184,12 +159,11 @@ class Driver:
         """Held-out requests through the engines' command path; the scheduler is idle meanwhile."""
         reqs = evaluator.requests(version)
         self._eval_wanted = {r.id for r in reqs}
-        n = len(self.engine_conns)
-        for i, conn in enumerate(self.engine_conns):
-            conn.send(Generate(i, tuple(reqs[i::n])))
+        n = len(self.engines)
+        for i, engine in enumerate(self.engines):
+            self.workers.send(engine, Generate(i, tuple(reqs[i::n])))
         while self._eval_wanted:
-            for conn in wait(self.engine_conns, timeout=5.0):
-                self._receive(conn)
+            self._pump(self.engines, timeout=5.0)
         results, self._eval_results = self._eval_results, []
         rec = EvalRecord(tag, self.sched.steps_done, evaluator.summarize(reqs, results))
         self.metrics.write(rec)
@@ -204,7 +178,7 @@ class Driver:
         self._record(out, sync)
         for c in out.commands:
             if isinstance(c, (Generate, Abort, LoadWeights, DropWeights)):
-                self.engine_conns[c.engine].send(c)
+                self.workers.send(self.engines[c.engine], c)
             elif isinstance(c, Train):
                 self._send_train(c)
 
@@ -222,14 +196,15 @@ class Driver:
         if c.publish is not None and (c.step + 1) % every == 0 or c.step + 1 == steps:
             save = str(self.run.ckpt / f"step_{c.step + 1:06d}")
         self.pending_trajs[c.step] = (c.trainer_version, [t for g in c.groups for t in g.trajectories])
-        self.trainer_conn.send(TrainOrder(c, save))
+        self.workers.send(self.trainer, TrainOrder(c, save))
 
-    def _receive(self, conn) -> None:
-        msg = conn.recv()
-        if isinstance(msg, EngineReport):
-            self._on_engine_report(msg)
-        elif isinstance(msg, TrainerReport):
-            self._on_trainer_report(msg)
+    def _pump(self, among: list[Worker] | None = None, timeout: float = 1.0) -> None:
+        """Handle what the workers (`among`, default all) report within `timeout`; a lost worker raises."""
+        for _, msg in self.workers.receive(among, timeout):
+            if isinstance(msg, EngineReport):
+                self._on_engine_report(msg)
+            elif isinstance(msg, TrainerReport):
+                self._on_trainer_report(msg)
 
     def _on_engine_report(self, rep: EngineReport) -> None:
         st = rep.stats
@@ -309,21 +284,11 @@ class Driver:
 
     def _load_final(self) -> None:
         v = self.sched.done_version
-        for i, conn in enumerate(self.engine_conns):
+        for i, engine in enumerate(self.engines):
             if v not in self.sched.engines[i].loaded:
-                conn.send(LoadWeights(i, v))
+                self.workers.send(engine, LoadWeights(i, v))
                 while v not in self.sched.engines[i].loaded:
-                    self._receive(conn)
-
-    def _check_alive(self) -> None:
-        for name, p in [("trainer", self.trainer)] + [
-            (f"engine{i}", p) for i, p in enumerate(self.engine_procs)
-        ]:
-            if not p.is_alive():
-                raise RuntimeError(
-                    f"{name} process died (exit code {p.exitcode}); the run directory keeps "
-                    f"everything up to now — fix the cause and continue with --resume"
-                )
+                    self._pump([engine])
 
 
 def _tensorboard(run: RunDir):
@@ -346,15 +311,3 @@ def _flatten(d: dict, prefix: str = ""):
             yield from _flatten(v, f"{prefix}{k}/")
         elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
             yield prefix + k, v
-
-
-def _expect_ready(conn, proc, name: str, timeout: float = 300.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if conn.poll(0.5) and isinstance(conn.recv(), Ready):
-            return
-        if not proc.is_alive():
-            raise RuntimeError(
-                f"{name} process failed to start (exit code {proc.exitcode}); see the error above"
-            )
-    raise RuntimeError(f"{name} process did not become ready within {timeout:.0f}s")

@@ -22,6 +22,16 @@ class Shutdown:
     """The driver is done with this worker: it exits its loop."""
 
 
+@dataclass(frozen=True)
+class Failed:
+    """A worker's exception, sent just before the worker exits."""
+
+    kind: str  # the exception's type name
+    message: str  # its message's first line
+    input: bool  # bad input (a `common.InputError`: a corrupt checkpoint, ...) rather than a fault
+    details: str  # the traceback, for the run's errors.log
+
+
 @dataclass
 class Stats:
     """Engine step statistics accumulated between two reports."""

@@ -19,6 +19,7 @@ from tailrace.model.checkpoint import load_pretrained, save_pretrained
 from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
 from tailrace.runtime.procs import pin
 from tailrace.runtime.weights import SharedWeights
+from tailrace.runtime.workers import serving
 from tailrace.trainer.grpo import GRPOTrainer
 
 
@@ -43,7 +44,12 @@ def save_checkpoint(trainer: GRPOTrainer, model, out: Path) -> None:
     save_pretrained(model, out / "model")
 
 
-def trainer_main(spec: TrainerSpec, conn, weights: SharedWeights) -> None:
+def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> None:
+    with serving(conn, counter):
+        _serve(spec, conn, weights)
+
+
+def _serve(spec: TrainerSpec, conn, weights: SharedWeights) -> None:
     pin(spec.cores)
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)

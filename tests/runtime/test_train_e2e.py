@@ -65,10 +65,13 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     assert 3 <= killed_at < 8
     done_before = finished(run)
 
-    rc = subprocess.run(
-        [sys.executable, "-m", "tailrace.cli", "train", f"--resume={run}"], env=env, capture_output=True
-    ).returncode
-    assert rc == 0
+    resumed = subprocess.run(
+        [sys.executable, "-m", "tailrace.cli", "train", f"--resume={run}"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     steps = [r["step"] for r in steps_of(run)]
     assert steps == list(range(8)), f"steps after resume: {steps}"
     done = finished(run)
