@@ -1,7 +1,7 @@
 """The run directory's records, and their one serializer. Torch-free: the runtime, the simulator, the
 scheduler (its journal), resume, the report, `sim/compare` and `tailrace trace` all use these.
 
-    metrics.jsonl   StepRecord (kind "step") and EvalRecord (kind "eval"), one per line
+    metrics.jsonl   StepRecord (kind "step"), EvalRecord ("eval"), CheckpointRecord ("checkpoint")
     events.jsonl    Span (a component busy in a phase) and Mark (a scheduler event)
     journal.jsonl   Opened / Finished / Discarded: the scheduler's write-ahead log
 
@@ -249,13 +249,31 @@ class EvalRecord:
         return {"kind": self.kind, "tag": self.tag, "step": self.step, **self.summary}
 
 
-def metric_from_json(d: dict) -> StepRecord | EvalRecord:
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A checkpoint made after `step` steps: its size on disk and the trainer's time writing it."""
+
+    step: int
+    bytes: dict[str, int]  # model (the HF checkpoint), optimizer, total (everything in it)
+    seconds: float
+    kind = "checkpoint"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "step": self.step, "bytes": self.bytes, "seconds": self.seconds}
+
+
+Metric = StepRecord | EvalRecord | CheckpointRecord
+
+
+def metric_from_json(d: dict) -> Metric:
     if d.get("kind") == "step":
         return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__})
     if d.get("kind") == "eval":
         return EvalRecord(
             d["tag"], d["step"], {k: v for k, v in d.items() if k not in ("kind", "tag", "step")}
         )
+    if d.get("kind") == "checkpoint":
+        return CheckpointRecord(d["step"], d["bytes"], d["seconds"])
     raise ValueError(f"unknown metrics record kind {d.get('kind')!r}")
 
 
@@ -333,13 +351,13 @@ def read_events(path: str | Path) -> Iterator[Span | Mark]:
     return _read(path, event_from_json)
 
 
-def read_metrics(path: str | Path) -> Iterator[StepRecord | EvalRecord]:
+def read_metrics(path: str | Path) -> Iterator[Metric]:
     return _read(path, metric_from_json)
 
 
 # -- the one encoder ----------------------------------------------------------------------------
 
-Record = StepRecord | EvalRecord | Span | Mark | JournalEntry
+Record = Metric | Span | Mark | JournalEntry
 
 
 def dumps(record: Record) -> str:

@@ -57,6 +57,7 @@ class Terminated(KeyboardInterrupt):
 
 def train(args: Args) -> int:
     from tailrace.report.console import ConsoleUI
+    from tailrace.runtime.checkpoint import step_dirs, verify
     from tailrace.runtime.driver import Driver
     from tailrace.runtime.rundir import RunDir
     from tailrace.runtime.session import Session
@@ -75,7 +76,7 @@ def train(args: Args) -> int:
                 f"({' '.join(rest)}) or start a new run"
             )
         cfg = load(run.file("config.yaml"), [])
-        resume_from = run.latest()
+        resume_from = next((c for c in step_dirs(run.ckpt) if verify(c) is None), None)
         if resume_from is None:
             raise ConfigError(f"--resume {run.path}: no complete checkpoint yet; start the run again instead")
     else:
@@ -116,7 +117,9 @@ def train(args: Args) -> int:
 
 def _continue(run) -> str:
     """How to go on after a run stopped early."""
-    if run.latest() is None:
+    from tailrace.runtime.checkpoint import step_dirs
+
+    if not step_dirs(run.ckpt):
         return f"no checkpoint was written yet: start the run again (remove {run.path} or pass another --run-dir)"
     return f"{run.path} keeps everything so far: continue with tailrace train --resume {run.path}"
 

@@ -68,8 +68,13 @@ class FlowConfig:
     rollout_groups: int | None = setting(
         None, "partial, multiversion: groups per version (null = max(R, 2U))"
     )
-    checkpoint_every: int = setting(
-        1, "publishing steps between checkpoints (the last step always writes one)"
+    checkpoint_every: int | None = setting(
+        None,
+        "publishing steps between checkpoints (null with checkpoint_minutes null = by the checkpoint's "
+        "size: every step under 1 GiB, else every 30 minutes; the last step always writes one)",
+    )
+    checkpoint_minutes: float | None = setting(
+        None, "minutes between checkpoints (at the first publishing step after them; null = by steps)"
     )
     keep_checkpoints: int = setting(2, "checkpoints kept; older ones are deleted")
 
@@ -101,7 +106,14 @@ class FlowConfig:
             self.time_limit_s is None or self.time_limit_s > 0,
             f"flow.time_limit_s={self.time_limit_s}: must be positive seconds, or null for no limit",
         )
-        need(self.checkpoint_every > 0, f"flow.checkpoint_every={self.checkpoint_every}: must be positive")
+        need(
+            self.checkpoint_every is None or self.checkpoint_every > 0,
+            f"flow.checkpoint_every={self.checkpoint_every}: must be positive, or null",
+        )
+        need(
+            self.checkpoint_minutes is None or self.checkpoint_minutes > 0,
+            f"flow.checkpoint_minutes={self.checkpoint_minutes}: must be positive, or null",
+        )
         need(self.keep_checkpoints > 0, f"flow.keep_checkpoints={self.keep_checkpoints}: must be positive")
 
     @property

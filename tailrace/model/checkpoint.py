@@ -24,6 +24,13 @@ from tailrace.model.decoder import CausalLM
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# What a checkpoint carries besides config and weights: the tokenizer (in any of its HF forms), its chat
+# template (inline in tokenizer_config.json, or a file of its own) and the generation defaults.
+COMPANIONS = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+    "chat_template.json", "generation_config.json",
+)  # fmt: skip
 # Tensors some checkpoints carry that this decoder recomputes (old HF saved the RoPE buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -107,9 +114,12 @@ def load_pretrained(
     return model.eval()
 
 
-def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
-    """Write config.json + model.safetensors (no lm_head entry when tied). A new directory appears
-    whole (built aside, then renamed); in an existing one each file is replaced atomically."""
+def save_pretrained(
+    model: CausalLM, path: str | os.PathLike, companions_from: str | os.PathLike | None = None
+) -> None:
+    """Write config.json + model.safetensors (no lm_head entry when tied), and the `COMPANIONS` files
+    (tokenizer, chat template, ...) that `companions_from` has. A new directory appears whole (built
+    aside, then renamed); in an existing one each file is replaced atomically."""
     path = Path(path)
     cfg: ModelConfig = model.config
     state = {n: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
@@ -123,13 +133,24 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
     try:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        for f in (tmp / WEIGHTS, tmp / CONFIG):
-            with open(f, "rb") as fh:
+        shutil.copymode(
+            tmp / CONFIG, tmp / WEIGHTS
+        )  # safetensors writes 0600; every file gets the umask's mode
+        src = Path(companions_from) if companions_from is not None else None
+        extra = [n for n in COMPANIONS if src is not None and (src / n).is_file()]
+        for name in extra:
+            shutil.copyfile(src / name, tmp / name)
+        for name in (WEIGHTS, CONFIG, *extra):
+            with open(tmp / name, "rb") as fh:
                 os.fsync(fh.fileno())
         if not path.exists():
             os.replace(tmp, path)
             return
-        for name in (WEIGHTS, CONFIG):  # weights first: a config never describes weights not yet there
+        for name in (
+            WEIGHTS,
+            CONFIG,
+            *extra,
+        ):  # weights first: a config never describes weights not yet there
             os.replace(tmp / name, path / name)
         (path / INDEX).unlink(missing_ok=True)  # a stale shard index would shadow the new weights
     finally:

@@ -1,5 +1,5 @@
 """The terminal view of a run: a rich progress bar (step, reward, accuracy, tokens/s, ETA) and one
-summary line per step."""
+summary line per step (with the checkpoint's size when the step wrote one)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from tailrace.records import EvalRecord, StepRecord
+from tailrace.records import CheckpointRecord, EvalRecord, StepRecord
 
 
 class ConsoleUI:
@@ -45,13 +45,15 @@ class ConsoleUI:
         self.task = self.progress.add_task("train", total=total, completed=done, info="")
         self.progress.start()
 
-    def step(self, r: StepRecord) -> None:
+    def step(self, r: StepRecord, saved: CheckpointRecord | None = None) -> None:
         t, L = r.time, r.length
         line = (
             f"step {r.step + 1:4d} v{r.version:<3d} reward {r.reward:.3f} acc {r.accuracy:.3f} "
             f"len p50 {L.get('p50', 0):.0f} max {L.get('max', 0):.0f}  gen {t['gen_tok_s']:.0f} tok/s  "
             f"step {t['step_s']:.2f}s  wait {t['trainer_wait_ratio']:.2f} bubble {t['bubble_ratio']:.2f}"
         )
+        if saved is not None:
+            line += f"  ckpt {_size(saved.bytes['total'])} in {saved.seconds:.1f}s"
         if self.progress is not None:
             self.progress.console.print(line)
             self.progress.update(
@@ -65,3 +67,12 @@ class ConsoleUI:
     def end(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+
+def _size(n: float) -> str:
+    """Bytes in decimal units: 3.1 MB."""
+    units = ("B", "KB", "MB", "GB", "TB")
+    i = 0
+    while n >= 1000 and i < len(units) - 1:
+        n, i = n / 1000, i + 1
+    return f"{n:.0f} {units[i]}" if i == 0 else f"{n:.1f} {units[i]}"

@@ -16,12 +16,21 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tailrace.config import RunConfig
+from tailrace.config import RunConfig, dump_config
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.metrics import step_record
-from tailrace.records import EvalRecord, Span, StepRecord, journal_from_json, read_lines, read_metrics
+from tailrace.records import (
+    CheckpointRecord,
+    EvalRecord,
+    Span,
+    StepRecord,
+    journal_from_json,
+    read_lines,
+    read_metrics,
+)
+from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.messages import EngineReport, TrainerReport, TrainOrder
@@ -64,6 +73,11 @@ class Driver:
         )
         engines = [(r.slots, r.lookahead)] * r.engines
         self.sched = Scheduler(policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed)
+        self.layout = session.flat_layout()
+        # fp32 weights and AdamW's two moments: what a checkpoint weighs, near enough
+        self.cadence = checkpoint.Cadence.of(
+            f.checkpoint_every, f.checkpoint_minutes, 12 * self.layout.buffer.numel()
+        )
         self.workers = Workers(cfg.worker_timeout_s, run.file("errors.log"))
         self.metrics = RecordFile(run.file("metrics.jsonl"))
         self.events = RecordFile(run.file("events.jsonl"))
@@ -90,7 +104,7 @@ class Driver:
     def _start(self, version: int) -> None:
         cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
         train_cores, engine_cores = placement(r.engines)
-        self.weights = SharedWeights.like(ses.flat_layout(), slots=cfg.flow.max_staleness + 3)
+        self.weights = SharedWeights.like(self.layout, slots=cfg.flow.max_staleness + 3)
         tspec = TrainerSpec(
             str(ses.model_path), cfg.train, threads=len(train_cores), cores=train_cores, seed=cfg.seed,
             start_version=version, resume_from=str(self.resume_from) if self.resume_from else None,
@@ -119,6 +133,7 @@ class Driver:
     def train(self) -> Summary:
         version = self._restore() if self.resume_from else 0
         self._start(version)
+        self.cadence.saved(self.sched.steps_done, 0.0)
         evaluator = Evaluator(self.ses, self.cfg.eval) if self.cfg.eval.n else None
         base = self._recorded_eval("base")
         if base is None and evaluator is not None:
@@ -191,10 +206,11 @@ class Driver:
             self.events.write(m)
 
     def _send_train(self, c: Train) -> None:
-        every, steps = self.cfg.flow.checkpoint_every, self.cfg.flow.steps
+        steps, now = c.step + 1, self._now()
         save = None
-        if c.publish is not None and (c.step + 1) % every == 0 or c.step + 1 == steps:
-            save = str(self.run.ckpt / f"step_{c.step + 1:06d}")
+        if (c.publish is not None and self.cadence.due(steps, now)) or steps == self.cfg.flow.steps:
+            save = f"{checkpoint.step_dir(self.run.ckpt, steps)}.tmp"  # renamed when whole
+            self.cadence.saved(steps, now)
         self.pending_trajs[c.step] = (c.trainer_version, [t for g in c.groups for t in g.trajectories])
         self.workers.send(self.trainer, TrainOrder(c, save))
 
@@ -252,17 +268,24 @@ class Driver:
             self.sched.on_published(rep.published, now)
         trainer_version, trajs = self.pending_trajs.pop(rep.step)
         record = self._step_record(rep, trajs, trainer_version, now)
-        if rep.saved:
-            # everything the scheduler emitted up to now goes to disk before the state that counts it
-            self._handle(self.sched.poll(self._now()), sync=True)
-            (Path(rep.saved) / "scheduler.json").write_text(json.dumps(self.sched.state_dict()))
-            self.run.set_latest(Path(rep.saved).name, self.cfg.flow.keep_checkpoints)
         self.metrics.write(record)
+        saved = self._checkpoint(rep) if rep.saved else None
         if self.tb is not None:
             for key, value in _flatten(record.to_json()):
                 self.tb.add_scalar(key, value, rep.step + 1)
         if self.ui is not None:
-            self.ui.step(record)
+            self.ui.step(record, saved)
+
+    def _checkpoint(self, rep: TrainerReport) -> CheckpointRecord:
+        """Make the trainer's half-written checkpoint whole: everything it counts is on disk first."""
+        self._handle(self.sched.poll(self._now()), sync=True)
+        self.metrics.sync()
+        saved = checkpoint.finalize(Path(rep.saved), self.sched.state_dict(), dump_config(self.cfg))
+        checkpoint.prune(self.run.ckpt, self.cfg.flow.keep_checkpoints)
+        sizes = {"model": saved.model, "optimizer": saved.optimizer, "total": saved.total}
+        record = CheckpointRecord(rep.step + 1, sizes, rep.save_s)
+        self.metrics.write(record)
+        return record
 
     def _step_record(
         self, rep: TrainerReport, trajs: list[Trajectory], trainer_version: int, now: float

@@ -77,6 +77,7 @@ class TrainerReport:
     step: int
     metrics: dict
     published: int | None
-    saved: str | None
+    saved: str | None  # the checkpoint directory the trainer wrote its part of
     span: tuple[float, float]  # the step's compute
     sync_span: tuple[float, float] | None  # copying weights into shared memory
+    save_s: float = 0.0  # writing its part of the checkpoint

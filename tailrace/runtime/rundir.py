@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tailrace.records import EvalRecord, Record, StepRecord, dumps, parse_line, read_metrics
+from tailrace.records import Metric, Record, dumps, parse_line, read_metrics
 
 
 class RecordFile:
@@ -102,7 +101,7 @@ def _quarantine(path: Path, damaged: list[tuple[int, bytes]], keep_tail: bool) -
     os.replace(tmp, path)
 
 
-def truncate_metrics(path: Path, keep: Callable[[StepRecord | EvalRecord], bool]) -> None:
+def truncate_metrics(path: Path, keep: Callable[[Metric], bool]) -> None:
     """Rewrite metrics.jsonl keeping only the records for which keep(record) is true (atomically)."""
     if not path.is_file():
         return
@@ -122,19 +121,3 @@ class RunDir:
 
     def file(self, name: str) -> Path:
         return self.path / name
-
-    def latest(self) -> Path | None:
-        link = self.ckpt / "latest"
-        if not link.is_file():
-            return None
-        target = self.ckpt / link.read_text().strip()
-        return target if target.is_dir() else None
-
-    def set_latest(self, name: str, keep: int) -> None:
-        """Point `latest` at a complete checkpoint, then delete all but the newest `keep`."""
-        tmp = self.ckpt / "latest.tmp"
-        tmp.write_text(name)
-        os.replace(tmp, self.ckpt / "latest")
-        done = sorted(p for p in self.ckpt.glob("step_*") if (p / "scheduler.json").is_file())
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
