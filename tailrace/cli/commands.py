@@ -56,14 +56,12 @@ class Terminated(KeyboardInterrupt):
 
 
 def train(args: Args) -> int:
-    from tailrace.report.console import ConsoleUI
-    from tailrace.runtime.checkpoint import step_dirs, verify
-    from tailrace.runtime.driver import Driver
+    from tailrace.cli.choices import check
+    from tailrace.runtime.lock import RunLock
+    from tailrace.runtime.resume import plan_resume
     from tailrace.runtime.rundir import RunDir
-    from tailrace.runtime.session import Session
 
     flags, rest = args.flags, args.rest
-    resume_from = None
     if "--resume" in flags:
         run = RunDir(flags["--resume"])
         if not run.file("config.yaml").is_file():
@@ -75,23 +73,36 @@ def train(args: Args) -> int:
                 "--resume continues a run exactly as configured; drop the overrides "
                 f"({' '.join(rest)}) or start a new run"
             )
-        cfg = load(run.file("config.yaml"), [])
-        resume_from = next((c for c in step_dirs(run.ckpt) if verify(c) is None), None)
-        if resume_from is None:
-            raise ConfigError(f"--resume {run.path}: no complete checkpoint yet; start the run again instead")
     else:
         cfg = load(flags.get("--config"), rest)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run = RunDir(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
         run.create()
-        run.file("config.yaml").write_text(dump_config(cfg))
+    with RunLock(run.path):  # held until the run ends: a second process is refused, naming this one
+        resume = None
+        if "--resume" in flags:
+            resume = plan_resume(run)
+            check(resume.cfg)
+            cfg = resume.cfg
+            for note in resume.commit():
+                console.print(note)
+        else:
+            run.begin(dump_config(cfg))
+        return _train(cfg, run, resume)
+
+
+def _train(cfg: RunConfig, run, resume) -> int:
+    from tailrace.report.console import ConsoleUI
+    from tailrace.runtime.driver import Driver
+    from tailrace.runtime.session import Session
+
     session = Session(cfg, progress=_sft_progress())
     ui = ConsoleUI(console)
     console.print(
         f"run directory: {run.path}  (mode {cfg.flow.mode}, {cfg.flow.steps} steps, "
         f"{cfg.flow.prompts_per_round} prompts x {cfg.flow.samples_per_prompt} samples per round)"
     )
-    driver = Driver(cfg, run, session, resume_from=resume_from, ui=ui)
+    driver = Driver(cfg, run, session, resume=resume, ui=ui)
     try:
         summary = driver.train()
     except KeyboardInterrupt as e:

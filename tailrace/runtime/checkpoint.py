@@ -11,8 +11,9 @@
 
 Nothing is read back with pickle: tensors are safetensors, everything else JSON or YAML. A checkpoint
 is built in step_N.tmp/ (the trainer writes its part, then the driver its own and the manifest) and
-renamed to step_N/ when whole, so a step_N/ whose files have the manifest's sizes is complete.
-Optimizer hyperparameters are not stored: they come from the config, which a resume refuses to change.
+renamed to step_N/ when whole, so a step_N/ whose files have the manifest's sizes is complete; what
+an interrupted save leaves (`*.tmp`) is removed by the next resume. Optimizer hyperparameters are not
+stored: they come from the config, which a resume refuses to change.
 """
 
 from __future__ import annotations
@@ -179,6 +180,12 @@ def verify(ckpt: Path) -> str | None:
     except Exception as e:  # JSON, safetensors or a missing key: damage either way
         return f"unreadable ({one_line(e)})"
     return None
+
+
+def leftovers(run_dir: Path) -> list[Path]:
+    """What interrupted writes left in a run directory: `step_N.tmp/` directories, `*.tmp` files."""
+    found = sorted(run_dir.rglob("*.tmp"))
+    return [p for p in found if not any(q in p.parents for q in found)]  # not those inside another
 
 
 def prune(root: Path, keep: int) -> None:

@@ -11,7 +11,6 @@ produces is appended to the run directory as it happens.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,22 +20,15 @@ from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Tr
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.metrics import step_record
-from tailrace.records import (
-    CheckpointRecord,
-    EvalRecord,
-    Span,
-    StepRecord,
-    journal_from_json,
-    read_lines,
-    read_metrics,
-)
+from tailrace.records import CheckpointRecord, EvalRecord, Span, StepRecord, read_metrics
 from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.messages import EngineReport, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import Utilization
 from tailrace.runtime.procs import placement
-from tailrace.runtime.rundir import RecordFile, RunDir, truncate_metrics
+from tailrace.runtime.resume import Resume
+from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.weights import SharedWeights
@@ -55,10 +47,10 @@ class Summary:
 
 class Driver:
     def __init__(
-        self, cfg: RunConfig, run: RunDir, session: Session, resume_from: Path | None = None, ui=None
+        self, cfg: RunConfig, run: RunDir, session: Session, resume: Resume | None = None, ui=None
     ) -> None:
         self.cfg, self.run, self.ses, self.ui = cfg, run, session, ui
-        self.resume_from = resume_from
+        self.resume = resume
         f, r = cfg.flow, cfg.rollout
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
@@ -88,26 +80,13 @@ class Driver:
         self._eval_results: list[GenResult] = []
 
     # ------------------------------------------------------------------ set-up
-    def _restore(self) -> int:
-        """Load the scheduler checkpoint and replay the journal; returns the version to start from."""
-        state = json.loads((self.resume_from / "scheduler.json").read_text())
-        self.sched.load_state_dict(state)
-        lines = list(read_lines(self.run.file("journal.jsonl")))[state["journal_seq"] :]
-        self.sched.replay(journal_from_json(d) for d in lines)
-        done = state["steps_done"]
-        truncate_metrics(
-            self.run.file("metrics.jsonl"), lambda r: not isinstance(r, StepRecord) or r.step < done
-        )
-        self.metrics = RecordFile(self.run.file("metrics.jsonl"))
-        return state["version"]
-
     def _start(self, version: int) -> None:
         cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
         train_cores, engine_cores = placement(r.engines)
         self.weights = SharedWeights.like(self.layout, slots=cfg.flow.max_staleness + 3)
         tspec = TrainerSpec(
             str(ses.model_path), cfg.train, threads=len(train_cores), cores=train_cores, seed=cfg.seed,
-            start_version=version, resume_from=str(self.resume_from) if self.resume_from else None,
+            start_version=version, resume_from=str(self.resume.checkpoint) if self.resume else None,
         )  # fmt: skip
         self.trainer = self.workers.start("trainer", trainer_main, tspec, self.weights)
         self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
@@ -131,7 +110,10 @@ class Driver:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Summary:
-        version = self._restore() if self.resume_from else 0
+        version = 0
+        if self.resume is not None:
+            self.resume.restore(self.sched)
+            version = self.resume.version
         self._start(version)
         self.cadence.saved(self.sched.steps_done, 0.0)
         evaluator = Evaluator(self.ses, self.cfg.eval) if self.cfg.eval.n else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from tailrace.common import ConfigError
 from tailrace.records import Metric, Record, dumps, parse_line, read_metrics
 
 
@@ -112,12 +113,40 @@ def truncate_metrics(path: Path, keep: Callable[[Metric], bool]) -> None:
 
 
 class RunDir:
+    RECORDS = ("metrics.jsonl", "events.jsonl", "journal.jsonl")
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.ckpt = self.path / "checkpoints"
 
-    def create(self) -> None:
-        self.ckpt.mkdir(parents=True, exist_ok=True)
-
     def file(self, name: str) -> Path:
         return self.path / name
+
+    def holds_run(self) -> bool:
+        """Whether a run has produced anything here (a start that failed before that has not)."""
+        return any(self.file(f).exists() for f in self.RECORDS) or (
+            self.ckpt.is_dir() and any(self.ckpt.iterdir())
+        )
+
+    def create(self) -> None:
+        """Make the directory of a new run: a missing or empty one, or one a failed start left."""
+        if self.holds_run():
+            raise self._taken()
+        try:
+            self.ckpt.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create the run directory {self.path} ({e.strerror}); pass a writable --run-dir"
+            ) from None
+
+    def begin(self, config: str) -> None:
+        """Write config.yaml; under the run's lock, so of two runs started here at once one is refused."""
+        if self.holds_run():
+            raise self._taken()
+        self.file("config.yaml").write_text(config)
+
+    def _taken(self) -> ConfigError:
+        return ConfigError(
+            f"--run-dir {self.path} already holds a run; continue it with tailrace train --resume "
+            f"{self.path}, or pass another --run-dir"
+        )

@@ -2,6 +2,7 @@
 signals; a full disk. Each ends in one line with the cause and the fix — exit code 2 for bad input,
 3 for a fault, 130/143 for Ctrl-C/SIGTERM — never a traceback or a hang."""
 
+import ctypes
 import errno
 import os
 import resource
@@ -15,8 +16,10 @@ from tailrace.cli import main
 from tests.runtime.conftest import (
     TINY_RUN,
     checkpoints,
+    copy_run,
     one_line,
     start_cli,
+    unfinish,
     wait_for_steps,
     workers_of,
 )
@@ -160,3 +163,29 @@ def test_a_full_disk_is_one_line(tiny_model, tmp_path, capsys, monkeypatch):
     assert rc == 3, out
     assert "No space left on device" in line and f"--resume {run_dir}" in line
     assert "Traceback" not in out
+
+
+def drop_root_override() -> None:
+    """In a child about to exec: root without CAP_DAC_OVERRIDE (1) and CAP_DAC_READ_SEARCH (2) obeys
+    file modes, as any user does (prctl PR_CAPBSET_DROP = 24)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        assert libc.prctl(24, cap, 0, 0, 0) == 0, os.strerror(ctypes.get_errno())
+
+
+def test_a_read_only_run_directory_is_one_line(finished_run, tmp_path):
+    run_dir = unfinish(copy_run(finished_run, tmp_path / "run"))
+    paths = [run_dir, *run_dir.rglob("*")]
+    for p in paths:
+        p.chmod(0o555 if p.is_dir() else 0o444)
+    try:
+        p = start_cli(
+            "train", f"--resume={run_dir}", preexec_fn=drop_root_override if os.geteuid() == 0 else None
+        )
+        rc, out = finish(p)
+    finally:
+        for p in paths:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    line = one_line(out)
+    assert rc == 2, out
+    assert str(run_dir) in line and "writable" in line
