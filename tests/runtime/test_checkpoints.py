@@ -7,7 +7,7 @@ import stat
 import pytest
 
 from tailrace.cli import main
-from tests.runtime.conftest import CHAT_TEMPLATE, checkpoints
+from tests.runtime.conftest import CHAT_TEMPLATE, checkpoints, copy_run
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_optimizer_state_is_safetensors_and_no_pickle_is_written(finished_run):
     assert json.loads((newest / "scheduler.json").read_text())["steps_done"] == 4
 
 
-def test_checkpoint_sizes_are_recorded(finished_run):
+def test_checkpoint_sizes_are_recorded_and_reported(finished_run, tmp_path, capsys):
     records = [json.loads(l) for l in (finished_run / "metrics.jsonl").read_text().splitlines()]
     saved = [r for r in records if r["kind"] == "checkpoint"]
     assert [r["step"] for r in saved] == [1, 2, 3, 4]
@@ -47,6 +47,11 @@ def test_checkpoint_sizes_are_recorded(finished_run):
     assert saved[-1]["bytes"]["total"] == on_disk
     assert saved[-1]["bytes"]["optimizer"] == (newest / "optimizer.safetensors").stat().st_size
     assert saved[-1]["seconds"] >= 0
+    run = copy_run(finished_run, tmp_path / "run")
+    assert main(["report", str(run)]) == 0
+    assert (
+        f"4 checkpoints, the last after step 4: {on_disk / 1e6:.1f} MB" in (run / "report.html").read_text()
+    )
 
 
 def test_every_file_of_a_run_has_one_mode(finished_run):
