@@ -102,18 +102,19 @@ def _train(cfg: RunConfig, run, resume) -> int:
         f"run directory: {run.path}  (mode {cfg.flow.mode}, {cfg.flow.steps} steps, "
         f"{cfg.flow.prompts_per_round} prompts x {cfg.flow.samples_per_prompt} samples per round)"
     )
-    driver = Driver(cfg, run, session, resume=resume, ui=ui)
+    driver = None
     try:
+        driver = Driver(cfg, run, session, resume=resume, ui=ui)
         summary = driver.train()
     except KeyboardInterrupt as e:
-        ui.end()
         console.print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}; {_continue(run)}")
         return 143 if isinstance(e, Terminated) else 130
     except (Fault, OSError) as e:  # OSError: the run directory's disk filled or turned read-only
         raise Fault(f"{one_line(e)}; {_continue(run)}") from None
     finally:
         ui.end()
-        driver.close()
+        if driver is not None:
+            driver.close()
         session.close()
     if summary.base_accuracy is not None and summary.final_accuracy is not None:
         gain = 100 * (summary.final_accuracy - summary.base_accuracy)
