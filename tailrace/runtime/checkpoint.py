@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tailrace.common import one_line
+from tailrace.config import load_config
 from tailrace.model.checkpoint import CheckpointError, save_pretrained
 from tailrace.trainer.grpo import GRPOTrainer
 
@@ -160,8 +161,8 @@ def step_dirs(root: Path) -> list[Path]:
 
 
 def verify(ckpt: Path) -> str | None:
-    """None if `ckpt` is whole (every file of its manifest there, at its size, the tensors' headers and
-    the JSON readable); else why not, in a few words. Cheap: no tensor is read."""
+    """None if `ckpt` is whole (every file of its manifest there, at its size, the tensors' headers, the
+    JSON and the config readable); else why not, in a few words. Cheap: no tensor is read."""
     if not (ckpt / MANIFEST).is_file():
         if (ckpt / "trainer.pt").exists():
             return "written by an older tailrace (trainer.pt, a pickle this version never loads)"
@@ -175,10 +176,16 @@ def verify(ckpt: Path) -> str | None:
         for name in (OPTIMIZER, "model/model.safetensors"):
             with safe_open(str(ckpt / name), framework="pt") as fh:
                 fh.keys()
-        json.loads((ckpt / SCHEDULER).read_text())["journal_seq"]
-        json.loads((ckpt / TRAINER).read_text())["step"]
-    except Exception as e:  # JSON, safetensors or a missing key: damage either way
+        state = json.loads((ckpt / SCHEDULER).read_text())
+        step = json.loads((ckpt / TRAINER).read_text())["step"]
+        load_config(ckpt / CONFIG)
+    except Exception as e:  # JSON, YAML, safetensors or a missing key: damage either way
         return f"unreadable ({one_line(e)})"
+    counts = (
+        [state.get(k) for k in ("journal_seq", "steps_done", "version")] if isinstance(state, dict) else []
+    )
+    if len(counts) != 3 or not all(type(n) is int and n >= 0 for n in [*counts, step]):
+        return f"{SCHEDULER} or {TRAINER} does not hold its counts"
     return None
 
 

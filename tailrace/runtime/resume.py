@@ -70,7 +70,7 @@ class Resume:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
             notes.append(f"removed {p}, left by an interrupted write")
         for p, why in self.damaged:
-            aside = p.with_name(p.name + ".damaged")
+            aside = next(a for i in range(1, 1000) if not (a := p.with_name(f"{p.name}.damaged{i}")).exists())
             os.replace(p, aside)
             notes.append(f"checkpoint {p.name} is damaged ({why}): moved it to {aside.name}")
         for name in ("journal.jsonl", "metrics.jsonl", "events.jsonl"):

@@ -95,6 +95,23 @@ def test_a_damaged_metrics_line_keeps_every_record_after_it(unfinished_run, caps
     assert json.loads((unfinished_run / "metrics.jsonl.quarantine").read_text())["line"] == first_step + 2
 
 
+def test_a_lost_journal_entry_after_the_checkpoint_stops_the_replay_there(unfinished_run, capsys):
+    journal = unfinished_run / "journal.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    seq = json.loads((checkpoints(unfinished_run)[-1] / "scheduler.json").read_text())["journal_seq"]
+    assert len(lines) > seq + 4, "the lost step must have left journal entries after the checkpoint"
+    lines[seq + 2] = lines[seq + 2][:40] + "\x00garbled\n"  # the third entry after the checkpoint
+    journal.write_text("".join(lines))
+    rc, out = run(capsys, "train", f"--resume={unfinished_run}")
+    assert rc == 0, out
+    assert f"line {seq + 3} after the checkpoint was lost" in out
+    quarantined = [
+        json.loads(l)["line"] for l in (unfinished_run / "journal.jsonl.quarantine").read_text().splitlines()
+    ]
+    assert quarantined == list(range(seq + 3, len(lines) + 1))  # the damaged line, then the ones after it
+    assert_whole(unfinished_run)
+
+
 def test_resume_falls_back_to_the_newest_complete_checkpoint(unfinished_run, capsys):
     prev, newest = checkpoints(unfinished_run)[-2:]
     for f in [*newest.glob("*.pt"), *newest.glob("*.safetensors")]:
