@@ -12,7 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models
 
-from tailrace.common import InputError
+from tailrace.common import InputError, one_line
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
@@ -85,7 +85,16 @@ def load_tokenizer(directory: str | Path, eos_id: int | None = None) -> Tokenize
     cfg = {}
     cfg_path = d / "tokenizer_config.json"
     if cfg_path.is_file():
-        cfg = json.loads(cfg_path.read_text())
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TokenizerError(
+                f"{cfg_path} is not valid JSON ({one_line(e)}); restore it from the original"
+            ) from None
+        if not isinstance(cfg, dict):
+            raise TokenizerError(
+                f"{cfg_path} holds a {type(cfg).__name__}, not a JSON object; restore the original"
+            )
 
     def special(key: str) -> int | None:
         name = cfg.get(key)

@@ -166,10 +166,14 @@ def load_config(
             raise ConfigError(f"config file {p} not found; pass an existing YAML file to --config")
         try:
             data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(
                 f"config file {p} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax"
             ) from None
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"config file {p} holds a {type(data).__name__}, not a mapping; write `section: {{key: value}}`"
+            )
     data = _merge(data, parse_overrides(overrides or []))
     return _build(cls, data, "", cls)
 
