@@ -112,13 +112,18 @@ def test_a_lost_journal_entry_after_the_checkpoint_stops_the_replay_there(unfini
     assert_whole(unfinished_run)
 
 
-def test_resume_falls_back_to_the_newest_complete_checkpoint(unfinished_run, capsys):
+@pytest.mark.parametrize("damage", ["optimizer cut short", "scheduler.json garbled"])
+def test_resume_falls_back_to_the_newest_complete_checkpoint(unfinished_run, capsys, damage):
     prev, newest = checkpoints(unfinished_run)[-2:]
-    for f in [*newest.glob("*.pt"), *newest.glob("*.safetensors")]:
-        f.write_bytes(f.read_bytes()[:100])  # cut short
+    if damage == "optimizer cut short":
+        for f in newest.glob("*.safetensors"):
+            f.write_bytes(f.read_bytes()[:100])
+    else:  # the same size, so only reading it tells
+        f = newest / "scheduler.json"
+        f.write_text("{" + "x" * (f.stat().st_size - 1))
     leftover = unfinished_run / "checkpoints" / "step_000009.tmp"
     leftover.mkdir()
-    (newest / "trainer.pt.tmp").write_bytes(b"half")
+    (newest / "optimizer.safetensors.tmp").write_bytes(b"half")
     rc, out = run(capsys, "train", f"--resume={unfinished_run}")
     assert rc == 0, out
     assert newest.name in out and prev.name in out
