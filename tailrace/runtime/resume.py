@@ -38,7 +38,7 @@ from tailrace.records import (
     read_metrics,
 )
 from tailrace.runtime import checkpoint
-from tailrace.runtime.rundir import RunDir, repair, truncate_metrics
+from tailrace.runtime.rundir import RunDir, cut_from, repair, truncate_metrics
 
 # Keys a resume may see changed: none of them alters what the run computes. Every other key (model,
 # task, batch shape, mode, optimizer, sampling, evaluation — the final evaluation must compare with
@@ -188,15 +188,8 @@ def _journal_after(path: Path, seq: int) -> tuple[list[JournalEntry], int | None
 
 
 def _cut(journal: Path, line: int) -> str:
-    """Move journal lines from `line` on to the quarantine file, and cut them off."""
-    with open(journal, "rb") as f:
-        lines = f.readlines()
-    with open(journal.with_name(journal.name + ".quarantine"), "a") as q:
-        for n, raw in enumerate(lines[line - 1 :], line):
-            if raw.strip():  # a blank line is a damaged one `repair` quarantined already
-                q.write(json.dumps({"line": n, "text": raw.rstrip(b"\n").decode("utf-8", "replace")}) + "\n")
-    os.truncate(journal, sum(len(raw) for raw in lines[: line - 1]))
+    n = cut_from(journal, line)
     return (
-        f"{journal}: line {line} after the checkpoint was lost, so the replay stops there; lines {line}-"
-        f"{len(lines)} moved to {journal.name}.quarantine (their samples are generated again)"
+        f"{journal}: line {line} after the checkpoint was lost, so the replay stops there; lines {line}-{n} "
+        f"moved to {journal.name}.quarantine (their samples are generated again)"
     )

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from tailrace.common import ConfigError
 from tailrace.records import Metric, Record, dumps, parse_line, read_metrics
@@ -79,18 +79,25 @@ def repair(path: Path) -> Repair:
         with open(path, "ab") as f:
             f.write(b"\n")
     if damaged:
-        _quarantine(path, damaged, keep_tail=not torn)
+        _quarantine(path, damaged)
+        _rewrite(path, {n for n, _ in damaged}, keep_tail=not torn)
     elif torn:
         os.truncate(path, end)
     return Repair(path, torn, tuple(n for n, _ in damaged))
 
 
-def _quarantine(path: Path, damaged: list[tuple[int, bytes]], keep_tail: bool) -> None:
-    with open(path.with_name(path.name + ".quarantine"), "a") as q:
-        for n, raw in damaged:
-            text = raw.rstrip(b"\n").decode("utf-8", errors="replace")
-            q.write(json.dumps({"line": n, "text": text}) + "\n")
-    bad = {n for n, _ in damaged}
+def cut_from(path: Path, line: int) -> int:
+    """Move the lines of `path` from `line` (1-based) on to <file>.quarantine and cut them off; returns
+    how many lines the file had."""
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    _quarantine(path, enumerate(lines[line - 1 :], line))
+    os.truncate(path, sum(len(raw) for raw in lines[: line - 1]))
+    return len(lines)
+
+
+def _rewrite(path: Path, bad: set[int], keep_tail: bool) -> None:
+    """`path` with a blank line for each line number in `bad` (and without its torn tail)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(path, "rb") as src, open(tmp, "wb") as dst:
         for n, raw in enumerate(src, 1):
@@ -100,6 +107,15 @@ def _quarantine(path: Path, damaged: list[tuple[int, bytes]], keep_tail: bool) -
         dst.flush()
         os.fsync(dst.fileno())
     os.replace(tmp, path)
+
+
+def _quarantine(path: Path, lines: Iterable[tuple[int, bytes]]) -> None:
+    """Append lines (number, bytes) to <file>.quarantine as {"line", "text"}; blank ones (a damaged line
+    quarantined before) are skipped."""
+    with open(path.with_name(path.name + ".quarantine"), "a") as q:
+        for n, raw in lines:
+            if raw.strip():
+                q.write(json.dumps({"line": n, "text": raw.rstrip(b"\n").decode("utf-8", "replace")}) + "\n")
 
 
 def truncate_metrics(path: Path, keep: Callable[[Metric], bool]) -> None:
