@@ -44,7 +44,12 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
         torch.manual_seed(spec.seed)
         start = Path(spec.resume_from) / "model" if spec.resume_from else spec.model_path
         model = load_pretrained(start, dtype=torch.float32, device=spec.device)
-        trainer = GRPOTrainer(model, spec.cfg)
+        ref = None
+        if spec.cfg.loss.kl_coef > 0:  # the KL penalty's reference: the policy the run started from
+            ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(
+                False
+            )
+        trainer = GRPOTrainer(model, spec.cfg, ref_model=ref)
         if spec.resume_from:
             load_trainer(trainer, Path(spec.resume_from))
         weights.write(spec.start_version, trainer.flat.buffer)
