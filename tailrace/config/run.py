@@ -67,6 +67,16 @@ class FlowConfig:
     rollout_groups: int | None = setting(
         None, "partial, multiversion: groups per version (null = max(R, 2U))"
     )
+    zero_signal: Literal["replace", "train"] = setting(
+        "train",
+        "groups whose rewards are all equal (no advantage): replace them with fresh prompts (DAPO's "
+        "dynamic sampling) or train them as they are",
+    )
+    extra_groups: int | None = setting(
+        None,
+        "zero_signal=replace: at most this many replacement groups per optimizer step (null = U); "
+        "past it, such groups are trained",
+    )
     checkpoint_every: int = setting(
         1, "publishing steps between checkpoints (the last step always writes one)"
     )
@@ -99,6 +109,10 @@ class FlowConfig:
         need(
             self.time_limit_s is None or self.time_limit_s > 0,
             f"flow.time_limit_s={self.time_limit_s}: must be positive seconds, or null for no limit",
+        )
+        need(
+            self.extra_groups is None or self.extra_groups >= 0,
+            f"flow.extra_groups={self.extra_groups}: must be >= 0, or null for U",
         )
         need(self.checkpoint_every > 0, f"flow.checkpoint_every={self.checkpoint_every}: must be positive")
         need(self.keep_checkpoints > 0, f"flow.keep_checkpoints={self.keep_checkpoints}: must be positive")

@@ -53,8 +53,9 @@ class Driver:
         f, r = cfg.flow, cfg.rollout
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
-            f.mode, max_staleness=f.max_staleness, frontier=f.frontier, rollout_groups=f.rollout_groups
-        )
+            f.mode, f.zero_signal, f.extra_groups, max_staleness=f.max_staleness, frontier=f.frontier,
+            rollout_groups=f.rollout_groups,
+        )  # fmt: skip
         sampling = SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
