@@ -18,9 +18,20 @@ class TaskConfig:
     )
     reward_timeout_s: float = setting(5.0, "seconds a reward may take; one that hangs or raises scores 0")
     seed: int = setting(0, "seed of the training prompt stream and the held-out set")
+    config: dict[str, Any] = section(
+        dict,
+        "the task's own settings: a reasoning-gym dataset's config (e.g. {min_terms: 2, max_terms: 3}), "
+        "chainsum's {bands, max_term, test_mod}, jsonl's {question_field, answer_field, "
+        "prompt_template, test_mod, test_path}",
+    )
 
     def __post_init__(self) -> None:
         need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
+        need(
+            isinstance(self.config, dict),
+            f"task.config={self.config!r}: expected a mapping of the task's settings, e.g. "
+            "--task.config='{min_terms: 2}'",
+        )
 
 
 @dataclass

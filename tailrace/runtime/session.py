@@ -26,7 +26,8 @@ from tailrace.types import GenResult, Prompt, Scored
 class Session:
     def __init__(self, cfg: RunConfig, progress=None) -> None:
         self.cfg = cfg
-        self.task = make_task(cfg.task.name)  # cheap checks first: a typo never costs a warm start
+        # cheap checks first: a typo never costs a warm start
+        self.task = make_task(cfg.task.name, cfg.task.config)
         self.model_path = (
             Path(cfg.model.path) if cfg.model.path else ensure_warm_start(cfg.arch, cfg.sft, progress)
         )
