@@ -24,6 +24,14 @@ class TaskConfig:
         "chainsum's {bands, max_term, test_mod}, jsonl's {question_field, answer_field, "
         "prompt_template, test_mod, test_path}",
     )
+    chat_template: Literal["auto", "none"] = setting(
+        "auto",
+        "auto: prompts go through the model's chat template when its tokenizer has one; "
+        "none: BOS + the raw question",
+    )
+    system_prompt: str | None = setting(
+        None, "the chat template's system message (null = the template's own default)"
+    )
 
     def __post_init__(self) -> None:
         need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
@@ -31,6 +39,10 @@ class TaskConfig:
             isinstance(self.config, dict),
             f"task.config={self.config!r}: expected a mapping of the task's settings, e.g. "
             "--task.config='{min_terms: 2}'",
+        )
+        need(
+            self.system_prompt is None or self.chat_template == "auto",
+            "task.system_prompt needs a chat template; drop it or set task.chat_template=auto",
         )
 
 

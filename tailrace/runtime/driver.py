@@ -61,7 +61,7 @@ class Driver:
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
-            stop_token_ids=(session.tok.eos_id,),
+            stop_token_ids=session.stop_ids,
         )
         engines = [(r.slots, r.lookahead)] * r.engines
         self.sched = Scheduler(policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed)

@@ -75,7 +75,9 @@ class ReasoningGymTask(Task):
             raise TaskError(f"unknown reasoning-gym dataset {dataset!r}; {hint}{LIST_HINT}")
         self.name = f"gym:{dataset}"
         if config and "seed" in config:
-            raise TaskError(f"{self.name}: task.config seed is derived per block from task.seed; set task.seed")
+            raise TaskError(
+                f"{self.name}: task.config seed is derived per block from task.seed; set task.seed"
+            )
         config = check_config(self.name, config or {}, _config_keys(dataset))
         block = config.pop("size", block)  # reasoning-gym's size: the items of one generated dataset
         if test_mod < 2 or not isinstance(block, int) or block < 1:
