@@ -74,7 +74,7 @@ class ConsoleUI:
                 self.console.print(warning)
 
     def _zero_signal(self, r: StepRecord) -> str | None:
-        """A warning when at least half the groups completed since the last step had equal rewards
+        """A warning when at least 3/4 of the groups completed since the last step had equal rewards
         (the ledger's group counts are cumulative; after a resume the first step sets the baseline)."""
         now, prev = r.ledger["groups"], self._groups
         self._groups = now
@@ -82,14 +82,15 @@ class ConsoleUI:
             return None
         done = now["complete"] - prev.get("complete", 0)
         zero = now["zero_signal"] - prev.get("zero_signal", 0)
-        if not done or 2 * zero < done:
+        if not done or 4 * zero < 3 * done:
             return None
         replaced = sum(now["dropped"].values()) - sum(prev.get("dropped", {}).values())
         what = f"; {replaced} replaced by fresh prompts" if replaced else ""
         what += "; the step trained nothing" if r.train.get("skipped") else ""
+        fix = "tune it with task.config" + ("" if replaced else " or set flow.zero_signal=replace")
         return (
             f"[yellow]warning: step {r.step + 1}: {zero} of {done} groups had equal rewards (no signal)"
-            f"{what}: the task is too hard or too easy for this model; tune it with task.config[/yellow]"
+            f"{what}: the task is too hard or too easy for this model; {fix}[/yellow]"
         )
 
     def end(self) -> None:

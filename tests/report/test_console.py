@@ -38,12 +38,13 @@ def test_steps_whose_groups_mostly_had_equal_rewards_warn_with_the_counts():
     c, out = ui()
     c.begin(0, 3, None)
     c.step(step(0, complete=16, zero=14, dropped=6))  # cumulative counts: 14 of 16
-    c.step(step(1, complete=20, zero=15, dropped=6))  # 1 of 4: fine
-    c.step(step(2, complete=24, zero=19, dropped=6, skipped=1))  # 4 of 4, none replaced
+    c.step(step(1, complete=36, zero=28, dropped=6))  # 14 of 20: under 3/4, no warning
+    c.step(step(2, complete=40, zero=32, dropped=6, skipped=1))  # 4 of 4, none replaced
     lines = [l for l in out.getvalue().splitlines() if "warning" in l]
     assert len(lines) == 2
     assert "step 1: 14 of 16 groups had equal rewards (no signal); 6 replaced by fresh prompts" in lines[0]
     assert "step 3: 4 of 4 groups had equal rewards (no signal); the step trained nothing" in lines[1]
+    assert lines[1].endswith("tune it with task.config or set flow.zero_signal=replace")
 
 
 def test_after_a_resume_the_first_step_only_sets_the_baseline():
