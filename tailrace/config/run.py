@@ -91,7 +91,7 @@ class FlowConfig:
         None, "partial, multiversion: groups per version (null = max(R, 2U))"
     )
     zero_signal: Literal["replace", "train"] = setting(
-        "train",
+        "replace",
         "groups whose rewards are all equal (no advantage): replace them with fresh prompts (DAPO's "
         "dynamic sampling) or train them as they are",
     )

@@ -79,4 +79,5 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     assert final["trained"] == 8 * 16
     assert final["produced"] >= len(done_before)
     assert final["produced"] == final["trained"] + final["in_store"] + discarded
-    assert discarded == 0, f"with a checkpoint per step nothing may be discarded: {final['discarded']}"
+    lost = {k: v for k, v in final["discarded"].items() if k != "zero-signal"}  # replaced on purpose
+    assert not lost, f"with a checkpoint per step nothing may be discarded: {final['discarded']}"
