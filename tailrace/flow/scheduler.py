@@ -16,9 +16,9 @@ request answers).
 
 A policy (flow/policies/) reads the core's read-only view (`open`, `ready`, `in_training`,
 `queued`, `engines`, `spec`, `newest`, `trainer_version`, ...) and calls its actions: `open_group`,
-`dispatch`, `resume`, `abort`, `discard_partial`, `drop_group`, `train`, `load`, `drop`, `mark`. The core checks,
-at every train step, the invariants a policy declares (staleness bound, one version per
-trajectory), and the ledger identity every poll. Checkpoints and journal replay: see `state.py`.
+`dispatch`, `resume`, `abort`, `discard_partial`, `drop_group`, `train`, `load`, `drop`, `mark`. The
+core checks, at every train step, the invariants a policy declares (staleness bound, one version
+per trajectory), and the ledger identity every poll. Checkpoints and journal replay: see `state.py`.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class SchedulerState:
         self.ledger = Ledger.from_state(d["ledger"])
         self.staleness = Counter({int(k): v for k, v in d["staleness"].items()})
         self.journal_seq = d["journal_seq"]
-        self.groups_done = Counter(d.get("groups_done", {}))  # absent in checkpoints before #17
+        self.groups_done = Counter(d.get("groups_done", {}))  # older checkpoints lack them
         self.groups_dropped = Counter(d.get("groups_dropped", {}))
         self._requeued = [prompt_from_json(p) for p in d["requeued"]]
         self._store.load_json(d)
