@@ -154,3 +154,22 @@ def trace(args: Args) -> int:
     out = write_trace(_run_dir(args, "trace"))
     console.print(f"wrote {out} (open it in ui.perfetto.dev or chrome://tracing)")
     return 0
+
+
+def import_model(args: Args) -> int:
+    from tailrace.model.importer import import_model
+
+    if len(args.rest) != 1 or args.rest[0].startswith("-") or "--out" not in args.flags:
+        raise ConfigError("usage: tailrace model import SRC --out DIR [--dtype float32|bfloat16]")
+    dtype = args.flags.get("--dtype", "float32")
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--dtype {dtype}: use float32 or bfloat16")
+    r = import_model(args.rest[0], args.flags["--out"], dtype)
+    c = r.config
+    console.print(
+        f"wrote {r.path}: {c.model_type}, {r.parameters / 1e6:.1f}M parameters, {c.num_hidden_layers} layers, "
+        f"context {c.max_position_embeddings}, {dtype}, chat template {'yes' if r.chat_template else 'no'}; "
+        f"logits match the source within {r.max_logit_diff:.1e}"
+    )
+    console.print(f"use it: tailrace eval --model.path={r.path}   tailrace train --model.path={r.path} ...")
+    return 0
