@@ -62,9 +62,13 @@ TAILRACE = Verb(
         ),
         Verb(
             "report",
-            "write RUN_DIR/report.html: timeline, lengths, rewards",
-            ("report RUN_DIR",),
+            "write RUN_DIR/report.html (timeline, lengths, rewards), or one page comparing several runs",
+            ("report RUN_DIR", "report RUN_DIR RUN_DIR ... [--out FILE] [--target ACCURACY]"),
             commands.report,
+            flags=(
+                Flag("--out", "FILE", "where the comparison page goes (default: compare.html)"),
+                Flag("--target", "ACCURACY", "the accuracy to time runs to (default: lowest final - 0.02)"),
+            ),
         ),
         Verb(
             "model",

@@ -142,10 +142,31 @@ def _run_dir(args: Args, verb: str) -> Path:
 
 
 def report(args: Args) -> int:
+    if len(args.rest) > 1:
+        from tailrace.report.compare import write_comparison
+
+        if any(a.startswith("-") for a in args.rest):
+            raise ConfigError("usage: tailrace report RUN_DIR [RUN_DIR ...] [--out FILE] [--target ACCURACY]")
+        target = _fraction(args.flags["--target"], "--target") if "--target" in args.flags else None
+        out = write_comparison(
+            [Path(p) for p in args.rest], Path(args.flags.get("--out", "compare.html")), target
+        )
+        console.print(f"wrote {out}")
+        return 0
     from tailrace.report.html import write_report
 
     console.print(f"wrote {write_report(_run_dir(args, 'report'))}")
     return 0
+
+
+def _fraction(raw: str, flag: str) -> float:
+    try:
+        x = float(raw)
+    except ValueError:
+        x = -1.0
+    if not 0.0 <= x <= 1.0:
+        raise ConfigError(f"{flag} {raw}: give an accuracy between 0 and 1, e.g. 0.8")
+    return x
 
 
 def trace(args: Args) -> int:
