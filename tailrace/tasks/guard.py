@@ -1,7 +1,8 @@
 """RewardGuard: score responses with user reward code that may raise, hang or return garbage.
 
 Every failure becomes reward 0 with a one-line reason, is counted in `errors` (by kind: "timeout",
-"raised ValueError", "bad value", "worker died") and logged on "tailrace.tasks"; the run goes on.
+"raised ValueError", "bad value", "worker died") and logged on "tailrace.tasks"; a finite reward
+outside the task's `reward_range` is clamped into it (kind "clamped"). The run goes on.
 
 Rewards run in one persistent worker process (forked where possible, so the task is not pickled;
 under spawn it is pickled once per worker start). A batch is one message each way: the worker
@@ -37,7 +38,7 @@ _START_TIMEOUT_S = 120.0
 @dataclass(frozen=True)
 class Scored:
     reward: float
-    error: str | None = None  # why the reward was forced to 0; None when the task's own score
+    error: str | None = None  # why the task's own score was replaced (by 0, or clamped); None if not
 
 
 def _score_one(task: Task, example: Example, response: str) -> tuple[float, str | None]:
@@ -55,8 +56,8 @@ def _score_one(task: Task, example: Example, response: str) -> tuple[float, str 
 
 
 def error_kind(error: str) -> str:
-    """The counter key of a reason: "timeout", "bad value", "worker died" or "raised <Type>"."""
-    for kind in ("timeout", "bad value", "worker died"):
+    """The counter key of a reason: "timeout", "bad value", "worker died", "clamped" or "raised <Type>"."""
+    for kind in ("timeout", "bad value", "worker died", "clamped"):
         if error.startswith(kind):
             return kind
     return error.split(":", 1)[0]
@@ -93,6 +94,11 @@ class RewardGuard:
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        lo, hi = task.reward_range
+        if not lo < hi:
+            raise ValueError(
+                f"{task.name}: reward_range {task.reward_range} must be (low, high) with low < high"
+            )
         self.task, self.timeout_s, self.inline = task, timeout_s, inline
         self.errors: Counter[str] = Counter()
         self.restarts = 0  # workers replaced after a hang or death
@@ -117,10 +123,14 @@ class RewardGuard:
             pending = list(range(len(pairs)))
             while pending:
                 pending = self._run(pairs, pending, raw)
+        lo, hi = self.task.reward_range
         out = []
         for (ex, _), (reward, error) in zip(pairs, raw):
+            if error is None and not lo <= reward <= hi:
+                error = f"clamped: returned {reward:g}, outside the task's range [{lo:g}, {hi:g}]"
+                reward = min(max(reward, lo), hi)
             if error is not None:
-                self._record(ex, error)
+                self._record(ex, error, reward)
             out.append(Scored(reward, error))
         return out
 
@@ -230,6 +240,6 @@ class RewardGuard:
             return f"timeout after {self.timeout_s}s"
         return None
 
-    def _record(self, example: Example, error: str) -> None:
+    def _record(self, example: Example, error: str, reward: float) -> None:
         self.errors[error_kind(error)] += 1
-        log.warning("reward of %s example %s forced to 0: %s", self.task.name, example.id, error)
+        log.warning("reward of %s example %s forced to %g: %s", self.task.name, example.id, reward, error)

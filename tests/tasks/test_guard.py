@@ -37,6 +37,8 @@ class Scripted(Task):
             return "1.0"
         if response == "bool":
             return True
+        if response.startswith("value "):
+            return float(response.split()[1])
         return 1.0 if response == example.answer else 0.0
 
 
@@ -98,6 +100,29 @@ def test_batch_with_hang_crash_and_raise_still_scores_the_rest(guard):
     assert got[4].error == "worker died (exit code 3)"
     assert guard.errors == {"raised ValueError": 1, "timeout": 1, "worker died": 1}
     assert guard.restarts == 2
+
+
+def test_rewards_outside_the_declared_range_are_clamped_and_counted(guard):
+    got = guard.score_many([(EX[0], "value 1.7"), (EX[0], "value -0.5"), (EX[0], "value 0.5")])
+    assert got == [
+        Scored(1.0, "clamped: returned 1.7, outside the task's range [0, 1]"),
+        Scored(0.0, "clamped: returned -0.5, outside the task's range [0, 1]"),
+        Scored(0.5),
+    ]
+    assert guard.errors == {"clamped": 2}
+
+
+def test_a_declared_range_is_honoured():
+    class Signed(Scripted):
+        reward_range = (-1.0, 1.0)
+
+    g = RewardGuard(Signed(), inline=True)
+    assert g.score(EX[0], "value -0.5") == Scored(-0.5)
+    assert g.score(EX[0], "value -2") == Scored(
+        -1.0, "clamped: returned -2, outside the task's range [-1, 1]"
+    )
+    with pytest.raises(ValueError, match=r"reward_range \(1.0, 0.0\) must be \(low, high\) with low < high"):
+        RewardGuard(type("Backwards", (Scripted,), {"reward_range": (1.0, 0.0)})(), inline=True)
 
 
 def test_inline_mode_catches_exceptions_without_a_worker():
