@@ -1,9 +1,9 @@
 """The Task protocol: prompts in, rewards out. A task knows text; the tokenizer turns it into ids.
 
 A task is deterministic given its seed: `examples("train")` and `examples("test")` are disjoint,
-reproducible streams. `reward(example, response)` scores one response text; it may be slow or
-buggy (user code), so the runtime always calls it through `tasks.guard.RewardGuard`, which also
-clamps its value into the task's declared `reward_range`.
+reproducible streams. `reward(example, response)` scores one response text; it may be slow,
+buggy or hostile (user code), so the runtime always calls it through `tasks.guard.RewardGuard`, which
+sandboxes it and clamps its value into the task's declared `reward_range`.
 """
 
 from __future__ import annotations
