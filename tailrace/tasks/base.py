@@ -30,6 +30,9 @@ class Example:
 class Task(ABC):
     name: str = "task"
     reward_range: tuple[float, float] = (0.0, 1.0)  # (low, high): the guard clamps rewards into it
+    # how the guard starts the reward worker: None forks it from the trainer (cheap to start, but as
+    # large as the trainer); "spawn" starts a fresh interpreter, for rewards that fork on every call
+    reward_start_method: str | None = None
 
     @abstractmethod
     def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:

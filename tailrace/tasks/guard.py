@@ -6,10 +6,10 @@ a finite reward outside the task's `reward_range` is clamped into it (kind "clam
 
 Rewards run in one persistent worker process, sandboxed before it runs any of them (tasks/sandbox:
 limits, a private directory, no network, a file-system allow-list; the package doc says what holds
-on which system). It is forked where possible, so the task is not pickled; under spawn the task
-is pickled once per worker start. A batch is one message each way: the worker flushes results
-early only when the batch has run for `timeout_s / 10`, so a hang loses (and re-scores) at most
-that much finished work. The worker publishes (item, start time)
+on which system). It is forked where possible, so the task is not pickled; under spawn (or the
+task's `reward_start_method`) the task is pickled once per worker start. A batch is one message
+each way: the worker flushes results early only when the batch has run for `timeout_s / 10`, so a
+hang loses (and re-scores) at most that much finished work. The worker publishes (item, start time)
 in shared memory before each item; the parent watches it, and kills and replaces a worker whose
 current item has run `timeout_s` (or whose batch has run `timeout_s` per item: the worker's numbers
 are not trusted), then sends the rest of the batch to the new one. A reward that returns while
@@ -161,7 +161,9 @@ class RewardGuard:
         self.restarts = 0  # workers replaced after a hang, death or leak
         self.held: Held | None = None  # what the worker's sandbox holds; None inline
         if start_method is None:
-            start_method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            start_method = task.reward_start_method or (
+                "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            )
         self._ctx = mp.get_context(start_method)
         self._proc = self._conn = self._workdir = None
         self._t_sent = self._batch_deadline = 0.0  # when the current batch was sent, and its last chance
