@@ -7,12 +7,13 @@ import errno
 import os
 import platform
 import socket
+import threading
 import time
 import uuid
 
 import pytest
 
-from tailrace.tasks.sandbox import SandboxConfig, active, landlock
+from tailrace.tasks.sandbox import SandboxConfig, active, enter, landlock
 from tailrace.tasks.sandbox.isolated import Contained, run_isolated
 from tests.tasks.hostile import leave_grandchild, marked
 
@@ -228,6 +229,20 @@ def test_processes_a_run_leaves_die_with_it():
     while marked(comm) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert marked(comm) == []
+
+
+def test_a_threaded_process_is_refused(tmp_path):
+    """seccomp and Landlock would bind the calling thread only: the other would run unconfined."""
+    pid = os.fork()
+    if pid == 0:
+        threading.Thread(target=time.sleep, args=(2,), daemon=True).start()
+        try:
+            enter(SandboxConfig(), str(tmp_path))
+        except RuntimeError as e:
+            os._exit(0 if "single-threaded process, this one has 2 threads" in str(e) else 2)
+        finally:
+            os._exit(1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 @pytest.mark.parametrize(

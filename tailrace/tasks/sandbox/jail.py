@@ -61,6 +61,12 @@ def enter(cfg: SandboxConfig, workdir: str, keep_fds: tuple[int, ...] = ()) -> H
     """Sandbox this process for good, with `workdir` (created by the caller) as its private working
     directory; descriptors 0-2 and `keep_fds` stay usable, every other inherited one is /dev/null."""
     global _held
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:  # seccomp, Landlock and unshare bind the calling thread only
+        raise RuntimeError(
+            f"a sandbox must be entered by a single-threaded process, this one has {threads} threads; "
+            f"enter it in a freshly forked child, before anything starts a thread"
+        )
     want, notes, absent = set(cfg.mechanisms), {}, set(MECHANISMS) - set(cfg.mechanisms)
 
     def failed(name: str, why: str | None) -> bool:
