@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -170,15 +171,16 @@ def test_worker_dies_with_its_parent(tmp_path):
         from tests.tasks.test_guard import Scripted
         from tailrace.tasks.guard import RewardGuard
         g = RewardGuard(Scripted())
-        print(g.worker_pid, flush=True)
+        print(g.worker_pid, g.workdir, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    pid = int(out.stdout.split()[0])
+    pid, workdir = out.stdout.split()
+    shutil.rmtree(workdir)  # a killed parent leaves its worker's directory behind
     deadline = time.monotonic() + 5.0
-    while _alive(pid) and time.monotonic() < deadline:
+    while _alive(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid)
+    assert not _alive(int(pid))
 
 
 def _alive(pid: int) -> bool:
