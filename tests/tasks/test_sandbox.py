@@ -107,6 +107,37 @@ def test_the_machines_abstract_unix_sockets(abstract_socket, netns, mechanisms, 
     assert run(unix_connect, abstract_socket, mechanisms=mechanisms) == expected
 
 
+@pytest.fixture
+def unix_socket(tmp_path):
+    """A pathname socket anyone may connect to, as /var/run/docker.sock is for its group."""
+    path = str(tmp_path / "service.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(path, 0o777)
+    yield path
+    srv.close()
+
+
+@pytest.mark.parametrize("mechanisms, expected", [((), "ok"), (("seccomp",), "EACCES")])
+def test_the_machines_unix_socket_services(unix_socket, mechanisms, expected):
+    if "seccomp" in mechanisms and not SECCOMP:
+        pytest.skip(f"no seccomp filter for {platform.machine()}")
+    assert run(unix_connect, unix_socket, mechanisms=mechanisms) == expected
+
+
+def socketpair(_):
+    a, b = socket.socketpair()
+    a.sendall(b"x")
+    assert b.recv(1) == b"x"
+
+
+@needs_seccomp
+def test_socketpairs_still_work_under_seccomp():
+    assert run(socketpair, None, mechanisms=("seccomp",)) == "ok"
+
+
 def read(path):
     open(path).read()
 

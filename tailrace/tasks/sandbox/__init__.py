@@ -25,16 +25,18 @@ Optional mechanisms (`SandboxConfig.mechanisms`), each used where the OS allows 
   libraries, Python and the packages imported so far (plus `read_paths`); writes only beneath its
   directory; no TCP bind or connect (ABI >= 4); no signals to, or abstract sockets of, processes
   outside it (ABI >= 6). So no other run's files, checkpoints, /tmp, /home or /proc.
-- "seccomp" (x86_64, aarch64): socket() of any family but AF_UNIX, io_uring, setsid, setpgid,
-  ptrace, process_vm_* and kill(-1) refused: no network even without a namespace, and no descendant
-  leaves the process group the guard kills.
+- "seccomp" (x86_64, aarch64): socket() (any family; socketpair stays), io_uring, setsid, setpgid,
+  ptrace, process_vm_* and kill(-1) refused: no network even without a namespace, no unix-socket
+  service of the machine (docker, dbus), and no descendant leaves the process group the guard kills.
 `Held` says which took effect and why any did not; the guard logs it once per task.
 
 Without namespaces (a CI VM, a container) but with Landlock and seccomp, sockets are still refused
 by seccomp, files confined by Landlock and descendants kept in the group, but the process limit
 counts every process of the user (it is set above those already running: a loose bound). Without
 Landlock (Linux < 5.13) files are contained only by the uid: as the caller's own uid, not at all;
-without seccomp, a descendant can setsid out of the group and survive the kill. Never contained: the
+without seccomp, a descendant can setsid out of the group and survive the kill, and a unix socket
+the uid may connect to by path (docker.sock for the docker group) is reachable: neither the
+namespace nor Landlock (up to ABI 7) covers those. Never contained: the
 trainer's memory image, which a forked worker shares (environment variables included) — readable
 by reward code, but with no network and no writable path outside its directory it can only leave
 through the reward value; and disk use beyond `file_mb` per file inside the private directory.
