@@ -116,9 +116,13 @@ class EvalConfig:
     )
     max_new_tokens: int = setting(384, "response length limit in tokens")
     batch: int = setting(64, "prompts decoded at once")
+    every: int = setting(
+        0, "also evaluate every N-th step's weights, after training (snapshots; 0 = base and final only)"
+    )
 
     def __post_init__(self) -> None:
         need(self.n > 0, f"eval.n={self.n}: must be positive")
+        need(self.every >= 0, f"eval.every={self.every}: must be >= 0 (0 = base and final only)")
         need(self.temperature >= 0, f"eval.temperature={self.temperature}: must be >= 0 (0 = greedy)")
         need(self.batch > 0, f"eval.batch={self.batch}: must be positive")
 
