@@ -2,11 +2,11 @@
 
 Decisions the engine applies (as `Slots` returns row moves), over a `BlockPool`:
   * `admit`: a waiting request gets the blocks of everything it prefills (prompt + resumed tokens) only
-    if they fit leaving a reserve of one free block per sequence that would then hold blocks, itself
-    included. A decode step takes at most one new block per sequence, so the step after an admission
-    never preempts; a larger reserve would need the requests' lengths, which nobody knows. With nothing
-    running the reserve is waived: a lone request always fits (the engine sizes the pool for one
-    request of its context limit), so a long prompt cannot wait forever.
+    if they fit leaving a reserve of one free block per holder that can still grow (itself included;
+    one that holds the blocks of its limit -- prompt + max new tokens -- cannot). A decode step takes
+    at most one new block per sequence, so the step after an admission never preempts; a larger reserve
+    would need the requests' actual lengths, which nobody knows. A lone request always fits (the engine
+    sizes the pool for one request of its context limit), so a long prompt cannot wait forever.
   * `grow`: a sequence whose next position starts a new block gets one. When the pool is short, the
     youngest holder (the latest arrival) is preempted -- all its blocks freed -- until the need fits
     or the needing sequence was itself the youngest. Needs are served oldest first, so the oldest
@@ -32,6 +32,7 @@ class Paging:
     def __init__(self, num_blocks: int, block_size: int):
         self.pool = BlockPool(num_blocks, block_size)
         self._age: dict[str, int] = {}  # the holders (sequences owning blocks) and their arrival numbers
+        self._limit: dict[str, int] = {}  # the most positions each holder may come to hold
 
     @property
     def num_holders(self) -> int:
@@ -40,15 +41,18 @@ class Paging:
     def holds(self, rid: str) -> bool:
         return rid in self._age
 
-    def admit(self, rid: str, tokens: int, age: int) -> list[int] | None:
-        """The blocks for `rid`'s first `tokens` positions, or None: not now (stop admitting)."""
+    def admit(self, rid: str, tokens: int, limit: int, age: int) -> list[int] | None:
+        """The blocks for `rid`'s first `tokens` positions (of at most `limit` it may come to hold), or
+        None: not now (stop admitting)."""
         if rid in self._age:
             raise ValueError(f"{rid!r} already holds blocks")
-        reserve = len(self._age) + 1 if self._age else 0
-        if self.pool.blocks_for(tokens) + reserve > self.pool.num_free:
+        pool = self.pool
+        reserve = sum(pool.short_by(r, n) > 0 for r, n in self._limit.items())
+        reserve += pool.blocks_for(limit) > pool.blocks_for(tokens)
+        if pool.blocks_for(tokens) + reserve > pool.num_free:
             return None
-        self._age[rid] = age
-        return self.pool.allocate(rid, tokens)
+        self._age[rid], self._limit[rid] = age, limit
+        return pool.allocate(rid, tokens)
 
     def grow(self, needs: list[tuple[str, int]]) -> Growth:
         """Blocks so that each holder `rid` of `needs` holds `tokens` positions, preempting the youngest
@@ -68,5 +72,5 @@ class Paging:
 
     def release(self, rid: str) -> None:
         """`rid` finished, was aborted or preempted: its blocks return to the pool."""
-        del self._age[rid]
+        del self._age[rid], self._limit[rid]
         self.pool.release(rid)

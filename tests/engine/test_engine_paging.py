@@ -26,23 +26,24 @@ def test_pool_hands_out_blocks_in_order_and_reuses_freed_ones_first():
         pool.release("a")
 
 
-def test_admission_leaves_one_block_per_holder_and_waives_it_when_alone():
+def test_admission_leaves_one_block_per_holder_that_can_grow():
     p = Paging(10, 4)
-    assert p.admit("a", 40, age=0) == list(range(10))  # alone: the whole pool, no reserve
+    assert p.admit("a", 40, 40, age=0) == list(range(10))  # alone, at its limit: the whole pool
     p.release("a")
-    assert p.admit("a", 9, age=0) == [0, 1, 2]  # alone: 3 blocks, 7 free
-    assert p.admit("b", 16, age=1) == [3, 4, 5, 6]  # 4 blocks + reserve 2 <= 7 free
-    assert p.admit("c", 1, age=2) is None  # 1 block + reserve 3 > 3 free
-    assert p.num_holders == 2 and not p.holds("c")
+    assert p.admit("a", 9, 39, age=0) == [0, 1, 2]  # 3 blocks + its own reserve 1 <= 10
+    assert p.admit("b", 16, 30, age=1) == [3, 4, 5, 6]  # 4 + reserve 2 <= 7 free
+    assert p.admit("c", 1, 30, age=2) is None  # 1 + reserve 3 > 3 free
+    assert p.admit("c", 4, 4, age=2) == [7]  # 1 + reserve 2 (it cannot grow) <= 3 free
+    assert p.num_holders == 3 and p.pool.num_free == 2
     with pytest.raises(ValueError, match="already holds"):
-        p.admit("a", 1, age=5)
+        p.admit("a", 1, 1, age=5)
 
 
 def test_growth_takes_a_free_block_then_preempts_the_youngest():
     p = Paging(7, 4)
-    assert p.admit("old", 4, age=0) == [0]
-    assert p.admit("mid", 8, age=1) == [1, 2]  # 2 + reserve 2 <= 6 free
-    assert p.admit("new", 4, age=2) == [3]  # 1 + reserve 3 <= 4 free
+    assert p.admit("old", 4, 99, age=0) == [0]
+    assert p.admit("mid", 8, 99, age=1) == [1, 2]  # 2 + reserve 2 <= 6 free
+    assert p.admit("new", 4, 99, age=2) == [3]  # 1 + reserve 3 <= 4 free
     g = p.grow([("old", 5), ("mid", 8)])  # only "old" crosses into a new block
     assert g.preempted == () and g.grown == (("old", 1, 4),)
     assert p.grow([("mid", 9)]).grown == (("mid", 2, 5),)
@@ -56,8 +57,8 @@ def test_growth_takes_a_free_block_then_preempts_the_youngest():
 
 def test_a_needing_sequence_that_is_the_youngest_preempts_itself_only():
     p = Paging(4, 2)
-    p.admit("a", 2, age=0)
-    p.admit("b", 2, age=7)  # 1 + reserve 2 <= 3 free
+    p.admit("a", 2, 9, age=0)
+    p.admit("b", 2, 9, age=7)  # 1 + reserve 2 <= 3 free
     p.grow([("a", 5)])  # takes the last two free blocks
     g = p.grow([("b", 3)])
     assert g.preempted == ("b",) and g.grown == () and p.holds("a") and p.pool.num_free == 1
@@ -74,22 +75,25 @@ def test_a_needing_sequence_that_is_the_youngest_preempts_itself_only():
 )
 def test_random_operations_keep_blocks_exclusive_and_sufficient(ops, num_blocks, block_size):
     p = Paging(num_blocks, block_size)
-    cap = num_blocks * block_size  # the engine never asks for more than a lone sequence can hold
+    cap = num_blocks * block_size  # the engine never lets a sequence's limit exceed the pool
     tokens: dict[str, int] = {}  # positions each holder must have blocks for
     age: dict[str, int] = {}
+    limit: dict[str, int] = {}
     nxt = 0
     for op, pick, n in ops:
         holders = sorted(tokens)
         if op == "admit":
             rid, nxt = f"s{nxt}", nxt + 1
             want = min(cap, n)
-            free = p.pool.num_free
-            got = p.admit(rid, want, age=nxt)
-            fits = p.pool.blocks_for(want) + (len(tokens) + 1 if tokens else 0) <= free
-            assert (got is not None) == fits
+            lim = min(cap, want + pick % (3 * block_size))
+            free, pool = p.pool.num_free, p.pool
+            growing = sum(pool.blocks_for(limit[r]) > pool.blocks_for(t) for r, t in tokens.items())
+            growing += pool.blocks_for(lim) > pool.blocks_for(want)
+            got = p.admit(rid, want, lim, age=nxt)
+            assert (got is not None) == (pool.blocks_for(want) + growing <= free)
             if got is not None:
-                tokens[rid], age[rid] = want, nxt
-                assert len(got) == p.pool.blocks_for(want)
+                tokens[rid], age[rid], limit[rid] = want, nxt, lim
+                assert len(got) == pool.blocks_for(want)
         elif op == "grow" and holders:
             needs = [
                 (r, min(cap, tokens[r] + (pick >> i) % (2 * block_size + 1))) for i, r in enumerate(holders)
