@@ -177,13 +177,14 @@ class Kernels:
         """Attention of q (B, Hkv, G, D) fp32, sequence b (table row row0 + b) over its positions
         [0, pos[b]]; returns (B, Hkv, G, D) fp32."""
         B, Hkv, G, D = q.shape
-        nblocks, bs = k.shape[0], k.shape[2]
+        nblocks, kv_heads, bs, head_dim = k.shape
         rows, W = table.shape
         if not (
             q.dtype == torch.float32
             and q.is_contiguous()
             and k.dtype in self._fns
-            and _paged(k, v, table, Hkv, D)
+            and (kv_heads, head_dim) == (Hkv, D)
+            and _paged(k, v, table)
             and pos.dtype == torch.int64
             and pos.is_contiguous()
             and pos.shape == (B,)
@@ -241,7 +242,7 @@ class Kernels:
         if not (
             dt in self._layer
             and cos_sin.dtype == k.dtype == dt
-            and _paged(k, v, table, Hkv, D)
+            and _paged(k, v, table)
             and qkv.is_contiguous()
             and cos_sin.is_contiguous()
             and Wq == (G + 2) * Hkv * D
@@ -292,18 +293,15 @@ _WHY = {
 }
 
 
-def _paged(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, Hkv: int, D: int) -> bool:
-    """k, v one contiguous paged cache (blocks, Hkv, block_size, D); table (rows, W) int32 contiguous."""
+def _paged(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> bool:
+    """k, v one contiguous paged cache (4-D, as the caller unpacked k); table int32, contiguous (2-D,
+    as the caller unpacked it)."""
     return (
-        k.dim() == 4
-        and k.shape == v.shape
+        k.shape == v.shape
         and k.dtype == v.dtype
-        and k.shape[1] == Hkv
-        and k.shape[3] == D
+        and table.dtype == torch.int32
         and k.is_contiguous()
         and v.is_contiguous()
-        and table.dim() == 2
-        and table.dtype == torch.int32
         and table.is_contiguous()
     )
 
