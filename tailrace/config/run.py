@@ -42,7 +42,7 @@ class RolloutConfig:
     kv_memory_gb: float | None = setting(
         None,
         "KV cache per engine (and tailrace eval) in GiB, filled as sequences grow; short of it the engine "
-        "queues or preempts (null = 40% of the memory available at start-up)",
+        "queues or preempts (null = a share of the memory available at start-up: engine/kv_budget.py)",
     )
     attention: Literal["auto", "kernel", "bmm", "sdpa"] = setting(
         "auto",
