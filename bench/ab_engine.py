@@ -3,7 +3,8 @@
     .venv/bin/python bench/ab_engine.py --rev f5286ae            # default: fp32 and bf16, batch 1 and 64
     .venv/bin/python bench/ab_engine.py --rev HEAD~3 --batches 1,8,64 --rounds 8
     .venv/bin/python bench/ab_engine.py --rev main --workload cb --batches 512   # continuous batching
-    .venv/bin/python bench/ab_engine.py --rev HEAD --options block_size=32        # an engine option
+    .venv/bin/python bench/ab_engine.py --rev HEAD --new-options block_size=32    # a setting vs the default
+    .venv/bin/python bench/ab_engine.py --rev main --options attention=bmm        # both on the torch backend
 
 For refactors that must not change speed (or outputs): one worker process per tree (the revision is
 exported with `git archive` to a temporary directory), both loading the same checkpoint, one torch
@@ -13,8 +14,8 @@ falls on both alike. Printed per configuration: tokens/s of each (median over ro
 time and for the worker's CPU time, and whether the two produced the same tokens and logprobs (a
 hash of every request's output): a pure refactor must say `same`. `--workload cb`: `batch` requests of
 bench/engine.py's continuous-batching workload (lognormal lengths through 64 slots) per call instead.
-`--options k=v,...`: engine options (ints) for this tree's side only, to compare a setting with the
-revision's default.
+`--options k=v,...`: engine options for both sides; `--new-options`: for this tree's side only, to
+compare a setting with the revision's default.
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ def ask(p: subprocess.Popen, line: str) -> dict:
     return json.loads(reply)
 
 
+def _options(text: str) -> dict:
+    """`k=v,...` as engine keyword arguments (integer values as ints)."""
+    pairs = (kv.split("=", 1) for kv in text.split(",") if kv)
+    return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", required=True, help="the git revision to compare against (the 'old' side)")
@@ -101,9 +108,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=6, help="timed calls per side and configuration")
     ap.add_argument("--workload", choices=("fixed", "cb"), default="fixed")
-    ap.add_argument("--options", default="", help="engine options for this tree's side: k=v,... (ints)")
+    ap.add_argument("--options", default="", help="engine options for both sides: k=v,...")
+    ap.add_argument("--new-options", default="", help="engine options for this tree's side only: k=v,...")
     a = ap.parse_args(argv)
-    options = {k: int(v) for k, v in (kv.split("=") for kv in a.options.split(",") if kv)}
+    both, new_only = _options(a.options), _options(a.new_options)
     sys.path.insert(0, str(ROOT))
     from bench.engine import default_model_dir
 
@@ -111,10 +119,11 @@ def main(argv=None) -> int:
         (Path(tmp) / "old").mkdir()
         old_tree = export(a.rev, Path(tmp) / "old")
         model_dir = default_model_dir(tmp)
-        sides = {"new": start(ROOT, model_dir, options), "old": start(old_tree, model_dir, {})}
+        sides = {"new": start(ROOT, model_dir, both | new_only), "old": start(old_tree, model_dir, both)}
         load = os.getloadavg()[0]
         print(
-            f"new = this tree {options or ''}, old = {a.rev}; {a.workload} workload; load average {load:.1f}"
+            f"new = this tree {new_only or ''}, old = {a.rev}; {a.workload} workload {both or ''}; "
+            f"load average {load:.1f}"
         )
         print(f"{'dtype':8} {'batch':>5} {'new tok/s':>10} {'old tok/s':>10} {'wall':>6} {'cpu':>6}  outputs")
         try:
