@@ -292,9 +292,10 @@ class TailraceEngine:
         """A block for each decode row whose position this step starts one; when the pool is short,
         the youngest requests are preempted (see `Paging.grow`)."""
         step = self._decode_step
-        due = [s for s in self._grow_at.pop(step, ()) if self._seqs.get(s.id) is s]
-        if not due:
+        due = self._grow_at.pop(step, None)  # None: no row starts a block this step
+        if due is None:
             return
+        due = [s for s in due if self._seqs.get(s.id) is s]
         g = self.paging.grow([(s.id, s.pos_key + step + 1) for s in due])
         for rid in g.preempted:
             self._preempt(self._seqs[rid])
