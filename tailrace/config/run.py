@@ -34,6 +34,16 @@ class RolloutConfig:
     top_k: int = setting(0, "sample among the k most likely tokens (0 = all)")
     max_new_tokens: int = setting(384, "response length limit in tokens; a longer response is cut off")
     prefill_tokens: int = setting(512, "prompt tokens prefilled per engine step")
+    max_context: int | None = setting(
+        None,
+        "tokens per request, prompt + response; longer prompts are refused, responses cut there "
+        "(null = the model's max_position_embeddings, or what kv_memory_gb holds)",
+    )
+    kv_memory_gb: float | None = setting(
+        None,
+        "KV cache per engine (and tailrace eval) in GiB, filled as sequences grow; short of it the engine "
+        "queues or preempts (null = a share of the memory available at start-up: engine/kv_budget.py)",
+    )
     attention: Literal["auto", "kernel", "bmm", "sdpa"] = setting(
         "auto",
         "decode attention: the C kernel (CPU), bmm or sdpa; auto picks (see engine/backends/__init__.py)",
@@ -43,6 +53,14 @@ class RolloutConfig:
         for k in ("engines", "slots", "threads", "max_new_tokens", "prefill_tokens"):
             need(getattr(self, k) > 0, f"rollout.{k}={getattr(self, k)}: must be positive")
         need(self.lookahead >= 0, f"rollout.lookahead={self.lookahead}: must be >= 0")
+        need(
+            self.max_context is None or self.max_context >= 2,
+            f"rollout.max_context={self.max_context}: must be >= 2 (a prompt token and a new one), or null",
+        )
+        need(
+            self.kv_memory_gb is None or self.kv_memory_gb > 0,
+            f"rollout.kv_memory_gb={self.kv_memory_gb}: must be positive GiB, or null for a share of free memory",
+        )
         need(
             self.temperature > 0,
             f"rollout.temperature={self.temperature}: RL needs sampling; use a value > 0",

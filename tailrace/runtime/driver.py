@@ -110,7 +110,7 @@ class Driver:
         for i, cores in enumerate(engine_cores):
             espec = EngineSpec(
                 str(ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, cfg.seed, cfg.model.dtype,
-                start_version=version, attention=r.attention,
+                start_version=version, attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
             )  # fmt: skip
             conn, child = ctx.Pipe()
             p = ctx.Process(target=engine_main, args=(i, espec, child, self.weights), daemon=True)
