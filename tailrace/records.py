@@ -247,11 +247,15 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class EvalRecord:
-    """Held-out accuracy and response lengths of one evaluation (`tag`: base, final, ...)."""
+    """Held-out accuracy and response lengths of the weights `version` (`tag`: base, final, ...).
+    `wall_s`: when that version existed on the run's clock (published; 0 for the starting weights),
+    so accuracy plots against the time it took to get there, not the time the evaluation ran."""
 
     tag: str
-    step: int
+    step: int  # optimizer steps behind the weights
     summary: dict[str, Any]  # accuracy, n, p50, p90, p99, max, mean, p99_over_p50, histogram
+    version: int = 0
+    wall_s: float = 0.0
     kind = "eval"
 
     @property
@@ -259,16 +263,25 @@ class EvalRecord:
         return self.summary["accuracy"]
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "tag": self.tag, "step": self.step, **self.summary}
+        head = {
+            "kind": self.kind,
+            "tag": self.tag,
+            "step": self.step,
+            "version": self.version,
+            "wall_s": self.wall_s,
+        }
+        return {**head, **self.summary}
+
+
+_EVAL_HEAD = ("kind", "tag", "step", "version", "wall_s")
 
 
 def metric_from_json(d: dict) -> StepRecord | EvalRecord:
     if d.get("kind") == "step":
         return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__})
     if d.get("kind") == "eval":
-        return EvalRecord(
-            d["tag"], d["step"], {k: v for k, v in d.items() if k not in ("kind", "tag", "step")}
-        )
+        summary = {k: v for k, v in d.items() if k not in _EVAL_HEAD}
+        return EvalRecord(d["tag"], d["step"], summary, d.get("version", 0), d.get("wall_s", 0.0))
     raise ValueError(f"unknown metrics record kind {d.get('kind')!r}")
 
 

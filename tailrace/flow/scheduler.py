@@ -216,6 +216,29 @@ class Scheduler(SchedulerState):
         e.loaded.add(version)
         self.mark("loaded", engine=engine, version=version)
 
+    def on_engine_lost(self, engine: int, now: float) -> int:
+        """An engine died (or was killed for not answering) with work in flight: every request it held
+        goes back to its group's to-do list, to be dispatched again like a fresh sample (its tokens so
+        far are gone with the process). Nothing was produced, so the ledger is unchanged; the engine
+        keeps the versions it held (its replacement loads them) and its capacity. Returns how many
+        samples were requeued."""
+        self.now = now
+        eng = self.engines[engine]
+        lost = list(eng.in_flight)
+        for rid in lost:
+            key = SampleKey.parse(rid)
+            g = self._store.open[key.group]
+            g.in_flight.discard(key)
+            if key.index not in g.todo:
+                g.todo.append(key.index)
+                g.todo.sort()
+            g.dispatched -= 1
+            self._aborting.discard(rid)
+        eng.in_flight.clear()
+        eng.loading.clear()
+        self.mark("engine_lost", engine=engine, requeued=len(lost))
+        return len(lost)
+
     # ------------------------------------------------------------------ the policies' view
     @property
     def open(self) -> Mapping[int, GroupState]:

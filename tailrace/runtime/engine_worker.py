@@ -33,6 +33,8 @@ class EngineSpec:
     start_version: int = 0
     device: str = "cpu"
     attention: str = "auto"
+    max_context: int | None = None
+    kv_memory_gb: float | None = None
 
 
 def engine_main(
@@ -48,7 +50,10 @@ def engine_main(
         device=spec.device,
         seed=spec.seed,
         attention=spec.attention,
+        max_context=spec.max_context,
+        kv_memory_gb=spec.kv_memory_gb,
     )
+    print(f"engine {engine_id}: {engine.describe()}", flush=True)
     if spec.start_version != 0:
         engine.load_weights(weights.read(spec.start_version).views(), spec.start_version)
         engine.drop_version(0)

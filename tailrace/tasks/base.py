@@ -1,8 +1,9 @@
 """The Task protocol: prompts in, rewards out. A task knows text; the tokenizer turns it into ids.
 
 A task is deterministic given its seed: `examples("train")` and `examples("test")` are disjoint,
-reproducible streams. `reward(example, response)` scores one response text; it may be slow or
-buggy (user code), so the runtime always calls it through `tasks.guard.RewardGuard`.
+reproducible streams. `reward(example, response)` scores one response text; it may be slow,
+buggy or hostile (user code), so the runtime always calls it through `tasks.guard.RewardGuard`, which
+sandboxes it and clamps its value into the task's declared `reward_range`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class Example:
 
 class Task(ABC):
     name: str = "task"
+    reward_range: tuple[float, float] = (0.0, 1.0)  # (low, high): the guard clamps rewards into it
+    # how the guard starts the reward worker: None forks it from the trainer (cheap to start, but as
+    # large as the trainer); "spawn" starts a fresh interpreter, for rewards that fork on every call
+    reward_start_method: str | None = None
 
     @abstractmethod
     def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:
@@ -36,7 +41,7 @@ class Task(ABC):
 
     @abstractmethod
     def reward(self, example: Example, response: str) -> float:
-        """Score of one response in [0, 1]; 1 means verified correct."""
+        """Score of one response in `reward_range`; with the default [0, 1], 1 means verified correct."""
 
     def stream(self, split: str, seed: int = 0, chunk: int = 1024) -> Iterator[Example]:
         """An endless stream of examples (fresh chunks, ids continuing), for RL prompt queues."""

@@ -25,7 +25,7 @@ from tailrace.model.flat import flatten_parameters
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
-from tailrace.trainer.losses import CORRECTIONS, LOSSES, kl_penalty
+from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, kl_penalty
 from tailrace.trainer.optim import build_adamw
 from tailrace.types import Group
 
@@ -65,6 +65,7 @@ class GRPOTrainer:
         self.opt = build_adamw(model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.loss_fn = LOSSES[cfg.loss.name]
         self.correct = CORRECTIONS[cfg.loss.correction]
+        self.bounds = Bounds(cfg.loss.tis_cap, cfg.loss.ratio_low, cfg.loss.ratio_high)
         self.advantage = ADVANTAGES[cfg.advantage or self.loss_fn.advantage]  # None: the loss's own
         self.device = self.flat.buffer.device
         self.steps = 0
@@ -124,7 +125,7 @@ class GRPOTrainer:
             logits = self.model(mb.input_ids)  # (b, t, V)
         logp = token_logprobs(logits, mb.targets, cfg.temperature)  # (b, t) fp32
         prox = logp.detach()  # one step per batch: the pre-update policy is the current one
-        corr = self.correct(mb.behav_logp, prox, lc.tis_cap)
+        corr = self.correct(mb.behav_logp, prox, mb.mask, self.bounds)
         pg, st = self.loss_fn(
             logp,
             corr.old_logp,
@@ -148,6 +149,9 @@ class GRPOTrainer:
             live = mb.mask > 0
             same = resp & (mb.versions == mb.trainer_version)  # same weights: gap is pure numerics
             gap = (prox - mb.behav_logp).abs()
+            w = torch.where(live, (prox - mb.behav_logp).exp(), 0.0)  # the importance ratio pi_prox/pi_behav
+            acc.add("is_ratio", w.sum())
+            acc.peak("is_ratio_max", w.max())
             acc.add("loss", loss.detach())
             acc.add("pg_loss", pg.detach())
             for k in ("clip_frac", "approx_kl", "ratio_mean"):
@@ -179,6 +183,8 @@ class GRPOTrainer:
             "ratio_mean": per_tok("ratio_mean"),
             "ratio_max": acc.get("ratio_max"),
             "dropped_frac": per_tok("dropped"),
+            "is_ratio_mean": per_tok("is_ratio"),
+            "is_ratio_max": acc.get("is_ratio_max"),
             "grad_norm": grad_norm,
             "entropy": per_tok("entropy"),
             "logprob_gap_mean": acc.get("gap_sum") / gap_n if gap_n else math.nan,

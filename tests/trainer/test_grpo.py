@@ -77,11 +77,19 @@ def grads(model):
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "drgrpo"])
-@pytest.mark.parametrize("correction", ["none", "behaviour", "decoupled", "tis"])
+@pytest.mark.parametrize("correction", ["none", "behaviour", "decoupled", "tis", "icepop", "geo_mask"])
 def test_micro_batch_accumulation_equals_full_batch(loss, correction):
     base = TinyLM()
     groups = make_groups(base, noise=0.3)  # behaviour != current: ratios move, some tokens clip or cap
-    lc = dict(name=loss, correction=correction, kl_coef=0.1, max_new_tokens=8, tis_cap=1.3)
+    lc = dict(
+        name=loss,
+        correction=correction,
+        kl_coef=0.1,
+        max_new_tokens=8,
+        tis_cap=1.3,
+        ratio_low=0.8,
+        ratio_high=1.25,
+    )
     out = {}
     for mbt in (10_000, 9):
         model = copy.deepcopy(base)
@@ -104,13 +112,16 @@ def test_micro_batch_accumulation_equals_full_batch(loss, correction):
         "entropy",
         "grad_norm",
         "dropped_frac",
+        "is_ratio_mean",
+        "is_ratio_max",
         "tokens",
     ):
         assert m_acc[k] == pytest.approx(m_full[k], abs=1e-6), k
     if correction == "behaviour":
         assert m_full["clip_frac"] > 0  # the case exercises clipping
-    if correction == "decoupled":
-        assert m_full["dropped_frac"] > 0
+    if correction in ("decoupled", "icepop", "geo_mask"):
+        assert m_full["dropped_frac"] > 0  # the case exercises masking
+    assert m_full["is_ratio_max"] > 1.25 > m_full["is_ratio_mean"] > 0.8
 
 
 def test_step_changes_every_parameter_and_lowers_its_own_loss():
