@@ -3,7 +3,7 @@ scheduler (its journal), resume, the report, `sim/compare` and `tailrace trace` 
 
     metrics.jsonl   StepRecord (kind "step") and EvalRecord (kind "eval"), one per line
     events.jsonl    Span (a component busy in a phase) and Mark (a scheduler event)
-    journal.jsonl   Opened / Finished / Discarded: the scheduler's write-ahead log
+    journal.jsonl   Opened / Finished / Discarded / Dropped: the scheduler's write-ahead log
 
 Token ids and logprobs of a trajectory are stored as base64 of packed little-endian arrays (ids in
 the narrowest unsigned width that holds them, logprobs as float32 when that is exact, else float64),
@@ -144,7 +144,20 @@ class Discarded:
         return {"kind": self.kind, "group": self.group, "index": self.index, "reason": self.reason}
 
 
-JournalEntry = Opened | Finished | Discarded
+@dataclass(frozen=True)
+class Dropped:
+    """A complete group left without being trained (`reason`: zero-signal, ...); its samples are
+    discarded with that reason."""
+
+    group: int
+    reason: str
+    kind = "drop"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "group": self.group, "reason": self.reason}
+
+
+JournalEntry = Opened | Finished | Discarded | Dropped
 
 
 def journal_from_json(d: dict) -> JournalEntry:
@@ -159,6 +172,8 @@ def journal_from_json(d: dict) -> JournalEntry:
         return Finished(trajectory_from_json(d, ()))
     if kind == "discard":
         return Discarded(d["group"], d["index"], d["reason"])
+    if kind == "drop":
+        return Dropped(d["group"], d["reason"])
     raise ValueError(f"unknown journal entry kind {kind!r}")
 
 

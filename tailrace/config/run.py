@@ -18,9 +18,32 @@ class TaskConfig:
     )
     reward_timeout_s: float = setting(5.0, "seconds a reward may take; one that hangs or raises scores 0")
     seed: int = setting(0, "seed of the training prompt stream and the held-out set")
+    config: dict[str, Any] = section(
+        dict,
+        "the task's own settings: a reasoning-gym dataset's config (e.g. {min_terms: 2, max_terms: 3}), "
+        "chainsum's {bands, max_term, test_mod}, the jsonl and code tasks' keyword options "
+        "({question_field, answer_field, prompt_template, test_mod, test_path, ...})",
+    )
+    chat_template: Literal["auto", "none"] = setting(
+        "auto",
+        "auto: prompts go through the model's chat template when its tokenizer has one; "
+        "none: BOS + the raw question",
+    )
+    system_prompt: str | None = setting(
+        None, "the chat template's system message (null = the template's own default)"
+    )
 
     def __post_init__(self) -> None:
         need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
+        need(
+            isinstance(self.config, dict),
+            f"task.config={self.config!r}: expected a mapping of the task's settings, e.g. "
+            "--task.config='{min_terms: 2}'",
+        )
+        need(
+            self.system_prompt is None or self.chat_template == "auto",
+            "task.system_prompt needs a chat template; drop it or set task.chat_template=auto",
+        )
 
 
 @dataclass
@@ -85,6 +108,16 @@ class FlowConfig:
     rollout_groups: int | None = setting(
         None, "partial, multiversion: groups per version (null = max(R, 2U))"
     )
+    zero_signal: Literal["replace", "train"] = setting(
+        "replace",
+        "groups whose rewards are all equal (no advantage): replace them with fresh prompts (DAPO's "
+        "dynamic sampling) or train them as they are",
+    )
+    extra_groups: int | None = setting(
+        None,
+        "zero_signal=replace: at most this many replacement groups per optimizer step (null = U); "
+        "past it, such groups are trained",
+    )
     checkpoint_every: int = setting(
         1, "publishing steps between checkpoints (the last step always writes one)"
     )
@@ -117,6 +150,10 @@ class FlowConfig:
         need(
             self.time_limit_s is None or self.time_limit_s > 0,
             f"flow.time_limit_s={self.time_limit_s}: must be positive seconds, or null for no limit",
+        )
+        need(
+            self.extra_groups is None or self.extra_groups >= 0,
+            f"flow.extra_groups={self.extra_groups}: must be >= 0, or null for U",
         )
         need(self.checkpoint_every > 0, f"flow.checkpoint_every={self.checkpoint_every}: must be positive")
         need(self.keep_checkpoints > 0, f"flow.keep_checkpoints={self.keep_checkpoints}: must be positive")

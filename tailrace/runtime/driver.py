@@ -53,14 +53,15 @@ class Driver:
         f, r = cfg.flow, cfg.rollout
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
-            f.mode, max_staleness=f.max_staleness, frontier=f.frontier, rollout_groups=f.rollout_groups
-        )
+            f.mode, f.zero_signal, f.extra_groups, max_staleness=f.max_staleness, frontier=f.frontier,
+            rollout_groups=f.rollout_groups,
+        )  # fmt: skip
         sampling = SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
-            stop_token_ids=(session.tok.eos_id,),
+            stop_token_ids=session.stop_ids,
         )
         engines = [(r.slots, r.lookahead)] * r.engines
         self.sched = Scheduler(policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed)

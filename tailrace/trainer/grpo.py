@@ -2,7 +2,9 @@
 
 `step(groups, trainer_version)` flattens the groups into a TrainBatch, runs forward/backward per
 micro-batch (gradient accumulation, exact thanks to the batch's global `scale`), clips the gradient
-and steps AdamW. One step per batch means the pre-update ("proximal") policy is the current one:
+and steps AdamW — unless no group has a reward signal (all its rewards equal: every advantage zero)
+and no KL term pulls on the weights; then the step is counted, reported `skipped` and changes
+nothing. One step per batch means the pre-update ("proximal") policy is the current one:
 `prox = logp.detach()` from the same forward, with no second pass. The model is only called as
 `model(input_ids (B, T)) -> logits (B, T, V)`; it runs in eval mode (no dropout), because the policy
 whose ratio we clip must be the one the engine sampled from.
@@ -46,6 +48,12 @@ class _Sums:
         return float(d[key]) if key in d else default
 
 
+def _has_signal(g: Group) -> bool:
+    """Some advantage of the group is non-zero: given ones, or rewards that differ (every estimator
+    gives equal rewards zero advantage)."""
+    return any(g.advantages) if g.advantages else len({t.reward for t in g.trajectories}) > 1
+
+
 class GRPOTrainer:
     def __init__(self, model: nn.Module, cfg: TrainerConfig, ref_model: nn.Module | None = None):
         if cfg.loss.kl_coef > 0 and ref_model is None:
@@ -66,6 +74,10 @@ class GRPOTrainer:
         """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""
         t0 = time.perf_counter()
         batch = self.make_batch(groups, trainer_version)
+        if self.ref_model is None and not any(map(_has_signal, groups)):
+            # every advantage is zero: the gradient is too, so skip the passes and leave the weights
+            self.steps += 1
+            return self._metrics(_Sums(), batch, 0, 0.0, time.perf_counter() - t0, skipped=True)
         self.model.eval()
         self.opt.zero_grad(set_to_none=True)
         acc = _Sums()
@@ -153,7 +165,7 @@ class GRPOTrainer:
             acc.add("gap_tokens", same.sum())
 
     def _metrics(
-        self, acc: _Sums, batch: TrainBatch, n_micro: int, grad_norm: float, dt: float
+        self, acc: _Sums, batch: TrainBatch, n_micro: int, grad_norm: float, dt: float, skipped: bool = False
     ) -> dict[str, Any]:
         tok = acc.get("tokens")
 
@@ -183,6 +195,7 @@ class GRPOTrainer:
             "sequences": batch.num_seqs,
             "adv_mean": float(batch.seq_adv.mean()),
             "micro_batches": n_micro,
+            "skipped": int(skipped),  # 1: no group had a reward signal, so no forward/backward ran
             "lr": self.opt.param_groups[0]["lr"],
             "time_s": dt,
         }
