@@ -410,7 +410,7 @@ def main(argv=None) -> int:
         dtype = DTYPES[dn]
         model = load_pretrained(model_dir, dtype=dtype)
         engine = TailraceEngine(
-            model, num_slots=max(64, *a.batches), max_len=PROMPT_TOKENS + a.new_tokens + 16, seed=0
+            model, num_slots=max(64, *a.batches), max_context=PROMPT_TOKENS + a.new_tokens + 16, seed=0
         )
         weights = FusedWeights(model)  # the engine's fused GEMMs, for the limit
         # the same engine on torch ops (batched-GEMM attention, torch RoPE/cache writes/RMSNorm/SiLU), which
@@ -421,7 +421,7 @@ def main(argv=None) -> int:
             else TailraceEngine(
                 model,
                 num_slots=max(64, *a.batches),
-                max_len=PROMPT_TOKENS + a.new_tokens + 16,
+                max_context=PROMPT_TOKENS + a.new_tokens + 16,
                 seed=0,
                 attention="bmm",
             )
@@ -464,7 +464,7 @@ def main(argv=None) -> int:
         return 0
     dn = a.dtypes[0]
     engine = TailraceEngine(
-        load_pretrained(model_dir, dtype=DTYPES[dn]), num_slots=64, max_len=PROMPT_TOKENS + 512, seed=0
+        load_pretrained(model_dir, dtype=DTYPES[dn]), num_slots=64, max_context=PROMPT_TOKENS + 512, seed=0
     )
     reqs = cb_workload(a.cb_requests, engine.vocab_size, random.Random(1))
     lens = sorted(r.params.max_new_tokens for r in reqs)

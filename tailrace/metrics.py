@@ -105,3 +105,9 @@ def step_record(
         train={k: v for k, v in train.items() if isinstance(v, (int, float))},
         time=time,
     )
+
+
+def time_to_accuracy(points: list[tuple[float, float]], target: float) -> float | None:
+    """The first wall time at which held-out accuracy reached `target`, from (wall_s, accuracy)
+    evaluations in time order; None if it never did. Its resolution is the evaluation cadence."""
+    return next((t for t, acc in sorted(points) if acc >= target), None)

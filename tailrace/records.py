@@ -3,7 +3,7 @@ scheduler (its journal), resume, the report, `sim/compare` and `tailrace trace` 
 
     metrics.jsonl   StepRecord (kind "step"), EvalRecord ("eval"), CheckpointRecord ("checkpoint")
     events.jsonl    Span (a component busy in a phase) and Mark (a scheduler event)
-    journal.jsonl   Opened / Finished / Discarded: the scheduler's write-ahead log
+    journal.jsonl   Opened / Finished / Discarded / Dropped: the scheduler's write-ahead log
 
 Token ids and logprobs of a trajectory are stored as base64 of packed little-endian arrays (ids in
 the narrowest unsigned width that holds them, logprobs as float32 when that is exact, else float64),
@@ -146,7 +146,20 @@ class Discarded:
         return {"kind": self.kind, "group": self.group, "index": self.index, "reason": self.reason}
 
 
-JournalEntry = Opened | Finished | Discarded
+@dataclass(frozen=True)
+class Dropped:
+    """A complete group left without being trained (`reason`: zero-signal, ...); its samples are
+    discarded with that reason."""
+
+    group: int
+    reason: str
+    kind = "drop"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "group": self.group, "reason": self.reason}
+
+
+JournalEntry = Opened | Finished | Discarded | Dropped
 
 
 def journal_from_json(d: dict) -> JournalEntry:
@@ -161,6 +174,8 @@ def journal_from_json(d: dict) -> JournalEntry:
         return Finished(trajectory_from_json(d, ()))
     if kind == "discard":
         return Discarded(d["group"], d["index"], d["reason"])
+    if kind == "drop":
+        return Dropped(d["group"], d["reason"])
     raise ValueError(f"unknown journal entry kind {kind!r}")
 
 
@@ -234,11 +249,15 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class EvalRecord:
-    """Held-out accuracy and response lengths of one evaluation (`tag`: base, final, ...)."""
+    """Held-out accuracy and response lengths of the weights `version` (`tag`: base, final, ...).
+    `wall_s`: when that version existed on the run's clock (published; 0 for the starting weights),
+    so accuracy plots against the time it took to get there, not the time the evaluation ran."""
 
     tag: str
-    step: int
+    step: int  # optimizer steps behind the weights
     summary: dict[str, Any]  # accuracy, n, p50, p90, p99, max, mean, p99_over_p50, histogram
+    version: int = 0
+    wall_s: float = 0.0
     kind = "eval"
 
     @property
@@ -246,7 +265,17 @@ class EvalRecord:
         return self.summary["accuracy"]
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "tag": self.tag, "step": self.step, **self.summary}
+        head = {
+            "kind": self.kind,
+            "tag": self.tag,
+            "step": self.step,
+            "version": self.version,
+            "wall_s": self.wall_s,
+        }
+        return {**head, **self.summary}
+
+
+_EVAL_HEAD = ("kind", "tag", "step", "version", "wall_s")
 
 
 @dataclass(frozen=True)
@@ -269,9 +298,8 @@ def metric_from_json(d: dict) -> Metric:
     if d.get("kind") == "step":
         return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__})
     if d.get("kind") == "eval":
-        return EvalRecord(
-            d["tag"], d["step"], {k: v for k, v in d.items() if k not in ("kind", "tag", "step")}
-        )
+        summary = {k: v for k, v in d.items() if k not in _EVAL_HEAD}
+        return EvalRecord(d["tag"], d["step"], summary, d.get("version", 0), d.get("wall_s", 0.0))
     if d.get("kind") == "checkpoint":
         return CheckpointRecord(d["step"], d["bytes"], d["seconds"])
     raise ValueError(f"unknown metrics record kind {d.get('kind')!r}")

@@ -1,4 +1,4 @@
-"""Command line: tailrace train | sft | eval | report | trace | sim. `tailrace VERB --help` documents each verb.
+"""Command line: tailrace train | sft | eval | model | report | trace | sim. `tailrace VERB --help` documents each verb.
 
 Every way a command can end is one line and an exit code:
     0    done
@@ -70,9 +70,31 @@ TAILRACE = Verb(
         ),
         Verb(
             "report",
-            "write RUN_DIR/report.html: timeline, lengths, rewards",
-            ("report RUN_DIR",),
+            "write RUN_DIR/report.html (timeline, lengths, rewards), or one page comparing several runs",
+            ("report RUN_DIR", "report RUN_DIR RUN_DIR ... [--out FILE] [--target ACCURACY]"),
             commands.report,
+            flags=(
+                Flag("--out", "FILE", "where the comparison page goes (default: compare.html)"),
+                Flag("--target", "ACCURACY", "the accuracy to time runs to (default: lowest final - 0.02)"),
+            ),
+        ),
+        Verb(
+            "model",
+            "model checkpoints: import a GGUF file or a transformers directory",
+            ("model import SRC --out DIR [--dtype D]",),
+            verbs=(
+                Verb(
+                    "model import",
+                    "turn a GGUF file (dequantized) or a transformers checkpoint directory (safetensors) "
+                    "into a checkpoint tailrace reads, tokenizer and chat template included",
+                    ("model import SRC --out DIR [--dtype D]",),
+                    commands.import_model,
+                    flags=(
+                        Flag("--out", "DIR", "the new checkpoint directory"),
+                        Flag("--dtype", "D", "float32 (default) or bfloat16: the weights' dtype on disk"),
+                    ),
+                ),
+            ),
         ),
         Verb(
             "trace",

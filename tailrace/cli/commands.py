@@ -177,10 +177,31 @@ def _run_dir(args: Args, verb: str) -> Path:
 
 
 def report(args: Args) -> int:
+    if len(args.rest) > 1:
+        from tailrace.report.compare import write_comparison
+
+        if any(a.startswith("-") for a in args.rest):
+            raise ConfigError("usage: tailrace report RUN_DIR [RUN_DIR ...] [--out FILE] [--target ACCURACY]")
+        target = _fraction(args.flags["--target"], "--target") if "--target" in args.flags else None
+        out = write_comparison(
+            [Path(p) for p in args.rest], Path(args.flags.get("--out", "compare.html")), target
+        )
+        console.print(f"wrote {out}")
+        return 0
     from tailrace.report.html import write_report
 
     console.print(f"wrote {write_report(_run_dir(args, 'report'))}")
     return 0
+
+
+def _fraction(raw: str, flag: str) -> float:
+    try:
+        x = float(raw)
+    except ValueError:
+        x = -1.0
+    if not 0.0 <= x <= 1.0:
+        raise ConfigError(f"{flag} {raw}: give an accuracy between 0 and 1, e.g. 0.8")
+    return x
 
 
 def trace(args: Args) -> int:
@@ -188,4 +209,23 @@ def trace(args: Args) -> int:
 
     out = write_trace(_run_dir(args, "trace"))
     console.print(f"wrote {out} (open it in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def import_model(args: Args) -> int:
+    from tailrace.model.importer import import_model
+
+    if len(args.rest) != 1 or args.rest[0].startswith("-") or "--out" not in args.flags:
+        raise ConfigError("usage: tailrace model import SRC --out DIR [--dtype float32|bfloat16]")
+    dtype = args.flags.get("--dtype", "float32")
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--dtype {dtype}: use float32 or bfloat16")
+    r = import_model(args.rest[0], args.flags["--out"], dtype)
+    c = r.config
+    console.print(
+        f"wrote {r.path}: {c.model_type}, {r.parameters / 1e6:.1f}M parameters, {c.num_hidden_layers} layers, "
+        f"context {c.max_position_embeddings}, {dtype}, chat template {'yes' if r.chat_template else 'no'}; "
+        f"logits match the source within {r.max_logit_diff:.1e}"
+    )
+    console.print(f"use it: tailrace eval --model.path={r.path}   tailrace train --model.path={r.path} ...")
     return 0

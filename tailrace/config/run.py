@@ -18,9 +18,32 @@ class TaskConfig:
     )
     reward_timeout_s: float = setting(5.0, "seconds a reward may take; one that hangs or raises scores 0")
     seed: int = setting(0, "seed of the training prompt stream and the held-out set")
+    config: dict[str, Any] = section(
+        dict,
+        "the task's own settings: a reasoning-gym dataset's config (e.g. {min_terms: 2, max_terms: 3}), "
+        "chainsum's {bands, max_term, test_mod}, the jsonl and code tasks' keyword options "
+        "({question_field, answer_field, prompt_template, test_mod, test_path, ...})",
+    )
+    chat_template: Literal["auto", "none"] = setting(
+        "auto",
+        "auto: prompts go through the model's chat template when its tokenizer has one; "
+        "none: BOS + the raw question",
+    )
+    system_prompt: str | None = setting(
+        None, "the chat template's system message (null = the template's own default)"
+    )
 
     def __post_init__(self) -> None:
         need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
+        need(
+            isinstance(self.config, dict),
+            f"task.config={self.config!r}: expected a mapping of the task's settings, e.g. "
+            "--task.config='{min_terms: 2}'",
+        )
+        need(
+            self.system_prompt is None or self.chat_template == "auto",
+            "task.system_prompt needs a chat template; drop it or set task.chat_template=auto",
+        )
 
 
 @dataclass
@@ -34,6 +57,16 @@ class RolloutConfig:
     top_k: int = setting(0, "sample among the k most likely tokens (0 = all)")
     max_new_tokens: int = setting(384, "response length limit in tokens; a longer response is cut off")
     prefill_tokens: int = setting(512, "prompt tokens prefilled per engine step")
+    max_context: int | None = setting(
+        None,
+        "tokens per request, prompt + response; longer prompts are refused, responses cut there "
+        "(null = the model's max_position_embeddings, or what kv_memory_gb holds)",
+    )
+    kv_memory_gb: float | None = setting(
+        None,
+        "KV cache per engine (and tailrace eval) in GiB, filled as sequences grow; short of it the engine "
+        "queues or preempts (null = a share of the memory available at start-up: engine/kv_budget.py)",
+    )
     attention: Literal["auto", "kernel", "bmm", "sdpa"] = setting(
         "auto",
         "decode attention: the C kernel (CPU), bmm or sdpa; auto picks (see engine/backends/__init__.py)",
@@ -43,6 +76,14 @@ class RolloutConfig:
         for k in ("engines", "slots", "threads", "max_new_tokens", "prefill_tokens"):
             need(getattr(self, k) > 0, f"rollout.{k}={getattr(self, k)}: must be positive")
         need(self.lookahead >= 0, f"rollout.lookahead={self.lookahead}: must be >= 0")
+        need(
+            self.max_context is None or self.max_context >= 2,
+            f"rollout.max_context={self.max_context}: must be >= 2 (a prompt token and a new one), or null",
+        )
+        need(
+            self.kv_memory_gb is None or self.kv_memory_gb > 0,
+            f"rollout.kv_memory_gb={self.kv_memory_gb}: must be positive GiB, or null for a share of free memory",
+        )
         need(
             self.temperature > 0,
             f"rollout.temperature={self.temperature}: RL needs sampling; use a value > 0",
@@ -67,6 +108,16 @@ class FlowConfig:
     frontier: int | None = setting(None, "pipe: admit only the F lowest unfinished groups (null = U)")
     rollout_groups: int | None = setting(
         None, "partial, multiversion: groups per version (null = max(R, 2U))"
+    )
+    zero_signal: Literal["replace", "train"] = setting(
+        "replace",
+        "groups whose rewards are all equal (no advantage): replace them with fresh prompts (DAPO's "
+        "dynamic sampling) or train them as they are",
+    )
+    extra_groups: int | None = setting(
+        None,
+        "zero_signal=replace: at most this many replacement groups per optimizer step (null = U); "
+        "past it, such groups are trained",
     )
     checkpoint_every: int | None = setting(
         None,
@@ -114,6 +165,10 @@ class FlowConfig:
             self.checkpoint_minutes is None or self.checkpoint_minutes > 0,
             f"flow.checkpoint_minutes={self.checkpoint_minutes}: must be positive, or null",
         )
+        need(
+            self.extra_groups is None or self.extra_groups >= 0,
+            f"flow.extra_groups={self.extra_groups}: must be >= 0, or null for U",
+        )
         need(self.keep_checkpoints > 0, f"flow.keep_checkpoints={self.keep_checkpoints}: must be positive")
 
     @property
@@ -129,10 +184,14 @@ class EvalConfig:
     )
     max_new_tokens: int = setting(384, "response length limit in tokens")
     batch: int = setting(64, "prompts decoded at once")
+    every: int = setting(
+        0, "also evaluate every N-th step's weights, after training (snapshots; 0 = base and final only)"
+    )
 
     def __post_init__(self) -> None:
         need(self.n > 0, f"eval.n={self.n}: must be positive")
         need(self.max_new_tokens > 0, f"eval.max_new_tokens={self.max_new_tokens}: must be positive")
+        need(self.every >= 0, f"eval.every={self.every}: must be >= 0 (0 = base and final only)")
         need(self.temperature >= 0, f"eval.temperature={self.temperature}: must be >= 0 (0 = greedy)")
         need(self.batch > 0, f"eval.batch={self.batch}: must be positive")
 

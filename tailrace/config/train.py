@@ -23,6 +23,10 @@ class LossConfig:
     )
     kl_coef: float = setting(0.0, "weight of the k3 penalty to the reference policy (0 = none)")
     tis_cap: float = setting(2.0, "C: the importance-weight cap of the tis and decoupled corrections")
+    ratio_low: float = setting(0.5, "icepop keeps tokens (geo_mask sequences) whose pi_prox/pi_behav >= this")
+    ratio_high: float = setting(
+        2.0, "icepop keeps tokens (geo_mask sequences) whose pi_prox/pi_behav <= this"
+    )
     correction: str = setting("none", "off-policy correction: where the ratio's anchor and weight come from")
 
     def __post_init__(self) -> None:
@@ -44,6 +48,11 @@ class LossConfig:
         )
         need(self.kl_coef >= 0, f"train.loss.kl_coef={self.kl_coef}: must be >= 0 (0 = no KL penalty)")
         need(self.tis_cap >= 1.0, f"train.loss.tis_cap={self.tis_cap}: must be >= 1 (2 is typical)")
+        need(
+            0.0 < self.ratio_low <= 1.0 <= self.ratio_high,
+            f"train.loss.ratio_low={self.ratio_low}, ratio_high={self.ratio_high}: need 0 < low <= 1 <= high "
+            "(e.g. 0.5 and 2)",
+        )
 
 
 @dataclass

@@ -33,20 +33,21 @@ _state: dict[str, object] = {}
 
 class Kernels:
     """The decode step's kernels: `layer` (RoPE, cache writes and attention of a layer in one call),
-    `rms`, `silu_mul`, `gumbel` and `sample` (the sampler's noise and draw), and
-    `run(q, k, v, pos, row0, scale)`: attention of q (B, Hkv, G, D) fp32 over cache rows row0.. of
-    k, v (rows, Hkv, L, D) fp32/bf16, row b over positions [0, pos[b]]; returns (B, Hkv, G, D) fp32."""
+    `rms`, `silu_mul`, `gumbel` and `sample` (the sampler's noise and draw), and `run` (attention alone).
+    Both attention calls read a paged cache in place: k, v (blocks, Hkv, block_size, D), fp32/bf16, and a
+    block table (rows, W) int32 whose row r lists the blocks holding positions [0, W block_size) of the
+    sequence in row r (see `KVCache`)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._fns = {torch.float32: lib.decode_attn_f32, torch.bfloat16: lib.decode_attn_bf16}
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_void_p]
         self.dtypes = tuple(self._fns)  # the cache dtypes it reads
         self._layer = {torch.float32: lib.decode_layer_f32, torch.bfloat16: lib.decode_layer_bf16}
         for fn in self._layer.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+            fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p]
         self._rms = {torch.float32: lib.rms_f32, torch.bfloat16: lib.rms_bf16}
         self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
         for fn in self._rms.values():
@@ -164,32 +165,41 @@ class Kernels:
         return out
 
     def run(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row0: int, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        table: torch.Tensor,
+        pos: torch.Tensor,
+        row0: int,
+        scale: float,
     ) -> torch.Tensor:
+        """Attention of q (B, Hkv, G, D) fp32, sequence b (table row row0 + b) over its positions
+        [0, pos[b]]; returns (B, Hkv, G, D) fp32."""
         B, Hkv, G, D = q.shape
-        L = k.shape[2]
+        nblocks, kv_heads, bs, head_dim = k.shape
+        rows, W = table.shape
         if not (
             q.dtype == torch.float32
             and q.is_contiguous()
-            and k.is_contiguous()
-            and v.is_contiguous()
-            and k.dtype == v.dtype
+            and k.dtype in self._fns
+            and (kv_heads, head_dim) == (Hkv, D)
+            and _paged(k, v, table)
             and pos.dtype == torch.int64
             and pos.is_contiguous()
-            and k.shape[1:] == (Hkv, L, D)
-            and row0 + B <= k.shape[0]
             and pos.shape == (B,)
         ):
             raise ValueError(
                 f"decode_attn: bad operands q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
-                f"{k.dtype}, pos {tuple(pos.shape)} {pos.dtype}, rows {row0}..{row0 + B}"
+                f"{k.dtype}, table {tuple(table.shape)} {table.dtype}, pos {tuple(pos.shape)} {pos.dtype}"
             )
-        scratch = self._scratch_of(G * L)
+        scratch = self._scratch_of(G * W * bs)
         out = torch.empty_like(q)
         rc = self._fns[k.dtype](
             q.data_ptr(),
             k.data_ptr(),
             v.data_ptr(),
+            table.data_ptr(),
             pos.data_ptr(),
             out.data_ptr(),
             B,
@@ -197,15 +207,15 @@ class Kernels:
             G,
             D,
             row0,
-            L,
+            rows,
+            W,
+            bs,
+            nblocks,
             scale,
             scratch.data_ptr(),
         )
         if rc:
-            raise ValueError(
-                f"decode_attn: {'head_dim > 256' if rc == -1 else 'a position outside the cache'}"
-                f" (rows {row0}..{row0 + B}, max_len {L}, positions {pos.tolist()})"
-            )
+            raise ValueError(f"decode_attn: {_WHY[rc]} (rows {row0}..{row0 + B}, positions {pos.tolist()})")
         return out
 
     def layer(
@@ -214,28 +224,29 @@ class Kernels:
         cos_sin: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        table: torch.Tensor,
         row: torch.Tensor,
         pos: torch.Tensor,
         G: int,
         scale: float,
     ) -> torch.Tensor:
         """One layer's attention block after the q/k/v projection: token t of qkv (M, (H + 2 Hkv) D)
-        rotated by RoPE (cos_sin (>= L, 2, D), the backend's table), its k and v written into cache row
-        row[t] at pos[t], its q attended over that row's positions [0, pos[t]] (a prefill piece: one
-        row's tokens in increasing positions, causal); returns o (M, H D). One dtype, fp32 or bf16."""
-        M, W = qkv.shape
-        rows, Hkv, L, D = k.shape
+        rotated by RoPE (cos_sin (>= W block_size, 2, D), the backend's table), its k and v written into
+        the cache at position pos[t] of the sequence in table row row[t], its q attended over that
+        sequence's positions [0, pos[t]] (a prefill piece: one row's tokens in increasing positions,
+        causal); returns o (M, H D). One dtype, fp32 or bf16."""
+        M, Wq = qkv.shape
+        nblocks, Hkv, bs, D = k.shape
+        rows, W = table.shape
         dt = qkv.dtype
         if not (
             dt in self._layer
-            and cos_sin.dtype == k.dtype == v.dtype == dt
-            and k.shape == v.shape
+            and cos_sin.dtype == k.dtype == dt
+            and _paged(k, v, table)
             and qkv.is_contiguous()
             and cos_sin.is_contiguous()
-            and k.is_contiguous()
-            and v.is_contiguous()
-            and W == (G + 2) * Hkv * D
-            and cos_sin.shape[0] >= L
+            and Wq == (G + 2) * Hkv * D
+            and cos_sin.shape[0] >= W * bs
             and cos_sin.shape[1:] == (2, D)
             and pos.shape == row.shape == (M,)
             and pos.dtype == row.dtype == torch.int64
@@ -244,14 +255,15 @@ class Kernels:
         ):
             raise ValueError(
                 f"decode_layer: bad operands qkv {tuple(qkv.shape)} {dt}, k {tuple(k.shape)} "
-                f"{k.dtype}, cos_sin {tuple(cos_sin.shape)} {cos_sin.dtype}, G {G}, pos "
-                f"{tuple(pos.shape)} {pos.dtype}, row {tuple(row.shape)} {row.dtype}"
+                f"{k.dtype}, table {tuple(table.shape)} {table.dtype}, cos_sin {tuple(cos_sin.shape)} "
+                f"{cos_sin.dtype}, G {G}, pos {tuple(pos.shape)} {pos.dtype}, row {tuple(row.shape)} {row.dtype}"
             )
-        scratch = self._scratch_of(G * L + 2 * G * D)
+        scratch = self._scratch_of(G * W * bs + 2 * G * D)
         out = torch.empty(M, G * Hkv * D, dtype=dt)
         rc = self._layer[dt](
             qkv.data_ptr(),
             cos_sin.data_ptr(),
+            table.data_ptr(),
             row.data_ptr(),
             pos.data_ptr(),
             k.data_ptr(),
@@ -259,23 +271,39 @@ class Kernels:
             out.data_ptr(),
             M,
             rows,
+            W,
             Hkv,
             G,
             D,
-            L,
+            bs,
+            nblocks,
             scale,
             scratch.data_ptr(),
         )
         if rc:
-            why = {
-                -1: "head_dim > 256 or odd",
-                -2: "a position outside the cache",
-                -3: "a row outside the cache",
-            }[rc]
-            raise ValueError(
-                f"decode_layer: {why} (rows {row.tolist()}, max_len {L}, positions {pos.tolist()})"
-            )
+            raise ValueError(f"decode_layer: {_WHY[rc]} (rows {row.tolist()}, positions {pos.tolist()})")
         return out
+
+
+_WHY = {
+    -1: "head_dim > 256 or odd",
+    -2: "a position outside the block table",
+    -3: "a row outside the block table",
+    -4: "a block outside the cache",
+}
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> bool:
+    """k, v one contiguous paged cache (4-D, as the caller unpacked k); table int32, contiguous (2-D,
+    as the caller unpacked it)."""
+    return (
+        k.shape == v.shape
+        and k.dtype == v.dtype
+        and table.dtype == torch.int32
+        and k.is_contiguous()
+        and v.is_contiguous()
+        and table.is_contiguous()
+    )
 
 
 def _build_key(cc: str) -> str:

@@ -1,22 +1,31 @@
-"""`TailraceEngine`: continuous batching of token-id requests over a preallocated KV cache. Knows nothing
-of RL. tailrace's own implementation of the `Engine` protocol (see `protocol`).
+"""`TailraceEngine`: continuous batching of token-id requests over a paged KV cache. Knows nothing of
+RL. tailrace's own implementation of the `Engine` protocol (see `protocol`).
 
-Token ids in; token ids, per-token logprobs and per-token policy versions out. Each `step()`:
-  1. admit waiting requests into free slots (cache rows);
-  2. pick up to `prefill_tokens` prompt tokens to prefill (pieces of prompts, FIFO: a long prompt
+Token ids in; token ids, per-token logprobs and per-token policy versions out. Slots (concurrent
+requests) and KV memory are set independently: the cache is a pool of fixed-size blocks sized by a
+memory budget (`kv_budget`), and a request holds only the blocks its tokens fill (`Paging` decides).
+Each `step()`:
+  1. decode rows whose next position starts a block get one; when the pool is short the youngest
+     requests are preempted (their blocks freed, requeued first to re-prefill what they had);
+  2. admit waiting requests into free slots (cache rows) while their prompts' blocks fit;
+  3. pick up to `prefill_tokens` prompt tokens to prefill (pieces of prompts, FIFO: a long prompt
      never stalls the decode batch for more than one budget);
-  3. one `Backend.forward` per version present runs its decode rows (one token each, over that
-     version's contiguous rows: views of the cache; attention cut into chunks of similar length, see
-     `chunks`) together with its prefill pieces, one pass over the weights; then one sampling call
-     for the decode rows and one for the requests whose prompt completed (their first token; they
-     join the decode batch next step);
-  4. one device->host read (stop flags, skipped when no live request has stop tokens), then finished
-     requests leave at once and the decode rows are compacted (`Slots`).
+  4. one `Backend.forward` per version present runs its decode rows (one token each, over that
+     version's contiguous rows; attention cut into chunks of similar length, see `chunks`) together
+     with its prefill pieces, one pass over the weights; then one sampling call for the decode rows
+     and one for the requests whose prompt completed (their first token; they join the decode batch
+     next step);
+  5. one device->host read (stop flags, skipped when no live request has stop tokens), then finished
+     requests leave at once and the decode rows are compacted (`Slots`; a row move copies its block
+     table row, not its k/v).
 Lengths are known on the host without reading the device (every decoding request gains one token
-per step), so the only other device reads are the outputs of requests that finish or are aborted.
+per step), so the only other device reads are the outputs of requests that finish, are aborted or
+are preempted.
 
 A request ends with STOP on one of its `stop_token_ids` (the engine adds no EOS of its own), with
-LENGTH at `max_new_tokens` (resumed tokens count) or when prompt + response fill `max_len`.
+LENGTH at `max_new_tokens` (resumed tokens count) or when prompt + response fill `max_context` (a
+response is cut there like at max_new_tokens; a prompt that leaves no room is refused by `add`).
+Preemption changes no output: a preempted request resumes as an aborted one does (`abort_resume`).
 Seeded requests are batch-invariant (see `sampler`): the same tokens alone or in any batch, up to
 floating-point differences between batch shapes (a flip needs a near-tie of perturbed logits).
 
@@ -28,6 +37,7 @@ is copied only when `device`/`dtype` ask for a different placement.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import time
 from collections import Counter, deque
@@ -37,7 +47,9 @@ import torch
 from tailrace.engine import backends, chunks, prefill
 from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
+from tailrace.engine.kv_budget import GIB, size_pool
 from tailrace.engine.kv_cache import KVCache
+from tailrace.engine.paging import Paging
 from tailrace.engine.protocol import Capabilities
 from tailrace.engine.rows import POS, TOK, RowState
 from tailrace.engine.sampler import SampleFlags, sample, seed_key, vocab_salt
@@ -70,7 +82,9 @@ class TailraceEngine:
         model: CausalLM,
         *,
         num_slots: int = 64,
-        max_len: int | None = None,
+        max_context: int | None = None,
+        kv_memory_gb: float | None = None,
+        block_size: int = 16,
         prefill_tokens: int = 512,
         device: torch.device | str | None = None,
         dtype: torch.dtype | str | None = None,
@@ -79,8 +93,10 @@ class TailraceEngine:
         attention: str | None = None,
         kv_dtype: torch.dtype | None = None,
     ):
-        """`model` is version 0. `max_len`: context limit (prompt + response) per request, default the
-        model's max_position_embeddings. `threads`: torch intra-op threads (None leaves the caller's
+        """`model` is version 0. `max_context`: context limit (prompt + response) per request, default
+        the model's max_position_embeddings (or less, if the KV budget holds less). `kv_memory_gb`: the
+        KV cache's budget in GiB, default a fraction of the memory available (see `kv_budget`);
+        `block_size`: tokens per KV block. `threads`: torch intra-op threads (None leaves the caller's
         setting). `attention`: the step's backend, chosen once: 'auto' (None), 'kernel' (the CPU C
         kernels; 'auto' picks them on CPU with one thread), 'bmm' or 'sdpa' (the torch backend with
         that decode attention), see `backends.select`; `backend` names the one chosen. `kv_dtype`:
@@ -102,16 +118,38 @@ class TailraceEngine:
         if w.device != device or w.dtype != dtype:
             model = copy.deepcopy(model).to(device=device, dtype=dtype)
         cfg = model.config
-        max_len = max_len or cfg.max_position_embeddings
-        if max_len < 2:
-            raise EngineError(f"max_len={max_len} must be at least 2 (one prompt token and one new token)")
-        self.num_slots, self.max_len, self.prefill_tokens = num_slots, max_len, prefill_tokens
-        self.device, self.dtype, self.vocab_size = device, dtype, cfg.vocab_size
+        if max_context is not None and max_context < 2:
+            raise EngineError(
+                f"max_context={max_context} must be at least 2 (one prompt token and one new token)"
+            )
         kv_dtype = kv_dtype or dtype
-        self._versions = Versions(model, backends.select(attention, model, max_len, kv_dtype))
+        self.kv_size = size_pool(
+            token_bytes=KVCache.token_bytes(model, kv_dtype),
+            block_size=block_size,
+            num_slots=num_slots,
+            max_context=max_context or cfg.max_position_embeddings,
+            context_given=max_context is not None,
+            budget_gib=kv_memory_gb,
+            device=device,
+        )
+        self.num_slots, self.prefill_tokens = num_slots, prefill_tokens
+        self.max_context = self.kv_size.max_context
+        self.device, self.dtype, self.vocab_size = device, dtype, cfg.vocab_size
+        try:  # +1 row: the slots' swap row
+            self.cache = KVCache.for_model(
+                model, self.kv_size.num_blocks, block_size, num_slots + 1, self.max_context, kv_dtype, device
+            )
+        except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError subclasses
+            raise EngineError(
+                f"allocating the KV cache ({self.kv_size.num_blocks * self.kv_size.block_bytes / GIB:.2f} GiB) "
+                f"failed: {str(e).splitlines()[0]}; lower kv_memory_gb"
+            ) from e
+        # the backends address every position of a row's blocks (max_context rounded up to a block)
+        select = backends.select(attention, model, self.cache.max_context, kv_dtype)
+        self._versions = Versions(model, select)
         self.backend = self._versions[0].name
-        self.cache = KVCache.for_model(model, num_slots + 1, max_len, kv_dtype, device)  # +1: the swap row
-        self.rows = RowState(num_slots + 1, cfg.vocab_size, max_len, device)
+        self.paging = Paging(self.kv_size.num_blocks, block_size)
+        self.rows = RowState(num_slots + 1, cfg.vocab_size, device)
         self.slots = Slots(num_slots)
         self._salt = vocab_salt(cfg.vocab_size, device)
         self._sample_kernel = self._versions[0].kernel  # the backend's CPU kernels, None where it has none
@@ -123,6 +161,9 @@ class TailraceEngine:
         self._per_version: Counter[int] = Counter()
         self._decode_step = 0
         self._finish_at: dict[int, list[Sequence]] = {}  # decode step -> sequences reaching their length
+        self._grow_at: dict[int, list[Sequence]] = {}  # decode step -> sequences starting a new block
+        self._arrivals = 0  # requests added so far: the next one's age
+        self.preemptions = 0  # requests preempted so far (each re-prefills once readmitted)
         self._sorting: dict[int, list] = {}  # version -> [steps since its rows were sorted, overhead then]
         self._n_sampled = self._n_tempered = self._n_filter = self._n_min_stop = self._n_stop = (
             0  # decode rows
@@ -146,14 +187,19 @@ class TailraceEngine:
         """Whether a request is waiting or running (so `abort` would succeed)."""
         return request_id in self._seqs
 
+    def describe(self) -> str:
+        return f"{self.backend} backend; {self.kv_size.describe(self.num_slots)}"
+
     def add(self, req: GenRequest) -> None:
         """Queue a request; raises `EngineError` (and changes nothing) if it is malformed."""
-        check_request(req, self._seqs, self._versions, self.max_len, self.vocab_size)
+        check_request(req, self._seqs, self._versions, self.max_context, self.vocab_size)
         seed = req.params.seed if req.params.seed is not None else self._rng.getrandbits(64)
-        seq = Sequence(req, seed_key(seed), time.perf_counter(), self.max_len)
+        seq = Sequence(req, seed_key(seed), time.perf_counter(), self.max_context, self._arrivals)
+        self._arrivals += 1
         if seq.allowed <= 0:  # a resumed partial that already has max_new_tokens
             self._done_next.append(self._result(seq, [], [], Finish.LENGTH, seq.submitted))
             return
+        self.rows.reserve(seq.num_resumed + seq.allowed)
         self._seqs[req.id] = seq
         self._per_version[req.version] += 1
         self._waiting.append(seq)
@@ -210,7 +256,7 @@ class TailraceEngine:
                 f"request id {dup!r} appears twice in generate(); give each request a unique id"
             )
         for r in requests:
-            check_request(r, self._seqs, self._versions, self.max_len, self.vocab_size)
+            check_request(r, self._seqs, self._versions, self.max_context, self.vocab_size)
         for r in requests:
             self.add(r)
         results: dict[str, GenResult] = {}
@@ -224,6 +270,7 @@ class TailraceEngine:
     def step(self) -> StepEvent:
         t0 = time.perf_counter()
         with torch.inference_mode():
+            self._grow()
             self._admit()
             pieces = prefill.plan(self._prefilling, self.prefill_tokens)
             active = self.slots.num_decoding
@@ -241,11 +288,61 @@ class TailraceEngine:
             finished,
         )
 
+    def _grow(self) -> None:
+        """A block for each decode row whose position this step starts one; when the pool is short,
+        the youngest requests are preempted (see `Paging.grow`)."""
+        step = self._decode_step
+        due = self._grow_at.pop(step, None)  # None: no row starts a block this step
+        if due is None:
+            return
+        due = [s for s in due if self._seqs.get(s.id) is s]
+        g = self.paging.grow([(s.id, s.pos_key + step + 1) for s in due])
+        for rid in g.preempted:
+            self._preempt(self._seqs[rid])
+        self.cache.table.put([(self.slots.row[rid], i, b) for rid, i, b in g.grown])
+        for s in due:
+            if self._seqs.get(s.id) is s:  # not preempted: its next block starts block_size steps on
+                self._grow_at.setdefault(step + self.kv_size.block_size, []).append(s)
+
     def _admit(self) -> None:
+        """Waiting requests into free slots, first come first served, while their prompts' blocks fit
+        (a request that does not fit waits at the head, so a long prompt is never overtaken)."""
         while self._waiting and self.slots.num_free:
-            seq = self._waiting.popleft()
-            self.rows.set(self.slots.admit(seq.id), seq)
+            seq = self._waiting[0]
+            # it holds at most len(ids) + allowed - 1 positions: its last token's k/v is never written
+            blocks = self.paging.admit(seq.id, len(seq.ids), len(seq.ids) + seq.allowed - 1, seq.age)
+            if blocks is None:
+                return
+            self._waiting.popleft()
+            row = self.slots.admit(seq.id)
+            self.rows.set(row, seq)
+            self.cache.table.set(row, blocks)
             self._prefilling.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take a running request's slot (its blocks are already free) and queue it first, as a request
+        that re-prefills its prompt and the tokens it generated, which it keeps with their logprobs and
+        versions: it continues as if never interrupted (the `abort_resume` guarantee)."""
+        toks: list[int] = []
+        lps: list[float] = []
+        if self.slots.is_decoding(seq.id):
+            row, r0 = self.slots.row[seq.id], seq.num_resumed
+            [(toks, lps)] = self.rows.outputs([row], [r0], [r0 + seq.num_new(self._decode_step)])
+        else:
+            self._prefilling.remove(seq)
+        self._release(seq)
+        r = seq.req
+        req = dataclasses.replace(
+            r,
+            resume_ids=r.resume_ids + tuple(toks),
+            resume_logprobs=r.resume_logprobs + tuple(lps),
+            resume_versions=r.resume_versions + (r.version,) * len(toks),
+        )
+        again = Sequence(req, seq.key, seq.submitted, self.max_context, seq.age)
+        again.first_token = seq.first_token
+        self._seqs[seq.id] = again
+        self._waiting.appendleft(again)
+        self.preemptions += 1
 
     def _arrange(self) -> list[list[chunks.Chunk]]:
         """Per decode group: attention chunks of its rows; re-sorts the group's rows (longest first)
@@ -383,7 +480,7 @@ class TailraceEngine:
                 if self._seqs.get(seq.id) is seq and seq.id not in stop_ids:
                     fin.append((seq, Finish.LENGTH))
         for seq in completed:
-            seq.first_token, seq.new_at_join = now, 1
+            seq.first_token, seq.new_at_join = seq.first_token or now, 1  # a preempted one keeps its own
             if seq.allowed == 1 and seq.id not in stop_ids:
                 fin.append((seq, Finish.LENGTH))
         results = self._done_next
@@ -410,13 +507,22 @@ class TailraceEngine:
         seq.joined_at = self._decode_step
         seq.pos_key = len(seq.ids) - seq.joined_at  # its decode input's position minus the step counter
         self._finish_at.setdefault(seq.joined_at + seq.allowed - 1, []).append(seq)
+        bs = self.kv_size.block_size
+        past = -(-len(seq.ids) // bs) * bs  # the first position past its prompt's blocks
+        self._grow_at.setdefault(seq.joined_at + past - len(seq.ids), []).append(seq)
         self._count(seq, +1)
 
     def _remove(self, seq: Sequence) -> None:
         del self._seqs[seq.id]
         self._per_version[seq.version] -= 1
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free its slot (compacting the decode rows) and its blocks, where it holds them."""
         if seq.id not in self.slots.row:
             return
+        if self.paging.holds(seq.id):
+            self.paging.release(seq.id)
         decoding = self.slots.is_decoding(seq.id)
         self._apply(self.slots.release(seq.id))
         if decoding:
@@ -432,10 +538,8 @@ class TailraceEngine:
         self._n_min_stop += d * bool(p.stop_token_ids and p.min_new_tokens > 0)
 
     def _apply(self, moves) -> None:
-        for src, dst, rid in moves:
-            seq = self._seqs[rid]
-            n = min(self.max_len, len(seq.ids) + seq.num_new(self._decode_step) + 1)
-            self.cache.move_row(src, dst, n)
+        for src, dst, _ in moves:
+            self.cache.table.move(src, dst)
             self.rows.move(src, dst)
 
     def _result(

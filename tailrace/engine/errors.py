@@ -16,7 +16,7 @@ class EngineError(InputError):
 
 
 def check_request(
-    req: GenRequest, live: Container[str], versions: Container[int], max_len: int, vocab_size: int
+    req: GenRequest, live: Container[str], versions: Container[int], max_context: int, vocab_size: int
 ) -> None:
     """`live`: ids of the requests in the engine; `versions`: the loaded versions."""
     if not isinstance(req, GenRequest):
@@ -39,10 +39,10 @@ def check_request(
             f"load_weights(state, {req.version}) first"
         )
     n = len(req.prompt_ids) + n_res
-    if n >= max_len:
+    if n >= max_context:
         raise EngineError(
             f"request {rid!r}: prompt ({len(req.prompt_ids)}) + resumed ({n_res}) = {n} tokens "
-            f"leave no room for a new token in max_len={max_len}; shorten it or raise max_len"
+            f"leave no room for a new token in max_context={max_context}; shorten it or raise max_context"
         )
     ids = req.prompt_ids + req.resume_ids + req.params.stop_token_ids
     if min(ids) < 0 or max(ids) >= vocab_size:

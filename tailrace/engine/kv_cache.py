@@ -1,15 +1,20 @@
-"""`KVCache`: per-layer key/value tensors indexed by (row, kv_head, position, head_dim).
+"""`KVCache`: the paged key/value cache -- per layer k, v (num_blocks, kv_head, block_size, head_dim) --
+and the `BlockTable` saying which blocks hold each cache row's positions.
 
-A row holds one sequence (an engine slot). Rows are written only by a backend's forward
-(`engine.backends`), which scatters each token's k/v at its absolute position (after RoPE); this class
-owns storage and row moves, nothing else. Tensors start zeroed: attention masks hide unwritten positions
-with a zero weight, and 0 * garbage is only safe while the garbage is finite.
+A row holds one sequence (an engine slot); its positions live in fixed-size blocks of a shared pool,
+handed out as it grows (`Paging` decides, the engine writes the table), so memory follows the tokens
+actually held, not slots x context. Blocks are written only by a backend's forward
+(`engine.backends`), which puts each token's k/v (after RoPE) at its position; this class owns storage
+and the table, nothing else. Storage starts zeroed: the torch backend reads whole blocks and masks the
+positions past a row's length with a zero weight, and 0 * garbage is only safe while the garbage is
+finite (a block that held another sequence's k/v is).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tailrace.engine.block_table import BlockTable
 from tailrace.model.decoder import CausalLM
 
 
@@ -17,34 +22,42 @@ class KVCache:
     def __init__(
         self,
         num_layers: int,
-        num_rows: int,
+        num_blocks: int,
         num_kv_heads: int,
-        max_len: int,
+        block_size: int,
         head_dim: int,
+        num_rows: int,
+        max_context: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
+        """`num_rows` rows of up to `max_context` positions each, over a pool of `num_blocks` blocks."""
         for name, v in (
             ("num_layers", num_layers),
-            ("num_rows", num_rows),
+            ("num_blocks", num_blocks),
             ("num_kv_heads", num_kv_heads),
-            ("max_len", max_len),
+            ("block_size", block_size),
             ("head_dim", head_dim),
+            ("num_rows", num_rows),
+            ("max_context", max_context),
         ):
             if v <= 0:
                 raise ValueError(f"KVCache {name}={v} must be positive")
-        shape = (num_rows, num_kv_heads, max_len, head_dim)
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
         # Normal (not inference-mode) tensors, so the cache works inside and outside inference_mode.
         with torch.inference_mode(False):
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.table = BlockTable(num_rows, -(-max_context // block_size), device)
 
     @classmethod
     def for_model(
         cls,
         model: CausalLM,
+        num_blocks: int,
+        block_size: int,
         num_rows: int,
-        max_len: int,
+        max_context: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> KVCache:
@@ -52,21 +65,34 @@ class KVCache:
         w, c = model.model.embed_tokens.weight, model.config
         return cls(
             c.num_hidden_layers,
-            num_rows,
+            num_blocks,
             c.num_key_value_heads,
-            max_len,
+            block_size,
             c.head_dim,
+            num_rows,
+            max_context,
             dtype or w.dtype,
             device or w.device,
         )
 
+    @staticmethod
+    def token_bytes(model: CausalLM, dtype: torch.dtype) -> int:
+        """Bytes of one token's k and v in every layer of `model`, stored in `dtype`."""
+        c = model.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.itemsize
+
     @property
-    def num_rows(self) -> int:
+    def num_blocks(self) -> int:
         return self.k[0].shape[0]
 
     @property
-    def max_len(self) -> int:
+    def block_size(self) -> int:
         return self.k[0].shape[2]
+
+    @property
+    def max_context(self) -> int:
+        """Positions a row can address (the table's width in blocks x block_size)."""
+        return self.table.width * self.block_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,12 +104,3 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def move_row(self, src: int, dst: int, length: int | None = None) -> None:
-        """Copy row `src`'s k/v into row `dst` in every layer (positions [0, length), default all);
-        `src` keeps its data. Used to compact live sequences into a contiguous block of rows."""
-        if src == dst:
-            return
-        n = self.max_len if length is None else length
-        for t in self.k + self.v:
-            t[dst, :, :n].copy_(t[src, :, :n])

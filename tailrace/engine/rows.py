@@ -2,8 +2,9 @@
 
 Per row: the next decode input and its position, the index of the next response token, the noise
 key, sampling parameters, a stop-token mask, and output buffers holding each sampled token and its
-logprob at its response index. Rows move with their KV-cache rows (`move`), so a decode step reads
-and updates a contiguous slice with a handful of tensor ops and never crosses to the host.
+logprob at its response index (as wide as the longest response admitted so far, see `reserve`). Rows
+move with the engine's slots (`move`), so a decode step reads and updates a contiguous slice with a
+handful of tensor ops and never crosses to the host.
 """
 
 from __future__ import annotations
@@ -20,14 +21,28 @@ TOP_P_OFF = 2.0  # a top_p that never cuts (avoids rounding at exactly 1.0)
 
 
 class RowState:
-    def __init__(self, num_rows: int, vocab_size: int, max_len: int, device: torch.device):
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         with torch.inference_mode(False):  # plain tensors: usable in and out of inference mode
             self.ints = torch.zeros(num_rows, 6, dtype=torch.int64, device=device)
             self.floats = torch.zeros(num_rows, 3, dtype=torch.float32, device=device)
             self.stop_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
-            self.out_tok = torch.zeros(num_rows, max_len, dtype=torch.int64, device=device)
-            self.out_lp = torch.zeros(num_rows, max_len, dtype=torch.float32, device=device)
+            self.out_tok = torch.zeros(num_rows, 0, dtype=torch.int64, device=device)
+            self.out_lp = torch.zeros(num_rows, 0, dtype=torch.float32, device=device)
+        self._all = (self.ints, self.floats, self.stop_mask, self.out_tok, self.out_lp)
+
+    def reserve(self, width: int) -> None:
+        """Make the output buffers hold response indices [0, width) (at least doubling when they grow,
+        so a run widens them a few times at most)."""
+        n = self.out_tok.shape[1]
+        if width <= n:
+            return
+        width = max(width, 2 * n)
+        with torch.inference_mode(False):
+            tok = self.out_tok.new_zeros(self.out_tok.shape[0], width)
+            lp = self.out_lp.new_zeros(self.out_lp.shape[0], width)
+            tok[:, :n], lp[:, :n] = self.out_tok, self.out_lp
+        self.out_tok, self.out_lp = tok, lp
         self._all = (self.ints, self.floats, self.stop_mask, self.out_tok, self.out_lp)
 
     def set(self, row: int, seq: Sequence) -> None:

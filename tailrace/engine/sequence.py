@@ -23,9 +23,10 @@ class Sequence:
         "joined_at",
         "allowed",
         "pos_key",
+        "age",
     )
 
-    def __init__(self, req: GenRequest, key: int, submitted: float, max_len: int):
+    def __init__(self, req: GenRequest, key: int, submitted: float, max_context: int, age: int):
         self.req = req
         self.ids = req.prompt_ids + req.resume_ids  # what prefill feeds
         self.key = key  # 32-bit noise key from the request's seed
@@ -36,8 +37,9 @@ class Sequence:
         self.joined_at = -1  # engine decode-step counter at join; -1 = not decoding
         # New tokens it may still produce: the rest of max_new_tokens (which counts the resumed
         # prefix) and the rest of the context.
-        self.allowed = min(req.params.max_new_tokens - len(req.resume_ids), max_len - len(self.ids))
+        self.allowed = min(req.params.max_new_tokens - len(req.resume_ids), max_context - len(self.ids))
         self.pos_key = 0  # position of its decode input minus the decode-step counter (for max position)
+        self.age = age  # arrival number in the engine (smaller = older), kept across preemptions
 
     @property
     def id(self) -> str:

@@ -54,14 +54,15 @@ class Driver:
         f, r = cfg.flow, cfg.rollout
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
-            f.mode, max_staleness=f.max_staleness, frontier=f.frontier, rollout_groups=f.rollout_groups
-        )
+            f.mode, f.zero_signal, f.extra_groups, max_staleness=f.max_staleness, frontier=f.frontier,
+            rollout_groups=f.rollout_groups,
+        )  # fmt: skip
         sampling = SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
-            stop_token_ids=(session.tok.eos_id,),
+            stop_token_ids=session.stop_ids,
         )
         engines = [(r.slots, r.lookahead)] * r.engines
         self.sched = Scheduler(policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed)
@@ -78,6 +79,7 @@ class Driver:
         self.pending_trajs: dict[int, tuple[int, list[Trajectory]]] = {}  # step -> (version, trajectories)
         self._eval_wanted: set[str] = set()  # ids of held-out requests not yet returned
         self._eval_results: list[GenResult] = []
+        self._last_wall = 0.0  # the newest step record's wall_s: when the newest weights were published
 
     # ------------------------------------------------------------------ set-up
     def _start(self, version: int) -> None:
@@ -94,7 +96,7 @@ class Driver:
         for i, cores in enumerate(engine_cores):
             espec = EngineSpec(
                 str(ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, cfg.seed, cfg.model.dtype,
-                start_version=version, attention=r.attention,
+                start_version=version, attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
             )  # fmt: skip
             self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
         self.workers.ready(self.engines)
@@ -119,7 +121,7 @@ class Driver:
         evaluator = Evaluator(self.ses, self.cfg.eval) if self.cfg.eval.n else None
         base = self._recorded_eval("base")
         if base is None and evaluator is not None:
-            base = self._evaluate(evaluator, "base", version)
+            base = self._evaluate(evaluator, "base", version, wall_s=0.0)
         # utilization counts from here: the base evaluation is not part of the training timeline
         self.util = Utilization(time.perf_counter(), slots=self.util.slots)
         self._cpu_mark = time.process_time()
@@ -139,7 +141,7 @@ class Driver:
         final = None
         if evaluator is not None:
             self._load_final()
-            final = self._evaluate(evaluator, "final", self.sched.done_version)
+            final = self._evaluate(evaluator, "final", self.sched.done_version, self._last_wall)
         return Summary(
             self.sched.steps_done,
             self._now(),
@@ -152,8 +154,9 @@ class Driver:
         records = read_metrics(self.run.file("metrics.jsonl"))
         return next((r for r in records if isinstance(r, EvalRecord) and r.tag == tag), None)
 
-    def _evaluate(self, evaluator: Evaluator, tag: str, version: int) -> EvalRecord:
-        """Held-out requests through the engines' command path; the scheduler is idle meanwhile."""
+    def _evaluate(self, evaluator: Evaluator, tag: str, version: int, wall_s: float) -> EvalRecord:
+        """Held-out requests through the engines' command path; the scheduler is idle meanwhile.
+        `wall_s`: when `version` was published, on the step records' clock."""
         reqs = evaluator.requests(version)
         self._eval_wanted = {r.id for r in reqs}
         n = len(self.engines)
@@ -162,7 +165,7 @@ class Driver:
         while self._eval_wanted:
             self._pump(self.engines, timeout=5.0)
         results, self._eval_results = self._eval_results, []
-        rec = EvalRecord(tag, self.sched.steps_done, evaluator.summarize(reqs, results))
+        rec = EvalRecord(tag, self.sched.steps_done, evaluator.summarize(reqs, results), version, wall_s)
         self.metrics.write(rec)
         return rec
 
@@ -282,6 +285,7 @@ class Driver:
             driver_cpu_s=cpu - self._cpu_mark,
         )
         self._cpu_mark = cpu
+        self._last_wall = timing["wall_s"]
         return step_record(
             rep.step, self.sched.done_version, trajs, trainer_version, self.sched.ledger_record(),
             self.ses.guard.errors, m, timing,

@@ -34,6 +34,8 @@ class EngineSpec:
     start_version: int = 0
     device: str = "cpu"
     attention: str = "auto"
+    max_context: int | None = None
+    kv_memory_gb: float | None = None
 
 
 def engine_main(
@@ -54,7 +56,10 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
         device=spec.device,
         seed=spec.seed,
         attention=spec.attention,
+        max_context=spec.max_context,
+        kv_memory_gb=spec.kv_memory_gb,
     )
+    print(f"engine {engine_id}: {engine.describe()}", flush=True)
     if spec.start_version != 0:
         engine.load_weights(weights.read(spec.start_version).views(), spec.start_version)
         engine.drop_version(0)

@@ -17,7 +17,15 @@ def evaluate_model(cfg: RunConfig, progress=None) -> dict:
     try:
         torch.set_num_threads(len(available_cores()))
         model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype))
-        engine = build_engine(model, num_slots=cfg.eval.batch, seed=cfg.seed)
+        r = cfg.rollout
+        engine = build_engine(
+            model,
+            num_slots=cfg.eval.batch,
+            seed=cfg.seed,
+            max_context=r.max_context,
+            kv_memory_gb=r.kv_memory_gb,
+        )
+        print(engine.describe(), flush=True)
         evaluator = Evaluator(ses, cfg.eval)
         reqs = evaluator.requests(version=0)
         out = evaluator.summarize(reqs, engine.generate(reqs))

@@ -25,6 +25,7 @@ from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Tr
 from tailrace.flow.keys import SampleKey
 from tailrace.sim.costs import CostModel
 from tailrace.sim.engine import Block, CoRun, SimEngine, Span, Stall
+from tailrace.sim.failures import FailureLog, FailureSpec
 from tailrace.sim.lengths import P_REWARD, uniform
 from tailrace.sim.recorder import Recorder
 from tailrace.types import Finish, GenResult, Scored
@@ -45,9 +46,11 @@ class SimCluster:
         poll_s: float = 0.0,
         accuracy: float = 0.5,
         seed: int = 0,
+        failures: FailureSpec | None = None,
     ) -> None:
         """`accuracy`: the chance that a sample is scored correct (reward 1), drawn per (prompt,
-        sample index) from `seed`: the cluster scores results as the real driver does."""
+        sample index) from `seed`: the cluster scores results as the real driver does. `failures`:
+        workers die and come back (see `sim.failures`); the cost lands in `failure_log`."""
         if len(engines) != len(sched.engines):
             raise ValueError(
                 f"{len(engines)} simulated engines for a scheduler built with {len(sched.engines)}"
@@ -70,9 +73,19 @@ class SimCluster:
         self.poll_s = poll_s
         self._last_poll = -float("inf")
         self.events = 0
+        self._progress = 0  # samples finished and steps trained: failures that let none happen livelock
         for e in engines:
             self.env.process(self._engine_proc(e))
         self.env.process(self._trainer_proc())
+        self.failures = failures if failures is not None and failures.active else None
+        self.failure_log = FailureLog()
+        if self.failures is not None:
+            for e in engines:
+                self.env.process(self._engine_failures(e))
+            self._trainer_clock = self.failures.arrivals(len(engines), self.failures.trainer_mtbf_s)
+            self._trainer_fail_at = self._trainer_clock.next()
+            self._progress_at_failure, self._failures_since = 0, 0
+            self._since_checkpoint = 0.0  # trainer compute since its last checkpoint (redone after a failure)
 
     # ------------------------------------------------------------------ the loop
     def run(self, max_time: float | None = None) -> None:
@@ -157,6 +170,7 @@ class SimCluster:
             rep = eng.fire()
             self.events += 1
             if rep.results:
+                self._progress += len(rep.results)
                 self.sched.on_results(eng.id, rep.results, self._score(rep.results), env.now)
                 hw = self.cost.hw
                 if self.training and not self.colocated and (hw.driver_report_s or hw.driver_result_s):
@@ -179,6 +193,69 @@ class SimCluster:
                 out.append(Scored(r.request_id, float(ok), ok))
         return out
 
+    # ------------------------------------------------------------------ failures
+    def _engine_failures(self, eng: SimEngine):
+        """Kill `eng` at its failure times; its replacement serves after detection, restart and
+        reloading the versions it held."""
+        f, env = self.failures, self.env
+        clock = f.arrivals(eng.id, f.engine_mtbf_s)
+        while True:
+            t = clock.next()
+            if t == float("inf"):
+                return
+            yield env.timeout(t - env.now)
+            if self.done.triggered:
+                return
+            self._check_progress(eng.id)
+            down = f.detect_s + f.restart_s + self.cost.load_time() * len(eng.loaded)
+            eng.crash(env.now, env.now + down)
+            log = self.failure_log
+            log.engine += 1
+            log.engine_down_s += down
+            log.requeued += self.sched.on_engine_lost(eng.id, env.now)
+            log.events.append((env.now, "engine", eng.id))
+            self._wake(self.wakes[eng.id])
+            self._request_poll()
+
+    FAILURES_WITHOUT_PROGRESS = 200
+
+    def _check_progress(self, worker: int) -> None:
+        """Failures so frequent that no sample finishes and no step trains would run forever: stop
+        with the figures to change instead."""
+        if self._progress != self._progress_at_failure:
+            self._progress_at_failure, self._failures_since = self._progress, 0
+            return
+        self._failures_since += 1
+        if self._failures_since >= self.FAILURES_WITHOUT_PROGRESS:
+            f = self.failures
+            who = "the trainer" if worker < 0 else f"engine {worker}"
+            raise SimStalled(
+                f"simulation livelocked at t={self.env.now:.1f}s: {self._failures_since} failures in a row "
+                f"(the last of {who}) with no sample finished and no step trained in between; workers "
+                f"fail faster than they finish work (failures.engine_mtbf_s={f.engine_mtbf_s}, "
+                f"failures.trainer_mtbf_s={f.trainer_mtbf_s}, restart {f.detect_s + f.restart_s:.1f}s). "
+                "Raise the mean times between failures or shorten the responses and steps"
+            )
+
+    def _trainer_failures(self, step_s: float):
+        """Before a step of `step_s` seconds: wait out a restart the trainer is in, and for each
+        failure that would land inside the step, lose the part done, restart, redo the steps since
+        the last checkpoint, and try again."""
+        f, env, log = self.failures, self.env, self.failure_log
+        while self._trainer_fail_at < env.now + step_s:
+            tf = self._trainer_fail_at  # in this step, or earlier while the trainer waited for data
+            lost = max(0.0, tf - env.now)  # the part of this step done before the failure
+            yield env.timeout(lost)
+            self._check_progress(-1)
+            log.trainer += 1
+            log.events.append((tf, "trainer", 0))
+            back = tf + f.detect_s + f.restart_s  # a replacement holds the last checkpoint's weights
+            self.trainer_spans.append(Span("down", env.now, max(env.now, back)))
+            log.trainer_down_s += max(0.0, back - env.now)
+            yield env.timeout(max(0.0, back - env.now) + self._since_checkpoint)
+            log.trainer_redo_s += lost + self._since_checkpoint
+            self._trainer_fail_at = self._trainer_clock.next()
+
     def _loaded(self, engine: int, version: int) -> None:
         self.sched.on_loaded(engine, version, self.now)
         self._request_poll()
@@ -195,6 +272,8 @@ class SimCluster:
             dt = self.cost.train_time(lengths)
             pub = self.cost.publish_time() if c.publish is not None else 0.0
             ckpt = self.cost.checkpoint_s if c.publish is not None else 0.0
+            if self.failures is not None:
+                yield from self._trainer_failures(dt + pub + ckpt)
             t0 = env.now
             corun = self.cost.hw.corun_slowdown if not self.colocated else 1.0
             if self.colocated:
@@ -208,6 +287,7 @@ class SimCluster:
                 self._post_all(CoRun(1.0))
             self.trainer_spans.append(Span("train", t0, env.now))
             self.trainer_busy += dt
+            self._progress += 1
             sync = None
             if pub:
                 yield env.timeout(pub)
@@ -216,6 +296,8 @@ class SimCluster:
             if ckpt:
                 yield env.timeout(ckpt)
                 self.trainer_spans.append(Span("checkpoint", env.now - ckpt, env.now))
+            if self.failures is not None:
+                self._since_checkpoint = 0.0 if c.publish is not None else self._since_checkpoint + dt
             self.events += 1
             self.sched.on_trained(c.step, env.now)
             if c.publish is not None:

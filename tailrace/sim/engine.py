@@ -172,6 +172,25 @@ class SimEngine:
         self._resegment()
         return rep
 
+    def crash(self, now: float, back_at: float) -> None:
+        """The engine's process dies at `now`: the decode steps finished by then count, everything in
+        it is gone (queued and running requests, commands not yet applied: the scheduler requeues its
+        samples), and it serves again from `back_at` with the versions it held. Commands posted in
+        between wait for it."""
+        if self.running:
+            n = self.segment.steps_within(max(0.0, now - self.t_b))
+            self._advance(n, self.t_b)
+        self.queue.clear()
+        self.running.clear()
+        self.heap.clear()
+        self.inbox = []
+        self.count, self.ctx = {}, {}
+        self._plan = None
+        self.t_b = max(self.t_b, now)
+        self._span("down", self.t_b, back_at)
+        self.t_b = max(self.t_b, back_at)
+        self.segment = Segment(0.0, ())
+
     # ------------------------------------------------------------------ internals
     def _advance(self, n: int, t: float) -> None:
         if n > 0:

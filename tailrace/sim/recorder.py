@@ -160,4 +160,5 @@ class Recorder:
             "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
             "ledger": s.ledger.state_dict(),
             "step_end_s": [r["end"] for r in sorted(self.step_log, key=lambda r: r["step"])],
+            "failures": cl.failure_log.to_dict(),
         }

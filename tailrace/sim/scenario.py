@@ -27,6 +27,7 @@ from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.sim.cluster import SimCluster
 from tailrace.sim.costs import CostModel
 from tailrace.sim.engine import TOKEN, SimEngine
+from tailrace.sim.failures import FailureSpec
 from tailrace.sim.hardware import get_hardware, preset_path
 from tailrace.sim.lengths import LengthModel, make_lengths
 from tailrace.sim.models import ModelShape, get_model
@@ -88,6 +89,7 @@ class Scenario:
     journal: bool = setting(True, "write journal.jsonl (every token id: turn off at scale)")
     poll_s: float = setting(0.0, "the driver polls at most every poll_s virtual seconds (0 = at every event)")
     policy_options: dict[str, Any] = section(dict, "extra options for the flow policy (make_policy)")
+    failures: FailureSpec = section(FailureSpec, "workers that die and come back (RobustRL's recovery)")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.accuracy <= 1.0:
@@ -199,7 +201,7 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     engines = [SimEngine(i, slots, cost, lengths) for i in range(scn.cluster.engines)]
     rec = Recorder(out_dir, journal=scn.journal)
     return SimCluster(
-        sched, engines, cost, rec, scn.cluster.colocated, scn.poll_s, accuracy=scn.accuracy, seed=scn.seed
+        sched, engines, cost, rec, scn.cluster.colocated, scn.poll_s, scn.accuracy, scn.seed, scn.failures
     )
 
 
@@ -220,6 +222,10 @@ def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:
         sim_seconds=time.perf_counter() - t0,
         sim_cpu_seconds=time.process_time() - c0,
     )
+    if scn.failures.active:  # the same run without failures: the effective training time ratio
+        clean = build(dataclasses.replace(scn, failures=FailureSpec()))
+        clean.run()
+        summary["failures"] = dict(summary["failures"], clean_wall_s=clean.now, ettr=clean.now / cl.now)
     if out_dir is not None:
         (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -1,16 +1,18 @@
 """The Task protocol: prompts in, rewards out. A task knows text; the tokenizer turns it into ids.
 
 A task is deterministic given its seed: `examples("train")` and `examples("test")` are disjoint,
-reproducible streams. `reward(example, response)` scores one response text; it may be slow or
-buggy (user code), so the runtime always calls it through `tasks.guard.RewardGuard`.
+reproducible streams. `reward(example, response)` scores one response text; it may be slow,
+buggy or hostile (user code), so the runtime always calls it through `tasks.guard.RewardGuard`, which
+sandboxes it and clamps its value into the task's declared `reward_range`.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 from tailrace.common import InputError
 
@@ -30,6 +32,10 @@ class Example:
 
 class Task(ABC):
     name: str = "task"
+    reward_range: tuple[float, float] = (0.0, 1.0)  # (low, high): the guard clamps rewards into it
+    # how the guard starts the reward worker: None forks it from the trainer (cheap to start, but as
+    # large as the trainer); "spawn" starts a fresh interpreter, for rewards that fork on every call
+    reward_start_method: str | None = None
 
     @abstractmethod
     def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:
@@ -37,7 +43,7 @@ class Task(ABC):
 
     @abstractmethod
     def reward(self, example: Example, response: str) -> float:
-        """Score of one response in [0, 1]; 1 means verified correct."""
+        """Score of one response in `reward_range`; with the default [0, 1], 1 means verified correct."""
 
     def stream(self, split: str, seed: int = 0, chunk: int = 1024) -> Iterator[Example]:
         """An endless stream of examples (fresh chunks, ids continuing), for RL prompt queues."""
@@ -62,3 +68,13 @@ def in_test_split(question: str, test_mod: int) -> bool:
 def check_split(split: str) -> None:
     if split not in SPLITS:
         raise TaskError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+
+
+def check_config(task: str, config: Mapping[str, Any], valid: list[str]) -> dict[str, Any]:
+    """`config` (task.config) as a dict, once every key is one of `valid`; else one line naming them."""
+    for key in config:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise TaskError(f"{task}: unknown task.config key {key!r}; {hint}valid keys: {', '.join(valid)}")
+    return dict(config)

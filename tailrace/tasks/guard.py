@@ -1,43 +1,60 @@
-"""RewardGuard: score responses with user reward code that may raise, hang or return garbage.
+"""RewardGuard: score responses with user reward code that may raise, hang, misbehave or attack.
 
 Every failure becomes reward 0 with a one-line reason, is counted in `errors` (by kind: "timeout",
-"raised ValueError", "bad value", "worker died") and logged on "tailrace.tasks"; the run goes on.
+"raised ValueError", "bad value", "worker died", "leaked processes") and logged on "tailrace.tasks";
+a finite reward outside the task's `reward_range` is clamped into it (kind "clamped"). The run goes on.
 
-Rewards run in one persistent worker process (forked where possible, so the task is not pickled;
-under spawn it is pickled once per worker start). A batch is one message each way: the worker
-flushes results early only when the batch has run for `timeout_s / 10`, so a hang loses (and
-re-scores) at most that much finished work. The worker publishes (item, start time) in shared
-memory before each item; the parent watches it, and kills and replaces a worker whose current item
-has run `timeout_s`, then sends the rest of the batch to the new one. `inline=True` scores in the
-calling process: exceptions are caught, hangs are not (for trusted tasks and tests).
+Rewards run in one persistent worker process, sandboxed before it runs any of them (tasks/sandbox:
+limits, a private directory, no network, a file-system allow-list; the package doc says what holds
+on which system). It is forked where possible, so the task is not pickled; under spawn (or the
+task's `reward_start_method`) the task is pickled once per worker start. A batch is one message
+each way: the worker flushes results early only when the batch has run for `timeout_s / 10`, so a
+hang loses (and re-scores) at most that much finished work. The worker publishes (item, start time)
+in shared memory before each item; the parent watches it, and kills and replaces a worker whose
+current item has run `timeout_s` (or whose batch has run `timeout_s` per item: the worker's numbers
+are not trusted), then sends the rest of the batch to the new one. A reward that returns while
+processes it started still run scores 0 ("leaked processes") and its worker is replaced. Killing a
+worker kills its whole process group, which every process it started stays in. Results come back
+as checked JSON, never pickle: the worker runs untrusted code, so what it sends is data.
+`inline=True` scores in the calling process, unsandboxed: exceptions are caught, hangs are not (for
+trusted tasks and tests).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import multiprocessing as mp
 import numbers
 import os
+import shutil
 import signal
+import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
 from tailrace.tasks.base import Example, Task
+from tailrace.tasks.sandbox import Held, SandboxConfig, enter, leaked_children
+from tailrace.tasks.sandbox.limits import CpuBudget
 
 log = logging.getLogger("tailrace.tasks")
 
 _IDX, _T0 = 0, 1  # slots of the shared progress array
 _WAITING = -1.0  # progress index while the worker has not started the batch
 _START_TIMEOUT_S = 120.0
+_REASON_CHARS = 300  # a reason's length; a result row is at most 4 bytes a character of it and its numbers
+_ROW_BYTES = 4 * _REASON_CHARS + 64
+_LEAKED = "leaked processes: the reward returned with processes it started still running"
 
 
 @dataclass(frozen=True)
 class Scored:
     reward: float
-    error: str | None = None  # why the reward was forced to 0; None when the task's own score
+    error: str | None = None  # why the task's own score was replaced (by 0, or clamped); None if not
 
 
 def _score_one(task: Task, example: Example, response: str) -> tuple[float, str | None]:
@@ -45,7 +62,8 @@ def _score_one(task: Task, example: Example, response: str) -> tuple[float, str 
         value = task.reward(example, response)
     except BaseException as e:  # noqa: BLE001 — user code: SystemExit is a failure to score too
         msg = " ".join(str(e).split())[:200]
-        return 0.0, f"raised {type(e).__name__}: {msg}" if msg else f"raised {type(e).__name__}"
+        kind = type(e).__name__[:50]
+        return 0.0, f"raised {kind}: {msg}" if msg else f"raised {kind}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return 0.0, f"bad value: returned {type(value).__name__} {str(value)[:50]!r}, expected float"
     value = float(value)
@@ -55,22 +73,27 @@ def _score_one(task: Task, example: Example, response: str) -> tuple[float, str 
 
 
 def error_kind(error: str) -> str:
-    """The counter key of a reason: "timeout", "bad value", "worker died" or "raised <Type>"."""
-    for kind in ("timeout", "bad value", "worker died"):
+    """The counter key of a reason: "timeout", "bad value", "worker died", "leaked processes",
+    "clamped" or "raised <Type>"."""
+    for kind in ("timeout", "bad value", "worker died", "leaked processes", "clamped"):
         if error.startswith(kind):
             return kind
     return error.split(":", 1)[0]
 
 
-def _worker_main(task: Task, conn, progress, parent_pid: int, flush_s: float) -> None:
+def _worker_main(
+    task: Task, cfg: SandboxConfig, workdir: str, conn, progress, parent_pid: int, flush_s: float
+):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    conn.send("ready")
+    held = enter(cfg, workdir, keep_fds=(conn.fileno(),))
+    conn.send_bytes(json.dumps([held.mechanisms, held.notes, held.landlock_abi]).encode())
+    cpu = CpuBudget(cfg.cpu_s)
     while True:
         while not conn.poll(1.0):
             if os.getppid() != parent_pid:  # orphaned: the parent died without closing us
-                return
+                os.killpg(0, signal.SIGKILL)  # this worker and anything it left
         try:
-            batch = conn.recv()
+            batch = conn.recv()  # pickle from the parent, which is trusted
         except (EOFError, OSError):
             return
         if batch is None:
@@ -79,27 +102,71 @@ def _worker_main(task: Task, conn, progress, parent_pid: int, flush_s: float) ->
         for i, (example, response) in enumerate(batch):
             now = time.monotonic()
             if out and now - flushed > flush_s:
-                conn.send(out)
+                conn.send_bytes(_encode(out))
                 out, flushed = [], now
             progress[_T0] = now  # time before index: a reader never pairs a new index with an old time
             progress[_IDX] = i
-            out.append((i, *_score_one(task, example, response)))
-        conn.send(out)
+            cpu.arm()
+            reward, error = _score_one(task, example, response)
+            leaked = leaked_children()
+            out.append((i, 0.0, _LEAKED) if leaked else (i, reward, error))
+            if leaked:
+                break  # the parent kills this worker's group and sends the rest to a new one
+        conn.send_bytes(_encode(out))
+
+
+def _encode(rows: list[tuple[int, float, str | None]]) -> bytes:
+    return json.dumps(
+        [(i, r, e if e is None else e[:_REASON_CHARS]) for i, r, e in rows], ensure_ascii=False
+    ).encode()
+
+
+def _decode(data: bytes, n: int) -> list[tuple[int, float, str | None]]:
+    """A worker's results, checked: ValueError (or the TypeError, OverflowError or RecursionError of
+    a deeper malformation) unless every row is (index < n, finite reward, reason or None)."""
+    out = []
+    for row in json.loads(data):
+        i, reward, error = row
+        ok = type(i) is int and 0 <= i < n and type(reward) in (int, float) and math.isfinite(reward)
+        if not ok or not (error is None or isinstance(error, str)):
+            raise ValueError(f"malformed result {str(row)[:80]}")
+        out.append((i, float(reward), None if error is None else error[:_REASON_CHARS]))
+    return out
 
 
 class RewardGuard:
     def __init__(
-        self, task: Task, timeout_s: float = 5.0, *, inline: bool = False, start_method: str | None = None
+        self,
+        task: Task,
+        timeout_s: float = 5.0,
+        *,
+        inline: bool = False,
+        start_method: str | None = None,
+        sandbox: SandboxConfig = SandboxConfig(),
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.task, self.timeout_s, self.inline = task, timeout_s, inline
+        lo, hi = task.reward_range
+        if not lo < hi:
+            raise ValueError(
+                f"{task.name}: reward_range {task.reward_range} must be (low, high) with low < high"
+            )
+        if not inline and not sys.platform.startswith("linux"):
+            raise RuntimeError(
+                f"the reward sandbox needs Linux, not {sys.platform}; pass inline=True to score "
+                f"trusted reward code unsandboxed"
+            )
+        self.task, self.timeout_s, self.inline, self.sandbox = task, timeout_s, inline, sandbox
         self.errors: Counter[str] = Counter()
-        self.restarts = 0  # workers replaced after a hang or death
+        self.restarts = 0  # workers replaced after a hang, death or leak
+        self.held: Held | None = None  # what the worker's sandbox holds; None inline
         if start_method is None:
-            start_method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            start_method = task.reward_start_method or (
+                "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            )
         self._ctx = mp.get_context(start_method)
-        self._proc = self._conn = None
+        self._proc = self._conn = self._workdir = None
+        self._t_sent = self._batch_deadline = 0.0  # when the current batch was sent, and its last chance
         self._progress = self._ctx.RawArray("d", 2)
         if not inline:
             self._start()
@@ -117,16 +184,25 @@ class RewardGuard:
             pending = list(range(len(pairs)))
             while pending:
                 pending = self._run(pairs, pending, raw)
+        lo, hi = self.task.reward_range
         out = []
         for (ex, _), (reward, error) in zip(pairs, raw):
+            if error is None and not lo <= reward <= hi:
+                error = f"clamped: returned {reward:g}, outside the task's range [{lo:g}, {hi:g}]"
+                reward = min(max(reward, lo), hi)
             if error is not None:
-                self._record(ex, error)
+                self._record(ex, error, reward)
             out.append(Scored(reward, error))
         return out
 
     @property
     def worker_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def workdir(self) -> str | None:
+        """The worker's private working directory (removed with the worker); None inline."""
+        return self._workdir
 
     def close(self) -> None:
         if self._proc is None:
@@ -135,7 +211,9 @@ class RewardGuard:
             self._conn.send(None)
         except (OSError, ValueError):
             pass
-        self._proc.join(timeout=1.0)
+        deadline = time.monotonic() + 1.0
+        while not self._exited() and time.monotonic() < deadline:
+            time.sleep(0.005)
         self._stop()
 
     def __enter__(self) -> RewardGuard:
@@ -152,21 +230,33 @@ class RewardGuard:
 
     # -- worker lifecycle ---------------------------------------------------------------------
     def _start(self) -> None:
+        self._workdir = tempfile.mkdtemp(prefix=f"tailrace-reward-{os.getpid()}-")
         # a fresh pipe per worker: a killed worker may have left a half-written message in the old one
         self._conn, child = self._ctx.Pipe()
         self._proc = self._ctx.Process(
             target=_worker_main,
             name=f"reward-{self.task.name}",
             daemon=True,
-            args=(self.task, child, self._progress, os.getpid(), self.timeout_s / 10),
+            args=(
+                self.task,
+                self.sandbox,
+                self._workdir,
+                child,
+                self._progress,
+                os.getpid(),
+                self.timeout_s / 10,
+            ),
         )
         self._proc.start()
         child.close()
-        # wait for the worker to be up, so a slow start (spawn imports) never counts as a hang
+        # wait for the worker to be up, so a slow start (spawn imports) never counts as a hang; its
+        # first message comes before it runs any reward code, so it may be believed
         try:
-            if self._conn.poll(_START_TIMEOUT_S) and self._conn.recv() == "ready":
+            if self._conn.poll(_START_TIMEOUT_S):
+                mechanisms, notes, abi = json.loads(self._conn.recv_bytes(1 << 16))
+                self._note_sandbox(Held(tuple(mechanisms), notes, abi))
                 return
-        except (EOFError, OSError):
+        except (EOFError, OSError, ValueError):
             pass
         self._stop()
         raise RuntimeError(
@@ -175,13 +265,33 @@ class RewardGuard:
             f"start_method='spawn' the task must be picklable and importable"
         )
 
+    def _note_sandbox(self, held: Held) -> None:
+        """Log what the sandbox holds, and what it lacks and why, once per guard."""
+        if self.held is None:
+            abi = f" (Landlock ABI {held.landlock_abi})" if held.landlock_abi else ""
+            log.info(
+                "reward sandbox for %s: %s%s",
+                self.task.name,
+                ", ".join(held.mechanisms) or "limits only",
+                abi,
+            )
+            for name, why in held.notes.items():
+                log.warning("reward sandbox for %s: %s: %s", self.task.name, name, why)
+        self.held = held
+
     def _stop(self) -> None:
-        if self._proc.is_alive():
+        """Kill the worker's process group (the worker and every process it left), then reap it. The
+        worker is not reaped before the kill, so its pid (the group's id) cannot have been reused."""
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # died before it made its group
             self._proc.kill()
         self._proc.join()
         self._proc_exitcode = self._proc.exitcode
         self._conn.close()
         self._proc = self._conn = None
+        shutil.rmtree(self._workdir, ignore_errors=True)
+        self._workdir = None
 
     def _replace(self) -> None:
         self._stop()
@@ -192,44 +302,81 @@ class RewardGuard:
         """Send `pending` (indices into pairs) as one batch and fill `raw` until it is done or its
         worker fails; then fail the current item, replace the worker and return the indices still
         unscored (those after it, and any finished but not yet flushed before it)."""
-        self._progress[_T0], self._progress[_IDX] = time.monotonic(), _WAITING
+        self._t_sent = time.monotonic()
+        self._progress[_T0], self._progress[_IDX] = self._t_sent, _WAITING
+        self._batch_deadline = self._t_sent + self.timeout_s * len(pending)
         self._conn.send([pairs[i] for i in pending])
         left = set(range(len(pending)))
         while left:
+            failed = None
             try:
                 if self._conn.poll(self._wait_s()):
-                    for i, reward, error in self._conn.recv():
+                    rows = _decode(self._conn.recv_bytes(_ROW_BYTES * len(pending)), len(pending))
+                    for i, reward, error in rows:
                         raw[pending[i]] = (reward, error)
                         left.discard(i)
+                    if any(error == _LEAKED for _, _, error in rows):
+                        self._replace()
+                        return [pending[j] for j in sorted(left)]
                     continue
-                broken = False
+                failed = self._timeout()
             except (EOFError, OSError):
-                broken = True  # the worker's end closed: it died
-            failed = self._failure(broken)
+                failed = "worker died"  # its end of the pipe closed
+            except (ValueError, TypeError, ArithmeticError, RecursionError):
+                failed = "worker died (sent a malformed message)"
             if failed is None:
                 continue
-            i = int(self._progress[_IDX])
+            i = self._current()
             if i not in left:  # not started yet (or died just after an item): blame the next one
                 i = min(left)
+            self._stop()
+            if failed == "worker died":
+                failed = f"worker died ({_exit_text(self._proc_exitcode)})"
             raw[pending[i]] = (0.0, failed)
             left.discard(i)
-            self._replace()
+            self.restarts += 1
+            self._start()
             return [pending[j] for j in sorted(left)]
         return []
 
-    def _wait_s(self) -> float:
-        return max(0.0, self._progress[_T0] + self.timeout_s - time.monotonic()) + 1e-3
-
-    def _failure(self, pipe_broken: bool) -> str | None:
-        """Why the current item failed, or None if it is still within its time."""
-        if pipe_broken or not self._proc.is_alive():
-            self._proc.join(timeout=1.0)
-            return f"worker died (exit code {self._proc.exitcode})"
+    def _t0(self) -> float:
+        """The current item's start as the worker reports it, kept within what can be true."""
         t0 = self._progress[_T0]
-        if time.monotonic() - t0 >= self.timeout_s:
+        return t0 if self._t_sent <= t0 <= time.monotonic() else self._t_sent
+
+    def _current(self) -> int:
+        i = self._progress[_IDX]
+        return int(i) if math.isfinite(i) else -1
+
+    def _deadline(self) -> float:
+        return min(self._t0() + self.timeout_s, self._batch_deadline)
+
+    def _wait_s(self) -> float:
+        return max(0.0, self._deadline() - time.monotonic()) + 1e-3
+
+    def _timeout(self) -> str | None:
+        """Why the current item failed, or None if it is still within its time."""
+        if self._exited():
+            return "worker died"
+        if time.monotonic() >= self._deadline():
             return f"timeout after {self.timeout_s}s"
         return None
 
-    def _record(self, example: Example, error: str) -> None:
+    def _exited(self) -> bool:
+        """Whether the worker has exited, without reaping it (so its pid, the id of the group that
+        `_stop` kills, cannot be reused meanwhile). Not through multiprocessing's sentinel: the
+        sandbox points the worker's copy of it at /dev/null with every other inherited descriptor."""
+        try:
+            return os.waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped elsewhere (multiprocessing reaps finished children)
+            return True
+
+    def _record(self, example: Example, error: str, reward: float) -> None:
         self.errors[error_kind(error)] += 1
-        log.warning("reward of %s example %s forced to 0: %s", self.task.name, example.id, error)
+        log.warning("reward of %s example %s forced to %g: %s", self.task.name, example.id, reward, error)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"

@@ -45,6 +45,8 @@ def math_match(gold: str, response: str) -> bool:
 
 
 class JsonlTask(Task):
+    answer_text = staticmethod(gold_text)  # a row's answer field -> Example.answer
+
     def __init__(
         self,
         path: str | Path,
@@ -121,7 +123,7 @@ class JsonlTask(Task):
                     )
             values = {**{k: str(v) for k, v in row.items()}, "question": str(row[qf])}
             prompt = _PLACEHOLDER.sub(lambda m: values.get(m[1], m[0]), self.template)
-            out.append((values["question"], Example(len(out), prompt, gold_text(row[af]))))
+            out.append((values["question"], Example(len(out), prompt, self.answer_text(row[af]))))
         if not out:
             raise TaskError(f"{path}: no rows; add JSON objects with {qf!r} and {af!r} fields, one per line")
         return out

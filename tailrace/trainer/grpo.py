@@ -2,7 +2,9 @@
 
 `step(groups, trainer_version)` flattens the groups into a TrainBatch, runs forward/backward per
 micro-batch (gradient accumulation, exact thanks to the batch's global `scale`), clips the gradient
-and steps AdamW. One step per batch means the pre-update ("proximal") policy is the current one:
+and steps AdamW — unless no group has a reward signal (all its rewards equal: every advantage zero)
+and no KL term pulls on the weights; then the step is counted, reported `skipped` and changes
+nothing. One step per batch means the pre-update ("proximal") policy is the current one:
 `prox = logp.detach()` from the same forward, with no second pass. The model is only called as
 `model(input_ids (B, T)) -> logits (B, T, V)`; it runs in eval mode (no dropout), because the policy
 whose ratio we clip must be the one the engine sampled from. A loss or gradient norm that is not finite
@@ -24,7 +26,7 @@ from tailrace.model.flat import flatten_parameters
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
-from tailrace.trainer.losses import CORRECTIONS, LOSSES, kl_penalty
+from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, kl_penalty
 from tailrace.trainer.optim import build_adamw
 from tailrace.types import Group
 
@@ -51,6 +53,12 @@ class _Sums:
         return float(d[key]) if key in d else default
 
 
+def _has_signal(g: Group) -> bool:
+    """Some advantage of the group is non-zero: given ones, or rewards that differ (every estimator
+    gives equal rewards zero advantage)."""
+    return any(g.advantages) if g.advantages else len({t.reward for t in g.trajectories}) > 1
+
+
 class GRPOTrainer:
     def __init__(self, model: nn.Module, cfg: TrainerConfig, ref_model: nn.Module | None = None):
         if cfg.loss.kl_coef > 0 and ref_model is None:
@@ -62,6 +70,7 @@ class GRPOTrainer:
         self.opt = build_adamw(model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.loss_fn = LOSSES[cfg.loss.name]
         self.correct = CORRECTIONS[cfg.loss.correction]
+        self.bounds = Bounds(cfg.loss.tis_cap, cfg.loss.ratio_low, cfg.loss.ratio_high)
         self.advantage = ADVANTAGES[cfg.advantage or self.loss_fn.advantage]  # None: the loss's own
         self.device = self.flat.buffer.device
         self.steps = 0
@@ -70,6 +79,10 @@ class GRPOTrainer:
         """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""
         t0 = time.perf_counter()
         batch = self.make_batch(groups, trainer_version)
+        if self.ref_model is None and not any(map(_has_signal, groups)):
+            # every advantage is zero: the gradient is too, so skip the passes and leave the weights
+            self.steps += 1
+            return self._metrics(_Sums(), batch, 0, 0.0, time.perf_counter() - t0, skipped=True)
         self.model.eval()
         self.opt.zero_grad(set_to_none=True)
         acc = _Sums()
@@ -125,7 +138,7 @@ class GRPOTrainer:
             logits = self.model(mb.input_ids)  # (b, t, V)
         logp = token_logprobs(logits, mb.targets, cfg.temperature)  # (b, t) fp32
         prox = logp.detach()  # one step per batch: the pre-update policy is the current one
-        corr = self.correct(mb.behav_logp, prox, lc.tis_cap)
+        corr = self.correct(mb.behav_logp, prox, mb.mask, self.bounds)
         pg, st = self.loss_fn(
             logp,
             corr.old_logp,
@@ -149,6 +162,9 @@ class GRPOTrainer:
             live = mb.mask > 0
             same = resp & (mb.versions == mb.trainer_version)  # same weights: gap is pure numerics
             gap = (prox - mb.behav_logp).abs()
+            w = torch.where(live, (prox - mb.behav_logp).exp(), 0.0)  # the importance ratio pi_prox/pi_behav
+            acc.add("is_ratio", w.sum())
+            acc.peak("is_ratio_max", w.max())
             acc.add("loss", loss.detach())
             acc.add("pg_loss", pg.detach())
             for k in ("clip_frac", "approx_kl", "ratio_mean"):
@@ -162,7 +178,7 @@ class GRPOTrainer:
             acc.add("gap_tokens", same.sum())
 
     def _metrics(
-        self, acc: _Sums, batch: TrainBatch, n_micro: int, grad_norm: float, dt: float
+        self, acc: _Sums, batch: TrainBatch, n_micro: int, grad_norm: float, dt: float, skipped: bool = False
     ) -> dict[str, Any]:
         tok = acc.get("tokens")
 
@@ -180,6 +196,8 @@ class GRPOTrainer:
             "ratio_mean": per_tok("ratio_mean"),
             "ratio_max": acc.get("ratio_max"),
             "dropped_frac": per_tok("dropped"),
+            "is_ratio_mean": per_tok("is_ratio"),
+            "is_ratio_max": acc.get("is_ratio_max"),
             "grad_norm": grad_norm,
             "entropy": per_tok("entropy"),
             "logprob_gap_mean": acc.get("gap_sum") / gap_n if gap_n else math.nan,
@@ -190,6 +208,7 @@ class GRPOTrainer:
             "sequences": batch.num_seqs,
             "adv_mean": float(batch.seq_adv.mean()),
             "micro_batches": n_micro,
+            "skipped": int(skipped),  # 1: no group had a reward signal, so no forward/backward ran
             "lr": self.opt.param_groups[0]["lr"],
             "time_s": dt,
         }

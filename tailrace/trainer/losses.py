@@ -150,7 +150,18 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: Tensor) -> T
     return torch.where(mask > 0, k3(logp, ref_logp) * scale, 0.0).sum()
 
 
-# -- off-policy corrections: (behav, prox, cap) -> anchor, weight, keep ----------------------
+# -- off-policy corrections: (behav, prox, mask, bounds) -> anchor, weight, keep -------------
+#
+# behav: the engine's logprobs of the sampled tokens (the behaviour policy, as sampled); prox: the
+# trainer's own logprobs before this step's update (the proximal policy, recomputed, as AReaL does);
+# w = pi_prox / pi_behav per token, the importance ratio between the two.
+
+
+@dataclass(frozen=True)
+class Bounds:
+    cap: float  # C: tis truncates w at C; decoupled drops tokens with w > C
+    low: float  # icepop keeps tokens, geo_mask sequences, whose ratio lies in [low, high]
+    high: float
 
 
 class Corrected(NamedTuple):
@@ -159,34 +170,57 @@ class Corrected(NamedTuple):
     keep: Tensor  # (B, T) float 0/1; 0 = the correction drops the token (it still counts in the normaliser)
 
 
-def no_correction(behav: Tensor, prox: Tensor, cap: float) -> Corrected:
+def no_correction(behav: Tensor, prox: Tensor, mask: Tensor, b: Bounds) -> Corrected:
     ones = torch.ones_like(prox)
     return Corrected(prox, ones, ones)
 
 
-def tis(behav: Tensor, prox: Tensor, cap: float) -> Corrected:
-    """Truncated importance sampling: weight min(pi_prox / pi_behav, C)."""
-    w = (prox - behav).exp().clamp(max=cap)
+def tis(behav: Tensor, prox: Tensor, mask: Tensor, b: Bounds) -> Corrected:
+    """Token-level truncated importance sampling: weight min(w, C)."""
+    w = (prox - behav).exp().clamp(max=b.cap)
     return Corrected(prox, w.detach(), torch.ones_like(prox))
 
 
-def decoupled(behav: Tensor, prox: Tensor, cap: float) -> Corrected:
-    """AReaL decoupled PPO: (pi_prox / pi_behav) * clip(pi / pi_prox); tokens with weight > C dropped."""
+def decoupled(behav: Tensor, prox: Tensor, mask: Tensor, b: Bounds) -> Corrected:
+    """AReaL's decoupled PPO: w * clip(pi / pi_prox), pi_prox recomputed by the trainer; tokens with
+    w > C dropped."""
     w = (prox - behav).exp()
-    keep = w <= cap
+    keep = w <= b.cap
     return Corrected(prox, torch.where(keep, w, 0.0).detach(), keep.to(prox.dtype))
 
 
-def behaviour(behav: Tensor, prox: Tensor, cap: float) -> Corrected:
+def icepop(behav: Tensor, prox: Tensor, mask: Tensor, b: Bounds) -> Corrected:
+    """IcePop: tokens whose ratio w lies outside [low, high] are masked (both tails: an engine that
+    under- or over-rates a token against the trainer), the rest weighted by w."""
+    w = (prox - behav).exp()
+    keep = (w >= b.low) & (w <= b.high)
+    return Corrected(prox, torch.where(keep, w, 0.0).detach(), keep.to(prox.dtype))
+
+
+def geo_mask(behav: Tensor, prox: Tensor, mask: Tensor, b: Bounds) -> Corrected:
+    """Sequence-level masking by the geometric mean of the ratio, exp(mean over the sequence's live
+    tokens of log w): a sequence outside [low, high] is masked whole, the rest kept with weight 1
+    (a length-normalised sequence ratio, so long responses are not masked for their length alone)."""
+    live = mask > 0
+    log_w = torch.where(live, prox - behav, 0.0)
+    geo = (log_w.sum(-1) / live.sum(-1).clamp(min=1)).exp()  # (B,)
+    keep = ((geo >= b.low) & (geo <= b.high))[:, None].expand_as(prox)
+    k = keep.to(prox.dtype)
+    return Corrected(prox, k, k)
+
+
+def behaviour(behav: Tensor, prox: Tensor, mask: Tensor, b: Bounds) -> Corrected:
     """Clip against the behaviour policy itself (DORA / plain off-policy PPO)."""
     ones = torch.ones_like(prox)
     return Corrected(behav, ones, ones)
 
 
-CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Corrected]] = {
+CORRECTIONS: dict[str, Callable[[Tensor, Tensor, Tensor, Bounds], Corrected]] = {
     "none": no_correction,
     "tis": tis,
     "decoupled": decoupled,
+    "icepop": icepop,
+    "geo_mask": geo_mask,
     "behaviour": behaviour,
 }
 

@@ -96,12 +96,42 @@ def reference_kv(model: CausalLM, ids: torch.Tensor) -> list[tuple[torch.Tensor,
     ]
 
 
+def paged_cache(
+    model: CausalLM, rows: int, max_context: int, block_size: int = 8, dtype=None, seed: int = 0
+) -> KVCache:
+    """A cache whose `rows` rows each own blocks for `max_context` positions, drawn at random from a pool
+    with a few spare blocks: a row's blocks are neither contiguous nor in order. The same seed gives the
+    same layout."""
+    W = -(-max_context // block_size)
+    cache = KVCache.for_model(model, rows * W + 3, block_size, rows, max_context, dtype)
+    perm = torch.randperm(rows * W + 3, generator=torch.Generator().manual_seed(seed))[: rows * W]
+    cache.table.t.copy_(perm.view(rows, W))
+    return cache
+
+
+def _flat(cache: KVCache, row: int, n: int) -> torch.Tensor:
+    """(Hkv, n) indices into c.view(-1, D) of positions [0, n) of `row`, per kv head."""
+    bs, Hkv = cache.block_size, cache.k[0].shape[1]
+    p = torch.arange(n)
+    blk = cache.table.t[row, p // bs].long()
+    return (blk[None, :] * Hkv + torch.arange(Hkv)[:, None]) * bs + p % bs
+
+
 def write_kv(cache: KVCache, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Put `reference_kv`'s k/v of B sequences into positions [0, T) of cache rows row, row + 1, ..."""
     for layer, (k, v) in enumerate(kv):
-        B, _, T, _ = k.shape
-        cache.k[layer][row : row + B, :, :T] = k
-        cache.v[layer][row : row + B, :, :T] = v
+        B, Hkv, T, D = k.shape
+        for b in range(B):
+            idx = _flat(cache, row + b, T).reshape(-1)
+            cache.k[layer].view(-1, D)[idx] = k[b].reshape(-1, D).to(cache.dtype)
+            cache.v[layer].view(-1, D)[idx] = v[b].reshape(-1, D).to(cache.dtype)
+
+
+def read_kv(cache: KVCache, layer: int, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v), each (Hkv, n, D): positions [0, n) of cache row `row` in `layer`."""
+    D = cache.k[0].shape[3]
+    idx = _flat(cache, row, n)
+    return cache.k[layer].view(-1, D)[idx], cache.v[layer].view(-1, D)[idx]
 
 
 def forward_pieces(backend: Backend, cache: KVCache, pieces: list[tuple[int, int, torch.Tensor]]):

@@ -11,8 +11,14 @@ from tailrace.engine.backends import select
 from tailrace.engine.backends.cpu_kernels import KernelAttentionBackend, KernelBackend
 from tailrace.engine.backends.linear import packing_supported
 from tailrace.engine.backends.torch_ref import TorchBackend
-from tailrace.engine.kv_cache import KVCache
-from tests.engine.engine_helpers import forward_pieces, reference_kv, tiny_model, write_kv
+from tests.engine.engine_helpers import (
+    forward_pieces,
+    paged_cache,
+    read_kv,
+    reference_kv,
+    tiny_model,
+    write_kv,
+)
 
 CONFIGS = {
     "llama": {},
@@ -50,12 +56,15 @@ def skip_without_kernel(attention: str) -> None:
 def test_decode_matches_model_forward(name, attention, packed):
     skip_without_kernel(attention)
     model = tiny_model(3, **CONFIGS[name])
-    B, max_len = 5, 96
-    backend = select(attention, model, max_len, torch.float32)(
+    B, max_context = 5, 96
+    backend = select(attention, model, max_context, torch.float32)(
         model, packed=packed and packing_supported(torch.float32)
     )
     lens = [7, 30, 1, 19, 44]
-    ref_cache, cache = KVCache.for_model(model, B + 2, max_len), KVCache.for_model(model, B + 2, max_len)
+    ref_cache, cache = (
+        paged_cache(model, B + 2, max_context),
+        paged_cache(model, B + 2, max_context),
+    )  # one layout
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(0, model.config.vocab_size, (B, max(lens) + 3), generator=g)
     for b, n in enumerate(lens):  # prompts into rows 1..B; the reference holds the whole sequences
@@ -89,7 +98,7 @@ def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
     skip_without_kernel(attention)
     model = tiny_model(4).to(torch.bfloat16)
     backend = select(attention, model, 64, kv)(model, packed=packed and packing_supported(torch.bfloat16))
-    cache = KVCache.for_model(model, B, 64, kv)
+    cache = paged_cache(model, B, 64, dtype=kv)
     toks = torch.randint(0, model.config.vocab_size, (B, 20), generator=torch.Generator().manual_seed(1))
     write_kv(cache, 0, reference_kv(model, toks[:, :12]))  # the model's bf16 prompt k/v, held in `kv`
     pos = torch.full((B,), 12)
@@ -106,7 +115,7 @@ def test_mixed_prefill_and_decode_step_matches_model_forward(dtype):
     backend = select("auto", model, 64, dtype)(model)
     V = model.config.vocab_size
     toks = torch.randint(0, V, (4, 30), generator=torch.Generator().manual_seed(2))
-    cache = KVCache.for_model(model, 5, 64)
+    cache = paged_cache(model, 5, 64)
     # rows 0, 1 decode from position 9 and 14; row 3 has 6 tokens prefilled
     for row, n in ((0, 9), (1, 14), (3, 6)):
         write_kv(cache, row, reference_kv(model, toks[row : row + 1, :n]))
@@ -126,7 +135,7 @@ def test_mixed_prefill_and_decode_step_matches_model_forward(dtype):
     for r, n in ((0, 10), (1, 15), (2, 11), (3, 13)):
         ref_k = reference_kv(model, toks[r : r + 1, :n])
         for layer in range(model.config.num_hidden_layers):
-            assert (cache.k[layer][r, :, :n].float() - ref_k[layer][0][0].float()).abs().max() < tol
+            assert (read_kv(cache, layer, r, n)[0].float() - ref_k[layer][0][0].float()).abs().max() < tol
 
 
 @pytest.mark.parametrize("attention", ["kernel", "bmm", "sdpa"])
@@ -137,7 +146,7 @@ def test_bf16_prefill_then_decode_close_to_bf16_forward(attention):
     model = tiny_model(6, num_key_value_heads=2).to(torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     ref = model(ids)
-    cache = KVCache.for_model(model, 2, 16)
+    cache = paged_cache(model, 2, 16, block_size=4)
     assert cache.dtype == torch.bfloat16
     backend = select(attention, model, 16, cache.dtype)(model)
     forward_pieces(backend, cache, [(0, 0, ids[0, :8]), (1, 0, ids[1, :8])])

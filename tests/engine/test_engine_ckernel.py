@@ -1,4 +1,5 @@
-"""The C decode-attention kernel against softmax attention written out in torch."""
+"""The C decode-attention kernels against softmax attention written out in torch, reading a paged cache
+whose blocks lie at random places in the pool (blocks no row owns hold NaN: never read)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,31 @@ from tailrace.engine import ckernel
 
 KERNEL = ckernel.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"C kernel unavailable: {ckernel.unavailable()}")
+
+
+def table_for(rows: int, L: int, bs: int, seed: int = 0) -> tuple[torch.Tensor, int]:
+    """A block table (rows, ceil(L / bs)) int32 of distinct random blocks, and the pool's size (3 spare)."""
+    W = -(-L // bs)
+    n = rows * W + 3
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: rows * W]
+    return perm.view(rows, W).to(torch.int32), n
+
+
+def page(x: torch.Tensor, table: torch.Tensor, nblocks: int, bs: int) -> torch.Tensor:
+    """x (rows, Hkv, L, D) laid out in a pool (nblocks, Hkv, bs, D) by `table`; unowned blocks NaN."""
+    rows, Hkv, L, D = x.shape
+    W = table.shape[1]
+    pool = torch.full((nblocks, Hkv, bs, D), float("nan"), dtype=x.dtype)
+    padded = torch.cat([x, x.new_zeros(rows, Hkv, W * bs - L, D)], dim=2)
+    pool[table.long()] = padded.view(rows, Hkv, W, bs, D).transpose(1, 2)
+    return pool
+
+
+def unpage(pool: torch.Tensor, table: torch.Tensor, L: int) -> torch.Tensor:
+    """`page`'s inverse: (rows, Hkv, L, D)."""
+    rows, W = table.shape
+    _, Hkv, bs, D = pool.shape
+    return pool[table.long()].transpose(1, 2).reshape(rows, Hkv, W * bs, D)[:, :, :L]
 
 
 def reference(q, k, v, pos, row0, scale):
@@ -27,16 +53,32 @@ def reference(q, k, v, pos, row0, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [16, 32, 64, 128, 40])  # compiled-in sizes and the generic path
 @pytest.mark.parametrize("G", [1, 3])
-def test_kernel_matches_softmax_attention(dtype, D, G):
+@pytest.mark.parametrize("bs", [16, 5])  # whole 8-position groups per block, and blocks that split them
+def test_kernel_matches_softmax_attention(dtype, D, G, bs):
     g = torch.Generator().manual_seed(D * 10 + G)
     rows, Hkv, L, B, row0 = 7, 2, 50, 5, 2
     k = (torch.randn(rows, Hkv, L, D, generator=g) * 2).to(dtype)
     v = torch.randn(rows, Hkv, L, D, generator=g).to(dtype)
     q = torch.randn(B, Hkv, G, D, generator=g)
     pos = torch.tensor([0, 49, 13, 1, 30])  # a first token (attends to itself only) and a full row
-    got = KERNEL.run(q, k, v, pos, row0, D**-0.5)
+    table, n = table_for(rows, L, bs)
+    got = KERNEL.run(q, page(k, table, n, bs), page(v, table, n, bs), table, pos, row0, D**-0.5)
     want = reference(q, k.float(), v.float(), pos, row0, D**-0.5)
     assert (got.double() - want).abs().max() < 2e-6
+
+
+@needs_kernel
+def test_kernel_results_do_not_depend_on_the_block_size():
+    """Positions are visited in order whatever the blocks (with blocks of whole 8-position groups, the
+    same groups): a paged read gives the bits of an unpaged one (one block per row)."""
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(3, 2, 64, 64, generator=g), torch.randn(3, 2, 64, 64, generator=g)
+    q, pos = torch.randn(3, 2, 3, 64, generator=g), torch.tensor([63, 20, 37])
+    outs = []
+    for bs in (64, 16, 8):
+        table, n = table_for(3, 64, bs, seed=bs)
+        outs.append(KERNEL.run(q, page(k, table, n, bs), page(v, table, n, bs), table, pos, 0, 0.125))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @needs_kernel
@@ -44,22 +86,30 @@ def test_kernel_ignores_cache_beyond_each_rows_length():
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 1, 20, 32, generator=g), torch.randn(2, 1, 20, 32, generator=g)
     q, pos = torch.randn(2, 1, 2, 32, generator=g), torch.tensor([4, 11])
-    a = KERNEL.run(q, k, v, pos, 0, 0.2)
+    table, n, bs = *table_for(2, 20, 4), 4
+    a = KERNEL.run(q, page(k, table, n, bs), page(v, table, n, bs), table, pos, 0, 0.2)
     k[0, :, 5:], v[1, :, 12:] = float("nan"), 1e30  # garbage past each row's last position
-    assert torch.equal(KERNEL.run(q, k, v, pos, 0, 0.2), a)
+    assert torch.equal(KERNEL.run(q, page(k, table, n, bs), page(v, table, n, bs), table, pos, 0, 0.2), a)
 
 
 @needs_kernel
-def test_kernel_rejects_positions_outside_the_cache_and_bad_operands():
-    k = v = torch.zeros(2, 1, 8, 16)
+def test_kernel_rejects_positions_rows_and_blocks_outside_the_cache_and_bad_operands():
+    table, n = table_for(2, 8, 4)
+    k = v = torch.zeros(n, 1, 4, 16)
     q = torch.zeros(2, 1, 1, 16)
-    for bad in (8, -1, 10**15):  # the next row's position is only prefetched from, then checked
-        with pytest.raises(ValueError, match="position outside the cache"):
-            KERNEL.run(q, k, v, torch.tensor([3, bad]), 0, 1.0)
+    for bad in (8, -1, 10**15):
+        with pytest.raises(ValueError, match="position outside the block table"):
+            KERNEL.run(q, k, v, table, torch.tensor([3, bad]), 0, 1.0)
+    with pytest.raises(ValueError, match="row outside the block table"):
+        KERNEL.run(q, k, v, table, torch.tensor([3, 4]), 1, 1.0)  # rows 1..3 of a 2-row table
+    bad_table = table.clone()
+    bad_table[1, 1] = n
+    with pytest.raises(ValueError, match="block outside the cache"):
+        KERNEL.run(q, k, v, bad_table, torch.tensor([3, 4]), 0, 1.0)
     with pytest.raises(ValueError, match="bad operands"):
-        KERNEL.run(q, k, v, torch.tensor([3, 4]), 1, 1.0)  # rows 1..3 of a 2-row cache
+        KERNEL.run(q.to(torch.bfloat16), k, v, table, torch.tensor([3, 4]), 0, 1.0)
     with pytest.raises(ValueError, match="bad operands"):
-        KERNEL.run(q.to(torch.bfloat16), k, v, torch.tensor([3, 4]), 0, 1.0)
+        KERNEL.run(q, k, v, table.long(), torch.tensor([3, 4]), 0, 1.0)
 
 
 def layer_reference(qkv, cos_sin, k, v, row, pos, G, scale):
@@ -85,8 +135,8 @@ def layer_reference(qkv, cos_sin, k, v, row, pos, G, scale):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D,G", [(32, 2), (16, 1), (40, 3), (64, 4)])
-def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G):
+@pytest.mark.parametrize("D,G,bs", [(32, 2, 16), (16, 1, 3), (40, 3, 8), (64, 4, 16)])
+def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G, bs):
     from tailrace.model.rope import rope_table
 
     g = torch.Generator().manual_seed(D + G)
@@ -97,10 +147,13 @@ def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G):
     row = torch.tensor([1, 2, 3, 4, 0, 0, 0, 0, 0])
     pos = torch.tensor([0, 39, 17, 5, 3, 4, 5, 6, 7])
     qkv = torch.randn(len(row), (G + 2) * Hkv * D, generator=g).to(dtype)
-    cos, sin = rope_table(1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), 1.0, L)
+    cos, sin = rope_table(1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), 1.0, 48)  # >= W bs
     cos_sin = torch.stack((cos, sin), dim=1).to(dtype)
     want_o, want_k, want_v = layer_reference(qkv, cos_sin, k, v, row, pos, G, D**-0.5)
-    got = KERNEL.layer(qkv, cos_sin, k, v, row, pos, G, D**-0.5)
+    table, n = table_for(rows, L, bs)
+    pk, pv = page(k, table, n, bs), page(v, table, n, bs)
+    got = KERNEL.layer(qkv, cos_sin, pk, pv, table, row, pos, G, D**-0.5)
+    k, v = unpage(pk, table, L), unpage(pv, table, L)
     assert got.dtype == dtype
     if dtype == torch.float32:
         assert torch.allclose(k, want_k, atol=1e-6) and torch.equal(v, want_v)
@@ -114,17 +167,22 @@ def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G):
 
 
 @needs_kernel
-def test_fused_layer_rejects_a_bad_position_or_row_before_writing_anything():
-    k, v = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 16)
+def test_fused_layer_rejects_a_bad_position_row_or_block_before_writing_anything():
+    table, n = table_for(2, 8, 4)
+    k, v = torch.zeros(n, 1, 4, 16), torch.zeros(n, 1, 4, 16)
     qkv, cos_sin = torch.ones(2, 3 * 16), torch.ones(8, 2, 16)
-    with pytest.raises(ValueError, match="position outside the cache"):
-        KERNEL.layer(qkv, cos_sin, k, v, torch.tensor([0, 1]), torch.tensor([3, 8]), 1, 1.0)
-    with pytest.raises(ValueError, match="row outside the cache"):
-        KERNEL.layer(qkv, cos_sin, k, v, torch.tensor([0, 2]), torch.tensor([3, 4]), 1, 1.0)
+    with pytest.raises(ValueError, match="position outside the block table"):
+        KERNEL.layer(qkv, cos_sin, k, v, table, torch.tensor([0, 1]), torch.tensor([3, 8]), 1, 1.0)
+    with pytest.raises(ValueError, match="row outside the block table"):
+        KERNEL.layer(qkv, cos_sin, k, v, table, torch.tensor([0, 2]), torch.tensor([3, 4]), 1, 1.0)
+    bad_table = table.clone()
+    bad_table[1, 0] = -1
+    with pytest.raises(ValueError, match="block outside the cache"):
+        KERNEL.layer(qkv, cos_sin, k, v, bad_table, torch.tensor([0, 1]), torch.tensor([3, 4]), 1, 1.0)
     assert not k.any() and not v.any()  # the valid token was not written either
     with pytest.raises(ValueError, match="bad operands"):
         KERNEL.layer(
-            qkv.to(torch.bfloat16), cos_sin, k, v, torch.tensor([0, 1]), torch.tensor([3, 4]), 1, 1.0
+            qkv.to(torch.bfloat16), cos_sin, k, v, table, torch.tensor([0, 1]), torch.tensor([3, 4]), 1, 1.0
         )
 
 
@@ -157,9 +215,9 @@ def test_no_compiler_falls_back_with_the_reason(monkeypatch, tmp_path):
     from tailrace.engine import TailraceEngine
     from tests.engine.engine_helpers import tiny_model
 
-    assert TailraceEngine(tiny_model(), num_slots=1, max_len=32).backend == "bmm"
+    assert TailraceEngine(tiny_model(), num_slots=1, max_context=32).backend == "bmm"
     with pytest.raises(RuntimeError, match="attention='bmm'"):
-        TailraceEngine(tiny_model(), num_slots=1, max_len=32, attention="kernel")
+        TailraceEngine(tiny_model(), num_slots=1, max_context=32, attention="kernel")
 
 
 def test_build_is_cached_per_machine(monkeypatch, tmp_path):

@@ -160,7 +160,7 @@ BAD = {
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_request_raises_one_line_error_and_others_complete(model, case):
-    eng = TailraceEngine(model, num_slots=2, max_len=64)
+    eng = TailraceEngine(model, num_slots=2, max_context=64)
     good = [req("dup", 5, 12), req("g2", 9, 12)]
     for r in good:
         eng.add(r)
@@ -169,7 +169,7 @@ def test_bad_request_raises_one_line_error_and_others_complete(model, case):
         eng.add(BAD[case])
     assert "\n" not in str(e.value) and len(str(e.value)) < 250
     out = _run(eng)
-    ref = TailraceEngine(model, num_slots=2, max_len=64).generate(good)
+    ref = TailraceEngine(model, num_slots=2, max_context=64).generate(good)
     assert [out[r.id].token_ids for r in good] == [r.token_ids for r in ref]
 
 

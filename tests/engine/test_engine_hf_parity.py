@@ -8,8 +8,7 @@ import torch
 
 from tailrace.engine import ckernel
 from tailrace.engine.backends import select
-from tailrace.engine.kv_cache import KVCache
-from tests.engine.engine_helpers import forward_pieces
+from tests.engine.engine_helpers import forward_pieces, paged_cache
 from tests.model.model_helpers import CONFIGS, TOL, hf_reference, max_diff
 
 T = 24
@@ -28,8 +27,10 @@ def attention(request):
     return request.param
 
 
-def _backend(attention, model, rows, max_len):
-    return select(attention, model, max_len, torch.float32)(model), KVCache.for_model(model, rows, max_len)
+def _backend(attention, model, rows, max_context):
+    return select(attention, model, max_context, torch.float32)(model), paged_cache(
+        model, rows, max_context, 4
+    )
 
 
 @torch.inference_mode()

@@ -143,7 +143,7 @@ def test_top_k_top_p_in_engine_stay_in_allowed_set(model):
 
 
 def test_context_limit_ends_with_length(model):
-    eng = TailraceEngine(model, num_slots=2, max_len=20)
+    eng = TailraceEngine(model, num_slots=2, max_context=20)
     res = eng.generate([req("l", 15, 100), req("l2", 19, 100)])
     assert [len(r.token_ids) for r in res] == [5, 1] and all(r.finish == Finish.LENGTH for r in res)
 

@@ -128,6 +128,13 @@ class ScriptedCluster:
                 if c.publish is not None:
                     self.s.on_published(c.publish, self.t)
 
+    def lose_engine(self, e: int) -> int:
+        """The engine's process dies: its queue and running samples vanish with it; its weights come
+        back with its replacement (loads in flight are lost)."""
+        self.queue[e], self.running[e] = [], []
+        self.loads = [(t, eng, v) for t, eng, v in self.loads if eng != e]
+        return self.s.on_engine_lost(e, self.t)
+
     def run(self, max_ticks: int = 100_000) -> None:
         while not self.s.done and self.t < max_ticks:
             self.execute(self.s.poll(self.t))

@@ -88,3 +88,36 @@ def test_pipe_trains_before_the_round_is_complete():
     first_train = next(m.t for m in c.marks if m.kind == "train_issued")
     last_ready = [m.t for m in c.marks if m.kind == "group_ready"][5]  # the first round's 6th group
     assert first_train < last_ready
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 10_000),
+    engines=st.integers(1, 2),
+    losses=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 1)), min_size=1, max_size=4),
+)
+def test_a_lost_engine_loses_no_sample_and_trains_none_twice(mode, seed, engines, losses):
+    """Engines die at random ticks (the scripted cluster drops their queue and running samples): the
+    run still finishes every step, the ledger holds, and no (group, sample) is trained twice."""
+    rng = random.Random(seed)
+    lengths = {}
+
+    def length(g, i):
+        return lengths.setdefault((g, i), max(1, min(40, int(rng.lognormvariate(1.6, 0.9)))))
+
+    s = Scheduler(make_policy(mode, max_staleness=1), prompts(), [(4, 2)] * engines, FlowSpec(4, 2, 2, 6))
+    c = ScriptedCluster(s, length, slots=4, train_ticks=4, load_ticks=1)
+    at = {t: e % engines for t, e in losses}
+    requeued = 0
+    while not s.done and c.t < 20_000:
+        c.execute(s.poll(c.t))
+        c.tick()
+        if c.t in at:
+            requeued += c.lose_engine(at[c.t])
+    assert s.done
+    c.execute(s.poll(c.t))
+    trained = [(tr.group, tr.sample_index) for t in c.trained for g in t.groups for tr in g.trajectories]
+    assert len(trained) == len(set(trained)) == 6 * 2 * 2
+    s.ledger.check(s.in_store())
+    assert sum(m.data["requeued"] for m in c.marks if m.kind == "engine_lost") == requeued

@@ -51,7 +51,8 @@ CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{%
 @pytest.fixture(scope="session")
 def finished_run(tiny_model, tmp_path_factory) -> Path:
     """A whole run of TINY_RUN (4 steps, a checkpoint after each, the last three kept) from a copy of the
-    tiny model that carries a chat template. Copy it (`copy_run`) before changing anything in it."""
+    tiny model that carries a chat template. The tiny model earns no reward, so a KL penalty makes every
+    step move the weights and the optimizer. Copy it (`copy_run`) before changing anything in it."""
     from tailrace.cli import main
 
     root = tmp_path_factory.mktemp("finished")
@@ -59,10 +60,8 @@ def finished_run(tiny_model, tmp_path_factory) -> Path:
     shutil.copytree(tiny_model, source)
     (source / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     run = root / "run"
-    assert (
-        main(["train", f"--run-dir={run}", f"--model.path={source}", *TINY_RUN, "--flow.keep_checkpoints=3"])
-        == 0
-    )
+    argv = ["train", f"--run-dir={run}", f"--model.path={source}", *TINY_RUN, "--flow.keep_checkpoints=3"]
+    assert main([*argv, "--train.loss.kl_coef=0.01"]) == 0
     return run
 
 

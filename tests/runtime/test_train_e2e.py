@@ -33,7 +33,7 @@ def test_sync_with_a_fixed_seed_gives_identical_metrics(tiny_model, tmp_path):
     assert len(runs[0]) == 4
     assert runs[0] == runs[1]
     assert any(
-        r["length"]["p50"] != runs[0][0]["length"]["p50"]
+        r["length"]["mean"] != runs[0][0]["length"]["mean"]
         or r["train"]["entropy"] != runs[0][0]["train"]["entropy"]
         for r in runs[0][1:]
     ), "steps should differ from each other (the test would be vacuous)"
@@ -82,4 +82,5 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     assert final["trained"] == 8 * 16
     assert final["produced"] >= len(done_before)
     assert final["produced"] == final["trained"] + final["in_store"] + discarded
-    assert discarded == 0, f"with a checkpoint per step nothing may be discarded: {final['discarded']}"
+    lost = {k: v for k, v in final["discarded"].items() if k != "zero-signal"}  # replaced on purpose
+    assert not lost, f"with a checkpoint per step nothing may be discarded: {final['discarded']}"

@@ -260,3 +260,93 @@ def test_a_scaled_segment_takes_proportionally_longer():
 
     seg = Segment(0.002, ((0.001, 1e-6, 0.0005, 3e-6),))
     assert seg.scaled(1.25).time(700) == pytest.approx(1.25 * seg.time(700), rel=1e-12)
+
+
+class Times:
+    """A failure clock with given failure times (then none)."""
+
+    def __init__(self, *times):
+        self.times = list(times)
+
+    def next(self):
+        return self.times.pop(0) if self.times else float("inf")
+
+
+def _with_failures(cl_args, engine_times=(), trainer_times=(), detect=1.0, restart=2.0):
+    from tailrace.sim.failures import FailureSpec
+
+    spec = FailureSpec(engine_mtbf_s=1.0, trainer_mtbf_s=1.0, detect_s=detect, restart_s=restart)
+    spec.arrivals = lambda worker, mtbf: Times(
+        *(trainer_times if worker == cl_args["engines"] else engine_times)
+    )
+    return spec
+
+
+def test_a_trainer_failure_costs_the_restart_and_the_steps_since_the_checkpoint():
+    """Sync, constant lengths, 2 steps per round: a failure in the second step of the first round loses
+    that step's part done and the first step (not checkpointed: only publishing steps are), plus
+    detection and restart; the run is that much longer, and trains the same samples."""
+    R, K, U, P, L, rounds = 4, 2, 2, 100, 300, 2
+    args = dict(engines=1)
+    clean = cluster(SyncPolicy(), ConstantLengths(L, prompt=P), R, K, U, steps=rounds * R // U, slots=R * K)
+    clean.run()
+    train = COST.train_time([P + L] * (U * K))
+    first_round_gen = clean.rec.step_log[0]["t0"]
+    t_fail = first_round_gen + train + 0.25 * train  # a quarter into the round's second step
+    spec = _with_failures(args, trainer_times=[t_fail])
+    sched = Scheduler(
+        SyncPolicy(), prompt_stream(ConstantLengths(L, prompt=P)), [(R * K, 16)], FlowSpec(R, K, U, 4)
+    )
+    cl = SimCluster(
+        sched, [SimEngine(0, R * K, COST, ConstantLengths(L, prompt=P))], COST, Capture(), failures=spec
+    )
+    cl.run()
+    log = cl.failure_log
+    assert log.trainer == 1 and log.trainer_down_s == pytest.approx(3.0)
+    assert log.trainer_redo_s == pytest.approx(0.25 * train + train, rel=1e-9)
+    assert cl.now == pytest.approx(clean.now + 3.0 + 0.25 * train + train, rel=1e-9)
+    assert [t.step for t in cl.rec.trains] == [t.step for t in clean.rec.trains]
+
+
+@settings(max_examples=15, deadline=None)
+@given(mode=st.sampled_from(sorted(POLICIES)), seed=st.integers(0, 1000), engines=st.integers(1, 2))
+def test_engine_and_trainer_failures_lose_no_sample_in_any_mode(mode, seed, engines):
+    import random
+
+    from tailrace.sim.failures import FailureSpec
+
+    rng = random.Random(seed)
+    lengths = LognormalLengths(median=300, max_len=2000, seed=seed)
+    sched = Scheduler(make_policy(mode), prompt_stream(lengths), [(16, 4)] * engines, FlowSpec(8, 4, 2, 8))
+    engs = [SimEngine(i, 16, COST, lengths) for i in range(engines)]
+    spec = FailureSpec(engine_mtbf_s=rng.uniform(8, 30), trainer_mtbf_s=rng.uniform(8, 30), detect_s=0.5,
+                       restart_s=1.0, seed=seed)  # fmt: skip
+    cl = SimCluster(sched, engs, COST, Capture(), failures=spec)
+    cl.run()
+    trained = [(t.group, t.sample_index) for c in cl.rec.trains for g in c.groups for t in g.trajectories]
+    assert len(trained) == len(set(trained)) == 8 * 2 * 4
+    sched.ledger.check(sched.in_store())
+    assert len(cl.failure_log.events) == cl.failure_log.engine + cl.failure_log.trainer
+
+
+def test_failures_faster_than_any_sample_finishes_stop_the_simulation_with_the_figures_to_change():
+    from tailrace.sim.failures import FailureSpec
+
+    lengths = ConstantLengths(2000, prompt=64)
+    sched = Scheduler(make_policy("sync"), prompt_stream(lengths), [(16, 4)], FlowSpec(8, 4, 2, 8))
+    spec = FailureSpec(engine_mtbf_s=0.5, detect_s=0.1, restart_s=0.1, seed=1)
+    cl = SimCluster(sched, [SimEngine(0, 16, COST, lengths)], COST, Capture(), failures=spec)
+    with pytest.raises(SimStalled, match=r"livelocked.*failures.engine_mtbf_s=0.5"):
+        cl.run()
+
+
+def test_simulate_reports_the_effective_training_time_ratio(tmp_path):
+    from tailrace.sim.scenario import load_scenario, simulate
+
+    base = ["--cluster.hardware=h100", "--cluster.model=qwen3-1.7b", "--cluster.engines=4",
+            "--flow.prompts_per_round=16", "--flow.samples_per_prompt=8", "--flow.train_batch=64",
+            "--flow.steps=16", "--lengths={kind: lognormal, median: 1000, max_len: 8000, prompt: 128}"]  # fmt: skip
+    s = simulate(load_scenario(None, [*base, "--failures.engine_mtbf_s=60", "--failures.trainer_mtbf_s=120"]))
+    f = s["failures"]
+    assert f["count"] > 0 and 0 < f["ettr"] < 1
+    assert f["clean_wall_s"] == pytest.approx(simulate(load_scenario(None, base))["wall_s"])

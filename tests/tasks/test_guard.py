@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -37,6 +38,8 @@ class Scripted(Task):
             return "1.0"
         if response == "bool":
             return True
+        if response.startswith("value "):
+            return float(response.split()[1])
         return 1.0 if response == example.answer else 0.0
 
 
@@ -100,6 +103,29 @@ def test_batch_with_hang_crash_and_raise_still_scores_the_rest(guard):
     assert guard.restarts == 2
 
 
+def test_rewards_outside_the_declared_range_are_clamped_and_counted(guard):
+    got = guard.score_many([(EX[0], "value 1.7"), (EX[0], "value -0.5"), (EX[0], "value 0.5")])
+    assert got == [
+        Scored(1.0, "clamped: returned 1.7, outside the task's range [0, 1]"),
+        Scored(0.0, "clamped: returned -0.5, outside the task's range [0, 1]"),
+        Scored(0.5),
+    ]
+    assert guard.errors == {"clamped": 2}
+
+
+def test_a_declared_range_is_honoured():
+    class Signed(Scripted):
+        reward_range = (-1.0, 1.0)
+
+    g = RewardGuard(Signed(), inline=True)
+    assert g.score(EX[0], "value -0.5") == Scored(-0.5)
+    assert g.score(EX[0], "value -2") == Scored(
+        -1.0, "clamped: returned -2, outside the task's range [-1, 1]"
+    )
+    with pytest.raises(ValueError, match=r"reward_range \(1.0, 0.0\) must be \(low, high\) with low < high"):
+        RewardGuard(type("Backwards", (Scripted,), {"reward_range": (1.0, 0.0)})(), inline=True)
+
+
 def test_inline_mode_catches_exceptions_without_a_worker():
     g = RewardGuard(Scripted(), inline=True)
     assert g.worker_pid is None
@@ -145,15 +171,16 @@ def test_worker_dies_with_its_parent(tmp_path):
         from tests.tasks.test_guard import Scripted
         from tailrace.tasks.guard import RewardGuard
         g = RewardGuard(Scripted())
-        print(g.worker_pid, flush=True)
+        print(g.worker_pid, g.workdir, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    pid = int(out.stdout.split()[0])
+    pid, workdir = out.stdout.split()
+    shutil.rmtree(workdir)  # a killed parent leaves its worker's directory behind
     deadline = time.monotonic() + 5.0
-    while _alive(pid) and time.monotonic() < deadline:
+    while _alive(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid)
+    assert not _alive(int(pid))
 
 
 def _alive(pid: int) -> bool:

@@ -1,6 +1,7 @@
 """GRPOTrainer on a tiny causal stand-in model: accumulation, one step, metrics, checkpoints, weight sync."""
 
 import copy
+import dataclasses
 import math
 import random
 
@@ -76,11 +77,19 @@ def grads(model):
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "drgrpo"])
-@pytest.mark.parametrize("correction", ["none", "behaviour", "decoupled", "tis"])
+@pytest.mark.parametrize("correction", ["none", "behaviour", "decoupled", "tis", "icepop", "geo_mask"])
 def test_micro_batch_accumulation_equals_full_batch(loss, correction):
     base = TinyLM()
     groups = make_groups(base, noise=0.3)  # behaviour != current: ratios move, some tokens clip or cap
-    lc = dict(name=loss, correction=correction, kl_coef=0.1, max_new_tokens=8, tis_cap=1.3)
+    lc = dict(
+        name=loss,
+        correction=correction,
+        kl_coef=0.1,
+        max_new_tokens=8,
+        tis_cap=1.3,
+        ratio_low=0.8,
+        ratio_high=1.25,
+    )
     out = {}
     for mbt in (10_000, 9):
         model = copy.deepcopy(base)
@@ -103,13 +112,16 @@ def test_micro_batch_accumulation_equals_full_batch(loss, correction):
         "entropy",
         "grad_norm",
         "dropped_frac",
+        "is_ratio_mean",
+        "is_ratio_max",
         "tokens",
     ):
         assert m_acc[k] == pytest.approx(m_full[k], abs=1e-6), k
     if correction == "behaviour":
         assert m_full["clip_frac"] > 0  # the case exercises clipping
-    if correction == "decoupled":
-        assert m_full["dropped_frac"] > 0
+    if correction in ("decoupled", "icepop", "geo_mask"):
+        assert m_full["dropped_frac"] > 0  # the case exercises masking
+    assert m_full["is_ratio_max"] > 1.25 > m_full["is_ratio_mean"] > 0.8
 
 
 def test_step_changes_every_parameter_and_lowers_its_own_loss():
@@ -263,3 +275,36 @@ def test_a_non_finite_step_raises_and_leaves_the_weights_untouched(poison):
         tr.step(groups, 0)
     assert torch.equal(tr.flat.buffer, before) and tr.steps == 0
     assert not tr.opt.state, "the optimizer must not have moved"
+
+
+def equal_rewards(groups, reward=0.1):
+    return [
+        Group(g.id, g.prompt_id, tuple(dataclasses.replace(t, reward=reward) for t in g.trajectories))
+        for g in groups
+    ]
+
+
+def test_a_batch_without_reward_signal_runs_no_forward_or_backward():
+    """Every group's rewards equal (three 0.1s: their float mean is not 0.1, so the estimator's
+    advantages are ~1e-11, not 0): the step is counted and reported skipped, the weights untouched."""
+    model = TinyLM()
+    groups = make_groups(model, k=3)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    tr = GRPOTrainer(model, TrainerConfig(lr=1e-3))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    m = tr.step(equal_rewards(groups), trainer_version=0)
+    assert calls == [] and m["skipped"] == 1 and m["micro_batches"] == 0 and m["tokens"] == 0
+    assert m["step"] == tr.steps == 1 and not tr.opt.state
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+    # one group with signal among equal ones: a normal step
+    m = tr.step(equal_rewards(groups[:2]) + groups[2:], trainer_version=0)
+    assert calls and m["skipped"] == 0 and m["grad_norm"] > 0
+
+
+def test_a_kl_term_keeps_a_batch_without_reward_signal_training():
+    model = TinyLM()
+    tr = GRPOTrainer(model, TrainerConfig(lr=1e-3, loss=LossConfig(kl_coef=0.1)), ref_model=TinyLM(seed=1))
+    m = tr.step(equal_rewards(make_groups(model)), trainer_version=0)
+    assert m["skipped"] == 0 and m["grad_norm"] > 0

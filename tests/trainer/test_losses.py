@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tailrace.config import ConfigError, LossConfig
-from tailrace.trainer.losses import CORRECTIONS, LOSSES, fresh_mask, k3, kl_penalty, seq_mean_scale
+from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, fresh_mask, k3, kl_penalty, seq_mean_scale
 
 R = [[1.5, 1.25, 0.9], [0.5, 1.1, 10.0]]
 OLD = torch.full((2, 3), -1.0, dtype=torch.float64)
@@ -97,14 +97,36 @@ PROX = BEHAV + torch.tensor(
         ("none", PROX, [1, 1, 1], [1, 1, 1]),
         ("tis", PROX, [0.5, 1, 2], [1, 1, 1]),  # min(w, C=2)
         ("decoupled", PROX, [0.5, 1, 0], [1, 1, 0]),  # w=3 > C dropped
+        ("icepop", PROX, [0, 1, 0], [0, 1, 0]),  # [0.6, 2.5]: w=.5 below, w=3 above, masked both
         ("behaviour", BEHAV, [1, 1, 1], [1, 1, 1]),
     ],
 )
 def test_corrections(name, anchor, weight, keep):
-    c = CORRECTIONS[name](BEHAV, PROX, 2.0)
+    c = CORRECTIONS[name](BEHAV, PROX, torch.ones_like(PROX), Bounds(cap=2.0, low=0.6, high=2.5))
     torch.testing.assert_close(c.old_logp, anchor)
     assert c.weight[0].tolist() == pytest.approx(weight, abs=1e-12)
     assert c.keep[0].tolist() == keep
+
+
+def test_icepop_keeps_the_band_and_weights_by_the_ratio():
+    c = CORRECTIONS["icepop"](BEHAV, PROX, torch.ones_like(PROX), Bounds(cap=2.0, low=0.49, high=3.01))
+    assert c.weight[0].tolist() == pytest.approx([0.5, 1, 3], abs=1e-12) and c.keep[0].tolist() == [1, 1, 1]
+
+
+def test_geo_mask_masks_whole_sequences_by_their_geometric_mean_ratio():
+    # seq 0: w = .5, 1, 3 over its 3 live tokens -> geo mean (1.5)^(1/3) = 1.145: kept
+    # seq 1: w = 4, 4 over 2 live tokens (the 3rd, w = 1e6, is padding and must not count) -> 4: masked
+    behav = torch.tensor([[-1.0, -2.0, -3.0], [-2.0, -2.0, -20.0]], dtype=torch.float64)
+    w = torch.tensor([[0.5, 1.0, 3.0], [4.0, 4.0, 1e6]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    c = CORRECTIONS["geo_mask"](behav, behav + w.log(), mask, Bounds(cap=2.0, low=0.5, high=2.0))
+    assert c.keep.tolist() == [[1, 1, 1], [0, 0, 0]] and c.weight.tolist() == c.keep.tolist()
+    torch.testing.assert_close(c.old_logp, behav + w.log())
+    # a sequence below the band is masked too: geo mean of (0.2, 0.4) = 0.283 < 0.5
+    low = torch.tensor([[0.2, 0.4, 1.0]], dtype=torch.float64)
+    m = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
+    c = CORRECTIONS["geo_mask"](BEHAV, BEHAV + low.log(), m, Bounds(cap=2.0, low=0.5, high=2.0))
+    assert c.keep.tolist() == [[0, 0, 0]]
 
 
 def test_staleness_mask():

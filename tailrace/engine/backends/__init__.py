@@ -44,21 +44,23 @@ class Backend(Protocol):
     ) -> torch.Tensor:
         """One step over M tokens: B = len(rows) decode tokens first, then prefill pieces.
 
-        tokens, positions (M,) int64 on device. Decode token b sits in cache row rows.start + b;
-        `chunks`: (lo, hi, S) per attention chunk of the decode rows (rows [lo, hi) attend to
-        positions [0, S), S > their positions; see `engine.chunks`). `pieces`: (row, start, n) per
-        prefill piece, its n tokens (next in `tokens`) at positions start.. of that row, attending
-        causally to the row's cache. Every token's k/v is written at its position first. The cache has
-        the dtype and length the backend was built for. Returns logits (len(want), V) of the tokens
-        `want` indexes (default: the B decode tokens)."""
+        tokens, positions (M,) int64 on device. Decode token b is the sequence in cache row
+        rows.start + b; `chunks`: (lo, hi, S) per attention chunk of the decode rows (rows [lo, hi)
+        attend to positions [0, S), S > their positions; see `engine.chunks`). `pieces`: (row, start,
+        n) per prefill piece, its n tokens (next in `tokens`) at positions start.. of that row,
+        attending causally to the row's cache. A row's positions are in the blocks its `cache.table` row
+        lists, which cover every position written or read. Every token's k/v is written at its
+        position first. The cache has the dtype the backend was built for and rows of at most the
+        backend's `max_context` positions. Returns logits (len(want), V) of the tokens `want` indexes
+        (default: the B decode tokens)."""
         ...
 
 
 def select(
-    attention: str | None, model: CausalLM, max_len: int, kv_dtype: torch.dtype
+    attention: str | None, model: CausalLM, max_context: int, kv_dtype: torch.dtype
 ) -> Callable[..., Backend]:
-    """The backend of an engine serving `model` (on its device, in its dtype) over a cache of `max_len`
-    positions in `kv_dtype`; call it with each version's model. `attention`:
+    """The backend of an engine serving `model` (on its device, in its dtype) over a cache whose rows
+    address `max_context` positions, in `kv_dtype`; call it with each version's model. `attention`:
       'auto' (or None): `KernelBackend` on CPU with one torch thread, else the torch backend's 'bmm';
       'kernel': `KernelBackend` on CPU with any number of threads (RuntimeError where the kernels do not
       build), else 'bmm';
@@ -81,6 +83,6 @@ def select(
             raise RuntimeError(f"attention='kernel': {ckernel.unavailable()}; or use attention='bmm'")
     if kernel is not None and w.dtype in kernel.dtypes and kv_dtype in kernel.dtypes:
         cls = KernelBackend if kv_dtype == w.dtype else KernelAttentionBackend
-        return functools.partial(cls, max_len=max_len, kv_dtype=kv_dtype, kernel=kernel)
+        return functools.partial(cls, max_context=max_context, kv_dtype=kv_dtype, kernel=kernel)
     variant = "sdpa" if attention == "sdpa" else "bmm"
-    return functools.partial(TorchBackend, max_len=max_len, kv_dtype=kv_dtype, variant=variant)
+    return functools.partial(TorchBackend, max_context=max_context, kv_dtype=kv_dtype, variant=variant)

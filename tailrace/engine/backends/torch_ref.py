@@ -5,15 +5,16 @@ The B decode rows (one token each) and the prefill pieces (prompt chunks, causal
 are one (M, hidden) batch through every GEMM (`FusedWeights`): one pass over the weights per step, no
 padding. Per layer:
   * RoPE on q and k in one op set, looked up in a table built by `tailrace.model.rope` (the model's own
-    table function, so positions rotate identically); the k/v writes are index copies;
-  * decode attention of one query per row over a contiguous slice of cache rows (a view), chunk by
-    chunk (`engine.chunks`), with additive masks built once per step. `variant`, chosen once:
-    'bmm': two batched GEMMs per chunk, in fp32 whenever the cache is fp32 (fp32 MKL reads the
-    strided cache views in place); with a bf16/fp16 cache (bf16 bmm copies them) the scores GEMM runs
-    as K @ q^T with an fp32 softmax, and up to `UPCAST_MAX_BATCH` rows on fp32 upcast copies, whichever
-    is faster at that batch (bench/README.md); 'sdpa': `F.scaled_dot_product_attention` in the
-    cache's dtype;
-  * prefill pieces attend causally to their row's cache, in fp32.
+    table function, so positions rotate identically); the k/v writes are index copies into the blocks
+    the cache's block table names for each token's row and position;
+  * decode attention of one query per row over that row's blocks, gathered into a contiguous copy
+    (one `index_select` per chunk and layer: exact, and the reference the C kernels are held to),
+    chunk by chunk (`engine.chunks`), with gather indices and additive masks built once per step.
+    `variant`, chosen once: 'bmm': two batched GEMMs per chunk, in fp32 whenever the cache is fp32;
+    with a bf16/fp16 cache the scores GEMM runs as K @ q^T with an fp32 softmax, and up to
+    `UPCAST_MAX_BATCH` rows on fp32 upcast copies, whichever is faster at that batch
+    (bench/README.md); 'sdpa': `F.scaled_dot_product_attention` in the cache's dtype;
+  * prefill pieces attend causally to their row's blocks (gathered), in fp32.
 The attended lengths come from the host, so the step needs no device->host sync. Supports exactly
 what `CausalLM` supports (Llama/Qwen2 biases, every RoPE type via the table); tests pin it to the
 logits of `CausalLM.forward` over whole sequences.
@@ -43,24 +44,25 @@ class TorchBackend:
     def __init__(
         self,
         model: CausalLM,
-        max_len: int,
+        max_context: int,
         kv_dtype: torch.dtype,
         variant: str = "bmm",
         packed: bool | None = None,
     ):
-        """`model` on its device, in its dtype; `max_len`, `kv_dtype`: the cache's positions and dtype;
-        `variant`: decode attention, 'bmm' or 'sdpa'; `packed`: see `FusedWeights`."""
+        """`model` on its device, in its dtype; `max_context`, `kv_dtype`: the positions a cache row
+        addresses and the cache's dtype; `variant`: decode attention, 'bmm' or 'sdpa'; `packed`: see
+        `FusedWeights`."""
         if variant not in ("bmm", "sdpa"):
             raise ValueError(f"variant={variant!r}: use 'bmm' or 'sdpa'")
         self.name, self.model, self.kv_dtype = variant, model, kv_dtype
         self.w = w = FusedWeights(model, packed)
         inv_freq, scale = inv_freq_and_scale(model.config)
-        cos, sin = rope_table(inv_freq, scale, max_len)  # (max_len, D) fp32, sin first half negated
+        cos, sin = rope_table(inv_freq, scale, max_context)  # (max_context, D) fp32, sin first half negated
         # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
-        self.cos_sin = torch.stack((cos, sin), dim=1).to(w.device, w.dtype)  # (max_len, 2, D)
-        self.arange = torch.arange(max_len, device=w.device)
+        self.cos_sin = torch.stack((cos, sin), dim=1).to(w.device, w.dtype)  # (max_context, 2, D)
+        self.arange = torch.arange(max_context, device=w.device)
         self.heads = torch.arange(w.Hkv, device=w.device)
-        self._write_base: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._rows_cache: dict[tuple[int, int], torch.Tensor] = {}
         # decode attention: its per-step state (from the decode rows' positions) and its per-layer call
         if variant == "sdpa":
             self._decode_state, self._attend_decode = self._sdpa_masks, self._attend_sdpa
@@ -97,22 +99,20 @@ class TorchBackend:
         w = self.w
         B, M = rows.stop - rows.start, x.shape[0]
         H, Hkv, D = w.H, w.Hkv, w.D
-        L = cache.max_len
-        widx = self._write_index(rows, L) + positions[:B].repeat_interleave(
-            Hkv
-        )  # (B Hkv,) into k.view(-1, D)
-        if pieces:
-            pre = (self._piece_rows(pieces)[:, None] * Hkv + self.heads) * L + positions[B:, None]
-            widx = torch.cat((widx, pre.reshape(-1)))
+        bs, table = cache.block_size, cache.table.t
+        trow = self._token_rows(rows, pieces)
+        blk = table[trow, positions // bs].long()  # (M,) the block holding each token's position
+        widx = ((blk[:, None] * Hkv + self.heads) * bs + (positions % bs)[:, None]).reshape(-1)  # (M Hkv,)
         cs = self.cos_sin[positions]  # (M, 2, D)
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
-        dec = self._decode_state(positions[:B], chunks)  # built once per step, read by every layer
-        causal = []  # per prefill piece, its causal mask (1, n G, start + n) fp32
-        for _, start, n in pieces:
-            m = torch.where(
-                self.arange[: start + n] > self.arange[start : start + n, None], float("-inf"), 0.0
+        dec = self._decode_state(positions[:B], chunks, table, rows.start, bs)  # read by every layer
+        prefill = []  # per piece: its row's blocks (Hkv nb,) into k.view(-1, bs, D); causal mask (1, n G, S)
+        for row, start, n in pieces:
+            S = start + n
+            m = torch.where(self.arange[:S] > self.arange[start:S, None], float("-inf"), 0.0)
+            prefill.append(
+                (self._gather_index(table[row : row + 1], S, bs), S, m.repeat_interleave(w.G, dim=0)[None])
             )
-            causal.append(m.repeat_interleave(w.G, dim=0)[None])
         half = D // 2
         for i, lw in enumerate(w.layers):
             qkv = lw.qkv(self._rms(x), pk)  # (M, (H + 2 Hkv) D)
@@ -121,46 +121,61 @@ class TorchBackend:
             ck, cv = cache.k[i], cache.v[i]
             ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D).to(ck.dtype))
             cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D :].reshape(M * Hkv, D).to(cv.dtype))
-            outs = [self._attend_decode(qk[:B, :H], ck, cv, rows.start, chunks, dec)] if B else []
+            outs = [self._attend_decode(qk[:B, :H], ck, cv, dec)] if B else []
             off = B
-            for (row, start, n), m in zip(pieces, causal):
-                q = qk[off : off + n, :H]
-                outs.append(self._attend_piece(q, ck[row, :, : start + n], cv[row, :, : start + n], m))
+            for (_, _, n), (idx, S, m) in zip(pieces, prefill):
+                k, v = _gather(ck, idx, Hkv, S), _gather(cv, idx, Hkv, S)  # (Hkv, S, D)
+                outs.append(self._attend_piece(qk[off : off + n, :H], k, v, m))
                 off += n
             x = lw.o.add(_cat(outs), x, pk)
             x = lw.down.add(self._silu_mul(lw.gate_up(self._rms(x), pk)), x, pk)
         return x
 
-    # -- decode attention: q (B, H, D) over cache rows r0 + [lo, hi) up to S per chunk (views of the
-    # -- cache); returns (B, H D) in the model's dtype
+    def _gather_index(self, table_rows: torch.Tensor, S: int, bs: int) -> torch.Tensor:
+        """(n Hkv nb,) indices into k.view(-1, bs, D) of the nb = ceil(S / bs) blocks holding positions
+        [0, S) of each of the n rows of table_rows (n, W), per kv head, in (row, head, position) order."""
+        blocks = table_rows[:, : -(-S // bs)].long()  # (n, nb)
+        return (blocks[:, None, :] * self.w.Hkv + self.heads[None, :, None]).reshape(-1)
 
-    def _bmm_masks(self, pos: torch.Tensor, chunks: list[Chunk]) -> list[torch.Tensor]:
+    # -- decode attention: q (B, H, D) over each row's positions up to S per chunk (gathered from its
+    # -- blocks); returns (B, H D) in the model's dtype. The per-step state: (lo, hi, S, gather index,
+    # -- mask) per chunk.
+
+    def _bmm_masks(self, pos, chunks, table, r0, bs) -> list[tuple]:
         """Per chunk, the additive fp32 mask ((hi - lo) Hkv, 1, S) hiding positions past each row's own
         (broadcast over the G query heads of a kv head)."""
         out = []
         for lo, hi, S in chunks:
             m = torch.where(self.arange[:S] > pos[lo:hi, None], float("-inf"), 0.0)  # (n, S)
-            out.append(m.repeat_interleave(self.w.Hkv, dim=0).view((hi - lo) * self.w.Hkv, 1, S))
+            m = m.repeat_interleave(self.w.Hkv, dim=0).view((hi - lo) * self.w.Hkv, 1, S)
+            out.append((lo, hi, S, self._gather_index(table[r0 + lo : r0 + hi], S, bs), m))
         return out
 
-    def _sdpa_masks(self, pos: torch.Tensor, chunks: list[Chunk]) -> list[torch.Tensor]:
+    def _sdpa_masks(self, pos, chunks, table, r0, bs) -> list[tuple]:
         """Per chunk, the additive mask (hi - lo, 1, 1, S) in the cache's dtype."""
         return [
-            torch.where(self.arange[:S] > pos[lo:hi, None], float("-inf"), 0.0)
-            .to(self.kv_dtype)
-            .view(hi - lo, 1, 1, S)
+            (
+                lo,
+                hi,
+                S,
+                self._gather_index(table[r0 + lo : r0 + hi], S, bs),
+                torch.where(self.arange[:S] > pos[lo:hi, None], float("-inf"), 0.0)
+                .to(self.kv_dtype)
+                .view(hi - lo, 1, 1, S),
+            )
             for lo, hi, S in chunks
         ]
 
-    def _attend_fp32(self, q, ck, cv, r0, chunks, masks, upcast: bool = False) -> torch.Tensor:
-        """fp32 GEMMs on the cache views (`upcast`: on fp32 copies of a low-precision cache's)."""
+    def _attend_fp32(self, q, ck, cv, state, upcast: bool = False) -> torch.Tensor:
+        """fp32 GEMMs (`upcast`: on fp32 copies of a low-precision cache's blocks)."""
         B, Hkv, G, D = q.shape[0], self.w.Hkv, self.w.G, self.w.D
         q = q.reshape(B * Hkv, G, D).float()
         outs = []
-        for (lo, hi, S), m in zip(chunks, masks):
-            n = hi - lo
-            k3 = ck[r0 + lo : r0 + hi, :, :S].reshape(n * Hkv, S, D)  # views
-            v3 = cv[r0 + lo : r0 + hi, :, :S].reshape(n * Hkv, S, D)
+        for lo, hi, S, idx, m in state:
+            k3, v3 = (
+                _gather(ck, idx, (hi - lo) * Hkv, S),
+                _gather(cv, idx, (hi - lo) * Hkv, S),
+            )  # (n Hkv, S, D)
             if upcast:
                 k3, v3 = k3.float(), v3.float()
             s = torch.baddbmm(
@@ -169,36 +184,34 @@ class TorchBackend:
             outs.append(torch.bmm(torch.softmax(s, dim=-1), v3))
         return _cat(outs).reshape(B, self.w.H * D).to(self.w.dtype)
 
-    def _attend_low(self, q, ck, cv, r0, chunks, masks) -> torch.Tensor:
+    def _attend_low(self, q, ck, cv, state) -> torch.Tensor:
         """A bf16/fp16 cache: small batches as `_attend_fp32` on upcast copies; larger ones in the cache's
-        dtype, the scores as K @ q^T (the faster order for strided low-precision views), fp32 softmax."""
+        dtype, the scores as K @ q^T (the faster order for low-precision GEMMs), fp32 softmax."""
         B, Hkv, G, D = q.shape[0], self.w.Hkv, self.w.G, self.w.D
         if B <= UPCAST_MAX_BATCH:
-            return self._attend_fp32(q, ck, cv, r0, chunks, masks, upcast=True)
+            return self._attend_fp32(q, ck, cv, state, upcast=True)
         q = q.reshape(B * Hkv, G, D)
         outs = []
-        for (lo, hi, S), m in zip(chunks, masks):
-            n = hi - lo
-            k3 = ck[r0 + lo : r0 + hi, :, :S].reshape(n * Hkv, S, D)  # views
-            v3 = cv[r0 + lo : r0 + hi, :, :S].reshape(n * Hkv, S, D)
+        for lo, hi, S, idx, m in state:
+            k3, v3 = _gather(ck, idx, (hi - lo) * Hkv, S), _gather(cv, idx, (hi - lo) * Hkv, S)
             s = torch.add(
                 m, torch.bmm(k3, q[lo * Hkv : hi * Hkv].transpose(1, 2)).transpose(1, 2), alpha=self.w.scale
             )
             outs.append(torch.bmm(torch.softmax(s, dim=-1).to(self.w.dtype), v3))
         return _cat(outs).reshape(B, self.w.H * D).to(self.w.dtype)
 
-    def _attend_sdpa(self, q, ck, cv, r0, chunks, masks) -> torch.Tensor:
+    def _attend_sdpa(self, q, ck, cv, state) -> torch.Tensor:
         B, Hkv, G, D = q.shape[0], self.w.Hkv, self.w.G, self.w.D
         q = q.view(B, Hkv, G, D).to(ck.dtype)  # GQA: the query heads of one kv head -> G queries
         outs = [
             F.scaled_dot_product_attention(
                 q[lo:hi],
-                ck[r0 + lo : r0 + hi, :, :S],
-                cv[r0 + lo : r0 + hi, :, :S],
+                _gather(ck, idx, (hi - lo) * Hkv, S).view(hi - lo, Hkv, S, D),
+                _gather(cv, idx, (hi - lo) * Hkv, S).view(hi - lo, Hkv, S, D),
                 attn_mask=m,
                 scale=self.w.scale,
             )
-            for (lo, hi, S), m in zip(chunks, masks)
+            for lo, hi, S, idx, m in state
         ]
         return _cat(outs).reshape(B, self.w.H * D).to(self.w.dtype)
 
@@ -224,21 +237,25 @@ class TorchBackend:
         """silu(gate) * up of the fused gate/up projection's output (M, 2 I)."""
         return F.silu(gu[:, : self.w.I]).mul_(gu[:, self.w.I :])
 
-    def _write_index(self, rows: slice, L: int) -> torch.Tensor:
-        """(B Hkv,) flat index of position 0 of each (row, kv head) in cache.k[l].view(-1, D); cached."""
-        key = (rows.start, rows.stop, L)
-        base = self._write_base.get(key)
+    def _token_rows(self, rows: slice, pieces: Sequence[Span]) -> torch.Tensor:
+        """(M,) cache row of each token: the decode rows, then each prefill piece's row n times."""
+        key = (rows.start, rows.stop)
+        base = self._rows_cache.get(key)
         if base is None:
-            if len(self._write_base) > 1024:
-                self._write_base.clear()
-            r = torch.arange(rows.start, rows.stop, device=self.w.device)
-            base = ((r[:, None] * self.w.Hkv + self.heads) * L).reshape(-1)
-            self._write_base[key] = base
-        return base
+            if len(self._rows_cache) > 1024:
+                self._rows_cache.clear()
+            base = self._rows_cache[key] = torch.arange(rows.start, rows.stop, device=self.w.device)
+        if not pieces:
+            return base
+        tail = torch.tensor([r for r, _, n in pieces for _ in range(n)]).to(self.w.device, non_blocking=True)
+        return torch.cat((base, tail))
 
-    def _piece_rows(self, pieces: Sequence[Span]) -> torch.Tensor:
-        """(tokens,) the cache row of each prefill piece's tokens, in order."""
-        return torch.tensor([r for r, _, n in pieces for _ in range(n)], device=self.w.device)
+
+def _gather(c: torch.Tensor, idx: torch.Tensor, n: int, S: int) -> torch.Tensor:
+    """(n, S, D): positions [0, S) of the n (row, kv head)s whose blocks `idx` lists, from cache tensor
+    c (blocks, Hkv, bs, D) (a copy: blocks lie anywhere in the pool)."""
+    bs, D = c.shape[2], c.shape[3]
+    return c.view(-1, bs, D).index_select(0, idx).view(n, -1, D)[:, :S]
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 /* The CPU kernels of tailrace's engine decode step (built by tailrace/engine/ckernel.py with the system C
    compiler; no torch headers):
-   - decode attention: one query token per sequence, read in place from the engine's KV cache
-     (rows, Hkv, L, D), fp32 or bf16, each row attending to exactly its own length;
+   - decode attention: one query token per sequence, read in place from the engine's paged KV cache
+     (blocks, Hkv, block_size, D), fp32 or bf16, each sequence attending to exactly its own length over
+     the blocks its block-table row lists;
    - a decode layer's whole attention block after the q/k/v projection (RoPE, both cache writes,
      attention) in one call;
    - RMSNorm and SiLU-and-multiply, the elementwise ops between the GEMMs;
@@ -68,33 +69,48 @@ static float exp_shift_sum(float *restrict s, int64_t n, float m) {
     return sum;
 }
 
-/* One (row, kv head): G query heads of D over n cached positions, written to oh (G, D); DD > 0: D known
-   at compile time. fp32 cache: one head at a time (g outer), its query in registers; the G heads of a kv
-   head re-read the same K/V rows from L1. s holds n scores. Measured faster than t outer for fp32. */
+/* The blocks of one (sequence, kv head): positions [b bs, (b + 1) bs) of its K (V) are the bs rows of D
+   at k (v) + tb[b] * bstride, where k and v already point at the kv head within a block. Every head
+   function below visits positions in order, block by block, doing per position exactly what it would do
+   over one contiguous row (so results do not depend on the block size or on where the blocks lie). */
+#define BLOCKS const int32_t *restrict tb, int64_t bs, int64_t bstride
+#define BLOCK_AT(p, b) ((p) + (int64_t)tb[b] * bstride)
+
+/* One (sequence, kv head): G query heads of D over n cached positions, written to oh (G, D); DD > 0: D
+   known at compile time. fp32 cache: one head at a time (g outer), its query in registers; the G heads of
+   a kv head re-read the same K/V rows from L1. s holds n scores. Measured faster than t outer for fp32. */
 #define HEAD_G_OUTER(NAME, DD)                                                                       \
-static void NAME(const float *restrict qh, const float *restrict kb, const float *restrict vb,        \
+static void NAME(const float *restrict qh, const float *restrict k, const float *restrict v, BLOCKS, \
                  int64_t n, int64_t G, int64_t D_, float scale, float *restrict s, float *restrict oh) { \
     const int64_t D = DD ? DD : D_;                                                                  \
     for (int64_t g = 0; g < G; g++) {                                                                \
         const float *qg = qh + g * D;                                                                \
         float mx = -INFINITY;                                                                        \
-        for (int64_t t = 0; t < n; t++) {                                                            \
-            const float *kt = kb + t * D;                                                            \
-            float acc = 0.f;                                                                         \
-            _Pragma("omp simd reduction(+:acc)")                                                     \
-            for (int64_t d = 0; d < D; d++) acc += qg[d] * kt[d];                                    \
-            acc *= scale;                                                                            \
-            s[t] = acc;                                                                              \
-            mx = acc > mx ? acc : mx;                                                                \
+        for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, b++) {                                         \
+            const float *kb = BLOCK_AT(k, b);                                                        \
+            const int64_t m = n - t0 < bs ? n - t0 : bs;                                             \
+            for (int64_t t = 0; t < m; t++) {                                                        \
+                const float *kt = kb + t * D;                                                        \
+                float acc = 0.f;                                                                     \
+                _Pragma("omp simd reduction(+:acc)")                                                 \
+                for (int64_t d = 0; d < D; d++) acc += qg[d] * kt[d];                                \
+                acc *= scale;                                                                        \
+                s[t0 + t] = acc;                                                                     \
+                mx = acc > mx ? acc : mx;                                                            \
+            }                                                                                        \
         }                                                                                            \
         const float inv = 1.0f / exp_shift_sum(s, n, mx);                                            \
         float o[DD ? DD : 256];                                                                      \
         for (int64_t d = 0; d < D; d++) o[d] = 0.f;                                                  \
-        for (int64_t t = 0; t < n; t++) {                                                            \
-            const float *vt = vb + t * D;                                                            \
-            const float w = s[t];                                                                    \
-            _Pragma("omp simd")                                                                      \
-            for (int64_t d = 0; d < D; d++) o[d] += w * vt[d];                                       \
+        for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, b++) {                                         \
+            const float *vb = BLOCK_AT(v, b);                                                        \
+            const int64_t m = n - t0 < bs ? n - t0 : bs;                                             \
+            for (int64_t t = 0; t < m; t++) {                                                        \
+                const float *vt = vb + t * D;                                                        \
+                const float w = s[t0 + t];                                                           \
+                _Pragma("omp simd")                                                                  \
+                for (int64_t d = 0; d < D; d++) o[d] += w * vt[d];                                   \
+            }                                                                                        \
         }                                                                                            \
         float *og = oh + g * D;                                                                      \
         for (int64_t d = 0; d < D; d++) og[d] = o[d] * inv;                                          \
@@ -103,18 +119,22 @@ static void NAME(const float *restrict qh, const float *restrict kb, const float
 
 /* bf16 cache: each K and V row is widened once for all G heads (t outer); s holds G x n scores. */
 #define HEAD_T_OUTER(NAME, KT, WIDEN, DD)                                                                  \
-static void NAME(const float *restrict qh, const KT *restrict kb, const KT *restrict vb, int64_t n,   \
-                 int64_t G, int64_t D_, float scale, float *restrict s, float *restrict oh) {        \
+static void NAME(const float *restrict qh, const KT *restrict k, const KT *restrict v, BLOCKS,       \
+                 int64_t n, int64_t G, int64_t D_, float scale, float *restrict s, float *restrict oh) { \
     const int64_t D = DD ? DD : D_;                                                                  \
     float row[DD ? DD : 256];                                                                        \
-    for (int64_t t = 0; t < n; t++) {                                                                \
-        const float *kt = WIDEN(row, kb + t * D, D);                                                  \
-        for (int64_t g = 0; g < G; g++) {                                                            \
-            const float *qg = qh + g * D;                                                            \
-            float acc = 0.f;                                                                         \
-            _Pragma("omp simd reduction(+:acc)")                                                     \
-            for (int64_t d = 0; d < D; d++) acc += qg[d] * kt[d];                                    \
-            s[g * n + t] = acc * scale;                                                              \
+    for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, b++) {                                             \
+        const KT *kb = BLOCK_AT(k, b);                                                               \
+        const int64_t m = n - t0 < bs ? n - t0 : bs;                                                 \
+        for (int64_t i = 0; i < m; i++) {                                                            \
+            const float *kt = WIDEN(row, kb + i * D, D);                                             \
+            for (int64_t g = 0; g < G; g++) {                                                        \
+                const float *qg = qh + g * D;                                                        \
+                float acc = 0.f;                                                                     \
+                _Pragma("omp simd reduction(+:acc)")                                                 \
+                for (int64_t d = 0; d < D; d++) acc += qg[d] * kt[d];                                \
+                s[g * n + t0 + i] = acc * scale;                                                     \
+            }                                                                                        \
         }                                                                                            \
     }                                                                                                \
     for (int64_t g = 0; g < G; g++) {                                                                \
@@ -124,13 +144,17 @@ static void NAME(const float *restrict qh, const KT *restrict kb, const KT *rest
         for (int64_t t = 0; t < n; t++) sg[t] *= inv;                                                \
     }                                                                                                \
     for (int64_t i = 0; i < G * D; i++) oh[i] = 0.f;                                                 \
-    for (int64_t t = 0; t < n; t++) {                                                                \
-        const float *vt = WIDEN(row, vb + t * D, D);                                                  \
-        for (int64_t g = 0; g < G; g++) {                                                            \
-            const float w = s[g * n + t];                                                            \
-            float *og = oh + g * D;                                                                  \
-            _Pragma("omp simd")                                                                      \
-            for (int64_t d = 0; d < D; d++) og[d] += w * vt[d];                                      \
+    for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, b++) {                                             \
+        const KT *vb = BLOCK_AT(v, b);                                                               \
+        const int64_t m = n - t0 < bs ? n - t0 : bs;                                                 \
+        for (int64_t i = 0; i < m; i++) {                                                            \
+            const float *vt = WIDEN(row, vb + i * D, D);                                             \
+            for (int64_t g = 0; g < G; g++) {                                                        \
+                const float w = s[g * n + t0 + i];                                                   \
+                float *og = oh + g * D;                                                              \
+                _Pragma("omp simd")                                                                  \
+                for (int64_t d = 0; d < D; d++) og[d] += w * vt[d];                                  \
+            }                                                                                        \
         }                                                                                            \
     }                                                                                                \
 }
@@ -170,38 +194,42 @@ static inline __m256 hsum8(const __m512 *a) {
 }
 
 #define HEAD_AVX512(NAME, KT, LD, DD)                                                                \
-static void NAME(const float *restrict qh, const KT *restrict kb, const KT *restrict vb, int64_t n,   \
-                 int64_t G, int64_t D_, float scale, float *restrict s, float *restrict oh) {        \
+static void NAME(const float *restrict qh, const KT *restrict k, const KT *restrict v, BLOCKS,       \
+                 int64_t n, int64_t G, int64_t D_, float scale, float *restrict s, float *restrict oh) { \
     const int64_t D = DD ? DD : D_, C = D / 16;                                                      \
     const __m256 sc = _mm256_set1_ps(scale);                                                         \
     for (int64_t g0 = 0; g0 < G; g0 += 2) {                                                          \
         const int two = g0 + 1 < G;                                                                  \
         const float *qa = qh + g0 * D, *qb = two ? qa + D : qa;                                      \
         float *sa = s + g0 * n, *sb = two ? sa + n : sa;                                             \
-        int64_t t = 0;                                                                               \
-        for (; t + 8 <= n; t += 8) {                                                                 \
-            __m512 a[8], b[8];                                                                       \
-            for (int i = 0; i < 8; i++) { a[i] = _mm512_setzero_ps(); b[i] = _mm512_setzero_ps(); }  \
-            for (int64_t c = 0; c < C; c++) {                                                        \
-                const __m512 xa = _mm512_loadu_ps(qa + 16 * c), xb = _mm512_loadu_ps(qb + 16 * c);   \
-                for (int i = 0; i < 8; i++) {                                                        \
-                    const __m512 kv = LD(kb + (t + i) * D + 16 * c);                                 \
-                    a[i] = _mm512_fmadd_ps(xa, kv, a[i]);                                            \
-                    b[i] = _mm512_fmadd_ps(xb, kv, b[i]);                                            \
+        for (int64_t t0 = 0, bk = 0; t0 < n; t0 += bs, bk++) {                                       \
+            const KT *kb = BLOCK_AT(k, bk);                                                          \
+            const int64_t m = n - t0 < bs ? n - t0 : bs;                                             \
+            int64_t t = 0;                                                                           \
+            for (; t + 8 <= m; t += 8) {                                                             \
+                __m512 a[8], b[8];                                                                   \
+                for (int i = 0; i < 8; i++) { a[i] = _mm512_setzero_ps(); b[i] = _mm512_setzero_ps(); } \
+                for (int64_t c = 0; c < C; c++) {                                                    \
+                    const __m512 xa = _mm512_loadu_ps(qa + 16 * c), xb = _mm512_loadu_ps(qb + 16 * c); \
+                    for (int i = 0; i < 8; i++) {                                                    \
+                        const __m512 kv = LD(kb + (t + i) * D + 16 * c);                             \
+                        a[i] = _mm512_fmadd_ps(xa, kv, a[i]);                                        \
+                        b[i] = _mm512_fmadd_ps(xb, kv, b[i]);                                        \
+                    }                                                                                \
                 }                                                                                    \
+                _mm256_storeu_ps(sa + t0 + t, _mm256_mul_ps(hsum8(a), sc));                          \
+                if (two) _mm256_storeu_ps(sb + t0 + t, _mm256_mul_ps(hsum8(b), sc));                 \
             }                                                                                        \
-            _mm256_storeu_ps(sa + t, _mm256_mul_ps(hsum8(a), sc));                                   \
-            if (two) _mm256_storeu_ps(sb + t, _mm256_mul_ps(hsum8(b), sc));                          \
-        }                                                                                            \
-        for (; t < n; t++) {                                                                         \
-            __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();                                 \
-            for (int64_t c = 0; c < C; c++) {                                                        \
-                const __m512 kv = LD(kb + t * D + 16 * c);                                           \
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qa + 16 * c), kv, a);                            \
-                b = _mm512_fmadd_ps(_mm512_loadu_ps(qb + 16 * c), kv, b);                            \
+            for (; t < m; t++) {                                                                     \
+                __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();                             \
+                for (int64_t c = 0; c < C; c++) {                                                    \
+                    const __m512 kv = LD(kb + t * D + 16 * c);                                       \
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qa + 16 * c), kv, a);                        \
+                    b = _mm512_fmadd_ps(_mm512_loadu_ps(qb + 16 * c), kv, b);                        \
+                }                                                                                    \
+                sa[t0 + t] = _mm512_reduce_add_ps(a) * scale;                                        \
+                if (two) sb[t0 + t] = _mm512_reduce_add_ps(b) * scale;                               \
             }                                                                                        \
-            sa[t] = _mm512_reduce_add_ps(a) * scale;                                                 \
-            if (two) sb[t] = _mm512_reduce_add_ps(b) * scale;                                        \
         }                                                                                            \
         float ia, ib;                                                                                \
         {                                                                                            \
@@ -216,12 +244,16 @@ static void NAME(const float *restrict qh, const KT *restrict kb, const KT *rest
         } else ib = ia;                                                                              \
         __m512 oa[DD ? DD / 16 : 16], ob[DD ? DD / 16 : 16];                                        \
         for (int64_t c = 0; c < C; c++) { oa[c] = _mm512_setzero_ps(); ob[c] = _mm512_setzero_ps(); } \
-        for (int64_t u = 0; u < n; u++) {                                                            \
-            const __m512 wa = _mm512_set1_ps(sa[u]), wb = _mm512_set1_ps(sb[u]);                     \
-            for (int64_t c = 0; c < C; c++) {                                                        \
-                const __m512 vv = LD(vb + u * D + 16 * c);                                           \
-                oa[c] = _mm512_fmadd_ps(wa, vv, oa[c]);                                              \
-                ob[c] = _mm512_fmadd_ps(wb, vv, ob[c]);                                              \
+        for (int64_t t0 = 0, bk = 0; t0 < n; t0 += bs, bk++) {                                       \
+            const KT *vb = BLOCK_AT(v, bk);                                                          \
+            const int64_t m = n - t0 < bs ? n - t0 : bs;                                             \
+            for (int64_t u = 0; u < m; u++) {                                                        \
+                const __m512 wa = _mm512_set1_ps(sa[t0 + u]), wb = _mm512_set1_ps(sb[t0 + u]);       \
+                for (int64_t c = 0; c < C; c++) {                                                    \
+                    const __m512 vv = LD(vb + u * D + 16 * c);                                       \
+                    oa[c] = _mm512_fmadd_ps(wa, vv, oa[c]);                                          \
+                    ob[c] = _mm512_fmadd_ps(wb, vv, ob[c]);                                          \
+                }                                                                                    \
             }                                                                                        \
         }                                                                                            \
         const __m512 va = _mm512_set1_ps(ia), vb_ = _mm512_set1_ps(ib);                              \
@@ -242,70 +274,93 @@ HEAD_AVX512(x_bf16_128, uint16_t, ld_bf16, 128)
 HEAD_AVX512(x_bf16_any, uint16_t, ld_bf16, 0)
 #endif
 
-/* One (row, kv head): the AVX-512 path where D is a multiple of 16, else the portable one; each with its
-   compiled-in head dims. */
+/* One (sequence, kv head): the AVX-512 path where D is a multiple of 16, else the portable one; each with
+   its compiled-in head dims. */
 #define BY_HEAD_DIM(P) \
     do { \
-        if (D == 32) P##_32(qh, kb, vb, n, G, D, scale, s, oh); \
-        else if (D == 64) P##_64(qh, kb, vb, n, G, D, scale, s, oh); \
-        else if (D == 128) P##_128(qh, kb, vb, n, G, D, scale, s, oh); \
-        else P##_any(qh, kb, vb, n, G, D, scale, s, oh); \
+        if (D == 32) P##_32(qh, k, v, tb, bs, bstride, n, G, D, scale, s, oh); \
+        else if (D == 64) P##_64(qh, k, v, tb, bs, bstride, n, G, D, scale, s, oh); \
+        else if (D == 128) P##_128(qh, k, v, tb, bs, bstride, n, G, D, scale, s, oh); \
+        else P##_any(qh, k, v, tb, bs, bstride, n, G, D, scale, s, oh); \
     } while (0)
-static void attend_f32(const float *qh, const float *kb, const float *vb, int64_t n, int64_t G, int64_t D,
-                       float scale, float *s, float *oh) {
+static void attend_f32(const float *qh, const float *k, const float *v, BLOCKS, int64_t n, int64_t G,
+                       int64_t D, float scale, float *s, float *oh) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) { BY_HEAD_DIM(x_f32); return; }
 #endif
     BY_HEAD_DIM(h_f32);
 }
-static void attend_bf16(const float *qh, const uint16_t *kb, const uint16_t *vb, int64_t n, int64_t G,
-                        int64_t D, float scale, float *s, float *oh) {
+static void attend_bf16(const float *qh, const uint16_t *k, const uint16_t *v, BLOCKS, int64_t n,
+                        int64_t G, int64_t D, float scale, float *s, float *oh) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) { BY_HEAD_DIM(x_bf16); return; }
 #endif
     BY_HEAD_DIM(h_bf16);
 }
+
+/* -- the paged cache: k, v (blocks, Hkv, bs, D); block table tbl (rows, W) int32, row r's positions
+   [b bs, (b + 1) bs) in block tbl[r W + b] ------------------------------------------------------------ */
+
+/* Every token t of a call reads table row rw[t] (row0 + t when rw is NULL) and positions [0, pos[t]]:
+   0 when the row, the position and the blocks holding [0, pos[t]] all lie in the cache, else -2 (a
+   position outside [0, W bs)), -3 (a row outside [0, rows)) or -4 (a block outside [0, nblocks)).
+   Checked for all tokens before anything is read or written. */
+static int check_tokens(const int64_t *rw, int64_t row0, const int64_t *pos, int64_t M, const int32_t *tbl,
+                        int64_t rows, int64_t W, int64_t bs, int64_t nblocks) {
+    for (int64_t t = 0; t < M; t++) {
+        const int64_t r = rw ? rw[t] : row0 + t, p = pos[t];
+        if (p < 0 || p >= W * bs) return -2;
+        if (r < 0 || r >= rows) return -3;
+        const int32_t *tb = tbl + r * W;
+        for (int64_t b = 0; b <= p / bs; b++)
+            if (tb[b] < 0 || tb[b] >= nblocks) return -4;
+    }
+    return 0;
+}
+
 #ifndef PF_AHEAD
 #define PF_AHEAD 1
 #endif
 #ifndef PF_LOC
 #define PF_LOC 2
 #endif
-/* Prefetch the K and V of cache row r, kv head h, positions [0, p] (p clamped to the cache; checked
-   when used). */
-#define PREFETCH(KT, r, h, p)                                                                            \
+/* Prefetch the K and V of kv head h, positions [0, p], of the sequence whose table row is tb (checked). */
+#define PREFETCH(KT, tb, h, p)                                                                           \
     do {                                                                                                 \
-        const int64_t pn = (p) < 0 ? 0 : (p) >= L ? L - 1 : (p);                                        \
-        const int64_t nn = (pn + 1) * D * (int64_t)sizeof(KT);                                          \
-        const char *pk = (const char *)(k + ((r) * Hkv + (h)) * L * D);                                 \
-        const char *pv = (const char *)(v + ((r) * Hkv + (h)) * L * D);                                 \
-        for (int64_t o = 0; o < nn; o += 64) {                                                          \
-            __builtin_prefetch(pk + o, 0, PF_LOC);                                                      \
-            __builtin_prefetch(pv + o, 0, PF_LOC);                                                      \
+        const int64_t np = (p) + 1;                                                                      \
+        for (int64_t t0 = 0, b_ = 0; t0 < np; t0 += bs, b_++) {                                         \
+            const int64_t nn = (np - t0 < bs ? np - t0 : bs) * D * (int64_t)sizeof(KT);                 \
+            const int64_t at = ((int64_t)(tb)[b_] * Hkv + (h)) * bs * D;                                \
+            const char *pk = (const char *)(k + at), *pv = (const char *)(v + at);                      \
+            for (int64_t o = 0; o < nn; o += 64) {                                                      \
+                __builtin_prefetch(pk + o, 0, PF_LOC);                                                  \
+                __builtin_prefetch(pv + o, 0, PF_LOC);                                                  \
+            }                                                                                            \
         }                                                                                                \
     } while (0)
 
-/* q (B, Hkv, G, D) fp32; cache k, v (rows, Hkv, L, D); row b reads cache row row0 + b, positions
-   [0, pos[b]]; out (B, Hkv, G, D) fp32; scratch >= G * L floats. Returns 0, -1 (D > 256), -2 (a position
-   outside [0, L)). The (row, head) PF_AHEAD ahead is prefetched (into L2) while one is computed. */
+/* q (B, Hkv, G, D) fp32; sequence b reads table row row0 + b, positions [0, pos[b]]; out (B, Hkv, G, D)
+   fp32; scratch >= G W bs floats. Returns 0, -1 (D > 256) or check_tokens' code. The (sequence, head)
+   PF_AHEAD ahead is prefetched (into L2) while one is computed. */
 #define DRIVER(NAME, KT, ATTEND)                                                                     \
 int NAME(const float *restrict q, const KT *restrict k, const KT *restrict v,                         \
-         const int64_t *restrict pos, float *restrict out, int64_t B, int64_t Hkv, int64_t G,         \
-         int64_t D, int64_t row0, int64_t L, float scale, float *restrict scratch) {                 \
+         const int32_t *restrict tbl, const int64_t *restrict pos, float *restrict out, int64_t B,     \
+         int64_t Hkv, int64_t G, int64_t D, int64_t row0, int64_t rows, int64_t W, int64_t bs,       \
+         int64_t nblocks, float scale, float *restrict scratch) {                                    \
     if (D > 256) return -1;                                                                          \
-    const int64_t J = B * Hkv;                                                                       \
-    for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(KT, row0 + j / Hkv, j % Hkv, pos[j / Hkv]); \
+    const int rc = check_tokens(NULL, row0, pos, B, tbl, rows, W, bs, nblocks);                      \
+    if (rc) return rc;                                                                               \
+    const int64_t J = B * Hkv, bstride = Hkv * bs * D;                                               \
+    for (int64_t j = 0; j < PF_AHEAD && j < J; j++)                                                  \
+        PREFETCH(KT, tbl + (row0 + j / Hkv) * W, j % Hkv, pos[j / Hkv]);                              \
     for (int64_t j = 0; j < J; j++) {                                                                \
-        const int64_t b = j / Hkv, n = pos[b] + 1;                                                   \
-        if (n < 1 || n > L) return -2;                                                               \
+        const int64_t b = j / Hkv, h = j % Hkv;                                                      \
         if (j + PF_AHEAD < J) {                                                                      \
             const int64_t a = j + PF_AHEAD;                                                          \
-            PREFETCH(KT, row0 + a / Hkv, a % Hkv, pos[a / Hkv]);                                    \
+            PREFETCH(KT, tbl + (row0 + a / Hkv) * W, a % Hkv, pos[a / Hkv]);                          \
         }                                                                                            \
-        const KT *kb = k + (row0 * Hkv + j) * L * D, *vb = v + (row0 * Hkv + j) * L * D;             \
-        const float *qh = q + j * G * D;                                                             \
-        float *oh = out + j * G * D;                                                                 \
-        ATTEND(qh, kb, vb, n, G, D, scale, scratch, oh);                                             \
+        ATTEND(q + j * G * D, k + h * bs * D, v + h * bs * D, tbl + (row0 + b) * W, bs, bstride,      \
+               pos[b] + 1, G, D, scale, scratch, out + j * G * D);                                   \
     }                                                                                                \
     return 0;                                                                                        \
 }
@@ -314,40 +369,41 @@ DRIVER(decode_attn_bf16, uint16_t, attend_bf16)
 
 /* -- one layer's attention block after the q/k/v projection, fused ----------------------------------
 
-   qkv (M, (H + 2 Hkv) D) in the model dtype T (fp32 or bf16; the cache has the same dtype), token t in
-   cache row row[t] at position pos[t]: RoPE on its q and k (cos/sin rows of the backend's table cs (L, 2,
-   D), sin's first half negated: x cos + rot(x) sin, rot swapping the halves), its k and v written into the
-   cache, then its q attends to positions [0, pos[t]] of its row; out (M, H D) in T. A decode token is one
-   per row; a prefill piece is consecutive tokens of one row in increasing positions, each attending
-   causally to those before it (written by then). As torch, the rotated q/k are rounded to T before use;
-   bf16 is rounded to nearest even. Rows and positions are all checked before anything is written.
-   scratch >= G L + 2 G D floats. Returns 0, -1 (D > 256 or odd), -2 (a position outside [0, L)),
-   -3 (a row outside [0, rows)). */
+   qkv (M, (H + 2 Hkv) D) in the model dtype T (fp32 or bf16; the cache has the same dtype), token t of
+   the sequence in table row row[t] at position pos[t]: RoPE on its q and k (cos/sin rows of the
+   backend's table cs (>= W bs, 2, D), sin's first half negated: x cos + rot(x) sin, rot swapping the
+   halves), its k and v written into the cache, then its q attends to positions [0, pos[t]] of its
+   sequence; out (M, H D) in T. A decode token is one per row; a prefill piece is consecutive tokens of
+   one row in increasing positions, each attending causally to those before it (written by then). As
+   torch, the rotated q/k are rounded to T before use; bf16 is rounded to nearest even. Rows, positions
+   and blocks are all checked before anything is written. scratch >= G W bs + 2 G D floats. Returns 0,
+   -1 (D > 256 or odd) or check_tokens' code. */
 #define FUSED(NAME, T, IN, OUT, ATTEND)                                                                 \
-int NAME(const T *restrict qkv, const T *restrict cs, const int64_t *restrict row,                      \
-         const int64_t *restrict pos, T *restrict k, T *restrict v, T *restrict out, int64_t M,          \
-         int64_t rows, int64_t Hkv, int64_t G, int64_t D, int64_t L, float scale, float *restrict scratch) { \
+int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tbl,                      \
+         const int64_t *restrict row, const int64_t *restrict pos, T *restrict k, T *restrict v,         \
+         T *restrict out, int64_t M, int64_t rows, int64_t W, int64_t Hkv, int64_t G, int64_t D,         \
+         int64_t bs, int64_t nblocks, float scale, float *restrict scratch) {                           \
     if (D > 256 || D % 2) return -1;                                                                     \
-    for (int64_t t = 0; t < M; t++) {                                                                    \
-        if (pos[t] < 0 || pos[t] >= L) return -2;                                                        \
-        if (row[t] < 0 || row[t] >= rows) return -3;                                                     \
-    }                                                                                                    \
-    const int64_t H = Hkv * G, W = (H + 2 * Hkv) * D, half = D / 2, J = M * Hkv;                         \
-    float *qf = scratch + G * L, *of = qf + G * D;                                                       \
-    for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(T, row[j / Hkv], j % Hkv, pos[j / Hkv]);    \
+    const int rc = check_tokens(row, 0, pos, M, tbl, rows, W, bs, nblocks);                              \
+    if (rc) return rc;                                                                                   \
+    const int64_t H = Hkv * G, Wq = (H + 2 * Hkv) * D, half = D / 2, J = M * Hkv, bstride = Hkv * bs * D; \
+    float *qf = scratch + G * W * bs, *of = qf + G * D;                                                  \
+    for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(T, tbl + row[j / Hkv] * W, j % Hkv, pos[j / Hkv]); \
     for (int64_t j = 0; j < J; j++) {                                                                    \
         const int64_t t = j / Hkv, h = j % Hkv, p = pos[t];                                              \
+        const int32_t *tb = tbl + row[t] * W;                                                            \
         if (j + PF_AHEAD < J) {                                                                          \
             const int64_t a = j + PF_AHEAD;                                                              \
-            PREFETCH(T, row[a / Hkv], a % Hkv, pos[a / Hkv]);                                            \
+            PREFETCH(T, tbl + row[a / Hkv] * W, a % Hkv, pos[a / Hkv]);                                  \
         }                                                                                                \
-        const T *src = qkv + t * W, *c = cs + p * 2 * D, *sn = c + D;                                    \
-        T *kb = k + (row[t] * Hkv + h) * L * D, *vb = v + (row[t] * Hkv + h) * L * D;                    \
+        const T *src = qkv + t * Wq, *c = cs + p * 2 * D, *sn = c + D;                                   \
+        const int64_t at = ((int64_t)tb[p / bs] * Hkv + h) * bs * D + (p % bs) * D;                      \
+        T *kw = k + at, *vw = v + at;                                                                    \
         const T *ks = src + (H + h) * D, *vs = src + (H + Hkv + h) * D;                                  \
         for (int64_t d = 0; d < D; d++) {                                                                \
             const int64_t r = d < half ? d + half : d - half;                                            \
-            kb[p * D + d] = OUT(IN(ks[d]) * IN(c[d]) + IN(ks[r]) * IN(sn[d]));                            \
-            vb[p * D + d] = vs[d];                                                                       \
+            kw[d] = OUT(IN(ks[d]) * IN(c[d]) + IN(ks[r]) * IN(sn[d]));                                   \
+            vw[d] = vs[d];                                                                               \
         }                                                                                                \
         for (int64_t g = 0; g < G; g++) {                                                                \
             const T *qs = src + (h * G + g) * D;                                                         \
@@ -356,7 +412,7 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int64_t *restrict ro
                 qf[g * D + d] = IN(OUT(IN(qs[d]) * IN(c[d]) + IN(qs[r]) * IN(sn[d])));                   \
             }                                                                                            \
         }                                                                                                \
-        ATTEND(qf, kb, vb, p + 1, G, D, scale, scratch, of);                                            \
+        ATTEND(qf, k + h * bs * D, v + h * bs * D, tb, bs, bstride, p + 1, G, D, scale, scratch, of);   \
         T *o = out + t * H * D + h * G * D;                                                              \
         for (int64_t i = 0; i < G * D; i++) o[i] = OUT(of[i]);                                           \
     }                                                                                                    \

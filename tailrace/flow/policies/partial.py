@@ -26,7 +26,7 @@ class PartialPolicy(StreamingPolicy):
             stale = [sid for sid, sv in e.in_flight.items() if sv < v]
             if v in e.loaded and stale:
                 core.abort(e.id, stale, "weight-update")  # the core sends each abort once
-            for old in [x for x in e.loaded if x < v]:
+            for old in [x for x in e.loaded if x < v and v in e.loaded]:  # never left holding nothing
                 core.drop(e.id, old)
         if all(v in e.loaded for e in core.engines):
             for g in self.pending(core):

@@ -1,0 +1,94 @@
+"""How many KV blocks an engine gets: a memory budget turned into a block count and a context limit.
+
+The budget is `kv_memory_gb` GiB when given, else `FREE_FRACTION` of the memory available at start-up
+(MemAvailable on CPU, free device memory on CUDA): the trainer, its optimizer state and the other
+engines share the machine, and engines that start together each see the same free memory. No more is
+taken than the slots could ever use (every slot holding a request of the context limit). The pool must
+hold one request of the context limit, so a request that passed `add` can always run to its end alone
+(preempting the others): an explicit limit that does not fit is an error; the default limit (the
+model's max_position_embeddings) shrinks to what fits.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tailrace.engine.errors import EngineError
+
+FREE_FRACTION = 0.4
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    num_blocks: int
+    block_size: int  # tokens per block
+    block_bytes: int  # k and v of one block in every layer
+    max_context: int  # tokens per request, prompt + response
+    budget: int  # bytes
+    source: str  # where the budget came from, for the start-up line
+
+    def describe(self, num_slots: int) -> str:
+        """The start-up line: memory, blocks, tokens and what the slots may hold."""
+        n, bs = self.num_blocks, self.block_size
+        return (
+            f"KV {_bytes(n * self.block_bytes)} of a {_bytes(self.budget)} budget ({self.source}): "
+            f"{n:,} blocks of {bs} tokens = {n * bs:,} tokens, {num_slots} slots of up to {self.max_context:,}"
+        )
+
+
+def size_pool(
+    *,
+    token_bytes: int,
+    block_size: int,
+    num_slots: int,
+    max_context: int,
+    context_given: bool,
+    budget_gib: float | None,
+    device: torch.device,
+) -> PoolSize:
+    """`token_bytes`: k and v of one token in every layer; `context_given`: `max_context` was asked for
+    (not the model's default)."""
+    if block_size < 1:
+        raise EngineError(f"block_size={block_size} must be at least 1")
+    if budget_gib is not None and budget_gib <= 0:
+        raise EngineError(f"kv_memory_gb={budget_gib} must be positive (GiB of KV cache), or unset")
+    if budget_gib is None:
+        avail = available_bytes(device)
+        budget, source = int(FREE_FRACTION * avail), f"{FREE_FRACTION:.0%} of {_bytes(avail)} available"
+    else:
+        budget, source = int(budget_gib * GIB), "kv_memory_gb"
+    block_bytes = token_bytes * block_size
+    per_request = -(-max_context // block_size)
+    fit = budget // block_bytes
+    num_blocks = min(fit, num_slots * per_request)
+    if num_blocks < per_request:
+        if context_given or fit * block_size < 2:
+            raise EngineError(
+                f"a KV budget of {_bytes(budget)} ({source}) holds {fit * block_size:,} tokens, fewer "
+                f"than one request of max_context={max_context:,}; raise kv_memory_gb or lower max_context"
+            )
+        max_context = fit * block_size
+    return PoolSize(num_blocks, block_size, block_bytes, max_context, budget, source)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take without swapping or evicting: free device memory on CUDA, the
+    kernel's MemAvailable (free plus reclaimable page cache) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _bytes(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / (1 << 20):.1f} MiB"

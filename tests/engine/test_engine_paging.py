@@ -1,0 +1,121 @@
+"""`BlockPool` and `Paging` alone (pure Python): hand-checked admissions, growth and preemptions, and a
+property over random operation sequences: no block owned twice, every held position has a block,
+freed blocks return, and preemption takes only sequences younger than every survivor."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tailrace.engine.block_pool import BlockPool
+from tailrace.engine.paging import Paging
+
+
+def test_pool_hands_out_blocks_in_order_and_reuses_freed_ones_first():
+    pool = BlockPool(6, 4)
+    assert [pool.blocks_for(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert pool.allocate("a", 9) == [0, 1, 2]
+    assert pool.allocate("a", 12) == [] and pool.allocate("a", 13) == [3]
+    assert pool.allocate("b", 2) == [4] and pool.num_free == 1
+    assert pool.release("a") == [0, 1, 2, 3] and pool.num_free == 5
+    assert pool.allocate("c", 8) == [0, 1]  # the just-freed blocks, lowest first
+    with pytest.raises(ValueError, match="needs 4 blocks, 3 are free"):
+        pool.allocate("d", 16)
+    with pytest.raises(KeyError):
+        pool.release("a")
+
+
+def test_admission_leaves_one_block_per_holder_that_can_grow():
+    p = Paging(10, 4)
+    assert p.admit("a", 40, 40, age=0) == list(range(10))  # alone, at its limit: the whole pool
+    p.release("a")
+    assert p.admit("a", 9, 39, age=0) == [0, 1, 2]  # 3 blocks + its own reserve 1 <= 10
+    assert p.admit("b", 16, 30, age=1) == [3, 4, 5, 6]  # 4 + reserve 2 <= 7 free
+    assert p.admit("c", 1, 30, age=2) is None  # 1 + reserve 3 > 3 free
+    assert p.admit("c", 4, 4, age=2) == [7]  # 1 + reserve 2 (it cannot grow) <= 3 free
+    assert p.num_holders == 3 and p.pool.num_free == 2
+    with pytest.raises(ValueError, match="already holds"):
+        p.admit("a", 1, 1, age=5)
+
+
+def test_growth_takes_a_free_block_then_preempts_the_youngest():
+    p = Paging(7, 4)
+    assert p.admit("old", 4, 99, age=0) == [0]
+    assert p.admit("mid", 8, 99, age=1) == [1, 2]  # 2 + reserve 2 <= 6 free
+    assert p.admit("new", 4, 99, age=2) == [3]  # 1 + reserve 3 <= 4 free
+    g = p.grow([("old", 5), ("mid", 8)])  # only "old" crosses into a new block
+    assert g.preempted == () and g.grown == (("old", 1, 4),)
+    assert p.grow([("mid", 9)]).grown == (("mid", 2, 5),)
+    assert p.grow([("old", 9)]).grown == (("old", 2, 6),) and p.pool.num_free == 0
+    g = p.grow([("new", 5), ("mid", 13)])  # oldest first: "mid" takes the youngest's block
+    assert g.preempted == ("new",) and g.grown == (("mid", 3, 3),)
+    g = p.grow([("mid", 17), ("old", 13)])
+    assert g.preempted == ("mid",) and g.grown == (("old", 3, 1),)
+    assert p.pool.owned == {"old": [0, 4, 6, 1]} and p.pool.num_free == 3
+
+
+def test_a_needing_sequence_that_is_the_youngest_preempts_itself_only():
+    p = Paging(4, 2)
+    p.admit("a", 2, 9, age=0)
+    p.admit("b", 2, 9, age=7)  # 1 + reserve 2 <= 3 free
+    p.grow([("a", 5)])  # takes the last two free blocks
+    g = p.grow([("b", 3)])
+    assert g.preempted == ("b",) and g.grown == () and p.holds("a") and p.pool.num_free == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["admit", "grow", "release"]), st.integers(0, 10**6), st.integers(0, 40)),
+        max_size=80,
+    ),
+    num_blocks=st.integers(1, 12),
+    block_size=st.integers(1, 5),
+)
+def test_random_operations_keep_blocks_exclusive_and_sufficient(ops, num_blocks, block_size):
+    p = Paging(num_blocks, block_size)
+    cap = num_blocks * block_size  # the engine never lets a sequence's limit exceed the pool
+    tokens: dict[str, int] = {}  # positions each holder must have blocks for
+    age: dict[str, int] = {}
+    limit: dict[str, int] = {}
+    nxt = 0
+    for op, pick, n in ops:
+        holders = sorted(tokens)
+        if op == "admit":
+            rid, nxt = f"s{nxt}", nxt + 1
+            want = min(cap, n)
+            lim = min(cap, want + pick % (3 * block_size))
+            free, pool = p.pool.num_free, p.pool
+            growing = sum(pool.blocks_for(limit[r]) > pool.blocks_for(t) for r, t in tokens.items())
+            growing += pool.blocks_for(lim) > pool.blocks_for(want)
+            got = p.admit(rid, want, lim, age=nxt)
+            assert (got is not None) == (pool.blocks_for(want) + growing <= free)
+            if got is not None:
+                tokens[rid], age[rid], limit[rid] = want, nxt, lim
+                assert len(got) == pool.blocks_for(want)
+        elif op == "grow" and holders:
+            needs = [
+                (r, min(cap, tokens[r] + (pick >> i) % (2 * block_size + 1))) for i, r in enumerate(holders)
+            ]
+            needs = needs[: 1 + pick % len(needs)]
+            free_before = p.pool.num_free
+            g = p.grow(needs)
+            for rid in g.preempted:
+                del tokens[rid]
+            assert all(age[v] > age[s] for v in g.preempted for s in tokens), "preempted an older one"
+            for rid, want in needs:
+                if rid in tokens:
+                    tokens[rid] = max(tokens[rid], want)
+            if not g.preempted:
+                assert p.pool.num_free == free_before - len(g.grown)
+        elif op == "release" and holders:
+            rid = holders[pick % len(holders)]
+            p.release(rid)
+            del tokens[rid]
+        owned = [b for blocks in p.pool.owned.values() for b in blocks]
+        assert len(owned) == len(set(owned)), "a block owned twice"
+        assert sorted(owned + p.pool._free) == list(range(num_blocks)), "a block lost or duplicated"
+        assert set(p.pool.owned) == set(tokens) and p.num_holders == len(tokens)
+        for rid, n in tokens.items():
+            assert len(p.pool.owned[rid]) == p.pool.blocks_for(n), "a held position without its block"

@@ -1,0 +1,155 @@
+"""`tailrace model import`: GGUF files and transformers directories become checkpoints tailrace reads,
+with the same logits as the source and the tokenizer and chat template carried over."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from tailrace.cli import main
+from tailrace.model.checkpoint import CheckpointError, load_pretrained
+from tailrace.model.importer import import_model
+
+gguf = pytest.importorskip("gguf")
+SPECIALS = ["<unk>", "<s>", "</s>"]
+TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+IDS = torch.tensor([[5, 9, 40, 3, 77]])
+
+
+def tiny_bpe() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["hello world 1+2=3 the quick brown fox"] * 50, trainer)
+    return tok
+
+
+def tiny_llama(vocab: int, tie: bool = True) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's layout of q/k rows for its RoPE (what GGUF files hold; transformers undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, model: LlamaForCausalLM, tok: Tokenizer) -> None:
+    """The model and tokenizer as an F32 GGUF file, in llama.cpp's tensor and metadata names."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_chat_template(TEMPLATE)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    names = {"input_layernorm": "attn_norm", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}  # fmt: skip
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, gg in names.items():
+            w.add_tensor(f"blk.{i}.{gg}.weight", sd[p + hf + ".weight"])
+        w.add_tensor(
+            f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads)
+        )
+        w.add_tensor(
+            f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads)
+        )
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_path):
+    tok = tiny_bpe()
+    model = tiny_llama(tok.get_vocab_size())
+    write_gguf(tmp_path / "tiny.gguf", model, tok)
+    r = import_model(tmp_path / "tiny.gguf", tmp_path / "out")
+    assert r.max_logit_diff == 0.0 and r.chat_template
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(tmp_path / "out")(IDS), model(IDS).logits)
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert hf_tok("hello world").input_ids == tok.encode("hello world").ids
+    assert hf_tok.chat_template == TEMPLATE
+    loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()  # transformers reads it as is
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+
+
+@pytest.mark.parametrize("arch", ["llama-untied", "qwen2"])
+def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch):
+    tok = tiny_bpe()
+    V = tok.get_vocab_size()
+    if arch == "qwen2":
+        torch.manual_seed(0)
+        cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+        model = Qwen2ForCausalLM(cfg).eval()
+    else:
+        model = tiny_llama(V, tie=False)
+    model.save_pretrained(str(tmp_path / "src"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(
+        str(tmp_path / "src")
+    )
+    assert main(["model", "import", str(tmp_path / "src"), "--out", str(tmp_path / "out")]) == 0
+    with torch.no_grad():
+        diff = (load_pretrained(tmp_path / "out")(IDS) - model(IDS).logits).abs().max()
+    assert diff <= 1e-5
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_pickled_weights_unsupported_models_and_occupied_outputs_are_one_line_errors(tmp_path, capsys):
+    tok = tiny_bpe()
+    model = tiny_llama(tok.get_vocab_size())
+    (tmp_path / "pickled").mkdir()
+    model.config.save_pretrained(str(tmp_path / "pickled"))
+    torch.save(model.state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors weights"):
+        import_model(tmp_path / "pickled", tmp_path / "a")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("taken")
+    assert main(["model", "import", str(tmp_path / "pickled"), "--out", str(tmp_path / "full")]) == 2
+    err = capsys.readouterr().out
+    assert "not empty" in err and "\n" not in err.strip()
+    assert main(["model", "import", str(tmp_path / "nothing.txt"), "--out", str(tmp_path / "b")]) == 2
+    model.save_pretrained(str(tmp_path / "no-tokenizer"))
+    with pytest.raises(CheckpointError, match="no tokenizer"):
+        import_model(tmp_path / "no-tokenizer", tmp_path / "c")
