@@ -151,8 +151,19 @@ def sft(args: Args) -> int:
 
 
 def evaluate(args: Args) -> int:
+    from tailrace.runtime.eval_run import evaluate_checkpoints, is_run_dir
     from tailrace.runtime.standalone import evaluate_model
 
+    if args.rest and not args.rest[0].startswith("-"):
+        if not is_run_dir(args.rest[0]):
+            raise ConfigError(
+                f"{args.rest[0]} is not a run directory (no config.yaml and checkpoints/); give a run "
+                "directory, or a model with --model.path=DIR"
+            )
+        load(Path(args.rest[0]) / "config.yaml", args.rest[1:])  # every override checked first
+        done = evaluate_checkpoints(Path(args.rest[0]), args.rest[1:], console.print, _sft_progress())
+        console.print(f"{len(done)} checkpoint(s) evaluated; tailrace report {args.rest[0]} plots them")
+        return 0
     cfg = load(None, args.rest)
     res = evaluate_model(cfg, progress=_sft_progress())
     console.print(f"model {res['model']}")

@@ -33,8 +33,9 @@ class ConsoleUI:
             )
             if b["accuracy"] == 0:
                 self.console.print(
-                    f"[yellow]warning: 0% at base on {b['n']} prompts: RL has no signal; make the task "
-                    "easier (task.config) or use a stronger model[/yellow]"
+                    f"warning: 0% at base on {b['n']} prompts: RL has no signal; make the task "
+                    "easier (task.config) or use a stronger model",
+                    style="yellow",
                 )
         if self.quiet:
             return
@@ -65,7 +66,7 @@ class ConsoleUI:
         if self.progress is not None:
             self.progress.console.print(line)
             if warning:
-                self.progress.console.print(warning)
+                self.progress.console.print(warning, style="yellow")
             self.progress.update(
                 self.task,
                 completed=r.step + 1,
@@ -74,7 +75,7 @@ class ConsoleUI:
         else:
             self.console.print(line)
             if warning:
-                self.console.print(warning)
+                self.console.print(warning, style="yellow")
 
     def _zero_signal(self, r: StepRecord) -> str | None:
         """A warning when at least 3/4 of the groups completed since the last step had equal rewards
@@ -92,8 +93,8 @@ class ConsoleUI:
         what += "; the step trained nothing" if r.train.get("skipped") else ""
         fix = "tune it with task.config" + ("" if replaced else " or set flow.zero_signal=replace")
         return (
-            f"[yellow]warning: step {r.step + 1}: {zero} of {done} groups had equal rewards (no signal)"
-            f"{what}: the task is too hard or too easy for this model; {fix}[/yellow]"
+            f"warning: step {r.step + 1}: {zero} of {done} groups had equal rewards (no signal)"
+            f"{what}: the task is too hard or too easy for this model; {fix}"
         )
 
     def end(self) -> None:
