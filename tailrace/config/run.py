@@ -105,7 +105,9 @@ class FlowConfig:
     max_staleness: int = setting(
         1, "off-policy modes: how many versions behind the trainer a trained sample may be"
     )
-    frontier: int | None = setting(None, "pipe: admit only the F lowest unfinished groups (null = U)")
+    frontier: int | None = setting(
+        None, "pipe: admit only the F lowest unfinished groups (null = no cap: lowest groups first)"
+    )
     rollout_groups: int | None = setting(
         None, "partial, multiversion: groups per version (null = max(R, 2U))"
     )

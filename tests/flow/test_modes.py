@@ -90,6 +90,27 @@ def test_pipe_trains_before_the_round_is_complete():
     assert first_train < last_ready
 
 
+def test_pipe_frontier_is_a_priority_that_never_leaves_slots_idle():
+    """R=6 groups of 2, U=2, 16 slots: the frontier's 4 samples cannot fill the engine. As a priority
+    every sample of the round is admitted at once; a cap of U groups admits 4 and leaves 12 slots idle."""
+    peak = {}
+    for frontier in (None, 2):
+        s = Scheduler(make_policy("pipe", frontier=frontier), prompts(), [(16, 2)], FlowSpec(6, 2, 2, 3))
+        c = ScriptedCluster(s, lambda g, i: 5 + g, slots=16, train_ticks=1, load_ticks=0)
+        seen = []
+        orig = s.dispatch
+
+        def spy(*a, _orig=orig, **k):
+            out = _orig(*a, **k)
+            seen.append(s.in_flight())
+            return out
+
+        s.dispatch = spy
+        c.run(max_ticks=1000)
+        peak[frontier] = max(seen)
+    assert peak == {None: 12, 2: 4}
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     mode=st.sampled_from(MODES),
