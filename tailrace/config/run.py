@@ -111,6 +111,11 @@ class FlowConfig:
     rollout_groups: int | None = setting(
         None, "partial, multiversion: groups per version (null = max(R, 2U))"
     )
+    ahead: int | None = setting(
+        None,
+        "streaming modes (partial, multiversion): open no group while this many train steps of groups "
+        "(or what fills the engines' slots) are queued for the trainer; null = up to the staleness bound",
+    )
     zero_signal: Literal["replace", "train"] = setting(
         "replace",
         "groups whose rewards are all equal (no advantage): replace them with fresh prompts (DAPO's "
@@ -167,6 +172,7 @@ class FlowConfig:
             self.checkpoint_minutes is None or self.checkpoint_minutes > 0,
             f"flow.checkpoint_minutes={self.checkpoint_minutes}: must be positive, or null",
         )
+        need(self.ahead is None or self.ahead >= 0, f"flow.ahead={self.ahead}: must be >= 0, or null")
         need(
             self.extra_groups is None or self.extra_groups >= 0,
             f"flow.extra_groups={self.extra_groups}: must be >= 0, or null for U",
