@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -215,6 +216,9 @@ class RunConfig:
     train: TrainerConfig = section(TrainerConfig, "the GRPO trainer")
     eval: EvalConfig = section(EvalConfig, "held-out accuracy before and after training")
     seed: int = setting(0, "seed of the engines' sampling and the trainer")
+    device: str = setting(
+        "auto", "where the engines and the trainer run: auto (cuda when torch sees a GPU), cpu, cuda, cuda:N"
+    )
     out: str = setting("runs", "where new run directories go: OUT/<date>-<time>-<mode>")
     tensorboard: bool = setting(
         False, "also write scalars to RUN_DIR/tensorboard (pip install tailrace[tensorboard])"
@@ -224,6 +228,10 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
+        need(
+            re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+            f"device={self.device!r}: use auto, cpu, cuda or cuda:N",
+        )
         need(
             self.worker_timeout_s >= 3,
             f"worker_timeout_s={self.worker_timeout_s}: must be at least 3 seconds (heartbeats come every second)",

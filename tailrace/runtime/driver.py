@@ -26,7 +26,7 @@ from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.messages import EngineReport, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import Utilization
-from tailrace.runtime.procs import placement
+from tailrace.runtime.procs import placement, resolve_device
 from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
@@ -89,10 +89,12 @@ class Driver:
     def _start(self, version: int) -> None:
         cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
         train_cores, engine_cores = placement(r.engines)
+        device = resolve_device(cfg.device)
         self.weights = SharedWeights.like(self.layout, slots=cfg.flow.max_staleness + 3)
         tspec = TrainerSpec(
             str(ses.model_path), cfg.train, threads=len(train_cores), cores=train_cores, seed=cfg.seed,
             start_version=version, resume_from=str(self.resume.checkpoint) if self.resume else None,
+            device=device,
         )  # fmt: skip
         self.trainer = self.workers.start("trainer", trainer_main, tspec, self.weights)
         self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
@@ -101,6 +103,7 @@ class Driver:
             espec = EngineSpec(
                 str(ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, cfg.seed, cfg.model.dtype,
                 start_version=version, attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
+                device=device,
             )  # fmt: skip
             self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
         self.workers.ready(self.engines)

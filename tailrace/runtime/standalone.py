@@ -8,7 +8,7 @@ from tailrace.config import RunConfig
 from tailrace.engine import build_engine
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.runtime.evaluate import Evaluator
-from tailrace.runtime.procs import available_cores
+from tailrace.runtime.procs import available_cores, resolve_device
 from tailrace.runtime.session import Session
 
 
@@ -16,11 +16,13 @@ def evaluate_model(cfg: RunConfig, progress=None) -> dict:
     ses = Session(cfg, progress)
     try:
         torch.set_num_threads(len(available_cores()))
-        model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype))
+        device = resolve_device(cfg.device)
+        model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype), device=device)
         r = cfg.rollout
         engine = build_engine(
             model,
             num_slots=cfg.eval.batch,
+            device=device,
             seed=cfg.seed,
             max_context=r.max_context,
             kv_memory_gb=r.kv_memory_gb,
