@@ -112,6 +112,11 @@ class FlowConfig:
     rollout_groups: int | None = setting(
         None, "partial, multiversion: groups per version (null = max(R, 2U))"
     )
+    placement: Literal["shared", "dedicated"] = setting(
+        "shared",
+        "multiversion: every engine serves every live version (shared), or a new version goes to the "
+        "least busy engine and the others follow as they drain (dedicated, DORA's)",
+    )
     ahead: int | None = setting(
         None,
         "streaming modes (partial, multiversion): open no group while this many train steps of groups "

@@ -56,7 +56,7 @@ class Driver:
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
             f.mode, f.zero_signal, f.extra_groups, max_staleness=f.max_staleness, frontier=f.frontier,
-            rollout_groups=f.rollout_groups, ahead=f.ahead,
+            rollout_groups=f.rollout_groups, ahead=f.ahead, placement=f.placement,
         )  # fmt: skip
         sampling = SamplingParams(
             temperature=r.temperature,
