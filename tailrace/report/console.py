@@ -22,6 +22,7 @@ class ConsoleUI:
         self.console = console or Console(highlight=False, markup=False)
         self.quiet = quiet
         self.progress: Progress | None = None
+        self._eval: tuple[Progress, int] | None = None  # an evaluation's own bar, outside training
 
     def begin(self, done: int, total: int, base: EvalRecord | None) -> None:
         self._groups: dict | None = {} if done == 0 else None  # group counts at the last step seen
@@ -52,6 +53,26 @@ class ConsoleUI:
         )
         self.task = self.progress.add_task("train", total=total, completed=done, info="")
         self.progress.start()
+
+    def evaluating(self, tag: str, done: int, total: int) -> None:
+        """A held-out evaluation's progress with an ETA (a line of its own, gone when it ends)."""
+        if self.quiet:
+            return
+        if self.progress is not None:  # the training bar is live: its info line says it
+            self.progress.update(self.task, info=f"eval ({tag}) {done}/{total}")
+            return
+        if self._eval is None:
+            bar = Progress(
+                TextColumn(f"eval ({tag})"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
+                TimeRemainingColumn(), console=self.console, transient=True,
+            )  # fmt: skip
+            self._eval = (bar, bar.add_task(tag, total=total))
+            bar.start()
+        bar, task = self._eval
+        bar.update(task, completed=done)
+        if done >= total:
+            bar.stop()
+            self._eval = None
 
     def step(self, r: StepRecord, saved: CheckpointRecord | None = None) -> None:
         t, L = r.time, r.length

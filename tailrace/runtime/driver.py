@@ -176,6 +176,8 @@ class Driver:
             self.workers.send(engine, Generate(i, tuple(reqs[i::n])))
         while self._eval_wanted:
             self._pump(self.engines, timeout=5.0)
+            if self.ui is not None:
+                self.ui.evaluating(tag, len(reqs) - len(self._eval_wanted), len(reqs))
         results, self._eval_results = self._eval_results, []
         step, version = (snap.step, snap.version) if snap else (self.sched.steps_done, version)
         rec = EvalRecord(tag, step, evaluator.summarize(reqs, results), version, wall_s)

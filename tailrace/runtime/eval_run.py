@@ -29,7 +29,7 @@ def is_run_dir(path: str) -> bool:
 
 
 def evaluate_checkpoints(
-    run_dir: Path, overrides: list[str], say: Callable[[str], None], progress=None
+    run_dir: Path, overrides: list[str], say: Callable[[str], None], progress=None, on_done=None
 ) -> list[EvalRecord]:
     """Evaluate the run's whole checkpoints not yet evaluated, oldest first; `overrides` may change the
     evaluation (eval.n, eval.batch, ...), never the model."""
@@ -65,7 +65,7 @@ def evaluate_checkpoints(
         try:
             for step, ckpt in todo:
                 one = replace(cfg, model=replace(cfg.model, path=str(ckpt / "model")))
-                summary = evaluate_model(one, progress)
+                summary = evaluate_model(one, progress, on_done)
                 summary.pop("model")
                 s = steps[step]
                 rec = EvalRecord(TAG, step, summary, s.version, s.time["wall_s"])
