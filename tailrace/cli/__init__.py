@@ -66,7 +66,7 @@ TAILRACE = Verb(
             (f"eval {KEYS}", "eval RUN_DIR [--eval.KEY=VALUE ...]"),
             commands.evaluate,
             config=RunConfig,
-            sections=("model", "arch", "task", "sft", "eval", "seed", "device"),
+            sections=("model", "arch", "task", "sft", "rollout", "eval", "seed", "device"),
         ),
         Verb(
             "report",
