@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Iterable
 
 from tailrace.flow.ledger import Ledger
+from tailrace.flow.shaping import Plan
 from tailrace.flow.store import GroupState
 from tailrace.records import (
     Discarded,
@@ -45,7 +46,8 @@ class SchedulerState:
             "staleness": dict(self.staleness), "journal_seq": self.journal_seq,
             "groups_done": dict(self.groups_done), "groups_dropped": dict(self.groups_dropped),
             "requeued": [prompt_to_json(p) for p in self._requeued], **self._store.to_json(),
-            "policy": self.policy.state_dict(),
+            "policy": self.policy.state_dict(), "shaping": self.shaping.state_dict(),
+            "upcoming": [[prompt_to_json(p), n.candidates, n.early_stop] for p, n in self._upcoming],
         }  # fmt: skip
 
     def load_state_dict(self, d: dict) -> None:
@@ -66,19 +68,23 @@ class SchedulerState:
         self._requeued = [prompt_from_json(p) for p in d["requeued"]]
         self._store.load_json(d)
         self.policy.load_state_dict(d["policy"])
+        self.shaping.load_state_dict(d.get("shaping", {}))  # older checkpoints: no shaping state
+        self._upcoming = [(prompt_from_json(p), Plan(n, early)) for p, n, early in d.get("upcoming", [])]
+        for g in list(self._store.open.values()):  # a group shaping had cut: its in-flight went to todo
+            self._maybe_ready(g)
 
     def replay(self, entries: Iterable[JournalEntry]) -> None:
         """Apply the journal entries written after the checkpoint, in order."""
         store = self._store
         for e in entries:
             if isinstance(e, Opened):
-                if e.requeued:
-                    self._requeued.pop(0)
-                else:
-                    next(self._prompts)
+                self._next_prompt()  # the plan is the journal's (stats may differ after lost weights)
                 store.add_group(
-                    GroupState(e.group, e.prompt, e.version, self.spec.samples_per_prompt, self.now)
-                )
+                    GroupState(
+                        e.group, e.prompt, e.version, self.spec.samples_per_prompt, self.now,
+                        candidates=e.candidates, early_stop=e.early_stop,
+                    )
+                )  # fmt: skip
                 self.prompts_taken, self.groups_opened = e.prompts_taken, e.group + 1
             elif isinstance(e, Finished):
                 g = store.open[e.trajectory.group]
