@@ -107,6 +107,7 @@ class Scheduler(SchedulerState):
         self._upcoming: list[tuple[Prompt, Plan]] = []  # taken from the stream and planned, not opened
         self._cut: set[str] = set()  # requests shaping aborted: their partials are discarded
         self.shaping_tokens = 0  # tokens of samples discarded by shaping (what redundancy cost)
+        self._generated: list[int] = []  # lengths produced since `take_generated`, before selection
         self.engines = tuple(EngineState(i, slots, look) for i, (slots, look) in enumerate(engines))
         self._store = Store()
         self.ledger = Ledger()
@@ -158,10 +159,20 @@ class Scheduler(SchedulerState):
         return self._store.in_store()
 
     def ledger_record(self) -> dict:
-        """The ledger's counts, `in_store`, and groups complete, complete with all rewards equal
-        (zero_signal) and dropped untrained by reason (a step record's `ledger`; cumulative)."""
+        """The ledger's counts, `in_store`, groups complete, complete with all rewards equal
+        (zero_signal) and dropped untrained by reason, and the tokens of samples shaping discarded
+        (a step record's `ledger`; cumulative)."""
         groups = {**self.groups_done, "dropped": dict(self.groups_dropped)}
-        return {**self.ledger.state_dict(), "in_store": self.in_store(), "groups": groups}
+        return {
+            **self.ledger.state_dict(), "in_store": self.in_store(), "groups": groups,
+            "shaping_tokens": self.shaping_tokens,
+        }  # fmt: skip
+
+    def take_generated(self) -> list[int]:
+        """Lengths of the samples produced since the last call (finished, or cut by shaping): what the
+        engines generated, before shaping selected what is trained."""
+        out, self._generated = self._generated, []
+        return out
 
     def prompt_of(self, request_id: str) -> Prompt:
         """The prompt an in-flight request answers (what a driver needs to score its result)."""
@@ -193,6 +204,7 @@ class Scheduler(SchedulerState):
                 if rid in self._cut:
                     self._cut.discard(rid)
                     self.shaping_tokens += partial.length
+                    self._generated.append(partial.length)
                     self.discard_partial(partial, "shaping")
                 else:
                     self.policy.on_aborted(self, partial)
@@ -202,6 +214,7 @@ class Scheduler(SchedulerState):
             if s is None:
                 raise InvariantError(f"request {rid} finished ({r.finish.value}) without a score")
             t = self._trajectory(g, key, r, version, s)
+            self._generated.append(t.length)
             self.ledger.on_produced()
             g.done.append(t)
             self._log(Finished(t))
