@@ -453,8 +453,10 @@ class Scheduler(SchedulerState):
             dispatch_version=version,
         )  # fmt: skip
 
-    def _maybe_ready(self, g: GroupState) -> None:
-        if g.id in self._store.open and (g.todo or g.in_flight) and self.shaping.enough(g):
+    def _maybe_ready(self, g: GroupState, cut: bool = True) -> None:
+        """Hand a complete group to the store's ready queue, after shaping's selection; first, when
+        shaping has what it needs (`cut`), its other candidates stop: never dispatched, or aborted."""
+        if cut and g.id in self._store.open and (g.todo or g.in_flight) and self.shaping.enough(g):
             g.todo.clear()  # shaping has what it needs: the other candidates stop
             ids = {str(k) for k in g.in_flight}
             self._cut |= ids

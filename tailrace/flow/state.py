@@ -74,9 +74,13 @@ class SchedulerState:
             self._maybe_ready(g)
 
     def replay(self, entries: Iterable[JournalEntry]) -> None:
-        """Apply the journal entries written after the checkpoint, in order."""
+        """Apply the journal entries written after the checkpoint, in order. A group shaping cut short
+        is cut at its last entry: the samples it had in flight when it was cut are in its to-do list
+        here, and those that came back (finished, or aborted and discarded) have entries after the cut."""
         store = self._store
-        for e in entries:
+        entries = list(entries)
+        last = {_group_of(e): i for i, e in enumerate(entries) if isinstance(e, (Finished, Discarded))}
+        for i, e in enumerate(entries):
             if isinstance(e, Opened):
                 self._next_prompt()  # the plan is the journal's (stats may differ after lost weights)
                 store.add_group(
@@ -98,7 +102,7 @@ class SchedulerState:
                 else:
                     g.dispatched += 1
                     g.done.append(t)
-                self._maybe_ready(g)
+                self._maybe_ready(g, cut=last[g.id] == i)
             elif isinstance(e, Discarded):
                 g = store.open.get(e.group)
                 if g is not None and e.index in g.todo:
@@ -108,7 +112,7 @@ class SchedulerState:
                 self.ledger.on_produced()
                 self.ledger.on_discarded(e.reason)
                 if g is not None:
-                    self._maybe_ready(g)
+                    self._maybe_ready(g, cut=last[g.id] == i)
             elif isinstance(e, Dropped):
                 if e.group in store.ready:  # else its samples were lost with their weights (above)
                     self.ledger.on_discarded(e.reason, len(store.drop(e.group).done))
@@ -121,3 +125,9 @@ class SchedulerState:
                 assert not g.done and not g.in_flight
                 del store.open[g.id]
                 self._requeued.append(g.prompt)
+        for g in list(store.open.values()):  # cut while samples were in flight that never came back
+            self._maybe_ready(g)
+
+
+def _group_of(e: Finished | Discarded) -> int:
+    return e.trajectory.group if isinstance(e, Finished) else e.group
