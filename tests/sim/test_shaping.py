@@ -1,6 +1,8 @@
 """Shaping in the simulator: every shaping on every overlap mode finishes its steps with the ledger
 whole (the core checks it at every poll), and `tailrace sim` prints the shaping's per-step figures."""
 
+from pathlib import Path
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -9,6 +11,7 @@ from tailrace.flow.policies import POLICIES
 from tailrace.flow.shaping import SHAPINGS
 from tailrace.sim.scenario import load_scenario, simulate
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sim-shaping.yaml"
 SMALL = [
     "--flow.prompts_per_round=4", "--flow.samples_per_prompt=4", "--flow.train_batch=8", "--flow.steps=4",
     "--train_size=6", "--journal=false", "--cluster.slots=8",
@@ -43,7 +46,7 @@ def test_every_shaping_on_every_mode_finishes_with_the_ledger_whole(mode, shapin
 
 def test_sim_prints_generated_and_trained_lengths_per_step(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["sim", "--config", "examples/sim-shaping.yaml", "--out", str(out), "--shaping.name=darts",
+    assert main(["sim", "--config", str(EXAMPLE), "--out", str(out), "--shaping.name=darts",
                  "--flow.steps=3", "--journal=false"]) == 0  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("step  generated"))
