@@ -6,7 +6,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tailrace.cli import main
+from tailrace.cli.sim import shaping_lines
 from tailrace.flow.policies import POLICIES
 from tailrace.flow.shaping import SHAPINGS
 from tailrace.sim.scenario import load_scenario, simulate
@@ -44,12 +44,11 @@ def test_every_shaping_on_every_mode_finishes_with_the_ledger_whole(mode, shapin
         assert "shaping" not in ledger["discarded"]
 
 
-def test_sim_prints_generated_and_trained_lengths_per_step(tmp_path, capsys):
-    out = tmp_path / "run"
-    assert main(["sim", "--config", str(EXAMPLE), "--out", str(out), "--shaping.name=darts",
-                 "--flow.steps=3", "--journal=false"]) == 0  # fmt: skip
-    lines = capsys.readouterr().out.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("step  generated"))
-    rows = [line.split() for line in lines[head + 1 : head + 4]]
+def test_sim_prints_generated_and_trained_lengths_per_step(tmp_path):
+    small = ["--flow.steps=3", "--journal=false", "--flow.prompts_per_round=4", "--flow.train_batch=32"]
+    simulate(load_scenario(EXAMPLE, ["--shaping.name=darts", *small]), tmp_path)
+    lines = shaping_lines(tmp_path / "metrics.jsonl")  # what `tailrace sim` prints with a shaping on
+    assert lines[0].startswith("step  generated p50/p99/max   trained p50/p99/max")
+    rows = [line.split() for line in lines[1:]]
     assert [int(r[0]) for r in rows] == [0, 1, 2]
     assert all(int(r[7]) > 0 and int(r[8]) > 0 for r in rows)  # extra tokens, shaping discards
