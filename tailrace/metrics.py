@@ -46,6 +46,14 @@ def length_stats(trajs: list[Trajectory]) -> dict:
     }
 
 
+def generated_stats(lengths: list[int]) -> dict:
+    """Count, tokens and tail of the lengths generated (trained or not)."""
+    return {
+        "n": len(lengths), "tokens": sum(lengths), "p50": percentile(lengths, 50),
+        "p99": percentile(lengths, 99), "max": max(lengths),
+    }  # fmt: skip
+
+
 def _std(v: list[float]) -> float:
     m = sum(v) / len(v)
     return math.sqrt(sum((x - m) ** 2 for x in v) / len(v))
@@ -87,10 +95,15 @@ def step_record(
     reward_errors: dict[str, int],
     train: dict[str, float],
     time: dict[str, float],
+    generated: list[int] | None = None,
 ) -> StepRecord:
     """The record of one optimizer step over `trajs`, trained from `trainer_version`; `ledger` is the
-    scheduler's books after it (`Scheduler.ledger_record`). Real and simulated runs both use this."""
+    scheduler's books after it (`Scheduler.ledger_record`), with `generated`: the lengths produced
+    since the previous step before shaping selected (`Scheduler.take_generated`; the `length` key
+    holds the trained ones). Real and simulated runs both use this."""
     n = len(trajs)
+    if generated:
+        ledger = {**ledger, "generated": generated_stats(generated)}
     return StepRecord(
         step=step,
         version=version,

@@ -112,13 +112,16 @@ class Opened:
     prompts_taken: int  # prompts taken from the stream so far, this one included if fresh
     requeued: bool
     prompt: Prompt
+    candidates: int = 0  # samples shaping planned for the prompt (0 = the group size)
+    early_stop: bool = False  # shaping stops the group at its first group-size finishers
     kind = "open"
 
     def to_json(self) -> dict:
         return {
             "kind": self.kind, "group": self.group, "version": self.version,
             "prompts_taken": self.prompts_taken, "requeued": self.requeued,
-            "prompt": prompt_to_json(self.prompt),
+            "prompt": prompt_to_json(self.prompt), "candidates": self.candidates,
+            "early_stop": self.early_stop,
         }  # fmt: skip
 
 
@@ -168,8 +171,9 @@ def journal_from_json(d: dict) -> JournalEntry:
     kind = d["kind"]
     if kind == "open":
         return Opened(
-            d["group"], d["version"], d["prompts_taken"], d["requeued"], prompt_from_json(d["prompt"])
-        )
+            d["group"], d["version"], d["prompts_taken"], d["requeued"], prompt_from_json(d["prompt"]),
+            d.get("candidates", 0), d.get("early_stop", False),
+        )  # fmt: skip
     if kind == "done":
         return Finished(trajectory_from_json(d, ()))
     if kind == "discard":

@@ -110,6 +110,11 @@ class Trajectory:
     def length(self) -> int:
         return len(self.result.token_ids)
 
+    @property
+    def truncated(self) -> bool:
+        """Cut off at the length limit: its length says nothing of the answer's (shaping excludes it)."""
+        return self.result.finish == Finish.LENGTH
+
 
 @dataclass(frozen=True)
 class Group:

@@ -1,10 +1,11 @@
 """Config values that name a registry entry, checked against that registry before anything starts.
 
-Each vocabulary has one home, its registry: overlap modes are `flow.policies.POLICIES`, policy-gradient
-losses (with each one's default clip range and paired advantage estimator) and off-policy corrections
-`trainer.losses.LOSSES` and `CORRECTIONS`, advantage estimators `trainer.advantages.ADVANTAGES`. The
-config fields that name them are plain strings, so the config stays torch-free; the CLI calls `check`
-right after loading a config, and its help lists each field's choices from the same table.
+Each vocabulary has one home, its registry: overlap modes are `flow.policies.POLICIES`, shapings
+`flow.shaping.SHAPINGS`, policy-gradient losses (with each one's default clip range and paired
+advantage estimator) and off-policy corrections `trainer.losses.LOSSES` and `CORRECTIONS`, advantage
+estimators `trainer.advantages.ADVANTAGES`. The config fields that name them are plain strings, so
+the config stays torch-free; the CLI calls `check` right after loading a config, and its help lists
+each field's choices from the same table.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 from typing import Any, Collection
 
 from tailrace.common import ConfigError
-from tailrace.config import FlowConfig, LossConfig, RunConfig, TrainerConfig
+from tailrace.config import FlowConfig, LossConfig, RunConfig, ShapingConfig, TrainerConfig
 
 Registries = dict[tuple[type, str], Collection[str]]  # (section, field) -> the names it may take
 
@@ -21,11 +22,13 @@ Registries = dict[tuple[type, str], Collection[str]]  # (section, field) -> the 
 def registries() -> Registries:
     """(section, field) -> the registry whose names the field takes (imports the trainer's, and torch)."""
     from tailrace.flow.policies import POLICIES
+    from tailrace.flow.shaping import SHAPINGS
     from tailrace.trainer.advantages import ADVANTAGES
     from tailrace.trainer.losses import CORRECTIONS, LOSSES
 
     return {
         (FlowConfig, "mode"): POLICIES,
+        (ShapingConfig, "name"): SHAPINGS,
         (LossConfig, "name"): LOSSES,
         (LossConfig, "correction"): CORRECTIONS,
         (TrainerConfig, "advantage"): ADVANTAGES,

@@ -36,6 +36,9 @@ def simulate(args: Args) -> int:
         f"{s['time_per_step_s']:.2f} s/step, trainer waiting {s['trainer_wait_ratio']:.2f}, "
         f"bubble {s['bubble_ratio']:.2f}, length bubble {s['length_bubble']:.2f}"
     )
+    if scn.shaping.name != "none":
+        for line in shaping_lines(out / "metrics.jsonl"):
+            console.print(line)
     write_report(out)
     if "--like" in flags:
         real, sim = compare.step_figures(flags["--like"]), compare.step_figures(out)
@@ -43,6 +46,25 @@ def simulate(args: Args) -> int:
             console.print(f"  {name:20s} real {r:10.3f}  sim {m:10.3f}  ({err:+.1%})")
     console.print(f"report: {out / 'report.html'}")
     return 0
+
+
+def shaping_lines(metrics: Path) -> list[str]:
+    """Per step: lengths generated vs trained (p50/p99/max), tokens shaping discarded, its discards."""
+    from tailrace.records import StepRecord, read_metrics
+
+    lines = ["step  generated p50/p99/max   trained p50/p99/max   extra tokens  shaping discards"]
+    tokens = discards = 0
+    for r in read_metrics(metrics):
+        if not isinstance(r, StepRecord):
+            continue
+        g, t = r.ledger.get("generated", {}), r.length
+        extra, tokens = r.ledger["shaping_tokens"] - tokens, r.ledger["shaping_tokens"]
+        shaped, discards = r.discards.get("shaping", 0) - discards, r.discards.get("shaping", 0)
+        lines.append(
+            f"{r.step:4d}  {g.get('p50', 0):5.0f} {g.get('p99', 0):5.0f} {g.get('max', 0):5.0f}       "
+            f"{t['p50']:5.0f} {t['p99']:5.0f} {t['max']:5.0f}     {extra:10d}  {shaped:8d}"
+        )
+    return lines
 
 
 def calibrate(args: Args) -> int:

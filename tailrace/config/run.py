@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from tailrace.config.fields import need, section, setting
 from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
+from tailrace.config.shaping import ShapingConfig
 from tailrace.config.train import TrainerConfig
 
 
@@ -33,6 +34,11 @@ class TaskConfig:
     system_prompt: str | None = setting(
         None, "the chat template's system message (null = the template's own default)"
     )
+    train_size: int | None = setting(
+        None,
+        "training prompts: a finite set cycled in epochs, so a prompt comes back (shaping's per-prompt "
+        "statistics); null = an endless stream of fresh prompts",
+    )
 
     def __post_init__(self) -> None:
         need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
@@ -40,6 +46,10 @@ class TaskConfig:
             isinstance(self.config, dict),
             f"task.config={self.config!r}: expected a mapping of the task's settings, e.g. "
             "--task.config='{min_terms: 2}'",
+        )
+        need(
+            self.train_size is None or self.train_size > 0,
+            f"task.train_size={self.train_size}: must be positive, or null for an endless stream",
         )
         need(
             self.system_prompt is None or self.chat_template == "auto",
@@ -218,6 +228,7 @@ class RunConfig:
     sft: SFTConfig = section(SFTConfig, "how the built-in model is warm-started (cached by recipe)")
     rollout: RolloutConfig = section(RolloutConfig, "the rollout engines")
     flow: FlowConfig = section(FlowConfig, "the scheduler: batch shape, overlap mode, run length")
+    shaping: ShapingConfig = section(ShapingConfig, "the length distribution generated and trained on")
     train: TrainerConfig = section(TrainerConfig, "the GRPO trainer")
     eval: EvalConfig = section(EvalConfig, "held-out accuracy before and after training")
     seed: int = setting(0, "seed of the engines' sampling and the trainer")

@@ -31,6 +31,7 @@ from typing import Iterator, Mapping, Sequence
 from tailrace.flow.commands import Abort, Command, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.keys import SampleKey, sample_seed
 from tailrace.flow.ledger import Ledger
+from tailrace.flow.shaping import Plan, Shaping
 from tailrace.flow.state import SchedulerState
 from tailrace.flow.store import GroupState, Store
 from tailrace.records import Discarded, Dropped, Finished, JournalEntry, Mark, Opened
@@ -90,16 +91,23 @@ class Scheduler(SchedulerState):
         spec: FlowSpec,
         sampling: SamplingParams | None = None,
         seed: int = 0,
+        shaping: Shaping | None = None,
     ) -> None:
         """`engines`: (slots, lookahead) per engine. `sampling`: the params of every request (a
-        policy may pass others to `dispatch`); each request gets its own seed from `seed` and its id."""
+        policy may pass others to `dispatch`); each request gets its own seed from `seed` and its id.
+        `shaping`: how many candidates a prompt gets and which ones its group trains on (none: all)."""
         self.policy = policy
+        self.shaping = shaping or Shaping()
         self.spec = spec
         self._prompts = prompts
         self._sampling = sampling or SamplingParams()
         self._seed = seed
         self.prompts_taken = 0
         self._requeued: list[Prompt] = []  # prompts given back by a resume, served before new ones
+        self._upcoming: list[tuple[Prompt, Plan]] = []  # taken from the stream and planned, not opened
+        self._cut: set[str] = set()  # requests shaping aborted: their partials are discarded
+        self.shaping_tokens = 0  # tokens of samples discarded by shaping (what redundancy cost)
+        self._generated: list[int] = []  # lengths produced since `take_generated`, before selection
         self.engines = tuple(EngineState(i, slots, look) for i, (slots, look) in enumerate(engines))
         self._store = Store()
         self.ledger = Ledger()
@@ -151,10 +159,20 @@ class Scheduler(SchedulerState):
         return self._store.in_store()
 
     def ledger_record(self) -> dict:
-        """The ledger's counts, `in_store`, and groups complete, complete with all rewards equal
-        (zero_signal) and dropped untrained by reason (a step record's `ledger`; cumulative)."""
+        """The ledger's counts, `in_store`, groups complete, complete with all rewards equal
+        (zero_signal) and dropped untrained by reason, and the tokens of samples shaping discarded
+        (a step record's `ledger`; cumulative)."""
         groups = {**self.groups_done, "dropped": dict(self.groups_dropped)}
-        return {**self.ledger.state_dict(), "in_store": self.in_store(), "groups": groups}
+        return {
+            **self.ledger.state_dict(), "in_store": self.in_store(), "groups": groups,
+            "shaping_tokens": self.shaping_tokens,
+        }  # fmt: skip
+
+    def take_generated(self) -> list[int]:
+        """Lengths of the samples produced since the last call (finished, or cut by shaping): what the
+        engines generated, before shaping selected what is trained."""
+        out, self._generated = self._generated, []
+        return out
 
     def prompt_of(self, request_id: str) -> Prompt:
         """The prompt an in-flight request answers (what a driver needs to score its result)."""
@@ -182,12 +200,21 @@ class Scheduler(SchedulerState):
             g = self._store.open[key.group]
             g.in_flight.discard(key)
             if r.finish == Finish.ABORTED:
-                self.policy.on_aborted(self, self._trajectory(g, key, r, version, None))
-                continue  # resumed or discarded by the policy; never silently lost
+                partial = self._trajectory(g, key, r, version, None)
+                if rid in self._cut:
+                    self._cut.discard(rid)
+                    self.shaping_tokens += partial.length
+                    self._generated.append(partial.length)
+                    self.discard_partial(partial, "shaping")
+                else:
+                    self.policy.on_aborted(self, partial)
+                continue  # resumed or discarded; never silently lost
+            self._cut.discard(rid)  # finished before its abort arrived: selection decides
             s = scored.get(rid)
             if s is None:
                 raise InvariantError(f"request {rid} finished ({r.finish.value}) without a score")
             t = self._trajectory(g, key, r, version, s)
+            self._generated.append(t.length)
             self.ledger.on_produced()
             g.done.append(t)
             self._log(Finished(t))
@@ -229,11 +256,14 @@ class Scheduler(SchedulerState):
             key = SampleKey.parse(rid)
             g = self._store.open[key.group]
             g.in_flight.discard(key)
-            if key.index not in g.todo:
-                g.todo.append(key.index)
-                g.todo.sort()
             g.dispatched -= 1
             self._aborting.discard(rid)
+            if rid in self._cut:  # shaping had given it up: not generated again
+                self._cut.discard(rid)
+                self._maybe_ready(g)
+            elif key.index not in g.todo:
+                g.todo.append(key.index)
+                g.todo.sort()
         eng.in_flight.clear()
         eng.loading.clear()
         self.mark("engine_lost", engine=engine, requeued=len(lost))
@@ -272,15 +302,14 @@ class Scheduler(SchedulerState):
     # ------------------------------------------------------------------ actions (called by policies)
     def open_group(self, version: int) -> GroupState:
         requeued = bool(self._requeued)
-        if requeued:
-            prompt = self._requeued.pop(0)
-        else:
-            prompt = next(self._prompts)
-            self.prompts_taken += 1
-        g = GroupState(self.groups_opened, prompt, version, self.spec.samples_per_prompt, opened=self.now)
+        prompt, plan = self._next_prompt()
+        g = GroupState(
+            self.groups_opened, prompt, version, self.spec.samples_per_prompt, opened=self.now,
+            candidates=plan.candidates, early_stop=plan.early_stop,
+        )  # fmt: skip
         self.groups_opened += 1
         self._store.add_group(g)
-        self._log(Opened(g.id, version, self.prompts_taken, requeued, prompt))
+        self._log(Opened(g.id, version, self.prompts_taken, requeued, prompt, g.candidates, g.early_stop))
         return g
 
     def dispatch(
@@ -379,6 +408,17 @@ class Scheduler(SchedulerState):
         self._out.marks.append(Mark(self.now, kind, data))
 
     # ------------------------------------------------------------------ internals
+    def _next_prompt(self) -> tuple[Prompt, Plan]:
+        """The next prompt to open and its shaping plan: a requeued prompt first (planned as the
+        group size), else the next of the planned window, taking a fresh window from the stream."""
+        if self._requeued:
+            return self._requeued.pop(0), Plan(self.spec.samples_per_prompt)
+        if not self._upcoming:
+            window = [next(self._prompts) for _ in range(self.shaping.window)]
+            self.prompts_taken += len(window)
+            self._upcoming = list(zip(window, self.shaping.plan(window, self.spec.samples_per_prompt)))
+        return self._upcoming.pop(0)
+
     def _log(self, entry: JournalEntry) -> None:
         self._out.journal.append(entry)
         self.journal_seq += 1
@@ -413,11 +453,21 @@ class Scheduler(SchedulerState):
             dispatch_version=version,
         )  # fmt: skip
 
-    def _maybe_ready(self, g: GroupState) -> None:
+    def _maybe_ready(self, g: GroupState, cut: bool = True) -> None:
+        """Hand a complete group to the store's ready queue, after shaping's selection; first, when
+        shaping has what it needs (`cut`), its other candidates stop: never dispatched, or aborted."""
+        if cut and g.id in self._store.open and (g.todo or g.in_flight) and self.shaping.enough(g):
+            g.todo.clear()  # shaping has what it needs: the other candidates stop
+            ids = {str(k) for k in g.in_flight}
+            self._cut |= ids
+            for e in self.engines:
+                self.abort(e.id, sorted(ids & e.in_flight.keys()), "shaping")
         if g.id in self._store.open and not g.todo and not g.in_flight:
-            kept, dropped = self.policy.select(g)
-            for t, reason in dropped:
-                self.ledger.on_discarded(reason)
+            self.shaping.observe(g)
+            kept, rest = self.shaping.select(g)
+            if rest:
+                self.ledger.on_discarded("shaping", len(rest))
+            self.shaping_tokens += sum(t.length for t in rest)
             g.done = kept
             self.groups_done["complete"] += 1
             self.groups_done["zero_signal"] += g.zero_signal

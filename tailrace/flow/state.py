@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Iterable
 
 from tailrace.flow.ledger import Ledger
+from tailrace.flow.shaping import Plan
 from tailrace.flow.store import GroupState
 from tailrace.records import (
     Discarded,
@@ -45,7 +46,8 @@ class SchedulerState:
             "staleness": dict(self.staleness), "journal_seq": self.journal_seq,
             "groups_done": dict(self.groups_done), "groups_dropped": dict(self.groups_dropped),
             "requeued": [prompt_to_json(p) for p in self._requeued], **self._store.to_json(),
-            "policy": self.policy.state_dict(),
+            "policy": self.policy.state_dict(), "shaping": self.shaping.state_dict(),
+            "upcoming": [[prompt_to_json(p), n.candidates, n.early_stop] for p, n in self._upcoming],
         }  # fmt: skip
 
     def load_state_dict(self, d: dict) -> None:
@@ -66,19 +68,27 @@ class SchedulerState:
         self._requeued = [prompt_from_json(p) for p in d["requeued"]]
         self._store.load_json(d)
         self.policy.load_state_dict(d["policy"])
+        self.shaping.load_state_dict(d.get("shaping", {}))  # older checkpoints: no shaping state
+        self._upcoming = [(prompt_from_json(p), Plan(n, early)) for p, n, early in d.get("upcoming", [])]
+        for g in list(self._store.open.values()):  # a group shaping had cut: its in-flight went to todo
+            self._maybe_ready(g)
 
     def replay(self, entries: Iterable[JournalEntry]) -> None:
-        """Apply the journal entries written after the checkpoint, in order."""
+        """Apply the journal entries written after the checkpoint, in order. A group shaping cut short
+        is cut at its last entry: the samples it had in flight when it was cut are in its to-do list
+        here, and those that came back (finished, or aborted and discarded) have entries after the cut."""
         store = self._store
-        for e in entries:
+        entries = list(entries)
+        last = {_group_of(e): i for i, e in enumerate(entries) if isinstance(e, (Finished, Discarded))}
+        for i, e in enumerate(entries):
             if isinstance(e, Opened):
-                if e.requeued:
-                    self._requeued.pop(0)
-                else:
-                    next(self._prompts)
+                self._next_prompt()  # the plan is the journal's (stats may differ after lost weights)
                 store.add_group(
-                    GroupState(e.group, e.prompt, e.version, self.spec.samples_per_prompt, self.now)
-                )
+                    GroupState(
+                        e.group, e.prompt, e.version, self.spec.samples_per_prompt, self.now,
+                        candidates=e.candidates, early_stop=e.early_stop,
+                    )
+                )  # fmt: skip
                 self.prompts_taken, self.groups_opened = e.prompts_taken, e.group + 1
             elif isinstance(e, Finished):
                 g = store.open[e.trajectory.group]
@@ -92,7 +102,7 @@ class SchedulerState:
                 else:
                     g.dispatched += 1
                     g.done.append(t)
-                self._maybe_ready(g)
+                self._maybe_ready(g, cut=last[g.id] == i)
             elif isinstance(e, Discarded):
                 g = store.open.get(e.group)
                 if g is not None and e.index in g.todo:
@@ -102,7 +112,7 @@ class SchedulerState:
                 self.ledger.on_produced()
                 self.ledger.on_discarded(e.reason)
                 if g is not None:
-                    self._maybe_ready(g)
+                    self._maybe_ready(g, cut=last[g.id] == i)
             elif isinstance(e, Dropped):
                 if e.group in store.ready:  # else its samples were lost with their weights (above)
                     self.ledger.on_discarded(e.reason, len(store.drop(e.group).done))
@@ -115,3 +125,9 @@ class SchedulerState:
                 assert not g.done and not g.in_flight
                 del store.open[g.id]
                 self._requeued.append(g.prompt)
+        for g in list(store.open.values()):  # cut while samples were in flight that never came back
+            self._maybe_ready(g)
+
+
+def _group_of(e: Finished | Discarded) -> int:
+    return e.trajectory.group if isinstance(e, Finished) else e.group

@@ -30,10 +30,13 @@ class GroupState:
     in_flight: set[SampleKey] = field(default_factory=set)
     discarded: int = 0  # dispatched samples that left for good (early stop, ...)
     completed_at: float | None = None
+    candidates: int = 0  # samples generated for the prompt (shaping may ask for more than size; 0 = size)
+    early_stop: bool = False  # shaping stops the group at its first `size` non-truncated finishers
 
     def __post_init__(self) -> None:
+        self.candidates = self.candidates or self.size
         if not self.todo and not self.dispatched:
-            self.todo = list(range(self.size))
+            self.todo = list(range(self.candidates))
 
     @property
     def zero_signal(self) -> bool:
@@ -47,7 +50,8 @@ class GroupState:
             "id": self.id, "prompt": prompt_to_json(self.prompt), "version": self.version,
             "size": self.size, "opened": self.opened, "dispatched": self.dispatched - len(back),
             "discarded": self.discarded, "todo": sorted(self.todo + back),
-            "done": [trajectory_to_json(t) for t in self.done],
+            "done": [trajectory_to_json(t) for t in self.done], "candidates": self.candidates,
+            "early_stop": self.early_stop,
         }  # fmt: skip
 
     @classmethod
@@ -57,6 +61,7 @@ class GroupState:
             id=d["id"], prompt=prompt, version=d["version"], size=d["size"], opened=d["opened"],
             dispatched=d["dispatched"], discarded=d["discarded"], todo=list(d["todo"]),
             done=[trajectory_from_json(t, prompt.token_ids) for t in d["done"]],
+            candidates=d.get("candidates", 0), early_stop=d.get("early_stop", False),
         )  # fmt: skip
 
 

@@ -81,6 +81,9 @@ class ConsoleUI:
             f"len p50 {L.get('p50', 0):.0f} max {L.get('max', 0):.0f}  gen {t['gen_tok_s']:.0f} tok/s  "
             f"step {t['step_s']:.2f}s  wait {t['trainer_wait_ratio']:.2f} bubble {t['bubble_ratio']:.2f}"
         )
+        generated = r.ledger.get("generated")
+        if r.discards.get("shaping") and generated:  # shaping is on: what it generated vs trained
+            line += f"  generated p50 {generated['p50']:.0f} max {generated['max']}"
         if saved is not None:
             line += f"  ckpt {_size(saved.bytes['total'])} in {saved.seconds:.1f}s"
         warning = self._zero_signal(r)

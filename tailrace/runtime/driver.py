@@ -19,6 +19,7 @@ from tailrace.config import RunConfig, dump_config
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
+from tailrace.flow.shaping import make_shaping
 from tailrace.metrics import step_record
 from tailrace.records import CheckpointRecord, EvalRecord, Span, StepRecord, read_metrics
 from tailrace.runtime import checkpoint
@@ -66,7 +67,10 @@ class Driver:
             stop_token_ids=session.stop_ids,
         )
         engines = [(r.slots, r.lookahead)] * r.engines
-        self.sched = Scheduler(policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed)
+        shaping = make_shaping(cfg.shaping.name, window=f.prompts_per_round, **cfg.shaping.options())
+        self.sched = Scheduler(
+            policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed, shaping=shaping
+        )
         self.layout = session.flat_layout()
         # fp32 weights and AdamW's two moments: what a checkpoint weighs, near enough
         self.cadence = checkpoint.Cadence.of(
@@ -330,7 +334,7 @@ class Driver:
         self._last_wall = timing["wall_s"]
         return step_record(
             rep.step, self.sched.done_version, trajs, trainer_version, self.sched.ledger_record(),
-            self.ses.guard.errors, m, timing,
+            self.ses.guard.errors, m, timing, self.sched.take_generated(),
         )  # fmt: skip
 
     def _load_final(self) -> None:

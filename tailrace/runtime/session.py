@@ -68,7 +68,7 @@ class Session:
         return Prompt(id=ex.id, token_ids=tuple(ids), answer=ex.answer, text=ex.question)
 
     def prompt_stream(self) -> Iterator[Prompt]:
-        for ex in self.task.stream("train", seed=self.cfg.task.seed):
+        for ex in self.task.stream("train", seed=self.cfg.task.seed, size=self.cfg.task.train_size):
             yield self.prompt(ex)
 
     def heldout(self, n: int) -> list[Prompt]:

@@ -83,8 +83,9 @@ class Recorder:
         s = cl.sched
         train = {"tokens": tokens, "sequences": len(trajs)}
         rec = step_record(
-            c.step, s.done_version, trajs, c.trainer_version, s.ledger_record(), {}, train, timing
-        )
+            c.step, s.done_version, trajs, c.trainer_version, s.ledger_record(), {}, train, timing,
+            s.take_generated(),
+        )  # fmt: skip
         self.steps.append(rec)
         self._write("metrics", rec)
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from tailrace.config import ConfigError, FlowConfig, load_config
+from tailrace.config import ConfigError, FlowConfig, ShapingConfig, load_config
 from tailrace.config.fields import section, setting
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
+from tailrace.flow.shaping import make_shaping
 from tailrace.sim.cluster import SimCluster
 from tailrace.sim.costs import CostModel
 from tailrace.sim.engine import TOKEN, SimEngine
@@ -80,6 +81,10 @@ class Scenario:
     flow: FlowConfig = section(
         lambda: FlowConfig(steps=20), "a real run's flow section, driving the same policy"
     )
+    shaping: ShapingConfig = section(ShapingConfig, "a real run's shaping section, on top of flow.mode")
+    train_size: int | None = setting(
+        None, "training prompts cycled in epochs (their lengths come back; null = always fresh prompts)"
+    )
     lengths: dict[str, Any] = section(
         lambda: {"kind": "lognormal", "median": 60, "max_len": 320, "prompt": 20},
         "response lengths: {kind: constant | lognormal | empirical, ...} (sim/lengths.py)",
@@ -94,6 +99,8 @@ class Scenario:
     def __post_init__(self) -> None:
         if not 0.0 <= self.accuracy <= 1.0:
             raise ConfigError(f"accuracy={self.accuracy}: must lie in [0, 1]")
+        if self.train_size is not None and self.train_size < 1:
+            raise ConfigError(f"train_size={self.train_size}: must be positive, or null for fresh prompts")
         if self.poll_s < 0:
             raise ConfigError(f"poll_s={self.poll_s}: must be >= 0 (0 = poll after every event)")
         if not isinstance(self.lengths, dict) or "kind" not in self.lengths:
@@ -177,10 +184,12 @@ def engine_slots(scn: Scenario, cost: CostModel, lengths: LengthModel) -> int:
     return max(1, min(MAX_AUTO_SLOTS, int(cost.kv_capacity_tokens() / per_seq)))
 
 
-def prompt_stream(lengths: LengthModel) -> Iterator[Prompt]:
+def prompt_stream(lengths: LengthModel, train_size: int | None = None) -> Iterator[Prompt]:
+    """Prompts 0, 1, 2, ... (or 0 .. train_size - 1 over and over): the id picks the lengths."""
     i = 0
     while True:
-        yield Prompt(id=i, token_ids=(TOKEN,) * lengths.prompt_len(i), answer="")
+        pid = i if train_size is None else i % train_size
+        yield Prompt(id=pid, token_ids=(TOKEN,) * lengths.prompt_len(pid), answer="")
         i += 1
 
 
@@ -190,14 +199,14 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
         lengths = make_lengths(scn.lengths, scn.seed)
         options = {k: v for k, v in dataclasses.asdict(f).items() if k != "mode"} | scn.policy_options
         policy = make_policy(f.mode, **options)
+        shaping = make_shaping(scn.shaping.name, window=f.prompts_per_round, **scn.shaping.options())
     except (TypeError, ValueError, FileNotFoundError) as e:
         raise ConfigError(f"scenario {scn.name}: {e}") from None
     cost = cost_model(scn)
     slots = engine_slots(scn, cost, lengths)
     spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
-    sched = Scheduler(
-        policy, prompt_stream(lengths), [(slots, scn.cluster.lookahead)] * scn.cluster.engines, spec
-    )
+    pool = [(slots, scn.cluster.lookahead)] * scn.cluster.engines
+    sched = Scheduler(policy, prompt_stream(lengths, scn.train_size), pool, spec, shaping=shaping)
     engines = [SimEngine(i, slots, cost, lengths) for i in range(scn.cluster.engines)]
     rec = Recorder(out_dir, journal=scn.journal)
     return SimCluster(
@@ -280,4 +289,11 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
         lookahead=r.lookahead,
     )
     lengths = {"kind": "empirical", "run_dir": str(run_dir), "max_len": r.max_new_tokens}
-    return Scenario(name=f"like-{run_dir.name}", cluster=cluster, flow=flow, lengths=lengths, seed=cfg.seed)
+    return Scenario(
+        name=f"like-{run_dir.name}",
+        cluster=cluster,
+        flow=flow,
+        shaping=cfg.shaping,
+        lengths=lengths,
+        seed=cfg.seed,
+    )

@@ -45,8 +45,15 @@ class Task(ABC):
     def reward(self, example: Example, response: str) -> float:
         """Score of one response in `reward_range`; with the default [0, 1], 1 means verified correct."""
 
-    def stream(self, split: str, seed: int = 0, chunk: int = 1024) -> Iterator[Example]:
-        """An endless stream of examples (fresh chunks, ids continuing), for RL prompt queues."""
+    def stream(
+        self, split: str, seed: int = 0, chunk: int = 1024, size: int | None = None
+    ) -> Iterator[Example]:
+        """An endless stream of examples for RL prompt queues: fresh chunks with ids continuing, or,
+        with `size`, the same `size` examples over and over (epochs: a prompt and its id come back)."""
+        if size is not None:
+            epoch = self.examples(split, size, seed=seed)
+            while True:
+                yield from epoch
         base = 0
         while True:
             for ex in self.examples(split, chunk, seed=seed + base):

@@ -3,8 +3,9 @@
 import pytest
 
 from tailrace.cli.choices import check, registries
-from tailrace.config import ConfigError, FlowConfig, LossConfig, TrainerConfig, load_config
+from tailrace.config import ConfigError, FlowConfig, LossConfig, ShapingConfig, TrainerConfig, load_config
 from tailrace.flow.policies import POLICIES
+from tailrace.flow.shaping import SHAPINGS
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.losses import CORRECTIONS, LOSSES
 
@@ -13,6 +14,7 @@ from tailrace.trainer.losses import CORRECTIONS, LOSSES
     "override,registry",
     [
         ("--flow.mode=pip", POLICIES),
+        ("--shaping.name=dart", SHAPINGS),
         ("--train.loss.name=ppo", LOSSES),
         ("--train.loss.correction=is", CORRECTIONS),
         ("--train.advantage=gae", ADVANTAGES),
@@ -27,7 +29,7 @@ def test_unknown_name_lists_the_registry(override, registry):
 
 
 def test_every_registered_name_passes():
-    prefix = {FlowConfig: "flow", LossConfig: "train.loss", TrainerConfig: "train"}
+    prefix = {FlowConfig: "flow", ShapingConfig: "shaping", LossConfig: "train.loss", TrainerConfig: "train"}
     for (section, field), names in registries().items():
         for name in names:  # drgrpo needs its normaliser, and async & co. staleness >= 1 (the default)
             check(

@@ -1,6 +1,7 @@
 """A scripted cluster for scheduler tests: engines that emit one token per tick per running sample,
 a trainer that takes a fixed number of ticks per step, weight loads that take a fixed time.
-Lengths come from a function of (group, index), so tests choose any distribution."""
+Lengths come from a function of (group, index), so tests choose any distribution; a sample that
+reaches `max_len` is cut off there (finish = length)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ class ScriptedCluster:
         train_ticks: int = 5,
         load_ticks: int = 1,
         reward: Callable[[int, int], float] = lambda g, i: float(i % 2),
+        max_len: int | None = None,
     ):
-        self.s, self.length, self.slots = sched, length, slots
+        self.s, self.slots, self.max_len = sched, slots, max_len
+        self.length = length if max_len is None else (lambda g, i: min(max_len, length(g, i)))
         self.train_ticks, self.load_ticks, self.reward = train_ticks, load_ticks, reward
         n = len(sched.engines)
         self.queue = [[] for _ in range(n)]
@@ -90,6 +93,9 @@ class ScriptedCluster:
             r.request.id, tuple(r.tokens), tuple(0.0 for _ in r.tokens), tuple(r.versions), finish
         )
 
+    def _finish(self, r: Running) -> Finish:
+        return Finish.LENGTH if self.max_len is not None and r.target >= self.max_len else Finish.STOP
+
     def _score(self, r: Running) -> Scored:
         reward = self.reward(r.key.group, r.key.index)
         return Scored(r.request.id, reward, reward > 0)
@@ -116,7 +122,7 @@ class ScriptedCluster:
                 run.remove(r)
             if finished:
                 self.generated.extend(r.key for r in finished)
-                results = [self._result(r, Finish.STOP) for r in finished]
+                results = [self._result(r, self._finish(r)) for r in finished]
                 self.s.on_results(e, results, [self._score(r) for r in finished], self.t)
         if self.trainer:
             self.train_left += 1

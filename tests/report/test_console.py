@@ -54,3 +54,17 @@ def test_after_a_resume_the_first_step_only_sets_the_baseline():
     assert "warning" not in out.getvalue()
     c.step(step(6, complete=104, zero=94))
     assert "step 7: 4 of 4" in out.getvalue()
+
+
+def test_a_shaped_step_shows_the_lengths_generated_beside_the_trained():
+    c, out = ui()
+    c.begin(0, 2, None)
+    r = step(0, complete=4, zero=0)
+    r.ledger.update(
+        discarded={"shaping": 6}, generated={"n": 14, "tokens": 700, "p50": 40, "p99": 290, "max": 300}
+    )
+    c.step(StepRecord(0, 0, 0.0, 0.0, 8, {"p50": 30, "max": 120}, {}, {"shaping": 6}, r.ledger, {}, {}, TIME))
+    c.step(step(1, complete=8, zero=0))  # no shaping: the line stays as it was
+    lines = out.getvalue().splitlines()
+    assert "len p50 30 max 120" in lines[0] and lines[0].endswith("generated p50 40 max 300")
+    assert "generated" not in lines[1]

@@ -41,12 +41,15 @@ def test_a_simulated_run_writes_the_files_of_a_real_run(tmp_path):
     assert {"step_s", "trainer_wait_ratio", "bubble_ratio", "gen_tok_s", "weight_sync_s"} <= set(
         steps[0]["time"]
     )
+    # lengths produced since the step before: a round's 16 samples, reported with its first step
+    assert [s["ledger"].get("generated", {}).get("n") for s in steps] == [16, None, 16, None]
     assert steps[-1]["ledger"] == {
         "produced": 32,
         "trained": 32,
         "discarded": {},
         "in_store": 0,
         "groups": {"complete": 8, "zero_signal": 0, "dropped": {}},
+        "shaping_tokens": 0,
     }
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     lanes = {e["lane"] for e in events}

@@ -63,3 +63,14 @@ def test_demonstration_lengths_are_long_tailed_within_and_across_prompts():
     long = next(e for e in exs if e.question.count(" ") >= 10)
     same = [len(t.demonstration(long, rng)) for _ in range(32)]
     assert max(same) / min(same) >= 1.4  # wandering lines spread one prompt's lengths
+
+
+def test_a_finite_training_set_comes_back_epoch_after_epoch():
+    from itertools import islice
+
+    t = ChainSumTask()
+    first = list(islice(t.stream("train", seed=3, size=5), 12))
+    assert [e.id for e in first] == [0, 1, 2, 3, 4] * 2 + [0, 1]
+    assert first[5:10] == first[:5] == t.examples("train", 5, seed=3)
+    fresh = list(islice(t.stream("train", seed=3), 12))
+    assert len({e.id for e in fresh}) == 12  # without a size: every prompt new

@@ -3,7 +3,6 @@
     attach(core)                 once, when the scheduler is built
     decide(core)                 at every poll: open groups, dispatch, abort, train, load, drop
     on_aborted(core, partial)    an aborted partial came back: core.resume(...) or core.discard_partial(...)
-    select(group)                a group finished: which trajectories it trains on (shaping); rest discarded
     state_dict / load_state_dict what the policy needs to resume (most derive everything from the core)
 
 Class attributes declare the invariants the core enforces at every train step:
@@ -46,9 +45,6 @@ class Policy:
 
     def on_aborted(self, core: Scheduler, partial: Trajectory) -> None:
         core.discard_partial(partial, "aborted")
-
-    def select(self, g: GroupState) -> tuple[list[Trajectory], list[tuple[Trajectory, str]]]:
-        return list(g.done), []
 
     def state_dict(self) -> dict:
         return {}

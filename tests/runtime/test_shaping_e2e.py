@@ -1,0 +1,35 @@
+"""`tailrace train --shaping.name=darts` through real processes: extra candidates are generated, the
+unselected ones (finished, or aborted by early stop) are discarded with the reason `shaping`, and
+every step still trains whole groups."""
+
+import json
+
+from tailrace.cli import main
+from tests.runtime.conftest import TINY_RUN
+
+
+def test_darts_trains_whole_groups_and_accounts_every_extra_candidate(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    shaping = [
+        "--shaping.name=darts",
+        "--shaping.extra=1.0",
+        "--shaping.early_stop=0.5",
+        "--task.train_size=8",
+    ]
+    argv = [
+        "train",
+        f"--run-dir={run}",
+        f"--model.path={tiny_model}",
+        *TINY_RUN,
+        "--flow.steps=2",
+        "--eval.n=4",
+    ]
+    assert main([*argv, *shaping]) == 0
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["kind"] == "step"]
+    assert [s["samples"] for s in steps] == [16, 16]
+    last = steps[-1]["ledger"]
+    # 2 rounds x 4 prompts x 8 candidates, half of them trained; the rest discarded (or never started)
+    assert last["trained"] == 32 and last["discarded"].get("shaping", 0) > 0
+    assert last["produced"] == last["trained"] + sum(last["discarded"].values()) + last["in_store"]
+    assert last["shaping_tokens"] > 0 and steps[0]["ledger"]["generated"]["n"] > 16
