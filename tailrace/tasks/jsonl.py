@@ -14,6 +14,7 @@ import json
 import random
 import re
 import threading
+import warnings
 from pathlib import Path
 
 from tailrace.tasks.base import SPLITS, Example, Task, TaskError, check_split, in_test_split
@@ -151,6 +152,13 @@ class JsonlTask(Task):
                 f"{self.name}: the {split} split is empty (all {len(self.rows[other])} "
                 f"rows hashed to {other}); add rows, change test_mod or pass test_path="
             )
+        if split == "test" and n > len(rows):  # held out: each question once, or the resolution is a lie
+            warnings.warn(
+                f"{self.name}: eval.n={n} but the test split has {len(rows)} questions; evaluating those "
+                f"{len(rows)} once each (add rows, lower test_mod or pass test_path= for more)",
+                stacklevel=2,
+            )
+            n = len(rows)
         rng = random.Random(f"jsonl/{split}/{seed}")
         out: list[Example] = []
         while len(out) < n:

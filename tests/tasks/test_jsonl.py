@@ -62,6 +62,15 @@ def test_restating_the_question_is_not_an_answer(tmp_path):
     assert task.reward(half, "It is 2/4") == 1.0
 
 
+def test_a_held_out_set_smaller_than_eval_n_is_evaluated_once_each(tmp_path):
+    rows = [{"question": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(10)]
+    task = JsonlTask(write(tmp_path / "a.jsonl", rows), test_path=write(tmp_path / "t.jsonl", rows))
+    with pytest.warns(UserWarning, match="eval.n=128 but the test split has 10 questions"):
+        held = task.examples("test", 128)
+    assert sorted(e.question for e in held) == sorted(r["question"] for r in rows)
+    assert len(task.examples("train", 25)) == 25  # training cycles in epochs as before
+
+
 def test_equivalent_latex_forms_are_accepted(tmp_path):
     rows = [
         {"problem": "half?", "solution": "\\frac{1}{2}"},
