@@ -1,0 +1,16 @@
+"""Speculative decoding inside the engine, lossless by construction (see `accept`).
+
+`accept` (verification), `ladder` (draft length by acceptance), `costs` (the toggle's cost model) and
+`suffix` (the history index) are pure decision cores; `Speculator` holds an engine's policy and books;
+drafters (`Drafter`) are small classes chosen by name from `DRAFTERS`.
+"""
+
+from tailrace.engine.spec.history import HistoryDrafter
+from tailrace.engine.spec.speculator import Speculator
+from tailrace.engine.spec.stats import SpecStats
+
+DRAFTERS = {
+    "history": HistoryDrafter,
+}
+
+__all__ = ["DRAFTERS", "SpecStats", "Speculator"]

@@ -1,0 +1,165 @@
+"""The pure cores of speculative decoding, on hand-checked cases: verification, the draft-length
+ladder, the toggle's cost model, the suffix index and DAS's length budget."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tailrace.engine.spec import accept, costs, ladder
+from tailrace.engine.spec.costs import Curve, Toggle, expected_length, speedup
+from tailrace.engine.spec.history import MIN_PROMPTS, length_budget
+from tailrace.engine.spec.ladder import Rung, climb
+from tailrace.engine.spec.suffix import END, START, Match, SuffixIndex
+
+
+def test_verify_keeps_the_agreeing_prefix_and_the_targets_next_token():
+    # all agree: the bonus token too
+    assert accept.verify([5, 6, 7], [5, 6, 7, 8], ()) == (3, 4, False)
+    # first disagreement at 2: the target's 9 replaces the draft's 7, the rest is dropped
+    assert accept.verify([5, 6, 7, 1], [5, 6, 9, 1, 2], ()) == (2, 3, False)
+    # none agree: plain decoding's one token
+    assert accept.verify([4], [5, 6], ()) == (0, 1, False)
+    # a stop token among the emitted ends the row just after it, accepted or the correction
+    assert accept.verify([5, 0, 7], [5, 0, 7, 8], (0,)) == (3, 2, True)
+    assert accept.verify([5, 6, 7], [5, 0, 7, 8], (0,)) == (1, 2, True)
+    assert accept.verify([5, 6], [0, 6, 3], (0,)) == (0, 1, True)
+    # a stop past the first disagreement is never emitted
+    assert accept.verify([5, 6], [5, 7, 0], (0,)) == (1, 2, False)
+
+
+def test_ladder_moves_one_rung_after_holding_two_rounds():
+    r = Rung()
+    assert r.gamma == 5
+    r = climb(r, 0.99)  # first round on 5: held, whatever the acceptance
+    assert (r.gamma, r.held) == (5, 1)
+    r = climb(r, 0.95)  # second round at >= 0.94: up
+    assert (r.gamma, r.held) == (7, 0)
+    r = climb(climb(r, 0.90), 0.90)  # between the thresholds: stays
+    assert (r.gamma, r.held) == (7, 2)
+    r = climb(r, 0.85)  # held long enough, <= 0.85: down at once
+    assert (r.gamma, r.held) == (5, 0)
+    r = climb(climb(r, 0.5), 0.5)  # the bottom rung holds
+    assert r.gamma == 5
+    top = Rung(len(ladder.RUNGS) - 1, 5)
+    assert climb(top, 1.0).gamma == 11 and climb(top, 0.8).gamma == 9
+
+
+def test_expected_length_and_speedup_by_hand():
+    assert expected_length(0.0, 5) == 1.0
+    assert expected_length(1.0, 5) == 6.0
+    assert expected_length(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_length(0.8, 4) == pytest.approx(sum(0.8**i for i in range(5)))
+    # EfficientRollout's form: L / (gamma r + v)
+    assert speedup(0.5, 2, 0.0, 1.0) == pytest.approx(1.75)
+    assert speedup(0.8, 4, 0.1, 1.5) == pytest.approx(3.3616 / 1.9)
+    assert speedup(1.0, 3, 1 / 3, 1.0) == pytest.approx(2.0)  # 4 tokens for the time of 2 steps
+
+
+def test_curve_interpolates_its_buckets_and_extrapolates_their_slope():
+    c = Curve()
+    assert c(4) is None
+    c.observe(1, 1.0)
+    assert c(1) == 1.0 and c(4) == 4.0  # one point: proportional
+    c.observe(16, 2.5)
+    assert c(1) == 1.0 and c(16) == 2.5 and c(6) == pytest.approx(1.0 + 5 * 0.1)
+    assert c(46) == pytest.approx(2.5 + 30 * 0.1)  # past the last bucket: the last segment's slope
+    c.observe(16, 3.5)  # a slower sample moves its bucket a little, a faster one a lot
+    assert c(16) == pytest.approx(2.5 + costs.RISE)
+    c.observe(16, 0.5)
+    assert c(16) == pytest.approx(2.5 + costs.RISE - costs.FALL * (2 + costs.RISE))
+    assert [costs.bucket(n) for n in (1, 16, 17, 19, 20, 32, 64, 100)] == [1, 16, 16, 19, 19, 32, 64, 108]
+
+
+def _toggle(step, draft=None, per_token=False):
+    t = Toggle(per_token_draft=per_token)
+    for n, sec in step.items():
+        t.observe_step(n, sec)
+    for n, sec in (draft or {}).items():
+        t.observe_draft(n, 1, sec)
+    return t
+
+
+def test_toggle_by_hand():
+    # a step costs 1 + m / 8 (ms) with m tokens in the forward; drafting is free
+    t = _toggle({m: 1 + m / 8 for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)})
+    # batch 1, alpha 0.8, gamma 3: L = 2.952, v = T(4) / T(1) = 1.5 / 1.125
+    assert t.predict(1, 0.8, 3) == pytest.approx(2.952 / (1.5 / 1.125))
+    # batch 64: T(64) = 9, T(128) = 17, ...: each draft token costs ~0.9 of a step, never pays at 0.5
+    assert t.gamma(64, 0.5, 5) == 0
+    # batch 1 pays for every alpha from 0.25 up; the best length grows with alpha
+    g = [t.gamma(1, a, 11) for a in (0.0, 0.25, 0.5, 0.8, 0.95, 1.0)]
+    assert g[0] == 0 and all(x > 0 for x in g[1:]) and g == sorted(g) and g[-1] == 11
+    # the ladder caps it
+    assert t.gamma(1, 1.0, 5) == 5
+    # a model drafter as dear per token as a batch-1 step never pays at alpha 0.5
+    dear = _toggle({m: 1 + m / 8 for m in (1, 2, 4, 8, 16)}, {1: 1.125}, per_token=True)
+    assert dear.gamma(1, 0.5, 11) == 0
+    assert dear.predict(1, 1.0, 1) == pytest.approx(2 / (1 + 1.25 / 1.125))
+
+
+def test_toggle_threshold_is_min_speedup():
+    # exactly at the edge: batch 1, alpha 0 gives L = 1; v = 1 needs a free verify
+    t = _toggle({1: 1.0, 2: 1.0, 4: 1.0})
+    assert t.predict(1, 0.0, 1) == pytest.approx(1.0) and t.gamma(1, 0.0, 1) == 0
+    assert t.predict(1, 0.05, 1) == pytest.approx(1.05) and t.gamma(1, 0.05, 1) == 1
+
+
+def _occurs(seqs, needle):
+    for s in seqs:
+        text = [START, *s, END]
+        for i in range(len(text) - len(needle) + 1):
+            if text[i : i + len(needle)] == needle:
+                return True
+    return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 3), max_size=12), min_size=1, max_size=4),
+    ctx=st.lists(st.integers(0, 3), max_size=16),
+)
+def test_suffix_index_tracks_the_longest_occurring_suffix_and_drafts_a_true_continuation(seqs, ctx):
+    idx = SuffixIndex()
+    for s in seqs:
+        idx.add(s)
+    text = [START, *ctx]
+    m = Match()
+    for i in range(len(text)):
+        m = idx.walk(m, text[i])
+        seen = text[: i + 1]
+        longest = max((n for n in range(len(seen) + 1) if _occurs(seqs, seen[len(seen) - n :])), default=0)
+        assert m.length == longest
+        cont = idx.continuation(m, 4)
+        assert all(t >= 0 for t in cont)
+        if m.length:
+            assert _occurs(seqs, seen[len(seen) - m.length :] + cont)
+        else:
+            assert cont == []
+
+
+def test_suffix_index_by_hand():
+    idx = SuffixIndex()
+    idx.add([1, 2, 3, 4])
+    idx.add([1, 2, 5])
+    m = idx.walk_all(Match(), [START])
+    assert idx.continuation(m, 3) == [1, 2, 3]  # a sequence's start: the first stored one's
+    m = idx.walk_all(m, [1, 2])
+    assert m.length == 3 and idx.continuation(m, 9) == [3, 4]  # cut at its end
+    m = idx.walk(m, 5)
+    assert m.length == 4 and idx.continuation(m, 2) == []
+    m = idx.walk_all(Match(), [9, 9, 2])  # only the last token occurs
+    assert m.length == 1 and idx.continuation(m, 1) == [3]
+
+
+def test_length_budget_by_class():
+    lengths = sorted([10, 20, 30, 40, 50, 60, 70, 80, 90])
+    assert len(lengths) >= MIN_PROMPTS
+    assert length_budget(15, lengths, 8) == 0  # below the lower third
+    assert length_budget(50, lengths, 8) == 4  # medium: half
+    assert length_budget(75, lengths, 8) == 8  # long: all
+    assert length_budget(5, lengths[: MIN_PROMPTS - 1], 8) == 8  # too few prompts for classes
+    assert math.isclose(length_budget(40, lengths, 1), 1)  # medium keeps at least one
