@@ -54,7 +54,9 @@ class RowState:
         top_p = TOP_P_OFF if greedy or p.top_p >= 1.0 else p.top_p
         dev = self.ints.device
         self.ints[row] = torch.tensor(
-            [0, len(seq.ids), seq.num_resumed, seq.key, top_k, p.min_new_tokens], dtype=torch.int64
+            # min_new_tokens bans stop tokens only: 0 without them (the sampler's per-row path reads it)
+            [0, len(seq.ids), seq.num_resumed, seq.key, top_k, p.min_new_tokens if p.stop_token_ids else 0],
+            dtype=torch.int64,
         ).to(dev, non_blocking=True)
         self.floats[row] = torch.tensor(
             [1.0 if greedy else 1.0 / p.temperature, 0.0 if greedy else 1.0, top_p], dtype=torch.float32
