@@ -314,8 +314,8 @@ class TailraceEngine(SpeculativeSteps):
             finished = self._settle(completed, stopped, active)
         duration = time.perf_counter() - t0
         if self._spec is not None:
-            n = active + v.drafted + sum(p.n for p in pieces)  # tokens through the weights
-            self._spec.toggle.observe_step(n, duration - t_draft)
+            if active and not pieces:  # the toggle's cost model: decode and verify steps
+                self._spec.toggle.observe_step(active, v.drafted, len(drafts), duration - t_draft)
             self._spec.step(active, len(drafts), active + v.extra)
         return StepEvent(
             t0,

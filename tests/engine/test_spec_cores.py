@@ -4,13 +4,14 @@ ladder, the toggle's cost model, the suffix index and DAS's length budget."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tailrace.engine.spec import accept, costs, ladder
-from tailrace.engine.spec.costs import Curve, Toggle, expected_length, speedup
+from tailrace.engine.spec.costs import ByBatch, LowFit, Toggle, expected_length, speedup
 from tailrace.engine.spec.history import MIN_PROMPTS, length_budget
 from tailrace.engine.spec.ladder import Rung, climb
 from tailrace.engine.spec.suffix import END, START, Match, SuffixIndex
@@ -59,53 +60,79 @@ def test_expected_length_and_speedup_by_hand():
     assert speedup(1.0, 3, 1 / 3, 1.0) == pytest.approx(2.0)  # 4 tokens for the time of 2 steps
 
 
-def test_curve_interpolates_its_buckets_and_extrapolates_their_slope():
-    c = Curve()
-    assert c(4) is None
-    c.observe(1, 1.0)
-    assert c(1) == 1.0 and c(4) == 4.0  # one point: proportional
-    c.observe(16, 2.5)
-    assert c(1) == 1.0 and c(16) == 2.5 and c(6) == pytest.approx(1.0 + 5 * 0.1)
-    assert c(46) == pytest.approx(2.5 + 30 * 0.1)  # past the last bucket: the last segment's slope
-    c.observe(16, 3.5)  # a slower sample moves its bucket a little, a faster one a lot
-    assert c(16) == pytest.approx(2.5 + costs.RISE)
-    c.observe(16, 0.5)
-    assert c(16) == pytest.approx(2.5 + costs.RISE - costs.FALL * (2 + costs.RISE))
+def test_low_fit_converges_to_the_low_side_of_noisy_samples():
+    f = LowFit([0.0, 0.0])
+    rng = random.Random(0)
+    for _ in range(600):
+        d, v = rng.randint(1, 40), rng.randint(1, 8)
+        burst = 3.0 if rng.random() < 0.2 else 1.0  # a fifth of the timings hit by a neighbour
+        f.observe([d, v], burst * (0.05 * d + 0.3 * v))
+    assert f([10, 2]) == pytest.approx(0.05 * 10 + 0.3 * 2, rel=0.15)
+    assert f.weight == 600
+
+
+def test_by_batch_tracks_the_uncontended_time_and_interpolates():
+    t = ByBatch()
+    assert t(4) is None and t.per_row() is None
+    t.observe(1, 1.0)
+    t.observe(8, 2.0)
+    assert t(1) == 1.0 and t(4) == pytest.approx(1 + 3 / 7) and t(9) is None
+    assert t.per_row() == pytest.approx(1 / 7)
+    t.observe(8, 4.0)  # slower (a neighbour's burst): a small step up
+    assert t(8) == pytest.approx(2.0 + costs.RISE * 2)
+    t.observe(8, 1.0)  # faster: a large step down
+    assert t(8) == pytest.approx(2.1 - costs.FALL * 1.1)
     assert [costs.bucket(n) for n in (1, 16, 17, 19, 20, 32, 64, 100)] == [1, 16, 16, 19, 19, 32, 64, 108]
 
 
-def _toggle(step, draft=None, per_token=False):
+def _toggle(x_ms=None, y_ms=0.0, draft_ms=None, per_token=False):
+    """Decode steps of 1 + b / 8 ms at batches 1..64 (each its own bucket); if x_ms, verify steps costing
+    x_ms per draft token and y_ms per verifying row more; drafter calls of draft_ms(rows)."""
     t = Toggle(per_token_draft=per_token)
-    for n, sec in step.items():
-        t.observe_step(n, sec)
-    for n, sec in (draft or {}).items():
-        t.observe_draft(n, 1, sec)
+    batches = [*range(1, 17), 19, 23, 27, 32, 38, 45, 54, 64]  # one bucket each
+    for b in batches:
+        t.observe_step(b, 0, 0, (1 + b / 8) / 1e3)
+    for _ in range(20 if draft_ms else 0):
+        for b in batches:
+            t.observe_draft(b, 1, draft_ms(b) / 1e3)
+    for _ in range(20 if x_ms is not None else 0):  # the fit moves a step per timing: let it settle
+        for b in batches:
+            for g in (1, 3, 5):
+                t.observe_step(b, b * g, b, (1 + b / 8 + x_ms * b * g + y_ms * b) / 1e3)
     return t
 
 
 def test_toggle_by_hand():
-    # a step costs 1 + m / 8 (ms) with m tokens in the forward; drafting is free
-    t = _toggle({m: 1 + m / 8 for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)})
-    # batch 1, alpha 0.8, gamma 3: L = 2.952, v = T(4) / T(1) = 1.5 / 1.125
-    assert t.predict(1, 0.8, 3) == pytest.approx(2.952 / (1.5 / 1.125))
-    # batch 64: T(64) = 9, T(128) = 17, ...: each draft token costs ~0.9 of a step, never pays at 0.5
+    # no verify timed: a draft token costs what a decode row does (1/8 ms); drafting is free
+    t = _toggle()
+    # batch 1, alpha 0.8, gamma 3: L = 2.952, v = 1 + 3 (1/8) / 1.125
+    assert t.predict(1, 0.8, 3) == pytest.approx(2.952 / (1 + 0.375 / 1.125), rel=1e-3)
+    # batch 64: T = 9, a verify of g drafts 9 + 8 g: never pays at alpha 0.5
     assert t.gamma(64, 0.5, 5) == 0
-    # batch 1 pays for every alpha from 0.25 up; the best length grows with alpha
+    # batch 1 pays from alpha 0.25 up; the best length grows with alpha
     g = [t.gamma(1, a, 11) for a in (0.0, 0.25, 0.5, 0.8, 0.95, 1.0)]
     assert g[0] == 0 and all(x > 0 for x in g[1:]) and g == sorted(g) and g[-1] == 11
-    # the ladder caps it
-    assert t.gamma(1, 1.0, 5) == 5
-    # a model drafter as dear per token as a batch-1 step never pays at alpha 0.5
-    dear = _toggle({m: 1 + m / 8 for m in (1, 2, 4, 8, 16)}, {1: 1.125}, per_token=True)
+    assert t.gamma(1, 1.0, 5) == 5  # the ladder caps it
+    # verifies timed: 0.05 ms per draft token, 0.3 ms per verifying row
+    timed = _toggle(x_ms=0.05, y_ms=0.3)
+    assert timed.predict(2, 0.8, 3) == pytest.approx(2.952 / (1 + (0.05 * 6 + 0.3 * 2) / 1.25), rel=1e-2)
+    assert timed.predict(8, 0.8, 3) == pytest.approx(2.952 / (1 + (0.05 * 24 + 0.3 * 8) / 2), rel=1e-2)
+    # a model drafter as dear per draft step as a decode step never pays at alpha 0.5; a cheap one does
+    dear = _toggle(draft_ms=lambda rows: 1 + rows / 8, per_token=True)
     assert dear.gamma(1, 0.5, 11) == 0
-    assert dear.predict(1, 1.0, 1) == pytest.approx(2 / (1 + 1.25 / 1.125))
+    assert dear.predict(1, 1.0, 1) == pytest.approx(2 / (1 + 1 + 0.125 / 1.125), rel=1e-2)
+    cheap = _toggle(draft_ms=lambda rows: 0.1 + rows / 80, per_token=True)
+    assert cheap.predict(1, 1.0, 1) == pytest.approx(2 / (0.1125 / 1.125 + 1 + 0.125 / 1.125), rel=1e-2)
+    assert cheap.gamma(1, 0.5, 11) > 0
 
 
 def test_toggle_threshold_is_min_speedup():
-    # exactly at the edge: batch 1, alpha 0 gives L = 1; v = 1 needs a free verify
-    t = _toggle({1: 1.0, 2: 1.0, 4: 1.0})
-    assert t.predict(1, 0.0, 1) == pytest.approx(1.0) and t.gamma(1, 0.0, 1) == 0
-    assert t.predict(1, 0.05, 1) == pytest.approx(1.05) and t.gamma(1, 0.05, 1) == 1
+    # verifying costs nothing more: at alpha 0 a verify emits the one token a decode step would
+    t = _toggle(x_ms=0.0)
+    assert t.predict(1, 0.0, 1) == pytest.approx(1.0, abs=1e-3) and t.gamma(1, 0.0, 1) == 0
+    assert t.predict(1, 0.1, 1) == pytest.approx(1.1, abs=1e-3) and t.gamma(1, 0.1, 1) == 1
+    # the table rounds alpha down to a twentieth: 0.09 is judged as 0.05 (1.05 - a rounding)
+    assert t.gamma(1, 0.09, 1) == (t.predict(1, 0.05, 1) >= 1.05)
 
 
 def _occurs(seqs, needle):

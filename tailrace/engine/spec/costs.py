@@ -3,14 +3,16 @@
 
 With per-token acceptance alpha and draft length g, a verify step emits on average
     L(alpha, g) = (1 - alpha^(g + 1)) / (1 - alpha)        (g + 1 when alpha = 1)
-tokens per row (Leviathan et al.), and costs one forward over b (g + 1) tokens plus the drafting, against
-b tokens for a plain decode step at batch b. So (EfficientRollout's roofline form)
-    speed-up = L / (g r + v),   v = T(b (g + 1)) / T(b),   r = D(b, g) / (g T(b)),
-T(m): the engine's step time with m tokens in its forward, D(b, g): the drafter's time for b rows.
-`StepCosts` fits T from every step the engine times (decode, prefill and verify steps alike: a step's
-cost follows the tokens it runs through the weights), `DraftCosts` fits D from the drafter's calls.
-`Toggle.gamma` turns the prediction into a draft length per request: the length up to the ladder's
-that maximizes the predicted speed-up, or 0 (no speculation) where even that is below `min_speedup`.
+tokens per row (Leviathan et al.), against one for a plain decode step. EfficientRollout's roofline
+form of the speed-up at active batch b:
+    speed-up = L / (g r + v),   v = T_verify(b, g) / T_decode(b),   r = D(b, g) / (g T_decode(b)),
+with D the drafter's time. `Toggle` measures T_decode(b) directly (every decode step at batch b) and
+models a verify step as that plus its excess, x per draft token through the weights and y per row that
+verifies (its bookkeeping) -- fitted to the excess of every verify step over T_decode at its batch,
+and before any verify from the decode steps alone (x: the marginal cost of a row). On a CPU at these
+sizes both the fixed cost of a step and the cost per token are large, so v grows fast with b g: the
+toggle turns a request's draft length into the one up to the ladder's with the best predicted
+speed-up, or 0 (no speculation) where even that is below `min_speedup`.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from __future__ import annotations
 import bisect
 import math
 
-# A bucket's estimate moves toward a new timing by FALL when it is lower, RISE when higher: on a shared
-# machine timings err upward (a step preempted by a neighbour), so the curve tracks the uncontended
-# cost, which is what decode and verify steps are compared by; still, a lasting change shows in time.
-FALL, RISE = 0.5, 0.05
+# Every fitted time moves toward a new timing by FALL when it is lower, RISE when higher: on a shared
+# machine timings err upward (a neighbour's burst), so the fits track the uncontended cost, which is
+# what decode and verify steps are compared by; a lasting change still shows within ~50 steps.
+FALL, RISE = 0.3, 0.05
 REFIT_EVERY = 32  # observations between recomputations of the toggle's tables
 ALPHAS = 20  # the toggle's table resolution in alpha: buckets of 1/ALPHAS
+TRUSTED = 8  # verify timings before their fit replaces the prior (a draft token costs a decode row)
 
 
 def expected_length(alpha: float, gamma: int) -> float:
@@ -38,62 +41,104 @@ def speedup(alpha: float, gamma: int, r: float, v: float) -> float:
     return expected_length(alpha, gamma) / (gamma * r + v)
 
 
+class LowFit:
+    """y ~ w . x tracking the uncontended (low) side of noisy samples: a normalized least-mean-squares
+    step toward each sample, FALL of the way when the sample is below the prediction, RISE when above
+    (for one feature, the asymmetric average `ByBatch` keeps). Starts from `prior`."""
+
+    def __init__(self, prior: list[float]):
+        self.w = list(prior)
+        self.weight = 0  # samples seen
+
+    def observe(self, x: list[float], y: float) -> None:
+        r = y - self(x)
+        norm = sum(v * v for v in x)
+        if norm > 0:
+            step = (FALL if r < 0 else RISE) * r / norm
+            self.w = [w + step * v for w, v in zip(self.w, x)]
+        self.weight += 1
+
+    def __call__(self, x: list[float]) -> float:
+        return sum(w * v for w, v in zip(self.w, x))
+
+
 def bucket(n: int) -> int:
-    """Bucket of a count: itself up to 16, then quarter-octaves (16, 19, 22, 26, 32, 38, ...)."""
+    """Bucket of a batch size: itself up to 16, then quarter-octaves (16, 19, 22, 26, 32, 38, ...)."""
     if n <= 16:
         return max(n, 1)
     return round(16 * 2 ** (round(4 * math.log2(n / 16)) / 4))
 
 
-class Curve:
-    """A cost curve y(n) learned from noisy samples: an average per bucket of n (see FALL), linear interpolation
-    between known buckets, the first bucket's value below it, and past the last one the last segment's
-    slope (never below zero; proportional to n while only one bucket is known). None until then."""
+class ByBatch:
+    """A step time per batch bucket (see FALL); between known buckets, linear interpolation; outside
+    them, nothing."""
 
     def __init__(self) -> None:
-        self._x: list[int] = []  # known buckets, ascending
-        self._y: list[float] = []
+        self._t: dict[int, float] = {}
+        self._keys: list[int] = []
 
-    def observe(self, n: int, y: float) -> None:
-        b = bucket(n)
-        i = bisect.bisect_left(self._x, b)
-        if i < len(self._x) and self._x[i] == b:
-            self._y[i] += (FALL if y < self._y[i] else RISE) * (y - self._y[i])
+    def observe(self, batch: int, ms: float) -> None:
+        b = bucket(batch)
+        t = self._t.get(b)
+        if t is None:
+            self._t[b] = ms
+            self._keys = sorted(self._t)
         else:
-            self._x.insert(i, b)
-            self._y.insert(i, y)
+            self._t[b] = t + (FALL if ms < t else RISE) * (ms - t)
 
-    def __call__(self, n: float) -> float | None:
-        x, y = self._x, self._y
-        if not x:
+    def __call__(self, batch: int) -> float | None:
+        b = bucket(batch)
+        if b in self._t:
+            return self._t[b]
+        k = self._keys
+        i = bisect.bisect_left(k, b)
+        if i == 0 or i == len(k):
             return None
-        if n <= x[0]:
-            return y[0]
-        if len(x) == 1:
-            return y[0] * n / x[0]
-        i = min(bisect.bisect_left(x, n), len(x) - 1)  # n in the segment [x[i-1], x[i]], or past it
-        slope = max(0.0, (y[i] - y[i - 1]) / (x[i] - x[i - 1]))
-        return y[i - 1] + slope * (n - x[i - 1])
+        lo, hi = k[i - 1], k[i]
+        return self._t[lo] + (self._t[hi] - self._t[lo]) * (b - lo) / (hi - lo)
+
+    def per_row(self) -> float | None:
+        """The marginal cost of one more row: the slope across the known batches (None: fewer than two)."""
+        k = self._keys
+        if len(k) < 2:
+            return None
+        return max(0.0, (self._t[k[-1]] - self._t[k[0]]) / (k[-1] - k[0]))
 
 
 class Toggle:
-    """Draft lengths per (active batch, alpha) from the fitted costs. `per_token_draft`: the drafter's
-    time grows with the draft length (a model drafting token by token) rather than per call (a lookup)."""
+    """Draft lengths per (active batch, alpha) from fitted costs (milliseconds). `per_token_draft`: the
+    drafter's time grows with the draft length (a model drafting token by token) rather than per call
+    (a lookup)."""
 
     def __init__(self, per_token_draft: bool, min_speedup: float = 1.05):
         self.per_token_draft, self.min_speedup = per_token_draft, min_speedup
-        self.step = Curve()  # seconds of an engine step (drafting excluded) by tokens in the forward
-        self.draft = Curve()  # seconds of one draft step (per_token_draft) or call, by rows drafted
+        self.decode = ByBatch()  # a decode step without drafts or prefill, by active batch
+        self.excess: LowFit | None = None  # a verify's excess, per [draft token, verifying row]
+        self.draft: LowFit | None = None  # the drafter's time per [call, 8 rows], per draft step or call
         self._seen = 0
         self._tables: dict[tuple[int, int], list[int]] = {}
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        self.step.observe(tokens, seconds)
+    def observe_step(self, batch: int, drafted: int, verifies: int, seconds: float) -> None:
+        """An engine step without prefill: `batch` decode rows, `verifies` of them with `drafted` draft
+        tokens in all (the drafter's time excluded)."""
+        ms = seconds * 1e3
+        if not verifies:
+            self.decode.observe(batch, ms)
+            return self._tick()
+        t, per_row = self.decode(batch), self.decode.per_row()
+        if t is None or per_row is None:
+            return
+        if self.excess is None:
+            self.excess = LowFit([per_row, 0.0])
+        self.excess.observe([drafted, verifies], ms - t)
         self._tick()
 
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         """A drafter call over `rows` rows that ran `steps` draft steps (the longest draft)."""
-        self.draft.observe(rows, seconds / max(steps, 1) if self.per_token_draft else seconds)
+        ms = seconds * 1e3 / (max(steps, 1) if self.per_token_draft else 1)
+        if self.draft is None:
+            self.draft = LowFit([ms, 0.0])
+        self.draft.observe([1.0, rows / 8], ms)
         self._tick()
 
     def _tick(self) -> None:
@@ -102,16 +147,25 @@ class Toggle:
             self._tables.clear()
 
     def predict(self, batch: int, alpha: float, gamma: int) -> float | None:
-        """Predicted speed-up of every one of `batch` rows drafting `gamma` tokens (None: no timings)."""
-        t, tv = self.step(batch), self.step(batch * (gamma + 1))
-        if t is None or tv is None:
+        """Predicted speed-up of every one of `batch` rows drafting `gamma` tokens (None: the decode time
+        at this batch is not known yet)."""
+        t = self.decode(batch)
+        if t is None or t <= 0:
             return None
-        tv = max(tv, t)  # more tokens never cost less (the curve's buckets are noisy)
-        d = self.draft(batch)
-        if d is None:  # not measured yet: a model drafter as dear as the target, a lookup free
+        if self.excess is not None and self.excess.weight >= TRUSTED:
+            extra = self.excess([batch * gamma, batch])
+        else:  # no verify timed yet: a draft token costs what one more decode row does
+            per_row = self.decode.per_row()
+            if per_row is None:
+                return None
+            extra = per_row * batch * gamma
+        if self.draft is not None:
+            d = self.draft([1.0, batch / 8])
+        else:  # not measured yet: a model drafter as dear as the target, a lookup free
             d = t if self.per_token_draft else 0.0
-        d *= gamma if self.per_token_draft else 1
-        return speedup(alpha, gamma, d / (gamma * t), tv / t)
+        d = max(d, 0.0) * (gamma if self.per_token_draft else 1)
+        v = 1.0 + max(extra, 0.0) / t  # a verify never costs less than the decode step it replaces
+        return speedup(alpha, gamma, d / (gamma * t), v)
 
     def gamma(self, batch: int, alpha: float, gamma_max: int) -> int:
         """The draft length for a request with acceptance `alpha` at this active batch: the one up to

@@ -6,8 +6,9 @@ the ladder (`ladder`) follows the drafter's measured acceptance round by round, 
 cuts it to what pays at this batch, or to 0. A request's acceptance is its own recent drafts' record
 shrunk toward the drafter's recent one (a few drafts say little), so a request whose drafts keep
 failing stops drafting, and one without a record starts from the drafter's. A request that stopped
-drafts PROBE tokens on every EXPLORE-th step where drafting could pay at all, so a record that has
-turned (a history that now matches) is seen again; a drafter that always fails costs those probes.
+drafts PROBE tokens on every EXPLORE-th step where the drafter's own acceptance would pay, so a record
+that has turned (a history that now matches) is seen again; a drafter that always fails costs those
+probes until its own acceptance falls too.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class Speculator:
         `compared` tokens accepted (see `record`)."""
         alpha = (accepted + PRIOR * self.alpha) / (compared + PRIOR)
         g = self.toggle.gamma(batch, alpha, cap)
-        return g if g or step % EXPLORE else min(PROBE, cap)
+        if g or step % EXPLORE or not self.toggle.gamma(batch, self.alpha, cap):
+            return g
+        return min(PROBE, cap)
 
     @staticmethod
     def record(accepted: float, compared: float, a: int, c: int) -> tuple[float, float]:
