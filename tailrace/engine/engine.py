@@ -174,9 +174,15 @@ class TailraceEngine(SpeculativeSteps):
             make = DRAFTERS.get(spec) if isinstance(spec, str) else spec
             if make is None:
                 raise EngineError(f"spec={spec!r} is unknown; use 'off' or one of {sorted(DRAFTERS)}")
-            self._spec = Speculator(
-                make(DraftEnv(self.cache, self.rows, self._salt, self._sample_kernel, select))
+            env = DraftEnv(
+                self.cache,
+                self.rows,
+                self._salt,
+                self._sample_kernel,
+                select,
+                lambda v: self._versions[v].model,
             )
+            self._spec = Speculator(make(env))
         self.capabilities = Capabilities(
             abort_resume=True,
             versions_at_once=None,

@@ -65,7 +65,10 @@ class SpeculativeSteps:
         proposals = spec.drafter.propose(rows) if rows else []
         took = time.perf_counter() - t
         if rows:
-            spec.toggle.observe_draft(len(rows), max(r.k for r in rows), took)
+            steps = max(r.k for r in rows)
+            spec.toggle.observe_draft(len(rows), steps, took)
+            if spec.drafter.per_token_cost:
+                spec.stats.draft_passes += steps
         drafts = []
         for r, toks in zip(rows, proposals):
             seq = self._seqs[r.request_id]

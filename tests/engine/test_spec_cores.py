@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from tailrace.engine.spec import accept, costs, ladder
 from tailrace.engine.spec.costs import ByBatch, LowFit, Toggle, expected_length, speedup
 from tailrace.engine.spec.history import MIN_PROMPTS, length_budget
 from tailrace.engine.spec.ladder import Rung, climb
+from tailrace.engine.spec.quant import GROUP4, quantize_rtn, quantized_copy
 from tailrace.engine.spec.suffix import END, START, Match, SuffixIndex
 
 
@@ -133,6 +135,29 @@ def test_toggle_threshold_is_min_speedup():
     assert t.predict(1, 0.1, 1) == pytest.approx(1.1, abs=1e-3) and t.gamma(1, 0.1, 1) == 1
     # the table rounds alpha down to a twentieth: 0.09 is judged as 0.05 (1.05 - a rounding)
     assert t.gamma(1, 0.09, 1) == (t.predict(1, 0.05, 1) >= 1.05)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rtn_quantization_rounds_to_the_nearest_level_of_its_channel_or_group(bits):
+    w = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    q = quantize_rtn(w, bits)
+    qmax = 2 ** (bits - 1) - 1
+    group = 64 if bits == 8 else GROUP4
+    scale = w.reshape(6, -1, group).abs().amax(-1, keepdim=True) / qmax  # per channel or group
+    levels = q.reshape(6, -1, group) / scale
+    assert torch.allclose(levels, levels.round(), atol=1e-4) and levels.abs().max() <= qmax + 1e-4
+    assert ((q - w).reshape(6, -1, group).abs() <= scale / 2 + 1e-6).all()
+
+
+def test_quantized_copy_shares_embeddings_and_head_and_quantizes_the_layers():
+    from tests.engine.engine_helpers import tiny_model
+
+    m = tiny_model(0)
+    c = quantized_copy(m, 8)
+    assert c.model.embed_tokens.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+    assert c.lm_head.weight.data_ptr() == m.lm_head.weight.data_ptr()
+    a, b = m.model.layers[0].mlp.up_proj.weight, c.model.layers[0].mlp.up_proj.weight
+    assert not torch.equal(a, b) and torch.allclose(a, b, atol=a.abs().max().item() / 127)
 
 
 def _occurs(seqs, needle):

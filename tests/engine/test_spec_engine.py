@@ -119,7 +119,7 @@ def _same(a, b, tol):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("drafter", ["oracle", "noisy", "garbage", "history"])
+@pytest.mark.parametrize("drafter", ["oracle", "noisy", "garbage", "history", "quant8", "quant4"])
 def test_seeded_outputs_identical_with_and_without_speculation(model, dtype, drafter):
     """Mixed batches: requests of every sampling kind (greedy, tempered, top-k, stop tokens under
     min_new_tokens) through fewer slots than requests, so rows draft while others prefill or decode
@@ -132,6 +132,8 @@ def test_seeded_outputs_identical_with_and_without_speculation(model, dtype, dra
         "noisy": Scripted(truth, noise=0.3, silent=0.3),
         "garbage": Garbage(truth),
         "history": "history",
+        "quant8": "quant8",
+        "quant4": "quant4",
     }[drafter]
     eng = TailraceEngine(model, num_slots=4, prefill_tokens=16, dtype=dtype, spec=spec)
     if drafter == "history":  # an earlier "epoch": the same prompts' responses under other seeds
@@ -146,6 +148,24 @@ def test_seeded_outputs_identical_with_and_without_speculation(model, dtype, dra
         assert st.acceptance > 0.95 and st.passes_per_token < 0.5
     if drafter == "garbage":
         assert st.accepted <= st.drafted // 10
+    if drafter == "quant8":  # int8 RTN rarely moves a perturbed argmax
+        assert st.acceptance > 0.85 and st.draft_passes > 0
+
+
+def test_quant_drafter_requantizes_at_every_weight_load(model):
+    """Version 0 overwritten by another model: the self-drafter drafts from the new weights (its
+    acceptance stays high; a stale copy of the old model would draft another model's tokens)."""
+    other = tiny_model(7)
+    reqs = [req(f"w{i}", 4 + i, 40) for i in range(4)]
+    plain = TailraceEngine(model, num_slots=4)
+    eng = TailraceEngine(tiny_model(0), num_slots=4, spec="quant8")
+    _same(plain.generate(reqs), eng.generate(reqs), TOL["float32"])
+    plain.load_weights(other.state_dict(), 0)
+    eng.load_weights(other.state_dict(), 0)
+    before = eng.spec_stats.accepted, eng.spec_stats.compared
+    _same(plain.generate(reqs), eng.generate(reqs), TOL["float32"])
+    acc, cmp = eng.spec_stats.accepted - before[0], eng.spec_stats.compared - before[1]
+    assert cmp > 0 and acc / cmp > 0.85
 
 
 def test_torch_backend_gives_the_same_tokens(model):

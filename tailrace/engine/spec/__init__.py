@@ -5,12 +5,17 @@
 drafters (`Drafter`) are small classes chosen by name from `DRAFTERS`.
 """
 
+import functools
+
 from tailrace.engine.spec.history import HistoryDrafter
+from tailrace.engine.spec.selfdraft import QuantDrafter
 from tailrace.engine.spec.speculator import Speculator
 from tailrace.engine.spec.stats import SpecStats
 
-DRAFTERS = {
+DRAFTERS = {  # name -> factory of a `Drafter` from the engine's `DraftEnv`
     "history": HistoryDrafter,
+    "quant8": functools.partial(QuantDrafter, bits=8),
+    "quant4": functools.partial(QuantDrafter, bits=4),
 }
 
 __all__ = ["DRAFTERS", "SpecStats", "Speculator"]

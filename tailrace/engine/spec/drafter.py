@@ -44,13 +44,15 @@ class DraftRow:
 class DraftEnv:
     """The engine state a model drafter works on: the paged KV cache (a draft may write positions
     [position, position + k) of its rows: the verify overwrites them before anything reads them),
-    the rows' sampling state, the sampler's vocab salt and kernels, and the backend factory."""
+    the rows' sampling state, the sampler's vocab salt and kernels, the backend factory and the
+    versions' models."""
 
     cache: KVCache
     rows: RowState
     salt: torch.Tensor
     kernel: object | None  # ckernel.Kernels or None
     make_backend: Callable[[CausalLM], object]  # backends.select's factory, as for each version
+    model_of: Callable[[int], CausalLM]  # a loaded version's model (its weights, not to be changed)
 
 
 class Drafter(Protocol):
