@@ -1,5 +1,5 @@
-"""The few things every layer may use: the user-error type and the per-machine cache directory.
-No dependencies, so the engine, the simulator, the config and the CLI all import it."""
+"""The few things every layer may use: the two kinds of error a command ends in, and the per-machine
+cache directory. No dependencies, so the engine, the simulator, the config and the CLI all import it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,24 @@ import os
 from pathlib import Path
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Bad input (a config value, a checkpoint, a dataset, a run directory): the message names it and
+    the fix, in one line. The command line ends in exit code 2."""
+
+
+class ConfigError(InputError):
     """A configuration value is wrong; the message names the key and the fix, in one line."""
+
+
+class Fault(RuntimeError):
+    """The run stopped for a reason outside its input (a worker died, hung or failed; training went
+    non-finite; the disk filled): one line with the cause. The command line ends in exit code 3."""
+
+
+def one_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name if it has none)."""
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
 
 
 def cache_root() -> Path:

@@ -1,9 +1,9 @@
 """The run directory's records, and their one serializer. Torch-free: the runtime, the simulator, the
 scheduler (its journal), resume, the report, `sim/compare` and `tailrace trace` all use these.
 
-    metrics.jsonl   StepRecord (kind "step") and EvalRecord (kind "eval"), one per line
+    metrics.jsonl   StepRecord (kind "step"), EvalRecord ("eval"), CheckpointRecord ("checkpoint")
     events.jsonl    Span (a component busy in a phase) and Mark (a scheduler event)
-    journal.jsonl   Opened / Finished / Discarded: the scheduler's write-ahead log
+    journal.jsonl   Opened / Finished / Discarded / Dropped: the scheduler's write-ahead log
 
 Token ids and logprobs of a trajectory are stored as base64 of packed little-endian arrays (ids in
 the narrowest unsigned width that holds them, logprobs as float32 when that is exact, else float64),
@@ -17,12 +17,14 @@ from __future__ import annotations
 import base64
 import json
 import sys
+import warnings
 from array import array
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from tailrace.common import InputError
 from tailrace.types import Finish, GenResult, Prompt, Trajectory
 
 # -- packed arrays ------------------------------------------------------------------------------
@@ -144,7 +146,20 @@ class Discarded:
         return {"kind": self.kind, "group": self.group, "index": self.index, "reason": self.reason}
 
 
-JournalEntry = Opened | Finished | Discarded
+@dataclass(frozen=True)
+class Dropped:
+    """A complete group left without being trained (`reason`: zero-signal, ...); its samples are
+    discarded with that reason."""
+
+    group: int
+    reason: str
+    kind = "drop"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "group": self.group, "reason": self.reason}
+
+
+JournalEntry = Opened | Finished | Discarded | Dropped
 
 
 def journal_from_json(d: dict) -> JournalEntry:
@@ -159,6 +174,8 @@ def journal_from_json(d: dict) -> JournalEntry:
         return Finished(trajectory_from_json(d, ()))
     if kind == "discard":
         return Discarded(d["group"], d["index"], d["reason"])
+    if kind == "drop":
+        return Dropped(d["group"], d["reason"])
     raise ValueError(f"unknown journal entry kind {kind!r}")
 
 
@@ -261,46 +278,114 @@ class EvalRecord:
 _EVAL_HEAD = ("kind", "tag", "step", "version", "wall_s")
 
 
-def metric_from_json(d: dict) -> StepRecord | EvalRecord:
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A checkpoint made after `step` steps: its size on disk and the trainer's time writing it."""
+
+    step: int
+    bytes: dict[str, int]  # model (the HF checkpoint), optimizer, total (everything in it)
+    seconds: float
+    kind = "checkpoint"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "step": self.step, "bytes": self.bytes, "seconds": self.seconds}
+
+
+Metric = StepRecord | EvalRecord | CheckpointRecord
+
+
+def metric_from_json(d: dict) -> Metric:
     if d.get("kind") == "step":
         return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__})
     if d.get("kind") == "eval":
         summary = {k: v for k, v in d.items() if k not in _EVAL_HEAD}
         return EvalRecord(d["tag"], d["step"], summary, d.get("version", 0), d.get("wall_s", 0.0))
+    if d.get("kind") == "checkpoint":
+        return CheckpointRecord(d["step"], d["bytes"], d["seconds"])
     raise ValueError(f"unknown metrics record kind {d.get('kind')!r}")
 
 
 # -- reading a run directory's files ----------------------------------------------------------
 
 
-def read_lines(path: str | Path) -> Iterator[dict]:
-    """Records of a JSONL file; a torn last line (killed mid-write) ends the file. A missing file has none."""
+class RecordFormatError(InputError):
+    """A line is a JSON object but not a record this tailrace writes: the file comes from another
+    tailrace version (or was edited). Damage (a line that is not a JSON object) is skipped instead."""
+
+
+class DamagedLineWarning(UserWarning):
+    """A line that is not a JSON object was skipped; the records after it are read."""
+
+
+def numbered_lines(path: str | Path) -> Iterator[tuple[int, dict | None]]:
+    """(line number, record) for each line of a JSONL file, None for a blank line (where a resume
+    quarantined a damaged one) or a damaged line (not a JSON object: warned about, then skipped), so a
+    reader keyed by position (journal replay) keeps its positions. A torn last line — a write cut
+    short, with no newline — ends the file quietly. A missing file has no lines."""
     path = Path(path)
     if not path.is_file():
         return
-    with open(path) as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            record = parse_line(raw)
+            if not raw.endswith(b"\n") and record is None:
                 return
+            if record is None and raw.strip():
+                warnings.warn(
+                    f"{path} line {n} is damaged (not a JSON record); skipped it and read on",
+                    DamagedLineWarning,
+                    stacklevel=2,
+                )
+            yield n, record
+
+
+def parse_line(raw: bytes) -> dict | None:
+    """The JSON object a line holds, or None (blank, damaged, or not an object)."""
+    try:
+        d = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def read_lines(path: str | Path) -> Iterator[dict]:
+    """The records of a JSONL file, past any damaged line (see `numbered_lines`)."""
+    return (d for _, d in numbered_lines(path) if d is not None)
+
+
+def decode(path: str | Path, n: int, d: dict, from_json: Callable[[dict], Any]) -> Any:
+    """`from_json(d)`, a mismatch of shape reported as one line naming the file and line."""
+    try:
+        return from_json(d)
+    except KeyError as e:
+        why = f"no field {e.args[0]!r}"
+    except (TypeError, ValueError) as e:  # binascii.Error (bad base64) is a ValueError
+        why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+    raise RecordFormatError(
+        f"{path} line {n} is not a record this tailrace reads ({why}); the run directory was written by "
+        "another tailrace version (or edited): read it with that version, or start a new run"
+    )
+
+
+def _read(path: str | Path, from_json: Callable[[dict], Any]) -> Iterator[Any]:
+    return (decode(path, n, d, from_json) for n, d in numbered_lines(path) if d is not None)
 
 
 def read_journal(path: str | Path) -> Iterator[JournalEntry]:
-    return (journal_from_json(d) for d in read_lines(path))
+    return _read(path, journal_from_json)
 
 
 def read_events(path: str | Path) -> Iterator[Span | Mark]:
-    return (event_from_json(d) for d in read_lines(path))
+    return _read(path, event_from_json)
 
 
-def read_metrics(path: str | Path) -> Iterator[StepRecord | EvalRecord]:
-    return (metric_from_json(d) for d in read_lines(path))
+def read_metrics(path: str | Path) -> Iterator[Metric]:
+    return _read(path, metric_from_json)
 
 
 # -- the one encoder ----------------------------------------------------------------------------
 
-Record = StepRecord | EvalRecord | Span | Mark | JournalEntry
+Record = Metric | Span | Mark | JournalEntry
 
 
 def dumps(record: Record) -> str:

@@ -24,16 +24,16 @@ def _traj(group: int, i: int, n: int, prompt: tuple[int, ...]) -> Trajectory:
 
 
 def measure_checkpoint(trainer: GRPOTrainer, repeats: int = 3) -> float:
-    """Seconds the trainer worker spends writing a checkpoint (model + optimizer + RNG)."""
+    """Seconds the trainer worker spends writing its part of a checkpoint (model, optimizer, RNG)."""
     import tempfile
 
-    from tailrace.runtime.trainer_worker import save_checkpoint
+    from tailrace.runtime.checkpoint import save_trainer
 
     times = []
     with tempfile.TemporaryDirectory() as d:
         for i in range(repeats):
             t0 = time.perf_counter()
-            save_checkpoint(trainer, trainer.model, Path(d) / f"step_{i}")
+            save_trainer(trainer, Path(d), Path(d) / f"step_{i}")  # no tokenizer files to copy
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -29,9 +29,10 @@ def measure_worker(
     from tailrace.model.checkpoint import save_pretrained
     from tailrace.model.flat import flatten_parameters
     from tailrace.runtime.engine_worker import EngineSpec, engine_main
-    from tailrace.runtime.messages import EngineReport, Shutdown
-    from tailrace.runtime.procs import context, placement
+    from tailrace.runtime.messages import EngineReport
+    from tailrace.runtime.procs import placement
     from tailrace.runtime.weights import SharedWeights
+    from tailrace.runtime.workers import Workers
 
     dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     tok = char_tokenizer()
@@ -39,25 +40,11 @@ def measure_worker(
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, d)  # in its dtype; the worker loads it in the same one
         spec = EngineSpec(d, slots, 512, 1, engine_cores[0], 0, dtype)
-        ctx = context()
-        conn, child = ctx.Pipe()
+        workers = Workers(timeout_s=120.0)  # a lost worker raises, in one line
         weights = SharedWeights.like(flatten_parameters(model), slots=1)
-        proc = ctx.Process(target=engine_main, args=(0, spec, child, weights), daemon=True)
-        proc.start()
+        engine = workers.start("engine0", engine_main, 0, spec, weights)
         try:
-
-            def wait(what: str) -> None:  # a reply, or a clear error as soon as the worker is gone
-                for _ in range(120):
-                    if conn.poll(1.0):
-                        return
-                    if not proc.is_alive():
-                        raise RuntimeError(
-                            f"calibrate: the engine worker exited (code {proc.exitcode}) {what}"
-                        )
-                raise RuntimeError(f"calibrate: the engine worker sent nothing for 120 s {what}")
-
-            wait("while starting")
-            conn.recv()  # Ready
+            workers.ready([engine])
             prompt_ids = tuple(range(5, 21))
             params = SamplingParams(max_new_tokens=max_new, stop_token_ids=(tok.eos_id,))
             sent = done = steps = 0
@@ -70,29 +57,25 @@ def measure_worker(
                     for i in ids
                 )
                 if batch:
-                    conn.send(Generate(0, batch))
+                    workers.send(engine, Generate(0, batch))
                 return len(batch)
 
             sent += send(slots + lookahead)
             while done < samples:
-                wait("while generating")
-                rep = conn.recv()
-                if not isinstance(rep, EngineReport):
-                    continue
-                done += len(rep.results)
-                lengths += [len(r.token_ids) for r in rep.results]
-                sent += send(len(rep.results))
-                if rep.stats.steps:
-                    steps += rep.stats.steps
-                    busy += rep.stats.busy_s
-                    slot_s += rep.stats.slot_s
-                    t_first = rep.stats.spans[0][0] if t_first is None else t_first
-                    t_last = rep.stats.spans[-1][1]
-            conn.send(Shutdown())
+                for _, rep in workers.receive(timeout=1.0):
+                    if not isinstance(rep, EngineReport):
+                        continue
+                    done += len(rep.results)
+                    lengths += [len(r.token_ids) for r in rep.results]
+                    sent += send(len(rep.results))
+                    if rep.stats.steps:
+                        steps += rep.stats.steps
+                        busy += rep.stats.busy_s
+                        slot_s += rep.stats.slot_s
+                        t_first = rep.stats.spans[0][0] if t_first is None else t_first
+                        t_last = rep.stats.spans[-1][1]
         finally:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+            workers.close()
     wall = t_last - t_first
     L = np.array(lengths, float)
     return {

@@ -1,22 +1,30 @@
 """Command line: tailrace train | sft | eval | model | report | trace | sim. `tailrace VERB --help` documents each verb.
 
-Bad input ends in one line naming the problem and the fix (exit code 2); nothing already written to a
-run directory is touched by a failing command.
+Every way a command can end is one line and an exit code:
+    0    done
+    2    bad input (a config value, a path, a checkpoint, a dataset, a run directory): the line names
+         it and the fix; nothing already in a run directory is touched
+    3    a fault while running (a worker died, hung or failed; training went non-finite; the disk
+         filled): the line gives the cause; the run directory keeps everything up to its last checkpoint
+    130  Ctrl-C, 143 SIGTERM: the run directory keeps everything so far (continue with --resume)
 """
 
 from __future__ import annotations
 
 import difflib
+import signal
 import sys
+import warnings
 from typing import Any
 
-from rich.markup import escape
+from rich.text import Text
 
 from tailrace.cli import commands, sim
-from tailrace.cli.commands import console
+from tailrace.cli.commands import Terminated, console
 from tailrace.cli.verb import Flag, Verb
-from tailrace.common import ConfigError
+from tailrace.common import ConfigError, Fault, InputError, one_line
 from tailrace.config import RunConfig
+from tailrace.records import DamagedLineWarning
 
 KEYS = "[--section.key=VALUE ...]"
 
@@ -130,15 +138,6 @@ TAILRACE = Verb(
 )
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from tailrace.engine.errors import EngineError
-    from tailrace.model.checkpoint import CheckpointError
-    from tailrace.tasks.base import TaskError
-    from tailrace.tokenizer import TokenizerError
-
-    return ConfigError, CheckpointError, TaskError, TokenizerError, EngineError
-
-
 def _find(argv: list[str]) -> tuple[Verb, list[str]]:
     """The verb argv names (following sub-verbs) and the arguments after it."""
     verb = TAILRACE
@@ -169,24 +168,48 @@ def _check_sections(verb: Verb, overrides: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        verb, rest = _find(argv)
-        if "-h" in rest or "--help" in rest or (verb.run is None and not rest):
-            from tailrace.cli.usage import render
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", DamagedLineWarning)
+            warnings.showwarning = _warn
+            return _run(argv)
+    except InputError as e:
+        return _error(e, 2)
+    except (Fault, OSError) as e:  # OSError: the disk filled, a directory turned read-only, ...
+        return _error(e, 3)
+    except KeyboardInterrupt as e:
+        console.print("terminated" if isinstance(e, Terminated) else "interrupted")
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
-            print(render(verb))
-            return 0
-        if verb.run is None:
-            raise ConfigError(
-                f"{rest[0]}: name a verb first, e.g. tailrace train {rest[0]} (see tailrace --help)"
-            )
-        args = verb.parse(rest)
-        if verb.sections is not None:
-            _check_sections(verb, args.rest)
-        return verb.run(args)
-    except _user_errors() as e:
-        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)  # [x] in it is text
-        return 2
-    except KeyboardInterrupt:
-        console.print("interrupted; the run directory keeps everything so far (continue with --resume)")
-        return 130
+
+def _run(argv: list[str]) -> int:
+    verb, rest = _find(argv)
+    if "-h" in rest or "--help" in rest or (verb.run is None and not rest):
+        from tailrace.cli.usage import render
+
+        print(render(verb))
+        return 0
+    if verb.run is None:
+        raise ConfigError(
+            f"{rest[0]}: name a verb first, e.g. tailrace train {rest[0]} (see tailrace --help)"
+        )
+    args = verb.parse(rest)
+    if verb.sections is not None:
+        _check_sections(verb, args.rest)
+    return verb.run(args)
+
+
+def _error(e: BaseException, code: int) -> int:
+    console.print(Text("error:", style="red"), one_line(e))
+    return code
+
+
+def _warn(message, category, filename, lineno, file=None, line=None) -> None:
+    console.print(Text("warning:", style="yellow"), str(message))
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()

@@ -8,10 +8,12 @@ from pathlib import Path
 from rich.console import Console
 
 from tailrace.cli.verb import Args
-from tailrace.common import ConfigError
+from tailrace.common import ConfigError, Fault, one_line
 from tailrace.config import RunConfig, dump_config, load_config
 
-console = Console(highlight=False, soft_wrap=True)
+# markup off: what tailrace prints is text, and paths and messages may hold [brackets]; a styled line
+# says its style (style="bold"), never in markup
+console = Console(highlight=False, soft_wrap=True, markup=False)
 
 
 def _sft_progress():
@@ -49,14 +51,17 @@ def load(path: str | Path | None, overrides: list[str]) -> RunConfig:
     return cfg
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (exit code 143 instead of 130)."""
+
+
 def train(args: Args) -> int:
-    from tailrace.report.console import ConsoleUI
-    from tailrace.runtime.driver import Driver
+    from tailrace.cli.choices import check
+    from tailrace.runtime.lock import RunLock
+    from tailrace.runtime.resume import plan_resume
     from tailrace.runtime.rundir import RunDir
-    from tailrace.runtime.session import Session
 
     flags, rest = args.flags, args.rest
-    resume_from = None
     if "--resume" in flags:
         run = RunDir(flags["--resume"])
         if not run.file("config.yaml").is_file():
@@ -68,37 +73,67 @@ def train(args: Args) -> int:
                 "--resume continues a run exactly as configured; drop the overrides "
                 f"({' '.join(rest)}) or start a new run"
             )
-        cfg = load(run.file("config.yaml"), [])
-        resume_from = run.latest()
-        if resume_from is None:
-            raise ConfigError(f"--resume {run.path}: no complete checkpoint yet; start the run again instead")
     else:
         cfg = load(flags.get("--config"), rest)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run = RunDir(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
         run.create()
-        run.file("config.yaml").write_text(dump_config(cfg))
+    with RunLock(run.path):  # held until the run ends: a second process is refused, naming this one
+        resume = None
+        if "--resume" in flags:
+            resume = plan_resume(run)
+            check(resume.cfg)
+            cfg = resume.cfg
+            for note in resume.commit():
+                console.print(note)
+        else:
+            run.begin(dump_config(cfg))
+        return _train(cfg, run, resume)
+
+
+def _train(cfg: RunConfig, run, resume) -> int:
+    from tailrace.report.console import ConsoleUI
+    from tailrace.runtime.driver import Driver
+    from tailrace.runtime.session import Session
+
     session = Session(cfg, progress=_sft_progress())
     ui = ConsoleUI(console)
     console.print(
         f"run directory: {run.path}  (mode {cfg.flow.mode}, {cfg.flow.steps} steps, "
         f"{cfg.flow.prompts_per_round} prompts x {cfg.flow.samples_per_prompt} samples per round)"
     )
-    driver = Driver(cfg, run, session, resume_from=resume_from, ui=ui)
+    driver = None
     try:
+        driver = Driver(cfg, run, session, resume=resume, ui=ui)
         summary = driver.train()
+    except KeyboardInterrupt as e:
+        console.print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}; {_continue(run)}")
+        return 143 if isinstance(e, Terminated) else 130
+    except (Fault, OSError) as e:  # OSError: the run directory's disk filled or turned read-only
+        raise Fault(f"{one_line(e)}; {_continue(run)}") from None
     finally:
         ui.end()
-        driver.close()
+        if driver is not None:
+            driver.close()
         session.close()
     if summary.base_accuracy is not None and summary.final_accuracy is not None:
         gain = 100 * (summary.final_accuracy - summary.base_accuracy)
         console.print(
-            f"[bold]held-out accuracy {summary.base_accuracy:.1%} -> {summary.final_accuracy:.1%} "
-            f"({gain:+.1f} points) after {summary.steps} steps in {_duration(summary.wall_s)}[/bold]"
+            f"held-out accuracy {summary.base_accuracy:.1%} -> {summary.final_accuracy:.1%} "
+            f"({gain:+.1f} points) after {summary.steps} steps in {_duration(summary.wall_s)}",
+            style="bold",
         )
     console.print(f"metrics: {run.file('metrics.jsonl')}   report: tailrace report {run.path}")
     return 0
+
+
+def _continue(run) -> str:
+    """How to go on after a run stopped early."""
+    from tailrace.runtime.checkpoint import step_dirs
+
+    if not step_dirs(run.ckpt):
+        return f"no checkpoint was written yet: start the run again (remove {run.path} or pass another --run-dir)"
+    return f"{run.path} keeps everything so far: continue with tailrace train --resume {run.path}"
 
 
 def _duration(s: float) -> str:

@@ -1,13 +1,14 @@
 """YAML files and `--section.key=value` overrides, mapped mechanically onto the config dataclasses.
 
-An unknown key (with a did-you-mean hint) or a value of the wrong type is a one-line `ConfigError`
-before any process starts; each section then validates its values in `__post_init__`.
+An unknown key (with a did-you-mean hint), a value of the wrong type or a non-finite number is a
+one-line `ConfigError` before any process starts; each section then validates its values in `__post_init__`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -55,14 +56,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}={value!r}: expected an integer")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}={value!r}: expected a number")
+        if number is None:
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        if not math.isfinite(number):  # every float key: inf and nan only ever poison a run
+            raise ConfigError(f"{key}={value!r}: must be a finite number")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -160,10 +166,14 @@ def load_config(
             raise ConfigError(f"config file {p} not found; pass an existing YAML file to --config")
         try:
             data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(
                 f"config file {p} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax"
             ) from None
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"config file {p} holds a {type(data).__name__}, not a mapping; write `section: {{key: value}}`"
+            )
     data = _merge(data, parse_overrides(overrides or []))
     return _build(cls, data, "", cls)
 

@@ -78,3 +78,4 @@ class SFTConfig:
             need(getattr(self, k) > 0, f"sft.{k}={getattr(self, k)}: must be positive")
         need(0.0 <= self.slip < 1.0, f"sft.slip={self.slip}: must be in [0, 1)")
         need(self.lr > 0, f"sft.lr={self.lr}: must be > 0")
+        need(self.warmup >= 0, f"sft.warmup={self.warmup}: must be >= 0")

@@ -18,9 +18,32 @@ class TaskConfig:
     )
     reward_timeout_s: float = setting(5.0, "seconds a reward may take; one that hangs or raises scores 0")
     seed: int = setting(0, "seed of the training prompt stream and the held-out set")
+    config: dict[str, Any] = section(
+        dict,
+        "the task's own settings: a reasoning-gym dataset's config (e.g. {min_terms: 2, max_terms: 3}), "
+        "chainsum's {bands, max_term, test_mod}, the jsonl and code tasks' keyword options "
+        "({question_field, answer_field, prompt_template, test_mod, test_path, ...})",
+    )
+    chat_template: Literal["auto", "none"] = setting(
+        "auto",
+        "auto: prompts go through the model's chat template when its tokenizer has one; "
+        "none: BOS + the raw question",
+    )
+    system_prompt: str | None = setting(
+        None, "the chat template's system message (null = the template's own default)"
+    )
 
     def __post_init__(self) -> None:
         need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
+        need(
+            isinstance(self.config, dict),
+            f"task.config={self.config!r}: expected a mapping of the task's settings, e.g. "
+            "--task.config='{min_terms: 2}'",
+        )
+        need(
+            self.system_prompt is None or self.chat_template == "auto",
+            "task.system_prompt needs a chat template; drop it or set task.chat_template=auto",
+        )
 
 
 @dataclass
@@ -66,6 +89,7 @@ class RolloutConfig:
             f"rollout.temperature={self.temperature}: RL needs sampling; use a value > 0",
         )
         need(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        need(self.top_k >= 0, f"rollout.top_k={self.top_k}: must be >= 0 (0 = all tokens)")
 
 
 @dataclass
@@ -85,8 +109,23 @@ class FlowConfig:
     rollout_groups: int | None = setting(
         None, "partial, multiversion: groups per version (null = max(R, 2U))"
     )
-    checkpoint_every: int = setting(
-        1, "publishing steps between checkpoints (the last step always writes one)"
+    zero_signal: Literal["replace", "train"] = setting(
+        "replace",
+        "groups whose rewards are all equal (no advantage): replace them with fresh prompts (DAPO's "
+        "dynamic sampling) or train them as they are",
+    )
+    extra_groups: int | None = setting(
+        None,
+        "zero_signal=replace: at most this many replacement groups per optimizer step (null = U); "
+        "past it, such groups are trained",
+    )
+    checkpoint_every: int | None = setting(
+        None,
+        "publishing steps between checkpoints (null with checkpoint_minutes null = by the checkpoint's "
+        "size: every step under 1 GiB, else every 30 minutes; the last step always writes one)",
+    )
+    checkpoint_minutes: float | None = setting(
+        None, "minutes between checkpoints (at the first publishing step after them; null = by steps)"
     )
     keep_checkpoints: int = setting(2, "checkpoints kept; older ones are deleted")
 
@@ -118,7 +157,18 @@ class FlowConfig:
             self.time_limit_s is None or self.time_limit_s > 0,
             f"flow.time_limit_s={self.time_limit_s}: must be positive seconds, or null for no limit",
         )
-        need(self.checkpoint_every > 0, f"flow.checkpoint_every={self.checkpoint_every}: must be positive")
+        need(
+            self.checkpoint_every is None or self.checkpoint_every > 0,
+            f"flow.checkpoint_every={self.checkpoint_every}: must be positive, or null",
+        )
+        need(
+            self.checkpoint_minutes is None or self.checkpoint_minutes > 0,
+            f"flow.checkpoint_minutes={self.checkpoint_minutes}: must be positive, or null",
+        )
+        need(
+            self.extra_groups is None or self.extra_groups >= 0,
+            f"flow.extra_groups={self.extra_groups}: must be >= 0, or null for U",
+        )
         need(self.keep_checkpoints > 0, f"flow.keep_checkpoints={self.keep_checkpoints}: must be positive")
 
     @property
@@ -140,6 +190,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         need(self.n > 0, f"eval.n={self.n}: must be positive")
+        need(self.max_new_tokens > 0, f"eval.max_new_tokens={self.max_new_tokens}: must be positive")
         need(self.every >= 0, f"eval.every={self.every}: must be >= 0 (0 = base and final only)")
         need(self.temperature >= 0, f"eval.temperature={self.temperature}: must be >= 0 (0 = greedy)")
         need(self.batch > 0, f"eval.batch={self.batch}: must be positive")
@@ -160,6 +211,15 @@ class RunConfig:
     tensorboard: bool = setting(
         False, "also write scalars to RUN_DIR/tensorboard (pip install tailrace[tensorboard])"
     )
+    worker_timeout_s: float = setting(
+        120.0, "seconds a worker process may miss its heartbeat (sent every second) before the run stops"
+    )
+
+    def __post_init__(self) -> None:
+        need(
+            self.worker_timeout_s >= 3,
+            f"worker_timeout_s={self.worker_timeout_s}: must be at least 3 seconds (heartbeats come every second)",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -100,3 +100,4 @@ class TrainerConfig:
             self.max_staleness is None or self.max_staleness >= 0,
             f"train.max_staleness={self.max_staleness}: must be >= 0, or null to turn it off",
         )
+        need(self.pad_id >= 0, f"train.pad_id={self.pad_id}: must be a token id (>= 0)")

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Container
 
+from tailrace.common import InputError
 from tailrace.types import GenRequest
 
 
-class EngineError(ValueError):
+class EngineError(InputError):
     pass
 
 

@@ -16,9 +16,9 @@ request answers).
 
 A policy (flow/policies/) reads the core's read-only view (`open`, `ready`, `in_training`,
 `queued`, `engines`, `spec`, `newest`, `trainer_version`, ...) and calls its actions: `open_group`,
-`dispatch`, `resume`, `abort`, `discard_partial`, `train`, `load`, `drop`, `mark`. The core checks,
-at every train step, the invariants a policy declares (staleness bound, one version per
-trajectory), and the ledger identity every poll. Checkpoints and journal replay: see `state.py`.
+`dispatch`, `resume`, `abort`, `discard_partial`, `drop_group`, `train`, `load`, `drop`, `mark`. The
+core checks, at every train step, the invariants a policy declares (staleness bound, one version
+per trajectory), and the ledger identity every poll. Checkpoints and journal replay: see `state.py`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tailrace.flow.keys import SampleKey, sample_seed
 from tailrace.flow.ledger import Ledger
 from tailrace.flow.state import SchedulerState
 from tailrace.flow.store import GroupState, Store
-from tailrace.records import Discarded, Finished, JournalEntry, Mark, Opened
+from tailrace.records import Discarded, Dropped, Finished, JournalEntry, Mark, Opened
 from tailrace.types import Finish, GenRequest, GenResult, Group, Prompt, SamplingParams, Scored, Trajectory
 
 
@@ -108,6 +108,8 @@ class Scheduler(SchedulerState):
         self.steps_issued = 0
         self.steps_done = 0
         self.groups_opened = 0
+        self.groups_done: Counter = Counter()  # complete groups; of them, with all rewards equal
+        self.groups_dropped: Counter = Counter()  # reason -> complete groups that left untrained
         self._aborting: set[str] = set()  # aborts sent whose partials have not come back yet
         self.staleness: Counter = Counter()  # (trainer version - oldest token version) of trained samples
         self.done_version = 0  # trainer version after the last finished step (what a checkpoint holds)
@@ -149,8 +151,10 @@ class Scheduler(SchedulerState):
         return self._store.in_store()
 
     def ledger_record(self) -> dict:
-        """The ledger's counts and `in_store` (a step record's `ledger`)."""
-        return {**self.ledger.state_dict(), "in_store": self.in_store()}
+        """The ledger's counts, `in_store`, and groups complete, complete with all rewards equal
+        (zero_signal) and dropped untrained by reason (a step record's `ledger`; cumulative)."""
+        groups = {**self.groups_done, "dropped": dict(self.groups_dropped)}
+        return {**self.ledger.state_dict(), "in_store": self.in_store(), "groups": groups}
 
     def prompt_of(self, request_id: str) -> Prompt:
         """The prompt an in-flight request answers (what a driver needs to score its result)."""
@@ -329,6 +333,15 @@ class Scheduler(SchedulerState):
             g.discarded += 1
             self._maybe_ready(g)
 
+    def drop_group(self, gid: int, reason: str) -> None:
+        """A ready group leaves untrained (e.g. zero-signal, replaced by a fresh prompt); its samples
+        are discarded with `reason`."""
+        g = self._store.drop(gid)
+        self.ledger.on_discarded(reason, len(g.done))
+        self.groups_dropped[reason] += 1
+        self._log(Dropped(gid, reason))
+        self.mark("group_dropped", group=gid, reason=reason)
+
     def train(self, gids: list[int], publish: bool) -> int:
         step = self.steps_issued
         groups = self._store.take(gids, step)
@@ -406,6 +419,8 @@ class Scheduler(SchedulerState):
             for t, reason in dropped:
                 self.ledger.on_discarded(reason)
             g.done = kept
+            self.groups_done["complete"] += 1
+            self.groups_done["zero_signal"] += g.zero_signal
             self._store.mark_ready(g.id, self.now)
             self.mark("group_ready", group=g.id, version=g.version)
 

@@ -19,7 +19,15 @@ from typing import Iterable
 
 from tailrace.flow.ledger import Ledger
 from tailrace.flow.store import GroupState
-from tailrace.records import Discarded, Finished, JournalEntry, Opened, prompt_from_json, prompt_to_json
+from tailrace.records import (
+    Discarded,
+    Dropped,
+    Finished,
+    JournalEntry,
+    Opened,
+    prompt_from_json,
+    prompt_to_json,
+)
 
 
 class SchedulerState:
@@ -35,6 +43,7 @@ class SchedulerState:
             "prompts_taken": self.prompts_taken, "groups_opened": self.groups_opened,
             "version": self.done_version, "steps_done": self.steps_done, "ledger": self.ledger.state_dict(),
             "staleness": dict(self.staleness), "journal_seq": self.journal_seq,
+            "groups_done": dict(self.groups_done), "groups_dropped": dict(self.groups_dropped),
             "requeued": [prompt_to_json(p) for p in self._requeued], **self._store.to_json(),
             "policy": self.policy.state_dict(),
         }  # fmt: skip
@@ -52,6 +61,8 @@ class SchedulerState:
         self.ledger = Ledger.from_state(d["ledger"])
         self.staleness = Counter({int(k): v for k, v in d["staleness"].items()})
         self.journal_seq = d["journal_seq"]
+        self.groups_done = Counter(d.get("groups_done", {}))  # older checkpoints lack them
+        self.groups_dropped = Counter(d.get("groups_dropped", {}))
         self._requeued = [prompt_from_json(p) for p in d["requeued"]]
         self._store.load_json(d)
         self.policy.load_state_dict(d["policy"])
@@ -92,6 +103,10 @@ class SchedulerState:
                 self.ledger.on_discarded(e.reason)
                 if g is not None:
                     self._maybe_ready(g)
+            elif isinstance(e, Dropped):
+                if e.group in store.ready:  # else its samples were lost with their weights (above)
+                    self.ledger.on_discarded(e.reason, len(store.drop(e.group).done))
+                    self.groups_dropped[e.reason] += 1
             self.journal_seq += 1
         # groups opened under weights that did not survive are un-opened: their prompts go back to the
         # front of the queue (their finished samples were discarded above, with a reason)

@@ -2,7 +2,8 @@
 
 A group is *open* while samples are still wanted, *ready* once complete (FIFO in completion
 order, waiting for the trainer), *training* once handed to a train step, and leaves the store when
-that step is done. Trajectories inside the store count as `in_store` for the ledger.
+that step is done, or straight from ready when dropped (a zero-signal group a policy replaces).
+Trajectories inside the store count as `in_store` for the ledger.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class GroupState:
     def __post_init__(self) -> None:
         if not self.todo and not self.dispatched:
             self.todo = list(range(self.size))
+
+    @property
+    def zero_signal(self) -> bool:
+        """Every reward the group trains on is equal: each advantage is zero, so it teaches nothing."""
+        return len({t.reward for t in self.done}) <= 1
 
     def to_json(self) -> dict:
         """As of the finished steps: samples in flight go back to the to-do list (regenerated)."""
@@ -69,6 +75,10 @@ class Store:
         g.completed_at = now
         self.ready[gid] = g
         return g
+
+    def drop(self, gid: int) -> GroupState:
+        """A ready group leaves without being trained."""
+        return self.ready.pop(gid)
 
     def take(self, gids: list[int], step: int) -> list[GroupState]:
         groups = [self.ready.pop(gid) for gid in gids]

@@ -17,17 +17,25 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tailrace.common import InputError, one_line
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# What a checkpoint carries besides config and weights: the tokenizer (in any of its HF forms), its chat
+# template (inline in tokenizer_config.json, or a file of its own) and the generation defaults.
+COMPANIONS = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+    "chat_template.json", "generation_config.json",
+)  # fmt: skip
 # Tensors some checkpoints carry that this decoder recomputes (old HF saved the RoPE buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint directory that cannot be loaded; the message says what is wrong and how to fix it."""
 
 
@@ -40,7 +48,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
         d = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(
-            f"{f} is not valid JSON ({_one_line(e)}); restore the file from the original checkpoint"
+            f"{f} is not valid JSON ({one_line(e)}); restore the file from the original checkpoint"
         )
     if not isinstance(d, dict):
         raise CheckpointError(
@@ -53,7 +61,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
             f"{f} lacks the field {e.args[0]!r}; add it (see the model's original config.json)"
         )
     except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{f}: {_one_line(e)}")
+        raise CheckpointError(f"{f}: {one_line(e)}")
 
 
 def load_pretrained(
@@ -106,9 +114,12 @@ def load_pretrained(
     return model.eval()
 
 
-def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
-    """Write config.json + model.safetensors (no lm_head entry when tied). A new directory appears
-    whole (built aside, then renamed); in an existing one each file is replaced atomically."""
+def save_pretrained(
+    model: CausalLM, path: str | os.PathLike, companions_from: str | os.PathLike | None = None
+) -> None:
+    """Write config.json + model.safetensors (no lm_head entry when tied), and the `COMPANIONS` files
+    (tokenizer, chat template, ...) that `companions_from` has. A new directory appears whole (built
+    aside, then renamed); in an existing one each file is replaced atomically."""
     path = Path(path)
     cfg: ModelConfig = model.config
     state = {n: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
@@ -122,13 +133,24 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
     try:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        for f in (tmp / WEIGHTS, tmp / CONFIG):
-            with open(f, "rb") as fh:
+        shutil.copymode(
+            tmp / CONFIG, tmp / WEIGHTS
+        )  # safetensors writes 0600; every file gets the umask's mode
+        src = Path(companions_from) if companions_from is not None else None
+        extra = [n for n in COMPANIONS if src is not None and (src / n).is_file()]
+        for name in extra:
+            shutil.copyfile(src / name, tmp / name)
+        for name in (WEIGHTS, CONFIG, *extra):
+            with open(tmp / name, "rb") as fh:
                 os.fsync(fh.fileno())
         if not path.exists():
             os.replace(tmp, path)
             return
-        for name in (WEIGHTS, CONFIG):  # weights first: a config never describes weights not yet there
+        for name in (
+            WEIGHTS,
+            CONFIG,
+            *extra,
+        ):  # weights first: a config never describes weights not yet there
             os.replace(tmp / name, path / name)
         (path / INDEX).unlink(missing_ok=True)  # a stale shard index would shadow the new weights
     finally:
@@ -160,7 +182,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         weight_map = json.loads((path / INDEX).read_text())["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(
-            f"{path / INDEX} is not a valid shard index ({_one_line(e)}); restore it from the "
+            f"{path / INDEX} is not a valid shard index ({one_line(e)}); restore it from the "
             "original checkpoint"
         )
     state: dict[str, torch.Tensor] = {}
@@ -177,11 +199,6 @@ def _read_file(f: Path) -> dict[str, torch.Tensor]:
             return {name: fh.get_tensor(name) for name in fh.keys()}
     except Exception as e:  # safetensors raises its own error types (and OSError) for corrupt files
         raise CheckpointError(
-            f"{f} is not a readable safetensors file ({_one_line(e)}); it is corrupt or "
+            f"{f} is not a readable safetensors file ({one_line(e)}); it is corrupt or "
             "truncated: re-save or re-copy it"
         )
-
-
-def _one_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return s.splitlines()[0] if s else type(e).__name__

@@ -1,5 +1,6 @@
 """The terminal view of a run: a rich progress bar (step, reward, accuracy, tokens/s, ETA) and one
-summary line per step."""
+summary line per step (with the checkpoint's size when the step wrote one); a warning when
+the run has no reward signal to learn from."""
 
 from __future__ import annotations
 
@@ -13,22 +14,28 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from tailrace.records import EvalRecord, StepRecord
+from tailrace.records import CheckpointRecord, EvalRecord, StepRecord
 
 
 class ConsoleUI:
     def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
-        self.console = console or Console(highlight=False)
+        self.console = console or Console(highlight=False, markup=False)
         self.quiet = quiet
         self.progress: Progress | None = None
 
     def begin(self, done: int, total: int, base: EvalRecord | None) -> None:
+        self._groups: dict | None = {} if done == 0 else None  # group counts at the last step seen
         if base is not None:
             b = base.summary
             self.console.print(
                 f"base policy: held-out accuracy {b['accuracy']:.1%} on {b['n']} prompts, "
                 f"length p50 {b['p50']:.0f} p99 {b['p99']:.0f} max {b['max']}"
             )
+            if b["accuracy"] == 0:
+                self.console.print(
+                    f"[yellow]warning: 0% at base on {b['n']} prompts: RL has no signal; make the task "
+                    "easier (task.config) or use a stronger model[/yellow]"
+                )
         if self.quiet:
             return
         self.progress = Progress(
@@ -45,15 +52,20 @@ class ConsoleUI:
         self.task = self.progress.add_task("train", total=total, completed=done, info="")
         self.progress.start()
 
-    def step(self, r: StepRecord) -> None:
+    def step(self, r: StepRecord, saved: CheckpointRecord | None = None) -> None:
         t, L = r.time, r.length
         line = (
             f"step {r.step + 1:4d} v{r.version:<3d} reward {r.reward:.3f} acc {r.accuracy:.3f} "
             f"len p50 {L.get('p50', 0):.0f} max {L.get('max', 0):.0f}  gen {t['gen_tok_s']:.0f} tok/s  "
             f"step {t['step_s']:.2f}s  wait {t['trainer_wait_ratio']:.2f} bubble {t['bubble_ratio']:.2f}"
         )
+        if saved is not None:
+            line += f"  ckpt {_size(saved.bytes['total'])} in {saved.seconds:.1f}s"
+        warning = self._zero_signal(r)
         if self.progress is not None:
             self.progress.console.print(line)
+            if warning:
+                self.progress.console.print(warning)
             self.progress.update(
                 self.task,
                 completed=r.step + 1,
@@ -61,7 +73,38 @@ class ConsoleUI:
             )
         else:
             self.console.print(line)
+            if warning:
+                self.console.print(warning)
+
+    def _zero_signal(self, r: StepRecord) -> str | None:
+        """A warning when at least 3/4 of the groups completed since the last step had equal rewards
+        (the ledger's group counts are cumulative; after a resume the first step sets the baseline)."""
+        now, prev = r.ledger["groups"], self._groups
+        self._groups = now
+        if prev is None:
+            return None
+        done = now["complete"] - prev.get("complete", 0)
+        zero = now["zero_signal"] - prev.get("zero_signal", 0)
+        if not done or 4 * zero < 3 * done:
+            return None
+        replaced = sum(now["dropped"].values()) - sum(prev.get("dropped", {}).values())
+        what = f"; {replaced} replaced by fresh prompts" if replaced else ""
+        what += "; the step trained nothing" if r.train.get("skipped") else ""
+        fix = "tune it with task.config" + ("" if replaced else " or set flow.zero_signal=replace")
+        return (
+            f"[yellow]warning: step {r.step + 1}: {zero} of {done} groups had equal rewards (no signal)"
+            f"{what}: the task is too hard or too easy for this model; {fix}[/yellow]"
+        )
 
     def end(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+
+def _size(n: float) -> str:
+    """Bytes in decimal units: 3.1 MB."""
+    units = ("B", "KB", "MB", "GB", "TB")
+    i = 0
+    while n >= 1000 and i < len(units) - 1:
+        n, i = n / 1000, i + 1
+    return f"{n:.0f} {units[i]}" if i == 0 else f"{n:.1f} {units[i]}"

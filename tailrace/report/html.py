@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from tailrace.records import (  # noqa: E402
+    CheckpointRecord,
     EvalRecord,
     Finished,
     JournalEntry,
@@ -98,6 +99,18 @@ def lengths_figure(journal: list[JournalEntry], events: list[Span | Mark]) -> st
     return _png(fig)
 
 
+def _checkpoints(saved: list[CheckpointRecord]) -> str:
+    if not saved:
+        return ""
+    last, mean_s = saved[-1], sum(c.seconds for c in saved) / len(saved)
+    b = last.bytes
+    return (
+        f"<p>{len(saved)} checkpoints, the last after step {last.step}: {b['total'] / 1e6:.1f} MB (model "
+        f"{b['model'] / 1e6:.1f} MB, optimizer {b['optimizer'] / 1e6:.1f} MB); the trainer spent {mean_s:.2f} s "
+        "writing each</p>"
+    )
+
+
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
@@ -107,6 +120,7 @@ def write_report(run_dir: Path) -> Path:
     metrics = list(read_metrics(run_dir / "metrics.jsonl"))
     steps = [m for m in metrics if isinstance(m, StepRecord)]
     evals = [m for m in metrics if isinstance(m, EvalRecord)]
+    saved = [m for m in metrics if isinstance(m, CheckpointRecord)]
     events = list(read_events(run_dir / "events.jsonl"))
     journal = list(read_journal(run_dir / "journal.jsonl"))
     last = steps[-1] if steps else None
@@ -123,6 +137,7 @@ def write_report(run_dir: Path) -> Path:
 <h1>tailrace run {html.escape(run_dir.name)}</h1>
 <p>{len(steps)} steps, wall {t.get("wall_s", 0):.1f} s, trainer waiting ratio {t.get("trainer_wait_ratio", 0):.2f},
 rollout bubble ratio {t.get("bubble_ratio", 0):.2f}, ledger {json.dumps(ledger)}</p>
+{_checkpoints(saved)}
 <h2>Held-out evaluation</h2><table>
 <tr><th>when</th><th>step</th><th>accuracy</th><th>p50</th><th>p99</th><th>max</th></tr>{rows}</table>
 <h2>Reward, accuracy, lengths</h2>{curves_figure(steps, evals) if steps else ""}

@@ -11,27 +11,28 @@ produces is appended to the run directory as it happens.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
-from multiprocessing.connection import wait
 from pathlib import Path
 
-from tailrace.config import RunConfig
+from tailrace.config import RunConfig, dump_config
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.metrics import step_record
-from tailrace.records import EvalRecord, Span, StepRecord, journal_from_json, read_lines, read_metrics
+from tailrace.records import CheckpointRecord, EvalRecord, Span, StepRecord, read_metrics
+from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
-from tailrace.runtime.messages import EngineReport, Ready, Shutdown, TrainerReport, TrainOrder
+from tailrace.runtime.messages import EngineReport, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import Utilization
-from tailrace.runtime.procs import context, placement
-from tailrace.runtime.rundir import RecordFile, RunDir, truncate_metrics
+from tailrace.runtime.procs import placement
+from tailrace.runtime.resume import Resume
+from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.weights import SharedWeights
+from tailrace.runtime.workers import Worker, Workers
 from tailrace.types import Finish, GenResult, SamplingParams, Trajectory
 
 
@@ -46,24 +47,31 @@ class Summary:
 
 class Driver:
     def __init__(
-        self, cfg: RunConfig, run: RunDir, session: Session, resume_from: Path | None = None, ui=None
+        self, cfg: RunConfig, run: RunDir, session: Session, resume: Resume | None = None, ui=None
     ) -> None:
         self.cfg, self.run, self.ses, self.ui = cfg, run, session, ui
-        self.resume_from = resume_from
+        self.resume = resume
         f, r = cfg.flow, cfg.rollout
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
-            f.mode, max_staleness=f.max_staleness, frontier=f.frontier, rollout_groups=f.rollout_groups
-        )
+            f.mode, f.zero_signal, f.extra_groups, max_staleness=f.max_staleness, frontier=f.frontier,
+            rollout_groups=f.rollout_groups,
+        )  # fmt: skip
         sampling = SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
-            stop_token_ids=(session.tok.eos_id,),
+            stop_token_ids=session.stop_ids,
         )
         engines = [(r.slots, r.lookahead)] * r.engines
         self.sched = Scheduler(policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed)
+        self.layout = session.flat_layout()
+        # fp32 weights and AdamW's two moments: what a checkpoint weighs, near enough
+        self.cadence = checkpoint.Cadence.of(
+            f.checkpoint_every, f.checkpoint_minutes, 12 * self.layout.buffer.numel()
+        )
+        self.workers = Workers(cfg.worker_timeout_s, run.file("errors.log"))
         self.metrics = RecordFile(run.file("metrics.jsonl"))
         self.events = RecordFile(run.file("events.jsonl"))
         self.journal = RecordFile(run.file("journal.jsonl"))
@@ -74,66 +82,29 @@ class Driver:
         self._last_wall = 0.0  # the newest step record's wall_s: when the newest weights were published
 
     # ------------------------------------------------------------------ set-up
-    def _restore(self) -> int:
-        """Load the scheduler checkpoint and replay the journal; returns the version to start from."""
-        state = json.loads((self.resume_from / "scheduler.json").read_text())
-        self.sched.load_state_dict(state)
-        lines = list(read_lines(self.run.file("journal.jsonl")))[state["journal_seq"] :]
-        self.sched.replay(journal_from_json(d) for d in lines)
-        done = state["steps_done"]
-        truncate_metrics(
-            self.run.file("metrics.jsonl"), lambda r: not isinstance(r, StepRecord) or r.step < done
-        )
-        self.metrics = RecordFile(self.run.file("metrics.jsonl"))
-        return state["version"]
-
     def _start(self, version: int) -> None:
-        ctx = context()
-        cfg, ses = self.cfg, self.ses
-        train_cores, engine_cores = placement(cfg.rollout.engines)
-        self.weights = SharedWeights.like(ses.flat_layout(), slots=cfg.flow.max_staleness + 3)
-        self.trainer_conn, child = ctx.Pipe()
+        cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
+        train_cores, engine_cores = placement(r.engines)
+        self.weights = SharedWeights.like(self.layout, slots=cfg.flow.max_staleness + 3)
         tspec = TrainerSpec(
-            str(ses.model_path),
-            cfg.train,
-            threads=len(train_cores),
-            cores=train_cores,
-            seed=cfg.seed,
-            start_version=version,
-            resume_from=str(self.resume_from) if self.resume_from else None,
-        )
-        self.trainer = ctx.Process(target=trainer_main, args=(tspec, child, self.weights), daemon=True)
-        self.trainer.start()
-        _expect_ready(self.trainer_conn, self.trainer, "trainer")
-        r = cfg.rollout
-        self.engine_conns, self.engine_procs = [], []
+            str(ses.model_path), cfg.train, threads=len(train_cores), cores=train_cores, seed=cfg.seed,
+            start_version=version, resume_from=str(self.resume.checkpoint) if self.resume else None,
+        )  # fmt: skip
+        self.trainer = self.workers.start("trainer", trainer_main, tspec, self.weights)
+        self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
+        self.engines: list[Worker] = []
         for i, cores in enumerate(engine_cores):
             espec = EngineSpec(
                 str(ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, cfg.seed, cfg.model.dtype,
                 start_version=version, attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
             )  # fmt: skip
-            conn, child = ctx.Pipe()
-            p = ctx.Process(target=engine_main, args=(i, espec, child, self.weights), daemon=True)
-            p.start()
-            self.engine_conns.append(conn)
-            self.engine_procs.append(p)
-        for conn, p in zip(self.engine_conns, self.engine_procs):
-            _expect_ready(conn, p, "engine")
+            self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
+        self.workers.ready(self.engines)
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)
 
     def close(self) -> None:
-        for conn in [getattr(self, "trainer_conn", None), *getattr(self, "engine_conns", [])]:
-            if conn is not None:
-                try:
-                    conn.send(Shutdown())
-                except (BrokenPipeError, OSError):
-                    pass
-        for p in [getattr(self, "trainer", None), *getattr(self, "engine_procs", [])]:
-            if p is not None and p.pid is not None:  # a process that failed before start has nothing to join
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+        self.workers.close()
         for f in (self.metrics, self.events, self.journal):
             f.close()
         if self.tb is not None:
@@ -141,8 +112,12 @@ class Driver:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Summary:
-        version = self._restore() if self.resume_from else 0
+        version = 0
+        if self.resume is not None:
+            self.resume.restore(self.sched)
+            version = self.resume.version
         self._start(version)
+        self.cadence.saved(self.sched.steps_done, 0.0)
         evaluator = Evaluator(self.ses, self.cfg.eval) if self.cfg.eval.n else None
         base = self._recorded_eval("base")
         if base is None and evaluator is not None:
@@ -161,9 +136,7 @@ class Driver:
             ):
                 self.sched.stop()
             self._handle(self.sched.poll(self._now()))
-            for conn in wait([self.trainer_conn, *self.engine_conns], timeout=1.0):
-                self._receive(conn)
-            self._check_alive()
+            self._pump(timeout=1.0)
         self._handle(self.sched.poll(self._now()), sync=True)
         final = None
         if evaluator is not None:
@@ -186,12 +159,11 @@ class Driver:
         `wall_s`: when `version` was published, on the step records' clock."""
         reqs = evaluator.requests(version)
         self._eval_wanted = {r.id for r in reqs}
-        n = len(self.engine_conns)
-        for i, conn in enumerate(self.engine_conns):
-            conn.send(Generate(i, tuple(reqs[i::n])))
+        n = len(self.engines)
+        for i, engine in enumerate(self.engines):
+            self.workers.send(engine, Generate(i, tuple(reqs[i::n])))
         while self._eval_wanted:
-            for conn in wait(self.engine_conns, timeout=5.0):
-                self._receive(conn)
+            self._pump(self.engines, timeout=5.0)
         results, self._eval_results = self._eval_results, []
         rec = EvalRecord(tag, self.sched.steps_done, evaluator.summarize(reqs, results), version, wall_s)
         self.metrics.write(rec)
@@ -206,7 +178,7 @@ class Driver:
         self._record(out, sync)
         for c in out.commands:
             if isinstance(c, (Generate, Abort, LoadWeights, DropWeights)):
-                self.engine_conns[c.engine].send(c)
+                self.workers.send(self.engines[c.engine], c)
             elif isinstance(c, Train):
                 self._send_train(c)
 
@@ -219,19 +191,21 @@ class Driver:
             self.events.write(m)
 
     def _send_train(self, c: Train) -> None:
-        every, steps = self.cfg.flow.checkpoint_every, self.cfg.flow.steps
+        steps, now = c.step + 1, self._now()
         save = None
-        if c.publish is not None and (c.step + 1) % every == 0 or c.step + 1 == steps:
-            save = str(self.run.ckpt / f"step_{c.step + 1:06d}")
+        if (c.publish is not None and self.cadence.due(steps, now)) or steps == self.cfg.flow.steps:
+            save = f"{checkpoint.step_dir(self.run.ckpt, steps)}.tmp"  # renamed when whole
+            self.cadence.saved(steps, now)
         self.pending_trajs[c.step] = (c.trainer_version, [t for g in c.groups for t in g.trajectories])
-        self.trainer_conn.send(TrainOrder(c, save))
+        self.workers.send(self.trainer, TrainOrder(c, save))
 
-    def _receive(self, conn) -> None:
-        msg = conn.recv()
-        if isinstance(msg, EngineReport):
-            self._on_engine_report(msg)
-        elif isinstance(msg, TrainerReport):
-            self._on_trainer_report(msg)
+    def _pump(self, among: list[Worker] | None = None, timeout: float = 1.0) -> None:
+        """Handle what the workers (`among`, default all) report within `timeout`; a lost worker raises."""
+        for _, msg in self.workers.receive(among, timeout):
+            if isinstance(msg, EngineReport):
+                self._on_engine_report(msg)
+            elif isinstance(msg, TrainerReport):
+                self._on_trainer_report(msg)
 
     def _on_engine_report(self, rep: EngineReport) -> None:
         st = rep.stats
@@ -279,17 +253,24 @@ class Driver:
             self.sched.on_published(rep.published, now)
         trainer_version, trajs = self.pending_trajs.pop(rep.step)
         record = self._step_record(rep, trajs, trainer_version, now)
-        if rep.saved:
-            # everything the scheduler emitted up to now goes to disk before the state that counts it
-            self._handle(self.sched.poll(self._now()), sync=True)
-            (Path(rep.saved) / "scheduler.json").write_text(json.dumps(self.sched.state_dict()))
-            self.run.set_latest(Path(rep.saved).name, self.cfg.flow.keep_checkpoints)
         self.metrics.write(record)
+        saved = self._checkpoint(rep) if rep.saved else None
         if self.tb is not None:
             for key, value in _flatten(record.to_json()):
                 self.tb.add_scalar(key, value, rep.step + 1)
         if self.ui is not None:
-            self.ui.step(record)
+            self.ui.step(record, saved)
+
+    def _checkpoint(self, rep: TrainerReport) -> CheckpointRecord:
+        """Make the trainer's half-written checkpoint whole: everything it counts is on disk first."""
+        self._handle(self.sched.poll(self._now()), sync=True)
+        self.metrics.sync()
+        saved = checkpoint.finalize(Path(rep.saved), self.sched.state_dict(), dump_config(self.cfg))
+        checkpoint.prune(self.run.ckpt, self.cfg.flow.keep_checkpoints)
+        sizes = {"model": saved.model, "optimizer": saved.optimizer, "total": saved.total}
+        record = CheckpointRecord(rep.step + 1, sizes, rep.save_s)
+        self.metrics.write(record)
+        return record
 
     def _step_record(
         self, rep: TrainerReport, trajs: list[Trajectory], trainer_version: int, now: float
@@ -312,21 +293,11 @@ class Driver:
 
     def _load_final(self) -> None:
         v = self.sched.done_version
-        for i, conn in enumerate(self.engine_conns):
+        for i, engine in enumerate(self.engines):
             if v not in self.sched.engines[i].loaded:
-                conn.send(LoadWeights(i, v))
+                self.workers.send(engine, LoadWeights(i, v))
                 while v not in self.sched.engines[i].loaded:
-                    self._receive(conn)
-
-    def _check_alive(self) -> None:
-        for name, p in [("trainer", self.trainer)] + [
-            (f"engine{i}", p) for i, p in enumerate(self.engine_procs)
-        ]:
-            if not p.is_alive():
-                raise RuntimeError(
-                    f"{name} process died (exit code {p.exitcode}); the run directory keeps "
-                    f"everything up to now — fix the cause and continue with --resume"
-                )
+                    self._pump([engine])
 
 
 def _tensorboard(run: RunDir):
@@ -349,15 +320,3 @@ def _flatten(d: dict, prefix: str = ""):
             yield from _flatten(v, f"{prefix}{k}/")
         elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
             yield prefix + k, v
-
-
-def _expect_ready(conn, proc, name: str, timeout: float = 300.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if conn.poll(0.5) and isinstance(conn.recv(), Ready):
-            return
-        if not proc.is_alive():
-            raise RuntimeError(
-                f"{name} process failed to start (exit code {proc.exitcode}); see the error above"
-            )
-    raise RuntimeError(f"{name} process did not become ready within {timeout:.0f}s")

@@ -19,6 +19,7 @@ from tailrace.model.checkpoint import load_pretrained
 from tailrace.runtime.messages import EngineReport, Ready, Shutdown, Stats
 from tailrace.runtime.procs import pin
 from tailrace.runtime.weights import SharedWeights
+from tailrace.runtime.workers import serving
 
 
 @dataclass
@@ -38,8 +39,13 @@ class EngineSpec:
 
 
 def engine_main(
-    engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, report_s: float = 0.05
+    conn, counter, engine_id: int, spec: EngineSpec, weights: SharedWeights, report_s: float = 0.05
 ) -> None:
+    with serving(conn, counter):
+        _serve(engine_id, spec, conn, weights, report_s)
+
+
+def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, report_s: float) -> None:
     pin(spec.cores)
     torch.set_num_threads(spec.threads)
     model = load_pretrained(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)

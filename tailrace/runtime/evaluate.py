@@ -54,7 +54,7 @@ class Evaluator:
                 params=SamplingParams(
                     temperature=c.temperature,
                     max_new_tokens=c.max_new_tokens,
-                    stop_token_ids=(self.ses.tok.eos_id,),
+                    stop_token_ids=self.ses.stop_ids,
                     seed=zlib.crc32(f"eval/{p.id}".encode()),
                 ),
             )

@@ -22,6 +22,16 @@ class Shutdown:
     """The driver is done with this worker: it exits its loop."""
 
 
+@dataclass(frozen=True)
+class Failed:
+    """A worker's exception, sent just before the worker exits."""
+
+    kind: str  # the exception's type name
+    message: str  # its message's first line
+    input: bool  # bad input (a `common.InputError`: a corrupt checkpoint, ...) rather than a fault
+    details: str  # the traceback, for the run's errors.log
+
+
 @dataclass
 class Stats:
     """Engine step statistics accumulated between two reports."""
@@ -67,6 +77,7 @@ class TrainerReport:
     step: int
     metrics: dict
     published: int | None
-    saved: str | None
+    saved: str | None  # the checkpoint directory the trainer wrote its part of
     span: tuple[float, float]  # the step's compute
     sync_span: tuple[float, float] | None  # copying weights into shared memory
+    save_s: float = 0.0  # writing its part of the checkpoint

@@ -7,16 +7,19 @@ The journal is the scheduler's write-ahead log (groups opened, trajectories fini
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
-from tailrace.records import EvalRecord, Record, StepRecord, dumps, read_metrics
+from tailrace.common import ConfigError
+from tailrace.records import Metric, Record, dumps, parse_line, read_metrics
 
 
 class RecordFile:
-    """An append-only JSONL file of typed records (`tailrace.records`), a line per record."""
+    """An append-only JSONL file of typed records (`tailrace.records`), a line per record. Before a
+    resume appends to an existing file, `repair` it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -33,7 +36,89 @@ class RecordFile:
         self._f.close()
 
 
-def truncate_metrics(path: Path, keep: Callable[[StepRecord | EvalRecord], bool]) -> None:
+@dataclass(frozen=True)
+class Repair:
+    """What `repair` did to one file."""
+
+    path: Path
+    torn: bool = False  # a torn last line was cut off
+    quarantined: tuple[int, ...] = ()  # line numbers moved to <file>.quarantine
+
+    def message(self) -> str:
+        """One line for the user ("" when the file needed nothing)."""
+        done = []
+        if self.quarantined:
+            n = self.quarantined
+            which = ", ".join(map(str, n[:5])) + (f" ... ({len(n)} in all)" if len(n) > 5 else "")
+            done.append(
+                f"moved damaged line{'s' if len(n) > 1 else ''} {which} to {self.path.name}.quarantine"
+            )
+        if self.torn:
+            done.append("cut off a torn last line (a write the crash cut short)")
+        return f"{self.path}: {'; '.join(done)}" if done else ""
+
+
+def repair(path: Path) -> Repair:
+    """Make a JSONL file safe to append to: cut off a torn last line (no newline; a whole record
+    missing only its newline gets it back), and move each damaged line (not a JSON object) to
+    <file>.quarantine as {"line", "text"}, leaving a blank line in its place so positions — the
+    journal's sequence numbers — stay put. A sound file is not touched."""
+    if not path.is_file():
+        return Repair(path)
+    damaged, tail, end = [], None, 0  # end: bytes up to the last newline
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):  # only the last line can lack its newline
+                tail = raw
+                break
+            end += len(raw)
+            if raw.strip() and parse_line(raw) is None:
+                damaged.append((n, raw))
+    torn = tail is not None and parse_line(tail) is None
+    if tail is not None and not torn:
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    if damaged:
+        _quarantine(path, damaged)
+        _rewrite(path, {n for n, _ in damaged}, keep_tail=not torn)
+    elif torn:
+        os.truncate(path, end)
+    return Repair(path, torn, tuple(n for n, _ in damaged))
+
+
+def cut_from(path: Path, line: int) -> int:
+    """Move the lines of `path` from `line` (1-based) on to <file>.quarantine and cut them off; returns
+    how many lines the file had."""
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    _quarantine(path, enumerate(lines[line - 1 :], line))
+    os.truncate(path, sum(len(raw) for raw in lines[: line - 1]))
+    return len(lines)
+
+
+def _rewrite(path: Path, bad: set[int], keep_tail: bool) -> None:
+    """`path` with a blank line for each line number in `bad` (and without its torn tail)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        for n, raw in enumerate(src, 1):
+            if not raw.endswith(b"\n") and not keep_tail:
+                break
+            dst.write(b"\n" if n in bad else raw)
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, path)
+
+
+def _quarantine(path: Path, lines: Iterable[tuple[int, bytes]]) -> None:
+    """Append lines (number, bytes) to <file>.quarantine as {"line", "text"}; blank ones (a damaged line
+    quarantined before) are skipped."""
+    with open(path.with_name(path.name + ".quarantine"), "a") as q:
+        for n, raw in lines:
+            if raw.strip():
+                q.write(json.dumps({"line": n, "text": raw.rstrip(b"\n").decode("utf-8", "replace")}) + "\n")
+
+
+def truncate_metrics(path: Path, keep: Callable[[Metric], bool]) -> None:
     """Rewrite metrics.jsonl keeping only the records for which keep(record) is true (atomically)."""
     if not path.is_file():
         return
@@ -44,28 +129,40 @@ def truncate_metrics(path: Path, keep: Callable[[StepRecord | EvalRecord], bool]
 
 
 class RunDir:
+    RECORDS = ("metrics.jsonl", "events.jsonl", "journal.jsonl")
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.ckpt = self.path / "checkpoints"
 
-    def create(self) -> None:
-        self.ckpt.mkdir(parents=True, exist_ok=True)
-
     def file(self, name: str) -> Path:
         return self.path / name
 
-    def latest(self) -> Path | None:
-        link = self.ckpt / "latest"
-        if not link.is_file():
-            return None
-        target = self.ckpt / link.read_text().strip()
-        return target if target.is_dir() else None
+    def holds_run(self) -> bool:
+        """Whether a run has produced anything here (a start that failed before that has not)."""
+        return any(self.file(f).exists() for f in self.RECORDS) or (
+            self.ckpt.is_dir() and any(self.ckpt.iterdir())
+        )
 
-    def set_latest(self, name: str, keep: int) -> None:
-        """Point `latest` at a complete checkpoint, then delete all but the newest `keep`."""
-        tmp = self.ckpt / "latest.tmp"
-        tmp.write_text(name)
-        os.replace(tmp, self.ckpt / "latest")
-        done = sorted(p for p in self.ckpt.glob("step_*") if (p / "scheduler.json").is_file())
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    def create(self) -> None:
+        """Make the directory of a new run: a missing or empty one, or one a failed start left."""
+        if self.holds_run():
+            raise self._taken()
+        try:
+            self.ckpt.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create the run directory {self.path} ({e.strerror}); pass a writable --run-dir"
+            ) from None
+
+    def begin(self, config: str) -> None:
+        """Write config.yaml; under the run's lock, so of two runs started here at once one is refused."""
+        if self.holds_run():
+            raise self._taken()
+        self.file("config.yaml").write_text(config)
+
+    def _taken(self) -> ConfigError:
+        return ConfigError(
+            f"--run-dir {self.path} already holds a run; continue it with tailrace train --resume "
+            f"{self.path}, or pass another --run-dir"
+        )

@@ -1,7 +1,8 @@
-"""What a run needs besides its processes: model checkpoint, tokenizer, task, reward guard.
+"""What a run needs besides its processes: model checkpoint, tokenizer, chat format, task, reward guard.
 
-Everything that touches text lives here (and in tasks/): prompts are tokenized on the way in, and
-responses decoded and scored on the way out; engines and the trainer see token ids only.
+Everything that touches text lives here (and in tasks/, chat.py): prompts are rendered through the
+model's chat template (when it has one) and tokenized on the way in, and responses decoded and scored
+on the way out; engines and the trainer see token ids only, and stop on `stop_ids`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Iterator
 
 import torch
 
+from tailrace.chat import ChatFormat
+from tailrace.common import ConfigError
 from tailrace.config import RunConfig
 from tailrace.model.checkpoint import read_config
 from tailrace.model.decoder import CausalLM
@@ -26,25 +29,43 @@ from tailrace.types import GenResult, Prompt, Scored
 class Session:
     def __init__(self, cfg: RunConfig, progress=None) -> None:
         self.cfg = cfg
-        self.task = make_task(cfg.task.name)  # cheap checks first: a typo never costs a warm start
+        # cheap checks first: a typo never costs a warm start
+        self.task = make_task(cfg.task.name, cfg.task.config)
         self.model_path = (
             Path(cfg.model.path) if cfg.model.path else ensure_warm_start(cfg.arch, cfg.sft, progress)
         )
         self.model_cfg = read_config(self.model_path)  # fails early, in one line, on a bad checkpoint
-        self.tok = load_tokenizer(self.model_path, eos_id=self.model_cfg.eos_token_id)
+        eos = self.model_cfg.eos_token_id  # config.json may list several (Llama 3: eos + end of turn)
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or ())
+        self.tok = load_tokenizer(self.model_path, eos_id=eos_ids[0] if eos_ids else None)
+        self.chat = self._chat_format()
+        turn_end = [self.chat.end_of_turn] if self.chat and self.chat.end_of_turn is not None else []
+        # what ends a response: EOS, the checkpoint's other EOS ids, the chat's end-of-turn token
+        self.stop_ids = tuple(dict.fromkeys([self.tok.eos_id, *eos_ids, *turn_end]))
         self.guard = RewardGuard(self.task, cfg.task.reward_timeout_s)
         self._examples: dict[int, Example] = {}
 
     def close(self) -> None:
         self.guard.close()
 
+    def _chat_format(self) -> ChatFormat | None:
+        t = self.cfg.task
+        if t.chat_template == "none":
+            return None
+        if self.tok.chat_template is None:
+            if t.system_prompt is not None:
+                raise ConfigError(
+                    f"task.system_prompt is set but {self.model_path} has no chat template "
+                    "(tokenizer_config.json chat_template or chat_template.jinja); drop task.system_prompt"
+                )
+            return None
+        return ChatFormat(self.tok, t.system_prompt)
+
     def prompt(self, ex: Example) -> Prompt:
-        return Prompt(
-            id=ex.id,
-            token_ids=tuple(self.tok.encode(ex.question, bos=self.tok.bos_id is not None)),
-            answer=ex.answer,
-            text=ex.question,
-        )
+        """The question as token ids: through the chat template when there is one (it writes its own
+        special tokens), else BOS + the raw text. `text` stays the question: what the reward sees."""
+        ids = self.chat.ids(ex.question) if self.chat else self.tok.encode(ex.question, bos=True)
+        return Prompt(id=ex.id, token_ids=tuple(ids), answer=ex.answer, text=ex.question)
 
     def prompt_stream(self) -> Iterator[Prompt]:
         for ex in self.task.stream("train", seed=self.cfg.task.seed):
@@ -56,11 +77,14 @@ class Session:
     def score(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
         """The reward of each finished result (the guard contains reward code that raises or hangs);
         correct means verified: reward 1."""
-        pairs = [
-            (Example(p.id, p.text, p.answer), self.tok.decode(r.token_ids)) for p, r in zip(prompts, results)
-        ]
+        pairs = [(Example(p.id, p.text, p.answer), self.response_text(r)) for p, r in zip(prompts, results)]
         scored = self.guard.score_many(pairs)
         return [Scored(r.request_id, s.reward, s.reward >= 1.0) for r, s in zip(results, scored)]
+
+    def response_text(self, r: GenResult) -> str:
+        """The response as the reward sees it: decoded without the token that stopped it."""
+        ids = r.token_ids[:-1] if r.token_ids and r.token_ids[-1] in self.stop_ids else r.token_ids
+        return self.tok.decode(ids)
 
     def flat_layout(self) -> FlatWeights:
         """The trainer's flat-buffer layout, computed on the meta device (no memory, no weights)."""

@@ -2,8 +2,9 @@
 
 It takes `TrainOrder`s in order: one optimizer step each; when the order publishes a version, the
 flat weights are copied into the shared-memory ring (one memcpy, timed); when it names a checkpoint
-directory, model + optimizer + step + RNG state are written there before the reply goes out, so a
-reply with `saved` set means the step is durable.
+directory, the model (a whole HF checkpoint), optimizer and step are written there before the reply
+goes out (runtime/checkpoint.py). A step whose loss or gradient is not finite raises before the
+optimizer moves (trainer/grpo.py): nothing of it is published or saved.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from pathlib import Path
 import torch
 
 from tailrace.config import TrainerConfig
-from tailrace.model.checkpoint import load_pretrained, save_pretrained
+from tailrace.model.checkpoint import load_pretrained
+from tailrace.runtime.checkpoint import load_trainer, save_trainer
 from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
 from tailrace.runtime.procs import pin
 from tailrace.runtime.weights import SharedWeights
+from tailrace.runtime.workers import serving
 from tailrace.trainer.grpo import GRPOTrainer
 
 
@@ -29,45 +32,47 @@ class TrainerSpec:
     threads: int
     cores: tuple[int, ...]
     seed: int
-    resume_from: str | None = None  # checkpoint dir holding trainer.pt
+    resume_from: str | None = None  # a checkpoint directory (runtime/checkpoint.py)
     start_version: int = 0
     device: str = "cpu"
 
 
-def save_checkpoint(trainer: GRPOTrainer, model, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    state = {"trainer": trainer.state_dict(), "rng": torch.get_rng_state()}
-    tmp = out / "trainer.pt.tmp"
-    torch.save(state, tmp)
-    tmp.replace(out / "trainer.pt")
-    save_pretrained(model, out / "model")
+def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> None:
+    with serving(conn, counter):
+        pin(spec.cores)
+        torch.set_num_threads(spec.threads)
+        torch.manual_seed(spec.seed)
+        start = Path(spec.resume_from) / "model" if spec.resume_from else spec.model_path
+        model = load_pretrained(start, dtype=torch.float32, device=spec.device)
+        ref = None
+        if spec.cfg.loss.kl_coef > 0:  # the KL penalty's reference: the policy the run started from
+            ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(
+                False
+            )
+        trainer = GRPOTrainer(model, spec.cfg, ref_model=ref)
+        if spec.resume_from:
+            load_trainer(trainer, Path(spec.resume_from))
+        weights.write(spec.start_version, trainer.flat.buffer)
+        conn.send(Ready(spec.start_version))
+        while not isinstance(order := conn.recv(), Shutdown):
+            conn.send(_step(trainer, spec, order, weights))
 
 
-def trainer_main(spec: TrainerSpec, conn, weights: SharedWeights) -> None:
-    pin(spec.cores)
-    torch.set_num_threads(spec.threads)
-    torch.manual_seed(spec.seed)
-    model = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device)
-    trainer = GRPOTrainer(model, spec.cfg)
-    if spec.resume_from:
-        state = torch.load(Path(spec.resume_from) / "trainer.pt", weights_only=False)
-        trainer.load_state_dict(state["trainer"])
-        torch.set_rng_state(state["rng"])
-    weights.write(spec.start_version, trainer.flat.buffer)
-    conn.send(Ready(spec.start_version))
-    while True:
-        order: TrainOrder | Shutdown = conn.recv()
-        if isinstance(order, Shutdown):
-            return
-        t = order.train
-        t0 = time.perf_counter()
-        metrics = trainer.step(list(t.groups), t.trainer_version)
-        t1 = time.perf_counter()
-        sync = None
-        if t.publish is not None:
-            weights.write(t.publish, trainer.flat.buffer)
-            sync = (t1, time.perf_counter())
-            metrics["weight_sync_s"] = sync[1] - sync[0]
-        if order.save_dir:
-            save_checkpoint(trainer, model, Path(order.save_dir))
-        conn.send(TrainerReport(t.step, metrics, t.publish, order.save_dir, (t0, t1), sync))
+def _step(
+    trainer: GRPOTrainer, spec: TrainerSpec, order: TrainOrder, weights: SharedWeights
+) -> TrainerReport:
+    t = order.train
+    t0 = time.perf_counter()
+    metrics = trainer.step(list(t.groups), t.trainer_version)
+    t1 = time.perf_counter()
+    sync = None
+    if t.publish is not None:
+        weights.write(t.publish, trainer.flat.buffer)
+        sync = (t1, time.perf_counter())
+        metrics["weight_sync_s"] = sync[1] - sync[0]
+    save_s = 0.0
+    if order.save_dir:
+        s0 = time.perf_counter()
+        save_trainer(trainer, Path(spec.model_path), Path(order.save_dir))
+        save_s = time.perf_counter() - s0
+    return TrainerReport(t.step, metrics, t.publish, order.save_dir, (t0, t1), sync, save_s)

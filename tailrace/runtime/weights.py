@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tailrace.common import Fault, one_line
 from tailrace.model.flat import FlatWeights, Layout
 
 
@@ -19,7 +20,13 @@ class SharedWeights:
         self, layout: Layout, numel: int, dtype: torch.dtype = torch.float32, slots: int = 4
     ) -> None:
         self.layout = layout
-        self.buf = torch.zeros(slots, numel, dtype=dtype).share_memory_()
+        try:
+            self.buf = torch.zeros(slots, numel, dtype=dtype).share_memory_()
+        except RuntimeError as e:  # /dev/shm full or too small (docker's default is 64 MB)
+            raise Fault(
+                f"cannot place the weights ring ({slots} versions, {slots * numel * dtype.itemsize / 1e6:.0f} "
+                f"MB) in shared memory ({one_line(e)}); free or enlarge /dev/shm (docker run --shm-size=...)"
+            ) from None
         self.versions = torch.full((slots,), -1, dtype=torch.long).share_memory_()
 
     @classmethod

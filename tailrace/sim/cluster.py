@@ -73,6 +73,7 @@ class SimCluster:
         self.poll_s = poll_s
         self._last_poll = -float("inf")
         self.events = 0
+        self._progress = 0  # samples finished and steps trained: failures that let none happen livelock
         for e in engines:
             self.env.process(self._engine_proc(e))
         self.env.process(self._trainer_proc())
@@ -83,6 +84,7 @@ class SimCluster:
                 self.env.process(self._engine_failures(e))
             self._trainer_clock = self.failures.arrivals(len(engines), self.failures.trainer_mtbf_s)
             self._trainer_fail_at = self._trainer_clock.next()
+            self._progress_at_failure, self._failures_since = 0, 0
             self._since_checkpoint = 0.0  # trainer compute since its last checkpoint (redone after a failure)
 
     # ------------------------------------------------------------------ the loop
@@ -168,6 +170,7 @@ class SimCluster:
             rep = eng.fire()
             self.events += 1
             if rep.results:
+                self._progress += len(rep.results)
                 self.sched.on_results(eng.id, rep.results, self._score(rep.results), env.now)
                 hw = self.cost.hw
                 if self.training and not self.colocated and (hw.driver_report_s or hw.driver_result_s):
@@ -203,6 +206,7 @@ class SimCluster:
             yield env.timeout(t - env.now)
             if self.done.triggered:
                 return
+            self._check_progress(eng.id)
             down = f.detect_s + f.restart_s + self.cost.load_time() * len(eng.loaded)
             eng.crash(env.now, env.now + down)
             log = self.failure_log
@@ -213,6 +217,26 @@ class SimCluster:
             self._wake(self.wakes[eng.id])
             self._request_poll()
 
+    FAILURES_WITHOUT_PROGRESS = 200
+
+    def _check_progress(self, worker: int) -> None:
+        """Failures so frequent that no sample finishes and no step trains would run forever: stop
+        with the figures to change instead."""
+        if self._progress != self._progress_at_failure:
+            self._progress_at_failure, self._failures_since = self._progress, 0
+            return
+        self._failures_since += 1
+        if self._failures_since >= self.FAILURES_WITHOUT_PROGRESS:
+            f = self.failures
+            who = "the trainer" if worker < 0 else f"engine {worker}"
+            raise SimStalled(
+                f"simulation livelocked at t={self.env.now:.1f}s: {self._failures_since} failures in a row "
+                f"(the last of {who}) with no sample finished and no step trained in between; workers "
+                f"fail faster than they finish work (failures.engine_mtbf_s={f.engine_mtbf_s}, "
+                f"failures.trainer_mtbf_s={f.trainer_mtbf_s}, restart {f.detect_s + f.restart_s:.1f}s). "
+                "Raise the mean times between failures or shorten the responses and steps"
+            )
+
     def _trainer_failures(self, step_s: float):
         """Before a step of `step_s` seconds: wait out a restart the trainer is in, and for each
         failure that would land inside the step, lose the part done, restart, redo the steps since
@@ -222,6 +246,7 @@ class SimCluster:
             tf = self._trainer_fail_at  # in this step, or earlier while the trainer waited for data
             lost = max(0.0, tf - env.now)  # the part of this step done before the failure
             yield env.timeout(lost)
+            self._check_progress(-1)
             log.trainer += 1
             log.events.append((tf, "trainer", 0))
             back = tf + f.detect_s + f.restart_s  # a replacement holds the last checkpoint's weights
@@ -262,6 +287,7 @@ class SimCluster:
                 self._post_all(CoRun(1.0))
             self.trainer_spans.append(Span("train", t0, env.now))
             self.trainer_busy += dt
+            self._progress += 1
             sync = None
             if pub:
                 yield env.timeout(pub)

@@ -265,7 +265,8 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
         }
     preset = "cpu-bf16" if cfg.model.dtype == "bfloat16" else "cpu"
     # the trainer writes a checkpoint every `checkpoint_every` publishing steps: its measured cost, spread
-    ckpt = calibration(preset).get("checkpoint_s", 0.0) / cfg.flow.checkpoint_every
+    # (null: the runtime's choice for a model this small, every step; a cadence in minutes is charged so too)
+    ckpt = calibration(preset).get("checkpoint_s", 0.0) / (cfg.flow.checkpoint_every or 1)
     flow = cfg.flow
     cluster = ClusterSpec(
         hardware=preset,

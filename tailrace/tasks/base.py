@@ -8,15 +8,18 @@ sandboxes it and clamps its value into the task's declared `reward_range`.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Mapping
+
+from tailrace.common import InputError
 
 SPLITS = ("train", "test")
 
 
-class TaskError(ValueError):
+class TaskError(InputError):
     """A task cannot be built or read. The message is one line: what is wrong and how to fix it."""
 
 
@@ -65,3 +68,13 @@ def in_test_split(question: str, test_mod: int) -> bool:
 def check_split(split: str) -> None:
     if split not in SPLITS:
         raise TaskError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+
+
+def check_config(task: str, config: Mapping[str, Any], valid: list[str]) -> dict[str, Any]:
+    """`config` (task.config) as a dict, once every key is one of `valid`; else one line naming them."""
+    for key in config:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise TaskError(f"{task}: unknown task.config key {key!r}; {hint}valid keys: {', '.join(valid)}")
+    return dict(config)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any, Mapping
 
-from tailrace.tasks.base import Example, Task, check_split, in_test_split
+from tailrace.tasks.base import Example, Task, TaskError, check_config, check_split, in_test_split
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,33 @@ class ChainSumSpec:
     p_line: float = 0.6  # within a verbose style, chance of the extra line at each step
     p_slip: float = 0.0  # demonstrations only: chance that a step's sum is off by one (and carried on)
     test_mod: int = 8  # a question is in the test split iff hash(question) % test_mod == 0
+
+    def __post_init__(self) -> None:
+        bands = self.bands
+        if not bands or any(len(b) != 3 or not 1 <= b[1] <= b[2] <= len(LETTERS) for b in bands):
+            raise TaskError(
+                f"chainsum: bands={bands}: each band is [weight, min terms, max terms] with "
+                f"1 <= min <= max <= {len(LETTERS)}"
+            )
+        if any(b[0] < 0 for b in bands) or abs(sum(b[0] for b in bands) - 1) > 1e-6:
+            raise TaskError(f"chainsum: bands={bands}: the weights must be >= 0 and sum to 1")
+        if self.max_term < 1 or self.test_mod < 2:
+            raise TaskError(
+                f"chainsum: max_term={self.max_term}, test_mod={self.test_mod}: need max_term >= 1 "
+                "and test_mod >= 2"
+            )
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ChainSumSpec:
+        """The spec of task.config: the fields that shape the questions (the others shape only the
+        warm start's demonstrations, which the default model's recipe fixes)."""
+        c = check_config("chainsum", config, ["bands", "max_term", "test_mod"])
+        try:
+            if "bands" in c:
+                c["bands"] = tuple(tuple(b) for b in c["bands"])
+            return cls(**c)
+        except TypeError as e:
+            raise TaskError(f"chainsum: bad task.config {config}: {e}; fix the value's type") from None
 
 
 class ChainSumTask(Task):

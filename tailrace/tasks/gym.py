@@ -16,7 +16,15 @@ import difflib
 import json
 from typing import Any
 
-from tailrace.tasks.base import Example, Task, TaskError, check_split, in_test_split, stable_hash
+from tailrace.tasks.base import (
+    Example,
+    Task,
+    TaskError,
+    check_config,
+    check_split,
+    in_test_split,
+    stable_hash,
+)
 
 DEFAULT_SUFFIX = "\n\nGive your final answer on the last line, as 'Answer: <answer>'."
 LIST_HINT = 'list them with: python -c "from tailrace.tasks.gym import gym_names; print(*gym_names())"'
@@ -56,22 +64,29 @@ class ReasoningGymTask(Task):
         test_mod: int = 8,
         block: int = 256,
     ) -> None:
-        """`config`: the dataset's own config fields (e.g. {"min_terms": 2}), passed to create_dataset.
-        1 question in `test_mod` (by hash) is test. `block`: items per generated dataset; part of the
-        handle's meaning, so changing it changes which entry a handle names."""
+        """`config` (task.config): the dataset's own config fields (e.g. {"min_terms": 2}), passed to
+        create_dataset; its `size` sets `block`, its `seed` is not the user's (each block derives
+        one from task.seed). 1 question in `test_mod` (by hash) is test. `block`: items per generated
+        dataset; part of the handle's meaning, so changing it changes which entry a handle names."""
         names = gym_names()
         if dataset not in names:
             close = difflib.get_close_matches(dataset, names, n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise TaskError(f"unknown reasoning-gym dataset {dataset!r}; {hint}{LIST_HINT}")
-        if test_mod < 2 or block < 1:
+        self.name = f"gym:{dataset}"
+        if config and "seed" in config:
             raise TaskError(
-                f"gym:{dataset}: test_mod must be >= 2 and block >= 1 "
+                f"{self.name}: task.config seed is derived per block from task.seed; set task.seed"
+            )
+        config = check_config(self.name, config or {}, _config_keys(dataset))
+        block = config.pop("size", block)  # reasoning-gym's size: the items of one generated dataset
+        if test_mod < 2 or not isinstance(block, int) or block < 1:
+            raise TaskError(
+                f"gym:{dataset}: test_mod must be >= 2 and block (task.config size) an integer >= 1 "
                 f"(got test_mod={test_mod}, block={block})"
             )
-        self.name = f"gym:{dataset}"
         self.dataset = dataset
-        self.config = dict(config or {})
+        self.config = config
         self.suffix, self.answer_tag, self.answer_marker = suffix, answer_tag, answer_marker
         self.test_mod, self.block = test_mod, block
         self._datasets: dict[int, Any] = {}  # block seed -> dataset; both caches are bounded
@@ -139,6 +154,15 @@ class ReasoningGymTask(Task):
         return float(self._dataset(handle["seed"]).score_answer(answer, entry))
 
 
+def _config_keys(name: str) -> list[str]:
+    """The fields of the dataset's config class but `seed` (derived per block from task.seed)."""
+    import dataclasses
+
+    from reasoning_gym.factory import DATASETS
+
+    return [f.name for f in dataclasses.fields(DATASETS[name][1]) if f.name != "seed"]
+
+
 def _evict(cache: dict, cap: int) -> None:
     if len(cache) >= cap:
         del cache[next(iter(cache))]  # oldest insertion first
@@ -151,9 +175,5 @@ def _create(name: str, config: dict[str, Any], seed: int, size: int):
         return reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
     except (TypeError, ValueError, AssertionError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        fix = (
-            f"pass only fields of reasoning_gym.factory.DATASETS[{name!r}][1]"
-            if isinstance(e, TypeError)
-            else "fix the config values"
-        )
+        fix = "fix the values' types" if isinstance(e, TypeError) else "fix the config values"
         raise TaskError(f"gym:{name}: bad config {config}: {msg}; {fix}") from None

@@ -5,7 +5,11 @@ Each kind is imported only when asked for: reasoning-gym alone takes over a seco
 
 from __future__ import annotations
 
-from tailrace.tasks.base import Task, TaskError
+import dataclasses
+import inspect
+from typing import Any, Mapping
+
+from tailrace.tasks.base import Task, TaskError, check_config
 
 FORMS = (
     "'chainsum' (built-in default), 'gym:<reasoning-gym dataset>' (e.g. gym:basic_arithmetic), "
@@ -13,27 +17,48 @@ FORMS = (
 )
 
 
-def make_task(spec: str, **kwargs) -> Task:
-    """kwargs go to the task's constructor (ChainSumTask, ReasoningGymTask, JsonlTask or CodeTask)."""
+def make_task(spec: str, config: Mapping[str, Any] | None = None) -> Task:
+    """`config` (task.config): the task's own settings, checked key by key — chainsum's spec fields
+    that shape its questions, a reasoning-gym dataset's config, or the keyword options of JsonlTask
+    and CodeTask."""
     kind, sep, arg = spec.partition(":")
+    config = config or {}
     if spec == "chainsum":
-        from tailrace.tasks.chainsum import ChainSumTask
+        from tailrace.tasks.chainsum import ChainSumSpec, ChainSumTask
 
-        return ChainSumTask(**kwargs)
+        return ChainSumTask(ChainSumSpec.from_config(config))
     if sep and kind == "gym":
         from tailrace.tasks.gym import ReasoningGymTask
 
-        return ReasoningGymTask(arg, **kwargs)
-    if sep and kind == "jsonl":
+        return ReasoningGymTask(arg, config=config)
+    if sep and kind in ("jsonl", "code"):
         if not arg:
-            raise TaskError("task spec 'jsonl:' has no path; write jsonl:<path to .jsonl>")
-        from tailrace.tasks.jsonl import JsonlTask
-
-        return JsonlTask(arg, **kwargs)
-    if sep and kind == "code":
-        if not arg:
-            raise TaskError("task spec 'code:' has no path; write code:<path to .jsonl>")
-        from tailrace.tasks.code import CodeTask
-
-        return CodeTask(arg, **kwargs)
+            raise TaskError(f"task spec '{kind}:' has no path; write {kind}:<path to .jsonl>")
+        if kind == "jsonl":
+            from tailrace.tasks.jsonl import JsonlTask as cls
+        else:
+            from tailrace.tasks.code import CodeTask as cls
+        options = _options(spec, cls, config)
+        try:
+            return cls(arg, **options)
+        except TypeError as e:  # a value of the wrong type, met by the task's own checks
+            raise TaskError(f"{spec}: bad task.config {dict(config)}: {e}; fix the value's type") from None
     raise TaskError(f"unknown task spec {spec!r}; use {FORMS}")
+
+
+def _options(spec: str, cls: type, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The constructor's keyword-only options named in `config`; a mapping given for an option whose
+    default is a dataclass (CodeTask's sandbox) builds that dataclass."""
+    params = {p.name: p for p in inspect.signature(cls).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    options = check_config(spec, config, list(params))
+    for k, v in options.items():
+        default = params[k].default
+        if dataclasses.is_dataclass(default) and isinstance(v, Mapping):
+            fields = [f.name for f in dataclasses.fields(default)]
+            sub = check_config(f"{spec} {k}", v, fields)
+            sub = {f: tuple(x) if isinstance(x, list) else x for f, x in sub.items()}  # YAML lists
+            try:
+                options[k] = dataclasses.replace(default, **sub)
+            except (TypeError, ValueError) as e:
+                raise TaskError(f"{spec}: bad task.config {k} {dict(v)}: {e}") from None
+    return options

@@ -2,10 +2,13 @@
 
 `step(groups, trainer_version)` flattens the groups into a TrainBatch, runs forward/backward per
 micro-batch (gradient accumulation, exact thanks to the batch's global `scale`), clips the gradient
-and steps AdamW. One step per batch means the pre-update ("proximal") policy is the current one:
+and steps AdamW — unless no group has a reward signal (all its rewards equal: every advantage zero)
+and no KL term pulls on the weights; then the step is counted, reported `skipped` and changes
+nothing. One step per batch means the pre-update ("proximal") policy is the current one:
 `prox = logp.detach()` from the same forward, with no second pass. The model is only called as
 `model(input_ids (B, T)) -> logits (B, T, V)`; it runs in eval mode (no dropout), because the policy
-whose ratio we clip must be the one the engine sampled from.
+whose ratio we clip must be the one the engine sampled from. A loss or gradient norm that is not finite
+raises `NonFiniteError` before the optimizer moves, so the weights never take a nan.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from tailrace.trainer.optim import build_adamw
 from tailrace.types import Group
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient is inf or nan; raised before the optimizer moves."""
+
+
 class _Sums:
     """Accumulates per-micro-batch tensors; one host sync at the end of the step."""
 
@@ -44,6 +51,12 @@ class _Sums:
     def get(self, key: str, default: float = 0.0) -> float:
         d = self.sum if key in self.sum else self.max
         return float(d[key]) if key in d else default
+
+
+def _has_signal(g: Group) -> bool:
+    """Some advantage of the group is non-zero: given ones, or rewards that differ (every estimator
+    gives equal rewards zero advantage)."""
+    return any(g.advantages) if g.advantages else len({t.reward for t in g.trajectories}) > 1
 
 
 class GRPOTrainer:
@@ -66,6 +79,10 @@ class GRPOTrainer:
         """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""
         t0 = time.perf_counter()
         batch = self.make_batch(groups, trainer_version)
+        if self.ref_model is None and not any(map(_has_signal, groups)):
+            # every advantage is zero: the gradient is too, so skip the passes and leave the weights
+            self.steps += 1
+            return self._metrics(_Sums(), batch, 0, 0.0, time.perf_counter() - t0, skipped=True)
         self.model.eval()
         self.opt.zero_grad(set_to_none=True)
         acc = _Sums()
@@ -73,10 +90,18 @@ class GRPOTrainer:
         for mb in micro:
             self._forward_backward(mb.to(self.device), acc, backward=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or math.inf)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or math.inf))
+        loss = acc.get("loss")
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.opt.zero_grad(set_to_none=True)
+            raise NonFiniteError(
+                f"step {self.steps + 1}: the loss ({loss}) or the gradient norm ({grad_norm}) is not "
+                "finite, so the step was not applied and its weights not published; lower train.lr "
+                "(or check train.temperature and the rewards) and start again"
+            )
         self.opt.step()
         self.steps += 1
-        return self._metrics(acc, batch, len(micro), float(grad_norm), time.perf_counter() - t0)
+        return self._metrics(acc, batch, len(micro), grad_norm, time.perf_counter() - t0)
 
     @torch.no_grad()
     def evaluate(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
@@ -153,7 +178,7 @@ class GRPOTrainer:
             acc.add("gap_tokens", same.sum())
 
     def _metrics(
-        self, acc: _Sums, batch: TrainBatch, n_micro: int, grad_norm: float, dt: float
+        self, acc: _Sums, batch: TrainBatch, n_micro: int, grad_norm: float, dt: float, skipped: bool = False
     ) -> dict[str, Any]:
         tok = acc.get("tokens")
 
@@ -183,6 +208,7 @@ class GRPOTrainer:
             "sequences": batch.num_seqs,
             "adv_mean": float(batch.seq_adv.mean()),
             "micro_batches": n_micro,
+            "skipped": int(skipped),  # 1: no group had a reward signal, so no forward/backward ran
             "lr": self.opt.param_groups[0]["lr"],
             "time_s": dt,
         }

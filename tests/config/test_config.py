@@ -17,6 +17,11 @@ def fields_of(cls, prefix=""):
             yield from fields_of(hints[f.name], f"{prefix}{f.name}.")
 
 
+def types_of(cls, prefix=""):
+    for name, tp in typing.get_type_hints(cls).items():
+        yield from types_of(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [(prefix + name, tp)]
+
+
 def test_every_field_has_a_one_line_meaning():
     for key, f in fields_of(RunConfig):
         assert doc(f) and "\n" not in doc(f), f"{key}: declare it with setting(default, meaning) or section()"
@@ -49,3 +54,13 @@ def test_bad_values_are_one_line_with_the_fix(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", ".inf", ".nan"])
+def test_every_float_key_rejects_a_non_finite_value(value):
+    floats = [k for k, tp in types_of(RunConfig) if tp in (float, float | None)]
+    assert len(floats) > 10 and "train.lr" in floats and "train.loss.eps_high" in floats
+    for key in floats:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"--{key}={value}"])
+        assert str(e.value).startswith(f"{key}=") and "finite" in str(e.value), key

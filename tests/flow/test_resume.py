@@ -6,7 +6,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tailrace.flow.policies import SyncPolicy
+from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.records import Finished, dumps, journal_from_json
 from tests.flow.scripted import ScriptedCluster, prompts
@@ -14,8 +14,13 @@ from tests.flow.scripted import ScriptedCluster, prompts
 R, K, STEPS = 3, 2, 6
 
 
-def build(U):
-    return Scheduler(SyncPolicy(), prompts(), [(3, 1)], FlowSpec(R, K, U, STEPS))
+def build(U, zero_signal="train"):
+    return Scheduler(make_policy("sync", zero_signal), prompts(), [(3, 1)], FlowSpec(R, K, U, STEPS))
+
+
+def reward(g, i):
+    """Every third group gives equal rewards (zero-signal)."""
+    return float(i % 2) if g % 3 else 0.0
 
 
 def run_until_crash(s, c, every, crash_tick):
@@ -37,24 +42,25 @@ def run_until_crash(s, c, every, crash_tick):
     crash_tick=st.integers(5, 120),
     every=st.sampled_from([1, 2]),
     U=st.sampled_from([1, 3]),
+    zero_signal=st.sampled_from(["train", "replace"]),
 )
-def test_crash_and_resume(seed, crash_tick, every, U):
+def test_crash_and_resume(seed, crash_tick, every, U, zero_signal):
     rng = random.Random(seed)
     lengths = {}
 
     def length(g, i):
         return lengths.setdefault((g, i), rng.randint(1, 12))
 
-    s = build(U)
-    c = ScriptedCluster(s, length, slots=3, train_ticks=3)
+    s = build(U, zero_signal)
+    c = ScriptedCluster(s, length, slots=3, train_ticks=3, reward=reward)
     journal, ckpt = run_until_crash(s, c, every, crash_tick)
     if ckpt is None or s.done:
         return
-    s2 = build(U)
+    s2 = build(U, zero_signal)
     s2.load_state_dict(ckpt)
     tail = [journal_from_json(json.loads(line)) for line in journal[ckpt["journal_seq"] :]]
     s2.replay(tail)
-    c2 = ScriptedCluster(s2, length, slots=3, train_ticks=3)
+    c2 = ScriptedCluster(s2, length, slots=3, train_ticks=3, reward=reward)
     c2.t = c.t
     c2.loaded = [{ckpt["version"]}]  # engines restart holding the checkpointed weights
     c2.run()
@@ -76,6 +82,10 @@ def test_crash_and_resume(seed, crash_tick, every, U):
     assert not (replayed & regenerated)
     lost = len([e for e in tail if isinstance(e, Finished)]) - len(replayed)
     assert s2.ledger.discarded.get("resume:weights-lost", 0) == lost
+    dropped = s2.ledger_record()["groups"]["dropped"].get("zero-signal", 0)
+    assert s2.ledger.discarded.get("zero-signal", 0) == K * dropped
+    if zero_signal == "train":
+        assert dropped == 0
     if every == 1:
         assert lost == 0, "with a checkpoint per step, no finished trajectory may be lost"
     # strictly on-policy after resume too

@@ -1,3 +1,8 @@
+import os
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,3 +43,100 @@ def tiny_model(tmp_path_factory) -> Path:
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TAILRACE_CACHE", str(tmp_path / "cache"))
     yield
+
+
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.fixture(scope="session")
+def finished_run(tiny_model, tmp_path_factory) -> Path:
+    """A whole run of TINY_RUN (4 steps, a checkpoint after each, the last three kept) from a copy of the
+    tiny model that carries a chat template. The tiny model earns no reward, so a KL penalty makes every
+    step move the weights and the optimizer. Copy it (`copy_run`) before changing anything in it."""
+    from tailrace.cli import main
+
+    root = tmp_path_factory.mktemp("finished")
+    source = root / "model"
+    shutil.copytree(tiny_model, source)
+    (source / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    run = root / "run"
+    argv = ["train", f"--run-dir={run}", f"--model.path={source}", *TINY_RUN, "--flow.keep_checkpoints=3"]
+    assert main([*argv, "--train.loss.kl_coef=0.01"]) == 0
+    return run
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def checkpoints(run: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first."""
+    return sorted(p for p in (run / "checkpoints").glob("step_*") if p.is_dir() and "." not in p.name)
+
+
+def unfinish(run: Path) -> Path:
+    """Make a finished run look killed after its next-to-last checkpoint: the final evaluation and the
+    last checkpoint are gone (the journal and metrics keep what the lost step wrote, as after a crash)."""
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(l for l in lines if '"tag":"final"' not in l))
+    shutil.rmtree(checkpoints(run)[-1])
+    return run
+
+
+@pytest.fixture
+def unfinished_run(finished_run, tmp_path) -> Path:
+    return unfinish(copy_run(finished_run, tmp_path / "run"))
+
+
+def run_cli(*args: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
+    """`tailrace ARGS` in a subprocess (output captured as text)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    return subprocess.run(
+        [sys.executable, "-m", "tailrace.cli", *args], env=env, capture_output=True, text=True,
+        timeout=timeout, **kw,
+    )  # fmt: skip
+
+
+def start_cli(*args: str, **kw) -> subprocess.Popen:
+    """`tailrace ARGS` started in a subprocess of its own session (so a test can signal its group)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tailrace.cli", *args], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw,
+    )  # fmt: skip
+
+
+def wait_for_steps(run: Path, proc: subprocess.Popen, n: int, timeout: float = 240) -> None:
+    """Until the run has written `n` step records (the process must stay alive meanwhile)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        f = run / "metrics.jsonl"
+        if f.exists() and f.read_text().count('"kind":"step"') >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} steps within {timeout} s")
+
+
+def workers_of(pid: int) -> list[int]:
+    """The worker processes a driver spawned (trainer first, then the engines), by pid order."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            out.append(int(d.name))
+    return sorted(out)
+
+
+def one_line(out: str) -> str:
+    """The output's last line, after checking the output holds no traceback."""
+    assert "Traceback" not in out, out[-3000:]
+    return out.strip().splitlines()[-1]

@@ -60,6 +60,10 @@ def test_malformed_jsonl_line(capsys, tmp_path):
         (["--flow.mode=pip"], "multiversion"),
         (["--train.loss.name=ppo"], "drgrpo"),
         (["--flow.mode=async", "--flow.max_staleness=0"], "max_staleness"),
+        (["--rollout.top_k=-5"], "rollout.top_k"),
+        (["--train.lr=inf"], "train.lr"),
+        (["--train.loss.kl_coef=nan"], "train.loss.kl_coef"),
+        (["--train.loss.eps_high=inf"], "train.loss.eps_high"),
     ],
 )
 def test_bad_config_is_rejected_before_anything_starts(capsys, tmp_path, args, needle):

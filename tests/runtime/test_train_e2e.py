@@ -33,7 +33,7 @@ def test_sync_with_a_fixed_seed_gives_identical_metrics(tiny_model, tmp_path):
     assert len(runs[0]) == 4
     assert runs[0] == runs[1]
     assert any(
-        r["length"]["p50"] != runs[0][0]["length"]["p50"]
+        r["length"]["mean"] != runs[0][0]["length"]["mean"]
         or r["train"]["entropy"] != runs[0][0]["train"]["entropy"]
         for r in runs[0][1:]
     ), "steps should differ from each other (the test would be vacuous)"
@@ -65,10 +65,13 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     assert 3 <= killed_at < 8
     done_before = finished(run)
 
-    rc = subprocess.run(
-        [sys.executable, "-m", "tailrace.cli", "train", f"--resume={run}"], env=env, capture_output=True
-    ).returncode
-    assert rc == 0
+    resumed = subprocess.run(
+        [sys.executable, "-m", "tailrace.cli", "train", f"--resume={run}"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     steps = [r["step"] for r in steps_of(run)]
     assert steps == list(range(8)), f"steps after resume: {steps}"
     done = finished(run)
@@ -79,4 +82,5 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     assert final["trained"] == 8 * 16
     assert final["produced"] >= len(done_before)
     assert final["produced"] == final["trained"] + final["in_store"] + discarded
-    assert discarded == 0, f"with a checkpoint per step nothing may be discarded: {final['discarded']}"
+    lost = {k: v for k, v in final["discarded"].items() if k != "zero-signal"}  # replaced on purpose
+    assert not lost, f"with a checkpoint per step nothing may be discarded: {final['discarded']}"

@@ -319,7 +319,7 @@ def test_engine_and_trainer_failures_lose_no_sample_in_any_mode(mode, seed, engi
     lengths = LognormalLengths(median=300, max_len=2000, seed=seed)
     sched = Scheduler(make_policy(mode), prompt_stream(lengths), [(16, 4)] * engines, FlowSpec(8, 4, 2, 8))
     engs = [SimEngine(i, 16, COST, lengths) for i in range(engines)]
-    spec = FailureSpec(engine_mtbf_s=rng.uniform(2, 20), trainer_mtbf_s=rng.uniform(2, 20), detect_s=0.5,
+    spec = FailureSpec(engine_mtbf_s=rng.uniform(8, 30), trainer_mtbf_s=rng.uniform(8, 30), detect_s=0.5,
                        restart_s=1.0, seed=seed)  # fmt: skip
     cl = SimCluster(sched, engs, COST, Capture(), failures=spec)
     cl.run()
@@ -327,6 +327,17 @@ def test_engine_and_trainer_failures_lose_no_sample_in_any_mode(mode, seed, engi
     assert len(trained) == len(set(trained)) == 8 * 2 * 4
     sched.ledger.check(sched.in_store())
     assert len(cl.failure_log.events) == cl.failure_log.engine + cl.failure_log.trainer
+
+
+def test_failures_faster_than_any_sample_finishes_stop_the_simulation_with_the_figures_to_change():
+    from tailrace.sim.failures import FailureSpec
+
+    lengths = ConstantLengths(2000, prompt=64)
+    sched = Scheduler(make_policy("sync"), prompt_stream(lengths), [(16, 4)], FlowSpec(8, 4, 2, 8))
+    spec = FailureSpec(engine_mtbf_s=0.5, detect_s=0.1, restart_s=0.1, seed=1)
+    cl = SimCluster(sched, [SimEngine(0, 16, COST, lengths)], COST, Capture(), failures=spec)
+    with pytest.raises(SimStalled, match=r"livelocked.*failures.engine_mtbf_s=0.5"):
+        cl.run()
 
 
 def test_simulate_reports_the_effective_training_time_ratio(tmp_path):

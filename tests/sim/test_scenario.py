@@ -41,7 +41,13 @@ def test_a_simulated_run_writes_the_files_of_a_real_run(tmp_path):
     assert {"step_s", "trainer_wait_ratio", "bubble_ratio", "gen_tok_s", "weight_sync_s"} <= set(
         steps[0]["time"]
     )
-    assert steps[-1]["ledger"] == {"produced": 32, "trained": 32, "discarded": {}, "in_store": 0}
+    assert steps[-1]["ledger"] == {
+        "produced": 32,
+        "trained": 32,
+        "discarded": {},
+        "in_store": 0,
+        "groups": {"complete": 8, "zero_signal": 0, "dropped": {}},
+    }
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     lanes = {e["lane"] for e in events}
     assert {"engine0", "engine1", "trainer", "scheduler"} <= lanes

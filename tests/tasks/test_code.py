@@ -92,8 +92,16 @@ def test_bad_tests_fail_when_the_task_is_built(tmp_path, tests, message):
 
 
 def test_registry_builds_code_tasks():
-    task = make_task(f"code:{DATA}", test_path=DATA)
+    task = make_task(f"code:{DATA}", {"test_path": str(DATA)})
     assert isinstance(task, CodeTask) and task.name == "code:code_example"
+    task = make_task(f"code:{DATA}", {"test_path": str(DATA), "sandbox": {"cpu_s": 2, "read_paths": ["/x"]}})
+    assert task.sandbox == SandboxConfig(cpu_s=2, read_paths=("/x",))
+    with pytest.raises(
+        TaskError, match=r"^code:\S+ sandbox: unknown task.config key 'cpu'; did you mean cpu_s\?"
+    ):
+        make_task(f"code:{DATA}", {"sandbox": {"cpu": 2}})
+    with pytest.raises(TaskError, match=r"bad task.config sandbox \{'cpu_s': 0\}: sandbox cpu_s=0: must be"):
+        make_task(f"code:{DATA}", {"sandbox": {"cpu_s": 0}})
     with pytest.raises(TaskError, match="has no path; write code:<path to .jsonl>"):
         make_task("code:")
 

@@ -1,6 +1,7 @@
 """GRPOTrainer on a tiny causal stand-in model: accumulation, one step, metrics, checkpoints, weight sync."""
 
 import copy
+import dataclasses
 import math
 import random
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from tailrace.config import ConfigError, LossConfig, TrainerConfig, load_config
 from tailrace.trainer.advantages import ADVANTAGES
-from tailrace.trainer.grpo import GRPOTrainer
+from tailrace.trainer.grpo import GRPOTrainer, NonFiniteError
 from tailrace.trainer.logprobs import token_logprobs
 from tailrace.types import Finish, GenResult, Group, Trajectory
 
@@ -259,3 +260,51 @@ def test_config_validation_and_yaml_mapping():
             TrainerConfig(**bad)
     with pytest.raises(ValueError, match="ref_model"):
         GRPOTrainer(TinyLM(), TrainerConfig(loss=LossConfig(kl_coef=0.1)))
+
+
+@pytest.mark.parametrize("poison", ["logprobs", "weights"])
+def test_a_non_finite_step_raises_and_leaves_the_weights_untouched(poison):
+    model = TinyLM()
+    groups = make_groups(model)
+    tr = GRPOTrainer(model, TrainerConfig(temperature=1e-45 if poison == "logprobs" else 1.0))
+    if poison == "weights":
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] = math.inf
+    before = tr.flat.buffer.clone()
+    with pytest.raises(NonFiniteError, match="not finite.*train.lr"):
+        tr.step(groups, 0)
+    assert torch.equal(tr.flat.buffer, before) and tr.steps == 0
+    assert not tr.opt.state, "the optimizer must not have moved"
+
+
+def equal_rewards(groups, reward=0.1):
+    return [
+        Group(g.id, g.prompt_id, tuple(dataclasses.replace(t, reward=reward) for t in g.trajectories))
+        for g in groups
+    ]
+
+
+def test_a_batch_without_reward_signal_runs_no_forward_or_backward():
+    """Every group's rewards equal (three 0.1s: their float mean is not 0.1, so the estimator's
+    advantages are ~1e-11, not 0): the step is counted and reported skipped, the weights untouched."""
+    model = TinyLM()
+    groups = make_groups(model, k=3)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    tr = GRPOTrainer(model, TrainerConfig(lr=1e-3))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    m = tr.step(equal_rewards(groups), trainer_version=0)
+    assert calls == [] and m["skipped"] == 1 and m["micro_batches"] == 0 and m["tokens"] == 0
+    assert m["step"] == tr.steps == 1 and not tr.opt.state
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+    # one group with signal among equal ones: a normal step
+    m = tr.step(equal_rewards(groups[:2]) + groups[2:], trainer_version=0)
+    assert calls and m["skipped"] == 0 and m["grad_norm"] > 0
+
+
+def test_a_kl_term_keeps_a_batch_without_reward_signal_training():
+    model = TinyLM()
+    tr = GRPOTrainer(model, TrainerConfig(lr=1e-3, loss=LossConfig(kl_coef=0.1)), ref_model=TinyLM(seed=1))
+    m = tr.step(equal_rewards(make_groups(model)), trainer_version=0)
+    assert m["skipped"] == 0 and m["grad_norm"] > 0

@@ -16,8 +16,12 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(mode: str, **options) -> Policy:
-    """Build the policy for `mode`; each policy takes the options it understands from `options`."""
+def make_policy(mode: str, zero_signal: str = "train", extra_groups: int | None = None, **options) -> Policy:
+    """Build the policy for `mode`; each policy takes the options it understands from `options`.
+    `zero_signal` (flow.zero_signal): "replace" swaps zero-signal groups for fresh prompts, at most
+    `extra_groups` per optimizer step (None = U); "train" trains them as they are."""
     if mode not in POLICIES:
         raise ValueError(f"unknown flow.mode {mode!r}; use one of {', '.join(POLICIES)}")
-    return POLICIES[mode].from_options(**options)
+    policy = POLICIES[mode].from_options(**options)
+    policy.extra_groups = extra_groups if zero_signal == "replace" else 0
+    return policy

@@ -8,6 +8,12 @@
 
 Class attributes declare the invariants the core enforces at every train step:
 `max_staleness` (trainer version - oldest token version) and `mixed_versions`.
+
+Zero-signal groups (DAPO's dynamic sampling): a complete group whose rewards are all equal has zero
+advantage everywhere and teaches nothing. With `extra_groups` (set by `make_policy`; 0 = off) each
+policy drops such groups (reason `zero-signal`, `core.drop_group`) and generates fresh prompts in
+their place, at most `extra_groups` more groups per optimizer step; past that bound they are
+trained as they are, so every step still has its U groups and the run its steps.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class Policy:
     name = "base"
     max_staleness = 0
     mixed_versions = False
+    extra_groups: int | None = 0  # zero-signal groups replaced per optimizer step at most (None = U)
 
     @classmethod
     def from_options(cls, **options) -> "Policy":
@@ -73,6 +80,29 @@ class Policy:
                 engines = [e for e in core.engines if g.version in e.loaded]
                 core.dispatch(engines[i % len(engines)].id, g, 1, queue_all=True)
                 i += 1
+
+    def allowance(self, core: Scheduler, steps: int = 1) -> int:
+        """Replacement groups `steps` optimizer steps may open."""
+        per_step = core.spec.groups_per_step if self.extra_groups is None else self.extra_groups
+        return per_step * steps
+
+    @staticmethod
+    def replace_zero_signal(core: Scheduler, slots: list[int], allowance: int) -> int:
+        """Swap each ready zero-signal group of `slots` (in slot order, at most `allowance`) for a
+        fresh group in the same slot, at its version while an engine still holds it (else the newest
+        an engine holds: fresher, so never staler). Returns how many were swapped."""
+        n = 0
+        for i, gid in enumerate(slots):
+            if n >= allowance:
+                break
+            g = core.ready.get(gid)
+            if g is None or not g.zero_signal:
+                continue
+            held = {v for e in core.engines for v in e.loaded}
+            core.drop_group(gid, "zero-signal")
+            slots[i] = core.open_group(g.version if g.version in held else max(held)).id
+            n += 1
+        return n
 
     @staticmethod
     def sync_engines(core: Scheduler, version: int) -> bool:

@@ -9,6 +9,10 @@ it (or in an earlier step) was opened at version >= T+1-K. So when the oldest ve
 not all collected, the trainer waits rather than a trajectory being dropped or going stale (C2, C3).
 Groups of the oldest version are trained first, then in completion order; admission opens no more
 groups of a version than the steps left before it goes stale can take, so the wait always ends.
+
+A zero-signal group is dropped as soon as it is ready (at most `allowance` between two train steps)
+and frees its place in its version's rollout batch; admission opens a fresh group for it, at the
+newest version.
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ class StreamingPolicy(Policy):
 
     # -- training -------------------------------------------------------------------------------
     def train_ready(self, core: Scheduler) -> None:
+        """Drop zero-signal groups (within the allowance), then issue every step the window allows."""
+        if core.steps_issued != self.step_seen:
+            self.step_seen, self.replaced = core.steps_issued, 0
+        for g in list(core.ready.values()):
+            if g.zero_signal and self.replaced < self.allowance(core):
+                core.drop_group(g.id, "zero-signal")
+                self.opened_at[g.version] = self.opened_at.get(g.version, 0) - 1
+                self.replaced += 1
         U, K = core.spec.groups_per_step, self.max_staleness
         while core.steps_issued < core.spec.total_steps:
             ready = sorted(core.ready.values(), key=lambda g: (g.version, g.completed_at, g.id))
@@ -60,7 +72,7 @@ class StreamingPolicy(Policy):
         U, K = core.spec.groups_per_step, self.max_staleness
         per_group = core.spec.samples_per_prompt
         room = sum(e.free for e in core.engines if version in e.loaded)
-        needed = core.spec.total_steps * U
+        needed = core.spec.total_steps * U + sum(core.groups_dropped.values())
         queued = [g.version for g in core.queued()]
         budget = min(
             U * (v + K - core.trainer_version + 1) - sum(1 for x in queued if x <= v)
@@ -81,7 +93,8 @@ class StreamingPolicy(Policy):
 
     def attach(self, core: Scheduler) -> None:
         super().attach(core)
-        self.opened_at: dict[int, int] = {}  # groups this policy opened per version
+        self.opened_at: dict[int, int] = {}  # groups this policy opened per version (less dropped)
+        self.step_seen, self.replaced = 0, 0  # zero-signal groups dropped since step `step_seen` issued
 
     def pending(self, core: Scheduler) -> list[GroupState]:
         """Open groups with samples still to dispatch, oldest version first."""

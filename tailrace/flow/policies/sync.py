@@ -2,7 +2,9 @@
 weights, train on them in R/U optimizer steps, publish the new version, load it everywhere, repeat.
 Strictly on-policy.
 The whole round is handed to the engines at once (they queue what their slots cannot take), so a
-fixed seed gives the same engine schedule, and the same metrics, run after run."""
+fixed seed gives the same engine schedule, and the same metrics, run after run. For the same reason
+zero-signal groups are replaced in waves: once a round is complete, its zero-signal groups (slot
+order, within the round's allowance) are dropped and a wave of fresh prompts is handed over."""
 
 from __future__ import annotations
 
@@ -20,18 +22,24 @@ class SyncPolicy(Policy):
 
     def __init__(self) -> None:
         self.round: list[int] = []  # group ids of the round being generated
+        self.extra = 0  # zero-signal replacements this round
 
     def decide(self, core: Scheduler) -> None:
+        R, U = core.spec.groups_per_round, core.spec.groups_per_step
         if not self.round:  # after a resume, the groups of the interrupted round are already there
-            self.round = sorted(list(core.open) + list(core.ready))[: core.spec.groups_per_round]
+            self.round, self.extra = sorted(list(core.open) + list(core.ready))[:R], 0
         if not self.round:
             self._start_round(core)
             return
         groups = [core.open[g] for g in self.round if g in core.open]
+        if not groups:  # the round is complete: its zero-signal groups go, a wave replaces them
+            self.extra += self.replace_zero_signal(
+                core, self.round, self.allowance(core, R // U) - self.extra
+            )
+            groups = [core.open[g] for g in self.round if g in core.open]
         if groups:
             self.hand_over(core, groups)
             return
-        U = core.spec.groups_per_step
         for i in range(0, len(self.round), U):
             chunk = self.round[i : i + U]
             core.train(chunk, publish=i + U >= len(self.round))

@@ -1,0 +1,216 @@
+"""Checkpoints: RUN_DIR/checkpoints/step_N/ holds the run after N optimizer steps.
+
+    model/                 a complete HF checkpoint: config.json, model.safetensors (the trainer's fp32
+                           weights) and the source checkpoint's tokenizer files and chat template, so
+                           transformers and `tailrace eval --model.path=.../model` load it as it is
+    optimizer.safetensors  AdamW's state (`state.<parameter index>.<name>`) and the RNG state (`rng`)
+    trainer.json           the trainer's step count
+    scheduler.json         the scheduler, store and ledger as of step N, and its journal position
+    config.yaml            the config the run was under (a resume refuses a changed one)
+    checkpoint.json        written last: the format and the size of every file above
+
+Nothing is read back with pickle: tensors are safetensors, everything else JSON or YAML. A checkpoint
+is built in step_N.tmp/ (the trainer writes its part, then the driver its own and the manifest) and
+renamed to step_N/ when whole, so a step_N/ whose files have the manifest's sizes is complete; what
+an interrupted save leaves (`*.tmp`) is removed by the next resume. Optimizer hyperparameters are not
+stored: they come from the config, which a resume refuses to change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tailrace.common import one_line
+from tailrace.config import load_config
+from tailrace.model.checkpoint import CheckpointError, save_pretrained
+from tailrace.trainer.grpo import GRPOTrainer
+
+FORMAT = 1
+MANIFEST = "checkpoint.json"
+OPTIMIZER = "optimizer.safetensors"
+TRAINER = "trainer.json"
+SCHEDULER = "scheduler.json"
+CONFIG = "config.yaml"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+# -- when ------------------------------------------------------------------------------------------
+
+AUTO_BYTES = 1 << 30  # under this a checkpoint after every step costs little (about a second to write)
+AUTO_MINUTES = 30.0  # above it: a 7B model's ~84 GB takes minutes to write; a crash loses <= 30 minutes
+
+
+@dataclass
+class Cadence:
+    """When to checkpoint: after a publishing step once `every` steps or `minutes` have passed since the
+    last checkpoint (whichever is set; both may be), and always after the run's last step."""
+
+    every: int | None
+    minutes: float | None
+    last_step: int = 0  # steps done at the last checkpoint (or the start)
+    last_s: float = 0.0  # and when, on the driver's clock
+
+    @classmethod
+    def of(cls, every: int | None, minutes: float | None, checkpoint_bytes: int) -> Cadence:
+        """The configured cadence; with neither set, by size: every step for a checkpoint under
+        `AUTO_BYTES` (the built-in model's is a few MB), else every `AUTO_MINUTES`."""
+        if every is None and minutes is None:
+            return cls(1, None) if checkpoint_bytes < AUTO_BYTES else cls(None, AUTO_MINUTES)
+        return cls(every, minutes)
+
+    def due(self, steps: int, now: float) -> bool:
+        """Whether the step that brings the run to `steps` done (and publishes) should be saved."""
+        by_steps = self.every is not None and steps - self.last_step >= self.every
+        return by_steps or (self.minutes is not None and now - self.last_s >= 60 * self.minutes)
+
+    def saved(self, steps: int, now: float) -> None:
+        self.last_step, self.last_s = steps, now
+
+
+# -- the trainer's part (in the trainer process) -----------------------------------------------
+
+
+def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path) -> None:
+    """model/ (with the source checkpoint's tokenizer and chat template), optimizer and step, synced."""
+    if out.exists():
+        shutil.rmtree(out)  # a save of this step that an earlier, killed process began
+    out.mkdir(parents=True)
+    save_pretrained(trainer.model, out / "model", companions_from=source_model)
+    state = trainer.state_dict()
+    tensors = {
+        f"state.{i}.{name}": t.detach().to("cpu").contiguous()
+        for i, s in state["optimizer"]["state"].items()
+        for name, t in s.items()
+    }
+    tensors["rng"] = torch.get_rng_state()
+    _write(out / TRAINER, json.dumps({"step": state["step"]}) + "\n")
+    save_file(tensors, str(out / OPTIMIZER), metadata={"format": str(FORMAT)})
+    shutil.copymode(out / TRAINER, out / OPTIMIZER)  # safetensors writes 0600
+    _fsync(out / OPTIMIZER)
+
+
+def load_trainer(trainer: GRPOTrainer, ckpt: Path) -> None:
+    """The optimizer state, step count and RNG of `ckpt` into a trainer built on `ckpt`/model."""
+    f = ckpt / OPTIMIZER
+    try:
+        with safe_open(str(f), framework="pt") as fh:
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        step = int(json.loads((ckpt / TRAINER).read_text())["step"])
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            if key != "rng":
+                _, i, name = key.split(".", 2)
+                state.setdefault(int(i), {})[name] = t
+        params = [p for g in trainer.opt.param_groups for p in g["params"]]
+        for i, s in state.items():
+            if s["exp_avg"].shape != params[i].shape:
+                raise ValueError(f"parameter {i} has shape {tuple(params[i].shape)}, its state another")
+        optimizer = {"state": state, "param_groups": trainer.opt.state_dict()["param_groups"]}
+        trainer.load_state_dict({"model": trainer.model.state_dict(), "optimizer": optimizer, "step": step})
+        torch.set_rng_state(tensors["rng"])
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors' own errors, a bad key, a shape, a missing file
+        raise CheckpointError(
+            f"{ckpt} does not load ({one_line(e)}); it is damaged: move it away to resume from the "
+            "checkpoint before it"
+        ) from None
+
+
+# -- the driver's part ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A checkpoint made whole: where, and its bytes by part."""
+
+    path: Path
+    model: int
+    optimizer: int
+    total: int
+
+
+def finalize(tmp: Path, scheduler: dict, config: str) -> Saved:
+    """Add the driver's files and the manifest to the trainer's `step_N.tmp/`, then rename it."""
+    _write(tmp / SCHEDULER, json.dumps(scheduler))
+    _write(tmp / CONFIG, config)
+    files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+    _write(tmp / MANIFEST, json.dumps({"format": FORMAT, "files": files}, indent=1) + "\n")
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    model = sum(n for name, n in files.items() if name.startswith("model/"))
+    total = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+    return Saved(final, model, files[OPTIMIZER], total)
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Checkpoint directories by step, newest first (whole or not: see `verify`)."""
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and "." not in p.name), reverse=True)
+
+
+def verify(ckpt: Path) -> str | None:
+    """None if `ckpt` is whole (every file of its manifest there, at its size, the tensors' headers, the
+    JSON and the config readable); else why not, in a few words. Cheap: no tensor is read."""
+    if not (ckpt / MANIFEST).is_file():
+        if (ckpt / "trainer.pt").exists():
+            return "written by an older tailrace (trainer.pt, a pickle this version never loads)"
+        return f"no {MANIFEST}: its save never finished"
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+        for name, size in files.items():
+            f = ckpt / name
+            if not f.is_file() or f.stat().st_size != size:
+                return f"{name} is {'missing' if not f.is_file() else 'not the size it was saved at'}"
+        for name in (OPTIMIZER, "model/model.safetensors"):
+            with safe_open(str(ckpt / name), framework="pt") as fh:
+                fh.keys()
+        state = json.loads((ckpt / SCHEDULER).read_text())
+        step = json.loads((ckpt / TRAINER).read_text())["step"]
+        load_config(ckpt / CONFIG)
+    except Exception as e:  # JSON, YAML, safetensors or a missing key: damage either way
+        return f"unreadable ({one_line(e)})"
+    counts = (
+        [state.get(k) for k in ("journal_seq", "steps_done", "version")] if isinstance(state, dict) else []
+    )
+    if len(counts) != 3 or not all(type(n) is int and n >= 0 for n in [*counts, step]):
+        return f"{SCHEDULER} or {TRAINER} does not hold its counts"
+    return None
+
+
+def leftovers(run_dir: Path) -> list[Path]:
+    """What interrupted writes left in a run directory: `step_N.tmp/` directories, `*.tmp` files."""
+    found = sorted(run_dir.rglob("*.tmp"))
+    return [p for p in found if not any(q in p.parents for q in found)]  # not those inside another
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints."""
+    for old in step_dirs(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(f: Path, text: str) -> None:
+    with open(f, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,10 @@
+"""Property tests draw the same examples on every run (CI must not go red on a draw it never made
+before); `HYPOTHESIS_PROFILE=explore pytest` searches fresh examples and keeps what it finds."""
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

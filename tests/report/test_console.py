@@ -1,0 +1,56 @@
+"""The console's warnings: a base policy that never succeeds, and steps whose groups had no signal."""
+
+import io
+
+from rich.console import Console
+
+from tailrace.records import EvalRecord, StepRecord
+from tailrace.report.console import ConsoleUI
+
+TIME = dict(gen_tok_s=1.0, step_s=1.0, trainer_wait_ratio=0.0, bubble_ratio=0.0)
+
+
+def ui():
+    out = io.StringIO()
+    return ConsoleUI(Console(file=out, width=300), quiet=True), out
+
+
+def step(i, complete, zero, dropped=0, skipped=0):
+    groups = {
+        "complete": complete,
+        "zero_signal": zero,
+        "dropped": {"zero-signal": dropped} if dropped else {},
+    }
+    ledger = {"produced": 0, "trained": 0, "discarded": {}, "in_store": 0, "groups": groups}
+    return StepRecord(i, i, 0.0, 0.0, 8, {}, {}, {}, ledger, {}, {"skipped": skipped}, TIME)
+
+
+def test_a_base_policy_at_zero_percent_is_called_out():
+    c, out = ui()
+    c.begin(0, 4, EvalRecord("base", 0, dict(accuracy=0.0, n=64, p50=3, p99=9, max=12)))
+    assert "0% at base on 64 prompts: RL has no signal; make the task easier (task.config)" in out.getvalue()
+    c, out = ui()
+    c.begin(0, 4, EvalRecord("base", 0, dict(accuracy=0.25, n=64, p50=3, p99=9, max=12)))
+    assert "warning" not in out.getvalue()
+
+
+def test_steps_whose_groups_mostly_had_equal_rewards_warn_with_the_counts():
+    c, out = ui()
+    c.begin(0, 3, None)
+    c.step(step(0, complete=16, zero=14, dropped=6))  # cumulative counts: 14 of 16
+    c.step(step(1, complete=36, zero=28, dropped=6))  # 14 of 20: under 3/4, no warning
+    c.step(step(2, complete=40, zero=32, dropped=6, skipped=1))  # 4 of 4, none replaced
+    lines = [l for l in out.getvalue().splitlines() if "warning" in l]
+    assert len(lines) == 2
+    assert "step 1: 14 of 16 groups had equal rewards (no signal); 6 replaced by fresh prompts" in lines[0]
+    assert "step 3: 4 of 4 groups had equal rewards (no signal); the step trained nothing" in lines[1]
+    assert lines[1].endswith("tune it with task.config or set flow.zero_signal=replace")
+
+
+def test_after_a_resume_the_first_step_only_sets_the_baseline():
+    c, out = ui()
+    c.begin(5, 8, None)
+    c.step(step(5, complete=100, zero=90))
+    assert "warning" not in out.getvalue()
+    c.step(step(6, complete=104, zero=94))
+    assert "step 7: 4 of 4" in out.getvalue()

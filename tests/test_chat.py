@@ -1,0 +1,101 @@
+"""Chat templates: prompts rendered as transformers renders them (same ids as its own
+apply_chat_template), one BOS, the end-of-turn token found, and the session's stop ids and text."""
+
+import json
+
+import pytest
+
+from tailrace.chat import ChatFormat
+from tailrace.tokenizer import TokenizerError, load_tokenizer
+from tests.chat_helpers import BOS_FIRST, CHATML, write_chat_model, write_tokenizer
+
+Q = "Q:a7 b3 c9\n"
+
+
+def hf_ids(d, messages):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(d)
+    return list(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+@pytest.mark.parametrize("template", [CHATML, BOS_FIRST], ids=["chatml", "bos-first"])
+@pytest.mark.parametrize("system", [None, "Answer briefly."])
+def test_prompt_ids_are_transformers_own_with_one_bos(tmp_path, template, system):
+    d = write_tokenizer(tmp_path, template, bos="<|im_start|>" if template == CHATML else "<|endoftext|>")
+    tok = load_tokenizer(d)
+    chat = ChatFormat(tok, system)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": Q}]
+    ids = chat.ids(Q)
+    assert ids == hf_ids(d, messages)
+    assert ids[0] == tok.bos_id and ids[1] != tok.bos_id  # the template's BOS, never a second one
+    assert chat.end_of_turn == 2  # <|im_end|>
+
+
+def test_the_rendered_prompt_is_the_chat(tmp_path):
+    chat = ChatFormat(load_tokenizer(write_tokenizer(tmp_path)), "Be terse.")
+    assert chat.render(Q) == (
+        "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nQ:a7 b3 c9\n<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_templates_are_read_where_transformers_reads_them(tmp_path):
+    assert load_tokenizer(write_tokenizer(tmp_path / "file", in_file=True)).chat_template == CHATML
+    assert load_tokenizer(write_tokenizer(tmp_path / "none", None)).chat_template is None
+    d = write_tokenizer(tmp_path / "named", None)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": CHATML}]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert load_tokenizer(d).chat_template == CHATML
+
+
+def test_a_template_that_rejects_the_messages_is_one_line(tmp_path):
+    strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    tok = load_tokenizer(write_tokenizer(tmp_path, strict + CHATML))
+    with pytest.raises(TokenizerError) as e:
+        ChatFormat(tok, "Be terse.")
+    assert str(e.value) == (
+        "the model's chat template failed (TemplateError: System role not supported); drop "
+        "task.system_prompt or set task.chat_template=none to send the question as raw text"
+    )
+
+
+def session(d, *overrides):
+    from tailrace.config import load_config
+    from tailrace.runtime.session import Session
+
+    return Session(load_config(None, [f"--model.path={d}", *overrides]))
+
+
+def test_the_session_renders_through_the_template_and_stops_at_the_end_of_turn(tmp_path):
+    from tailrace.types import Finish, GenResult
+
+    d = write_chat_model(tmp_path)
+    ses = session(d, "--task.system_prompt=Be terse.")
+    try:
+        ex = ses.task.examples("train", 1)[0]
+        p = ses.prompt(ex)
+        assert (
+            p.token_ids == tuple(ChatFormat(ses.tok, "Be terse.").ids(ex.question)) and p.text == ex.question
+        )
+        assert ses.stop_ids == (0, 2)  # EOS <|endoftext|>, then ChatML's <|im_end|>
+        ids = tuple(ses.tok.encode("A:12")) + (2,)
+        r = GenResult("x", ids, (0.0,) * len(ids), (0,) * len(ids), Finish.STOP)
+        assert ses.response_text(r) == "A:12"  # the reward sees the response only
+    finally:
+        ses.close()
+    raw = session(d, "--task.chat_template=none")
+    try:
+        assert raw.prompt(ex).token_ids == (1, *raw.tok.encode(ex.question)) and raw.stop_ids == (0,)
+    finally:
+        raw.close()
+
+
+def test_a_system_prompt_without_a_template_is_refused(tmp_path):
+    from tailrace.common import ConfigError
+
+    d = write_chat_model(tmp_path)
+    write_tokenizer(d, None)
+    with pytest.raises(ConfigError, match="has no chat template .*; drop task.system_prompt"):
+        session(d, "--task.system_prompt=Be terse.")
