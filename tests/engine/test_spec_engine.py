@@ -152,12 +152,13 @@ def test_seeded_outputs_identical_with_and_without_speculation(model, dtype, dra
         assert st.acceptance > 0.85 and st.draft_passes > 0
 
 
-def test_quant_drafter_requantizes_at_every_weight_load(model):
+def test_quant_drafter_requantizes_at_every_weight_load():
     """Version 0 overwritten by another model: the self-drafter drafts from the new weights (its
-    acceptance stays high; a stale copy of the old model would draft another model's tokens)."""
+    acceptance stays high; a stale copy of the old model would draft another model's tokens). Own
+    models: a weight load writes the engine's model in place."""
     other = tiny_model(7)
     reqs = [req(f"w{i}", 4 + i, 40) for i in range(4)]
-    plain = TailraceEngine(model, num_slots=4)
+    plain = TailraceEngine(tiny_model(0), num_slots=4)
     eng = TailraceEngine(tiny_model(0), num_slots=4, spec="quant8")
     _same(plain.generate(reqs), eng.generate(reqs), TOL["float32"])
     plain.load_weights(other.state_dict(), 0)
