@@ -56,7 +56,7 @@ from tailrace.engine.rows import POS, TOK, RowState
 from tailrace.engine.sampler import SampleFlags, sample, seed_key, vocab_salt
 from tailrace.engine.sequence import Sequence
 from tailrace.engine.slots import Slots
-from tailrace.engine.spec import DRAFTERS, SpecStats, Speculator
+from tailrace.engine.spec import DRAFTERS, SpecOptions, SpecStats, Speculator
 from tailrace.engine.spec.drafter import DraftEnv, Drafter
 from tailrace.engine.speculative import Draft, SpeculativeSteps, Verified
 from tailrace.engine.versions import Versions
@@ -92,7 +92,7 @@ class TailraceEngine(SpeculativeSteps):
         threads: int | None = None,
         attention: str | None = None,
         kv_dtype: torch.dtype | None = None,
-        spec: str | Callable[[DraftEnv], Drafter] | None = None,
+        spec: str | Callable[[DraftEnv], Drafter] | SpecOptions | None = None,
     ):
         """`model` is version 0. `max_context`: context limit (prompt + response) per request, default
         the model's max_position_embeddings (or less, if the KV budget holds less). `kv_memory_gb`: the
@@ -102,8 +102,9 @@ class TailraceEngine(SpeculativeSteps):
         kernels; 'auto' picks them on CPU with one thread), 'bmm' or 'sdpa' (the torch backend with
         that decode attention), see `backends.select`; `backend` names the one chosen. `kv_dtype`:
         the KV cache's dtype, default the model's (float32 with a bf16 model: fp32 cache, twice the
-        bytes). `spec`: speculative decoding with this drafter: a name in `spec.DRAFTERS`, or a factory
-        of a `Drafter` (None or 'off': none); it changes no output, only the time (see `spec`)."""
+        bytes). `spec`: speculative decoding with this drafter (a name in `spec.DRAFTERS`, or a factory
+        of a `Drafter`; None or 'off': none) or these `SpecOptions`; it changes no output, only the
+        time (see `spec`)."""
         if num_slots < 1:
             raise EngineError(f"num_slots={num_slots} must be at least 1")
         if prefill_tokens < 1:
@@ -170,10 +171,11 @@ class TailraceEngine(SpeculativeSteps):
         self._n_sampled = self._n_tempered = self._n_filter = self._n_min_stop = self._n_stop = 0
         self._n_special = 0  # decode rows (of each kind; special: filtered or banning, see `sampler`)
         self._spec = None
-        if spec not in (None, "off"):
-            make = DRAFTERS.get(spec) if isinstance(spec, str) else spec
+        opts = spec if isinstance(spec, SpecOptions) else SpecOptions(spec) if spec is not None else None
+        if opts is not None and opts.drafter != "off":
+            make = DRAFTERS.get(opts.drafter) if isinstance(opts.drafter, str) else opts.drafter
             if make is None:
-                raise EngineError(f"spec={spec!r} is unknown; use 'off' or one of {sorted(DRAFTERS)}")
+                raise EngineError(f"spec={opts.drafter!r} is unknown; use 'off' or one of {sorted(DRAFTERS)}")
             env = DraftEnv(
                 self.cache,
                 self.rows,
@@ -182,7 +184,7 @@ class TailraceEngine(SpeculativeSteps):
                 select,
                 lambda v: self._versions[v].model,
             )
-            self._spec = Speculator(make(env))
+            self._spec = Speculator(make(env), opts)
         self.capabilities = Capabilities(
             abort_resume=True,
             versions_at_once=None,

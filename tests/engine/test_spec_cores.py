@@ -16,6 +16,7 @@ from tailrace.engine.spec.costs import ByBatch, LowFit, Toggle, expected_length,
 from tailrace.engine.spec.history import MIN_PROMPTS, length_budget
 from tailrace.engine.spec.ladder import Rung, climb
 from tailrace.engine.spec.quant import GROUP4, quantize_rtn, quantized_copy
+from tailrace.engine.spec.speculator import SpecOptions, Speculator
 from tailrace.engine.spec.suffix import END, START, Match, SuffixIndex
 
 
@@ -49,6 +50,27 @@ def test_ladder_moves_one_rung_after_holding_two_rounds():
     assert r.gamma == 5
     top = Rung(len(ladder.RUNGS) - 1, 5)
     assert climb(top, 1.0).gamma == 11 and climb(top, 0.8).gamma == 9
+
+
+def test_ladder_bounds():
+    assert (
+        ladder.rungs(5, 11) == ladder.RUNGS
+        and ladder.rungs(3, 3) == (3,)
+        and ladder.rungs(2, 7) == (2, 4, 6, 7)
+    )
+    r = Rung(rungs=(3,))
+    assert climb(climb(climb(r, 1.0), 1.0), 0.0).gamma == 3
+
+
+def test_speculator_without_toggle_always_drafts_the_ladders_length():
+    class Lookup:
+        per_token_cost = False
+
+    on, off = Speculator(Lookup()), Speculator(Lookup(), SpecOptions(toggle=False, gamma_min=2, gamma_max=4))
+    assert on.cap(1) == 0  # no timings: the toggle cannot predict a gain
+    assert off.cap(1) == 2 and off.gamma(0.0, 50.0, 64, off.cap(64), step=1) == 2
+    with pytest.raises(ValueError, match="gamma_min"):
+        SpecOptions(gamma_min=4, gamma_max=3)
 
 
 def test_expected_length_and_speedup_by_hand():

@@ -9,7 +9,7 @@ import functools
 
 from tailrace.engine.spec.history import HistoryDrafter
 from tailrace.engine.spec.selfdraft import QuantDrafter
-from tailrace.engine.spec.speculator import Speculator
+from tailrace.engine.spec.speculator import SpecOptions, Speculator
 from tailrace.engine.spec.stats import SpecStats
 
 DRAFTERS = {  # name -> factory of a `Drafter` from the engine's `DraftEnv`
@@ -18,4 +18,4 @@ DRAFTERS = {  # name -> factory of a `Drafter` from the engine's `DraftEnv`
     "quant4": functools.partial(QuantDrafter, bits=4),
 }
 
-__all__ = ["DRAFTERS", "SpecStats", "Speculator"]
+__all__ = ["DRAFTERS", "SpecOptions", "SpecStats", "Speculator"]

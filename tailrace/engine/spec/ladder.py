@@ -15,14 +15,20 @@ UP, DOWN = 0.94, 0.85  # climb at acceptance >= UP, descend at <= DOWN
 HOLD = 2  # rounds a rung is held before it may change
 
 
+def rungs(lo: int, hi: int) -> tuple[int, ...]:
+    """A ladder from draft length `lo` to `hi` in steps of 2 (RUNGS is rungs(5, 11)), `hi` its top."""
+    return (*range(lo, hi, 2), hi)
+
+
 @dataclass(frozen=True)
 class Rung:
-    index: int = 0  # into RUNGS
+    index: int = 0  # into rungs
     held: int = 0  # rounds completed on this rung
+    rungs: tuple[int, ...] = RUNGS  # the ladder's draft lengths, ascending
 
     @property
     def gamma(self) -> int:
-        return RUNGS[self.index]
+        return self.rungs[self.index]
 
 
 def climb(rung: Rung, acceptance: float) -> Rung:
@@ -30,8 +36,8 @@ def climb(rung: Rung, acceptance: float) -> Rung:
     been held `HOLD` rounds (counting this one), else the same rung one round older."""
     held = rung.held + 1
     if held >= HOLD:
-        if acceptance >= UP and rung.index + 1 < len(RUNGS):
-            return Rung(rung.index + 1, 0)
+        if acceptance >= UP and rung.index + 1 < len(rung.rungs):
+            return Rung(rung.index + 1, 0, rung.rungs)
         if acceptance <= DOWN and rung.index > 0:
-            return Rung(rung.index - 1, 0)
-    return Rung(rung.index, held)
+            return Rung(rung.index - 1, 0, rung.rungs)
+    return Rung(rung.index, held, rung.rungs)

@@ -13,9 +13,12 @@ probes until its own acceptance falls too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from tailrace.engine.spec.costs import Toggle
-from tailrace.engine.spec.drafter import Drafter
-from tailrace.engine.spec.ladder import Rung, climb
+from tailrace.engine.spec.drafter import DraftEnv, Drafter
+from tailrace.engine.spec.ladder import Rung, climb, rungs
 from tailrace.engine.spec.stats import SpecStats
 
 ROUND = 32  # steps with verifies per ladder round
@@ -26,11 +29,34 @@ FORGET = 0.8  # per verify of a request: the weight its older record keeps
 EXPLORE, PROBE = 16, 2
 
 
+@dataclass(frozen=True)
+class SpecOptions:
+    """How an engine speculates. `drafter`: a name in `spec.DRAFTERS` or a factory of a `Drafter`;
+    `toggle`: draft only where the fitted cost model predicts at least `min_speedup` at the active
+    batch (False: every decode row drafts the ladder's length, for measurements); the ladder runs
+    from `gamma_min` to `gamma_max` draft tokens (see `ladder.rungs`)."""
+
+    drafter: str | Callable[[DraftEnv], Drafter] = "history"
+    toggle: bool = True
+    min_speedup: float = 1.05
+    gamma_min: int = 5
+    gamma_max: int = 11
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gamma_min <= self.gamma_max:
+            raise ValueError(
+                f"gamma bounds {self.gamma_min}..{self.gamma_max}: need 1 <= gamma_min <= gamma_max"
+            )
+        if self.min_speedup <= 0:
+            raise ValueError(f"min_speedup={self.min_speedup}: must be > 0")
+
+
 class Speculator:
-    def __init__(self, drafter: Drafter, min_speedup: float = 1.05):
-        self.drafter = drafter
-        self.toggle = Toggle(drafter.per_token_cost, min_speedup)
-        self.rung = Rung()
+    def __init__(self, drafter: Drafter, options: SpecOptions | None = None):
+        o = options or SpecOptions()
+        self.drafter, self.toggled = drafter, o.toggle
+        self.toggle = Toggle(drafter.per_token_cost, o.min_speedup)
+        self.rung = Rung(rungs=rungs(o.gamma_min, o.gamma_max))
         self.stats = SpecStats(gamma=self.rung.gamma)
         self._acc, self._cmp = ALPHA0 * PRIOR, PRIOR  # the drafter's decayed record
         self._round = [0, 0, 0]  # steps with verifies, accepted, compared in this round
@@ -42,11 +68,13 @@ class Speculator:
     def cap(self, batch: int) -> int:
         """The ladder's draft length if drafting could pay at this active batch at all, else 0."""
         g = self.rung.gamma
-        return g if self.toggle.gamma(batch, 1.0, g) else 0
+        return g if not self.toggled or self.toggle.gamma(batch, 1.0, g) else 0
 
     def gamma(self, accepted: float, compared: float, batch: int, cap: int, step: int) -> int:
         """Draft length at decode step `step` for a request whose recent drafts had `accepted` of
         `compared` tokens accepted (see `record`)."""
+        if not self.toggled:
+            return cap
         alpha = (accepted + PRIOR * self.alpha) / (compared + PRIOR)
         g = self.toggle.gamma(batch, alpha, cap)
         if g or step % EXPLORE or not self.toggle.gamma(batch, self.alpha, cap):
