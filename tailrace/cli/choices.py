@@ -2,9 +2,10 @@
 
 Each vocabulary has one home, its registry: overlap modes are `flow.policies.POLICIES`, policy-gradient
 losses (with each one's default clip range and paired advantage estimator) and off-policy corrections
-`trainer.losses.LOSSES` and `CORRECTIONS`, advantage estimators `trainer.advantages.ADVANTAGES`. The
-config fields that name them are plain strings, so the config stays torch-free; the CLI calls `check`
-right after loading a config, and its help lists each field's choices from the same table.
+`trainer.losses.LOSSES` and `CORRECTIONS`, advantage estimators `trainer.advantages.ADVANTAGES`,
+drafters `engine.spec.DRAFTERS` (and none). The config fields that name them are plain strings, so the
+config stays torch-free; the CLI calls `check` right after loading a config, and its help lists each
+field's choices from the same table.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import dataclasses
 from typing import Any, Collection
 
 from tailrace.common import ConfigError
-from tailrace.config import FlowConfig, LossConfig, RunConfig, TrainerConfig
+from tailrace.config import FlowConfig, LossConfig, RunConfig, SpecConfig, TrainerConfig
 
 Registries = dict[tuple[type, str], Collection[str]]  # (section, field) -> the names it may take
 
 
 def registries() -> Registries:
     """(section, field) -> the registry whose names the field takes (imports the trainer's, and torch)."""
+    from tailrace.engine.spec import DRAFTERS
     from tailrace.flow.policies import POLICIES
     from tailrace.trainer.advantages import ADVANTAGES
     from tailrace.trainer.losses import CORRECTIONS, LOSSES
@@ -29,6 +31,7 @@ def registries() -> Registries:
         (LossConfig, "name"): LOSSES,
         (LossConfig, "correction"): CORRECTIONS,
         (TrainerConfig, "advantage"): ADVANTAGES,
+        (SpecConfig, "drafter"): ("none", *DRAFTERS),
     }
 
 

@@ -59,6 +59,11 @@ class ConsoleUI:
             f"len p50 {L.get('p50', 0):.0f} max {L.get('max', 0):.0f}  gen {t['gen_tok_s']:.0f} tok/s  "
             f"step {t['step_s']:.2f}s  wait {t['trainer_wait_ratio']:.2f} bubble {t['bubble_ratio']:.2f}"
         )
+        if "spec_forwards_per_token" in t:
+            line += (
+                f"  spec acc {t['spec_accepted_share']:.2f} len {t['spec_mean_accepted']:.1f} "
+                f"on {t['spec_on_fraction']:.2f} fwd/tok {t['spec_forwards_per_token']:.2f}"
+            )
         if saved is not None:
             line += f"  ckpt {_size(saved.bytes['total'])} in {saved.seconds:.1f}s"
         warning = self._zero_signal(r)

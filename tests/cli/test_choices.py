@@ -3,7 +3,8 @@
 import pytest
 
 from tailrace.cli.choices import check, registries
-from tailrace.config import ConfigError, FlowConfig, LossConfig, TrainerConfig, load_config
+from tailrace.config import ConfigError, FlowConfig, LossConfig, SpecConfig, TrainerConfig, load_config
+from tailrace.engine.spec import DRAFTERS
 from tailrace.flow.policies import POLICIES
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.losses import CORRECTIONS, LOSSES
@@ -16,6 +17,7 @@ from tailrace.trainer.losses import CORRECTIONS, LOSSES
         ("--train.loss.name=ppo", LOSSES),
         ("--train.loss.correction=is", CORRECTIONS),
         ("--train.advantage=gae", ADVANTAGES),
+        ("--rollout.spec.drafter=eagle", ("none", *DRAFTERS)),
     ],
 )
 def test_unknown_name_lists_the_registry(override, registry):
@@ -27,7 +29,12 @@ def test_unknown_name_lists_the_registry(override, registry):
 
 
 def test_every_registered_name_passes():
-    prefix = {FlowConfig: "flow", LossConfig: "train.loss", TrainerConfig: "train"}
+    prefix = {
+        FlowConfig: "flow",
+        LossConfig: "train.loss",
+        TrainerConfig: "train",
+        SpecConfig: "rollout.spec",
+    }
     for (section, field), names in registries().items():
         for name in names:  # drgrpo needs its normaliser, and async & co. staleness >= 1 (the default)
             check(

@@ -54,3 +54,18 @@ def test_after_a_resume_the_first_step_only_sets_the_baseline():
     assert "warning" not in out.getvalue()
     c.step(step(6, complete=104, zero=94))
     assert "step 7: 4 of 4" in out.getvalue()
+
+
+def test_a_step_line_shows_speculation_when_the_run_drafts():
+    from dataclasses import replace
+
+    from tailrace.metrics import speculation
+
+    c, out = ui()
+    c.begin(0, 2, None)
+    c.step(step(0, complete=4, zero=0))
+    spec = speculation(rows=100, verifies=40, drafted=200, accepted=150)
+    c.step(replace(step(1, complete=8, zero=0), time={**TIME, **spec}))
+    lines = out.getvalue().splitlines()
+    assert "spec" not in lines[0]
+    assert "spec acc 0.75 len 3.8 on 0.40 fwd/tok 0.40" in lines[1]
