@@ -323,7 +323,8 @@ class TailraceEngine(SpeculativeSteps):
         duration = time.perf_counter() - t0
         if self._spec is not None:
             if active and not pieces:  # the toggle's cost model: decode and verify steps
-                self._spec.toggle.observe_step(active, v.drafted, len(drafts), duration - t_draft)
+                toggle, emitted = self._spec.toggle, active + v.extra
+                toggle.observe_step(active, v.drafted, len(drafts), duration - t_draft, t_draft, emitted)
             self._spec.step(active, len(drafts), active + v.extra)
         return StepEvent(
             t0,

@@ -122,7 +122,8 @@ def _toggle(x_ms=None, y_ms=0.0, draft_ms=None, per_token=False):
     for _ in range(20 if x_ms is not None else 0):  # the fit moves a step per timing: let it settle
         for b in batches:
             for g in (1, 3, 5):
-                t.observe_step(b, b * g, b, (1 + b / 8 + x_ms * b * g + y_ms * b) / 1e3)
+                ms = 1 + b / 8 + x_ms * b * g + y_ms * b  # every draft accepted: no veto
+                t.observe_step(b, b * g, b, ms / 1e3, 0.0, emitted=b * (g + 1))
     return t
 
 
@@ -148,6 +149,20 @@ def test_toggle_by_hand():
     cheap = _toggle(draft_ms=lambda rows: 0.1 + rows / 80, per_token=True)
     assert cheap.predict(1, 1.0, 1) == pytest.approx(2 / (0.1125 / 1.125 + 1 + 0.125 / 1.125), rel=1e-2)
     assert cheap.gamma(1, 0.5, 11) > 0
+
+
+def test_toggle_vetoes_a_batch_where_verify_steps_measure_slower_and_lifts_it_when_they_pay():
+    t = _toggle()  # the model says batch 8 pays at alpha 0.8
+    assert t.gamma(8, 0.8, 5) > 0
+    for _ in range(costs.JUDGED):  # verify steps: 1.2 tokens per row for twice a plain step's time
+        t.observe_step(8, 16, 8, 2 * (1 + 8 / 8) / 1e3, 0.0, emitted=int(1.2 * 8))
+    assert t.gamma(8, 0.8, 5) == 0 and t.gamma(8, 0.8, 5, veto=False) > 0 and t.gamma(4, 0.8, 5) > 0
+    for _ in range(3):  # probes that gain a little: not enough to lift it
+        t.observe_step(8, 2, 1, (1 + 8 / 8) / 1e3, 0.0, emitted=8)
+    assert t.gamma(8, 0.8, 5) == 0
+    for _ in range(20):  # verify steps that double the tokens in the same time: lifted
+        t.observe_step(8, 40, 8, (1 + 8 / 8) / 1e3, 0.0, emitted=16)
+    assert t.gamma(8, 0.8, 5) > 0
 
 
 def test_toggle_threshold_is_min_speedup():

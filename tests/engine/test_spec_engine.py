@@ -36,7 +36,7 @@ def model():
 def always_draft(monkeypatch):
     """Every row drafts the ladder's length whatever the timings say: the toggle would make what is
     exercised depend on this machine's speed (it is tested alone in test_spec_cores.py)."""
-    monkeypatch.setattr(Toggle, "gamma", lambda self, batch, alpha, gamma_max: gamma_max)
+    monkeypatch.setattr(Toggle, "gamma", lambda self, batch, alpha, gamma_max, veto=True: gamma_max)
 
 
 def test_under_the_toggle_a_garbage_drafter_soon_only_probes(model, monkeypatch):
@@ -44,7 +44,7 @@ def test_under_the_toggle_a_garbage_drafter_soon_only_probes(model, monkeypatch)
     cost a few verifies per request, then at most the probes every EXPLORE steps (none once the
     drafter's own record says drafting cannot pay); no token changes."""
     monkeypatch.undo()
-    monkeypatch.setattr(Toggle, "observe_step", lambda self, b, d, v, s: None)
+    monkeypatch.setattr(Toggle, "observe_step", lambda self, *a: None)
     reqs = [req(f"g{i}", 5, 120) for i in range(2)]
     plain = TailraceEngine(model, num_slots=2).generate(reqs)
     eng = TailraceEngine(model, num_slots=2, spec=Garbage({}))

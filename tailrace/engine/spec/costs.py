@@ -13,6 +13,12 @@ and before any verify from the decode steps alone (x: the marginal cost of a row
 sizes both the fixed cost of a step and the cost per token are large, so v grows fast with b g: the
 toggle turns a request's draft length into the one up to the ladder's with the best predicted
 speed-up, or 0 (no speculation) where even that is below `min_speedup`.
+
+The model can be wrong (a fit from few or noisy timings, costs it leaves out), so the toggle also
+checks what it gets: per batch bucket, the realized speed-up of the steps that verified drafts (tokens
+emitted per row over the step's time with drafting, against the average plain decode step there). A
+bucket whose realized speed-up falls below VETO is vetoed (no drafts but the speculator's probes)
+until it comes back above `min_speedup`.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ FALL, RISE = 0.3, 0.05
 REFIT_EVERY = 32  # observations between recomputations of the toggle's tables
 ALPHAS = 20  # the toggle's table resolution in alpha: buckets of 1/ALPHAS
 TRUSTED = 8  # verify timings before their fit replaces the prior (a draft token costs a decode row)
+VETO, JUDGED = 1.0, 4  # realized speed-up below which a bucket is vetoed, after this many verify steps
+GAIN_EMA = 0.2  # weight of a step in its bucket's realized speed-up (and plain step time)
 
 
 def expected_length(alpha: float, gamma: int) -> float:
@@ -105,6 +113,32 @@ class ByBatch:
         return max(0.0, (self._t[k[-1]] - self._t[k[0]]) / (k[-1] - k[0]))
 
 
+class Realized:
+    """Per batch bucket: the plain decode step's average time and the realized speed-up of verify steps
+    (plain averages, not low-side fits: both sides of the comparison carry the machine's noise)."""
+
+    def __init__(self) -> None:
+        self.plain: dict[int, float] = {}
+        self.gain: dict[int, list[float]] = {}  # bucket -> [speed-up average, steps]
+
+    def observe_plain(self, batch: int, ms: float) -> None:
+        b = bucket(batch)
+        t = self.plain.get(b)
+        self.plain[b] = ms if t is None else t + GAIN_EMA * (ms - t)
+
+    def observe_verify(self, batch: int, emitted: int, ms: float) -> float | None:
+        """A verify step's speed-up over the average plain step at its batch (None: none timed yet)."""
+        b = bucket(batch)
+        t = self.plain.get(b)
+        if t is None or ms <= 0:
+            return None
+        x = (emitted / batch) * t / ms
+        g = self.gain.setdefault(b, [x, 0])
+        g[0] += GAIN_EMA * (x - g[0])
+        g[1] += 1
+        return g[0]
+
+
 class Toggle:
     """Draft lengths per (active batch, alpha) from fitted costs (milliseconds). `per_token_draft`: the
     drafter's time grows with the draft length (a model drafting token by token) rather than per call
@@ -115,16 +149,27 @@ class Toggle:
         self.decode = ByBatch()  # a decode step without drafts or prefill, by active batch
         self.excess: LowFit | None = None  # a verify's excess, per [draft token, verifying row]
         self.draft: LowFit | None = None  # the drafter's time per [call, 8 rows], per draft step or call
+        self.realized = Realized()
+        self.vetoed: set[int] = set()  # batch buckets where drafting was measured not to pay
         self._seen = 0
         self._tables: dict[tuple[int, int], list[int]] = {}
 
-    def observe_step(self, batch: int, drafted: int, verifies: int, seconds: float) -> None:
+    def observe_step(
+        self, batch: int, drafted: int, verifies: int, seconds: float, draft_s: float = 0.0, emitted: int = 0
+    ) -> None:
         """An engine step without prefill: `batch` decode rows, `verifies` of them with `drafted` draft
-        tokens in all (the drafter's time excluded)."""
+        tokens in all, `seconds` without the drafter's `draft_s`; its rows emitted `emitted` tokens."""
         ms = seconds * 1e3
         if not verifies:
             self.decode.observe(batch, ms)
+            self.realized.observe_plain(batch, ms)
             return self._tick()
+        gain = self.realized.observe_verify(batch, emitted, ms + draft_s * 1e3)
+        if gain is not None and self.realized.gain[bucket(batch)][1] >= JUDGED:
+            if gain < VETO:
+                self.vetoed.add(bucket(batch))
+            elif gain >= self.min_speedup:
+                self.vetoed.discard(bucket(batch))
         t, per_row = self.decode(batch), self.decode.per_row()
         if t is None or per_row is None:
             return
@@ -167,9 +212,12 @@ class Toggle:
         v = 1.0 + max(extra, 0.0) / t  # a verify never costs less than the decode step it replaces
         return speedup(alpha, gamma, d / (gamma * t), v)
 
-    def gamma(self, batch: int, alpha: float, gamma_max: int) -> int:
+    def gamma(self, batch: int, alpha: float, gamma_max: int, veto: bool = True) -> int:
         """The draft length for a request with acceptance `alpha` at this active batch: the one up to
-        `gamma_max` with the best predicted speed-up, 0 where that is below `min_speedup` (or unknown)."""
+        `gamma_max` with the best predicted speed-up, 0 where that is below `min_speedup` (or unknown),
+        or where the batch is vetoed (unless `veto` is False: what the model alone says)."""
+        if veto and self.vetoed and bucket(batch) in self.vetoed:
+            return 0
         key = (batch, gamma_max)
         table = self._tables.get(key)
         if table is None:
