@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/spec.py                       # off, history, quant8; 2 epochs; 3 rounds
     .venv/bin/python bench/spec.py --drafters off,history --rounds 5 --dtype bf16
+    .venv/bin/python bench/spec.py --batches 1,2,4,8,16,32,64   # the toggle at fixed active batches
 
 The model is the warm-started chainsum policy (`ensure_warm_start`, cached); the workload an RL round:
 `--prompts` chainsum training prompts x `--samples` samples each (temperature 1, EOS stops, up to
@@ -11,11 +12,18 @@ to the engine (`add_history`): the task's prompts recur across epochs. Each run 
 (speculation's cost model first learns from a warm-up round of other prompts), and the configurations
 take turns run by run, `--rounds` times, so the machine's drift falls on all alike; medians are shown.
 
-Per drafter and epoch: rollout seconds and tokens/s vs off; the tail phase (steps with at most
+Per drafter and epoch: rollout seconds and tokens/s vs off (and the ratio of the thread's CPU
+seconds, which load from other processes barely moves); the tail phase (steps with at most
 `--tail` active rows): tokens/s vs off and forward passes per generated token (rows in a target
 forward / tokens they emitted; 1.0 without speculation); acceptance (per draft token) and mean
 accepted drafts per verify; and the share of decode rows that verified a draft by active batch.
 Outputs are checked identical to the run without speculation, token for token.
+
+`--batches`: the toggle's promise (never more than 3% slower than no speculation) at fixed active
+batches: b requests of exactly `--max-new` tokens (EOS banned, so the batch stays b), on one engine
+per drafter kept across repetitions (its cost model learns from a warm-up call first), the history
+drafter given an earlier epoch's responses; the engines take turns call by call, medians shown, as
+ratios of the thread's CPU seconds (what load from other processes barely moves) and of wall seconds.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--tail", type=int, default=8)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--batches", default="", help="comma-separated active batches: the toggle check")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "spec.json"))
     return p.parse_args(argv)
 
@@ -78,14 +87,19 @@ def run(model, spec, reqs, warmup, history, a) -> dict:
     for r in reqs:
         eng.add(r)
     steps, results = [], {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     while len(results) < len(reqs):
         ev = eng.step()
         steps.append((ev.active, ev.decode_tokens, ev.duration, ev.prefill_tokens))
         for res in ev.finished:
             results[res.request_id] = res
-    wall = time.perf_counter() - t0
-    out = {"wall": wall, "steps": steps, "tokens": sum(len(r.token_ids) for r in results.values())}
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    out = {
+        "wall": wall,
+        "cpu": cpu,
+        "steps": steps,
+        "tokens": sum(len(r.token_ids) for r in results.values()),
+    }
     if eng.spec_stats:
         out["spec"] = _diff(_snap(eng.spec_stats), base)
     out["results"] = [results[r.id] for r in reqs]
@@ -123,6 +137,7 @@ def summarize(r: dict, tail: int) -> dict:
     t_steps = [(a, n, d) for a, n, d in dec if a <= tail]
     s = {
         "wall": r["wall"],
+        "cpu": r["cpu"],
         "tok_s": r["tokens"] / r["wall"],
         "tail_tok_s": sum(n for _, n, _ in t_steps) / max(1e-9, sum(d for _, _, d in t_steps)),
         "tail_fpt": sum(a for a, _, _ in t_steps) / max(1, sum(n for _, n, _ in t_steps)),
@@ -154,6 +169,8 @@ def main(argv=None) -> int:
     others = [tuple(tok.encode(e.question, bos=True)) for e in exs[a.prompts :]]
     warmup = round_requests(others, 1, a.max_new, tok.eos_id, epoch=99)
     drafters = a.drafters.split(",")
+    if a.batches:
+        return toggle_check(model, prompts, drafters, [int(b) for b in a.batches.split(",")], a)
     print(f"{a.prompts} prompts x {a.samples} samples through {a.slots} slots, {a.dtype}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     table: dict = {}
@@ -186,6 +203,52 @@ def main(argv=None) -> int:
     return 0
 
 
+def toggle_check(model, prompts, drafters: list[str], batches: list[int], a) -> int:
+    """tokens/s of each drafter (toggle on) over no speculation at fixed active batches (see doc)."""
+    print(f"toggle check: {a.max_new} tokens per request, {a.dtype}, {a.rounds} turns", flush=True)
+    table = {}
+    for b in batches:
+        ps = [prompts[i % len(prompts)] for i in range(b)]
+        fixed = dict(temperature=1.0, max_new_tokens=a.max_new, min_new_tokens=a.max_new)
+        mk = lambda tag, j: [  # noqa: E731
+            GenRequest(f"{tag}{i}", p, SamplingParams(seed=j * 10_000 + i, **fixed)) for i, p in enumerate(ps)
+        ]
+        engines = {
+            d: TailraceEngine(model, num_slots=b, seed=0, spec=None if d == "off" else d) for d in drafters
+        }
+        earlier = engines["off"].generate(mk("h", 99))
+        for eng in engines.values():
+            for p, r in zip(ps, earlier):
+                eng.add_history(p, r.token_ids)
+            eng.generate(mk("w", 98))  # warm-up: the toggle learns this batch's costs
+        secs, cpu = {d: [] for d in drafters}, {d: [] for d in drafters}
+        for rnd in range(a.rounds):
+            reqs, ref = mk("m", rnd), None
+            for d in drafters if rnd % 2 == 0 else drafters[::-1]:
+                t, c = time.perf_counter(), time.thread_time()
+                out = engines[d].generate(reqs)
+                secs[d].append(time.perf_counter() - t)
+                cpu[d].append(time.thread_time() - c)
+                toks = [r.token_ids for r in out]
+                if ref is not None and toks != ref:
+                    raise SystemExit(f"batch {b}: {d} changed the outputs")
+                ref = toks
+        med = {d: statistics.median(v) for d, v in secs.items()}
+        mcpu = {d: statistics.median(v) for d, v in cpu.items()}
+        on = {d: e.spec_stats.on_fraction().get(b, 0.0) for d, e in engines.items() if e.spec_stats}
+        table[b] = {
+            d: {"wall": med["off"] / med[d], "cpu": mcpu["off"] / mcpu[d], "on": on.get(d)} for d in drafters
+        }
+        print(f"batch {b:3d}: off {b * a.max_new / med['off']:8,.0f} tok/s | "
+              + " ".join(f"{d} {table[b][d]['cpu']:.3f}x cpu {table[b][d]['wall']:.3f}x wall (on {on[d]:.2f})"
+                         for d in drafters if d != "off")
+              + f" | load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"args": vars(a), "toggle": table}, f, indent=1)
+    return 0
+
+
 def _median(runs: list[dict]) -> dict:
     out = {}
     for k, v in runs[0].items():
@@ -206,13 +269,14 @@ def _median(runs: list[dict]) -> dict:
 def report(epoch: int, rows: dict, a) -> None:
     off = rows.get("off")
     print(f"\nepoch {epoch}" + (" (history: epoch 1's responses)" if epoch > 1 else " (no history)"))
-    print(f"{'drafter':8} {'rollout s':>9} {'tok/s':>8} {'x off':>6} | tail(<= {a.tail}): {'tok/s':>8} "
+    print(f"{'drafter':8} {'rollout s':>9} {'tok/s':>8} {'x off':>6} {'cpu x':>6} | tail(<= {a.tail}): {'tok/s':>8} "
           f"{'x off':>6} {'fp/tok':>6} | {'accept':>6} {'acc/ver':>7} {'gamma':>5} | on-fraction by batch")  # fmt: skip
     for d, s in rows.items():
         on = s.get("on")
         on_s = " ".join(f"{b}:{'-' if v is None else f'{v:.2f}'}" for b, v in on.items()) if on else ""
         print(
-            f"{d:8} {s['wall']:9.2f} {s['tok_s']:8,.0f} {off['wall'] / s['wall']:5.2f}x | {'':13}"
+            f"{d:8} {s['wall']:9.2f} {s['tok_s']:8,.0f} {off['wall'] / s['wall']:5.2f}x "
+            f"{off['cpu'] / s['cpu']:5.2f}x | {'':13}"
             f"{s['tail_tok_s']:8,.0f} {s['tail_tok_s'] / off['tail_tok_s']:5.2f}x {s['tail_fpt']:6.2f} | "
             f"{s.get('acceptance', 0):6.2f} {s.get('mean_accepted', 0):7.2f} {s.get('gamma', 0):5} | {on_s}",
             flush=True,

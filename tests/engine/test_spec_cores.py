@@ -151,16 +151,18 @@ def test_toggle_by_hand():
     assert cheap.gamma(1, 0.5, 11) > 0
 
 
-def test_toggle_vetoes_a_batch_where_verify_steps_measure_slower_and_lifts_it_when_they_pay():
+def test_toggle_vetoes_a_batch_where_verify_steps_measure_slower_then_tries_it_again():
     t = _toggle()  # the model says batch 8 pays at alpha 0.8
     assert t.gamma(8, 0.8, 5) > 0
     for _ in range(costs.JUDGED):  # verify steps: 1.2 tokens per row for twice a plain step's time
         t.observe_step(8, 16, 8, 2 * (1 + 8 / 8) / 1e3, 0.0, emitted=int(1.2 * 8))
     assert t.gamma(8, 0.8, 5) == 0 and t.gamma(8, 0.8, 5, veto=False) > 0 and t.gamma(4, 0.8, 5) > 0
-    for _ in range(3):  # probes that gain a little: not enough to lift it
-        t.observe_step(8, 2, 1, (1 + 8 / 8) / 1e3, 0.0, emitted=8)
+    for _ in range(costs.RETRY - 1):  # plain steps at batch 8: still vetoed
+        t.observe_step(8, 0, 0, (1 + 8 / 8) / 1e3)
     assert t.gamma(8, 0.8, 5) == 0
-    for _ in range(20):  # verify steps that double the tokens in the same time: lifted
+    t.observe_step(8, 0, 0, (1 + 8 / 8) / 1e3)
+    assert t.gamma(8, 0.8, 5) > 0  # a fresh trial
+    for _ in range(20):  # verify steps that double the tokens in the same time: it stays on
         t.observe_step(8, 40, 8, (1 + 8 / 8) / 1e3, 0.0, emitted=16)
     assert t.gamma(8, 0.8, 5) > 0
 

@@ -17,8 +17,8 @@ speed-up, or 0 (no speculation) where even that is below `min_speedup`.
 The model can be wrong (a fit from few or noisy timings, costs it leaves out), so the toggle also
 checks what it gets: per batch bucket, the realized speed-up of the steps that verified drafts (tokens
 emitted per row over the step's time with drafting, against the average plain decode step there). A
-bucket whose realized speed-up falls below VETO is vetoed (no drafts but the speculator's probes)
-until it comes back above `min_speedup`.
+bucket whose realized speed-up falls below VETO over JUDGED verify steps is vetoed (no drafts at all)
+for RETRY plain steps there, then tried afresh (acceptance changes: a history fills, weights move).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ REFIT_EVERY = 32  # observations between recomputations of the toggle's tables
 ALPHAS = 20  # the toggle's table resolution in alpha: buckets of 1/ALPHAS
 TRUSTED = 8  # verify timings before their fit replaces the prior (a draft token costs a decode row)
 VETO, JUDGED = 1.0, 4  # realized speed-up below which a bucket is vetoed, after this many verify steps
+RETRY = 256  # plain steps a vetoed bucket waits before it is tried again
 GAIN_EMA = 0.2  # weight of a step in its bucket's realized speed-up (and plain step time)
 
 
@@ -150,7 +151,7 @@ class Toggle:
         self.excess: LowFit | None = None  # a verify's excess, per [draft token, verifying row]
         self.draft: LowFit | None = None  # the drafter's time per [call, 8 rows], per draft step or call
         self.realized = Realized()
-        self.vetoed: set[int] = set()  # batch buckets where drafting was measured not to pay
+        self.vetoed: dict[int, int] = {}  # batch bucket where drafting measured not to pay -> steps left
         self._seen = 0
         self._tables: dict[tuple[int, int], list[int]] = {}
 
@@ -160,16 +161,19 @@ class Toggle:
         """An engine step without prefill: `batch` decode rows, `verifies` of them with `drafted` draft
         tokens in all, `seconds` without the drafter's `draft_s`; its rows emitted `emitted` tokens."""
         ms = seconds * 1e3
+        b = bucket(batch)
         if not verifies:
             self.decode.observe(batch, ms)
             self.realized.observe_plain(batch, ms)
+            if b in self.vetoed:
+                self.vetoed[b] -= 1
+                if not self.vetoed[b]:  # a fresh trial
+                    del self.vetoed[b]
+                    self.realized.gain.pop(b, None)
             return self._tick()
         gain = self.realized.observe_verify(batch, emitted, ms + draft_s * 1e3)
-        if gain is not None and self.realized.gain[bucket(batch)][1] >= JUDGED:
-            if gain < VETO:
-                self.vetoed.add(bucket(batch))
-            elif gain >= self.min_speedup:
-                self.vetoed.discard(bucket(batch))
+        if gain is not None and gain < VETO and self.realized.gain[b][1] >= JUDGED:
+            self.vetoed[b] = RETRY
         t, per_row = self.decode(batch), self.decode.per_row()
         if t is None or per_row is None:
             return
@@ -212,11 +216,14 @@ class Toggle:
         v = 1.0 + max(extra, 0.0) / t  # a verify never costs less than the decode step it replaces
         return speedup(alpha, gamma, d / (gamma * t), v)
 
+    def is_vetoed(self, batch: int) -> bool:
+        return bool(self.vetoed) and bucket(batch) in self.vetoed
+
     def gamma(self, batch: int, alpha: float, gamma_max: int, veto: bool = True) -> int:
         """The draft length for a request with acceptance `alpha` at this active batch: the one up to
         `gamma_max` with the best predicted speed-up, 0 where that is below `min_speedup` (or unknown),
         or where the batch is vetoed (unless `veto` is False: what the model alone says)."""
-        if veto and self.vetoed and bucket(batch) in self.vetoed:
+        if veto and self.is_vetoed(batch):
             return 0
         key = (batch, gamma_max)
         table = self._tables.get(key)

@@ -6,10 +6,9 @@ the ladder (`ladder`) follows the drafter's measured acceptance round by round, 
 cuts it to what pays at this batch, or to 0. A request's acceptance is its own recent drafts' record
 shrunk toward the drafter's recent one (a few drafts say little), so a request whose drafts keep
 failing stops drafting, and one without a record starts from the drafter's. A request that stopped
-drafts PROBE tokens on every EXPLORE-th step where the drafter's own acceptance would pay by the cost
-model (even in a batch bucket the toggle vetoed on measurement), so a record that has turned (a
-history that now matches) is seen again; a drafter that always fails costs those probes until its
-own acceptance falls too.
+drafts PROBE tokens on every EXPLORE-th step where the drafter's own acceptance would pay, so a record
+that has turned (a history that now matches) is seen again; a drafter that always fails costs those
+probes until its own acceptance falls too.
 """
 
 from __future__ import annotations
@@ -67,9 +66,10 @@ class Speculator:
         return self._acc / self._cmp
 
     def cap(self, batch: int) -> int:
-        """The ladder's draft length if drafting could pay at this active batch at all, else 0."""
+        """The ladder's draft length if drafting could pay at this active batch at all (and it is not
+        vetoed on measurement), else 0 -- then no row is even asked."""
         g = self.rung.gamma
-        return g if not self.toggled or self.toggle.gamma(batch, 1.0, g, veto=False) else 0
+        return g if not self.toggled or self.toggle.gamma(batch, 1.0, g) else 0
 
     def gamma(self, accepted: float, compared: float, batch: int, cap: int, step: int) -> int:
         """Draft length at decode step `step` for a request whose recent drafts had `accepted` of
@@ -78,7 +78,7 @@ class Speculator:
             return cap
         alpha = (accepted + PRIOR * self.alpha) / (compared + PRIOR)
         g = self.toggle.gamma(batch, alpha, cap)
-        if g or step % EXPLORE or not self.toggle.gamma(batch, self.alpha, cap, veto=False):
+        if g or step % EXPLORE or not self.toggle.gamma(batch, self.alpha, cap):
             return g
         return min(PROBE, cap)
 
