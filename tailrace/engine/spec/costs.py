@@ -153,7 +153,7 @@ class Toggle:
         self.realized = Realized()
         self.vetoed: dict[int, int] = {}  # batch bucket where drafting measured not to pay -> steps left
         self._seen = 0
-        self._tables: dict[tuple[int, int], list[int]] = {}
+        self._tables: dict[tuple[int, int, int], int] = {}  # (batch, gamma_max, alpha bucket) -> gamma
 
     def observe_step(
         self, batch: int, drafted: int, verifies: int, seconds: float, draft_s: float = 0.0, emitted: int = 0
@@ -225,11 +225,12 @@ class Toggle:
         or where the batch is vetoed (unless `veto` is False: what the model alone says)."""
         if veto and self.is_vetoed(batch):
             return 0
-        key = (batch, gamma_max)
-        table = self._tables.get(key)
-        if table is None:
-            table = self._tables[key] = [self._best(batch, i / ALPHAS, gamma_max) for i in range(ALPHAS + 1)]
-        return table[min(ALPHAS, max(0, int(alpha * ALPHAS)))]  # rounded down: never optimistic
+        a = min(ALPHAS, max(0, int(alpha * ALPHAS)))  # rounded down: never optimistic
+        key = (batch, gamma_max, a)
+        g = self._tables.get(key)
+        if g is None:  # filled as asked: the batch moves every few steps while a rollout drains
+            g = self._tables[key] = self._best(batch, a / ALPHAS, gamma_max)
+        return g
 
     def _best(self, batch: int, alpha: float, gamma_max: int) -> int:
         best, best_g = self.min_speedup, 0
