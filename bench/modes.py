@@ -1,20 +1,24 @@
-"""The same RL run under every overlap mode, side by side, on the local runtime.
+"""The same RL run under every overlap mode, side by side, on the local runtime, judged by the wall
+time to a held-out accuracy.
 
-    .venv/bin/python bench/modes.py            # both configurations, all modes (< 20 min)
+    .venv/bin/python bench/modes.py --configs demo --steps 120 --seeds 0,1,2   # the headline (hours)
     .venv/bin/python bench/modes.py --quick    # a smoke run
     .venv/bin/python bench/modes.py --tables   # reprint the last run's tables
-    .venv/bin/python bench/modes.py --seeds 0,1,2 --modes sync,multiversion-K2   # spread over seeds
 
-Default model, default task, same seed, same number of trained samples; one rollout process and one
-trainer process on separate cores. Two configurations:
-  balanced   sync-mode generation and training take comparable time (as a deployment sizes its pools):
-             a 6-slot fp32 engine against the fp32 trainer
-  genheavy   generation-bound (long chain-of-thought RL): a 2-slot bf16 engine against the bf16 trainer
-(sized so before the engine's C kernels made decode ~1.5x faster; see CONFIGS)
-Per mode: wall time, steps/hour (the whole run, and over its middle rounds: without the pipeline's
-one-time fill and drain), trainer waiting ratio, rollout bubble ratio, engine mean active batch,
-staleness histogram, held-out accuracy, speedup vs sync measured in the same run. Writes
-bench/out/modes.json and bench/out/modes_<config>.html (one Gantt per mode).
+Default model, default task, the same number of trained samples in every mode; one rollout process
+and one trainer process on separate cores. Every run evaluates its published weights every
+`--eval-every` steps (after training, on snapshots: evaluation costs the run's clock nothing) on
+`--eval-n` held-out prompts. The headline table, per mode over the seeds: wall time to the target
+accuracy (sync's mean final accuracy minus 2 points unless --target says otherwise) as mean, spread
+and ratio to sync's mean, and final accuracy mean +- sd (flagged when more than 2 points below
+sync's); steps/hour stays as a secondary column. Configurations (CONFIGS), each printed with its
+measured sync generation share (the trainer's waiting ratio in sync: the share of a step spent
+generating):
+  demo       the demo's shape (16 prompts x 8 samples, a step per round), fp32
+  balanced   32 prompts x 8 samples, 64 samples a step (4 steps a round, so pipe can pipeline)
+  genheavy   as balanced with a 2-slot bf16 engine: generation-bound (long chain-of-thought RL)
+Writes bench/out/modes.json, bench/out/modes_<config>.html (one Gantt per mode) and
+bench/out/compare_<config>.html (tailrace report's comparison page of the first seed's runs).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tailrace.config import dump_config, load_config  # noqa: E402
+from tailrace.metrics import time_to_accuracy  # noqa: E402
 from tailrace.records import EvalRecord, Mark, Span, StepRecord, dumps, read_events, read_metrics  # noqa: E402
+from tailrace.report.compare import write_comparison  # noqa: E402
 from tailrace.report.html import gantt  # noqa: E402
 from tailrace.runtime.driver import Driver  # noqa: E402
 from tailrace.runtime.rundir import RunDir  # noqa: E402
@@ -47,6 +53,7 @@ MODES = [
 CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", "multiversion": "behaviour"}
 
 CONFIGS = {
+    "demo": [],  # tailrace train's defaults
     # R=32 prompts x G=8 samples per round, B=64 samples per step: a round is 4 steps, so pipe can pipeline.
     # One core each; the engine's slot count (and dtype) sizes the rollout pool against the trainer
     # (measured in sync mode on the 2-core testbed when they were sized: 6 fp32 slots -> generation ~54%
@@ -84,6 +91,7 @@ def run_one(
     base: EvalRecord | None,
     seed: int = 0,
     extra: tuple[str, ...] = (),
+    eval_every: int = 0,
 ) -> dict:
     label = mode_label(mode, opts)
     rd = RunDir(out / config / (label if seed == 0 else f"{label}-seed{seed}"))
@@ -98,6 +106,7 @@ def run_one(
         f"--flow.mode={mode}",
         f"--flow.steps={steps}",
         f"--eval.n={eval_n}",
+        f"--eval.every={eval_every}",
         f"--train.loss.correction={CORRECTION[mode]}",
         "--flow.checkpoint_every=1000",
         f"--seed={seed}",
@@ -145,6 +154,8 @@ def run_one(
         "engine_busy_s": busy,
         "staleness": stale,
         "final_accuracy": summary.final_accuracy,
+        "accuracy_points": sorted((e.wall_s, e.accuracy) for e in metrics if isinstance(e, EvalRecord)),
+        "eval_n": eval_n,
         "base_accuracy": summary.base_accuracy,
         "run_dir": str(rd.path),
         "events": events,
@@ -238,13 +249,69 @@ def spread(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def time_to_target(rows: list[dict], target: float | None = None) -> str:
+    """The headline: per mode over its seeds, wall time to the target accuracy and final accuracy."""
+    import statistics
+
+    def sd(xs):
+        return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+    sync_final = [r["final_accuracy"] or 0.0 for r in rows if r["mode"] == "sync"]
+    sync_mean = statistics.mean(sync_final) if sync_final else None
+    finals = [r["final_accuracy"] or 0.0 for r in rows]
+    how = "given"
+    if target is None:
+        base, how = (
+            (sync_mean, "sync's mean final") if sync_mean is not None else (min(finals), "lowest final")
+        )
+        target = base - 0.02
+        how += f" {base:.3f} minus 2 points"
+    n = rows[0]["eval_n"]
+    head = (
+        f"{'mode':16s} {'to target s':>11s} {'sd':>6s} {'vs sync':>8s} {'reached':>7s} "
+        f"{'final acc':>9s} {'sd':>6s} {'steps/h':>8s}"
+    )
+    lines = [head, "-" * len(head)]
+    sync_t = None
+    for label in dict.fromkeys(r["mode"] for r in rows):
+        rs = [r for r in rows if r["mode"] == label]
+        times = [time_to_accuracy(r["accuracy_points"], target) for r in rs]
+        got = [t for t in times if t is not None]
+        acc = [r["final_accuracy"] or 0.0 for r in rs]
+        t_mean = statistics.mean(got) if got else None
+        if label == "sync":
+            sync_t = t_mean
+        ratio = f"{t_mean / sync_t:7.2f}x" if t_mean and sync_t else f"{'-':>8s}"
+        flag = "  < sync - 2 pts" if sync_mean is not None and statistics.mean(acc) < sync_mean - 0.02 else ""
+        t_txt = f"{t_mean:11.1f} {sd(got):6.1f}" if got else f"{'never':>11s} {'':6s}"
+        lines.append(
+            f"{label:16s} {t_txt} {ratio} {len(got):>3d}/{len(rs):<3d} {statistics.mean(acc):9.3f} "
+            f"{sd(acc):6.3f} {statistics.mean(r['steps_per_hour'] for r in rs):8.0f}{flag}"
+        )
+    res = 0.5 / n**0.5
+    lines.append(
+        f"target accuracy {target:.3f} ({how}); held-out n = {n} "
+        f"(standard error at most {res:.3f}); to target = first evaluated version at or above it, its "
+        "publication wall time (resolution: the evaluation cadence); vs sync = mean time / sync's mean time"
+    )
+    return "\n".join(lines)
+
+
+def generation_share(rows: list[dict]) -> str:
+    sync = [r for r in rows if r["mode"] == "sync"]
+    if not sync:
+        return ""
+    share = sum(r["trainer_wait_ratio"] for r in sync) / len(sync)
+    return f"sync generation share (trainer waiting ratio, mean over {len(sync)} seed(s)): {share:.2f}"
+
+
 def timelines(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     from tailrace.report.html import _png
 
-    fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.6 * len(rows)), sharex=True)
-    for ax, r in zip(axes, rows):
+    fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.6 * len(rows)), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], rows):
         gantt(ax, r["events"], r["mode"])
     path.write_text(f"<html><body><h1>{path.stem}</h1>{_png(fig)}</body></html>")
 
@@ -255,7 +322,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--configs", default="balanced,genheavy")
     ap.add_argument("--modes", default=None, help="comma list of labels, e.g. sync,pipe,multiversion-K2")
-    ap.add_argument("--eval-n", type=int, default=256)
+    ap.add_argument("--eval-n", type=int, default=512)
+    ap.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (0: base and final)")
+    ap.add_argument("--target", type=float, default=None, help="accuracy to time to (default: sync - 2 pts)")
     ap.add_argument("--seeds", default="0", help="comma list of run seeds; with several, a spread table too")
     ap.add_argument(
         "--tables", action="store_true", help="reprint the tables of the last run (bench/out/modes.json)"
@@ -282,9 +351,14 @@ def main() -> None:
             if len({r.get("seed", 0) for r in rows}) > 1:
                 print(f"\n== {config}: spread over seeds ==")
                 print(spread([{"seed": 0, **r} for r in rows]))
+            if all("accuracy_points" in r for r in rows):
+                print(f"\n== {config}: wall time to held-out accuracy ==")
+                print(time_to_target(rows, args.target))
+                print(generation_share(rows))
         return
     steps = 4 if args.quick else args.steps
     eval_n = 32 if args.quick else args.eval_n
+    eval_every = 2 if args.quick else args.eval_every
     out = root / "modes"
     seeds = [int(x) for x in args.seeds.split(",")]
     results = []
@@ -308,19 +382,25 @@ def main() -> None:
                         base,
                         seed,
                         tuple(f"--{kv}" for kv in args.set),
+                        eval_every,
                     )
                 )
                 base = rows[-1].pop("base_record")
             print(
                 f"\n== {config}, seed {seed} ({steps} steps each; speedup = sync wall / mode wall, same run) =="
             )
-            print(table(rows), flush=True)
+            if any(r["mode"] == "sync" for r in rows):  # the speedups are against sync's run
+                print(table(rows), flush=True)
             if seed == seeds[0]:
                 timelines(rows, root / f"modes_{config}.html")
+                write_comparison([Path(r["run_dir"]) for r in rows], root / f"compare_{config}.html")
             every += [{k: v for k, v in r.items() if k != "events"} for r in rows]
         if len(seeds) > 1:
             print(f"\n== {config}: spread over seeds {args.seeds} ==")
             print(spread(every), flush=True)
+        print(f"\n== {config}: wall time to held-out accuracy, seeds {args.seeds} ==")
+        print(time_to_target(every, args.target))
+        print(generation_share(every), flush=True)
         results += every
     root.mkdir(parents=True, exist_ok=True)
     (root / "modes.json").write_text(json.dumps(results, indent=2))

@@ -62,11 +62,11 @@ TAILRACE = Verb(
         ),
         Verb(
             "eval",
-            "held-out accuracy and response-length histogram of a model",
-            (f"eval {KEYS}",),
+            "held-out accuracy and response-length histogram of a model, or of every checkpoint of a run",
+            (f"eval {KEYS}", "eval RUN_DIR [--eval.KEY=VALUE ...]"),
             commands.evaluate,
             config=RunConfig,
-            sections=("model", "arch", "task", "sft", "eval", "seed"),
+            sections=("model", "arch", "task", "sft", "rollout", "eval", "seed", "device"),
         ),
         Verb(
             "report",
@@ -197,8 +197,8 @@ def _run(argv: list[str]) -> int:
             f"{rest[0]}: name a verb first, e.g. tailrace train {rest[0]} (see tailrace --help)"
         )
     args = verb.parse(rest)
-    if verb.sections is not None:
-        _check_sections(verb, args.rest)
+    if verb.sections is not None:  # (a positional argument, like eval's RUN_DIR, is the verb's own)
+        _check_sections(verb, [a for a in args.rest if a.startswith("-")])
     return verb.run(args)
 
 

@@ -42,6 +42,27 @@ def _sft_progress():
     return on_step
 
 
+def _eval_progress():
+    """A progress bar with an ETA for a held-out evaluation: on_done(done, total)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    state = {}
+
+    def on_done(done: int, total: int) -> None:
+        if "p" not in state:
+            p = Progress(
+                TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
+                TimeRemainingColumn(), console=console, transient=True,
+            )  # fmt: skip
+            state["p"], state["t"] = p, p.add_task("eval", total=total)
+            p.start()
+        state["p"].update(state["t"], completed=done)
+        if done >= total:
+            state.pop("p").stop()
+
+    return on_done
+
+
 def load(path: str | Path | None, overrides: list[str]) -> RunConfig:
     """The run config of a file and overrides, every registry name in it checked."""
     from tailrace.cli.choices import check  # the registries: torch
@@ -151,10 +172,23 @@ def sft(args: Args) -> int:
 
 
 def evaluate(args: Args) -> int:
+    from tailrace.runtime.eval_run import evaluate_checkpoints, is_run_dir
     from tailrace.runtime.standalone import evaluate_model
 
+    if args.rest and not args.rest[0].startswith("-"):
+        if not is_run_dir(args.rest[0]):
+            raise ConfigError(
+                f"{args.rest[0]} is not a run directory (no config.yaml and checkpoints/); give a run "
+                "directory, or a model with --model.path=DIR"
+            )
+        load(Path(args.rest[0]) / "config.yaml", args.rest[1:])  # every override checked first
+        done = evaluate_checkpoints(
+            Path(args.rest[0]), args.rest[1:], console.print, _sft_progress(), _eval_progress()
+        )
+        console.print(f"{len(done)} checkpoint(s) evaluated; tailrace report {args.rest[0]} plots them")
+        return 0
     cfg = load(None, args.rest)
-    res = evaluate_model(cfg, progress=_sft_progress())
+    res = evaluate_model(cfg, progress=_sft_progress(), on_done=_eval_progress())
     console.print(f"model {res['model']}")
     console.print(
         f"held-out accuracy {res['accuracy']:.1%} on {res['n']} prompts of {cfg.task.name} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -137,9 +138,21 @@ class FlowConfig:
     max_staleness: int = setting(
         1, "off-policy modes: how many versions behind the trainer a trained sample may be"
     )
-    frontier: int | None = setting(None, "pipe: admit only the F lowest unfinished groups (null = U)")
+    frontier: int | None = setting(
+        None, "pipe: admit only the F lowest unfinished groups (null = no cap: lowest groups first)"
+    )
     rollout_groups: int | None = setting(
         None, "partial, multiversion: groups per version (null = max(R, 2U))"
+    )
+    placement: Literal["shared", "dedicated"] = setting(
+        "shared",
+        "multiversion: every engine serves every live version (shared), or a new version goes to the "
+        "least busy engine and the others follow as they drain (dedicated, DORA's)",
+    )
+    ahead: int | None = setting(
+        None,
+        "streaming modes (partial, multiversion): open no group while this many train steps of groups "
+        "(or what fills the engines' slots) are queued for the trainer; null = up to the staleness bound",
     )
     zero_signal: Literal["replace", "train"] = setting(
         "replace",
@@ -197,6 +210,7 @@ class FlowConfig:
             self.checkpoint_minutes is None or self.checkpoint_minutes > 0,
             f"flow.checkpoint_minutes={self.checkpoint_minutes}: must be positive, or null",
         )
+        need(self.ahead is None or self.ahead >= 0, f"flow.ahead={self.ahead}: must be >= 0, or null")
         need(
             self.extra_groups is None or self.extra_groups >= 0,
             f"flow.extra_groups={self.extra_groups}: must be >= 0, or null for U",
@@ -239,6 +253,9 @@ class RunConfig:
     train: TrainerConfig = section(TrainerConfig, "the GRPO trainer")
     eval: EvalConfig = section(EvalConfig, "held-out accuracy before and after training")
     seed: int = setting(0, "seed of the engines' sampling and the trainer")
+    device: str = setting(
+        "auto", "where the engines and the trainer run: auto (cuda when torch sees a GPU), cpu, cuda, cuda:N"
+    )
     out: str = setting("runs", "where new run directories go: OUT/<date>-<time>-<mode>")
     tensorboard: bool = setting(
         False, "also write scalars to RUN_DIR/tensorboard (pip install tailrace[tensorboard])"
@@ -248,6 +265,10 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
+        need(
+            re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+            f"device={self.device!r}: use auto, cpu, cuda or cuda:N",
+        )
         need(
             self.worker_timeout_s >= 3,
             f"worker_timeout_s={self.worker_timeout_s}: must be at least 3 seconds (heartbeats come every second)",

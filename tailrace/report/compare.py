@@ -50,7 +50,11 @@ class Run:
 
     @property
     def final_accuracy(self) -> float | None:
-        return self.evals[-1].accuracy if self.evals else None
+        """The final evaluation's (a checkpoint's record of the same step may follow it)."""
+        if not self.evals:
+            return None
+        final = [e for e in self.evals if e.tag == "final"]
+        return (final or self.evals)[-1].accuracy
 
     def time_to(self, target: float) -> float | None:
         return time_to_accuracy([(e.wall_s, e.accuracy) for e in self.evals], target)

@@ -22,6 +22,7 @@ class ConsoleUI:
         self.console = console or Console(highlight=False, markup=False)
         self.quiet = quiet
         self.progress: Progress | None = None
+        self._eval: tuple[Progress, int] | None = None  # an evaluation's own bar, outside training
 
     def begin(self, done: int, total: int, base: EvalRecord | None) -> None:
         self._groups: dict | None = {} if done == 0 else None  # group counts at the last step seen
@@ -33,8 +34,9 @@ class ConsoleUI:
             )
             if b["accuracy"] == 0:
                 self.console.print(
-                    f"[yellow]warning: 0% at base on {b['n']} prompts: RL has no signal; make the task "
-                    "easier (task.config) or use a stronger model[/yellow]"
+                    f"warning: 0% at base on {b['n']} prompts: RL has no signal; make the task "
+                    "easier (task.config) or use a stronger model",
+                    style="yellow",
                 )
         if self.quiet:
             return
@@ -51,6 +53,26 @@ class ConsoleUI:
         )
         self.task = self.progress.add_task("train", total=total, completed=done, info="")
         self.progress.start()
+
+    def evaluating(self, tag: str, done: int, total: int) -> None:
+        """A held-out evaluation's progress with an ETA (a line of its own, gone when it ends)."""
+        if self.quiet:
+            return
+        if self.progress is not None:  # the training bar is live: its info line says it
+            self.progress.update(self.task, info=f"eval ({tag}) {done}/{total}")
+            return
+        if self._eval is None:
+            bar = Progress(
+                TextColumn(f"eval ({tag})"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
+                TimeRemainingColumn(), console=self.console, transient=True,
+            )  # fmt: skip
+            self._eval = (bar, bar.add_task(tag, total=total))
+            bar.start()
+        bar, task = self._eval
+        bar.update(task, completed=done)
+        if done >= total:
+            bar.stop()
+            self._eval = None
 
     def step(self, r: StepRecord, saved: CheckpointRecord | None = None) -> None:
         t, L = r.time, r.length
@@ -70,7 +92,7 @@ class ConsoleUI:
         if self.progress is not None:
             self.progress.console.print(line)
             if warning:
-                self.progress.console.print(warning)
+                self.progress.console.print(warning, style="yellow")
             self.progress.update(
                 self.task,
                 completed=r.step + 1,
@@ -79,7 +101,7 @@ class ConsoleUI:
         else:
             self.console.print(line)
             if warning:
-                self.console.print(warning)
+                self.console.print(warning, style="yellow")
 
     def _zero_signal(self, r: StepRecord) -> str | None:
         """A warning when at least 3/4 of the groups completed since the last step had equal rewards
@@ -97,8 +119,8 @@ class ConsoleUI:
         what += "; the step trained nothing" if r.train.get("skipped") else ""
         fix = "tune it with task.config" + ("" if replaced else " or set flow.zero_signal=replace")
         return (
-            f"[yellow]warning: step {r.step + 1}: {zero} of {done} groups had equal rewards (no signal)"
-            f"{what}: the task is too hard or too easy for this model; {fix}[/yellow]"
+            f"warning: step {r.step + 1}: {zero} of {done} groups had equal rewards (no signal)"
+            f"{what}: the task is too hard or too easy for this model; {fix}"
         )
 
     def end(self) -> None:

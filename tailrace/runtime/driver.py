@@ -27,10 +27,11 @@ from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.messages import EngineReport, History, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import SpecTally, Utilization
-from tailrace.runtime.procs import placement
+from tailrace.runtime.procs import placement, resolve_device
 from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
+from tailrace.runtime.snapshots import Snapshot, Snapshots
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import Worker, Workers
@@ -56,7 +57,7 @@ class Driver:
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
             f.mode, f.zero_signal, f.extra_groups, max_staleness=f.max_staleness, frontier=f.frontier,
-            rollout_groups=f.rollout_groups,
+            rollout_groups=f.rollout_groups, ahead=f.ahead, placement=f.placement,
         )  # fmt: skip
         sampling = SamplingParams(
             temperature=r.temperature,
@@ -81,6 +82,9 @@ class Driver:
         self._eval_wanted: set[str] = set()  # ids of held-out requests not yet returned
         self._eval_results: list[GenResult] = []
         self._last_wall = 0.0  # the newest step record's wall_s: when the newest weights were published
+        self.snapshots = Snapshots(run.path, cfg.eval.every if cfg.eval.n else 0)
+        self._eval_version: int | None = None  # the engines' version slot for snapshots, after training
+        self._eval_loaded: set[int] = set()  # engines that hold the snapshot being evaluated
         sp = r.spec
         self.spec = None if sp.drafter == "none" else SpecOptions(
             sp.drafter, sp.toggle, sp.min_speedup, sp.gamma_min, sp.gamma_max
@@ -91,10 +95,12 @@ class Driver:
     def _start(self, version: int) -> None:
         cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
         train_cores, engine_cores = placement(r.engines)
+        device = resolve_device(cfg.device)
         self.weights = SharedWeights.like(self.layout, slots=cfg.flow.max_staleness + 3)
         tspec = TrainerSpec(
             str(ses.model_path), cfg.train, threads=len(train_cores), cores=train_cores, seed=cfg.seed,
             start_version=version, resume_from=str(self.resume.checkpoint) if self.resume else None,
+            device=device,
         )  # fmt: skip
         self.trainer = self.workers.start("trainer", trainer_main, tspec, self.weights)
         self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
@@ -103,7 +109,7 @@ class Driver:
             espec = EngineSpec(
                 str(ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, cfg.seed, cfg.model.dtype,
                 start_version=version, attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
-                spec=self.spec,
+                device=device, spec=self.spec,
             )  # fmt: skip
             self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
         self.workers.ready(self.engines)
@@ -129,6 +135,7 @@ class Driver:
         base = self._recorded_eval("base")
         if base is None and evaluator is not None:
             base = self._evaluate(evaluator, "base", version, wall_s=0.0)
+        self.snapshots = Snapshots(self.run.path, self.snapshots.every, self.sched.steps_done)
         # utilization counts from here: the base evaluation is not part of the training timeline
         self.util = Utilization(time.perf_counter(), slots=self.util.slots)
         self._cpu_mark = time.process_time()
@@ -149,6 +156,7 @@ class Driver:
         if evaluator is not None:
             self._load_final()
             final = self._evaluate(evaluator, "final", self.sched.done_version, self._last_wall)
+            self._evaluate_snapshots(evaluator)
         return Summary(
             self.sched.steps_done,
             self._now(),
@@ -161,9 +169,12 @@ class Driver:
         records = read_metrics(self.run.file("metrics.jsonl"))
         return next((r for r in records if isinstance(r, EvalRecord) and r.tag == tag), None)
 
-    def _evaluate(self, evaluator: Evaluator, tag: str, version: int, wall_s: float) -> EvalRecord:
+    def _evaluate(
+        self, evaluator: Evaluator, tag: str, version: int, wall_s: float, snap: Snapshot | None = None
+    ) -> EvalRecord:
         """Held-out requests through the engines' command path; the scheduler is idle meanwhile.
-        `wall_s`: when `version` was published, on the step records' clock."""
+        `wall_s`: when `version` was published, on the step records' clock. A snapshot's record
+        carries its own step and version (the engines hold it as `version`)."""
         reqs = evaluator.requests(version)
         self._eval_wanted = {r.id for r in reqs}
         n = len(self.engines)
@@ -171,10 +182,34 @@ class Driver:
             self.workers.send(engine, Generate(i, tuple(reqs[i::n])))
         while self._eval_wanted:
             self._pump(self.engines, timeout=5.0)
+            if self.ui is not None:
+                self.ui.evaluating(tag, len(reqs) - len(self._eval_wanted), len(reqs))
         results, self._eval_results = self._eval_results, []
-        rec = EvalRecord(tag, self.sched.steps_done, evaluator.summarize(reqs, results), version, wall_s)
+        step, version = (snap.step, snap.version) if snap else (self.sched.steps_done, version)
+        rec = EvalRecord(tag, step, evaluator.summarize(reqs, results), version, wall_s)
         self.metrics.write(rec)
         return rec
+
+    def _evaluate_snapshots(self, evaluator: Evaluator) -> None:
+        """Evaluate the weights `eval.every` kept while training (oldest first), each loaded into one
+        spare version of the engines: the run's clock and samples are those of a run without them."""
+        done = {r.version for r in read_metrics(self.run.file("metrics.jsonl")) if isinstance(r, EvalRecord)}
+        final = self.sched.done_version
+        ring = self.weights.slots
+        self._eval_version = final + 1 if (final + 1) % ring != final % ring else final + 2
+        for snap in self.snapshots.pending(done):
+            if snap.version != final:
+                self._evaluate_snapshot(evaluator, snap)
+
+    def _evaluate_snapshot(self, evaluator: Evaluator, snap: Snapshot) -> None:
+        v = self._eval_version
+        self.weights.write(v, Snapshots.load(snap))
+        self._eval_loaded = set()
+        for i, engine in enumerate(self.engines):
+            self.workers.send(engine, LoadWeights(i, v))
+        while len(self._eval_loaded) < len(self.engines):
+            self._pump(self.engines)
+        self._evaluate(evaluator, "periodic", v, snap.wall_s, snap)
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
@@ -224,6 +259,9 @@ class Driver:
         for t0, t1 in st.spans:
             self.events.write(Span(lane, "generate", t0 - self.t0, t1 - self.t0))
         for v, t0, t1 in rep.loaded:
+            if v == self._eval_version:  # a snapshot to evaluate, after training: not the scheduler's
+                self._eval_loaded.add(rep.engine)
+                continue
             self.events.write(Span(lane, "sync", t0 - self.t0, t1 - self.t0, version=v))
             self.sched.on_loaded(rep.engine, v, self._now())
         mine = []
@@ -275,6 +313,9 @@ class Driver:
         record = self._step_record(rep, trajs, trainer_version, now)
         self.metrics.write(record)
         saved = self._checkpoint(rep) if rep.saved else None
+        if rep.published is not None and self.snapshots.due(self.sched.steps_done):
+            buf = self.weights.read(rep.published).buffer
+            self.snapshots.take(self.sched.steps_done, rep.published, record.time["wall_s"], buf)
         if self.tb is not None:
             for key, value in _flatten(record.to_json()):
                 self.tb.add_scalar(key, value, rep.step + 1)

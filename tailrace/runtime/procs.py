@@ -38,3 +38,22 @@ def pin(cores: tuple[int, ...]) -> None:
 
 def context():
     return mp.get_context("spawn")
+
+
+def resolve_device(name: str) -> str:
+    """`device` as torch names it: "auto" is cuda when torch sees a GPU, else cpu. A cuda device
+    torch cannot see is a clear error, not a crash inside a worker."""
+    import torch
+
+    from tailrace.common import ConfigError
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        index = int(name.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device={name}: torch sees {torch.cuda.device_count()} CUDA device(s); use device=cpu "
+                "(or auto), or a torch build with CUDA on a machine with a GPU"
+            )
+    return name

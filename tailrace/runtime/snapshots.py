@@ -30,12 +30,20 @@ class Snapshot:
 
 
 class Snapshots:
-    def __init__(self, run_dir: Path, every: int) -> None:
+    def __init__(self, run_dir: Path, every: int, steps_done: int = 0) -> None:
         self.dir = Path(run_dir) / "snapshots"
         self.every = every
+        self._next = self._after(steps_done)
+
+    def _after(self, steps: int) -> int:
+        return (steps // self.every + 1) * self.every if self.every > 0 else -1
 
     def due(self, steps_done: int) -> bool:
-        return self.every > 0 and steps_done % self.every == 0
+        """At the first publishing step at or past each multiple of `every` (not every step publishes)."""
+        if self.every <= 0 or steps_done < self._next:
+            return False
+        self._next = self._after(steps_done)
+        return True
 
     def take(self, step: int, version: int, wall_s: float, buffer: torch.Tensor) -> Snapshot:
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -8,19 +8,23 @@ from tailrace.config import RunConfig
 from tailrace.engine import build_engine
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.runtime.evaluate import Evaluator
-from tailrace.runtime.procs import available_cores
+from tailrace.runtime.procs import available_cores, resolve_device
 from tailrace.runtime.session import Session
 
 
-def evaluate_model(cfg: RunConfig, progress=None) -> dict:
+def evaluate_model(cfg: RunConfig, progress=None, on_done=None) -> dict:
+    """Held-out accuracy of `cfg`'s model on one in-process engine; `progress` follows a warm start,
+    `on_done(done, total)` the evaluation."""
     ses = Session(cfg, progress)
     try:
         torch.set_num_threads(len(available_cores()))
-        model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype))
+        device = resolve_device(cfg.device)
+        model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype), device=device)
         r = cfg.rollout
         engine = build_engine(
             model,
             num_slots=cfg.eval.batch,
+            device=device,
             seed=cfg.seed,
             max_context=r.max_context,
             kv_memory_gb=r.kv_memory_gb,
@@ -28,8 +32,24 @@ def evaluate_model(cfg: RunConfig, progress=None) -> dict:
         print(engine.describe(), flush=True)
         evaluator = Evaluator(ses, cfg.eval)
         reqs = evaluator.requests(version=0)
-        out = evaluator.summarize(reqs, engine.generate(reqs))
+        out = evaluator.summarize(reqs, _generate(engine, reqs, on_done))
         out["model"] = str(ses.model_path)
         return out
     finally:
         ses.close()
+
+
+def _generate(engine, reqs, on_done) -> list:
+    """engine.generate, telling `on_done` as requests finish."""
+    if on_done is None:
+        return engine.generate(reqs)
+    for r in reqs:
+        engine.add(r)
+    done: dict = {}
+    while len(done) < len(reqs):
+        finished = engine.step().finished
+        for res in finished:
+            done[res.request_id] = res
+        if finished:
+            on_done(len(done), len(reqs))
+    return [done[r.id] for r in reqs]

@@ -41,7 +41,21 @@ def math_match(gold: str, response: str) -> bool:
     if not g:
         return gold_text(response) == gold
     r = parse(gold_text(response), parsing_timeout=t)
-    return bool(r) and verify(g, r, timeout_seconds=t)
+    if not r or _spelled_out(r[-1]):
+        return False
+    return verify(g, r, timeout_seconds=t)
+
+
+def _spelled_out(answer: str) -> bool:
+    """Arithmetic on number literals alone ("51 + 86 + 38", "3*4"): math-verify takes the last
+    expression of a response as its answer and evaluates it, so a response that restates the
+    question's sum without computing it verified as correct (seen with SmolLM2-135M on "What is
+    51 + 86 + 38?"). A final answer is a value: "1/2", "-7", "x^2+2x+1" and "1+\\sqrt{2}" pass."""
+    return bool(_NUMERIC.fullmatch(answer)) and bool(_BINARY_OP.search(answer))
+
+
+_NUMERIC = re.compile(r"[\d\s.,()+\-*/×·]+")
+_BINARY_OP = re.compile(r"\d\)?\s*[-+*×·]\s*\(?\d")
 
 
 class JsonlTask(Task):

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from tailrace.cli import main
 from tailrace.records import Finished, read_journal
 from tests.runtime.conftest import TINY_RUN
@@ -24,11 +26,14 @@ def finished(run: Path) -> list[tuple[int, int]]:
     return [(e.trajectory.group, e.trajectory.sample_index) for e in journal if isinstance(e, Finished)]
 
 
-def test_sync_with_a_fixed_seed_gives_identical_metrics(tiny_model, tmp_path):
-    runs = []
+def test_sync_with_a_fixed_seed_gives_identical_metrics_with_or_without_periodic_eval(tiny_model, tmp_path):
+    """Run b also evaluates every 2nd step's weights (after training) and keeps every checkpoint:
+    its training is the same, and `tailrace eval RUN_DIR` then evaluates its checkpoints."""
+    # the tiny model earns no reward: a small KL penalty makes every step move the weights
+    runs, extra = [], {"a": [], "b": ["--eval.every=2", "--flow.keep_checkpoints=4"]}
     for name in ("a", "b"):
-        rc = main(["train", f"--run-dir={tmp_path / name}", f"--model.path={tiny_model}", *TINY_RUN])
-        assert rc == 0
+        argv = ["train", f"--run-dir={tmp_path / name}", f"--model.path={tiny_model}", *TINY_RUN]
+        assert main([*argv, "--train.loss.kl_coef=0.01", *extra[name]]) == 0
         runs.append([{k: v for k, v in r.items() if k != "time"} for r in steps_of(tmp_path / name)])
     assert len(runs[0]) == 4
     assert runs[0] == runs[1]
@@ -37,6 +42,36 @@ def test_sync_with_a_fixed_seed_gives_identical_metrics(tiny_model, tmp_path):
         or r["train"]["entropy"] != runs[0][0]["train"]["entropy"]
         for r in runs[0][1:]
     ), "steps should differ from each other (the test would be vacuous)"
+    check_periodic_and_checkpoint_evals(tmp_path / "b")
+
+
+def check_periodic_and_checkpoint_evals(run):
+    from safetensors.torch import load_file
+
+    from tailrace.model.checkpoint import load_pretrained
+    from tailrace.model.flat import flatten_parameters
+    from tailrace.runtime.checkpoint import step_dir
+
+    steps = {r["step"] + 1: r for r in steps_of(run)}
+    evals = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"kind":"eval"' in l]
+    periodic = [e for e in evals if e["tag"] == "periodic"]
+    assert [e["step"] for e in periodic] == [2]  # step 4's weights are the final evaluation's
+    (p,) = periodic
+    assert p["version"] == steps[2]["version"] and p["wall_s"] == steps[2]["time"]["wall_s"]
+    assert p["n"] == 16 and 0.0 <= p["accuracy"] <= 1.0
+    # the snapshot evaluated is exactly the model the step-2 checkpoint saved
+    snap = load_file(str(run / "snapshots" / f"v{p['version']:06d}.safetensors"))["flat"]
+    saved = flatten_parameters(load_pretrained(step_dir(run / "checkpoints", 2) / "model")).buffer
+    assert torch.equal(saved, snap)
+
+    assert main(["eval", str(run), "--eval.n=16"]) == 0
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    ckpts = [e for e in records if e.get("tag") == "checkpoint"]
+    assert [e["step"] for e in ckpts] == [1, 2, 3, 4]
+    assert all(e["version"] == steps[e["step"]]["version"] for e in ckpts)
+    assert all(e["wall_s"] == steps[e["step"]]["time"]["wall_s"] for e in ckpts)
+    assert main(["eval", str(run)]) == 0  # a second time: nothing left to evaluate, nothing appended
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == len(records)
 
 
 def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, tmp_path):

@@ -46,6 +46,22 @@ def test_reward_uses_math_verify(gsm):
     assert task.reward(ex, "no idea") == 0.0
 
 
+def test_restating_the_question_is_not_an_answer(tmp_path):
+    """SmolLM2-135M answered "What is 51 + 86 + 38?" with "To add 51 + 86 + 38, we need to combine the
+    numbers ..." and math-verify scored it 1: it evaluated the restated sum. A sum of literals is
+    never a final answer; the computed value, anywhere math-verify finds it last, still is."""
+    rows = [{"question": "What is 51 + 86 + 38?", "answer": "175"}, {"question": "half?", "answer": "1/2"}]
+    task = JsonlTask(write(tmp_path / "a.jsonl", rows), test_path=write(tmp_path / "t.jsonl", rows))
+    add, half = task.rows["test"]
+    assert task.reward(add, "To add 51 + 86 + 38, we need to combine the numbers in a way") == 0.0
+    assert task.reward(add, "51 + 86 + 38") == 0.0
+    assert task.reward(add, "(51 + 86) + 38") == 0.0
+    assert task.reward(add, "51 + 86 + 38 = 175") == 1.0
+    assert task.reward(add, "The answer is 175.") == 1.0
+    assert task.reward(half, "It is 1/2") == 1.0
+    assert task.reward(half, "It is 2/4") == 1.0
+
+
 def test_equivalent_latex_forms_are_accepted(tmp_path):
     rows = [
         {"problem": "half?", "solution": "\\frac{1}{2}"},

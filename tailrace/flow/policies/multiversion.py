@@ -7,6 +7,15 @@ window in StreamingPolicy. New prompts go to the newest version; samples of olde
 waiting to be dispatched go first, to the engines that hold their version (an engine serving several
 versions runs one forward per version). The rollout batch per version
 (`rollout_groups`, default R) exceeds the train batch U, so generation continues through training.
+
+Placement of versions on engines (`placement`):
+- shared: every engine loads each new version as it is published and keeps the old ones its requests
+  still need, so an engine's step runs one forward per version it serves.
+- dedicated (DORA's): a new version goes to one engine, the one with the fewest requests in flight;
+  the others go on serving the versions they hold and move to the newest as they drain (nothing in
+  flight). An engine drops an old version as soon as none of its requests uses it and the version is
+  no longer needed or another engine serves it, so most engines run one version, one forward a step.
+  Long old-version requests are not migrated between engines.
 """
 
 from __future__ import annotations
@@ -22,14 +31,42 @@ if TYPE_CHECKING:
 class MultiVersionPolicy(StreamingPolicy):
     name = "multiversion"
 
+    def __init__(self, *args, placement: str = "shared", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if placement not in ("shared", "dedicated"):
+            raise ValueError(f"placement={placement!r}: use shared or dedicated")
+        self.placement = placement
+
+    @classmethod
+    def from_options(cls, max_staleness=1, rollout_groups=None, ahead=None, placement="shared", **_):
+        return cls(max_staleness, rollout_groups, ahead, placement=placement)
+
     def decide(self, core: Scheduler) -> None:
         self.train_ready(core)
         v = core.newest
         live = core.live_versions()
-        for e in core.engines:
-            core.load(e.id, v)
-            for old in [x for x in e.loaded if x < v and x not in live]:
-                core.drop(e.id, old)
+        if self.placement == "shared":
+            for e in core.engines:
+                core.load(e.id, v)
+                for old in [x for x in e.loaded if x < v and x not in live]:
+                    core.drop(e.id, old)
+        else:
+            self._place_dedicated(core, v, live)
         for g in self.pending(core):  # older versions' leftovers first: they gate the window
             self.fill(core, [g])
         self.open_new(core, v)
+
+    @staticmethod
+    def _place_dedicated(core: Scheduler, v: int, live: set[int]) -> None:
+        engines = core.engines
+        if not any(v in e.loaded or v in e.loading for e in engines):
+            first = min(engines, key=lambda e: (len(e.in_flight), e.id))
+            core.load(first.id, v)
+        for e in engines:
+            if not e.in_flight:  # drained: it moves to the newest version
+                core.load(e.id, v)
+        for e in engines:
+            for old in [x for x in e.loaded if x < max(e.loaded | e.loading)]:
+                served_elsewhere = any(old in f.loaded for f in engines if f is not e)
+                if old not in live or served_elsewhere:
+                    core.drop(e.id, old)  # only once none of its requests uses it

@@ -10,6 +10,14 @@ not all collected, the trainer waits rather than a trajectory being dropped or g
 Groups of the oldest version are trained first, then in completion order; admission opens no more
 groups of a version than the steps left before it goes stale can take, so the wait always ends.
 
+How far ahead: by default admission opens groups up to the staleness window. When training is the
+bottleneck that only ages the queue: samples wait in it until they are K versions old, and a step
+learns less from them (and a step issued to a busy trainer is as stale as the steps queued before
+it). `ahead=A` issues a step only while the trainer has at most A issued steps not done, and opens
+no group while A train steps' worth of groups (or, if more, the groups that fill every engine slot)
+are queued, open or complete, not yet in a step: the trainer still finds its next batch, the engines
+idle when they are ahead (the trainer sets the pace anyway), and samples are trained younger.
+
 A zero-signal group is dropped as soon as it is ready (at most `allowance` between two train steps)
 and frees its place in its version's rollout batch; admission opens a fresh group for it, at the
 newest version.
@@ -27,17 +35,24 @@ if TYPE_CHECKING:
 
 
 class StreamingPolicy(Policy):
-    def __init__(self, max_staleness: int = 1, rollout_groups: int | None = None) -> None:
+    def __init__(
+        self, max_staleness: int = 1, rollout_groups: int | None = None, ahead: int | None = None
+    ) -> None:
         if max_staleness < 1:
             raise ValueError(
                 f"{self.name} needs max_staleness >= 1 (got {max_staleness}); use sync or pipe for 0"
             )
         self.max_staleness = max_staleness
         self.rollout_groups = rollout_groups  # None = max(R, 2U): more than one train step per version
+        if ahead is not None and ahead < 0:
+            raise ValueError(f"ahead={ahead}: must be >= 0 train steps, or None for the staleness bound")
+        self.ahead = ahead
 
     @classmethod
-    def from_options(cls, max_staleness: int = 1, rollout_groups: int | None = None, **_):
-        return cls(max_staleness, rollout_groups)
+    def from_options(
+        cls, max_staleness: int = 1, rollout_groups: int | None = None, ahead: int | None = None, **_
+    ):
+        return cls(max_staleness, rollout_groups, ahead)
 
     # -- training -------------------------------------------------------------------------------
     def train_ready(self, core: Scheduler) -> None:
@@ -51,6 +66,8 @@ class StreamingPolicy(Policy):
                 self.replaced += 1
         U, K = core.spec.groups_per_step, self.max_staleness
         while core.steps_issued < core.spec.total_steps:
+            if self.ahead is not None and core.steps_issued - core.steps_done > self.ahead:
+                return  # the trainer has its next steps queued: a batch chosen later is fresher
             ready = sorted(core.ready.values(), key=lambda g: (g.version, g.completed_at, g.id))
             if len(ready) < U:
                 return
@@ -79,6 +96,9 @@ class StreamingPolicy(Policy):
             for v in set(queued) | {version}
             if v >= version
         )
+        if self.ahead is not None:
+            fill = -(-sum(e.slots for e in core.engines) // per_group)  # groups that fill every slot
+            budget = min(budget, max(self.ahead * U, fill) - len(queued))
         while (
             self.opened_at.get(version, 0) < cap
             and room >= per_group

@@ -1,0 +1,77 @@
+"""`tailrace eval RUN_DIR`: held-out accuracy of every kept checkpoint of a run, after the fact.
+
+Each whole checkpoint's model directory is evaluated as saved (the same held-out prompts, seeds and
+engine as the run's own evaluations) and appended to the run's metrics.jsonl as an `EvalRecord`
+tagged "checkpoint", with the step, version and wall time of the step that wrote it, so `tailrace
+report` plots it on the run's accuracy-vs-time curve. Under the run's lock: a run still going is
+refused, not raced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from tailrace.common import ConfigError
+from tailrace.config import load_config
+from tailrace.records import EvalRecord, StepRecord, read_metrics
+from tailrace.runtime import checkpoint
+from tailrace.runtime.lock import RunLock
+from tailrace.runtime.rundir import RecordFile, RunDir, repair
+from tailrace.runtime.standalone import evaluate_model
+
+TAG = "checkpoint"
+
+
+def is_run_dir(path: str) -> bool:
+    return (Path(path) / "config.yaml").is_file() and (Path(path) / "checkpoints").is_dir()
+
+
+def evaluate_checkpoints(
+    run_dir: Path, overrides: list[str], say: Callable[[str], None], progress=None, on_done=None
+) -> list[EvalRecord]:
+    """Evaluate the run's whole checkpoints not yet evaluated, oldest first; `overrides` may change the
+    evaluation (eval.n, eval.batch, ...), never the model."""
+    if any(o.startswith("--model.") for o in overrides):
+        raise ConfigError(
+            "tailrace eval RUN_DIR evaluates the run's own checkpoints; drop --model.* (or evaluate one "
+            "model with tailrace eval --model.path=DIR)"
+        )
+    run = RunDir(run_dir)
+    with RunLock(run.path):
+        cfg = load_config(run.file("config.yaml"), overrides)
+        metrics = run.file("metrics.jsonl")
+        records = list(read_metrics(metrics)) if metrics.is_file() else []
+        steps = {r.step + 1: r for r in records if isinstance(r, StepRecord)}
+        done = {r.step for r in records if isinstance(r, EvalRecord) and r.tag == TAG}
+        todo = []
+        for ckpt in reversed(checkpoint.step_dirs(run.ckpt)):
+            step = int(ckpt.name.removeprefix("step_"))
+            why = checkpoint.verify(ckpt)
+            if why is not None:
+                say(f"step {step}: skipped, the checkpoint is not whole ({why})")
+            elif step in done:
+                say(f"step {step}: already evaluated (its record is in metrics.jsonl)")
+            elif step not in steps:
+                say(f"step {step}: skipped, metrics.jsonl has no record of that step")
+            else:
+                todo.append((step, ckpt))
+        if not todo:
+            return []
+        if metrics.is_file():
+            repair(metrics)
+        out, f = [], RecordFile(metrics)
+        try:
+            for step, ckpt in todo:
+                one = replace(cfg, model=replace(cfg.model, path=str(ckpt / "model")))
+                summary = evaluate_model(one, progress, on_done)
+                summary.pop("model")
+                s = steps[step]
+                rec = EvalRecord(TAG, step, summary, s.version, s.time["wall_s"])
+                f.write(rec)
+                out.append(rec)
+                say(f"step {step}: held-out accuracy {rec.accuracy:.1%} on {rec.summary['n']} prompts")
+        finally:
+            f.close()
+        return out
