@@ -86,6 +86,21 @@ def utilization(start: float, cur: tuple, prev: tuple, slots: int, engine_busy: 
     }
 
 
+def speculation(rows: int, verifies: int, drafted: int, accepted: int) -> dict[str, float]:
+    """A window's speculative-decoding figures from its engines' counts: decode rows (one row in one
+    target forward each), rows that verified a draft, draft tokens verified, of them accepted.
+    An accepted draft token is a token without a forward of its own, so forwards per generated token
+    = rows / (rows + accepted) (1 without speculation; a draft cut by a stop token counts as accepted)."""
+    return {
+        "spec_drafted": drafted,
+        "spec_accepted": accepted,
+        "spec_accepted_share": accepted / drafted if drafted else 0.0,
+        "spec_mean_accepted": accepted / verifies if verifies else 0.0,  # per verify
+        "spec_on_fraction": verifies / rows if rows else 0.0,  # decode rows that drafted
+        "spec_forwards_per_token": rows / (rows + accepted) if rows else 1.0,
+    }
+
+
 def step_record(
     step: int,
     version: int,

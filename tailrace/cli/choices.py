@@ -3,9 +3,9 @@
 Each vocabulary has one home, its registry: overlap modes are `flow.policies.POLICIES`, shapings
 `flow.shaping.SHAPINGS`, policy-gradient losses (with each one's default clip range and paired
 advantage estimator) and off-policy corrections `trainer.losses.LOSSES` and `CORRECTIONS`, advantage
-estimators `trainer.advantages.ADVANTAGES`. The config fields that name them are plain strings, so
-the config stays torch-free; the CLI calls `check` right after loading a config, and its help lists
-each field's choices from the same table.
+estimators `trainer.advantages.ADVANTAGES`, drafters `engine.spec.DRAFTERS` (and none). The config
+fields that name them are plain strings, so the config stays torch-free; the CLI calls `check` right
+after loading a config, and its help lists each field's choices from the same table.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import dataclasses
 from typing import Any, Collection
 
 from tailrace.common import ConfigError
-from tailrace.config import FlowConfig, LossConfig, RunConfig, ShapingConfig, TrainerConfig
+from tailrace.config import FlowConfig, LossConfig, RunConfig, ShapingConfig, SpecConfig, TrainerConfig
 
 Registries = dict[tuple[type, str], Collection[str]]  # (section, field) -> the names it may take
 
 
 def registries() -> Registries:
     """(section, field) -> the registry whose names the field takes (imports the trainer's, and torch)."""
+    from tailrace.engine.spec import DRAFTERS
     from tailrace.flow.policies import POLICIES
     from tailrace.flow.shaping import SHAPINGS
     from tailrace.trainer.advantages import ADVANTAGES
@@ -32,6 +33,7 @@ def registries() -> Registries:
         (LossConfig, "name"): LOSSES,
         (LossConfig, "correction"): CORRECTIONS,
         (TrainerConfig, "advantage"): ADVANTAGES,
+        (SpecConfig, "drafter"): ("none", *DRAFTERS),
     }
 
 

@@ -7,7 +7,7 @@ Each section validates itself in `__post_init__` with a message that names the k
 from tailrace.common import ConfigError
 from tailrace.config.load import dump_config, load_config
 from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
-from tailrace.config.run import EvalConfig, FlowConfig, RolloutConfig, RunConfig, TaskConfig
+from tailrace.config.run import EvalConfig, FlowConfig, RolloutConfig, RunConfig, SpecConfig, TaskConfig
 from tailrace.config.shaping import ShapingConfig
 from tailrace.config.train import LossConfig, TrainerConfig
 
@@ -22,6 +22,7 @@ __all__ = [
     "RunConfig",
     "SFTConfig",
     "ShapingConfig",
+    "SpecConfig",
     "TaskConfig",
     "TrainerConfig",
     "dump_config",

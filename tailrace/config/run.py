@@ -58,6 +58,35 @@ class TaskConfig:
 
 
 @dataclass
+class SpecConfig:
+    drafter: str = setting(
+        "none",
+        "speculative decoding's drafter (outputs unchanged, only time): none, history (earlier and sibling "
+        "responses to the same prompt), quant8 / quant4 (the policy RTN-quantized drafts for itself)",
+    )
+    toggle: bool = setting(
+        True,
+        "draft only where the engine's fitted cost model predicts >= min_speedup at its active batch "
+        "(false: every decode row drafts, for measurements)",
+    )
+    min_speedup: float = setting(1.05, "the toggle's threshold: predicted speed-up a draft must reach")
+    gamma_min: int = setting(5, "the draft-length ladder's lowest rung (draft tokens)")
+    gamma_max: int = setting(
+        11, "the ladder's top rung; it climbs in steps of 2 with the measured acceptance"
+    )
+
+    def __post_init__(self) -> None:
+        need(
+            1 <= self.gamma_min <= self.gamma_max,
+            f"rollout.spec.gamma_min={self.gamma_min}, gamma_max={self.gamma_max}: need 1 <= gamma_min <= gamma_max",
+        )
+        need(
+            self.min_speedup > 0,
+            f"rollout.spec.min_speedup={self.min_speedup}: must be > 0 (1.05: 5% faster)",
+        )
+
+
+@dataclass
 class RolloutConfig:
     engines: int = setting(1, "rollout engine processes")
     slots: int = setting(64, "concurrent sequences per engine")
@@ -81,6 +110,9 @@ class RolloutConfig:
     attention: Literal["auto", "kernel", "bmm", "sdpa"] = setting(
         "auto",
         "decode attention: the C kernel (CPU), bmm or sdpa; auto picks (see engine/backends/__init__.py)",
+    )
+    spec: SpecConfig = section(
+        SpecConfig, "speculative decoding in the rollout engines (exact: see engine/spec)"
     )
 
     def __post_init__(self) -> None:

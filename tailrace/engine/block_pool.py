@@ -38,6 +38,16 @@ class BlockPool:
         self.owned.setdefault(rid, []).extend(new)
         return new
 
+    def truncate(self, rid: str, tokens: int) -> list[int]:
+        """Return `rid`'s blocks past the first `tokens` positions to the pool (the one holding its
+        lowest positions on top: handed out first again, as if it had never been taken)."""
+        blocks = self.owned[rid]
+        keep = self.blocks_for(tokens)
+        freed = blocks[keep:]
+        del blocks[keep:]
+        self._free.extend(reversed(freed))
+        return freed
+
     def release(self, rid: str) -> list[int]:
         """Return all of `rid`'s blocks to the pool."""
         blocks = self.owned.pop(rid)

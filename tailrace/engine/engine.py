@@ -41,6 +41,7 @@ import dataclasses
 import random
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 
 import torch
 
@@ -55,9 +56,12 @@ from tailrace.engine.rows import POS, TOK, RowState
 from tailrace.engine.sampler import SampleFlags, sample, seed_key, vocab_salt
 from tailrace.engine.sequence import Sequence
 from tailrace.engine.slots import Slots
+from tailrace.engine.spec import DRAFTERS, SpecOptions, SpecStats, Speculator
+from tailrace.engine.spec.drafter import DraftEnv, Drafter
+from tailrace.engine.speculative import Draft, SpeculativeSteps, Verified
 from tailrace.engine.versions import Versions
 from tailrace.model.decoder import CausalLM
-from tailrace.types import Finish, GenRequest, GenResult
+from tailrace.types import Finish, GenRequest, GenResult, SamplingParams
 
 _DTYPES = {
     "float32": torch.float32,
@@ -69,13 +73,9 @@ _DTYPES = {
 }
 
 
-class TailraceEngine:
+class TailraceEngine(SpeculativeSteps):
     """tailrace's own engine, in PyTorch (CPU and CUDA). Named for its implementer, as an adapter to
     another engine is named for that engine (`VLLMEngine`); both implement `Engine`."""
-
-    capabilities = Capabilities(
-        abort_resume=True, versions_at_once=None, per_request_seed=True, speculative=False
-    )
 
     def __init__(
         self,
@@ -92,6 +92,7 @@ class TailraceEngine:
         threads: int | None = None,
         attention: str | None = None,
         kv_dtype: torch.dtype | None = None,
+        spec: str | Callable[[DraftEnv], Drafter] | SpecOptions | None = None,
     ):
         """`model` is version 0. `max_context`: context limit (prompt + response) per request, default
         the model's max_position_embeddings (or less, if the KV budget holds less). `kv_memory_gb`: the
@@ -101,7 +102,9 @@ class TailraceEngine:
         kernels; 'auto' picks them on CPU with one thread), 'bmm' or 'sdpa' (the torch backend with
         that decode attention), see `backends.select`; `backend` names the one chosen. `kv_dtype`:
         the KV cache's dtype, default the model's (float32 with a bf16 model: fp32 cache, twice the
-        bytes)."""
+        bytes). `spec`: speculative decoding with this drafter (a name in `spec.DRAFTERS`, or a factory
+        of a `Drafter`; None or 'off': none) or these `SpecOptions`; it changes no output, only the
+        time (see `spec`)."""
         if num_slots < 1:
             raise EngineError(f"num_slots={num_slots} must be at least 1")
         if prefill_tokens < 1:
@@ -165,8 +168,28 @@ class TailraceEngine:
         self._arrivals = 0  # requests added so far: the next one's age
         self.preemptions = 0  # requests preempted so far (each re-prefills once readmitted)
         self._sorting: dict[int, list] = {}  # version -> [steps since its rows were sorted, overhead then]
-        self._n_sampled = self._n_tempered = self._n_filter = self._n_min_stop = self._n_stop = (
-            0  # decode rows
+        self._n_sampled = self._n_tempered = self._n_filter = self._n_min_stop = self._n_stop = 0
+        self._n_special = 0  # decode rows (of each kind; special: filtered or banning, see `sampler`)
+        self._spec = None
+        opts = spec if isinstance(spec, SpecOptions) else SpecOptions(spec) if spec is not None else None
+        if opts is not None and opts.drafter != "off":
+            make = DRAFTERS.get(opts.drafter) if isinstance(opts.drafter, str) else opts.drafter
+            if make is None:
+                raise EngineError(f"spec={opts.drafter!r} is unknown; use 'off' or one of {sorted(DRAFTERS)}")
+            env = DraftEnv(
+                self.cache,
+                self.rows,
+                self._salt,
+                self._sample_kernel,
+                select,
+                lambda v: self._versions[v].model,
+            )
+            self._spec = Speculator(make(env), opts)
+        self.capabilities = Capabilities(
+            abort_resume=True,
+            versions_at_once=None,
+            per_request_seed=True,
+            speculative=self._spec is not None,
         )
 
     # -- public API ---------------------------------------------------------------------------------
@@ -230,6 +253,20 @@ class TailraceEngine:
         requests continue from the next step with the new weights on top of their cached k/v)."""
         with torch.inference_mode():
             self._versions.load(state_dict, version)
+            if self._spec:
+                self._spec.drafter.load(version, self._versions[version].model)
+
+    def add_history(self, prompt_ids: tuple[int, ...], token_ids: tuple[int, ...]) -> None:
+        """A response to `prompt_ids` that a history drafter may draft from (an earlier epoch's, or one
+        pre-generated in idle time); the engine adds the responses it finishes itself. Ignored without
+        speculation or by drafters that draft from weights."""
+        if self._spec:
+            self._spec.drafter.add_history(tuple(prompt_ids), tuple(token_ids))
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """Speculative decoding's running books (None without speculation)."""
+        return self._spec.stats if self._spec else None
 
     def drop_version(self, version: int) -> None:
         if version not in self._versions:
@@ -242,6 +279,8 @@ class TailraceEngine:
         if len(self.versions) == 1:
             raise EngineError(f"drop_version({version}): it is the only version; load another one first")
         self._versions.drop(version)
+        if self._spec:
+            self._spec.drafter.drop(version)
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Run `requests` to completion on an idle engine; results in request order."""
@@ -273,19 +312,31 @@ class TailraceEngine:
             self._grow()
             self._admit()
             pieces = prefill.plan(self._prefilling, self.prefill_tokens)
+            plans = self._arrange()
             active = self.slots.num_decoding
+            drafts, t_draft = self._draft(active) if self._spec is not None and active else ([], 0.0)
             advanced = tuple(self.slots.owner[:active]) + tuple(p.seq.id for p in pieces)
-            completed, pre_stop, dec_stop = self._forward(pieces, self._arrange())
-            stopped = self._read_stops(completed, pre_stop, dec_stop)
+            completed, pre_stop, dec_stop, drafts, draft_logits = self._forward(pieces, plans, drafts)
+            v = self._verify(drafts, draft_logits, len(completed)) if drafts else Verified()
+            stopped = self._read_stops(completed, pre_stop, dec_stop) + v.stopped
             finished = self._settle(completed, stopped, active)
+        duration = time.perf_counter() - t0
+        if self._spec is not None:
+            if active and not pieces:  # the toggle's cost model: decode and verify steps
+                toggle, emitted = self._spec.toggle, active + v.extra
+                toggle.observe_step(active, v.drafted, len(drafts), duration - t_draft, t_draft, emitted)
+            self._spec.step(active, len(drafts), active + v.extra)
         return StepEvent(
             t0,
-            time.perf_counter() - t0,
+            duration,
             active,
             sum(p.n for p in pieces),
-            active + len(completed),
+            active + v.extra + len(completed),
             advanced,
             finished,
+            drafted=v.drafted,
+            accepted=v.accepted,
+            verifies=len(drafts),
         )
 
     def _grow(self) -> None:
@@ -295,14 +346,15 @@ class TailraceEngine:
         due = self._grow_at.pop(step, None)  # None: no row starts a block this step
         if due is None:
             return
-        due = [s for s in due if self._seqs.get(s.id) is s]
+        due = [s for s in due if self._seqs.get(s.id) is s and s.grow_step == step]
         g = self.paging.grow([(s.id, s.pos_key + step + 1) for s in due])
         for rid in g.preempted:
             self._preempt(self._seqs[rid])
         self.cache.table.put([(self.slots.row[rid], i, b) for rid, i, b in g.grown])
         for s in due:
             if self._seqs.get(s.id) is s:  # not preempted: its next block starts block_size steps on
-                self._grow_at.setdefault(step + self.kv_size.block_size, []).append(s)
+                s.grow_step = step + self.kv_size.block_size
+                self._grow_at.setdefault(s.grow_step, []).append(s)
 
     def _admit(self) -> None:
         """Waiting requests into free slots, first come first served, while their prompts' blocks fit
@@ -364,51 +416,68 @@ class TailraceEngine:
             plans.append(plan)
         return plans
 
-    def _forward(self, pieces: list[prefill.Piece], plans: list[list[chunks.Chunk]]):
-        """One backend call per version present: its decode rows and its prefill pieces together (one
-        pass over the weights). Samples every decode row and the first token of each request whose
-        prompt completes. Returns (those requests, their stop flags, the decode rows' stop flags)."""
+    def _forward(self, pieces: list[prefill.Piece], plans: list[list[chunks.Chunk]], drafts: list[Draft]):
+        """One backend call per version present: its decode rows, its rows' drafts and its prefill
+        pieces together (one pass over the weights). Samples every decode row and the first token of
+        each request whose prompt completes. Returns (those requests, their stop flags, the decode
+        rows' stop flags, the drafts in the order of their logits, those logits)."""
         plan_of = {g.version: (g, plan) for g, plan in zip(self.slots.groups, plans)}
         by_version: dict[int, list[prefill.Piece]] = {}
         for p in pieces:
             by_version.setdefault(p.seq.version, []).append(p)
-        dec_logits, first_logits, completed = [], [], []
+        drafts_of: dict[int, list[Draft]] = {}
+        for d in drafts:
+            drafts_of.setdefault(d.seq.version, []).append(d)
+        dec_logits, draft_logits, first_logits, completed, ordered = [], [], [], [], []
         for v in [g.version for g in self.slots.groups] + [v for v in by_version if v not in plan_of]:
             g, plan = plan_of.get(v, (None, []))
             rows = slice(g.start, g.stop) if g else slice(0, 0)
             B = rows.stop - rows.start
-            tokens, positions, spans, want = self._inputs(rows, by_version.get(v, []), completed)
+            ds = drafts_of.get(v, [])
+            nd = sum(len(d.tokens) for d in ds)
+            tokens, positions, spans, want = self._inputs(rows, ds, by_version.get(v, []), completed)
             logits = self._versions[v].forward(tokens, positions, self.cache, rows, plan, spans, want)
             if B:
                 dec_logits.append(logits[:B])
-            if logits.shape[0] > B:
-                first_logits.append(logits[B:])
+            if nd:
+                draft_logits.append(logits[B : B + nd])
+                ordered += ds
+            if logits.shape[0] > B + nd:
+                first_logits.append(logits[B + nd :])
         dec_stop = self._sample_decode(_cat(dec_logits)) if dec_logits else None
         pre_stop = self._sample_first(_cat(first_logits), completed) if completed else None
-        return completed, pre_stop, dec_stop
+        return completed, pre_stop, dec_stop, ordered, _cat(draft_logits) if draft_logits else None
 
-    def _inputs(self, rows: slice, pieces: list[prefill.Piece], completed: list[Sequence]):
-        """Tokens and positions of one version's forward: its decode rows, then its prefill pieces;
-        the pieces' (row, start, n); which outputs need logits (None: the decode rows only). Requests
-        whose prompt completes are appended to `completed`."""
+    def _inputs(
+        self, rows: slice, drafts: list[Draft], pieces: list[prefill.Piece], completed: list[Sequence]
+    ):
+        """Tokens and positions of one version's forward: its decode rows, its rows' drafts (each at
+        the positions after its row's), then its prefill pieces; the drafts' and pieces' (row, start,
+        n); which outputs need logits (None: the decode rows only). Requests whose prompt completes
+        are appended to `completed`."""
         ints, dev = self.rows.ints, self.device
         tokens, positions = ints[rows, TOK], ints[rows, POS]
-        if not pieces:
+        if not pieces and not drafts:
             return tokens, positions, [], None
-        B = rows.stop - rows.start
-        ids = [t for p in pieces for t in p.seq.ids[p.start : p.start + p.n]]
-        pos = [i for p in pieces for i in range(p.start, p.start + p.n)]
+        kept = rows.stop - rows.start + sum(len(d.tokens) for d in drafts)  # outputs with logits
+        ids = [t for d in drafts for t in d.tokens]
+        ids += [t for p in pieces for t in p.seq.ids[p.start : p.start + p.n]]
+        pos = [i for d in drafts for i in range(d.pos + 1, d.pos + 1 + len(d.tokens))]
+        pos += [i for p in pieces for i in range(p.start, p.start + p.n)]
         tokens = torch.cat((tokens, torch.tensor(ids).to(dev, non_blocking=True)))
         positions = torch.cat((positions, torch.tensor(pos).to(dev, non_blocking=True)))
-        spans = [(self.slots.row[p.seq.id], p.start, p.n) for p in pieces]
-        last, off = [], B
+        spans = [(d.row, d.pos + 1, len(d.tokens)) for d in drafts]
+        spans += [(self.slots.row[p.seq.id], p.start, p.n) for p in pieces]
+        last, off = [], kept
         for p in pieces:
             off += p.n
             p.seq.prefilled += p.n
             if p.completes:
                 last.append(off - 1)
                 completed.append(p.seq)
-        want = torch.tensor(list(range(B)) + last).to(dev, non_blocking=True) if last else None
+        if not last and not drafts:
+            return tokens, positions, spans, None
+        want = torch.tensor(list(range(kept)) + last).to(dev, non_blocking=True)
         return tokens, positions, spans, want
 
     def _sample_decode(self, logits: torch.Tensor) -> torch.Tensor:
@@ -420,6 +489,7 @@ class TailraceEngine:
             any_tempered=self._n_tempered > 0,
             any_filter=self._n_filter > 0,
             any_min_new=self._n_min_stop > 0,
+            any_plain=self._n_special < n,
         )
         tokens, lps = sample(
             logits,
@@ -434,14 +504,7 @@ class TailraceEngine:
     def _sample_first(self, logits: torch.Tensor, completed: list[Sequence]) -> torch.Tensor:
         """Sample the first new token of each request whose prompt completed; returns their stop flags."""
         rows_t = torch.tensor([self.slots.row[s.id] for s in completed]).to(self.device, non_blocking=True)
-        ps = [s.req.params for s in completed]
-        flags = SampleFlags(
-            any_sampled=any(p.temperature > 0 for p in ps),
-            any_greedy=any(p.temperature == 0 for p in ps),
-            any_tempered=any(p.temperature not in (0, 1) for p in ps),
-            any_filter=any(p.top_k or p.top_p < 1 for p in ps),
-            any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps),
-        )
+        flags = self._flags([s.req.params for s in completed])
         tokens, lps = sample(
             logits,
             salt=self._salt,
@@ -452,6 +515,17 @@ class TailraceEngine:
         for s in completed:
             self._prefilling.remove(s)
         return self.rows.record(rows_t, tokens, lps, advance_pos=False)
+
+    def _flags(self, ps: list[SamplingParams]) -> SampleFlags:
+        """The sampler's flags for rows with these parameters."""
+        return SampleFlags(
+            any_sampled=any(p.temperature > 0 for p in ps),
+            any_greedy=any(p.temperature == 0 for p in ps),
+            any_tempered=any(p.temperature not in (0, 1) for p in ps),
+            any_filter=any(p.top_k or p.top_p < 1 for p in ps),
+            any_min_new=any(p.min_new_tokens and p.stop_token_ids for p in ps),
+            any_plain=not all(_special(p, self.vocab_size) for p in ps),
+        )
 
     def _read_stops(self, completed: list[Sequence], pre_stop, dec_stop) -> list[int]:
         """The one device->host read of a step: indices (prefill-completed requests first, then decode
@@ -477,7 +551,11 @@ class TailraceEngine:
             stop_ids.add(seq.id)
         if active:
             for seq in self._finish_at.pop(self._decode_step, ()):
-                if self._seqs.get(seq.id) is seq and seq.id not in stop_ids:
+                if (
+                    self._seqs.get(seq.id) is seq
+                    and seq.finish_step == self._decode_step
+                    and seq.id not in stop_ids
+                ):
                     fin.append((seq, Finish.LENGTH))
         for seq in completed:
             seq.first_token, seq.new_at_join = seq.first_token or now, 1  # a preempted one keeps its own
@@ -493,8 +571,11 @@ class TailraceEngine:
                 [s.num_resumed + s.num_new(step) for s, _ in fin],
             )
             for (seq, reason), (toks, lps) in zip(fin, outs):
-                results.append(self._result(seq, toks, lps, reason, now))
+                res = self._result(seq, toks, lps, reason, now)
+                results.append(res)
                 self._remove(seq)
+                if self._spec is not None:  # a sibling's response: what the others may draft from
+                    self._spec.drafter.add_history(seq.req.prompt_ids, res.token_ids)
         for seq in completed:
             if seq.id in self._seqs:
                 self._join(seq)
@@ -506,10 +587,12 @@ class TailraceEngine:
         self._apply(self.slots.start_decoding(seq.id, seq.version))
         seq.joined_at = self._decode_step
         seq.pos_key = len(seq.ids) - seq.joined_at  # its decode input's position minus the step counter
-        self._finish_at.setdefault(seq.joined_at + seq.allowed - 1, []).append(seq)
+        seq.finish_step = seq.joined_at + seq.allowed - 1
+        self._finish_at.setdefault(seq.finish_step, []).append(seq)
         bs = self.kv_size.block_size
         past = -(-len(seq.ids) // bs) * bs  # the first position past its prompt's blocks
-        self._grow_at.setdefault(seq.joined_at + past - len(seq.ids), []).append(seq)
+        seq.grow_step = seq.joined_at + past - len(seq.ids)
+        self._grow_at.setdefault(seq.grow_step, []).append(seq)
         self._count(seq, +1)
 
     def _remove(self, seq: Sequence) -> None:
@@ -519,6 +602,8 @@ class TailraceEngine:
 
     def _release(self, seq: Sequence) -> None:
         """Free its slot (compacting the decode rows) and its blocks, where it holds them."""
+        if self._spec is not None:
+            self._spec.drafter.release(seq.id)
         if seq.id not in self.slots.row:
             return
         if self.paging.holds(seq.id):
@@ -536,6 +621,7 @@ class TailraceEngine:
         self._n_filter += d * (sampled and (p.top_k > 0 or p.top_p < 1))
         self._n_stop += d * bool(p.stop_token_ids)
         self._n_min_stop += d * bool(p.stop_token_ids and p.min_new_tokens > 0)
+        self._n_special += d * _special(p, self.vocab_size)
 
     def _apply(self, moves) -> None:
         for src, dst, _ in moves:
@@ -556,6 +642,12 @@ class TailraceEngine:
             first_token=seq.first_token,
             finished=t,
         )
+
+
+def _special(p: SamplingParams, vocab_size: int) -> bool:
+    """Whether a row samples through torch ops rather than the kernel (see `sampler.sample`)."""
+    filtered = p.temperature > 0 and (0 < p.top_k < vocab_size or p.top_p < 1)
+    return bool(filtered or (p.stop_token_ids and p.min_new_tokens))
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

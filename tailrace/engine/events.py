@@ -16,3 +16,8 @@ class StepEvent:
     decode_tokens: int  # tokens sampled this step (decode + first tokens of completed prefills)
     advanced: tuple[str, ...]  # ids of the requests that made progress (decoded or prefilled)
     finished: tuple[GenResult, ...]  # results completed this step, in completion order
+    # speculative decoding (see engine.spec): draft tokens verified, of them accepted, and the decode
+    # rows that verified a draft (decode_tokens counts the extra tokens accepted drafts emitted)
+    drafted: int = 0
+    accepted: int = 0
+    verifies: int = 0

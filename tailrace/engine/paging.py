@@ -7,6 +7,9 @@ Decisions the engine applies (as `Slots` returns row moves), over a `BlockPool`:
     at most one new block per sequence, so the step after an admission never preempts; a larger reserve
     would need the requests' actual lengths, which nobody knows. A lone request always fits (the engine
     sizes the pool for one request of its context limit), so a long prompt cannot wait forever.
+  * `extend` (speculative decoding): blocks for a sequence's draft positions, only from those the
+    admission reserve leaves spare (never preempting: a draft that does not fit is cut short), and
+    `shrink` returns the blocks of rejected positions once the draft is verified.
   * `grow`: a sequence whose next position starts a new block gets one. When the pool is short, the
     youngest holder (the latest arrival) is preempted -- all its blocks freed -- until the need fits
     or the needing sequence was itself the youngest. Needs are served oldest first, so the oldest
@@ -41,6 +44,10 @@ class Paging:
     def holds(self, rid: str) -> bool:
         return rid in self._age
 
+    def held(self, rid: str) -> int:
+        """Positions the blocks `rid` holds can take."""
+        return len(self.pool.owned[rid]) * self.pool.block_size
+
     def admit(self, rid: str, tokens: int, limit: int, age: int) -> list[int] | None:
         """The blocks for `rid`'s first `tokens` positions (of at most `limit` it may come to hold), or
         None: not now (stop admitting)."""
@@ -69,6 +76,26 @@ class Paging:
                 first = len(self.pool.owned[rid])
                 grown += [(rid, first + i, b) for i, b in enumerate(self.pool.allocate(rid, tokens))]
         return Growth(tuple(preempted), tuple(grown))
+
+    def extend(self, needs: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+        """For each holder `rid` of `needs`, in order, blocks so it holds up to `tokens` positions, as
+        far as blocks beyond the admission reserve allow (see `admit`). Returns (rid, index in its block
+        list, new block) of the blocks handed out."""
+        pool = self.pool
+        spare = pool.num_free - sum(pool.short_by(r, n) > 0 for r, n in self._limit.items())
+        out: list[tuple[str, int, int]] = []
+        for rid, tokens in needs:
+            n = min(pool.short_by(rid, tokens), spare)
+            if n > 0:
+                first = len(pool.owned[rid])
+                new = pool.allocate(rid, (first + n) * pool.block_size)
+                out += [(rid, first + i, b) for i, b in enumerate(new)]
+                spare -= n
+        return out
+
+    def shrink(self, rid: str, tokens: int) -> None:
+        """`rid` keeps the blocks of its first `tokens` positions; the rest return to the pool."""
+        self.pool.truncate(rid, tokens)
 
     def release(self, rid: str) -> None:
         """`rid` finished, was aborted or preempted: its blocks return to the pool."""

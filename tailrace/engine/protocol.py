@@ -80,6 +80,10 @@ class Engine(Protocol):
 
     def drop_version(self, version: int) -> None: ...
 
+    def add_history(self, prompt_ids: tuple[int, ...], token_ids: tuple[int, ...]) -> None:
+        """A finished response to `prompt_ids` to draft from (speculative decoding; else ignored)."""
+        ...
+
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Run `requests` to completion on an idle engine; results in request order."""
         ...

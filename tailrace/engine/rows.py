@@ -54,7 +54,9 @@ class RowState:
         top_p = TOP_P_OFF if greedy or p.top_p >= 1.0 else p.top_p
         dev = self.ints.device
         self.ints[row] = torch.tensor(
-            [0, len(seq.ids), seq.num_resumed, seq.key, top_k, p.min_new_tokens], dtype=torch.int64
+            # min_new_tokens bans stop tokens only: 0 without them (the sampler's per-row path reads it)
+            [0, len(seq.ids), seq.num_resumed, seq.key, top_k, p.min_new_tokens if p.stop_token_ids else 0],
+            dtype=torch.int64,
         ).to(dev, non_blocking=True)
         self.floats[row] = torch.tensor(
             [1.0 if greedy else 1.0 / p.temperature, 0.0 if greedy else 1.0, top_p], dtype=torch.float32
@@ -103,6 +105,23 @@ class RowState:
                 self.ints[rows, POS] += 1
             stop = self.stop_mask[rows].gather(1, tokens[:, None])
         return stop.squeeze(1)
+
+    def extend(
+        self, rows: list[int], counts: list[int], tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> None:
+        """Append counts[i] more tokens to row rows[i] after the ones `record` stored (a verified
+        draft's extra tokens; tokens, logprobs (sum(counts),) in row order): the last becomes its next
+        decode input, and its index and position advance by counts[i]."""
+        dev = self.ints.device
+        r = torch.tensor([row for row, c in zip(rows, counts) for _ in range(c)], device=dev)
+        j = torch.tensor([i for c in counts for i in range(c)], device=dev)
+        idx = self.ints[r, IDX] + j
+        self.out_tok.index_put_((r, idx), tokens)
+        self.out_lp.index_put_((r, idx), logprobs)
+        rows_t, n = torch.tensor(rows, device=dev), torch.tensor(counts, device=dev)
+        self.ints[rows_t, TOK] = tokens[n.cumsum(0) - 1]
+        self.ints[rows_t, POS] += n
+        self.ints[rows_t, IDX] += n
 
     def outputs(
         self, rows: list[int], start: list[int], stop: list[int]

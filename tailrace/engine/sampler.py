@@ -78,6 +78,7 @@ class SampleFlags:
     any_tempered: bool = True  # some row has a temperature other than 0 and 1
     any_filter: bool = False  # some row has top-k or top-p on
     any_min_new: bool = False  # some row may still be below min_new_tokens and has stop ids
+    any_plain: bool = True  # some row has neither a filter nor min_new_tokens with stop ids
 
 
 def sample(
@@ -102,13 +103,18 @@ def sample(
     (> 1 = off); key/index (B,) int64; stop_mask (B, V) bool and min_new (B,) int64: stop tokens are
     banned while index < min_new. Greedy rows must have top_k = V and top_p > 1.
 
-    `kernel` (the engine's CPU kernels, `ckernel.Kernels`): the noise comes from it, and without
-    filters or bans the whole draw does (one call instead of ~25 small ops); the tokens are the same
-    either way, as both add the same noise to the same tempered logits."""
-    if kernel is not None and not flags.any_filter and not (flags.any_min_new and stop_mask is not None):
-        return kernel.sample(logits.float().contiguous(), inv_temp, noise_scale, key, index, salt)
+    `kernel` (the engine's CPU kernels, `ckernel.Kernels`): the noise comes from it, and the whole
+    draw of every row without a filter or a ban (min_new > 0) does (one call instead of ~25 small ops);
+    the tokens are the same either way, as both add the same noise to the same tempered logits, and a
+    row's logprob then depends on its own parameters only, never on which rows share its batch."""
+    banning = flags.any_min_new and stop_mask is not None
+    plain = None
+    if kernel is not None and (flags.any_plain or not (flags.any_filter or banning)):
+        plain = kernel.sample(logits.float().contiguous(), inv_temp, noise_scale, key, index, salt)
+        if not flags.any_filter and not banning:
+            return plain
     z = logits.float()
-    if flags.any_min_new and stop_mask is not None:
+    if banning:
         ban = stop_mask & (index < min_new)[:, None]
         z = z.masked_fill(ban, float("-inf"))
     if flags.any_tempered:
@@ -123,7 +129,13 @@ def sample(
         tokens = (z + noise).argmax(dim=-1)  # = argmax of logp + noise: they differ by a per-row constant
     else:
         tokens = z.argmax(dim=-1)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    lp = logp.gather(1, tokens[:, None]).squeeze(1)
+    if plain is None:
+        return tokens, lp
+    special = (top_k < logits.shape[1]) | (top_p <= 1.0)
+    if banning:
+        special |= min_new > 0
+    return torch.where(special, tokens, plain[0]), torch.where(special, lp, plain[1])
 
 
 def _filter_top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,11 @@
 
 Generated tokens and their logprobs live in device buffers indexed by cache row (see `RowState`);
 the host keeps only counters, from which it knows every length without reading the device:
-a decoding sequence gains exactly one token per decode step, so its count is
-`new_at_join + (engine decode steps since it joined)`.
+a decoding sequence gains one token per decode step, so its count is
+`new_at_join + (engine decode steps since it joined)`; a verified draft's extra tokens are added to
+`new_at_join` (and `pos_key`), which keeps that formula true. `finish_step` and `grow_step` say when
+it reaches its length and next needs a block; the engine's schedules hold entries for older values
+too, which it skips.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ class Sequence:
         "allowed",
         "pos_key",
         "age",
+        "finish_step",
+        "grow_step",
+        "host",
+        "accepted",
+        "compared",
     )
 
     def __init__(self, req: GenRequest, key: int, submitted: float, max_context: int, age: int):
@@ -40,6 +48,12 @@ class Sequence:
         self.allowed = min(req.params.max_new_tokens - len(req.resume_ids), max_context - len(self.ids))
         self.pos_key = 0  # position of its decode input minus the decode-step counter (for max position)
         self.age = age  # arrival number in the engine (smaller = older), kept across preemptions
+        self.finish_step = -1  # decode step at which it has all its allowed tokens
+        self.grow_step = -1  # decode step at which its next block is due
+        # speculative decoding: a host copy of its response (as far as read back) and its drafts'
+        # per-token acceptance (see `spec.ladder`)
+        self.host: list[int] = list(req.resume_ids)
+        self.accepted = self.compared = 0.0
 
     @property
     def id(self) -> str:

@@ -84,6 +84,11 @@ class ConsoleUI:
         generated = r.ledger.get("generated")
         if r.discards.get("shaping") and generated:  # shaping is on: what it generated vs trained
             line += f"  generated p50 {generated['p50']:.0f} max {generated['max']}"
+        if "spec_forwards_per_token" in t:
+            line += (
+                f"  spec acc {t['spec_accepted_share']:.2f} len {t['spec_mean_accepted']:.1f} "
+                f"on {t['spec_on_fraction']:.2f} fwd/tok {t['spec_forwards_per_token']:.2f}"
+            )
         if saved is not None:
             line += f"  ckpt {_size(saved.bytes['total'])} in {saved.seconds:.1f}s"
         warning = self._zero_signal(r)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tailrace.config import RunConfig, dump_config
+from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
@@ -25,8 +26,8 @@ from tailrace.records import CheckpointRecord, EvalRecord, Span, StepRecord, rea
 from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
-from tailrace.runtime.messages import EngineReport, TrainerReport, TrainOrder
-from tailrace.runtime.metrics import Utilization
+from tailrace.runtime.messages import EngineReport, History, TrainerReport, TrainOrder
+from tailrace.runtime.metrics import SpecTally, Utilization
 from tailrace.runtime.procs import placement, resolve_device
 from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
@@ -35,7 +36,7 @@ from tailrace.runtime.snapshots import Snapshot, Snapshots
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import Worker, Workers
-from tailrace.types import Finish, GenResult, SamplingParams, Trajectory
+from tailrace.types import Finish, GenResult, Prompt, SamplingParams, Trajectory
 
 
 @dataclass
@@ -88,6 +89,11 @@ class Driver:
         self.snapshots = Snapshots(run.path, cfg.eval.every if cfg.eval.n else 0)
         self._eval_version: int | None = None  # the engines' version slot for snapshots, after training
         self._eval_loaded: set[int] = set()  # engines that hold the snapshot being evaluated
+        sp = r.spec
+        self.spec = None if sp.drafter == "none" else SpecOptions(
+            sp.drafter, sp.toggle, sp.min_speedup, sp.gamma_min, sp.gamma_max
+        )  # fmt: skip
+        self.spec_tally = SpecTally()
 
     # ------------------------------------------------------------------ set-up
     def _start(self, version: int) -> None:
@@ -107,7 +113,7 @@ class Driver:
             espec = EngineSpec(
                 str(ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, cfg.seed, cfg.model.dtype,
                 start_version=version, attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
-                device=device,
+                device=device, spec=self.spec,
             )  # fmt: skip
             self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
         self.workers.ready(self.engines)
@@ -252,6 +258,7 @@ class Driver:
         self.util.slot_time += st.slot_s
         self.util.engine_busy += st.busy_s
         self.util.gen_tokens += st.decode_tokens
+        self.spec_tally.add(st.spec)
         lane = f"engine{rep.engine}"
         for t0, t1 in st.spans:
             self.events.write(Span(lane, "generate", t0 - self.t0, t1 - self.t0))
@@ -278,8 +285,20 @@ class Driver:
                 )
         if mine:
             final = [r for r in mine if r.finish != Finish.ABORTED]
-            scores = self.ses.score([self.sched.prompt_of(r.request_id) for r in final], final)
+            prompts = [self.sched.prompt_of(r.request_id) for r in final]
+            self._relay_history(rep.engine, prompts, final)
+            scores = self.ses.score(prompts, final)
             self.sched.on_results(rep.engine, mine, scores, self._now())
+
+    def _relay_history(self, source: int, prompts: list[Prompt], results: list[GenResult]) -> None:
+        """A history drafter's material: each engine keeps the responses it finishes itself (siblings,
+        earlier epochs); the others get them here."""
+        if self.spec is None or self.spec.drafter != "history" or len(self.engines) < 2 or not results:
+            return
+        msg = History(tuple((p.token_ids, r.token_ids) for p, r in zip(prompts, results)))
+        for i, engine in enumerate(self.engines):
+            if i != source:
+                self.workers.send(engine, msg)
 
     def _on_trainer_report(self, rep: TrainerReport) -> None:
         now = self._now()
@@ -330,6 +349,8 @@ class Driver:
             trainer_step_s=m.pop("time_s", 0.0),
             driver_cpu_s=cpu - self._cpu_mark,
         )
+        if self.spec is not None:  # the toggle's choices follow the engines' timings: "time" figures
+            timing.update(self.spec_tally.take())
         self._cpu_mark = cpu
         self._last_wall = timing["wall_s"]
         return step_record(

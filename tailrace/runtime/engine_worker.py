@@ -1,7 +1,7 @@
 """A rollout engine in its own process, pinned to its own core(s).
 
 The worker runs the engine's step loop and talks to the driver in batches, never per token: between
-steps it drains its inbox (Generate / Abort / LoadWeights / DropWeights / Shutdown); after a step it
+steps it drains its inbox (Generate / Abort / LoadWeights / DropWeights / History / Shutdown); after a step it
 sends what finished, plus aggregated step statistics and busy spans at most every `report_s`.
 Requests arrive as the engine's own `GenRequest`s (built once, by the scheduler or the evaluator).
 """
@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from tailrace.engine import Engine, build_engine
+from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights
 from tailrace.model.checkpoint import load_pretrained
-from tailrace.runtime.messages import EngineReport, Ready, Shutdown, Stats
+from tailrace.runtime.messages import EngineReport, History, Ready, Shutdown, Stats
 from tailrace.runtime.procs import pin
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import serving
@@ -36,6 +37,7 @@ class EngineSpec:
     attention: str = "auto"
     max_context: int | None = None
     kv_memory_gb: float | None = None
+    spec: SpecOptions | None = None  # speculative decoding (None: off)
 
 
 def engine_main(
@@ -58,6 +60,7 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
         attention=spec.attention,
         max_context=spec.max_context,
         kv_memory_gb=spec.kv_memory_gb,
+        spec=spec.spec,
     )
     print(f"engine {engine_id}: {engine.describe()}", flush=True)
     if spec.start_version != 0:
@@ -83,6 +86,9 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
                 loaded.append((msg.version, t0, time.perf_counter()))
             elif isinstance(msg, DropWeights):
                 engine.drop_version(msg.version)
+            elif isinstance(msg, History):
+                for prompt, tokens in msg.responses:
+                    engine.add_history(prompt, tokens)
             else:
                 raise TypeError(f"engine {engine_id}: unexpected message {type(msg).__name__}")
             busy = engine.num_running + engine.num_waiting > 0
@@ -91,6 +97,7 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
             # slots occupied this step: the decoding rows and the rows being prefilled (a request's
             # prefill step holds its slot and samples its first token)
             stats.add(ev.t_start, ev.duration, len(set(ev.advanced)), ev.prefill_tokens, ev.decode_tokens)
+            stats.add_spec(ev.active, ev.verifies, ev.drafted, ev.accepted)
             results.extend(ev.finished)
         now = time.perf_counter()
         if results or loaded or (stats.steps and now - last >= report_s):

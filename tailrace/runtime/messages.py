@@ -42,6 +42,12 @@ class Stats:
     decode_tokens: int = 0
     prefill_tokens: int = 0
     spans: list[tuple[float, float]] = field(default_factory=list)  # merged busy intervals
+    spec: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # see `add_spec`
+
+    def add_spec(self, rows: int, verifies: int, drafted: int, accepted: int) -> None:
+        """A step's speculative decoding: decode rows, rows that verified a draft, draft tokens, accepted."""
+        for i, n in enumerate((rows, verifies, drafted, accepted)):
+            self.spec[i] += n
 
     def add(self, t0: float, dt: float, active: int, prefill: int, decode: int) -> None:
         self.steps += 1
@@ -64,6 +70,14 @@ class EngineReport:
     stats: Stats
     loaded: list[tuple[int, float, float]]  # (version, t0, t1) weight loads since the last report
     t: float
+
+
+@dataclass(frozen=True)
+class History:
+    """Finished responses to draft from (speculative decoding): `(prompt ids, response ids)` pairs,
+    forwarded from the engine that generated them to the others."""
+
+    responses: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tailrace.metrics import length_stats, percentile, staleness_hist, utilization
+from tailrace.metrics import length_stats, percentile, speculation, staleness_hist, utilization
 
-__all__ = ["Utilization", "length_stats", "percentile", "staleness_hist"]
+__all__ = ["SpecTally", "Utilization", "length_stats", "percentile", "staleness_hist"]
 
 
 @dataclass
@@ -37,3 +37,18 @@ class Utilization:
         prev = self.history[-1] if self.history else (self.start, 0.0, 0.0, 0, 0)
         self.history.append(cur)
         return utilization(self.start, cur, prev, self.slots, self.engine_busy)
+
+
+@dataclass
+class SpecTally:
+    """The engines' speculative-decoding counts since the last step record (see `metrics.speculation`)."""
+
+    counts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # rows, verifies, drafted, accepted
+
+    def add(self, counts: list[int]) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, counts)]
+
+    def take(self) -> dict[str, float]:
+        """The figures of the window, which starts anew."""
+        out, self.counts = speculation(*self.counts), [0, 0, 0, 0]
+        return out

@@ -3,7 +3,8 @@
 import pytest
 
 from tailrace.cli.choices import check, registries
-from tailrace.config import ConfigError, FlowConfig, LossConfig, ShapingConfig, TrainerConfig, load_config
+from tailrace.config import ConfigError, FlowConfig, LossConfig, ShapingConfig, SpecConfig, TrainerConfig, load_config
+from tailrace.engine.spec import DRAFTERS
 from tailrace.flow.policies import POLICIES
 from tailrace.flow.shaping import SHAPINGS
 from tailrace.trainer.advantages import ADVANTAGES
@@ -18,6 +19,7 @@ from tailrace.trainer.losses import CORRECTIONS, LOSSES
         ("--train.loss.name=ppo", LOSSES),
         ("--train.loss.correction=is", CORRECTIONS),
         ("--train.advantage=gae", ADVANTAGES),
+        ("--rollout.spec.drafter=eagle", ("none", *DRAFTERS)),
     ],
 )
 def test_unknown_name_lists_the_registry(override, registry):
@@ -29,7 +31,13 @@ def test_unknown_name_lists_the_registry(override, registry):
 
 
 def test_every_registered_name_passes():
-    prefix = {FlowConfig: "flow", ShapingConfig: "shaping", LossConfig: "train.loss", TrainerConfig: "train"}
+    prefix = {
+        FlowConfig: "flow",
+        ShapingConfig: "shaping",
+        LossConfig: "train.loss",
+        TrainerConfig: "train",
+        SpecConfig: "rollout.spec",
+    }
     for (section, field), names in registries().items():
         for name in names:  # drgrpo needs its normaliser, and async & co. staleness >= 1 (the default)
             check(

@@ -119,3 +119,19 @@ def test_random_operations_keep_blocks_exclusive_and_sufficient(ops, num_blocks,
         assert set(p.pool.owned) == set(tokens) and p.num_holders == len(tokens)
         for rid, n in tokens.items():
             assert len(p.pool.owned[rid]) == p.pool.blocks_for(n), "a held position without its block"
+
+
+def test_extend_takes_only_spare_blocks_and_shrink_returns_them_in_order():
+    p = Paging(8, 4)
+    assert p.admit("a", 4, 40, age=0) == [0]  # reserve 1 (itself)
+    assert p.admit("b", 4, 40, age=1) == [1]  # reserve 2
+    # free 6, reserve 2 (both can grow): 4 spare; "a" wants 3 more blocks, "b" 2 -> b gets 1
+    got = p.extend([("a", 16), ("b", 12)])
+    assert got == [("a", 1, 2), ("a", 2, 3), ("a", 3, 4), ("b", 1, 5)]
+    assert p.held("a") == 16 and p.held("b") == 8 and p.pool.num_free == 2
+    assert p.extend([("b", 12)]) == []  # the reserve is untouchable
+    p.shrink("a", 5)  # keeps positions [0, 5): two blocks; 3 and 4 return, block 3 on top
+    assert p.pool.owned["a"] == [0, 2] and p.pool.num_free == 4
+    assert p.pool.allocate("a", 9) == [3]  # handed out again first, as if never taken
+    p.shrink("b", 4)
+    assert p.pool.owned["b"] == [1] and p.pool.allocate("c", 1) == [5]

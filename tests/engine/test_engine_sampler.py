@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from tailrace.engine import ckernel
 from tailrace.engine.rows import TOP_P_OFF
 from tailrace.engine.sampler import SampleFlags, gumbel_noise, sample, seed_key, vocab_salt
 
@@ -158,3 +160,30 @@ def test_noise_depends_only_on_key_index_and_vocab():
         assert torch.equal(gumbel_noise(keys[i : i + 1], idx[i : i + 1], salt)[0], full[i])
     assert not torch.equal(gumbel_noise(keys[:1], idx[:1] + 1, salt), full[:1])
     assert seed_key(7) == seed_key(7 + 2**64) and seed_key(7) != seed_key(8)
+
+
+def test_with_the_kernel_a_row_samples_alike_whatever_shares_its_batch():
+    """Rows without filters or bans go through the kernel's draw even in a batch where other rows need
+    torch ops (top-k, stop bans): token and logprob bit-identical to the same row sampled alone."""
+    kernel = ckernel.load()
+    if kernel is None:
+        pytest.skip(f"C kernel unavailable: {ckernel.unavailable()}")
+    B, V = 6, 50
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(3))
+    mixed = _args(B, V)
+    mixed["top_k"][1] = 5  # a filtered row
+    mixed["top_p"][2] = 0.8  # another
+    mixed["stop_mask"][3, 7] = True  # a row banning a stop token
+    mixed["min_new"][3] = 99
+    flags = SampleFlags(
+        any_sampled=True, any_greedy=False, any_tempered=False, any_filter=True, any_min_new=True
+    )
+    tok, lp = sample(logits, flags=flags, kernel=kernel, **mixed)
+    for b in (0, 4, 5):
+        alone = {k: v[b : b + 1] if k != "salt" else v for k, v in _args(B, V).items()}
+        t1, l1 = sample(logits[b : b + 1], flags=SampleFlags(any_greedy=False), kernel=kernel, **alone)
+        assert tok[b] == t1[0] and lp[b] == l1[0]
+    # the special rows: what the torch ops alone give them
+    t2, l2 = sample(logits, flags=flags, kernel=None, **mixed)
+    assert torch.equal(tok, t2)
+    assert torch.allclose(lp, l2, atol=1e-5)

@@ -68,3 +68,18 @@ def test_a_shaped_step_shows_the_lengths_generated_beside_the_trained():
     lines = out.getvalue().splitlines()
     assert "len p50 30 max 120" in lines[0] and lines[0].endswith("generated p50 40 max 300")
     assert "generated" not in lines[1]
+
+
+def test_a_step_line_shows_speculation_when_the_run_drafts():
+    from dataclasses import replace
+
+    from tailrace.metrics import speculation
+
+    c, out = ui()
+    c.begin(0, 2, None)
+    c.step(step(0, complete=4, zero=0))
+    spec = speculation(rows=100, verifies=40, drafted=200, accepted=150)
+    c.step(replace(step(1, complete=8, zero=0), time={**TIME, **spec}))
+    lines = out.getvalue().splitlines()
+    assert "spec" not in lines[0]
+    assert "spec acc 0.75 len 3.8 on 0.40 fwd/tok 0.40" in lines[1]

@@ -119,3 +119,22 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     assert final["produced"] == final["trained"] + final["in_store"] + discarded
     lost = {k: v for k, v in final["discarded"].items() if k != "zero-signal"}  # replaced on purpose
     assert not lost, f"with a checkpoint per step nothing may be discarded: {final['discarded']}"
+
+
+def test_speculation_changes_no_recorded_figure_but_time(tiny_model, tmp_path):
+    """Sync, one seed, with and without the history drafter (toggle off: every decode row drafts;
+    siblings feed it): every step record is identical but for `time`, which carries the drafts."""
+    runs = []
+    for name, spec in (
+        ("off", []),
+        ("spec", ["--rollout.spec.drafter=history", "--rollout.spec.toggle=false"]),
+    ):
+        rc = main(["train", f"--run-dir={tmp_path / name}", f"--model.path={tiny_model}", *TINY_RUN, *spec])
+        assert rc == 0
+        runs.append(steps_of(tmp_path / name))
+    strip = [[{k: v for k, v in r.items() if k != "time"} for r in run] for run in runs]
+    assert strip[0] == strip[1]
+    assert "spec_drafted" not in runs[0][0]["time"]
+    t = [r["time"] for r in runs[1]]
+    assert sum(x["spec_drafted"] for x in t) > 0 and sum(x["spec_accepted"] for x in t) > 0
+    assert all(0 < x["spec_forwards_per_token"] <= 1 for x in t)

@@ -1,0 +1,115 @@
+"""`Speculator`: an engine's speculative-decoding policy and books -- which decode rows draft each
+step and how far, and what came of it. Plain Python: the engine does the tensor work and reports here.
+
+Per step the draft length of a request is `Toggle.gamma(active batch, its acceptance, ladder's length)`:
+the ladder (`ladder`) follows the drafter's measured acceptance round by round, the toggle (`costs`)
+cuts it to what pays at this batch, or to 0. A request's acceptance is its own recent drafts' record
+shrunk toward the drafter's recent one (a few drafts say little), so a request whose drafts keep
+failing stops drafting, and one without a record starts from the drafter's. A request that stopped
+drafts PROBE tokens on every EXPLORE-th step where the drafter's own acceptance would pay, so a record
+that has turned (a history that now matches) is seen again; a drafter that always fails costs those
+probes until its own acceptance falls too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tailrace.engine.spec.costs import Toggle
+from tailrace.engine.spec.drafter import DraftEnv, Drafter
+from tailrace.engine.spec.ladder import Rung, climb, rungs
+from tailrace.engine.spec.stats import SpecStats
+
+ROUND = 32  # steps with verifies per ladder round
+PRIOR = 4.0  # weight, in judged draft tokens, of the drafter's acceptance in a request's estimate
+DECAY = 0.995  # per verify: how fast the drafter's acceptance forgets (about the last 200 verifies)
+ALPHA0 = 0.5  # the drafter's acceptance before any verify
+FORGET = 0.8  # per verify of a request: the weight its older record keeps
+EXPLORE, PROBE = 16, 2
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """How an engine speculates. `drafter`: a name in `spec.DRAFTERS` or a factory of a `Drafter`;
+    `toggle`: draft only where the fitted cost model predicts at least `min_speedup` at the active
+    batch (False: every decode row drafts the ladder's length, for measurements); the ladder runs
+    from `gamma_min` to `gamma_max` draft tokens (see `ladder.rungs`)."""
+
+    drafter: str | Callable[[DraftEnv], Drafter] = "history"
+    toggle: bool = True
+    min_speedup: float = 1.05
+    gamma_min: int = 5
+    gamma_max: int = 11
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gamma_min <= self.gamma_max:
+            raise ValueError(
+                f"gamma bounds {self.gamma_min}..{self.gamma_max}: need 1 <= gamma_min <= gamma_max"
+            )
+        if self.min_speedup <= 0:
+            raise ValueError(f"min_speedup={self.min_speedup}: must be > 0")
+
+
+class Speculator:
+    def __init__(self, drafter: Drafter, options: SpecOptions | None = None):
+        o = options or SpecOptions()
+        self.drafter, self.toggled = drafter, o.toggle
+        self.toggle = Toggle(drafter.per_token_cost, o.min_speedup)
+        self.rung = Rung(rungs=rungs(o.gamma_min, o.gamma_max))
+        self.stats = SpecStats(gamma=self.rung.gamma)
+        self._acc, self._cmp = ALPHA0 * PRIOR, PRIOR  # the drafter's decayed record
+        self._round = [0, 0, 0]  # steps with verifies, accepted, compared in this round
+
+    @property
+    def alpha(self) -> float:
+        return self._acc / self._cmp
+
+    def cap(self, batch: int) -> int:
+        """The ladder's draft length if drafting could pay at this active batch at all (and it is not
+        vetoed on measurement), else 0 -- then no row is even asked."""
+        g = self.rung.gamma
+        return g if not self.toggled or self.toggle.gamma(batch, 1.0, g) else 0
+
+    def gamma(self, accepted: float, compared: float, batch: int, cap: int, step: int) -> int:
+        """Draft length at decode step `step` for a request whose recent drafts had `accepted` of
+        `compared` tokens accepted (see `record`)."""
+        if not self.toggled:
+            return cap
+        alpha = (accepted + PRIOR * self.alpha) / (compared + PRIOR)
+        g = self.toggle.gamma(batch, alpha, cap)
+        if g or step % EXPLORE or not self.toggle.gamma(batch, self.alpha, cap):
+            return g
+        return min(PROBE, cap)
+
+    @staticmethod
+    def record(accepted: float, compared: float, a: int, c: int) -> tuple[float, float]:
+        """A request's record after a verify that accepted a of c judged draft tokens."""
+        return accepted * FORGET + a, compared * FORGET + c
+
+    def verified(self, drafted: int, accepted: int, compared: int) -> None:
+        """One row's verify: `accepted` of `drafted` draft tokens, `compared` of them judged."""
+        st = self.stats
+        st.drafted, st.accepted, st.compared = (
+            st.drafted + drafted,
+            st.accepted + accepted,
+            st.compared + compared,
+        )
+        self._acc = self._acc * DECAY + accepted
+        self._cmp = self._cmp * DECAY + compared
+        self._round[1] += accepted
+        self._round[2] += compared
+
+    def step(self, active: int, verifies: int, emitted: int) -> None:
+        """A step's decode rows: how many verified a draft, tokens emitted; closes ladder rounds."""
+        if not active:
+            return
+        self.stats.step(active, verifies, emitted)
+        if not verifies:
+            return
+        self._round[0] += 1
+        if self._round[0] >= ROUND:
+            _, acc, cmp = self._round
+            self.rung = climb(self.rung, acc / cmp if cmp else 0.0)
+            self.stats.gamma = self.rung.gamma
+            self._round = [0, 0, 0]
