@@ -45,7 +45,8 @@ from tailrace.runtime.rundir import RunDir, cut_from, repair, truncate_metrics
 # the base one already recorded) must stay as the checkpoint was made.
 MAY_CHANGE = (
     "flow.time_limit_s", "flow.checkpoint_every", "flow.checkpoint_minutes", "flow.keep_checkpoints",
-    "rollout.threads", "task.reward_timeout_s", "eval.batch", "tensorboard", "worker_timeout_s", "out",
+    "rollout.threads", "task.reward_timeout_s", "eval.batch", "tensorboard", "worker_timeout_s", "max_restarts",
+    "out",
 )  # fmt: skip
 
 

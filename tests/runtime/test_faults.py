@@ -50,9 +50,9 @@ def long_run(tiny_model, run_dir, *extra):
     )
 
 
-def test_a_dead_worker_is_one_line(tiny_model, tmp_path):
+def test_a_dead_worker_is_one_line_without_restarts(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    p = long_run(tiny_model, run_dir)
+    p = long_run(tiny_model, run_dir, "--max_restarts=0")  # with restarts: tests/runtime/test_recovery.py
     wait_for_steps(run_dir, p, 2)  # the first step's checkpoint is whole by then
     trainer, engine = workers_of(p.pid)
     os.kill(engine, signal.SIGKILL)
@@ -64,7 +64,7 @@ def test_a_dead_worker_is_one_line(tiny_model, tmp_path):
 
 def test_a_stopped_worker_is_found_stuck(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    p = long_run(tiny_model, run_dir, "--worker_timeout_s=5")
+    p = long_run(tiny_model, run_dir, "--worker_timeout_s=5", "--max_restarts=0")
     wait_for_steps(run_dir, p, 2)  # the first step's checkpoint is whole by then
     trainer, engine = workers_of(p.pid)
     os.kill(engine, signal.SIGSTOP)
