@@ -8,17 +8,22 @@ pipe closed) just exits. On the driver's side a worker that raised becomes one e
 line: `InputError` for bad input, `Fault` for the rest. A worker lost otherwise — a closed pipe, a dead
 process, a stopped heartbeat — is killed (SIGKILL ends a stopped process too) and, when the driver
 recovers workers, comes back once as a `Lost` message (what it had sent but not yet been read is
-dropped: the driver redoes that work); else it raises `Fault` too.
+dropped: the driver redoes that work); else it raises `Fault` too. Messages to a worker go out through
+its own sender thread, in order: a stopped worker whose pipe is full blocks that thread, never the
+driver, which finds the worker stuck by its heartbeat.
 """
 
 from __future__ import annotations
 
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing import current_process
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -26,14 +31,16 @@ from typing import Any, Callable, Iterator, Sequence
 from tailrace.common import Fault, InputError, one_line
 from tailrace.runtime.health import Health, Lost, Pulse, exit_reason
 from tailrace.runtime.messages import Failed, Ready, Shutdown
-from tailrace.runtime.procs import context
+from tailrace.runtime.procs import context, name_process
 
 # -- the worker's side ---------------------------------------------------------------------------
 
 
 @contextmanager
 def serving(conn: Connection, counter: Any) -> Iterator[None]:
-    """Around a worker's whole body: beat, and report any exception to the driver before exiting."""
+    """Around a worker's whole body: beat, and report any exception to the driver before exiting. The
+    process takes its worker's name (`tr-engine0`, `tr-trainer`: runtime/procs.py)."""
+    name_process(f"tr-{current_process().name}")
     Pulse(counter).start()
     try:
         yield
@@ -52,12 +59,34 @@ def serving(conn: Connection, counter: Any) -> Iterator[None]:
 # -- the driver's side ---------------------------------------------------------------------------
 
 
+class Sender(threading.Thread):
+    """Sends one worker's messages in order until it gets None or the pipe breaks (the worker died)."""
+
+    def __init__(self, conn: Connection) -> None:
+        super().__init__(name="sender", daemon=True)
+        self.conn = conn
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while (msg := self.inbox.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except OSError:  # the worker is gone: its health check says how
+                return
+
+    def stop(self) -> None:
+        """After the worker exited or was killed (so a send blocked on a full pipe fails)."""
+        self.inbox.put(None)
+        self.join(timeout=5)
+
+
 @dataclass(eq=False)
 class Worker:
     name: str
     proc: Any  # a multiprocessing Process
     conn: Connection
     health: Health
+    sender: Sender
     lost: bool = False  # killed and no longer heard: the driver replaces it or stops
 
 
@@ -69,7 +98,6 @@ class Workers:
         self.ctx = context()
         self.timeout_s, self.errors_log, self.recover = timeout_s, errors_log, recover
         self.all: list[Worker] = []
-        self._lost: list[tuple[Worker, Lost]] = []  # found lost while sending, told at the next receive
 
     def start(self, name: str, target: Callable[..., None], *args: Any) -> Worker:
         """Start `target(conn, counter, *args)` in a new process."""
@@ -82,7 +110,8 @@ class Workers:
         finally:
             signal.signal(signal.SIGINT, sigint)
         child.close()  # only the worker holds its end now: when it dies, ours reads end-of-file
-        w = Worker(name, proc, conn, Health(name, proc, counter, self.timeout_s))
+        w = Worker(name, proc, conn, Health(name, proc, counter, self.timeout_s), Sender(conn))
+        w.sender.start()
         self.all.append(w)
         return w
 
@@ -109,7 +138,7 @@ class Workers:
         and each one lost since comes once as `(worker, Lost)` (or raises `Fault`: see `recover`).
         Raises `InputError` or `Fault` for a worker that failed."""
         by_conn = {w.conn: w for w in (self.all if among is None else among) if not w.lost}
-        got, self._lost = self._lost, []
+        got = []
         for conn in wait(list(by_conn), timeout):
             w = by_conn[conn]
             if not w.lost:
@@ -126,30 +155,20 @@ class Workers:
         return got
 
     def send(self, w: Worker, msg: Any) -> None:
-        """Send unless `w` is lost; a worker found dead here is told at the next `receive`."""
-        if w.lost:
-            return
-        try:
-            w.conn.send(msg)
-        except OSError:  # its end is closed: it died; say how
-            w.proc.join(timeout=5)
-            lost = _died(w)
-            self._lost.append((w, self._lose(w, lost)))
-            if not self.recover:
-                raise Fault(lost.line) from None
+        """Queue `msg` for `w`'s sender (never blocks); a lost worker's messages are dropped."""
+        if not w.lost:
+            w.sender.inbox.put(msg)
 
     def close(self) -> None:
         live = [w for w in self.all if not w.lost]  # a lost one is already killed and closed
         for w in live:
-            try:
-                w.conn.send(Shutdown())
-            except OSError:
-                pass
+            self.send(w, Shutdown())
         for w in live:
             w.proc.join(timeout=5)
             if w.proc.is_alive():
                 w.proc.kill()  # stopped or stuck: SIGKILL ends a stopped process too
                 w.proc.join(timeout=5)
+            w.sender.stop()
             w.conn.close()
         self.all = []
 
@@ -177,6 +196,7 @@ class Workers:
             w.proc.kill()
             w.proc.join(timeout=5)
         w.lost = True
+        w.sender.stop()
         w.conn.close()
         return lost
 

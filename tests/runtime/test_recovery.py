@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from tailrace.records import Finished, Mark, StepRecord, read_events, read_journal, read_metrics
+from tailrace.report.html import write_report
 from tests.runtime.conftest import TINY_RUN, checkpoints, start_cli, wait_for_steps, workers_of
 from tests.runtime.test_faults import finish
 
@@ -51,7 +52,7 @@ def test_lost_workers_are_replaced_and_the_run_finishes_exact(tiny_model, tmp_pa
         "--eval.n=8", "--worker_timeout_s=3", "--flow.checkpoint_every=3", "--train.loss.kl_coef=0.01",
     )  # fmt: skip
     wait_for_steps(run_dir, p, 2)
-    trainer, engine = workers_of(p.pid)  # pids may wrap: only the first pair is in start order
+    trainer, engine = workers_of(p.pid)
     os.kill(engine, signal.SIGSTOP)
     try:
         wait_for_steps(run_dir, p, 5)
@@ -68,3 +69,4 @@ def test_lost_workers_are_replaced_and_the_run_finishes_exact(tiny_model, tmp_pa
     assert recoveries(run_dir)[-1].data["replayed"] == 2  # steps 4 and 5, after the checkpoint of step 3
     assert_exact(run_dir)
     assert json.loads((checkpoints(run_dir)[-1] / "trainer.json").read_text())["step"] == STEPS
+    assert "2 workers replaced" in write_report(run_dir).read_text()
