@@ -242,7 +242,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (200; soak 500)")
     ap.add_argument("--mean-gap", type=float, default=30.0, help="mean seconds between faults")
     ap.add_argument("--seed", type=int, default=0, help="seed of the fault times, victims and signals")
-    ap.add_argument("--worker-timeout-s", type=float, default=10.0, help="worker_timeout_s of the runs")
+    ap.add_argument("--worker-timeout-s", type=float, default=5.0, help="worker_timeout_s of the runs")
     ap.add_argument("--soak", action="store_true", help="one long run without faults: RSS slopes")
     ap.add_argument("--every", type=float, default=5.0, help="soak: seconds between RSS samples")
     ap.add_argument("--keep", help="write the run directories here (default: a temporary directory)")
