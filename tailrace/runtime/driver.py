@@ -35,7 +35,7 @@ from tailrace.runtime.messages import EngineReport, Ready, TrainerReport, TrainO
 from tailrace.runtime.metrics import Utilization
 from tailrace.runtime.orders import TrainOrders
 from tailrace.runtime.procs import placement
-from tailrace.runtime.recovery import Recovery, describe
+from tailrace.runtime.recovery import Recovery, describe, weights_on_disk
 from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
@@ -267,14 +267,11 @@ class Driver:
             self.workers.send(self.engines[i], Generate(i, wanted))
 
     def _engine_weights(self, i: int, lost: Lost) -> dict:
-        """Where a replacement for engine i finds the versions it held: the ring, else a checkpoint
-        (version 0 is the model it loads)."""
+        """The versions a replacement for engine i starts with, and the checkpoints of those the ring
+        no longer holds."""
         versions = sorted(self.sched.engines[i].loaded)
-        gone = [v for v in versions if v != 0 and not self.weights.holds(v)]
-        disk = {v: self.saved_versions[v] for v in gone if v in self.saved_versions}
-        disk = {v: p for v, p in disk.items() if p.is_dir()}  # not pruned since
-        if len(disk) < len(gone):
-            missing = sorted(set(gone) - set(disk))
+        disk, missing = weights_on_disk(versions, self.weights.holds, self.saved_versions)
+        if missing:
             raise Fault(
                 f"{lost.line}, and the weights of version(s) {missing} it held are neither in shared "
                 "memory nor in a kept checkpoint (raise flow.keep_checkpoints)"

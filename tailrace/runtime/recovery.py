@@ -5,12 +5,16 @@ most `max_restarts` times within any hour; a worker lost more often than that ha
 will not fix, and the run stops in one line as it does with `max_restarts=0`. A restart is open from
 the loss until the replacement says Ready; it then becomes a `recovery` mark in events.jsonl: the
 worker, the cause, the downtime (loss to Ready), the samples requeued (an engine) or the optimizer
-steps replayed (the trainer). Time is passed in.
+steps replayed (the trainer). Time is passed in. A replacement engine loads the versions its
+predecessor held from the shared-memory ring, or from a checkpoint for one the ring has recycled
+(`weights_on_disk`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 from tailrace.records import Mark
 from tailrace.runtime.health import Lost
@@ -76,3 +80,13 @@ def describe(m: Mark) -> str:
         f"{d['replayed']} steps replayed from its last checkpoint"
     )  # fmt: skip
     return f"recovered: {d['detail']}; restarted in {d['downtime_s']:.1f} s, {what}"
+
+
+def weights_on_disk(
+    versions: list[int], in_ring: Callable[[int], bool], saved: dict[int, Path]
+) -> tuple[dict[int, Path], list[int]]:
+    """Of `versions`, those the ring no longer holds: {version: the checkpoint holding its weights},
+    and those no kept checkpoint holds either. Version 0 needs neither: it is the model itself."""
+    gone = [v for v in versions if v != 0 and not in_ring(v)]
+    disk = {v: saved[v] for v in gone if v in saved and saved[v].is_dir()}  # is_dir: not pruned since
+    return disk, [v for v in gone if v not in disk]

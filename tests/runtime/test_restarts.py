@@ -4,7 +4,7 @@ from tailrace.flow.commands import Train
 from tailrace.runtime.health import Lost
 from tailrace.runtime.messages import TrainOrder
 from tailrace.runtime.orders import TrainOrders
-from tailrace.runtime.recovery import WINDOW_S, Recovery, describe
+from tailrace.runtime.recovery import WINDOW_S, Recovery, describe, weights_on_disk
 
 DIED = Lost("engine0", "died", "engine0 process died (killed by SIGKILL: out of memory?)")
 
@@ -54,3 +54,11 @@ def test_a_replacement_trainer_replays_the_counted_steps_then_the_owed_ones_in_o
         (2, True, None), (3, True, None), (4, False, "step_5.tmp"), (5, False, None),
     ]  # fmt: skip
     assert orders.ready() == [] and orders.add(order(6)) is not None
+
+
+def test_a_replacement_engine_finds_each_version_in_the_ring_or_a_kept_checkpoint(tmp_path):
+    kept = tmp_path / "step_000004"
+    kept.mkdir()
+    saved = {3: kept, 2: tmp_path / "step_000003"}  # step 3's checkpoint was pruned
+    disk, missing = weights_on_disk([0, 2, 3, 5], in_ring=lambda v: v == 5, saved=saved)
+    assert disk == {3: kept} and missing == [2]
