@@ -107,27 +107,19 @@ class Driver:
         self.trainer = self.workers.start("trainer", trainer_main, self.tspec, self.weights)
         self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
         self.engines: list[Worker] = []
-        self.especs = [
-            EngineSpec(
-                str(ses.model_path),
-                r.slots,
-                r.prefill_tokens,
-                r.threads,
-                cores,
-                cfg.seed,
-                cfg.model.dtype,
-                start_versions=(version,),
-                attention=r.attention,
-                max_context=r.max_context,
-                kv_memory_gb=r.kv_memory_gb,
-            )  # fmt: skip
-            for cores in engine_cores
-        ]
+        self.especs = [self._engine_spec(cores, version) for cores in engine_cores]
         for i, espec in enumerate(self.especs):
             self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
         self.workers.ready(self.engines)
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)
+
+    def _engine_spec(self, cores: tuple[int, ...], version: int) -> EngineSpec:
+        r = self.cfg.rollout
+        return EngineSpec(
+            str(self.ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, self.cfg.seed, self.cfg.model.dtype,
+            start_versions=(version,), attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
+        )  # fmt: skip
 
     def close(self) -> None:
         self.workers.close()
@@ -247,9 +239,8 @@ class Driver:
         if not self.recovery.allows(lost, now):
             raise Fault(self.recovery.refusal(lost))
         if w is self.trainer:
-            spec = replace(
-                self.tspec, resume_from=self.restart_from and str(self.restart_from), publish_start=False
-            )
+            start = str(self.restart_from) if self.restart_from else None  # None: the run's start
+            spec = replace(self.tspec, resume_from=start, publish_start=False)
             self.trainer = self.workers.replace(w, trainer_main, spec, self.weights)
             self.recovery.begin(lost, now, replayed=self.orders.restart(self.sched.steps_done))
             return
