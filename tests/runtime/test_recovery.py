@@ -1,6 +1,7 @@
 """Staying alive: workers killed (SIGKILL) or stopped (SIGSTOP) mid-run are replaced and the run
 finishes with exit 0, every step once, every finished trajectory once, the ledger exact, and a
-`recovery` event each. (`max_restarts=0` keeps the one-line fault: tests/runtime/test_faults.py.)"""
+`recovery` event each. (`max_restarts=0` keeps the one-line fault: tests/runtime/test_faults.py; a
+stopped worker is found by the same heartbeat check with or without restarts.)"""
 
 import json
 import os
@@ -65,6 +66,7 @@ def test_lost_workers_are_replaced_and_the_run_finishes_exact(tiny_model, tmp_pa
     assert "Traceback" not in out
     got = [(m.data["worker"], m.data["cause"]) for m in recoveries(run_dir)]
     assert got == [("engine0", "stuck"), ("trainer", "died")]
+    assert "engine0 process is stuck: no heartbeat for" in recoveries(run_dir)[0].data["detail"]
     assert out.count("recovered: ") == 2
     assert recoveries(run_dir)[-1].data["replayed"] == 2  # steps 4 and 5, after the checkpoint of step 3
     assert_exact(run_dir)
