@@ -49,16 +49,14 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
 def start(run_dir: Path, steps: int, extra: list[str]) -> subprocess.Popen:
+    """`tailrace train` in its own session; its output goes to RUN_DIR.log (a pipe nobody reads while
+    the run goes would fill and block the run)."""
     argv = [sys.executable, "-m", "tailrace.cli", "train", f"--run-dir={run_dir}", f"--flow.steps={steps}"]
-    return subprocess.Popen(
-        [*argv, *SMALL, *extra],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    with open(f"{run_dir}.log", "w") as log:
+        return subprocess.Popen(
+            [*argv, *SMALL, *extra], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200"),
+            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
 
 
 def workers(pid: int) -> dict[str, int]:
@@ -80,11 +78,11 @@ def steps_done(run_dir: Path) -> int:
     return f.read_text().count('"kind":"step"') if f.exists() else 0
 
 
-def wait(p: subprocess.Popen) -> str:
-    out, _ = p.communicate()
-    if p.returncode != 0:
-        raise SystemExit(f"the run failed (exit {p.returncode}):\n{out[-3000:]}")
-    return out
+def wait(p: subprocess.Popen, run_dir: Path) -> None:
+    if p.wait() != 0:
+        raise SystemExit(
+            f"the run failed (exit {p.returncode}):\n{Path(f'{run_dir}.log').read_text()[-3000:]}"
+        )
 
 
 def train_wall(run_dir: Path) -> float:
@@ -116,7 +114,7 @@ def chaos_run(run_dir: Path, steps: int, extra: list[str], mean_gap: float, seed
                 faults.append((now - t0, name, how, steps_done(run_dir)))
                 print(f"  {now - t0:6.1f} s  step {faults[-1][3]:4d}  {how} {name}", flush=True)
             due = now + rng.expovariate(1 / mean_gap)
-        wait(p)
+        wait(p, run_dir)
     finally:
         for pid in stopped:  # the driver kills a stopped worker; never leave one behind
             if Path(f"/proc/{pid}").exists():
@@ -154,7 +152,7 @@ def chaos(args, extra: list[str], root: Path) -> None:
     extra = [f"--worker_timeout_s={args.worker_timeout_s}", "--max_restarts=1000", *extra]
     print(f"clean run: {args.steps} steps", flush=True)
     t = time.monotonic()
-    wait(start(root / "clean", args.steps, extra))
+    wait(start(root / "clean", args.steps, extra), root / "clean")
     clean_total = time.monotonic() - t
     print(
         f"chaos run: {args.steps} steps, a fault every ~{args.mean_gap:.0f} s (seed {args.seed})", flush=True
@@ -221,7 +219,7 @@ def soak(args, extra: list[str], root: Path) -> None:
             mb = rss_mb(pid)
             if mb is not None:
                 samples.setdefault(name, []).append((n, mb))
-    wait(p)
+    wait(p, run_dir)
     print(f"\n{'process':10s} {'RSS first':>10s} {'RSS last':>9s} {'MB / 100 steps':>15s}  samples")
     for name, pts in sorted(samples.items()):
         kept = [(s, m) for s, m in pts if s >= steps // 10]
