@@ -6,8 +6,8 @@ directory, the model (a whole HF checkpoint), optimizer and step are written the
 goes out (runtime/checkpoint.py). A `replay` order redoes a step a lost trainer had done since its
 last checkpoint: the optimizer moves, nothing is published or saved (engines may hold those weights).
 A replacement trainer starts from that checkpoint and does not write its weights to the ring
-(`publish_start`): a newer version may live in that slot. A step whose loss or gradient is not finite raises before the
-optimizer moves (trainer/grpo.py): nothing of it is published or saved.
+(`publish_start`): a newer version may live in that slot. A step whose loss or gradient is not
+finite raises before the optimizer moves (trainer/grpo.py): nothing of it is published or saved.
 """
 
 from __future__ import annotations
