@@ -272,7 +272,12 @@ class RunConfig:
         False, "also write scalars to RUN_DIR/tensorboard (pip install tailrace[tensorboard])"
     )
     worker_timeout_s: float = setting(
-        120.0, "seconds a worker process may miss its heartbeat (sent every second) before the run stops"
+        120.0, "seconds a worker process may miss its heartbeat (sent every second) before it counts as stuck"
+    )
+    max_restarts: int = setting(
+        3,
+        "restarts of each worker process (dead, or stuck and killed) within an hour; past it the run "
+        "stops (0 = stop at the first lost worker)",
     )
 
     def __post_init__(self) -> None:
@@ -284,6 +289,7 @@ class RunConfig:
             self.worker_timeout_s >= 3,
             f"worker_timeout_s={self.worker_timeout_s}: must be at least 3 seconds (heartbeats come every second)",
         )
+        need(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be >= 0 (0 = no restarts)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

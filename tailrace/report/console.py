@@ -1,6 +1,6 @@
 """The terminal view of a run: a rich progress bar (step, reward, accuracy, tokens/s, ETA) and one
 summary line per step (with the checkpoint's size when the step wrote one); a warning when
-the run has no reward signal to learn from."""
+the run has no reward signal to learn from; one line per recovered worker."""
 
 from __future__ import annotations
 
@@ -105,6 +105,10 @@ class ConsoleUI:
             self.console.print(line)
             if warning:
                 self.console.print(warning, style="yellow")
+
+    def note(self, line: str) -> None:
+        """A line between the step lines (a worker recovered, ...)."""
+        (self.progress.console if self.progress is not None else self.console).print(line)
 
     def _zero_signal(self, r: StepRecord) -> str | None:
         """A warning when at least 3/4 of the groups completed since the last step had equal rewards

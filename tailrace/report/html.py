@@ -1,6 +1,7 @@
 """report.html for a run directory: timeline (Gantt: one lane per engine and one for the trainer,
-coloured by phase), reward and accuracy curves, response-length histograms per step, staleness, and
-the run's configuration. Figures are matplotlib PNGs embedded inline, so the file stands alone."""
+coloured by phase), reward and accuracy curves, response-length histograms per step, staleness, the
+workers recovered while it ran, and the run's configuration. Figures are matplotlib PNGs embedded
+inline, so the file stands alone."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ from tailrace.records import (  # noqa: E402
     read_metrics,
 )
 
-PHASE_COLORS = {"generate": "#4c78a8", "train": "#f58518", "sync": "#54a24b", "wait": "#dddddd"}
+PHASE_COLORS = {
+    "generate": "#4c78a8", "train": "#f58518", "sync": "#54a24b", "wait": "#dddddd",
+    "replay": "#e45756",  # a replacement trainer redoing the steps since its checkpoint
+}  # fmt: skip
 
 
 def _png(fig) -> str:
@@ -111,6 +115,25 @@ def _checkpoints(saved: list[CheckpointRecord]) -> str:
     )
 
 
+def _recoveries(events: list[Span | Mark]) -> str:
+    """A row per worker replaced while the run went (`recovery` marks: runtime/recovery.py)."""
+    marks = [e for e in events if isinstance(e, Mark) and e.kind == "recovery"]
+    if not marks:
+        return ""
+    rows = "".join(
+        f"<tr><td>{m.t:.1f}</td><td>{html.escape(m.data['worker'])}</td><td>{html.escape(m.data['cause'])}</td>"
+        f"<td>{m.data['downtime_s']:.1f}</td><td>{m.data['requeued']}</td><td>{m.data['replayed']}</td>"
+        f"<td style='text-align:left'>{html.escape(m.data['detail'])}</td></tr>"
+        for m in marks
+    )
+    down = sum(m.data["downtime_s"] for m in marks)
+    return (
+        f"<h2>Recoveries</h2><p>{len(marks)} workers replaced, {down:.1f} s down in all</p><table>"
+        "<tr><th>at (s)</th><th>worker</th><th>cause</th><th>down (s)</th><th>samples requeued</th>"
+        f"<th>steps replayed</th><th>what happened</th></tr>{rows}</table>"
+    )
+
+
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
@@ -138,6 +161,7 @@ def write_report(run_dir: Path) -> Path:
 <p>{len(steps)} steps, wall {t.get("wall_s", 0):.1f} s, trainer waiting ratio {t.get("trainer_wait_ratio", 0):.2f},
 rollout bubble ratio {t.get("bubble_ratio", 0):.2f}, ledger {json.dumps(ledger)}</p>
 {_checkpoints(saved)}
+{_recoveries(events)}
 <h2>Held-out evaluation</h2><table>
 <tr><th>when</th><th>step</th><th>accuracy</th><th>p50</th><th>p99</th><th>max</th></tr>{rows}</table>
 <h2>Reward, accuracy, lengths</h2>{curves_figure(steps, evals) if steps else ""}

@@ -7,6 +7,11 @@ Engines report finished results in batches; the driver scores them (RewardGuard:
 crashes the run) and hands results and scores to the scheduler, which builds the trajectories. The
 trainer reports each finished step (durable when a checkpoint was asked for). Everything the run
 produces is appended to the run directory as it happens.
+
+A worker lost while the run goes is replaced (runtime/recovery.py bounds how often): an engine by one
+holding the versions the scheduler says it held, its in-flight samples dispatched again
+(`Scheduler.on_engine_lost`); the trainer by one started from the newest whole checkpoint, which
+redoes the steps since (runtime/orders.py). The other workers keep going meanwhile.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tailrace.common import Fault
 from tailrace.config import RunConfig, dump_config
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
@@ -26,9 +32,12 @@ from tailrace.records import CheckpointRecord, EvalRecord, Span, StepRecord, rea
 from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
-from tailrace.runtime.messages import EngineReport, History, TrainerReport, TrainOrder
+from tailrace.runtime.health import Lost
+from tailrace.runtime.messages import EngineReport, History, Ready, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import SpecTally, Utilization
+from tailrace.runtime.orders import TrainOrders
 from tailrace.runtime.procs import placement, resolve_device
+from tailrace.runtime.recovery import Recovery, describe, weights_on_disk
 from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
@@ -36,7 +45,7 @@ from tailrace.runtime.snapshots import Snapshot, Snapshots
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import Worker, Workers
-from tailrace.types import Finish, GenResult, Prompt, SamplingParams, Trajectory
+from tailrace.types import Finish, GenRequest, GenResult, Prompt, SamplingParams, Trajectory
 
 
 @dataclass
@@ -77,13 +86,18 @@ class Driver:
         self.cadence = checkpoint.Cadence.of(
             f.checkpoint_every, f.checkpoint_minutes, 12 * self.layout.buffer.numel()
         )
-        self.workers = Workers(cfg.worker_timeout_s, run.file("errors.log"))
+        self.workers = Workers(cfg.worker_timeout_s, run.file("errors.log"), recover=cfg.max_restarts > 0)
+        self.recovery = Recovery(cfg.max_restarts)
+        self.orders = TrainOrders()
+        self.restart_from = resume.checkpoint if resume else None  # the newest whole checkpoint
+        self.saved_versions: dict[int, Path] = {}  # version -> a checkpoint holding its weights
         self.metrics = RecordFile(run.file("metrics.jsonl"))
         self.events = RecordFile(run.file("events.jsonl"))
         self.journal = RecordFile(run.file("journal.jsonl"))
         self.tb = _tensorboard(run) if cfg.tensorboard else None
         self.pending_trajs: dict[int, tuple[int, list[Trajectory]]] = {}  # step -> (version, trajectories)
         self._eval_wanted: set[str] = set()  # ids of held-out requests not yet returned
+        self._eval_sent: dict[int, tuple[GenRequest, ...]] = {}  # engine -> the held-out requests it got
         self._eval_results: list[GenResult] = []
         self._last_wall = 0.0  # the newest step record's wall_s: when the newest weights were published
         self.snapshots = Snapshots(run.path, cfg.eval.every if cfg.eval.n else 0)
@@ -99,26 +113,30 @@ class Driver:
     def _start(self, version: int) -> None:
         cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
         train_cores, engine_cores = placement(r.engines)
-        device = resolve_device(cfg.device)
+        self.device = device = resolve_device(cfg.device)
         self.weights = SharedWeights.like(self.layout, slots=cfg.flow.max_staleness + 3)
-        tspec = TrainerSpec(
+        self.tspec = TrainerSpec(
             str(ses.model_path), cfg.train, threads=len(train_cores), cores=train_cores, seed=cfg.seed,
             start_version=version, resume_from=str(self.resume.checkpoint) if self.resume else None,
             device=device,
         )  # fmt: skip
-        self.trainer = self.workers.start("trainer", trainer_main, tspec, self.weights)
+        self.trainer = self.workers.start("trainer", trainer_main, self.tspec, self.weights)
         self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
         self.engines: list[Worker] = []
-        for i, cores in enumerate(engine_cores):
-            espec = EngineSpec(
-                str(ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, cfg.seed, cfg.model.dtype,
-                start_version=version, attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
-                device=device, spec=self.spec,
-            )  # fmt: skip
+        self.especs = [self._engine_spec(cores, version) for cores in engine_cores]
+        for i, espec in enumerate(self.especs):
             self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
         self.workers.ready(self.engines)
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)
+
+    def _engine_spec(self, cores: tuple[int, ...], version: int) -> EngineSpec:
+        r = self.cfg.rollout
+        return EngineSpec(
+            str(self.ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, self.cfg.seed, self.cfg.model.dtype,
+            start_versions=(version,), attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
+            device=self.device, spec=self.spec,
+        )  # fmt: skip
 
     def close(self) -> None:
         self.workers.close()
@@ -182,13 +200,14 @@ class Driver:
         reqs = evaluator.requests(version)
         self._eval_wanted = {r.id for r in reqs}
         n = len(self.engines)
+        self._eval_sent = {i: tuple(reqs[i::n]) for i in range(n)}
         for i, engine in enumerate(self.engines):
-            self.workers.send(engine, Generate(i, tuple(reqs[i::n])))
+            self.workers.send(engine, Generate(i, self._eval_sent[i]))
         while self._eval_wanted:
             self._pump(self.engines, timeout=5.0)
             if self.ui is not None:
                 self.ui.evaluating(tag, len(reqs) - len(self._eval_wanted), len(reqs))
-        results, self._eval_results = self._eval_results, []
+        results, self._eval_results, self._eval_sent = self._eval_results, [], {}
         step, version = (snap.step, snap.version) if snap else (self.sched.steps_done, version)
         rec = EvalRecord(tag, step, evaluator.summarize(reqs, results), version, wall_s)
         self.metrics.write(rec)
@@ -243,15 +262,70 @@ class Driver:
             save = f"{checkpoint.step_dir(self.run.ckpt, steps)}.tmp"  # renamed when whole
             self.cadence.saved(steps, now)
         self.pending_trajs[c.step] = (c.trainer_version, [t for g in c.groups for t in g.trajectories])
-        self.workers.send(self.trainer, TrainOrder(c, save))
+        order = self.orders.add(TrainOrder(c, save))
+        if order is not None:
+            self.workers.send(self.trainer, order)
 
     def _pump(self, among: list[Worker] | None = None, timeout: float = 1.0) -> None:
-        """Handle what the workers (`among`, default all) report within `timeout`; a lost worker raises."""
-        for _, msg in self.workers.receive(among, timeout):
+        """Handle what the workers (`among`, default all) report within `timeout`; a lost worker is
+        replaced (or raises, past its restarts)."""
+        for w, msg in self.workers.receive(among, timeout):
             if isinstance(msg, EngineReport):
                 self._on_engine_report(msg)
             elif isinstance(msg, TrainerReport):
                 self._on_trainer_report(msg)
+            elif isinstance(msg, Lost):
+                self._replace(w, msg)
+            elif isinstance(msg, Ready):
+                self._on_ready(w)
+
+    # ------------------------------------------------------------------ recovery
+    def _replace(self, w: Worker, lost: Lost) -> None:
+        now = self._now()
+        if not self.recovery.allows(lost, now):
+            raise Fault(self.recovery.refusal(lost))
+        if w is self.trainer:
+            start = str(self.restart_from) if self.restart_from else None  # None: the run's start
+            spec = replace(self.tspec, resume_from=start, publish_start=False)
+            self.trainer = self.workers.replace(w, trainer_main, spec, self.weights)
+            self.recovery.begin(lost, now, replayed=self.orders.restart(self.sched.steps_done))
+            return
+        i = self.engines.index(w)
+        e = self.sched.engines[i]
+        loading = e.loading - e.loaded  # asked of the lost process: its replacement starts with them
+        requeued = self.sched.on_engine_lost(i, now)
+        for v in sorted(loading):
+            self.sched.on_loaded(i, v, now)
+        spec = replace(self.especs[i], **self._engine_weights(i, lost))
+        self.engines[i] = self.workers.replace(w, engine_main, i, spec, self.weights)
+        self.recovery.begin(lost, now, requeued=requeued)
+        wanted = tuple(r for r in self._eval_sent.get(i, ()) if r.id in self._eval_wanted)
+        if wanted:  # held-out requests it had: the replacement answers them
+            self.workers.send(self.engines[i], Generate(i, wanted))
+
+    def _engine_weights(self, i: int, lost: Lost) -> dict:
+        """The versions a replacement for engine i starts with, and the checkpoints of those the ring
+        no longer holds."""
+        versions = sorted(self.sched.engines[i].loaded)
+        disk, missing = weights_on_disk(versions, self.weights.holds, self.saved_versions)
+        if missing:
+            raise Fault(
+                f"{lost.line}, and the weights of version(s) {missing} it held are neither in shared "
+                "memory nor in a kept checkpoint (raise flow.keep_checkpoints)"
+            )
+        return dict(
+            start_versions=tuple(versions), from_disk=tuple((v, str(p / "model")) for v, p in disk.items())
+        )
+
+    def _on_ready(self, w: Worker) -> None:
+        mark = self.recovery.ready(w.name, self._now())
+        if mark is not None:
+            self.events.write(mark)
+            if self.ui is not None:
+                self.ui.note(describe(mark))
+        if w is self.trainer:
+            for order in self.orders.ready():
+                self.workers.send(w, order)
 
     def _on_engine_report(self, rep: EngineReport) -> None:
         st = rep.stats
@@ -303,6 +377,9 @@ class Driver:
     def _on_trainer_report(self, rep: TrainerReport) -> None:
         now = self._now()
         t0, t1 = rep.span
+        if rep.replay:  # a replacement redoing a step already counted
+            self.events.write(Span("trainer", "replay", t0 - self.t0, t1 - self.t0, step=rep.step))
+            return
         self.util.trainer_busy += t1 - t0
         self.util.train_tokens += int(rep.metrics.get("tokens", 0))
         self.events.write(Span("trainer", "train", t0 - self.t0, t1 - self.t0, step=rep.step))
@@ -332,6 +409,10 @@ class Driver:
         self.metrics.sync()
         saved = checkpoint.finalize(Path(rep.saved), self.sched.state_dict(), dump_config(self.cfg))
         checkpoint.prune(self.run.ckpt, self.cfg.flow.keep_checkpoints)
+        self.restart_from = saved.path
+        self.orders.checkpointed(rep.step + 1)
+        if rep.published is not None:  # its model is that version's weights
+            self.saved_versions[rep.published] = saved.path
         sizes = {"model": saved.model, "optimizer": saved.optimizer, "total": saved.total}
         record = CheckpointRecord(rep.step + 1, sizes, rep.save_s)
         self.metrics.write(record)
@@ -360,11 +441,13 @@ class Driver:
 
     def _load_final(self) -> None:
         v = self.sched.done_version
-        for i, engine in enumerate(self.engines):
-            if v not in self.sched.engines[i].loaded:
-                self.workers.send(engine, LoadWeights(i, v))
-                while v not in self.sched.engines[i].loaded:
-                    self._pump([engine])
+        for i in range(len(self.engines)):
+            asked = None  # the engine process asked to load v (a replacement is asked again)
+            while v not in self.sched.engines[i].loaded:
+                if asked is not self.engines[i]:
+                    asked = self.engines[i]
+                    self.workers.send(asked, LoadWeights(i, v))
+                self._pump([self.engines[i]])
 
 
 def _tensorboard(run: RunDir):

@@ -4,6 +4,8 @@ The worker runs the engine's step loop and talks to the driver in batches, never
 steps it drains its inbox (Generate / Abort / LoadWeights / DropWeights / History / Shutdown); after a step it
 sends what finished, plus aggregated step statistics and busy spans at most every `report_s`.
 Requests arrive as the engine's own `GenRequest`s (built once, by the scheduler or the evaluator).
+A replacement for a lost engine starts holding the versions its predecessor held (`start_versions`),
+read from the shared-memory ring, or from a checkpoint for one the ring no longer holds.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from tailrace.engine import Engine, build_engine
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights
 from tailrace.model.checkpoint import load_pretrained
+from tailrace.model.flat import flatten_parameters
 from tailrace.runtime.messages import EngineReport, History, Ready, Shutdown, Stats
 from tailrace.runtime.procs import pin
 from tailrace.runtime.weights import SharedWeights
@@ -32,7 +35,8 @@ class EngineSpec:
     cores: tuple[int, ...]
     seed: int
     dtype: str = "float32"
-    start_version: int = 0
+    start_versions: tuple[int, ...] = (0,)  # the versions it holds when Ready (0: the model it loads)
+    from_disk: tuple[tuple[int, str], ...] = ()  # (version, checkpoint model dir) the ring no longer holds
     device: str = "cpu"
     attention: str = "auto"
     max_context: int | None = None
@@ -63,10 +67,16 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
         spec=spec.spec,
     )
     print(f"engine {engine_id}: {engine.describe()}", flush=True)
-    if spec.start_version != 0:
-        engine.load_weights(weights.read(spec.start_version).views(), spec.start_version)
+    disk = dict(spec.from_disk)
+    for v in spec.start_versions:
+        if v in disk:
+            flat = flatten_parameters(load_pretrained(disk[v], dtype=torch.float32, device=spec.device))
+            engine.load_weights(flat.views(), v)
+        elif v != 0:
+            engine.load_weights(weights.read(v).views(), v)
+    if 0 not in spec.start_versions:
         engine.drop_version(0)
-    conn.send(Ready(spec.start_version))
+    conn.send(Ready(max(spec.start_versions)))
     stats, results, loaded = Stats(), [], []
     last = time.perf_counter()
     while True:

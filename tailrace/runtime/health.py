@@ -8,7 +8,7 @@ or a long checkpoint write never reads as stuck (torch and safetensors release t
 work); what stops the beat is a stopped process (SIGSTOP, a debugger), a frozen or starved one, or
 an interpreter wedged with the GIL held. The default timeout (`worker_timeout_s`, 120 s) is
 two orders above the beat, and the first beat may take `STARTUP_S` (a cold `import torch` on a
-loaded machine). Restart-and-recover can build on the same verdicts.
+loaded machine). The driver's recovery (runtime/recovery.py) restarts a worker on the same verdicts.
 """
 
 from __future__ import annotations
@@ -42,6 +42,15 @@ class Pulse(threading.Thread):
             time.sleep(self.beat_s)
 
 
+@dataclass(frozen=True)
+class Lost:
+    """A worker the driver no longer has: `cause` is "died" or "stuck"; `line` says how, for a person."""
+
+    worker: str
+    cause: str
+    line: str
+
+
 @dataclass
 class Health:
     """The driver's view of one worker: its process and its pulse counter."""
@@ -55,17 +64,24 @@ class Health:
 
     def check(self, now: float) -> str | None:
         """None while the worker lives and beats; else what happened to it, in a few words."""
+        lost = self.verdict(now)
+        return lost.line if lost else None
+
+    def verdict(self, now: float) -> Lost | None:
+        """None while the worker lives and beats; else whether it died or is stuck, and how."""
         if not self.proc.is_alive():
-            return f"{self.name} process died ({exit_reason(self.proc.exitcode)})"
+            return Lost(self.name, "died", f"{self.name} process died ({exit_reason(self.proc.exitcode)})")
         beats = self.counter.value
         if beats != self.beats:
             self.beats, self.since = beats, now
             return None
         limit = self.timeout_s if beats else max(self.timeout_s, STARTUP_S)
         if now - self.since > limit:
-            return (
+            return Lost(
+                self.name,
+                "stuck",
                 f"{self.name} process is stuck: no heartbeat for {now - self.since:.0f} s (stopped, "
-                "frozen or starved of CPU)"
+                "frozen or starved of CPU)",
             )
         return None
 

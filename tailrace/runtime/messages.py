@@ -84,6 +84,7 @@ class History:
 class TrainOrder:
     train: Train
     save_dir: str | None = None  # write a checkpoint there after the step
+    replay: bool = False  # redo a step the driver already counted: neither publish nor save
 
 
 @dataclass
@@ -95,3 +96,4 @@ class TrainerReport:
     span: tuple[float, float]  # the step's compute
     sync_span: tuple[float, float] | None  # copying weights into shared memory
     save_s: float = 0.0  # writing its part of the checkpoint
+    replay: bool = False  # the step of a replay order: already counted

@@ -45,8 +45,8 @@ from tailrace.runtime.rundir import RunDir, cut_from, repair, truncate_metrics
 # the base one already recorded) must stay as the checkpoint was made.
 MAY_CHANGE = (
     "flow.time_limit_s", "flow.checkpoint_every", "flow.checkpoint_minutes", "flow.keep_checkpoints",
-    "rollout.threads", "task.reward_timeout_s", "eval.batch", "tensorboard", "worker_timeout_s", "out",
-    "rollout.spec.drafter", "rollout.spec.toggle", "rollout.spec.min_speedup", "rollout.spec.gamma_min",
+    "rollout.threads", "task.reward_timeout_s", "eval.batch", "tensorboard", "worker_timeout_s", "max_restarts",
+    "out", "rollout.spec.drafter", "rollout.spec.toggle", "rollout.spec.min_speedup", "rollout.spec.gamma_min",
     "rollout.spec.gamma_max",  # speculation is exact: it changes the time, never a token
 )  # fmt: skip
 

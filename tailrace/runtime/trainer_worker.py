@@ -3,8 +3,11 @@
 It takes `TrainOrder`s in order: one optimizer step each; when the order publishes a version, the
 flat weights are copied into the shared-memory ring (one memcpy, timed); when it names a checkpoint
 directory, the model (a whole HF checkpoint), optimizer and step are written there before the reply
-goes out (runtime/checkpoint.py). A step whose loss or gradient is not finite raises before the
-optimizer moves (trainer/grpo.py): nothing of it is published or saved.
+goes out (runtime/checkpoint.py). A `replay` order redoes a step a lost trainer had done since its
+last checkpoint: the optimizer moves, nothing is published or saved (engines may hold those weights).
+A replacement trainer starts from that checkpoint and does not write its weights to the ring
+(`publish_start`): a newer version may live in that slot. A step whose loss or gradient is not
+finite raises before the optimizer moves (trainer/grpo.py): nothing of it is published or saved.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class TrainerSpec:
     resume_from: str | None = None  # a checkpoint directory (runtime/checkpoint.py)
     start_version: int = 0
     device: str = "cpu"
+    publish_start: bool = True  # write the start weights to the ring (a replacement does not)
 
 
 def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> None:
@@ -52,7 +56,8 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
         trainer = GRPOTrainer(model, spec.cfg, ref_model=ref)
         if spec.resume_from:
             load_trainer(trainer, Path(spec.resume_from))
-        weights.write(spec.start_version, trainer.flat.buffer)
+        if spec.publish_start:
+            weights.write(spec.start_version, trainer.flat.buffer)
         conn.send(Ready(spec.start_version))
         while not isinstance(order := conn.recv(), Shutdown):
             conn.send(_step(trainer, spec, order, weights))
@@ -66,6 +71,8 @@ def _step(
     metrics = trainer.step(list(t.groups), t.trainer_version)
     t1 = time.perf_counter()
     sync = None
+    if order.replay:
+        return TrainerReport(t.step, metrics, None, None, (t0, t1), None, replay=True)
     if t.publish is not None:
         weights.write(t.publish, trainer.flat.buffer)
         sync = (t1, time.perf_counter())

@@ -43,6 +43,9 @@ class SharedWeights:
         self.buf[slot].copy_(buffer.detach().reshape(-1))
         self.versions[slot] = version
 
+    def holds(self, version: int) -> bool:
+        return int(self.versions[version % self.slots]) == version
+
     def read(self, version: int) -> FlatWeights:
         slot = version % self.slots
         held = int(self.versions[slot])

@@ -1,37 +1,46 @@
-"""Worker processes, both ends: how the driver starts, hears, checks and stops them (`Workers`), and
-how a worker runs its loop (`serving`).
+"""Worker processes, both ends: how the driver starts, hears, checks, stops and replaces them
+(`Workers`), and how a worker runs its loop (`serving`).
 
 A worker starts with Ctrl-C ignored (the driver handles it and shuts the workers down) and a `Pulse`
 beating. Every exception it raises goes to the driver as a `Failed` message (type, message, and
 whether it is bad input) before it exits with code 1, silently; a worker whose driver is gone (its
-pipe closed) just exits. The driver's side turns each way a worker can be lost — `Failed`, a closed
-pipe, a dead process, a stopped heartbeat — into one exception with one line: `InputError` for a
-worker's bad-input error, `Fault` for the rest.
+pipe closed) just exits. On the driver's side a worker that raised becomes one exception with one
+line: `InputError` for bad input, `Fault` for the rest. A worker lost otherwise — a closed pipe, a dead
+process, a stopped heartbeat — is killed (SIGKILL ends a stopped process too) and, when the driver
+recovers workers, comes back once as a `Lost` message (what it had sent but not yet been read is
+dropped: the driver redoes that work); else it raises `Fault` too. Messages to a worker go out through
+its own sender thread, in order: a stopped worker whose pipe is full blocks that thread, never the
+driver, which finds the worker stuck by its heartbeat.
 """
 
 from __future__ import annotations
 
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing import current_process
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from tailrace.common import Fault, InputError, one_line
-from tailrace.runtime.health import Health, Pulse, exit_reason
+from tailrace.runtime.health import Health, Lost, Pulse, exit_reason
 from tailrace.runtime.messages import Failed, Ready, Shutdown
-from tailrace.runtime.procs import context
+from tailrace.runtime.procs import context, name_process
 
 # -- the worker's side ---------------------------------------------------------------------------
 
 
 @contextmanager
 def serving(conn: Connection, counter: Any) -> Iterator[None]:
-    """Around a worker's whole body: beat, and report any exception to the driver before exiting."""
+    """Around a worker's whole body: beat, and report any exception to the driver before exiting. The
+    process takes its worker's name (`tr-engine0`, `tr-trainer`: runtime/procs.py)."""
+    name_process(f"tr-{current_process().name}")
     Pulse(counter).start()
     try:
         yield
@@ -50,20 +59,44 @@ def serving(conn: Connection, counter: Any) -> Iterator[None]:
 # -- the driver's side ---------------------------------------------------------------------------
 
 
+class Sender(threading.Thread):
+    """Sends one worker's messages in order until it gets None or the pipe breaks (the worker died)."""
+
+    def __init__(self, conn: Connection) -> None:
+        super().__init__(name="sender", daemon=True)
+        self.conn = conn
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while (msg := self.inbox.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except OSError:  # the worker is gone: its health check says how
+                return
+
+    def stop(self) -> None:
+        """After the worker exited or was killed (so a send blocked on a full pipe fails)."""
+        self.inbox.put(None)
+        self.join(timeout=5)
+
+
 @dataclass(eq=False)
 class Worker:
     name: str
     proc: Any  # a multiprocessing Process
     conn: Connection
     health: Health
+    sender: Sender
+    lost: bool = False  # killed and no longer heard: the driver replaces it or stops
 
 
 class Workers:
-    """The driver's worker processes. `errors_log` receives the traceback of a worker's fault."""
+    """The driver's worker processes. `errors_log` receives the traceback of a worker's fault.
+    `recover`: a lost worker comes back from `receive` as a `Lost` message instead of raising."""
 
-    def __init__(self, timeout_s: float, errors_log: Path | None = None) -> None:
+    def __init__(self, timeout_s: float, errors_log: Path | None = None, recover: bool = False) -> None:
         self.ctx = context()
-        self.timeout_s, self.errors_log = timeout_s, errors_log
+        self.timeout_s, self.errors_log, self.recover = timeout_s, errors_log, recover
         self.all: list[Worker] = []
 
     def start(self, name: str, target: Callable[..., None], *args: Any) -> Worker:
@@ -77,60 +110,65 @@ class Workers:
         finally:
             signal.signal(signal.SIGINT, sigint)
         child.close()  # only the worker holds its end now: when it dies, ours reads end-of-file
-        w = Worker(name, proc, conn, Health(name, proc, counter, self.timeout_s))
+        w = Worker(name, proc, conn, Health(name, proc, counter, self.timeout_s), Sender(conn))
+        w.sender.start()
         self.all.append(w)
         return w
 
+    def replace(self, old: Worker, target: Callable[..., None], *args: Any) -> Worker:
+        """A fresh process under `old`'s name (`old` is lost: already killed); it says `Ready` when up."""
+        self.all.remove(old)
+        return self.start(old.name, target, *args)
+
     def ready(self, among: Sequence[Worker]) -> None:
-        """Wait for the `Ready` of each of `among` (as long as each is alive and beating)."""
+        """Wait for the `Ready` of each of `among` (as long as each is alive and beating): a worker
+        lost while starting is a `Fault`, whatever `recover` says."""
         waiting = set(among)
         while waiting:
             for w, msg in self.receive(list(waiting), timeout=1.0):
+                if isinstance(msg, Lost):
+                    raise Fault(msg.line)
                 if isinstance(msg, Ready):
                     waiting.discard(w)
 
     def receive(
         self, among: Sequence[Worker] | None = None, timeout: float = 1.0
     ) -> list[tuple[Worker, Any]]:
-        """The messages `among` (default: all) sent within `timeout`; then every worker is checked.
-        Raises `InputError` or `Fault` for a lost worker."""
-        by_conn = {w.conn: w for w in (self.all if among is None else among)}
+        """The messages `among` (default: all) sent within `timeout`; then every worker is checked,
+        and each one lost since comes once as `(worker, Lost)` (or raises `Fault`: see `recover`).
+        Raises `InputError` or `Fault` for a worker that failed."""
+        by_conn = {w.conn: w for w in (self.all if among is None else among) if not w.lost}
         got = []
         for conn in wait(list(by_conn), timeout):
             w = by_conn[conn]
-            got.append((w, self._recv(w)))
-        self.check()
+            if not w.lost:
+                got.append((w, self._recv(w)))
+        now = time.monotonic()
+        for w in self.all:
+            verdict = None if w.lost else w.health.verdict(now)
+            if verdict is not None:
+                got.append((w, self._lose(w, verdict)))
+        if not self.recover:
+            for _, msg in got:
+                if isinstance(msg, Lost):
+                    raise Fault(msg.line)
         return got
 
     def send(self, w: Worker, msg: Any) -> None:
-        try:
-            w.conn.send(msg)
-        except OSError:  # its end is closed: it died; say how
-            while w.conn.poll():
-                self._recv(w)
-            w.proc.join(timeout=5)
-            raise Fault(f"{w.name} process died ({exit_reason(w.proc.exitcode)})") from None
-
-    def check(self) -> None:
-        now = time.monotonic()
-        for w in self.all:
-            verdict = w.health.check(now)
-            if verdict is not None:
-                while w.conn.poll():  # a dead worker's last words say more than its exit code
-                    self._recv(w)
-                raise Fault(verdict)
+        """Queue `msg` for `w`'s sender (never blocks); a lost worker's messages are dropped."""
+        if not w.lost:
+            w.sender.inbox.put(msg)
 
     def close(self) -> None:
-        for w in self.all:
-            try:
-                w.conn.send(Shutdown())
-            except OSError:
-                pass
-        for w in self.all:
+        live = [w for w in self.all if not w.lost]  # a lost one is already killed and closed
+        for w in live:
+            self.send(w, Shutdown())
+        for w in live:
             w.proc.join(timeout=5)
             if w.proc.is_alive():
                 w.proc.kill()  # stopped or stuck: SIGKILL ends a stopped process too
                 w.proc.join(timeout=5)
+            w.sender.stop()
             w.conn.close()
         self.all = []
 
@@ -139,10 +177,28 @@ class Workers:
             msg = w.conn.recv()
         except (EOFError, OSError):
             w.proc.join(timeout=5)
-            raise Fault(f"{w.name} process died ({exit_reason(w.proc.exitcode)})") from None
+            return self._lose(w, _died(w))
         if isinstance(msg, Failed):
             raise self._failed(w, msg)
         return msg
+
+    def _lose(self, w: Worker, lost: Lost) -> Lost:
+        """Kill `w` for good (a stuck one may only be stopped) and stop hearing it. A dead worker's
+        last words say more than its exit code: a `Failed` still in its pipe raises."""
+        while not w.proc.is_alive() and w.conn.poll():
+            try:
+                msg = w.conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(msg, Failed):
+                raise self._failed(w, msg)
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join(timeout=5)
+        w.lost = True
+        w.sender.stop()
+        w.conn.close()
+        return lost
 
     def _failed(self, w: Worker, f: Failed) -> Exception:
         if f.input:
@@ -153,3 +209,7 @@ class Workers:
                 log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {w.name}\n{f.details}\n")
             where = f" (traceback in {self.errors_log})"
         return Fault(f"{w.name} failed: {f.kind}: {f.message}{where}")
+
+
+def _died(w: Worker) -> Lost:
+    return Lost(w.name, "died", f"{w.name} process died ({exit_reason(w.proc.exitcode)})")

@@ -3,7 +3,15 @@
 import pytest
 
 from tailrace.cli.choices import check, registries
-from tailrace.config import ConfigError, FlowConfig, LossConfig, ShapingConfig, SpecConfig, TrainerConfig, load_config
+from tailrace.config import (
+    ConfigError,
+    FlowConfig,
+    LossConfig,
+    ShapingConfig,
+    SpecConfig,
+    TrainerConfig,
+    load_config,
+)
 from tailrace.engine.spec import DRAFTERS
 from tailrace.flow.policies import POLICIES
 from tailrace.flow.shaping import SHAPINGS

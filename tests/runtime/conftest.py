@@ -121,19 +121,20 @@ def wait_for_steps(run: Path, proc: subprocess.Popen, n: int, timeout: float = 2
 
 
 def workers_of(pid: int) -> list[int]:
-    """The worker processes a driver spawned (trainer first, then the engines), by pid order."""
-    out = []
+    """The worker processes a driver runs, trainer first, then the engines in order (by the names they
+    give themselves: tr-trainer, tr-engine0, ...; pids may wrap, so their order says nothing)."""
+    found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (d / "cmdline").read_bytes()
+            comm = (d / "comm").read_text().strip()
         except (OSError, IndexError):
             continue
-        if ppid == pid and b"spawn_main" in cmd:
-            out.append(int(d.name))
-    return sorted(out)
+        if ppid == pid and comm.startswith("tr-"):
+            found.append((comm != "tr-trainer", comm, int(d.name)))
+    return [p for *_, p in sorted(found)]
 
 
 def one_line(out: str) -> str:

@@ -1,0 +1,74 @@
+"""Staying alive: workers killed (SIGKILL) or stopped (SIGSTOP) mid-run are replaced and the run
+finishes with exit 0, every step once, every finished trajectory once, the ledger exact, and a
+`recovery` event each. (`max_restarts=0` keeps the one-line fault: tests/runtime/test_faults.py; a
+stopped worker is found by the same heartbeat check with or without restarts.)"""
+
+import json
+import os
+import signal
+
+import pytest
+
+from tailrace.records import Finished, Mark, StepRecord, read_events, read_journal, read_metrics
+from tailrace.report.html import write_report
+from tests.runtime.conftest import TINY_RUN, checkpoints, start_cli, wait_for_steps, workers_of
+from tests.runtime.test_faults import finish
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+def assert_exact(run_dir):
+    """Every step once, every finished trajectory once, each trained group trained once and whole,
+    and the ledger's identity: checked against the journal, not only the ledger's own counts."""
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
+    assert [r.step for r in steps] == list(range(STEPS))
+    done = [(e.trajectory.group, e.trajectory.sample_index) for e in read_journal(run_dir / "journal.jsonl")
+            if isinstance(e, Finished)]  # fmt: skip
+    assert len(done) == len(set(done)), "a trajectory was finished twice"
+    issued = [m.data["groups"] for m in read_events(run_dir / "events.jsonl")
+              if isinstance(m, Mark) and m.kind == "train_issued"]  # fmt: skip
+    trained = [g for groups in issued for g in groups]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    per_group = {g: sum(1 for d, _ in done if d == g) for g in trained}
+    ledger = steps[-1].ledger
+    assert ledger["trained"] == sum(per_group.values()) == sum(r.samples for r in steps)
+    assert ledger["produced"] == len(done)
+    assert ledger["produced"] == ledger["trained"] + ledger["in_store"] + sum(ledger["discarded"].values())
+
+
+def recoveries(run_dir):
+    return [m for m in read_events(run_dir / "events.jsonl") if isinstance(m, Mark) and m.kind == "recovery"]
+
+
+def test_lost_workers_are_replaced_and_the_run_finishes_exact(tiny_model, tmp_path):
+    """One run, two losses (one run keeps the suite short): the engine stopped (found stuck after
+    worker_timeout_s and killed), then the trainer killed two steps after its last checkpoint, so its
+    replacement replays them. The KL penalty makes every step move
+    the optimizer, so a step applied twice or skipped would show in the step count."""
+    run_dir = tmp_path / "run"
+    p = start_cli(
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, f"--flow.steps={STEPS}",
+        "--eval.n=8", "--worker_timeout_s=3", "--flow.checkpoint_every=3", "--train.loss.kl_coef=0.01",
+    )  # fmt: skip
+    wait_for_steps(run_dir, p, 2)
+    trainer, engine = workers_of(p.pid)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        wait_for_steps(run_dir, p, 5)
+        os.kill(trainer, signal.SIGKILL)
+        rc, out = finish(p, timeout=120)
+    finally:
+        if os.path.exists(f"/proc/{engine}"):
+            os.kill(engine, signal.SIGKILL)
+    assert rc == 0, out
+    assert "Traceback" not in out
+    got = [(m.data["worker"], m.data["cause"]) for m in recoveries(run_dir)]
+    assert got == [("engine0", "stuck"), ("trainer", "died")]
+    assert "engine0 process is stuck: no heartbeat for" in recoveries(run_dir)[0].data["detail"]
+    assert out.count("recovered: ") == 2
+    assert recoveries(run_dir)[-1].data["replayed"] == 2  # steps 4 and 5, after the checkpoint of step 3
+    assert_exact(run_dir)
+    assert json.loads((checkpoints(run_dir)[-1] / "trainer.json").read_text())["step"] == STEPS
+    assert "2 workers replaced" in write_report(run_dir).read_text()
