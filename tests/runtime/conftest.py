@@ -137,6 +137,15 @@ def workers_of(pid: int) -> list[int]:
     return [p for *_, p in sorted(found)]
 
 
+def run(capsys, *argv) -> tuple[int, str]:
+    """`tailrace ARGV` in this process: its exit code and everything it printed."""
+    from tailrace.cli import main
+
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, (out.out + out.err).strip()
+
+
 def one_line(out: str) -> str:
     """The output's last line, after checking the output holds no traceback."""
     assert "Traceback" not in out, out[-3000:]

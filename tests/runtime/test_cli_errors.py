@@ -4,13 +4,7 @@ import json
 
 import pytest
 
-from tailrace.cli import main
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out = capsys.readouterr()
-    return rc, (out.out + out.err).strip()
+from tests.runtime.conftest import run
 
 
 def test_missing_checkpoint(capsys, tmp_path):

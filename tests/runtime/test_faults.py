@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from tailrace.cli import main
 from tests.runtime.conftest import (
     TINY_RUN,
     checkpoints,
     copy_run,
     one_line,
+    run,
     start_cli,
     unfinish,
     wait_for_steps,
@@ -25,12 +25,6 @@ from tests.runtime.conftest import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out = capsys.readouterr()
-    return rc, (out.out + out.err).strip()
 
 
 def finish(p, timeout=120):

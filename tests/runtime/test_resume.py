@@ -8,25 +8,19 @@ import signal
 
 import pytest
 
-from tailrace.cli import main
 from tailrace.records import Finished, StepRecord, read_journal, read_metrics
 from tests.runtime.conftest import (
     TINY_RUN,
     checkpoints,
     copy_run,
     one_line,
+    run,
     start_cli,
     unfinish,
     wait_for_steps,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out = capsys.readouterr()
-    return rc, (out.out + out.err).strip()
 
 
 def steps(run_dir):
