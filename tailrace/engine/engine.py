@@ -282,8 +282,11 @@ class TailraceEngine(SpeculativeSteps):
         if self._spec:
             self._spec.drafter.drop(version)
 
-    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        """Run `requests` to completion on an idle engine; results in request order."""
+    def generate(
+        self, requests: list[GenRequest], on_done: Callable[[int, int], None] | None = None
+    ) -> list[GenResult]:
+        """Run `requests` to completion on an idle engine; results in request order. `on_done(done,
+        total)` hears of progress after each step that finished requests."""
         if self._seqs or self._done_next:
             raise EngineError(
                 "generate() needs an idle engine; step() until num_running and num_waiting are 0"
@@ -300,8 +303,11 @@ class TailraceEngine(SpeculativeSteps):
             self.add(r)
         results: dict[str, GenResult] = {}
         while len(results) < len(requests):
-            for res in self.step().finished:
+            finished = self.step().finished
+            for res in finished:
                 results[res.request_id] = res
+            if finished and on_done is not None:
+                on_done(len(results), len(requests))
         return [results[i] for i in ids]
 
     # -- the step -----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ Contract shared by every implementation:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -84,6 +85,9 @@ class Engine(Protocol):
         """A finished response to `prompt_ids` to draft from (speculative decoding; else ignored)."""
         ...
 
-    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        """Run `requests` to completion on an idle engine; results in request order."""
+    def generate(
+        self, requests: list[GenRequest], on_done: Callable[[int, int], None] | None = None
+    ) -> list[GenResult]:
+        """Run `requests` to completion on an idle engine; results in request order. `on_done(done,
+        total)` hears of progress as requests finish."""
         ...

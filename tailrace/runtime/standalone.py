@@ -32,24 +32,8 @@ def evaluate_model(cfg: RunConfig, progress=None, on_done=None) -> dict:
         print(engine.describe(), flush=True)
         evaluator = Evaluator(ses, cfg.eval)
         reqs = evaluator.requests(version=0)
-        out = evaluator.summarize(reqs, _generate(engine, reqs, on_done))
+        out = evaluator.summarize(reqs, engine.generate(reqs, on_done))
         out["model"] = str(ses.model_path)
         return out
     finally:
         ses.close()
-
-
-def _generate(engine, reqs, on_done) -> list:
-    """engine.generate, telling `on_done` as requests finish."""
-    if on_done is None:
-        return engine.generate(reqs)
-    for r in reqs:
-        engine.add(r)
-    done: dict = {}
-    while len(done) < len(reqs):
-        finished = engine.step().finished
-        for res in finished:
-            done[res.request_id] = res
-        if finished:
-            on_done(len(done), len(reqs))
-    return [done[r.id] for r in reqs]

@@ -199,3 +199,13 @@ def test_built_engine_implements_the_protocol_and_states_its_capabilities(model)
     assert eng.capabilities == Capabilities(
         abort_resume=True, versions_at_once=None, per_request_seed=True, speculative=False
     )
+
+
+def test_generate_reports_progress_and_returns_what_it_would_without(model):
+    reqs = [req(f"p{i}", 3 + i, 4 + 3 * i) for i in range(5)]
+    seen = []
+    with_progress = TailraceEngine(model, num_slots=2).generate(reqs, lambda d, n: seen.append((d, n)))
+    plain = TailraceEngine(model, num_slots=2).generate(reqs)
+    assert [r.token_ids for r in with_progress] == [r.token_ids for r in plain]
+    assert seen[-1] == (5, 5) and all(n == 5 for _, n in seen)
+    assert [d for d, _ in seen] == sorted({d for d, _ in seen})  # strictly growing
