@@ -6,6 +6,11 @@ dtype and the batch (figures: bench/README.md), so `packed` is chosen per call
 (`FusedWeights.packed_at`). These `torch.ops.mkldnn` ops are what torch's own inductor uses on CPU;
 `packing_supported` checks them once and everything falls back to plain `F.linear`/`addmm` where
 they are missing or disagree.
+
+oneDNN compiles and keeps a kernel for every input shape it meets (about 0.6 MB each, never freed),
+so an engine whose batches take every row count from 1 to prefill_tokens + slots grew by gigabytes
+over a long run. Packed GEMMs therefore run on inputs padded to `padded_rows(M)`: about 8 row counts
+per doubling of M, whatever the batches (the padding rows are zeros; their outputs are dropped).
 """
 
 from __future__ import annotations
@@ -41,6 +46,20 @@ def packing_supported(dtype: torch.dtype) -> bool:
         return False
 
 
+def padded_rows(m: int) -> int:
+    """The row count a packed GEMM over `m` rows runs at: m itself up to 8, then the next multiple of
+    max(8, 2^(floor(log2 m) - 3)): at most 7 padding rows up to 64 and at most 1/8 of m above, from a
+    set of about 8 shapes per doubling of m."""
+    if m <= 8:
+        return m
+    step = max(8, 1 << (m.bit_length() - 4))
+    return -(-m // step) * step
+
+
+def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
+
+
 class Linear:
     __slots__ = ("w", "wt", "b", "p")
 
@@ -50,12 +69,17 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
         if packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.p, self.b, "none", [], "")
+            m = x.shape[0]
+            y = torch.ops.mkldnn._linear_pointwise(_pad(x, padded_rows(m)), self.p, self.b, "none", [], "")
+            return y[:m]
         return F.linear(x, self.w, self.b)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor, packed: bool) -> torch.Tensor:
         """residual + x W^T + b."""
         if packed:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.p, self.b, "add")
+            m = x.shape[0]
+            r = padded_rows(m)
+            y = torch.ops.mkldnn._linear_pointwise.binary(_pad(x, r), _pad(residual, r), self.p, self.b, "add")
+            return y[:m]
         y = torch.addmm(residual, x, self.wt)
         return y if self.b is None else y.add_(self.b)
