@@ -44,14 +44,16 @@ def write_tokenizer(d: Path, template: str | None = CHATML, bos: str = "<|im_sta
     return d
 
 
-def write_chat_model(d: Path, model_type: str = "qwen2", template: str = CHATML) -> Path:
+def write_chat_model(
+    d: Path, model_type: str = "qwen2", template: str = CHATML, max_position_embeddings: int = 256
+) -> Path:
     """A random model (vocab = the tokenizer's) saved with the chat tokenizer beside it."""
     from tailrace.model import CausalLM, ModelConfig, save_pretrained
 
     write_tokenizer(d, template)
     cfg = ModelConfig(
         model_type=model_type, vocab_size=len(SPECIALS + CHARS), hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
         bos_token_id=1, eos_token_id=0, tie_word_embeddings=True,
     )  # fmt: skip
     save_pretrained(CausalLM.from_config(cfg, seed=0), d)

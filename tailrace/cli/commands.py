@@ -43,12 +43,21 @@ def _sft_progress():
 
 
 def _eval_progress():
-    """A progress bar with an ETA for a held-out evaluation: on_done(done, total)."""
+    """A progress bar with an ETA for a held-out evaluation: on_done(done, total). Where the output is
+    not a terminal (a log file), a plain line at every tenth instead."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     state = {}
 
     def on_done(done: int, total: int) -> None:
+        if not console.is_terminal:
+            t0 = state.setdefault("t0", time.perf_counter())
+            tenth = done * 10 // total
+            if tenth > state.get("tenth", 0):
+                state["tenth"] = tenth
+                eta = (time.perf_counter() - t0) * (total - done) / done
+                print(f"evaluating: {done}/{total} prompts, ETA {eta:.0f} s", flush=True)
+            return
         if "p" not in state:
             p = Progress(
                 TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),

@@ -83,6 +83,7 @@ class TailraceEngine(SpeculativeSteps):
         *,
         num_slots: int = 64,
         max_context: int | None = None,
+        expected_context: int | None = None,
         kv_memory_gb: float | None = None,
         block_size: int = 16,
         prefill_tokens: int = 512,
@@ -95,7 +96,9 @@ class TailraceEngine(SpeculativeSteps):
         spec: str | Callable[[DraftEnv], Drafter] | SpecOptions | None = None,
     ):
         """`model` is version 0. `max_context`: context limit (prompt + response) per request, default
-        the model's max_position_embeddings (or less, if the KV budget holds less). `kv_memory_gb`: the
+        the model's max_position_embeddings (or less, if the KV pool holds less). `expected_context`: the
+        most tokens a request of the work holds (its prompt and response limit): the pool is sized for
+        `num_slots` of them (default max_context), within the budget. `kv_memory_gb`: the
         KV cache's budget in GiB, default a fraction of the memory available (see `kv_budget`);
         `block_size`: tokens per KV block. `threads`: torch intra-op threads (None leaves the caller's
         setting). `attention`: the step's backend, chosen once: 'auto' (None), 'kernel' (the CPU C
@@ -134,6 +137,7 @@ class TailraceEngine(SpeculativeSteps):
             context_given=max_context is not None,
             budget_gib=kv_memory_gb,
             device=device,
+            expected_context=expected_context,
         )
         self.num_slots, self.prefill_tokens = num_slots, prefill_tokens
         self.max_context = self.kv_size.max_context

@@ -123,6 +123,7 @@ class Driver:
         self.trainer = self.workers.start("trainer", trainer_main, self.tspec, self.weights)
         self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
         self.engines: list[Worker] = []
+        self.expected_context = ses.expected_context(max(r.max_new_tokens, cfg.eval.max_new_tokens))
         self.especs = [self._engine_spec(cores, version) for cores in engine_cores]
         for i, espec in enumerate(self.especs):
             self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
@@ -135,7 +136,7 @@ class Driver:
         return EngineSpec(
             str(self.ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, self.cfg.seed, self.cfg.model.dtype,
             start_versions=(version,), attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
-            device=self.device, spec=self.spec,
+            expected_context=self.expected_context, device=self.device, spec=self.spec,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -40,6 +40,7 @@ class EngineSpec:
     device: str = "cpu"
     attention: str = "auto"
     max_context: int | None = None
+    expected_context: int | None = None  # tokens a request holds at most: sizes the KV pool
     kv_memory_gb: float | None = None
     spec: SpecOptions | None = None  # speculative decoding (None: off)
 
@@ -63,6 +64,7 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
         seed=spec.seed,
         attention=spec.attention,
         max_context=spec.max_context,
+        expected_context=spec.expected_context,
         kv_memory_gb=spec.kv_memory_gb,
         spec=spec.spec,
     )

@@ -74,6 +74,16 @@ class Session:
     def heldout(self, n: int) -> list[Prompt]:
         return [self.prompt(ex) for ex in self.task.examples("test", n, seed=self.cfg.task.seed)]
 
+    def expected_context(self, max_new_tokens: int) -> int:
+        """The most tokens a request of this run holds, for sizing the engines' KV pools: the longest of
+        a sample of its prompts (512 training, up to 512 held-out), with a quarter more for prompts the
+        sample missed, plus `max_new_tokens`. A longer request still runs (the pool holds one of up to
+        every slot's share); it only makes the engine queue or preempt sooner."""
+        examples = self.task.examples("train", 512, seed=self.cfg.task.seed)
+        examples += self.task.examples("test", min(self.cfg.eval.n, 512), seed=self.cfg.task.seed)
+        longest = max(len(self.prompt(ex).token_ids) for ex in examples)
+        return longest + longest // 4 + max_new_tokens
+
     def score(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
         """The reward of each finished result (the guard contains reward code that raises or hangs);
         correct means verified: reward 1."""

@@ -27,6 +27,7 @@ def evaluate_model(cfg: RunConfig, progress=None, on_done=None) -> dict:
             device=device,
             seed=cfg.seed,
             max_context=r.max_context,
+            expected_context=ses.expected_context(cfg.eval.max_new_tokens),
             kv_memory_gb=r.kv_memory_gb,
         )
         print(engine.describe(), flush=True)

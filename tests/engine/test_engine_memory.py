@@ -42,6 +42,19 @@ def test_budget_sets_the_blocks_and_the_start_up_line_says_so():
     assert unset.num_blocks == 64 and "available" in unset.source
 
 
+def test_the_pool_follows_the_work_not_the_model_context():
+    """64 slots of a 32,768-token model whose requests hold at most 100 tokens: 64 x 7 blocks, not a
+    share of the machine; the default context limit is then the whole pool."""
+    s = _size(budget_gib=None, num_slots=64, max_context=32768, context_given=False, expected_context=100)
+    assert (s.num_blocks, s.max_context) == (64 * 7, 64 * 7 * 16)
+    s = _size(budget_gib=8.0, num_slots=4, max_context=1024, expected_context=100)  # an asked-for limit:
+    assert (s.num_blocks, s.max_context) == (64, 1024)  # room for one request of it
+    tight = 100 * 16 * 1024 / GIB  # the budget still bounds it
+    assert _size(budget_gib=tight, max_context=32768, context_given=False, expected_context=100).num_blocks == 100
+    with pytest.raises(EngineError, match="expected_context=1 must be at least 2"):
+        _size(budget_gib=None, expected_context=1)
+
+
 def _reqs():
     g = torch.Generator().manual_seed(3)
     lens = torch.randint(2, 30, (16,), generator=g).tolist()

@@ -24,10 +24,16 @@ def test_eval_renders_the_template_and_stops_at_the_end_of_turn(tmp_path, capsys
     from tailrace.runtime.evaluate import Evaluator
     from tailrace.runtime.session import Session
 
-    d = write_chat_model(tmp_path / "llama", "llama")
+    d = write_chat_model(tmp_path / "llama", "llama", max_position_embeddings=32768)
     flags = [f"--model.path={d}", "--eval.n=32", "--eval.max_new_tokens=64"]
     assert main(["eval", *flags]) == 0
-    assert "held-out accuracy 0.0% on 32 prompts of chainsum" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "held-out accuracy 0.0% on 32 prompts of chainsum" in out
+    assert "evaluating: 32/32 prompts, ETA 0 s" in out  # progress as plain lines in a log
+    # KV sized by the work (eval.batch = 64 slots of a ~120-token prompt + 64 new tokens, in blocks of
+    # 16), not by 64 x 32,768 positions
+    blocks = int(out.split(" blocks of 16 tokens")[0].rsplit(" ", 1)[1].replace(",", ""))
+    assert 64 * 5 <= blocks <= 64 * 16, out
     # the requests `tailrace eval` sends, and what the engine makes of them
     ses = Session(load_config(None, flags))
     try:
