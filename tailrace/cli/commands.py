@@ -122,6 +122,7 @@ def train(args: Args) -> int:
 
 
 def _train(cfg: RunConfig, run, resume) -> int:
+    from tailrace.config.train import auto_lr
     from tailrace.report.console import ConsoleUI
     from tailrace.runtime.driver import Driver
     from tailrace.runtime.session import Session
@@ -132,6 +133,9 @@ def _train(cfg: RunConfig, run, resume) -> int:
         f"run directory: {run.path}  (mode {cfg.flow.mode}, {cfg.flow.steps} steps, "
         f"{cfg.flow.prompts_per_round} prompts x {cfg.flow.samples_per_prompt} samples per round)"
     )
+    if cfg.train.lr is None:
+        n = session.flat_layout().buffer.numel()
+        console.print(f"learning rate {auto_lr(n):.2g} (train.lr null: by the policy's {n / 1e6:.1f}M parameters)")
     driver = None
     try:
         driver = Driver(cfg, run, session, resume=resume, ui=ui)

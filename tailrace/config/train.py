@@ -55,10 +55,21 @@ class LossConfig:
         )
 
 
+def auto_lr(num_params: int) -> float:
+    """The default learning rate for a policy of `num_params` parameters: 2e-4 up to 2M (what moved the
+    built-in sub-2M policy in DESIGN §6: +18 points in 9 min), then falling as N^-0.65, which meets
+    the 1e-6 that verl and TRL use for 7B policies (135M: 1.3e-5; the SmolLM2 recipe in the README
+    measured 2e-5)."""
+    return 2e-4 * min(1.0, (2e6 / num_params) ** 0.65)
+
+
 @dataclass
 class TrainerConfig:
-    # 2e-4 is what moved the default sub-1M..2M-parameter policy in DESIGN §6 (+18 points in 9 min)
-    lr: float = setting(2e-4, "AdamW learning rate (billion-parameter policies want ~1e-6)")
+    lr: float | None = setting(
+        None,
+        "AdamW learning rate (null = by the policy's size: 2e-4 up to 2M parameters, then "
+        "2e-4 * (2M / N)^0.65: ~1.3e-5 at 135M, ~1e-6 at 7B; see auto_lr)",
+    )
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas")
     eps: float = setting(1e-8, "AdamW epsilon")
     weight_decay: float = setting(
@@ -76,7 +87,7 @@ class TrainerConfig:
     pad_id: int = setting(0, "token id padding micro-batch rows (masked out of the loss)")
 
     def __post_init__(self) -> None:
-        need(self.lr > 0, f"train.lr={self.lr}: must be > 0, e.g. 2e-4")
+        need(self.lr is None or self.lr > 0, f"train.lr={self.lr}: must be > 0, e.g. 2e-5, or null (by model size)")
         need(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
             f"train.betas={self.betas}: give two numbers in [0, 1), e.g. [0.9, 0.999]",

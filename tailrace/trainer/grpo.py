@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tailrace.config import TrainerConfig
+from tailrace.config.train import auto_lr
 from tailrace.model.flat import flatten_parameters
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
@@ -67,7 +68,8 @@ class GRPOTrainer:
         self.model = model
         self.ref_model = ref_model if cfg.loss.kl_coef > 0 else None
         self.flat = flatten_parameters(model)  # parameters now view one buffer
-        self.opt = build_adamw(model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        self.lr = cfg.lr if cfg.lr is not None else auto_lr(self.flat.buffer.numel())
+        self.opt = build_adamw(model, self.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.loss_fn = LOSSES[cfg.loss.name]
         self.correct = CORRECTIONS[cfg.loss.correction]
         self.bounds = Bounds(cfg.loss.tis_cap, cfg.loss.ratio_low, cfg.loss.ratio_high)

@@ -308,3 +308,14 @@ def test_a_kl_term_keeps_a_batch_without_reward_signal_training():
     tr = GRPOTrainer(model, TrainerConfig(lr=1e-3, loss=LossConfig(kl_coef=0.1)), ref_model=TinyLM(seed=1))
     m = tr.step(equal_rewards(make_groups(model)), trainer_version=0)
     assert m["skipped"] == 0 and m["grad_norm"] > 0
+
+
+def test_learning_rate_by_policy_size_when_unset():
+    from tailrace.config.train import auto_lr
+
+    assert auto_lr(800_000) == auto_lr(2_000_000) == 2e-4  # the built-in policy keeps its measured rate
+    assert auto_lr(134_515_008) == pytest.approx(1.30e-5, rel=0.01)  # SmolLM2-135M
+    assert auto_lr(7_000_000_000) == pytest.approx(1e-6, rel=0.01)  # verl's and TRL's rate for 7B
+    tr = GRPOTrainer(TinyLM(), TrainerConfig())
+    assert tr.lr == 2e-4 and tr.opt.param_groups[0]["lr"] == 2e-4
+    assert GRPOTrainer(TinyLM(), TrainerConfig(lr=3e-5)).lr == 3e-5
