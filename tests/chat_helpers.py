@@ -53,7 +53,8 @@ def write_chat_model(
     write_tokenizer(d, template)
     cfg = ModelConfig(
         model_type=model_type, vocab_size=len(SPECIALS + CHARS), hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=1, eos_token_id=0, tie_word_embeddings=True,
     )  # fmt: skip
     save_pretrained(CausalLM.from_config(cfg, seed=0), d)

@@ -135,7 +135,9 @@ def _train(cfg: RunConfig, run, resume) -> int:
     )
     if cfg.train.lr is None:
         n = session.flat_layout().buffer.numel()
-        console.print(f"learning rate {auto_lr(n):.2g} (train.lr null: by the policy's {n / 1e6:.1f}M parameters)")
+        console.print(
+            f"learning rate {auto_lr(n):.2g} (train.lr null: by the policy's {n / 1e6:.1f}M parameters)"
+        )
     driver = None
     try:
         driver = Driver(cfg, run, session, resume=resume, ui=ui)

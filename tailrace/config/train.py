@@ -87,7 +87,10 @@ class TrainerConfig:
     pad_id: int = setting(0, "token id padding micro-batch rows (masked out of the loss)")
 
     def __post_init__(self) -> None:
-        need(self.lr is None or self.lr > 0, f"train.lr={self.lr}: must be > 0, e.g. 2e-5, or null (by model size)")
+        need(
+            self.lr is None or self.lr > 0,
+            f"train.lr={self.lr}: must be > 0, e.g. 2e-5, or null (by model size)",
+        )
         need(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
             f"train.betas={self.betas}: give two numbers in [0, 1), e.g. [0.9, 0.999]",

@@ -58,7 +58,9 @@ def size_pool(
     prompt and its response limit): the pool holds `num_slots` of them, or one of `max_context` when
     that is given and larger, and the default context limit shrinks to the pool."""
     if expected_context is not None and expected_context < 2:
-        raise EngineError(f"expected_context={expected_context} must be at least 2 (a prompt token and a new one)")
+        raise EngineError(
+            f"expected_context={expected_context} must be at least 2 (a prompt token and a new one)"
+        )
     if block_size < 1:
         raise EngineError(f"block_size={block_size} must be at least 1")
     if budget_gib is not None and budget_gib <= 0:

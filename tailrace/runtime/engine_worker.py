@@ -21,7 +21,7 @@ from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.model.flat import flatten_parameters
 from tailrace.runtime.messages import EngineReport, History, Ready, Shutdown, Stats
-from tailrace.runtime.procs import pin
+from tailrace.runtime.procs import pin, release_memory
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import serving
 
@@ -76,8 +76,10 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
             engine.load_weights(flat.views(), v)
         elif v != 0:
             engine.load_weights(weights.read(v).views(), v)
+    del model  # the engine holds its own version 0 (dropped below when it does not start with it)
     if 0 not in spec.start_versions:
         engine.drop_version(0)
+        release_memory()
     conn.send(Ready(max(spec.start_versions)))
     stats, results, loaded = Stats(), [], []
     last = time.perf_counter()
@@ -98,6 +100,7 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
                 loaded.append((msg.version, t0, time.perf_counter()))
             elif isinstance(msg, DropWeights):
                 engine.drop_version(msg.version)
+                release_memory()
             elif isinstance(msg, History):
                 for prompt, tokens in msg.responses:
                     engine.add_history(prompt, tokens)

@@ -22,7 +22,7 @@ from tailrace.config import TrainerConfig
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.runtime.checkpoint import load_trainer, save_trainer
 from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
-from tailrace.runtime.procs import pin
+from tailrace.runtime.procs import pin, release_memory
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import serving
 from tailrace.trainer.grpo import GRPOTrainer
@@ -69,6 +69,7 @@ def _step(
     t = order.train
     t0 = time.perf_counter()
     metrics = trainer.step(list(t.groups), t.trainer_version)
+    release_memory()  # the step's activations
     t1 = time.perf_counter()
     sync = None
     if order.replay:

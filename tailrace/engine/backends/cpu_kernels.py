@@ -66,7 +66,7 @@ class KernelAttentionBackend(KernelBackend):
         packed: bool | None = None,
     ):
         super().__init__(model, max_context, kv_dtype, kernel, packed)
-        self._decode_state, self._attend_decode = _kernel_state, self._attend_kernel
+        self._decode_state, self._attend_decode = _kernel_state, type(self)._attend_kernel
 
     def _attend_kernel(self, q, ck, cv, state) -> torch.Tensor:
         """Each decode row over its own positions [0, pos[b]], in place."""
@@ -77,7 +77,7 @@ class KernelAttentionBackend(KernelBackend):
         return o.view(B, Hkv * G * D).to(self.w.dtype)
 
 
-def _kernel_state(pos: torch.Tensor, chunks, table: torch.Tensor, r0: int, bs: int) -> tuple:
+def _kernel_state(_backend, pos: torch.Tensor, chunks, table: torch.Tensor, r0: int, bs: int) -> tuple:
     """The kernel's per-step state: each decode row's position (B,), contiguous; the block table; the
     first decode row (`chunks` unused: each row reads exactly its own length)."""
     return pos.contiguous(), table, r0

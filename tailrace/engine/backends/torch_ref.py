@@ -63,13 +63,16 @@ class TorchBackend:
         self.arange = torch.arange(max_context, device=w.device)
         self.heads = torch.arange(w.Hkv, device=w.device)
         self._rows_cache: dict[tuple[int, int], torch.Tensor] = {}
-        # decode attention: its per-step state (from the decode rows' positions) and its per-layer call
+        # decode attention: its per-step state (from the decode rows' positions) and its per-layer call,
+        # kept as the class's functions: bound methods kept on self would make a reference cycle, and a
+        # dropped policy version would then wait for the garbage collector (~700 MB a version at 135M)
+        cls = type(self)
         if variant == "sdpa":
-            self._decode_state, self._attend_decode = self._sdpa_masks, self._attend_sdpa
+            self._decode_state, self._attend_decode = cls._sdpa_masks, cls._attend_sdpa
         elif kv_dtype == torch.float32:  # fp32 attention (an fp32 cache may serve a bf16 model)
-            self._decode_state, self._attend_decode = self._bmm_masks, self._attend_fp32
+            self._decode_state, self._attend_decode = cls._bmm_masks, cls._attend_fp32
         else:
-            self._decode_state, self._attend_decode = self._bmm_masks, self._attend_low
+            self._decode_state, self._attend_decode = cls._bmm_masks, cls._attend_low
 
     def refresh(self) -> None:
         self.w.refresh()
@@ -105,7 +108,7 @@ class TorchBackend:
         widx = ((blk[:, None] * Hkv + self.heads) * bs + (positions % bs)[:, None]).reshape(-1)  # (M Hkv,)
         cs = self.cos_sin[positions]  # (M, 2, D)
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
-        dec = self._decode_state(positions[:B], chunks, table, rows.start, bs)  # read by every layer
+        dec = self._decode_state(self, positions[:B], chunks, table, rows.start, bs)  # read by every layer
         prefill = []  # per piece: its row's blocks (Hkv nb,) into k.view(-1, bs, D); causal mask (1, n G, S)
         for row, start, n in pieces:
             S = start + n
@@ -121,7 +124,7 @@ class TorchBackend:
             ck, cv = cache.k[i], cache.v[i]
             ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D).to(ck.dtype))
             cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D :].reshape(M * Hkv, D).to(cv.dtype))
-            outs = [self._attend_decode(qk[:B, :H], ck, cv, dec)] if B else []
+            outs = [self._attend_decode(self, qk[:B, :H], ck, cv, dec)] if B else []
             off = B
             for (_, _, n), (idx, S, m) in zip(pieces, prefill):
                 k, v = _gather(ck, idx, Hkv, S), _gather(cv, idx, Hkv, S)  # (Hkv, S, D)
