@@ -19,11 +19,11 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 
 
-def assert_exact(run_dir):
+def assert_exact(run_dir, steps=STEPS):
     """Every step once, every finished trajectory once, each trained group trained once and whole,
     and the ledger's identity: checked against the journal, not only the ledger's own counts."""
-    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
-    assert [r.step for r in steps] == list(range(STEPS))
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
+    assert [r.step for r in records] == list(range(steps))
     done = [(e.trajectory.group, e.trajectory.sample_index) for e in read_journal(run_dir / "journal.jsonl")
             if isinstance(e, Finished)]  # fmt: skip
     assert len(done) == len(set(done)), "a trajectory was finished twice"
@@ -32,8 +32,8 @@ def assert_exact(run_dir):
     trained = [g for groups in issued for g in groups]
     assert len(trained) == len(set(trained)), "a group was trained twice"
     per_group = {g: sum(1 for d, _ in done if d == g) for g in trained}
-    ledger = steps[-1].ledger
-    assert ledger["trained"] == sum(per_group.values()) == sum(r.samples for r in steps)
+    ledger = records[-1].ledger
+    assert ledger["trained"] == sum(per_group.values()) == sum(r.samples for r in records)
     assert ledger["produced"] == len(done)
     assert ledger["produced"] == ledger["trained"] + ledger["in_store"] + sum(ledger["discarded"].values())
 
