@@ -179,6 +179,8 @@ class Driver:
             self._load_final()
             final = self._evaluate(evaluator, "final", self.sched.done_version, self._last_wall)
             self._evaluate_snapshots(evaluator)
+        while self.recovery.restarting:  # a worker lost after training: its recovery is recorded too
+            self._pump()
         return Summary(
             self.sched.steps_done,
             self._now(),
@@ -204,7 +206,7 @@ class Driver:
         for i, engine in enumerate(self.engines):
             self.workers.send(engine, Generate(i, self._eval_sent[i]))
         while self._eval_wanted:
-            self._pump(self.engines, timeout=5.0)
+            self._pump(timeout=5.0)  # all workers: a trainer replaced meanwhile says Ready here
             if self.ui is not None:
                 self.ui.evaluating(tag, len(reqs) - len(self._eval_wanted), len(reqs))
         results, self._eval_results, self._eval_sent = self._eval_results, [], {}
@@ -231,7 +233,7 @@ class Driver:
         for i, engine in enumerate(self.engines):
             self.workers.send(engine, LoadWeights(i, v))
         while len(self._eval_loaded) < len(self.engines):
-            self._pump(self.engines)
+            self._pump()
         self._evaluate(evaluator, "periodic", v, snap.wall_s, snap)
 
     def _now(self) -> float:
@@ -447,7 +449,7 @@ class Driver:
                 if asked is not self.engines[i]:
                     asked = self.engines[i]
                     self.workers.send(asked, LoadWeights(i, v))
-                self._pump([self.engines[i]])
+                self._pump()
 
 
 def _tensorboard(run: RunDir):

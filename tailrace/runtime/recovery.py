@@ -36,6 +36,11 @@ class Recovery:
         self._times: dict[str, list[float]] = {}  # worker -> when it was restarted, within the window
         self._open: dict[str, Restart] = {}  # worker -> its restart, until the replacement is Ready
 
+    @property
+    def restarting(self) -> list[str]:
+        """Workers whose replacement has not said Ready yet."""
+        return list(self._open)
+
     def allows(self, lost: Lost, now: float) -> bool:
         recent = [t for t in self._times.get(lost.worker, []) if now - t < WINDOW_S]
         self._times[lost.worker] = recent

@@ -72,3 +72,23 @@ def test_lost_workers_are_replaced_and_the_run_finishes_exact(tiny_model, tmp_pa
     assert_exact(run_dir)
     assert json.loads((checkpoints(run_dir)[-1] / "trainer.json").read_text())["step"] == STEPS
     assert "2 workers replaced" in write_report(run_dir).read_text()
+
+
+def test_a_trainer_lost_during_the_final_evaluation_is_recorded(tiny_model, tmp_path):
+    """After the last step the driver evaluates with the engines only; a trainer lost then is still
+    replaced, and its recovery is written before the run ends (it used to be left unheard)."""
+    run_dir = tmp_path / "run"
+    p = start_cli(
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.steps=2",
+        "--eval.n=64", "--eval.max_new_tokens=64",
+    )  # fmt: skip
+    wait_for_steps(run_dir, p, 2)  # the last step: the final checkpoint and evaluation follow
+    os.kill(workers_of(p.pid)[0], signal.SIGKILL)
+    rc, out = finish(p, timeout=120)
+    assert rc == 0, out
+    assert [r.tag for r in read_metrics(run_dir / "metrics.jsonl") if type(r).__name__ == "EvalRecord"] == [
+        "base", "final",
+    ]  # fmt: skip
+    got = [(m.data["worker"], m.data["cause"], m.data["replayed"]) for m in recoveries(run_dir)]
+    assert got == [("trainer", "died", 0)], out
+    assert "recovered: trainer process died" in out
