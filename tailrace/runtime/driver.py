@@ -28,7 +28,7 @@ from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.flow.shaping import make_shaping
 from tailrace.metrics import step_record
-from tailrace.records import CheckpointRecord, EvalRecord, Span, StepRecord, read_metrics
+from tailrace.records import CheckpointRecord, EvalRecord, Mark, Span, StepRecord, read_metrics
 from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
@@ -42,6 +42,7 @@ from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
 from tailrace.runtime.snapshots import Snapshot, Snapshots
+from tailrace.runtime.supervisor import DriverLost
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import Worker, Workers
@@ -59,10 +60,18 @@ class Summary:
 
 class Driver:
     def __init__(
-        self, cfg: RunConfig, run: RunDir, session: Session, resume: Resume | None = None, ui=None
+        self,
+        cfg: RunConfig,
+        run: RunDir,
+        session: Session,
+        resume: Resume | None = None,
+        ui=None,
+        driver_lost: DriverLost | None = None,
     ) -> None:
+        """`driver_lost`: how the driver this one resumes died, under `tailrace train --supervise`."""
         self.cfg, self.run, self.ses, self.ui = cfg, run, session, ui
         self.resume = resume
+        self.driver_lost = driver_lost if resume is not None else None
         f, r = cfg.flow, cfg.rollout
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
@@ -152,6 +161,8 @@ class Driver:
             self.resume.restore(self.sched)
             version = self.resume.version
         self._start(version)
+        if self.driver_lost is not None:  # resumed by the supervisor: the driver's own recovery
+            self._note(self.driver_lost.mark(self._now(), self.sched.steps_done))
         self.cadence.saved(self.sched.steps_done, 0.0)
         evaluator = Evaluator(self.ses, self.cfg.eval) if self.cfg.eval.n else None
         base = self._recorded_eval("base")
@@ -322,12 +333,15 @@ class Driver:
     def _on_ready(self, w: Worker) -> None:
         mark = self.recovery.ready(w.name, self._now())
         if mark is not None:
-            self.events.write(mark)
-            if self.ui is not None:
-                self.ui.note(describe(mark))
+            self._note(mark)
         if w is self.trainer:
             for order in self.orders.ready():
                 self.workers.send(w, order)
+
+    def _note(self, recovery: Mark) -> None:
+        self.events.write(recovery)
+        if self.ui is not None:
+            self.ui.note(describe(recovery))
 
     def _on_engine_report(self, rep: EngineReport) -> None:
         st = rep.stats

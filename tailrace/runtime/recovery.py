@@ -46,6 +46,10 @@ class Recovery:
         self._times[lost.worker] = recent
         return len(recent) < self.max_restarts
 
+    def restarts(self, worker: str, now: float) -> int:
+        """`worker`'s restarts within the window."""
+        return sum(1 for t in self._times.get(worker, []) if now - t < WINDOW_S)
+
     def refusal(self, lost: Lost) -> str:
         """The fault's line when `allows` said no."""
         if self.max_restarts == 0:
@@ -81,9 +85,12 @@ class Recovery:
 def describe(m: Mark) -> str:
     """A recovery mark as the console's one line."""
     d = m.data
-    what = f"{d['requeued']} samples requeued" if d["worker"] != "trainer" else (
-        f"{d['replayed']} steps replayed from its last checkpoint"
-    )  # fmt: skip
+    if d["worker"] == "driver":
+        what = f"resumed from its last checkpoint, {d['replayed']} steps redone"
+    elif d["worker"] == "trainer":
+        what = f"{d['replayed']} steps replayed from its last checkpoint"
+    else:
+        what = f"{d['requeued']} samples requeued"
     return f"recovered: {d['detail']}; restarted in {d['downtime_s']:.1f} s, {what}"
 
 

@@ -79,7 +79,9 @@ class Linear:
         if packed:
             m = x.shape[0]
             r = padded_rows(m)
-            y = torch.ops.mkldnn._linear_pointwise.binary(_pad(x, r), _pad(residual, r), self.p, self.b, "add")
+            y = torch.ops.mkldnn._linear_pointwise.binary(
+                _pad(x, r), _pad(residual, r), self.p, self.b, "add"
+            )
             return y[:m]
         y = torch.addmm(residual, x, self.wt)
         return y if self.b is None else y.add_(self.b)

@@ -1,0 +1,117 @@
+"""Supervised training (`tailrace train --supervise`): the driver runs as a child process, and a driver
+that dies of a fault is resumed from its run directory with `--resume`, as a person would.
+
+A fault is a death by a signal the driver does not handle (SIGKILL, SIGSEGV, ...) or the fault exit
+code 3 (a worker lost past its restarts, non-finite training, a full disk). Bad input (exit 2), a
+finished run (0) and an interrupted one (130, 143) end the supervisor with the child's code; so does
+anything after the supervisor itself got Ctrl-C or SIGTERM (it passes SIGTERM on; Ctrl-C reaches the
+child from the terminal). Restarts are bounded as a worker's are (runtime/recovery.py: `max_restarts`
+within any hour); past that the supervisor stops with exit code 3 and one line.
+
+The resumed driver writes the restart's `recovery` event itself, once its workers are up, so the
+downtime runs from the death to a working driver: the supervisor hands it the loss in the
+environment (`LOST_ENV`, read once by the CLI), not as a flag a person would type.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from tailrace.records import Mark
+from tailrace.runtime.health import Lost, exit_reason
+from tailrace.runtime.recovery import Recovery
+
+LOST_ENV = "TAILRACE_DRIVER_LOST"
+FAULT = 3  # the CLI's exit code for a fault (tailrace/cli/__init__.py)
+
+
+@dataclass(frozen=True)
+class DriverLost:
+    """How the previous driver ended, for the `recovery` event its successor writes."""
+
+    cause: str  # died (a signal) or fault (exit code 3)
+    detail: str  # the supervisor's line
+    t_lost: float  # wall clock (time.time) at the death
+    steps_recorded: int  # step records it had written: those past the checkpoint are redone
+    restarts: int  # the driver's restarts within the hour, this one included
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> DriverLost | None:
+        raw = os.environ.get(LOST_ENV)
+        return cls(**json.loads(raw)) if raw else None
+
+    def mark(self, t: float, steps_done: int) -> Mark:
+        """The `recovery` mark at run time `t`, the resumed driver being up with `steps_done` steps."""
+        data = {
+            "worker": "driver", "cause": self.cause, "detail": self.detail,
+            "downtime_s": round(time.time() - self.t_lost, 3), "requeued": 0,
+            "replayed": max(0, self.steps_recorded - steps_done), "restarts": self.restarts,
+        }  # fmt: skip
+        return Mark(t, "recovery", data)
+
+
+def lost_driver(rc: int) -> Lost | None:
+    """The loss an exit status means, or None for an ending that a restart must not undo."""
+    if rc < 0:
+        return Lost("driver", "died", f"the driver process died ({exit_reason(rc)})")
+    if rc == FAULT:
+        return Lost("driver", "fault", "the driver stopped on a fault (exit code 3, its line above)")
+    return None
+
+
+def supervise(argv: list[str], run_dir: Path, max_restarts: int, say: Callable[[str], None]) -> int:
+    """Run `tailrace train ARGV` (which must write to `run_dir`) until it ends other than by a fault,
+    resuming it after each fault while `max_restarts` allows. Returns the exit code to end with."""
+    recovery = Recovery(max_restarts)
+    stopping: list[int] = []
+    child: subprocess.Popen | None = None
+
+    def on_signal(signum, frame) -> None:
+        stopping.append(signum)
+        if signum == signal.SIGTERM and child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    env = dict(os.environ)
+    env.pop(LOST_ENV, None)
+    try:
+        while True:
+            child = subprocess.Popen([sys.executable, "-m", "tailrace.cli", "train", *argv], env=env)
+            rc = child.wait()
+            lost = None if stopping else lost_driver(rc)
+            if lost is None:
+                return rc if rc >= 0 else 128 - rc
+            now = time.monotonic()
+            if not recovery.allows(lost, now):
+                say(f"supervisor: {recovery.refusal(lost)}; continue with tailrace train --resume {run_dir}")
+                return FAULT
+            recovery.begin(lost, now)
+            n = recovery.restarts(lost.worker, now)
+            say(
+                f"supervisor: {lost.line}; resuming it from {run_dir} (restart {n} of at most "
+                f"{max_restarts} within the hour)"
+            )
+            gone = DriverLost(lost.cause, lost.line, time.time(), _steps_recorded(run_dir), n)
+            argv = ["--resume", str(run_dir)]
+            env = {**env, LOST_ENV: gone.to_env()}
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _steps_recorded(run_dir: Path) -> int:
+    try:
+        return (run_dir / "metrics.jsonl").read_text(errors="replace").count('"kind":"step"')
+    except OSError:
+        return 0

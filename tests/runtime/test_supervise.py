@@ -1,0 +1,72 @@
+"""`tailrace train --supervise`: a driver that dies of a fault is resumed from its run directory, and
+the run ends exact; bad input and Ctrl-C are not restarted."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tailrace.runtime.supervisor import lost_driver
+from tests.runtime.conftest import TINY_RUN, start_cli, wait_for_steps
+from tests.runtime.test_faults import finish
+from tests.runtime.test_recovery import assert_exact, recoveries
+
+STEPS = 5
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(d.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_only_faults_are_restarted():
+    assert lost_driver(-signal.SIGKILL).line == "the driver process died (killed by SIGKILL: out of memory?)"
+    assert lost_driver(-signal.SIGSEGV).cause == "died"
+    assert lost_driver(3).cause == "fault"
+    for rc in (0, 1, 2, 130, 143):  # done, a bug (a traceback: restarting repeats it), input, signals
+        assert lost_driver(rc) is None
+
+
+@pytest.mark.slow
+def test_a_killed_driver_is_resumed_and_the_run_ends_exact(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    p = start_cli(
+        "train", "--supervise", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN,
+        f"--flow.steps={STEPS}", "--eval.n=4", "--train.loss.kl_coef=0.01",
+    )  # fmt: skip
+    try:
+        wait_for_steps(run_dir, p, 2)
+        (driver,) = children(p.pid)
+        os.kill(driver, signal.SIGKILL)
+        rc, out = finish(p, timeout=180)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert rc == 0, out
+    assert "Traceback" not in out
+    restarts = [line for line in out.splitlines() if line.startswith("supervisor: ")]
+    assert restarts == [
+        f"supervisor: the driver process died (killed by SIGKILL: out of memory?); resuming it from {run_dir} "
+        "(restart 1 of at most 3 within the hour)"
+    ], out
+    (m,) = recoveries(run_dir)
+    assert (m.data["worker"], m.data["cause"], m.data["restarts"]) == ("driver", "died", 1)
+    assert m.data["downtime_s"] > 0
+    assert "recovered: the driver process died" in out
+    assert_exact(run_dir, STEPS)
+
+
+def test_bad_input_is_not_restarted(tmp_path, capfd):
+    from tailrace.cli import main
+
+    assert main(["train", "--supervise", f"--run-dir={tmp_path / 'run'}", "--rollout.top_k=-5"]) == 2
+    out = capfd.readouterr()
+    assert "rollout.top_k=-5" in out.out + out.err and "supervisor" not in out.out + out.err
+    assert not (tmp_path / "run").exists()
