@@ -70,3 +70,23 @@ def test_bad_input_is_not_restarted(tmp_path, capfd):
     out = capfd.readouterr()
     assert "rollout.top_k=-5" in out.out + out.err and "supervisor" not in out.out + out.err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_supervisor_stops_the_driver_without_a_restart(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    p = start_cli(
+        "train", "--supervise", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN,
+        "--flow.steps=50", "--eval.n=4",
+    )  # fmt: skip
+    try:
+        wait_for_steps(run_dir, p, 1)
+        p.send_signal(signal.SIGTERM)
+        rc, out = finish(p, timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert rc == 143, out
+    assert "supervisor:" not in out and "Traceback" not in out
+    assert f"continue with tailrace train --resume {run_dir}" in out
+    assert recoveries(run_dir) == []
