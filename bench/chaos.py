@@ -4,6 +4,7 @@
     .venv/bin/python bench/chaos.py --steps 40 --mean-gap 10   # a quick look
     .venv/bin/python bench/chaos.py --soak               # 500 steps, no faults: memory and journal growth
     .venv/bin/python bench/chaos.py -- --flow.mode=pipe  # anything after -- goes to `tailrace train`
+    .venv/bin/python bench/chaos.py -- --flow.mode=multiversion --rollout.engines=2
 
 Both use the built-in default model and task (`tailrace train` defaults) with a smaller batch and
 shorter responses (SMALL), so 200 steps fit minutes on two cores. Each run is a `tailrace train`
@@ -144,6 +145,15 @@ def ledger_check(run_dir: Path, steps: int) -> dict:
     }
 
 
+def union(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of `spans`."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
+
+
 def recoveries(run_dir: Path) -> list[Mark]:
     return [m for m in read_events(run_dir / "events.jsonl") if isinstance(m, Mark) and m.kind == "recovery"]
 
@@ -164,13 +174,15 @@ def chaos(args, extra: list[str], root: Path) -> None:
     recs = recoveries(root / "chaos")
     check = ledger_check(root / "chaos", args.steps)
     down = sum(m.data["downtime_s"] for m in recs)
+    short = union([(m.t - m.data["downtime_s"], m.t) for m in recs])  # several may be down at once
     by = {k: sum(1 for f in faults if f[2] == k) for k in SIGNALS}
     print(
         f"\nfaults: {len(faults)} ({by['kill']} kill -9, {by['stop']} SIGSTOP) in {messy:.0f} s of training: "
         f"{3600 * len(faults) / messy:.0f} per hour, one every {messy / max(1, len(faults)):.0f} s"
     )
     print(
-        f"recoveries recorded: {len(recs)}, downtime {down:.1f} s in all ({down / messy:.1%} of the chaos run)"
+        f"recoveries recorded: {len(recs)}, downtime {down:.1f} worker-seconds in all; some worker down "
+        f"{short:.1f} s ({short / messy:.1%} of the chaos run)"
     )
     for m in recs:
         d = m.data
