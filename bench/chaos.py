@@ -5,6 +5,7 @@
     .venv/bin/python bench/chaos.py --soak               # 500 steps, no faults: memory and journal growth
     .venv/bin/python bench/chaos.py -- --flow.mode=pipe  # anything after -- goes to `tailrace train`
     .venv/bin/python bench/chaos.py -- --flow.mode=multiversion --rollout.engines=2
+    .venv/bin/python bench/chaos.py -- --supervise      # the driver is killed (kill -9) too
 
 Both use the built-in default model and task (`tailrace train` defaults) with a smaller batch and
 shorter responses (SMALL), so 200 steps fit minutes on two cores. Each run is a `tailrace train`
@@ -12,7 +13,8 @@ process of its own.
 
 Chaos: a clean run, then the same config while, at exponential gaps (mean `--mean-gap` seconds,
 seeded), a random worker (the trainer or an engine) gets SIGKILL (dies) or SIGSTOP (stuck: found by
-its missed heartbeats after `worker_timeout_s`, then killed by the driver). It prints each fault, the
+its missed heartbeats after `worker_timeout_s`, then killed by the driver); under `-- --supervise` the
+driver is among the victims (SIGKILL only: no heartbeat watches the driver). It prints each fault, the
 failure count and rate, the recoveries the run recorded (events.jsonl), the ledger checked against
 the journal (0 lost, 0 duplicated), and ETTR, the effective training time ratio: the clean run's
 training wall time over the chaos run's (both from the last step record's `wall_s`, which starts once
@@ -60,18 +62,30 @@ def start(run_dir: Path, steps: int, extra: list[str]) -> subprocess.Popen:
         )  # fmt: skip
 
 
-def workers(pid: int) -> dict[str, int]:
-    """name -> pid of the driver's workers (they name themselves tr-trainer, tr-engine0, ...)."""
+def children(pid: int) -> dict[int, str]:
+    """pid -> process name of `pid`'s children."""
     found = {}
     for d in Path("/proc").iterdir():
         try:
             if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                comm = (d / "comm").read_text().strip()
-                if comm.startswith("tr-"):
-                    found[comm.removeprefix("tr-")] = int(d.name)
+                found[int(d.name)] = (d / "comm").read_text().strip()
         except (OSError, IndexError, ValueError):
             continue
     return found
+
+
+def workers(pid: int) -> dict[str, int]:
+    """name -> pid of the driver's workers (they name themselves tr-trainer, tr-engine0, ...)."""
+    return {comm.removeprefix("tr-"): c for c, comm in children(pid).items() if comm.startswith("tr-")}
+
+
+def victims(pid: int, supervised: bool) -> dict[str, int]:
+    """name -> pid of what may be hit: the workers, and under `--supervise` the driver too (the
+    supervisor's one child; none while it restarts one)."""
+    if not supervised:
+        return workers(pid)
+    drivers = list(children(pid))
+    return {"driver": drivers[0], **workers(drivers[0])} if len(drivers) == 1 else {}
 
 
 def steps_done(run_dir: Path) -> int:
@@ -87,8 +101,11 @@ def wait(p: subprocess.Popen, run_dir: Path) -> None:
 
 
 def train_wall(run_dir: Path) -> float:
-    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
-    return steps[-1].time["wall_s"]
+    """The last step record's `wall_s`. A resumed driver starts that clock again, so under
+    `--supervise` each driver's stretch is added (the time from a driver's death to its successor's
+    start, and the steps it redoes, are not in it: the whole-process ratio has them)."""
+    walls = [r.time["wall_s"] for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
+    return sum(a for a, b in zip(walls, walls[1:]) if b < a) + walls[-1]
 
 
 # -- chaos ---------------------------------------------------------------------------------------
@@ -98,6 +115,7 @@ def chaos_run(run_dir: Path, steps: int, extra: list[str], mean_gap: float, seed
     """The run with faults injected until its last step; returns (t, worker, signal) per fault."""
     rng = random.Random(seed)
     p = start(run_dir, steps, extra)
+    supervised = "--supervise" in extra
     t0 = time.monotonic()
     due, faults, stopped = t0 + rng.expovariate(1 / mean_gap), [], []
     try:
@@ -106,10 +124,12 @@ def chaos_run(run_dir: Path, steps: int, extra: list[str], mean_gap: float, seed
             now = time.monotonic()
             if now < due or steps_done(run_dir) < 1:  # faults start once training does
                 continue
-            live = workers(p.pid)
+            live = victims(p.pid, supervised)
             if live:
                 name = rng.choice(sorted(live))
-                how = rng.choice(sorted(SIGNALS))
+                how = (
+                    rng.choice(sorted(SIGNALS)) if name != "driver" else "kill"
+                )  # nothing watches a stopped driver
                 os.kill(live[name], SIGNALS[how])
                 stopped += [live[name]] if how == "stop" else []
                 faults.append((now - t0, name, how, steps_done(run_dir)))
