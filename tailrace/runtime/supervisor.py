@@ -21,11 +21,12 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from tailrace.records import Mark
+from tailrace.records import EvalRecord, Mark, read_metrics
 from tailrace.runtime.health import Lost, exit_reason
 from tailrace.runtime.recovery import Recovery
 
@@ -92,6 +93,9 @@ def supervise(argv: list[str], run_dir: Path, max_restarts: int, say: Callable[[
             lost = None if stopping else lost_driver(rc)
             if lost is None:
                 return rc if rc >= 0 else 128 - rc
+            if finished(run_dir):  # it died after writing the final evaluation: nothing to resume
+                say(f"supervisor: {lost.line} after the run finished; nothing to resume")
+                return 0
             now = time.monotonic()
             if not recovery.allows(lost, now):
                 say(f"supervisor: {recovery.refusal(lost)}; continue with tailrace train --resume {run_dir}")
@@ -108,6 +112,16 @@ def supervise(argv: list[str], run_dir: Path, max_restarts: int, say: Callable[[
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def finished(run_dir: Path) -> bool:
+    """The run wrote its final evaluation (what `--resume` refuses as finished: runtime/resume.py)."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a damaged line: the resume says so
+        records = read_metrics(run_dir / "metrics.jsonl")
+        return any(isinstance(r, EvalRecord) and r.tag == "final" for r in records)
 
 
 def _steps_recorded(run_dir: Path) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tailrace.runtime.supervisor import lost_driver
+from tailrace.runtime.supervisor import finished, lost_driver
 from tests.runtime.conftest import TINY_RUN, start_cli, wait_for_steps
 from tests.runtime.test_faults import finish
 from tests.runtime.test_recovery import assert_exact, recoveries
@@ -32,6 +32,13 @@ def test_only_faults_are_restarted():
     assert lost_driver(3).cause == "fault"
     for rc in (0, 1, 2, 130, 143):  # done, a bug (a traceback: restarting repeats it), input, signals
         assert lost_driver(rc) is None
+
+
+@pytest.mark.slow
+def test_a_driver_dead_after_the_final_evaluation_is_not_resumed(finished_run, unfinished_run, tmp_path):
+    """--resume refuses a finished run (exit 2): the supervisor ends such a run with 0 instead."""
+    assert finished(finished_run)
+    assert not finished(unfinished_run) and not finished(tmp_path)
 
 
 @pytest.mark.slow
