@@ -3,11 +3,13 @@ the run ends exact; bad input and Ctrl-C are not restarted."""
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from tailrace.runtime.supervisor import finished, lost_driver
+from tailrace.runtime.recovery import describe
+from tailrace.runtime.supervisor import LOST_ENV, DriverLost, finished, lost_driver
 from tests.runtime.conftest import TINY_RUN, start_cli, wait_for_steps
 from tests.runtime.test_faults import finish
 from tests.runtime.test_recovery import assert_exact, recoveries
@@ -97,3 +99,18 @@ def test_sigterm_to_the_supervisor_stops_the_driver_without_a_restart(tiny_model
     assert "supervisor:" not in out and "Traceback" not in out
     assert f"continue with tailrace train --resume {run_dir}" in out
     assert recoveries(run_dir) == []
+
+
+def test_the_resumed_driver_records_its_predecessors_loss(monkeypatch):
+    gone = DriverLost(
+        "died", lost_driver(-signal.SIGKILL).line, time.time() - 4.0, steps_recorded=7, restarts=2
+    )
+    monkeypatch.setenv(LOST_ENV, gone.to_env())
+    m = DriverLost.from_env().mark(1.5, steps_done=5)
+    assert (m.t, m.kind) == (1.5, "recovery")
+    assert m.data["worker"] == "driver" and m.data["replayed"] == 2 and m.data["restarts"] == 2
+    assert 4.0 <= m.data["downtime_s"] < 10
+    assert describe(m).startswith("recovered: the driver process died (killed by SIGKILL")
+    assert describe(m).endswith("resumed from its last checkpoint, 2 steps redone")
+    monkeypatch.delenv(LOST_ENV)
+    assert DriverLost.from_env() is None
