@@ -4,12 +4,14 @@ that dies of a fault is resumed from its run directory with `--resume`, as a per
 A fault is a death by a signal the driver does not handle (SIGKILL, SIGSEGV, ...) or the fault exit
 code 3 (a worker lost past its restarts, non-finite training, a full disk). Bad input (exit 2), a
 finished run (0) and an interrupted one (130, 143) end the supervisor with the child's code; so does
-anything after the supervisor itself got Ctrl-C or SIGTERM (it passes SIGTERM on; Ctrl-C reaches the
-child from the terminal). Restarts are bounded as a worker's are (runtime/recovery.py: `max_restarts`
+anything after the supervisor itself got Ctrl-C or SIGTERM (it passes either on to the driver, which
+runs in a process group of its own: the group is killed after the driver ends, so no worker of a dead
+driver outlives it). Restarts are bounded as a worker's are (runtime/recovery.py: `max_restarts`
 within any hour); past that the supervisor stops with exit code 3 and one line.
 
 The resumed driver writes the restart's `recovery` event itself, once its workers are up, so the
-downtime runs from the death to a working driver: the supervisor hands it the loss in the
+downtime runs from the death to a working driver (a driver that dies before it is up extends the
+outage, as a worker's replacement does): the supervisor hands it the loss in the
 environment (`LOST_ENV`, read once by the CLI), not as a flag a person would type.
 """
 
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -80,16 +82,25 @@ def supervise(argv: list[str], run_dir: Path, max_restarts: int, say: Callable[[
 
     def on_signal(signum, frame) -> None:
         stopping.append(signum)
-        if signum == signal.SIGTERM and child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)  # the driver shuts its workers down and says how to go on
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     env = dict(os.environ)
     env.pop(LOST_ENV, None)
+    prev, seen = None, 0  # the last restart's loss, and the driver recoveries recorded before it
     try:
         while True:
-            child = subprocess.Popen([sys.executable, "-m", "tailrace.cli", "train", *argv], env=env)
+            # its own process group: what a dead driver leaves behind (workers that have not noticed
+            # yet, one stopped) is killed with it before its successor starts
+            child = subprocess.Popen(
+                [sys.executable, "-m", "tailrace.cli", "train", *argv], env=env, preexec_fn=os.setpgrp
+            )
             rc = child.wait()
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # nothing left
             lost = None if stopping else lost_driver(rc)
             if lost is None:
                 return rc if rc >= 0 else 128 - rc
@@ -107,6 +118,12 @@ def supervise(argv: list[str], run_dir: Path, max_restarts: int, say: Callable[[
                 f"{max_restarts} within the hour)"
             )
             gone = DriverLost(lost.cause, lost.line, time.time(), _steps_recorded(run_dir), n)
+            if prev is not None and _driver_recoveries(run_dir) == seen:  # the last one died before it
+                steps = max(
+                    prev.steps_recorded, gone.steps_recorded
+                )  # was up: one outage, from the first loss
+                gone = replace(gone, t_lost=prev.t_lost, steps_recorded=steps)
+            prev, seen = gone, _driver_recoveries(run_dir)
             argv = ["--resume", str(run_dir)]
             env = {**env, LOST_ENV: gone.to_env()}
     finally:
@@ -122,6 +139,15 @@ def finished(run_dir: Path) -> bool:
         warnings.simplefilter("ignore")  # a damaged line: the resume says so
         records = read_metrics(run_dir / "metrics.jsonl")
         return any(isinstance(r, EvalRecord) and r.tag == "final" for r in records)
+
+
+def _driver_recoveries(run_dir: Path) -> int:
+    """The driver's `recovery` events so far (a resumed driver writes one once its workers are up)."""
+    try:
+        with open(run_dir / "events.jsonl", errors="replace") as f:
+            return sum('"kind":"recovery"' in line and '"worker":"driver"' in line for line in f)
+    except OSError:
+        return 0
 
 
 def _steps_recorded(run_dir: Path) -> int:

@@ -21,15 +21,18 @@ STEPS = 6
 
 def assert_exact(run_dir, steps=STEPS):
     """Every step once, every finished trajectory once, each trained group trained once and whole,
-    and the ledger's identity: checked against the journal, not only the ledger's own counts."""
+    and the ledger's identity: checked against the journal, not only the ledger's own counts. A step
+    issued by a driver that died before it was checkpointed is issued again by the resumed driver:
+    the later issue is the step's (as the report reads them)."""
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
     assert [r.step for r in records] == list(range(steps))
     done = [(e.trajectory.group, e.trajectory.sample_index) for e in read_journal(run_dir / "journal.jsonl")
             if isinstance(e, Finished)]  # fmt: skip
     assert len(done) == len(set(done)), "a trajectory was finished twice"
-    issued = [m.data["groups"] for m in read_events(run_dir / "events.jsonl")
-              if isinstance(m, Mark) and m.kind == "train_issued"]  # fmt: skip
-    trained = [g for groups in issued for g in groups]
+    issued = {m.data["step"]: m.data["groups"] for m in read_events(run_dir / "events.jsonl")
+              if isinstance(m, Mark) and m.kind == "train_issued"}  # fmt: skip
+    assert sorted(issued) == list(range(steps))  # a step a resumed driver issued again: its groups count
+    trained = [g for groups in issued.values() for g in groups]
     assert len(trained) == len(set(trained)), "a group was trained twice"
     per_group = {g: sum(1 for d, _ in done if d == g) for g in trained}
     ledger = records[-1].ledger

@@ -89,7 +89,7 @@ def test_sigterm_to_the_supervisor_stops_the_driver_without_a_restart(tiny_model
         "--flow.steps=50", "--eval.n=4",
     )  # fmt: skip
     try:
-        wait_for_steps(run_dir, p, 1)
+        wait_for_steps(run_dir, p, 2)  # the first step's checkpoint is whole by then
         p.send_signal(signal.SIGTERM)
         rc, out = finish(p, timeout=60)
     finally:
