@@ -198,16 +198,14 @@ def chaos(args, extra: list[str], root: Path) -> None:
     check = ledger_check(root / "chaos", args.steps)
     down = sum(m.data["downtime_s"] for m in recs)
     # several workers may be down at once (each resumed driver starts its own clock: not comparable)
-    short = float("nan") if supervised else union([(m.t - m.data["downtime_s"], m.t) for m in recs])
+    short = 0.0 if supervised else union([(m.t - m.data["downtime_s"], m.t) for m in recs])
     by = {k: sum(1 for f in faults if f[2] == k) for k in SIGNALS}
     print(
         f"\nfaults: {len(faults)} ({by['kill']} kill -9, {by['stop']} SIGSTOP) in {messy:.0f} s of training: "
         f"{3600 * len(faults) / messy:.0f} per hour, one every {messy / max(1, len(faults)):.0f} s"
     )
-    print(
-        f"recoveries recorded: {len(recs)}, downtime {down:.1f} worker-seconds in all; some worker down "
-        f"{short:.1f} s ({short / messy:.1%} of the chaos run)"
-    )
+    some = "" if supervised else f"; some worker down {short:.1f} s ({short / messy:.1%} of the chaos run)"
+    print(f"recoveries recorded: {len(recs)}, downtime {down:.1f} worker-seconds in all{some}")
     for m in recs:
         d = m.data
         print(
