@@ -11,7 +11,9 @@ produces is appended to the run directory as it happens.
 A worker lost while the run goes is replaced (runtime/recovery.py bounds how often): an engine by one
 holding the versions the scheduler says it held, its in-flight samples dispatched again
 (`Scheduler.on_engine_lost`); the trainer by one started from the newest whole checkpoint, which
-redoes the steps since (runtime/orders.py). The other workers keep going meanwhile.
+redoes the steps since (runtime/orders.py). The other workers keep going meanwhile. A driver that
+dies itself is resumed from the run directory under `tailrace train --supervise`
+(runtime/supervisor.py); the resumed one records that recovery once its workers are up.
 """
 
 from __future__ import annotations
