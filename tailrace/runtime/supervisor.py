@@ -5,7 +5,7 @@ A fault is a death by a signal the driver does not handle (SIGKILL, SIGSEGV, ...
 code 3 (a worker lost past its restarts, non-finite training, a full disk). Bad input (exit 2), a
 finished run (0) and an interrupted one (130, 143) end the supervisor with the child's code; so does
 anything after the supervisor itself got Ctrl-C or SIGTERM (it passes either on to the driver, which
-runs in a process group of its own: the group is killed after the driver ends, so no worker of a dead
+runs in a session and process group of its own: the group is killed after the driver ends, so no worker of a dead
 driver outlives it). Restarts are bounded as a worker's are (runtime/recovery.py: `max_restarts`
 within any hour); past that the supervisor stops with exit code 3 and one line.
 
@@ -91,10 +91,11 @@ def supervise(argv: list[str], run_dir: Path, max_restarts: int, say: Callable[[
     prev, seen = None, 0  # the last restart's loss, and the driver recoveries recorded before it
     try:
         while True:
-            # its own process group: what a dead driver leaves behind (workers that have not noticed
-            # yet, one stopped) is killed with it before its successor starts
+            # its own session and process group: what a dead driver leaves behind (workers that have
+            # not noticed yet, one stopped) is killed with it before its successor starts. (setsid is
+            # done in C: a preexec_fn after torch's threads started can deadlock the fork.)
             child = subprocess.Popen(
-                [sys.executable, "-m", "tailrace.cli", "train", *argv], env=env, preexec_fn=os.setpgrp
+                [sys.executable, "-m", "tailrace.cli", "train", *argv], env=env, start_new_session=True
             )
             rc = child.wait()
             try:

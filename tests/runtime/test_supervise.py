@@ -28,6 +28,16 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def stop(p) -> None:
+    """Kill what is left of a supervised run: the supervisor's group and its driver's (a session of
+    its own)."""
+    for pid in [*children(p.pid), p.pid]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def test_only_faults_are_restarted():
     assert lost_driver(-signal.SIGKILL).line == "the driver process died (killed by SIGKILL: out of memory?)"
     assert lost_driver(-signal.SIGSEGV).cause == "died"
@@ -56,8 +66,7 @@ def test_a_killed_driver_is_resumed_and_the_run_ends_exact(tiny_model, tmp_path)
         os.kill(driver, signal.SIGKILL)
         rc, out = finish(p, timeout=180)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        stop(p)
     assert rc == 0, out
     assert "Traceback" not in out
     restarts = [line for line in out.splitlines() if line.startswith("supervisor: ")]
@@ -93,8 +102,7 @@ def test_sigterm_to_the_supervisor_stops_the_driver_without_a_restart(tiny_model
         p.send_signal(signal.SIGTERM)
         rc, out = finish(p, timeout=60)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        stop(p)
     assert rc == 143, out
     assert "supervisor:" not in out and "Traceback" not in out
     assert f"continue with tailrace train --resume {run_dir}" in out
