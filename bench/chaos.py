@@ -4,6 +4,8 @@
     .venv/bin/python bench/chaos.py --steps 40 --mean-gap 10   # a quick look
     .venv/bin/python bench/chaos.py --soak               # 500 steps, no faults: memory and journal growth
     .venv/bin/python bench/chaos.py -- --flow.mode=pipe  # anything after -- goes to `tailrace train`
+    .venv/bin/python bench/chaos.py -- --flow.mode=multiversion --rollout.engines=2
+    .venv/bin/python bench/chaos.py -- --supervise      # the driver is killed (kill -9) too
 
 Both use the built-in default model and task (`tailrace train` defaults) with a smaller batch and
 shorter responses (SMALL), so 200 steps fit minutes on two cores. Each run is a `tailrace train`
@@ -11,7 +13,8 @@ process of its own.
 
 Chaos: a clean run, then the same config while, at exponential gaps (mean `--mean-gap` seconds,
 seeded), a random worker (the trainer or an engine) gets SIGKILL (dies) or SIGSTOP (stuck: found by
-its missed heartbeats after `worker_timeout_s`, then killed by the driver). It prints each fault, the
+its missed heartbeats after `worker_timeout_s`, then killed by the driver); under `-- --supervise` the
+driver is among the victims (SIGKILL only: no heartbeat watches the driver). It prints each fault, the
 failure count and rate, the recoveries the run recorded (events.jsonl), the ledger checked against
 the journal (0 lost, 0 duplicated), and ETTR, the effective training time ratio: the clean run's
 training wall time over the chaos run's (both from the last step record's `wall_s`, which starts once
@@ -59,18 +62,30 @@ def start(run_dir: Path, steps: int, extra: list[str]) -> subprocess.Popen:
         )  # fmt: skip
 
 
-def workers(pid: int) -> dict[str, int]:
-    """name -> pid of the driver's workers (they name themselves tr-trainer, tr-engine0, ...)."""
+def children(pid: int) -> dict[int, str]:
+    """pid -> process name of `pid`'s children."""
     found = {}
     for d in Path("/proc").iterdir():
         try:
             if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                comm = (d / "comm").read_text().strip()
-                if comm.startswith("tr-"):
-                    found[comm.removeprefix("tr-")] = int(d.name)
+                found[int(d.name)] = (d / "comm").read_text().strip()
         except (OSError, IndexError, ValueError):
             continue
     return found
+
+
+def workers(pid: int) -> dict[str, int]:
+    """name -> pid of the driver's workers (they name themselves tr-trainer, tr-engine0, ...)."""
+    return {comm.removeprefix("tr-"): c for c, comm in children(pid).items() if comm.startswith("tr-")}
+
+
+def victims(pid: int, supervised: bool) -> dict[str, int]:
+    """name -> pid of what may be hit: the workers, and under `--supervise` the driver too (the
+    supervisor's one child; none while it restarts one)."""
+    if not supervised:
+        return workers(pid)
+    drivers = list(children(pid))
+    return {"driver": drivers[0], **workers(drivers[0])} if len(drivers) == 1 else {}
 
 
 def steps_done(run_dir: Path) -> int:
@@ -86,6 +101,8 @@ def wait(p: subprocess.Popen, run_dir: Path) -> None:
 
 
 def train_wall(run_dir: Path) -> float:
+    """The last step record's `wall_s` (a resumed driver starts that clock again: under `--supervise`
+    ETTR is the whole processes' ratio)."""
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
     return steps[-1].time["wall_s"]
 
@@ -97,6 +114,7 @@ def chaos_run(run_dir: Path, steps: int, extra: list[str], mean_gap: float, seed
     """The run with faults injected until its last step; returns (t, worker, signal) per fault."""
     rng = random.Random(seed)
     p = start(run_dir, steps, extra)
+    supervised = "--supervise" in extra
     t0 = time.monotonic()
     due, faults, stopped = t0 + rng.expovariate(1 / mean_gap), [], []
     try:
@@ -105,10 +123,12 @@ def chaos_run(run_dir: Path, steps: int, extra: list[str], mean_gap: float, seed
             now = time.monotonic()
             if now < due or steps_done(run_dir) < 1:  # faults start once training does
                 continue
-            live = workers(p.pid)
+            live = victims(p.pid, supervised)
             if live:
                 name = rng.choice(sorted(live))
-                how = rng.choice(sorted(SIGNALS))
+                how = (
+                    rng.choice(sorted(SIGNALS)) if name != "driver" else "kill"
+                )  # nothing watches a stopped driver
                 os.kill(live[name], SIGNALS[how])
                 stopped += [live[name]] if how == "stop" else []
                 faults.append((now - t0, name, how, steps_done(run_dir)))
@@ -128,10 +148,11 @@ def ledger_check(run_dir: Path, steps: int) -> dict:
     finished = [(e.trajectory.group, e.trajectory.sample_index) for e in journal if isinstance(e, Finished)]
     partials = sum(isinstance(e, Discarded) for e in journal)
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
-    issued = [
-        g for m in read_events(run_dir / "events.jsonl") if isinstance(m, Mark) and m.kind == "train_issued"
-        for g in m.data["groups"]
-    ]  # fmt: skip
+    by_step = {  # a step a resumed driver issued again replaces the dead driver's (as report/html.py)
+        m.data["step"]: m.data["groups"]
+        for m in read_events(run_dir / "events.jsonl") if isinstance(m, Mark) and m.kind == "train_issued"
+    }  # fmt: skip
+    issued = [g for groups in by_step.values() for g in groups]
     led = records[-1].ledger
     accounted = led["trained"] + led["in_store"] + sum(led["discarded"].values())
     produced = len(set(finished)) + partials
@@ -142,6 +163,15 @@ def ledger_check(run_dir: Path, steps: int) -> dict:
         "ledger_produced_matches_journal": led["produced"] == produced,
         "trained": led["trained"],
     }
+
+
+def union(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of `spans`."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
 
 
 def recoveries(run_dir: Path) -> list[Mark]:
@@ -161,17 +191,21 @@ def chaos(args, extra: list[str], root: Path) -> None:
     faults = chaos_run(root / "chaos", args.steps, extra, args.mean_gap, args.seed)
     chaos_total = time.monotonic() - t
     clean, messy = train_wall(root / "clean"), train_wall(root / "chaos")
+    supervised = "--supervise" in extra
+    if supervised:  # the step records' clock leaves out the driver's outages: the whole processes' has them
+        clean, messy = clean_total, chaos_total
     recs = recoveries(root / "chaos")
     check = ledger_check(root / "chaos", args.steps)
     down = sum(m.data["downtime_s"] for m in recs)
+    # several workers may be down at once (each resumed driver starts its own clock: not comparable)
+    short = 0.0 if supervised else union([(m.t - m.data["downtime_s"], m.t) for m in recs])
     by = {k: sum(1 for f in faults if f[2] == k) for k in SIGNALS}
     print(
         f"\nfaults: {len(faults)} ({by['kill']} kill -9, {by['stop']} SIGSTOP) in {messy:.0f} s of training: "
         f"{3600 * len(faults) / messy:.0f} per hour, one every {messy / max(1, len(faults)):.0f} s"
     )
-    print(
-        f"recoveries recorded: {len(recs)}, downtime {down:.1f} s in all ({down / messy:.1%} of the chaos run)"
-    )
+    some = "" if supervised else f"; some worker down {short:.1f} s ({short / messy:.1%} of the chaos run)"
+    print(f"recoveries recorded: {len(recs)}, downtime {down:.1f} worker-seconds in all{some}")
     for m in recs:
         d = m.data
         print(
@@ -182,8 +216,9 @@ def chaos(args, extra: list[str], root: Path) -> None:
         f"ledger: steps each once {check['steps']}, lost {check['lost']}, duplicated {check['duplicated']}, "
         f"ledger.produced = journal {check['ledger_produced_matches_journal']}, trained {check['trained']}"
     )
+    what = "whole processes (--supervise)" if supervised else "training wall"
     print(
-        f"training wall: clean {clean:.1f} s, chaos {messy:.1f} s -> ETTR {clean / messy:.3f} "
+        f"{what}: clean {clean:.1f} s, chaos {messy:.1f} s -> ETTR {clean / messy:.3f} "
         f"(whole processes: {clean_total:.0f} s vs {chaos_total:.0f} s -> {clean_total / chaos_total:.3f})"
     )
     ok = check["steps"] and check["lost"] == 0 and check["duplicated"] == 0

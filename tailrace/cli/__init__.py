@@ -43,12 +43,21 @@ TAILRACE = Verb(
         Verb(
             "train",
             "RL post-training: warm-start or load the policy, then rollout and GRPO steps, evaluated",
-            (f"train [--config FILE] [--run-dir DIR] {KEYS}", "train --resume RUN_DIR"),
+            (
+                f"train [--supervise] [--config FILE] [--run-dir DIR] {KEYS}",
+                "train [--supervise] --resume RUN_DIR",
+            ),
             commands.train,
             flags=(
                 Flag("--config", "FILE", "a YAML file of config keys (section: {key: value}); overrides win"),
                 Flag("--run-dir", "DIR", "the new run directory (default: OUT/<date>-<time>-<mode>)"),
                 Flag("--resume", "RUN_DIR", "continue a killed run from its last checkpoint, as configured"),
+                Flag(
+                    "--supervise",
+                    None,
+                    "run the driver as a child process and resume it (--resume) when it dies of a fault, "
+                    "at most max_restarts times an hour",
+                ),  # fmt: skip
             ),
             config=RunConfig,
         ),

@@ -92,6 +92,8 @@ def train(args: Args) -> int:
     from tailrace.runtime.rundir import RunDir
 
     flags, rest = args.flags, args.rest
+    if "--supervise" in flags:
+        return _supervise(flags, rest)
     if "--resume" in flags:
         run = RunDir(flags["--resume"])
         if not run.file("config.yaml").is_file():
@@ -121,11 +123,31 @@ def train(args: Args) -> int:
         return _train(cfg, run, resume)
 
 
+def _supervise(flags: dict[str, str], rest: list[str]) -> int:
+    """`train --supervise`: this process runs the driver as a child and resumes it after a fault
+    (runtime/supervisor.py). The run directory is settled here, so a restart knows what to resume."""
+    from tailrace.runtime.supervisor import supervise
+
+    if "--resume" in flags:
+        run_dir = Path(flags["--resume"])
+        path = run_dir / "config.yaml"
+        cfg = load_config(path if path.is_file() else None, [])  # a missing one: the child says so
+        argv = ["--resume", str(run_dir), *rest]
+    else:
+        cfg = load(flags.get("--config"), rest)  # bad input ends here, before any child starts
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
+        config = ["--config", flags["--config"]] if "--config" in flags else []
+        argv = [*config, "--run-dir", str(run_dir), *rest]
+    return supervise(argv, run_dir, cfg.max_restarts, console.print)
+
+
 def _train(cfg: RunConfig, run, resume) -> int:
     from tailrace.config.train import auto_lr
     from tailrace.report.console import ConsoleUI
     from tailrace.runtime.driver import Driver
     from tailrace.runtime.session import Session
+    from tailrace.runtime.supervisor import DriverLost
 
     session = Session(cfg, progress=_sft_progress())
     ui = ConsoleUI(console)
@@ -140,7 +162,7 @@ def _train(cfg: RunConfig, run, resume) -> int:
         )
     driver = None
     try:
-        driver = Driver(cfg, run, session, resume=resume, ui=ui)
+        driver = Driver(cfg, run, session, resume=resume, ui=ui, driver_lost=DriverLost.from_env())
         summary = driver.train()
     except KeyboardInterrupt as e:
         console.print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}; {_continue(run)}")

@@ -11,7 +11,9 @@ produces is appended to the run directory as it happens.
 A worker lost while the run goes is replaced (runtime/recovery.py bounds how often): an engine by one
 holding the versions the scheduler says it held, its in-flight samples dispatched again
 (`Scheduler.on_engine_lost`); the trainer by one started from the newest whole checkpoint, which
-redoes the steps since (runtime/orders.py). The other workers keep going meanwhile.
+redoes the steps since (runtime/orders.py). The other workers keep going meanwhile. A driver that
+dies itself is resumed from the run directory under `tailrace train --supervise`
+(runtime/supervisor.py); the resumed one records that recovery once its workers are up.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.flow.shaping import make_shaping
 from tailrace.metrics import step_record
-from tailrace.records import CheckpointRecord, EvalRecord, Span, StepRecord, read_metrics
+from tailrace.records import CheckpointRecord, EvalRecord, Mark, Span, StepRecord, read_metrics
 from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
@@ -42,6 +44,7 @@ from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
 from tailrace.runtime.snapshots import Snapshot, Snapshots
+from tailrace.runtime.supervisor import DriverLost
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import Worker, Workers
@@ -59,10 +62,18 @@ class Summary:
 
 class Driver:
     def __init__(
-        self, cfg: RunConfig, run: RunDir, session: Session, resume: Resume | None = None, ui=None
+        self,
+        cfg: RunConfig,
+        run: RunDir,
+        session: Session,
+        resume: Resume | None = None,
+        ui=None,
+        driver_lost: DriverLost | None = None,
     ) -> None:
+        """`driver_lost`: how the driver this one resumes died, under `tailrace train --supervise`."""
         self.cfg, self.run, self.ses, self.ui = cfg, run, session, ui
         self.resume = resume
+        self.driver_lost = driver_lost if resume is not None else None
         f, r = cfg.flow, cfg.rollout
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
@@ -153,6 +164,8 @@ class Driver:
             self.resume.restore(self.sched)
             version = self.resume.version
         self._start(version)
+        if self.driver_lost is not None:  # resumed by the supervisor: the driver's own recovery
+            self._note(self.driver_lost.mark(self._now(), self.sched.steps_done))
         self.cadence.saved(self.sched.steps_done, 0.0)
         evaluator = Evaluator(self.ses, self.cfg.eval) if self.cfg.eval.n else None
         base = self._recorded_eval("base")
@@ -180,6 +193,8 @@ class Driver:
             self._load_final()
             final = self._evaluate(evaluator, "final", self.sched.done_version, self._last_wall)
             self._evaluate_snapshots(evaluator)
+        while self.recovery.restarting:  # a worker lost after training: its recovery is recorded too
+            self._pump()
         return Summary(
             self.sched.steps_done,
             self._now(),
@@ -205,7 +220,7 @@ class Driver:
         for i, engine in enumerate(self.engines):
             self.workers.send(engine, Generate(i, self._eval_sent[i]))
         while self._eval_wanted:
-            self._pump(self.engines, timeout=5.0)
+            self._pump(timeout=5.0)  # all workers: a trainer replaced meanwhile says Ready here
             if self.ui is not None:
                 self.ui.evaluating(tag, len(reqs) - len(self._eval_wanted), len(reqs))
         results, self._eval_results, self._eval_sent = self._eval_results, [], {}
@@ -232,7 +247,7 @@ class Driver:
         for i, engine in enumerate(self.engines):
             self.workers.send(engine, LoadWeights(i, v))
         while len(self._eval_loaded) < len(self.engines):
-            self._pump(self.engines)
+            self._pump()
         self._evaluate(evaluator, "periodic", v, snap.wall_s, snap)
 
     def _now(self) -> float:
@@ -321,12 +336,15 @@ class Driver:
     def _on_ready(self, w: Worker) -> None:
         mark = self.recovery.ready(w.name, self._now())
         if mark is not None:
-            self.events.write(mark)
-            if self.ui is not None:
-                self.ui.note(describe(mark))
+            self._note(mark)
         if w is self.trainer:
             for order in self.orders.ready():
                 self.workers.send(w, order)
+
+    def _note(self, recovery: Mark) -> None:
+        self.events.write(recovery)
+        if self.ui is not None:
+            self.ui.note(describe(recovery))
 
     def _on_engine_report(self, rep: EngineReport) -> None:
         st = rep.stats
@@ -448,7 +466,7 @@ class Driver:
                 if asked is not self.engines[i]:
                     asked = self.engines[i]
                     self.workers.send(asked, LoadWeights(i, v))
-                self._pump([self.engines[i]])
+                self._pump()
 
 
 def _tensorboard(run: RunDir):

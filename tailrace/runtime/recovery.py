@@ -36,10 +36,19 @@ class Recovery:
         self._times: dict[str, list[float]] = {}  # worker -> when it was restarted, within the window
         self._open: dict[str, Restart] = {}  # worker -> its restart, until the replacement is Ready
 
+    @property
+    def restarting(self) -> list[str]:
+        """Workers whose replacement has not said Ready yet."""
+        return list(self._open)
+
     def allows(self, lost: Lost, now: float) -> bool:
         recent = [t for t in self._times.get(lost.worker, []) if now - t < WINDOW_S]
         self._times[lost.worker] = recent
         return len(recent) < self.max_restarts
+
+    def restarts(self, worker: str, now: float) -> int:
+        """`worker`'s restarts within the window."""
+        return sum(1 for t in self._times.get(worker, []) if now - t < WINDOW_S)
 
     def refusal(self, lost: Lost) -> str:
         """The fault's line when `allows` said no."""
@@ -76,9 +85,12 @@ class Recovery:
 def describe(m: Mark) -> str:
     """A recovery mark as the console's one line."""
     d = m.data
-    what = f"{d['requeued']} samples requeued" if d["worker"] != "trainer" else (
-        f"{d['replayed']} steps replayed from its last checkpoint"
-    )  # fmt: skip
+    if d["worker"] == "driver":
+        what = f"resumed from its last checkpoint, {d['replayed']} steps redone"
+    elif d["worker"] == "trainer":
+        what = f"{d['replayed']} steps replayed from its last checkpoint"
+    else:
+        what = f"{d['requeued']} samples requeued"
     return f"recovered: {d['detail']}; restarted in {d['downtime_s']:.1f} s, {what}"
 
 

@@ -19,21 +19,24 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 
 
-def assert_exact(run_dir):
+def assert_exact(run_dir, steps=STEPS):
     """Every step once, every finished trajectory once, each trained group trained once and whole,
-    and the ledger's identity: checked against the journal, not only the ledger's own counts."""
-    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
-    assert [r.step for r in steps] == list(range(STEPS))
+    and the ledger's identity: checked against the journal, not only the ledger's own counts. A step
+    issued by a driver that died before it was checkpointed is issued again by the resumed driver:
+    the later issue is the step's (as the report reads them)."""
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
+    assert [r.step for r in records] == list(range(steps))
     done = [(e.trajectory.group, e.trajectory.sample_index) for e in read_journal(run_dir / "journal.jsonl")
             if isinstance(e, Finished)]  # fmt: skip
     assert len(done) == len(set(done)), "a trajectory was finished twice"
-    issued = [m.data["groups"] for m in read_events(run_dir / "events.jsonl")
-              if isinstance(m, Mark) and m.kind == "train_issued"]  # fmt: skip
-    trained = [g for groups in issued for g in groups]
+    issued = {m.data["step"]: m.data["groups"] for m in read_events(run_dir / "events.jsonl")
+              if isinstance(m, Mark) and m.kind == "train_issued"}  # fmt: skip
+    assert sorted(issued) == list(range(steps))  # a step a resumed driver issued again: its groups count
+    trained = [g for groups in issued.values() for g in groups]
     assert len(trained) == len(set(trained)), "a group was trained twice"
     per_group = {g: sum(1 for d, _ in done if d == g) for g in trained}
-    ledger = steps[-1].ledger
-    assert ledger["trained"] == sum(per_group.values()) == sum(r.samples for r in steps)
+    ledger = records[-1].ledger
+    assert ledger["trained"] == sum(per_group.values()) == sum(r.samples for r in records)
     assert ledger["produced"] == len(done)
     assert ledger["produced"] == ledger["trained"] + ledger["in_store"] + sum(ledger["discarded"].values())
 
@@ -72,3 +75,23 @@ def test_lost_workers_are_replaced_and_the_run_finishes_exact(tiny_model, tmp_pa
     assert_exact(run_dir)
     assert json.loads((checkpoints(run_dir)[-1] / "trainer.json").read_text())["step"] == STEPS
     assert "2 workers replaced" in write_report(run_dir).read_text()
+
+
+def test_a_trainer_lost_during_the_final_evaluation_is_recorded(tiny_model, tmp_path):
+    """After the last step the driver evaluates with the engines only; a trainer lost then is still
+    replaced, and its recovery is written before the run ends (it used to be left unheard)."""
+    run_dir = tmp_path / "run"
+    p = start_cli(
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.steps=2",
+        "--eval.n=64", "--eval.max_new_tokens=64",
+    )  # fmt: skip
+    wait_for_steps(run_dir, p, 2)  # the last step: the final checkpoint and evaluation follow
+    os.kill(workers_of(p.pid)[0], signal.SIGKILL)
+    rc, out = finish(p, timeout=120)
+    assert rc == 0, out
+    assert [r.tag for r in read_metrics(run_dir / "metrics.jsonl") if type(r).__name__ == "EvalRecord"] == [
+        "base", "final",
+    ]  # fmt: skip
+    got = [(m.data["worker"], m.data["cause"], m.data["replayed"]) for m in recoveries(run_dir)]
+    assert got == [("trainer", "died", 0)], out
+    assert "recovered: trainer process died" in out
