@@ -400,16 +400,20 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
         const int64_t at = ((int64_t)tb[p / bs] * Hkv + h) * bs * D + (p % bs) * D;                      \
         T *kw = k + at, *vw = v + at;                                                                    \
         const T *ks = src + (H + h) * D, *vs = src + (H + Hkv + h) * D;                                  \
-        for (int64_t d = 0; d < D; d++) {                                                                \
-            const int64_t r = d < half ? d + half : d - half;                                            \
-            kw[d] = OUT(IN(ks[d]) * IN(c[d]) + IN(ks[r]) * IN(sn[d]));                                   \
-            vw[d] = vs[d];                                                                               \
+        /* RoPE as two loops over the halves (d + half and d - half: no select, so they vectorize) */ \
+        _Pragma("omp simd")                                                                              \
+        for (int64_t d = 0; d < half; d++) {                                                             \
+            kw[d] = OUT(IN(ks[d]) * IN(c[d]) + IN(ks[d + half]) * IN(sn[d]));                            \
+            kw[d + half] = OUT(IN(ks[d + half]) * IN(c[d + half]) + IN(ks[d]) * IN(sn[d + half]));       \
         }                                                                                                \
+        memcpy(vw, vs, D * sizeof(T));                                                                   \
         for (int64_t g = 0; g < G; g++) {                                                                \
             const T *qs = src + (h * G + g) * D;                                                         \
-            for (int64_t d = 0; d < D; d++) {                                                            \
-                const int64_t r = d < half ? d + half : d - half;                                        \
-                qf[g * D + d] = IN(OUT(IN(qs[d]) * IN(c[d]) + IN(qs[r]) * IN(sn[d])));                   \
+            float *qg = qf + g * D;                                                                      \
+            _Pragma("omp simd")                                                                          \
+            for (int64_t d = 0; d < half; d++) {                                                         \
+                qg[d] = IN(OUT(IN(qs[d]) * IN(c[d]) + IN(qs[d + half]) * IN(sn[d])));                    \
+                qg[d + half] = IN(OUT(IN(qs[d + half]) * IN(c[d + half]) + IN(qs[d]) * IN(sn[d + half]))); \
             }                                                                                            \
         }                                                                                                \
         ATTEND(qf, k + h * bs * D, v + h * bs * D, tb, bs, bstride, p + 1, G, D, scale, scratch, of);   \
