@@ -456,28 +456,15 @@ def main(argv=None) -> int:
             print(
                 f"  {dn} batch {b}: tailrace {fmt(row['tailrace'])} tok/s (torch ops {fmt(row['bmm'])}), "
                 f"hf {fmt(row['hf'])}, "
-                f"vllm {fmt(row['vllm'])}, gemm limit {fmt(row['gemm_limit'])}",
+                f"vllm {fmt(row['vllm'])}, gemm limit {fmt(row['gemm_limit'])} | per CPU-s: tailrace "
+                f"{fmt(row['tailrace'], 'cpu_tok_s')}, hf {fmt(row['hf'], 'cpu_tok_s')}, "
+                f"vllm {fmt(row['vllm'], 'cpu_tok_s')} | load avg {os.getloadavg()[0]:.2f}",
                 flush=True,
             )
 
     if a.profile:
         return 0
-    dn = a.dtypes[0]
-    engine = TailraceEngine(
-        load_pretrained(model_dir, dtype=DTYPES[dn]), num_slots=64, max_context=PROMPT_TOKENS + 512, seed=0
-    )
-    reqs = cb_workload(a.cb_requests, engine.vocab_size, random.Random(1))
-    lens = sorted(r.params.max_new_tokens for r in reqs)
-    run_cb(engine, reqs[:64], None)  # warm-up
-    cb = {
-        "dtype": dn,
-        "requests": len(reqs),
-        "slots": 64,
-        "median_len": lens[len(lens) // 2],
-        "p99_len": lens[int(0.99 * (len(lens) - 1))],
-        "continuous": run_cb(engine, reqs, None),
-        "static": run_cb(engine, reqs, 64),
-    }
+    cb = run_cb_workload(model_dir, a.dtypes[0], a.cb_requests) if a.cb_requests else None
 
     header = (
         f"{'dtype':5} {'batch':>5} {'tailrace':>10} {'HF':>10} {'vLLM':>26} {'gemm limit':>11} {'share':>6} "
@@ -506,7 +493,43 @@ def main(argv=None) -> int:
             f"{r['dtype']:5} {r['batch']:>5} {fmt(r['tailrace'], 'cpu_tok_s'):>10} {fmt(r['hf'], 'cpu_tok_s'):>10} "
             f"{fmt(r['vllm'], 'cpu_tok_s'):>10} {r['cpu_vs_hf']:>6} {r['cpu_vs_vllm']:>6}"
         )
-    c, s = cb["continuous"], cb["static"]
+    if cb is not None:
+        print_cb(cb)
+    out = {
+        "args": {k: v for k, v in vars(a).items()},
+        "model": model_dir,
+        "torch": torch.__version__,
+        "loadavg_1m_end": os.getloadavg()[0],
+        "rows": rows,
+        "continuous_batching": cb,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {a.out} | load avg {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+def run_cb_workload(model_dir: str, dn: str, n: int) -> dict:
+    """The continuous-batching workload (`cb_workload`), continuous and as static batches of 64."""
+    engine = TailraceEngine(
+        load_pretrained(model_dir, dtype=DTYPES[dn]), num_slots=64, max_context=PROMPT_TOKENS + 512, seed=0
+    )
+    reqs = cb_workload(n, engine.vocab_size, random.Random(1))
+    lens = sorted(r.params.max_new_tokens for r in reqs)
+    run_cb(engine, reqs[:64], None)  # warm-up
+    return {
+        "dtype": dn,
+        "requests": len(reqs),
+        "slots": 64,
+        "median_len": lens[len(lens) // 2],
+        "p99_len": lens[int(0.99 * (len(lens) - 1))],
+        "continuous": run_cb(engine, reqs, None),
+        "static": run_cb(engine, reqs, 64),
+    }
+
+
+def print_cb(cb: dict) -> None:
+    c, s, dn = cb["continuous"], cb["static"], cb["dtype"]
     print(
         f"\ncontinuous batching, {dn}: {cb['requests']} requests, lognormal lengths (median {cb['median_len']}, "
         f"p99 {cb['p99_len']}, p99/median {cb['p99_len'] / cb['median_len']:.1f}) through {cb['slots']} slots"
@@ -520,18 +543,6 @@ def main(argv=None) -> int:
         f"  continuous / static: {c['tokens_per_s'] / s['tokens_per_s']:.2f}x wall, "
         f"{c['cpu_tokens_per_s'] / s['cpu_tokens_per_s']:.2f}x per CPU-s"
     )
-    out = {
-        "args": {k: v for k, v in vars(a).items()},
-        "model": model_dir,
-        "torch": torch.__version__,
-        "loadavg_1m_end": os.getloadavg()[0],
-        "rows": rows,
-        "continuous_batching": cb,
-    }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {a.out} | load avg {os.getloadavg()[0]:.2f}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import torch
 from tailrace.engine.backends.linear import Linear, packing_supported
 from tailrace.model.decoder import CausalLM
 
+PACKED_FP32_MIN_HIDDEN = 512  # fp32 models this wide use the packed weights at every batch
+
 
 class _Layer:
     __slots__ = ("qkv", "o", "gate_up", "down")
@@ -35,8 +37,10 @@ class FusedWeights:
         self.packed = packing_supported(self.dtype) if packed is None else packed
         if self.device.type != "cpu":
             self.packed = False
-        # fp32 packed GEMMs lose to MKL at small batches, bf16 ones win at every batch (bench/README.md)
-        self.packed_min_batch = 48 if self.dtype == torch.float32 else 1
+        # bf16 packed GEMMs win at every batch; fp32 ones lose to MKL below 48 rows on small weights
+        # (hidden 128) and win at every batch on larger ones (hidden 576) (bench/README.md)
+        small = cfg.hidden_size < PACKED_FP32_MIN_HIDDEN
+        self.packed_min_batch = 48 if self.dtype == torch.float32 and small else 1
         self.refresh()
 
     def packed_at(self, rows: int) -> bool:

@@ -400,16 +400,20 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
         const int64_t at = ((int64_t)tb[p / bs] * Hkv + h) * bs * D + (p % bs) * D;                      \
         T *kw = k + at, *vw = v + at;                                                                    \
         const T *ks = src + (H + h) * D, *vs = src + (H + Hkv + h) * D;                                  \
-        for (int64_t d = 0; d < D; d++) {                                                                \
-            const int64_t r = d < half ? d + half : d - half;                                            \
-            kw[d] = OUT(IN(ks[d]) * IN(c[d]) + IN(ks[r]) * IN(sn[d]));                                   \
-            vw[d] = vs[d];                                                                               \
+        /* RoPE as two loops over the halves (d + half and d - half: no select, so they vectorize) */ \
+        _Pragma("omp simd")                                                                              \
+        for (int64_t d = 0; d < half; d++) {                                                             \
+            kw[d] = OUT(IN(ks[d]) * IN(c[d]) + IN(ks[d + half]) * IN(sn[d]));                            \
+            kw[d + half] = OUT(IN(ks[d + half]) * IN(c[d + half]) + IN(ks[d]) * IN(sn[d + half]));       \
         }                                                                                                \
+        memcpy(vw, vs, D * sizeof(T));                                                                   \
         for (int64_t g = 0; g < G; g++) {                                                                \
             const T *qs = src + (h * G + g) * D;                                                         \
-            for (int64_t d = 0; d < D; d++) {                                                            \
-                const int64_t r = d < half ? d + half : d - half;                                        \
-                qf[g * D + d] = IN(OUT(IN(qs[d]) * IN(c[d]) + IN(qs[r]) * IN(sn[d])));                   \
+            float *qg = qf + g * D;                                                                      \
+            _Pragma("omp simd")                                                                          \
+            for (int64_t d = 0; d < half; d++) {                                                         \
+                qg[d] = IN(OUT(IN(qs[d]) * IN(c[d]) + IN(qs[d + half]) * IN(sn[d])));                    \
+                qg[d + half] = IN(OUT(IN(qs[d + half]) * IN(c[d + half]) + IN(qs[d]) * IN(sn[d + half]))); \
             }                                                                                            \
         }                                                                                                \
         ATTEND(qf, k + h * bs * D, v + h * bs * D, tb, bs, bstride, p + 1, G, D, scale, scratch, of);   \
@@ -506,6 +510,58 @@ void gumbel_f32(const int64_t *restrict key, int64_t ks, const int64_t *restrict
     }
 }
 
+/* z[v] = l[v] * it for v < n; returns the largest z that is not NaN (-inf when none is). */
+static float scale_max(const float *restrict l, float it, float *restrict z, int64_t n) {
+    float m = -INFINITY;
+    int64_t v = 0;
+#if defined(__AVX512F__)
+    /* lane-wise maxima, then one reduction: the same value as the scalar loop (max is exact) */
+    const __m512 vi = _mm512_set1_ps(it);
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (; v + 16 <= n; v += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(l + v), vi);
+        _mm512_storeu_ps(z + v, x);
+        vm = _mm512_mask_mov_ps(vm, _mm512_cmp_ps_mask(x, vm, _CMP_GT_OQ), x);
+    }
+    m = _mm512_reduce_max_ps(vm);
+#endif
+    for (; v < n; v++) {
+        z[v] = l[v] * it;
+        m = z[v] > m ? z[v] : m;
+    }
+    return m;
+}
+
+/* The first v < n with y[v] the largest y that is not NaN; 0 when every y is -inf or NaN (the scalar
+   loop `if (y[v] > top) best = v` from top = -inf, whose result this is exactly). */
+static int64_t first_argmax(const float *restrict y, int64_t n) {
+    int64_t v = 0, best = 0;
+    float top = -INFINITY;
+#if defined(__AVX512F__)
+    /* each lane keeps its first maximum (strictly greater replaces); the answer is the smallest index
+       among the lanes holding the overall maximum */
+    if (n < ((int64_t)1 << 31)) {
+        __m512 vt = _mm512_set1_ps(-INFINITY);
+        __m512i vb = _mm512_setzero_si512(), vv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                      12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (; v + 16 <= n; v += 16) {
+            const __m512 x = _mm512_loadu_ps(y + v);
+            const __mmask16 gt = _mm512_cmp_ps_mask(x, vt, _CMP_GT_OQ);
+            vt = _mm512_mask_mov_ps(vt, gt, x);
+            vb = _mm512_mask_mov_epi32(vb, gt, vv);
+            vv = _mm512_add_epi32(vv, step);
+        }
+        top = _mm512_reduce_max_ps(vt);
+        if (top > -INFINITY)
+            best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(vt, _mm512_set1_ps(top), _CMP_EQ_OQ), vb);
+    }
+#endif
+    for (; v < n; v++)
+        if (y[v] > top) { top = y[v]; best = v; }
+    return best;
+}
+
 /* One draw per row of logits (B, V) fp32: z = logits * inv_temp, token = the first argmax of
    z + noise_scale * gumbel (noise_scale 0: greedy), logprob = z[token] - logsumexp(z). Per-row operands
    are strided columns (the engine's row-state tensors). As torch's path it adds the noise to z, not to
@@ -517,11 +573,7 @@ void sample_f32(const float *restrict logits, const float *restrict inv_temp, in
     for (int64_t b = 0; b < B; b++) {
         const float *l = logits + b * V, it = inv_temp[b * ts], sc = noise_scale[b * ns];
         const uint32_t row = row_base(key[b * ks], index[b * is]);
-        float m = -INFINITY;
-        for (int64_t v = 0; v < V; v++) {
-            z[v] = l[v] * it;
-            m = z[v] > m ? z[v] : m;
-        }
+        const float m = scale_max(l, it, z, V);
         const float *y = z;
         if (sc != 0.0f) {  /* the noise in a vectorized pass, the argmax in a scalar one */
             float *w = z + V;
@@ -529,10 +581,7 @@ void sample_f32(const float *restrict logits, const float *restrict inv_temp, in
             for (int64_t v = 0; v < V; v++) w[v] = z[v] + sc * gumbel_one(row, salt[v]);
             y = w;
         }
-        int64_t best = 0;
-        float top = -INFINITY;
-        for (int64_t v = 0; v < V; v++)
-            if (y[v] > top) { top = y[v]; best = v; }
+        const int64_t best = first_argmax(y, V);
         float sum = 0.f;
 #pragma omp simd reduction(+:sum)
         for (int64_t v = 0; v < V; v++) sum += exp_poly(z[v] - m);
