@@ -71,7 +71,9 @@ def test_a_worker_that_cannot_load_its_model_is_one_line(tiny_model, tmp_path, c
     shutil.copytree(tiny_model, model)
     damage(model, how)
     rc, out = run(capsys, "train", f"--run-dir={tmp_path / 'run'}", f"--model.path={model}", *TINY_RUN)
-    assert rc == 2 and len(out.splitlines()) == 2, out  # the run directory line, then the error
+    lines = out.splitlines()  # the start-up lines (run directory, learning rate), then the error
+    assert rc == 2 and lines[-1].startswith("error: ") and "Traceback" not in out, out
+    assert not any(x.startswith("error") for x in lines[:-1]), out
     assert "model.safetensors" in out if how == "corrupt" else "config.json" in out
 
 
