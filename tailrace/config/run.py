@@ -143,7 +143,9 @@ class FlowConfig:
     train_batch: int = setting(128, "B: samples per optimizer step, U = B / G groups")
     steps: int = setting(120, "optimizer steps in the run")
     time_limit_s: float | None = setting(
-        None, "stop issuing steps after this many seconds of training (null = no limit)"
+        None,
+        "end the run with the first step issued after this many seconds of training, checkpointed "
+        "(null = no limit)",
     )
     max_staleness: int = setting(
         1, "off-policy modes: how many versions behind the trainer a trained sample may be"

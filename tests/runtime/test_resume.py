@@ -193,3 +193,18 @@ def test_a_running_run_cannot_be_resumed_alongside(tiny_model, tmp_path, capsys)
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     one_line(p.stdout.read())  # no traceback from the refused resume in the run's own output
+
+
+def test_a_run_ended_by_its_time_limit_checkpoints_its_last_step(capsys, tiny_model, tmp_path):
+    """flow.time_limit_s ends the run at a step boundary, and that last step is saved: a 30-minute
+    run with hourly checkpoints used to lose everything after its last one."""
+    rdir = tmp_path / "run"
+    rc, out = run(
+        capsys, "train", f"--run-dir={rdir}", f"--model.path={tiny_model}", *TINY_RUN,
+        "--flow.steps=50", "--flow.time_limit_s=0.001", "--flow.checkpoint_every=40",
+    )  # fmt: skip
+    assert rc == 0, out
+    steps = [json.loads(x) for x in (rdir / "metrics.jsonl").read_text().splitlines()]
+    done = 1 + max(r["step"] for r in steps if r["kind"] == "step")  # step records count from 0
+    assert 1 <= done < 50
+    assert sorted(p.name for p in (rdir / "checkpoints").glob("step_*")) == [f"step_{done:06d}"]
