@@ -17,59 +17,52 @@ console = Console(highlight=False, soft_wrap=True, markup=False)
 
 
 def _sft_progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    state = {}
+    announce = {}
 
     def on_step(step: int, total: int, loss: float) -> None:
-        if "p" not in state:
+        if not announce:
             console.print("warm start: training the default model from scratch (cached for later runs)")
-            p = Progress(
-                TextColumn("[bold]warm start"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.3f}"),
-                TimeRemainingColumn(),
-                console=console,
-                transient=True,
-            )
-            state["p"], state["t"] = p, p.add_task("sft", total=total, loss=loss)
-            p.start()
-        state["p"].update(state["t"], completed=step + 1, loss=loss)
-        if step + 1 == total:
-            state["p"].stop()
+            announce["bar"] = _progress("warm start", "steps")
+        announce["bar"](step + 1, total, f"loss {loss:.3f}")
 
     return on_step
 
 
 def _eval_progress():
-    """A progress bar with an ETA for a held-out evaluation: on_done(done, total). Where the output is
-    not a terminal (a log file), a plain line at every tenth instead."""
+    return _progress("evaluating", "prompts")
+
+
+def _progress(label: str, unit: str):
+    """on(done, total, note=""): a progress bar with an ETA on a terminal; where the output is not a
+    terminal (a log file), a plain line at every tenth instead ("evaluating: 64/625 prompts, ETA 55 s")."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     state = {}
 
-    def on_done(done: int, total: int) -> None:
+    def on(done: int, total: int, note: str = "") -> None:
         if not console.is_terminal:
             t0 = state.setdefault("t0", time.perf_counter())
             tenth = done * 10 // total
             if tenth > state.get("tenth", 0):
                 state["tenth"] = tenth
                 eta = (time.perf_counter() - t0) * (total - done) / done
-                print(f"evaluating: {done}/{total} prompts, ETA {eta:.0f} s", flush=True)
+                print(
+                    f"{label}: {done}/{total} {unit}, ETA {eta:.0f} s{', ' + note if note else ''}",
+                    flush=True,
+                )
             return
         if "p" not in state:
             p = Progress(
-                TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
+                TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]} ETA"),
                 TimeRemainingColumn(), console=console, transient=True,
             )  # fmt: skip
-            state["p"], state["t"] = p, p.add_task("eval", total=total)
+            state["p"], state["t"] = p, p.add_task(label, total=total, note=note)
             p.start()
-        state["p"].update(state["t"], completed=done)
+        state["p"].update(state["t"], completed=done, note=note)
         if done >= total:
             state.pop("p").stop()
 
-    return on_done
+    return on
 
 
 def load(path: str | Path | None, overrides: list[str]) -> RunConfig:

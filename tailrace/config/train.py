@@ -8,6 +8,7 @@ the CLI checks a name against its registry right after loading (cli/choices.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tailrace.config.fields import need, section, setting
@@ -76,7 +77,14 @@ class TrainerConfig:
         0.0, "AdamW weight decay; it pulls the policy from its warm start regardless of reward"
     )
     grad_clip: float | None = setting(1.0, "max global gradient norm (null = measure only)")
-    micro_batch_tokens: int = setting(8192, "rows x padded length per forward; bounds activation memory")
+    micro_batch_tokens: int | None = setting(
+        None, "rows x padded length per forward (null = as many as train.memory_gb pays for)"
+    )
+    memory_gb: float | None = setting(
+        None,
+        "the trainer's activation budget in GiB: it sets the tokens per forward (null = 30% of the "
+        "memory available at start, after the optimizer state; see trainer/memory.py)",
+    )
     bf16: bool = setting(False, "autocast the forward to bfloat16 (CPU and CUDA); weights keep their dtype")
     temperature: float = setting(1.0, "temperature of the trained logprobs: must equal rollout.temperature")
     loss: LossConfig = section(LossConfig, "the clipped policy-gradient loss")
@@ -103,8 +111,14 @@ class TrainerConfig:
             f"train.grad_clip={self.grad_clip}: must be > 0, or null to turn clipping off",
         )
         need(
-            self.micro_batch_tokens >= 1,
-            f"train.micro_batch_tokens={self.micro_batch_tokens}: must be positive, e.g. 8192",
+            self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+            f"train.micro_batch_tokens={self.micro_batch_tokens}: must be positive, e.g. 4096, or null "
+            "(sized by train.memory_gb)",
+        )
+        need(
+            self.memory_gb is None or (math.isfinite(self.memory_gb) and self.memory_gb > 0),
+            f"train.memory_gb={self.memory_gb}: must be positive GiB, e.g. 4, or null (30% of the memory "
+            "available)",
         )
         need(
             self.temperature > 0,

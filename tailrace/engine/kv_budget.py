@@ -12,13 +12,12 @@ model's max_position_embeddings) shrinks to what fits.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from tailrace.engine.errors import EngineError
+from tailrace.model.device import available_bytes
 
 FREE_FRACTION = 0.4
 GIB = 1 << 30
@@ -85,20 +84,6 @@ def size_pool(
             f"than one request of max_context={asked:,}; raise kv_memory_gb or lower max_context"
         )
     return PoolSize(num_blocks, block_size, block_bytes, max_context, budget, source)
-
-
-def available_bytes(device: torch.device) -> int:
-    """Memory a new allocation can take without swapping or evicting: free device memory on CUDA, the
-    kernel's MemAvailable (free plus reclaimable page cache) on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _bytes(n: int) -> str:

@@ -54,6 +54,7 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
                 False
             )
         trainer = GRPOTrainer(model, spec.cfg, ref_model=ref)
+        print(f"trainer: {trainer.micro.describe()}", flush=True)
         if spec.resume_from:
             load_trainer(trainer, Path(spec.resume_from))
         if spec.publish_start:

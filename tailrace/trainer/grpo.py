@@ -23,11 +23,13 @@ from torch import nn
 
 from tailrace.config import TrainerConfig
 from tailrace.config.train import auto_lr
+from tailrace.model.device import available_bytes
 from tailrace.model.flat import flatten_parameters
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, kl_penalty
+from tailrace.trainer.memory import size_micro_batch
 from tailrace.trainer.optim import build_adamw
 from tailrace.types import Group
 
@@ -75,6 +77,14 @@ class GRPOTrainer:
         self.bounds = Bounds(cfg.loss.tis_cap, cfg.loss.ratio_low, cfg.loss.ratio_high)
         self.advantage = ADVANTAGES[cfg.advantage or self.loss_fn.advantage]  # None: the loss's own
         self.device = self.flat.buffer.device
+        self.micro = size_micro_batch(
+            getattr(model, "config", None),
+            cfg.bf16,
+            self.flat.buffer.numel(),
+            available_bytes(self.device),
+            cfg.memory_gb,
+            cfg.micro_batch_tokens,
+        )
         self.steps = 0
 
     def step(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
@@ -88,7 +98,7 @@ class GRPOTrainer:
         self.model.eval()
         self.opt.zero_grad(set_to_none=True)
         acc = _Sums()
-        micro = batch.micro_batches(self.cfg.micro_batch_tokens)
+        micro = batch.micro_batches(self.micro.tokens)
         for mb in micro:
             self._forward_backward(mb.to(self.device), acc, backward=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -112,7 +122,7 @@ class GRPOTrainer:
         batch = self.make_batch(groups, trainer_version)
         self.model.eval()
         acc = _Sums()
-        micro = batch.micro_batches(self.cfg.micro_batch_tokens)
+        micro = batch.micro_batches(self.micro.tokens)
         for mb in micro:
             self._forward_backward(mb.to(self.device), acc, backward=False)
         return self._metrics(acc, batch, len(micro), math.nan, time.perf_counter() - t0)

@@ -1,0 +1,67 @@
+"""The trainer's micro-batches sized by an activation budget (trainer/memory.py), hand-checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from tailrace.config import TrainerConfig
+from tailrace.model import CausalLM
+from tailrace.model.config import ModelConfig
+from tailrace.trainer.grpo import GRPOTrainer
+from tailrace.trainer.memory import GIB, MAX_TOKENS, MIN_TOKENS, activation_bytes_per_token, size_micro_batch
+
+SMOLLM2 = ModelConfig(
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+)  # fmt: skip
+MIB = 1 << 20
+
+
+def test_per_token_bytes_follow_the_shape_and_cover_the_measured_cost():
+    # 30 layers x (8 x 576 + 4 x 3 x 64 + 4 x 1536) = 345,600 elements; x 5.6 B + 49,152 x 1.2 B, x 1.25
+    assert activation_bytes_per_token(SMOLLM2, bf16=False) == int(1.25 * (345_600 * 5.6 + 49_152 * 1.2))
+    assert activation_bytes_per_token(SMOLLM2, bf16=True) == int(1.25 * (345_600 * 3.8 + 49_152 * 0.5))
+    # measured peaks (the module's docstring): 1.90 MiB a token in fp32, 1.26 in bf16; the margin covers them
+    assert 1.90 * MIB < activation_bytes_per_token(SMOLLM2, False) < 1.3 * 1.90 * MIB
+    assert 1.26 * MIB < activation_bytes_per_token(SMOLLM2, True) < 1.3 * 1.26 * MIB
+
+
+def test_the_budget_sets_the_tokens_within_bounds():
+    per = activation_bytes_per_token(SMOLLM2, bf16=True)
+    m = size_micro_batch(SMOLLM2, True, 135_000_000, available=0, memory_gb=4.0)
+    assert (m.tokens, m.budget) == (4 * GIB // per, 4 * GIB)  # 2,568 tokens
+    assert "2,568 tokens: 4.00 GiB of activations (train.memory_gb)" in m.describe()
+    # by default 30% of what is available once the gradient and AdamW's moments (12 B a parameter) are in
+    m = size_micro_batch(SMOLLM2, True, 135_000_000, available=20 * GIB)
+    assert m.budget == int(0.3 * (20 * GIB - 12 * 135_000_000))
+    assert size_micro_batch(SMOLLM2, True, 135_000_000, available=GIB).tokens == MIN_TOKENS
+    assert size_micro_batch(SMOLLM2, True, 135_000_000, available=1 << 50).tokens == MAX_TOKENS
+    given = size_micro_batch(SMOLLM2, True, 135_000_000, available=0, memory_gb=4.0, tokens=1000)
+    assert (given.tokens, given.budget) == (1000, None)
+
+
+def test_the_trainer_splits_its_batch_by_the_budget():
+    from tests.trainer.test_grpo import make_groups
+
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=0, tie_word_embeddings=True,
+    )  # fmt: skip
+    per = activation_bytes_per_token(cfg, bf16=False)
+    small = GRPOTrainer(CausalLM.from_config(cfg, seed=0), TrainerConfig(memory_gb=MIN_TOKENS * per / GIB))
+    big = GRPOTrainer(CausalLM.from_config(cfg, seed=0), TrainerConfig(memory_gb=1.0))
+    assert (small.micro.tokens, big.micro.tokens) == (MIN_TOKENS, MAX_TOKENS)
+    groups = make_groups(small.model, n_groups=40)
+    n_small = small.step(groups, 0)["micro_batches"]
+    n_big = big.step(groups, 0)["micro_batches"]
+    assert n_big == 1 and n_small > 1
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_bad_budget_is_refused(bad):
+    from tailrace.common import ConfigError
+
+    with pytest.raises(ConfigError, match="train.memory_gb"):
+        TrainerConfig(memory_gb=bad)
