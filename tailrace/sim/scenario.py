@@ -25,6 +25,7 @@ from tailrace.config.fields import section, setting
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.flow.shaping import make_shaping
+from tailrace.records import StepRecord, read_metrics
 from tailrace.sim.cluster import SimCluster
 from tailrace.sim.costs import CostModel
 from tailrace.sim.engine import TOKEN, SimEngine
@@ -246,6 +247,16 @@ def calibration(name: str = "cpu") -> dict:
     return json.loads(path.read_text()).get("extra", {}) if path.is_file() else {}
 
 
+def _recorded_micro_batch(run_dir: Path) -> int:
+    """The micro-batch tokens the run's trainer sized from its memory budget (its step records say), or
+    8,192 (the fixed size of runs from before budgets)."""
+    path = run_dir / "metrics.jsonl"
+    for r in read_metrics(path) if path.is_file() else ():
+        if isinstance(r, StepRecord) and r.train.get("micro_batch_tokens"):
+            return int(r.train["micro_batch_tokens"])
+    return 8192
+
+
 def scenario_from_run(run_dir: str | Path) -> Scenario:
     """The scenario of a real tailrace run: its flow and rollout settings, its model's shape on the cpu
     preset of its engine's dtype ("cpu" for fp32, "cpu-bf16" for bf16; the trainer is costed by the same
@@ -284,7 +295,7 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
         engines=r.engines,
         recompute_logprobs=False,
         checkpoint_s=ckpt,
-        micro_batch_tokens=cfg.train.micro_batch_tokens,
+        micro_batch_tokens=cfg.train.micro_batch_tokens or _recorded_micro_batch(run_dir),
         slots=r.slots,
         lookahead=r.lookahead,
     )

@@ -220,6 +220,7 @@ class GRPOTrainer:
             "sequences": batch.num_seqs,
             "adv_mean": float(batch.seq_adv.mean()),
             "micro_batches": n_micro,
+            "micro_batch_tokens": self.micro.tokens,
             "skipped": int(skipped),  # 1: no group had a reward signal, so no forward/backward ran
             "lr": self.opt.param_groups[0]["lr"],
             "time_s": dt,
