@@ -1,6 +1,5 @@
-"""The few things every layer may use: the two kinds of error a command ends in, the per-machine
-cache directory, and the memory the machine has free. No dependencies, so the engine, the simulator,
-the config and the CLI all import it."""
+"""The few things every layer may use: the two kinds of error a command ends in, and the per-machine
+cache directory. No dependencies, so the engine, the simulator, the config and the CLI all import it."""
 
 from __future__ import annotations
 
@@ -32,15 +31,3 @@ def cache_root() -> Path:
     """Where tailrace keeps what it builds once per machine (the warm-started model, the C kernels,
     calibrated simulator presets): $TAILRACE_CACHE, default ~/.cache/tailrace."""
     return Path(os.environ.get("TAILRACE_CACHE", Path.home() / ".cache" / "tailrace"))
-
-
-def host_available_bytes() -> int:
-    """Memory a new allocation can take without swapping or evicting: the kernel's MemAvailable (free
-    plus reclaimable page cache), or free physical pages where there is no /proc/meminfo."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

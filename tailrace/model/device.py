@@ -3,9 +3,10 @@ trainer's micro-batches)."""
 
 from __future__ import annotations
 
-import torch
+import os
+from pathlib import Path
 
-from tailrace.common import host_available_bytes
+import torch
 
 
 def available_bytes(device: torch.device) -> int:
@@ -13,4 +14,10 @@ def available_bytes(device: torch.device) -> int:
     kernel's MemAvailable (free plus reclaimable page cache) on CPU."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return host_available_bytes()
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

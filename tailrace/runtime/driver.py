@@ -97,7 +97,6 @@ class Driver:
         self.cadence = checkpoint.Cadence.of(
             f.checkpoint_every, f.checkpoint_minutes, 12 * self.layout.buffer.numel()
         )
-        self._time_up = False  # flow.time_limit_s has passed: the next step issued is the last
         self.workers = Workers(cfg.worker_timeout_s, run.file("errors.log"), recover=cfg.max_restarts > 0)
         self.recovery = Recovery(cfg.max_restarts)
         self.orders = TrainOrders()
@@ -178,10 +177,7 @@ class Driver:
         self._cpu_mark = time.process_time()
         if self.ui is not None:
             self.ui.begin(self.sched.steps_done, self.cfg.flow.steps, base)
-        limit = self.cfg.flow.time_limit_s
         while not self.sched.done:
-            if limit is not None and self._now() > limit:
-                self._time_up = True  # the run ends with the next step issued, checkpointed
             self._handle(self.sched.poll(self._now()))
             self._pump(timeout=1.0)
         self._handle(self.sched.poll(self._now()), sync=True)
@@ -271,7 +267,8 @@ class Driver:
     def _send_train(self, c: Train) -> None:
         steps, now = c.step + 1, self._now()
         save = None
-        if self._time_up:  # past flow.time_limit_s: no step after this one, and this one is kept
+        limit = self.cfg.flow.time_limit_s
+        if limit is not None and now > limit:  # the first step issued past the limit is the last, kept
             self.sched.stop()
         last = steps == self.sched.spec.total_steps
         if (c.publish is not None and self.cadence.due(steps, now)) or last:

@@ -119,10 +119,9 @@ def supervise(argv: list[str], run_dir: Path, max_restarts: int, say: Callable[[
                 f"{max_restarts} within the hour)"
             )
             gone = DriverLost(lost.cause, lost.line, time.time(), _steps_recorded(run_dir), n)
-            if prev is not None and _driver_recoveries(run_dir) == seen:  # the last one died before it
-                steps = max(
-                    prev.steps_recorded, gone.steps_recorded
-                )  # was up: one outage, from the first loss
+            if prev is not None and _driver_recoveries(run_dir) == seen:
+                # the last resumed driver died before it was up: one outage, from the first loss
+                steps = max(prev.steps_recorded, gone.steps_recorded)
                 gone = replace(gone, t_lost=prev.t_lost, steps_recorded=steps)
             prev, seen = gone, _driver_recoveries(run_dir)
             argv = ["--resume", str(run_dir)]

@@ -26,7 +26,7 @@ from tailrace.model.config import ModelConfig
 ACTIVATION_FRACTION = 0.3  # of the memory available at start (the engines' KV takes up to 0.4 of it)
 MIN_TOKENS, MAX_TOKENS = 256, 8192  # at most the fixed size of before: the built-in model is unchanged
 MARGIN = 1.25
-UNSIZED_TOKENS = 8192  # for a model without a ModelConfig
+UNSIZED_TOKENS = MAX_TOKENS  # for a model without a ModelConfig
 _LAYER_BYTES = {False: 5.6, True: 3.8}  # by train.bf16 (autocast keeps bf16 copies of GEMM inputs)
 _VOCAB_BYTES = {False: 1.2, True: 0.5}
 GIB = 1 << 30
