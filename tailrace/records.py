@@ -114,6 +114,7 @@ class Opened:
     prompt: Prompt
     candidates: int = 0  # samples shaping planned for the prompt (0 = the group size)
     early_stop: bool = False  # shaping stops the group at its first group-size finishers
+    tail: bool = False  # the prompt came from shaping's tail queue (tailbatch), not the stream
     kind = "open"
 
     def to_json(self) -> dict:
@@ -121,7 +122,7 @@ class Opened:
             "kind": self.kind, "group": self.group, "version": self.version,
             "prompts_taken": self.prompts_taken, "requeued": self.requeued,
             "prompt": prompt_to_json(self.prompt), "candidates": self.candidates,
-            "early_stop": self.early_stop,
+            "early_stop": self.early_stop, "tail": self.tail,
         }  # fmt: skip
 
 
@@ -162,7 +163,19 @@ class Dropped:
         return {"kind": self.kind, "group": self.group, "reason": self.reason}
 
 
-JournalEntry = Opened | Finished | Discarded | Dropped
+@dataclass(frozen=True)
+class Deferred:
+    """Shaping gave an open (or just completed) group up (tailbatch: it missed its round's cut); its
+    prompt joins the tail queue, its samples are discarded (reason `shaping`) once none is in flight."""
+
+    group: int
+    kind = "defer"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "group": self.group}
+
+
+JournalEntry = Opened | Finished | Discarded | Dropped | Deferred
 
 
 def journal_from_json(d: dict) -> JournalEntry:
@@ -172,7 +185,7 @@ def journal_from_json(d: dict) -> JournalEntry:
     if kind == "open":
         return Opened(
             d["group"], d["version"], d["prompts_taken"], d["requeued"], prompt_from_json(d["prompt"]),
-            d.get("candidates", 0), d.get("early_stop", False),
+            d.get("candidates", 0), d.get("early_stop", False), d.get("tail", False),
         )  # fmt: skip
     if kind == "done":
         return Finished(trajectory_from_json(d, ()))
@@ -180,6 +193,8 @@ def journal_from_json(d: dict) -> JournalEntry:
         return Discarded(d["group"], d["index"], d["reason"])
     if kind == "drop":
         return Dropped(d["group"], d["reason"])
+    if kind == "defer":
+        return Deferred(d["group"])
     raise ValueError(f"unknown journal entry kind {kind!r}")
 
 

@@ -53,10 +53,16 @@ def _walk(cfg: Any, prefix: str, table: Registries) -> None:
 
 
 def check(cfg: RunConfig) -> None:
-    """Every name in its registry, and the flow settings ones the chosen policy accepts."""
+    """Every name in its registry, the shaping one the mode supports, and the flow settings ones the
+    chosen policy accepts."""
     from tailrace.flow.policies import make_policy
+    from tailrace.flow.shaping import check_mode
 
     check_names(cfg)
+    try:
+        check_mode(cfg.shaping.name, cfg.flow.mode)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     options = {k: v for k, v in dataclasses.asdict(cfg.flow).items() if k != "mode"}
     try:
         make_policy(cfg.flow.mode, **options)

@@ -11,8 +11,9 @@ from tailrace.config.fields import need, setting
 class ShapingConfig:
     name: str = setting(
         "none",
-        "none (every sample trained) or darts (extra candidates for the prompts whose lengths spread widest, train the "
-        "shortest + the longest): a shaping of flow/shaping",
+        "none (every sample trained), darts (extra candidates for the prompts whose lengths spread widest, train the "
+        "shortest + the longest) or tailbatch (sync only: rounds of eta x R prompts keep the first R to complete, "
+        "the slow ones rerun together in a tail round): a shaping of flow/shaping",
     )
     extra: float = setting(
         0.5, "darts: extra candidates per round, a fraction of R x G, to the prompts of widest length spread"
@@ -22,6 +23,13 @@ class ShapingConfig:
         0.1, "darts: fraction of a round's prompts (the widest spread) that keep their first G finishers"
     )
     ema: float = setting(0.5, "darts: weight of a prompt's newest group in its length statistics")
+    eta: float = setting(
+        1.25, "tailbatch: prompts a short round opens, x flow.prompts_per_round (keeps the first R)"
+    )
+    eta_responses: float = setting(
+        1.25,
+        "tailbatch: candidates per prompt in a short round, x flow.samples_per_prompt (keeps the first M)",
+    )
 
     def __post_init__(self) -> None:
         need(
@@ -30,7 +38,15 @@ class ShapingConfig:
         need(self.longest >= 0, f"shaping.longest={self.longest}: must be >= 0")
         need(0 <= self.early_stop <= 1, f"shaping.early_stop={self.early_stop}: must lie in [0, 1]")
         need(0 < self.ema <= 1, f"shaping.ema={self.ema}: must lie in (0, 1]")
+        need(1 <= self.eta <= 2, f"shaping.eta={self.eta}: must lie in [1, 2] (1 = no extra prompts)")
+        need(
+            1 <= self.eta_responses <= 2,
+            f"shaping.eta_responses={self.eta_responses}: must lie in [1, 2] (1 = no extra candidates)",
+        )
 
     def options(self) -> dict:
         """The options of `flow.shaping.make_shaping` (all but the name)."""
-        return {"extra": self.extra, "longest": self.longest, "early_stop": self.early_stop, "ema": self.ema}
+        return {
+            "extra": self.extra, "longest": self.longest, "early_stop": self.early_stop, "ema": self.ema,
+            "eta": self.eta, "eta_responses": self.eta_responses,
+        }  # fmt: skip

@@ -16,7 +16,8 @@ request answers).
 
 A policy (flow/policies/) reads the core's read-only view (`open`, `ready`, `in_training`,
 `queued`, `engines`, `spec`, `newest`, `trainer_version`, ...) and calls its actions: `open_group`,
-`dispatch`, `resume`, `abort`, `discard_partial`, `drop_group`, `train`, `load`, `drop`, `mark`. The
+`dispatch`, `resume`, `abort`, `discard_partial`, `drop_group`, `defer_group`, `train`, `load`,
+`drop`, `mark`. The
 core checks, at every train step, the invariants a policy declares (staleness bound, one version
 per trajectory), and the ledger identity every poll. Checkpoints and journal replay: see `state.py`.
 """
@@ -34,7 +35,7 @@ from tailrace.flow.ledger import Ledger
 from tailrace.flow.shaping import Plan, Shaping
 from tailrace.flow.state import SchedulerState
 from tailrace.flow.store import GroupState, Store
-from tailrace.records import Discarded, Dropped, Finished, JournalEntry, Mark, Opened
+from tailrace.records import Deferred, Discarded, Dropped, Finished, JournalEntry, Mark, Opened
 from tailrace.types import Finish, GenRequest, GenResult, Group, Prompt, SamplingParams, Scored, Trajectory
 
 
@@ -116,7 +117,7 @@ class Scheduler(SchedulerState):
         self.steps_issued = 0
         self.steps_done = 0
         self.groups_opened = 0
-        self.groups_done: Counter = Counter()  # complete groups; of them, with all rewards equal
+        self.groups_done: Counter = Counter()  # complete groups; with all rewards equal; deferred by shaping
         self.groups_dropped: Counter = Counter()  # reason -> complete groups that left untrained
         self._aborting: set[str] = set()  # aborts sent whose partials have not come back yet
         self.staleness: Counter = Counter()  # (trainer version - oldest token version) of trained samples
@@ -305,11 +306,14 @@ class Scheduler(SchedulerState):
         prompt, plan = self._next_prompt()
         g = GroupState(
             self.groups_opened, prompt, version, self.spec.samples_per_prompt, opened=self.now,
-            candidates=plan.candidates, early_stop=plan.early_stop,
+            candidates=plan.candidates, early_stop=plan.early_stop, tail=plan.tail,
         )  # fmt: skip
         self.groups_opened += 1
         self._store.add_group(g)
-        self._log(Opened(g.id, version, self.prompts_taken, requeued, prompt, g.candidates, g.early_stop))
+        self._log(
+            Opened(g.id, version, self.prompts_taken, requeued and not plan.tail, prompt, g.candidates,
+                   g.early_stop, plan.tail)
+        )  # fmt: skip
         return g
 
     def dispatch(
@@ -371,6 +375,24 @@ class Scheduler(SchedulerState):
         self._log(Dropped(gid, reason))
         self.mark("group_dropped", group=gid, reason=reason)
 
+    def defer_group(self, gid: int) -> None:
+        """Shaping gives an open or ready group up (tailbatch: it missed its round's cut): its prompt
+        waits in shaping's queue for a later round; its candidates not yet dispatched are never
+        dispatched, those in flight are aborted, and its samples are discarded (reason `shaping`)
+        once none is in flight."""
+        g = self._store.open.get(gid) or self._store.ready.get(gid)
+        if g is None or g.deferred:
+            raise InvariantError(f"defer of group {gid}, which is neither open nor ready (or deferred)")
+        if gid in self._store.ready:  # complete already: back to open, to leave like the others
+            del self._store.ready[gid]
+            self._store.add_group(g)
+        g.deferred = True
+        self.groups_done["deferred"] += 1
+        self.shaping.defer(g.prompt)
+        self._log(Deferred(gid))
+        self.mark("group_deferred", group=gid, prompt=g.prompt.id)
+        self._maybe_ready(g)
+
     def train(self, gids: list[int], publish: bool) -> int:
         step = self.steps_issued
         groups = self._store.take(gids, step)
@@ -409,8 +431,12 @@ class Scheduler(SchedulerState):
 
     # ------------------------------------------------------------------ internals
     def _next_prompt(self) -> tuple[Prompt, Plan]:
-        """The next prompt to open and its shaping plan: a requeued prompt first (planned as the
-        group size), else the next of the planned window, taking a fresh window from the stream."""
+        """The next prompt to open and its shaping plan: one of shaping's own (a tail round's) first,
+        then a requeued prompt (planned as the group size), else the next of the planned window,
+        taking a fresh window from the stream."""
+        own = self.shaping.next_prompt(self.spec.samples_per_prompt)
+        if own is not None:
+            return own
         if self._requeued:
             return self._requeued.pop(0), Plan(self.spec.samples_per_prompt)
         if not self._upcoming:
@@ -455,14 +481,23 @@ class Scheduler(SchedulerState):
 
     def _maybe_ready(self, g: GroupState, cut: bool = True) -> None:
         """Hand a complete group to the store's ready queue, after shaping's selection; first, when
-        shaping has what it needs (`cut`), its other candidates stop: never dispatched, or aborted."""
-        if cut and g.id in self._store.open and (g.todo or g.in_flight) and self.shaping.enough(g):
+        shaping has what it needs or gave the group up (`cut`), its other candidates stop: never
+        dispatched, or aborted. A deferred group, once drained, leaves with its samples discarded."""
+        if g.id not in self._store.open:
+            return
+        if cut and (g.todo or g.in_flight) and (g.deferred or self.shaping.enough(g)):
             g.todo.clear()  # shaping has what it needs: the other candidates stop
-            ids = {str(k) for k in g.in_flight}
+            ids = {str(k) for k in g.in_flight} - self._cut
             self._cut |= ids
             for e in self.engines:
                 self.abort(e.id, sorted(ids & e.in_flight.keys()), "shaping")
-        if g.id in self._store.open and not g.todo and not g.in_flight:
+        if g.deferred and not g.todo and not g.in_flight:
+            self._store.remove_open(g.id)
+            if g.done:
+                self.ledger.on_discarded("shaping", len(g.done))
+            self.shaping_tokens += sum(t.length for t in g.done)
+            return
+        if not g.todo and not g.in_flight:
             self.shaping.observe(g)
             kept, rest = self.shaping.select(g)
             if rest:

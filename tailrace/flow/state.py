@@ -21,6 +21,7 @@ from tailrace.flow.ledger import Ledger
 from tailrace.flow.shaping import Plan
 from tailrace.flow.store import GroupState
 from tailrace.records import (
+    Deferred,
     Discarded,
     Dropped,
     Finished,
@@ -82,16 +83,24 @@ class SchedulerState:
         last = {_group_of(e): i for i, e in enumerate(entries) if isinstance(e, (Finished, Discarded))}
         for i, e in enumerate(entries):
             if isinstance(e, Opened):
-                self._next_prompt()  # the plan is the journal's (stats may differ after lost weights)
+                if e.tail:  # from shaping's tail queue, as the journal says (not the stream)
+                    self.shaping.claim(e.prompt)
+                else:  # the plan is the journal's (stats may differ after lost weights)
+                    self._next_prompt()
                 store.add_group(
                     GroupState(
                         e.group, e.prompt, e.version, self.spec.samples_per_prompt, self.now,
-                        candidates=e.candidates, early_stop=e.early_stop,
+                        candidates=e.candidates, early_stop=e.early_stop, tail=e.tail,
                     )
                 )  # fmt: skip
                 self.prompts_taken, self.groups_opened = e.prompts_taken, e.group + 1
             elif isinstance(e, Finished):
-                g = store.open[e.trajectory.group]
+                g = store.open.get(e.trajectory.group)
+                if g is None:  # finished after shaping cut its group, which the checkpoint's load closed
+                    self.ledger.on_produced()
+                    self.ledger.on_discarded("shaping")
+                    self.journal_seq += 1
+                    continue
                 t = replace(e.trajectory, prompt_ids=g.prompt.token_ids)  # the journal keeps them once
                 g.todo.remove(t.sample_index)
                 self.ledger.on_produced()
@@ -113,6 +122,13 @@ class SchedulerState:
                 self.ledger.on_discarded(e.reason)
                 if g is not None:
                     self._maybe_ready(g, cut=last[g.id] == i)
+            elif isinstance(e, Deferred):  # drains at its last entry, or at the end (below)
+                if e.group in store.ready:
+                    store.add_group(store.ready.pop(e.group))
+                g = store.open[e.group]
+                g.deferred = True
+                self.groups_done["deferred"] += 1
+                self.shaping.defer(g.prompt)
             elif isinstance(e, Dropped):
                 if e.group in store.ready:  # else its samples were lost with their weights (above)
                     self.ledger.on_discarded(e.reason, len(store.drop(e.group).done))
@@ -124,7 +140,8 @@ class SchedulerState:
             if g.version > self.done_version:
                 assert not g.done and not g.in_flight
                 del store.open[g.id]
-                self._requeued.append(g.prompt)
+                if not g.deferred:  # a deferred group's prompt is in shaping's queue already
+                    self._requeued.append(g.prompt)
         for g in list(store.open.values()):  # cut while samples were in flight that never came back
             self._maybe_ready(g)
 

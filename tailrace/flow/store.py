@@ -32,6 +32,8 @@ class GroupState:
     completed_at: float | None = None
     candidates: int = 0  # samples generated for the prompt (shaping may ask for more than size; 0 = size)
     early_stop: bool = False  # shaping stops the group at its first `size` non-truncated finishers
+    tail: bool = False  # a deferred prompt generated again in a tail round (shaping.name=tailbatch)
+    deferred: bool = False  # shaping gave the group up: it drains, its samples are discarded
 
     def __post_init__(self) -> None:
         self.candidates = self.candidates or self.size
@@ -51,7 +53,7 @@ class GroupState:
             "size": self.size, "opened": self.opened, "dispatched": self.dispatched - len(back),
             "discarded": self.discarded, "todo": sorted(self.todo + back),
             "done": [trajectory_to_json(t) for t in self.done], "candidates": self.candidates,
-            "early_stop": self.early_stop,
+            "early_stop": self.early_stop, "tail": self.tail, "deferred": self.deferred,
         }  # fmt: skip
 
     @classmethod
@@ -62,6 +64,7 @@ class GroupState:
             dispatched=d["dispatched"], discarded=d["discarded"], todo=list(d["todo"]),
             done=[trajectory_from_json(t, prompt.token_ids) for t in d["done"]],
             candidates=d.get("candidates", 0), early_stop=d.get("early_stop", False),
+            tail=d.get("tail", False), deferred=d.get("deferred", False),
         )  # fmt: skip
 
 
@@ -84,6 +87,10 @@ class Store:
     def drop(self, gid: int) -> GroupState:
         """A ready group leaves without being trained."""
         return self.ready.pop(gid)
+
+    def remove_open(self, gid: int) -> GroupState:
+        """An open group leaves without being trained (deferred by shaping, once drained)."""
+        return self.open.pop(gid)
 
     def take(self, gids: list[int], step: int) -> list[GroupState]:
         groups = [self.ready.pop(gid) for gid in gids]

@@ -24,7 +24,7 @@ from tailrace.config import ConfigError, FlowConfig, ShapingConfig, load_config
 from tailrace.config.fields import section, setting
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
-from tailrace.flow.shaping import make_shaping
+from tailrace.flow.shaping import check_mode, make_shaping
 from tailrace.records import StepRecord, read_metrics
 from tailrace.sim.cluster import SimCluster
 from tailrace.sim.costs import CostModel
@@ -200,6 +200,7 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
         lengths = make_lengths(scn.lengths, scn.seed)
         options = {k: v for k, v in dataclasses.asdict(f).items() if k != "mode"} | scn.policy_options
         policy = make_policy(f.mode, **options)
+        check_mode(scn.shaping.name, f.mode)
         shaping = make_shaping(scn.shaping.name, window=f.prompts_per_round, **scn.shaping.options())
     except (TypeError, ValueError, FileNotFoundError) as e:
         raise ConfigError(f"scenario {scn.name}: {e}") from None

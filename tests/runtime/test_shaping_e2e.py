@@ -33,3 +33,31 @@ def test_darts_trains_whole_groups_and_accounts_every_extra_candidate(tiny_model
     assert last["trained"] == 32 and last["discarded"].get("shaping", 0) > 0
     assert last["produced"] == last["trained"] + sum(last["discarded"].values()) + last["in_store"]
     assert last["shaping_tokens"] > 0 and steps[0]["ledger"]["generated"]["n"] > 16
+
+
+def test_tail_batching_defers_the_slowest_prompts_to_a_tail_round(tiny_model, tmp_path):
+    """R = 4 prompts a round (one step each), eta 1.5: short rounds open 6 and keep the first 4 to
+    complete; after two of them the 4 deferred prompts run as the third round, a tail round."""
+    run = tmp_path / "run"
+    argv = [
+        "train",
+        f"--run-dir={run}",
+        f"--model.path={tiny_model}",
+        *TINY_RUN,
+        "--flow.steps=3",
+        "--eval.n=4",
+    ]
+    assert main([*argv, "--shaping.name=tailbatch", "--shaping.eta=1.5"]) == 0
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    rounds = [(e["tail"], len(e["groups"])) for e in events if e.get("kind") == "round_start"]
+    assert rounds == [(False, 6), (False, 6), (True, 4)]
+    deferred = [e["prompt"] for e in events if e.get("kind") == "group_deferred"]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["kind"] == "step"]
+    assert [s["samples"] for s in steps] == [16, 16, 16]
+    last = steps[-1]["ledger"]
+    assert last["trained"] == 48 and last["discarded"].get("shaping", 0) > 0
+    assert last["produced"] == last["trained"] + sum(last["discarded"].values()) + last["in_store"]
+    journal = [json.loads(line) for line in (run / "journal.jsonl").read_text().splitlines()]
+    tail_prompts = [j["prompt"]["id"] for j in journal if j["kind"] == "open" and j.get("tail")]
+    assert sorted(tail_prompts) == sorted(deferred) and len(deferred) == 4

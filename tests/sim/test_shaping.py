@@ -1,12 +1,15 @@
 """Shaping in the simulator: every shaping on every overlap mode finishes its steps with the ledger
 whole (the core checks it at every poll), and `tailrace sim` prints the shaping's per-step figures."""
 
+import json
 from pathlib import Path
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tailrace.cli.sim import shaping_lines
+from tailrace.common import ConfigError
 from tailrace.flow.policies import POLICIES
 from tailrace.flow.shaping import SHAPINGS
 from tailrace.sim.scenario import load_scenario, simulate
@@ -28,6 +31,7 @@ SMALL = [
     early_stop=st.sampled_from([0.0, 0.5]),
 )
 def test_every_shaping_on_every_mode_finishes_with_the_ledger_whole(mode, shaping, seed, extra, early_stop):
+    assume(SHAPINGS[shaping].modes is None or mode in SHAPINGS[shaping].modes)
     scn = load_scenario(
         None,
         SMALL + [f"--flow.mode={mode}", f"--shaping.name={shaping}", f"--seed={seed}",
@@ -52,3 +56,20 @@ def test_sim_prints_generated_and_trained_lengths_per_step(tmp_path):
     rows = [line.split() for line in lines[1:]]
     assert [int(r[0]) for r in rows] == [0, 1, 2]
     assert all(int(r[7]) > 0 and int(r[8]) > 0 for r in rows)  # extra tokens, shaping discards
+
+
+def test_a_shaping_on_a_mode_it_does_not_support_is_refused():
+    scn = load_scenario(None, SMALL + ["--flow.mode=pipe", "--shaping.name=tailbatch"])
+    with pytest.raises(ConfigError, match="tailbatch works with flow.mode=sync"):
+        simulate(scn)
+
+
+def test_tail_batching_in_the_sim_defers_and_runs_tail_rounds(tmp_path):
+    scn = load_scenario(EXAMPLE, ["--shaping.name=tailbatch", "--flow.steps=24", "--journal=false"])
+    s = simulate(scn, tmp_path)
+    assert s["steps"] == 24 and s["ledger"]["discarded"]["shaping"] > 0
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    rounds = [(e["tail"], len(e["groups"])) for e in events if e.get("kind") == "round_start"]
+    # 16 prompts a round: short rounds open 20 and keep 16; the deferred 4 a round make a tail round
+    # of 16 after every four short ones (RollPacker's cadence)
+    assert rounds[:5] == [(False, 20)] * 4 + [(True, 16)]

@@ -4,7 +4,10 @@ Strictly on-policy.
 The whole round is handed to the engines at once (they queue what their slots cannot take), so a
 fixed seed gives the same engine schedule, and the same metrics, run after run. For the same reason
 zero-signal groups are replaced in waves: once a round is complete, its zero-signal groups (slot
-order, within the round's allowance) are dropped and a wave of fresh prompts is handed over."""
+order, within the round's allowance) are dropped and a wave of fresh prompts is handed over.
+A round-based shaping (tailbatch) may open more groups than R and keep the first R to complete: the
+moment R are complete, the others are deferred (their prompts go to shaping's tail queue), and a tail
+round on deferred prompts is waited for in full."""
 
 from __future__ import annotations
 
@@ -27,23 +30,42 @@ class SyncPolicy(Policy):
     def decide(self, core: Scheduler) -> None:
         R, U = core.spec.groups_per_round, core.spec.groups_per_step
         if not self.round:  # after a resume, the groups of the interrupted round are already there
-            self.round, self.extra = sorted(list(core.open) + list(core.ready))[:R], 0
+            live = [g for g in core.open if not core.open[g].deferred] + list(core.ready)
+            self.round, self.extra = sorted(live), 0
         if not self.round:
             self._start_round(core)
             return
-        groups = [core.open[g] for g in self.round if g in core.open]
+        self._cut(core, core.shaping.round_keep(R))
+        groups = self._generating(core)
         if not groups:  # the round is complete: its zero-signal groups go, a wave replaces them
             self.extra += self.replace_zero_signal(
                 core, self.round, self.allowance(core, R // U) - self.extra
             )
-            groups = [core.open[g] for g in self.round if g in core.open]
+            groups = self._generating(core)
         if groups:
             self.hand_over(core, groups)
             return
-        for i in range(0, len(self.round), U):
-            chunk = self.round[i : i + U]
-            core.train(chunk, publish=i + U >= len(self.round))
+        kept = [g for g in self.round if g in core.ready]
+        for i in range(0, len(kept), U):
+            core.train(kept[i : i + U], publish=i + U >= len(kept))
         self.round = []
+
+    def _generating(self, core: Scheduler) -> list:
+        return [core.open[g] for g in self.round if g in core.open and not core.open[g].deferred]
+
+    def _cut(self, core: Scheduler, keep: int | None) -> None:
+        """Once `keep` groups of a (non-tail) round are complete, defer the rest: the groups still
+        generating, and any completed in the same poll after the first `keep`."""
+        live = [core.open.get(g) or core.ready.get(g) for g in self.round]
+        if keep is None or any(g.tail for g in live if g is not None):
+            return
+        ready = sorted(
+            (g for g in self.round if g in core.ready), key=lambda g: (core.ready[g].completed_at, g)
+        )
+        if len(ready) < keep:
+            return
+        for g in [g.id for g in self._generating(core)] + ready[keep:]:
+            core.defer_group(g)
 
     def _start_round(self, core: Scheduler) -> None:
         v = core.trainer_version
@@ -51,6 +73,8 @@ class SyncPolicy(Policy):
             return  # still training, or the new weights are not out yet
         if not self.sync_engines(core, v):
             return
-        self.round = [core.open_group(v).id for _ in range(core.spec.groups_per_round)]
-        core.mark("round_start", version=v, groups=list(self.round))
+        n = core.shaping.round_open(core.spec.groups_per_round)
+        self.round = [core.open_group(v).id for _ in range(n)]
+        tail = any(core.open[g].tail for g in self.round)
+        core.mark("round_start", version=v, groups=list(self.round), tail=tail)
         self.hand_over(core, [core.open[g] for g in self.round])

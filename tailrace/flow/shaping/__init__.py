@@ -3,8 +3,9 @@ mode (flow.mode). Each shaping is a small class the scheduler core consults (bas
 
 from tailrace.flow.shaping.base import Plan, Shaping
 from tailrace.flow.shaping.darts import Darts
+from tailrace.flow.shaping.tailbatch import TailBatch
 
-SHAPINGS: dict[str, type[Shaping]] = {"none": Shaping, "darts": Darts}
+SHAPINGS: dict[str, type[Shaping]] = {"none": Shaping, "darts": Darts, "tailbatch": TailBatch}
 
 
 def make_shaping(name: str = "none", **options) -> Shaping:
@@ -14,4 +15,14 @@ def make_shaping(name: str = "none", **options) -> Shaping:
     return SHAPINGS[name].from_options(**options)
 
 
-__all__ = ["SHAPINGS", "Plan", "Shaping", "make_shaping"]
+def check_mode(name: str, mode: str) -> None:
+    """Reject a shaping on an overlap mode it does not support (tailbatch cuts sync's rounds)."""
+    modes = SHAPINGS[name].modes if name in SHAPINGS else None
+    if modes is not None and mode not in modes:
+        raise ValueError(
+            f"shaping.name={name} works with flow.mode={' or '.join(modes)} (its rounds), not {mode}: "
+            f"set --flow.mode={modes[0]}, or use shaping.name=darts, which works with every mode"
+        )
+
+
+__all__ = ["SHAPINGS", "Plan", "Shaping", "check_mode", "make_shaping"]

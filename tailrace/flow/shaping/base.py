@@ -9,6 +9,15 @@ consults the run's shaping at the same points whatever policy decides the rest.
     observe(group)          a complete group's lengths, before selection (per-prompt statistics)
     state_dict / load_state_dict   what a resume needs (the statistics)
 
+Round-based shapings (tailbatch) also size the rounds of round-based modes (sync) and keep prompts of
+their own:
+
+    round_open(R)           groups the next round opens (R; tailbatch: more, or a tail round of R)
+    round_keep(R)           complete groups a round trains (None: every group; the rest are deferred)
+    next_prompt(m)          a prompt of shaping's own (a tail round's), before the stream's, or None
+    defer(prompt)           a deferred group's prompt, for a later round
+    claim(prompt)           journal replay: the prompt a tail group was opened on leaves the queue
+
 `Shaping` itself (shaping.name=none) is the identity: M candidates, no early stop, every sample trained.
 """
 
@@ -27,11 +36,13 @@ if TYPE_CHECKING:
 class Plan:
     candidates: int  # samples generated for the prompt (>= the group size)
     early_stop: bool = False  # the group stops at its first group-size non-truncated finishers
+    tail: bool = False  # a deferred prompt generated again in a tail round
 
 
 class Shaping:
     name = "none"
     window = 1
+    modes: tuple[str, ...] | None = None  # the overlap modes it works with (None: every one)
 
     @classmethod
     def from_options(cls, **options) -> Shaping:
@@ -49,6 +60,21 @@ class Shaping:
 
     def observe(self, g: GroupState) -> None:
         pass
+
+    def round_open(self, r: int) -> int:
+        return r
+
+    def round_keep(self, r: int) -> int | None:
+        return None
+
+    def next_prompt(self, m: int) -> tuple[Prompt, Plan] | None:
+        return None
+
+    def defer(self, prompt: Prompt) -> None:
+        raise NotImplementedError(f"shaping {self.name} defers no group")
+
+    def claim(self, prompt: Prompt) -> None:
+        raise NotImplementedError(f"shaping {self.name} keeps no prompts")
 
     def state_dict(self) -> dict:
         return {}
