@@ -49,6 +49,7 @@ MODES = [
     ("partial", {"flow.max_staleness": 1}),
     ("multiversion", {"flow.max_staleness": 1}),
     ("multiversion", {"flow.max_staleness": 2}),
+    ("multiversion", {"flow.max_staleness": 4}),
 ]
 CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", "multiversion": "behaviour"}
 
