@@ -13,7 +13,8 @@ class ShapingConfig:
         "none",
         "none (every sample trained), darts (extra candidates for the prompts whose lengths spread widest, train the "
         "shortest + the longest) or tailbatch (sync only: rounds of eta x R prompts keep the first R to complete, "
-        "the slow ones rerun together in a tail round): a shaping of flow/shaping",
+        "the slow ones rerun together in a tail round) or april (sync only: rounds of `over` x R prompts train the "
+        "first R to complete and carry the rest, partials resumed under the new weights): a shaping of flow/shaping",
     )
     extra: float = setting(
         0.5, "darts: extra candidates per round, a fraction of R x G, to the prompts of widest length spread"
@@ -25,6 +26,10 @@ class ShapingConfig:
     ema: float = setting(0.5, "darts: weight of a prompt's newest group in its length statistics")
     eta: float = setting(
         1.25, "tailbatch: prompts a short round opens, x flow.prompts_per_round (keeps the first R)"
+    )
+    over: float = setting(
+        2.0,
+        "april: prompts a round keeps going, x flow.prompts_per_round (carried ones included; trains the first R)",
     )
     eta_responses: float = setting(
         1.25,
@@ -39,6 +44,7 @@ class ShapingConfig:
         need(0 <= self.early_stop <= 1, f"shaping.early_stop={self.early_stop}: must lie in [0, 1]")
         need(0 < self.ema <= 1, f"shaping.ema={self.ema}: must lie in (0, 1]")
         need(1 <= self.eta <= 2, f"shaping.eta={self.eta}: must lie in [1, 2] (1 = no extra prompts)")
+        need(1 <= self.over <= 2, f"shaping.over={self.over}: must lie in [1, 2] (1 = no over-provisioning)")
         need(
             1 <= self.eta_responses <= 2,
             f"shaping.eta_responses={self.eta_responses}: must lie in [1, 2] (1 = no extra candidates)",
@@ -48,5 +54,5 @@ class ShapingConfig:
         """The options of `flow.shaping.make_shaping` (all but the name)."""
         return {
             "extra": self.extra, "longest": self.longest, "early_stop": self.early_stop, "ema": self.ema,
-            "eta": self.eta, "eta_responses": self.eta_responses,
+            "eta": self.eta, "eta_responses": self.eta_responses, "over": self.over,
         }  # fmt: skip

@@ -146,11 +146,11 @@ class Scheduler(SchedulerState):
             self.policy.decide(self)
         self._flush()
         self.ledger.check(self._store.in_store())
-        for g in self._store.open.values():  # every dispatched sample is done, in flight or discarded
-            if g.dispatched != len(g.done) + len(g.in_flight) + g.discarded:
+        for g in self._store.open.values():  # every dispatched sample is done, in flight, parked or discarded
+            if g.dispatched != len(g.done) + len(g.in_flight) + len(g.parked) + g.discarded:
                 raise InvariantError(
                     f"group {g.id}: {g.dispatched} dispatched but {len(g.done)} done + "
-                    f"{len(g.in_flight)} in flight + {g.discarded} discarded"
+                    f"{len(g.in_flight)} in flight + {len(g.parked)} parked + {g.discarded} discarded"
                 )
         out, self._out = self._out, Outbox()
         return out
@@ -344,8 +344,10 @@ class Scheduler(SchedulerState):
         return n
 
     def resume(self, engine: int, partial: Trajectory, version: int) -> None:
-        """Re-dispatch an aborted partial under `version`; its tokens keep their own versions."""
+        """Re-dispatch an aborted (or parked) partial under `version`; its tokens keep their versions."""
         g = self._store.open[partial.group]
+        if partial in g.parked:
+            g.parked.remove(partial)
         key = SampleKey.parse(partial.result.request_id).next_attempt()
         self._send(self.engines[engine], g, key, version, None, partial.result)
 
@@ -355,6 +357,11 @@ class Scheduler(SchedulerState):
             self._flush()  # a Generate booked earlier in this poll must reach the engine before its Abort
             self._aborting.update(ids)
             self._out.commands.append(Abort(engine, tuple(ids), reason))
+
+    def park(self, partial: Trajectory) -> None:
+        """Keep an aborted partial in its group, to `resume` later (e.g. under the next weights). A
+        checkpoint does not keep it: a resumed run generates the sample again."""
+        self._store.open[partial.group].parked.append(partial)
 
     def discard_partial(self, partial: Trajectory, reason: str) -> None:
         """An aborted partial leaves for good: it is produced and discarded (e.g. early stop)."""
@@ -497,7 +504,7 @@ class Scheduler(SchedulerState):
                 self.ledger.on_discarded("shaping", len(g.done))
             self.shaping_tokens += sum(t.length for t in g.done)
             return
-        if not g.todo and not g.in_flight:
+        if not g.todo and not g.in_flight and not g.parked:
             self.shaping.observe(g)
             kept, rest = self.shaping.select(g)
             if rest:

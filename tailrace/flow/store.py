@@ -34,6 +34,7 @@ class GroupState:
     early_stop: bool = False  # shaping stops the group at its first `size` non-truncated finishers
     tail: bool = False  # a deferred prompt generated again in a tail round (shaping.name=tailbatch)
     deferred: bool = False  # shaping gave the group up: it drains, its samples are discarded
+    parked: list[Trajectory] = field(default_factory=list)  # aborted partials waiting to be resumed
 
     def __post_init__(self) -> None:
         self.candidates = self.candidates or self.size
@@ -46,8 +47,8 @@ class GroupState:
         return len({t.reward for t in self.done}) <= 1
 
     def to_json(self) -> dict:
-        """As of the finished steps: samples in flight go back to the to-do list (regenerated)."""
-        back = sorted(k.index for k in self.in_flight)
+        """As of the finished steps: samples in flight or parked go back to the to-do list (regenerated)."""
+        back = sorted([k.index for k in self.in_flight] + [t.sample_index for t in self.parked])
         return {
             "id": self.id, "prompt": prompt_to_json(self.prompt), "version": self.version,
             "size": self.size, "opened": self.opened, "dispatched": self.dispatched - len(back),

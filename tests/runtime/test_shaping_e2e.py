@@ -61,3 +61,30 @@ def test_tail_batching_defers_the_slowest_prompts_to_a_tail_round(tiny_model, tm
     journal = [json.loads(line) for line in (run / "journal.jsonl").read_text().splitlines()]
     tail_prompts = [j["prompt"]["id"] for j in journal if j["kind"] == "open" and j.get("tail")]
     assert sorted(tail_prompts) == sorted(deferred) and len(deferred) == 4
+
+
+def test_april_carries_the_unfinished_groups_into_the_next_round(tiny_model, tmp_path):
+    """R = 4 prompts a round, over 2: each round keeps 8 groups going, trains the first 4 to complete
+    and carries the rest (their unfinished samples resumed under the new weights); nothing discarded.
+    The last round opens nothing new and trains the 4 carried: nothing is left over."""
+    run = tmp_path / "run"
+    argv = [
+        "train",
+        f"--run-dir={run}",
+        f"--model.path={tiny_model}",
+        *TINY_RUN,
+        "--flow.steps=3",
+        "--eval.n=4",
+    ]
+    assert main([*argv, "--shaping.name=april", "--train.loss.correction=tis"]) == 0
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    cuts = [e for e in events if e.get("kind") == "round_cut"]
+    starts = [e for e in events if e.get("kind") == "round_start"]
+    assert len(cuts) == 2 and all(len(c["kept"]) == 4 and len(c["carried"]) == 4 for c in cuts)
+    assert [len(s["groups"]) for s in starts] == [8, 8, 4] and [s["carried"] for s in starts] == [0, 4, 4]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["kind"] == "step"]
+    assert [s["samples"] for s in steps] == [16, 16, 16]
+    last = steps[-1]["ledger"]
+    assert last["trained"] == 48 and not last["discarded"].get("shaping") and last["in_store"] == 0
+    assert last["produced"] == last["trained"] + sum(last["discarded"].values()) + last["in_store"]

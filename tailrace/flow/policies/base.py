@@ -67,14 +67,15 @@ class Policy:
                 core.dispatch(e.id, g, 1, version=v)
 
     @staticmethod
-    def hand_over(core: Scheduler, groups: list[GroupState]) -> None:
-        """Dispatch every pending sample of `groups` now, round-robin over engines holding their
-        version, past their free capacity (the engines queue them)."""
+    def hand_over(core: Scheduler, groups: list[GroupState], version: int | None = None) -> None:
+        """Dispatch every pending sample of `groups` now (under `version`, default each group's own),
+        round-robin over engines holding it, past their free capacity (the engines queue them)."""
         i = 0
         for g in groups:
+            v = g.version if version is None else version
             while g.todo:
-                engines = [e for e in core.engines if g.version in e.loaded]
-                core.dispatch(engines[i % len(engines)].id, g, 1, queue_all=True)
+                engines = [e for e in core.engines if v in e.loaded]
+                core.dispatch(engines[i % len(engines)].id, g, 1, version=v, queue_all=True)
                 i += 1
 
     def allowance(self, core: Scheduler, steps: int = 1) -> int:

@@ -5,33 +5,59 @@ The whole round is handed to the engines at once (they queue what their slots ca
 fixed seed gives the same engine schedule, and the same metrics, run after run. For the same reason
 zero-signal groups are replaced in waves: once a round is complete, its zero-signal groups (slot
 order, within the round's allowance) are dropped and a wave of fresh prompts is handed over.
-A round-based shaping (tailbatch) may open more groups than R and keep the first R to complete: the
-moment R are complete, the others are deferred (their prompts go to shaping's tail queue), and a tail
-round on deferred prompts is waited for in full."""
+
+Round-based shapings open more groups than R and train the first R to complete (`round_keep`); the
+moment R are complete, the rest of the round is
+- deferred (tailbatch): their prompts go to shaping's tail queue; a tail round is waited for in full;
+- carried (april): into the next round, complete groups as they are, open ones with their unfinished
+  samples aborted, parked and resumed under the new weights. Then the bound is `max_staleness` (not
+  0) and a trajectory may mix versions; a group that could not be carried again within the bound is
+  trained in its round, which waits for it."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from tailrace.flow.policies.base import Policy
 
 if TYPE_CHECKING:
     from tailrace.flow.scheduler import Scheduler
+    from tailrace.flow.store import GroupState
+    from tailrace.types import Trajectory
 
 
 class SyncPolicy(Policy):
     name = "sync"
     max_staleness = 0
 
-    def __init__(self) -> None:
+    def __init__(self, max_staleness: int = 1) -> None:
         self.round: list[int] = []  # group ids of the round being generated
+        self.version = 0  # the round's version
         self.extra = 0  # zero-signal replacements this round
+        self.carried: list[int] = []  # groups carried into the next round (a carrying shaping)
+        self.bound = max_staleness  # a carrying shaping's staleness bound
+        self.cut = False  # this round's cut is made (once: zero-signal replacements come after it)
+
+    @classmethod
+    def from_options(cls, max_staleness: int = 1, **_) -> SyncPolicy:
+        return cls(max_staleness)
+
+    def attach(self, core: Scheduler) -> None:
+        super().attach(core)
+        if core.shaping.carries:
+            if self.bound < 1:
+                raise ValueError(
+                    f"shaping.name={core.shaping.name} carries groups into the next round, so sync needs "
+                    f"max_staleness >= 1 (got {self.bound})"
+                )
+            self.max_staleness, self.mixed_versions = self.bound, True
 
     def decide(self, core: Scheduler) -> None:
         R, U = core.spec.groups_per_round, core.spec.groups_per_step
-        if not self.round:  # after a resume, the groups of the interrupted round are already there
+        if not self.round and not self.carried:  # resumed: the interrupted round's groups are there
             live = [g for g in core.open if not core.open[g].deferred] + list(core.ready)
-            self.round, self.extra = sorted(live), 0
+            self.round, self.extra, self.version, self.cut = sorted(live), 0, core.trainer_version, False
         if not self.round:
             self._start_round(core)
             return
@@ -43,38 +69,70 @@ class SyncPolicy(Policy):
             )
             groups = self._generating(core)
         if groups:
-            self.hand_over(core, groups)
+            self.hand_over(core, groups, self.version)
             return
         kept = [g for g in self.round if g in core.ready]
         for i in range(0, len(kept), U):
             core.train(kept[i : i + U], publish=i + U >= len(kept))
         self.round = []
 
-    def _generating(self, core: Scheduler) -> list:
+    def on_aborted(self, core: Scheduler, partial: Trajectory) -> None:
+        if core.shaping.carries:  # a carried group's sample: resumed in the next round
+            core.park(partial)
+        else:
+            super().on_aborted(core, partial)
+
+    def _generating(self, core: Scheduler) -> list[GroupState]:
         return [core.open[g] for g in self.round if g in core.open and not core.open[g].deferred]
 
     def _cut(self, core: Scheduler, keep: int | None) -> None:
-        """Once `keep` groups of a (non-tail) round are complete, defer the rest: the groups still
-        generating, and any completed in the same poll after the first `keep`."""
+        """Once `keep` groups of a (non-tail) round are complete, the rest of the round is deferred or
+        carried: the groups still generating, and any completed in the same poll after the first
+        `keep`. A carrying shaping first waits for the groups that must be trained in this round."""
         live = [core.open.get(g) or core.ready.get(g) for g in self.round]
-        if keep is None or any(g.tail for g in live if g is not None):
+        if self.cut or keep is None or any(g.tail for g in live if g is not None):
             return
-        ready = sorted(
-            (g for g in self.round if g in core.ready), key=lambda g: (core.ready[g].completed_at, g)
-        )
+        done_at = {
+            g: core.ready[g].completed_at for g in self.round if g in core.ready
+        }  # None: from a checkpoint, so first
+        ready = sorted(done_at, key=lambda g: (-math.inf if done_at[g] is None else done_at[g], g))
         if len(ready) < keep:
             return
-        for g in [g.id for g in self._generating(core)] + ready[keep:]:
-            core.defer_group(g)
+        if not core.shaping.carries:
+            for g in [g.id for g in self._generating(core)] + ready[keep:]:
+                core.defer_group(g)
+            self.cut = True
+            return
+        must = [
+            g for g in self.round if core.trainer_version + 1 - live[self.round.index(g)].version > self.bound
+        ]
+        if any(g not in core.ready for g in must):
+            return
+        kept = must + [g for g in ready if g not in must][: keep - len(must)]
+        self.carried = [g for g in self.round if g not in kept]
+        self.round, self.cut = kept, True
+        for g in self.carried:
+            ids = {str(k) for k in core.open[g].in_flight} if g in core.open else set()
+            for e in core.engines:
+                core.abort(e.id, sorted(ids & e.in_flight.keys()), "carry")
+        core.mark("round_cut", kept=kept, carried=list(self.carried))
 
     def _start_round(self, core: Scheduler) -> None:
         v = core.trainer_version
         if core.steps_done < core.steps_issued or v not in core.published:
             return  # still training, or the new weights are not out yet
-        if not self.sync_engines(core, v):
-            return
-        n = core.shaping.round_open(core.spec.groups_per_round)
-        self.round = [core.open_group(v).id for _ in range(n)]
-        tail = any(core.open[g].tail for g in self.round)
-        core.mark("round_start", version=v, groups=list(self.round), tail=tail)
-        self.hand_over(core, [core.open[g] for g in self.round])
+        if core.in_flight() or not self.sync_engines(core, v):
+            return  # carried samples still coming back, or the weights not loaded yet
+        carried = [g for g in self.carried if g in core.open or g in core.ready]
+        R, U = core.spec.groups_per_round, core.spec.groups_per_step
+        last = core.shaping.carries and core.steps_issued + R // U >= core.spec.total_steps
+        n = max(0, (R if last else core.shaping.round_open(R)) - len(carried))  # last: none to carry into
+        self.round, self.carried, self.version = carried + [core.open_group(v).id for _ in range(n)], [], v
+        self.cut = last  # the last round waits for every group: nothing is left over
+        tail = any(core.open[g].tail for g in self.round if g in core.open)
+        core.mark("round_start", version=v, groups=list(self.round), tail=tail, carried=len(carried))
+        engines = [e.id for e in core.engines]
+        parked = [p for g in carried if g in core.open for p in list(core.open[g].parked)]
+        for i, p in enumerate(parked):  # the carried partials first: they are closest to done
+            core.resume(engines[i % len(engines)], p, v)
+        self.hand_over(core, self._generating(core), v)

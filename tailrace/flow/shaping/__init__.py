@@ -1,11 +1,12 @@
 """Shaping: the response-length distribution a run generates and trains on, on top of any overlap
 mode (flow.mode). Each shaping is a small class the scheduler core consults (base.py)."""
 
+from tailrace.flow.shaping.april import April
 from tailrace.flow.shaping.base import Plan, Shaping
 from tailrace.flow.shaping.darts import Darts
 from tailrace.flow.shaping.tailbatch import TailBatch
 
-SHAPINGS: dict[str, type[Shaping]] = {"none": Shaping, "darts": Darts, "tailbatch": TailBatch}
+SHAPINGS: dict[str, type[Shaping]] = {"none": Shaping, "darts": Darts, "tailbatch": TailBatch, "april": April}
 
 
 def make_shaping(name: str = "none", **options) -> Shaping:

@@ -13,7 +13,8 @@ Round-based shapings (tailbatch) also size the rounds of round-based modes (sync
 their own:
 
     round_open(R)           groups the next round opens (R; tailbatch: more, or a tail round of R)
-    round_keep(R)           complete groups a round trains (None: every group; the rest are deferred)
+    round_keep(R)           complete groups a round trains (None: every group); the rest are deferred
+                            (their prompts to `defer`), or carried into the next round (`carries`)
     next_prompt(m)          a prompt of shaping's own (a tail round's), before the stream's, or None
     defer(prompt)           a deferred group's prompt, for a later round
     claim(prompt)           journal replay: the prompt a tail group was opened on leaves the queue
@@ -43,6 +44,7 @@ class Shaping:
     name = "none"
     window = 1
     modes: tuple[str, ...] | None = None  # the overlap modes it works with (None: every one)
+    carries = False  # a round's groups past round_keep are carried into the next round (else deferred)
 
     @classmethod
     def from_options(cls, **options) -> Shaping:
