@@ -114,7 +114,7 @@ class Opened:
     prompt: Prompt
     candidates: int = 0  # samples shaping planned for the prompt (0 = the group size)
     early_stop: bool = False  # shaping stops the group at its first group-size finishers
-    tail: bool = False  # the prompt came from shaping's tail queue (tailbatch), not the stream
+    own: bool = False  # the prompt came from shaping's own queue (tailbatch, sorted), not the stream
     kind = "open"
 
     def to_json(self) -> dict:
@@ -122,7 +122,7 @@ class Opened:
             "kind": self.kind, "group": self.group, "version": self.version,
             "prompts_taken": self.prompts_taken, "requeued": self.requeued,
             "prompt": prompt_to_json(self.prompt), "candidates": self.candidates,
-            "early_stop": self.early_stop, "tail": self.tail,
+            "early_stop": self.early_stop, "own": self.own,
         }  # fmt: skip
 
 
@@ -185,7 +185,7 @@ def journal_from_json(d: dict) -> JournalEntry:
     if kind == "open":
         return Opened(
             d["group"], d["version"], d["prompts_taken"], d["requeued"], prompt_from_json(d["prompt"]),
-            d.get("candidates", 0), d.get("early_stop", False), d.get("tail", False),
+            d.get("candidates", 0), d.get("early_stop", False), d.get("own", False),
         )  # fmt: skip
     if kind == "done":
         return Finished(trajectory_from_json(d, ()))

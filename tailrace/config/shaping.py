@@ -14,7 +14,9 @@ class ShapingConfig:
         "none (every sample trained), darts (extra candidates for the prompts whose lengths spread widest, train the "
         "shortest + the longest) or tailbatch (sync only: rounds of eta x R prompts keep the first R to complete, "
         "the slow ones rerun together in a tail round) or april (sync only: rounds of `over` x R prompts train the "
-        "first R to complete and carry the rest, partials resumed under the new weights): a shaping of flow/shaping",
+        "first R to complete and carry the rest, partials resumed under the new weights) or sorted (sync only: "
+        "SortedRL, a round's groups trained U at a time as they complete, within flow.max_staleness): a shaping of "
+        "flow/shaping",
     )
     extra: float = setting(
         0.5, "darts: extra candidates per round, a fraction of R x G, to the prompts of widest length spread"

@@ -306,13 +306,13 @@ class Scheduler(SchedulerState):
         prompt, plan = self._next_prompt()
         g = GroupState(
             self.groups_opened, prompt, version, self.spec.samples_per_prompt, opened=self.now,
-            candidates=plan.candidates, early_stop=plan.early_stop, tail=plan.tail,
+            candidates=plan.candidates, early_stop=plan.early_stop, own=plan.own,
         )  # fmt: skip
         self.groups_opened += 1
         self._store.add_group(g)
         self._log(
-            Opened(g.id, version, self.prompts_taken, requeued and not plan.tail, prompt, g.candidates,
-                   g.early_stop, plan.tail)
+            Opened(g.id, version, self.prompts_taken, requeued and not plan.own, prompt, g.candidates,
+                   g.early_stop, plan.own)
         )  # fmt: skip
         return g
 

@@ -83,14 +83,14 @@ class SchedulerState:
         last = {_group_of(e): i for i, e in enumerate(entries) if isinstance(e, (Finished, Discarded))}
         for i, e in enumerate(entries):
             if isinstance(e, Opened):
-                if e.tail:  # from shaping's tail queue, as the journal says (not the stream)
+                if e.own:  # from shaping's own queue, as the journal says (not the stream)
                     self.shaping.claim(e.prompt)
                 else:  # the plan is the journal's (stats may differ after lost weights)
                     self._next_prompt()
                 store.add_group(
                     GroupState(
                         e.group, e.prompt, e.version, self.spec.samples_per_prompt, self.now,
-                        candidates=e.candidates, early_stop=e.early_stop, tail=e.tail,
+                        candidates=e.candidates, early_stop=e.early_stop, own=e.own,
                     )
                 )  # fmt: skip
                 self.prompts_taken, self.groups_opened = e.prompts_taken, e.group + 1

@@ -32,7 +32,7 @@ class GroupState:
     completed_at: float | None = None
     candidates: int = 0  # samples generated for the prompt (shaping may ask for more than size; 0 = size)
     early_stop: bool = False  # shaping stops the group at its first `size` non-truncated finishers
-    tail: bool = False  # a deferred prompt generated again in a tail round (shaping.name=tailbatch)
+    own: bool = False  # its prompt came from shaping's own queue (tailbatch's tail round, sorted's cache)
     deferred: bool = False  # shaping gave the group up: it drains, its samples are discarded
     parked: list[Trajectory] = field(default_factory=list)  # aborted partials waiting to be resumed
 
@@ -54,7 +54,7 @@ class GroupState:
             "size": self.size, "opened": self.opened, "dispatched": self.dispatched - len(back),
             "discarded": self.discarded, "todo": sorted(self.todo + back),
             "done": [trajectory_to_json(t) for t in self.done], "candidates": self.candidates,
-            "early_stop": self.early_stop, "tail": self.tail, "deferred": self.deferred,
+            "early_stop": self.early_stop, "own": self.own, "deferred": self.deferred,
         }  # fmt: skip
 
     @classmethod
@@ -65,7 +65,7 @@ class GroupState:
             dispatched=d["dispatched"], discarded=d["discarded"], todo=list(d["todo"]),
             done=[trajectory_from_json(t, prompt.token_ids) for t in d["done"]],
             candidates=d.get("candidates", 0), early_stop=d.get("early_stop", False),
-            tail=d.get("tail", False), deferred=d.get("deferred", False),
+            own=d.get("own", False), deferred=d.get("deferred", False),
         )  # fmt: skip
 
 

@@ -59,7 +59,7 @@ def test_tail_batching_defers_the_slowest_prompts_to_a_tail_round(tiny_model, tm
     assert last["trained"] == 48 and last["discarded"].get("shaping", 0) > 0
     assert last["produced"] == last["trained"] + sum(last["discarded"].values()) + last["in_store"]
     journal = [json.loads(line) for line in (run / "journal.jsonl").read_text().splitlines()]
-    tail_prompts = [j["prompt"]["id"] for j in journal if j["kind"] == "open" and j.get("tail")]
+    tail_prompts = [j["prompt"]["id"] for j in journal if j["kind"] == "open" and j.get("own")]
     assert sorted(tail_prompts) == sorted(deferred) and len(deferred) == 4
 
 
@@ -88,3 +88,31 @@ def test_april_carries_the_unfinished_groups_into_the_next_round(tiny_model, tmp
     last = steps[-1]["ledger"]
     assert last["trained"] == 48 and not last["discarded"].get("shaping") and last["in_store"] == 0
     assert last["produced"] == last["trained"] + sum(last["discarded"].values()) + last["in_store"]
+
+
+def test_sorted_trains_a_rounds_groups_as_they_complete(tiny_model, tmp_path):
+    """R = 8 prompts a round, U = 4 (2 steps a round): the first step is issued before the round's
+    generation is over, each step publishes, and every step is within the bound."""
+    run = tmp_path / "run"
+    argv = [
+        "train",
+        f"--run-dir={run}",
+        f"--model.path={tiny_model}",
+        *TINY_RUN,
+        "--flow.steps=4",
+        "--eval.n=4",
+    ]
+    sorted_rl = ["--flow.prompts_per_round=8", "--shaping.name=sorted", "--flow.zero_signal=train"]
+    assert main([*argv, *sorted_rl, "--train.loss.correction=tis"]) == 0
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["kind"] == "step"]
+    assert [s["samples"] for s in steps] == [16] * 4 and [s["version"] for s in steps] == [1, 2, 3, 4]
+    last = steps[-1]["ledger"]
+    assert last["trained"] == 64
+    assert last["produced"] == last["trained"] + sum(last["discarded"].values()) + last["in_store"]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    rounds = [e for e in events if e.get("kind") == "round_start"]
+    issued = [e for e in events if e.get("kind") == "train_issued"]
+    first = set(rounds[0]["groups"])
+    ready = [e["t"] for e in events if e.get("kind") == "group_ready" and e["group"] in first]
+    assert issued[0]["t"] < max(ready), "the first step waited for the whole round"

@@ -12,7 +12,8 @@ moment R are complete, the rest of the round is
 - carried (april): into the next round, complete groups as they are, open ones with their unfinished
   samples aborted, parked and resumed under the new weights. Then the bound is `max_staleness` (not
   0) and a trajectory may mix versions; a group that could not be carried again within the bound is
-  trained in its round, which waits for it."""
+  trained in its round, which waits for it.
+With shaping sorted, a round's groups are trained as they complete (flow/policies/sorted.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import math
 from typing import TYPE_CHECKING
 
 from tailrace.flow.policies.base import Policy
+from tailrace.flow.policies.sorted import SortedRounds
 
 if TYPE_CHECKING:
     from tailrace.flow.scheduler import Scheduler
@@ -45,6 +47,13 @@ class SyncPolicy(Policy):
 
     def attach(self, core: Scheduler) -> None:
         super().attach(core)
+        if core.shaping.early_updates:
+            if self.bound < 1:
+                raise ValueError(
+                    f"shaping.name={core.shaping.name} trains a round's groups under newer weights, so sync "
+                    f"needs max_staleness >= 1 (got {self.bound})"
+                )
+            self.max_staleness, self.sorted = self.bound, SortedRounds(self)
         if core.shaping.carries:
             if self.bound < 1:
                 raise ValueError(
@@ -54,6 +63,9 @@ class SyncPolicy(Policy):
             self.max_staleness, self.mixed_versions = self.bound, True
 
     def decide(self, core: Scheduler) -> None:
+        if core.shaping.early_updates:
+            self.sorted.decide(core)
+            return
         R, U = core.spec.groups_per_round, core.spec.groups_per_step
         if not self.round and not self.carried:  # resumed: the interrupted round's groups are there
             live = [g for g in core.open if not core.open[g].deferred] + list(core.ready)
@@ -90,7 +102,7 @@ class SyncPolicy(Policy):
         carried: the groups still generating, and any completed in the same poll after the first
         `keep`. A carrying shaping first waits for the groups that must be trained in this round."""
         live = [core.open.get(g) or core.ready.get(g) for g in self.round]
-        if self.cut or keep is None or any(g.tail for g in live if g is not None):
+        if self.cut or keep is None or any(g.own for g in live if g is not None):
             return
         done_at = {
             g: core.ready[g].completed_at for g in self.round if g in core.ready
@@ -129,7 +141,7 @@ class SyncPolicy(Policy):
         n = max(0, (R if last else core.shaping.round_open(R)) - len(carried))  # last: none to carry into
         self.round, self.carried, self.version = carried + [core.open_group(v).id for _ in range(n)], [], v
         self.cut = last  # the last round waits for every group: nothing is left over
-        tail = any(core.open[g].tail for g in self.round if g in core.open)
+        tail = any(core.open[g].own for g in self.round if g in core.open)
         core.mark("round_start", version=v, groups=list(self.round), tail=tail, carried=len(carried))
         engines = [e.id for e in core.engines]
         parked = [p for g in carried if g in core.open for p in list(core.open[g].parked)]

@@ -4,9 +4,16 @@ mode (flow.mode). Each shaping is a small class the scheduler core consults (bas
 from tailrace.flow.shaping.april import April
 from tailrace.flow.shaping.base import Plan, Shaping
 from tailrace.flow.shaping.darts import Darts
+from tailrace.flow.shaping.sortedrl import SortedRL
 from tailrace.flow.shaping.tailbatch import TailBatch
 
-SHAPINGS: dict[str, type[Shaping]] = {"none": Shaping, "darts": Darts, "tailbatch": TailBatch, "april": April}
+SHAPINGS: dict[str, type[Shaping]] = {
+    "none": Shaping,
+    "darts": Darts,
+    "tailbatch": TailBatch,
+    "april": April,
+    "sorted": SortedRL,
+}
 
 
 def make_shaping(name: str = "none", **options) -> Shaping:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from tailrace.records import prompt_from_json, prompt_to_json
 from tailrace.types import Prompt, Trajectory
 
 if TYPE_CHECKING:
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
 class Plan:
     candidates: int  # samples generated for the prompt (>= the group size)
     early_stop: bool = False  # the group stops at its first group-size non-truncated finishers
-    tail: bool = False  # a deferred prompt generated again in a tail round
+    own: bool = (
+        False  # a prompt of shaping's own queue (a deferred one in a tail round, ...), not the stream's
+    )
 
 
 class Shaping:
@@ -45,6 +48,7 @@ class Shaping:
     window = 1
     modes: tuple[str, ...] | None = None  # the overlap modes it works with (None: every one)
     carries = False  # a round's groups past round_keep are carried into the next round (else deferred)
+    early_updates = False  # sync trains a round's groups as they complete (sorted)
 
     @classmethod
     def from_options(cls, **options) -> Shaping:
@@ -83,3 +87,26 @@ class Shaping:
 
     def load_state_dict(self, d: dict) -> None:
         pass
+
+
+class OwnQueue(Shaping):
+    """A shaping that keeps prompts of its own: the deferred groups' prompts, oldest first, for a
+    later round (its `next_prompt` says when); resumable."""
+
+    def __init__(self) -> None:
+        self.queue: list[Prompt] = []
+
+    def defer(self, prompt: Prompt) -> None:
+        self.queue.append(prompt)
+
+    def claim(self, prompt: Prompt) -> None:
+        i = next((i for i, p in enumerate(self.queue) if p.id == prompt.id), None)
+        if i is None:
+            raise ValueError(f"prompt {prompt.id} was opened from shaping's queue, but is not in it")
+        del self.queue[i]
+
+    def state_dict(self) -> dict:
+        return {"queue": [prompt_to_json(p) for p in self.queue]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.queue = [prompt_from_json(p) for p in d.get("queue", [])]

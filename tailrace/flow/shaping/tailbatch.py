@@ -17,15 +17,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from tailrace.flow.shaping.base import Plan, Shaping
-from tailrace.records import prompt_from_json, prompt_to_json
+from tailrace.flow.shaping.base import OwnQueue, Plan
 from tailrace.types import Prompt, Trajectory
 
 if TYPE_CHECKING:
     from tailrace.flow.store import GroupState
 
 
-class TailBatch(Shaping):
+class TailBatch(OwnQueue):
     name = "tailbatch"
     modes = ("sync",)
 
@@ -36,8 +35,8 @@ class TailBatch(Shaping):
             raise ValueError(
                 f"shaping.eta_responses={eta_responses}: must lie in [1, 2] (candidates per prompt, x M)"
             )
+        super().__init__()
         self.eta, self.eta_responses = eta, eta_responses
-        self.queue: list[Prompt] = []  # deferred prompts, oldest first
         self.tail_left = 0  # prompts of the tail round being opened still to hand out
 
     @classmethod
@@ -58,7 +57,7 @@ class TailBatch(Shaping):
         if not self.tail_left:
             return None
         self.tail_left -= 1
-        return self.queue.pop(0), Plan(m, tail=True)
+        return self.queue.pop(0), Plan(m, own=True)
 
     def plan(self, prompts, m: int) -> list[Plan]:
         n = math.ceil(self.eta_responses * m - 1e-9)
@@ -71,18 +70,3 @@ class TailBatch(Shaping):
         """The first M finishers (the group's samples are in completion order), by sample index."""
         kept, rest = g.done[: g.size], g.done[g.size :]
         return sorted(kept, key=lambda t: t.sample_index), rest
-
-    def defer(self, prompt: Prompt) -> None:
-        self.queue.append(prompt)
-
-    def claim(self, prompt: Prompt) -> None:
-        i = next((i for i, p in enumerate(self.queue) if p.id == prompt.id), None)
-        if i is None:
-            raise ValueError(f"tail prompt {prompt.id} is not in the tail queue")
-        del self.queue[i]
-
-    def state_dict(self) -> dict:
-        return {"queue": [prompt_to_json(p) for p in self.queue]}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.queue = [prompt_from_json(p) for p in d.get("queue", [])]
