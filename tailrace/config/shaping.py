@@ -29,13 +29,14 @@ class ShapingConfig:
     eta: float = setting(
         1.25, "tailbatch: prompts a short round opens, x flow.prompts_per_round (keeps the first R)"
     )
-    over: float = setting(
-        2.0,
-        "april: prompts a round keeps going, x flow.prompts_per_round (carried ones included; trains the first R)",
-    )
     eta_responses: float = setting(
         1.25,
         "tailbatch: candidates per prompt in a short round, x flow.samples_per_prompt (keeps the first M)",
+    )
+    over: float = setting(
+        2.0,
+        "april: prompts a round keeps going, x flow.prompts_per_round (carried ones included; trains the first R); "
+        "sorted: the rollout batch, x flow.prompts_per_round (trained U groups at a time)",
     )
 
     def __post_init__(self) -> None:
@@ -46,7 +47,10 @@ class ShapingConfig:
         need(0 <= self.early_stop <= 1, f"shaping.early_stop={self.early_stop}: must lie in [0, 1]")
         need(0 < self.ema <= 1, f"shaping.ema={self.ema}: must lie in (0, 1]")
         need(1 <= self.eta <= 2, f"shaping.eta={self.eta}: must lie in [1, 2] (1 = no extra prompts)")
-        need(1 <= self.over <= 2, f"shaping.over={self.over}: must lie in [1, 2] (1 = no over-provisioning)")
+        need(
+            1 <= self.over <= (8 if self.name == "sorted" else 2),
+            f"shaping.over={self.over}: must lie in [1, 2] (april; 1 = no over-provisioning), [1, 8] for sorted",
+        )
         need(
             1 <= self.eta_responses <= 2,
             f"shaping.eta_responses={self.eta_responses}: must lie in [1, 2] (1 = no extra candidates)",

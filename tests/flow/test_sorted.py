@@ -17,9 +17,10 @@ from tailrace.records import journal_from_json
 from tests.flow.scripted import ScriptedCluster, prompts
 
 
-def build(R, G, U, steps, K=1, zero_signal="train", slots=16, shaping="sorted"):
+def build(R, G, U, steps, K=1, zero_signal="train", slots=16, over=1.0, engines=1):
     policy = make_policy("sync", zero_signal, max_staleness=K)
-    return Scheduler(policy, prompts(), [(slots, 0)], FlowSpec(R, G, U, steps), shaping=make_shaping(shaping))
+    shaping = make_shaping("sorted", over=over)
+    return Scheduler(policy, prompts(), [(slots, 0)] * engines, FlowSpec(R, G, U, steps), shaping=shaping)
 
 
 def per_step(c):
@@ -56,19 +57,27 @@ def test_a_group_past_the_cap_is_generated_again_under_fresher_weights():
     assert max(s.staleness) <= 1
 
 
+def test_the_rollout_batch_is_over_x_r_in_whole_steps():
+    s = build(R=4, G=2, U=3, steps=6, K=3, over=2.0)  # 8 groups: 6, the whole steps it makes
+    c = ScriptedCluster(s, lambda g, i: 3 + g, slots=16)
+    c.run()
+    starts = [m.data["groups"] for m in c.marks if m.kind == "round_start"]
+    assert [len(g) for g in starts] == [6, 6, 6]  # 2 steps a round
+
+
 def test_sorted_needs_a_bound_of_at_least_one():
     with pytest.raises(ValueError, match="max_staleness >= 1"):
         build(R=4, G=2, U=1, steps=4, K=0)
 
 
-def run_random(seed, R, G, U, steps, slots, K, zero_signal):
+def run_random(seed, R, G, U, steps, slots, K, zero_signal, over=2.0, engines=1):
     rng = random.Random(seed)
     lengths = {}
 
     def length(g, i):
         return lengths.setdefault((g, i), max(1, int(rng.lognormvariate(1.8, 0.9))))
 
-    s = build(R, G, U, steps, K, zero_signal, slots)
+    s = build(R, G, U, steps, K, zero_signal, slots, over, engines)
     c = ScriptedCluster(s, length, slots=slots, train_ticks=3, max_len=40,
                         reward=lambda g, i: float((g + i) % 3 == 0))  # fmt: skip
     return s, c, length
@@ -81,10 +90,12 @@ def run_random(seed, R, G, U, steps, slots, K, zero_signal):
     K=st.sampled_from([1, 2, 3]),
     U=st.sampled_from([1, 2]),
     zero_signal=st.sampled_from(["train", "replace"]),
+    over=st.sampled_from([1.0, 2.0, 4.0]),
+    engines=st.sampled_from([1, 3]),
 )
-def test_every_run_trains_whole_steps_within_the_cap(seed, slots, K, U, zero_signal):
+def test_every_run_trains_whole_steps_within_the_cap(seed, slots, K, U, zero_signal, over, engines):
     R, G, steps = 4, 2, 10
-    s, c, _ = run_random(seed, R, G, U, steps, slots, K, zero_signal)
+    s, c, _ = run_random(seed, R, G, U, steps, slots, K, zero_signal, over, engines)
     c.run(max_ticks=50_000)
     assert len(c.trained) == steps and all(len(t.groups) == U for t in c.trained)
     assert all(len(g.trajectories) == G for t in c.trained for g in t.groups)
@@ -111,7 +122,7 @@ def test_crash_and_resume_trains_nothing_twice(seed, crash_tick, K):
             c.execute(out)
     if ckpt is None or s.done:
         return
-    s2 = build(R, G, U, steps, K, slots=3)
+    s2 = build(R, G, U, steps, K, slots=3, over=2.0)
     s2.load_state_dict(ckpt)
     s2.replay(
         [journal_from_json(json.loads(json.dumps(e.to_json()))) for e in c.journal[ckpt["journal_seq"] :]]

@@ -1,11 +1,13 @@
 """Sync with SortedRL's early updates (shaping.name=sorted; the shaping side: flow/shaping/sortedrl.py).
 
-A round of R groups is handed out at once, as in sync. Every time U of its groups are complete and
-trainable, the first to complete make a step that publishes new weights; engines load each new
-version and keep an old one while requests of it run. The next round opens once every group of this
-one is in a step. A group that could no longer be trained within the bound K (trainer version -
-its version > K) is given up (deferred: its samples discarded, reason `shaping`) and its prompt opened
-again, in the same slot, under the newest version all engines hold once that one is within K.
+A round (the rollout batch: shaping.over x R groups, in whole steps) is handed out at once, as in
+sync. Every time U of its groups are complete and trainable, the first to complete make a step that
+publishes new weights; engines load each new version and keep an old one while requests of it run.
+The next round opens once every group of this one is in a step, under weights recent enough that
+its last step stays within the bound K (when the round has more than K + 1 steps: under the newest).
+A group that could no longer be trained within K (trainer version - its version > K) is given up
+(deferred: its samples discarded, reason `shaping`) and its prompt opened again, in the same slot,
+under the newest version all engines hold once that one is within K.
 """
 
 from __future__ import annotations
@@ -62,18 +64,23 @@ class SortedRounds:
         version every engine holds."""
         for e in core.engines:
             core.load(e.id, core.newest)
-            for old in [v for v in e.loaded if v < max(e.loaded)]:
-                core.drop(e.id, old)  # only once none of its requests runs
+        if all(
+            core.newest in e.loaded for e in core.engines
+        ):  # older ones go, once none of their requests runs
+            for e in core.engines:
+                for old in [v for v in e.loaded if v < core.newest]:
+                    core.drop(e.id, old)
         return max(set.intersection(*(e.loaded for e in core.engines)))
 
     def _start_round(self, core: Scheduler, held: int) -> None:
         p = self.p
-        if core.trainer_version - held > p.bound or core.steps_issued >= core.spec.total_steps:
+        U = core.spec.groups_per_step
+        n = max(U, core.shaping.round_open(core.spec.groups_per_round) // U * U)  # whole steps
+        # the round's last step trains n/U - 1 versions after its first: start it under weights recent
+        # enough that its groups stay within the bound to the end, when the bound allows (else fresh)
+        lag = max(0, p.bound - (n // U - 1))
+        if core.trainer_version - held > lag or core.steps_issued >= core.spec.total_steps:
             return  # the weights the round would use are too old for the trainer: wait for newer
-        p.round, p.extra, self.issued = (
-            [core.open_group(held).id for _ in range(core.spec.groups_per_round)],
-            0,
-            set(),
-        )
+        p.round, p.extra, self.issued = [core.open_group(held).id for _ in range(n)], 0, set()
         core.mark("round_start", version=held, groups=list(p.round), tail=False)
         p.hand_over(core, [core.open[g] for g in p.round], held)
