@@ -22,7 +22,7 @@ from array import array
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from tailrace.common import InputError
 from tailrace.types import Finish, GenResult, Prompt, Trajectory
@@ -410,3 +410,37 @@ Record = Metric | Span | Mark | JournalEntry
 def dumps(record: Record) -> str:
     """One JSON line (without the newline) for any record."""
     return json.dumps(record.to_json(), separators=(",", ":"))
+
+
+def trained_by_step(
+    journal: Iterable[JournalEntry], events: Iterable[Span | Mark]
+) -> dict[int, list[tuple[int, int]]]:
+    """(prompt length, response length) of each sample a train step took, by step: the `train_issued`
+    marks name the groups and, since shaping may train a subset, their sample indices (older runs:
+    whole groups); the journal has the lengths of every finished sample."""
+    prompt_len: dict[int, int] = {}
+    length: dict[tuple[int, int], int] = {}
+    for e in journal:
+        if isinstance(e, Opened):
+            prompt_len[e.group] = len(e.prompt.token_ids)
+        elif isinstance(e, Finished):
+            length[(e.trajectory.group, e.trajectory.sample_index)] = e.trajectory.length
+    indices: dict[int, list[int]] = {}
+    for g, i in length:
+        indices.setdefault(g, []).append(i)
+    out = {}
+    for m in events:
+        if isinstance(m, Mark) and m.kind == "train_issued":
+            picks = m.data.get("samples") or [indices.get(g, []) for g in m.data["groups"]]
+            out[m.data["step"]] = [
+                (prompt_len.get(g, 0), length[(g, i)])
+                for g, idx in zip(m.data["groups"], picks)
+                for i in idx
+                if (g, i) in length
+            ]
+    return out
+
+
+def generated_lengths(journal: Iterable[JournalEntry]) -> list[int]:
+    """The response length of every finished sample (trained or not)."""
+    return [e.trajectory.length for e in journal if isinstance(e, Finished)]

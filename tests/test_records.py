@@ -54,3 +54,19 @@ def test_a_journal_of_an_older_format_is_one_clear_error(tmp_path):
     assert (
         "\n" not in msg and "journal.jsonl" in msg and "line 1" in msg and "another tailrace version" in msg
     )
+
+
+def test_trained_by_step_takes_the_samples_a_step_named_or_whole_groups_for_older_runs():
+    from tailrace.records import Finished, Mark, Opened, generated_lengths, trained_by_step
+    from tailrace.types import Finish, GenResult, Prompt, Trajectory
+
+    def done(g, i, n):
+        r = GenResult(f"{g}.{i}", (7,) * n, (0.0,) * n, (0,) * n, Finish.STOP)
+        return Finished(Trajectory(g, i, g, (1, 2), r, reward=0.0, correct=False))
+
+    journal = [Opened(0, 0, 1, False, Prompt(0, (1, 2, 3), "")), done(0, 0, 5), done(0, 1, 9), done(0, 2, 4)]
+    shaped = [Mark(1.0, "train_issued", {"step": 0, "groups": [0], "samples": [[0, 2]]})]
+    assert trained_by_step(journal, shaped) == {0: [(3, 5), (3, 4)]}
+    older = [Mark(1.0, "train_issued", {"step": 0, "groups": [0]})]
+    assert trained_by_step(journal, older) == {0: [(3, 5), (3, 9), (3, 4)]}
+    assert generated_lengths(journal) == [5, 9, 4]

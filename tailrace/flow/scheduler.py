@@ -415,7 +415,8 @@ class Scheduler(SchedulerState):
         self.steps_issued += 1
         if publish_v is not None:
             self.trainer_version = publish_v
-        self.mark("train_issued", step=step, groups=[g.id for g in groups])
+        samples = [[t.sample_index for t in g.done] for g in groups]  # shaping may have trained a subset
+        self.mark("train_issued", step=step, groups=[g.id for g in groups], samples=samples)
         return step
 
     def load(self, engine: int, version: int) -> None:

@@ -19,14 +19,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tailrace.records import (  # noqa: E402
     CheckpointRecord,
     EvalRecord,
-    Finished,
     JournalEntry,
     Mark,
     Span,
     StepRecord,
+    generated_lengths,
     read_events,
     read_journal,
     read_metrics,
+    trained_by_step,
 )
 
 PHASE_COLORS = {
@@ -83,23 +84,24 @@ def curves_figure(steps: list[StepRecord], evals: list[EvalRecord]) -> str:
 
 
 def lengths_figure(journal: list[JournalEntry], events: list[Span | Mark]) -> str:
-    """Response-length histograms of the samples trained at a few steps (first, middle, last)."""
-    lens_of = {}
-    for e in journal:
-        if isinstance(e, Finished):
-            lens_of.setdefault(e.trajectory.group, []).append(e.trajectory.length)
-    issued = {
-        e.data["step"]: e.data["groups"] for e in events if isinstance(e, Mark) and e.kind == "train_issued"
-    }
-    fig, ax = plt.subplots(figsize=(12, 3))
-    if issued:
-        order = sorted(issued)
+    """Left: response-length histograms of the samples trained at a few steps (first, middle, last).
+    Right: over the whole run, every length generated (finished) against the ones trained — they
+    differ when shaping selected (darts, tailbatch) or groups were dropped."""
+    by_step = {s: [n for _, n in rows] for s, rows in trained_by_step(journal, events).items()}
+    fig, ax = plt.subplots(1, 2, figsize=(12, 3))
+    if by_step:
+        order = sorted(by_step)
         for step in sorted({order[0], order[len(order) // 2], order[-1]}):
-            lens = [n for g in issued[step] for n in lens_of.get(g, [])]
-            if lens:
-                ax.hist(lens, bins=30, alpha=0.5, label=f"step {step + 1}")
-    ax.set_xlabel("response length (tokens)")
-    ax.legend(fontsize=7)
+            if by_step[step]:
+                ax[0].hist(by_step[step], bins=30, alpha=0.5, label=f"step {step + 1}")
+        generated, trained = generated_lengths(journal), [n for lens in by_step.values() for n in lens]
+        if generated and trained:
+            ax[1].hist(generated, bins=30, alpha=0.5, label=f"generated ({len(generated)})")
+            ax[1].hist(trained, bins=30, alpha=0.5, label=f"trained ({len(trained)})")
+    ax[0].set_xlabel("response length (tokens), trained at a step")
+    ax[1].set_xlabel("response length (tokens), whole run")
+    ax[0].legend(fontsize=7)
+    ax[1].legend(fontsize=7)
     return _png(fig)
 
 

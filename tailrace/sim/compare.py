@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tailrace.records import Finished, Mark, Opened, Span, StepRecord, read_events, read_journal, read_metrics
+from tailrace.records import Span, StepRecord, read_events, read_journal, read_metrics, trained_by_step
 
 FIGURES = ("step_s", "train_s", "rollout_s", "trainer_wait_ratio", "bubble_ratio", "length_bubble")
 
@@ -60,22 +60,10 @@ def trainer_rate(run_dir: str | Path, cost, skip: int = 1) -> tuple[float, float
     import numpy as np
 
     run_dir = Path(run_dir)
-    prompt_len: dict[int, int] = {}
-    lens: dict[int, list[int]] = {}
-    for e in read_journal(run_dir / "journal.jsonl"):
-        if isinstance(e, Opened):
-            prompt_len[e.group] = len(e.prompt.token_ids)
-        elif isinstance(e, Finished):
-            t = e.trajectory
-            lens.setdefault(t.group, []).append(prompt_len.get(t.group, 0) + t.length)
-    issued = {
-        e.data["step"]: e.data["groups"]
-        for e in read_events(run_dir / "events.jsonl")
-        if isinstance(e, Mark) and e.kind == "train_issued"
-    }
+    rows_of = trained_by_step(read_journal(run_dir / "journal.jsonl"), read_events(run_dir / "events.jsonl"))
     flops, secs = [], []
     for r in step_records(run_dir)[skip:]:
-        rows = [n for g in issued.get(r.step, []) for n in lens.get(g, [])]
+        rows = [p + n for p, n in rows_of.get(r.step, [])]
         if rows:
             flops.append(cost.train_flops(rows))
             secs.append(r.time["train_s"])
