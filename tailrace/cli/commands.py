@@ -203,6 +203,7 @@ def sft(args: Args) -> int:
 
 def evaluate(args: Args) -> int:
     from tailrace.runtime.eval_run import evaluate_checkpoints, is_run_dir
+    from tailrace.runtime.evaluate import difficulty_line
     from tailrace.runtime.standalone import evaluate_model
 
     if args.rest and not args.rest[0].startswith("-"):
@@ -224,6 +225,8 @@ def evaluate(args: Args) -> int:
         f"held-out accuracy {res['accuracy']:.1%} on {res['n']} prompts of {cfg.task.name} "
         f"(temperature {cfg.eval.temperature})"
     )
+    if difficulty_line(res):
+        console.print(f"by difficulty: {difficulty_line(res)}")
     console.print(
         f"response length: p50 {res['p50']:.0f}  p90 {res['p90']:.0f}  p99 {res['p99']:.0f}  "
         f"max {res['max']}  (p99/p50 {res['p99_over_p50']:.1f})"

@@ -29,6 +29,7 @@ from tailrace.records import (  # noqa: E402
     read_metrics,
     trained_by_step,
 )
+from tailrace.runtime.evaluate import difficulty_line  # noqa: E402
 
 PHASE_COLORS = {
     "generate": "#4c78a8", "train": "#f58518", "sync": "#54a24b", "wait": "#dddddd",
@@ -151,7 +152,8 @@ def write_report(run_dir: Path) -> Path:
     last = steps[-1] if steps else None
     rows = "".join(
         f"<tr><td>{html.escape(e.tag)}</td><td>{e.step}</td><td>{e.accuracy:.3f}</td>"
-        f"<td>{e.summary['p50']:.0f}</td><td>{e.summary['p99']:.0f}</td><td>{e.summary['max']}</td></tr>"
+        f"<td>{e.summary['p50']:.0f}</td><td>{e.summary['p99']:.0f}</td><td>{e.summary['max']}</td>"
+        f"<td style='text-align:left'>{html.escape(difficulty_line(e.summary))}</td></tr>"
         for e in evals
     )
     t = last.time if last else {}
@@ -165,7 +167,8 @@ rollout bubble ratio {t.get("bubble_ratio", 0):.2f}, ledger {json.dumps(ledger)}
 {_checkpoints(saved)}
 {_recoveries(events)}
 <h2>Held-out evaluation</h2><table>
-<tr><th>when</th><th>step</th><th>accuracy</th><th>p50</th><th>p99</th><th>max</th></tr>{rows}</table>
+<tr><th>when</th><th>step</th><th>accuracy</th><th>p50</th><th>p99</th><th>max</th>
+<th>by difficulty</th></tr>{rows}</table>
 <h2>Reward, accuracy, lengths</h2>{curves_figure(steps, evals) if steps else ""}
 <h2>Timeline</h2>{timeline_figure(events)}
 <h2>Response lengths</h2>{lengths_figure(journal, events)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import zlib
 
 from tailrace.config import EvalConfig
@@ -36,6 +37,25 @@ def summarize(lengths: list[int], correct: list[bool]) -> dict:
     }
 
 
+def by_bucket(buckets: list[str | None], correct: list[bool]) -> dict[str, dict]:
+    """Accuracy and count per difficulty bucket, ordered by the number a bucket's name starts with
+    ("2-4", "5-10", "11+")."""
+    out: dict[str, dict] = {}
+    for b in sorted(
+        {b for b in buckets if b is not None}, key=lambda b: (int(re.match(r"\d*", b).group() or 0), b)
+    ):
+        hits = [c for x, c in zip(buckets, correct) if x == b]
+        out[b] = {"accuracy": sum(hits) / len(hits), "n": len(hits)}
+    return out
+
+
+def difficulty_line(summary: dict) -> str:
+    """'2-4 91.2% (n=300), 5-10 ...' from a summary's accuracy by bucket ('' without buckets)."""
+    return ", ".join(
+        f"{b} {d['accuracy']:.1%} (n={d['n']})" for b, d in summary.get("by_difficulty", {}).items()
+    )
+
+
 class Evaluator:
     """One sample per held-out prompt, seeded by the prompt (the same requests at every evaluation);
     the driver sends them through the engines' command path and hands back the results."""
@@ -65,4 +85,8 @@ class Evaluator:
         by_id = {r.request_id: r for r in results}
         ordered = [by_id[r.id] for r in requests]
         scores = self.ses.score(self.prompts, ordered)
-        return summarize([len(r.token_ids) for r in ordered], [s.correct for s in scores])
+        out = summarize([len(r.token_ids) for r in ordered], [s.correct for s in scores])
+        buckets = [self.ses.difficulty(p) for p in self.prompts]
+        if any(b is not None for b in buckets):
+            out["by_difficulty"] = by_bucket(buckets, [s.correct for s in scores])
+        return out

@@ -91,6 +91,10 @@ class Session:
         scored = self.guard.score_many(pairs)
         return [Scored(r.request_id, s.reward, s.reward >= 1.0) for r, s in zip(results, scored)]
 
+    def difficulty(self, p: Prompt) -> str | None:
+        """The task's difficulty bucket of a prompt (None: the task has none)."""
+        return self.task.difficulty(Example(p.id, p.text, p.answer))
+
     def response_text(self, r: GenResult) -> str:
         """The response as the reward sees it: decoded without the token that stopped it."""
         ids = r.token_ids[:-1] if r.token_ids and r.token_ids[-1] in self.stop_ids else r.token_ids

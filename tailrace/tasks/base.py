@@ -45,6 +45,10 @@ class Task(ABC):
     def reward(self, example: Example, response: str) -> float:
         """Score of one response in `reward_range`; with the default [0, 1], 1 means verified correct."""
 
+    def difficulty(self, example: Example) -> str | None:
+        """A difficulty bucket for held-out accuracy by bucket (None: the task has none)."""
+        return None
+
     def stream(
         self, split: str, seed: int = 0, chunk: int = 1024, size: int | None = None
     ) -> Iterator[Example]:

@@ -117,6 +117,11 @@ class ChainSumTask(Task):
     def reward(self, example: Example, response: str) -> float:
         return 1.0 if final_answer(response) == example.answer else 0.0
 
+    def difficulty(self, example: Example) -> str:
+        """By the chain's terms: 2-4 (short), 5-10, 11+ (the long chains shaping must not lose)."""
+        n = len(parse_terms(example.question))
+        return "2-4" if n <= 4 else "5-10" if n <= 10 else "11+"
+
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

@@ -59,6 +59,8 @@ def check_periodic_and_checkpoint_evals(run):
     (p,) = periodic
     assert p["version"] == steps[2]["version"] and p["wall_s"] == steps[2]["time"]["wall_s"]
     assert p["n"] == 16 and 0.0 <= p["accuracy"] <= 1.0
+    buckets = p["by_difficulty"]  # chainsum's, by terms
+    assert sum(b["n"] for b in buckets.values()) == 16 and set(buckets) <= {"2-4", "5-10", "11+"}
     # the snapshot evaluated is exactly the model the step-2 checkpoint saved
     snap = load_file(str(run / "snapshots" / f"v{p['version']:06d}.safetensors"))["flat"]
     saved = flatten_parameters(load_pretrained(step_dir(run / "checkpoints", 2) / "model")).buffer

@@ -74,3 +74,16 @@ def test_a_finite_training_set_comes_back_epoch_after_epoch():
     assert first[5:10] == first[:5] == t.examples("train", 5, seed=3)
     fresh = list(islice(t.stream("train", seed=3), 12))
     assert len({e.id for e in fresh}) == 12  # without a size: every prompt new
+
+
+def test_difficulty_buckets_by_terms_and_accuracy_by_bucket():
+    from tailrace.runtime.evaluate import by_bucket
+    from tailrace.tasks.base import Example
+
+    task = ChainSumTask()
+    assert [task.difficulty(Example(0, question([1] * n), "")) for n in (2, 4, 5, 10, 11, 20)] == [
+        "2-4", "2-4", "5-10", "5-10", "11+", "11+",
+    ]  # fmt: skip
+    got = by_bucket(["11+", "2-4", "5-10", "2-4", None], [True, False, True, True, False])
+    assert list(got) == ["2-4", "5-10", "11+"]
+    assert got["2-4"] == {"accuracy": 0.5, "n": 2} and got["11+"] == {"accuracy": 1.0, "n": 1}
