@@ -101,6 +101,10 @@ class CostModel:
         free = self.engine_gpus * self.hw.mem_bytes * (1 - reserve) - self.weight_bytes
         return max(0, int(free / self.model.kv_bytes_per_token(self.hw.dtype_bytes)))
 
+    def version_kv_tokens(self) -> int:
+        """Tokens of KV cache one more resident policy version displaces (its weights' bytes)."""
+        return int(self.weight_bytes / self.model.kv_bytes_per_token(self.hw.dtype_bytes))
+
     # -- weights -----------------------------------------------------------------------------------
     @property
     def weight_bytes(self) -> float:

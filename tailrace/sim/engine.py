@@ -11,6 +11,12 @@ by a `Segment` in closed form; a step is the unit of progress (a command never s
 Time is kept as (t_b, step): the engine sits at a step boundary at time t_b with `step` decode steps
 done since it started; decode step k after t_b ends at t_b + segment.time(k + 1). Prefill of newly
 admitted requests and weight loads are blocks that move t_b forward.
+
+KV memory (`kv_tokens`, None = unbounded): every running sequence holds its prompt and the tokens it
+has, and each loaded version beyond the first displaces its weights' worth of cache. A request is
+admitted only if the next step still fits everyone; when growing contexts fill the cache the most
+recently admitted sequence is preempted — requeued at the front, its tokens kept, and prefilled again
+with them when readmitted (vLLM's recompute preemption). A boundary is planned where the cache fills.
 """
 
 from __future__ import annotations
@@ -65,9 +71,11 @@ class Job:
     uid: int
     start: int = -1  # engine step at which it joined the decode batch
     first_token: float = 0.0
+    done: int = 0  # tokens generated before it was preempted (recomputed by its next prefill)
+    order: int = 0  # admission order: the latest admitted is preempted first
 
     def tokens(self, step: int) -> int:
-        return self.base + (step - self.start if self.start >= 0 else 0)
+        return self.base + self.done + (step - self.start if self.start >= 0 else 0)
 
 
 @dataclass
@@ -94,6 +102,7 @@ class SimEngine:
         cost: CostModel,
         lengths: LengthModel,
         start_version: int = 0,
+        kv_tokens: int | None = None,
     ) -> None:
         """`lengths` says how long each request runs, by (prompt id, sample index): the driver sets
         `describe` (request id -> that pair) from its scheduler; by default the request id is read
@@ -101,6 +110,7 @@ class SimEngine:
         if slots < 1:
             raise ValueError(f"engine {eid}: slots={slots} must be at least 1")
         self.id, self.slots, self.cost, self.lengths = eid, slots, cost, lengths
+        self.kv_tokens = kv_tokens
         self.describe: Callable[[str], tuple[int, int]] = _group_and_index
         self.loaded = {start_version}
         self.queue: deque[Job] = deque()
@@ -121,6 +131,9 @@ class SimEngine:
         self.busy_time = 0.0
         self.stalled = 0.0  # time lost to Stall commands
         self.gen_tokens = 0
+        self.preemptions = 0
+        self.recomputed_tokens = 0  # tokens prefilled again after a preemption
+        self._order = 0
         self.spans: list[Span] = []
 
     # ------------------------------------------------------------------ inputs
@@ -142,6 +155,8 @@ class SimEngine:
                     break
                 heapq.heappop(self.heap)
             n = self.heap[0][0] - self.step
+            if self.kv_tokens is not None:  # the boundary where the cache fills comes first
+                n = min(n, max(0, (self.kv_free() - sum(self.ctx.values())) // len(self.running)))
             best = (self.t_b + self.segment.time(n), n)
         if self.inbox:
             if not self.running or now <= self.t_b:
@@ -168,6 +183,7 @@ class SimEngine:
         for cmd in self.inbox:
             self._apply(cmd, rep)
         self.inbox = []
+        self._preempt()
         self._admit()
         self._resegment()
         return rep
@@ -273,14 +289,43 @@ class SimEngine:
         self._uid += 1
         return Job(r, len(r.prompt_ids), base, max(target, base + 1), truncated, self.t_b, self._uid)
 
+    def kv_free(self) -> float:
+        """Cache tokens sequences may hold: the capacity less the loaded versions beyond the first."""
+        if self.kv_tokens is None:
+            return float("inf")
+        return self.kv_tokens - max(0, len(self.loaded) - 1) * self.cost.version_kv_tokens()
+
+    def _preempt(self) -> None:
+        """While the next step does not fit, the latest admitted sequence goes back to the queue front."""
+        used = sum(self.ctx.values())
+        while self.running and used + len(self.running) > self.kv_free():
+            job = max(self.running.values(), key=lambda j: j.order)
+            n = job.tokens(self.step)
+            self._remove(job)
+            used -= job.prompt_len + n
+            job.done, job.start = n - job.base, -1
+            self._uid += 1
+            job.uid = self._uid  # its finish entry in the heap is stale now
+            self.queue.appendleft(job)
+            self.preemptions += 1
+
     def _admit(self) -> None:
-        new = []
+        new, used, free = [], sum(self.ctx.values()), self.kv_free()
         while self.queue and len(self.running) + len(new) < self.slots:
-            job = self.queue.popleft()
-            new.append(job)
+            need = self.queue[0].prompt_len + self.queue[0].tokens(self.step)
+            if used + need + len(self.running) + len(new) + 1 > free:
+                if not self.running and not new:
+                    raise RuntimeError(
+                        f"engine {self.id}: request {self.queue[0].request.id} needs {need + 1} tokens of KV "
+                        f"cache, the engine has {free:.0f}: give the engine more memory or cap its lengths"
+                    )
+                break
+            new.append(self.queue.popleft())
+            used += need
         if not new:
             return
-        dt = self.cost.prefill_time([j.prompt_len + j.base for j in new])
+        self.recomputed_tokens += sum(j.done for j in new)
+        dt = self.cost.prefill_time([j.prompt_len + j.base + j.done for j in new])
         self._span("generate", self.t_b, self.t_b + dt)
         self.busy_time += dt
         # the running batch waits through the prefill; the new rows hold their slots during it (as the
@@ -289,12 +334,14 @@ class SimEngine:
         self.t_b += dt
         for job in new:
             job.start = self.step
-            job.first_token = self.t_b
+            job.first_token = job.first_token or self.t_b
+            self._order += 1
+            job.order = self._order
             self.running[job.request.id] = job
             v = job.request.version
             self.count[v] = self.count.get(v, 0) + 1
-            self.ctx[v] = self.ctx.get(v, 0) + job.prompt_len + job.base
-            heapq.heappush(self.heap, (self.step + job.target - job.base, job.uid, job.request.id))
+            self.ctx[v] = self.ctx.get(v, 0) + job.prompt_len + job.base + job.done
+            heapq.heappush(self.heap, (self.step + job.target - job.base - job.done, job.uid, job.request.id))
 
     def _remove(self, job: Job) -> None:
         del self.running[job.request.id]

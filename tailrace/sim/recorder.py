@@ -155,6 +155,8 @@ class Recorder:
             "first_dispatch_s": mean("first_dispatch_s"),
             "rollout_only_share": minus_length(gen_spans, train_spans) / now if now else float("nan"),
             "gen_tokens": sum(e.gen_tokens for e in cl.engines),
+            "preemptions": sum(e.preemptions for e in cl.engines),
+            "recomputed_tokens": sum(e.recomputed_tokens for e in cl.engines),
             "gen_tok_s": sum(e.gen_tokens for e in cl.engines) / now if now else 0.0,
             "train_tokens": self.train_tokens,
             "sim_events": cl.events,

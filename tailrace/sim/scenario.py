@@ -60,6 +60,11 @@ class ClusterSpec:
     micro_batch_tokens: int = setting(
         0, "> 0: the trainer pads micro-batches of this many tokens (tailrace's); 0: packed"
     )
+    kv_memory: bool = setting(
+        True,
+        "engines hold a KV cache of the memory their weights leave (admission waits, growing contexts "
+        "preempt and recompute, a second resident version takes its weights' worth); false = unbounded",
+    )
 
     def __post_init__(self) -> None:
         for k in ("engines", "engine_gpus", "trainer_gpus"):
@@ -209,7 +214,8 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
     pool = [(slots, scn.cluster.lookahead)] * scn.cluster.engines
     sched = Scheduler(policy, prompt_stream(lengths, scn.train_size), pool, spec, shaping=shaping)
-    engines = [SimEngine(i, slots, cost, lengths) for i in range(scn.cluster.engines)]
+    kv = cost.kv_capacity_tokens() if scn.cluster.kv_memory else None
+    engines = [SimEngine(i, slots, cost, lengths, kv_tokens=kv) for i in range(scn.cluster.engines)]
     rec = Recorder(out_dir, journal=scn.journal)
     return SimCluster(
         sched, engines, cost, rec, scn.cluster.colocated, scn.poll_s, scn.accuracy, scn.seed, scn.failures
