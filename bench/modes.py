@@ -298,6 +298,32 @@ def time_to_target(rows: list[dict], target: float | None = None) -> str:
     return "\n".join(lines)
 
 
+def per_step(rows: list[dict]) -> str:
+    """Learning per step, not per second: per mode, the mean held-out accuracy over seeds at each
+    evaluated step (read from each run's metrics), and the mean staleness of what it trained."""
+    import statistics
+
+    table: dict[str, dict[int, list[float]]] = {}
+    stale: dict[str, list[float]] = {}
+    for r in rows:
+        evals = [e for e in read_metrics(Path(r["run_dir"]) / "metrics.jsonl") if isinstance(e, EvalRecord)]
+        for e in evals:
+            table.setdefault(r["mode"], {}).setdefault(0 if e.tag == "base" else e.step, []).append(
+                e.accuracy
+            )
+        hist = {int(k): v for k, v in r["staleness"].items()}
+        stale.setdefault(r["mode"], []).append(
+            sum(k * v for k, v in hist.items()) / max(1, sum(hist.values()))
+        )
+    steps = sorted({s for t in table.values() for s in t})
+    lines = [f"{'mode':16s} " + " ".join(f"{'step ' + str(s):>9s}" for s in steps) + f" {'staleness':>9s}"]
+    for mode, t in table.items():
+        cells = " ".join(f"{100 * statistics.mean(t[s]):8.1f}%" if s in t else f"{'-':>9s}" for s in steps)
+        lines.append(f"{mode:16s} {cells} {statistics.mean(stale[mode]):9.2f}")
+    lines.append("held-out accuracy at each evaluated step, mean over seeds; staleness: mean versions behind")
+    return "\n".join(lines)
+
+
 def generation_share(rows: list[dict]) -> str:
     sync = [r for r in rows if r["mode"] == "sync"]
     if not sync:
@@ -356,6 +382,8 @@ def main() -> None:
                 print(f"\n== {config}: wall time to held-out accuracy ==")
                 print(time_to_target(rows, args.target))
                 print(generation_share(rows))
+                print(f"\n== {config}: held-out accuracy per step ==")
+                print(per_step(rows))
         return
     steps = 4 if args.quick else args.steps
     eval_n = 32 if args.quick else args.eval_n
@@ -401,7 +429,9 @@ def main() -> None:
             print(spread(every), flush=True)
         print(f"\n== {config}: wall time to held-out accuracy, seeds {args.seeds} ==")
         print(time_to_target(every, args.target))
-        print(generation_share(every), flush=True)
+        print(generation_share(every))
+        print(f"\n== {config}: held-out accuracy per step ==")
+        print(per_step(every), flush=True)
         results += every
     root.mkdir(parents=True, exist_ok=True)
     (root / "modes.json").write_text(json.dumps(results, indent=2))
