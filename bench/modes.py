@@ -50,6 +50,11 @@ MODES = [
     ("multiversion", {"flow.max_staleness": 1}),
     ("multiversion", {"flow.max_staleness": 2}),
     ("multiversion", {"flow.max_staleness": 4}),
+    # shaping on sync (issue #14), judged the same way: --modes sync,sync+tailbatch,sync+darts
+    ("sync", {"shaping.name": "tailbatch"}),
+    ("sync", {"shaping.name": "darts"}),
+    ("sync", {"shaping.name": "april", "train.loss.correction": "tis"}),
+    ("sync", {"shaping.name": "sorted", "train.loss.correction": "tis"}),
 ]
 CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", "multiversion": "behaviour"}
 
@@ -78,8 +83,12 @@ CONFIGS = {
 
 
 def mode_label(mode: str, opts: dict) -> str:
-    """e.g. multiversion-K2: the mode and its staleness bound."""
-    return mode + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
+    """e.g. multiversion-K2, sync+darts: the mode, its staleness bound, its shaping."""
+    return (
+        mode
+        + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
+        + "".join(f"+{v}" for k, v in opts.items() if k == "shaping.name")
+    )
 
 
 def run_one(
