@@ -19,12 +19,15 @@ NVLink of one node.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tailrace.sim.hardware import Hardware
 from tailrace.sim.models import ModelShape
 from tailrace.sim.segment import Segment
 from tailrace.trainer.packing import micro_batches
+
+BROADCAST_CHUNK = 4 << 20  # bytes a broadcast tree forwards at a time (NCCL's pipelining granularity)
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,16 @@ class CostModel:
     micro_batch_tokens: int = (
         0  # > 0: the trainer pads micro-batches (tailrace's trainer); 0: packed sequences
     )
+    engines: int = 1  # engines a new version goes to
+    broadcast: str = (
+        "tree"  # how: a pipelined broadcast tree (NCCL's), or flat (the trainer sends each a copy)
+    )
 
     def __post_init__(self) -> None:
-        if self.engine_gpus < 1 or self.trainer_gpus < 1:
-            raise ValueError("engine_gpus and trainer_gpus must be at least 1")
+        if self.engine_gpus < 1 or self.trainer_gpus < 1 or self.engines < 1:
+            raise ValueError("engine_gpus, trainer_gpus and engines must be at least 1")
+        if self.broadcast not in ("tree", "flat"):
+            raise ValueError(f"broadcast={self.broadcast!r}: use tree or flat")
 
     # -- rollout ---------------------------------------------------------------------------------
     @property
@@ -111,8 +120,17 @@ class CostModel:
         return self.model.params * self.hw.dtype_bytes
 
     def load_time(self) -> float:
-        """One engine receives and installs a new version."""
-        return self.hw.sync_fixed_s + self.weight_bytes / (self.engine_gpus * self.hw.weight_load_bw)
+        """One engine receives and installs a new version, sent to all `engines` at once. Tree: a
+        pipelined broadcast (each engine forwards chunks as they arrive), so the bytes cross each link
+        once and each level of the binary tree adds a chunk's latency; flat: the trainer's NICs send
+        every engine its own copy, sharing their bandwidth."""
+        link = self.engine_gpus * self.hw.weight_load_bw
+        if self.broadcast == "flat":
+            rate = min(link, self.trainer_gpus * self.hw.net_bw / self.engines)
+            return self.hw.sync_fixed_s + self.weight_bytes / rate
+        hops = math.ceil(math.log2(self.engines)) if self.engines > 1 else 0
+        per_level = BROADCAST_CHUNK / link + self.hw.link_latency_s
+        return self.hw.sync_fixed_s + self.weight_bytes / link + hops * per_level
 
     def publish_time(self) -> float:
         """The trainer gathers its shards into one sendable copy (one node's NVLink)."""

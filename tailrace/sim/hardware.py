@@ -45,6 +45,7 @@ class Hardware:
     train_step_overhead_s: float = 1.0  # per optimizer step: optimizer update, loss bookkeeping
     sync_fixed_s: float = 2.0  # fixed latency of one weight load on an engine
     load_bw: float = 0.0  # bytes/s a weight load reaches per device; 0 = net_bw
+    link_latency_s: float = 20e-6  # one network hop's latency (a broadcast tree level adds it)
     # Decode steps take this factor longer while the trainer computes on the same host: on a CPU
     # testbed the two roles share memory bandwidth and the last-level cache (measured by calibrate);
     # separate GPUs do not slow each other, so 1.0 there.

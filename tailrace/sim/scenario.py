@@ -60,6 +60,9 @@ class ClusterSpec:
     micro_batch_tokens: int = setting(
         0, "> 0: the trainer pads micro-batches of this many tokens (tailrace's); 0: packed"
     )
+    weight_broadcast: str = setting(
+        "tree", "how a new version reaches the engines: tree (pipelined broadcast) or flat (a copy each)"
+    )
     kv_memory: bool = setting(
         True,
         "engines hold a KV cache of the memory their weights leave (admission waits, growing contexts "
@@ -179,8 +182,9 @@ def cost_model(scn: Scenario) -> CostModel:
         ) from None
     shape = shape_from_hf(c.model_config, c.model) if c.model_config else model_shape(c.model)
     return CostModel(
-        hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s, c.micro_batch_tokens
-    )
+        hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s, c.micro_batch_tokens,
+        c.engines, c.weight_broadcast,
+    )  # fmt: skip
 
 
 def engine_slots(scn: Scenario, cost: CostModel, lengths: LengthModel) -> int:

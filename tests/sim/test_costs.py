@@ -83,6 +83,23 @@ def test_weight_sync_from_model_bytes_and_link_bandwidth():
     assert cost.publish_time() == pytest.approx(bytes_ / (8 * 200e9), rel=1e-12)  # H800 NVLink 400 GB/s total
 
 
+def test_a_broadcast_tree_costs_a_chunk_per_level_and_a_flat_send_shares_the_trainers_nics():
+    """256 engines of 4 GPUs (1,024 with the trainer's): the tree's bytes cross each link once, plus 8
+    levels of a 4 MiB chunk and a hop's latency; flat, the trainer's 32 NICs split over 256 copies."""
+    import dataclasses
+
+    from tailrace.sim.costs import BROADCAST_CHUNK
+
+    one = CostModel(GPUS["h800"], MODELS["qwen2.5-32b"], engine_gpus=4, trainer_gpus=32)
+    tree = dataclasses.replace(one, engines=256)
+    flat = dataclasses.replace(one, engines=256, broadcast="flat")
+    bytes_, link = MODELS["qwen2.5-32b"].params * 2, 4 * 50e9
+    assert tree.load_time() == pytest.approx(one.load_time() + 8 * (BROADCAST_CHUNK / link + 20e-6), rel=1e-12)
+    assert flat.load_time() == pytest.approx(2.0 + bytes_ / (32 * 50e9 / 256), rel=1e-12)
+    assert flat.load_time() - 2.0 > 30 * (tree.load_time() - 2.0)  # the transfer, past the fixed 2 s
+    assert dataclasses.replace(one, engines=2, broadcast="flat").load_time() == one.load_time()  # NICs to spare
+
+
 def test_prefill_is_compute_bound_for_long_prompts():
     cost = CostModel(H100, Q7)
     flops = 2 * Q7_MATMUL * 8192 + Q7_ATTN * 8192**2 / 2

@@ -1,0 +1,105 @@
+"""The weight path, trainer -> engines: measured here for 1, 2 and 4 engine processes, and the
+simulator's model of it at cluster scale, both with the bytes moved per version.
+
+    .venv/bin/python bench/weights.py                        # both (the real part: ~2 min on 2 cores)
+    .venv/bin/python bench/weights.py --model DIR --dtype bf16   # a real checkpoint (e.g. SmolLM2-135M)
+    .venv/bin/python bench/weights.py --sim                  # the model only (seconds)
+
+Real: `tailrace train` in sync mode for a few steps with N engines; from events.jsonl, per published
+version the trainer's publish span (its weights into the shared-memory ring) and each engine's load
+span (out of the ring into its own weights), after the first version. Bytes per version: the flat
+buffer the trainer publishes (parameters x dtype size).
+
+Simulated: Qwen2.5-32B on H800 engines of 4 GPUs, from 1 to 256 engines (4 to 1,024 rollout GPUs),
+the trainer on 32 GPUs: a new version's load time per engine with a pipelined broadcast tree (NCCL's:
+the bytes cross each link once, each tree level adds a 4 MiB chunk and a hop) and flat (the trainer's
+NICs send every engine its own copy), `sim/costs.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tailrace.sim.costs import CostModel  # noqa: E402
+from tailrace.sim.hardware import GPUS  # noqa: E402
+from tailrace.sim.models import MODELS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--flow.prompts_per_round=8", "--flow.samples_per_prompt=4", "--flow.train_batch=32",
+         "--rollout.max_new_tokens=64", "--eval.n=0", "--flow.checkpoint_every=1000"]  # fmt: skip
+
+
+def real(engines: list[int], steps: int, extra: list[str]) -> None:
+    print(
+        f"\nmeasured: sync, {steps} steps, per version after the first (mean / max over versions and engines)"
+    )
+    print(f"{'engines':>7s} {'MB/version':>10s} {'publish s':>10s} {'load s mean':>11s} {'load s max':>10s}")
+    for n in engines:
+        with tempfile.TemporaryDirectory() as tmp:
+            run = Path(tmp) / "run"
+            argv = [sys.executable, "-m", "tailrace.cli", "train", f"--run-dir={run}", f"--flow.steps={steps}",
+                    f"--rollout.engines={n}", *SMALL, *extra]  # fmt: skip
+            subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+            spans = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+            spans = [s for s in spans if s.get("phase") == "sync" and s.get("version", 0) > 1]
+            pub = [s["t1"] - s["t0"] for s in spans if s["lane"] == "trainer"]
+            load = [s["t1"] - s["t0"] for s in spans if s["lane"].startswith("engine")]
+            mb = flat_bytes(run) / 1e6
+        print(
+            f"{n:7d} {mb:10.1f} {statistics.mean(pub):10.3f} {statistics.mean(load):11.3f} {max(load):10.3f}"
+        )
+
+
+def flat_bytes(run: Path) -> int:
+    """Bytes of one published version: a slot of the shared-memory ring, the trainer's flat buffer."""
+    from tailrace.config import load_config
+    from tailrace.runtime.session import Session
+
+    cfg = load_config(run / "config.yaml")
+    ses = Session(cfg)
+    try:
+        flat = ses.flat_layout()
+        return flat.buffer.numel() * flat.buffer.element_size()
+    finally:
+        ses.close()
+
+
+def simulated() -> None:
+    model = MODELS["qwen2.5-32b"]
+    one = CostModel(GPUS["h800"], model, engine_gpus=4, trainer_gpus=32)
+    print(f"\nsimulated: {model.name}, {one.weight_bytes / 1e9:.1f} GB a version, H800 engines of 4 GPUs "
+          f"(4 x 400 Gb/s NICs), trainer on 32 GPUs")  # fmt: skip
+    print(f"{'engines':>7s} {'GPUs':>5s} {'tree s':>7s} {'flat s':>7s} {'flat/tree':>9s} {'TB moved':>9s}")
+    for e in (1, 2, 4, 8, 16, 64, 256):
+        tree = dataclasses.replace(one, engines=e)
+        flat = dataclasses.replace(one, engines=e, broadcast="flat")
+        print(f"{e:7d} {4 * e:5d} {tree.load_time():7.2f} {flat.load_time():7.2f} "
+              f"{flat.load_time() / tree.load_time():8.1f}x {e * one.weight_bytes / 1e12:9.2f}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--sim", action="store_true", help="the simulated table only")
+    ap.add_argument("--model", default=None, help="a local HF checkpoint (default: the built-in model)")
+    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16"])
+    a = ap.parse_args()
+    if not a.sim:
+        extra = [f"--model.path={a.model}"] if a.model else []
+        extra += [f"--rollout.dtype={a.dtype}"] if a.dtype else []
+        real([int(x) for x in a.engines.split(",")], a.steps, extra)
+    simulated()
+
+
+if __name__ == "__main__":
+    main()
