@@ -93,6 +93,11 @@ class TrainerConfig:
         None, "mask tokens more than this many versions behind the trainer (null = off)"
     )
     pad_id: int = setting(0, "token id padding micro-batch rows (masked out of the loss)")
+    world_size: int = setting(
+        1,
+        "data-parallel trainer processes (gloo on CPU, NCCL on GPU): each takes a token-balanced share of "
+        "a step's rows and the gradients are all-reduced; rank 0 publishes and saves",
+    )
 
     def __post_init__(self) -> None:
         need(
@@ -129,3 +134,6 @@ class TrainerConfig:
             f"train.max_staleness={self.max_staleness}: must be >= 0, or null to turn it off",
         )
         need(self.pad_id >= 0, f"train.pad_id={self.pad_id}: must be a token id (>= 0)")
+        need(
+            self.world_size >= 1, f"train.world_size={self.world_size}: must be at least 1 (1 = one process)"
+        )

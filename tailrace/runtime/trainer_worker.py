@@ -20,6 +20,7 @@ import torch
 
 from tailrace.config import TrainerConfig
 from tailrace.model.checkpoint import load_pretrained
+from tailrace.runtime import trainer_ranks
 from tailrace.runtime.checkpoint import load_trainer, save_trainer
 from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
 from tailrace.runtime.procs import pin, release_memory
@@ -41,27 +42,41 @@ class TrainerSpec:
     publish_start: bool = True  # write the start weights to the ring (a replacement does not)
 
 
+def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
+    """The trainer of `spec` (every data-parallel rank builds the same one): its start weights, the KL
+    reference when the loss has one, and the checkpoint's optimizer state when it resumes."""
+    torch.manual_seed(spec.seed)
+    start = Path(spec.resume_from) / "model" if spec.resume_from else spec.model_path
+    model = load_pretrained(start, dtype=torch.float32, device=spec.device)
+    ref = None
+    if spec.cfg.loss.kl_coef > 0:  # the KL penalty's reference: the policy the run started from
+        ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(False)
+    trainer = GRPOTrainer(model, spec.cfg, ref_model=ref)
+    if spec.resume_from:
+        load_trainer(trainer, Path(spec.resume_from))
+    return trainer
+
+
 def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> None:
     with serving(conn, counter):
         pin(spec.cores)
         torch.set_num_threads(spec.threads)
-        torch.manual_seed(spec.seed)
-        start = Path(spec.resume_from) / "model" if spec.resume_from else spec.model_path
-        model = load_pretrained(start, dtype=torch.float32, device=spec.device)
-        ref = None
-        if spec.cfg.loss.kl_coef > 0:  # the KL penalty's reference: the policy the run started from
-            ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(
-                False
-            )
-        trainer = GRPOTrainer(model, spec.cfg, ref_model=ref)
-        print(f"trainer: {trainer.micro.describe()}", flush=True)
-        if spec.resume_from:
-            load_trainer(trainer, Path(spec.resume_from))
+        world = spec.cfg.world_size
+        if world > 1:  # ranks 1..N-1 in processes of their own, then the process group
+            init, ranks = trainer_ranks.start(spec, world)
+            trainer_ranks.join(0, world, init, spec.device)
+        trainer = build_trainer(spec)
+        print(f"trainer: {trainer.micro.describe()}" + (f", {world} data-parallel ranks" if world > 1 else ""),
+              flush=True)  # fmt: skip
         if spec.publish_start:
             weights.write(spec.start_version, trainer.flat.buffer)
         conn.send(Ready(spec.start_version))
         while not isinstance(order := conn.recv(), Shutdown):
             conn.send(_step(trainer, spec, order, weights))
+        if world > 1:
+            trainer_ranks.lead(None)
+            for p in ranks:
+                p.wait(timeout=60)
 
 
 def _step(
@@ -69,6 +84,8 @@ def _step(
 ) -> TrainerReport:
     t = order.train
     t0 = time.perf_counter()
+    if trainer.world > 1:
+        trainer_ranks.lead((t.groups, t.trainer_version))
     metrics = trainer.step(list(t.groups), t.trainer_version)
     release_memory()  # the step's activations
     t1 = time.perf_counter()

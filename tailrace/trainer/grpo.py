@@ -31,7 +31,12 @@ from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, kl_penalty
 from tailrace.trainer.memory import size_micro_batch
 from tailrace.trainer.optim import build_adamw
+from tailrace.trainer.packing import split_by_tokens
 from tailrace.types import Group
+
+SUM_KEYS = ("loss", "pg_loss", "kl", "is_ratio", "clip_frac", "approx_kl", "ratio_mean", "tokens", "dropped",
+            "entropy", "gap_sum", "gap_tokens")  # fmt: skip
+PEAK_KEYS = ("is_ratio_max", "ratio_max", "gap_max")
 
 
 class NonFiniteError(RuntimeError):
@@ -86,6 +91,11 @@ class GRPOTrainer:
             cfg.micro_batch_tokens,
         )
         self.steps = 0
+        # data parallel (train.world_size > 1): every rank runs `step` on the same groups, takes its
+        # token-balanced share of the rows, and the gradients and metric sums are all-reduced
+        dist = torch.distributed
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
 
     def step(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
         """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""
@@ -98,10 +108,11 @@ class GRPOTrainer:
         self.model.eval()
         self.opt.zero_grad(set_to_none=True)
         acc = _Sums()
-        micro = batch.micro_batches(self.micro.tokens)
+        micro = self._shard(batch).micro_batches(self.micro.tokens)
         for mb in micro:
             self._forward_backward(mb.to(self.device), acc, backward=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        n_micro = self._all_reduce(params, acc, len(micro)) if self.world > 1 else len(micro)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or math.inf))
         loss = acc.get("loss")
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -113,7 +124,7 @@ class GRPOTrainer:
             )
         self.opt.step()
         self.steps += 1
-        return self._metrics(acc, batch, len(micro), grad_norm, time.perf_counter() - t0)
+        return self._metrics(acc, batch, n_micro, grad_norm, time.perf_counter() - t0)
 
     @torch.no_grad()
     def evaluate(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
@@ -126,6 +137,33 @@ class GRPOTrainer:
         for mb in micro:
             self._forward_backward(mb.to(self.device), acc, backward=False)
         return self._metrics(acc, batch, len(micro), math.nan, time.perf_counter() - t0)
+
+    def _shard(self, batch: TrainBatch) -> TrainBatch:
+        """This rank's rows: the batch split by tokens across ranks (the whole batch on one rank). The
+        loss's `scale` is the whole batch's, so the ranks' summed gradients are the single-process one."""
+        if self.world == 1:
+            return batch
+        return batch.rows(split_by_tokens(batch.lengths.tolist(), self.world)[self.rank])
+
+    def _all_reduce(self, params: list[nn.Parameter], acc: _Sums, n_micro: int) -> int:
+        """Sum the ranks' gradients (one flat all-reduce) and metric sums, max their peaks; returns
+        the micro-batches of all ranks."""
+        dist = torch.distributed
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        o = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[o : o + g.numel()].view_as(g).clone()
+            o += g.numel()
+        zero = torch.zeros((), device=self.device)
+        sums = torch.stack([acc.sum.get(k, zero).float() for k in SUM_KEYS] + [torch.tensor(float(n_micro))])
+        peaks = torch.stack([acc.max.get(k, torch.tensor(-math.inf)).float() for k in PEAK_KEYS])
+        dist.all_reduce(sums)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        acc.sum = {k: v for k, v in zip(SUM_KEYS, sums[:-1]) if k in acc.sum or v != 0}
+        acc.max = {k: v for k, v in zip(PEAK_KEYS, peaks) if v > -math.inf}
+        return int(sums[-1])
 
     def make_batch(self, groups: Sequence[Group], trainer_version: int) -> TrainBatch:
         lc = self.cfg.loss

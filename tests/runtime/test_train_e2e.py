@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tailrace.cli import main
@@ -140,3 +141,26 @@ def test_speculation_changes_no_recorded_figure_but_time(tiny_model, tmp_path):
     t = [r["time"] for r in runs[1]]
     assert sum(x["spec_drafted"] for x in t) > 0 and sum(x["spec_accepted"] for x in t) > 0
     assert all(0 < x["spec_forwards_per_token"] <= 1 for x in t)
+
+
+def test_a_data_parallel_trainer_trains_like_one_process(tiny_model, tmp_path):
+    """train.world_size=2: two gloo ranks share each step's rows; the first step's metrics (same
+    weights, same samples) are the one-process run's, summed over both ranks, and the run ends whole.
+    The tiny model earns no reward, so a KL penalty makes every step compute."""
+    losses = {}
+    for world in (1, 2):
+        run = tmp_path / f"w{world}"
+        argv = [
+            "train",
+            f"--run-dir={run}",
+            f"--model.path={tiny_model}",
+            *TINY_RUN,
+            "--flow.steps=2",
+            "--eval.n=4",
+        ]
+        dp = [f"--train.world_size={world}", "--train.micro_batch_tokens=256", "--train.loss.kl_coef=0.1"]
+        assert main([*argv, *dp, "--flow.zero_signal=train"]) == 0
+        losses[world] = [(s["train"]["entropy"], s["train"]["tokens"]) for s in steps_of(run)]
+    (ent1, tok1), (ent2, tok2) = losses[1][0], losses[2][0]
+    assert tok2 == tok1 > 0 and ent2 == pytest.approx(ent1, rel=1e-5)
+    assert len(losses[2]) == 2

@@ -94,10 +94,14 @@ def test_a_broadcast_tree_costs_a_chunk_per_level_and_a_flat_send_shares_the_tra
     tree = dataclasses.replace(one, engines=256)
     flat = dataclasses.replace(one, engines=256, broadcast="flat")
     bytes_, link = MODELS["qwen2.5-32b"].params * 2, 4 * 50e9
-    assert tree.load_time() == pytest.approx(one.load_time() + 8 * (BROADCAST_CHUNK / link + 20e-6), rel=1e-12)
+    assert tree.load_time() == pytest.approx(
+        one.load_time() + 8 * (BROADCAST_CHUNK / link + 20e-6), rel=1e-12
+    )
     assert flat.load_time() == pytest.approx(2.0 + bytes_ / (32 * 50e9 / 256), rel=1e-12)
     assert flat.load_time() - 2.0 > 30 * (tree.load_time() - 2.0)  # the transfer, past the fixed 2 s
-    assert dataclasses.replace(one, engines=2, broadcast="flat").load_time() == one.load_time()  # NICs to spare
+    assert (
+        dataclasses.replace(one, engines=2, broadcast="flat").load_time() == one.load_time()
+    )  # NICs to spare
 
 
 def test_prefill_is_compute_bound_for_long_prompts():

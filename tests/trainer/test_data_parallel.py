@@ -1,0 +1,71 @@
+"""Data-parallel training (train.world_size): two gloo processes on CPU, each taking its token-balanced
+share of the rows, give the gradients, weights and metrics of one process on the whole batch."""
+
+import copy
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tailrace.config import LossConfig, TrainerConfig
+from tailrace.trainer.grpo import GRPOTrainer
+from tailrace.trainer.packing import split_by_tokens
+from tests.trainer.test_grpo import TinyLM, grads, make_groups
+
+LOSS = dict(name="grpo", correction="tis", kl_coef=0.1, max_new_tokens=8, tis_cap=1.3)
+KEYS = ("loss", "pg_loss", "kl", "clip_frac", "ratio_mean", "tokens", "entropy", "ratio_max", "micro_batches")
+
+
+def test_rows_split_by_tokens_not_rows():
+    # one long row and many short ones: the long row's rank takes few others
+    assert split_by_tokens([100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10], 2) == [[0], list(range(1, 11))]
+    assert split_by_tokens([5, 4, 3, 3], 2) == [[0, 3], [1, 2]]
+    assert split_by_tokens([7], 3) == [[0], [], []]
+    with pytest.raises(ValueError, match="world=0"):
+        split_by_tokens([1], 0)
+
+
+def _rank(rank: int, world: int, init: str, out) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = TinyLM()
+        groups = make_groups(TinyLM(), noise=0.3, n_groups=4)
+        cfg = TrainerConfig(micro_batch_tokens=12, grad_clip=1.0, loss=LossConfig(**LOSS))
+        tr = GRPOTrainer(model, cfg, ref_model=TinyLM(seed=1))
+        m = tr.step(groups, trainer_version=0)
+        g = {n: t.numpy().copy() for n, t in grads(model).items()}  # plain arrays: no shared-memory handles
+        out.put((rank, {k: m[k] for k in KEYS}, g, tr.flat.buffer.numpy().copy()))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_step_like_one_process(tmp_path):
+    base = TinyLM()
+    groups = make_groups(TinyLM(), noise=0.3, n_groups=4)
+    cfg = TrainerConfig(micro_batch_tokens=12, grad_clip=1.0, loss=LossConfig(**LOSS))
+    model = copy.deepcopy(base)
+    tr = GRPOTrainer(model, cfg, ref_model=TinyLM(seed=1))
+    single = tr.step(groups, trainer_version=0)
+    g1, w1 = grads(model), tr.flat.buffer.clone()
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_rank, args=(r, 2, init, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, rest) for r, *rest in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank in (0, 1):
+        metrics, g, w = got[rank]
+        for n in g1:
+            torch.testing.assert_close(torch.from_numpy(g[n]), g1[n], atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            torch.from_numpy(w), w1, atol=1e-6, rtol=0
+        )  # every rank stepped to the same weights
+        for k in KEYS:
+            assert metrics[k] == pytest.approx(single[k], rel=1e-5, abs=1e-7), k
+    assert single["micro_batches"] > 2
