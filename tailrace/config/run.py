@@ -74,6 +74,11 @@ class SpecConfig:
     gamma_max: int = setting(
         11, "the ladder's top rung; it climbs in steps of 2 with the measured acceptance"
     )
+    pregen_below: float | None = setting(
+        None,
+        "sync + drafter history (BubbleSpec): once a round's running samples fill at most this share of "
+        "the engines' slots, idle slots generate the next round's prompts as drafts (never trained); null = off",
+    )
 
     def __post_init__(self) -> None:
         need(
@@ -83,6 +88,11 @@ class SpecConfig:
         need(
             self.min_speedup > 0,
             f"rollout.spec.min_speedup={self.min_speedup}: must be > 0 (1.05: 5% faster)",
+        )
+        need(
+            self.pregen_below is None or (0 < self.pregen_below <= 1 and self.drafter == "history"),
+            f"rollout.spec.pregen_below={self.pregen_below}: a share of the slots in (0, 1], with "
+            "rollout.spec.drafter=history (the drafter that drafts from pre-generated responses); null = off",
         )
 
 

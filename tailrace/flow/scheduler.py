@@ -38,6 +38,8 @@ from tailrace.flow.store import GroupState, Store
 from tailrace.records import Deferred, Discarded, Dropped, Finished, JournalEntry, Mark, Opened
 from tailrace.types import Finish, GenRequest, GenResult, Group, Prompt, SamplingParams, Scored, Trajectory
 
+PREGEN = "pregen."  # the id prefix of pre-generation requests (sample keys are group.index.attempt)
+
 
 class InvariantError(AssertionError):
     pass
@@ -129,6 +131,9 @@ class Scheduler(SchedulerState):
         self.now = 0.0
         self._out = Outbox()
         self._pending: dict[int, list[GenRequest]] = defaultdict(list)
+        self._pregen: dict[str, tuple[int, Prompt]] = {}  # pre-generation in flight: id -> (engine, prompt)
+        self._pregen_done: list[tuple[Prompt, GenResult]] = []  # finished or aborted, for `take_pregen`
+        self._pregen_n = 0
         policy.attach(self)
 
     # ------------------------------------------------------------------ driving
@@ -175,6 +180,21 @@ class Scheduler(SchedulerState):
         out, self._generated = self._generated, []
         return out
 
+    def take_pregen(self) -> list[tuple[Prompt, GenResult]]:
+        """Pre-generated responses (finished, or aborted partway) since the last call, with their
+        prompts: the history drafters' material for the round that opens those prompts."""
+        out, self._pregen_done = self._pregen_done, []
+        return out
+
+    @staticmethod
+    def is_pregen(request_id: str) -> bool:
+        """The request is a pre-generation (`pregen`), not a sample of any group."""
+        return request_id.startswith(PREGEN)
+
+    def pregen_in_flight(self, engine: int | None = None) -> int:
+        """Pre-generation requests in flight (on `engine`, or on all)."""
+        return sum(1 for e, _ in self._pregen.values() if engine is None or e == engine)
+
     def prompt_of(self, request_id: str) -> Prompt:
         """The prompt an in-flight request answers (what a driver needs to score its result)."""
         g = self._store.open.get(SampleKey.parse(request_id).group)
@@ -193,6 +213,11 @@ class Scheduler(SchedulerState):
         scored = {s.request_id: s for s in scores}
         for r in results:
             rid = r.request_id
+            if self.is_pregen(rid):  # a next-round prompt generated in a bubble: drafts, never trained
+                self._aborting.discard(rid)
+                if rid in self._pregen:  # (an abort that crossed its finish brings nothing more)
+                    self._pregen_done.append((self._pregen.pop(rid)[1], r))
+                continue
             version = eng.in_flight.pop(rid, None)
             if version is None:
                 raise InvariantError(f"engine {engine} returned request {rid}, which it was not running")
@@ -267,6 +292,9 @@ class Scheduler(SchedulerState):
                 g.todo.sort()
         eng.in_flight.clear()
         eng.loading.clear()
+        for rid in [rid for rid, (e, _) in self._pregen.items() if e == engine]:  # drafts only: gone
+            del self._pregen[rid]
+            self._aborting.discard(rid)
         self.mark("engine_lost", engine=engine, requeued=len(lost))
         return len(lost)
 
@@ -362,6 +390,36 @@ class Scheduler(SchedulerState):
         """Keep an aborted partial in its group, to `resume` later (e.g. under the next weights). A
         checkpoint does not keep it: a resumed run generates the sample again."""
         self._store.open[partial.group].parked.append(partial)
+
+    def peek(self, n: int) -> list[Prompt]:
+        """The next n prompts `open_group` will take (requeued ones, then the planned window, planning
+        more windows from the stream as needed): what the next round will generate."""
+        while len(self._upcoming) < n:
+            window = [next(self._prompts) for _ in range(self.shaping.window)]
+            self.prompts_taken += len(window)
+            self._upcoming += list(zip(window, self.shaping.plan(window, self.spec.samples_per_prompt)))
+        return (self._requeued + [p for p, _ in self._upcoming])[:n]
+
+    def pregen(self, engine: int, prompts: Sequence[Prompt], version: int) -> None:
+        """Generate one response to each prompt on `engine` under `version`, outside every group (they
+        are drafts for a later round: `take_pregen`); the engine queues them like any request."""
+        if version not in self.engines[engine].loaded:
+            raise InvariantError(f"pre-generation under version {version} on engine {engine}, which lacks it")
+        for p in prompts:
+            rid = f"{PREGEN}{self._pregen_n}"
+            self._pregen_n += 1
+            self._pregen[rid] = (engine, p)
+            params = replace(self._sampling, seed=sample_seed(self._seed, rid))
+            self._pending[engine].append(GenRequest(rid, p.token_ids, params, version))
+        self.mark("pregen", prompts=[p.id for p in prompts], version=version)
+
+    def abort_pregen(self) -> None:
+        """Abort the pre-generation still running (the round it was for starts now)."""
+        if not self._pregen.keys() - self._aborting:
+            return
+        self.mark("pregen_aborted", requests=len(self._pregen.keys() - self._aborting))
+        for e in self.engines:
+            self.abort(e.id, sorted(rid for rid, (eng, _) in self._pregen.items() if eng == e.id), "pregen")
 
     def discard_partial(self, partial: Trajectory, reason: str) -> None:
         """An aborted partial leaves for good: it is produced and discarded (e.g. early stop)."""

@@ -79,6 +79,7 @@ class Driver:
         policy = make_policy(
             f.mode, f.zero_signal, f.extra_groups, max_staleness=f.max_staleness, frontier=f.frontier,
             rollout_groups=f.rollout_groups, ahead=f.ahead, placement=f.placement,
+            pregen_below=r.spec.pregen_below,
         )  # fmt: skip
         sampling = SamplingParams(
             temperature=r.temperature,
@@ -373,6 +374,15 @@ class Driver:
                         finished=r.finished - t0,
                     )
                 )
+        pre = [r for r in mine if self.sched.is_pregen(r.request_id)]
+        if pre:  # the next round's prompts, generated in this round's bubble: drafts, not samples
+            self.sched.on_results(rep.engine, pre, [], self._now())
+            mine = [r for r in mine if not self.sched.is_pregen(r.request_id)]
+            done = self.sched.take_pregen()
+            self._relay_history(rep.engine, [p for p, r in done if r.finish != Finish.ABORTED],
+                                [r for r in pre if r.finish != Finish.ABORTED])  # fmt: skip
+            partial = [(p, r) for p, r in done if r.finish == Finish.ABORTED]  # no engine kept these
+            self._relay_history(None, [p for p, _ in partial], [r for _, r in partial])
         if mine:
             final = [r for r in mine if r.finish != Finish.ABORTED]
             prompts = [self.sched.prompt_of(r.request_id) for r in final]
@@ -380,10 +390,12 @@ class Driver:
             scores = self.ses.score(prompts, final)
             self.sched.on_results(rep.engine, mine, scores, self._now())
 
-    def _relay_history(self, source: int, prompts: list[Prompt], results: list[GenResult]) -> None:
+    def _relay_history(self, source: int | None, prompts: list[Prompt], results: list[GenResult]) -> None:
         """A history drafter's material: each engine keeps the responses it finishes itself (siblings,
-        earlier epochs); the others get them here."""
-        if self.spec is None or self.spec.drafter != "history" or len(self.engines) < 2 or not results:
+        earlier epochs); the others get them here (every engine, with no source: aborted partials)."""
+        if self.spec is None or self.spec.drafter != "history" or not results:
+            return
+        if source is not None and len(self.engines) < 2:
             return
         msg = History(tuple((p.token_ids, r.token_ids) for p, r in zip(prompts, results)))
         for i, engine in enumerate(self.engines):

@@ -41,8 +41,9 @@ class ScriptedCluster:
         load_ticks: int = 1,
         reward: Callable[[int, int], float] = lambda g, i: float(i % 2),
         max_len: int | None = None,
+        pregen_len: int = 5,
     ):
-        self.s, self.slots, self.max_len = sched, slots, max_len
+        self.s, self.slots, self.max_len, self.pregen_len = sched, slots, max_len, pregen_len
         self.length = length if max_len is None else (lambda g, i: min(max_len, length(g, i)))
         self.train_ticks, self.load_ticks, self.reward = train_ticks, load_ticks, reward
         n = len(sched.engines)
@@ -66,8 +67,9 @@ class ScriptedCluster:
             if isinstance(c, Generate):
                 for req in c.requests:
                     assert req.version in self.loaded[c.engine], "dispatched a version the engine lacks"
-                    key = SampleKey.parse(req.id)
-                    target = self.length(key.group, key.index)
+                    pregen = req.id.startswith("pregen.")  # the next round's prompts, generated in a bubble
+                    key = None if pregen else SampleKey.parse(req.id)
+                    target = self.pregen_len if pregen else self.length(key.group, key.index)
                     self.queue[c.engine].append(
                         Running(req, key, target, list(req.resume_ids), list(req.resume_versions))
                     )
@@ -121,9 +123,9 @@ class ScriptedCluster:
             for r in finished:
                 run.remove(r)
             if finished:
-                self.generated.extend(r.key for r in finished)
+                self.generated.extend(r.key for r in finished if r.key is not None)
                 results = [self._result(r, self._finish(r)) for r in finished]
-                self.s.on_results(e, results, [self._score(r) for r in finished], self.t)
+                self.s.on_results(e, results, [self._score(r) for r in finished if r.key is not None], self.t)
         if self.trainer:
             self.train_left += 1
             if self.train_left >= self.train_ticks:

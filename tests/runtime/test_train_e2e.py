@@ -164,3 +164,38 @@ def test_a_data_parallel_trainer_trains_like_one_process(tiny_model, tmp_path):
     (ent1, tok1), (ent2, tok2) = losses[1][0], losses[2][0]
     assert tok2 == tok1 > 0 and ent2 == pytest.approx(ent1, rel=1e-5)
     assert len(losses[2]) == 2
+
+
+def test_bubble_pre_generation_drafts_the_next_round_and_trains_nothing_of_it(tiny_model, tmp_path):
+    """rollout.spec.pregen_below=1: every round but the last hands the next round's prompts to idle
+    slots; the run trains exactly its samples and its ledger counts none of the pre-generated ones."""
+    run = tmp_path / "run"
+    argv = [
+        "train",
+        f"--run-dir={run}",
+        f"--model.path={tiny_model}",
+        *TINY_RUN,
+        "--flow.steps=3",
+        "--eval.n=4",
+    ]
+    spec = ["--rollout.spec.drafter=history", "--rollout.spec.pregen_below=1.0", "--flow.zero_signal=train"]
+    assert main([*argv, *spec]) == 0
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    pregen = [e for e in events if e.get("kind") == "pregen"]
+    opened = [json.loads(line) for line in (run / "journal.jsonl").read_text().splitlines()]
+    opened = [j["prompt"]["id"] for j in opened if j["kind"] == "open"]
+    by_version = {}
+    for e in pregen:  # handed out as slots free up
+        by_version.setdefault(e["version"], []).extend(e["prompts"])
+    assert sorted(by_version) == [0, 1]  # rounds 1 and 2 (round 3 is the last: nothing after it)
+    assert by_version[0] and set(by_version[0]) <= set(opened[4:8])  # round 2's prompts, drafted in round 1
+    assert by_version[1] and set(by_version[1]) <= set(opened[8:12])
+    last = steps_of(run)[-1]["ledger"]
+    assert last["trained"] == last["produced"] == 3 * 16
+
+
+def test_pre_generation_needs_the_history_drafter():
+    from tailrace.config import load_config
+
+    with pytest.raises(Exception, match="rollout.spec.pregen_below=0.5.*drafter=history"):
+        load_config(None, ["--rollout.spec.pregen_below=0.5"])

@@ -33,17 +33,19 @@ class SyncPolicy(Policy):
     name = "sync"
     max_staleness = 0
 
-    def __init__(self, max_staleness: int = 1) -> None:
+    def __init__(self, max_staleness: int = 1, pregen_below: float | None = None) -> None:
         self.round: list[int] = []  # group ids of the round being generated
         self.version = 0  # the round's version
         self.extra = 0  # zero-signal replacements this round
         self.carried: list[int] = []  # groups carried into the next round (a carrying shaping)
         self.bound = max_staleness  # a carrying shaping's staleness bound
         self.cut = False  # this round's cut is made (once: zero-signal replacements come after it)
+        self.pregen_below = pregen_below  # pre-generate the next round once this share of slots is busy
+        self.pregen_todo: list | None = None  # next round's prompts not yet pre-generated (None: not yet)
 
     @classmethod
-    def from_options(cls, max_staleness: int = 1, **_) -> SyncPolicy:
-        return cls(max_staleness)
+    def from_options(cls, max_staleness: int = 1, pregen_below: float | None = None, **_) -> SyncPolicy:
+        return cls(max_staleness, pregen_below)
 
     def attach(self, core: Scheduler) -> None:
         super().attach(core)
@@ -82,6 +84,7 @@ class SyncPolicy(Policy):
             groups = self._generating(core)
         if groups:
             self.hand_over(core, groups, self.version)
+            self._pregen(core, groups)
             return
         kept = [g for g in self.round if g in core.ready]
         for i in range(0, len(kept), U):
@@ -93,6 +96,24 @@ class SyncPolicy(Policy):
             core.park(partial)
         else:
             super().on_aborted(core, partial)
+
+    def _pregen(self, core: Scheduler, groups: list[GroupState]) -> None:
+        """BubbleSpec: once the round's running samples fill at most `pregen_below` of the slots, the
+        idle slots generate the next round's prompts (one response each) under this round's weights;
+        the engines' history drafters draft from them when the next round generates those prompts."""
+        per_round = core.spec.groups_per_round // core.spec.groups_per_step
+        if self.pregen_below is None or core.steps_issued + per_round >= core.spec.total_steps:
+            return  # off, or no round after this one
+        running = sum(len(g.in_flight) for g in groups)
+        if running > self.pregen_below * sum(e.slots for e in core.engines):
+            return
+        if self.pregen_todo is None:  # the bubble opens: the next round's prompts, one response each
+            self.pregen_todo = core.peek(core.shaping.round_open(core.spec.groups_per_round))
+        for e in core.engines:  # as slots free up, never past them: real samples never wait behind
+            n = max(0, e.slots - len(e.in_flight) - core.pregen_in_flight(e.id))
+            if self.pregen_todo and n and self.version in e.loaded:
+                core.pregen(e.id, self.pregen_todo[:n], self.version)
+                self.pregen_todo = self.pregen_todo[n:]
 
     def _generating(self, core: Scheduler) -> list[GroupState]:
         return [core.open[g] for g in self.round if g in core.open and not core.open[g].deferred]
@@ -133,6 +154,7 @@ class SyncPolicy(Policy):
         v = core.trainer_version
         if core.steps_done < core.steps_issued or v not in core.published:
             return  # still training, or the new weights are not out yet
+        core.abort_pregen()  # the round it drafts for starts now: what came back so far still drafts
         if core.in_flight() or not self.sync_engines(core, v):
             return  # carried samples still coming back, or the weights not loaded yet
         carried = [g for g in self.carried if g in core.open or g in core.ready]
@@ -141,6 +163,7 @@ class SyncPolicy(Policy):
         n = max(0, (R if last else core.shaping.round_open(R)) - len(carried))  # last: none to carry into
         self.round, self.carried, self.version = carried + [core.open_group(v).id for _ in range(n)], [], v
         self.cut = last  # the last round waits for every group: nothing is left over
+        self.pregen_todo = None
         tail = any(core.open[g].own for g in self.round if g in core.open)
         core.mark("round_start", version=v, groups=list(self.round), tail=tail, carried=len(carried))
         engines = [e.id for e in core.engines]
