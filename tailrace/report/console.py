@@ -125,10 +125,14 @@ class ConsoleUI:
         what = f"; {replaced} replaced by fresh prompts" if replaced else ""
         what += "; the step trained nothing" if r.train.get("skipped") else ""
         fix = "tune it with task.config" + ("" if replaced else " or set flow.zero_signal=replace")
-        return (
-            f"warning: step {r.step + 1}: {zero} of {done} groups had equal rewards (no signal)"
-            f"{what}: the task is too hard or too easy for this model; {fix}"
-        )
+        share = f"{r.accuracy:.0%} of the step's samples correct"
+        if r.accuracy <= 0.05:
+            why = f"the task is too hard for this model ({share}): make it easier"
+        elif r.accuracy >= 0.95:
+            why = f"the task is too easy for this model ({share}): make it harder"
+        else:
+            why = f"each prompt is all right or all wrong ({share}): raise rollout.temperature"
+        return f"warning: step {r.step + 1}: {zero} of {done} groups had equal rewards (no signal){what}: {why}; {fix}"
 
     def end(self) -> None:
         if self.progress is not None:

@@ -15,14 +15,14 @@ def ui():
     return ConsoleUI(Console(file=out, width=300), quiet=True), out
 
 
-def step(i, complete, zero, dropped=0, skipped=0):
+def step(i, complete, zero, dropped=0, skipped=0, accuracy=0.0):
     groups = {
         "complete": complete,
         "zero_signal": zero,
         "dropped": {"zero-signal": dropped} if dropped else {},
     }
     ledger = {"produced": 0, "trained": 0, "discarded": {}, "in_store": 0, "groups": groups}
-    return StepRecord(i, i, 0.0, 0.0, 8, {}, {}, {}, ledger, {}, {"skipped": skipped}, TIME)
+    return StepRecord(i, i, 0.0, accuracy, 8, {}, {}, {}, ledger, {}, {"skipped": skipped}, TIME)
 
 
 def test_a_base_policy_at_zero_percent_is_called_out():
@@ -45,6 +45,15 @@ def test_steps_whose_groups_mostly_had_equal_rewards_warn_with_the_counts():
     assert "step 1: 14 of 16 groups had equal rewards (no signal); 6 replaced by fresh prompts" in lines[0]
     assert "step 3: 4 of 4 groups had equal rewards (no signal); the step trained nothing" in lines[1]
     assert lines[1].endswith("tune it with task.config or set flow.zero_signal=replace")
+    assert "too hard for this model (0% of the step's samples correct): make it easier" in lines[0]
+
+
+def test_the_zero_signal_warning_says_too_hard_too_easy_or_all_or_nothing():
+    for accuracy, says in ((0.99, "too easy for this model (99%"), (0.5, "all right or all wrong (50%")):
+        c, out = ui()
+        c.begin(0, 3, None)
+        c.step(step(0, complete=16, zero=16, accuracy=accuracy))
+        assert says in out.getvalue()
 
 
 def test_after_a_resume_the_first_step_only_sets_the_baseline():
