@@ -89,6 +89,18 @@ class CostModel:
             len(terms) * self.forward_overhead + self.hw.per_seq_s * seqs, tuple(terms), self.hw.host_gap_s
         )
 
+    def spec_factor(self, batch: dict[int, tuple[int, int]], alpha: float, gamma: int) -> float:
+        """Time per generated token with speculative decoding over without, at a segment's first step:
+        a verify step runs gamma + 1 query tokens per row (compute x (gamma + 1); the weights and the KV
+        cache are read once) and yields (1 - alpha^(gamma+1)) / (1 - alpha) tokens per row in
+        expectation (alpha: the drafter's acceptance per token). Drafting itself is taken as free (a
+        history drafter's suffix walk); below 1, speculation saves time."""
+        plain = self.decode_segment(batch)
+        g = gamma + 1
+        verify = Segment(plain.base, tuple((a, b, c * g, d * g) for a, b, c, d in plain.terms), plain.gap)
+        tokens = g if alpha >= 1 else (1 - alpha**g) / (1 - alpha)
+        return verify.step_time(0) / (tokens * plain.step_time(0))
+
     def decode_step_time(self, batch: int, context: int) -> float:
         """One step of one version: `batch` sequences reading `context` tokens in total."""
         return self.decode_segment({0: (batch, context)}).step_time(0)

@@ -103,6 +103,7 @@ class SimEngine:
         lengths: LengthModel,
         start_version: int = 0,
         kv_tokens: int | None = None,
+        spec: tuple[float, int, float] | None = None,
     ) -> None:
         """`lengths` says how long each request runs, by (prompt id, sample index): the driver sets
         `describe` (request id -> that pair) from its scheduler; by default the request id is read
@@ -111,6 +112,9 @@ class SimEngine:
             raise ValueError(f"engine {eid}: slots={slots} must be at least 1")
         self.id, self.slots, self.cost, self.lengths = eid, slots, cost, lengths
         self.kv_tokens = kv_tokens
+        self.spec = spec  # (alpha, gamma, min_speedup): speculative decoding where it pays, else None
+        self.spec_on = False  # the current segment speculates
+        self.spec_busy = 0.0  # decode time spent speculating
         self.describe: Callable[[str], tuple[int, int]] = _group_and_index
         self.loaded = {start_version}
         self.queue: deque[Job] = deque()
@@ -214,6 +218,7 @@ class SimEngine:
             active = sum(self.count.values())
             self.slot_time += active * busy
             self.busy_time += busy
+            self.spec_busy += busy if self.spec_on else 0.0
             self.gen_tokens += active * n
             self._span("generate", self.t_b, self.t_b + dt)
             for v, b in self.count.items():
@@ -352,7 +357,14 @@ class SimEngine:
             del self.count[v], self.ctx[v]
 
     def _resegment(self) -> None:
-        self.segment = self.cost.decode_segment({v: (b, self.ctx[v]) for v, b in self.count.items()})
+        batch = {v: (b, self.ctx[v]) for v, b in self.count.items()}
+        self.segment = self.cost.decode_segment(batch)
+        self.spec_on = False
+        if self.spec is not None and batch:  # the toggle: speculate where the cost model says it pays
+            alpha, gamma, min_speedup = self.spec
+            f = self.cost.spec_factor(batch, alpha, gamma)
+            if f * min_speedup <= 1.0:  # a step now stands for the expected tokens of a verify step
+                self.segment, self.spec_on = self.segment.scaled(f), True
         if self.slowdown != 1.0:
             self.segment = self.segment.scaled(self.slowdown)
 

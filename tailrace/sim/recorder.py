@@ -156,6 +156,8 @@ class Recorder:
             "rollout_only_share": minus_length(gen_spans, train_spans) / now if now else float("nan"),
             "gen_tokens": sum(e.gen_tokens for e in cl.engines),
             "preemptions": sum(e.preemptions for e in cl.engines),
+            "spec_on_fraction": sum(e.spec_busy for e in cl.engines)
+            / max(1e-12, sum(e.busy_time for e in cl.engines)),
             "recomputed_tokens": sum(e.recomputed_tokens for e in cl.engines),
             "gen_tok_s": sum(e.gen_tokens for e in cl.engines) / now if now else 0.0,
             "train_tokens": self.train_tokens,

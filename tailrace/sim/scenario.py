@@ -84,6 +84,24 @@ class ClusterSpec:
 
 
 @dataclass
+class SpecSim:
+    alpha: float = setting(
+        0.0,
+        "speculative decoding: the drafter's acceptance per drafted token (bench/spec.py measures it; "
+        "0 = off)",
+    )
+    gamma: int = setting(5, "draft tokens per verify step")
+    min_speedup: float = setting(1.05, "the toggle: speculate only where the cost model predicts this")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.alpha <= 1 or self.gamma < 1 or self.min_speedup <= 0:
+            raise ConfigError(
+                f"spec: alpha={self.alpha} must lie in [0, 1], gamma={self.gamma} >= 1, "
+                f"min_speedup={self.min_speedup} > 0"
+            )
+
+
+@dataclass
 class Scenario:
     name: str = setting("scenario", "the scenario's name, in its run directory's name")
     cluster: ClusterSpec = section(ClusterSpec, "the simulated devices, model and engines")
@@ -104,6 +122,7 @@ class Scenario:
     poll_s: float = setting(0.0, "the driver polls at most every poll_s virtual seconds (0 = at every event)")
     policy_options: dict[str, Any] = section(dict, "extra options for the flow policy (make_policy)")
     failures: FailureSpec = section(FailureSpec, "workers that die and come back (RobustRL's recovery)")
+    spec: SpecSim = section(SpecSim, "speculative decoding in the engines (an expected-value model)")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.accuracy <= 1.0:
@@ -219,7 +238,11 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     pool = [(slots, scn.cluster.lookahead)] * scn.cluster.engines
     sched = Scheduler(policy, prompt_stream(lengths, scn.train_size), pool, spec, shaping=shaping)
     kv = cost.kv_capacity_tokens() if scn.cluster.kv_memory else None
-    engines = [SimEngine(i, slots, cost, lengths, kv_tokens=kv) for i in range(scn.cluster.engines)]
+    sp = scn.spec
+    spec = (sp.alpha, sp.gamma, sp.min_speedup) if sp.alpha > 0 else None
+    engines = [
+        SimEngine(i, slots, cost, lengths, kv_tokens=kv, spec=spec) for i in range(scn.cluster.engines)
+    ]
     rec = Recorder(out_dir, journal=scn.journal)
     return SimCluster(
         sched, engines, cost, rec, scn.cluster.colocated, scn.poll_s, scn.accuracy, scn.seed, scn.failures
