@@ -108,7 +108,7 @@ class SyncPolicy(Policy):
         if running > self.pregen_below * sum(e.slots for e in core.engines):
             return
         if self.pregen_todo is None:  # the bubble opens: the next round's prompts, one response each
-            self.pregen_todo = core.peek(core.shaping.round_open(core.spec.groups_per_round))
+            self.pregen_todo = core.peek(core.spec.groups_per_round)  # (a tail round's come from shaping)
         for e in core.engines:  # as slots free up, never past them: real samples never wait behind
             n = max(0, e.slots - len(e.in_flight) - core.pregen_in_flight(e.id))
             if self.pregen_todo and n and self.version in e.loaded:
