@@ -64,9 +64,7 @@ class SortedRounds:
         version every engine holds."""
         for e in core.engines:
             core.load(e.id, core.newest)
-        if all(
-            core.newest in e.loaded for e in core.engines
-        ):  # older ones go, once none of their requests runs
+        if all(core.newest in e.loaded for e in core.engines):  # older ones go once none of theirs runs
             for e in core.engines:
                 for old in [v for v in e.loaded if v < core.newest]:
                     core.drop(e.id, old)
@@ -75,7 +73,8 @@ class SortedRounds:
     def _start_round(self, core: Scheduler, held: int) -> None:
         p = self.p
         U = core.spec.groups_per_step
-        n = max(U, core.shaping.round_open(core.spec.groups_per_round) // U * U)  # whole steps
+        left = (core.spec.total_steps - core.steps_issued) * U  # the run's last batch: only what it trains
+        n = min(left, max(U, core.shaping.round_open(core.spec.groups_per_round) // U * U))  # whole steps
         # the round's last step trains n/U - 1 versions after its first: start it under weights recent
         # enough that its groups stay within the bound to the end, when the bound allows (else fresh)
         lag = max(0, p.bound - (n // U - 1))
