@@ -333,6 +333,27 @@ def per_step(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def by_difficulty(rows: list[dict]) -> str:
+    """Final held-out accuracy per difficulty bucket (the task's; chainsum: terms), mean over seeds:
+    shaping trains on short answers, and the long chains must not collapse."""
+    import statistics
+
+    acc: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        evals = [e for e in read_metrics(Path(r["run_dir"]) / "metrics.jsonl") if isinstance(e, EvalRecord)]
+        final = next((e for e in evals if e.tag == "final"), None)
+        for b, d in (final.summary.get("by_difficulty", {}) if final else {}).items():
+            acc.setdefault(r["mode"], {}).setdefault(b, []).append(d["accuracy"])
+    if not acc:
+        return "(no accuracy by difficulty in these runs' evaluations)"
+    buckets = list(dict.fromkeys(b for m in acc.values() for b in m))
+    lines = [f"{'mode':16s} " + " ".join(f"{b:>8s}" for b in buckets)]
+    for mode, m in acc.items():
+        lines.append(f"{mode:16s} " + " ".join(f"{100 * statistics.mean(m[b]):7.1f}%" for b in buckets))
+    lines.append("final held-out accuracy by difficulty bucket, mean over seeds")
+    return "\n".join(lines)
+
+
 def generation_share(rows: list[dict]) -> str:
     sync = [r for r in rows if r["mode"] == "sync"]
     if not sync:
@@ -393,6 +414,7 @@ def main() -> None:
                 print(generation_share(rows))
                 print(f"\n== {config}: held-out accuracy per step ==")
                 print(per_step(rows))
+                print(by_difficulty(rows))
         return
     steps = 4 if args.quick else args.steps
     eval_n = 32 if args.quick else args.eval_n
@@ -440,7 +462,8 @@ def main() -> None:
         print(time_to_target(every, args.target))
         print(generation_share(every))
         print(f"\n== {config}: held-out accuracy per step ==")
-        print(per_step(every), flush=True)
+        print(per_step(every))
+        print(by_difficulty(every), flush=True)
         results += every
     root.mkdir(parents=True, exist_ok=True)
     (root / "modes.json").write_text(json.dumps(results, indent=2))
