@@ -2,7 +2,7 @@
 simulator's model of it at cluster scale, both with the bytes moved per version.
 
     .venv/bin/python bench/weights.py                        # both (the real part: ~2 min on 2 cores)
-    .venv/bin/python bench/weights.py --model DIR --dtype bf16   # a real checkpoint (e.g. SmolLM2-135M)
+    .venv/bin/python bench/weights.py --model DIR --dtype bfloat16 --steps 3   # a local HF checkpoint (SmolLM2-135M)
     .venv/bin/python bench/weights.py --sim                  # the model only (seconds)
 
 Real: `tailrace train` in sync mode for a few steps with N engines; from events.jsonl, per published
@@ -35,7 +35,7 @@ from tailrace.sim.models import MODELS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--flow.prompts_per_round=8", "--flow.samples_per_prompt=4", "--flow.train_batch=32",
-         "--rollout.max_new_tokens=64", "--eval.n=0", "--flow.checkpoint_every=1000"]  # fmt: skip
+         "--rollout.max_new_tokens=64", "--eval.n=8", "--flow.checkpoint_every=1000"]  # fmt: skip
 
 
 def real(engines: list[int], steps: int, extra: list[str]) -> None:
@@ -92,11 +92,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--sim", action="store_true", help="the simulated table only")
     ap.add_argument("--model", default=None, help="a local HF checkpoint (default: the built-in model)")
-    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16"])
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     a = ap.parse_args()
     if not a.sim:
         extra = [f"--model.path={a.model}"] if a.model else []
-        extra += [f"--rollout.dtype={a.dtype}"] if a.dtype else []
+        extra += [f"--model.dtype={a.dtype}"] if a.dtype else []
         real([int(x) for x in a.engines.split(",")], a.steps, extra)
     simulated()
 
