@@ -149,3 +149,50 @@ class ScriptedCluster:
             self.tick()
         assert self.s.done, f"run did not finish in {max_ticks} ticks"
         self.execute(self.s.poll(self.t))
+
+
+def random_lengths(seed: int) -> Callable[[int, int], int]:
+    """Lognormal response lengths per (group, index), drawn once each, seeded."""
+    import random
+
+    rng, lengths = random.Random(seed), {}
+
+    def length(g: int, i: int) -> int:
+        return lengths.setdefault((g, i), max(1, int(rng.lognormvariate(1.8, 0.9))))
+
+    return length
+
+
+def every_third(g: int, i: int) -> float:
+    """A reward that leaves some groups with signal and some without."""
+    return float((g + i) % 3 == 0)
+
+
+def run_to_crash(s, c: ScriptedCluster, crash_when: Callable) -> dict | None:
+    """Drive `s` on `c`, checkpointing right after the poll that follows each finished step (executing
+    that poll's aborts journals more), until `crash_when(s, c, ckpt)`; returns the last checkpoint, or
+    None when there was none or the run finished first."""
+    import json
+
+    ckpt = None
+    while not s.done and not crash_when(s, c, ckpt):
+        c.execute(s.poll(c.t))
+        before = s.steps_done
+        c.tick()
+        if s.steps_done > before:
+            out = s.poll(c.t)
+            ckpt = json.loads(json.dumps(s.state_dict()))
+            c.execute(out)
+    return None if s.done else ckpt
+
+
+def restore(s2, ckpt: dict, journal: list) -> None:
+    """Load `ckpt` into the fresh scheduler `s2` and replay the journal written after it (through JSON)."""
+    import json
+
+    from tailrace.records import journal_from_json
+
+    s2.load_state_dict(ckpt)
+    s2.replay(
+        [journal_from_json(json.loads(json.dumps(e.to_json()))) for e in journal[ckpt["journal_seq"] :]]
+    )

@@ -3,9 +3,6 @@ the first R complete groups, and carries the rest into the next round — open g
 aborted partials parked and resumed under the new weights (tokens keep their versions), complete
 ones as they are. Nothing is discarded; a group is never carried past the staleness bound K."""
 
-import json
-import random
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,8 +11,7 @@ from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.flow.shaping import make_shaping
 from tailrace.flow.shaping.april import April
-from tailrace.records import journal_from_json
-from tests.flow.scripted import ScriptedCluster, prompts
+from tests.flow.scripted import ScriptedCluster, every_third, prompts, random_lengths, restore, run_to_crash
 
 
 def build(R, G, U, steps, over=2.0, K=1, zero_signal="train", slots=16):
@@ -61,15 +57,10 @@ def test_april_needs_a_staleness_bound_and_sane_over_provisioning():
 
 
 def run_random(seed, R, G, U, steps, slots, over, K, zero_signal):
-    rng = random.Random(seed)
-    lengths = {}
-
-    def length(g, i):
-        return lengths.setdefault((g, i), max(1, int(rng.lognormvariate(1.8, 0.9))))
-
+    length = random_lengths(seed)
     s = build(R, G, U, steps, over, K, zero_signal, slots)
     c = ScriptedCluster(s, length, slots=slots, train_ticks=3, max_len=40,
-                        reward=lambda g, i: float((g + i) % 3 == 0))  # fmt: skip
+                        reward=every_third)  # fmt: skip
     return s, c, length
 
 
@@ -105,23 +96,12 @@ def test_every_run_trains_whole_steps_within_the_bound_and_discards_nothing(
 def test_crash_and_resume_regenerates_parked_partials_and_trains_nothing_twice(seed, crash_tick, over):
     R, G, U, steps = 4, 2, 2, 12
     s, c, length = run_random(seed, R, G, U, steps, 3, over, 1, "train")
-    ckpt = None
-    while not s.done and c.t < crash_tick:
-        c.execute(s.poll(c.t))
-        before = s.steps_done
-        c.tick()
-        if s.steps_done > before:
-            c.execute(s.poll(c.t))
-            ckpt = json.loads(json.dumps(s.state_dict()))
-    if ckpt is None or s.done:
+    ckpt = run_to_crash(s, c, lambda s, c, ckpt: c.t >= crash_tick)
+    if ckpt is None:
         return
     s2 = build(R, G, U, steps, over, 1, slots=3)
-    s2.load_state_dict(ckpt)
-    s2.replay(
-        [journal_from_json(json.loads(json.dumps(e.to_json()))) for e in c.journal[ckpt["journal_seq"] :]]
-    )
-    c2 = ScriptedCluster(s2, length, slots=3, train_ticks=3, max_len=40,
-                         reward=lambda g, i: float((g + i) % 3 == 0))  # fmt: skip
+    restore(s2, ckpt, c.journal)
+    c2 = ScriptedCluster(s2, length, slots=3, train_ticks=3, max_len=40, reward=every_third)
     c2.t, c2.loaded = c.t, [{ckpt["version"]}]
     c2.run(max_ticks=50_000)
     assert [t.step for t in c2.trained] == list(range(ckpt["steps_done"], steps))

@@ -3,9 +3,6 @@ trained U at a time as they complete, first finished first, each step publishing
 no longer be trained within K versions is given up and its prompt generated again under fresher
 weights. Hand-checked schedules, then the ledger and the bound under random lengths and crashes."""
 
-import json
-import random
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,8 +10,7 @@ from hypothesis import strategies as st
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.flow.shaping import make_shaping
-from tailrace.records import journal_from_json
-from tests.flow.scripted import ScriptedCluster, prompts
+from tests.flow.scripted import ScriptedCluster, every_third, prompts, random_lengths, restore, run_to_crash
 
 
 def build(R, G, U, steps, K=1, zero_signal="train", slots=16, over=1.0, engines=1):
@@ -71,15 +67,10 @@ def test_sorted_needs_a_bound_of_at_least_one():
 
 
 def run_random(seed, R, G, U, steps, slots, K, zero_signal, over=2.0, engines=1):
-    rng = random.Random(seed)
-    lengths = {}
-
-    def length(g, i):
-        return lengths.setdefault((g, i), max(1, int(rng.lognormvariate(1.8, 0.9))))
-
+    length = random_lengths(seed)
     s = build(R, G, U, steps, K, zero_signal, slots, over, engines)
     c = ScriptedCluster(s, length, slots=slots, train_ticks=3, max_len=40,
-                        reward=lambda g, i: float((g + i) % 3 == 0))  # fmt: skip
+                        reward=every_third)  # fmt: skip
     return s, c, length
 
 
@@ -111,24 +102,12 @@ def test_every_run_trains_whole_steps_within_the_cap(seed, slots, K, U, zero_sig
 def test_crash_and_resume_trains_nothing_twice(seed, crash_tick, K):
     R, G, U, steps = 4, 2, 1, 12
     s, c, length = run_random(seed, R, G, U, steps, 3, K, "train")
-    ckpt = None
-    while not s.done and c.t < crash_tick:
-        c.execute(s.poll(c.t))
-        before = s.steps_done
-        c.tick()
-        if s.steps_done > before:  # checkpoint right after the poll (executing its aborts journals more)
-            out = s.poll(c.t)
-            ckpt = json.loads(json.dumps(s.state_dict()))
-            c.execute(out)
-    if ckpt is None or s.done:
+    ckpt = run_to_crash(s, c, lambda s, c, ckpt: c.t >= crash_tick)
+    if ckpt is None:
         return
     s2 = build(R, G, U, steps, K, slots=3, over=2.0)
-    s2.load_state_dict(ckpt)
-    s2.replay(
-        [journal_from_json(json.loads(json.dumps(e.to_json()))) for e in c.journal[ckpt["journal_seq"] :]]
-    )
-    c2 = ScriptedCluster(s2, length, slots=3, train_ticks=3, max_len=40,
-                         reward=lambda g, i: float((g + i) % 3 == 0))  # fmt: skip
+    restore(s2, ckpt, c.journal)
+    c2 = ScriptedCluster(s2, length, slots=3, train_ticks=3, max_len=40, reward=every_third)
     c2.t, c2.loaded = c.t, [{ckpt["version"]}]
     c2.run(max_ticks=50_000)
     assert [t.step for t in c2.trained] == list(range(ckpt["steps_done"], steps))

@@ -3,9 +3,6 @@ ceil(eta_r x M) candidates each, keeps each prompt's first M finishers and the f
 complete; the others are deferred to a queue that runs as one dedicated tail round once R of them wait.
 Hand-checked schedules, then the ledger and the queue under random lengths, crashes and resumes."""
 
-import json
-import random
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,8 +11,8 @@ from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.flow.shaping import make_shaping
 from tailrace.flow.shaping.tailbatch import TailBatch
-from tailrace.records import Deferred, Opened, journal_from_json
-from tests.flow.scripted import ScriptedCluster, prompts
+from tailrace.records import Deferred, Opened
+from tests.flow.scripted import ScriptedCluster, every_third, prompts, random_lengths, restore, run_to_crash
 
 
 def build(R, G, U, steps, eta=1.25, eta_responses=1.25, zero_signal="train", slots=16):
@@ -82,15 +79,10 @@ def test_tail_batching_options_are_checked():
 
 
 def run_random(seed, R, G, U, steps, slots, eta, eta_r, zero_signal, max_ticks=50_000):
-    rng = random.Random(seed)
-    lengths = {}
-
-    def length(g, i):
-        return lengths.setdefault((g, i), max(1, int(rng.lognormvariate(1.8, 0.9))))
-
+    length = random_lengths(seed)
     s = build(R, G, U, steps, eta, eta_r, zero_signal, slots)
     c = ScriptedCluster(s, length, slots=slots, train_ticks=3, max_len=40,
-                        reward=lambda g, i: float((g + i) % 3 == 0))  # fmt: skip
+                        reward=every_third)  # fmt: skip
     return s, c, length
 
 
@@ -132,24 +124,15 @@ def crash_and_resume(seed, eta, eta_r, crash_when):
     the steps and that no prompt is trained twice. Returns whether the journal replayed a deferral."""
     R, G, U, steps = 4, 2, 2, 12
     s, c, length = run_random(seed, R, G, U, steps, 3, eta, eta_r, "train")
-    ckpt = None
-    while not s.done and not crash_when(s, c, ckpt):
-        c.execute(s.poll(c.t))
-        before = s.steps_done
-        c.tick()
-        if s.steps_done > before:
-            c.execute(s.poll(c.t))
-            ckpt = json.loads(json.dumps(s.state_dict()))
-    if ckpt is None or s.done:
+    ckpt = run_to_crash(s, c, crash_when)
+    if ckpt is None:
         return False
-    s2 = build(R, G, U, steps, eta, eta_r, slots=3)
-    s2.load_state_dict(ckpt)
     tail = c.journal[ckpt["journal_seq"] :]
-    s2.replay([journal_from_json(json.loads(json.dumps(e.to_json()))) for e in tail])
+    s2 = build(R, G, U, steps, eta, eta_r, slots=3)
+    restore(s2, ckpt, c.journal)
     if not [g for g in s.open.values() if g.version > s.done_version]:  # nothing un-opened by replay
         assert [p.id for p in s2.shaping.queue] == [p.id for p in s.shaping.queue]
-    c2 = ScriptedCluster(s2, length, slots=3, train_ticks=3, max_len=40,
-                         reward=lambda g, i: float((g + i) % 3 == 0))  # fmt: skip
+    c2 = ScriptedCluster(s2, length, slots=3, train_ticks=3, max_len=40, reward=every_third)
     c2.t, c2.loaded = c.t, [{ckpt["version"]}]
     c2.run(max_ticks=50_000)
     assert [t.step for t in c2.trained] == list(range(ckpt["steps_done"], steps))
