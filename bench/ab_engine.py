@@ -5,6 +5,7 @@
     .venv/bin/python bench/ab_engine.py --rev main --workload cb --batches 512   # continuous batching
     .venv/bin/python bench/ab_engine.py --rev HEAD --new-options block_size=32    # a setting vs the default
     .venv/bin/python bench/ab_engine.py --rev main --options attention=bmm        # both on the torch backend
+    .venv/bin/python bench/ab_engine.py --rev main --model DIR --dtypes bfloat16 --batches 32,64  # a real model
 
 For refactors that must not change speed (or outputs): one worker process per tree (the revision is
 exported with `git archive` to a temporary directory), both loading the same checkpoint, one torch
@@ -110,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=("fixed", "cb"), default="fixed")
     ap.add_argument("--options", default="", help="engine options for both sides: k=v,...")
     ap.add_argument("--new-options", default="", help="engine options for this tree's side only: k=v,...")
+    ap.add_argument("--model", default=None, help="a checkpoint directory (default: the built-in model)")
     a = ap.parse_args(argv)
     both, new_only = _options(a.options), _options(a.new_options)
     sys.path.insert(0, str(ROOT))
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "old").mkdir()
         old_tree = export(a.rev, Path(tmp) / "old")
-        model_dir = default_model_dir(tmp)
+        model_dir = a.model or default_model_dir(tmp)
         sides = {"new": start(ROOT, model_dir, both | new_only), "old": start(old_tree, model_dir, both)}
         load = os.getloadavg()[0]
         print(

@@ -15,7 +15,8 @@ sync's); steps/hour stays as a secondary column. Configurations (CONFIGS), each 
 measured sync generation share (the trainer's waiting ratio in sync: the share of a step spent
 generating):
   demo       the demo's shape (16 prompts x 8 samples, a step per round), fp32
-  balanced   32 prompts x 8 samples, 64 samples a step (4 steps a round, so pipe can pipeline)
+  balanced   32 prompts x 8 samples, 64 samples a step (4 steps a round, so pipe can pipeline), a 4-slot
+             bf16 engine: generation ~half of a sync step
   genheavy   as balanced with a 2-slot bf16 engine: generation-bound (long chain-of-thought RL)
 Writes bench/out/modes.json, bench/out/modes_<config>.html (one Gantt per mode) and
 bench/out/compare_<config>.html (tailrace report's comparison page of the first seed's runs).
@@ -61,15 +62,18 @@ CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", 
 CONFIGS = {
     "demo": [],  # tailrace train's defaults
     # R=32 prompts x G=8 samples per round, B=64 samples per step: a round is 4 steps, so pipe can pipeline.
-    # One core each; the engine's slot count (and dtype) sizes the rollout pool against the trainer
-    # (measured in sync mode on the 2-core testbed when they were sized: 6 fp32 slots -> generation ~54%
-    # of the step, 2 bf16 slots -> ~75%, i.e. 3x training; since the engine's C kernels of 2026-11-29
-    # (~1.5x faster decode) they measure ~36% and ~62%: see bench/README.md).
+    # One core each; the engine's slot count (and dtype) sizes the rollout pool against the trainer. On the
+    # 2-core testbed (2026-12-01, 16 sync steps) 4 bf16 slots measure generation at 0.50 of a sync step
+    # (rollout and training balanced, where overlap can buy the most), 2 bf16 slots at ~0.62 (the
+    # rollout-bound share RL papers report: 0.5-0.8). With 6 fp32 slots (this config until 2026-12-01)
+    # generation was 0.36 of the step once the C kernels made decoding ~1.5x faster.
     "balanced": [
         "--flow.prompts_per_round=32",
         "--flow.samples_per_prompt=8",
         "--flow.train_batch=64",
-        "--rollout.slots=6",
+        "--train.bf16=true",
+        "--model.dtype=bfloat16",
+        "--rollout.slots=4",
     ],
     "genheavy": [
         "--flow.prompts_per_round=32",

@@ -60,14 +60,16 @@ class Kernels:
         lib.gumbel_f32.argtypes = (
             [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         )
-        lib.sample_f32.restype = None
-        lib.sample_f32.argtypes = (
-            [ctypes.c_void_p]
-            + [ctypes.c_void_p, ctypes.c_int64] * 4
-            + [ctypes.c_void_p]
-            + [ctypes.c_int64] * 2
-            + [ctypes.c_void_p] * 3
-        )
+        self._sample = {torch.float32: lib.sample_f32, torch.bfloat16: lib.sample_bf16}
+        for fn in self._sample.values():
+            fn.restype = None
+            fn.argtypes = (
+                [ctypes.c_void_p]
+                + [ctypes.c_void_p, ctypes.c_int64] * 4
+                + [ctypes.c_void_p]
+                + [ctypes.c_int64] * 2
+                + [ctypes.c_void_p] * 3
+            )
         self._lib = lib
         self._scratch = torch.empty(0)
 
@@ -112,11 +114,13 @@ class Kernels:
         index: torch.Tensor,
         salt: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draw per row of logits (B, V) fp32 without top-k/top-p or bans: `sampler.sample`'s
-        token given this module's noise, and its logprob under log_softmax(logits * inv_temp)."""
+        """One draw per row of logits (B, V) fp32 or bf16 (read as fp32) without top-k/top-p or bans:
+        `sampler.sample`'s token given this module's noise, and its logprob under
+        log_softmax(logits * inv_temp)."""
         B, V = logits.shape
         if not (
-            logits.dtype == inv_temp.dtype == noise_scale.dtype == torch.float32
+            logits.dtype in self._sample
+            and inv_temp.dtype == noise_scale.dtype == torch.float32
             and logits.is_contiguous()
             and key.dtype == index.dtype == salt.dtype == torch.int64
             and salt.shape == (V,)
@@ -128,7 +132,7 @@ class Kernels:
             )
         scratch = self._scratch_of(2 * V)
         tokens, lps = torch.empty(B, dtype=torch.int64), torch.empty(B)
-        self._lib.sample_f32(
+        self._sample[logits.dtype](
             logits.data_ptr(),
             inv_temp.data_ptr(),
             inv_temp.stride(0),

@@ -61,11 +61,19 @@ def vocab_salt(vocab_size: int, device: torch.device | str | None = None) -> tor
 def gumbel_noise(key: torch.Tensor, index: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise (B, V) float32 for rows with 32-bit `key` (B,) at token `index` (B,).
 
-    u = hash(key, index, vocab id) read as a uniform in (0, 1) (24 bits), g = -log(-log(u)). The three
-    parts enter one finalizer as key + index * odd + salt[vocab] (mod 2**32)."""
+    u = hash(key, index, vocab id) read as a uniform in (0, 1), g = -log(-log(u)). The three parts enter
+    one finalizer as key + index * odd + salt[vocab] (mod 2**32). u = (23 bits + 0.5) / 2**23 is exact in
+    float32 and strictly inside (0, 1), so g is finite: in [-2.81, 16.64]. (With 24 bits the top value's
+    u rounds to 1.0 and its g is +inf: that vocab entry wins whatever the logits, in V / 2**24 of all
+    draws, 0.3% of the tokens of a 49k vocabulary.)"""
     row = key + index * _IDX_STEP  # (B,)
-    bits = mix32((row[:, None] + salt[None, :]) & M32) >> 8  # (B, V) in [0, 2**24)
-    u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return gumbel_of_bits(mix32((row[:, None] + salt[None, :]) & M32))
+
+
+def gumbel_of_bits(hashed: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise float32 from 32-bit hash values (int64 tensor in [0, 2**32)): their top 23
+    bits as u = (bits + 0.5) / 2**23, then -log(-log(u))."""
+    u = ((hashed >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return u.log_().neg_().log_().neg_()
 
 
@@ -110,7 +118,8 @@ def sample(
     banning = flags.any_min_new and stop_mask is not None
     plain = None
     if kernel is not None and (flags.any_plain or not (flags.any_filter or banning)):
-        plain = kernel.sample(logits.float().contiguous(), inv_temp, noise_scale, key, index, salt)
+        lg = logits if logits.dtype in (torch.float32, torch.bfloat16) else logits.float()
+        plain = kernel.sample(lg.contiguous(), inv_temp, noise_scale, key, index, salt)  # bf16 read as is
         if not flags.any_filter and not banning:
             return plain
     z = logits.float()

@@ -52,7 +52,7 @@ def reference(q, k, v, pos, row0, scale):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [16, 32, 64, 128, 40])  # compiled-in sizes and the generic path
-@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("G", [1, 3, 4, 7])  # the query heads of a kv head go in groups of up to 3
 @pytest.mark.parametrize("bs", [16, 5])  # whole 8-position groups per block, and blocks that split them
 def test_kernel_matches_softmax_attention(dtype, D, G, bs):
     g = torch.Generator().manual_seed(D * 10 + G)
@@ -79,6 +79,23 @@ def test_kernel_results_do_not_depend_on_the_block_size():
         table, n = table_for(3, 64, bs, seed=bs)
         outs.append(KERNEL.run(q, page(k, table, n, bs), page(v, table, n, bs), table, pos, 0, 0.125))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_results_do_not_depend_on_how_query_heads_are_grouped(dtype):
+    """The G heads of a kv head are computed in groups (3 + 3 + 1 for G = 7): each head's output is the
+    bits of attending with that head alone (G = 1)."""
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(3, 2, 40, 64, generator=g).to(dtype)
+    v = torch.randn(3, 2, 40, 64, generator=g).to(dtype)
+    q, pos = torch.randn(3, 2, 7, 64, generator=g), torch.tensor([39, 8, 21])
+    table, n = table_for(3, 40, 16)
+    kp, vp = page(k, table, n, 16), page(v, table, n, 16)
+    whole = KERNEL.run(q, kp, vp, table, pos, 0, 0.125)
+    for h in range(7):
+        alone = KERNEL.run(q[:, :, h : h + 1].contiguous(), kp, vp, table, pos, 0, 0.125)
+        assert torch.equal(whole[:, :, h : h + 1], alone)
 
 
 @needs_kernel
@@ -262,11 +279,56 @@ def test_kernel_draw_is_the_torch_paths_token_and_logprob():
     )
     fast = sample(logits, **args, flags=SampleFlags(), kernel=KERNEL)  # one C call
     torch_path = sample(
-        logits, **args, flags=SampleFlags(any_filter=True), kernel=KERNEL
-    )  # torch ops, C noise
+        logits, **args, flags=SampleFlags(any_filter=True, any_plain=False), kernel=KERNEL
+    )  # torch ops, C noise (any_plain=False: no row is drawn by the C call)
     assert torch.equal(fast[0], torch_path[0])
     assert torch.allclose(fast[1], torch_path[1], atol=1e-5)
     z = logits * inv_temp[:, None]
     assert torch.equal(fast[0][2::4], z[2::4].argmax(-1))  # greedy rows
     want_lp = torch.log_softmax(z, -1).gather(1, fast[0][:, None]).squeeze(1)
     assert torch.allclose(fast[1], want_lp, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("spread", [0.1, 3.0, 40.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_draw_skips_only_noise_that_cannot_win(spread, dtype):
+    """The draw computes the noise only of 16-entry chunks that could beat the top logit's noisy value;
+    whatever the logits' spread (wide: almost every chunk skipped), it is the token of the full noise
+    (the torch path with the kernel's noise), bf16 logits read as their fp32 values."""
+    from tailrace.engine.sampler import SampleFlags, sample, vocab_salt
+
+    g = torch.Generator().manual_seed(5)
+    B, V = 512, 4099  # not a multiple of 16: a scalar tail
+    logits = (torch.randn(B, V, generator=g) * spread).to(dtype)
+    logits[3, 100:116] = logits[3].max()  # ties at the top: the first one wins
+    ones = torch.ones(B)
+    args = dict(
+        inv_temp=ones.clone(),
+        noise_scale=ones.clone(),
+        top_k=torch.full((B,), V),
+        top_p=torch.full((B,), 2.0),
+        key=torch.arange(B) * 104729 + 11,
+        index=torch.arange(B) % 5,
+        salt=vocab_salt(V),
+    )
+    fast = sample(logits, **args, flags=SampleFlags(), kernel=KERNEL)
+    full = sample(logits.float(), **args, flags=SampleFlags(any_filter=True, any_plain=False), kernel=KERNEL)
+    assert torch.equal(fast[0], full[0])
+    assert torch.allclose(fast[1], full[1], atol=1e-5)
+    as_fp32 = KERNEL.sample(
+        logits.float(), args["inv_temp"], args["noise_scale"], args["key"], args["index"], args["salt"]
+    )
+    assert torch.equal(fast[0], as_fp32[0]) and torch.equal(fast[1], as_fp32[1])
+
+
+@needs_kernel
+def test_kernel_noise_stays_within_its_bound():
+    """The kernel's noise (polynomial logarithms) never exceeds the bound the draw skips chunks by."""
+    from tailrace.engine.sampler import vocab_salt
+
+    B, V = 64, 1 << 16
+    g = KERNEL.gumbel(
+        torch.arange(B, dtype=torch.int64) * 7919, torch.zeros(B, dtype=torch.int64), vocab_salt(V)
+    )
+    assert torch.isfinite(g).all() and float(g.max()) < 16.7

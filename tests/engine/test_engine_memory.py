@@ -59,7 +59,10 @@ def test_the_pool_follows_the_work_not_the_model_context():
 
 
 def _reqs():
-    g = torch.Generator().manual_seed(3)
+    # A re-prefilled k/v comes from another batch shape than the decoded one, so logits may differ by an
+    # ulp, and a draw whose two best noisy values lie within that apart would differ too (seed 3 has one:
+    # 9.5e-7 apart). These requests have none.
+    g = torch.Generator().manual_seed(4)
     lens = torch.randint(2, 30, (16,), generator=g).tolist()
     news = torch.randint(10, 60, (16,), generator=g).tolist()
     return [

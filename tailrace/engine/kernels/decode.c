@@ -170,9 +170,9 @@ HEAD_T_OUTER(h_bf16_any, uint16_t, widen_bf16, 0)
 
 
 #if defined(__AVX512F__)
-/* AVX-512, D a multiple of 16. Scores: blocks of 8 positions, two query heads at a time, each K row
-   loaded once for both; the 8 dot products' lanes are summed by one transposing reduction (hsum8)
-   instead of one horizontal reduction per position. Values: each V row loaded once for two heads. */
+/* AVX-512, D a multiple of 16. Scores: blocks of 8 positions, up to three query heads at a time, each K
+   row loaded once for all of them; the 8 dot products' lanes are summed by one transposing reduction
+   (hsum8) instead of one horizontal reduction per position. Values: each V row loaded once per group. */
 #include <immintrin.h>
 
 static inline __m512 ld_f32(const float *p) { return _mm512_loadu_ps(p); }
@@ -193,74 +193,82 @@ static inline __m256 hsum8(const __m512 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* NQ (1-3) query heads of one kv head at once: each K and V row is loaded once for all of them. Per head
+   the arithmetic is the same whatever NQ (each score an 8-position fmadd chain and hsum8), so results do
+   not depend on how the heads are grouped. */
 #define HEAD_AVX512(NAME, KT, LD, DD)                                                                \
+static inline __attribute__((always_inline)) void NAME##_q(                                          \
+    const float *restrict qh, const KT *restrict k, const KT *restrict v, BLOCKS, int64_t n,         \
+    int64_t D, float scale, float *restrict s, float *restrict oh, const int NQ) {                   \
+    const int64_t C = D / 16;                                                                        \
+    const __m256 sc = _mm256_set1_ps(scale);                                                         \
+    for (int64_t t0 = 0, bk = 0; t0 < n; t0 += bs, bk++) {                                           \
+        const KT *kb = BLOCK_AT(k, bk);                                                              \
+        const int64_t m = n - t0 < bs ? n - t0 : bs;                                                 \
+        int64_t t = 0;                                                                               \
+        for (; t + 8 <= m; t += 8) {                                                                 \
+            __m512 a[3][8];                                                                          \
+            for (int q = 0; q < NQ; q++)                                                             \
+                for (int i = 0; i < 8; i++) a[q][i] = _mm512_setzero_ps();                           \
+            for (int64_t c = 0; c < C; c++) {                                                        \
+                __m512 x[3];                                                                         \
+                for (int q = 0; q < NQ; q++) x[q] = _mm512_loadu_ps(qh + q * D + 16 * c);            \
+                for (int i = 0; i < 8; i++) {                                                        \
+                    const __m512 kv = LD(kb + (t + i) * D + 16 * c);                                 \
+                    for (int q = 0; q < NQ; q++) a[q][i] = _mm512_fmadd_ps(x[q], kv, a[q][i]);       \
+                }                                                                                    \
+            }                                                                                        \
+            for (int q = 0; q < NQ; q++) _mm256_storeu_ps(s + q * n + t0 + t, _mm256_mul_ps(hsum8(a[q]), sc)); \
+        }                                                                                            \
+        for (; t < m; t++) {                                                                         \
+            __m512 a[3];                                                                             \
+            for (int q = 0; q < NQ; q++) a[q] = _mm512_setzero_ps();                                 \
+            for (int64_t c = 0; c < C; c++) {                                                        \
+                const __m512 kv = LD(kb + t * D + 16 * c);                                           \
+                for (int q = 0; q < NQ; q++)                                                         \
+                    a[q] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + q * D + 16 * c), kv, a[q]);          \
+            }                                                                                        \
+            for (int q = 0; q < NQ; q++) s[q * n + t0 + t] = _mm512_reduce_add_ps(a[q]) * scale;     \
+        }                                                                                            \
+    }                                                                                                \
+    float inv[3];                                                                                    \
+    for (int q = 0; q < NQ; q++) {                                                                   \
+        float *sq = s + q * n, mx = -INFINITY;                                                       \
+        for (int64_t i = 0; i < n; i++) mx = sq[i] > mx ? sq[i] : mx;                                \
+        inv[q] = 1.0f / exp_shift_sum(sq, n, mx);                                                    \
+    }                                                                                                \
+    __m512 o[3][DD ? DD / 16 : 16];                                                                  \
+    for (int q = 0; q < NQ; q++)                                                                     \
+        for (int64_t c = 0; c < C; c++) o[q][c] = _mm512_setzero_ps();                               \
+    for (int64_t t0 = 0, bk = 0; t0 < n; t0 += bs, bk++) {                                           \
+        const KT *vb = BLOCK_AT(v, bk);                                                              \
+        const int64_t m = n - t0 < bs ? n - t0 : bs;                                                 \
+        for (int64_t u = 0; u < m; u++) {                                                            \
+            __m512 w[3];                                                                             \
+            for (int q = 0; q < NQ; q++) w[q] = _mm512_set1_ps(s[q * n + t0 + u]);                   \
+            for (int64_t c = 0; c < C; c++) {                                                        \
+                const __m512 vv = LD(vb + u * D + 16 * c);                                           \
+                for (int q = 0; q < NQ; q++) o[q][c] = _mm512_fmadd_ps(w[q], vv, o[q][c]);           \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
+    for (int q = 0; q < NQ; q++) {                                                                   \
+        const __m512 vi = _mm512_set1_ps(inv[q]);                                                    \
+        for (int64_t c = 0; c < C; c++) _mm512_storeu_ps(oh + q * D + 16 * c, _mm512_mul_ps(o[q][c], vi)); \
+    }                                                                                                \
+}                                                                                                    \
+/* The G heads in groups of 3 (a pair or a single last; 4 as two pairs). */                          \
 static void NAME(const float *restrict qh, const KT *restrict k, const KT *restrict v, BLOCKS,       \
                  int64_t n, int64_t G, int64_t D_, float scale, float *restrict s, float *restrict oh) { \
-    const int64_t D = DD ? DD : D_, C = D / 16;                                                      \
-    const __m256 sc = _mm256_set1_ps(scale);                                                         \
-    for (int64_t g0 = 0; g0 < G; g0 += 2) {                                                          \
-        const int two = g0 + 1 < G;                                                                  \
-        const float *qa = qh + g0 * D, *qb = two ? qa + D : qa;                                      \
-        float *sa = s + g0 * n, *sb = two ? sa + n : sa;                                             \
-        for (int64_t t0 = 0, bk = 0; t0 < n; t0 += bs, bk++) {                                       \
-            const KT *kb = BLOCK_AT(k, bk);                                                          \
-            const int64_t m = n - t0 < bs ? n - t0 : bs;                                             \
-            int64_t t = 0;                                                                           \
-            for (; t + 8 <= m; t += 8) {                                                             \
-                __m512 a[8], b[8];                                                                   \
-                for (int i = 0; i < 8; i++) { a[i] = _mm512_setzero_ps(); b[i] = _mm512_setzero_ps(); } \
-                for (int64_t c = 0; c < C; c++) {                                                    \
-                    const __m512 xa = _mm512_loadu_ps(qa + 16 * c), xb = _mm512_loadu_ps(qb + 16 * c); \
-                    for (int i = 0; i < 8; i++) {                                                    \
-                        const __m512 kv = LD(kb + (t + i) * D + 16 * c);                             \
-                        a[i] = _mm512_fmadd_ps(xa, kv, a[i]);                                        \
-                        b[i] = _mm512_fmadd_ps(xb, kv, b[i]);                                        \
-                    }                                                                                \
-                }                                                                                    \
-                _mm256_storeu_ps(sa + t0 + t, _mm256_mul_ps(hsum8(a), sc));                          \
-                if (two) _mm256_storeu_ps(sb + t0 + t, _mm256_mul_ps(hsum8(b), sc));                 \
-            }                                                                                        \
-            for (; t < m; t++) {                                                                     \
-                __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();                             \
-                for (int64_t c = 0; c < C; c++) {                                                    \
-                    const __m512 kv = LD(kb + t * D + 16 * c);                                       \
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qa + 16 * c), kv, a);                        \
-                    b = _mm512_fmadd_ps(_mm512_loadu_ps(qb + 16 * c), kv, b);                        \
-                }                                                                                    \
-                sa[t0 + t] = _mm512_reduce_add_ps(a) * scale;                                        \
-                if (two) sb[t0 + t] = _mm512_reduce_add_ps(b) * scale;                               \
-            }                                                                                        \
-        }                                                                                            \
-        float ia, ib;                                                                                \
-        {                                                                                            \
-            float m = -INFINITY;                                                                     \
-            for (int64_t i = 0; i < n; i++) m = sa[i] > m ? sa[i] : m;                               \
-            ia = 1.0f / exp_shift_sum(sa, n, m);                                                     \
-        }                                                                                            \
-        if (two) {                                                                                   \
-            float m = -INFINITY;                                                                     \
-            for (int64_t i = 0; i < n; i++) m = sb[i] > m ? sb[i] : m;                               \
-            ib = 1.0f / exp_shift_sum(sb, n, m);                                                     \
-        } else ib = ia;                                                                              \
-        __m512 oa[DD ? DD / 16 : 16], ob[DD ? DD / 16 : 16];                                        \
-        for (int64_t c = 0; c < C; c++) { oa[c] = _mm512_setzero_ps(); ob[c] = _mm512_setzero_ps(); } \
-        for (int64_t t0 = 0, bk = 0; t0 < n; t0 += bs, bk++) {                                       \
-            const KT *vb = BLOCK_AT(v, bk);                                                          \
-            const int64_t m = n - t0 < bs ? n - t0 : bs;                                             \
-            for (int64_t u = 0; u < m; u++) {                                                        \
-                const __m512 wa = _mm512_set1_ps(sa[t0 + u]), wb = _mm512_set1_ps(sb[t0 + u]);       \
-                for (int64_t c = 0; c < C; c++) {                                                    \
-                    const __m512 vv = LD(vb + u * D + 16 * c);                                       \
-                    oa[c] = _mm512_fmadd_ps(wa, vv, oa[c]);                                          \
-                    ob[c] = _mm512_fmadd_ps(wb, vv, ob[c]);                                          \
-                }                                                                                    \
-            }                                                                                        \
-        }                                                                                            \
-        const __m512 va = _mm512_set1_ps(ia), vb_ = _mm512_set1_ps(ib);                              \
-        for (int64_t c = 0; c < C; c++) {                                                            \
-            _mm512_storeu_ps(oh + g0 * D + 16 * c, _mm512_mul_ps(oa[c], va));                        \
-            if (two) _mm512_storeu_ps(oh + (g0 + 1) * D + 16 * c, _mm512_mul_ps(ob[c], vb_));         \
-        }                                                                                            \
+    const int64_t D = DD ? DD : D_;                                                                  \
+    for (int64_t g0 = 0; g0 < G;) {                                                                  \
+        const int64_t r = G - g0, nq = r == 4 ? 2 : r >= 3 ? 3 : r;                                  \
+        const float *q = qh + g0 * D;                                                                \
+        float *sg = s + g0 * n, *og = oh + g0 * D;                                                   \
+        if (nq == 3) NAME##_q(q, k, v, tb, bs, bstride, n, D, scale, sg, og, 3);                     \
+        else if (nq == 2) NAME##_q(q, k, v, tb, bs, bstride, n, D, scale, sg, og, 2);                \
+        else NAME##_q(q, k, v, tb, bs, bstride, n, D, scale, sg, og, 1);                             \
+        g0 += nq;                                                                                    \
     }                                                                                                \
 }
 
@@ -487,11 +495,14 @@ static inline uint32_t mix32(uint32_t x) {
     return x;
 }
 
-/* Standard Gumbel noise of vocab entry v for a row whose hash base is `row`: u from 24 bits of
-   mix32(row + salt[v]) in (0, 1), g = -ln(-ln u). */
+/* Standard Gumbel noise of vocab entry v for a row whose hash base is `row`: u from 23 bits of
+   mix32(row + salt[v]), (bits + 0.5) / 2^23, exact in fp32 and strictly inside (0, 1), g = -ln(-ln u),
+   so g lies in [-2.81, 16.64] (24 bits would round the top value's u to 1 and give that entry g = +inf
+   in torch, 88 here: a token drawn whatever the logits, in ~V / 2^24 of all draws). */
+#define GUMBEL_MAX 16.7f  /* > the largest g any bits give, with the polynomial logs' error */
 static inline float gumbel_one(uint32_t row, int64_t salt) {
-    const uint32_t bits = mix32(row + (uint32_t)salt) >> 8;
-    const float u = ((float)bits + 0.5f) * (1.0f / 16777216.0f);
+    const uint32_t bits = mix32(row + (uint32_t)salt) >> 9;
+    const float u = ((float)bits + 0.5f) * (1.0f / 8388608.0f);
     return -log_poly(-log_poly(u));
 }
 
@@ -510,27 +521,38 @@ void gumbel_f32(const int64_t *restrict key, int64_t ks, const int64_t *restrict
     }
 }
 
-/* z[v] = l[v] * it for v < n; returns the largest z that is not NaN (-inf when none is). */
-static float scale_max(const float *restrict l, float it, float *restrict z, int64_t n) {
-    float m = -INFINITY;
-    int64_t v = 0;
-#if defined(__AVX512F__)
-    /* lane-wise maxima, then one reduction: the same value as the scalar loop (max is exact) */
-    const __m512 vi = _mm512_set1_ps(it);
-    __m512 vm = _mm512_set1_ps(-INFINITY);
-    for (; v + 16 <= n; v += 16) {
-        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(l + v), vi);
-        _mm512_storeu_ps(z + v, x);
-        vm = _mm512_mask_mov_ps(vm, _mm512_cmp_ps_mask(x, vm, _CMP_GT_OQ), x);
-    }
-    m = _mm512_reduce_max_ps(vm);
-#endif
-    for (; v < n; v++) {
-        z[v] = l[v] * it;
-        m = z[v] > m ? z[v] : m;
-    }
-    return m;
+/* z[v] = IN(l[v]) * it for v < n; returns the largest z that is not NaN (-inf when none is). */
+#define SCALE_MAX(NAME, T, IN, LD)                                                                      \
+static float NAME(const T *restrict l, float it, float *restrict z, int64_t n) {                        \
+    float m = -INFINITY;                                                                                \
+    int64_t v = 0;                                                                                      \
+    SCALE_MAX_AVX512(LD)                                                                                \
+    for (; v < n; v++) {                                                                                \
+        z[v] = IN(l[v]) * it;                                                                           \
+        m = z[v] > m ? z[v] : m;                                                                        \
+    }                                                                                                   \
+    return m;                                                                                           \
 }
+#if defined(__AVX512F__)
+/* lane-wise maxima, then one reduction: the same value as the scalar loop (max is exact) */
+#define SCALE_MAX_AVX512(LD)                                                                            \
+    {                                                                                                   \
+        const __m512 vi = _mm512_set1_ps(it);                                                           \
+        __m512 vm = _mm512_set1_ps(-INFINITY);                                                          \
+        for (; v + 16 <= n; v += 16) {                                                                  \
+            const __m512 x = _mm512_mul_ps(LD(l + v), vi);                                              \
+            _mm512_storeu_ps(z + v, x);                                                                 \
+            vm = _mm512_mask_mov_ps(vm, _mm512_cmp_ps_mask(x, vm, _CMP_GT_OQ), x);                      \
+        }                                                                                               \
+        m = _mm512_reduce_max_ps(vm);                                                                   \
+    }
+SCALE_MAX(scale_max_f32, float, f32_in, ld_f32)
+SCALE_MAX(scale_max_bf16, uint16_t, bf16_in, ld_bf16)
+#else
+#define SCALE_MAX_AVX512(LD)
+SCALE_MAX(scale_max_f32, float, f32_in, _)
+SCALE_MAX(scale_max_bf16, uint16_t, bf16_in, _)
+#endif
 
 /* The first v < n with y[v] the largest y that is not NaN; 0 when every y is -inf or NaN (the scalar
    loop `if (y[v] > top) best = v` from top = -inf, whose result this is exactly). */
@@ -562,30 +584,54 @@ static int64_t first_argmax(const float *restrict y, int64_t n) {
     return best;
 }
 
-/* One draw per row of logits (B, V) fp32: z = logits * inv_temp, token = the first argmax of
-   z + noise_scale * gumbel (noise_scale 0: greedy), logprob = z[token] - logsumexp(z). Per-row operands
-   are strided columns (the engine's row-state tensors). As torch's path it adds the noise to z, not to
-   log_softmax(z), so both draw the same token bit for bit given the same noise. */
-void sample_f32(const float *restrict logits, const float *restrict inv_temp, int64_t ts,
-                const float *restrict noise_scale, int64_t ns, const int64_t *restrict key, int64_t ks,
-                const int64_t *restrict index, int64_t is, const int64_t *restrict salt, int64_t B, int64_t V,
-                float *restrict z /* 2 V scratch */, int64_t *restrict tokens, float *restrict logprobs) {
-    for (int64_t b = 0; b < B; b++) {
-        const float *l = logits + b * V, it = inv_temp[b * ts], sc = noise_scale[b * ns];
-        const uint32_t row = row_base(key[b * ks], index[b * is]);
-        const float m = scale_max(l, it, z, V);
-        const float *y = z;
-        if (sc != 0.0f) {  /* the noise in a vectorized pass, the argmax in a scalar one */
-            float *w = z + V;
+/* w[v] = z[v] + sc * gumbel(v) where that can win the draw, -inf where it cannot: the first argmax of
+   w is then the first argmax of z + sc * gumbel over every v (sc > 0). An entry can win only if
+   z[v] + sc * GUMBEL_MAX >= z[a] + sc * gumbel(a) for a, the first argmax of z; the noise of the
+   16-entry chunks with no such entry is never computed (most of a large vocabulary, whose logits
+   spread far wider than the noise's range). A negative sc (not used by the engine) computes every entry. */
+static void add_noise(const float *restrict z, float sc, uint32_t row, const int64_t *restrict salt,
+                      int64_t V, float *restrict w) {
+    const int64_t a = first_argmax(z, V);
+    const float cut = sc > 0.0f ? (z[a] + sc * gumbel_one(row, salt[a])) - sc * GUMBEL_MAX : -INFINITY;
+    int64_t v = 0;
+    for (; v + 16 <= V; v += 16) {
+        int live = 0;
+        for (int64_t i = 0; i < 16; i++) live |= z[v + i] >= cut;
+        if (live) {
 #pragma omp simd
-            for (int64_t v = 0; v < V; v++) w[v] = z[v] + sc * gumbel_one(row, salt[v]);
-            y = w;
+            for (int64_t i = 0; i < 16; i++) w[v + i] = z[v + i] + sc * gumbel_one(row, salt[v + i]);
+        } else {
+            for (int64_t i = 0; i < 16; i++) w[v + i] = -INFINITY;
         }
-        const int64_t best = first_argmax(y, V);
-        float sum = 0.f;
-#pragma omp simd reduction(+:sum)
-        for (int64_t v = 0; v < V; v++) sum += exp_poly(z[v] - m);
-        tokens[b] = best;
-        logprobs[b] = z[best] - (m + logf(sum));
     }
+    for (; v < V; v++) w[v] = z[v] + sc * gumbel_one(row, salt[v]);
 }
+
+/* One draw per row of logits (B, V) in T (fp32 or bf16): z = logits * inv_temp (fp32), token = the first
+   argmax of z + noise_scale * gumbel (noise_scale 0: greedy), logprob = z[token] - logsumexp(z). Per-row
+   operands are strided columns (the engine's row-state tensors). As torch's path it adds the noise to z,
+   not to log_softmax(z), so both draw the same token bit for bit given the same noise. */
+#define SAMPLE(NAME, T, SCALE_MAX_T)                                                                    \
+void NAME(const T *restrict logits, const float *restrict inv_temp, int64_t ts,                         \
+          const float *restrict noise_scale, int64_t ns, const int64_t *restrict key, int64_t ks,        \
+          const int64_t *restrict index, int64_t is, const int64_t *restrict salt, int64_t B, int64_t V, \
+          float *restrict z /* 2 V scratch */, int64_t *restrict tokens, float *restrict logprobs) {     \
+    for (int64_t b = 0; b < B; b++) {                                                                   \
+        const float it = inv_temp[b * ts], sc = noise_scale[b * ns];                                    \
+        const uint32_t row = row_base(key[b * ks], index[b * is]);                                      \
+        const float m = SCALE_MAX_T(logits + b * V, it, z, V);                                          \
+        const float *y = z;                                                                             \
+        if (sc != 0.0f) {                                                                               \
+            add_noise(z, sc, row, salt, V, z + V);                                                      \
+            y = z + V;                                                                                  \
+        }                                                                                               \
+        const int64_t best = first_argmax(y, V);                                                        \
+        float sum = 0.f;                                                                                \
+        _Pragma("omp simd reduction(+:sum)")                                                            \
+        for (int64_t v = 0; v < V; v++) sum += exp_poly(z[v] - m);                                      \
+        tokens[b] = best;                                                                               \
+        logprobs[b] = z[best] - (m + logf(sum));                                                        \
+    }                                                                                                   \
+}
+SAMPLE(sample_f32, float, scale_max_f32)
+SAMPLE(sample_bf16, uint16_t, scale_max_bf16)
