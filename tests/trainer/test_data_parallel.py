@@ -13,7 +13,17 @@ from tailrace.trainer.packing import split_by_tokens
 from tests.trainer.test_grpo import TinyLM, grads, make_groups
 
 LOSS = dict(name="grpo", correction="tis", kl_coef=0.1, max_new_tokens=8, tis_cap=1.3)
-KEYS = ("loss", "pg_loss", "kl", "clip_frac", "ratio_mean", "tokens", "entropy", "ratio_max", "micro_batches")
+KEYS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "clip_frac",
+    "ratio_mean",
+    "tokens",
+    "entropy",
+    "ratio_max",
+)  # not micro_batches:
+# each rank cuts its own rows into micro-batches, so their count need not add up to one process's
 
 
 def test_rows_split_by_tokens_not_rows():

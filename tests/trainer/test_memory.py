@@ -56,7 +56,7 @@ def test_the_trainer_splits_its_batch_by_the_budget():
     groups = make_groups(small.model, n_groups=40)
     n_small = small.step(groups, 0)["micro_batches"]
     n_big = big.step(groups, 0)["micro_batches"]
-    assert n_big == 1 and n_small > 1
+    assert n_small > n_big >= 1  # the cap, not padding alone, sets how many the small budget needs
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
