@@ -57,7 +57,6 @@ MODES = [
     ("sync", {"shaping.name": "april", "train.loss.correction": "tis"}),
     ("sync", {"shaping.name": "sorted", "train.loss.correction": "tis"}),
 ]
-CORRECTION = {"sync": "none", "pipe": "none", "async": "tis", "partial": "tis", "multiversion": "behaviour"}
 
 CONFIGS = {
     "demo": [],  # tailrace train's defaults
@@ -121,7 +120,6 @@ def run_one(
         f"--flow.steps={steps}",
         f"--eval.n={eval_n}",
         f"--eval.every={eval_every}",
-        f"--train.loss.correction={CORRECTION[mode]}",
         "--flow.checkpoint_every=1000",
         f"--seed={seed}",
     ]

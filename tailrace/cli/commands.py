@@ -148,6 +148,13 @@ def _train(cfg: RunConfig, run, resume) -> int:
         f"run directory: {run.path}  (mode {cfg.flow.mode}, {cfg.flow.steps} steps, "
         f"{cfg.flow.prompts_per_round} prompts x {cfg.flow.samples_per_prompt} samples per round)"
     )
+    if cfg.train.loss.correction is None:
+        from tailrace.flow.policies import POLICIES
+
+        console.print(
+            f"off-policy correction {POLICIES[cfg.flow.mode].correction} "
+            f"(train.loss.correction null: the {cfg.flow.mode} mode's own)"
+        )
     if cfg.train.lr is None:
         n = session.flat_layout().buffer.numel()
         console.print(

@@ -28,7 +28,11 @@ class LossConfig:
     ratio_high: float = setting(
         2.0, "icepop keeps tokens (geo_mask sequences) whose pi_prox/pi_behav <= this"
     )
-    correction: str = setting("none", "off-policy correction: where the ratio's anchor and weight come from")
+    correction: str | None = setting(
+        None,
+        "off-policy correction: where the ratio's anchor and weight come from (null = the mode's own: "
+        "none for sync and pipe, tis for async and partial, behaviour for multiversion)",
+    )
 
     def __post_init__(self) -> None:
         need(

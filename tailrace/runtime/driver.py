@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tailrace.common import Fault
-from tailrace.config import RunConfig, dump_config
+from tailrace.config import RunConfig, TrainerConfig, dump_config
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.policies import make_policy
@@ -81,6 +81,7 @@ class Driver:
             rollout_groups=f.rollout_groups, ahead=f.ahead, placement=f.placement,
             pregen_below=r.spec.pregen_below,
         )  # fmt: skip
+        self.train_cfg = with_correction(cfg.train, policy.correction)
         sampling = SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
@@ -128,7 +129,7 @@ class Driver:
         self.device = device = resolve_device(cfg.device)
         self.weights = SharedWeights.like(self.layout, slots=cfg.flow.max_staleness + 3)
         self.tspec = TrainerSpec(
-            str(ses.model_path), cfg.train, threads=len(train_cores), cores=train_cores, seed=cfg.seed,
+            str(ses.model_path), self.train_cfg, threads=len(train_cores), cores=train_cores, seed=cfg.seed,
             start_version=version, resume_from=str(self.resume.checkpoint) if self.resume else None,
             device=device,
         )  # fmt: skip
@@ -476,6 +477,13 @@ class Driver:
                     asked = self.engines[i]
                     self.workers.send(asked, LoadWeights(i, v))
                 self._pump()
+
+
+def with_correction(train: TrainerConfig, own: str) -> TrainerConfig:
+    """`train` with the mode's own off-policy correction where train.loss.correction is null."""
+    if train.loss.correction is not None:
+        return train
+    return replace(train, loss=replace(train.loss, correction=own))
 
 
 def _tensorboard(run: RunDir):

@@ -78,7 +78,7 @@ class GRPOTrainer:
         self.lr = cfg.lr if cfg.lr is not None else auto_lr(self.flat.buffer.numel())
         self.opt = build_adamw(model, self.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.loss_fn = LOSSES[cfg.loss.name]
-        self.correct = CORRECTIONS[cfg.loss.correction]
+        self.correct = CORRECTIONS[cfg.loss.correction or "none"]  # the runtime fills in the mode's own
         self.bounds = Bounds(cfg.loss.tis_cap, cfg.loss.ratio_low, cfg.loss.ratio_high)
         self.advantage = ADVANTAGES[cfg.advantage or self.loss_fn.advantage]  # None: the loss's own
         self.device = self.flat.buffer.device

@@ -6,7 +6,10 @@
     state_dict / load_state_dict what the policy needs to resume (most derive everything from the core)
 
 Class attributes declare the invariants the core enforces at every train step:
-`max_staleness` (trainer version - oldest token version) and `mixed_versions`.
+`max_staleness` (trainer version - oldest token version) and `mixed_versions`; and `correction`, the
+off-policy correction (a `trainer.losses.CORRECTIONS` name) a run of the mode trains with unless
+`train.loss.correction` names another: the one its time-to-accuracy runs were measured with
+(bench/modes.py).
 
 Zero-signal groups (DAPO's dynamic sampling): a complete group whose rewards are all equal has zero
 advantage everywhere and teaches nothing. With `extra_groups` (set by `make_policy`; 0 = off) each
@@ -30,6 +33,7 @@ class Policy:
     name = "base"
     max_staleness = 0
     mixed_versions = False
+    correction = "none"  # on-policy: the trainer's own logprobs anchor the ratio
     extra_groups: int | None = 0  # zero-signal groups replaced per optimizer step at most (None = U)
 
     @classmethod

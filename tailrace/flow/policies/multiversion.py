@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 class MultiVersionPolicy(StreamingPolicy):
     name = "multiversion"
+    correction = "behaviour"  # DORA: clip against each trajectory's own behaviour version
 
     def __init__(self, *args, placement: str = "shared", **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 class AsyncPolicy(Policy):
     name = "async"
+    correction = "tis"  # whole samples K versions stale: truncated importance weights
 
     def __init__(self, max_staleness: int = 1) -> None:
         if max_staleness < 1:

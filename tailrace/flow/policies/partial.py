@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class PartialPolicy(StreamingPolicy):
     name = "partial"
     mixed_versions = True
+    correction = "tis"  # tokens of several versions, each weighted by its own behaviour policy
 
     def decide(self, core: Scheduler) -> None:
         self.train_ready(core)
