@@ -521,30 +521,42 @@ void gumbel_f32(const int64_t *restrict key, int64_t ks, const int64_t *restrict
     }
 }
 
-/* z[v] = IN(l[v]) * it for v < n; returns the largest z that is not NaN (-inf when none is). */
+/* z[v] = IN(l[v]) * it for v < n; returns the largest z that is not NaN (-inf when none is) and sets
+   *at to the first v holding it (0 when none does): `if (z[v] > top) top = z[v], at = v` from
+   top = -inf, exactly. */
 #define SCALE_MAX(NAME, T, IN, LD)                                                                      \
-static float NAME(const T *restrict l, float it, float *restrict z, int64_t n) {                        \
+static float NAME(const T *restrict l, float it, float *restrict z, int64_t n, int64_t *restrict at) {  \
     float m = -INFINITY;                                                                                \
-    int64_t v = 0;                                                                                      \
+    int64_t v = 0, best = 0;                                                                            \
     SCALE_MAX_AVX512(LD)                                                                                \
     for (; v < n; v++) {                                                                                \
         z[v] = IN(l[v]) * it;                                                                           \
-        m = z[v] > m ? z[v] : m;                                                                        \
+        if (z[v] > m) { m = z[v]; best = v; }                                                           \
     }                                                                                                   \
+    *at = best;                                                                                         \
     return m;                                                                                           \
 }
 #if defined(__AVX512F__)
-/* lane-wise maxima, then one reduction: the same value as the scalar loop (max is exact) */
+/* each lane keeps its first maximum (strictly greater replaces); the maximum is the lanes' largest
+   and its first index the smallest among the lanes holding it */
 #define SCALE_MAX_AVX512(LD)                                                                            \
-    {                                                                                                   \
+    if (n < ((int64_t)1 << 31)) {                                                                       \
         const __m512 vi = _mm512_set1_ps(it);                                                           \
         __m512 vm = _mm512_set1_ps(-INFINITY);                                                          \
+        __m512i vb = _mm512_setzero_si512(),                                                            \
+                vv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);           \
+        const __m512i step = _mm512_set1_epi32(16);                                                     \
         for (; v + 16 <= n; v += 16) {                                                                  \
             const __m512 x = _mm512_mul_ps(LD(l + v), vi);                                              \
             _mm512_storeu_ps(z + v, x);                                                                 \
-            vm = _mm512_mask_mov_ps(vm, _mm512_cmp_ps_mask(x, vm, _CMP_GT_OQ), x);                      \
+            const __mmask16 gt = _mm512_cmp_ps_mask(x, vm, _CMP_GT_OQ);                                 \
+            vm = _mm512_mask_mov_ps(vm, gt, x);                                                         \
+            vb = _mm512_mask_mov_epi32(vb, gt, vv);                                                     \
+            vv = _mm512_add_epi32(vv, step);                                                            \
         }                                                                                               \
         m = _mm512_reduce_max_ps(vm);                                                                   \
+        if (m > -INFINITY)                                                                              \
+            best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(vm, _mm512_set1_ps(m), _CMP_EQ_OQ), vb); \
     }
 SCALE_MAX(scale_max_f32, float, f32_in, ld_f32)
 SCALE_MAX(scale_max_bf16, uint16_t, bf16_in, ld_bf16)
@@ -554,63 +566,43 @@ SCALE_MAX(scale_max_f32, float, f32_in, _)
 SCALE_MAX(scale_max_bf16, uint16_t, bf16_in, _)
 #endif
 
-/* The first v < n with y[v] the largest y that is not NaN; 0 when every y is -inf or NaN (the scalar
-   loop `if (y[v] > top) best = v` from top = -inf, whose result this is exactly). */
-static int64_t first_argmax(const float *restrict y, int64_t n) {
-    int64_t v = 0, best = 0;
-    float top = -INFINITY;
-#if defined(__AVX512F__)
-    /* each lane keeps its first maximum (strictly greater replaces); the answer is the smallest index
-       among the lanes holding the overall maximum */
-    if (n < ((int64_t)1 << 31)) {
-        __m512 vt = _mm512_set1_ps(-INFINITY);
-        __m512i vb = _mm512_setzero_si512(), vv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                                      12, 13, 14, 15);
-        const __m512i step = _mm512_set1_epi32(16);
-        for (; v + 16 <= n; v += 16) {
-            const __m512 x = _mm512_loadu_ps(y + v);
-            const __mmask16 gt = _mm512_cmp_ps_mask(x, vt, _CMP_GT_OQ);
-            vt = _mm512_mask_mov_ps(vt, gt, x);
-            vb = _mm512_mask_mov_epi32(vb, gt, vv);
-            vv = _mm512_add_epi32(vv, step);
-        }
-        top = _mm512_reduce_max_ps(vt);
-        if (top > -INFINITY)
-            best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(vt, _mm512_set1_ps(top), _CMP_EQ_OQ), vb);
-    }
-#endif
-    for (; v < n; v++)
-        if (y[v] > top) { top = y[v]; best = v; }
-    return best;
-}
-
-/* w[v] = z[v] + sc * gumbel(v) where that can win the draw, -inf where it cannot: the first argmax of
-   w is then the first argmax of z + sc * gumbel over every v (sc > 0). An entry can win only if
-   z[v] + sc * GUMBEL_MAX >= z[a] + sc * gumbel(a) for a, the first argmax of z; the noise of the
-   16-entry chunks with no such entry is never computed (most of a large vocabulary, whose logits
-   spread far wider than the noise's range). A negative sc (not used by the engine) computes every entry. */
-static void add_noise(const float *restrict z, float sc, uint32_t row, const int64_t *restrict salt,
-                      int64_t V, float *restrict w) {
-    const int64_t a = first_argmax(z, V);
+/* The first argmax over v of z[v] + sc * gumbel(v), given a, the first argmax of z (sc > 0). An entry
+   can win only if z[v] + sc * GUMBEL_MAX >= z[a] + sc * gumbel(a): the noise of the 16-entry chunks
+   with no such entry is never computed (most of a large vocabulary, whose logits spread far wider than
+   the noise's range), and the others are compared in order, strictly greater replacing, so the token
+   is exactly that of adding the noise everywhere. A negative sc (not used by the engine) computes
+   every entry. */
+static int64_t noisy_argmax(const float *restrict z, float sc, uint32_t row, const int64_t *restrict salt,
+                            int64_t V, int64_t a) {
     const float cut = sc > 0.0f ? (z[a] + sc * gumbel_one(row, salt[a])) - sc * GUMBEL_MAX : -INFINITY;
-    int64_t v = 0;
+    float top = -INFINITY, y[16];
+    int64_t best = 0, v = 0;
     for (; v + 16 <= V; v += 16) {
         int live = 0;
         for (int64_t i = 0; i < 16; i++) live |= z[v + i] >= cut;
-        if (live) {
-#pragma omp simd
-            for (int64_t i = 0; i < 16; i++) w[v + i] = z[v + i] + sc * gumbel_one(row, salt[v + i]);
-        } else {
-            for (int64_t i = 0; i < 16; i++) w[v + i] = -INFINITY;
+        if (!live) continue;
+        float cm = -INFINITY;
+#pragma omp simd reduction(max:cm)
+        for (int64_t i = 0; i < 16; i++) {
+            y[i] = z[v + i] + sc * gumbel_one(row, salt[v + i]);
+            cm = y[i] > cm ? y[i] : cm;
         }
+        if (!(cm > top)) continue;  /* the chunk's best does not beat the best so far (NaN never does) */
+        for (int64_t i = 0; i < 16; i++)
+            if (y[i] > top) { top = y[i]; best = v + i; }
     }
-    for (; v < V; v++) w[v] = z[v] + sc * gumbel_one(row, salt[v]);
+    for (; v < V; v++) {
+        const float w = z[v] + sc * gumbel_one(row, salt[v]);
+        if (w > top) { top = w; best = v; }
+    }
+    return best;
 }
 
 /* One draw per row of logits (B, V) in T (fp32 or bf16): z = logits * inv_temp (fp32), token = the first
    argmax of z + noise_scale * gumbel (noise_scale 0: greedy), logprob = z[token] - logsumexp(z). Per-row
    operands are strided columns (the engine's row-state tensors). As torch's path it adds the noise to z,
-   not to log_softmax(z), so both draw the same token bit for bit given the same noise. */
+   not to log_softmax(z), so both draw the same token bit for bit given the same noise. Three passes over
+   a row: scale (and its max), the noisy argmax over the chunks that can win, the sum of exponentials. */
 #define SAMPLE(NAME, T, SCALE_MAX_T)                                                                    \
 void NAME(const T *restrict logits, const float *restrict inv_temp, int64_t ts,                         \
           const float *restrict noise_scale, int64_t ns, const int64_t *restrict key, int64_t ks,        \
@@ -619,13 +611,9 @@ void NAME(const T *restrict logits, const float *restrict inv_temp, int64_t ts, 
     for (int64_t b = 0; b < B; b++) {                                                                   \
         const float it = inv_temp[b * ts], sc = noise_scale[b * ns];                                    \
         const uint32_t row = row_base(key[b * ks], index[b * is]);                                      \
-        const float m = SCALE_MAX_T(logits + b * V, it, z, V);                                          \
-        const float *y = z;                                                                             \
-        if (sc != 0.0f) {                                                                               \
-            add_noise(z, sc, row, salt, V, z + V);                                                      \
-            y = z + V;                                                                                  \
-        }                                                                                               \
-        const int64_t best = first_argmax(y, V);                                                        \
+        int64_t a;                                                                                      \
+        const float m = SCALE_MAX_T(logits + b * V, it, z, V, &a);                                      \
+        const int64_t best = sc != 0.0f ? noisy_argmax(z, sc, row, salt, V, a) : a;                     \
         float sum = 0.f;                                                                                \
         _Pragma("omp simd reduction(+:sum)")                                                            \
         for (int64_t v = 0; v < V; v++) sum += exp_poly(z[v] - m);                                      \
