@@ -30,6 +30,7 @@ from tailrace.runtime.health import STARTUP_S
 from tailrace.runtime.hosts import Seat, Started
 from tailrace.runtime.messages import Beat
 
+LOOPBACK = "127.0.0.1"
 PLACE_S = 120.0  # for the placement group's bundles to be reserved, once the cluster has the resources
 
 
@@ -52,13 +53,15 @@ class Host:
     driver opens to it; `run` returns when the body does."""
 
     def __init__(self, authkey: bytes) -> None:
-        self.listener = Listener(("0.0.0.0", 0), authkey=authkey)  # only a holder of the run's key gets in
+        # on the address Ray knows its node by (loopback for a cluster started for the run); only a
+        # holder of the run's key gets in
+        self.listener = Listener((import_ray().util.get_node_ip_address(), 0), authkey=authkey)
 
     def address(self) -> tuple[str, int, int, str]:
         """(node ip, port, pid, node id): where the driver connects, and what ends this process."""
         ray = import_ray()
         node = ray.get_runtime_context().get_node_id()
-        return ray.util.get_node_ip_address(), self.listener.address[1], os.getpid(), node
+        return self.listener.address[0], self.listener.address[1], os.getpid(), node
 
     def run(self, name: str, target: Callable[..., None], args: tuple) -> None:
         conn, beats = self.listener.accept(), self.listener.accept()  # the driver connects in this order
@@ -244,8 +247,8 @@ class RayHosts:
         if ray.is_initialized():  # a caller's own Ray session (a notebook, the tests)
             return
         try:
-            if address is None:
-                ray.init(include_dashboard=False, logging_level=logging.WARNING)
+            if address is None:  # a one-machine cluster for the run, on loopback only
+                ray.init(include_dashboard=False, logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
             else:
                 ray.init(address=address, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError, ValueError) as e:

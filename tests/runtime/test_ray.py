@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    # on loopback: the cluster's processes and the driver's connections never leave this machine
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
     yield ray
     ray.shutdown()
 
