@@ -8,6 +8,7 @@ from tailrace.common import ConfigError
 from tailrace.config.load import dump_config, load_config
 from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
 from tailrace.config.run import EvalConfig, FlowConfig, RolloutConfig, RunConfig, SpecConfig, TaskConfig
+from tailrace.config.runtime import RuntimeConfig
 from tailrace.config.shaping import ShapingConfig
 from tailrace.config.train import LossConfig, TrainerConfig
 
@@ -20,6 +21,7 @@ __all__ = [
     "ModelSpec",
     "RolloutConfig",
     "RunConfig",
+    "RuntimeConfig",
     "SFTConfig",
     "ShapingConfig",
     "SpecConfig",

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from tailrace.config.fields import need, section, setting
 from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
+from tailrace.config.runtime import RuntimeConfig
 from tailrace.config.shaping import ShapingConfig
 from tailrace.config.train import TrainerConfig
 
@@ -275,6 +276,7 @@ class RunConfig:
     shaping: ShapingConfig = section(ShapingConfig, "the length distribution generated and trained on")
     train: TrainerConfig = section(TrainerConfig, "the GRPO trainer")
     eval: EvalConfig = section(EvalConfig, "held-out accuracy before and after training")
+    runtime: RuntimeConfig = section(RuntimeConfig, "where the trainer and engine processes run")
     seed: int = setting(0, "seed of the engines' sampling and the trainer")
     device: str = setting(
         "auto", "where the engines and the trainer run: auto (cuda when torch sees a GPU), cpu, cuda, cuda:N"

@@ -1,4 +1,5 @@
-"""The local driver: scheduler in this process, trainer and engines in their own pinned processes.
+"""The driver: scheduler in this process, trainer and engines in processes of their own — pinned to
+this machine's cores, or Ray actors on a cluster (`runtime.kind`; runtime/hosts.py says where).
 
     poll the scheduler -> execute its commands, record its journal and marks -> wait for reports
     -> score engine results and feed them back -> log
@@ -35,10 +36,10 @@ from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.health import Lost
+from tailrace.runtime.hosts import Seat, hosts_for
 from tailrace.runtime.messages import EngineReport, History, Ready, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import SpecTally, Utilization
 from tailrace.runtime.orders import TrainOrders
-from tailrace.runtime.procs import placement, resolve_device
 from tailrace.runtime.recovery import Recovery, describe, weights_on_disk
 from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
@@ -46,7 +47,6 @@ from tailrace.runtime.session import Session
 from tailrace.runtime.snapshots import Snapshot, Snapshots
 from tailrace.runtime.supervisor import DriverLost
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
-from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import Worker, Workers
 from tailrace.types import Finish, GenRequest, GenResult, Prompt, SamplingParams, Trajectory
 
@@ -99,7 +99,10 @@ class Driver:
         self.cadence = checkpoint.Cadence.of(
             f.checkpoint_every, f.checkpoint_minutes, 12 * self.layout.buffer.numel()
         )
-        self.workers = Workers(cfg.worker_timeout_s, run.file("errors.log"), recover=cfg.max_restarts > 0)
+        self.hosts = hosts_for(cfg.runtime)
+        self.workers = Workers(
+            cfg.worker_timeout_s, run.file("errors.log"), recover=cfg.max_restarts > 0, hosts=self.hosts
+        )
         self.recovery = Recovery(cfg.max_restarts)
         self.orders = TrainOrders()
         self.restart_from = resume.checkpoint if resume else None  # the newest whole checkpoint
@@ -125,11 +128,12 @@ class Driver:
     # ------------------------------------------------------------------ set-up
     def _start(self, version: int) -> None:
         cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
-        train_cores, engine_cores = placement(r.engines)
-        self.device = device = resolve_device(cfg.device)
-        self.weights = SharedWeights.like(self.layout, slots=cfg.flow.max_staleness + 3)
+        trainer_seat, engine_seats = self.hosts.place(r.engines, r.threads)
+        self.device = device = self.hosts.device(cfg.device)
+        self.weights = self.hosts.ring(self.layout, slots=cfg.flow.max_staleness + 3)
         self.tspec = TrainerSpec(
-            str(ses.model_path), self.train_cfg, threads=len(train_cores), cores=train_cores, seed=cfg.seed,
+            str(ses.model_path), self.train_cfg, threads=trainer_seat.threads, cores=trainer_seat.cores,
+            seed=cfg.seed,
             start_version=version, resume_from=str(self.resume.checkpoint) if self.resume else None,
             device=device,
         )  # fmt: skip
@@ -137,23 +141,24 @@ class Driver:
         self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
         self.engines: list[Worker] = []
         self.expected_context = ses.expected_context(max(r.max_new_tokens, cfg.eval.max_new_tokens))
-        self.especs = [self._engine_spec(cores, version) for cores in engine_cores]
+        self.especs = [self._engine_spec(seat, version) for seat in engine_seats]
         for i, espec in enumerate(self.especs):
             self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
         self.workers.ready(self.engines)
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)
 
-    def _engine_spec(self, cores: tuple[int, ...], version: int) -> EngineSpec:
+    def _engine_spec(self, seat: Seat, version: int) -> EngineSpec:
         r = self.cfg.rollout
         return EngineSpec(
-            str(self.ses.model_path), r.slots, r.prefill_tokens, r.threads, cores, self.cfg.seed, self.cfg.model.dtype,
-            start_versions=(version,), attention=r.attention, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb,
-            expected_context=self.expected_context, device=self.device, spec=self.spec,
+            str(self.ses.model_path), r.slots, r.prefill_tokens, seat.threads, seat.cores, self.cfg.seed,
+            self.cfg.model.dtype, start_versions=(version,), attention=r.attention, max_context=r.max_context,
+            kv_memory_gb=r.kv_memory_gb, expected_context=self.expected_context, device=self.device, spec=self.spec,
         )  # fmt: skip
 
     def close(self) -> None:
         self.workers.close()
+        self.hosts.close()
         for f in (self.metrics, self.events, self.journal):
             f.close()
         if self.tb is not None:

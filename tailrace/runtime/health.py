@@ -87,7 +87,11 @@ class Health:
 
 
 def exit_reason(code: int | None) -> str:
-    if code is None or code >= 0:
+    """`code`: the exit code, minus the signal's number when one ended it; None where the driver cannot
+    see it (a Ray actor: on another host, or not its child)."""
+    if code is None:
+        return "exit status unseen: killed, out of memory, or its node lost"
+    if code >= 0:
         return f"exit code {code}"
     name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
     return f"killed by {name}" + (": out of memory?" if name == "SIGKILL" else "")

@@ -18,6 +18,14 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Beat:
+    """A heartbeat where the driver shares no memory with the worker (Ray), on a connection of its own
+    so it is heard whatever the driver is reading: the count so far (runtime/health.py)."""
+
+    count: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """The driver is done with this worker: it exits its loop."""
 

@@ -16,7 +16,6 @@ driver, which finds the worker stuck by its heartbeat.
 from __future__ import annotations
 
 import queue
-import signal
 import sys
 import threading
 import time
@@ -30,8 +29,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 from tailrace.common import Fault, InputError, one_line
 from tailrace.runtime.health import Health, Lost, Pulse, exit_reason
+from tailrace.runtime.hosts import Hosts, LocalHosts
 from tailrace.runtime.messages import Failed, Ready, Shutdown
-from tailrace.runtime.procs import context, name_process
+from tailrace.runtime.procs import name_process
 
 # -- the worker's side ---------------------------------------------------------------------------
 
@@ -92,25 +92,24 @@ class Worker:
 
 class Workers:
     """The driver's worker processes. `errors_log` receives the traceback of a worker's fault.
-    `recover`: a lost worker comes back from `receive` as a `Lost` message instead of raising."""
+    `recover`: a lost worker comes back from `receive` as a `Lost` message instead of raising.
+    `hosts`: where the processes run (runtime/hosts.py; default: this machine)."""
 
-    def __init__(self, timeout_s: float, errors_log: Path | None = None, recover: bool = False) -> None:
-        self.ctx = context()
+    def __init__(
+        self,
+        timeout_s: float,
+        errors_log: Path | None = None,
+        recover: bool = False,
+        hosts: Hosts | None = None,
+    ) -> None:
+        self.hosts = hosts or LocalHosts()
         self.timeout_s, self.errors_log, self.recover = timeout_s, errors_log, recover
         self.all: list[Worker] = []
 
     def start(self, name: str, target: Callable[..., None], *args: Any) -> Worker:
-        """Start `target(conn, counter, *args)` in a new process."""
-        conn, child = self.ctx.Pipe()
-        counter = self.ctx.Value("Q", 0, lock=False)
-        proc = self.ctx.Process(target=target, args=(child, counter, *args), name=name, daemon=True)
-        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C is the driver's
-        try:
-            proc.start()
-        finally:
-            signal.signal(signal.SIGINT, sigint)
-        child.close()  # only the worker holds its end now: when it dies, ours reads end-of-file
-        w = Worker(name, proc, conn, Health(name, proc, counter, self.timeout_s), Sender(conn))
+        """Start `target(conn, counter, *args)` in a new process on this machine or the cluster."""
+        s = self.hosts.start(name, target, args)
+        w = Worker(name, s.proc, s.conn, Health(name, s.proc, s.counter, self.timeout_s), Sender(s.conn))
         w.sender.start()
         self.all.append(w)
         return w

@@ -1,0 +1,91 @@
+"""Where worker processes run and how published weights reach them: this machine (`LocalHosts`) or
+a Ray cluster (runtime/ray_hosts.py).
+
+Either gives the driver the same three things, so `Workers`, the driver's loop and the worker bodies
+are one code for both: a seat per role (`place`: cores to pin, torch threads), the workers' torch
+device (`device`), a started worker
+(`start`: a process handle as runtime/health.py reads one, a connection speaking runtime/messages.py,
+the counter its heartbeat moves), and a weights ring (`ring`: write / read / holds / slots, as
+runtime/weights.py). Worker bodies are called `target(conn, counter, *args)`.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Protocol
+
+from tailrace.config import RuntimeConfig
+from tailrace.runtime.procs import context, placement, resolve_device
+
+
+class Seat(NamedTuple):
+    cores: tuple[int, ...]  # the cores the worker pins itself to; () = not pinned (Ray places it)
+    threads: int  # its torch threads
+
+
+@dataclass
+class Started:
+    proc: Any  # is_alive(), exitcode, kill(), join(timeout): a multiprocessing Process or alike
+    conn: Any  # send / recv / poll / close, waitable by multiprocessing.connection.wait
+    counter: Any  # `.value`: the worker's heartbeat count, as the driver sees it
+
+
+class Hosts(Protocol):
+    def place(self, engines: int, engine_threads: int) -> tuple[Seat, list[Seat]]:
+        """Reserve a seat for the trainer and each engine (on Ray: the placement group)."""
+        ...
+
+    def device(self, name: str) -> str:
+        """The workers' torch device for the config's `device` (auto, cpu, cuda, cuda:N)."""
+        ...
+
+    def start(self, name: str, target: Callable[..., None], args: tuple) -> Started: ...
+
+    def ring(self, layout: Any, slots: int) -> Any:
+        """The weights ring for a flat layout (model/flat.FlatWeights) holding `slots` versions."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalHosts:
+    """One process per role on this machine, each pinned to its own cores (runtime/procs.py)."""
+
+    def __init__(self) -> None:
+        self.ctx = context()
+
+    def place(self, engines: int, engine_threads: int) -> tuple[Seat, list[Seat]]:
+        train, cores = placement(engines)
+        return Seat(train, len(train)), [Seat(c, engine_threads) for c in cores]
+
+    def device(self, name: str) -> str:
+        return resolve_device(name)
+
+    def start(self, name: str, target: Callable[..., None], args: tuple) -> Started:
+        conn, child = self.ctx.Pipe()
+        counter = self.ctx.Value("Q", 0, lock=False)
+        proc = self.ctx.Process(target=target, args=(child, counter, *args), name=name, daemon=True)
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C is the driver's
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, sigint)
+        child.close()  # only the worker holds its end now: when it dies, ours reads end-of-file
+        return Started(proc, conn, counter)
+
+    def ring(self, layout: Any, slots: int) -> Any:
+        from tailrace.runtime.weights import SharedWeights
+
+        return SharedWeights.like(layout, slots=slots)
+
+    def close(self) -> None:
+        pass
+
+
+def hosts_for(cfg: RuntimeConfig) -> Hosts:
+    if cfg.kind == "ray":
+        from tailrace.runtime.ray_hosts import RayHosts
+
+        return RayHosts(cfg)
+    return LocalHosts()

@@ -1,0 +1,276 @@
+"""The Ray runtime's hosts: the trainer and each engine as a Ray actor in one placement group.
+
+Ray only places and starts the worker processes; everything after that is the local runtime's. Each
+actor (`Host`) listens on a TCP port of its node, and the driver connects to it with
+`multiprocessing.connection.Client` (authenticated by a key made for the run), so the worker body,
+its typed messages (runtime/messages.py) and the driver's `Workers` are the ones of the local runtime.
+Two things differ because a remote process shares no memory with the driver: the heartbeat travels
+as `Beat` messages on a second connection, read by a thread of the driver (so it is heard whatever
+the driver is reading), instead of a shared counter; and published weights go through the object
+store (runtime/ray_weights.py) instead of the shared-memory ring. A dead actor reads as a dead
+process (its connection ends, its `run` call fails) and a stopped one as a silent one: `Workers`
+finds both and the driver replaces them in the same bundle, as it does local workers.
+
+This module is the one place tailrace imports Ray, and only when a run asks for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from multiprocessing import current_process
+from multiprocessing.connection import Client, Listener
+from typing import Any, Callable
+
+from tailrace.common import ConfigError, Fault, one_line
+from tailrace.config import RuntimeConfig
+from tailrace.runtime.health import STARTUP_S
+from tailrace.runtime.hosts import Seat, Started
+from tailrace.runtime.messages import Beat
+
+LOOPBACK = "127.0.0.1"
+PLACE_S = 120.0  # for the placement group's bundles to be reserved, once the cluster has the resources
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "runtime.kind=ray needs Ray, which is not installed: pip install 'tailrace[ray]' "
+            "(or use runtime.kind=local)"
+        ) from None
+    return ray
+
+
+# -- the worker's side ---------------------------------------------------------------------------
+
+
+class Host:
+    """A Ray actor that runs one worker body, `target(conn, counter, *args)`, over a connection the
+    driver opens to it; `run` returns when the body does."""
+
+    def __init__(self, authkey: bytes) -> None:
+        # on the address Ray knows its node by (loopback for a cluster started for the run); only a
+        # holder of the run's key gets in
+        self.listener = Listener((import_ray().util.get_node_ip_address(), 0), authkey=authkey)
+
+    def address(self) -> tuple[str, int, int, str]:
+        """(node ip, port, pid, node id): where the driver connects, and what ends this process."""
+        ray = import_ray()
+        node = ray.get_runtime_context().get_node_id()
+        return self.listener.address[0], self.listener.address[1], os.getpid(), node
+
+    def run(self, name: str, target: Callable[..., None], args: tuple) -> None:
+        conn, beats = self.listener.accept(), self.listener.accept()  # the driver connects in this order
+        self.listener.close()
+        current_process().name = name  # the process calls itself tr-<name> (workers.serving)
+        target(conn, Beats(beats), *args)
+
+
+class Beats:
+    """The heartbeat counter of a worker the driver shares no memory with: each `value` its Pulse
+    sets (`value += 1`) goes to the driver as a `Beat` on the beat connection."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.count = conn, 0
+
+    @property
+    def value(self) -> int:
+        return self.count
+
+    @value.setter
+    def value(self, count: int) -> None:
+        self.count = count
+        try:
+            self.conn.send(Beat(count))
+        except OSError:  # the driver is gone: the worker's loop finds out and exits
+            pass
+
+
+def _sigkill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended meanwhile
+        pass
+
+
+# -- the driver's side ---------------------------------------------------------------------------
+
+
+class Heard(threading.Thread):
+    """The driver's copy of a worker's heartbeat count (`value`, as health.Health reads a counter),
+    kept by reading its beat connection until it closes."""
+
+    def __init__(self, conn: Any) -> None:
+        super().__init__(name="beats", daemon=True)
+        self.conn, self.value = conn, 0
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.value = self.conn.recv().count
+            except (EOFError, OSError):
+                return
+
+
+class RayProcess:
+    """A worker in a Ray actor, as the driver handles a process: alive while its `run` call is
+    pending. `exitcode`: 0 when the body returned, 1 when it raised, None when the actor died (Ray
+    does not say by which signal)."""
+
+    def __init__(self, ray: Any, actor: Any, running: Any, pid: int, node: str) -> None:
+        self.ray, self.actor, self.running, self.pid, self.node = ray, actor, running, pid, node
+        self.exitcode: int | None = None
+        self.ended = False
+
+    def is_alive(self) -> bool:
+        if not self.ended and self.ray.wait([self.running], timeout=0, fetch_local=False)[0]:
+            self.ended = True
+            try:
+                self.ray.get(self.running)
+                self.exitcode = 0
+            except self.ray.exceptions.RayActorError:
+                self.exitcode = None
+            except self.ray.exceptions.RayError:
+                self.exitcode = 1
+        return not self.ended
+
+    def kill(self) -> None:
+        """`ray.kill` asks the actor to exit, which a stopped process never does (and its bundle stays
+        held): a task on its node SIGKILLs the pid as well."""
+        ray = self.ray
+        ray.kill(self.actor, no_restart=True)
+        if self.is_alive():
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            on_node = NodeAffinitySchedulingStrategy(self.node, soft=False)
+            ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=on_node).remote(self.pid)
+
+    def join(self, timeout: float | None = None) -> None:
+        self.ray.wait([self.running], timeout=timeout, fetch_local=False)
+
+
+class RayHosts:
+    """Seats on a Ray cluster: bundle 0 of the placement group is the trainer's, bundle i+1 engine i's."""
+
+    def __init__(self, cfg: RuntimeConfig) -> None:
+        self.cfg = cfg
+        self.ray = import_ray()
+        self.authkey = os.urandom(32)
+        self.owns_ray = False  # this run started Ray (and so shuts it down)
+        self.group = None
+        self.bundles: dict[str, int] = {}
+        self.actors: list[Any] = []
+
+    def place(self, engines: int, engine_threads: int) -> tuple[Seat, list[Seat]]:
+        ray, c = self.ray, self.cfg
+        self._connect()
+        need = [{"CPU": c.trainer_cpus, "GPU": c.trainer_gpus}] + [
+            {"CPU": c.engine_cpus, "GPU": c.engine_gpus}
+        ] * engines
+        self._check_fits(need, engines)
+        from ray.util.placement_group import placement_group
+
+        self.group = placement_group([{k: v for k, v in b.items() if v} for b in need], strategy=c.strategy)
+        try:
+            ray.get(self.group.ready(), timeout=PLACE_S)
+        except ray.exceptions.GetTimeoutError:
+            raise Fault(
+                f"runtime.strategy={c.strategy}: Ray placed no group of the trainer and {engines} engine(s) "
+                f"within {PLACE_S:.0f} s (nodes busy, or too few for a STRICT strategy)"
+            ) from None
+        self.bundles = {"trainer": 0, **{f"engine{i}": i + 1 for i in range(engines)}}
+        return Seat((), int(c.trainer_cpus)), [Seat((), engine_threads) for _ in range(engines)]
+
+    def device(self, name: str) -> str:
+        """The workers' torch device: cuda when every actor reserves a GPU (auto), else cpu; the driver
+        may have no GPU of its own."""
+        gpus = self.cfg.trainer_gpus > 0 and self.cfg.engine_gpus > 0
+        if name == "auto":
+            return "cuda" if gpus else "cpu"
+        if name.startswith("cuda") and not gpus:
+            raise ConfigError(
+                f"device={name} with runtime.kind=ray: reserve GPUs for the actors (runtime.trainer_gpus=1 "
+                "runtime.engine_gpus=1), or use device=cpu"
+            )
+        return name
+
+    def start(self, name: str, target: Callable[..., None], args: tuple) -> Started:
+        ray, c = self.ray, self.cfg
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        index = self.bundles[name]
+        cpus, gpus = (c.trainer_cpus, c.trainer_gpus) if index == 0 else (c.engine_cpus, c.engine_gpus)
+        actor = (
+            ray.remote(Host)
+            .options(
+                num_cpus=cpus,
+                num_gpus=gpus,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=index
+                ),
+            )  # fmt: skip
+            .remote(self.authkey)
+        )
+        self.actors.append(actor)
+        try:
+            ip, port, pid, node = ray.get(actor.address.remote(), timeout=STARTUP_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            raise Fault(f"{name}: its Ray actor did not start ({one_line(e)})") from None
+        running = actor.run.remote(name, target, args)
+        conn = Client((ip, port), authkey=self.authkey)
+        beats = Client((ip, port), authkey=self.authkey)
+        return Started(RayProcess(ray, actor, running, pid, node), conn, Heard(beats))
+
+    def ring(self, layout: Any, slots: int) -> Any:
+        from tailrace.runtime.ray_weights import StoreWeights
+
+        return StoreWeights.like(self.ray, layout, slots)
+
+    def close(self) -> None:
+        if not self.ray.is_initialized():
+            return
+        for actor in self.actors:
+            self.ray.kill(actor, no_restart=True)
+        if self.group is not None:
+            self.ray.util.remove_placement_group(self.group)
+        if self.owns_ray:
+            self.ray.shutdown()
+
+    def _connect(self) -> None:
+        ray, address = self.ray, self.cfg.address
+        if ray.is_initialized():  # a caller's own Ray session (a notebook, the tests)
+            return
+        try:
+            if address is None:  # a one-machine cluster for the run, on loopback only
+                ray.init(include_dashboard=False, logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
+            else:
+                ray.init(address=address, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ConfigError(
+                f"runtime.address={address}: no Ray cluster to join ({one_line(e)}); start one with "
+                "`ray start --head`, or leave runtime.address null to start one for the run"
+            ) from None
+        self.owns_ray = True
+
+    def _check_fits(self, need: list[dict[str, float]], engines: int) -> None:
+        """A cluster that cannot hold the group now is refused at once (no autoscaler is waited for)."""
+        have = self.ray.cluster_resources()
+        total = {k: sum(b[k] for b in need) for k in ("CPU", "GPU")}
+        nodes = [n["Resources"] for n in self.ray.nodes() if n.get("Alive")]
+        fits_a_node = all(any(all(r.get(k, 0) >= v for k, v in b.items()) for r in nodes) for b in need)
+        if fits_a_node and all(have.get(k, 0) >= v for k, v in total.items()):
+            return
+        c = self.cfg
+        raise ConfigError(
+            f"runtime: the trainer (trainer_cpus={c.trainer_cpus:g}, trainer_gpus={c.trainer_gpus:g}) and "
+            f"{engines} engine(s) (engine_cpus={c.engine_cpus:g}, engine_gpus={c.engine_gpus:g} each) need "
+            f"{total['CPU']:g} CPU(s) and {total['GPU']:g} GPU(s), each seat on one node; the Ray cluster has "
+            f"{have.get('CPU', 0):g} CPU(s) and {have.get('GPU', 0):g} GPU(s) on {len(nodes)} node(s): lower "
+            "runtime.*_cpus / *_gpus or rollout.engines, or add nodes (ray start --address=...)"
+        )

@@ -1,0 +1,163 @@
+"""The Ray runtime (`runtime.kind=ray`) on a real local Ray cluster: a run trains with its trainer
+and engine as Ray actors and its weights through the object store, the ledger exact; a stopped or
+killed engine actor is found and replaced as a local worker is; bad input is one line."""
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tailrace.records import Span, StepRecord, read_events, read_metrics
+from tests.runtime.conftest import TINY_RUN, one_line, run
+from tests.runtime.test_recovery import assert_exact, recoveries
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    # on loopback: the cluster's processes and the driver's connections never leave this machine
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def no_local_hosts(monkeypatch):
+    """The local runtime's process start and shared-memory ring fail: what runs, runs on Ray."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the local runtime was used")
+
+    monkeypatch.setattr("tailrace.runtime.hosts.LocalHosts.start", refuse)
+    monkeypatch.setattr("tailrace.runtime.weights.SharedWeights.__init__", refuse)
+
+
+def train(capsys, tiny_model, run_dir, *extra):
+    argv = ["train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--runtime.kind=ray"]
+    return run(capsys, *argv, "--train.loss.kl_coef=0.01", *extra)
+
+
+def steps_of(run_dir: Path) -> list[StepRecord]:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
+
+
+def test_a_ray_run_trains_and_times_every_weight_transfer(
+    ray_cluster, no_local_hosts, tiny_model, tmp_path, capsys
+):
+    """Sync mode publishes a version after every step; each is put into the object store by the
+    trainer actor and loaded by the engine actor, both timed, and the final evaluation runs on the
+    last one. The KL penalty makes every step move the weights."""
+    rc, out = train(capsys, tiny_model, tmp_path / "run")
+    assert rc == 0, out
+    assert "Traceback" not in out
+    assert_exact(tmp_path / "run", steps=4)
+    steps = steps_of(tmp_path / "run")
+    assert [r.version for r in steps] == [1, 2, 3, 4]
+    assert all(r.time["weight_sync_s"] > 0 for r in steps)
+    spans = [
+        e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, Span) and e.phase == "sync"
+    ]
+    for lane in ("trainer", "engine0"):
+        timed = {s.version: s.t1 - s.t0 for s in spans if s.lane == lane}
+        assert set(timed) == {1, 2, 3, 4}, (lane, timed)
+        assert all(dt > 0 for dt in timed.values())
+    evals = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if type(r).__name__ == "EvalRecord"]
+    assert [(e.tag, e.version) for e in evals] == [("base", 0), ("final", 4)]
+
+
+def engine_pid(name: str, timeout: float = 60) -> int:
+    """The pid of this test's Ray actor calling itself tr-<name>: a descendant of this process (its
+    raylet's child), never another run's worker on the machine."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for d in Path("/proc").iterdir():
+            try:
+                if (
+                    d.name.isdigit()
+                    and (d / "comm").read_text().strip() == f"tr-{name}"
+                    and descends(int(d.name))
+                ):
+                    return int(d.name)
+            except OSError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no tr-{name} process within {timeout} s")
+
+
+def descends(pid: int) -> bool:
+    while pid > 1:
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        if pid == os.getpid():
+            return True
+    return False
+
+
+def when_steps(run_dir: Path, n: int, act, ended: threading.Event) -> threading.Thread:
+    """Call `act()` once the run has written `n` step records, unless it `ended` first (in a thread:
+    the run is this process)."""
+
+    def wait():
+        while not ended.is_set():
+            f = run_dir / "metrics.jsonl"
+            if f.exists() and f.read_text().count('"kind":"step"') >= n:
+                return act()
+            time.sleep(0.05)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_stopped_then_a_killed_engine_actor_is_replaced_and_the_run_ends_exact(
+    ray_cluster, tiny_model, tmp_path, capsys
+):
+    """The engine actor stopped (SIGSTOP) after step 2: its heartbeat messages stop, it is found stuck
+    after worker_timeout_s, killed and replaced in its bundle; the replacement killed (SIGKILL) after
+    step 5: found dead by its connection, replaced again. Every step once, the ledger exact."""
+    run_dir, hits, ended = tmp_path / "run", [], threading.Event()
+
+    def hit(sig):
+        pid = engine_pid("engine0")
+        os.kill(pid, sig)
+        hits.append((pid, sig))
+
+    stop = when_steps(run_dir, 2, lambda: hit(signal.SIGSTOP), ended)
+    kill = when_steps(run_dir, 5, lambda: hit(signal.SIGKILL), ended)
+    try:
+        rc, out = train(capsys, tiny_model, run_dir, "--flow.steps=8", "--worker_timeout_s=4", "--eval.n=8")
+    finally:
+        ended.set()
+        for pid, _ in hits:
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+    stop.join(), kill.join()
+    assert rc == 0, out
+    assert [s for _, s in hits] == [signal.SIGSTOP, signal.SIGKILL] and hits[0][0] != hits[1][0]
+    got = [(m.data["worker"], m.data["cause"]) for m in recoveries(run_dir)]
+    assert got == [("engine0", "stuck"), ("engine0", "died")], out
+    assert "engine0 process is stuck: no heartbeat for" in recoveries(run_dir)[0].data["detail"]
+    assert out.count("recovered: engine0") == 2
+    assert_exact(run_dir, steps=8)
+
+
+def test_without_ray_installed_the_run_says_how_to_install_it(tiny_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    rc, out = train(capsys, tiny_model, tmp_path / "run")
+    assert rc == 2
+    assert "pip install 'tailrace[ray]'" in one_line(out)
+
+
+def test_a_cluster_too_small_for_the_seats_is_one_line(ray_cluster, tiny_model, tmp_path, capsys):
+    rc, out = train(capsys, tiny_model, tmp_path / "run", "--runtime.engine_cpus=4")
+    line = one_line(out)
+    assert rc == 2
+    assert "need 5 CPU(s)" in line and "has 2 CPU(s)" in line and "runtime.*_cpus" in line
