@@ -29,7 +29,7 @@ from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, kl_penalty
-from tailrace.trainer.memory import size_micro_batch
+from tailrace.trainer.memory import rank_share, size_micro_batch
 from tailrace.trainer.optim import build_adamw
 from tailrace.trainer.packing import split_by_tokens
 from tailrace.types import Group
@@ -82,20 +82,20 @@ class GRPOTrainer:
         self.bounds = Bounds(cfg.loss.tis_cap, cfg.loss.ratio_low, cfg.loss.ratio_high)
         self.advantage = ADVANTAGES[cfg.advantage or self.loss_fn.advantage]  # None: the loss's own
         self.device = self.flat.buffer.device
-        self.micro = size_micro_batch(
-            getattr(model, "config", None),
-            cfg.bf16,
-            self.flat.buffer.numel(),
-            available_bytes(self.device),
-            cfg.memory_gb,
-            cfg.micro_batch_tokens,
-        )
-        self.steps = 0
         # data parallel (train.world_size > 1): every rank runs `step` on the same groups, takes its
         # token-balanced share of the rows, and the gradients and metric sums are all-reduced
         dist = torch.distributed
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
+        self.micro = size_micro_batch(
+            getattr(model, "config", None),
+            cfg.bf16,
+            self.flat.buffer.numel(),
+            rank_share(available_bytes(self.device), self.world, self.device.type == "cpu"),
+            cfg.memory_gb,
+            cfg.micro_batch_tokens,
+        )
+        self.steps = 0
 
     def step(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
         """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""

@@ -60,6 +60,13 @@ class MicroBatch:
         )
 
 
+def rank_share(available: int, world: int, shared: bool) -> int:
+    """The memory one of `world` data-parallel ranks may plan with: on a host whose memory they all
+    share (CPU: train.world_size starts every rank on this machine) its 1/world part, else (a GPU each)
+    all of it. Each rank keeps its own weights, gradient and AdamW moments besides."""
+    return available // world if shared else available
+
+
 def size_micro_batch(
     cfg: ModelConfig | None,
     bf16: bool,

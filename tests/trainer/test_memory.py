@@ -65,3 +65,17 @@ def test_a_bad_budget_is_refused(bad):
 
     with pytest.raises(ConfigError, match="train.memory_gb"):
         TrainerConfig(memory_gb=bad)
+
+
+def test_data_parallel_ranks_on_one_host_split_its_memory():
+    """N CPU ranks of train.world_size share the machine: each sizes its micro-batches from 1/N of the
+    available memory (all of it sized as if alone over-committed the budget N times); a rank with a GPU
+    of its own keeps all of it."""
+    from tailrace.trainer.memory import rank_share
+
+    assert rank_share(12 * GIB, 1, shared=True) == 12 * GIB
+    assert rank_share(12 * GIB, 3, shared=True) == 4 * GIB
+    assert rank_share(12 * GIB, 3, shared=False) == 12 * GIB
+    one = size_micro_batch(SMOLLM2, False, 135_000_000, available=rank_share(16 * GIB, 1, True))
+    four = size_micro_batch(SMOLLM2, False, 135_000_000, available=rank_share(16 * GIB, 4, True))
+    assert four.tokens < one.tokens and four.budget < one.budget / 4
