@@ -566,34 +566,68 @@ SCALE_MAX(scale_max_f32, float, f32_in, _)
 SCALE_MAX(scale_max_bf16, uint16_t, bf16_in, _)
 #endif
 
+/* The first v < n with y[v] the largest y that is not NaN; 0 when every y is -inf or NaN (the scalar
+   loop `if (y[v] > top) best = v` from top = -inf, whose result this is exactly). */
+static int64_t first_argmax(const float *restrict y, int64_t n) {
+    int64_t v = 0, best = 0;
+    float top = -INFINITY;
+#if defined(__AVX512F__)
+    /* each lane keeps its first maximum (strictly greater replaces); the answer is the smallest index
+       among the lanes holding the overall maximum */
+    if (n < ((int64_t)1 << 31)) {
+        __m512 vt = _mm512_set1_ps(-INFINITY);
+        __m512i vb = _mm512_setzero_si512(), vv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                      12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (; v + 16 <= n; v += 16) {
+            const __m512 x = _mm512_loadu_ps(y + v);
+            const __mmask16 gt = _mm512_cmp_ps_mask(x, vt, _CMP_GT_OQ);
+            vt = _mm512_mask_mov_ps(vt, gt, x);
+            vb = _mm512_mask_mov_epi32(vb, gt, vv);
+            vv = _mm512_add_epi32(vv, step);
+        }
+        top = _mm512_reduce_max_ps(vt);
+        if (top > -INFINITY)
+            best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(vt, _mm512_set1_ps(top), _CMP_EQ_OQ), vb);
+    }
+#endif
+    for (; v < n; v++)
+        if (y[v] > top) { top = y[v]; best = v; }
+    return best;
+}
+
 /* The first argmax over v of z[v] + sc * gumbel(v), given a, the first argmax of z (sc > 0). An entry
    can win only if z[v] + sc * GUMBEL_MAX >= z[a] + sc * gumbel(a): the noise of the 16-entry chunks
    with no such entry is never computed (most of a large vocabulary, whose logits spread far wider than
    the noise's range), and the others are compared in order, strictly greater replacing, so the token
    is exactly that of adding the noise everywhere. A negative sc (not used by the engine) computes
-   every entry. */
+   every entry; below SKIP_MIN_VOCAB entries (w: V floats of scratch) the noise of every entry is
+   computed in one pass, cheaper than sixteen at a time there. */
+#define SKIP_MIN_VOCAB 2048
 static int64_t noisy_argmax(const float *restrict z, float sc, uint32_t row, const int64_t *restrict salt,
-                            int64_t V, int64_t a) {
+                            int64_t V, int64_t a, float *restrict w) {
+    if (V < SKIP_MIN_VOCAB) {  /* a small vocabulary: the noise of all of it in one vectorized pass */
+#pragma omp simd
+        for (int64_t v = 0; v < V; v++) w[v] = z[v] + sc * gumbel_one(row, salt[v]);
+        return first_argmax(w, V);
+    }
     const float cut = sc > 0.0f ? (z[a] + sc * gumbel_one(row, salt[a])) - sc * GUMBEL_MAX : -INFINITY;
     float top = -INFINITY, y[16];
-    int64_t best = 0, v = 0;
-    for (; v + 16 <= V; v += 16) {
+    int64_t best = 0;
+    for (int64_t v = 0; v < V; v += 16) {
+        const int64_t c = V - v < 16 ? V - v : 16;  /* the last chunk may be short */
         int live = 0;
-        for (int64_t i = 0; i < 16; i++) live |= z[v + i] >= cut;
+        for (int64_t i = 0; i < c; i++) live |= z[v + i] >= cut;
         if (!live) continue;
         float cm = -INFINITY;
 #pragma omp simd reduction(max:cm)
-        for (int64_t i = 0; i < 16; i++) {
+        for (int64_t i = 0; i < c; i++) {
             y[i] = z[v + i] + sc * gumbel_one(row, salt[v + i]);
             cm = y[i] > cm ? y[i] : cm;
         }
         if (!(cm > top)) continue;  /* the chunk's best does not beat the best so far (NaN never does) */
-        for (int64_t i = 0; i < 16; i++)
+        for (int64_t i = 0; i < c; i++)
             if (y[i] > top) { top = y[i]; best = v + i; }
-    }
-    for (; v < V; v++) {
-        const float w = z[v] + sc * gumbel_one(row, salt[v]);
-        if (w > top) { top = w; best = v; }
     }
     return best;
 }
@@ -613,7 +647,7 @@ void NAME(const T *restrict logits, const float *restrict inv_temp, int64_t ts, 
         const uint32_t row = row_base(key[b * ks], index[b * is]);                                      \
         int64_t a;                                                                                      \
         const float m = SCALE_MAX_T(logits + b * V, it, z, V, &a);                                      \
-        const int64_t best = sc != 0.0f ? noisy_argmax(z, sc, row, salt, V, a) : a;                     \
+        const int64_t best = sc != 0.0f ? noisy_argmax(z, sc, row, salt, V, a, z + V) : a;                     \
         float sum = 0.f;                                                                                \
         _Pragma("omp simd reduction(+:sum)")                                                            \
         for (int64_t v = 0; v < V; v++) sum += exp_poly(z[v] - m);                                      \
