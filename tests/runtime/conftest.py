@@ -39,9 +39,25 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def _built_kernels(tmp_path_factory) -> Path | None:
+    """The engine's C kernels built once for the session (None where they cannot be): every test's own
+    cache starts with a copy, so the processes of each run do not compile them again (seconds each)."""
+    from tailrace.engine import ckernel
+
+    root = tmp_path_factory.mktemp("kernel-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TAILRACE_CACHE", str(root))
+        built = ckernel.load() is not None
+    return root / "kernels" if built else None
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TAILRACE_CACHE", str(tmp_path / "cache"))
+def _isolated_cache(tmp_path, monkeypatch, _built_kernels):
+    cache = tmp_path / "cache"
+    if _built_kernels is not None:
+        shutil.copytree(_built_kernels, cache / "kernels")
+    monkeypatch.setenv("TAILRACE_CACHE", str(cache))
     yield
 
 
