@@ -537,26 +537,37 @@ static float NAME(const T *restrict l, float it, float *restrict z, int64_t n, i
     return m;                                                                                           \
 }
 #if defined(__AVX512F__)
-/* each lane keeps its first maximum (strictly greater replaces); the maximum is the lanes' largest
-   and its first index the smallest among the lanes holding it */
+/* The first maximum of a row, 16 lanes at a time: each lane keeps its first maximum (strictly greater
+   replaces, NaN never does); the maximum is the lanes' largest and its first index the smallest among
+   the lanes holding it. */
+typedef struct { __m512 top; __m512i at, idx; } FirstMax;
+static inline FirstMax first_max_start(void) {
+    const FirstMax f = {_mm512_set1_ps(-INFINITY), _mm512_setzero_si512(),
+                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)};
+    return f;
+}
+static inline void first_max_add(FirstMax *f, __m512 x) {  /* the next 16 entries */
+    const __mmask16 gt = _mm512_cmp_ps_mask(x, f->top, _CMP_GT_OQ);
+    f->top = _mm512_mask_mov_ps(f->top, gt, x);
+    f->at = _mm512_mask_mov_epi32(f->at, gt, f->idx);
+    f->idx = _mm512_add_epi32(f->idx, _mm512_set1_epi32(16));
+}
+static inline float first_max_end(const FirstMax *f, int64_t *at) {  /* *at unchanged when all -inf */
+    const float m = _mm512_reduce_max_ps(f->top);
+    if (m > -INFINITY)
+        *at = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(f->top, _mm512_set1_ps(m), _CMP_EQ_OQ), f->at);
+    return m;
+}
 #define SCALE_MAX_AVX512(LD)                                                                            \
     if (n < ((int64_t)1 << 31)) {                                                                       \
         const __m512 vi = _mm512_set1_ps(it);                                                           \
-        __m512 vm = _mm512_set1_ps(-INFINITY);                                                          \
-        __m512i vb = _mm512_setzero_si512(),                                                            \
-                vv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);           \
-        const __m512i step = _mm512_set1_epi32(16);                                                     \
+        FirstMax f = first_max_start();                                                                 \
         for (; v + 16 <= n; v += 16) {                                                                  \
             const __m512 x = _mm512_mul_ps(LD(l + v), vi);                                              \
             _mm512_storeu_ps(z + v, x);                                                                 \
-            const __mmask16 gt = _mm512_cmp_ps_mask(x, vm, _CMP_GT_OQ);                                 \
-            vm = _mm512_mask_mov_ps(vm, gt, x);                                                         \
-            vb = _mm512_mask_mov_epi32(vb, gt, vv);                                                     \
-            vv = _mm512_add_epi32(vv, step);                                                            \
+            first_max_add(&f, x);                                                                       \
         }                                                                                               \
-        m = _mm512_reduce_max_ps(vm);                                                                   \
-        if (m > -INFINITY)                                                                              \
-            best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(vm, _mm512_set1_ps(m), _CMP_EQ_OQ), vb); \
+        m = first_max_end(&f, &best);                                                                   \
     }
 SCALE_MAX(scale_max_f32, float, f32_in, ld_f32)
 SCALE_MAX(scale_max_bf16, uint16_t, bf16_in, ld_bf16)
@@ -572,23 +583,10 @@ static int64_t first_argmax(const float *restrict y, int64_t n) {
     int64_t v = 0, best = 0;
     float top = -INFINITY;
 #if defined(__AVX512F__)
-    /* each lane keeps its first maximum (strictly greater replaces); the answer is the smallest index
-       among the lanes holding the overall maximum */
     if (n < ((int64_t)1 << 31)) {
-        __m512 vt = _mm512_set1_ps(-INFINITY);
-        __m512i vb = _mm512_setzero_si512(), vv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                                      12, 13, 14, 15);
-        const __m512i step = _mm512_set1_epi32(16);
-        for (; v + 16 <= n; v += 16) {
-            const __m512 x = _mm512_loadu_ps(y + v);
-            const __mmask16 gt = _mm512_cmp_ps_mask(x, vt, _CMP_GT_OQ);
-            vt = _mm512_mask_mov_ps(vt, gt, x);
-            vb = _mm512_mask_mov_epi32(vb, gt, vv);
-            vv = _mm512_add_epi32(vv, step);
-        }
-        top = _mm512_reduce_max_ps(vt);
-        if (top > -INFINITY)
-            best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(vt, _mm512_set1_ps(top), _CMP_EQ_OQ), vb);
+        FirstMax f = first_max_start();
+        for (; v + 16 <= n; v += 16) first_max_add(&f, _mm512_loadu_ps(y + v));
+        top = first_max_end(&f, &best);
     }
 #endif
     for (; v < n; v++)
@@ -647,7 +645,7 @@ void NAME(const T *restrict logits, const float *restrict inv_temp, int64_t ts, 
         const uint32_t row = row_base(key[b * ks], index[b * is]);                                      \
         int64_t a;                                                                                      \
         const float m = SCALE_MAX_T(logits + b * V, it, z, V, &a);                                      \
-        const int64_t best = sc != 0.0f ? noisy_argmax(z, sc, row, salt, V, a, z + V) : a;                     \
+        const int64_t best = sc != 0.0f ? noisy_argmax(z, sc, row, salt, V, a, z + V) : a;             \
         float sum = 0.f;                                                                                \
         _Pragma("omp simd reduction(+:sum)")                                                            \
         for (int64_t v = 0; v < V; v++) sum += exp_poly(z[v] - m);                                      \
