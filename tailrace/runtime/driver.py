@@ -37,7 +37,7 @@ from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
 from tailrace.runtime.health import Lost
 from tailrace.runtime.hosts import Seat, hosts_for
-from tailrace.runtime.messages import EngineReport, History, Ready, TrainerReport, TrainOrder
+from tailrace.runtime.messages import EngineReport, Go, History, Ready, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import SpecTally, Utilization
 from tailrace.runtime.orders import TrainOrders
 from tailrace.runtime.recovery import Recovery, describe, weights_on_disk
@@ -138,12 +138,17 @@ class Driver:
             device=device,
         )  # fmt: skip
         self.trainer = self.workers.start("trainer", trainer_main, self.tspec, self.weights)
-        self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
-        self.engines: list[Worker] = []
         self.expected_context = ses.expected_context(max(r.max_new_tokens, cfg.eval.max_new_tokens))
         self.especs = [self._engine_spec(seat, version) for seat in engine_seats]
-        for i, espec in enumerate(self.especs):
-            self.engines.append(self.workers.start(f"engine{i}", engine_main, i, espec, self.weights))
+        # The engines start alongside the trainer (their imports overlap its start-up), gated: each
+        # loads its weights (from the ring the trainer fills) and sizes its KV memory once it is up.
+        gated = [replace(e, gated=True) for e in self.especs]
+        self.engines: list[Worker] = [
+            self.workers.start(f"engine{i}", engine_main, i, e, self.weights) for i, e in enumerate(gated)
+        ]
+        self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
+        for engine in self.engines:
+            self.workers.send(engine, Go())
         self.workers.ready(self.engines)
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)

@@ -20,7 +20,7 @@ from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.model.flat import flatten_parameters
-from tailrace.runtime.messages import EngineReport, History, Ready, Shutdown, Stats
+from tailrace.runtime.messages import EngineReport, Go, History, Ready, Shutdown, Stats
 from tailrace.runtime.procs import pin, release_memory
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import serving
@@ -43,6 +43,7 @@ class EngineSpec:
     expected_context: int | None = None  # tokens a request holds at most: sizes the KV pool
     kv_memory_gb: float | None = None
     spec: SpecOptions | None = None  # speculative decoding (None: off)
+    gated: bool = False  # wait for `Go` before loading the model (started alongside the trainer)
 
 
 def engine_main(
@@ -55,6 +56,10 @@ def engine_main(
 def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, report_s: float) -> None:
     pin(spec.cores)
     torch.set_num_threads(spec.threads)
+    if spec.gated and not isinstance(msg := conn.recv(), Go):
+        if isinstance(msg, Shutdown):
+            return
+        raise TypeError(f"engine {engine_id}: expected Go before start-up, got {type(msg).__name__}")
     model = load_pretrained(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     engine: Engine = build_engine(
         model,

@@ -26,6 +26,12 @@ class Beat:
 
 
 @dataclass(frozen=True)
+class Go:
+    """To an engine started with `EngineSpec.gated`: the trainer is up, so the engine may load its
+    model and size its KV memory from what is left (its imports already ran meanwhile)."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """The driver is done with this worker: it exits its loop."""
 
