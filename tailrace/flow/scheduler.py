@@ -269,6 +269,12 @@ class Scheduler(SchedulerState):
         e.loaded.add(version)
         self.mark("loaded", engine=engine, version=version)
 
+    def on_engine_steps(self, steps: int, decode_tokens: int, prefill_tokens: int, busy_s: float) -> None:
+        """An engine's step counts and busy seconds since its last report (what shaping may size its
+        redundancy from; nothing else of the schedule depends on time)."""
+        slots = sum(e.slots for e in self.engines)
+        self.shaping.observe_steps(steps, decode_tokens, prefill_tokens, busy_s, slots)
+
     def on_engine_lost(self, engine: int, now: float) -> int:
         """An engine died (or was killed for not answering) with work in flight: every request it held
         goes back to its group's to-do list, to be dispatched again like a fresh sample (its tokens so

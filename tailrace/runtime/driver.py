@@ -361,6 +361,7 @@ class Driver:
         self.util.engine_busy += st.busy_s
         self.util.gen_tokens += st.decode_tokens
         self.spec_tally.add(st.spec)
+        self.sched.on_engine_steps(st.steps, st.decode_tokens, st.prefill_tokens, st.busy_s)
         lane = f"engine{rep.engine}"
         for t0, t1 in st.spans:
             self.events.write(Span(lane, "generate", t0 - self.t0, t1 - self.t0))

@@ -169,6 +169,8 @@ class SimCluster:
                 continue  # a command arrived: re-plan
             rep = eng.fire()
             self.events += 1
+            if rep.steps:
+                self.sched.on_engine_steps(rep.steps, rep.decode_tokens, 0, rep.busy_s)
             if rep.results:
                 self._progress += len(rep.results)
                 self.sched.on_results(eng.id, rep.results, self._score(rep.results), env.now)

@@ -84,6 +84,9 @@ class Report:
 
     results: list[GenResult] = field(default_factory=list)
     loaded: list[tuple[int, float]] = field(default_factory=list)  # (version, time it is usable)
+    steps: int = 0  # decode steps advanced, their tokens and busy seconds (what an engine reports)
+    decode_tokens: int = 0
+    busy_s: float = 0.0
 
 
 @dataclass
@@ -181,8 +184,11 @@ class SimEngine:
             raise RuntimeError(f"engine {self.id}: fire() without a plan")
         t, n = self._plan
         self._plan = None
+        step, tokens, busy = self.step, self.gen_tokens, self.busy_time
         self._advance(n, t)
-        rep = Report()
+        rep = Report(
+            steps=self.step - step, decode_tokens=self.gen_tokens - tokens, busy_s=self.busy_time - busy
+        )
         self._finish(rep, t)
         for cmd in self.inbox:
             self._apply(cmd, rep)

@@ -14,6 +14,8 @@ from tailrace.flow.scheduler import Outbox
 from tailrace.records import JournalEntry, Mark
 from tailrace.types import Finish, GenRequest, GenResult, Prompt, Scored
 
+STEP_FIXED, STEP_ROW = 1.0, 0.25  # the scripted engines' step cost (seconds a step, a row)
+
 
 def prompts():
     i = 0
@@ -114,6 +116,8 @@ class ScriptedCluster:
             while len(run) < self.slots and self.queue[e]:
                 run.append(self.queue[e].pop(0))
             self.busy_slot_ticks += len(run)
+            if run:  # a step's cost as an engine reports it: a fixed part and a part per row
+                self.s.on_engine_steps(1, len(run), 0, STEP_FIXED + STEP_ROW * len(run))
             finished = []
             for r in run:
                 r.tokens.append(7)

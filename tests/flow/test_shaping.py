@@ -70,7 +70,7 @@ def test_early_stop_takes_the_first_m_finishers_and_aborts_the_rest():
     mode=st.sampled_from(MODES),
     shaping=st.sampled_from(["none", "darts"]),
     seed=st.integers(0, 10_000),
-    extra=st.sampled_from([0.0, 0.5, 1.0]),
+    extra=st.sampled_from([0.0, 0.5, 1.0, None]),
     early_stop=st.sampled_from([0.0, 0.5, 1.0]),
     slots=st.integers(2, 8),
     zero_signal=st.sampled_from(["train", "replace"]),
@@ -104,7 +104,7 @@ def test_every_mode_with_shaping_trains_whole_groups_and_keeps_the_ledger(
 @given(
     seed=st.integers(0, 1000),
     crash_tick=st.integers(10, 150),
-    extra=st.sampled_from([0.5, 1.0]),
+    extra=st.sampled_from([0.5, 1.0, None]),
     early_stop=st.sampled_from([0.0, 0.25, 1.0]),
 )
 def test_crash_and_resume_keeps_the_statistics_and_the_planned_window(seed, crash_tick, extra, early_stop):

@@ -50,12 +50,21 @@ def test_every_shaping_on_every_mode_finishes_with_the_ledger_whole(mode, shapin
 
 def test_sim_prints_generated_and_trained_lengths_per_step(tmp_path):
     small = ["--flow.steps=3", "--journal=false", "--flow.prompts_per_round=4", "--flow.train_batch=32"]
-    simulate(load_scenario(EXAMPLE, ["--shaping.name=darts", *small]), tmp_path)
+    simulate(load_scenario(EXAMPLE, ["--shaping.name=darts", "--shaping.extra=0.5", *small]), tmp_path)
     lines = shaping_lines(tmp_path / "metrics.jsonl")  # what `tailrace sim` prints with a shaping on
     assert lines[0].startswith("step  generated p50/p99/max   trained p50/p99/max")
     rows = [line.split() for line in lines[1:]]
     assert [int(r[0]) for r in rows] == [0, 1, 2]
     assert all(int(r[7]) > 0 and int(r[8]) > 0 for r in rows)  # extra tokens, shaping discards
+
+
+def test_sim_darts_sizes_its_redundancy_from_the_simulated_step_cost(tmp_path):
+    """shaping.extra null (the default): nothing extra until the engines' reports and a finished group
+    say what a step and a response cost, then the budget the step cost affords."""
+    small = ["--flow.steps=3", "--journal=false", "--flow.prompts_per_round=4", "--flow.train_batch=32"]
+    simulate(load_scenario(EXAMPLE, ["--shaping.name=darts", *small]), tmp_path)
+    rows = [line.split() for line in shaping_lines(tmp_path / "metrics.jsonl")[1:]]
+    assert int(rows[0][7]) == 0 and all(int(r[7]) > 0 and int(r[8]) > 0 for r in rows[1:])
 
 
 def test_a_shaping_on_a_mode_it_does_not_support_is_refused():

@@ -7,6 +7,8 @@ consults the run's shaping at the same points whatever policy decides the rest.
     enough(group)           the group has what it needs: the core aborts its other candidates
     select(group)           (kept, rest) of a complete group; the rest are discards, reason `shaping`
     observe(group)          a complete group's lengths, before selection (per-prompt statistics)
+    observe_steps(...)      an engine report's step counts and busy time, and the engines' slots
+                            (darts sizes its redundancy from what a step costs)
     state_dict / load_state_dict   what a resume needs (the statistics)
 
 Round-based shapings (tailbatch) also size the rounds of round-based modes (sync) and keep prompts of
@@ -65,6 +67,11 @@ class Shaping:
         return list(g.done), []
 
     def observe(self, g: GroupState) -> None:
+        pass
+
+    def observe_steps(
+        self, steps: int, decode_tokens: int, prefill_tokens: int, busy_s: float, slots: int
+    ) -> None:
         pass
 
     def round_open(self, r: int) -> int:
