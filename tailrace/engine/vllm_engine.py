@@ -27,8 +27,10 @@ What it cannot do (`CAPABILITIES`):
     would have drawn (vLLM's per-request generator starts afresh; the seed is mixed with the resumed
     length, so the continuation does not reuse the noise that drew the partial's first tokens);
   * no speculative decoding.
-Bookkeeping: vLLM's chunked prefill is internal, so a request counts as waiting until its first token
-arrives, and a `StepEvent` counts its prompt as prefilled in that step.
+Chunked prefill is off: vLLM 0.32 on CPU crashes on a seeded request whose prompt a step splits
+(`torch.Generator.set_offset` is CUDA-only), so a step's token budget is at least `max_context` and a
+prompt is prefilled whole, in the step that samples its first token. A request counts as waiting until
+that first token arrives.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 
 from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
+from tailrace.model.checkpoint import read_config
 from tailrace.types import Capabilities, Finish, GenRequest, GenResult
 
 CAPABILITIES = Capabilities(abort_resume=False, versions_at_once=1, per_request_seed=True, speculative=False)
@@ -96,8 +99,8 @@ class VLLMEngine:
     ):
         """`max_context`: tokens per request, prompt + response (default the model's limit);
         `kv_memory_gb`: vLLM's KV cache in GiB (default 1: vLLM's own default on CPU reserves a share of
-        all memory); `prefill_tokens`: tokens per step (vLLM's max_num_batched_tokens, at least
-        `num_slots`); `threads`: torch threads (None leaves the caller's); `prefix_caching`: requests
+        all memory); `prefill_tokens`: tokens per step (vLLM's max_num_batched_tokens; raised to
+        `max_context`, see above); `threads`: torch threads (None leaves the caller's); `prefix_caching`: requests
         sharing a prompt (a group's samples) share its k/v."""
         missing = vllm_available()
         if missing:
@@ -110,6 +113,9 @@ class VLLMEngine:
             torch.set_num_threads(threads)
         from vllm import EngineArgs, LLMEngine
 
+        max_context = max_context or read_config(model_path).max_position_embeddings
+        budget = max(prefill_tokens, num_slots, max_context)
+
         set_threads = torch.set_num_threads  # vLLM's CPU worker turns it into a no-op; give it back
         try:
             args = EngineArgs(
@@ -119,7 +125,8 @@ class VLLMEngine:
                 seed=seed,
                 max_model_len=max_context,
                 max_num_seqs=num_slots,
-                max_num_batched_tokens=max(prefill_tokens, num_slots),
+                max_num_batched_tokens=budget,
+                enable_chunked_prefill=False,
                 enable_prefix_caching=prefix_caching,
                 enforce_eager=True,  # no torch.compile: start-up in seconds, not minutes
                 logprobs_mode="processed_logprobs",
@@ -131,7 +138,7 @@ class VLLMEngine:
         finally:
             torch.set_num_threads = set_threads
         mc = self._llm.model_config
-        self.num_slots, self.prefill_tokens, self.dtype = num_slots, prefill_tokens, dtype
+        self.num_slots, self.prefill_tokens, self.dtype = num_slots, budget, dtype
         self.max_context, self.vocab_size = mc.max_model_len, mc.get_vocab_size()
         self.kv_memory_gb = kv_memory_gb or 1.0
         self._version = 0
