@@ -44,6 +44,11 @@ class Policy:
     def attach(self, core: Scheduler) -> None:
         self.core = core
 
+    def one_version_refusal(self) -> str | None:
+        """Why this policy cannot run on engines that hold one version at a time, and the fix (None: it
+        can; the core then loads a new version into an engine only once it has drained)."""
+        return None
+
     def decide(self, core: Scheduler) -> None:
         raise NotImplementedError
 
