@@ -53,4 +53,5 @@ $(VLLM_TEST_STAMP): $(VLLM_STAMP) constraints.txt
 	touch $@
 test-vllm: $(VLLM_TEST_STAMP)
 	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
-		tests/engine/test_vllm_backend.py tests/config/test_config.py tests/flow/test_one_version.py
+		tests/engine/test_vllm_backend.py tests/runtime/test_vllm_e2e.py tests/config/test_config.py \
+		tests/flow/test_one_version.py

@@ -117,11 +117,8 @@ class Scheduler(SchedulerState):
         policy may pass others to `dispatch`); each request gets its own seed from `seed` and its id.
         `shaping`: how many candidates a prompt gets and which ones its group trains on (none: all).
         `capabilities`: what the engines can do; a policy that needs more is refused here."""
-        if capabilities.versions_at_once == 1 and policy.one_version_refusal():
-            raise ValueError(
-                f"flow.mode={policy.name} {policy.one_version_refusal()}, and the rollout engines hold one "
-                "weight version at a time (versions_at_once=1, e.g. rollout.backend=vllm)"
-            )
+        if policy.refusal(capabilities):
+            raise ValueError(policy.refusal(capabilities))
         self.policy = policy
         self.capabilities = capabilities
         self.shaping = shaping or Shaping()
