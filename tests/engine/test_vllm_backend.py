@@ -94,6 +94,19 @@ def test_logprobs_are_those_of_the_processed_distribution(eng, ckpts, temperatur
         torch.testing.assert_close(got, want.squeeze(1), atol=1e-4, rtol=0)
 
 
+def test_a_greedy_rows_logprob_is_the_untempered_softmax_beside_sampled_rows(eng, ckpts):
+    """tailrace's sampler's definition for temperature 0, in a batch that also samples at T = 0.7."""
+    model = load_pretrained(ckpts[0])
+    greedy = _req("gr", 5, 12, temperature=0.0)
+    batch = [greedy] + [_req(f"sm{i}", 5, 12, temperature=0.7, seed=i) for i in range(3)]
+    res = eng.generate(batch)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([greedy.prompt_ids + res.token_ids]))[0, len(greedy.prompt_ids) - 1 : -1]
+    want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(res.token_ids)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
+    assert res.token_ids == tuple(logits.argmax(-1).tolist())
+
+
 def _filtered_logprobs(z: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     """log-probs of softmax(z) over the top-k, then smallest top-p set (others -inf), renormalized."""
     if top_k:
