@@ -25,6 +25,8 @@ RUNNABLE = [
     ("multiversion", {"placement": "dedicated"}, "none"),
     ("sync", {}, "april"),
     ("sync", {}, "sorted"),
+    ("sync", {}, "darts"),
+    ("sync", {}, "tailbatch"),
 ]
 
 
