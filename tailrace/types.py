@@ -44,6 +44,24 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What an engine supports; scheduling policies read this, never an engine's name. Here, not in
+    `engine.protocol`, because the scheduler (pure: no torch, no engine) reads it too."""
+
+    # `abort` returns the partial trajectory, and a request carrying it (`GenRequest.resume_*`)
+    # continues it with the tokens it would have drawn uninterrupted.
+    abort_resume: bool
+    # how many weight versions it holds and serves in one step; None: any number (memory permitting).
+    # 1: `load_weights` of another version replaces the one held, and only once no request of that
+    # one is waiting or running (the scheduler waits for the engine to drain; see `Scheduler.load`)
+    versions_at_once: int | None
+    # a request's `SamplingParams.seed` fixes its tokens whatever else is in the batch
+    per_request_seed: bool
+    # speculative decoding (lossless: the same tokens as without it)
+    speculative: bool
+
+
+@dataclass(frozen=True)
 class GenRequest:
     """One sequence to generate. `resume_*` continue an aborted partial (tokens keep their versions)."""
 

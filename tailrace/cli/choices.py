@@ -53,8 +53,9 @@ def _walk(cfg: Any, prefix: str, table: Registries) -> None:
 
 
 def check(cfg: RunConfig) -> None:
-    """Every name in its registry, the shaping one the mode supports, and the flow settings ones the
-    chosen policy accepts."""
+    """Every name in its registry, the shaping one the mode supports, the flow settings ones the
+    chosen policy accepts, and the policy one the rollout engines' capabilities can serve."""
+    from tailrace.engine import capabilities
     from tailrace.flow.policies import make_policy
     from tailrace.flow.shaping import check_mode
 
@@ -65,6 +66,9 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     options = {k: v for k, v in dataclasses.asdict(cfg.flow).items() if k != "mode"}
     try:
-        make_policy(cfg.flow.mode, **options)
+        policy = make_policy(cfg.flow.mode, **options)
     except ValueError as e:
         raise ConfigError(f"flow.mode={cfg.flow.mode}: {e}") from None
+    why = policy.refusal(capabilities(cfg.rollout.backend, speculative=cfg.rollout.spec.drafter != "none"))
+    if why:
+        raise ConfigError(why)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -99,6 +100,11 @@ class SpecConfig:
 
 @dataclass
 class RolloutConfig:
+    backend: Literal["tailrace", "vllm"] = setting(
+        "tailrace",
+        "the rollout engine: tailrace's own, or vLLM (pip install 'tailrace[vllm]'; one weight version per "
+        "engine, no speculative decoding; see engine/vllm_engine.py)",
+    )
     engines: int = setting(1, "rollout engine processes")
     slots: int = setting(64, "concurrent sequences per engine")
     lookahead: int = setting(16, "samples queued per engine beyond its slots")
@@ -127,6 +133,22 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.backend == "vllm":
+            need(
+                importlib.util.find_spec("vllm") is not None,
+                "rollout.backend=vllm: vLLM is not installed in this Python; pip install 'tailrace[vllm]' "
+                "(or `make vllm` for its CPU build in .venv-vllm)",
+            )
+            need(
+                self.spec.drafter == "none",
+                f"rollout.spec.drafter={self.spec.drafter}: the vLLM backend has no speculative decoding "
+                "here; set rollout.spec.drafter=none or rollout.backend=tailrace",
+            )
+            need(
+                self.attention == "auto",
+                f"rollout.attention={self.attention} picks tailrace's engine kernels; leave it auto with "
+                "rollout.backend=vllm",
+            )
         for k in ("engines", "slots", "threads", "max_new_tokens", "prefill_tokens"):
             need(getattr(self, k) > 0, f"rollout.{k}={getattr(self, k)}: must be positive")
         need(self.lookahead >= 0, f"rollout.lookahead={self.lookahead}: must be >= 0")

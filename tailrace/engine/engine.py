@@ -51,7 +51,6 @@ from tailrace.engine.events import StepEvent
 from tailrace.engine.kv_budget import GIB, size_pool
 from tailrace.engine.kv_cache import KVCache
 from tailrace.engine.paging import Paging
-from tailrace.engine.protocol import Capabilities
 from tailrace.engine.rows import POS, TOK, RowState
 from tailrace.engine.sampler import SampleFlags, sample, seed_key, vocab_salt
 from tailrace.engine.sequence import Sequence
@@ -61,7 +60,7 @@ from tailrace.engine.spec.drafter import DraftEnv, Drafter
 from tailrace.engine.speculative import Draft, SpeculativeSteps, Verified
 from tailrace.engine.versions import Versions
 from tailrace.model.decoder import CausalLM
-from tailrace.types import Finish, GenRequest, GenResult, SamplingParams
+from tailrace.types import Capabilities, Finish, GenRequest, GenResult, SamplingParams
 
 _DTYPES = {
     "float32": torch.float32,
@@ -71,6 +70,13 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+def capabilities(speculative: bool) -> Capabilities:
+    """What a `TailraceEngine` can do (the runtime asks before it builds one)."""
+    return Capabilities(
+        abort_resume=True, versions_at_once=None, per_request_seed=True, speculative=speculative
+    )
 
 
 class TailraceEngine(SpeculativeSteps):
@@ -189,12 +195,7 @@ class TailraceEngine(SpeculativeSteps):
                 lambda v: self._versions[v].model,
             )
             self._spec = Speculator(make(env), opts)
-        self.capabilities = Capabilities(
-            abort_resume=True,
-            versions_at_once=None,
-            per_request_seed=True,
-            speculative=self._spec is not None,
-        )
+        self.capabilities = capabilities(speculative=self._spec is not None)
 
     # -- public API ---------------------------------------------------------------------------------
 

@@ -2,43 +2,28 @@
 
 Token ids in; token ids, per-token behaviour logprobs and per-token policy versions out. tailrace's own
 engine (`TailraceEngine`) implements this protocol, and an adapter to another engine (vLLM) is a second
-implementation of it. Callers depend on this protocol and read `capabilities`, never an engine's class
-or backend name.
+implementation of it. Callers depend on this protocol and read `capabilities` (a `types.Capabilities`,
+which the scheduler reads too), never an engine's class or backend name.
 
 Contract shared by every implementation:
   * `add` queues a request (raising `EngineError`, and changing nothing, if it is malformed);
   * each `step` does a bounded amount of work and returns a `StepEvent` with the results that
     finished in it; a request ends once, as a finished result or as the partial `abort` returns;
   * `load_weights(state, v)` adds version v, or overwrites it in place; `drop_version(v)` refuses while
-    requests of v are waiting or running;
+    requests of v are waiting or running; an engine with `versions_at_once == 1` replaces the version
+    it holds by a new v instead (refusing while requests of the old one are waiting or running);
   * calls are made between steps, from the thread that steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from tailrace.engine.events import StepEvent
-from tailrace.types import GenRequest, GenResult
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What an engine supports; scheduling policies read this, never an engine's name."""
-
-    # `abort` returns the partial trajectory, and a request carrying it (`GenRequest.resume_*`)
-    # continues it with the tokens it would have drawn uninterrupted.
-    abort_resume: bool
-    # how many weight versions it holds and serves in one step; None: any number (memory permitting)
-    versions_at_once: int | None
-    # a request's `SamplingParams.seed` fixes its tokens whatever else is in the batch
-    per_request_seed: bool
-    # speculative decoding (lossless: the same tokens as without it)
-    speculative: bool
+from tailrace.types import Capabilities, GenRequest, GenResult
 
 
 @runtime_checkable

@@ -36,7 +36,22 @@ from tailrace.flow.shaping import Plan, Shaping
 from tailrace.flow.state import SchedulerState
 from tailrace.flow.store import GroupState, Store
 from tailrace.records import Deferred, Discarded, Dropped, Finished, JournalEntry, Mark, Opened
-from tailrace.types import Finish, GenRequest, GenResult, Group, Prompt, SamplingParams, Scored, Trajectory
+from tailrace.types import (
+    Capabilities,
+    Finish,
+    GenRequest,
+    GenResult,
+    Group,
+    Prompt,
+    SamplingParams,
+    Scored,
+    Trajectory,
+)
+
+# what the scheduler assumes of engines it is told nothing about: tailrace's own, without speculation
+ANY_VERSIONS = Capabilities(
+    abort_resume=True, versions_at_once=None, per_request_seed=True, speculative=False
+)
 
 PREGEN = "pregen."  # the id prefix of pre-generation requests (sample keys are group.index.attempt)
 
@@ -63,6 +78,7 @@ class EngineState:
     loaded: set[int] = field(default_factory=lambda: {0})
     loading: set[int] = field(default_factory=set)
     in_flight: dict[str, int] = field(default_factory=dict)  # request id -> version
+    versions_at_once: int | None = None  # its `Capabilities.versions_at_once`
 
     @property
     def capacity(self) -> int:
@@ -95,11 +111,16 @@ class Scheduler(SchedulerState):
         sampling: SamplingParams | None = None,
         seed: int = 0,
         shaping: Shaping | None = None,
+        capabilities: Capabilities = ANY_VERSIONS,
     ) -> None:
         """`engines`: (slots, lookahead) per engine. `sampling`: the params of every request (a
         policy may pass others to `dispatch`); each request gets its own seed from `seed` and its id.
-        `shaping`: how many candidates a prompt gets and which ones its group trains on (none: all)."""
+        `shaping`: how many candidates a prompt gets and which ones its group trains on (none: all).
+        `capabilities`: what the engines can do; a policy that needs more is refused here."""
+        if policy.refusal(capabilities):
+            raise ValueError(policy.refusal(capabilities))
         self.policy = policy
+        self.capabilities = capabilities
         self.shaping = shaping or Shaping()
         self.spec = spec
         self._prompts = prompts
@@ -111,7 +132,10 @@ class Scheduler(SchedulerState):
         self._cut: set[str] = set()  # requests shaping aborted: their partials are discarded
         self.shaping_tokens = 0  # tokens of samples discarded by shaping (what redundancy cost)
         self._generated: list[int] = []  # lengths produced since `take_generated`, before selection
-        self.engines = tuple(EngineState(i, slots, look) for i, (slots, look) in enumerate(engines))
+        self.engines = tuple(
+            EngineState(i, slots, look, versions_at_once=capabilities.versions_at_once)
+            for i, (slots, look) in enumerate(engines)
+        )
         self._store = Store()
         self.ledger = Ledger()
         self.trainer_version = 0  # weights the trainer holds now (published or about to be)
@@ -484,11 +508,18 @@ class Scheduler(SchedulerState):
         return step
 
     def load(self, engine: int, version: int) -> None:
+        """Ask `engine` to load `version`. An engine holding one version at a time replaces the one it
+        holds, so it is asked only once it is drained (no request in flight, no load under way; until
+        then this does nothing and the policy asks again), and holds nothing until the load lands."""
         e = self.engines[engine]
         if version in e.loaded or version in e.loading:
             return
         if version not in self.published:
             raise InvariantError(f"load of unpublished version {version}")
+        if e.versions_at_once == 1:
+            if e.in_flight or e.loading or self.pregen_in_flight(engine):
+                return
+            e.loaded.clear()
         e.loading.add(version)
         self._out.commands.append(LoadWeights(engine, version))
 

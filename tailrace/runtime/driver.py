@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tailrace.common import Fault
 from tailrace.config import RunConfig, TrainerConfig, dump_config
+from tailrace.engine import capabilities
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.policies import make_policy
@@ -92,8 +93,9 @@ class Driver:
         engines = [(r.slots, r.lookahead)] * r.engines
         shaping = make_shaping(cfg.shaping.name, window=f.prompts_per_round, **cfg.shaping.options())
         self.sched = Scheduler(
-            policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed, shaping=shaping
-        )
+            policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed, shaping=shaping,
+            capabilities=capabilities(r.backend, speculative=r.spec.drafter != "none"),
+        )  # fmt: skip
         self.layout = session.flat_layout()
         # fp32 weights and AdamW's two moments: what a checkpoint weighs, near enough
         self.cadence = checkpoint.Cadence.of(
@@ -159,6 +161,7 @@ class Driver:
             str(self.ses.model_path), r.slots, r.prefill_tokens, seat.threads, seat.cores, self.cfg.seed,
             self.cfg.model.dtype, start_versions=(version,), attention=r.attention, max_context=r.max_context,
             kv_memory_gb=r.kv_memory_gb, expected_context=self.expected_context, device=self.device, spec=self.spec,
+            backend=r.backend,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -43,6 +43,7 @@ class EngineSpec:
     expected_context: int | None = None  # tokens a request holds at most: sizes the KV pool
     kv_memory_gb: float | None = None
     spec: SpecOptions | None = None  # speculative decoding (None: off)
+    backend: str = "tailrace"  # rollout.backend: tailrace's engine, or vLLM (which loads model_path itself)
     gated: bool = False  # wait for `Go` before loading the model (started alongside the trainer)
 
 
@@ -60,19 +61,7 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
         if isinstance(msg, Shutdown):
             return
         raise TypeError(f"engine {engine_id}: expected Go before start-up, got {type(msg).__name__}")
-    model = load_pretrained(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
-    engine: Engine = build_engine(
-        model,
-        num_slots=spec.slots,
-        prefill_tokens=spec.prefill_tokens,
-        device=spec.device,
-        seed=spec.seed,
-        attention=spec.attention,
-        max_context=spec.max_context,
-        expected_context=spec.expected_context,
-        kv_memory_gb=spec.kv_memory_gb,
-        spec=spec.spec,
-    )
+    engine = _build(spec)
     print(f"engine {engine_id}: {engine.describe()}", flush=True)
     disk = dict(spec.from_disk)
     for v in spec.start_versions:
@@ -81,8 +70,7 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
             engine.load_weights(flat.views(), v)
         elif v != 0:
             engine.load_weights(weights.read(v).views(), v)
-    del model  # the engine holds its own version 0 (dropped below when it does not start with it)
-    if 0 not in spec.start_versions:
+    if 0 not in spec.start_versions and 0 in engine.versions:  # a one-version engine replaced it
         engine.drop_version(0)
         release_memory()
     conn.send(Ready(max(spec.start_versions)))
@@ -123,3 +111,26 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
         if results or loaded or (stats.steps and now - last >= report_s):
             conn.send(EngineReport(engine_id, results, stats, loaded, now))
             stats, results, loaded, last = Stats(), [], [], now
+
+
+def _build(spec: EngineSpec) -> Engine:
+    """The engine serving the checkpoint as version 0: vLLM loads it itself, tailrace's engine gets the
+    model (the engine holds it; it is dropped with version 0 when the engine starts without it)."""
+    common = dict(
+        num_slots=spec.slots,
+        prefill_tokens=spec.prefill_tokens,
+        seed=spec.seed,
+        max_context=spec.max_context,
+        kv_memory_gb=spec.kv_memory_gb,
+    )
+    if spec.backend == "vllm":
+        return build_engine(spec.model_path, backend="vllm", dtype=spec.dtype, threads=spec.threads, **common)
+    model = load_pretrained(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
+    return build_engine(
+        model,
+        device=spec.device,
+        attention=spec.attention,
+        expected_context=spec.expected_context,
+        spec=spec.spec,
+        **common,
+    )

@@ -1,6 +1,7 @@
 """Config sections: every key documented, YAML and overrides mapped onto them, bad input in one line."""
 
 import dataclasses
+import importlib.util
 import typing
 
 import pytest
@@ -64,3 +65,15 @@ def test_every_float_key_rejects_a_non_finite_value(value):
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"--{key}={value}"])
         assert str(e.value).startswith(f"{key}=") and "finite" in str(e.value), key
+
+
+def test_the_vllm_backend_is_refused_where_vllm_is_missing_or_with_what_it_cannot_do():
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(
+            ConfigError, match=r"^rollout.backend=vllm: vLLM is not installed .*tailrace\[vllm\]"
+        ):
+            load_config(None, ["--rollout.backend=vllm"])
+        return
+    assert load_config(None, ["--rollout.backend=vllm"]).rollout.backend == "vllm"
+    with pytest.raises(ConfigError, match="no speculative decoding"):
+        load_config(None, ["--rollout.backend=vllm", "--rollout.spec.drafter=history"])

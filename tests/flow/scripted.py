@@ -44,8 +44,12 @@ class ScriptedCluster:
         reward: Callable[[int, int], float] = lambda g, i: float(i % 2),
         max_len: int | None = None,
         pregen_len: int = 5,
+        one_version: bool = False,
     ):
+        """`one_version`: engines hold one version at a time (a load replaces it, and is refused while
+        the engine has work), as `Capabilities.versions_at_once == 1` promises."""
         self.s, self.slots, self.max_len, self.pregen_len = sched, slots, max_len, pregen_len
+        self.one_version = one_version
         self.length = length if max_len is None else (lambda g, i: min(max_len, length(g, i)))
         self.train_ticks, self.load_ticks, self.reward = train_ticks, load_ticks, reward
         n = len(sched.engines)
@@ -85,6 +89,9 @@ class ScriptedCluster:
             elif isinstance(c, Train):
                 self.trainer.append(c)
             elif isinstance(c, LoadWeights):
+                if self.one_version:
+                    assert not self.queue[c.engine] and not self.running[c.engine], "loaded while busy"
+                    self.loaded[c.engine] = set()
                 self.loads.append((self.t + self.load_ticks, c.engine, c.version))
             elif isinstance(c, DropWeights):
                 assert not any(r.request.version == c.version for r in self.running[c.engine]), (

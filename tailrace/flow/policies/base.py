@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tailrace.flow.store import GroupState
-from tailrace.types import Trajectory
+from tailrace.types import Capabilities, Trajectory
 
 if TYPE_CHECKING:
     from tailrace.flow.scheduler import Scheduler
@@ -43,6 +43,22 @@ class Policy:
 
     def attach(self, core: Scheduler) -> None:
         self.core = core
+
+    def one_version_refusal(self) -> str | None:
+        """Why this policy cannot run on engines that hold one version at a time, and the fix (None: it
+        can; the core then loads a new version into an engine only once it has drained)."""
+        return None
+
+    def refusal(self, capabilities: Capabilities) -> str | None:
+        """One line saying why this policy cannot run on engines with these capabilities, with the fix;
+        None when it can. The scheduler refuses such a policy; the CLI says so before anything starts."""
+        why = self.one_version_refusal() if capabilities.versions_at_once == 1 else None
+        if why is None:
+            return None
+        return (
+            f"flow.mode={self.name} {why}, and the rollout engines hold one weight version at a time "
+            "(versions_at_once=1, e.g. rollout.backend=vllm)"
+        )
 
     def decide(self, core: Scheduler) -> None:
         raise NotImplementedError

@@ -42,6 +42,15 @@ class MultiVersionPolicy(StreamingPolicy):
     def from_options(cls, max_staleness=1, rollout_groups=None, ahead=None, placement="shared", **_):
         return cls(max_staleness, rollout_groups, ahead, placement=placement)
 
+    def one_version_refusal(self) -> str | None:
+        if self.placement == "shared":
+            return (
+                "with flow.placement=shared serves every live version on every engine; set "
+                "flow.placement=dedicated (DORA's: each engine serves one version and moves to the newest "
+                "once drained)"
+            )
+        return None
+
     def decide(self, core: Scheduler) -> None:
         self.train_ready(core)
         v = core.newest

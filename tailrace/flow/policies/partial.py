@@ -34,6 +34,13 @@ class PartialPolicy(StreamingPolicy):
                 self.fill(core, [g], version=v)
             self.open_new(core, v)
 
+    def one_version_refusal(self) -> str | None:
+        return (
+            "aborts running samples once an engine holds the new version beside the old one; use "
+            "flow.mode=multiversion with flow.placement=dedicated (each engine one version, DORA's), or "
+            "rollout.backend=tailrace"
+        )
+
     def on_aborted(self, core: Scheduler, partial) -> None:
         """Resume the partial on the engine that returned it, under the newest version it holds."""
         engine = max(core.engines, key=lambda e: (max(e.loaded), e.free))

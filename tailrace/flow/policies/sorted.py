@@ -31,14 +31,15 @@ class SortedRounds:
         if not p.round:  # resumed mid-round: adopt what is there
             p.round = sorted([g for g in core.open if not core.open[g].deferred] + list(core.ready))
         if not p.round or all(g in self.issued for g in p.round):
-            self._start_round(core, held)
+            if held is not None:
+                self._start_round(core, held)
             return
         T = core.trainer_version
         for gid in p.round:  # too stale to be trained ever: given up, generated again below
             g = core.open.get(gid) or core.ready.get(gid)
             if g is not None and not g.deferred and T - g.version > K:
                 core.defer_group(gid)
-        if T - held <= K:
+        if held is not None and T - held <= K:
             for i, gid in enumerate(p.round):
                 g = core.open.get(gid)
                 if gid not in self.issued and gid not in core.ready and (g is None or g.deferred):
@@ -59,16 +60,17 @@ class SortedRounds:
             self.issued.update(batch)
             core.train(batch, publish=True)
 
-    def _load_newest(self, core: Scheduler) -> int:
+    def _load_newest(self, core: Scheduler) -> int | None:
         """Load the newest version everywhere, drop older ones no request runs on; returns the newest
-        version every engine holds."""
+        version every engine holds (None while none is: engines that hold one version at a time hold
+        nothing while they load)."""
         for e in core.engines:
             core.load(e.id, core.newest)
         if all(core.newest in e.loaded for e in core.engines):  # older ones go once none of theirs runs
             for e in core.engines:
                 for old in [v for v in e.loaded if v < core.newest]:
                     core.drop(e.id, old)
-        return max(set.intersection(*(e.loaded for e in core.engines)))
+        return max(set.intersection(*(e.loaded for e in core.engines)), default=None)
 
     def _start_round(self, core: Scheduler, held: int) -> None:
         p = self.p

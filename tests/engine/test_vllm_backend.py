@@ -1,0 +1,202 @@
+"""`VLLMEngine` through the `Engine` protocol, on a tiny tailrace-written Llama checkpoint, against
+tailrace's own engine and the model's own logits. Needs vLLM: skipped where it does not import (CI);
+`make test-vllm` runs it with .venv-vllm's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from tailrace.engine import Capabilities, Engine, EngineError, TailraceEngine, build_engine  # noqa: E402
+from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from tailrace.types import Finish, GenRequest, SamplingParams  # noqa: E402
+from tests.engine.engine_helpers import prompt, tiny_model  # noqa: E402
+
+# vLLM's CPU attention takes head sizes in multiples of 32: hidden 64 over 2 heads
+SHAPE = dict(num_attention_heads=2, num_key_value_heads=1)
+SLOTS, CONTEXT = 4, 128  # sequences per vLLM step; tokens per request, and per step (no chunked prefill)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Two checkpoints of one shape, different weights: versions 0 and 1."""
+    root = tmp_path_factory.mktemp("vllm")
+    paths = []
+    for seed in (0, 1):
+        save_pretrained(tiny_model(seed=seed, **SHAPE), root / f"w{seed}")
+        paths.append(root / f"w{seed}")
+    return paths
+
+
+def _vllm(path, **kw) -> Engine:
+    opts = dict(num_slots=SLOTS, prefill_tokens=16, max_context=CONTEXT, kv_memory_gb=0.0625, threads=1)
+    return build_engine(path, backend="vllm", **{**opts, **kw})
+
+
+@pytest.fixture(scope="module")
+def eng(ckpts):
+    return _vllm(ckpts[0])
+
+
+def _req(rid, n_prompt=6, max_new=12, **params) -> GenRequest:
+    seed = sum(map(ord, rid))
+    return GenRequest(rid, prompt(seed, n_prompt), SamplingParams(max_new_tokens=max_new, **params))
+
+
+def test_states_its_capabilities_and_refuses_what_it_cannot(eng):
+    assert isinstance(eng, Engine)
+    assert eng.capabilities == Capabilities(
+        abort_resume=False, versions_at_once=1, per_request_seed=True, speculative=False
+    )
+    assert eng.versions == (0,)
+    with pytest.raises(EngineError, match="not loaded"):
+        eng.add(GenRequest("v1", (1, 2), SamplingParams(), version=1))
+    with pytest.raises(EngineError, match="only version"):
+        eng.drop_version(0)
+    with pytest.raises(EngineError, match="no such request"):
+        eng.abort("nobody")
+
+
+def test_greedy_matches_tailraces_engine_token_for_token(eng, ckpts):
+    reqs = [_req(f"g{i}", 3 + 2 * i, 10 + i, temperature=0.0) for i in range(6)]
+    ours = TailraceEngine(load_pretrained(ckpts[0]), num_slots=SLOTS).generate(reqs)
+    theirs = eng.generate(reqs)
+    for a, b in zip(theirs, ours):
+        assert a.token_ids == b.token_ids and a.finish == b.finish == Finish.LENGTH
+        assert a.versions == (0,) * len(a.token_ids)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch(eng):
+    alone = eng.generate([_req("s", seed=7)])[0]
+    crowd = [_req(f"c{i}", 4 + i, 16, seed=i) for i in range(5)]
+    batched = {r.request_id: r for r in eng.generate(crowd + [_req("s", seed=7)])}
+    assert batched["s"].token_ids == alone.token_ids
+    other = eng.generate([_req("s", seed=8)])[0]
+    assert other.token_ids != alone.token_ids
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 20)])
+def test_logprobs_are_those_of_the_processed_distribution(eng, ckpts, temperature, top_p, top_k):
+    """Each sampled token's logprob is log_softmax(logits / T) restricted to the top-k / top-p set and
+    renormalized, recomputed here from a full forward of the model on prompt + response."""
+    model = load_pretrained(ckpts[0])
+    reqs = [_req(f"p{i}", 5, 16, temperature=temperature, top_p=top_p, top_k=top_k, seed=i) for i in range(4)]
+    for req, res in zip(reqs, eng.generate(reqs)):
+        ids = torch.tensor([req.prompt_ids + res.token_ids])
+        with torch.no_grad():
+            logits = model(ids)[0, len(req.prompt_ids) - 1 : -1].float() / temperature
+        want = _filtered_logprobs(logits, top_p, top_k).gather(1, torch.tensor(res.token_ids)[:, None])
+        got = torch.tensor(res.logprobs)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want.squeeze(1), atol=1e-4, rtol=0)
+
+
+def test_a_greedy_rows_logprob_is_the_untempered_softmax_beside_sampled_rows(eng, ckpts):
+    """tailrace's sampler's definition for temperature 0, in a batch that also samples at T = 0.7."""
+    model = load_pretrained(ckpts[0])
+    greedy = _req("gr", 5, 12, temperature=0.0)
+    batch = [greedy] + [_req(f"sm{i}", 5, 12, temperature=0.7, seed=i) for i in range(3)]
+    res = eng.generate(batch)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([greedy.prompt_ids + res.token_ids]))[0, len(greedy.prompt_ids) - 1 : -1]
+    want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(res.token_ids)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
+    assert res.token_ids == tuple(logits.argmax(-1).tolist())
+
+
+def _filtered_logprobs(z: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """log-probs of softmax(z) over the top-k, then smallest top-p set (others -inf), renormalized."""
+    if top_k:
+        z = z.masked_fill(z < z.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    if top_p < 1:
+        p, order = torch.softmax(z, -1).sort(dim=-1, descending=True)
+        drop = (p.cumsum(-1) - p) >= top_p  # mass before a token already reaches top_p
+        z = z.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.log_softmax(z, -1)
+
+
+def test_abort_returns_the_partial_and_resume_uses_the_remaining_budget(eng):
+    full = eng.generate([_req("a", max_new=40, seed=3)])[0]
+    eng.add(_req("a", max_new=40, seed=3))
+    eng.add(_req("w", max_new=40, seed=4))
+    while eng.num_running < 2:
+        eng.step()
+    eng.step()
+    part = eng.abort("a")
+    assert part.finish == Finish.ABORTED and 0 < len(part.token_ids) < 40 and "a" not in eng
+    assert part.token_ids == full.token_ids[: len(part.token_ids)]  # the seeded prefix, unchanged
+    assert part.logprobs == pytest.approx(full.logprobs[: len(part.token_ids)], abs=1e-5)
+    eng.abort("w")
+    assert eng.num_running == eng.num_waiting == 0
+    base = _req("a", max_new=40, seed=3)
+    resumed = GenRequest("a2", base.prompt_ids, base.params, 0, part.token_ids, part.logprobs, part.versions)
+    out = eng.generate([resumed])[0]
+    assert out.finish == Finish.LENGTH and len(out.token_ids) == 40
+    assert out.token_ids[: len(part.token_ids)] == part.token_ids and out.versions == (0,) * 40
+
+
+def test_stop_tokens_end_a_request_with_the_stop_token_last(eng):
+    runs = eng.generate([_req(f"t{i}", max_new=30, seed=i, stop_token_ids=(5, 11, 17)) for i in range(6)])
+    stopped = [r for r in runs if r.finish == Finish.STOP]
+    assert stopped, "no request sampled a stop token: pick other stop ids"
+    for r in runs:
+        stops = [t for t in r.token_ids if t in (5, 11, 17)]
+        assert stops == ([r.token_ids[-1]] if r.finish == Finish.STOP else [])
+
+
+def test_a_step_is_bounded_work(eng):
+    """Twelve 50-token prompts, 4 slots, at most max_context (128) tokens a step: no step runs more
+    than the slots or the budget, so the 600 prompt tokens take at least 5 steps, and all finish."""
+    assert eng.prefill_tokens == CONTEXT  # the 16 asked for, raised to a whole prompt
+    reqs = [_req(f"b{i}", 50, 6, seed=i) for i in range(12)]
+    for r in reqs:
+        eng.add(r)
+    events = []
+    while eng.num_running + eng.num_waiting:
+        ev = eng.step()
+        events.append(ev)
+        assert len(ev.advanced) <= SLOTS and eng.num_running <= SLOTS
+        assert ev.prefill_tokens + ev.active <= CONTEXT
+    assert sum(ev.prefill_tokens for ev in events) == 600
+    assert sum(1 for ev in events if ev.prefill_tokens) >= 5
+    assert sorted(r.request_id for ev in events for r in ev.finished) == sorted(r.id for r in reqs)
+
+
+def test_a_weight_update_gives_the_new_weights_outputs(ckpts):
+    """Version 1 loaded from tailrace's own parameter names: greedy tokens become those of tailrace's
+    engine on the version-1 weights; a request of the replaced version is refused; a load waits for
+    an idle engine."""
+    eng = _vllm(ckpts[0])
+    reqs = [_req(f"u{i}", 4 + i, 12, temperature=0.0) for i in range(3)]
+    new = load_pretrained(ckpts[1])
+    before = [r.token_ids for r in eng.generate(reqs)]
+    want = [r.token_ids for r in TailraceEngine(load_pretrained(ckpts[1]), num_slots=SLOTS).generate(reqs)]
+    assert before != want
+    state = {n: t.detach() for n, t in new.named_parameters(remove_duplicate=False)}
+    eng.add(_req("busy"))
+    with pytest.raises(EngineError, match="one version at a time"):
+        eng.load_weights(state, 1)
+    eng.abort("busy")
+    eng.load_weights(state, 1)
+    assert eng.versions == (1,)
+    v1 = [GenRequest(r.id, r.prompt_ids, r.params, version=1) for r in reqs]
+    after = eng.generate(v1)
+    assert [r.token_ids for r in after] == want and all(r.versions == (1,) * 12 for r in after)
+    with pytest.raises(EngineError, match="not loaded"):
+        eng.add(reqs[0])
+
+
+def test_a_head_size_vllms_cpu_attention_lacks_is_refused_at_start(tmp_path):
+    save_pretrained(tiny_model(), tmp_path / "h16")  # 4 heads of 16
+    with pytest.raises(EngineError, match="head size is 16.*rollout.backend=tailrace"):
+        _vllm(tmp_path / "h16")
+
+
+def test_build_engine_names_the_input_each_backend_takes(ckpts):
+    with pytest.raises(EngineError, match="checkpoint directory"):
+        build_engine(tiny_model(**SHAPE), backend="vllm")
+    with pytest.raises(EngineError, match="unknown"):
+        build_engine(str(ckpts[0]), backend="sglang")
