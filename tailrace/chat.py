@@ -28,7 +28,12 @@ class ChatFormat:
         self.end_of_turn = self._end_of_turn()
 
     def render(self, question: str) -> str:
-        return self._render([{"role": "user", "content": question}], add_generation_prompt=True)
+        return self.render_turns([{"role": "user", "content": question}])
+
+    def render_turns(self, turns: list[dict]) -> str:
+        """A conversation (the system message, if set, goes first) and the assistant's generation
+        prompt: what a chat endpoint sends the model."""
+        return self._render(turns, add_generation_prompt=True)
 
     def ids(self, question: str) -> list[int]:
         return self.tok.encode(self.render(question))

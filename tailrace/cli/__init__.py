@@ -1,4 +1,5 @@
-"""Command line: tailrace train | sft | eval | model | report | trace | sim. `tailrace VERB --help` documents each verb.
+"""Command line: tailrace train | sft | eval | serve | model | report | trace | sim.
+`tailrace VERB --help` documents each verb.
 
 Every way a command can end is one line and an exit code:
     0    done
@@ -76,6 +77,15 @@ TAILRACE = Verb(
             commands.evaluate,
             config=RunConfig,
             sections=("model", "arch", "task", "sft", "rollout", "eval", "seed", "device"),
+        ),
+        Verb(
+            "serve",
+            "an OpenAI-compatible endpoint (completions, chat completions, streaming) on a rollout engine, "
+            "with the policy version and token logprobs in every response",
+            (f"serve {KEYS}",),
+            commands.serve,
+            config=RunConfig,
+            sections=("model", "arch", "task", "sft", "rollout", "serve", "seed", "device"),
         ),
         Verb(
             "report",

@@ -208,6 +208,13 @@ def sft(args: Args) -> int:
     return 0
 
 
+def serve(args: Args) -> int:
+    from tailrace.serve import serve as run_server
+
+    run_server(load(None, args.rest), console.print, _sft_progress())
+    return 0
+
+
 def evaluate(args: Args) -> int:
     from tailrace.runtime.eval_run import evaluate_checkpoints, is_run_dir
     from tailrace.runtime.evaluate import difficulty_line

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from tailrace.config.fields import need, section, setting
 from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
 from tailrace.config.runtime import RuntimeConfig
+from tailrace.config.serve import ServeConfig
 from tailrace.config.shaping import ShapingConfig
 from tailrace.config.train import TrainerConfig
 
@@ -299,6 +300,7 @@ class RunConfig:
     train: TrainerConfig = section(TrainerConfig, "the GRPO trainer")
     eval: EvalConfig = section(EvalConfig, "held-out accuracy before and after training")
     runtime: RuntimeConfig = section(RuntimeConfig, "where the trainer and engine processes run")
+    serve: ServeConfig = section(ServeConfig, "tailrace serve: an OpenAI-compatible endpoint on an engine")
     seed: int = setting(0, "seed of the engines' sampling and the trainer")
     device: str = setting(
         "auto", "where the engines and the trainer run: auto (cuda when torch sees a GPU), cpu, cuda, cuda:N"

@@ -234,24 +234,40 @@ class TailraceEngine(SpeculativeSteps):
 
     def abort(self, request_id: str) -> GenResult:
         """Take a waiting or running request out; returns its partial (finish=ABORTED)."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            raise EngineError(
-                f"abort({request_id!r}): no such request in the engine (finished, aborted "
-                "or never added); abort only requests that are waiting or running"
-            )
-        new_toks: list[int] = []
-        new_lps: list[float] = []
+        seq = self._live(request_id, "abort")
         with torch.inference_mode():
+            new_toks, new_lps = self._tokens_so_far(seq)
             if request_id not in self.slots.row:
                 self._waiting.remove(seq)
             elif not self.slots.is_decoding(request_id):
                 self._prefilling.remove(seq)
-            else:
-                row, r0 = self.slots.row[request_id], seq.num_resumed
-                [(new_toks, new_lps)] = self.rows.outputs([row], [r0], [r0 + seq.num_new(self._decode_step)])
             self._remove(seq)
         return self._result(seq, new_toks, new_lps, Finish.ABORTED, time.perf_counter())
+
+    def peek(self, request_id: str) -> GenResult:
+        """A waiting or running request's tokens so far, as `abort` would return them (finish=ABORTED),
+        the request left running (a server streams them)."""
+        seq = self._live(request_id, "peek")
+        with torch.inference_mode():
+            new_toks, new_lps = self._tokens_so_far(seq)
+        return self._result(seq, new_toks, new_lps, Finish.ABORTED, time.perf_counter())
+
+    def _live(self, request_id: str, call: str) -> Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise EngineError(
+                f"{call}({request_id!r}): no such request in the engine (finished, aborted "
+                f"or never added); {call} only requests that are waiting or running"
+            )
+        return seq
+
+    def _tokens_so_far(self, seq: Sequence) -> tuple[list[int], list[float]]:
+        """The tokens (and logprobs) a decoding request drew since it was added (none before)."""
+        if seq.id not in self.slots.row or not self.slots.is_decoding(seq.id):
+            return [], []
+        row, r0 = self.slots.row[seq.id], seq.num_resumed
+        [(toks, lps)] = self.rows.outputs([row], [r0], [r0 + seq.num_new(self._decode_step)])
+        return toks, lps
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Add weights as a new `version`, or overwrite an existing version in place (its in-flight

@@ -244,6 +244,16 @@ class VLLMEngine:
         self._llm.abort_request([request_id])
         return _result(s, Finish.ABORTED, time.perf_counter())
 
+    def peek(self, request_id: str) -> GenResult:
+        """A waiting or running request's tokens so far (finish=ABORTED), the request left running."""
+        s = self._live.get(request_id)
+        if s is None:
+            raise EngineError(
+                f"peek({request_id!r}): no such request in the engine (finished, aborted "
+                "or never added); peek only requests that are waiting or running"
+            )
+        return _result(s, Finish.ABORTED, time.perf_counter())
+
     def generate(
         self, requests: list[GenRequest], on_done: Callable[[int, int], None] | None = None
     ) -> list[GenResult]:

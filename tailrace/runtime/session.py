@@ -26,6 +26,37 @@ from tailrace.tokenizer import load_tokenizer
 from tailrace.types import GenResult, Prompt, Scored
 
 
+class ModelText:
+    """A checkpoint's text side: its tokenizer, its chat format (None: raw text) and the token ids
+    that end a response -- EOS, the checkpoint's other EOS ids, the chat's end-of-turn token."""
+
+    def __init__(self, model_path: Path, chat_template: str = "auto", system_prompt: str | None = None):
+        self.model_cfg = read_config(model_path)  # fails early, in one line, on a bad checkpoint
+        eos = self.model_cfg.eos_token_id  # config.json may list several (Llama 3: eos + end of turn)
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or ())
+        self.tok = load_tokenizer(model_path, eos_id=eos_ids[0] if eos_ids else None)
+        self.chat = self._chat_format(model_path, chat_template, system_prompt)
+        turn_end = [self.chat.end_of_turn] if self.chat and self.chat.end_of_turn is not None else []
+        self.stop_ids = tuple(dict.fromkeys([self.tok.eos_id, *eos_ids, *turn_end]))
+
+    def _chat_format(self, model_path: Path, mode: str, system: str | None) -> ChatFormat | None:
+        if mode == "none":
+            return None
+        if self.tok.chat_template is None:
+            if system is not None:
+                raise ConfigError(
+                    f"task.system_prompt is set but {model_path} has no chat template "
+                    "(tokenizer_config.json chat_template or chat_template.jinja); drop task.system_prompt"
+                )
+            return None
+        return ChatFormat(self.tok, system)
+
+    def response_text(self, r: GenResult) -> str:
+        """A response decoded without the token that stopped it."""
+        ids = r.token_ids[:-1] if r.token_ids and r.token_ids[-1] in self.stop_ids else r.token_ids
+        return self.tok.decode(ids)
+
+
 class Session:
     def __init__(self, cfg: RunConfig, progress=None) -> None:
         self.cfg = cfg
@@ -34,32 +65,14 @@ class Session:
         self.model_path = (
             Path(cfg.model.path) if cfg.model.path else ensure_warm_start(cfg.arch, cfg.sft, progress)
         )
-        self.model_cfg = read_config(self.model_path)  # fails early, in one line, on a bad checkpoint
-        eos = self.model_cfg.eos_token_id  # config.json may list several (Llama 3: eos + end of turn)
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or ())
-        self.tok = load_tokenizer(self.model_path, eos_id=eos_ids[0] if eos_ids else None)
-        self.chat = self._chat_format()
-        turn_end = [self.chat.end_of_turn] if self.chat and self.chat.end_of_turn is not None else []
-        # what ends a response: EOS, the checkpoint's other EOS ids, the chat's end-of-turn token
-        self.stop_ids = tuple(dict.fromkeys([self.tok.eos_id, *eos_ids, *turn_end]))
+        self.text = ModelText(self.model_path, cfg.task.chat_template, cfg.task.system_prompt)
+        self.model_cfg, self.tok, self.chat = self.text.model_cfg, self.text.tok, self.text.chat
+        self.stop_ids = self.text.stop_ids
         self.guard = RewardGuard(self.task, cfg.task.reward_timeout_s)
         self._examples: dict[int, Example] = {}
 
     def close(self) -> None:
         self.guard.close()
-
-    def _chat_format(self) -> ChatFormat | None:
-        t = self.cfg.task
-        if t.chat_template == "none":
-            return None
-        if self.tok.chat_template is None:
-            if t.system_prompt is not None:
-                raise ConfigError(
-                    f"task.system_prompt is set but {self.model_path} has no chat template "
-                    "(tokenizer_config.json chat_template or chat_template.jinja); drop task.system_prompt"
-                )
-            return None
-        return ChatFormat(self.tok, t.system_prompt)
 
     def prompt(self, ex: Example) -> Prompt:
         """The question as token ids: through the chat template when there is one (it writes its own
@@ -97,8 +110,7 @@ class Session:
 
     def response_text(self, r: GenResult) -> str:
         """The response as the reward sees it: decoded without the token that stopped it."""
-        ids = r.token_ids[:-1] if r.token_ids and r.token_ids[-1] in self.stop_ids else r.token_ids
-        return self.tok.decode(ids)
+        return self.text.response_text(r)
 
     def flat_layout(self) -> FlatWeights:
         """The trainer's flat-buffer layout, computed on the meta device (no memory, no weights)."""
