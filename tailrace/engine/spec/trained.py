@@ -38,6 +38,9 @@ class TrainedDrafter:
     per_token_cost = True
 
     def __init__(self, env: DraftEnv, layers: int = 1, seed: int = 0):
+        n = env.model_of(0).config.num_hidden_layers
+        if not 1 <= layers <= n:
+            raise ValueError(f"a trained drafter of {layers} layers over a {n}-layer policy: use 1..{n}")
         self.name = "trained" if layers == 1 else f"trained{layers}"
         self.env, self.layers = env, layers
         self.net: DraftNet | None = None  # built from the first version it drafts or trains for
