@@ -55,22 +55,21 @@ def test_it_trains_only_when_idle_and_within_its_budget_per_idle_period():
     done = eng.idle(1.0)
     step_s = done.seconds / done.steps
     assert done.steps >= 1 and done.seconds <= 0.15 + 2 * step_s
-    eng.add_history(*_responses(tiny_model(0), n=1, seed=1)[0])  # new data, same idle period:
-    assert eng.idle(1.0) is None  # its budget is spent
+    assert eng.idle(1.0) is None  # the idle period's budget is spent
     eng.generate([req("next", 4, 10)])  # a step starts a new period
     again = eng.idle(0.05)  # and a slice of it is what the caller gives
     assert again is not None and again.seconds <= 0.05 + 2 * step_s
-    assert eng.idle(1.0) is None  # nothing new to learn from since
     st = eng.spec_stats
     assert st.train_steps == done.steps + again.steps and st.train_s == pytest.approx(
         done.seconds + again.seconds
     )
 
 
-def test_a_frozen_drafter_never_trains():
+def test_a_frozen_drafter_never_trains_and_one_without_data_has_nothing_to_learn():
     eng = TailraceEngine(tiny_model(0), num_slots=4, spec=SpecOptions("trained", train_s=0))
     eng.generate([req(f"f{i}", 4, 20) for i in range(4)])
     assert eng.idle(1.0) is None and eng.spec_stats.train_steps == 0
+    assert TailraceEngine(tiny_model(0), num_slots=4, spec="trained").idle(1.0) is None
 
 
 def test_acceptance_is_booked_per_policy_version():

@@ -50,7 +50,6 @@ class TrainedDrafter:
         self._readout: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, embed, head) fp32
         self._written: dict[str, int] = {}  # request -> positions whose drafter k/v hold its tokens
         self.data: deque[tuple[tuple[int, ...], tuple[int, ...]]] = deque(maxlen=WINDOW)
-        self._fresh = 0  # responses added since the last training period
         self._rng = random.Random(seed)
 
     # -- the Drafter interface ----------------------------------------------------------------------
@@ -58,7 +57,6 @@ class TrainedDrafter:
     def add_history(self, prompt: tuple[int, ...], tokens: Sequence[int]) -> None:
         if tokens:
             self.data.append((tuple(prompt), tuple(tokens)))
-            self._fresh += 1
 
     def load(self, version: int, model: CausalLM) -> None:
         """`version` has new weights: its drafting model takes their embeddings and head now."""
@@ -88,9 +86,8 @@ class TrainedDrafter:
 
     def train(self, budget_s: float) -> Trained | None:
         """Train on recent responses for at most about `budget_s` seconds (whole steps: the last may
-        end past it by one step's time), only when responses arrived since the last period; then every
-        drafting model takes the new layers."""
-        if not self._fresh or budget_s <= 0:
+        end past it by one step's time); then every drafting model takes the new layers."""
+        if not self.data or budget_s <= 0:
             return None
         t0 = time.perf_counter()
         self._ensure_net()
@@ -99,7 +96,6 @@ class TrainedDrafter:
         while not steps or time.perf_counter() - t0 < budget_s:
             loss = self.net.train_step(data, embed, head, self._rng)
             steps += 1
-        self._fresh = 0
         for m, backend in self._models.values():
             self.net.copy_into(m)
             backend.refresh()
