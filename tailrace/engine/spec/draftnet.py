@@ -27,8 +27,8 @@ from tailrace.model.attention import CausalStep
 from tailrace.model.decoder import CausalLM, DecoderLayer, RMSNorm
 from tailrace.model.rope import Rotary
 
-LR = 2e-3
-TOKENS_PER_STEP = 4096  # a training step's batch: recent responses up to this many tokens (with prompts)
+LR = 3e-3
+TOKENS_PER_STEP = 2048  # a training step's batch: random recent responses while, padded, it holds this many
 
 
 class DraftNet(nn.Module):
@@ -68,14 +68,16 @@ class DraftNet(nn.Module):
     def train_step(
         self, data: Sequence[tuple[Sequence[int], Sequence[int]]], embed, head, rng: random.Random
     ) -> float:
-        """One AdamW step on a random batch of `data` (about TOKENS_PER_STEP tokens); returns its loss.
+        """One AdamW step on a random batch of `data` (at most TOKENS_PER_STEP tokens padded, or one
+        response); returns its loss.
         `embed`, `head`: fp32 tensors usable by autograd (not inference tensors), not trained."""
-        picks, n = [], 0
+        picks, longest, cap = [], 0, self.config.max_position_embeddings
         for i in rng.sample(range(len(data)), len(data)):
-            picks.append(data[i])
-            n += len(data[i][0]) + len(data[i][1])
-            if n >= TOKENS_PER_STEP:
+            n = min(cap, len(data[i][0]) + len(data[i][1]))
+            if picks and (len(picks) + 1) * max(longest, n) > TOKENS_PER_STEP:
                 break
+            picks.append(data[i])
+            longest = max(longest, n)
         with torch.inference_mode(False), torch.enable_grad():
             loss = self.loss(picks, embed, head)
             self.opt.zero_grad(set_to_none=True)
