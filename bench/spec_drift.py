@@ -5,28 +5,31 @@ every idle period, acceptance per version side by side, against no speculation.
     .venv/bin/python bench/spec_drift.py --versions 4 --prompts 8 --lr 3e-3
 
 The policy starts as the warm-started chainsum model (`ensure_warm_start`, cached) and moves between
-rounds by rejection-sampling fine-tuning (an RL step: `--sft-steps` AdamW steps at `--lr` on the
-round's correct responses, or all of them when none is correct), so each version is what the previous
-one's own rollouts made it; each new version is loaded into every engine as a new version id (the old
-one dropped), as a run's weight sync does. A round: `--prompts` chainsum training prompts x
-`--samples` samples (temperature 1, EOS stops, up to `--max-new` tokens) through `--slots` slots, so
-the batch drains from full to a long tail; the same prompts every round (a finite training set), new
-seeds.
+rounds by rejection-sampling fine-tuning (an RL step: `--sft-steps` AdamW steps at `--lr` on each
+prompt's correct responses no longer than their median -- RL's pressure against wordiness that earns
+nothing, which on this task reshapes the responses within minutes, DESIGN.md section 6), so each
+version is what the previous one's own rollouts made it; each new version is loaded into every engine
+as a new version id (the old one dropped), as a run's weight sync does. A round: `--prompts` chainsum
+training prompts x `--samples` samples (temperature 1, EOS stops, up to `--max-new` tokens) through
+`--slots` slots, so the batch drains from full to a long tail; the same prompts every round (a finite
+training set), new seeds.
 
 Three engines live through the whole run: off (no speculation), frozen and refreshed (drafter
-`trained`, toggle off so every decode row drafts the ladder's length and acceptance is measured at
-every batch). After each round the refreshed engine's idle time is given to it (`Engine.idle` in
-slices: `--first-train-s` seconds after the first round, `--train-s` after the others -- the
-engines idle while the policy trains); the frozen engine gets the first period only -- its drafter
-trains once, on version 0's rollouts, as long as the refreshed one, then keeps its layers (it still
-reads each version's embeddings and head). Outputs are checked identical to the engine without
-speculation, token for token.
+`trained2`, or `trained` with `--layers 1`; toggle off, so every decode row drafts the ladder's length
+and acceptance is measured at every batch). After each round the refreshed engine's idle time is
+given to it (`Engine.idle` in slices: `--first-train-s` seconds after the first round, `--train-s`
+after the others -- the engines idle while the policy trains); the frozen engine gets the first
+period only -- its drafter trains once, on version 0's rollouts, as long as the refreshed one, then
+keeps its layers (it still reads each version's embeddings and head). Outputs are checked identical
+to the engine without speculation, token for token.
 
-Per version: acceptance (per draft token judged) and mean accepted drafts per verify of each drafter;
-the tail (steps with at most `--tail` active rows): forward passes per generated token (rows in a
-target forward / tokens they emitted) and tokens/s vs off; whole-round tokens/s vs off (wall, and the
-ratio of the thread's CPU seconds, which load from other processes barely moves); the refreshed
-drafter's training (steps, ms per step, last loss) in the idle period before the round.
+Per version: the policy's accuracy and mean response length; per drafter, acceptance (per draft token
+judged) and mean accepted drafts per verify; in the tail (decode steps with at most `--tail` active
+rows) forward passes per generated token (rows in a target forward / tokens they emitted: 1.0 without
+speculation) and the speed-up in seconds per token vs off, wall and thread CPU (which load from other
+processes barely moves); the whole round's CPU-seconds ratio; the refreshed drafter's training in the
+idle period before the round (steps, ms per step, last loss) and the policy update's seconds (the
+idle time a sync run gives the engines).
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.spec import summarize  # noqa: E402
 from tailrace.config import ArchConfig, SFTConfig  # noqa: E402
 from tailrace.engine import TailraceEngine  # noqa: E402
 from tailrace.engine.spec import SpecOptions  # noqa: E402
@@ -67,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--max-new", type=int, default=384)
     p.add_argument("--tail", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--sft-steps", type=int, default=30)
     p.add_argument("--first-train-s", type=float, default=20.0, help="both drafters' first idle period")
     p.add_argument("--train-s", type=float, default=8.0, help="the refreshed drafter's later idle periods")
@@ -76,22 +78,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def rollout(eng, reqs: list[GenRequest]) -> tuple[dict, list]:
-    """One round on a live engine: its steps (as bench/spec.py records them), results in order."""
-    base = eng.spec_stats and (eng.spec_stats.accepted, eng.spec_stats.compared, eng.spec_stats.verifies)
+def rollout(eng, reqs: list[GenRequest], tail: int) -> tuple[dict, list]:
+    """One round on a live engine: its figures (see the module doc) and its results in order."""
+    st = eng.spec_stats
+    base = st and (st.accepted, st.compared, st.verifies)
     for r in reqs:
         eng.add(r)
-    steps, results = [], {}
+    steps, results = [], {}  # (active, tokens, wall, cpu) of decode-only steps
     t0, c0 = time.perf_counter(), time.thread_time()
     while len(results) < len(reqs):
+        w, c = time.perf_counter(), time.thread_time()
         ev = eng.step()
-        steps.append((ev.active, ev.decode_tokens, ev.duration, ev.prefill_tokens))
+        if ev.active and not ev.prefill_tokens:
+            steps.append((ev.active, ev.decode_tokens, time.perf_counter() - w, time.thread_time() - c))
         for res in ev.finished:
             results[res.request_id] = res
-    out = {"wall": time.perf_counter() - t0, "cpu": time.thread_time() - c0, "steps": steps}
-    out["tokens"] = sum(len(r.token_ids) for r in results.values())
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    tokens = sum(len(r.token_ids) for r in results.values())
+    t = [x for x in steps if x[0] <= tail]
+    rows, emitted = sum(x[0] for x in t), max(1, sum(x[1] for x in t))
+    out = {
+        "wall": wall,
+        "cpu": cpu,
+        "tokens": tokens,
+        "mean_len": tokens / len(reqs),
+        "tail_fpt": rows / emitted,  # target forward rows per generated token (1.0 without speculation)
+        "tail_wall": sum(x[2] for x in t) / emitted,  # seconds per token in the tail
+        "tail_cpu": sum(x[3] for x in t) / emitted,
+    }
     if base:
-        st = eng.spec_stats
         a, c, v = st.accepted - base[0], st.compared - base[1], st.verifies - base[2]
         out["acceptance"], out["mean_accepted"] = (a / c if c else 0.0), (a / v if v else 0.0)
     return out, [results[r.id] for r in reqs]
@@ -109,9 +124,17 @@ def give_idle_time(eng, budget_s: float) -> dict:
 
 
 def improve(model, reqs, results, examples, task, tok, a, rng) -> None:
-    """Rejection-sampling fine-tuning on the round's correct responses (all when none is correct)."""
-    right = [(r, x) for r, x, ex in zip(reqs, results, examples) if task.reward(ex, tok.decode(x.token_ids))]
-    pool = right or list(zip(reqs, results))
+    """Rejection-sampling fine-tuning: per prompt, its correct responses no longer than their median
+    (RL's pressure against wordiness that earns nothing; all responses where none is correct)."""
+    by_prompt: dict[tuple[int, ...], list] = {}
+    for r, x, ex in zip(reqs, results, examples):
+        if task.reward(ex, tok.decode(x.token_ids)):
+            by_prompt.setdefault(r.prompt_ids, []).append((r, x))
+    pool = []
+    for group in by_prompt.values():
+        group.sort(key=lambda rx: len(rx[1].token_ids))
+        pool += group[: (len(group) + 1) // 2]
+    pool = pool or list(zip(reqs, results))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     model.train()
     for _ in range(a.sft_steps):
@@ -148,60 +171,56 @@ def main(argv=None) -> int:
     print(f"{a.prompts} prompts x {a.samples} samples through {a.slots} slots, fp32, drafter {opts.drafter} "
           f"(toggle off), policy RFT lr {a.lr} x {a.sft_steps} steps a version, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
-    print(f"{'version':>7} {'acc':>5} | {'tail tok/s':>10} | frozen: {'accept':>6} {'acc/ver':>7} {'fp/tok':>6} "
-          f"{'tail x':>6} {'all x':>6} {'cpu x':>6} | refreshed: {'accept':>6} {'acc/ver':>7} {'fp/tok':>6} "
-          f"{'tail x':>6} {'all x':>6} {'cpu x':>6} | drafter training before: steps ms/step loss | load")  # fmt: skip
-    rng, rows, trained = random.Random(0), [], {"steps": 0, "seconds": 0.0, "loss": float("nan")}
+    print(f"{'version':>7} {'acc':>4} {'len':>4} | off tail ms/tok | frozen: {'accept':>6} {'acc/ver':>7} "
+          f"{'fp/tok':>6} {'tail x':>6} {'cpu x':>5} {'all x':>5} | refreshed: {'accept':>6} {'acc/ver':>7} "
+          f"{'fp/tok':>6} {'tail x':>6} {'cpu x':>5} {'all x':>5} | drafter training before: steps ms/step "
+          f"loss | policy update s | load")  # fmt: skip
+    rng, rows, trained, update_s = (
+        random.Random(0),
+        [],
+        {"steps": 0, "seconds": 0.0, "loss": float("nan")},
+        0.0,
+    )
+    scored = [e for e in exs for _ in range(a.samples)]
     for v in range(a.versions):
+        params = dict(temperature=1.0, max_new_tokens=a.max_new, stop_token_ids=(tok.eos_id,))
         reqs = [
             GenRequest(
-                f"v{v}-p{i}-s{j}",
-                ids,
-                SamplingParams(
-                    temperature=1.0,
-                    max_new_tokens=a.max_new,
-                    stop_token_ids=(tok.eos_id,),
-                    seed=(v * 1_000 + i) * 100 + j,
-                ),
-                version=v,
-            )  # fmt: skip
+                f"v{v}-p{i}-s{j}", ids, SamplingParams(seed=(v * 1_000 + i) * 100 + j, **params), version=v
+            )
             for i, ids in enumerate(prompts)
             for j in range(a.samples)
         ]
         runs, ref = {}, None
         for name, eng in engines.items():
-            r, res = rollout(eng, reqs)
+            runs[name], res = rollout(eng, reqs, a.tail)
             toks = [x.token_ids for x in res]
             if ref is not None and toks != ref:
                 raise SystemExit(f"version {v}: {name} changed the outputs")
-            ref, runs[name] = (
-                toks,
-                {**summarize(r, a.tail), **{k: r[k] for k in ("acceptance", "mean_accepted") if k in r}},
-            )
-            if name == "off":
-                results = res
-        row = {"version": v, "runs": runs, "refreshed_training": trained}
-        rows.append(row)
+            ref, results = toks, res  # the same results in every engine
         off = runs["off"]
+        acc = sum(task.reward(e, tok.decode(x.token_ids)) for e, x in zip(scored, results)) / len(results)
+        rows.append(
+            {"version": v, "accuracy": acc, "runs": runs, "refreshed_training": trained, "update_s": update_s}
+        )
         cells = []
         for name in ("frozen", "refreshed"):
             s = runs[name]
             cells.append(f"{s['acceptance']:6.2f} {s['mean_accepted']:7.2f} {s['tail_fpt']:6.2f} "
-                         f"{s['tail_tok_s'] / off['tail_tok_s']:5.2f}x {s['tok_s'] / off['tok_s']:5.2f}x "
-                         f"{off['cpu'] / s['cpu']:5.2f}x")  # fmt: skip
-        scored = [e for e in exs for _ in range(a.samples)]
-        acc = sum(task.reward(e, tok.decode(x.token_ids)) for e, x in zip(scored, results)) / len(results)
-        row["accuracy"] = acc
+                         f"{off['tail_wall'] / s['tail_wall']:5.2f}x {off['tail_cpu'] / s['tail_cpu']:4.2f}x "
+                         f"{off['cpu'] / s['cpu']:4.2f}x")  # fmt: skip
         ms = 1e3 * trained["seconds"] / trained["steps"] if trained["steps"] else 0.0
-        print(f"{v:7d} {acc:5.2f} | {off['tail_tok_s']:10,.0f} | frozen: {cells[0]} | refreshed: {cells[1]} "
-              f"| {trained['steps']:5d} {ms:6.1f} {trained['loss']:5.2f} | {os.getloadavg()[0]:.1f}",
-              flush=True)  # fmt: skip
+        print(f"{v:7d} {acc:4.2f} {off['mean_len']:4.0f} | {off['tail_wall'] * 1e3:14.2f} | frozen: {cells[0]} | "
+              f"refreshed: {cells[1]} | {trained['steps']:5d} {ms:6.1f} {trained['loss']:5.2f} | {update_s:15.1f} "
+              f"| {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
         if v + 1 == a.versions:
             break
+        t = time.perf_counter()
         improve(policy, reqs, results, scored, task, tok, a, rng)
+        update_s = time.perf_counter() - t
         trained = give_idle_time(engines["refreshed"], a.first_train_s if v == 0 else a.train_s)
         if v == 0:
-            row["frozen_training"] = give_idle_time(engines["frozen"], a.first_train_s)
+            rows[-1]["frozen_training"] = give_idle_time(engines["frozen"], a.first_train_s)
         for eng in engines.values():
             eng.load_weights(policy.state_dict(), v + 1)
             eng.drop_version(v)

@@ -108,12 +108,7 @@ class Speculator:
         done = self.drafter.train(take) if take > 0 else None
         if done is not None:
             self._idle_left -= done.seconds
-            st = self.stats
-            st.train_steps, st.train_s, st.train_loss = (
-                st.train_steps + done.steps,
-                st.train_s + done.seconds,
-                done.loss,
-            )
+            self.stats.trained(done.steps, done.seconds, done.loss)
         return done
 
     def step(self, active: int, verifies: int, emitted: int) -> None:

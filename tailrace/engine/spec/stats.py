@@ -33,6 +33,11 @@ class SpecStats:
         c[1] += accepted
         c[2] += compared
 
+    def trained(self, steps: int, seconds: float, loss: float) -> None:
+        self.train_steps += steps
+        self.train_s += seconds
+        self.train_loss = loss
+
     def step(self, active: int, verifies: int, emitted: int) -> None:
         self.row_steps += active
         self.emitted += emitted

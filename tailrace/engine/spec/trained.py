@@ -14,6 +14,7 @@ accepted drafts and the target's correction), then runs k-1 one-token steps. Rec
 draft instead would run k forwards over the window (k x W tokens) where this runs about k tokens.
 Each draft token is argmax(draft logits + the noise the target will use at that position), the same
 Gumbel noise (see `selfdraft`), so drafter and target agree wherever their perturbed argmaxes do.
+Memory: its cache adds `layers`/L of the engine's KV pool, outside `kv_memory_gb`'s budget.
 """
 
 from __future__ import annotations
