@@ -1,8 +1,8 @@
 """The trained drafter (TLT) over a run of policy versions: frozen after the first round vs refreshed in
 every idle period, acceptance per version side by side, against no speculation.
 
-    .venv/bin/python bench/spec_drift.py                          # 6 versions, 16 prompts x 8 samples
-    .venv/bin/python bench/spec_drift.py --versions 4 --prompts 8 --lr 3e-3
+    .venv/bin/python bench/spec_drift.py --versions 7             # 16 prompts x 8 samples, 1-layer drafter
+    .venv/bin/python bench/spec_drift.py --versions 7 --layers 2 --lr 5e-3 --sft-steps 40
 
 The policy starts as the warm-started chainsum model (`ensure_warm_start`, cached) and moves between
 rounds by rejection-sampling fine-tuning (an RL step: `--sft-steps` AdamW steps at `--lr` on each
@@ -15,7 +15,7 @@ training prompts x `--samples` samples (temperature 1, EOS stops, up to `--max-n
 training set), new seeds.
 
 Three engines live through the whole run: off (no speculation), frozen and refreshed (drafter
-`trained2`, or `trained` with `--layers 1`; toggle off, so every decode row drafts the ladder's length
+`trained`, or `trained2` with `--layers 2`; toggle off, so every decode row drafts the ladder's length
 and acceptance is measured at every batch). After each round the refreshed engine's idle time is
 given to it (`Engine.idle` in slices: `--first-train-s` seconds after the first round, `--train-s`
 after the others -- the engines idle while the policy trains); the frozen engine gets the first
@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sft-steps", type=int, default=30)
     p.add_argument("--first-train-s", type=float, default=20.0, help="both drafters' first idle period")
     p.add_argument("--train-s", type=float, default=8.0, help="the refreshed drafter's later idle periods")
-    p.add_argument("--layers", type=int, default=2, choices=(1, 2))
+    p.add_argument("--layers", type=int, default=1, choices=(1, 2))
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "spec_drift.json"))
     return p.parse_args(argv)
 
