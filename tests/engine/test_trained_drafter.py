@@ -14,6 +14,7 @@ import torch
 from tailrace.config import ConfigError, load_config
 from tailrace.engine import TailraceEngine
 from tailrace.engine.spec import SpecOptions
+from tailrace.engine.spec.costs import Toggle
 from tailrace.engine.spec.draftnet import DraftNet
 from tailrace.engine.spec.trained import TrainedDrafter
 from tests.engine.engine_helpers import req, tiny_model
@@ -96,3 +97,34 @@ def test_bad_settings_say_what_to_fix_in_one_line():
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["--rollout.spec.train_s=-0.5"])
     assert "rollout.spec.train_s=-0.5" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_drafts_over_its_own_cache_are_the_drafting_models_whole_sequence_greedy_continuations(monkeypatch):
+    """Greedy requests: each draft, built on the drafter's paged cache (caught up piece by piece since
+    the request's last draft, across row moves as requests finish), is what the drafting model's
+    whole-sequence forward continues greedily; a stale or misplaced k/v would show as a mismatch."""
+    monkeypatch.setattr(Toggle, "gamma", lambda self, batch, alpha, gamma_max, veto=True: gamma_max)
+    model = tiny_model(0)
+    eng = TailraceEngine(model, num_slots=3, spec="trained")
+    drafter = eng._spec.drafter
+    seen = []
+    propose = drafter.propose
+
+    def record(rows):
+        out = propose(rows)
+        seen.extend((r.prompt + tuple(r.tokens), r.version, d) for r, d in zip(rows, out))
+        return out
+
+    monkeypatch.setattr(drafter, "propose", record)
+    eng.generate([req(f"g{i}", 3 + 2 * i, 20 + 7 * i, temperature=0.0) for i in range(5)])
+    assert len(seen) > 20
+    same = 0
+    for ids, v, draft in seen:
+        m, _ = drafter._models[v]
+        want, x = [], list(ids)
+        with torch.no_grad():
+            for _ in draft:
+                want.append(int(m(torch.tensor([x]))[0, -1].argmax()))
+                x.append(want[-1])
+        same += want == draft
+    assert same >= 0.95 * len(seen), (same, len(seen))
