@@ -99,13 +99,16 @@ def test_bad_settings_say_what_to_fix_in_one_line():
     assert "rollout.spec.train_s=-0.5" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_drafts_over_its_own_cache_are_the_drafting_models_whole_sequence_greedy_continuations(monkeypatch):
+@pytest.mark.parametrize("attention", ["kernel", "bmm"])
+def test_drafts_over_its_own_cache_are_the_drafting_models_whole_sequence_greedy_continuations(
+    monkeypatch, attention
+):
     """Greedy requests: each draft, built on the drafter's paged cache (caught up piece by piece since
     the request's last draft, across row moves as requests finish), is what the drafting model's
     whole-sequence forward continues greedily; a stale or misplaced k/v would show as a mismatch."""
     monkeypatch.setattr(Toggle, "gamma", lambda self, batch, alpha, gamma_max, veto=True: gamma_max)
     model = tiny_model(0)
-    eng = TailraceEngine(model, num_slots=3, spec="trained")
+    eng = TailraceEngine(model, num_slots=3, spec="trained", attention=attention)
     drafter = eng._spec.drafter
     seen = []
     propose = drafter.propose
@@ -116,7 +119,9 @@ def test_drafts_over_its_own_cache_are_the_drafting_models_whole_sequence_greedy
         return out
 
     monkeypatch.setattr(drafter, "propose", record)
-    eng.generate([req(f"g{i}", 3 + 2 * i, 20 + 7 * i, temperature=0.0) for i in range(5)])
+    reqs = [req(f"g{i}", 3 + 2 * i, 20 + 7 * i, temperature=0.0) for i in range(5)]
+    plain = TailraceEngine(model, num_slots=3, attention=attention).generate(reqs)
+    assert [r.token_ids for r in eng.generate(reqs)] == [r.token_ids for r in plain]
     assert len(seen) > 20
     same = 0
     for ids, v, draft in seen:
