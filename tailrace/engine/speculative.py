@@ -149,9 +149,8 @@ class Draft:
 class Verified:
     drafted: int = 0
     accepted: int = 0
-    by_version: dict[int, list[int]] = dataclasses.field(
-        default_factory=dict
-    )  # version -> [drafted, accepted]
+    # policy version -> [drafted, accepted]
+    by_version: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     extra: int = 0  # tokens emitted beyond one per decode row
     stopped: list[int] = dataclasses.field(default_factory=list)  # as `_read_stops` indexes rows
 
