@@ -77,7 +77,7 @@ class SpecConfig:
         11, "the ladder's top rung; it climbs in steps of 2 with the measured acceptance"
     )
     train_s: float = setting(
-        0.5,
+        5.0,
         "drafter trained / trained2: seconds it may train per idle period of its engine, on the engine's "
         "core (0: never, a frozen drafter)",
     )

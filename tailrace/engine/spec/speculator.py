@@ -42,7 +42,7 @@ class SpecOptions:
     min_speedup: float = 1.05
     gamma_min: int = 5
     gamma_max: int = 11
-    train_s: float = 0.5
+    train_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma_min <= self.gamma_max:
