@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/spec.py                       # off, history, quant8; 2 epochs; 3 rounds
     .venv/bin/python bench/spec.py --drafters off,history --rounds 5 --dtype bf16
+    .venv/bin/python bench/spec.py --drafters off,trained --rounds 3  # the trained drafter (TLT)
     .venv/bin/python bench/spec.py --batches 1,2,4,8,16,32,64   # the toggle at fixed active batches
 
 The model is the warm-started chainsum policy (`ensure_warm_start`, cached); the workload an RL round:
@@ -9,7 +10,8 @@ The model is the warm-started chainsum policy (`ensure_warm_start`, cached); the
 `--max-new` tokens) through `--slots` slots, so the batch drains from full to a long tail. Epoch 1 has
 no history; epoch 2 samples the same prompts again (new seeds) with the first epoch's responses given
 to the engine (`add_history`): the task's prompts recur across epochs. Each run is a fresh engine
-(speculation's cost model first learns from a warm-up round of other prompts), and the configurations
+(speculation's cost model first learns from a warm-up round of other prompts, and a trained drafter
+from its responses and the history, in the engine's idle budget, `SpecOptions.train_s`), and the configurations
 take turns run by run, `--rounds` times, so the machine's drift falls on all alike; medians are shown.
 
 Per drafter and epoch: rollout seconds and tokens/s vs off (and the ratio of the thread's CPU
@@ -83,6 +85,8 @@ def run(model, spec, reqs, warmup, history, a) -> dict:
     eng.generate(warmup)
     for prompt, tokens in history:
         eng.add_history(prompt, tokens)
+    while eng.idle(0.05):  # a trained drafter learns from the warm-up and the history (its idle budget)
+        pass
     base = eng.spec_stats and _snap(eng.spec_stats)
     for r in reqs:
         eng.add(r)

@@ -86,11 +86,21 @@ def utilization(start: float, cur: tuple, prev: tuple, slots: int, engine_busy: 
     }
 
 
-def speculation(rows: int, verifies: int, drafted: int, accepted: int) -> dict[str, float]:
+def speculation(
+    rows: int,
+    verifies: int,
+    drafted: int,
+    accepted: int,
+    by_version: dict[int, list[int]] | None = None,
+    train: tuple[int, float] = (0, 0.0),
+) -> dict:
     """A window's speculative-decoding figures from its engines' counts: decode rows (one row in one
-    target forward each), rows that verified a draft, draft tokens verified, of them accepted.
+    target forward each), rows that verified a draft, draft tokens verified, of them accepted; per
+    policy version of the drafting requests, [drafted, accepted]; a trained drafter's optimizer steps
+    and their seconds (in the engines' idle time).
     An accepted draft token is a token without a forward of its own, so forwards per generated token
     = rows / (rows + accepted) (1 without speculation; a draft cut by a stop token counts as accepted)."""
+    steps, secs = train
     return {
         "spec_drafted": drafted,
         "spec_accepted": accepted,
@@ -98,6 +108,13 @@ def speculation(rows: int, verifies: int, drafted: int, accepted: int) -> dict[s
         "spec_mean_accepted": accepted / verifies if verifies else 0.0,  # per verify
         "spec_on_fraction": verifies / rows if rows else 0.0,  # decode rows that drafted
         "spec_forwards_per_token": rows / (rows + accepted) if rows else 1.0,
+        "spec_by_version": {
+            str(v): {"drafted": d, "accepted": a, "accepted_share": a / d if d else 0.0}
+            for v, (d, a) in sorted((by_version or {}).items())
+        },
+        "spec_train_steps": steps,
+        "spec_train_s": secs,
+        "spec_train_step_s": secs / steps if steps else 0.0,  # the drafter's training time per step
     }
 
 

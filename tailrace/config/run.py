@@ -65,7 +65,8 @@ class SpecConfig:
     drafter: str = setting(
         "none",
         "speculative decoding's drafter (outputs unchanged, only time): none, history (earlier and sibling "
-        "responses to the same prompt), quant8 / quant4 (the policy RTN-quantized drafts for itself)",
+        "responses to the same prompt), quant8 / quant4 (the policy RTN-quantized drafts for itself), "
+        "trained / trained2 (a 1- / 2-layer model on the policy's embeddings, trained on the rollouts in idle time)",
     )
     toggle: bool = setting(
         True,
@@ -76,6 +77,11 @@ class SpecConfig:
     gamma_min: int = setting(5, "the draft-length ladder's lowest rung (draft tokens)")
     gamma_max: int = setting(
         11, "the ladder's top rung; it climbs in steps of 2 with the measured acceptance"
+    )
+    train_s: float = setting(
+        5.0,
+        "drafter trained / trained2: seconds it may train per idle period of its engine, on the engine's "
+        "core (0: never, a frozen drafter)",
     )
     pregen_below: float | None = setting(
         None,
@@ -91,6 +97,10 @@ class SpecConfig:
         need(
             self.min_speedup > 0,
             f"rollout.spec.min_speedup={self.min_speedup}: must be > 0 (1.05: 5% faster)",
+        )
+        need(
+            self.train_s >= 0,
+            f"rollout.spec.train_s={self.train_s}: seconds of drafter training per idle period, >= 0 (0: frozen)",
         )
         need(
             self.pregen_below is None or (0 < self.pregen_below <= 1 and self.drafter == "history"),

@@ -56,7 +56,7 @@ from tailrace.engine.sampler import SampleFlags, sample, seed_key, vocab_salt
 from tailrace.engine.sequence import Sequence
 from tailrace.engine.slots import Slots
 from tailrace.engine.spec import DRAFTERS, SpecOptions, SpecStats, Speculator
-from tailrace.engine.spec.drafter import DraftEnv, Drafter
+from tailrace.engine.spec.drafter import DraftEnv, Drafter, Trained
 from tailrace.engine.speculative import Draft, SpeculativeSteps, Verified
 from tailrace.engine.versions import Versions
 from tailrace.model.decoder import CausalLM
@@ -284,6 +284,14 @@ class TailraceEngine(SpeculativeSteps):
         if self._spec:
             self._spec.drafter.add_history(tuple(prompt_ids), tuple(token_ids))
 
+    def idle(self, budget_s: float) -> Trained | None:
+        """Time the caller gives while no request is waiting or running: a trained drafter learns
+        for up to `budget_s` seconds, within its budget per idle period (`SpecOptions.train_s`; the
+        next step starts a new period). None: nothing learnt (busy, no such drafter, or budget spent)."""
+        if self._spec is None or self._seqs or self._done_next:
+            return None
+        return self._spec.idle(budget_s)
+
     @property
     def spec_stats(self) -> SpecStats | None:
         """Speculative decoding's running books (None without speculation)."""
@@ -364,6 +372,7 @@ class TailraceEngine(SpeculativeSteps):
             drafted=v.drafted,
             accepted=v.accepted,
             verifies=len(drafts),
+            by_version=tuple((ver, d, a) for ver, (d, a) in sorted(v.by_version.items())),
         )
 
     def _grow(self) -> None:

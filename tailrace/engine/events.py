@@ -21,3 +21,4 @@ class StepEvent:
     drafted: int = 0
     accepted: int = 0
     verifies: int = 0
+    by_version: tuple[tuple[int, int, int], ...] = ()  # (policy version, drafted, accepted) of those

@@ -75,6 +75,15 @@ class KVCache:
             device or w.device,
         )
 
+    def sibling(self, num_layers: int) -> KVCache:
+        """A zeroed pool of the same blocks for a model of `num_layers` layers with these heads (a
+        drafter's own cache): it reads this cache's block table, so its rows hold their positions in the
+        same blocks, handed out and moved with this cache's."""
+        k = self.k[0]
+        c = KVCache(num_layers, k.shape[0], k.shape[1], k.shape[2], k.shape[3], 1, 1, k.dtype, k.device)
+        c.table = self.table
+        return c
+
     @staticmethod
     def token_bytes(model: CausalLM, dtype: torch.dtype) -> int:
         """Bytes of one token's k and v in every layer of `model`, stored in `dtype`."""

@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tailrace.engine.events import StepEvent
+from tailrace.engine.spec.drafter import Trained
 from tailrace.types import Capabilities, GenRequest, GenResult
 
 
@@ -73,6 +74,11 @@ class Engine(Protocol):
 
     def add_history(self, prompt_ids: tuple[int, ...], token_ids: tuple[int, ...]) -> None:
         """A finished response to `prompt_ids` to draft from (speculative decoding; else ignored)."""
+        ...
+
+    def idle(self, budget_s: float) -> Trained | None:
+        """No request is waiting or running: a drafter trained online learns for up to `budget_s`
+        seconds (speculative decoding; else None at once)."""
         ...
 
     def generate(

@@ -99,11 +99,10 @@ class SpeculativeSteps:
         for i, (d, n) in enumerate(zip(drafts, n_tok)):
             target = [host[i]] + host[off : off + n]
             a, e, stopped = accept.verify(d.tokens, target, d.seq.req.params.stop_token_ids)
-            spec.verified(n, a, min(a + 1, n))
+            spec.verified(d.seq.version, n, a, min(a + 1, n))
+            out.count(d.seq.version, n, a)
             d.seq.accepted, d.seq.compared = spec.record(d.seq.accepted, d.seq.compared, a, min(a + 1, n))
             d.seq.host.extend(target[:e])
-            out.drafted += n
-            out.accepted += a
             if e > 1:
                 rows.append(d.row)
                 counts.append(e - 1)
@@ -150,8 +149,17 @@ class Draft:
 class Verified:
     drafted: int = 0
     accepted: int = 0
+    # policy version -> [drafted, accepted]
+    by_version: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     extra: int = 0  # tokens emitted beyond one per decode row
     stopped: list[int] = dataclasses.field(default_factory=list)  # as `_read_stops` indexes rows
+
+    def count(self, version: int, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        c = self.by_version.setdefault(version, [0, 0])
+        c[0] += drafted
+        c[1] += accepted
 
 
 def _clean(tokens: list[int], vocab_size: int, stop_ids: tuple[int, ...]) -> list[int]:

@@ -303,6 +303,10 @@ class VLLMEngine:
     def add_history(self, prompt_ids: tuple[int, ...], token_ids: tuple[int, ...]) -> None:
         """No speculative decoding here: nothing drafts from history."""
 
+    def idle(self, budget_s: float) -> None:
+        """No drafter to train in idle time."""
+        return None
+
 
 def _check_head_size(head_dim: int) -> None:
     """vLLM's CPU attention takes a fixed set of head sizes; another fails only at the first step."""

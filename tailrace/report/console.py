@@ -89,6 +89,10 @@ class ConsoleUI:
                 f"  spec acc {t['spec_accepted_share']:.2f} len {t['spec_mean_accepted']:.1f} "
                 f"on {t['spec_on_fraction']:.2f} fwd/tok {t['spec_forwards_per_token']:.2f}"
             )
+            if t.get("spec_train_steps"):  # a trained drafter learnt in the engines' idle time
+                line += (
+                    f" drafter train {t['spec_train_steps']} steps {t['spec_train_step_s'] * 1e3:.0f} ms/step"
+                )
         if saved is not None:
             line += f"  ckpt {_size(saved.bytes['total'])} in {saved.seconds:.1f}s"
         warning = self._zero_signal(r)

@@ -123,7 +123,7 @@ class Driver:
         self._eval_loaded: set[int] = set()  # engines that hold the snapshot being evaluated
         sp = r.spec
         self.spec = None if sp.drafter == "none" else SpecOptions(
-            sp.drafter, sp.toggle, sp.min_speedup, sp.gamma_min, sp.gamma_max
+            sp.drafter, sp.toggle, sp.min_speedup, sp.gamma_min, sp.gamma_max, sp.train_s
         )  # fmt: skip
         self.spec_tally = SpecTally()
 
@@ -363,7 +363,7 @@ class Driver:
         self.util.slot_time += st.slot_s
         self.util.engine_busy += st.busy_s
         self.util.gen_tokens += st.decode_tokens
-        self.spec_tally.add(st.spec)
+        self.spec_tally.add(st.spec, st.spec_versions, st.train)
         self.sched.on_engine_steps(st.steps, st.decode_tokens, st.prefill_tokens, st.busy_s)
         lane = f"engine{rep.engine}"
         for t0, t1 in st.spans:
@@ -406,9 +406,10 @@ class Driver:
             self.sched.on_results(rep.engine, mine, scores, self._now())
 
     def _relay_history(self, source: int | None, prompts: list[Prompt], results: list[GenResult]) -> None:
-        """A history drafter's material: each engine keeps the responses it finishes itself (siblings,
-        earlier epochs); the others get them here (every engine, with no source: aborted partials)."""
-        if self.spec is None or self.spec.drafter != "history" or not results:
+        """A drafter's material (a history drafter's lookups, a trained drafter's training data): each
+        engine keeps the responses it finishes itself (siblings, earlier epochs); the others get them
+        here (every engine, with no source: aborted partials). Drafters of weights ignore them."""
+        if self.spec is None or not results:
             return
         if source is not None and len(self.engines) < 2:
             return

@@ -2,7 +2,9 @@
 
 The worker runs the engine's step loop and talks to the driver in batches, never per token: between
 steps it drains its inbox (Generate / Abort / LoadWeights / DropWeights / History / Shutdown); after a step it
-sends what finished, plus aggregated step statistics and busy spans at most every `report_s`.
+sends what finished, plus aggregated step statistics and busy spans at most every `report_s`. With no
+request to run it gives the engine its idle time in slices (`Engine.idle`: a trained drafter learns,
+within its budget per idle period), polling the inbox between them.
 Requests arrive as the engine's own `GenRequest`s (built once, by the scheduler or the evaluator).
 A replacement for a lost engine starts holding the versions its predecessor held (`start_versions`),
 read from the shared-memory ring, or from a checkpoint for one the ring no longer holds.
@@ -24,6 +26,8 @@ from tailrace.runtime.messages import EngineReport, Go, History, Ready, Shutdown
 from tailrace.runtime.procs import pin, release_memory
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import serving
+
+IDLE_SLICE_S = 0.05  # drafter training per call while the engine is idle, between polls of the inbox
 
 
 @dataclass
@@ -76,9 +80,10 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
     conn.send(Ready(max(spec.start_versions)))
     stats, results, loaded = Stats(), [], []
     last = time.perf_counter()
+    learning = False  # a trained drafter used the last idle slice: the inbox is polled between slices
     while True:
         busy = engine.num_running + engine.num_waiting > 0
-        while conn.poll(0 if busy or results else 0.2):
+        while conn.poll(0 if busy or results or learning else 0.2):
             msg = conn.recv()
             if isinstance(msg, Shutdown):
                 return
@@ -105,10 +110,15 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
             # slots occupied this step: the decoding rows and the rows being prefilled (a request's
             # prefill step holds its slot and samples its first token)
             stats.add(ev.t_start, ev.duration, len(set(ev.advanced)), ev.prefill_tokens, ev.decode_tokens)
-            stats.add_spec(ev.active, ev.verifies, ev.drafted, ev.accepted)
+            stats.add_spec(ev)
             results.extend(ev.finished)
+        else:
+            done = engine.idle(IDLE_SLICE_S)
+            learning = done is not None
+            if learning:
+                stats.add_training(done)
         now = time.perf_counter()
-        if results or loaded or (stats.steps and now - last >= report_s):
+        if results or loaded or ((stats.steps or stats.train[0]) and now - last >= report_s):
             conn.send(EngineReport(engine_id, results, stats, loaded, now))
             stats, results, loaded, last = Stats(), [], [], now
 

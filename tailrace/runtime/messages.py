@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tailrace.engine.events import StepEvent
+from tailrace.engine.spec.drafter import Trained
 from tailrace.flow.commands import Train
 from tailrace.types import GenResult
 
@@ -57,11 +59,21 @@ class Stats:
     prefill_tokens: int = 0
     spans: list[tuple[float, float]] = field(default_factory=list)  # merged busy intervals
     spec: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # see `add_spec`
+    spec_versions: dict[int, list[int]] = field(default_factory=dict)  # version -> [drafted, accepted]
+    train: tuple[int, float] = (0, 0.0)  # a trained drafter's optimizer steps and seconds, in idle time
 
-    def add_spec(self, rows: int, verifies: int, drafted: int, accepted: int) -> None:
-        """A step's speculative decoding: decode rows, rows that verified a draft, draft tokens, accepted."""
-        for i, n in enumerate((rows, verifies, drafted, accepted)):
+    def add_spec(self, ev: StepEvent) -> None:
+        """A step's speculative decoding: decode rows, rows that verified a draft, draft tokens, accepted
+        (in all and per policy version)."""
+        for i, n in enumerate((ev.active, ev.verifies, ev.drafted, ev.accepted)):
             self.spec[i] += n
+        for v, d, a in ev.by_version:
+            c = self.spec_versions.setdefault(v, [0, 0])
+            c[0] += d
+            c[1] += a
+
+    def add_training(self, done: Trained) -> None:
+        self.train = (self.train[0] + done.steps, self.train[1] + done.seconds)
 
     def add(self, t0: float, dt: float, active: int, prefill: int, decode: int) -> None:
         self.steps += 1

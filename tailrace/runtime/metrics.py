@@ -44,11 +44,19 @@ class SpecTally:
     """The engines' speculative-decoding counts since the last step record (see `metrics.speculation`)."""
 
     counts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # rows, verifies, drafted, accepted
+    by_version: dict[int, list[int]] = field(default_factory=dict)  # version -> [drafted, accepted]
+    train: tuple[int, float] = (0, 0.0)  # a trained drafter's steps and seconds
 
-    def add(self, counts: list[int]) -> None:
+    def add(self, counts: list[int], by_version: dict[int, list[int]], train: tuple[int, float]) -> None:
         self.counts = [a + b for a, b in zip(self.counts, counts)]
+        for v, (d, a) in by_version.items():
+            c = self.by_version.setdefault(v, [0, 0])
+            c[0] += d
+            c[1] += a
+        self.train = (self.train[0] + train[0], self.train[1] + train[1])
 
-    def take(self) -> dict[str, float]:
+    def take(self) -> dict:
         """The figures of the window, which starts anew."""
-        out, self.counts = speculation(*self.counts), [0, 0, 0, 0]
+        out = speculation(*self.counts, by_version=self.by_version, train=self.train)
+        self.counts, self.by_version, self.train = [0, 0, 0, 0], {}, (0, 0.0)
         return out

@@ -10,6 +10,7 @@ prefill-piece attention is another op than its decode attention, so there the bo
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -92,6 +93,9 @@ class Scripted:
     def drop(self, version):
         pass
 
+    def train(self, budget_s):
+        return None
+
 
 class Garbage(Scripted):
     """Always k random tokens (ids out of the vocabulary too): costs time, must change nothing."""
@@ -119,7 +123,9 @@ def _same(a, b, tol):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("drafter", ["oracle", "noisy", "garbage", "history", "quant8", "quant4"])
+@pytest.mark.parametrize(
+    "drafter", ["oracle", "noisy", "garbage", "history", "quant8", "quant4", "trained", "trained2"]
+)
 def test_seeded_outputs_identical_with_and_without_speculation(model, dtype, drafter):
     """Mixed batches: requests of every sampling kind (greedy, tempered, top-k, stop tokens under
     min_new_tokens) through fewer slots than requests, so rows draft while others prefill or decode
@@ -134,6 +140,8 @@ def test_seeded_outputs_identical_with_and_without_speculation(model, dtype, dra
         "history": "history",
         "quant8": "quant8",
         "quant4": "quant4",
+        "trained": "trained",
+        "trained2": "trained2",
     }[drafter]
     eng = TailraceEngine(model, num_slots=4, prefill_tokens=16, dtype=dtype, spec=spec)
     if drafter == "history":  # an earlier "epoch": the same prompts' responses under other seeds
@@ -141,9 +149,18 @@ def test_seeded_outputs_identical_with_and_without_speculation(model, dtype, dra
             pass
         for r, res in zip(reqs, plain):
             eng.add_history(r.prompt_ids, res.token_ids[::-1])  # the engine adds siblings it finishes
+    if drafter.startswith("trained"):  # an earlier round of other seeds, learnt in idle time
+        eng.generate(
+            [
+                dataclasses.replace(r, id=f"e{r.id}", params=dataclasses.replace(r.params, seed=9))
+                for r in reqs
+            ]
+        )
+        assert eng.idle(0.2) is not None
+    v0, e0 = eng.spec_stats.verifies, eng.spec_stats.emitted
     _same(plain, eng.generate(reqs), TOL[dtype])
     st = eng.spec_stats
-    assert st.verifies > 0 and st.emitted == sum(len(r.token_ids) for r in plain) - len(reqs)
+    assert st.verifies > v0 and st.emitted - e0 == sum(len(r.token_ids) for r in plain) - len(reqs)
     if drafter == "oracle":
         assert st.acceptance > 0.95 and st.passes_per_token < 0.5
     if drafter == "garbage":
@@ -327,3 +344,28 @@ def test_step_events_count_drafts_and_tokens(model):
     st = eng.spec_stats
     assert st.row_steps == sum(e.active for e in events) and st.emitted == 87
     assert set(st.on_fraction()) <= {1, 2, 3} and st.gamma == 5
+    assert [e.by_version for e in events if e.verifies] == [
+        ((0, e.drafted, e.accepted),) for e in events if e.verifies
+    ]
+    assert st.by_version == {0: [st.drafted, st.accepted, st.compared]}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trained_drafter_across_weight_updates(dtype):
+    """Two versions in one batch, the drafter trained in idle time between runs, then version 0
+    overwritten in place: each request matches the plain engine holding the same weights, and the
+    drafts are booked per version."""
+    other = tiny_model(7)
+    reqs = [req(f"v{i}", 4 + i, 40, version=i % 2) for i in range(6)]
+    plain = TailraceEngine(tiny_model(0), num_slots=4, dtype=dtype)
+    eng = TailraceEngine(tiny_model(0), num_slots=4, dtype=dtype, spec="trained")
+    for e in (plain, eng):
+        e.load_weights(other.state_dict(), 1)
+    _same(plain.generate(reqs), eng.generate(reqs), TOL[dtype])
+    assert eng.idle(0.2) is not None
+    _same(plain.generate(reqs), eng.generate(reqs), TOL[dtype])
+    for e in (plain, eng):
+        e.load_weights(tiny_model(3).state_dict(), 0)
+    _same(plain.generate(reqs), eng.generate(reqs), TOL[dtype])
+    by = eng.spec_stats.by_version
+    assert set(by) == {0, 1} and all(d > 0 for d, _, _ in by.values())

@@ -89,6 +89,9 @@ def test_a_step_line_shows_speculation_when_the_run_drafts():
     c.step(step(0, complete=4, zero=0))
     spec = speculation(rows=100, verifies=40, drafted=200, accepted=150)
     c.step(replace(step(1, complete=8, zero=0), time={**TIME, **spec}))
+    trained = speculation(rows=100, verifies=40, drafted=200, accepted=150, train=(20, 0.5))
+    c.step(replace(step(2, complete=8, zero=0), time={**TIME, **trained}))
     lines = out.getvalue().splitlines()
     assert "spec" not in lines[0]
-    assert "spec acc 0.75 len 3.8 on 0.40 fwd/tok 0.40" in lines[1]
+    assert "spec acc 0.75 len 3.8 on 0.40 fwd/tok 0.40" in lines[1] and "drafter" not in lines[1]
+    assert lines[2].endswith("fwd/tok 0.40 drafter train 20 steps 25 ms/step")

@@ -124,13 +124,15 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     assert not lost, f"with a checkpoint per step nothing may be discarded: {final['discarded']}"
 
 
-def test_speculation_changes_no_recorded_figure_but_time(tiny_model, tmp_path):
-    """Sync, one seed, with and without the history drafter (toggle off: every decode row drafts;
-    siblings feed it): every step record is identical but for `time`, which carries the drafts."""
+@pytest.mark.parametrize("drafter", ["history", "trained"])
+def test_speculation_changes_no_recorded_figure_but_time(tiny_model, tmp_path, drafter):
+    """Sync, one seed, with and without a drafter (toggle off: every decode row drafts; siblings feed
+    the history drafter; the trained one learns while its engine waits for the trainer): every step
+    record is identical but for `time`, which carries the drafts, per version too."""
     runs = []
     for name, spec in (
         ("off", []),
-        ("spec", ["--rollout.spec.drafter=history", "--rollout.spec.toggle=false"]),
+        ("spec", [f"--rollout.spec.drafter={drafter}", "--rollout.spec.toggle=false"]),
     ):
         rc = main(["train", f"--run-dir={tmp_path / name}", f"--model.path={tiny_model}", *TINY_RUN, *spec])
         assert rc == 0
@@ -141,6 +143,10 @@ def test_speculation_changes_no_recorded_figure_but_time(tiny_model, tmp_path):
     t = [r["time"] for r in runs[1]]
     assert sum(x["spec_drafted"] for x in t) > 0 and sum(x["spec_accepted"] for x in t) > 0
     assert all(0 < x["spec_forwards_per_token"] <= 1 for x in t)
+    for r, x in zip(runs[1], t):  # sync: a step's samples are of the version before it
+        assert set(x["spec_by_version"]) <= {str(r["version"] - 1)}
+    if drafter == "trained":
+        assert sum(x["spec_train_steps"] for x in t) > 0 and all(x["spec_train_step_s"] >= 0 for x in t)
 
 
 def test_a_data_parallel_trainer_trains_like_one_process(tiny_model, tmp_path):

@@ -11,11 +11,14 @@ from tailrace.engine.spec.history import HistoryDrafter
 from tailrace.engine.spec.selfdraft import QuantDrafter
 from tailrace.engine.spec.speculator import SpecOptions, Speculator
 from tailrace.engine.spec.stats import SpecStats
+from tailrace.engine.spec.trained import TrainedDrafter
 
 DRAFTERS = {  # name -> factory of a `Drafter` from the engine's `DraftEnv`
     "history": HistoryDrafter,
     "quant8": functools.partial(QuantDrafter, bits=8),
     "quant4": functools.partial(QuantDrafter, bits=4),
+    "trained": TrainedDrafter,
+    "trained2": functools.partial(TrainedDrafter, layers=2),
 }
 
 __all__ = ["DRAFTERS", "SpecOptions", "SpecStats", "Speculator"]

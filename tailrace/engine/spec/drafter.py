@@ -55,6 +55,15 @@ class DraftEnv:
     model_of: Callable[[int], CausalLM]  # a loaded version's model (its weights, not to be changed)
 
 
+@dataclass(frozen=True, slots=True)
+class Trained:
+    """What one idle period's training of a drafter did: optimizer steps, seconds, the last loss."""
+
+    steps: int
+    seconds: float
+    loss: float
+
+
 class Drafter(Protocol):
     name: str
     per_token_cost: bool  # its time grows with the draft length (a model) rather than per call
@@ -76,3 +85,8 @@ class Drafter(Protocol):
         ...
 
     def drop(self, version: int) -> None: ...
+
+    def train(self, budget_s: float) -> Trained | None:
+        """The engine is idle: learn for at most about `budget_s` seconds (a trained drafter; None:
+        nothing learnt, as drafters without weights of their own always answer)."""
+        ...

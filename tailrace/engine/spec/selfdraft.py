@@ -34,6 +34,9 @@ class QuantDrafter:
     def drop(self, version: int) -> None:
         self._backends.pop(version, None)
 
+    def train(self, budget_s: float) -> None:
+        return None  # its weights are the policy's
+
     def add_history(self, prompt, tokens) -> None:
         pass  # drafts from weights
 
@@ -57,7 +60,7 @@ class QuantDrafter:
         pos = torch.tensor([r.position for r in rows]).to(dev)
         k = [r.k for r in rows]
         args = env.rows.sampling_args(at)
-        flags = _flags(args, env.rows.vocab_size)
+        flags = sampling_flags(args, env.rows.vocab_size)
         tok = env.rows.ints[at, TOK]
         drafts = torch.zeros(len(rows), max(k), dtype=torch.int64, device=dev)
         live = list(range(len(rows)))
@@ -78,7 +81,7 @@ class QuantDrafter:
         return [d[:n] for d, n in zip(drafts.tolist(), k)]
 
 
-def _flags(args: dict[str, torch.Tensor], vocab_size: int) -> SampleFlags:
+def sampling_flags(args: dict[str, torch.Tensor], vocab_size: int) -> SampleFlags:
     """The sampler's flags for rows with these sampling arguments (one host read)."""
     sampled = args["noise_scale"] > 0
     tempered = (args["inv_temp"] != 1) & sampled

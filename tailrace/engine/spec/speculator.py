@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tailrace.engine.spec.costs import Toggle
-from tailrace.engine.spec.drafter import DraftEnv, Drafter
+from tailrace.engine.spec.drafter import DraftEnv, Drafter, Trained
 from tailrace.engine.spec.ladder import Rung, climb, rungs
 from tailrace.engine.spec.stats import SpecStats
 
@@ -34,13 +34,15 @@ class SpecOptions:
     """How an engine speculates. `drafter`: a name in `spec.DRAFTERS` or a factory of a `Drafter`;
     `toggle`: draft only where the fitted cost model predicts at least `min_speedup` at the active
     batch (False: every decode row drafts the ladder's length, for measurements); the ladder runs
-    from `gamma_min` to `gamma_max` draft tokens (see `ladder.rungs`)."""
+    from `gamma_min` to `gamma_max` draft tokens (see `ladder.rungs`); `train_s`: the seconds a trained
+    drafter may learn per idle period of the engine (0: never: a frozen drafter)."""
 
     drafter: str | Callable[[DraftEnv], Drafter] = "history"
     toggle: bool = True
     min_speedup: float = 1.05
     gamma_min: int = 5
     gamma_max: int = 11
+    train_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma_min <= self.gamma_max:
@@ -49,12 +51,15 @@ class SpecOptions:
             )
         if self.min_speedup <= 0:
             raise ValueError(f"min_speedup={self.min_speedup}: must be > 0")
+        if not self.train_s >= 0:
+            raise ValueError(f"train_s={self.train_s}: seconds of drafter training per idle period, >= 0")
 
 
 class Speculator:
     def __init__(self, drafter: Drafter, options: SpecOptions | None = None):
         o = options or SpecOptions()
-        self.drafter, self.toggled = drafter, o.toggle
+        self.drafter, self.toggled, self.train_s = drafter, o.toggle, o.train_s
+        self._idle_left = o.train_s  # training seconds left in this idle period
         self.toggle = Toggle(drafter.per_token_cost, o.min_speedup)
         self.rung = Rung(rungs=rungs(o.gamma_min, o.gamma_max))
         self.stats = SpecStats(gamma=self.rung.gamma)
@@ -87,21 +92,28 @@ class Speculator:
         """A request's record after a verify that accepted a of c judged draft tokens."""
         return accepted * FORGET + a, compared * FORGET + c
 
-    def verified(self, drafted: int, accepted: int, compared: int) -> None:
-        """One row's verify: `accepted` of `drafted` draft tokens, `compared` of them judged."""
-        st = self.stats
-        st.drafted, st.accepted, st.compared = (
-            st.drafted + drafted,
-            st.accepted + accepted,
-            st.compared + compared,
-        )
+    def verified(self, version: int, drafted: int, accepted: int, compared: int) -> None:
+        """One row's verify (a request of policy `version`): `accepted` of `drafted` draft tokens,
+        `compared` of them judged."""
+        self.stats.verified(version, drafted, accepted, compared)
         self._acc = self._acc * DECAY + accepted
         self._cmp = self._cmp * DECAY + compared
         self._round[1] += accepted
         self._round[2] += compared
 
+    def idle(self, budget_s: float) -> Trained | None:
+        """The engine has nothing to run: the drafter may learn for up to `budget_s` seconds of what
+        is left of this idle period's `train_s` (a step of the engine starts a new period)."""
+        take = min(budget_s, self._idle_left)
+        done = self.drafter.train(take) if take > 0 else None
+        if done is not None:
+            self._idle_left -= done.seconds
+            self.stats.trained(done.steps, done.seconds, done.loss)
+        return done
+
     def step(self, active: int, verifies: int, emitted: int) -> None:
         """A step's decode rows: how many verified a draft, tokens emitted; closes ladder rounds."""
+        self._idle_left = self.train_s
         if not active:
             return
         self.stats.step(active, verifies, emitted)

@@ -17,6 +17,26 @@ class SpecStats:
     draft_s: float = 0.0  # seconds spent drafting
     gamma: int = 0  # the ladder's draft length now
     by_batch: dict[int, list[int]] = field(default_factory=dict)  # active batch -> [row-steps, verifies]
+    by_version: dict[int, list[int]] = field(
+        default_factory=dict
+    )  # policy version -> [drafted, accepted, compared]
+    train_steps: int = 0  # a trained drafter's optimizer steps (in idle time)
+    train_s: float = 0.0  # seconds they took
+    train_loss: float = float("nan")  # the last step's loss
+
+    def verified(self, version: int, drafted: int, accepted: int, compared: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.compared += compared
+        c = self.by_version.setdefault(version, [0, 0, 0])
+        c[0] += drafted
+        c[1] += accepted
+        c[2] += compared
+
+    def trained(self, steps: int, seconds: float, loss: float) -> None:
+        self.train_steps += steps
+        self.train_s += seconds
+        self.train_loss = loss
 
     def step(self, active: int, verifies: int, emitted: int) -> None:
         self.row_steps += active
@@ -30,6 +50,10 @@ class SpecStats:
     def acceptance(self) -> float:
         """Per draft token (the alpha of `costs.expected_length`)."""
         return self.accepted / self.compared if self.compared else 0.0
+
+    def acceptance_by_version(self) -> dict[int, float]:
+        """Per policy version of the drafting requests: the acceptance of its draft tokens."""
+        return {v: a / c for v, (_, a, c) in sorted(self.by_version.items()) if c}
 
     @property
     def mean_accepted(self) -> float:
