@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/serve.py [--model DIR] [--dtype bfloat16] [--clients 1,4,16] [--tokens 64]
 
-One process: the server (loopback, port 0) on one engine, and client threads that each send one
+The server (loopback, port 0) on one engine, and in a second process client threads that each send one
 seeded completion of exactly --tokens tokens (min_tokens = max_tokens) at a time, --requests in all
 per concurrency level: closed-loop clients, so a client's next request waits for its last response
 (the batch runs below --clients while responses travel). Then the same requests, as many at a time,
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -48,6 +49,21 @@ def post(addr, body) -> dict:
 
 
 def served(addr, clients: int, requests: int, tokens: int) -> tuple[float, list[float], dict]:
+    """`clients_of` in a process of its own (its threads must not take the server's interpreter lock)."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=_clients_main, args=(addr, clients, requests, tokens, q))
+    p.start()
+    out = q.get()
+    p.join()
+    return out
+
+
+def _clients_main(addr, clients, requests, tokens, q) -> None:
+    q.put(clients_of(addr, clients, requests, tokens))
+
+
+def clients_of(addr, clients: int, requests: int, tokens: int) -> tuple[float, list[float], dict]:
     """tokens/s over `requests` completions sent by `clients` threads; latencies; seed -> token ids."""
     seeds = list(range(requests))
     lock, got, lat = threading.Lock(), {}, []
