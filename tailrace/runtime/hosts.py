@@ -43,7 +43,15 @@ class Hosts(Protocol):
         """The workers' torch device for the config's `device` (auto, cpu, cuda, cuda:N)."""
         ...
 
-    def start(self, name: str, target: Callable[..., None], args: tuple) -> Started: ...
+    def start(self, name: str, target: Callable[..., None], args: tuple) -> Started:
+        conn, child = self.ctx.Pipe()
+        counter = self.ctx.Value("Q", 0, lock=False)
+        proc = self.ctx.Process(
+            target=_exit_when_done, args=(target, Driver(), child, counter, *args), name=name, daemon=True
+        )
+        proc.start()
+        child.close()  # only the worker holds its end now: when it dies, ours reads end-of-file
+        return Started(proc, conn, counter)
 
     def ring(self, layout: Any, slots: int) -> Any:
         """The weights ring for a flat layout (model/flat.FlatWeights) holding `slots` versions."""
@@ -69,7 +77,10 @@ class LocalHosts:
         conn, child = self.ctx.Pipe()
         counter = self.ctx.Value("Q", 0, lock=False)
         proc = self.ctx.Process(
-            target=_exit_when_done, args=(target, child, counter, *args), name=name, daemon=True
+            target=_exit_when_done,
+            args=(target, dict(os.environ), child, counter, *args),
+            name=name,
+            daemon=True,
         )
         sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C is the driver's
         try:
@@ -88,10 +99,32 @@ class LocalHosts:
         pass
 
 
-def _exit_when_done(target: Callable[..., None], *args: Any) -> None:
-    """Run a worker body, then leave without the interpreter's teardown: freeing a torch process's
-    modules took 1-2 s of each run's end, and a worker has nothing left to clean up (its files are
-    closed, its messages sent; the driver owns the shared memory)."""
+class Driver:
+    """What a worker forked from the fork server (procs.context) takes of the driver as it starts,
+    where a spawned one inherited it: the environment, stdout and stderr as they are now (a test's
+    capture, a log file), and Ctrl-C left to the driver (SIGINT ignored)."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd  # the fds travel with the start, as a Pipe's do
+
+        return (_as_driver, (dict(os.environ), DupFd(1), DupFd(2)))
+
+
+def _as_driver(env: dict[str, str], out: Any, err: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, dup in ((1, out), (2, err)):
+        got = dup.detach()
+        os.dup2(got, fd)
+        os.close(got)
+
+
+def _exit_when_done(target: Callable[..., None], _driver: None, *args: Any) -> None:
+    """Run a worker body (unpickling `_driver` already took the driver's environment and output), then
+    leave without the interpreter's teardown: freeing a torch process's modules took 1-2 s of each
+    run's end, and a worker has nothing left to clean up (its files are closed, its messages sent; the
+    driver owns the shared memory)."""
     code = 0
     try:
         target(*args)

@@ -2,7 +2,10 @@
 
 On a machine with n cores the trainer takes the first half and the engines share the rest (one core
 each when there are enough), so rollout and training really overlap (DESIGN.md §6). Workers start
-with the 'spawn' method: forking a process that already runs torch's thread pools is unsafe.
+by 'forkserver': a server process that has only imported torch and the worker bodies
+(runtime/preload.py), no thread pool running, forks each one, so a worker skips those imports;
+forking the driver itself, which runs torch's thread pools, would be unsafe. A forked worker takes
+the driver's environment as it is at its start (hosts.LocalHosts.start), not the server's.
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ def release_memory() -> None:
 
 
 def context():
-    return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tailrace.runtime.preload"])  # read when the server starts (once)
+    return ctx
 
 
 def resolve_device(name: str) -> str:

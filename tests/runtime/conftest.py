@@ -141,18 +141,22 @@ def wait_for_steps(run: Path, proc: subprocess.Popen, n: int, timeout: float = 2
 
 def workers_of(pid: int) -> list[int]:
     """The worker processes a driver runs, trainer first, then the engines in order (by the names they
-    give themselves: tr-trainer, tr-engine0, ...; pids may wrap, so their order says nothing)."""
-    found = []
+    give themselves: tr-trainer, tr-engine0, ...; pids may wrap, so their order says nothing). They
+    are the children of the driver's fork server (runtime/procs.py), so the driver's grandchildren."""
+    parent, comm = {}, {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            comm = (d / "comm").read_text().strip()
+            parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            comm[int(d.name)] = (d / "comm").read_text().strip()
         except (OSError, IndexError):
             continue
-        if ppid == pid and comm.startswith("tr-"):
-            found.append((comm != "tr-trainer", comm, int(d.name)))
+    found = [
+        (comm[p] != "tr-trainer", comm[p], p)
+        for p in comm
+        if comm[p].startswith("tr-") and pid in (parent[p], parent.get(parent[p]))
+    ]
     return [p for *_, p in sorted(found)]
 
 
