@@ -109,7 +109,7 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
             results.extend(ev.finished)
         now = time.perf_counter()
         if results or loaded or (stats.steps and now - last >= report_s):
-            conn.send(EngineReport(engine_id, results, stats, loaded, now))
+            conn.send(EngineReport(engine_id, results, stats, loaded, now, weights.arrivals()))
             stats, results, loaded, last = Stats(), [], [], now
 
 

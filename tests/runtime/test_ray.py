@@ -1,7 +1,11 @@
 """The Ray runtime (`runtime.kind=ray`) on a real local Ray cluster: a run trains with its trainer
-and engine as Ray actors and its weights through the object store, the ledger exact; a stopped or
-killed engine actor is found and replaced as a local worker is; bad input is one line."""
+and engine as Ray actors and its weights through the object store, or by a collective to the same
+step records, the ledger exact; a stopped or killed engine actor is found and replaced as a local
+worker is; bad input is one line."""
 
+import contextlib
+import dataclasses
+import io
 import logging
 import os
 import signal
@@ -30,15 +34,19 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture
-def no_local_hosts(monkeypatch):
+def refuse_local_hosts(mp: pytest.MonkeyPatch) -> None:
     """The local runtime's process start and shared-memory ring fail: what runs, runs on Ray."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("the local runtime was used")
 
-    monkeypatch.setattr("tailrace.runtime.hosts.LocalHosts.start", refuse)
-    monkeypatch.setattr("tailrace.runtime.weights.SharedWeights.__init__", refuse)
+    mp.setattr("tailrace.runtime.hosts.LocalHosts.start", refuse)
+    mp.setattr("tailrace.runtime.weights.SharedWeights.__init__", refuse)
+
+
+@pytest.fixture
+def no_local_hosts(monkeypatch):
+    refuse_local_hosts(monkeypatch)
 
 
 def train(capsys, tiny_model, run_dir, *extra):
@@ -50,28 +58,66 @@ def steps_of(run_dir: Path) -> list[StepRecord]:
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
 
 
-def test_a_ray_run_trains_and_times_every_weight_transfer(
-    ray_cluster, no_local_hosts, tiny_model, tmp_path, capsys
-):
+def spans_of(run_dir: Path, phase: str) -> list[Span]:
+    return [e for e in read_events(run_dir / "events.jsonl") if isinstance(e, Span) and e.phase == phase]
+
+
+@pytest.fixture(scope="module")
+def store_run(ray_cluster, tiny_model, tmp_path_factory) -> tuple[int, str, Path]:
+    """The 4-step run with weights through the object store and the local runtime disabled (rc,
+    output, run directory): one run for the tests that check it and compare with it."""
+    run_dir = tmp_path_factory.mktemp("store") / "run"
+    argv = ["train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--runtime.kind=ray"]
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        refuse_local_hosts(mp)
+        from tailrace.cli import main
+
+        rc = main([*argv, "--train.loss.kl_coef=0.01"])
+    return rc, out.getvalue(), run_dir
+
+
+def test_a_ray_run_trains_and_times_every_weight_transfer(store_run):
     """Sync mode publishes a version after every step; each is put into the object store by the
     trainer actor and loaded by the engine actor, both timed, and the final evaluation runs on the
     last one. The KL penalty makes every step move the weights."""
-    rc, out = train(capsys, tiny_model, tmp_path / "run")
+    rc, out, run_dir = store_run
     assert rc == 0, out
     assert "Traceback" not in out
-    assert_exact(tmp_path / "run", steps=4)
-    steps = steps_of(tmp_path / "run")
+    assert_exact(run_dir, steps=4)
+    steps = steps_of(run_dir)
     assert [r.version for r in steps] == [1, 2, 3, 4]
     assert all(r.time["weight_sync_s"] > 0 for r in steps)
-    spans = [
-        e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, Span) and e.phase == "sync"
-    ]
+    spans = spans_of(run_dir, "sync")
     for lane in ("trainer", "engine0"):
         timed = {s.version: s.t1 - s.t0 for s in spans if s.lane == lane}
         assert set(timed) == {1, 2, 3, 4}, (lane, timed)
         assert all(dt > 0 for dt in timed.values())
-    evals = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if type(r).__name__ == "EvalRecord"]
+    assert spans_of(run_dir, "receive") == []  # the object store has no receive of its own
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if type(r).__name__ == "EvalRecord"]
     assert [(e.tag, e.version) for e in evals] == [("base", 0), ("final", 4)]
+
+
+def test_a_collective_run_times_every_transfer_and_equals_the_object_store_run(
+    store_run, no_local_hosts, tiny_model, tmp_path, capsys
+):
+    """The same run with `runtime.weights=collective`: each version is broadcast by the trainer actor
+    and received by the engine actor's thread (a `receive` span per version, which only the
+    collective writes), then loaded from the engine's own ring; the trainer's send and the engine's
+    load are timed as the object store's are, and every step record is the object-store run's but
+    for `time` (a seeded sync run does not depend on how its weights travel)."""
+    rc, out = train(capsys, tiny_model, tmp_path / "run", "--runtime.weights=collective")
+    assert rc == 0, out
+    assert "Traceback" not in out
+    assert_exact(tmp_path / "run", steps=4)
+    steps = steps_of(tmp_path / "run")
+    assert all(r.time["weight_sync_s"] > 0 for r in steps)
+    for phase, lane in (("sync", "trainer"), ("sync", "engine0"), ("receive", "engine0")):
+        timed = {s.version: s.t1 - s.t0 for s in spans_of(tmp_path / "run", phase) if s.lane == lane}
+        assert set(timed) == {1, 2, 3, 4}, (phase, lane, timed)
+        assert all(dt > 0 for dt in timed.values())
+    untimed = [dataclasses.replace(r, time={}) for r in steps]
+    assert untimed == [dataclasses.replace(r, time={}) for r in steps_of(store_run[2])]
 
 
 def engine_pid(name: str, timeout: float = 60) -> int:
