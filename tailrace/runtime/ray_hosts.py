@@ -7,7 +7,8 @@ its typed messages (runtime/messages.py) and the driver's `Workers` are the ones
 Two things differ because a remote process shares no memory with the driver: the heartbeat travels
 as `Beat` messages on a second connection, read by a thread of the driver (so it is heard whatever
 the driver is reading), instead of a shared counter; and published weights go through the object
-store (runtime/ray_weights.py) instead of the shared-memory ring. A dead actor reads as a dead
+store (runtime/ray_weights.py), or by a collective beside it (runtime/ray_collective.py: each worker
+started gets its own end of the group, `start`), instead of the shared-memory ring. A dead actor reads as a dead
 process (its connection ends, its `run` call fails) and a stopped one as a silent one: `Workers`
 finds both and the driver replaces them in the same bundle, as it does local workers.
 
