@@ -248,3 +248,69 @@ def test_a_collective_without_ray_is_one_line_naming_the_fix(tiny_model, tmp_pat
     assert rc == 2
     assert "runtime.weights=collective needs runtime.kind=ray" in one_line(out)
     assert "--runtime.kind=ray" in one_line(out)
+
+
+def end_actor():
+    """A class for a Ray actor holding one worker's end of a collective, as a trainer or engine actor
+    would (made here, so Ray ships it by value: workers need not import the tests)."""
+
+    class End:
+        def __init__(self, end) -> None:
+            self.end = end
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def write(self, version: int, value: float, numel: int) -> None:
+            import torch
+
+            self.end.write(version, torch.full((numel,), value))
+
+        def arrived(self) -> list[int]:
+            return [v for v, _, _ in self.end.arrivals()]
+
+        def read(self, version: int) -> float:
+            return float(self.end.read(version).buffer.mean())
+
+        def in_group(self) -> bool:
+            return self.end.group is not None
+
+    return End
+
+
+def test_a_stopped_member_holds_a_broadcast_only_until_it_is_killed(ray_cluster):
+    """A broadcast to an engine whose process is stopped waits (the ack never comes) and ends, with
+    the version in the object store, as soon as the process is killed (as the driver kills a stuck
+    worker); the trainer then publishes through the object store alone, without waiting."""
+    import torch
+
+    from tailrace.model.flat import FlatWeights
+    from tailrace.runtime.ray_collective import Collective
+    from tailrace.runtime.ray_weights import StoreWeights
+
+    ray, numel = ray_cluster, 1 << 20
+    store = StoreWeights.like(ray, FlatWeights(torch.zeros(numel), (("w", (numel,), 0),)), slots=3)
+    coll = Collective(store, numel, "127.0.0.1", 2, "cpu")
+    actor = ray.remote(end_actor()).options(num_cpus=0)
+    trainer, engine = actor.remote(coll.end("trainer", True)), actor.remote(coll.end("engine0", True))
+    deadline = time.time() + 60
+    while not ray.get(trainer.in_group.remote()):  # the group forms in each member's thread
+        assert time.time() < deadline, "no group within 60 s"
+        time.sleep(0.05)
+    ray.get(trainer.write.remote(1, 1.0, numel))
+    assert ray.get(engine.arrived.remote()) == [1] and ray.get(engine.read.remote(1)) == 1.0
+    pid = ray.get(engine.pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        sending = trainer.write.remote(2, 2.0, numel)
+        assert ray.wait([sending], timeout=2.0)[1] == [sending]  # held by the stopped member
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    t0 = time.time()
+    ray.get(sending, timeout=30)
+    assert time.time() - t0 < 10
+    assert coll.read(2).buffer.mean().item() == 2.0
+    assert not ray.get(trainer.in_group.remote())
+    ray.get(trainer.write.remote(3, 3.0, numel), timeout=10)
+    assert coll.read(3).buffer.mean().item() == 3.0
+    ray.kill(trainer)
