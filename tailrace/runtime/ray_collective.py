@@ -9,7 +9,7 @@ then its flat buffer, then all-reduces a one-element ack: when `write` returns (
 reports the version) every member has staged it, so the driver's `LoadWeights` never races it.
 
 The object store stays the record of every version (runtime/ray_weights.py): the trainer puts each
-one there too, in a thread, during its broadcast. That is what makes the collective safe to lose:
+one there too, after its broadcast. That is what makes the collective safe to lose:
 the driver (snapshots, a replacement's start versions), a replacement engine (it cannot join a group
 of fixed membership) and a replacement trainer read and write the store only, and a member whose
 ring lacks a version reads it there. The group is formed once, when the first trainer and engines
@@ -90,29 +90,31 @@ class Member:
     # -- the trainer (rank 0) ---------------------------------------------------------------------
 
     def write(self, version: int, buffer: torch.Tensor) -> None:
-        """Broadcast `version` to the group while a thread puts it into the object store; returns when
-        both are done (the put raises here if it failed)."""
-        failed: list[BaseException] = []
+        """Broadcast `version` to the group, then put it into the object store: one after the other,
+        as at the same time they contend for cores and memory and took longer on 2 cores than the
+        two in turn (bench/README.md)."""
+        try:
+            for work in self._send(version, buffer.detach().reshape(-1)):
+                work.wait()
+        except RuntimeError as e:  # a member lost or too slow: the object store carries on
+            self._end(f"version {version}: {one_line(e)}")
+        self.store.write(version, buffer)
 
-        def put() -> None:
-            try:
-                self.store.write(version, buffer)
-            except BaseException as e:  # noqa: BLE001 — raised below, in the trainer's thread
-                failed.append(e)
-
-        putter = threading.Thread(target=put, name="weights-put", daemon=True)
-        putter.start()
-        if self.group is not None:
-            try:
-                flat = buffer.detach().reshape(-1)
-                self.group.broadcast(torch.tensor([version], device=flat.device), 0).wait()
-                self.group.broadcast(flat, 0).wait()
-                self.group.allreduce([torch.zeros(1, device=flat.device)]).wait()
-            except RuntimeError as e:  # a member lost or too slow: the object store carries on
-                self._end(f"version {version}: {one_line(e)}")
-        putter.join()
-        if failed:
-            raise failed[0]
+    def _send(self, version: int, flat: torch.Tensor) -> list:
+        """Issue the version number, the buffer, then an ack every member gives once it staged the
+        buffer; [] without a group."""
+        g = self.group
+        if g is None:
+            return []
+        try:
+            return [
+                g.broadcast(torch.tensor([version], device=flat.device), 0),
+                g.broadcast(flat, 0),
+                g.allreduce([torch.zeros(1, device=flat.device)]),
+            ]
+        except RuntimeError as e:
+            self._end(f"version {version}: {one_line(e)}")
+            return []
 
     # -- an engine (ranks 1..N) -------------------------------------------------------------------
 
