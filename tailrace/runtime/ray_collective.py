@@ -17,6 +17,8 @@ start, and never re-formed: a member lost (its sockets close), a broadcast no me
 `SEND_S`, or a group that did not form within `JOIN_S` ends the collective for the rest of the run —
 the trainer aborts the group (which ends every receiver's wait) and the object store carries on.
 A stopped engine blocks a broadcast until the driver kills it (worker_timeout_s) or `SEND_S`.
+All of this is gloo's behaviour, tested here; NCCL reports a lost member through its watchdog, which
+by default ends the process after the timeout (the driver would then replace the trainer): untested.
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ class Member:
                 self.versions[slot] = -1  # a torn receive is never read as valid
                 t0 = time.perf_counter()
                 self.group.broadcast(self.ring[slot], 0).wait()
+                if self.ring.is_cuda:  # NCCL's wait orders the device's stream, not this thread
+                    torch.cuda.current_stream(self.ring.device).synchronize()
                 self.versions[slot] = version
                 self.arrived.append((version, t0, time.perf_counter()))
                 self.group.allreduce([ack]).wait()
