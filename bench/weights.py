@@ -64,7 +64,10 @@ def real(engines: list[int], transports: list[str], steps: int, extra: list[str]
                 run = Path(tmp) / "run"
                 argv = [sys.executable, "-m", "tailrace.cli", "train", f"--run-dir={run}", f"--flow.steps={steps}",
                         f"--rollout.engines={n}", *SMALL, *TRANSPORTS[transport], *extra]  # fmt: skip
-                subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+                if done.returncode:
+                    sys.exit(f"{transport}, {n} engine(s): the run failed (exit {done.returncode}):\n"
+                             + "\n".join((done.stdout + done.stderr).splitlines()[-15:]))  # fmt: skip
                 print(f"{n:7d} {transport:>12s} {row(run)}", flush=True)
 
 
