@@ -13,7 +13,7 @@ one there too, after its broadcast. That is what makes the collective safe to lo
 the driver (snapshots, a replacement's start versions), a replacement engine (it cannot join a group
 of fixed membership) and a replacement trainer read and write the store only, and a member whose
 ring lacks a version reads it there. The group is formed once, when the first trainer and engines
-start, and never re-formed: a member lost (its sockets close), a broadcast no member takes within
+start, and never re-formed: a member lost (its sockets close), a broadcast not all members take within
 `SEND_S`, or a group that did not form within `JOIN_S` ends the collective for the rest of the run —
 the trainer aborts the group (which ends every receiver's wait) and the object store carries on.
 A stopped engine blocks a broadcast until the driver kills it (worker_timeout_s) or `SEND_S`.
