@@ -1,13 +1,18 @@
-"""The weight path, trainer -> engines: measured here for 1, 2 and 4 engine processes, and the
-simulator's model of it at cluster scale, both with the bytes moved per version.
+"""The weight path, trainer -> engines: measured here for 1, 2 and 4 engine processes and each
+transport, and the simulator's model of it at cluster scale, both with the bytes moved per version.
 
     .venv/bin/python bench/weights.py                        # both (the real part: ~2 min on 2 cores)
     .venv/bin/python bench/weights.py --model DIR --dtype bfloat16 --steps 3   # a local HF checkpoint (SmolLM2-135M)
+    .venv/bin/python bench/weights.py --engines 1 --transports ring,object_store,collective   # Ray's two too
     .venv/bin/python bench/weights.py --sim                  # the model only (seconds)
+    .venv/bin/python bench/weights.py --runs RUN_DIR...      # the same columns for runs made elsewhere
 
-Real: `tailrace train` in sync mode for a few steps with N engines; from events.jsonl, per published
-version the trainer's publish span (its weights into the shared-memory ring) and each engine's load
-span (out of the ring into its own weights), after the first version. Bytes per version: the flat
+Real: `tailrace train` in sync mode for a few steps with N engines, the same run per transport:
+`ring` (the local runtime's shared-memory ring), `object_store` and `collective` (`runtime.kind=ray`
+with that `runtime.weights`; a Ray actor reserves a CPU, so on 2 cores only 1 engine fits). From
+events.jsonl, per published version after the first: the trainer's publish span (into the ring; a
+put into the object store; a broadcast beside that put), each engine's receive span (the collective's
+thread, beside the engine's work) and load span (into its own weights). Bytes per version: the flat
 buffer the trainer publishes (parameters x dtype size).
 
 Simulated: Qwen2.5-32B on H800 engines of 4 GPUs, from 1 to 256 engines (4 to 1,024 rollout GPUs),
@@ -38,25 +43,60 @@ SMALL = ["--flow.prompts_per_round=8", "--flow.samples_per_prompt=4", "--flow.tr
          "--rollout.max_new_tokens=64", "--eval.n=8", "--flow.checkpoint_every=1000"]  # fmt: skip
 
 
-def real(engines: list[int], steps: int, extra: list[str]) -> None:
+TRANSPORTS = {
+    "ring": [],
+    "object_store": ["--runtime.kind=ray", "--runtime.weights=object_store"],
+    "collective": ["--runtime.kind=ray", "--runtime.weights=collective"],
+}
+
+
+HEADER = f"{'MB/version':>10s} {'publish s':>10s} {'receive s':>10s} {'load s mean':>11s} {'load s max':>10s}"
+
+
+def real(engines: list[int], transports: list[str], steps: int, extra: list[str]) -> None:
     print(
         f"\nmeasured: sync, {steps} steps, per version after the first (mean / max over versions and engines)"
     )
-    print(f"{'engines':>7s} {'MB/version':>10s} {'publish s':>10s} {'load s mean':>11s} {'load s max':>10s}")
+    print(f"{'engines':>7s} {'transport':>12s} {HEADER}")
     for n in engines:
-        with tempfile.TemporaryDirectory() as tmp:
-            run = Path(tmp) / "run"
-            argv = [sys.executable, "-m", "tailrace.cli", "train", f"--run-dir={run}", f"--flow.steps={steps}",
-                    f"--rollout.engines={n}", *SMALL, *extra]  # fmt: skip
-            subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-            spans = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-            spans = [s for s in spans if s.get("phase") == "sync" and s.get("version", 0) > 1]
-            pub = [s["t1"] - s["t0"] for s in spans if s["lane"] == "trainer"]
-            load = [s["t1"] - s["t0"] for s in spans if s["lane"].startswith("engine")]
-            mb = flat_bytes(run) / 1e6
-        print(
-            f"{n:7d} {mb:10.1f} {statistics.mean(pub):10.3f} {statistics.mean(load):11.3f} {max(load):10.3f}"
-        )
+        for transport in transports:
+            with tempfile.TemporaryDirectory() as tmp:
+                run = Path(tmp) / "run"
+                argv = [sys.executable, "-m", "tailrace.cli", "train", f"--run-dir={run}", f"--flow.steps={steps}",
+                        f"--rollout.engines={n}", *SMALL, *TRANSPORTS[transport], *extra]  # fmt: skip
+                done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+                if done.returncode:
+                    sys.exit(f"{transport}, {n} engine(s): the run failed (exit {done.returncode}):\n"
+                             + "\n".join((done.stdout + done.stderr).splitlines()[-15:]))  # fmt: skip
+                print(f"{n:7d} {transport:>12s} {row(run)}", flush=True)
+
+
+def row(run: Path) -> str:
+    """A run's weight path per version after the first: MB, the trainer's publish, each engine's
+    receive (a collective's) and load, from its events.jsonl."""
+    spans = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    spans = [s for s in spans if s.get("phase") in ("sync", "receive") and s.get("version", 0) > 1]
+    pub = [s["t1"] - s["t0"] for s in spans if s["lane"] == "trainer"]
+    engine = [s for s in spans if s["lane"].startswith("engine")]
+    load = [s["t1"] - s["t0"] for s in engine if s["phase"] == "sync"]
+    got = [s["t1"] - s["t0"] for s in engine if s["phase"] == "receive"]
+    receive = f"{statistics.mean(got):10.3f}" if got else f"{'-':>10s}"
+    return (f"{flat_bytes(run) / 1e6:10.1f} {statistics.mean(pub):10.3f} {receive} {statistics.mean(load):11.3f} "
+            f"{max(load):10.3f}")  # fmt: skip
+
+
+def runs(dirs: list[str]) -> None:
+    """The same columns for runs made elsewhere (bench/modes.py's, one per runtime)."""
+    from tailrace.config import load_config
+    from tailrace.records import StepRecord, read_metrics
+
+    print("\nper version after the first (mean / max over versions and engines)")
+    print(f"{'run':>40s} {'weights':>12s} {'wall s':>7s} {HEADER}")
+    for d in map(Path, dirs):
+        cfg = load_config(d / "config.yaml")
+        how = "ring" if cfg.runtime.kind == "local" else cfg.runtime.weights
+        steps = [r for r in read_metrics(d / "metrics.jsonl") if isinstance(r, StepRecord)]
+        print(f"{str(d)[-40:]:>40s} {how:>12s} {steps[-1].time['wall_s']:7.1f} {row(d)}", flush=True)
 
 
 def flat_bytes(run: Path) -> int:
@@ -89,15 +129,21 @@ def simulated() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="1,2,4")
+    ap.add_argument("--transports", default="ring", help=f"comma-separated, of {', '.join(TRANSPORTS)}")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--sim", action="store_true", help="the simulated table only")
+    ap.add_argument("--runs", nargs="+", default=None, help="summarize these run directories instead")
     ap.add_argument("--model", default=None, help="a local HF checkpoint (default: the built-in model)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     a = ap.parse_args()
+    if a.runs:
+        return runs(a.runs)
+    if unknown := set(a.transports.split(",")) - set(TRANSPORTS):
+        ap.error(f"--transports: {', '.join(sorted(unknown))}: use {', '.join(TRANSPORTS)}")
     if not a.sim:
         extra = [f"--model.path={a.model}"] if a.model else []
         extra += [f"--model.dtype={a.dtype}"] if a.dtype else []
-        real([int(x) for x in a.engines.split(",")], a.steps, extra)
+        real([int(x) for x in a.engines.split(",")], a.transports.split(","), a.steps, extra)
     simulated()
 
 

@@ -27,10 +27,11 @@ class RuntimeConfig:
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = setting(
         "PACK", "ray: how the placement group's bundles (trainer, then each engine) spread over nodes"
     )
-    weights: Literal["object_store"] = setting(
+    weights: Literal["object_store", "collective"] = setting(
         "object_store",
         "ray: how published weights reach the engines: object_store (one object per version, read "
-        "by every engine that loads it)",
+        "by every engine that loads it); collective (a broadcast to every engine, gloo on CPU, NCCL on "
+        "GPU, each staging it in a ring of its own; the object store keeps every version as well)",
     )
 
     def __post_init__(self) -> None:
@@ -41,3 +42,8 @@ class RuntimeConfig:
             )
         for k in ("trainer_gpus", "engine_gpus"):
             need(getattr(self, k) >= 0, f"runtime.{k}={getattr(self, k)}: must be >= 0")
+        need(
+            self.weights != "collective" or self.kind == "ray",
+            "runtime.weights=collective needs runtime.kind=ray (the local runtime moves weights through its "
+            "shared-memory ring): add --runtime.kind=ray, or drop runtime.weights",
+        )

@@ -29,8 +29,9 @@ def trace_events(run_dir: Path) -> list[dict]:
     out: list[dict] = []
     for e in events:
         if isinstance(e, Span):
-            track = "weight sync" if e.phase == "sync" else e.lane
-            name = f"{e.lane} {e.phase}" if e.phase == "sync" else e.phase
+            weights = e.phase in ("sync", "receive")  # a receive: a collective's, beside the engine's work
+            track = "weight sync" if weights else e.lane
+            name = f"{e.lane} {e.phase}" if weights else e.phase
             args = {k: v for k, v in (("version", e.version), ("step", e.step)) if v is not None}
             out.append(_event(name, track, e.t0, e.t1, e.phase, **args))
         else:

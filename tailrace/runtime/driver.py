@@ -374,6 +374,8 @@ class Driver:
                 continue
             self.events.write(Span(lane, "sync", t0 - self.t0, t1 - self.t0, version=v))
             self.sched.on_loaded(rep.engine, v, self._now())
+        for v, t0, t1 in rep.received:  # a collective's receive, beside the engine's work
+            self.events.write(Span(lane, "receive", t0 - self.t0, t1 - self.t0, version=v))
         mine = []
         for r in rep.results:
             if r.request_id in self._eval_wanted:

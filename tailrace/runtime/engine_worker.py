@@ -119,7 +119,7 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
                 stats.add_training(done)
         now = time.perf_counter()
         if results or loaded or ((stats.steps or stats.train[0]) and now - last >= report_s):
-            conn.send(EngineReport(engine_id, results, stats, loaded, now))
+            conn.send(EngineReport(engine_id, results, stats, loaded, now, weights.arrivals()))
             stats, results, loaded, last = Stats(), [], [], now
 
 

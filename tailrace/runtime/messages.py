@@ -96,6 +96,8 @@ class EngineReport:
     stats: Stats
     loaded: list[tuple[int, float, float]]  # (version, t0, t1) weight loads since the last report
     t: float
+    received: list[tuple[int, float, float]] = field(default_factory=list)  # (version, t0, t1) weights
+    # that reached the engine's own ring meanwhile (a collective's receive; none from a shared ring)
 
 
 @dataclass(frozen=True)

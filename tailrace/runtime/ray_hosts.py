@@ -7,7 +7,8 @@ its typed messages (runtime/messages.py) and the driver's `Workers` are the ones
 Two things differ because a remote process shares no memory with the driver: the heartbeat travels
 as `Beat` messages on a second connection, read by a thread of the driver (so it is heard whatever
 the driver is reading), instead of a shared counter; and published weights go through the object
-store (runtime/ray_weights.py) instead of the shared-memory ring. A dead actor reads as a dead
+store (runtime/ray_weights.py), or by a collective beside it (runtime/ray_collective.py: each worker
+started gets its own end of the group, `start`), instead of the shared-memory ring. A dead actor reads as a dead
 process (its connection ends, its `run` call fails) and a stopped one as a silent one: `Workers`
 finds both and the driver replaces them in the same bundle, as it does local workers.
 
@@ -165,6 +166,9 @@ class RayHosts:
         self.group = None
         self.bundles: dict[str, int] = {}
         self.actors: list[Any] = []
+        self.workers_device = "cpu"
+        self.weights: Any = None  # the ring `ring` made
+        self.started: set[str] = set()  # worker names started once (a later start is a replacement)
 
     def place(self, engines: int, engine_threads: int) -> tuple[Seat, list[Seat]]:
         ray, c = self.ray, self.cfg
@@ -191,18 +195,23 @@ class RayHosts:
         may have no GPU of its own."""
         gpus = self.cfg.trainer_gpus > 0 and self.cfg.engine_gpus > 0
         if name == "auto":
-            return "cuda" if gpus else "cpu"
-        if name.startswith("cuda") and not gpus:
+            name = "cuda" if gpus else "cpu"
+        elif name.startswith("cuda") and not gpus:
             raise ConfigError(
                 f"device={name} with runtime.kind=ray: reserve GPUs for the actors (runtime.trainer_gpus=1 "
                 "runtime.engine_gpus=1), or use device=cpu"
             )
+        self.workers_device = name
         return name
 
     def start(self, name: str, target: Callable[..., None], args: tuple) -> Started:
         ray, c = self.ray, self.cfg
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if c.weights == "collective":  # each worker gets its own end of the group
+            first = name not in self.started
+            args = tuple(self.weights.end(name, first) if a is self.weights else a for a in args)
+        self.started.add(name)
         index = self.bundles[name]
         cpus, gpus = (c.trainer_cpus, c.trainer_gpus) if index == 0 else (c.engine_cpus, c.engine_gpus)
         actor = (
@@ -228,9 +237,16 @@ class RayHosts:
         return Started(RayProcess(ray, actor, running, pid, node), conn, Heard(beats))
 
     def ring(self, layout: Any, slots: int) -> Any:
+        """The object store (runtime/ray_weights.py), or a collective over it (runtime/ray_collective.py)."""
         from tailrace.runtime.ray_weights import StoreWeights
 
-        return StoreWeights.like(self.ray, layout, slots)
+        self.weights = StoreWeights.like(self.ray, layout, slots)
+        if self.cfg.weights == "collective":
+            from tailrace.runtime.ray_collective import Collective
+
+            host, world = self.ray.util.get_node_ip_address(), len(self.bundles)
+            self.weights = Collective(self.weights, layout.buffer.numel(), host, world, self.workers_device)
+        return self.weights
 
     def close(self) -> None:
         if not self.ray.is_initialized():

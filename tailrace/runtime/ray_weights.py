@@ -62,6 +62,10 @@ class StoreWeights:
     def holds(self, version: int) -> bool:
         return self.ray.get(self.registry.get.remote(version)) is not None
 
+    def arrivals(self) -> list[tuple[int, float, float]]:
+        """Versions that reached a reader's own copy since it last asked: none, an engine reads the store."""
+        return []
+
     def read(self, version: int) -> FlatWeights:
         boxed = self.ray.get(self.registry.get.remote(version))
         if boxed is None:

@@ -46,6 +46,11 @@ class SharedWeights:
     def holds(self, version: int) -> bool:
         return int(self.versions[version % self.slots]) == version
 
+    def arrivals(self) -> list[tuple[int, float, float]]:
+        """Versions that reached a reader's own copy since it last asked: none, the trainer's copy into
+        shared memory is the whole transfer."""
+        return []
+
     def read(self, version: int) -> FlatWeights:
         slot = version % self.slots
         held = int(self.versions[slot])
