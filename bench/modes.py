@@ -56,6 +56,8 @@ MODES = [
     ("sync", {"shaping.name": "darts"}),
     ("sync", {"shaping.name": "april", "train.loss.correction": "tis"}),
     ("sync", {"shaping.name": "sorted", "train.loss.correction": "tis"}),
+    # shaping on a streaming mode: --modes sync,sync+darts,multiversion-K1+darts
+    ("multiversion", {"flow.max_staleness": 1, "shaping.name": "darts"}),
 ]
 
 CONFIGS = {
