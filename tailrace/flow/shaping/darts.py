@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from tailrace.flow.store import GroupState
 
 
+_OPTIONS = ("window", "extra", "longest", "early_stop", "ema", "extra_time")
+
+
 class Darts(Shaping):
     name = "darts"
 
@@ -56,17 +59,9 @@ class Darts(Shaping):
         self.slots = 0  # the engines' rows in all, as last reported
 
     @classmethod
-    def from_options(
-        cls,
-        window: int = 1,
-        extra: float | None = 0.5,
-        longest: int = 1,
-        early_stop: float = 0.1,
-        ema: float = 0.5,
-        extra_time: float = 0.1,
-        **_,
-    ) -> Darts:
-        return cls(window, extra, longest, early_stop, ema, extra_time)
+    def from_options(cls, **options) -> Darts:
+        """The run's shaping options this one reads (the defaults are __init__'s)."""
+        return cls(**{k: v for k, v in options.items() if k in _OPTIONS})
 
     def budget(self, n: int) -> int:
         """Extra candidates for a window of n samples: the fixed share, or what the step cost affords
