@@ -73,12 +73,23 @@ class Kernels:
                 + [ctypes.c_int64] * 2
                 + [ctypes.c_void_p] * 3
             )
+        lib.gumbel_of_bits.restype = None
+        lib.gumbel_of_bits.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         lib.gemm_bf16.restype = None
         lib.gemm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.gemm_bf16.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 3
         self.has_gemm = bool(lib.gemm_bf16_supported())
         self._lib = lib
         self._scratch = torch.empty(0)
+
+    def gumbel_of_bits(self, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The noise of each 23-bit pattern in `bits` (int32, contiguous) and the bound the draw skips
+        chunks by for its bucket: (g, bound), fp32."""
+        if not (bits.dtype == torch.int32 and bits.dim() == 1 and bits.is_contiguous()):
+            raise ValueError(f"gumbel_of_bits: bad operand {tuple(bits.shape)} {bits.dtype}")
+        g, bound = torch.empty(bits.shape[0]), torch.empty(bits.shape[0])
+        self._lib.gumbel_of_bits(bits.data_ptr(), bits.shape[0], g.data_ptr(), bound.data_ptr())
+        return g, bound
 
     @staticmethod
     def pack(w: torch.Tensor) -> torch.Tensor:
