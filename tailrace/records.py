@@ -85,6 +85,7 @@ def trajectory_to_json(t: Trajectory) -> dict:
         "reward": t.reward, "correct": t.correct, "version": t.dispatch_version, "finish": r.finish.value,
         "times": [r.submitted, r.first_token, r.finished], "n": len(r.token_ids),
         "ids": [id_code, ids], "logprobs": [lp_code, lps], "versions": _runs(r.versions),
+        **({"observed": [list(s) for s in t.observed], "tool_s": t.tool_s} if t.observed else {}),
     }  # fmt: skip
 
 
@@ -97,6 +98,7 @@ def trajectory_from_json(d: dict, prompt_ids: tuple[int, ...]) -> Trajectory:
     return Trajectory(
         group=d["group"], sample_index=d["index"], prompt_id=d["prompt_id"], prompt_ids=prompt_ids,
         result=result, reward=d["reward"], correct=d["correct"], dispatch_version=d["version"],
+        observed=tuple((int(a), int(b)) for a, b in d.get("observed", ())), tool_s=d.get("tool_s", 0.0),
     )  # fmt: skip
 
 
