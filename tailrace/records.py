@@ -262,10 +262,14 @@ class StepRecord:
     reward_errors: dict[str, int]
     train: dict[str, float]  # the trainer's step metrics
     time: dict[str, float]  # metrics.utilization + train_s, weight_sync_s, ...
+    # multi-turn runs (metrics.tool_stats): tool calls, turns, observation tokens, failed calls;
+    # the waits are under `time` (tool_wait_s, tool_wait_max_s, tool_run_s). Empty otherwise.
+    tools: dict[str, float] = field(default_factory=dict)
     kind = "step"
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+        keys = [k for k in self.__dataclass_fields__ if k != "tools" or self.tools]
+        return {"kind": self.kind, **{k: getattr(self, k) for k in keys}}
 
 
 @dataclass(frozen=True)
@@ -317,7 +321,7 @@ Metric = StepRecord | EvalRecord | CheckpointRecord
 
 def metric_from_json(d: dict) -> Metric:
     if d.get("kind") == "step":
-        return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__})
+        return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__ if k in d or k != "tools"})
     if d.get("kind") == "eval":
         summary = {k: v for k, v in d.items() if k not in _EVAL_HEAD}
         return EvalRecord(d["tag"], d["step"], summary, d.get("version", 0), d.get("wall_s", 0.0))

@@ -302,6 +302,7 @@ class Scheduler(SchedulerState):
         obs = tuple(token_ids)[:room]
         ep = self._episodes.setdefault((key.group, key.index), Episode())
         start = len(at.turn.token_ids)
+        ep.calls += 1
         if obs:
             ep.observed.append((start, start + len(obs)))
         ep.tool_s += now - at.since
@@ -316,6 +317,11 @@ class Scheduler(SchedulerState):
         g.in_flight.add(nxt)
         eng.in_flight[rid] = at.version
         self._pending[eng.id].append(continuation(rid, g.prompt.token_ids, params, at.version, at.turn, obs))
+
+    def calls_of(self, request_id: str) -> int:
+        """Tool calls answered so far in the episode of an in-flight request (0: its first turn)."""
+        ep = self._episodes.get((SampleKey.parse(request_id).group, SampleKey.parse(request_id).index))
+        return ep.calls if ep else 0
 
     @property
     def at_tool(self) -> int:

@@ -33,6 +33,7 @@ class Episode:
     """A multi-turn sample's record of its tool calls so far (the scheduler's, per sample)."""
 
     observed: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of observation tokens
+    calls: int = 0  # tool calls answered
     tool_s: float = 0.0  # seconds parked waiting for tools, summed over its calls
 
 

@@ -54,13 +54,16 @@ class Environment:
         """An answer as the context shows it."""
         return f"={text}"
 
+    def answers(self, transcript: str, calls: int) -> bool:
+        """Whether `step` answers this turn (cheap: no tool runs): it ends in a call, and a turn is left
+        to read the answer in. False: the episode is over, and the reward scores `transcript`."""
+        return transcript.endswith(self.call_end) and calls + 1 < self.max_turns
+
     def step(self, example: Example, transcript: str, calls: int) -> Turn:
         """The answer to the turn that ends `transcript` (the response so far: turns and observations),
         after `calls` tool calls answered in this episode."""
-        if not transcript.endswith(self.call_end):
-            return Turn(None)  # the response ended: the reward decides
-        if calls + 1 >= self.max_turns:
-            return Turn(None)  # no turn left to read an answer in
+        if not self.answers(transcript, calls):
+            return Turn(None)  # the response ended (or no turn is left): the reward decides
         m = _CALL.search(transcript)
         if m is None:
             return Turn(self.observe("error: malformed call; write [tool:args]"), error=True)
