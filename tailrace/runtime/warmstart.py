@@ -139,7 +139,9 @@ def ensure_warm_start(arch: ArchConfig, sft: SFTConfig, progress=None, task: str
     return tool_out
 
 
-def build_tool_warm_start(base: Path, cfg: SFTConfig, out: Path, progress=None) -> dict:
+def build_tool_warm_start(
+    base: Path, cfg: SFTConfig, out: Path, progress=None, examples: int = TOOL_RECIPE["examples"]
+) -> dict:
     """Fine-tune the chainsum model in `base` on chaincalc demonstrations into `out` (atomically)."""
     task = ChainCalcTask(dataclasses.replace(ChainSumTask().spec, p_slip=cfg.slip))
     tok = char_tokenizer()
@@ -147,7 +149,7 @@ def build_tool_warm_start(base: Path, cfg: SFTConfig, out: Path, progress=None) 
     torch.set_num_threads(cfg.threads)
     try:
         model = load_pretrained(base)
-        sub = dataclasses.replace(cfg, examples=TOOL_RECIPE["examples"], seed=cfg.seed + 1)
+        sub = dataclasses.replace(cfg, examples=examples, seed=cfg.seed + 1)
         pairs = demonstrations(sub, task, tok)
         t0 = time.perf_counter()
         losses = sft(
