@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from tailrace.tasks.base import Example, TaskError, check_config
 from tailrace.tasks.chainsum import LETTERS, ChainSumSpec, ChainSumTask, parse_terms
 from tailrace.tasks.env import Environment
-from tailrace.tasks.tools import TOOLS, Calculator, PythonExecutor
+from tailrace.tasks.tools import TOOLS, Calculator, Delayed, PythonExecutor
 
 P_TOOL = 0.5  # demonstrations that use the calculator on every step (the others: chainsum's own)
 
@@ -34,24 +34,34 @@ class ChainCalcTask(ChainSumTask, Environment):
         tools: tuple[str, ...] = ("calc",),
         max_turns: int = 32,
         tool_timeout_s: float = 2.0,
+        tool_latency_s: float = 0.0,
     ) -> None:
+        """`tool_latency_s`: the mean of an added delay per call (exponential; 0 = none), to see tool
+        latency as a source of tail."""
         ChainSumTask.__init__(self, spec)
         made = {"calc": Calculator(), "py": PythonExecutor(tool_timeout_s)}
-        Environment.__init__(self, {t: made[t] for t in tools}, max_turns)
+        chosen = {t: made[t] for t in tools}
+        if tool_latency_s > 0:
+            chosen = {t: Delayed(tool, tool_latency_s) for t, tool in chosen.items()}
+        Environment.__init__(self, chosen, max_turns)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], max_turns: int) -> ChainCalcTask:
-        """chainsum's keys plus `tools` (of calc, py) and `tool_timeout_s` (the Python executor's)."""
-        c = check_config("chaincalc", config, ["bands", "max_term", "test_mod", "tools", "tool_timeout_s"])
+        """chainsum's keys plus `tools` (of calc, py), `tool_timeout_s` (the Python executor's) and
+        `tool_latency_s` (a mean delay added to every call)."""
+        keys = ["bands", "max_term", "test_mod", "tools", "tool_timeout_s", "tool_latency_s"]
+        c = check_config("chaincalc", config, keys)
         tools = tuple(c.pop("tools", ("calc",)))
         bad = [t for t in tools if t not in TOOLS]
         if bad or not tools:
             raise TaskError(f"chaincalc: tools={list(tools)}: choose from {', '.join(TOOLS)}")
-        timeout = c.pop("tool_timeout_s", 2.0)
+        timeout, latency = c.pop("tool_timeout_s", 2.0), c.pop("tool_latency_s", 0.0)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise TaskError(f"chaincalc: tool_timeout_s={timeout!r}: must be > 0 seconds")
+        if not isinstance(latency, (int, float)) or latency < 0:
+            raise TaskError(f"chaincalc: tool_latency_s={latency!r}: must be >= 0 seconds")
         try:
-            return cls(ChainSumSpec.from_config(c), tools, max_turns, float(timeout))
+            return cls(ChainSumSpec.from_config(c), tools, max_turns, float(timeout), float(latency))
         except ValueError as e:
             raise TaskError(f"chaincalc: {e}") from None
 

@@ -15,9 +15,12 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import math
 import operator
+import time
 from typing import Protocol
 
+from tailrace.tasks.base import stable_hash
 from tailrace.tasks.sandbox import SandboxConfig
 from tailrace.tasks.sandbox.isolated import Contained, run_isolated
 
@@ -116,6 +119,20 @@ class PythonExecutor:
         if got.get("error"):
             raise ToolError(str(got["error"])[:_ANSWER_CHARS])
         return got["stdout"].strip()
+
+
+class Delayed:
+    """`tool` answering after an exponentially distributed delay of mean `mean_s` (a stand-in for a
+    tool served over a network: the latency tail a multi-turn run must hide). The delay is a function
+    of the call's text, so a run's tool latencies repeat."""
+
+    def __init__(self, tool: Tool, mean_s: float) -> None:
+        self.tool, self.mean_s, self.name = tool, mean_s, tool.name
+
+    def run(self, args: str) -> str:
+        u = (stable_hash(f"{self.name}/{args}") + 0.5) / 2**32  # uniform in (0, 1)
+        time.sleep(-self.mean_s * math.log(u))
+        return self.tool.run(args)
 
 
 TOOLS = {"calc": Calculator, "py": PythonExecutor}

@@ -98,3 +98,16 @@ def test_demonstrations_mix_both_ways_and_their_calls_are_answered_as_shown():
     d = tool[0]
     cut = d.index("]") + 1
     assert task.step(Example(0, "", ""), d[:cut], 0).observation == d[cut:].split("\n")[0]
+
+
+def test_tool_latency_is_added_per_call_and_repeats():
+    task = make_task("chaincalc", {"tool_latency_s": 0.02})
+    t0 = time.perf_counter()
+    waits = []
+    for i in range(20):
+        s = time.perf_counter()
+        assert task.step(EX, f"[calc:{i}+1]", 0).observation == f"={i + 1}"
+        waits.append(time.perf_counter() - s)
+    assert 0.1 < time.perf_counter() - t0 < 3.0 and max(waits) > 2 * min(waits)  # a spread, not a constant
+    with pytest.raises(TaskError, match="tool_latency_s"):
+        make_task("chaincalc", {"tool_latency_s": -1})
