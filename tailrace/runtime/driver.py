@@ -388,7 +388,9 @@ class Driver:
         self.engines[i] = self.workers.replace(w, engine_main, i, spec, self.weights)
         self.recovery.begin(lost, now, requeued=requeued)
         wanted = tuple(r for r in self._eval_sent.get(i, ()) if r.id in self._eval_wanted)
-        if wanted:  # held-out requests it had: the replacement answers them
+        if wanted:  # held-out requests it had: the replacement answers them (episodes from their start)
+            for r in wanted:
+                self._eval_calls.pop(r.id, None)
             self.workers.send(self.engines[i], Generate(i, wanted))
 
     def _engine_weights(self, i: int, lost: Lost) -> dict:
