@@ -298,7 +298,11 @@ class Scheduler(SchedulerState):
         key = SampleKey.parse(request_id)
         g = self._store.open[key.group]
         g.in_flight.discard(key)
-        room = max(0, self._sampling.max_new_tokens - len(at.turn.token_ids) - 1)
+        room = self._sampling.max_new_tokens - len(at.turn.token_ids) - 1
+        if room < 0:  # the engine would finish it without a step, and so without a report
+            raise InvariantError(
+                f"{request_id} parked for a tool on the last token of its budget; score it instead"
+            )
         obs = tuple(token_ids)[:room]
         ep = self._episodes.setdefault((key.group, key.index), Episode())
         start = len(at.turn.token_ids)

@@ -344,7 +344,8 @@ class Driver:
         calls = set()
         for r in results:
             n = self.sched.calls_of(r.request_id)
-            if self.ses.is_call(r, n):
+            # a call on the budget's last token has no room for an answer: scored as it stands
+            if len(r.token_ids) < self.cfg.rollout.max_new_tokens and self.ses.is_call(r, n):
                 calls.add(r.request_id)
                 self.tools.submit(
                     r.request_id, partial(self.ses.turn, self.sched.prompt_of(r.request_id), r, n)
@@ -357,9 +358,9 @@ class Driver:
         if self.tools is None:
             return False
         n = self._eval_calls.get(r.request_id, 0)
-        if not self.ses.is_call(r, n):
-            return False
         p, req = self._eval_reqs[r.request_id]
+        if len(r.token_ids) >= req.params.max_new_tokens or not self.ses.is_call(r, n):
+            return False
         obs = self.ses.observation_ids(self.ses.turn(p, r, n))
         obs = obs[: max(0, req.params.max_new_tokens - len(r.token_ids) - 1)]  # within the budget
         self._eval_calls[r.request_id] = n + 1

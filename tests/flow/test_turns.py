@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tailrace.flow.policies import SyncPolicy
-from tailrace.flow.scheduler import FlowSpec, Scheduler
+from tailrace.flow.scheduler import FlowSpec, InvariantError, Scheduler
 from tailrace.records import Finished, trajectory_from_json, trajectory_to_json
 from tailrace.types import SamplingParams
 from tests.flow.scripted import ScriptedCluster, prompts
@@ -145,3 +146,12 @@ def test_ledger_identity_holds_in_multi_turn_runs(seed, R, K, slots):
     for t in trained(c):
         n = len(turns[(t.group, t.sample_index)])
         assert len(t.observed) == n - 1 and t.length == sum(turns[(t.group, t.sample_index)]) + 2 * (n - 1)
+
+
+def test_a_call_on_the_last_token_of_the_budget_cannot_park():
+    """Its continuation would have no token left: the engine would finish it without a step (and so
+    without reporting it); the driver scores such a turn instead, and the scheduler refuses to wait."""
+    s = make(R=1, K=1, U=1, steps=1, max_new=4)
+    c = ScriptedCluster(s, length=None, slots=1, turns=lambda g, i: [4, 1], tool_ticks=lambda g, i, k: 1)
+    with pytest.raises(InvariantError, match="last token of its budget"):
+        c.run(max_ticks=50)
