@@ -34,6 +34,7 @@ def run(name: str, latency: float, args) -> dict:
     argv = [
         "train", f"--run-dir={run_dir}", "--task.name=chaincalc", f"--flow.steps={args.steps}",
         f"--task.config={{tool_latency_s: {latency}}}", f"--eval.n={args.eval_n}", f"--seed={args.seed}",
+        f"--task.tool_threads={args.tool_threads}",
     ]  # fmt: skip
     t0 = time.perf_counter()
     code = tailrace(argv)
@@ -94,10 +95,12 @@ def main() -> None:
     ap.add_argument("--latency", default="0,0.05", help="mean added tool latency per run, seconds")
     ap.add_argument("--eval-n", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tool-threads", type=int, default=4, help="task.tool_threads: the driver's tool pool")
     args = ap.parse_args()
     rows = []
     for lat in [float(x) for x in args.latency.split(",")]:
         name = "calc" if lat == 0 else f"calc+{lat * 1000:.0f}ms"
+        name += f" ({args.tool_threads} threads)" if args.tool_threads != 4 else ""
         rows.append(run(name, lat, args))
         print(f"{name}: reward {rows[-1]['reward_start']:.3f} -> {rows[-1]['reward_end']:.3f}", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
