@@ -135,6 +135,9 @@ class Driver:
         self.spec_tally = SpecTally()
         self.tools = ToolPool(cfg.task.tool_threads) if session.env is not None else None
         self.tool_errors = 0  # tool calls that failed since the last step record
+        # multi-turn: the engines' context limit, and each parked sample's room in it for an answer
+        self.context = r.max_context or session.model_cfg.max_position_embeddings
+        self._room: dict[str, int] = {}
         self._eval_reqs: dict[str, tuple[Prompt, GenRequest]] = {}  # held-out id -> its prompt and request
         self._eval_calls: dict[str, int] = {}  # held-out id -> tool calls answered (multi-turn)
 
@@ -334,7 +337,8 @@ class Driver:
                 turn = Turn(self.ses.env.observe(f"error: {turn.error}"), error=True)
             self.tool_errors += turn.error
             self.events.write(Span("tools", "tool", done.t0 - self.t0, done.t1 - self.t0))
-            self.sched.on_observation(done.key, self.ses.observation_ids(turn), self._now())
+            obs = self.ses.observation_ids(turn)[: self._room.pop(done.key)]  # within the context limit
+            self.sched.on_observation(done.key, obs, self._now())
 
     def _park_calls(self, results: list[GenResult]) -> set[str]:
         """The results whose turn ended in a tool call the environment answers: their calls go to the
@@ -343,13 +347,14 @@ class Driver:
             return set()
         calls = set()
         for r in results:
-            n = self.sched.calls_of(r.request_id)
-            # a call on the budget's last token has no room for an answer: scored as it stands
-            if len(r.token_ids) < self.cfg.rollout.max_new_tokens and self.ses.is_call(r, n):
+            n, p = self.sched.calls_of(r.request_id), self.sched.prompt_of(r.request_id)
+            room = self.context - len(p.token_ids) - len(r.token_ids) - 1  # the continuation's 1 token
+            # a call on the last token of the budget or of the context has no room for an answer:
+            # scored as it stands
+            if len(r.token_ids) < self.cfg.rollout.max_new_tokens and room >= 0 and self.ses.is_call(r, n):
                 calls.add(r.request_id)
-                self.tools.submit(
-                    r.request_id, partial(self.ses.turn, self.sched.prompt_of(r.request_id), r, n)
-                )
+                self._room[r.request_id] = room
+                self.tools.submit(r.request_id, partial(self.ses.turn, p, r, n))
         return calls
 
     def _continue_heldout(self, engine: int, r: GenResult) -> bool:
@@ -359,10 +364,11 @@ class Driver:
             return False
         n = self._eval_calls.get(r.request_id, 0)
         p, req = self._eval_reqs[r.request_id]
-        if len(r.token_ids) >= req.params.max_new_tokens or not self.ses.is_call(r, n):
+        budget = min(req.params.max_new_tokens, self.context - len(req.prompt_ids))
+        if len(r.token_ids) >= budget or not self.ses.is_call(r, n):
             return False
         obs = self.ses.observation_ids(self.ses.turn(p, r, n))
-        obs = obs[: max(0, req.params.max_new_tokens - len(r.token_ids) - 1)]  # within the budget
+        obs = obs[: budget - len(r.token_ids) - 1]  # within the budget and the context limit
         self._eval_calls[r.request_id] = n + 1
         cont = continuation(r.request_id, req.prompt_ids, req.params, req.version, r, obs)
         self.workers.send(self.engines[engine], Generate(engine, (cont,)))

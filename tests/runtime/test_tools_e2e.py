@@ -53,6 +53,18 @@ def test_chaincalc_trains_with_tool_calls_and_an_exact_ledger(tool_model, tmp_pa
     )
 
 
+def test_calls_near_the_context_limit_are_cut_never_overflow_it(tool_model, tmp_path):
+    """A context barely longer than the prompts: answers are cut to fit, calls with no room left are
+    scored as they stand, and the engine is never handed a request beyond its context."""
+    run = tmp_path / "run"
+    argv = ["train", f"--run-dir={run}", f"--model.path={tool_model}", "--task.name=chaincalc", *TINY_RUN]
+    argv = [a for a in argv if not a.startswith(("--flow.steps", "--rollout.max_new_tokens"))]
+    extra = ["--flow.steps=2", "--rollout.max_new_tokens=96", "--rollout.max_context=72"]
+    assert main([*argv, *extra, "--task.config={bands: [[1.0, 12, 20]]}"]) == 0
+    trajs = [e.trajectory for e in read_journal(run / "journal.jsonl") if isinstance(e, Finished)]
+    assert trajs and all(len(t.prompt_ids) + t.length <= 72 for t in trajs)
+
+
 def test_multi_turn_is_refused_outside_sync_naming_the_fix(tmp_path):
     argv = ["train", f"--run-dir={tmp_path / 'r'}", "--task.name=chaincalc"]
     assert main([*argv, "--flow.mode=multiversion"]) == 2
