@@ -35,12 +35,11 @@ from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Tr
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.flow.shaping import make_shaping
-from tailrace.flow.turns import continuation
 from tailrace.metrics import step_record
 from tailrace.records import CheckpointRecord, EvalRecord, Mark, Span, StepRecord, read_metrics
 from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
-from tailrace.runtime.evaluate import Evaluator
+from tailrace.runtime.evaluate import Evaluator, next_turn
 from tailrace.runtime.health import Lost
 from tailrace.runtime.hosts import Seat, hosts_for
 from tailrace.runtime.messages import EngineReport, Go, History, Ready, TrainerReport, TrainOrder
@@ -364,13 +363,11 @@ class Driver:
             return False
         n = self._eval_calls.get(r.request_id, 0)
         p, req = self._eval_reqs[r.request_id]
-        budget = min(req.params.max_new_tokens, self.context - len(req.prompt_ids))
-        if len(r.token_ids) >= budget or not self.ses.is_call(r, n):
+        cont = next_turn(self.ses, p, req, r, n, self.context)
+        if cont is None:
             return False
-        obs = self.ses.observation_ids(self.ses.turn(p, r, n))
-        obs = obs[: budget - len(r.token_ids) - 1]  # within the budget and the context limit
         self._eval_calls[r.request_id] = n + 1
-        cont = continuation(r.request_id, req.prompt_ids, req.params, req.version, r, obs)
+        self._eval_reqs[r.request_id] = (p, cont)
         self.workers.send(self.engines[engine], Generate(engine, (cont,)))
         return True
 
