@@ -28,7 +28,8 @@ class TaskConfig:
     config: dict[str, Any] = section(
         dict,
         "the task's own settings: a reasoning-gym dataset's config (e.g. {min_terms: 2, max_terms: 3}), "
-        "chainsum's {bands, max_term, test_mod}, the jsonl and code tasks' keyword options "
+        "chainsum's {bands, max_term, test_mod} (chaincalc's too, with {tools, tool_timeout_s, tool_latency_s}), "
+        "the jsonl and code tasks' keyword options "
         "({question_field, answer_field, prompt_template, test_mod, test_path, ...})",
     )
     chat_template: Literal["auto", "none"] = setting(
