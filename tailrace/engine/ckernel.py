@@ -36,7 +36,8 @@ _state: dict[str, object] = {}
 class Kernels:
     """The decode step's kernels: `layer` (RoPE, cache writes and attention of a layer in one call),
     `rms`, `silu_mul`, `gumbel` and `sample` (the sampler's noise and draw), `run` (attention alone),
-    and `gemm` (bf16 linears over weights packed by `pack`, where the CPU has AVX-512 BF16: `has_gemm`).
+    and `gemm` (linears over weights packed by `pack`, in the dtypes `gemm_dtypes` lists: fp32 where
+    the CPU has AVX-512, bf16 where it has AVX-512 BF16).
     Both attention calls read a paged cache in place: k, v (blocks, Hkv, block_size, D), fp32/bf16, and a
     block table (rows, W) int32 whose row r lists the blocks holding positions [0, W block_size) of the
     sequence in row r (see `KVCache`)."""
@@ -75,10 +76,13 @@ class Kernels:
             )
         lib.gumbel_of_bits.restype = None
         lib.gumbel_of_bits.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-        lib.gemm_bf16.restype = None
-        lib.gemm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        lib.gemm_bf16.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 3
-        self.has_gemm = bool(lib.gemm_bf16_supported())
+        self._gemm = {torch.float32: lib.gemm_f32, torch.bfloat16: lib.gemm_bf16}
+        for fn in self._gemm.values():
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+            fn.argtypes += [ctypes.c_void_p] * 3
+        has = lib.gemm_supported()
+        self.gemm_dtypes = tuple(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if has & bit)
         self._lib = lib
         self._scratch = torch.empty(0)
 
@@ -93,15 +97,18 @@ class Kernels:
 
     @staticmethod
     def pack(w: torch.Tensor) -> torch.Tensor:
-        """w (N, K) bf16, K even, laid out for `gemm`: panels of 48 columns (zero past N), k in pairs:
-        (ceil(N/48), K/2, 48, 2)."""
+        """w (N, K) laid out for `gemm`: panels of 48 columns (zero past N); bf16 with k in pairs
+        (ceil(N/48), K/2, 48, 2) (K even), fp32 with k single (ceil(N/48), K, 48)."""
         N, K = w.shape
-        if w.dtype != torch.bfloat16 or K % 2:
+        if w.dtype not in (torch.float32, torch.bfloat16) or (w.dtype == torch.bfloat16 and K % 2):
             raise ValueError(
-                f"pack: needs a bf16 weight with an even number of columns, not {tuple(w.shape)} {w.dtype}"
+                f"pack: needs an fp32 weight, or a bf16 one with an even number of columns, not "
+                f"{tuple(w.shape)} {w.dtype}"
             )
         panels = -(-N // GEMM_PANEL)
         w = torch.nn.functional.pad(w, (0, 0, 0, panels * GEMM_PANEL - N))
+        if w.dtype == torch.float32:
+            return w.view(panels, GEMM_PANEL, K).transpose(1, 2).contiguous()
         return w.view(panels, GEMM_PANEL, K // 2, 2).transpose(1, 2).contiguous()
 
     def gemm(
@@ -112,22 +119,28 @@ class Kernels:
         b: torch.Tensor | None = None,
         r: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """y (M, n) = x (M, K) W^T (+ b) (+ r) in bf16 with fp32 accumulation, W (n, K) as `pack`ed; b
-        fp32 (n,), r bf16 (M, n). One thread."""
+        """y (M, n) = x (M, K) W^T (+ b) (+ r) in x's dtype (fp32 or bf16) with fp32 accumulation, W
+        (n, K) as `pack`ed; b fp32 (n,), r (M, n) in x's dtype. One thread."""
         M, K = x.shape
+        dt = x.dtype
+        shape = (
+            (-(-n // GEMM_PANEL), K // 2, GEMM_PANEL, 2)
+            if dt == torch.bfloat16
+            else (-(-n // GEMM_PANEL), K, GEMM_PANEL)
+        )
         if not (
-            self.has_gemm
-            and x.dtype == packed.dtype == torch.bfloat16
+            dt in self.gemm_dtypes
+            and packed.dtype == dt
             and x.is_contiguous()
-            and packed.shape == (-(-n // GEMM_PANEL), K // 2, GEMM_PANEL, 2)
+            and packed.shape == shape
             and (b is None or (b.dtype == torch.float32 and b.shape == (n,) and b.is_contiguous()))
-            and (r is None or (r.dtype == torch.bfloat16 and r.shape == (M, n) and r.is_contiguous()))
+            and (r is None or (r.dtype == dt and r.shape == (M, n) and r.is_contiguous()))
         ):
             raise ValueError(
-                f"gemm: bad operands x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)}, n {n}"
+                f"gemm: bad operands x {tuple(x.shape)} {dt}, packed {tuple(packed.shape)}, n {n}"
             )
-        y = torch.empty(M, n, dtype=torch.bfloat16)
-        self._lib.gemm_bf16(
+        y = torch.empty(M, n, dtype=dt)
+        self._gemm[dt](
             x.data_ptr(),
             M,
             K,

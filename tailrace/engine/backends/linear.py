@@ -1,7 +1,7 @@
 """`Linear`: y = x W^T (+ b) (+ residual) for the engine step, by MKL, by oneDNN on packed weights, or
-(bf16 on one thread, where the CPU has AVX-512 BF16) by the C kernels' GEMM (`ckernel.Kernels.gemm`),
-which beats oneDNN's at every batch there: it prefetches the next panel of a weight that streams from
-memory (figures: bench/README.md).
+(on one thread, where the CPU has AVX-512; bf16 needs AVX-512 BF16) by the C kernels' GEMM
+(`ckernel.Kernels.gemm`), which beats both at decode batches: it prefetches the next panel of a weight
+that streams from memory, and costs one ctypes call (figures: bench/README.md).
 
 On CPU, MKL re-packs the weight on every call; oneDNN can pack it once (`_reorder_linear_weight`) and
 then reads it in its own blocked layout, and fuses the residual add. Which is faster depends on the
@@ -52,13 +52,12 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 def kernel_gemm_serves(kernel: Kernels, w: torch.Tensor) -> bool:
-    """Whether the C kernels' GEMM can serve weight `w`: bf16 on CPU, an even number of columns, a CPU
-    with AVX-512 BF16, and one torch thread (the kernel runs on one)."""
+    """Whether the C kernels' GEMM can serve weight `w`: a dtype it has on this CPU (`gemm_dtypes`), on
+    CPU, an even number of columns for bf16, and one torch thread (the kernel runs on one)."""
     return (
-        kernel.has_gemm
-        and w.dtype == torch.bfloat16
+        w.dtype in kernel.gemm_dtypes
         and w.device.type == "cpu"
-        and w.shape[1] % 2 == 0
+        and (w.dtype == torch.float32 or w.shape[1] % 2 == 0)
         and torch.get_num_threads() == 1
     )
 
