@@ -33,7 +33,8 @@ _state: dict[str, object] = {}
 
 class Kernels:
     """The decode step's kernels: `layer` (RoPE, cache writes and attention of a layer in one call),
-    `rms`, `silu_mul`, `gumbel` and `sample` (the sampler's noise and draw), and `run` (attention alone).
+    `rms`, `silu_mul`, `gumbel` and `sample` (the sampler's noise and draw), `lora` (rows' adapter
+    terms), and `run` (attention alone).
     Both attention calls read a paged cache in place: k, v (blocks, Hkv, block_size, D), fp32/bf16, and a
     block table (rows, W) int32 whose row r lists the blocks holding positions [0, W block_size) of the
     sequence in row r (see `KVCache`)."""
@@ -70,6 +71,10 @@ class Kernels:
                 + [ctypes.c_int64] * 2
                 + [ctypes.c_void_p] * 3
             )
+        self._lora = {torch.float32: lib.lora_f32, torch.bfloat16: lib.lora_bf16}
+        for fn in self._lora.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
         self._lib = lib
         self._scratch = torch.empty(0)
 
@@ -167,6 +172,46 @@ class Kernels:
         out = torch.empty(M, I, dtype=gu.dtype)
         self._silu_mul[gu.dtype](gu.data_ptr(), out.data_ptr(), M, I)
         return out
+
+    def lora(
+        self,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        slot: torch.Tensor,
+        y: torch.Tensor,
+        cols: torch.Tensor,
+        ranks: torch.Tensor,
+    ) -> None:
+        """y (M, N) += each row's LoRA terms, in place: row m of x (M, K) through adapter slot[m] (int32;
+        < 0: none) of a (S, R, K) and b (S, N, R), segment g being columns cols[g]..cols[g + 1] of y
+        and ranks ranks[g]..ranks[g + 1] (int64, nseg + 1 each). One dtype, fp32 or bf16."""
+        M, K = x.shape
+        S, R, _ = a.shape
+        N = y.shape[1]
+        if not (
+            x.dtype in self._lora
+            and a.dtype == b.dtype == y.dtype == x.dtype
+            and a.shape == (S, R, K)
+            and b.shape == (S, N, R)
+            and y.shape == (M, N)
+            and slot.shape == (M,)
+            and slot.dtype == torch.int32
+            and cols.dtype == ranks.dtype == torch.int64
+            and cols.shape == ranks.shape
+            and all(t.is_contiguous() for t in (x, a, b, slot, y, cols, ranks))
+        ):
+            raise ValueError(
+                f"lora: bad operands x {tuple(x.shape)} {x.dtype}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
+                f"y {tuple(y.shape)} {y.dtype}, slot {tuple(slot.shape)} {slot.dtype}"
+            )
+        scratch = self._scratch_of(R)
+        rc = self._lora[x.dtype](
+            x.data_ptr(), a.data_ptr(), b.data_ptr(), slot.data_ptr(), y.data_ptr(),
+            M, K, N, R, S, cols.shape[0] - 1, cols.data_ptr(), ranks.data_ptr(), scratch.data_ptr(),
+        )  # fmt: skip
+        if rc:
+            raise ValueError(f"lora: an adapter slot outside [0, {S}) in {slot.tolist()}")
 
     def run(
         self,
@@ -294,6 +339,7 @@ _WHY = {
     -2: "a position outside the block table",
     -3: "a row outside the block table",
     -4: "a block outside the cache",
+    -5: "an adapter slot outside the adapters",
 }
 
 

@@ -6,6 +6,7 @@
    - a decode layer's whole attention block after the q/k/v projection (RoPE, both cache writes,
      attention) in one call;
    - RMSNorm and SiLU-and-multiply, the elementwise ops between the GEMMs;
+   - the LoRA terms of a batch whose rows belong to different adapters (one call per fused projection);
    - sampling: the engine sampler's Gumbel noise (tailrace/engine/sampler.py: the same counter-based
      hash) and, for rows without top-k/top-p or banned stop tokens, the whole draw (argmax of tempered
      logits + noise) with the log-softmax logprob of the drawn token.
@@ -470,6 +471,48 @@ void NAME(const T *restrict gu, T *restrict out, int64_t M, int64_t I) {        
 }
 SILU_MUL(silu_mul_f32, float, f32_in, f32_out)
 SILU_MUL(silu_mul_bf16, uint16_t, bf16_in, bf16_out)
+
+/* -- LoRA: the low-rank terms of rows of several adapters (tailrace/engine/adapters.py) -------------- */
+
+/* For each row m of x (M, K) whose adapter slot s = slot[m] is >= 0: u = A[s] x[m] (A: (S, R, K)), then
+   for each segment g (a target projection: columns [cols[g], cols[g+1]) of y, ranks [rk[g], rk[g+1]) of
+   u) y[m, c] += sum_r B[s, c, r] u[r] (B: (S, N, R), the adapter's scale folded in); y (M, N) in place.
+   Rows with slot < 0 are left as they are. fp32 arithmetic, y rounded once to T. Each row alone: its
+   result does not depend on the other rows (a batch of mixed adapters equals each adapter's rows alone).
+   Returns -5 for a slot >= S. */
+#define LORA(NAME, T, IN, OUT)                                                                          \
+int NAME(const T *restrict x, const T *restrict A, const T *restrict B, const int32_t *restrict slot,    \
+         T *restrict y, int64_t M, int64_t K, int64_t N, int64_t R, int64_t S, int64_t nseg,            \
+         const int64_t *restrict cols, const int64_t *restrict rk, float *restrict u) {                  \
+    for (int64_t m = 0; m < M; m++) {                                                                   \
+        const int64_t s = slot[m];                                                                      \
+        if (s < 0) continue;                                                                            \
+        if (s >= S) return -5;                                                                          \
+        const T *xm = x + m * K, *As = A + s * R * K, *Bs = B + s * N * R;                              \
+        for (int64_t r = 0; r < R; r++) {                                                               \
+            const T *a = As + r * K;                                                                    \
+            float acc = 0.f;                                                                            \
+            _Pragma("omp simd reduction(+:acc)")                                                        \
+            for (int64_t k = 0; k < K; k++) acc += IN(a[k]) * IN(xm[k]);                                \
+            u[r] = acc;                                                                                 \
+        }                                                                                               \
+        T *ym = y + m * N;                                                                              \
+        for (int64_t g = 0; g < nseg; g++) {                                                            \
+            const int64_t r0 = rk[g], r1 = rk[g + 1];                                                   \
+            if (r1 == r0) continue;                                                                     \
+            for (int64_t c = cols[g]; c < cols[g + 1]; c++) {                                           \
+                const T *b = Bs + c * R;                                                                \
+                float acc = 0.f;                                                                        \
+                _Pragma("omp simd reduction(+:acc)")                                                    \
+                for (int64_t r = r0; r < r1; r++) acc += IN(b[r]) * u[r];                               \
+                ym[c] = OUT(IN(ym[c]) + acc);                                                           \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+    return 0;                                                                                           \
+}
+LORA(lora_f32, float, f32_in, f32_out)
+LORA(lora_bf16, uint16_t, bf16_in, bf16_out)
 
 /* -- sampling (see tailrace/engine/sampler.py, whose hash this is) --------------------------------- */
 
