@@ -2,15 +2,15 @@
 
 Each adapter has a slot s while it is loaded (a freed slot is reused). Per layer and fused projection
 of the backends (`FUSED`: qkv, o, gate_up, down, as `FusedWeights` fuses them) one pair of stacks,
-A (S, T R, in) and B (S, out, T R) for the T targets of that projection and R the largest rank loaded:
-target t's ranks are [t R, t R + r) and its rows of B the projection's columns for t; everything else
-is zero, so an adapter of lower rank, or without that target, adds exact zeros. The scale alpha / r is
-folded into B. Adapters are the engine's, not a version's: a row's adapter applies over whichever
+A (S, T R, in) and B^T (S, T R, out) for the T targets of that projection and R the largest rank
+loaded: target t's ranks are [t R, t R + r) and its columns of B^T the projection's columns for t;
+everything else is zero, so an adapter of lower rank, or without that target, adds exact zeros. The
+scale alpha / r is folded into B. Adapters are the engine's, not a version's: a row's adapter applies over whichever
 weight version it runs on.
 
 `LoraStep` is one forward's view (each token's slot; -1: none). `add(layer, kind, x, y, kernel)` adds
 the low-rank terms to y in place after the base GEMM has run over every row once:
-  * torch: rows grouped by slot on the host, then per group x_g A_s^T B_s^T (an index_select, two
+  * torch: rows grouped by slot on the host, then per group (x_g A_s^T) B_s^T (an index_select, two
     GEMMs and an index_add; when one slot has every row, two GEMMs and an add, rounded alike);
   * the C kernels (`Kernels.lora`): one call per projection, each row through its own slot's A and B
     (a row's terms never depend on the other rows).
@@ -40,7 +40,7 @@ FUSED = {
 @dataclass(frozen=True)
 class _Stack:
     a: torch.Tensor  # (S, T R, in)
-    b: torch.Tensor  # (S, out, T R), scale folded in
+    bt: torch.Tensor  # (S, T R, out): B transposed, scale folded in
     cols: torch.Tensor  # (T + 1,) int64: target t's columns of the projection's output
     ranks: torch.Tensor  # (T + 1,) int64: target t's ranks, [t R, (t + 1) R)
 
@@ -139,7 +139,7 @@ class Adapters:
                 for wd in widths:
                     cols.append(cols[-1] + wd)
                 a = torch.zeros(S, len(targets) * R, n_in, dtype=torch.float32, device=self.device)
-                b = torch.zeros(S, cols[-1], len(targets) * R, dtype=torch.float32, device=self.device)
+                bt = torch.zeros(S, len(targets) * R, cols[-1], dtype=torch.float32, device=self.device)
                 for s, h in enumerate(self._held):
                     if h is None:
                         continue
@@ -147,10 +147,10 @@ class Adapters:
                         if (i, t) in h.weights:
                             ta, tb = h.weights[i, t]
                             a[s, j * R : j * R + h.rank] = ta
-                            b[s, cols[j] : cols[j + 1], j * R : j * R + h.rank] = tb * h.scale
+                            bt[s, j * R : j * R + h.rank, cols[j] : cols[j + 1]] = tb.t() * h.scale
                 self._stacks[i][kind] = _Stack(
                     a.to(self.dtype),
-                    b.to(self.dtype),
+                    bt.to(self.dtype),
                     torch.tensor(cols, dtype=torch.int64),
                     torch.tensor([j * R for j in range(len(targets) + 1)], dtype=torch.int64),
                 )
@@ -172,14 +172,14 @@ class LoraStep:
         if st is None:
             return
         if kernel is not None and x.device.type == "cpu" and x.dtype in kernel.dtypes:
-            kernel.lora(x.contiguous(), st.a, st.b, self._slot_tensor(), y, st.cols, st.ranks)
+            kernel.lora(x.contiguous(), st.a, st.bt, self._slot_tensor(), y, st.cols, st.ranks)
             return
         for s, idx in self._slot_groups(x.device):
-            a, b = st.a[s], st.b[s]
+            a, bt = st.a[s], st.bt[s]
             if idx is None:  # the same roundings as a group's: the terms rounded, then added
-                y.add_((x @ a.t()) @ b.t())
+                y.add_((x @ a.t()) @ bt)
             else:
-                y.index_add_(0, idx, (x.index_select(0, idx) @ a.t()) @ b.t())
+                y.index_add_(0, idx, (x.index_select(0, idx) @ a.t()) @ bt)
 
     def _slot_tensor(self) -> torch.Tensor:
         if self._slot_t is None:

@@ -26,6 +26,7 @@ from tailrace.common import cache_root
 SOURCE = Path(__file__).with_name("kernels") / "decode.c"
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp-simd", "-shared", "-fPIC"]
 MAX_HEAD_DIM = 256
+LORA_ROWS = 8  # kernels/decode.c: rows of one adapter per block of its LoRA kernel
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -177,23 +178,25 @@ class Kernels:
         self,
         x: torch.Tensor,
         a: torch.Tensor,
-        b: torch.Tensor,
+        bt: torch.Tensor,
         slot: torch.Tensor,
         y: torch.Tensor,
         cols: torch.Tensor,
         ranks: torch.Tensor,
     ) -> None:
         """y (M, N) += each row's LoRA terms, in place: row m of x (M, K) through adapter slot[m] (int32;
-        < 0: none) of a (S, R, K) and b (S, N, R), segment g being columns cols[g]..cols[g + 1] of y
-        and ranks ranks[g]..ranks[g + 1] (int64, nseg + 1 each). One dtype, fp32 or bf16."""
+        < 0: none) of a (S, R, K) and bt (S, R, N) (B transposed), segment g being columns
+        cols[g]..cols[g + 1] of y and ranks ranks[g]..ranks[g + 1] (int64, nseg + 1 each). One dtype,
+        fp32 or bf16."""
         M, K = x.shape
         S, R, _ = a.shape
         N = y.shape[1]
+        b = bt
         if not (
             x.dtype in self._lora
             and a.dtype == b.dtype == y.dtype == x.dtype
             and a.shape == (S, R, K)
-            and b.shape == (S, N, R)
+            and b.shape == (S, R, N)
             and y.shape == (M, N)
             and slot.shape == (M,)
             and slot.dtype == torch.int32
@@ -205,7 +208,7 @@ class Kernels:
                 f"lora: bad operands x {tuple(x.shape)} {x.dtype}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
                 f"y {tuple(y.shape)} {y.dtype}, slot {tuple(slot.shape)} {slot.dtype}"
             )
-        scratch = self._scratch_of(R)
+        scratch = self._scratch_of(LORA_ROWS * (R + N) + 2 * M)  # + M int64 row indices
         rc = self._lora[x.dtype](
             x.data_ptr(), a.data_ptr(), b.data_ptr(), slot.data_ptr(), y.data_ptr(),
             M, K, N, R, S, cols.shape[0] - 1, cols.data_ptr(), ranks.data_ptr(), scratch.data_ptr(),
