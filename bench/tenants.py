@@ -19,7 +19,8 @@ bench/engine.py's continuous-batching workload), temperature 1, no stop tokens. 
 samples/s = requests / wall seconds, best of `--repeats` runs taken in turn; tokens/s likewise; a second
 table divides by the CPU seconds of the thread instead (the comparable figure on a shared machine);
 **slot use** = decode rows per step / slots, averaged over steps weighted by their time (the engine's
-utilization). The 1-minute load average is printed: the machine may be shared.
+utilization); **engine steps** per arm, which do not depend on the machine's load. The 1-minute load
+average is printed: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -102,13 +103,14 @@ def workload(n_tenants: int, per_tenant: int, vocab: int, seed: int = 0) -> list
 def run(eng: TailraceEngine, batches: list[list[GenRequest]]) -> dict:
     """The batches one after another (each to its last result); wall time, tokens, slot use."""
     t0, c0 = time.perf_counter(), time.thread_time()
-    tokens = samples = 0
+    tokens = samples = steps = 0
     busy = weighted = 0.0
     for reqs in batches:
         for r in reqs:
             eng.add(r)
         while eng.num_running or eng.num_waiting:
             ev = eng.step()
+            steps += 1
             busy += ev.duration
             weighted += ev.duration * ev.active
             for res in ev.finished:
@@ -116,7 +118,14 @@ def run(eng: TailraceEngine, batches: list[list[GenRequest]]) -> dict:
                 samples += 1
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     use = weighted / busy / eng.num_slots
-    return {"wall_s": wall, "cpu_s": cpu, "samples": samples, "tokens": tokens, "slot_use": use}
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "samples": samples,
+        "tokens": tokens,
+        "steps": steps,
+        "slot_use": use,
+    }
 
 
 def main(argv=None) -> int:
@@ -165,6 +174,15 @@ def main(argv=None) -> int:
             )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"args": vars(a), "load_avg_1m": load, "rows": rows}, indent=2) + "\n")
+    print("\nengine steps (deterministic: the batching itself, whatever the machine's load)")
+    print("| tenants | mixed | one by one | no adapter |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['tenants']} | "
+            + " | ".join(str(row[k]["steps"]) for k in ("mixed", "one by one", "no adapter"))
+            + " |"
+        )
     print(f"load average now {os.getloadavg()[0]:.2f}; wrote {a.out}")
     return 0
 

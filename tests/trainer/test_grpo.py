@@ -347,3 +347,22 @@ def test_lora_trains_the_adapter_alone():
     held = [p for st in tr.opt.state.values() for p in st.values() if torch.is_tensor(p) and p.ndim]
     adapter_numel = sum(a.numel() + b.numel() for a, b in after.weights.values())
     assert sum(p.numel() for p in held) == 2 * adapter_numel  # exp_avg and exp_avg_sq of A and B only
+
+
+def test_lora_config_keys_and_what_tailrace_train_refuses():
+    from tailrace.config.train import LoraConfig
+
+    cfg = load_config(
+        overrides=["--lora.rank=8", "--lora.alpha=32", "--lora.targets=[q_proj, v_proj]"], cls=TrainerConfig
+    )
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets) == (8, 32.0, ("q_proj", "v_proj"))
+    for bad, match in [
+        (dict(rank=-1), "train.lora.rank"),
+        (dict(alpha=0.0), "train.lora.alpha"),
+        (dict(targets=("qkv",)), "train.lora.targets"),
+        (dict(targets=()), "train.lora.targets"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            LoraConfig(**bad)
+    with pytest.raises(ConfigError, match="train.lora.rank=4: the run's processes publish whole weights"):
+        load_config(overrides=["--train.lora.rank=4"])
