@@ -57,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--per-tenant", type=int, default=16, help="requests per tenant")
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=None, help="model width (default: the built-in's, 128)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--attention", default="auto", help="the engine backend: auto (kernel), kernel, bmm")
     p.add_argument("--threads", type=int, default=1)
@@ -69,9 +70,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def base_model() -> CausalLM:
+def base_model(hidden: int | None = None) -> CausalLM:
+    """The built-in architecture, or that shape at width `hidden` (the MLP 3x as wide, 64-wide heads)."""
     tok = char_tokenizer()
-    return CausalLM.from_config(warmstart.model_config(ArchConfig(), tok.vocab_size, tok), seed=0).eval()
+    arch = ArchConfig()
+    if hidden:
+        arch = ArchConfig(hidden_size=hidden, num_heads=hidden // 64, num_kv_heads=hidden // 128 or 1,
+                          intermediate_size=3 * hidden)  # fmt: skip
+    return CausalLM.from_config(warmstart.model_config(arch, tok.vocab_size, tok), seed=0).eval()
 
 
 def adapter(base: CausalLM, rank: int, seed: int) -> lora.Adapter:
@@ -131,14 +137,15 @@ def run(eng: TailraceEngine, batches: list[list[GenRequest]]) -> dict:
 def main(argv=None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    base = base_model()
+    base = base_model(a.hidden)
     tenants = [int(x) for x in a.tenants.split(",")]
     eng = TailraceEngine(base, num_slots=a.slots, dtype=a.dtype, attention=a.attention, seed=0)
     for t in range(max(tenants)):
         eng.load_adapter(f"t{t}", adapter(base, a.rank, seed=100 + t))
     load = os.getloadavg()[0]
     print(
-        f"engine: {eng.describe()}; {a.dtype}, {a.threads} thread(s); {max(tenants)} adapters of rank "
+        f"engine: {eng.describe()}; {base.num_parameters() / 1e6:.1f}M parameters, {a.dtype}, "
+        f"{a.threads} thread(s); {max(tenants)} adapters of rank "
         f"{a.rank} loaded; load average {load:.2f}"
     )
     run(eng, workload(2, 8, base.config.vocab_size, seed=99))  # warm-up (kernels built, caches warm)
