@@ -96,11 +96,12 @@ class Adapters:
             if not free:
                 self._held.append(None)
         self._held[self._slot[name]] = held
-        self._restack()
+        self._place(self._slot[name])
 
     def drop(self, name: str) -> None:
-        self._held[self._slot.pop(name)] = None
-        self._restack()
+        slot = self._slot.pop(name)
+        self._held[slot] = None
+        self._place(slot)
 
     def step(self, slots: list[int]) -> LoraStep | None:
         """The view of one forward whose tokens use these slots (None when none uses an adapter)."""
@@ -122,6 +123,39 @@ class Adapters:
                     "adapter of this base model"
                 )
 
+    def _place(self, slot: int) -> None:
+        """Write the weights of `slot` (zeros when it is free) into the stacks in place when they have
+        room for them (the slot, its rank, its targets); else build the stacks anew."""
+        h = self._held[slot]
+        stacks = self._stacks
+        fits = (
+            bool(stacks) and any(stacks) and slot < next(st.a.shape[0] for d in stacks for st in d.values())
+        )
+        if fits and h is not None:
+            R = next(st.ranks[1].item() for d in stacks for st in d.values())
+            fits = h.rank <= R and all(
+                kind in stacks[i] for (i, t) in h.weights for kind, ts in FUSED.items() if t in ts
+            )
+        if not fits:
+            self._restack()
+            return
+        for i, d in enumerate(stacks):
+            for kind, st in d.items():
+                self._fill(st, i, kind, slot, h)
+
+    def _fill(self, st: _Stack, layer: int, kind: str, slot: int, h: Adapter | None) -> None:
+        """Slot `slot` of one stack: `h`'s weights for the projection's targets, zeros elsewhere."""
+        st.a[slot].zero_()
+        st.bt[slot].zero_()
+        if h is None:
+            return
+        R, cols = int(st.ranks[1]), st.cols.tolist()
+        for j, t in enumerate(FUSED[kind]):
+            if (layer, t) in h.weights:
+                ta, tb = h.weights[layer, t]
+                st.a[slot, j * R : j * R + h.rank] = ta.to(self.dtype)
+                st.bt[slot, j * R : j * R + h.rank, cols[j] : cols[j + 1]] = (tb.t() * h.scale).to(self.dtype)
+
     def _restack(self) -> None:
         held = [h for h in self._held if h is not None]
         R = max((h.rank for h in held), default=0)
@@ -134,26 +168,18 @@ class Adapters:
                 if not any((i, t) in h.weights for h in held for t in targets):
                     continue
                 n_in = self.dims[targets[0]][0]
-                widths = [self.dims[t][1] for t in targets]
                 cols = [0]
-                for wd in widths:
-                    cols.append(cols[-1] + wd)
-                a = torch.zeros(S, len(targets) * R, n_in, dtype=torch.float32, device=self.device)
-                bt = torch.zeros(S, len(targets) * R, cols[-1], dtype=torch.float32, device=self.device)
-                for s, h in enumerate(self._held):
-                    if h is None:
-                        continue
-                    for j, t in enumerate(targets):
-                        if (i, t) in h.weights:
-                            ta, tb = h.weights[i, t]
-                            a[s, j * R : j * R + h.rank] = ta
-                            bt[s, j * R : j * R + h.rank, cols[j] : cols[j + 1]] = tb.t() * h.scale
-                self._stacks[i][kind] = _Stack(
-                    a.to(self.dtype),
-                    bt.to(self.dtype),
+                for t in targets:
+                    cols.append(cols[-1] + self.dims[t][1])
+                st = _Stack(
+                    torch.zeros(S, len(targets) * R, n_in, dtype=self.dtype, device=self.device),
+                    torch.zeros(S, len(targets) * R, cols[-1], dtype=self.dtype, device=self.device),
                     torch.tensor(cols, dtype=torch.int64),
                     torch.tensor([j * R for j in range(len(targets) + 1)], dtype=torch.int64),
                 )
+                for s, h in enumerate(self._held):
+                    self._fill(st, i, kind, s, h)
+                self._stacks[i][kind] = st
 
 
 class LoraStep:

@@ -329,7 +329,8 @@ class TailraceEngine(SpeculativeSteps):
                 f"drop_adapter({name!r}): {self._per_adapter[name]} request(s) of it are waiting or "
                 "running; abort them or let them finish first"
             )
-        self._adapters.drop(name)
+        with torch.inference_mode():  # the stacks are inference tensors: a dropped slot is zeroed in place
+            self._adapters.drop(name)
 
     def drop_version(self, version: int) -> None:
         if version not in self._versions:
