@@ -9,8 +9,7 @@ default task (chainsum); tenant t trains on the stream of `task.seed = t` and is
 held-out set (pass@1 at temperature 1, each prompt seeded) before and after. Both arms run
 `runtime.tenants.Tenants` in this one process on one engine (one thread): **one by one** runs each
 tenant alone, in turn; **together** adds every tenant at once, so one engine step decodes every
-tenant's rows and the trainers' orders queue, run between engine steps; **together, training thread**
-runs those orders on a thread beside the engine's steps (the machine's second core). Seeded requests
+tenant's rows and the trainers' orders queue, run between engine steps. Seeded requests
 give the same tokens whatever shares the batch, so each tenant's run is the same in every arm up to
 float noise: its accuracy should agree, and the time is what differs. Printed: wall time, samples/s,
 engine slot use (decode rows per step / slots, time-weighted), the engine's and the trainers' seconds,
@@ -45,6 +44,8 @@ from tailrace.tasks.base import Example  # noqa: E402
 from tailrace.trainer.grpo import GRPOTrainer  # noqa: E402
 from tailrace.types import GenRequest, Prompt, SamplingParams  # noqa: E402
 
+ARMS = {"one by one": False, "together": True}
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -57,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--eval-n", type=int, default=256)
     p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--arms", default=",".join(ARMS), help="which arms, by name (comma-separated)")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "tenants_rl.json"))
     return p.parse_args(argv)
 
@@ -115,15 +117,12 @@ class Setup:
         return sum(self.reward(p, r.token_ids)[1] for p, r in zip(prompts, res)) / len(prompts)
 
 
-ARMS = {"one by one": (False, False), "together": (True, False), "together, training thread": (True, True)}
-
-
-def arm(setup: Setup, n: int, together: bool, thread: bool) -> dict:
+def arm(setup: Setup, n: int, together: bool) -> dict:
     t0 = time.perf_counter()
     tenants = [setup.tenant(t) for t in range(n)]
     pools = []
     for group in [tenants] if together else [[t] for t in tenants]:
-        pool = Tenants(setup.eng, train_thread=thread)
+        pool = Tenants(setup.eng)
         for t in group:
             pool.add(t)
         pool.run()
@@ -160,22 +159,23 @@ def main(argv=None) -> int:
     print("held-out accuracy of the base, per tenant:", ", ".join(f"{x:.1%}" for x in base_acc))
     rows = []
     for n in ns:
-        rows.append({"tenants": n, **{k: arm(setup, n, *v) for k, v in ARMS.items()}})
+        rows.append({"tenants": n, **{k: arm(setup, n, ARMS[k]) for k in a.arms.split(",")}})
     print(
         "\n| tenants | arm | wall s | samples/s | slot use | engine s | train s | held-out accuracy per tenant |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        for k in ARMS:
+        for k in [k for k in ARMS if k in row]:
             r = row[k]
             accs = ", ".join(f"{x:.1%}" for x in r["accuracy"])
             print(
                 f"| {row['tenants']} | {k} | {r['wall_s']:.1f} | {r['samples'] / r['wall_s']:.1f} | "
                 f"{r['slot_use']:.0%} | {r['engine_s']:.1f} | {r['train_s']:.1f} | {accs} |"
             )
-        alone = row["one by one"]["wall_s"]
-        ratios = ", ".join(f"{k} {alone / row[k]['wall_s']:.2f}x" for k in list(ARMS)[1:])
-        print(f"| {row['tenants']} | one by one's wall time over | {ratios} |")
+        if "one by one" in row:
+            alone = row["one by one"]["wall_s"]
+            ratios = ", ".join(f"{k} {alone / row[k]['wall_s']:.2f}x" for k in list(ARMS)[1:] if k in row)
+            print(f"| {row['tenants']} | one by one's wall time over | {ratios} |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(
         json.dumps({"args": vars(a), "base_accuracy": base_acc, "rows": rows}, indent=2) + "\n"

@@ -7,15 +7,15 @@ engine step decodes rows of every tenant (the base GEMMs once, each row's low-ra
 `engine.adapters`). The loop is event-driven: every pass polls each tenant's scheduler and executes
 its commands, steps the engine once and hands each finished result to its tenant (scored), then runs
 the oldest training order waiting in the one queue all tenants share (the trainer's compute is shared
-too), between engine steps or (`train_thread`) on a thread beside them, one order at a time. Each
-scheduler decides when its groups are complete, when it trains and when its weights move, so each
+too). Each scheduler decides when its groups are complete, when it trains and when its weights move, so each
 tenant advances at its own pace; a tenant can join (`add`) while the others run and leaves when its
 scheduler is done (its adapters dropped).
 
 Request ids are "tenant/id" on the engine; results come back with the tenant's own ids and its versions
-(the engine, serving adapters over base version 0, knows nothing of them). Schedulers and the engine
-are only ever called from the thread that runs `run`. Across processes the same bookkeeping would sit
-in the driver (`runtime/driver.py`), the engine workers holding adapters as they hold versions.
+(the engine, serving adapters over base version 0, knows nothing of them). In one process training
+and rollout take turns (a training thread beside the engine's steps measured slower on two cores:
+bench/README.md); across processes the same bookkeeping would sit in the driver
+(`runtime/driver.py`), the engine workers holding adapters as they hold versions.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tailrace.engine.engine import TailraceEngine
@@ -56,21 +55,13 @@ class Tenant:
 
 
 class Tenants:
-    def __init__(
-        self,
-        engine: TailraceEngine,
-        clock: Callable[[], float] = time.perf_counter,
-        train_thread: bool = False,
-    ):
-        """`train_thread`: the training orders run on a thread of their own, beside the engine's steps
-        (torch releases the GIL in its ops: two cores do both at once); else between engine steps."""
+    def __init__(self, engine: TailraceEngine, clock: Callable[[], float] = time.perf_counter):
         if not engine.capabilities.adapters:
             raise ValueError("Tenants needs an engine that serves LoRA adapters (capabilities.adapters)")
-        self.engine, self.clock, self.train_thread = engine, clock, train_thread
+        self.engine, self.clock = engine, clock
         self.live: dict[str, Tenant] = {}
         self.done: list[Tenant] = []
         self._queue: deque[tuple[Tenant, Train]] = deque()  # training orders, all tenants, FIFO
-        self._training: tuple[Tenant, Train, Future] | None = None  # the order on the thread
         self.busy_s = self.slot_s = 0.0  # engine step seconds, and those times the decode rows
 
     def add(self, tenant: Tenant) -> None:
@@ -85,52 +76,24 @@ class Tenants:
         self.live[tenant.name] = tenant
 
     def run(self, until: Callable[[], bool] | None = None) -> None:
-        """Until every tenant's scheduler is done (or `until()` holds; a training step in flight is
-        finished first)."""
-        pool = ThreadPoolExecutor(1, thread_name_prefix="tenants-train") if self.train_thread else None
-        try:
-            while self.live and not (until and until()):
-                commands = 0
-                for t in list(self.live.values()):
-                    out = t.scheduler.poll(self.clock())
-                    commands += len(out.commands)
-                    self._execute(t, out)
-                    if t.scheduler.done:
-                        self._leave(t)
-                worked = self._step_engine()
-                trained = self._advance_training(pool, wait=not worked)
-                if self.live and not (commands or worked or trained):
-                    raise RuntimeError(
-                        f"tenants {sorted(self.live)} wait on nothing: no command, no request in the "
-                        "engine and no training order queued"
-                    )
-        finally:
-            if pool is not None:
-                if self._training is not None:
-                    self._finish(*self._training[:2], *self._training[2].result())
-                    self._training = None
-                pool.shutdown()
-
-    def _advance_training(self, pool: ThreadPoolExecutor | None, wait: bool) -> bool:
-        """Run (or hand to the thread, collecting the one before) the oldest training order; `wait`:
-        the engine has nothing to do, so wait for the step in flight. Whether anything moved."""
-        if pool is None:
-            if not self._queue:
-                return False
-            t, order = self._queue.popleft()
-            self._finish(t, order, *self._step(t, order))
-            return True
-        moved = False
-        if self._training is not None and (wait or self._training[2].done()):
-            t, order, fut = self._training
-            self._training = None
-            self._finish(t, order, *fut.result())
-            moved = True
-        if self._training is None and self._queue:
-            t, order = self._queue.popleft()
-            self._training = (t, order, pool.submit(self._step, t, order))
-            moved = True
-        return moved or self._training is not None
+        """Until every tenant's scheduler is done (or `until()` holds)."""
+        while self.live and not (until and until()):
+            commands = 0
+            for t in list(self.live.values()):
+                out = t.scheduler.poll(self.clock())
+                commands += len(out.commands)
+                self._execute(t, out)
+                if t.scheduler.done:
+                    self._leave(t)
+            worked = self._step_engine()
+            if self._queue:
+                t, order = self._queue.popleft()
+                self._finish(t, order, *self._step(t, order))
+            elif self.live and not (commands or worked):
+                raise RuntimeError(
+                    f"tenants {sorted(self.live)} wait on nothing: no command, no request in the engine "
+                    "and no training order queued"
+                )
 
     # -- commands -----------------------------------------------------------------------------------
 
@@ -187,8 +150,8 @@ class Tenants:
 
     @staticmethod
     def _step(t: Tenant, order: Train) -> tuple[dict, Adapter | None]:
-        """One optimizer step of `t` (on the training thread, or inline): its metrics and, when the
-        order publishes, the adapter's new weights. Touches nothing but the tenant's trainer."""
+        """One optimizer step of `t`: its metrics and, when the order publishes, the adapter's new
+        weights. Touches nothing but the tenant's trainer (a worker could run it)."""
         metrics = t.trainer.step(list(order.groups), order.trainer_version)
         return metrics, t.trainer.adapter() if order.publish is not None else None
 
