@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -46,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from tailrace.config import ArchConfig, SFTConfig  # noqa: E402
 from tailrace.engine import TailraceEngine  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained  # noqa: E402
+from tailrace.runtime.session import ModelText  # noqa: E402
 from tailrace.runtime.warmstart import ensure_warm_start  # noqa: E402
 from tailrace.tasks.chainsum import ChainSumTask  # noqa: E402
 from tailrace.tokenizer import char_tokenizer  # noqa: E402
@@ -65,13 +67,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--tail", type=int, default=8)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument(
+        "--model",
+        help="a local HF checkpoint (e.g. SmolLM2-135M-Instruct) instead of the warm-started policy: "
+        "its prompts are --questions rendered through its chat template",
+    )
+    p.add_argument("--questions", help="a JSONL file of {question: ...} (default: step-by-step arithmetic)")
     p.add_argument("--batches", default="", help="comma-separated active batches: the toggle check")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "spec.json"))
     return p.parse_args(argv)
 
 
-def round_requests(prompts, samples: int, max_new: int, eos: int, epoch: int) -> list[GenRequest]:
-    params = dict(temperature=1.0, max_new_tokens=max_new, stop_token_ids=(eos,))
+def round_requests(prompts, samples: int, max_new: int, stops: tuple, epoch: int) -> list[GenRequest]:
+    params = dict(temperature=1.0, max_new_tokens=max_new, stop_token_ids=stops)
     return [
         GenRequest(f"e{epoch}-p{i}-s{j}", ids, SamplingParams(seed=(epoch * 1_000 + i) * 100 + j, **params))
         for i, ids in enumerate(prompts)
@@ -161,17 +169,41 @@ def summarize(r: dict, tail: int) -> dict:
     return s
 
 
+def questions(a) -> list[str]:
+    """--questions' lines, or step-by-step arithmetic a small instruct model answers at length."""
+    if a.questions:
+        with open(a.questions) as f:
+            return [json.loads(line)["question"] for line in f if line.strip()]
+    rng = random.Random(11)
+    forms = (
+        "Solve step by step: what is {a} + {b} * {c}?",
+        "Explain step by step how to compute {a} * {b} - {c}.",
+        "A shop sells {a} apples a day for {b} days, then {c} more. Show your work: how many in all?",
+    )
+    return [
+        rng.choice(forms).format(a=rng.randint(12, 99), b=rng.randint(3, 19), c=rng.randint(5, 60))
+        for _ in range(a.prompts + 64)
+    ]
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(1)
-    path = ensure_warm_start(ArchConfig(), SFTConfig())
-    model = load_pretrained(path, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype])
-    tok = char_tokenizer()
-    task = ChainSumTask()
-    exs = task.examples("train", a.prompts + 64, seed=11)
-    prompts = [tuple(tok.encode(e.question, bos=True)) for e in exs[: a.prompts]]
-    others = [tuple(tok.encode(e.question, bos=True)) for e in exs[a.prompts :]]
-    warmup = round_requests(others, 1, a.max_new, tok.eos_id, epoch=99)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    if a.model:
+        text = ModelText(Path(a.model))
+        model = load_pretrained(a.model, dtype=dtype)
+        qs = questions(a)
+        ids = [tuple(text.chat.ids(q) if text.chat else text.tok.encode(q, bos=True)) for q in qs]
+        prompts, others, eos = ids[: a.prompts], ids[a.prompts :][:64], text.stop_ids
+    else:
+        model = load_pretrained(ensure_warm_start(ArchConfig(), SFTConfig()), dtype=dtype)
+        tok = char_tokenizer()
+        exs = ChainSumTask().examples("train", a.prompts + 64, seed=11)
+        prompts = [tuple(tok.encode(e.question, bos=True)) for e in exs[: a.prompts]]
+        others = [tuple(tok.encode(e.question, bos=True)) for e in exs[a.prompts :]]
+        eos = (tok.eos_id,)
+    warmup = round_requests(others, 1, a.max_new, eos, epoch=99)
     drafters = a.drafters.split(",")
     if a.batches:
         return toggle_check(model, prompts, drafters, [int(b) for b in a.batches.split(",")], a)
@@ -180,7 +212,7 @@ def main(argv=None) -> int:
     table: dict = {}
     history: list = []
     for epoch in range(1, a.epochs + 1):
-        reqs = round_requests(prompts, a.samples, a.max_new, tok.eos_id, epoch)
+        reqs = round_requests(prompts, a.samples, a.max_new, eos, epoch)
         runs: dict[str, list] = {d: [] for d in drafters}
         ref = None
         for rnd in range(a.rounds):

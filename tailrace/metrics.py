@@ -128,12 +128,18 @@ def step_record(
     train: dict[str, float],
     time: dict[str, float],
     generated: list[int] | None = None,
+    tool_errors: int | None = None,
 ) -> StepRecord:
     """The record of one optimizer step over `trajs`, trained from `trainer_version`; `ledger` is the
     scheduler's books after it (`Scheduler.ledger_record`), with `generated`: the lengths produced
     since the previous step before shaping selected (`Scheduler.take_generated`; the `length` key
-    holds the trained ones). Real and simulated runs both use this."""
+    holds the trained ones). Real and simulated runs both use this. `tool_errors`: tool calls that
+    failed since the previous step (multi-turn runs; None: not one)."""
     n = len(trajs)
+    tools = {}
+    if tool_errors is not None:
+        tools = tool_stats(trajs, tool_errors)
+        time = {**time, **tool_wait(trajs)}
     if generated:
         ledger = {**ledger, "generated": generated_stats(generated)}
     return StepRecord(
@@ -149,7 +155,27 @@ def step_record(
         reward_errors=dict(reward_errors),
         train={k: v for k, v in train.items() if isinstance(v, (int, float))},
         time=time,
+        tools=tools,
     )
+
+
+def tool_stats(trajs: list[Trajectory], errors: int) -> dict:
+    """A multi-turn step's tool use: calls answered, turns per trajectory (calls + 1), observation
+    tokens (context, not trained), the share of trajectories that called a tool, failed calls."""
+    calls = [len(t.observed) for t in trajs]
+    n = max(1, len(trajs))
+    return {
+        "calls": sum(calls), "turns_mean": sum(calls) / n + 1, "turns_max": max(calls, default=0) + 1,
+        "observed_tokens": sum(b - a for t in trajs for a, b in t.observed),
+        "calling": sum(c > 0 for c in calls) / n, "errors": errors,
+    }  # fmt: skip
+
+
+def tool_wait(trajs: list[Trajectory]) -> dict:
+    """Seconds the step's trajectories were parked waiting on tools (the third source of tail, after
+    length and the engines): summed over them, and the most any one waited."""
+    waits = [t.tool_s for t in trajs]
+    return {"tool_wait_s": sum(waits), "tool_wait_max_s": max(waits, default=0.0)}
 
 
 def time_to_accuracy(points: list[tuple[float, float]], target: float) -> float | None:

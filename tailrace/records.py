@@ -85,6 +85,7 @@ def trajectory_to_json(t: Trajectory) -> dict:
         "reward": t.reward, "correct": t.correct, "version": t.dispatch_version, "finish": r.finish.value,
         "times": [r.submitted, r.first_token, r.finished], "n": len(r.token_ids),
         "ids": [id_code, ids], "logprobs": [lp_code, lps], "versions": _runs(r.versions),
+        **({"observed": [list(s) for s in t.observed], "tool_s": t.tool_s} if t.observed else {}),
     }  # fmt: skip
 
 
@@ -97,6 +98,7 @@ def trajectory_from_json(d: dict, prompt_ids: tuple[int, ...]) -> Trajectory:
     return Trajectory(
         group=d["group"], sample_index=d["index"], prompt_id=d["prompt_id"], prompt_ids=prompt_ids,
         result=result, reward=d["reward"], correct=d["correct"], dispatch_version=d["version"],
+        observed=tuple((int(a), int(b)) for a, b in d.get("observed", ())), tool_s=d.get("tool_s", 0.0),
     )  # fmt: skip
 
 
@@ -260,10 +262,14 @@ class StepRecord:
     reward_errors: dict[str, int]
     train: dict[str, float]  # the trainer's step metrics
     time: dict[str, float]  # metrics.utilization + train_s, weight_sync_s, ...
+    # multi-turn runs (metrics.tool_stats): tool calls, turns, observation tokens, failed calls;
+    # the waits are under `time` (tool_wait_s, tool_wait_max_s, tool_run_s). Empty otherwise.
+    tools: dict[str, float] = field(default_factory=dict)
     kind = "step"
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+        keys = [k for k in self.__dataclass_fields__ if k != "tools" or self.tools]
+        return {"kind": self.kind, **{k: getattr(self, k) for k in keys}}
 
 
 @dataclass(frozen=True)
@@ -315,7 +321,7 @@ Metric = StepRecord | EvalRecord | CheckpointRecord
 
 def metric_from_json(d: dict) -> Metric:
     if d.get("kind") == "step":
-        return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__})
+        return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__ if k in d or k != "tools"})
     if d.get("kind") == "eval":
         summary = {k: v for k, v in d.items() if k not in _EVAL_HEAD}
         return EvalRecord(d["tag"], d["step"], summary, d.get("version", 0), d.get("wall_s", 0.0))

@@ -118,6 +118,10 @@ class Trajectory:
     reward: float
     correct: bool
     dispatch_version: int = 0  # version the request was dispatched under
+    # multi-turn (tasks/env.py): [start, end) of the response's observation tokens (tool answers:
+    # conditioned on, never trained on; the trainer's loss mask), and the seconds it waited on tools
+    observed: tuple[tuple[int, int], ...] = ()
+    tool_s: float = 0.0
 
     @property
     def versions(self) -> tuple[int, ...]:

@@ -52,6 +52,24 @@ def _walk(cfg: Any, prefix: str, table: Registries) -> None:
             raise ConfigError(f"{prefix}{f.name}={value!r}: choose one of {', '.join(names)}")
 
 
+def check_multi_turn(cfg: RunConfig) -> None:
+    """A multi-turn (tool) task runs where its parked samples are tested: sync rounds, no shaping."""
+    from tailrace.tasks.registry import multi_turn
+
+    if not multi_turn(cfg.task.name):
+        return
+    if cfg.flow.mode != "sync":
+        raise ConfigError(
+            f"task.name={cfg.task.name} is multi-turn (tool calls), which runs in flow.mode=sync only "
+            f"for now; set --flow.mode=sync (not {cfg.flow.mode})"
+        )
+    if cfg.shaping.name != "none":
+        raise ConfigError(
+            f"task.name={cfg.task.name} is multi-turn (tool calls); shaping.name={cfg.shaping.name} "
+            "cannot stop a sample parked at a tool yet: set --shaping.name=none"
+        )
+
+
 def check(cfg: RunConfig) -> None:
     """Every name in its registry, the shaping one the mode supports, the flow settings ones the
     chosen policy accepts, and the policy one the rollout engines' capabilities can serve."""
@@ -60,6 +78,7 @@ def check(cfg: RunConfig) -> None:
     from tailrace.flow.shaping import check_mode
 
     check_names(cfg)
+    check_multi_turn(cfg)
     try:
         check_mode(cfg.shaping.name, cfg.flow.mode)
     except ValueError as e:

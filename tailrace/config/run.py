@@ -19,14 +19,17 @@ from tailrace.config.train import TrainerConfig
 @dataclass
 class TaskConfig:
     name: str = setting(
-        "chainsum", "chainsum (built in), gym:<reasoning-gym dataset> or jsonl:<path> (question/answer lines)"
+        "chainsum",
+        "chainsum (built in), chaincalc (chainsum with a calculator tool: multi-turn), "
+        "gym:<reasoning-gym dataset> or jsonl:<path> (question/answer lines)",
     )
     reward_timeout_s: float = setting(5.0, "seconds a reward may take; one that hangs or raises scores 0")
     seed: int = setting(0, "seed of the training prompt stream and the held-out set")
     config: dict[str, Any] = section(
         dict,
         "the task's own settings: a reasoning-gym dataset's config (e.g. {min_terms: 2, max_terms: 3}), "
-        "chainsum's {bands, max_term, test_mod}, the jsonl and code tasks' keyword options "
+        "chainsum's {bands, max_term, test_mod} (chaincalc's too, with {tools, tool_timeout_s, tool_latency_s}), "
+        "the jsonl and code tasks' keyword options "
         "({question_field, answer_field, prompt_template, test_mod, test_path, ...})",
     )
     chat_template: Literal["auto", "none"] = setting(
@@ -43,8 +46,19 @@ class TaskConfig:
         "statistics); null = an endless stream of fresh prompts",
     )
 
+    max_turns: int = setting(
+        32,
+        "multi-turn tasks (chaincalc): turns per trajectory at most (tool calls + 1); a call past it "
+        "ends the trajectory unanswered",
+    )
+    tool_threads: int = setting(4, "multi-turn tasks: threads of the driver's tool pool (tools run there)")
+
     def __post_init__(self) -> None:
         need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
+        need(
+            self.max_turns >= 1, f"task.max_turns={self.max_turns}: must be >= 1 (1 = no tool call answered)"
+        )
+        need(self.tool_threads >= 1, f"task.tool_threads={self.tool_threads}: must be >= 1")
         need(
             isinstance(self.config, dict),
             f"task.config={self.config!r}: expected a mapping of the task's settings, e.g. "

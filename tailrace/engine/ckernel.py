@@ -1,7 +1,8 @@
-"""The engine's C kernels for the decode step (kernels/decode.c): built once per machine, loaded by ctypes.
+"""The engine's C kernels for the decode step (kernels/decode.c, kernels/gemm.c): built once per machine,
+loaded by ctypes.
 
-Built with the system C compiler ($CC, default `cc`; -O3 -march=native) into
-$TAILRACE_CACHE/kernels/ under a name hashing the source, the flags, the compiler and this CPU's
+Built with the system C compiler ($CC, default `cc`; -O3 -march=native) into one library in
+$TAILRACE_CACHE/kernels/ under a name hashing the sources, the flags, the compiler and this CPU's
 feature flags, so a shared home directory never hands one machine another's instructions. Written to a
 temporary name and renamed, so processes building at once never load a half-written library. No torch
 headers: a build takes well under a second. Where there is no compiler (or the build fails) `load()`
@@ -23,7 +24,8 @@ import torch
 
 from tailrace.common import cache_root
 
-SOURCE = Path(__file__).with_name("kernels") / "decode.c"
+SOURCES = tuple(Path(__file__).with_name("kernels") / f for f in ("decode.c", "gemm.c"))
+GEMM_PANEL = 48  # columns per panel of a weight packed for `Kernels.gemm` (NR in gemm.c)
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp-simd", "-shared", "-fPIC"]
 MAX_HEAD_DIM = 256
 LORA_ROWS = 8  # kernels/decode.c: rows of one adapter per block of its LoRA kernel
@@ -34,8 +36,9 @@ _state: dict[str, object] = {}
 
 class Kernels:
     """The decode step's kernels: `layer` (RoPE, cache writes and attention of a layer in one call),
-    `rms`, `silu_mul`, `gumbel` and `sample` (the sampler's noise and draw), `lora` (rows' adapter
-    terms), and `run` (attention alone).
+    `rms`, `silu_mul`, `gumbel` and `sample` (the sampler's noise and draw), `run` (attention alone),
+    `lora` (rows' adapter terms), and `gemm` (bf16 linears over weights packed by `pack`, where the CPU
+    has AVX-512 BF16: `has_gemm`).
     Both attention calls read a paged cache in place: k, v (blocks, Hkv, block_size, D), fp32/bf16, and a
     block table (rows, W) int32 whose row r lists the blocks holding positions [0, W block_size) of the
     sequence in row r (see `KVCache`)."""
@@ -76,8 +79,71 @@ class Kernels:
         for fn in self._lora.values():
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
+        lib.gumbel_of_bits.restype = None
+        lib.gumbel_of_bits.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        lib.gemm_bf16.restype = None
+        lib.gemm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        lib.gemm_bf16.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 3
+        self.has_gemm = bool(lib.gemm_bf16_supported())
         self._lib = lib
         self._scratch = torch.empty(0)
+
+    def gumbel_of_bits(self, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The noise of each 23-bit pattern in `bits` (int32, contiguous) and the bound the draw skips
+        chunks by for its bucket: (g, bound), fp32."""
+        if not (bits.dtype == torch.int32 and bits.dim() == 1 and bits.is_contiguous()):
+            raise ValueError(f"gumbel_of_bits: bad operand {tuple(bits.shape)} {bits.dtype}")
+        g, bound = torch.empty(bits.shape[0]), torch.empty(bits.shape[0])
+        self._lib.gumbel_of_bits(bits.data_ptr(), bits.shape[0], g.data_ptr(), bound.data_ptr())
+        return g, bound
+
+    @staticmethod
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        """w (N, K) bf16, K even, laid out for `gemm`: panels of 48 columns (zero past N), k in pairs:
+        (ceil(N/48), K/2, 48, 2)."""
+        N, K = w.shape
+        if w.dtype != torch.bfloat16 or K % 2:
+            raise ValueError(
+                f"pack: needs a bf16 weight with an even number of columns, not {tuple(w.shape)} {w.dtype}"
+            )
+        panels = -(-N // GEMM_PANEL)
+        w = torch.nn.functional.pad(w, (0, 0, 0, panels * GEMM_PANEL - N))
+        return w.view(panels, GEMM_PANEL, K // 2, 2).transpose(1, 2).contiguous()
+
+    def gemm(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        b: torch.Tensor | None = None,
+        r: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """y (M, n) = x (M, K) W^T (+ b) (+ r) in bf16 with fp32 accumulation, W (n, K) as `pack`ed; b
+        fp32 (n,), r bf16 (M, n). One thread."""
+        M, K = x.shape
+        if not (
+            self.has_gemm
+            and x.dtype == packed.dtype == torch.bfloat16
+            and x.is_contiguous()
+            and packed.shape == (-(-n // GEMM_PANEL), K // 2, GEMM_PANEL, 2)
+            and (b is None or (b.dtype == torch.float32 and b.shape == (n,) and b.is_contiguous()))
+            and (r is None or (r.dtype == torch.bfloat16 and r.shape == (M, n) and r.is_contiguous()))
+        ):
+            raise ValueError(
+                f"gemm: bad operands x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)}, n {n}"
+            )
+        y = torch.empty(M, n, dtype=torch.bfloat16)
+        self._lib.gemm_bf16(
+            x.data_ptr(),
+            M,
+            K,
+            packed.data_ptr(),
+            n,
+            0 if b is None else b.data_ptr(),
+            0 if r is None else r.data_ptr(),
+            y.data_ptr(),
+        )
+        return y
 
     def _scratch_of(self, n: int) -> torch.Tensor:
         """The kernels' fp32 work buffer, grown to at least n floats (one per instance: one engine thread)."""
@@ -372,7 +438,12 @@ def _build_key(cc: str) -> str:
     except OSError:
         pass
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), cpu.encode()):
+    for part in (
+        *(f.read_bytes() for f in SOURCES),
+        " ".join(FLAGS).encode(),
+        version.encode(),
+        cpu.encode(),
+    ):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -386,9 +457,12 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        cmd = [cc, *FLAGS, "-o", tmp, *map(str, SOURCES)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {r.stderr.strip()[-500:]}")
+            raise RuntimeError(
+                f"{cc} failed on {' '.join(f.name for f in SOURCES)}: {r.stderr.strip()[-500:]}"
+            )
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

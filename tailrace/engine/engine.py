@@ -216,7 +216,7 @@ class TailraceEngine(SpeculativeSteps):
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._done_next)
 
     @property
     def versions(self) -> tuple[int, ...]:

@@ -43,7 +43,9 @@ class Engine(Protocol):
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued for a slot."""
+        """Requests queued for a slot, and those that finished without compute (a resumed partial
+        already at its token limit), which the next `step` returns: a caller that steps while this is
+        non-zero hears of every request."""
         ...
 
     @property

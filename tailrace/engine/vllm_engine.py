@@ -158,7 +158,7 @@ class VLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for s in self._live.values() if not s.tokens)
+        return sum(1 for s in self._live.values() if not s.tokens) + len(self._done_next)
 
     @property
     def versions(self) -> tuple[int, ...]:

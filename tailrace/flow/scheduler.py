@@ -8,6 +8,7 @@ the same object through one surface:
     ... execute out.commands, record out.journal and out.marks, wait for something to happen ...
     sched.on_results(engine, results, scores, now)   # engine results + the rewards of finished ones
     sched.on_trained(step, now) | on_published(version, now) | on_loaded(engine, version, now)
+    sched.on_observation(request_id, tokens, now)     # a tool answered a parked multi-turn sample
 
 The scheduler owns a sample's whole lifecycle: it builds each engine request once (the run's
 `SamplingParams`, a per-request seed), and turns results and their `Scored` rewards into
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Iterator, Mapping, Sequence
+from typing import Collection, Iterator, Mapping, Sequence
 
 from tailrace.flow.commands import Abort, Command, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.keys import SampleKey, sample_seed
@@ -35,6 +36,7 @@ from tailrace.flow.ledger import Ledger
 from tailrace.flow.shaping import Plan, Shaping
 from tailrace.flow.state import SchedulerState
 from tailrace.flow.store import GroupState, Store
+from tailrace.flow.turns import AtTool, Episode, continuation
 from tailrace.records import Deferred, Discarded, Dropped, Finished, JournalEntry, Mark, Opened
 from tailrace.types import (
     Capabilities,
@@ -158,6 +160,9 @@ class Scheduler(SchedulerState):
         self._pregen: dict[str, tuple[int, Prompt]] = {}  # pre-generation in flight: id -> (engine, prompt)
         self._pregen_done: list[tuple[Prompt, GenResult]] = []  # finished or aborted, for `take_pregen`
         self._pregen_n = 0
+        self._at_tool: dict[str, AtTool] = {}  # multi-turn samples parked while their tool runs, by request
+        self._episodes: dict[tuple[int, int], Episode] = {}  # (group, index) -> its tool calls so far
+        self._seeds: dict[str, int | None] = {}  # a continuation's request id -> its episode's seed
         policy.attach(self)
 
     # ------------------------------------------------------------------ driving
@@ -228,10 +233,16 @@ class Scheduler(SchedulerState):
 
     # ------------------------------------------------------------------ events
     def on_results(
-        self, engine: int, results: Sequence[GenResult], scores: Sequence[Scored], now: float
+        self,
+        engine: int,
+        results: Sequence[GenResult],
+        scores: Sequence[Scored],
+        now: float,
+        calls: Collection[str] = (),
     ) -> None:
         """Finished or aborted requests of `engine`; `scores` holds one `Scored` per result that is
-        not aborted (an aborted partial has no reward)."""
+        not aborted (an aborted partial has no reward) nor in `calls`: the ids of results whose turn
+        ended in a tool call (multi-turn), which park, their engine slots free, until `on_observation`."""
         self.now = now
         eng = self.engines[engine]
         scored = {s.request_id: s for s in scores}
@@ -248,6 +259,11 @@ class Scheduler(SchedulerState):
             self._aborting.discard(rid)
             key = SampleKey.parse(rid)
             g = self._store.open[key.group]
+            seed = self._seeds.pop(rid, None)
+            if rid in calls and r.finish != Finish.ABORTED:  # parks; it stays the group's, in flight
+                seed = sample_seed(self._seed, rid) if seed is None else seed
+                self._at_tool[rid] = AtTool(engine, version, seed, r, now)
+                continue
             g.in_flight.discard(key)
             if r.finish == Finish.ABORTED:
                 partial = self._trajectory(g, key, r, version, None)
@@ -265,10 +281,56 @@ class Scheduler(SchedulerState):
                 raise InvariantError(f"request {rid} finished ({r.finish.value}) without a score")
             t = self._trajectory(g, key, r, version, s)
             self._generated.append(t.length)
+            self._episodes.pop((key.group, key.index), None)
             self.ledger.on_produced()
             g.done.append(t)
             self._log(Finished(t))
             self._maybe_ready(g)
+
+    def on_observation(self, request_id: str, token_ids: Sequence[int], now: float) -> None:
+        """The tool answered the call that parked `request_id`: the sample continues, with the whole
+        context so far, on the engine its turn ran on (or another holding its version). An observation
+        longer than the response budget left is cut to leave the continuation one token."""
+        self.now = now
+        at = self._at_tool.pop(request_id, None)
+        if at is None:
+            raise InvariantError(f"observation for request {request_id}, which is not waiting on a tool")
+        key = SampleKey.parse(request_id)
+        g = self._store.open[key.group]
+        g.in_flight.discard(key)
+        room = self._sampling.max_new_tokens - len(at.turn.token_ids) - 1
+        if room < 0:  # the engine would finish it without a step, and so without a report
+            raise InvariantError(
+                f"{request_id} parked for a tool on the last token of its budget; score it instead"
+            )
+        obs = tuple(token_ids)[:room]
+        ep = self._episodes.setdefault((key.group, key.index), Episode())
+        start = len(at.turn.token_ids)
+        ep.calls += 1
+        if obs:
+            ep.observed.append((start, start + len(obs)))
+        ep.tool_s += now - at.since
+        holding = [e for e in self.engines if at.version in e.loaded]
+        if not holding:
+            raise InvariantError(f"no engine holds version {at.version} for the continuation of {request_id}")
+        eng = self.engines[at.engine] if self.engines[at.engine] in holding else holding[0]
+        nxt = key.next_attempt()
+        rid = str(nxt)
+        self._seeds[rid] = at.seed
+        params = replace(self._sampling, seed=at.seed)
+        g.in_flight.add(nxt)
+        eng.in_flight[rid] = at.version
+        self._pending[eng.id].append(continuation(rid, g.prompt.token_ids, params, at.version, at.turn, obs))
+
+    def calls_of(self, request_id: str) -> int:
+        """Tool calls answered so far in the episode of an in-flight request (0: its first turn)."""
+        ep = self._episodes.get((SampleKey.parse(request_id).group, SampleKey.parse(request_id).index))
+        return ep.calls if ep else 0
+
+    @property
+    def at_tool(self) -> int:
+        """Samples parked while their tools run (they hold no engine slot)."""
+        return len(self._at_tool)
 
     def on_trained(self, step: int, now: float) -> None:
         self.now = now
@@ -314,6 +376,8 @@ class Scheduler(SchedulerState):
             g.in_flight.discard(key)
             g.dispatched -= 1
             self._aborting.discard(rid)
+            self._seeds.pop(rid, None)
+            self._episodes.pop((key.group, key.index), None)  # generated again from its prompt
             if rid in self._cut:  # shaping had given it up: not generated again
                 self._cut.discard(rid)
                 self._maybe_ready(g)
@@ -572,14 +636,14 @@ class Scheduler(SchedulerState):
                 self._out.commands.append(Generate(engine, tuple(reqs)))
         self._pending.clear()
 
-    @staticmethod
     def _trajectory(
-        g: GroupState, key: SampleKey, r: GenResult, version: int, s: Scored | None
+        self, g: GroupState, key: SampleKey, r: GenResult, version: int, s: Scored | None
     ) -> Trajectory:
+        ep = self._episodes.get((key.group, key.index)) or Episode()
         return Trajectory(
             group=g.id, sample_index=key.index, prompt_id=g.prompt.id, prompt_ids=g.prompt.token_ids,
             result=r, reward=s.reward if s else 0.0, correct=s.correct if s else False,
-            dispatch_version=version,
+            dispatch_version=version, observed=tuple(ep.observed), tool_s=ep.tool_s,
         )  # fmt: skip
 
     def _maybe_ready(self, g: GroupState, cut: bool = True) -> None:

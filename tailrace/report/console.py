@@ -81,6 +81,11 @@ class ConsoleUI:
             f"len p50 {L.get('p50', 0):.0f} max {L.get('max', 0):.0f}  gen {t['gen_tok_s']:.0f} tok/s  "
             f"step {t['step_s']:.2f}s  wait {t['trainer_wait_ratio']:.2f} bubble {t['bubble_ratio']:.2f}"
         )
+        if r.tools:  # a multi-turn task: its tool use, and the time its samples waited on tools
+            line += (
+                f"  tools {r.tools['calls']} calls {r.tools['turns_mean']:.1f} turns/traj  "
+                f"tool wait {t.get('tool_wait_s', 0):.2f}s (max {t.get('tool_wait_max_s', 0):.2f}s)"
+            )
         generated = r.ledger.get("generated")
         if r.discards.get("shaping") and generated:  # shaping is on: what it generated vs trained
             line += f"  generated p50 {generated['p50']:.0f} max {generated['max']}"

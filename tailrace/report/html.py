@@ -34,6 +34,7 @@ from tailrace.runtime.evaluate import difficulty_line  # noqa: E402
 PHASE_COLORS = {
     "generate": "#4c78a8", "train": "#f58518", "sync": "#54a24b", "wait": "#dddddd",
     "replay": "#e45756",  # a replacement trainer redoing the steps since its checkpoint
+    "tool": "#b279a2",  # a tool call running in the driver's pool (multi-turn tasks)
 }  # fmt: skip
 
 
@@ -137,6 +138,25 @@ def _recoveries(events: list[Span | Mark]) -> str:
     )
 
 
+def _tools(steps: list[StepRecord]) -> str:
+    """A multi-turn run's tool use and tool waiting per step (the third source of tail)."""
+    steps = [r for r in steps if r.tools]
+    if not steps:
+        return ""
+    rows = "".join(
+        f"<tr><td>{r.step + 1}</td><td>{r.tools['calls']}</td><td>{r.tools['turns_mean']:.2f}</td>"
+        f"<td>{r.tools['calling']:.2f}</td><td>{r.tools['errors']}</td><td>{r.time.get('tool_wait_s', 0):.2f}</td>"
+        f"<td>{r.time.get('tool_wait_max_s', 0):.3f}</td><td>{r.time.get('step_s', 0):.2f}</td></tr>"
+        for r in steps
+    )
+    return (
+        "<h2>Tools</h2><p>Samples parked at a tool hold no engine slot; a step's tool wait is the "
+        "seconds its trajectories spent parked (summed; the most one trajectory waited).</p><table>"
+        "<tr><th>step</th><th>calls</th><th>turns/traj</th><th>calling</th><th>failed</th>"
+        f"<th>tool wait s</th><th>max s</th><th>step s</th></tr>{rows}</table>"
+    )
+
+
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
@@ -166,6 +186,7 @@ def write_report(run_dir: Path) -> Path:
 rollout bubble ratio {t.get("bubble_ratio", 0):.2f}, ledger {json.dumps(ledger)}</p>
 {_checkpoints(saved)}
 {_recoveries(events)}
+{_tools(steps)}
 <h2>Held-out evaluation</h2><table>
 <tr><th>when</th><th>step</th><th>accuracy</th><th>p50</th><th>p99</th><th>max</th>
 <th>by difficulty</th></tr>{rows}</table>

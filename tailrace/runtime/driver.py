@@ -5,7 +5,10 @@ this machine's cores, or Ray actors on a cluster (`runtime.kind`; runtime/hosts.
     -> score engine results and feed them back -> log
 
 Engines report finished results in batches; the driver scores them (RewardGuard: timeouts, never
-crashes the run) and hands results and scores to the scheduler, which builds the trajectories. The
+crashes the run) and hands results and scores to the scheduler, which builds the trajectories. In a
+multi-turn task a result that stopped at a tool call is not scored: the scheduler parks it, the tool
+runs in the driver's pool (runtime/tools.py), and its observation goes back to the scheduler, which
+sends the continuation. The
 trainer reports each finished step (durable when a checkpoint was asked for). Everything the run
 produces is appended to the run directory as it happens.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from tailrace.common import Fault
@@ -35,7 +39,7 @@ from tailrace.metrics import step_record
 from tailrace.records import CheckpointRecord, EvalRecord, Mark, Span, StepRecord, read_metrics
 from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
-from tailrace.runtime.evaluate import Evaluator
+from tailrace.runtime.evaluate import Evaluator, next_turn
 from tailrace.runtime.health import Lost
 from tailrace.runtime.hosts import Seat, hosts_for
 from tailrace.runtime.messages import EngineReport, Go, History, Ready, TrainerReport, TrainOrder
@@ -47,8 +51,10 @@ from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
 from tailrace.runtime.snapshots import Snapshot, Snapshots
 from tailrace.runtime.supervisor import DriverLost
+from tailrace.runtime.tools import Failed, ToolPool
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.workers import Worker, Workers
+from tailrace.tasks.env import Turn
 from tailrace.types import Finish, GenRequest, GenResult, Prompt, SamplingParams, Trajectory
 
 
@@ -126,6 +132,13 @@ class Driver:
             sp.drafter, sp.toggle, sp.min_speedup, sp.gamma_min, sp.gamma_max, sp.train_s
         )  # fmt: skip
         self.spec_tally = SpecTally()
+        self.tools = ToolPool(cfg.task.tool_threads) if session.env is not None else None
+        self.tool_errors = 0  # tool calls that failed since the last step record
+        # multi-turn: the engines' context limit, and each parked sample's room in it for an answer
+        self.context = r.max_context or session.model_cfg.max_position_embeddings
+        self._room: dict[str, int] = {}
+        self._eval_reqs: dict[str, tuple[Prompt, GenRequest]] = {}  # held-out id -> its prompt and request
+        self._eval_calls: dict[str, int] = {}  # held-out id -> tool calls answered (multi-turn)
 
     # ------------------------------------------------------------------ set-up
     def _start(self, version: int) -> None:
@@ -165,6 +178,8 @@ class Driver:
         )  # fmt: skip
 
     def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
         self.workers.close()
         self.hosts.close()
         for f in (self.metrics, self.events, self.journal):
@@ -223,6 +238,8 @@ class Driver:
         carries its own step and version (the engines hold it as `version`)."""
         reqs = evaluator.requests(version)
         self._eval_wanted = {r.id for r in reqs}
+        self._eval_reqs = {r.id: (p, r) for p, r in zip(evaluator.prompts, reqs)}
+        self._eval_calls = {}
         n = len(self.engines)
         self._eval_sent = {i: tuple(reqs[i::n]) for i in range(n)}
         for i, engine in enumerate(self.engines):
@@ -297,7 +314,8 @@ class Driver:
     def _pump(self, among: list[Worker] | None = None, timeout: float = 1.0) -> None:
         """Handle what the workers (`among`, default all) report within `timeout`; a lost worker is
         replaced (or raises, past its restarts)."""
-        for w, msg in self.workers.receive(among, timeout):
+        wake = (self.tools.waitable,) if self.tools is not None else ()
+        for w, msg in self.workers.receive(among, timeout, wake):
             if isinstance(msg, EngineReport):
                 self._on_engine_report(msg)
             elif isinstance(msg, TrainerReport):
@@ -306,6 +324,52 @@ class Driver:
                 self._replace(w, msg)
             elif isinstance(msg, Ready):
                 self._on_ready(w)
+        if self.tools is not None:
+            self._on_tools()
+
+    # ------------------------------------------------------------------ tools (multi-turn tasks)
+    def _on_tools(self) -> None:
+        """Tool calls answered since the last pump: each observation goes to its parked sample."""
+        for done in self.tools.take():
+            turn = done.value
+            if isinstance(turn, Failed):  # the environment itself raised: the policy is told so
+                turn = Turn(self.ses.env.observe(f"error: {turn.error}"), error=True)
+            self.tool_errors += turn.error
+            self.events.write(Span("tools", "tool", done.t0 - self.t0, done.t1 - self.t0))
+            obs = self.ses.observation_ids(turn)[: self._room.pop(done.key)]  # within the context limit
+            self.sched.on_observation(done.key, obs, self._now())
+
+    def _park_calls(self, results: list[GenResult]) -> set[str]:
+        """The results whose turn ended in a tool call the environment answers: their calls go to the
+        pool (the sample parks in the scheduler meanwhile). Returns their request ids."""
+        if self.tools is None:
+            return set()
+        calls = set()
+        for r in results:
+            n, p = self.sched.calls_of(r.request_id), self.sched.prompt_of(r.request_id)
+            room = self.context - len(p.token_ids) - len(r.token_ids) - 1  # the continuation's 1 token
+            # a call on the last token of the budget or of the context has no room for an answer:
+            # scored as it stands
+            if len(r.token_ids) < self.cfg.rollout.max_new_tokens and room >= 0 and self.ses.is_call(r, n):
+                calls.add(r.request_id)
+                self._room[r.request_id] = room
+                self.tools.submit(r.request_id, partial(self.ses.turn, p, r, n))
+        return calls
+
+    def _continue_heldout(self, engine: int, r: GenResult) -> bool:
+        """A held-out episode's turn that ended in a tool call: answered here, at once (the scheduler is
+        idle during evaluation), and continued on the same engine. False: the result is final."""
+        if self.tools is None:
+            return False
+        n = self._eval_calls.get(r.request_id, 0)
+        p, req = self._eval_reqs[r.request_id]
+        cont = next_turn(self.ses, p, req, r, n, self.context)
+        if cont is None:
+            return False
+        self._eval_calls[r.request_id] = n + 1
+        self._eval_reqs[r.request_id] = (p, cont)
+        self.workers.send(self.engines[engine], Generate(engine, (cont,)))
+        return True
 
     # ------------------------------------------------------------------ recovery
     def _replace(self, w: Worker, lost: Lost) -> None:
@@ -328,7 +392,9 @@ class Driver:
         self.engines[i] = self.workers.replace(w, engine_main, i, spec, self.weights)
         self.recovery.begin(lost, now, requeued=requeued)
         wanted = tuple(r for r in self._eval_sent.get(i, ()) if r.id in self._eval_wanted)
-        if wanted:  # held-out requests it had: the replacement answers them
+        if wanted:  # held-out requests it had: the replacement answers them (episodes from their start)
+            for r in wanted:
+                self._eval_calls.pop(r.id, None)
             self.workers.send(self.engines[i], Generate(i, wanted))
 
     def _engine_weights(self, i: int, lost: Lost) -> dict:
@@ -379,6 +445,8 @@ class Driver:
         mine = []
         for r in rep.results:
             if r.request_id in self._eval_wanted:
+                if self._continue_heldout(rep.engine, r):
+                    continue
                 self._eval_wanted.discard(r.request_id)
                 self._eval_results.append(r)
             else:  # the journal keeps request times on the run's clock, as events.jsonl
@@ -401,11 +469,12 @@ class Driver:
             partial = [(p, r) for p, r in done if r.finish == Finish.ABORTED]  # no engine kept these
             self._relay_history(None, [p for p, _ in partial], [r for _, r in partial])
         if mine:
-            final = [r for r in mine if r.finish != Finish.ABORTED]
+            calls = self._park_calls([r for r in mine if r.finish == Finish.STOP])
+            final = [r for r in mine if r.finish != Finish.ABORTED and r.request_id not in calls]
             prompts = [self.sched.prompt_of(r.request_id) for r in final]
             self._relay_history(rep.engine, prompts, final)
             scores = self.ses.score(prompts, final)
-            self.sched.on_results(rep.engine, mine, scores, self._now())
+            self.sched.on_results(rep.engine, mine, scores, self._now(), calls=calls)
 
     def _relay_history(self, source: int | None, prompts: list[Prompt], results: list[GenResult]) -> None:
         """A drafter's material (a history drafter's lookups, a trained drafter's training data): each
@@ -480,9 +549,12 @@ class Driver:
             timing.update(self.spec_tally.take())
         self._cpu_mark = cpu
         self._last_wall = timing["wall_s"]
+        tool_errors = None
+        if self.tools is not None:
+            tool_errors, self.tool_errors = self.tool_errors, 0
         return step_record(
             rep.step, self.sched.done_version, trajs, trainer_version, self.sched.ledger_record(),
-            self.ses.guard.errors, m, timing, self.sched.take_generated(),
+            self.ses.guard.errors, m, timing, self.sched.take_generated(), tool_errors,
         )  # fmt: skip
 
     def _load_final(self) -> None:

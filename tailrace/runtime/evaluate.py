@@ -6,8 +6,9 @@ import re
 import zlib
 
 from tailrace.config import EvalConfig
+from tailrace.flow.turns import continuation
 from tailrace.runtime.metrics import percentile
-from tailrace.types import GenRequest, GenResult, SamplingParams
+from tailrace.types import GenRequest, GenResult, Prompt, SamplingParams
 
 
 def histogram(lengths: list[int], bins: int = 12) -> list[tuple[int, int, int]]:
@@ -90,3 +91,39 @@ class Evaluator:
         if any(b is not None for b in buckets):
             out["by_difficulty"] = by_bucket(buckets, [s.correct for s in scores])
         return out
+
+
+def next_turn(
+    session, p: Prompt, req: GenRequest, r: GenResult, calls: int, context: int
+) -> GenRequest | None:
+    """A held-out episode's next request: `r` (the result of `req`, `calls` tool calls answered before
+    it) stopped at a tool call the environment answers and the budget and the context limit leave room
+    for an answer, so the tool runs here, at once, and its continuation comes back (the same id: the
+    summary finds the episode's last result by it). None: `r` is the episode's final result."""
+    budget = min(req.params.max_new_tokens, context - len(req.prompt_ids))
+    if session.env is None or len(r.token_ids) >= budget or not session.is_call(r, calls):
+        return None
+    obs = session.observation_ids(session.turn(p, r, calls))[: budget - len(r.token_ids) - 1]
+    return continuation(req.id, req.prompt_ids, req.params, req.version, r, obs)
+
+
+def generate_episodes(engine, session, prompts: list[Prompt], reqs: list[GenRequest], context: int,
+                      on_done=None) -> list[GenResult]:  # fmt: skip
+    """Held-out requests run to the end of their episodes on one idle in-process engine, turn by turn
+    (single-turn tasks: one pass); results in request order."""
+    by_id = {r.id: (p, r) for p, r in zip(prompts, reqs)}
+    calls = dict.fromkeys(by_id, 0)
+    final: dict[str, GenResult] = {}
+    pending = list(reqs)
+    while pending:
+        results, pending = engine.generate(pending, on_done if len(pending) == len(reqs) else None), []
+        for r in results:
+            p, req = by_id[r.request_id]
+            nxt = next_turn(session, p, req, r, calls[r.request_id], context)
+            if nxt is None:
+                final[r.request_id] = r
+            else:
+                calls[r.request_id] += 1
+                by_id[r.request_id] = (p, nxt)
+                pending.append(nxt)
+    return [final[r.id] for r in reqs]

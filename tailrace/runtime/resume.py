@@ -48,6 +48,7 @@ MAY_CHANGE = (
     "rollout.threads", "task.reward_timeout_s", "eval.batch", "tensorboard", "worker_timeout_s", "max_restarts",
     "out", "rollout.spec.drafter", "rollout.spec.toggle", "rollout.spec.min_speedup", "rollout.spec.gamma_min",
     "rollout.spec.gamma_max",  # speculation is exact: it changes the time, never a token
+    "task.tool_threads",  # a multi-turn run's tool pool: when tools answer, not what
 )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from tailrace.model.decoder import CausalLM
 from tailrace.model.flat import FlatWeights, flatten_parameters
 from tailrace.runtime.warmstart import ensure_warm_start
 from tailrace.tasks.base import Example
+from tailrace.tasks.env import Environment, Turn
 from tailrace.tasks.guard import RewardGuard
 from tailrace.tasks.registry import make_task
 from tailrace.tokenizer import load_tokenizer
@@ -61,18 +62,51 @@ class Session:
     def __init__(self, cfg: RunConfig, progress=None) -> None:
         self.cfg = cfg
         # cheap checks first: a typo never costs a warm start
-        self.task = make_task(cfg.task.name, cfg.task.config)
+        self.task = make_task(cfg.task.name, cfg.task.config, max_turns=cfg.task.max_turns)
         self.model_path = (
-            Path(cfg.model.path) if cfg.model.path else ensure_warm_start(cfg.arch, cfg.sft, progress)
+            Path(cfg.model.path)
+            if cfg.model.path
+            else ensure_warm_start(cfg.arch, cfg.sft, progress, task=cfg.task.name)
         )
         self.text = ModelText(self.model_path, cfg.task.chat_template, cfg.task.system_prompt)
         self.model_cfg, self.tok, self.chat = self.text.model_cfg, self.text.tok, self.text.chat
-        self.stop_ids = self.text.stop_ids
+        # a multi-turn task's environment: a turn also stops where a tool call ends
+        self.env: Environment | None = self.task if isinstance(self.task, Environment) else None
+        self.call_id = self._call_id() if self.env is not None else None
+        self.stop_ids = self.text.stop_ids + ((self.call_id,) if self.call_id is not None else ())
         self.guard = RewardGuard(self.task, cfg.task.reward_timeout_s)
         self._examples: dict[int, Example] = {}
 
     def close(self) -> None:
         self.guard.close()
+
+    def _call_id(self) -> int:
+        ids = self.tok.encode(self.env.call_end)
+        if len(ids) != 1:
+            raise ConfigError(
+                f"task.name={self.cfg.task.name}: its tool calls end with {self.env.call_end!r}, which "
+                f"{self.model_path}'s tokenizer writes as {len(ids)} tokens; a turn stops on one token: "
+                "use a tokenizer with that text as one token"
+            )
+        return ids[0]
+
+    def is_call(self, r: GenResult, calls: int) -> bool:
+        """The turn stopped at a tool call the environment answers (multi-turn tasks; `calls` answered
+        before it): the sample parks for the tool instead of being scored."""
+        if self.call_id is None or not r.token_ids or r.token_ids[-1] != self.call_id:
+            return False
+        return self.env.answers(self.response_text(r), calls)
+
+    def example(self, p: Prompt) -> Example:
+        return Example(p.id, p.text, p.answer)
+
+    def turn(self, p: Prompt, r: GenResult, calls: int) -> Turn:
+        """The environment's answer to a turn that stopped at a tool call (`is_call`): `r` holds the
+        whole response so far; `calls` made before it. Runs the tool: call it off the driver's loop."""
+        return self.env.step(self.example(p), self.response_text(r), calls)
+
+    def observation_ids(self, turn: Turn) -> tuple[int, ...]:
+        return tuple(self.tok.encode(turn.observation))
 
     def prompt(self, ex: Example) -> Prompt:
         """The question as token ids: through the chat template when there is one (it writes its own

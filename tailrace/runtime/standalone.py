@@ -7,7 +7,7 @@ import torch
 from tailrace.config import RunConfig
 from tailrace.engine import build_engine
 from tailrace.model.checkpoint import load_pretrained
-from tailrace.runtime.evaluate import Evaluator
+from tailrace.runtime.evaluate import Evaluator, generate_episodes
 from tailrace.runtime.procs import available_cores, resolve_device
 from tailrace.runtime.session import Session
 
@@ -33,7 +33,10 @@ def evaluate_model(cfg: RunConfig, progress=None, on_done=None) -> dict:
         print(engine.describe(), flush=True)
         evaluator = Evaluator(ses, cfg.eval)
         reqs = evaluator.requests(version=0)
-        out = evaluator.summarize(reqs, engine.generate(reqs, on_done))
+        context = r.max_context or ses.model_cfg.max_position_embeddings
+        out = evaluator.summarize(
+            reqs, generate_episodes(engine, ses, evaluator.prompts, reqs, context, on_done)
+        )
         out["model"] = str(ses.model_path)
         return out
     finally:

@@ -21,9 +21,10 @@ import torch
 
 from tailrace.common import cache_root
 from tailrace.config import ArchConfig, SFTConfig
-from tailrace.model.checkpoint import save_pretrained
+from tailrace.model.checkpoint import load_pretrained, save_pretrained
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
+from tailrace.tasks.chaincalc import ChainCalcTask
 from tailrace.tasks.chainsum import ChainSumTask
 from tailrace.tokenizer import char_tokenizer
 from tailrace.trainer.sft import sft
@@ -119,8 +120,54 @@ def build_warm_start(arch: ArchConfig, cfg: SFTConfig, out: Path, progress=None)
     return info
 
 
-def ensure_warm_start(arch: ArchConfig, sft: SFTConfig, progress=None) -> Path:
+# chaincalc's warm start: the chainsum model fine-tuned on chaincalc's demonstrations (half of them
+# calling the calculator on every step), so the base policy samples both ways
+TOOL_RECIPE = {"examples": 6000, "lr": 1e-3, "warmup": 20}
+
+
+def ensure_warm_start(arch: ArchConfig, sft: SFTConfig, progress=None, task: str = "chainsum") -> Path:
+    """The default model warm-started for `task` (chainsum, or chaincalc: fine-tuned from chainsum's)."""
     out = warm_start_dir(arch, sft)
     if not (out / "warmstart.json").is_file():
         build_warm_start(arch, sft, out, progress)
-    return out
+    if task != "chaincalc":
+        return out
+    key = hashlib.sha256(json.dumps([out.name, TOOL_RECIPE], sort_keys=True).encode()).hexdigest()[:12]
+    tool_out = out.with_name(f"chaincalc-{key}")
+    if not (tool_out / "warmstart.json").is_file():
+        build_tool_warm_start(out, sft, tool_out, progress)
+    return tool_out
+
+
+def build_tool_warm_start(
+    base: Path, cfg: SFTConfig, out: Path, progress=None, examples: int = TOOL_RECIPE["examples"]
+) -> dict:
+    """Fine-tune the chainsum model in `base` on chaincalc demonstrations into `out` (atomically)."""
+    task = ChainCalcTask(dataclasses.replace(ChainSumTask().spec, p_slip=cfg.slip))
+    tok = char_tokenizer()
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        model = load_pretrained(base)
+        sub = dataclasses.replace(cfg, examples=examples, seed=cfg.seed + 1)
+        pairs = demonstrations(sub, task, tok)
+        t0 = time.perf_counter()
+        losses = sft(
+            model, pairs, lr=TOOL_RECIPE["lr"], warmup=TOOL_RECIPE["warmup"], batch_tokens=cfg.batch_tokens,
+            epochs=1, pad_id=tok.pad_id, seed=cfg.seed, bf16=cfg.bf16, on_step=progress,
+        )  # fmt: skip
+        seconds = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(prev_threads)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tmp)
+    tok.save(tmp)
+    info = {
+        "base": base.name, "recipe": TOOL_RECIPE, "seconds": round(seconds, 1),
+        "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4), "steps": len(losses),
+    }  # fmt: skip
+    (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return info

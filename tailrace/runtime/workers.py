@@ -131,14 +131,17 @@ class Workers:
                     waiting.discard(w)
 
     def receive(
-        self, among: Sequence[Worker] | None = None, timeout: float = 1.0
+        self, among: Sequence[Worker] | None = None, timeout: float = 1.0, wake: Sequence[Any] = ()
     ) -> list[tuple[Worker, Any]]:
         """The messages `among` (default: all) sent within `timeout`; then every worker is checked,
         and each one lost since comes once as `(worker, Lost)` (or raises `Fault`: see `recover`).
+        `wake`: other waitables (a tool pool's socket) that end the wait when readable.
         Raises `InputError` or `Fault` for a worker that failed."""
         by_conn = {w.conn: w for w in (self.all if among is None else among) if not w.lost}
         got = []
-        for conn in wait(list(by_conn), timeout):
+        for conn in wait(list(by_conn) + list(wake), timeout):
+            if conn not in by_conn:
+                continue
             w = by_conn[conn]
             if not w.lost:
                 got.append((w, self._recv(w)))

@@ -12,21 +12,26 @@ from typing import Any, Mapping
 from tailrace.tasks.base import Task, TaskError, check_config
 
 FORMS = (
-    "'chainsum' (built-in default), 'gym:<reasoning-gym dataset>' (e.g. gym:basic_arithmetic), "
+    "'chainsum' (built-in default), 'chaincalc' (chainsum with a calculator: multi-turn), "
+    "'gym:<reasoning-gym dataset>' (e.g. gym:basic_arithmetic), "
     "'jsonl:<path to .jsonl>' or 'code:<path to .jsonl of prompts and tests>'"
 )
 
 
-def make_task(spec: str, config: Mapping[str, Any] | None = None) -> Task:
+def make_task(spec: str, config: Mapping[str, Any] | None = None, max_turns: int = 32) -> Task:
     """`config` (task.config): the task's own settings, checked key by key — chainsum's spec fields
     that shape its questions, a reasoning-gym dataset's config, or the keyword options of JsonlTask
-    and CodeTask."""
+    and CodeTask. `max_turns` (task.max_turns): a multi-turn task's turns per episode at most."""
     kind, sep, arg = spec.partition(":")
     config = config or {}
     if spec == "chainsum":
         from tailrace.tasks.chainsum import ChainSumSpec, ChainSumTask
 
         return ChainSumTask(ChainSumSpec.from_config(config))
+    if spec == "chaincalc":
+        from tailrace.tasks.chaincalc import ChainCalcTask
+
+        return ChainCalcTask.from_config(config, max_turns)
     if sep and kind == "gym":
         from tailrace.tasks.gym import ReasoningGymTask
 
@@ -44,6 +49,12 @@ def make_task(spec: str, config: Mapping[str, Any] | None = None) -> Task:
         except TypeError as e:  # a value of the wrong type, met by the task's own checks
             raise TaskError(f"{spec}: bad task.config {dict(config)}: {e}; fix the value's type") from None
     raise TaskError(f"unknown task spec {spec!r}; use {FORMS}")
+
+
+def multi_turn(spec: str) -> bool:
+    """Whether the task of `spec` is an `Environment` (tool calls between turns), known from its name
+    alone (without importing it)."""
+    return spec == "chaincalc"
 
 
 def _options(spec: str, cls: type, config: Mapping[str, Any]) -> dict[str, Any]:

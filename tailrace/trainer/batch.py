@@ -1,7 +1,9 @@
 """TrainBatch: groups of trajectories flattened into right-padded token tensors, and its micro-batches.
 
 Row b is one trajectory: seq = prompt_ids + response ids, input_ids = seq[:-1], targets = seq[1:]; a
-position is live when its target is a response token that passes the staleness mask. `scale` holds
+position is live when its target is a response token the policy sampled (not an observation a tool
+wrote: `Trajectory.observed`, in the context but never trained on nor compared with an engine
+logprob) that passes the staleness mask. `scale` holds
 each live token's share of the whole batch's loss normaliser, so micro-batches (row subsets) sum to
 exactly the full-batch loss and gradient whatever the aggregation.
 """
@@ -27,8 +29,9 @@ class TrainBatch:
     targets: Tensor  # (N, T) long, targets[b, t] = seq_b[t + 1]
     mask: Tensor  # (N, T) float, 1 on live response-token predictions; 0 on prompt, padding, stale tokens
     adv: Tensor  # (N, T) float, the trajectory's advantage on its response positions, else 0
-    behav_logp: Tensor  # (N, T) float, engine logprob of targets[b, t] on response positions, else 0
-    versions: Tensor  # (N, T) long, policy version of targets[b, t] on response positions, else -1
+    behav_logp: Tensor  # (N, T) float, engine logprob of targets[b, t] on sampled positions, else 0
+    versions: Tensor  # (N, T) long, policy version of targets[b, t] on sampled positions, else -1
+    # (prompt, padding and observation positions: -1 excludes them from the loss and the logprob gap)
     scale: Tensor  # (N, T) float, loss = sum(scale * per-token loss) over the whole batch
     lengths: Tensor  # (N,) long, valid positions per row = len(prompt) + len(response) - 1
     seq_adv: Tensor  # (N,) float, one advantage per trajectory
@@ -100,6 +103,9 @@ class TrainBatch:
                 behav[b, p:n] = torch.tensor(r.logprobs, dtype=torch.float32)
                 versions[b, p:n] = torch.tensor(r.versions, dtype=torch.long)
                 adv[b, p:n] = float(advs[b])
+                for a, e in t.observed:  # a tool's tokens: context only
+                    behav[b, p + a : p + e] = 0.0
+                    versions[b, p + a : p + e] = -1
         mask = fresh_mask(versions, trainer_version, max_staleness)
         adv = adv * mask
         return TrainBatch(

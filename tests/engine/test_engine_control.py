@@ -82,6 +82,18 @@ def test_resume_with_prefix_at_max_new_tokens_finishes_at_once(model):
     assert again.token_ids == done.token_ids and again.finish == Finish.LENGTH
 
 
+def test_a_request_finished_at_add_counts_as_waiting_until_a_step_returns_it(model):
+    """An engine worker steps only while requests run or wait: a resumed partial already at its limit
+    (finished by `add`, without compute) must count, or an idle worker never reports it (a hang)."""
+    r = req("z", 4, 5)
+    done = TailraceEngine(model, num_slots=1).generate([r])[0]
+    eng = TailraceEngine(model, num_slots=1)
+    eng.add(_resume(r, done))
+    assert (eng.num_running, eng.num_waiting) == (0, 1)
+    assert [x.request_id for x in eng.step().finished] == ["z"]
+    assert (eng.num_running, eng.num_waiting) == (0, 0)
+
+
 def test_two_versions_each_match_their_own_weights(model, other):
     reqs = [req(f"v{i}", 4 + 5 * i, 15 + i, version=i % 2, temperature=0.9) for i in range(8)]
     eng = TailraceEngine(tiny_model(0), num_slots=5, prefill_tokens=16)

@@ -45,9 +45,17 @@ class ScriptedCluster:
         max_len: int | None = None,
         pregen_len: int = 5,
         one_version: bool = False,
+        turns: Callable[[int, int], list[int]] | None = None,
+        tool_ticks: Callable[[int, int, int], int] = lambda g, i, k: 3,
+        observation: tuple[int, ...] = (5, 5),
     ):
         """`one_version`: engines hold one version at a time (a load replaces it, and is refused while
-        the engine has work), as `Capabilities.versions_at_once == 1` promises."""
+        the engine has work), as `Capabilities.versions_at_once == 1` promises. `turns`: multi-turn
+        samples, the tokens of each turn of (group, index) (each turn but the last ends in a tool call
+        whose `observation` comes `tool_ticks(group, index, call)` ticks later); `length` is then unused."""
+        self.turns, self.tool_ticks, self.observation = turns, tool_ticks, observation
+        self.tools: list[tuple[int, str]] = []  # (tick the tool answers, request id)
+        self.calls = 0
         self.s, self.slots, self.max_len, self.pregen_len = sched, slots, max_len, pregen_len
         self.one_version = one_version
         self.length = length if max_len is None else (lambda g, i: min(max_len, length(g, i)))
@@ -75,7 +83,12 @@ class ScriptedCluster:
                     assert req.version in self.loaded[c.engine], "dispatched a version the engine lacks"
                     pregen = req.id.startswith("pregen.")  # the next round's prompts, generated in a bubble
                     key = None if pregen else SampleKey.parse(req.id)
-                    target = self.pregen_len if pregen else self.length(key.group, key.index)
+                    if pregen:
+                        target = self.pregen_len
+                    elif self.turns is not None:  # the attempt is the turn (no aborts in these runs)
+                        target = len(req.resume_ids) + self.turns(key.group, key.index)[key.attempt]
+                    else:
+                        target = self.length(key.group, key.index)
                     self.queue[c.engine].append(
                         Running(req, key, target, list(req.resume_ids), list(req.resume_versions))
                     )
@@ -113,6 +126,9 @@ class ScriptedCluster:
 
     def tick(self) -> None:
         self.t += 1
+        for done_t, rid in [x for x in self.tools if x[0] <= self.t]:
+            self.tools.remove((done_t, rid))
+            self.s.on_observation(rid, self.observation, self.t)
         for i, (done_t, e, v) in enumerate(list(self.loads)):
             if done_t <= self.t:
                 self.loads.remove((done_t, e, v))
@@ -136,7 +152,14 @@ class ScriptedCluster:
             if finished:
                 self.generated.extend(r.key for r in finished if r.key is not None)
                 results = [self._result(r, self._finish(r)) for r in finished]
-                self.s.on_results(e, results, [self._score(r) for r in finished if r.key is not None], self.t)
+                calls = {r.request.id for r in finished if self._calls(r)}
+                for r in finished:
+                    if r.request.id in calls:
+                        self.calls += 1
+                        ticks = self.tool_ticks(r.key.group, r.key.index, r.key.attempt)
+                        self.tools.append((self.t + ticks, r.request.id))
+                scores = [self._score(r) for r in finished if r.key is not None and r.request.id not in calls]
+                self.s.on_results(e, results, scores, self.t, calls=calls)
         if self.trainer:
             self.train_left += 1
             if self.train_left >= self.train_ticks:
@@ -146,6 +169,14 @@ class ScriptedCluster:
                 self.s.on_trained(c.step, self.t)
                 if c.publish is not None:
                     self.s.on_published(c.publish, self.t)
+
+    def _calls(self, r: Running) -> bool:
+        """The turn that finished ends in a tool call (multi-turn: every turn but the last)."""
+        return (
+            self.turns is not None
+            and r.key is not None
+            and r.key.attempt < len(self.turns(r.key.group, r.key.index)) - 1
+        )
 
     def lose_engine(self, e: int) -> int:
         """The engine's process dies: its queue and running samples vanish with it; its weights come

@@ -108,11 +108,13 @@ def test_trajectory_records_round_trip_through_json_with_every_field():
         reward=0.5,
         correct=False,
         dispatch_version=2,
+        observed=((1, 2),),
+        tool_s=0.25,
     )
     # every field above is set to a value other than its default, so equality after the round trip
     # proves each one is serialized; a new field fails here until it is added above (and serialized)
     assert {f.name for f in dataclasses.fields(Trajectory)} == set(
-        "group sample_index prompt_id prompt_ids result reward correct dispatch_version".split()
+        "group sample_index prompt_id prompt_ids result reward correct dispatch_version observed tool_s".split()
     )
     assert {f.name for f in dataclasses.fields(GenResult)} == set(
         "request_id token_ids logprobs versions finish submitted first_token finished".split()

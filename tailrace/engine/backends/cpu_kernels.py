@@ -5,8 +5,9 @@ rows and prefill pieces; each row reads its own K/V exactly to its own length, i
 its block-table row lists, in fp32 arithmetic for fp32 and bf16 caches, so attention chunks are not
 needed), and RMSNorm and
 SiLU-and-multiply are C calls too: at decode sizes each torch op costs more to dispatch than to
-compute. The GEMMs are `FusedWeights`' (oneDNN packed weights above their batch threshold). The kernels
-are single-threaded, the GEMMs use every torch thread. Needs the model and its cache in one dtype,
+compute. The GEMMs are `FusedWeights`': the kernels' own bf16 GEMM on one thread where the CPU has
+AVX-512 BF16, else oneDNN packed weights above their batch threshold (on every torch thread). The other
+kernels are single-threaded. Needs the model and its cache in one dtype,
 fp32 or bf16, and head_dim <= 256 (`backends.select` checks). Its speed against the torch backend:
 bench/README.md.
 
@@ -33,7 +34,7 @@ class KernelBackend(TorchBackend):
         kernel: Kernels,
         packed: bool | None = None,
     ):
-        super().__init__(model, max_context, kv_dtype, "bmm", packed)
+        super().__init__(model, max_context, kv_dtype, "bmm", packed, kernel)
         self.name, self.kernel = "kernel", kernel
 
     def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool, lora=None) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""`Linear`: y = x W^T (+ b) (+ residual) for the engine step, by MKL or by oneDNN on packed weights.
+"""`Linear`: y = x W^T (+ b) (+ residual) for the engine step, by MKL, by oneDNN on packed weights, or
+(bf16 on one thread, where the CPU has AVX-512 BF16) by the C kernels' GEMM (`ckernel.Kernels.gemm`),
+which beats oneDNN's at every batch there: it prefetches the next panel of a weight that streams from
+memory (figures: bench/README.md).
 
 On CPU, MKL re-packs the weight on every call; oneDNN can pack it once (`_reorder_linear_weight`) and
 then reads it in its own blocked layout, and fuses the residual add. Which is faster depends on the
@@ -19,6 +22,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from tailrace.engine.ckernel import Kernels
 
 
 @functools.cache
@@ -46,6 +51,18 @@ def packing_supported(dtype: torch.dtype) -> bool:
         return False
 
 
+def kernel_gemm_serves(kernel: Kernels, w: torch.Tensor) -> bool:
+    """Whether the C kernels' GEMM can serve weight `w`: bf16 on CPU, an even number of columns, a CPU
+    with AVX-512 BF16, and one torch thread (the kernel runs on one)."""
+    return (
+        kernel.has_gemm
+        and w.dtype == torch.bfloat16
+        and w.device.type == "cpu"
+        and w.shape[1] % 2 == 0
+        and torch.get_num_threads() == 1
+    )
+
+
 def padded_rows(m: int) -> int:
     """The row count a packed GEMM over `m` rows runs at: m itself up to 8, then the next multiple of
     max(8, 2^(floor(log2 m) - 3)): at most 7 padding rows up to 64 and at most 1/8 of m above, from a
@@ -61,13 +78,21 @@ def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class Linear:
-    __slots__ = ("w", "wt", "b", "p")
+    __slots__ = ("w", "wt", "b", "p", "k", "kw", "kb")
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, packed: bool):
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, packed: bool, kernel: Kernels | None = None):
+        """`kernel`: the C kernels, whose GEMM then serves every call (`packed` unused), where it can
+        (`kernel_gemm_serves`)."""
         self.w, self.wt, self.b = w, w.t(), b
-        self.p = torch.ops.mkldnn._reorder_linear_weight(w) if packed else None
+        self.k = kernel if kernel is not None and kernel_gemm_serves(kernel, w) else None
+        if self.k is not None:
+            self.kw, self.kb, self.p = self.k.pack(w), None if b is None else b.float(), None
+        else:
+            self.p = torch.ops.mkldnn._reorder_linear_weight(w) if packed else None
 
     def __call__(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
+        if self.k is not None:
+            return self.k.gemm(x.contiguous(), self.kw, self.w.shape[0], self.kb)
         if packed:
             m = x.shape[0]
             y = torch.ops.mkldnn._linear_pointwise(_pad(x, padded_rows(m)), self.p, self.b, "none", [], "")
@@ -76,6 +101,8 @@ class Linear:
 
     def add(self, x: torch.Tensor, residual: torch.Tensor, packed: bool) -> torch.Tensor:
         """residual + x W^T + b."""
+        if self.k is not None:
+            return self.k.gemm(x.contiguous(), self.kw, self.w.shape[0], self.kb, residual.contiguous())
         if packed:
             m = x.shape[0]
             r = padded_rows(m)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tailrace.engine.backends.linear import Linear, packing_supported
+from tailrace.engine.ckernel import Kernels
 from tailrace.model.decoder import CausalLM
 
 PACKED_FP32_MIN_HIDDEN = 512  # fp32 models this wide use the packed weights at every batch
@@ -23,10 +24,11 @@ class _Layer:
 
 
 class FusedWeights:
-    def __init__(self, model: CausalLM, packed: bool | None = None):
-        """`packed`: oneDNN packed weights; None = wherever supported (CPU only)."""
+    def __init__(self, model: CausalLM, packed: bool | None = None, kernel: Kernels | None = None):
+        """`packed`: oneDNN packed weights; None = wherever supported (CPU only). `kernel`: the C
+        kernels, whose GEMM serves the linears where it can (`linear.kernel_gemm_serves`)."""
         cfg = model.config
-        self.model = model
+        self.model, self.kernel = model, kernel
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.G = self.H // self.Hkv  # query heads per kv head
         self.I = cfg.intermediate_size
@@ -55,7 +57,7 @@ class FusedWeights:
         def proj(norm_w, ws, bs=None):  # one GEMM for the projections that read one RMSNorm's output
             w = torch.cat(ws)
             b = torch.cat(bs) if bs and bs[0] is not None else None
-            return Linear(w * norm_w, b, pk)
+            return Linear(w * norm_w, b, pk, self.kernel)
 
         self.embed = m.embed_tokens.weight
         self.lm_head = proj(m.norm.weight, [self.model.lm_head.weight])
@@ -68,10 +70,10 @@ class FusedWeights:
                 [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
                 [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
             )
-            L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk)
+            L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk, self.kernel)
             L.gate_up = proj(
                 layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight]
             )
-            L.down = Linear(mlp.down_proj.weight, None, pk)
+            L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel)
             L.norm_attn, L.norm_mlp = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             self.layers.append(L)

@@ -582,7 +582,6 @@ static inline uint32_t mix32(uint32_t x) {
    mix32(row + salt[v]), (bits + 0.5) / 2^23, exact in fp32 and strictly inside (0, 1), g = -ln(-ln u),
    so g lies in [-2.81, 16.64] (24 bits would round the top value's u to 1 and give that entry g = +inf
    in torch, 88 here: a token drawn whatever the logits, in ~V / 2^24 of all draws). */
-#define GUMBEL_MAX 16.7f  /* > the largest g any bits give, with the polynomial logs' error */
 static inline float gumbel_one(uint32_t row, int64_t salt) {
     const uint32_t bits = mix32(row + (uint32_t)salt) >> 9;
     const float u = ((float)bits + 0.5f) * (1.0f / 8388608.0f);
@@ -677,29 +676,84 @@ static int64_t first_argmax(const float *restrict y, int64_t n) {
     return best;
 }
 
-/* The first argmax over v of z[v] + sc * gumbel(v), given a, the first argmax of z (sc > 0). An entry
-   can win only if z[v] + sc * GUMBEL_MAX >= z[a] + sc * gumbel(a): the noise of the 16-entry chunks
-   with no such entry is never computed (most of a large vocabulary, whose logits spread far wider than
-   the noise's range), and the others are compared in order, strictly greater replacing, so the token
-   is exactly that of adding the noise everywhere. A negative sc (not used by the engine) computes
-   every entry; below SKIP_MIN_VOCAB entries (w: V floats of scratch) the noise of every entry is
-   computed in one pass, cheaper than sixteen at a time there. */
+/* An upper bound of the noise of every bit pattern in each of 4096 buckets (bits >> 11): g is increasing
+   in the bits, so a bucket's largest pattern bounds the rest; the margin covers the polynomial logs'
+   error (the exact bound of each pattern is tested over all 2^23). Built on first use (every thread
+   writes the same values). */
+#define BUCKET_SHIFT 11
+#define BUCKETS (1 << (23 - BUCKET_SHIFT))
+static float gumbel_bucket_max[BUCKETS];
+static volatile int gumbel_buckets_ready;
+static const float *gumbel_buckets(void) {
+    if (!gumbel_buckets_ready) {
+        for (int i = 0; i < BUCKETS; i++) {
+            const uint32_t bits = ((uint32_t)i << BUCKET_SHIFT) | ((1u << BUCKET_SHIFT) - 1u);
+            const float u = ((float)bits + 0.5f) * (1.0f / 8388608.0f);
+            const float g = -log_poly(-log_poly(u));
+            gumbel_bucket_max[i] = g + 1e-3f;
+        }
+        gumbel_buckets_ready = 1;
+    }
+    return gumbel_bucket_max;
+}
+
+/* The noise of each 23-bit pattern bits[i] (as gumbel_one draws it) and its bucket's bound (tests). */
+void gumbel_of_bits(const uint32_t *restrict bits, int64_t n, float *restrict g, float *restrict bound) {
+    const float *gb = gumbel_buckets();
+    for (int64_t i = 0; i < n; i++) {
+        const float u = ((float)bits[i] + 0.5f) * (1.0f / 8388608.0f);
+        g[i] = -log_poly(-log_poly(u));
+        bound[i] = gb[bits[i] >> BUCKET_SHIFT];
+    }
+}
+
+/* Whether any of the c (<= 16) entries from v could reach `floor`: z[v] + sc * (its bucket's bound) >=
+   floor. The bits cost a hash, the bound a table read: no logarithm. */
+static inline int chunk_live(const float *restrict z, float sc, uint32_t row, const int64_t *restrict salt,
+                             int64_t v, int64_t c, float floor, const float *restrict gb) {
+#if defined(__AVX512F__)
+    if (c == 16) {
+        const __m256i s0 = _mm512_cvtepi64_epi32(_mm512_loadu_si512(salt + v));
+        const __m256i s1 = _mm512_cvtepi64_epi32(_mm512_loadu_si512(salt + v + 8));
+        __m512i x = _mm512_add_epi32(_mm512_inserti64x4(_mm512_castsi256_si512(s0), s1, 1), _mm512_set1_epi32((int)row));
+        x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+        x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x21F0AAAD));
+        x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+        x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x735A2D97));
+        x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+        const __m512 bound = _mm512_i32gather_ps(_mm512_srli_epi32(x, 9 + BUCKET_SHIFT), gb, 4);
+        const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(sc), bound, _mm512_loadu_ps(z + v));
+        return _mm512_cmp_ps_mask(t, _mm512_set1_ps(floor), _CMP_GE_OQ) != 0;
+    }
+#endif
+    for (int64_t i = 0; i < c; i++)
+        if (z[v + i] + sc * gb[(mix32(row + (uint32_t)salt[v + i]) >> 9) >> BUCKET_SHIFT] >= floor) return 1;
+    return 0;
+}
+
+/* The first argmax over v of z[v] + sc * gumbel(v), given a, the first argmax of z (sc > 0). The
+   winner's value is at least floor = the best value so far (from a's own): a 16-entry chunk whose
+   entries all stay below it even with their bucket's bound (chunk_live) cannot hold the winner, and its
+   noise is never computed (most of a vocabulary: few entries have a noise large enough to bridge their
+   gap to the top). The others are compared in order, strictly greater replacing, so the token is exactly
+   that of adding the noise everywhere. A negative sc (not used by the engine) computes every entry;
+   below SKIP_MIN_VOCAB entries (w: V floats of scratch) the noise of every entry is computed in one
+   pass, cheaper than sixteen at a time there. */
 #define SKIP_MIN_VOCAB 2048
 static int64_t noisy_argmax(const float *restrict z, float sc, uint32_t row, const int64_t *restrict salt,
                             int64_t V, int64_t a, float *restrict w) {
-    if (V < SKIP_MIN_VOCAB) {  /* a small vocabulary: the noise of all of it in one vectorized pass */
+    if (V < SKIP_MIN_VOCAB || !(sc > 0.0f)) {  /* the noise of all of it in one vectorized pass */
 #pragma omp simd
         for (int64_t v = 0; v < V; v++) w[v] = z[v] + sc * gumbel_one(row, salt[v]);
         return first_argmax(w, V);
     }
-    const float cut = sc > 0.0f ? (z[a] + sc * gumbel_one(row, salt[a])) - sc * GUMBEL_MAX : -INFINITY;
+    const float *gb = gumbel_buckets();
+    const float at_a = z[a] + sc * gumbel_one(row, salt[a]);
     float top = -INFINITY, y[16];
     int64_t best = 0;
     for (int64_t v = 0; v < V; v += 16) {
         const int64_t c = V - v < 16 ? V - v : 16;  /* the last chunk may be short */
-        int live = 0;
-        for (int64_t i = 0; i < c; i++) live |= z[v + i] >= cut;
-        if (!live) continue;
+        if (!chunk_live(z, sc, row, salt, v, c, top > at_a ? top : at_a, gb)) continue;
         float cm = -INFINITY;
 #pragma omp simd reduction(max:cm)
         for (int64_t i = 0; i < c; i++) {
