@@ -28,6 +28,7 @@ SOURCES = tuple(Path(__file__).with_name("kernels") / f for f in ("decode.c", "g
 GEMM_PANEL = 48  # columns per panel of a weight packed for `Kernels.gemm` (NR in gemm.c)
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp-simd", "-shared", "-fPIC"]
 MAX_HEAD_DIM = 256
+LORA_ROWS = 8  # kernels/decode.c: rows of one adapter per block of its LoRA kernel
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -36,8 +37,8 @@ _state: dict[str, object] = {}
 class Kernels:
     """The decode step's kernels: `layer` (RoPE, cache writes and attention of a layer in one call),
     `rms`, `silu_mul`, `gumbel` and `sample` (the sampler's noise and draw), `run` (attention alone),
-    and `gemm` (linears over weights packed by `pack`, in the dtypes `gemm_dtypes` lists: fp32 where
-    the CPU has AVX-512, bf16 where it has AVX-512 BF16).
+    `lora` (rows' adapter terms), and `gemm` (linears over weights packed by `pack`, in the dtypes
+    `gemm_dtypes` lists: fp32 where the CPU has AVX-512, bf16 where it has AVX-512 BF16).
     Both attention calls read a paged cache in place: k, v (blocks, Hkv, block_size, D), fp32/bf16, and a
     block table (rows, W) int32 whose row r lists the blocks holding positions [0, W block_size) of the
     sequence in row r (see `KVCache`)."""
@@ -74,6 +75,10 @@ class Kernels:
                 + [ctypes.c_int64] * 2
                 + [ctypes.c_void_p] * 3
             )
+        self._lora = {torch.float32: lib.lora_f32, torch.bfloat16: lib.lora_bf16}
+        for fn in self._lora.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
         lib.gumbel_of_bits.restype = None
         lib.gumbel_of_bits.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         self._gemm = {torch.float32: lib.gemm_f32, torch.bfloat16: lib.gemm_bf16}
@@ -247,6 +252,48 @@ class Kernels:
         self._silu_mul[gu.dtype](gu.data_ptr(), out.data_ptr(), M, I)
         return out
 
+    def lora(
+        self,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        bt: torch.Tensor,
+        slot: torch.Tensor,
+        y: torch.Tensor,
+        cols: torch.Tensor,
+        ranks: torch.Tensor,
+    ) -> None:
+        """y (M, N) += each row's LoRA terms, in place: row m of x (M, K) through adapter slot[m] (int32;
+        < 0: none) of a (S, R, K) and bt (S, R, N) (B transposed), segment g being columns
+        cols[g]..cols[g + 1] of y and ranks ranks[g]..ranks[g + 1] (int64, nseg + 1 each). One dtype,
+        fp32 or bf16."""
+        M, K = x.shape
+        S, R, _ = a.shape
+        N = y.shape[1]
+        b = bt
+        if not (
+            x.dtype in self._lora
+            and a.dtype == b.dtype == y.dtype == x.dtype
+            and a.shape == (S, R, K)
+            and b.shape == (S, R, N)
+            and y.shape == (M, N)
+            and slot.shape == (M,)
+            and slot.dtype == torch.int32
+            and cols.dtype == ranks.dtype == torch.int64
+            and cols.shape == ranks.shape
+            and all(t.is_contiguous() for t in (x, a, b, slot, y, cols, ranks))
+        ):
+            raise ValueError(
+                f"lora: bad operands x {tuple(x.shape)} {x.dtype}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
+                f"y {tuple(y.shape)} {y.dtype}, slot {tuple(slot.shape)} {slot.dtype}"
+            )
+        scratch = self._scratch_of(LORA_ROWS * (R + N) + 2 * M)  # + M int64 row indices
+        rc = self._lora[x.dtype](
+            x.data_ptr(), a.data_ptr(), b.data_ptr(), slot.data_ptr(), y.data_ptr(),
+            M, K, N, R, S, cols.shape[0] - 1, cols.data_ptr(), ranks.data_ptr(), scratch.data_ptr(),
+        )  # fmt: skip
+        if rc:
+            raise ValueError(f"lora: an adapter slot outside [0, {S}) in {slot.tolist()}")
+
     def run(
         self,
         q: torch.Tensor,
@@ -373,6 +420,7 @@ _WHY = {
     -2: "a position outside the block table",
     -3: "a row outside the block table",
     -4: "a block outside the cache",
+    -5: "an adapter slot outside the adapters",
 }
 
 

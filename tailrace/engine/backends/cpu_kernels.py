@@ -37,15 +37,17 @@ class KernelBackend(TorchBackend):
         super().__init__(model, max_context, kv_dtype, "bmm", packed, kernel)
         self.name, self.kernel = "kernel", kernel
 
-    def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool) -> torch.Tensor:
+    def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool, lora=None) -> torch.Tensor:
         w, layer, table = self.w, self.kernel.layer, cache.table.t
         trow = self._token_rows(rows, pieces)
         pos = positions.contiguous()
         for i, lw in enumerate(w.layers):
-            qkv = lw.qkv(self._rms(x), pk)
+            xn = self._rms(x)
+            qkv = lw.qkv(xn, pk)
+            if lora is not None:
+                lora.add(i, "qkv", xn * lw.norm_attn, qkv, self.kernel)
             o = layer(qkv, self.cos_sin, cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale)
-            x = lw.o.add(o, x, pk)
-            x = lw.down.add(self._silu_mul(lw.gate_up(self._rms(x), pk)), x, pk)
+            x = self._mlp(i, lw, self._o(i, lw, o, x, pk, lora), pk, lora)
         return x
 
     def _rms(self, x: torch.Tensor) -> torch.Tensor:

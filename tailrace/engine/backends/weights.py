@@ -20,7 +20,7 @@ PACKED_FP32_MIN_HIDDEN = 512  # fp32 models this wide use the packed weights at 
 
 
 class _Layer:
-    __slots__ = ("qkv", "o", "gate_up", "down")
+    __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp")  # norms: their weights (hidden,)
 
 
 class FusedWeights:
@@ -75,4 +75,5 @@ class FusedWeights:
                 layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight]
             )
             L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel)
+            L.norm_attn, L.norm_mlp = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             self.layers.append(L)
