@@ -43,6 +43,7 @@ from tailrace.config import ArchConfig  # noqa: E402
 from tailrace.config.train import LoraConfig  # noqa: E402
 from tailrace.engine import TailraceEngine  # noqa: E402
 from tailrace.model import lora  # noqa: E402
+from tailrace.model.checkpoint import load_pretrained  # noqa: E402
 from tailrace.model.decoder import CausalLM  # noqa: E402
 from tailrace.runtime import warmstart  # noqa: E402
 from tailrace.tokenizer import char_tokenizer  # noqa: E402
@@ -58,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--hidden", type=int, default=None, help="model width (default: the built-in's, 128)")
+    p.add_argument("--model", help="a local HF checkpoint as the base (e.g. SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--attention", default="auto", help="the engine backend: auto (kernel), kernel, bmm")
     p.add_argument("--threads", type=int, default=1)
@@ -137,7 +139,7 @@ def run(eng: TailraceEngine, batches: list[list[GenRequest]]) -> dict:
 def main(argv=None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    base = base_model(a.hidden)
+    base = load_pretrained(a.model).eval() if a.model else base_model(a.hidden)
     tenants = [int(x) for x in a.tenants.split(",")]
     eng = TailraceEngine(base, num_slots=a.slots, dtype=a.dtype, attention=a.attention, seed=0)
     for t in range(max(tenants)):
