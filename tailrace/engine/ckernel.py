@@ -86,6 +86,9 @@ class Kernels:
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
             fn.argtypes += [ctypes.c_void_p] * 3
+        lib.gemm_i8.restype = None
+        lib.gemm_i8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        lib.gemm_i8.argtypes += [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
         has = lib.gemm_supported()
         self.gemm_dtypes = tuple(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if has & bit)
         self._lib = lib
@@ -115,6 +118,58 @@ class Kernels:
         if w.dtype == torch.float32:
             return w.view(panels, GEMM_PANEL, K).transpose(1, 2).contiguous()
         return w.view(panels, GEMM_PANEL, K // 2, 2).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def pack_i8(q: torch.Tensor) -> torch.Tensor:
+        """q (N, K) int8, K even, in `pack`'s bf16 layout (ceil(N/48), K/2, 48, 2), for `gemm_i8`."""
+        N, K = q.shape
+        if q.dtype != torch.int8 or K % 2:
+            raise ValueError(
+                f"pack_i8: needs an int8 weight with an even number of columns, not {tuple(q.shape)}"
+            )
+        panels = -(-N // GEMM_PANEL)
+        q = torch.nn.functional.pad(q, (0, 0, 0, panels * GEMM_PANEL - N))
+        return q.view(panels, GEMM_PANEL, K // 2, 2).transpose(1, 2).contiguous()
+
+    def gemm_i8(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        b: torch.Tensor | None = None,
+        r: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """y (M, n) = x (M, K) (Q diag(scale))^T (+ b) (+ r): int8 weights Q (n, K) `pack_i8`ed, one fp32
+        scale per output column, bf16 x, r and y, fp32 accumulation. Needs bf16 in `gemm_dtypes`."""
+        M, K = x.shape
+        n = scale.shape[0]
+        if not (
+            torch.bfloat16 in self.gemm_dtypes
+            and x.dtype == torch.bfloat16
+            and x.is_contiguous()
+            and packed.dtype == torch.int8
+            and packed.shape == (-(-n // GEMM_PANEL), K // 2, GEMM_PANEL, 2)
+            and scale.dtype == torch.float32
+            and scale.is_contiguous()
+            and (b is None or (b.dtype == torch.float32 and b.shape == (n,) and b.is_contiguous()))
+            and (r is None or (r.dtype == torch.bfloat16 and r.shape == (M, n) and r.is_contiguous()))
+        ):
+            raise ValueError(
+                f"gemm_i8: bad operands x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)}, n {n}"
+            )
+        y = torch.empty(M, n, dtype=torch.bfloat16)
+        self._lib.gemm_i8(
+            x.data_ptr(),
+            M,
+            K,
+            packed.data_ptr(),
+            scale.data_ptr(),
+            n,
+            0 if b is None else b.data_ptr(),
+            0 if r is None else r.data_ptr(),
+            y.data_ptr(),
+        )
+        return y
 
     def gemm(
         self,

@@ -139,3 +139,39 @@ def test_the_kernel_gemm_serves_its_dtypes_and_even_bf16_widths_on_one_thread():
         assert Linear(bf, None, packed=False, kernel=K).k is None
     finally:
         torch.set_num_threads(n)
+
+
+@needs_gemm
+@pytest.mark.parametrize("M", [1, 8, 9])
+@pytest.mark.parametrize("N", [5, 48, 100])
+def test_int8_gemm_equals_the_exact_product_where_fp32_sums_are_exact(M, N):
+    """Small integer activations and int8 weights with power-of-two column scales: every product, sum
+    and scaling is exact in fp32, so the result is the exact value rounded to bf16 once."""
+    g = torch.Generator().manual_seed(M * 100 + N)
+    x = _ints(M, 64, g=g)
+    q = torch.randint(-127, 128, (N, 64), generator=g, dtype=torch.int8)
+    scale = 2.0 ** torch.randint(-8, 0, (N,), generator=g).float()
+    b, r = _ints(N, g=g).float(), _ints(M, N, g=g)
+    exact = x.double() @ (q.double() * scale.double()[:, None]).T
+    p = K.pack_i8(q)
+    assert torch.equal(K.gemm_i8(x, p, scale), exact.to(torch.bfloat16))
+    assert torch.equal(K.gemm_i8(x, p, scale, b, r), (exact + b.double() + r.double()).to(torch.bfloat16))
+
+
+@needs_gemm
+def test_an_int8_linear_runs_the_rounded_weights_on_every_path():
+    """int8: on the kernels' int8 GEMM (bf16, one thread) and on the plain path alike, the weights are
+    W rounded to int8 per output row; the two paths agree to bf16's rounding."""
+    from tailrace.engine.backends.linear import rtn_int8
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(100, 64, generator=g).bfloat16()
+    x, r = torch.randn(9, 64, generator=g).bfloat16(), torch.randn(9, 100, generator=g).bfloat16()
+    fast, plain = Linear(w, None, True, kernel=K, int8=True), Linear(w, None, True, int8=True)
+    assert fast.ks is not None and plain.ks is None
+    q, scale = rtn_int8(w)
+    assert q.abs().max() <= 127 and torch.equal(plain.w, (q.float() * scale[:, None]).bfloat16())
+    tol = dict(atol=0.1, rtol=1 / 64)
+    torch.testing.assert_close(fast(x, True).float(), plain(x, True).float(), **tol)
+    torch.testing.assert_close(fast.add(x, r, True).float(), plain.add(x, r, True).float(), **tol)
+    assert Linear(w.float(), None, True, kernel=K, int8=True).ks is None  # fp32: no int8 GEMM

@@ -33,8 +33,9 @@ class KernelBackend(TorchBackend):
         kv_dtype: torch.dtype,
         kernel: Kernels,
         packed: bool | None = None,
+        int8: bool = False,
     ):
-        super().__init__(model, max_context, kv_dtype, "bmm", packed, kernel)
+        super().__init__(model, max_context, kv_dtype, "bmm", packed, kernel, int8)
         self.name, self.kernel = "kernel", kernel
 
     def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool, lora=None) -> torch.Tensor:
@@ -67,8 +68,9 @@ class KernelAttentionBackend(KernelBackend):
         kv_dtype: torch.dtype,
         kernel: Kernels,
         packed: bool | None = None,
+        int8: bool = False,
     ):
-        super().__init__(model, max_context, kv_dtype, kernel, packed)
+        super().__init__(model, max_context, kv_dtype, kernel, packed, int8)
         self._decode_state, self._attend_decode = _kernel_state, type(self)._attend_kernel
 
     def _attend_kernel(self, q, ck, cv, state) -> torch.Tensor:

@@ -50,14 +50,16 @@ class TorchBackend:
         variant: str = "bmm",
         packed: bool | None = None,
         gemm: Kernels | None = None,
+        int8: bool = False,
     ):
         """`model` on its device, in its dtype; `max_context`, `kv_dtype`: the positions a cache row
         addresses and the cache's dtype; `variant`: decode attention, 'bmm' or 'sdpa'; `packed`, `gemm`
-        (the C kernels whose GEMM serves the linears): see `FusedWeights`."""
+        (the C kernels whose GEMM serves the linears), `int8` (a quantized drafter's layers): see
+        `FusedWeights`."""
         if variant not in ("bmm", "sdpa"):
             raise ValueError(f"variant={variant!r}: use 'bmm' or 'sdpa'")
         self.name, self.model, self.kv_dtype = variant, model, kv_dtype
-        self.w = w = FusedWeights(model, packed, gemm)
+        self.w = w = FusedWeights(model, packed, gemm, int8)
         inv_freq, scale = inv_freq_and_scale(model.config)
         cos, sin = rope_table(inv_freq, scale, max_context)  # (max_context, D) fp32, sin first half negated
         # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
