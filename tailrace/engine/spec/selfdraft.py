@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import torch
 
+from tailrace.engine.backends.linear import kernel_gemm_serves
 from tailrace.engine.rows import TOK, TOP_P_OFF
 from tailrace.engine.sampler import SampleFlags, sample
 from tailrace.engine.spec.drafter import DraftEnv, DraftRow
 from tailrace.engine.spec.quant import quantized_copy
 from tailrace.model.decoder import CausalLM
+
+INT8_COST = 0.6  # a draft step on the int8 GEMM over a bf16 decode step, at a few rows (bench/README.md)
+INT8_ALPHA = 0.9  # int8 RTN drafts' acceptance before any is verified (tests: > 0.85 on the tiny model)
 
 
 class QuantDrafter:
@@ -30,6 +34,27 @@ class QuantDrafter:
     def __init__(self, env: DraftEnv, bits: int = 8):
         self.name, self.env, self.bits = f"quant{bits}", env, bits
         self._backends: dict[int, object] = {}
+        # the engine's first version now, not inside the first draft: its quantization would be timed as
+        # that draft's cost, and a draft step thought to cost a second is never tried again
+        self.load(0, env.model_of(0))
+
+    @property
+    def alpha_prior(self) -> float:
+        return INT8_ALPHA if self.bits == 8 else 0.5
+
+    @property
+    def cost_prior(self) -> float:
+        """A draft step against a decode step before either is timed: about 0.6 where the layers run on
+        the int8 GEMM (they read half the bytes; the LM head, attention and sampling do not shrink),
+        else 1 (dequantized weights: as dear as the target, so the toggle never tries it)."""
+        k = self.env.kernel
+        on_int8 = (
+            self.bits == 8
+            and k is not None
+            and self.env.cache.dtype == torch.bfloat16  # the kernel backend: model and cache in one dtype
+            and kernel_gemm_serves(k, torch.empty(1, 2, dtype=torch.bfloat16))
+        )
+        return INT8_COST if on_int8 else 1.0
 
     def load(self, version: int, model: CausalLM) -> None:
         if self.bits == 8:  # the backend rounds its fused layer weights to int8 (the C int8 GEMM, on CPU)

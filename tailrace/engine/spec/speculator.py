@@ -60,10 +60,16 @@ class Speculator:
         o = options or SpecOptions()
         self.drafter, self.toggled, self.train_s = drafter, o.toggle, o.train_s
         self._idle_left = o.train_s  # training seconds left in this idle period
-        self.toggle = Toggle(drafter.per_token_cost, o.min_speedup)
+        # a drafter may say what a draft step costs before it is timed (`cost_prior`; quant8 on the int8
+        # GEMM: about 0.6 of a decode step); without it, the toggle's default for its kind
+        prior = getattr(drafter, "cost_prior", None)
+        self.toggle = Toggle(
+            drafter.per_token_cost, o.min_speedup, None if prior is None else lambda: drafter.cost_prior
+        )
         self.rung = Rung(rungs=rungs(o.gamma_min, o.gamma_max))
         self.stats = SpecStats(gamma=self.rung.gamma)
-        self._acc, self._cmp = ALPHA0 * PRIOR, PRIOR  # the drafter's decayed record
+        alpha0 = getattr(drafter, "alpha_prior", ALPHA0)
+        self._acc, self._cmp = alpha0 * PRIOR, PRIOR  # the drafter's decayed record
         self._round = [0, 0, 0]  # steps with verifies, accepted, compared in this round
 
     @property
