@@ -68,8 +68,8 @@ def test_sim_darts_sizes_its_redundancy_from_the_simulated_step_cost(tmp_path):
 
 
 def test_a_shaping_on_a_mode_it_does_not_support_is_refused():
-    scn = load_scenario(None, SMALL + ["--flow.mode=pipe", "--shaping.name=tailbatch"])
-    with pytest.raises(ConfigError, match="tailbatch works with flow.mode=sync"):
+    scn = load_scenario(None, SMALL + ["--flow.mode=multiversion", "--shaping.name=tailbatch"])
+    with pytest.raises(ConfigError, match="tailbatch works with flow.mode=sync or pipe"):
         simulate(scn)
 
 
