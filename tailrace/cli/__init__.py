@@ -118,15 +118,18 @@ TAILRACE = Verb(
         Verb(
             "engine",
             "rollout engines that join a running job (tailrace train, runtime.kind=local) or leave it",
-            ("engine join RUN_DIR", "engine leave RUN_DIR ENGINE_ID"),
+            ("engine join RUN_DIR [--cores LIST]", "engine leave RUN_DIR ENGINE_ID"),
             verbs=(
                 Verb(
                     "engine join",
                     "start a rollout engine (the run's engine config, a free core if there is one) that "
                     "joins the job running in RUN_DIR and works until the run ends or it is told to "
                     "leave (engine leave, or SIGTERM to this process)",
-                    ("engine join RUN_DIR",),
+                    ("engine join RUN_DIR [--cores LIST]",),
                     commands.engine_join,
+                    flags=(
+                        Flag("--cores", "LIST", "the cores to pin it to, e.g. 0 or 2,3 (default: see above)"),
+                    ),
                 ),
                 Verb(
                     "engine leave",

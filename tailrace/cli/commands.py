@@ -317,7 +317,14 @@ def engine_join(args: Args) -> int:
 
     if len(args.rest) != 1:
         raise ConfigError("tailrace engine join RUN_DIR: name the run directory of a running tailrace train")
-    return join(Path(args.rest[0]))
+    raw = args.flags.get("--cores", "")
+    try:
+        cores = tuple(int(c) for c in raw.split(",") if c)
+    except ValueError:
+        raise ConfigError(
+            f"--cores {raw}: write core numbers separated by commas, e.g. --cores 0,1"
+        ) from None
+    return join(Path(args.rest[0]), cores)
 
 
 def engine_leave(args: Args) -> int:

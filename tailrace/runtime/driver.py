@@ -440,7 +440,9 @@ class Driver:
     def _join(self, a: Arrival) -> None:
         r = self.cfg.rollout
         eid = self.sched.add_engine(r.slots, r.lookahead)
-        spec = replace(self._engine_spec(Seat(self._join_cores(), r.threads), 0), start_versions=())
+        spec = replace(
+            self._engine_spec(Seat(a.cores or self._join_cores(), r.threads), 0), start_versions=()
+        )
         started = Started(JoinedProcess(a.pid), a.conns["messages"], Heard(a.conns["beats"]))
         w = self.workers.adopt(f"engine{eid}", started)
         self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.layout.buffer.dtype))

@@ -45,6 +45,7 @@ HELLO_S = 10.0  # for a connection's first message
 class Hello:
     pid: int
     role: str  # one of ROLES
+    cores: tuple[int, ...] = ()  # the cores it asks to be pinned to (messages only; (): the driver picks)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Arrival:
 
     pid: int
     conns: dict[str, Connection]
+    cores: tuple[int, ...]  # asked for; () = the driver picks
 
 
 # -- the driver's side ---------------------------------------------------------------------------
@@ -86,6 +88,7 @@ class Desk:
         self.waitable, self._wake = Pipe(duplex=False)  # readable when something arrived
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()
         self._parts: dict[int, dict[str, Connection]] = {}
+        self._cores: dict[int, tuple[int, ...]] = {}
         self._closed = False
         threading.Thread(target=self._accept, name="join-desk", daemon=True).start()
 
@@ -121,8 +124,9 @@ class Desk:
             elif isinstance(msg, Hello) and msg.role in ROLES:
                 parts = self._parts.setdefault(msg.pid, {})
                 parts[msg.role] = conn
+                self._cores[msg.pid] = self._cores.get(msg.pid, ()) or msg.cores
                 if len(parts) == len(ROLES):
-                    self._arrive(Arrival(msg.pid, self._parts.pop(msg.pid)))
+                    self._arrive(Arrival(msg.pid, self._parts.pop(msg.pid), self._cores.pop(msg.pid)))
             else:
                 conn.close()
 
@@ -244,9 +248,10 @@ def leave(run_dir: Path, engine: int) -> None:
         conn.send(Leave(engine))
 
 
-def join(run_dir: Path) -> int:
+def join(run_dir: Path, cores: tuple[int, ...] = ()) -> int:
     """Join the job running in `run_dir` as a new engine and serve it until the run ends or the engine
-    is told to leave (SIGTERM: this process asks to leave, and exits when the driver lets it go)."""
+    is told to leave (SIGTERM: this process asks to leave, and exits when the driver lets it go).
+    `cores`: pin it there (default: a core no worker of the run uses, else the run's engines')."""
     from tailrace.runtime.engine_worker import engine_main
     from tailrace.runtime.health import Beats
 
@@ -254,7 +259,7 @@ def join(run_dir: Path) -> int:
     conns = {}
     for role in ROLES:
         conns[role] = connect(run_dir)
-        conns[role].send(Hello(pid, role))
+        conns[role].send(Hello(pid, role, cores))
     welcome = conns["messages"].recv()
     if not isinstance(welcome, Welcome):
         raise Fault(f"{run_dir}: the job answered {type(welcome).__name__}, not Welcome")
