@@ -1,9 +1,11 @@
 """An engine joining a running job: generation throughput before and after, side by side in one run.
 
-    .venv/bin/python bench/join.py                 # both placements of the joined engine (~4 min)
-    .venv/bin/python bench/join.py --cores shared  # one of them: shared | trainer | CORE LIST
+    .venv/bin/python bench/join.py                    # both placements of the joined engine (~4 min)
+    .venv/bin/python bench/join.py --cores shared     # one of them: shared | trainer | a core
+    .venv/bin/python bench/join.py --config default   # the default run (trainer-bound on 2 cores)
 
-Each run is a `tailrace train` (default model and task, `--mode`, one engine) that a second engine
+Each run is a `tailrace train` (default model and task, `--mode`, one engine, `--config`: genheavy,
+bench/modes.py's generation-bound shape, or the defaults) that a second engine
 joins (`tailrace engine join RUN_DIR`) after `--join-after` steps. Throughput comes from the run's
 own journal: the response tokens (and samples) of every trajectory finished in a window of the run's
 clock, before the join (the `--window` seconds up to it) and after (the same length, from the joined
@@ -12,7 +14,7 @@ engine's first generated step on). Placements of the joined engine:
            time-share one core; the trainer keeps its own)
   trainer  pinned to the trainer's core (--cores 0): the engines get a core each, the trainer shares
 The table says what each core ran: per lane (trainer, engine0, engine1) its busy share of the window.
-Writes bench/out/join.json.
+Writes bench/out/join-<config>.json.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 PLACEMENTS = {"shared": None, "trainer": "0"}
+CONFIGS = {  # bench/modes.py's: genheavy is generation-bound (a 2-slot engine), default trainer-bound here
+    "genheavy": [
+        "--flow.prompts_per_round=32", "--flow.samples_per_prompt=8", "--flow.train_batch=64",
+        "--train.bf16=true", "--model.dtype=bfloat16", "--rollout.slots=2",
+    ],
+    "default": [],
+}  # fmt: skip
 
 
 def cli(*args: str) -> subprocess.Popen:
@@ -48,11 +57,11 @@ def steps_done(run: Path) -> int:
 
 
 def run_one(name: str, cores: str | None, args) -> dict:
-    run = OUT / f"join-{name}"
+    run = OUT / f"join-{args.config}-{name}"
     subprocess.run(["rm", "-rf", str(run)], check=True)
     train = cli(
         "train", f"--run-dir={run}", f"--flow.mode={args.mode}", f"--flow.steps={args.steps}",
-        "--eval.n=16", "--rollout.engines=1", f"--seed={args.seed}",
+        "--eval.n=16", "--rollout.engines=1", f"--seed={args.seed}", *CONFIGS[args.config],
     )  # fmt: skip
     joiner = None
     try:
@@ -69,7 +78,7 @@ def run_one(name: str, cores: str | None, args) -> dict:
         for p in (train, joiner):
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    return measure(run, args.window) | {"placement": name, "cores": cores or "driver's choice"}
+    return measure(run, args.window) | {"placement": name, "config": args.config}
 
 
 def measure(run: Path, window: float) -> dict:
@@ -109,14 +118,14 @@ def busy(events: list[dict], lane: str, t0: float, t1: float) -> float:
 def table(rows: list[dict], load: str) -> str:
     out = [f"generation before and after an engine joins (load average at start: {load})", ""]
     out.append(
-        f"{'placement':<10} {'cores':>6} {'window':>7} {'tok/s before':>13} {'tok/s after':>12} {'ratio':>6}"
-        f" {'samples/s':>14}   busy before (trainer/e0)   busy after (trainer/e0/e1)"
+        f"{'config':<9} {'placement':<10} {'cores':>6} {'window':>7} {'tok/s before':>13} {'tok/s after':>12}"
+        f" {'ratio':>6} {'samples/s':>14}   busy before (trainer/e0)   busy after (trainer/e0/e1)"
     )
     for r in rows:
         b, a = r["before"], r["after"]
         bb, ab = list(b["busy"].values()), list(a["busy"].values())
         out.append(
-            f"{r['placement']:<10} {','.join(map(str, r['join_cores'])):>6} {r['window_s']:>6.1f}s "
+            f"{r['config']:<9} {r['placement']:<10} {','.join(map(str, r['join_cores'])):>6} {r['window_s']:>6.1f}s "
             f"{b['tokens_per_s']:>13,.0f} {a['tokens_per_s']:>12,.0f} {r['ratio']:>5.2f}x "
             f"{b['samples_per_s']:>6.1f} -> {a['samples_per_s']:<5.1f}   "
             f"{bb[0]:.2f} / {bb[1]:.2f}                  {ab[0]:.2f} / {ab[1]:.2f} / {ab[2]:.2f}"
@@ -128,6 +137,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cores", default="shared,trainer", help="placements: shared, trainer, or a core list")
     ap.add_argument("--mode", default="multiversion")
+    ap.add_argument("--config", default="genheavy", choices=sorted(CONFIGS))
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--join-after", type=int, default=8)
     ap.add_argument("--window", type=float, default=15.0)
@@ -139,7 +149,9 @@ def main() -> None:
     for name in args.cores.split(","):
         rows.append(run_one(name, PLACEMENTS.get(name, name), args))
     print(table(rows, load))
-    (OUT / "join.json").write_text(json.dumps({"load": load, "args": vars(args), "rows": rows}, indent=1))
+    (OUT / f"join-{args.config}.json").write_text(
+        json.dumps({"load": load, "args": vars(args), "rows": rows}, indent=1)
+    )
 
 
 if __name__ == "__main__":
