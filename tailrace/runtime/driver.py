@@ -165,7 +165,6 @@ class Driver:
             i: self.workers.start(f"engine{i}", engine_main, i, replace(e, gated=True), self.weights)
             for i, e in self.especs.items()
         }  # by engine id: engines that joined are added, those that left removed
-        self.joined: set[int] = set()  # engines that joined the run from outside (runtime/join.py)
         self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
         for engine in self.engines.values():
             self.workers.send(engine, Go())
@@ -386,6 +385,9 @@ class Driver:
     # ------------------------------------------------------------------ recovery
     def _replace(self, w: Worker, lost: Lost) -> None:
         now = self._now()
+        if w.elastic:  # a joined engine is not the driver's to restart: it leaves, its samples requeued
+            self._leave(next(k for k, x in self.engines.items() if x is w), lost.line)
+            return
         if not self.recovery.allows(lost, now):
             raise Fault(self.recovery.refusal(lost))
         if w is self.trainer:
@@ -395,9 +397,6 @@ class Driver:
             self.recovery.begin(lost, now, replayed=self.orders.restart(self.sched.steps_done))
             return
         i = next(k for k, x in self.engines.items() if x is w)
-        if i in self.joined:  # not the driver's to restart: it leaves, its samples requeued
-            self._leave(i, lost.line)
-            return
         e = self.sched.engine(i)
         loading = e.loading - e.loaded  # asked of the lost process: its replacement starts with them
         requeued = self.sched.on_engine_lost(i, now)
@@ -444,11 +443,10 @@ class Driver:
             self._engine_spec(Seat(a.cores or self._join_cores(), r.threads), 0), start_versions=()
         )
         started = Started(JoinedProcess(a.pid), a.conns["messages"], Heard(a.conns["beats"]))
-        w = self.workers.adopt(f"engine{eid}", started)
+        w = self.workers.adopt(f"engine{eid}", started, elastic=True)
         self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.layout.buffer.dtype))
         serve_weights(a.conns["weights"], self.weights)
         self.engines[eid], self.especs[eid] = w, spec
-        self.joined.add(eid)
         self.util.slots += r.slots
         data = {"engine": eid, "pid": a.pid, "cores": list(spec.cores)}
         self._event(Mark(self._now(), "engine_join", data), f"engine {eid} joined (pid {a.pid})")
@@ -462,7 +460,6 @@ class Driver:
             return
         requeued = self.sched.remove_engine(eid, self._now())
         self.workers.retire(self.engines.pop(eid))
-        self.joined.discard(eid)
         self.util.slots -= self.cfg.rollout.slots
         data = {"engine": eid, "requeued": requeued, "why": why}
         self._event(

@@ -88,6 +88,7 @@ class Worker:
     health: Health
     sender: Sender
     lost: bool = False  # killed and no longer heard: the driver replaces it or stops
+    elastic: bool = False  # joined the run (runtime/join.py): its loss always comes back as `Lost`
 
 
 class Workers:
@@ -111,10 +112,11 @@ class Workers:
         """Start `target(conn, counter, *args)` in a new process on this machine or the cluster."""
         return self.adopt(name, self.hosts.start(name, target, args))
 
-    def adopt(self, name: str, s: Started) -> Worker:
-        """A worker started elsewhere (an engine that joined the run: runtime/join.py), heard and
-        checked from now on like the driver's own."""
-        w = Worker(name, s.proc, s.conn, Health(name, s.proc, s.counter, self.timeout_s), Sender(s.conn))
+    def adopt(self, name: str, s: Started, elastic: bool = False) -> Worker:
+        """A worker started elsewhere (`elastic`: an engine that joined the run, runtime/join.py, whose
+        loss never stops the run), heard and checked from now on like the driver's own."""
+        health = Health(name, s.proc, s.counter, self.timeout_s)
+        w = Worker(name, s.proc, s.conn, health, Sender(s.conn), elastic=elastic)
         w.sender.start()
         self.all.append(w)
         return w
@@ -165,8 +167,8 @@ class Workers:
             if verdict is not None:
                 got.append((w, self._lose(w, verdict)))
         if not self.recover:
-            for _, msg in got:
-                if isinstance(msg, Lost):
+            for w, msg in got:
+                if isinstance(msg, Lost) and not w.elastic:
                     raise Fault(msg.line)
         return got
 

@@ -1,8 +1,8 @@
 """Engines joining and leaving a real run (runtime/join.py): `tailrace engine join RUN_DIR` starts an
 engine process that joins the running `tailrace train`; `tailrace engine leave RUN_DIR 0` removes the
 run's own engine; SIGTERM makes the joined one leave, so the run has no engine at all until a third
-joins and finishes it. The run completes its steps, the ledger is exact at every step record, and no
-(group, sample) is trained twice."""
+joins; that one is killed (-9) and removed, and a fourth finishes the run. The run completes its
+steps, the ledger is exact at every step record, and no (group, sample) is trained twice."""
 
 import json
 import os
@@ -60,18 +60,22 @@ def test_engines_join_and_leave_a_running_job(tiny_model, tmp_path):
         wait_until(lambda: len(mark(run_dir, "engine_leave")) == 2, train, "engine 1 leaving")
         assert joined[0].wait(timeout=30) == 0
         joined.append(start_cli("engine", "join", str(run_dir)))
+        wait_until(lambda: worked(run_dir, 2), train, "work on the joined engine 2")
+        os.kill(joined[1].pid, signal.SIGKILL)  # a joined engine that dies leaves (max_restarts=0 or not)
+        wait_until(lambda: len(mark(run_dir, "engine_leave")) == 3, train, "engine 2 removed")
+        joined.append(start_cli("engine", "join", str(run_dir)))
         out, _ = train.communicate(timeout=180)
         assert train.returncode == 0, out[-3000:]
-        assert joined[1].wait(timeout=30) == 0  # told to shut down when the run ended
+        assert joined[2].wait(timeout=30) == 0  # told to shut down when the run ended
     finally:
         for p in [train, *joined]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     assert not (run_dir / "join.json").exists() and not (run_dir / "join.key").exists()
     leaves = {m["engine"]: m for m in mark(run_dir, "engine_leave")}
-    assert set(leaves) == {0, 1}
-    assert [m["engine"] for m in mark(run_dir, "engine_join")] == [1, 2]
-    assert worked(run_dir, 2)
+    assert set(leaves) == {0, 1, 2} and "died" in leaves[2]["why"]
+    assert [m["engine"] for m in mark(run_dir, "engine_join")] == [1, 2, 3]
+    assert worked(run_dir, 3)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r["kind"] == "step"]
     assert len(steps) == 40
