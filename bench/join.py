@@ -100,7 +100,16 @@ def measure(run: Path, window: float) -> dict:
             "samples_per_s": len(done) / w,
             "busy": {lane: busy(events, lane, t0, t1) for lane in ("trainer", "engine0", f"engine{engine}")},
         }
-    row["ratio"] = row["after"]["tokens_per_s"] / max(row["before"]["tokens_per_s"], 1e-9)
+    steps = [r for r in lines(run / "metrics.jsonl") if r.get("kind") == "step"]
+    spans = {"before": [r for r in steps if r["time"]["wall_s"] <= join["t"]],
+             "after": [r for r in steps if r["time"]["wall_s"] - r["time"]["step_s"] >= first]}  # fmt: skip
+    for k, rs in spans.items():  # the engines' decoded tokens per second, over whole steps
+        row[k]["steps"] = len(rs)
+        row[k]["gen_tok_s"] = sum(r["time"]["gen_tok_s"] * r["time"]["step_s"] for r in rs) / max(
+            sum(r["time"]["step_s"] for r in rs), 1e-9
+        )
+        row[k]["step_s"] = sum(r["time"]["step_s"] for r in rs) / max(len(rs), 1)
+    row["ratio"] = row["after"]["gen_tok_s"] / max(row["before"]["gen_tok_s"], 1e-9)
     return row
 
 
@@ -118,18 +127,23 @@ def busy(events: list[dict], lane: str, t0: float, t1: float) -> float:
 def table(rows: list[dict], load: str) -> str:
     out = [f"generation before and after an engine joins (load average at start: {load})", ""]
     out.append(
-        f"{'config':<9} {'placement':<10} {'cores':>6} {'window':>7} {'tok/s before':>13} {'tok/s after':>12}"
-        f" {'ratio':>6} {'samples/s':>14}   busy before (trainer/e0)   busy after (trainer/e0/e1)"
+        f"{'config':<9} {'placement':<9} {'cores':>5} {'decode tok/s':>21} {'ratio':>6} {'step s':>12}"
+        f" {'finished tok/s':>16} {'samples/s':>14}  busy before (tr/e0)  busy after (tr/e0/e1)"
     )
     for r in rows:
         b, a = r["before"], r["after"]
         bb, ab = list(b["busy"].values()), list(a["busy"].values())
         out.append(
-            f"{r['config']:<9} {r['placement']:<10} {','.join(map(str, r['join_cores'])):>6} {r['window_s']:>6.1f}s "
-            f"{b['tokens_per_s']:>13,.0f} {a['tokens_per_s']:>12,.0f} {r['ratio']:>5.2f}x "
-            f"{b['samples_per_s']:>6.1f} -> {a['samples_per_s']:<5.1f}   "
-            f"{bb[0]:.2f} / {bb[1]:.2f}                  {ab[0]:.2f} / {ab[1]:.2f} / {ab[2]:.2f}"
+            f"{r['config']:<9} {r['placement']:<9} {','.join(map(str, r['join_cores'])):>5} "
+            f"{b['gen_tok_s']:>9,.0f} -> {a['gen_tok_s']:<7,.0f} {r['ratio']:>5.2f}x "
+            f"{b['step_s']:>5.2f} -> {a['step_s']:<4.2f} {b['tokens_per_s']:>6,.0f} -> {a['tokens_per_s']:<6,.0f} "
+            f"{b['samples_per_s']:>5.1f} -> {a['samples_per_s']:<5.1f}  {bb[0]:.2f} / {bb[1]:.2f}"
+            f"          {ab[0]:.2f} / {ab[1]:.2f} / {ab[2]:.2f}"
         )
+    out.append(
+        "decode tok/s: the engines' decoded tokens over whole steps before the join and after the joined "
+        "engine's first step; finished tok/s and samples/s: responses finished in the windows"
+    )
     return "\n".join(out)
 
 
