@@ -461,6 +461,13 @@ class Driver:
         requeued = self.sched.remove_engine(eid, self._now())
         self.workers.retire(self.engines.pop(eid))
         self.util.slots -= self.cfg.rollout.slots
+        wanted = tuple(r for r in self._eval_sent.pop(eid, ()) if r.id in self._eval_wanted)
+        if wanted and self.engines:  # (a joined engine died during an evaluation) another answers them
+            other = next(iter(self.engines))
+            for r in wanted:
+                self._eval_calls.pop(r.id, None)
+            self._eval_sent[other] = self._eval_sent.get(other, ()) + wanted
+            self.workers.send(self.engines[other], Generate(other, wanted))
         data = {"engine": eid, "requeued": requeued, "why": why}
         self._event(
             Mark(self._now(), "engine_leave", data), f"engine {eid} left ({why}): {requeued} samples requeued"
