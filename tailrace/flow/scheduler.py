@@ -316,8 +316,11 @@ class Scheduler(SchedulerState):
             ep.observed.append((start, start + len(obs)))
         ep.tool_s += now - at.since
         holding = [e for e in self.engines if at.version in e.loaded]
-        if not holding:
-            raise InvariantError(f"no engine holds version {at.version} for the continuation of {request_id}")
+        if not holding:  # its engines left: the sample starts over from its prompt, as a lost one does
+            self._episodes.pop((key.group, key.index), None)
+            self._requeue_sample(g, key)
+            self.mark("continuation_requeued", request=request_id, version=at.version)
+            return
         eng = self._by_id[at.engine] if self._by_id[at.engine] in holding else holding[0]
         nxt = key.next_attempt()
         rid = str(nxt)
@@ -422,24 +425,29 @@ class Scheduler(SchedulerState):
         lost = list(eng.in_flight)
         for rid in lost:
             key = SampleKey.parse(rid)
-            g = self._store.open[key.group]
-            g.in_flight.discard(key)
-            g.dispatched -= 1
             self._aborting.discard(rid)
             self._seeds.pop(rid, None)
             self._episodes.pop((key.group, key.index), None)  # generated again from its prompt
-            if rid in self._cut:  # shaping had given it up: not generated again
-                self._cut.discard(rid)
-                self._maybe_ready(g)
-            elif key.index not in g.todo:
-                g.todo.append(key.index)
-                g.todo.sort()
+            self._requeue_sample(self._store.open[key.group], key)
         eng.in_flight.clear()
         eng.loading.clear()
         for rid in [rid for rid, (e, _) in self._pregen.items() if e == eng.id]:  # drafts only: gone
             del self._pregen[rid]
             self._aborting.discard(rid)
         return len(lost)
+
+    def _requeue_sample(self, g: GroupState, key: SampleKey) -> None:
+        """Sample `key` of `g` is no longer in flight and goes back to the to-do list (unless shaping
+        had given it up): dispatched again like a fresh sample."""
+        rid = str(key)
+        g.in_flight.discard(key)
+        g.dispatched -= 1
+        if rid in self._cut:  # shaping had given it up: not generated again
+            self._cut.discard(rid)
+            self._maybe_ready(g)
+        elif key.index not in g.todo:
+            g.todo.append(key.index)
+            g.todo.sort()
 
     def _provision(self) -> None:
         """Weights for a changing engine set: an engine that holds nothing (it joined) loads the newest

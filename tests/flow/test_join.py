@@ -201,3 +201,26 @@ def test_join_leave_schedules_keep_the_ledger_and_train_nothing_twice(
     if mode == "multiversion":
         assert led.total_discarded == 0
     assert sum(m.data["requeued"] for m in c.marks if m.kind == "engine_left") == requeued
+
+
+def test_a_tool_answer_for_a_sample_whose_engines_all_left_starts_it_over():
+    """Multi-turn: the only engine leaves while a sample's tool runs; the engine that joins is still
+    loading when the answer comes, so no engine holds the sample's version: it starts over from its
+    prompt (as a lost engine's samples do), and the episode trains whole, once."""
+    from tailrace.types import SamplingParams
+
+    s = Scheduler(
+        make_policy("sync"), prompts(), [(2, 0)], FlowSpec(1, 2, 1, 1), SamplingParams(max_new_tokens=100)
+    )
+    c = ScriptedCluster(s, length=None, slots=2, turns=lambda g, i: [2, 3], tool_ticks=lambda g, i, k: 2,
+                        load_ticks=4)  # fmt: skip
+    while s.at_tool == 0:
+        c.execute(s.poll(c.t))
+        c.tick()
+    c.leave_engine(0)
+    c.join_engine()
+    c.run()
+    assert [m.kind for m in c.marks].count("continuation_requeued") >= 1
+    trained = [t for step in c.trained for g in step.groups for t in g.trajectories]
+    assert len(trained) == 2 and all(t.observed == ((2, 4),) and t.length == 7 for t in trained)
+    assert s.ledger.produced == s.ledger.trained == 2
