@@ -87,3 +87,12 @@ def test_engines_join_and_leave_a_running_job(tiny_model, tmp_path):
         for i in s
     ]  # fmt: skip
     assert len(trained) == len(set(trained)) == steps[-1]["ledger"]["trained"]
+
+
+def test_joining_or_leaving_no_running_job_is_one_line(capsys, tmp_path):
+    from tests.runtime.conftest import one_line, run
+
+    rc, out = run(capsys, "engine", "join", str(tmp_path))
+    assert rc == 2 and "no running job to join" in one_line(out)
+    rc, out = run(capsys, "engine", "leave", str(tmp_path), "x")
+    assert rc == 2 and "ENGINE_ID" in one_line(out)
