@@ -84,6 +84,25 @@ def test_a_leaving_engine_hands_its_samples_back_and_gets_nothing_after():
     assert [m.data["requeued"] for m in c.marks if m.kind == "engine_left"] == [len(held)]
 
 
+def test_an_engine_that_leaves_while_loading_weights_is_forgotten():
+    """A leave while its load is under way: the load that lands later is ignored (no dispatch to it),
+    the engine's id is never reused, and the other engine carries the run."""
+    s, c = cluster("async", engines=2, length=lambda g, i: 5)
+    for _ in range(1000):  # to the first poll that asks an engine to load weights
+        c.execute(s.poll(c.t))
+        if any(e.loading for e in s.engines):
+            break
+        c.tick()
+    e = next(e.id for e in s.engines if e.loading)
+    v = next(iter(s.engine(e).loading))
+    c.leave_engine(e)
+    s.on_loaded(e, v, c.t)  # its process finished the load after all: too late
+    assert e not in {x.id for x in s.engines} and s.in_flight() == sum(len(x.in_flight) for x in s.engines)
+    assert c.join_engine() == 2
+    c.run()
+    assert len(trained_keys(c)) == len(set(trained_keys(c))) == 4 * 2 * 2
+
+
 def test_the_last_engine_leaves_and_another_joins():
     for mode in MODES:
         s, c = cluster(mode, length=lambda g, i: 4)
