@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     k = ckernel.load()
-    if k is None or not k.has_gemm or not packing_supported(torch.bfloat16):
+    if k is None or torch.bfloat16 not in k.gemm_dtypes or not packing_supported(torch.bfloat16):
         print(
             f"needs the C kernels' GEMM (AVX-512 BF16) and oneDNN bf16: {ckernel.unavailable() or 'missing'}"
         )

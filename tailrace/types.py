@@ -59,6 +59,8 @@ class Capabilities:
     per_request_seed: bool
     # speculative decoding (lossless: the same tokens as without it)
     speculative: bool
+    # LoRA adapters (`load_adapter`, `GenRequest.adapter`): rows of several adapters share one forward
+    adapters: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class GenRequest:
     resume_ids: tuple[int, ...] = ()
     resume_logprobs: tuple[float, ...] = ()
     resume_versions: tuple[int, ...] = ()
+    adapter: str = ""  # the LoRA adapter on top (a name the engine's `load_adapter` was given); "" = none
 
 
 @dataclass(frozen=True)

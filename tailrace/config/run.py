@@ -352,6 +352,12 @@ class RunConfig:
             f"worker_timeout_s={self.worker_timeout_s}: must be at least 3 seconds (heartbeats come every second)",
         )
         need(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be >= 0 (0 = no restarts)")
+        need(
+            self.train.lora.rank == 0,
+            f"train.lora.rank={self.train.lora.rank}: the run's processes publish whole weights, not "
+            "adapters, yet; LoRA trains through GRPOTrainer and serves from the engine's adapters "
+            "(bench/tenants.py): set train.lora.rank=0 for tailrace train",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

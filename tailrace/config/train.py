@@ -60,6 +60,31 @@ class LossConfig:
         )
 
 
+# The projections a LoRA adapter may adapt, as PEFT names them for Llama/Qwen2 (the decoder's module names).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = setting(0, "LoRA rank r: train low-rank adapters on a frozen base (0 = train every weight)")
+    alpha: float = setting(
+        16.0, "LoRA alpha: an adapter's update is scaled by alpha / rank (PEFT's lora_alpha)"
+    )
+    targets: tuple[str, ...] = setting(
+        LORA_TARGETS, "the projections that get an adapter, by PEFT's names (q_proj ... down_proj)"
+    )
+
+    def __post_init__(self) -> None:
+        need(self.rank >= 0, f"train.lora.rank={self.rank}: must be >= 0 (0 = no adapter), e.g. 8")
+        need(self.alpha > 0, f"train.lora.alpha={self.alpha}: must be > 0, e.g. 16")
+        self.targets = tuple(self.targets)
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        need(
+            not bad and len(set(self.targets)) == len(self.targets) and bool(self.targets),
+            f"train.lora.targets={list(self.targets)}: name each of some of {', '.join(LORA_TARGETS)} once",
+        )
+
+
 def auto_lr(num_params: int) -> float:
     """The default learning rate for a policy of `num_params` parameters: 2e-4 up to 2M (what moved the
     built-in sub-2M policy in DESIGN §6: +18 points in 9 min), then falling as N^-0.65, which meets
@@ -92,6 +117,7 @@ class TrainerConfig:
     bf16: bool = setting(False, "autocast the forward to bfloat16 (CPU and CUDA); weights keep their dtype")
     temperature: float = setting(1.0, "temperature of the trained logprobs: must equal rollout.temperature")
     loss: LossConfig = section(LossConfig, "the clipped policy-gradient loss")
+    lora: LoraConfig = section(LoraConfig, "low-rank adapters on a frozen base (rank 0: off)")
     advantage: str | None = setting(None, "advantage estimator (null = the one the loss was published with)")
     max_staleness: int | None = setting(
         None, "mask tokens more than this many versions behind the trainer (null = off)"

@@ -28,6 +28,7 @@ SOURCES = tuple(Path(__file__).with_name("kernels") / f for f in ("decode.c", "g
 GEMM_PANEL = 48  # columns per panel of a weight packed for `Kernels.gemm` (NR in gemm.c)
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp-simd", "-shared", "-fPIC"]
 MAX_HEAD_DIM = 256
+LORA_ROWS = 8  # kernels/decode.c: rows of one adapter per block of its LoRA kernel
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -36,7 +37,8 @@ _state: dict[str, object] = {}
 class Kernels:
     """The decode step's kernels: `layer` (RoPE, cache writes and attention of a layer in one call),
     `rms`, `silu_mul`, `gumbel` and `sample` (the sampler's noise and draw), `run` (attention alone),
-    and `gemm` (bf16 linears over weights packed by `pack`, where the CPU has AVX-512 BF16: `has_gemm`).
+    `lora` (rows' adapter terms), and `gemm` (linears over weights packed by `pack`, in the dtypes
+    `gemm_dtypes` lists: fp32 where the CPU has AVX-512, bf16 where it has AVX-512 BF16).
     Both attention calls read a paged cache in place: k, v (blocks, Hkv, block_size, D), fp32/bf16, and a
     block table (rows, W) int32 whose row r lists the blocks holding positions [0, W block_size) of the
     sequence in row r (see `KVCache`)."""
@@ -73,12 +75,22 @@ class Kernels:
                 + [ctypes.c_int64] * 2
                 + [ctypes.c_void_p] * 3
             )
+        self._lora = {torch.float32: lib.lora_f32, torch.bfloat16: lib.lora_bf16}
+        for fn in self._lora.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
         lib.gumbel_of_bits.restype = None
         lib.gumbel_of_bits.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-        lib.gemm_bf16.restype = None
-        lib.gemm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        lib.gemm_bf16.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 3
-        self.has_gemm = bool(lib.gemm_bf16_supported())
+        self._gemm = {torch.float32: lib.gemm_f32, torch.bfloat16: lib.gemm_bf16}
+        for fn in self._gemm.values():
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+            fn.argtypes += [ctypes.c_void_p] * 3
+        lib.gemm_i8.restype = None
+        lib.gemm_i8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        lib.gemm_i8.argtypes += [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+        has = lib.gemm_supported()
+        self.gemm_dtypes = tuple(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if has & bit)
         self._lib = lib
         self._scratch = torch.empty(0)
 
@@ -93,16 +105,71 @@ class Kernels:
 
     @staticmethod
     def pack(w: torch.Tensor) -> torch.Tensor:
-        """w (N, K) bf16, K even, laid out for `gemm`: panels of 48 columns (zero past N), k in pairs:
-        (ceil(N/48), K/2, 48, 2)."""
+        """w (N, K) laid out for `gemm`: panels of 48 columns (zero past N); bf16 with k in pairs
+        (ceil(N/48), K/2, 48, 2) (K even), fp32 with k single (ceil(N/48), K, 48)."""
         N, K = w.shape
-        if w.dtype != torch.bfloat16 or K % 2:
+        if w.dtype not in (torch.float32, torch.bfloat16) or (w.dtype == torch.bfloat16 and K % 2):
             raise ValueError(
-                f"pack: needs a bf16 weight with an even number of columns, not {tuple(w.shape)} {w.dtype}"
+                f"pack: needs an fp32 weight, or a bf16 one with an even number of columns, not "
+                f"{tuple(w.shape)} {w.dtype}"
             )
         panels = -(-N // GEMM_PANEL)
         w = torch.nn.functional.pad(w, (0, 0, 0, panels * GEMM_PANEL - N))
+        if w.dtype == torch.float32:
+            return w.view(panels, GEMM_PANEL, K).transpose(1, 2).contiguous()
         return w.view(panels, GEMM_PANEL, K // 2, 2).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def pack_i8(q: torch.Tensor) -> torch.Tensor:
+        """q (N, K) int8, K even, in `pack`'s bf16 layout (ceil(N/48), K/2, 48, 2), for `gemm_i8`."""
+        N, K = q.shape
+        if q.dtype != torch.int8 or K % 2:
+            raise ValueError(
+                f"pack_i8: needs an int8 weight with an even number of columns, not {tuple(q.shape)}"
+            )
+        panels = -(-N // GEMM_PANEL)
+        q = torch.nn.functional.pad(q, (0, 0, 0, panels * GEMM_PANEL - N))
+        return q.view(panels, GEMM_PANEL, K // 2, 2).transpose(1, 2).contiguous()
+
+    def gemm_i8(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        b: torch.Tensor | None = None,
+        r: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """y (M, n) = x (M, K) (Q diag(scale))^T (+ b) (+ r): int8 weights Q (n, K) `pack_i8`ed, one fp32
+        scale per output column, bf16 x, r and y, fp32 accumulation. Needs bf16 in `gemm_dtypes`."""
+        M, K = x.shape
+        n = scale.shape[0]
+        if not (
+            torch.bfloat16 in self.gemm_dtypes
+            and x.dtype == torch.bfloat16
+            and x.is_contiguous()
+            and packed.dtype == torch.int8
+            and packed.shape == (-(-n // GEMM_PANEL), K // 2, GEMM_PANEL, 2)
+            and scale.dtype == torch.float32
+            and scale.is_contiguous()
+            and (b is None or (b.dtype == torch.float32 and b.shape == (n,) and b.is_contiguous()))
+            and (r is None or (r.dtype == torch.bfloat16 and r.shape == (M, n) and r.is_contiguous()))
+        ):
+            raise ValueError(
+                f"gemm_i8: bad operands x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)}, n {n}"
+            )
+        y = torch.empty(M, n, dtype=torch.bfloat16)
+        self._lib.gemm_i8(
+            x.data_ptr(),
+            M,
+            K,
+            packed.data_ptr(),
+            scale.data_ptr(),
+            n,
+            0 if b is None else b.data_ptr(),
+            0 if r is None else r.data_ptr(),
+            y.data_ptr(),
+        )
+        return y
 
     def gemm(
         self,
@@ -112,22 +179,28 @@ class Kernels:
         b: torch.Tensor | None = None,
         r: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """y (M, n) = x (M, K) W^T (+ b) (+ r) in bf16 with fp32 accumulation, W (n, K) as `pack`ed; b
-        fp32 (n,), r bf16 (M, n). One thread."""
+        """y (M, n) = x (M, K) W^T (+ b) (+ r) in x's dtype (fp32 or bf16) with fp32 accumulation, W
+        (n, K) as `pack`ed; b fp32 (n,), r (M, n) in x's dtype. One thread."""
         M, K = x.shape
+        dt = x.dtype
+        shape = (
+            (-(-n // GEMM_PANEL), K // 2, GEMM_PANEL, 2)
+            if dt == torch.bfloat16
+            else (-(-n // GEMM_PANEL), K, GEMM_PANEL)
+        )
         if not (
-            self.has_gemm
-            and x.dtype == packed.dtype == torch.bfloat16
+            dt in self.gemm_dtypes
+            and packed.dtype == dt
             and x.is_contiguous()
-            and packed.shape == (-(-n // GEMM_PANEL), K // 2, GEMM_PANEL, 2)
+            and packed.shape == shape
             and (b is None or (b.dtype == torch.float32 and b.shape == (n,) and b.is_contiguous()))
-            and (r is None or (r.dtype == torch.bfloat16 and r.shape == (M, n) and r.is_contiguous()))
+            and (r is None or (r.dtype == dt and r.shape == (M, n) and r.is_contiguous()))
         ):
             raise ValueError(
-                f"gemm: bad operands x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)}, n {n}"
+                f"gemm: bad operands x {tuple(x.shape)} {dt}, packed {tuple(packed.shape)}, n {n}"
             )
-        y = torch.empty(M, n, dtype=torch.bfloat16)
-        self._lib.gemm_bf16(
+        y = torch.empty(M, n, dtype=dt)
+        self._gemm[dt](
             x.data_ptr(),
             M,
             K,
@@ -233,6 +306,48 @@ class Kernels:
         out = torch.empty(M, I, dtype=gu.dtype)
         self._silu_mul[gu.dtype](gu.data_ptr(), out.data_ptr(), M, I)
         return out
+
+    def lora(
+        self,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        bt: torch.Tensor,
+        slot: torch.Tensor,
+        y: torch.Tensor,
+        cols: torch.Tensor,
+        ranks: torch.Tensor,
+    ) -> None:
+        """y (M, N) += each row's LoRA terms, in place: row m of x (M, K) through adapter slot[m] (int32;
+        < 0: none) of a (S, R, K) and bt (S, R, N) (B transposed), segment g being columns
+        cols[g]..cols[g + 1] of y and ranks ranks[g]..ranks[g + 1] (int64, nseg + 1 each). One dtype,
+        fp32 or bf16."""
+        M, K = x.shape
+        S, R, _ = a.shape
+        N = y.shape[1]
+        b = bt
+        if not (
+            x.dtype in self._lora
+            and a.dtype == b.dtype == y.dtype == x.dtype
+            and a.shape == (S, R, K)
+            and b.shape == (S, R, N)
+            and y.shape == (M, N)
+            and slot.shape == (M,)
+            and slot.dtype == torch.int32
+            and cols.dtype == ranks.dtype == torch.int64
+            and cols.shape == ranks.shape
+            and all(t.is_contiguous() for t in (x, a, b, slot, y, cols, ranks))
+        ):
+            raise ValueError(
+                f"lora: bad operands x {tuple(x.shape)} {x.dtype}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
+                f"y {tuple(y.shape)} {y.dtype}, slot {tuple(slot.shape)} {slot.dtype}"
+            )
+        scratch = self._scratch_of(LORA_ROWS * (R + N) + 2 * M)  # + M int64 row indices
+        rc = self._lora[x.dtype](
+            x.data_ptr(), a.data_ptr(), b.data_ptr(), slot.data_ptr(), y.data_ptr(),
+            M, K, N, R, S, cols.shape[0] - 1, cols.data_ptr(), ranks.data_ptr(), scratch.data_ptr(),
+        )  # fmt: skip
+        if rc:
+            raise ValueError(f"lora: an adapter slot outside [0, {S}) in {slot.tolist()}")
 
     def run(
         self,
@@ -360,6 +475,7 @@ _WHY = {
     -2: "a position outside the block table",
     -3: "a row outside the block table",
     -4: "a block outside the cache",
+    -5: "an adapter slot outside the adapters",
 }
 
 

@@ -26,6 +26,9 @@ A request ends with STOP on one of its `stop_token_ids` (the engine adds no EOS 
 LENGTH at `max_new_tokens` (resumed tokens count) or when prompt + response fill `max_context` (a
 response is cut there like at max_new_tokens; a prompt that leaves no room is refused by `add`).
 Preemption changes no output: a preempted request resumes as an aborted one does (`abort_resume`).
+LoRA adapters (`load_adapter`) apply over any version: a request names one in `GenRequest.adapter`, and
+each version's forward runs the base GEMMs over all its rows once and the rows' low-rank terms after
+them, per row (`adapters`), so rows of several adapters (and of none) share a step.
 Seeded requests are batch-invariant (see `sampler`): the same tokens alone or in any batch, up to
 floating-point differences between batch shapes (a flip needs a near-tie of perturbed logits).
 
@@ -46,6 +49,7 @@ from collections.abc import Callable
 import torch
 
 from tailrace.engine import backends, chunks, prefill
+from tailrace.engine.adapters import Adapters
 from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
 from tailrace.engine.kv_budget import GIB, size_pool
@@ -60,6 +64,7 @@ from tailrace.engine.spec.drafter import DraftEnv, Drafter, Trained
 from tailrace.engine.speculative import Draft, SpeculativeSteps, Verified
 from tailrace.engine.versions import Versions
 from tailrace.model.decoder import CausalLM
+from tailrace.model.lora import Adapter
 from tailrace.types import Capabilities, Finish, GenRequest, GenResult, SamplingParams
 
 _DTYPES = {
@@ -75,7 +80,11 @@ _DTYPES = {
 def capabilities(speculative: bool) -> Capabilities:
     """What a `TailraceEngine` can do (the runtime asks before it builds one)."""
     return Capabilities(
-        abort_resume=True, versions_at_once=None, per_request_seed=True, speculative=speculative
+        abort_resume=True,
+        versions_at_once=None,
+        per_request_seed=True,
+        speculative=speculative,
+        adapters=True,
     )
 
 
@@ -160,6 +169,8 @@ class TailraceEngine(SpeculativeSteps):
         # the backends address every position of a row's blocks (max_context rounded up to a block)
         select = backends.select(attention, model, self.cache.max_context, kv_dtype)
         self._versions = Versions(model, select)
+        self._adapters = Adapters(cfg, dtype, device)
+        self._per_adapter: Counter[str] = Counter()  # live requests per adapter name ("" = none)
         self.backend = self._versions[0].name
         self.paging = Paging(self.kv_size.num_blocks, block_size)
         self.rows = RowState(num_slots + 1, cfg.vocab_size, device)
@@ -220,7 +231,7 @@ class TailraceEngine(SpeculativeSteps):
 
     def add(self, req: GenRequest) -> None:
         """Queue a request; raises `EngineError` (and changes nothing) if it is malformed."""
-        check_request(req, self._seqs, self._versions, self.max_context, self.vocab_size)
+        check_request(req, self._seqs, self._versions, self.max_context, self.vocab_size, self._adapters)
         seed = req.params.seed if req.params.seed is not None else self._rng.getrandbits(64)
         seq = Sequence(req, seed_key(seed), time.perf_counter(), self.max_context, self._arrivals)
         self._arrivals += 1
@@ -230,6 +241,7 @@ class TailraceEngine(SpeculativeSteps):
         self.rows.reserve(seq.num_resumed + seq.allowed)
         self._seqs[req.id] = seq
         self._per_version[req.version] += 1
+        self._per_adapter[req.adapter] += 1
         self._waiting.append(seq)
 
     def abort(self, request_id: str) -> GenResult:
@@ -297,6 +309,29 @@ class TailraceEngine(SpeculativeSteps):
         """Speculative decoding's running books (None without speculation)."""
         return self._spec.stats if self._spec else None
 
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters loaded (by name)."""
+        return self._adapters.names
+
+    def load_adapter(self, name: str, adapter: Adapter) -> None:
+        """Add a LoRA adapter of this engine's base model under `name` (requests name it in
+        `GenRequest.adapter`), or replace the weights of the one loaded under it: its requests in
+        flight continue from the next step with the new weights, as `load_weights` over a version."""
+        with torch.inference_mode():
+            self._adapters.load(name, adapter)
+
+    def drop_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise EngineError(f"drop_adapter({name!r}): not loaded; loaded: {list(self.adapters)}")
+        if self._per_adapter[name]:
+            raise EngineError(
+                f"drop_adapter({name!r}): {self._per_adapter[name]} request(s) of it are waiting or "
+                "running; abort them or let them finish first"
+            )
+        with torch.inference_mode():  # the stacks are inference tensors: a dropped slot is zeroed in place
+            self._adapters.drop(name)
+
     def drop_version(self, version: int) -> None:
         if version not in self._versions:
             raise EngineError(f"drop_version({version}): version not loaded; loaded: {self.versions}")
@@ -327,7 +362,7 @@ class TailraceEngine(SpeculativeSteps):
                 f"request id {dup!r} appears twice in generate(); give each request a unique id"
             )
         for r in requests:
-            check_request(r, self._seqs, self._versions, self.max_context, self.vocab_size)
+            check_request(r, self._seqs, self._versions, self.max_context, self.vocab_size, self._adapters)
         for r in requests:
             self.add(r)
         results: dict[str, GenResult] = {}
@@ -471,8 +506,9 @@ class TailraceEngine(SpeculativeSteps):
             B = rows.stop - rows.start
             ds = drafts_of.get(v, [])
             nd = sum(len(d.tokens) for d in ds)
+            lora = self._lora_step(rows, ds, by_version.get(v, []))
             tokens, positions, spans, want = self._inputs(rows, ds, by_version.get(v, []), completed)
-            logits = self._versions[v].forward(tokens, positions, self.cache, rows, plan, spans, want)
+            logits = self._versions[v].forward(tokens, positions, self.cache, rows, plan, spans, want, lora)
             if B:
                 dec_logits.append(logits[:B])
             if nd:
@@ -483,6 +519,18 @@ class TailraceEngine(SpeculativeSteps):
         dec_stop = self._sample_decode(_cat(dec_logits)) if dec_logits else None
         pre_stop = self._sample_first(_cat(first_logits), completed) if completed else None
         return completed, pre_stop, dec_stop, ordered, _cat(draft_logits) if draft_logits else None
+
+    def _lora_step(self, rows: slice, drafts: list[Draft], pieces: list[prefill.Piece]):
+        """The adapters of one version's forward, token by token in `_inputs`' order (None: none)."""
+        if self._per_adapter[""] == len(self._seqs):  # no live request names an adapter
+            return None
+        slot, seqs = self._adapters.slot, self._seqs
+        slots = [slot(seqs[r].req.adapter) for r in self.slots.owner[rows]]
+        for d in drafts:
+            slots += [slot(d.seq.req.adapter)] * len(d.tokens)
+        for p in pieces:
+            slots += [slot(p.seq.req.adapter)] * p.n
+        return self._adapters.step(slots)
 
     def _inputs(
         self, rows: slice, drafts: list[Draft], pieces: list[prefill.Piece], completed: list[Sequence]
@@ -634,6 +682,7 @@ class TailraceEngine(SpeculativeSteps):
     def _remove(self, seq: Sequence) -> None:
         del self._seqs[seq.id]
         self._per_version[seq.version] -= 1
+        self._per_adapter[seq.req.adapter] -= 1
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

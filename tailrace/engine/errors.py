@@ -16,9 +16,15 @@ class EngineError(InputError):
 
 
 def check_request(
-    req: GenRequest, live: Container[str], versions: Container[int], max_context: int, vocab_size: int
+    req: GenRequest,
+    live: Container[str],
+    versions: Container[int],
+    max_context: int,
+    vocab_size: int,
+    adapters: Container[str] = (),
 ) -> None:
-    """`live`: ids of the requests in the engine; `versions`: the loaded versions."""
+    """`live`: ids of the requests in the engine; `versions`: the loaded versions; `adapters`: the
+    loaded LoRA adapters (none: an engine without adapters)."""
     if not isinstance(req, GenRequest):
         raise EngineError(f"add() takes a GenRequest, got {type(req).__name__}; wrap ids in GenRequest(...)")
     rid = req.id
@@ -37,6 +43,11 @@ def check_request(
         raise EngineError(
             f"request {rid!r} wants version {req.version}, which is not loaded; "
             f"load_weights(state, {req.version}) first"
+        )
+    if req.adapter and req.adapter not in adapters:
+        raise EngineError(
+            f"request {rid!r} wants adapter {req.adapter!r}, which is not loaded; load_adapter"
+            f"({req.adapter!r}, adapter) first (an engine whose capabilities.adapters is false has none)"
         )
     n = len(req.prompt_ids) + n_res
     if n >= max_context:

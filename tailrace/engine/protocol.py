@@ -12,6 +12,10 @@ Contract shared by every implementation:
   * `load_weights(state, v)` adds version v, or overwrites it in place; `drop_version(v)` refuses while
     requests of v are waiting or running; an engine with `versions_at_once == 1` replaces the version
     it holds by a new v instead (refusing while requests of the old one are waiting or running);
+  * an engine whose `capabilities.adapters` is true also has `load_adapter(name, adapter)` (add or
+    overwrite in place), `drop_adapter(name)` (refusing while requests of it are waiting or running)
+    and `adapters` (the names held); `add` refuses a request naming an adapter the engine does not hold
+    (every adapter, where `capabilities.adapters` is false);
   * calls are made between steps, from the thread that steps.
 """
 

@@ -48,7 +48,9 @@ from tailrace.engine.events import StepEvent
 from tailrace.model.checkpoint import read_config
 from tailrace.types import Capabilities, Finish, GenRequest, GenResult
 
-CAPABILITIES = Capabilities(abort_resume=False, versions_at_once=1, per_request_seed=True, speculative=False)
+CAPABILITIES = Capabilities(
+    abort_resume=False, versions_at_once=1, per_request_seed=True, speculative=False, adapters=False
+)
 INSTALL = "pip install 'tailrace[vllm]' (or `make vllm`: vLLM's CPU build in .venv-vllm)"
 _ENV = {  # defaults; VLLM_ENABLE_V1_MULTIPROCESSING=0 is set always (steps and loads assume it)
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # the caller pins threads

@@ -9,6 +9,9 @@ nothing. One step per batch means the pre-update ("proximal") policy is the curr
 `model(input_ids (B, T)) -> logits (B, T, V)`; it runs in eval mode (no dropout), because the policy
 whose ratio we clip must be the one the engine sampled from. A loss or gradient norm that is not finite
 raises `NonFiniteError` before the optimizer moves, so the weights never take a nan.
+
+With `train.lora.rank` > 0 the model gets a LoRA adapter (`model.lora.attach`): the base is frozen and
+AdamW holds the adapter's parameters alone; the step is otherwise the same. `adapter()` is its weights.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 
 from tailrace.config import TrainerConfig
 from tailrace.config.train import auto_lr
+from tailrace.model import lora
 from tailrace.model.device import available_bytes
 from tailrace.model.flat import flatten_parameters
 from tailrace.trainer.advantages import ADVANTAGES
@@ -72,7 +76,7 @@ class GRPOTrainer:
         if cfg.loss.kl_coef > 0 and ref_model is None:
             raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef} needs a ref_model; pass one or set kl_coef=0")
         self.cfg = cfg
-        self.model = model
+        self.model = lora.attach(model, cfg.lora) if cfg.lora.rank else model
         self.ref_model = ref_model if cfg.loss.kl_coef > 0 else None
         self.flat = flatten_parameters(model)  # parameters now view one buffer
         self.lr = cfg.lr if cfg.lr is not None else auto_lr(self.flat.buffer.numel())
@@ -265,6 +269,10 @@ class GRPOTrainer:
         }
 
     # -- checkpoints and weight transfer -----------------------------------------------------
+
+    def adapter(self) -> lora.Adapter:
+        """The LoRA adapter's current weights (copies); only with train.lora.rank > 0."""
+        return lora.adapter_of(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.steps}

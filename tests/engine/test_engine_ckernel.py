@@ -346,3 +346,33 @@ def test_kernel_noise_stays_within_its_bound():
         torch.arange(B, dtype=torch.int64) * 7919, torch.zeros(B, dtype=torch.int64), vocab_salt(V)
     )
     assert torch.isfinite(g).all() and float(g.max()) < 16.7
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_kernel_adds_each_rows_own_adapter_terms(dtype):
+    """Rows of 3 adapters and of none (slot -1), two segments (q and k of a fused projection) of
+    different ranks, widths not multiples of the kernel's column block: y + the per-row reference."""
+    g = torch.Generator().manual_seed(0)
+    M, K, S, R = 13, 40, 3, 6
+    cols, ranks = torch.tensor([0, 37, 58]), torch.tensor([0, 3, 6])
+    N = int(cols[-1])
+    x = torch.randn(M, K, generator=g).to(dtype)
+    a = torch.randn(S, R, K, generator=g).to(dtype)
+    bt = torch.randn(S, R, N, generator=g).to(dtype)
+    y = torch.randn(M, N, generator=g).to(dtype)
+    slot = torch.tensor([0, 2, -1, 1, 1, 0, -1, 2, 2, 2, 0, 1, 0], dtype=torch.int32)
+    want = y.float().clone()
+    for m, s in enumerate(slot.tolist()):
+        if s < 0:
+            continue
+        u = a[s].float() @ x[m].float()  # (R,)
+        for lo, hi, r0, r1 in [(0, 37, 0, 3), (37, 58, 3, 6)]:
+            want[m, lo:hi] += u[r0:r1] @ bt[s, r0:r1, lo:hi].float()
+    out = y.clone()
+    KERNEL.lora(x, a, bt, slot, out, cols, ranks)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(out.float(), want.to(dtype).float(), atol=tol, rtol=tol)
+    assert torch.equal(out[2], y[2]) and torch.equal(out[6], y[6])  # no adapter: untouched
+    with pytest.raises(ValueError, match="slot outside"):
+        KERNEL.lora(x, a, bt, torch.full((M,), 3, dtype=torch.int32), out, cols, ranks)

@@ -209,7 +209,7 @@ def test_built_engine_implements_the_protocol_and_states_its_capabilities(model)
     eng = build_engine(model, num_slots=1)
     assert isinstance(eng, Engine) and isinstance(eng, TailraceEngine)
     assert eng.capabilities == Capabilities(
-        abort_resume=True, versions_at_once=None, per_request_seed=True, speculative=False
+        abort_resume=True, versions_at_once=None, per_request_seed=True, speculative=False, adapters=True
     )
 
 

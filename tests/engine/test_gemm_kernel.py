@@ -1,5 +1,5 @@
-"""The C kernels' bf16 GEMM (kernels/gemm.c): exact where the fp32 sum is exact, and serving the engine's
-linears only where it can."""
+"""The C kernels' GEMMs (kernels/gemm.c), bf16 and fp32: exact where the fp32 sum is exact, the same for
+a row whatever the batch around it, and serving the engine's linears only where they can."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ from tailrace.engine import ckernel
 from tailrace.engine.backends.linear import Linear, kernel_gemm_serves
 
 K = ckernel.load()
-needs_gemm = pytest.mark.skipif(K is None or not K.has_gemm, reason="no C compiler or no AVX-512 BF16 here")
+needs_gemm = pytest.mark.skipif(
+    K is None or torch.bfloat16 not in K.gemm_dtypes, reason="no C compiler or no AVX-512 BF16 here"
+)
+needs_f32 = pytest.mark.skipif(
+    K is None or torch.float32 not in K.gemm_dtypes, reason="no C compiler or no AVX-512 here"
+)
 
 
 def _ints(*shape, g, lo=-4, hi=5) -> torch.Tensor:
@@ -27,6 +32,8 @@ def test_pack_lays_out_panels_of_48_columns_with_k_in_pairs():
     assert p[1, :, 2:].abs().sum() == 0  # columns 50.. are zero
     with pytest.raises(ValueError, match="even number of columns"):
         ckernel.Kernels.pack(torch.zeros(4, 3, dtype=torch.bfloat16))
+    f = ckernel.Kernels.pack(w.float()[:, :3])  # fp32: k single, any K
+    assert f.shape == (2, 3, 48) and f[1, 2, 1] == w[49, 2].float() and f[1, :, 2:].abs().sum() == 0
 
 
 @needs_gemm
@@ -43,6 +50,34 @@ def test_gemm_equals_the_exact_product_where_fp32_sums_are_exact(M, N, k):
     p = K.pack(w)
     assert torch.equal(K.gemm(x, p, N), exact.to(torch.bfloat16))
     assert torch.equal(K.gemm(x, p, N, b, r), (exact + b.double() + r.double()).to(torch.bfloat16))
+
+
+@needs_f32
+@pytest.mark.parametrize("M", [1, 8, 9, 33])
+@pytest.mark.parametrize("N", [1, 47, 49, 100])
+@pytest.mark.parametrize("k", [1, 5, 576])
+def test_fp32_gemm_equals_the_exact_product_where_fp32_sums_are_exact(M, N, k):
+    g = torch.Generator().manual_seed(M * 1000 + N * 10 + k)
+    x, w = _ints(M, k, g=g).float(), _ints(N, k, g=g).float()
+    b, r = _ints(N, g=g).float(), _ints(M, N, g=g).float()
+    exact = x.double() @ w.double().T
+    p = K.pack(w)
+    assert torch.equal(K.gemm(x, p, N), exact.float())
+    assert torch.equal(K.gemm(x, p, N, b, r), (exact + b.double() + r.double()).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_batch_around_it(dtype):
+    """Each output is one dot product accumulated in a fixed order, whatever the rows beside it: a
+    request's activations, and so its tokens, do not change with the batch it decodes in."""
+    if K is None or dtype not in K.gemm_dtypes:
+        pytest.skip(f"no C GEMM for {dtype} here")
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(37, 200, generator=g).to(dtype), torch.randn(130, 200, generator=g).to(dtype)
+    p = K.pack(w)
+    whole = K.gemm(x, p, 130)
+    for lo, hi in ((0, 1), (5, 6), (3, 12), (8, 16), (30, 37)):
+        assert torch.equal(K.gemm(x[lo:hi].contiguous(), p, 130), whole[lo:hi])
 
 
 @needs_gemm
@@ -69,7 +104,7 @@ def test_gemm_rejects_operands_it_cannot_read():
     w = torch.zeros(48, 8, dtype=torch.bfloat16)
     p = K.pack(w)
     with pytest.raises(ValueError, match="gemm: bad operands"):
-        K.gemm(torch.zeros(2, 8), p, 48)  # fp32 input
+        K.gemm(torch.zeros(2, 8), p, 48)  # fp32 input, bf16 weight
     with pytest.raises(ValueError, match="gemm: bad operands"):
         K.gemm(torch.zeros(2, 6, dtype=torch.bfloat16), p, 48)  # K disagrees with the packing
     with pytest.raises(ValueError, match="gemm: bad operands"):
@@ -91,10 +126,11 @@ def test_linear_on_the_kernel_gemm_matches_plain_linear(bias):
 
 
 @needs_gemm
-def test_the_kernel_gemm_serves_only_bf16_even_widths_on_one_thread():
+def test_the_kernel_gemm_serves_its_dtypes_and_even_bf16_widths_on_one_thread():
     bf = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert kernel_gemm_serves(K, bf)
-    assert not kernel_gemm_serves(K, bf.float())
+    assert kernel_gemm_serves(K, torch.zeros(4, 7)) == (torch.float32 in K.gemm_dtypes)
+    assert not kernel_gemm_serves(K, bf.half())
     assert not kernel_gemm_serves(K, torch.zeros(4, 7, dtype=torch.bfloat16))
     n = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -103,3 +139,39 @@ def test_the_kernel_gemm_serves_only_bf16_even_widths_on_one_thread():
         assert Linear(bf, None, packed=False, kernel=K).k is None
     finally:
         torch.set_num_threads(n)
+
+
+@needs_gemm
+@pytest.mark.parametrize("M", [1, 8, 9])
+@pytest.mark.parametrize("N", [5, 48, 100])
+def test_int8_gemm_equals_the_exact_product_where_fp32_sums_are_exact(M, N):
+    """Small integer activations and int8 weights with power-of-two column scales: every product, sum
+    and scaling is exact in fp32, so the result is the exact value rounded to bf16 once."""
+    g = torch.Generator().manual_seed(M * 100 + N)
+    x = _ints(M, 64, g=g)
+    q = torch.randint(-127, 128, (N, 64), generator=g, dtype=torch.int8)
+    scale = 2.0 ** torch.randint(-8, 0, (N,), generator=g).float()
+    b, r = _ints(N, g=g).float(), _ints(M, N, g=g)
+    exact = x.double() @ (q.double() * scale.double()[:, None]).T
+    p = K.pack_i8(q)
+    assert torch.equal(K.gemm_i8(x, p, scale), exact.to(torch.bfloat16))
+    assert torch.equal(K.gemm_i8(x, p, scale, b, r), (exact + b.double() + r.double()).to(torch.bfloat16))
+
+
+@needs_gemm
+def test_an_int8_linear_runs_the_rounded_weights_on_every_path():
+    """int8: on the kernels' int8 GEMM (bf16, one thread) and on the plain path alike, the weights are
+    W rounded to int8 per output row; the two paths agree to bf16's rounding."""
+    from tailrace.engine.backends.linear import rtn_int8
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(100, 64, generator=g).bfloat16()
+    x, r = torch.randn(9, 64, generator=g).bfloat16(), torch.randn(9, 100, generator=g).bfloat16()
+    fast, plain = Linear(w, None, True, kernel=K, int8=True), Linear(w, None, True, int8=True)
+    assert fast.ks is not None and plain.ks is None
+    q, scale = rtn_int8(w)
+    assert q.abs().max() <= 127 and torch.equal(plain.w, (q.float() * scale[:, None]).bfloat16())
+    tol = dict(atol=0.1, rtol=1 / 64)
+    torch.testing.assert_close(fast(x, True).float(), plain(x, True).float(), **tol)
+    torch.testing.assert_close(fast.add(x, r, True).float(), plain.add(x, r, True).float(), **tol)
+    assert Linear(w.float(), None, True, kernel=K, int8=True).ks is None  # fp32: no int8 GEMM

@@ -48,7 +48,7 @@ def _req(rid, n_prompt=6, max_new=12, **params) -> GenRequest:
 def test_states_its_capabilities_and_refuses_what_it_cannot(eng):
     assert isinstance(eng, Engine)
     assert eng.capabilities == Capabilities(
-        abort_resume=False, versions_at_once=1, per_request_seed=True, speculative=False
+        abort_resume=False, versions_at_once=1, per_request_seed=True, speculative=False, adapters=False
     )
     assert eng.versions == (0,)
     with pytest.raises(EngineError, match="not loaded"):

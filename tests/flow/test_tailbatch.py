@@ -1,4 +1,4 @@
-"""RollPacker's tail batching on the scripted cluster (sync): a short round opens eta_p x R prompts with
+"""RollPacker's tail batching on the scripted cluster (sync, and pipe): a short round opens eta_p x R prompts with
 ceil(eta_r x M) candidates each, keeps each prompt's first M finishers and the first R prompts to
 complete; the others are deferred to a queue that runs as one dedicated tail round once R of them wait.
 Hand-checked schedules, then the ledger and the queue under random lengths, crashes and resumes."""
@@ -15,8 +15,8 @@ from tailrace.records import Deferred, Opened
 from tests.flow.scripted import ScriptedCluster, every_third, prompts, random_lengths, restore, run_to_crash
 
 
-def build(R, G, U, steps, eta=1.25, eta_responses=1.25, zero_signal="train", slots=16):
-    policy = make_policy("sync", zero_signal)
+def build(R, G, U, steps, eta=1.25, eta_responses=1.25, zero_signal="train", slots=16, mode="sync"):
+    policy = make_policy(mode, zero_signal)
     shape = make_shaping("tailbatch", window=R, eta=eta, eta_responses=eta_responses)
     return Scheduler(policy, prompts(), [(slots, 0)], FlowSpec(R, G, U, steps), shaping=shape)
 
@@ -71,6 +71,35 @@ def test_groups_complete_in_the_same_poll_beyond_r_are_deferred_too():
     assert s.ledger.discarded == {"shaping": 2}
 
 
+def test_on_pipe_the_first_r_to_complete_train_as_they_complete_and_the_slowest_is_deferred():
+    """The first test's schedule on pipe: the groups train U = 2 at a time in completion order (g1 and
+    g0 once both are complete, at tick 5, while g2 and g3 still run), the round publishes after R = 4,
+    and g4 is deferred as on sync; every token trained is of the round's version 0 (on-policy)."""
+    lengths = {0: [9, 3, 5], 1: [4, 2, 8], 2: [7, 3, 8], 3: [5, 6, 8], 4: [30, 40, 50]}
+    s = build(R=4, G=2, U=2, steps=2, mode="pipe")
+    c = ScriptedCluster(s, lambda g, i: lengths[g][i], slots=16)
+    c.run()
+    assert trained(c) == [[(1, [0, 1]), (0, [1, 2])], [(3, [0, 1]), (2, [0, 1])]]  # completion order
+    assert s.ledger.state_dict() == {"produced": 15, "trained": 8, "discarded": {"shaping": 7}}
+    assert [p.id for p in s.shaping.queue] == [4]
+    assert {v for t in c.trained for g in t.groups for tr in g.trajectories for v in tr.versions} == {0}
+    starts = [m.data for m in c.marks if m.kind == "round_start"]
+    assert [(len(d["groups"]), d["tail"]) for d in starts] == [(5, False)]
+
+
+def test_on_pipe_deferred_prompts_run_together_in_a_tail_round():
+    """The second test's schedule on pipe: rounds 1 and 2 defer their slowest prompt, round 3 is the
+    tail round on prompts 2 and 5, trained whole."""
+    slow = {2, 5, 6, 7}
+    s = build(R=2, G=2, U=2, steps=3, eta=1.5, eta_responses=1.0, mode="pipe")
+    c = ScriptedCluster(s, lambda g, i: 20 + i if g in slow else 3 + g + i, slots=16)
+    c.run()
+    assert [sorted(p for p, _ in step) for step in trained(c)] == [[0, 1], [3, 4], [2, 5]]
+    starts = [m.data for m in c.marks if m.kind == "round_start"]
+    assert [d["tail"] for d in starts] == [False, False, True]
+    assert not s.shaping.queue and s.ledger.discarded == {"shaping": 4} and s.ledger.trained == 12
+
+
 def test_tail_batching_options_are_checked():
     with pytest.raises(ValueError, match="shaping.eta=0.9"):
         TailBatch(eta=0.9)
@@ -78,9 +107,9 @@ def test_tail_batching_options_are_checked():
         TailBatch(eta_responses=3.0)
 
 
-def run_random(seed, R, G, U, steps, slots, eta, eta_r, zero_signal, max_ticks=50_000):
+def run_random(seed, R, G, U, steps, slots, eta, eta_r, zero_signal, mode="sync"):
     length = random_lengths(seed)
-    s = build(R, G, U, steps, eta, eta_r, zero_signal, slots)
+    s = build(R, G, U, steps, eta, eta_r, zero_signal, slots, mode)
     c = ScriptedCluster(s, length, slots=slots, train_ticks=3, max_len=40,
                         reward=every_third)  # fmt: skip
     return s, c, length
@@ -97,10 +126,11 @@ def deferred_prompts(c):
     eta=st.sampled_from([1.0, 1.25, 1.5, 2.0]),
     eta_r=st.sampled_from([1.0, 1.25, 2.0]),
     zero_signal=st.sampled_from(["train", "replace"]),
+    mode=st.sampled_from(["sync", "pipe"]),
 )
-def test_every_deferred_prompt_is_trained_once_or_still_waits(seed, slots, eta, eta_r, zero_signal):
+def test_every_deferred_prompt_is_trained_once_or_still_waits(seed, slots, eta, eta_r, zero_signal, mode):
     R, G, U, steps = 4, 2, 2, 10
-    s, c, _ = run_random(seed, R, G, U, steps, slots, eta, eta_r, zero_signal)
+    s, c, _ = run_random(seed, R, G, U, steps, slots, eta, eta_r, zero_signal, mode)
     c.run(max_ticks=50_000)
     assert len(c.trained) == steps and all(len(g.trajectories) == G for t in c.trained for g in t.groups)
     assert all(len(t.groups) == U for t in c.trained)
@@ -118,17 +148,17 @@ def test_every_deferred_prompt_is_trained_once_or_still_waits(seed, slots, eta, 
     assert not s._cut, "every aborted candidate came back"
 
 
-def crash_and_resume(seed, eta, eta_r, crash_when):
+def crash_and_resume(seed, eta, eta_r, crash_when, mode="sync"):
     """Run with a checkpoint after every step until `crash_when(sched, cluster, ckpt)`, restore a fresh
     scheduler from the checkpoint and the journal after it, run it to the end; check the tail queue,
     the steps and that no prompt is trained twice. Returns whether the journal replayed a deferral."""
     R, G, U, steps = 4, 2, 2, 12
-    s, c, length = run_random(seed, R, G, U, steps, 3, eta, eta_r, "train")
+    s, c, length = run_random(seed, R, G, U, steps, 3, eta, eta_r, "train", mode)
     ckpt = run_to_crash(s, c, crash_when)
     if ckpt is None:
         return False
     tail = c.journal[ckpt["journal_seq"] :]
-    s2 = build(R, G, U, steps, eta, eta_r, slots=3)
+    s2 = build(R, G, U, steps, eta, eta_r, slots=3, mode=mode)
     restore(s2, ckpt, c.journal)
     if not [g for g in s.open.values() if g.version > s.done_version]:  # nothing un-opened by replay
         assert [p.id for p in s2.shaping.queue] == [p.id for p in s.shaping.queue]
@@ -150,11 +180,12 @@ def crash_and_resume(seed, eta, eta_r, crash_when):
     crash_tick=st.integers(10, 300),
     eta=st.sampled_from([1.25, 1.5]),
     eta_r=st.sampled_from([1.0, 1.5]),
+    mode=st.sampled_from(["sync", "pipe"]),
 )
-def test_crash_and_resume_keeps_the_tail_queue(seed, crash_tick, eta, eta_r):
+def test_crash_and_resume_keeps_the_tail_queue(seed, crash_tick, eta, eta_r, mode):
     """Checkpoint after every step, crash anywhere, restore and replay the journal: the tail queue is
     the crashed run's, and the resumed run repeats no step and trains no trajectory or prompt twice."""
-    crash_and_resume(seed, eta, eta_r, lambda s, c, ckpt: c.t >= crash_tick)
+    crash_and_resume(seed, eta, eta_r, lambda s, c, ckpt: c.t >= crash_tick, mode)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -319,3 +319,50 @@ def test_learning_rate_by_policy_size_when_unset():
     tr = GRPOTrainer(TinyLM(), TrainerConfig())
     assert tr.lr == 2e-4 and tr.opt.param_groups[0]["lr"] == 2e-4
     assert GRPOTrainer(TinyLM(), TrainerConfig(lr=3e-5)).lr == 3e-5
+
+
+def test_lora_trains_the_adapter_alone():
+    """train.lora: the base stays bit for bit, the adapter moves, AdamW's state is the adapter's."""
+    from tailrace.config.train import LoraConfig
+    from tailrace.model import CausalLM, ModelConfig
+    from tailrace.model.lora import LoRALinear
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = CausalLM.from_config(cfg, seed=0)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tr = GRPOTrainer(
+        model, TrainerConfig(lr=1e-2, lora=LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "up_proj")))
+    )
+    assert isinstance(model.model.layers[0].self_attn.q_proj, LoRALinear)
+    before = tr.adapter()
+    m = tr.step(make_groups(model), trainer_version=0)
+    assert m["skipped"] == 0 and m["grad_norm"] > 0
+    for n, p in model.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), n
+    after = tr.adapter()
+    assert any(not torch.equal(after.weights[s][1], before.weights[s][1]) for s in before.weights)
+    held = [p for st in tr.opt.state.values() for p in st.values() if torch.is_tensor(p) and p.ndim]
+    adapter_numel = sum(a.numel() + b.numel() for a, b in after.weights.values())
+    assert sum(p.numel() for p in held) == 2 * adapter_numel  # exp_avg and exp_avg_sq of A and B only
+
+
+def test_lora_config_keys_and_what_tailrace_train_refuses():
+    from tailrace.config.train import LoraConfig
+
+    cfg = load_config(
+        overrides=["--lora.rank=8", "--lora.alpha=32", "--lora.targets=[q_proj, v_proj]"], cls=TrainerConfig
+    )
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets) == (8, 32.0, ("q_proj", "v_proj"))
+    for bad, match in [
+        (dict(rank=-1), "train.lora.rank"),
+        (dict(alpha=0.0), "train.lora.alpha"),
+        (dict(targets=("qkv",)), "train.lora.targets"),
+        (dict(targets=()), "train.lora.targets"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            LoraConfig(**bad)
+    with pytest.raises(ConfigError, match="train.lora.rank=4: the run's processes publish whole weights"):
+        load_config(overrides=["--train.lora.rank=4"])

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from tailrace.engine import ckernel
+from tailrace.engine.adapters import LoraStep
 from tailrace.engine.backends.cpu_kernels import KernelAttentionBackend, KernelBackend
 from tailrace.engine.backends.torch_ref import Span, TorchBackend
 from tailrace.engine.chunks import Chunk
@@ -41,6 +42,7 @@ class Backend(Protocol):
         chunks: list[Chunk],
         pieces: Sequence[Span] = (),
         want: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """One step over M tokens: B = len(rows) decode tokens first, then prefill pieces.
 
@@ -50,9 +52,10 @@ class Backend(Protocol):
         n) per prefill piece, its n tokens (next in `tokens`) at positions start.. of that row,
         attending causally to the row's cache. A row's positions are in the blocks its `cache.table` row
         lists, which cover every position written or read. Every token's k/v is written at its
-        position first. The cache has the dtype the backend was built for and rows of at most the
-        backend's `max_context` positions. Returns logits (len(want), V) of the tokens `want` indexes
-        (default: the B decode tokens)."""
+        position first. `lora`: each token's LoRA adapter, whose low-rank terms follow every base GEMM
+        of the projections it adapts (`engine.adapters`). The cache has the dtype the backend was
+        built for and rows of at most the backend's `max_context` positions. Returns logits
+        (len(want), V) of the tokens `want` indexes (default: the B decode tokens)."""
         ...
 
 

@@ -33,19 +33,22 @@ class KernelBackend(TorchBackend):
         kv_dtype: torch.dtype,
         kernel: Kernels,
         packed: bool | None = None,
+        int8: bool = False,
     ):
-        super().__init__(model, max_context, kv_dtype, "bmm", packed, kernel)
+        super().__init__(model, max_context, kv_dtype, "bmm", packed, kernel, int8)
         self.name, self.kernel = "kernel", kernel
 
-    def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool) -> torch.Tensor:
+    def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool, lora=None) -> torch.Tensor:
         w, layer, table = self.w, self.kernel.layer, cache.table.t
         trow = self._token_rows(rows, pieces)
         pos = positions.contiguous()
         for i, lw in enumerate(w.layers):
-            qkv = lw.qkv(self._rms(x), pk)
+            xn = self._rms(x)
+            qkv = lw.qkv(xn, pk)
+            if lora is not None:
+                lora.add(i, "qkv", xn * lw.norm_attn, qkv, self.kernel)
             o = layer(qkv, self.cos_sin, cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale)
-            x = lw.o.add(o, x, pk)
-            x = lw.down.add(self._silu_mul(lw.gate_up(self._rms(x), pk)), x, pk)
+            x = self._mlp(i, lw, self._o(i, lw, o, x, pk, lora), pk, lora)
         return x
 
     def _rms(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +68,9 @@ class KernelAttentionBackend(KernelBackend):
         kv_dtype: torch.dtype,
         kernel: Kernels,
         packed: bool | None = None,
+        int8: bool = False,
     ):
-        super().__init__(model, max_context, kv_dtype, kernel, packed)
+        super().__init__(model, max_context, kv_dtype, kernel, packed, int8)
         self._decode_state, self._attend_decode = _kernel_state, type(self)._attend_kernel
 
     def _attend_kernel(self, q, ck, cv, state) -> torch.Tensor:

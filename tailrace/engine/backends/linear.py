@@ -1,7 +1,7 @@
 """`Linear`: y = x W^T (+ b) (+ residual) for the engine step, by MKL, by oneDNN on packed weights, or
-(bf16 on one thread, where the CPU has AVX-512 BF16) by the C kernels' GEMM (`ckernel.Kernels.gemm`),
-which beats oneDNN's at every batch there: it prefetches the next panel of a weight that streams from
-memory (figures: bench/README.md).
+(on one thread, where the CPU has AVX-512; bf16 needs AVX-512 BF16) by the C kernels' GEMM
+(`ckernel.Kernels.gemm`), which beats both at decode batches: it prefetches the next panel of a weight
+that streams from memory, and costs one ctypes call (figures: bench/README.md).
 
 On CPU, MKL re-packs the weight on every call; oneDNN can pack it once (`_reorder_linear_weight`) and
 then reads it in its own blocked layout, and fuses the residual add. Which is faster depends on the
@@ -52,13 +52,12 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 def kernel_gemm_serves(kernel: Kernels, w: torch.Tensor) -> bool:
-    """Whether the C kernels' GEMM can serve weight `w`: bf16 on CPU, an even number of columns, a CPU
-    with AVX-512 BF16, and one torch thread (the kernel runs on one)."""
+    """Whether the C kernels' GEMM can serve weight `w`: a dtype it has on this CPU (`gemm_dtypes`), on
+    CPU, an even number of columns for bf16, and one torch thread (the kernel runs on one)."""
     return (
-        kernel.has_gemm
-        and w.dtype == torch.bfloat16
+        w.dtype in kernel.gemm_dtypes
         and w.device.type == "cpu"
-        and w.shape[1] % 2 == 0
+        and (w.dtype == torch.float32 or w.shape[1] % 2 == 0)
         and torch.get_num_threads() == 1
     )
 
@@ -77,20 +76,48 @@ def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
-class Linear:
-    __slots__ = ("w", "wt", "b", "p", "k", "kw", "kb")
+def rtn_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest int8 per output row: q (N, K) int8 and scale (N,) fp32 with
+    w ~ q * scale[:, None], scale = max|w_row| / 127."""
+    scale = w.float().abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, packed: bool, kernel: Kernels | None = None):
+
+class Linear:
+    __slots__ = ("w", "wt", "b", "p", "k", "kw", "kb", "ks")
+
+    def __init__(
+        self,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        packed: bool,
+        kernel: Kernels | None = None,
+        int8: bool = False,
+    ):
         """`kernel`: the C kernels, whose GEMM then serves every call (`packed` unused), where it can
-        (`kernel_gemm_serves`)."""
+        (`kernel_gemm_serves`). `int8`: W rounded to int8 per output row (`rtn_int8`, a quantized
+        drafter's weights): run on the kernels' int8 GEMM where it serves a bf16 W, else as the
+        dequantized values on the other paths (the same numbers, without the halved weight bytes)."""
+        self.ks = None
+        if int8:
+            q, scale = rtn_int8(w)
+            if kernel is not None and kernel_gemm_serves(kernel, w) and w.dtype == torch.bfloat16:
+                self.ks = scale
+                self.kw = kernel.pack_i8(q)
+            w = (q.float() * scale[:, None]).to(w.dtype)
         self.w, self.wt, self.b = w, w.t(), b
         self.k = kernel if kernel is not None and kernel_gemm_serves(kernel, w) else None
         if self.k is not None:
-            self.kw, self.kb, self.p = self.k.pack(w), None if b is None else b.float(), None
+            self.kb, self.p = None if b is None else b.float(), None
+            if self.ks is None:
+                self.kw = self.k.pack(w)
         else:
             self.p = torch.ops.mkldnn._reorder_linear_weight(w) if packed else None
 
     def __call__(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
+        if self.ks is not None:
+            return self.k.gemm_i8(x.contiguous(), self.kw, self.ks, self.kb)
         if self.k is not None:
             return self.k.gemm(x.contiguous(), self.kw, self.w.shape[0], self.kb)
         if packed:
@@ -101,6 +128,8 @@ class Linear:
 
     def add(self, x: torch.Tensor, residual: torch.Tensor, packed: bool) -> torch.Tensor:
         """residual + x W^T + b."""
+        if self.ks is not None:
+            return self.k.gemm_i8(x.contiguous(), self.kw, self.ks, self.kb, residual.contiguous())
         if self.k is not None:
             return self.k.gemm(x.contiguous(), self.kw, self.w.shape[0], self.kb, residual.contiguous())
         if packed:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tailrace.engine.adapters import LoraStep
 from tailrace.engine.backends.weights import FusedWeights
 from tailrace.engine.chunks import Chunk
 from tailrace.engine.ckernel import Kernels
@@ -49,14 +50,16 @@ class TorchBackend:
         variant: str = "bmm",
         packed: bool | None = None,
         gemm: Kernels | None = None,
+        int8: bool = False,
     ):
         """`model` on its device, in its dtype; `max_context`, `kv_dtype`: the positions a cache row
         addresses and the cache's dtype; `variant`: decode attention, 'bmm' or 'sdpa'; `packed`, `gemm`
-        (the C kernels whose GEMM serves the linears): see `FusedWeights`."""
+        (the C kernels whose GEMM serves the linears), `int8` (a quantized drafter's layers): see
+        `FusedWeights`."""
         if variant not in ("bmm", "sdpa"):
             raise ValueError(f"variant={variant!r}: use 'bmm' or 'sdpa'")
         self.name, self.model, self.kv_dtype = variant, model, kv_dtype
-        self.w = w = FusedWeights(model, packed, gemm)
+        self.w = w = FusedWeights(model, packed, gemm, int8)
         inv_freq, scale = inv_freq_and_scale(model.config)
         cos, sin = rope_table(inv_freq, scale, max_context)  # (max_context, D) fp32, sin first half negated
         # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
@@ -87,19 +90,20 @@ class TorchBackend:
         chunks: list[Chunk],
         pieces: Sequence[Span] = (),
         want: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """See `Backend.forward`."""
         B, M = rows.stop - rows.start, tokens.shape[0]
         x = F.embedding(tokens, self.w.embed)  # (M, hidden)
-        x = self._layers(x, positions, cache, rows, chunks, pieces, self.w.packed_at(M))
+        x = self._layers(x, positions, cache, rows, chunks, pieces, self.w.packed_at(M), lora)
         if want is not None:
             x = x.index_select(0, want)
         elif M > B:
             x = x[:B]
         return self.w.lm_head(self._rms(x), self.w.packed_at(x.shape[0]))
 
-    def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool) -> torch.Tensor:
-        """The layers over x (M, hidden), `pk`: GEMMs on packed weights."""
+    def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool, lora=None) -> torch.Tensor:
+        """The layers over x (M, hidden), `pk`: GEMMs on packed weights; `lora`: the tokens' adapters."""
         w = self.w
         B, M = rows.stop - rows.start, x.shape[0]
         H, Hkv, D = w.H, w.Hkv, w.D
@@ -119,7 +123,10 @@ class TorchBackend:
             )
         half = D // 2
         for i, lw in enumerate(w.layers):
-            qkv = lw.qkv(self._rms(x), pk)  # (M, (H + 2 Hkv) D)
+            xn = self._rms(x)
+            qkv = lw.qkv(xn, pk)  # (M, (H + 2 Hkv) D)
+            if lora is not None:
+                lora.add(i, "qkv", xn * lw.norm_attn, qkv, self.kernel)
             qk = qkv[:, : (H + Hkv) * D].view(M, H + Hkv, D)
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             ck, cv = cache.k[i], cache.v[i]
@@ -131,9 +138,27 @@ class TorchBackend:
                 k, v = _gather(ck, idx, Hkv, S), _gather(cv, idx, Hkv, S)  # (Hkv, S, D)
                 outs.append(self._attend_piece(qk[off : off + n, :H], k, v, m))
                 off += n
-            x = lw.o.add(_cat(outs), x, pk)
-            x = lw.down.add(self._silu_mul(lw.gate_up(self._rms(x), pk)), x, pk)
+            x = self._mlp(i, lw, self._o(i, lw, _cat(outs), x, pk, lora), pk, lora)
         return x
+
+    def _o(self, i: int, lw, o: torch.Tensor, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
+        """x + the attention output o (M, H D) projected (and its adapter terms)."""
+        y = lw.o.add(o, x, pk)
+        if lora is not None:
+            lora.add(i, "o", o, y, self.kernel)
+        return y
+
+    def _mlp(self, i: int, lw, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
+        """x + the MLP of x (with the tokens' adapter terms on gate/up and down)."""
+        xn = self._rms(x)
+        gu = lw.gate_up(xn, pk)
+        if lora is not None:
+            lora.add(i, "gate_up", xn * lw.norm_mlp, gu, self.kernel)
+        h = self._silu_mul(gu)
+        y = lw.down.add(h, x, pk)
+        if lora is not None:
+            lora.add(i, "down", h, y, self.kernel)
+        return y
 
     def _gather_index(self, table_rows: torch.Tensor, S: int, bs: int) -> torch.Tensor:
         """(n Hkv nb,) indices into k.view(-1, bs, D) of the nb = ceil(S / bs) blocks holding positions

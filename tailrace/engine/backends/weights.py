@@ -20,15 +20,19 @@ PACKED_FP32_MIN_HIDDEN = 512  # fp32 models this wide use the packed weights at 
 
 
 class _Layer:
-    __slots__ = ("qkv", "o", "gate_up", "down")
+    __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp")  # norms: their weights (hidden,)
 
 
 class FusedWeights:
-    def __init__(self, model: CausalLM, packed: bool | None = None, kernel: Kernels | None = None):
+    def __init__(
+        self, model: CausalLM, packed: bool | None = None, kernel: Kernels | None = None, int8: bool = False
+    ):
         """`packed`: oneDNN packed weights; None = wherever supported (CPU only). `kernel`: the C
-        kernels, whose GEMM serves the linears where it can (`linear.kernel_gemm_serves`)."""
+        kernels, whose GEMM serves the linears where it can (`linear.kernel_gemm_serves`). `int8`: the
+        decoder layers' fused weights rounded to int8 per output row (a quantized drafter; the LM head
+        and embeddings stay the model's precision)."""
         cfg = model.config
-        self.model, self.kernel = model, kernel
+        self.model, self.kernel, self.int8 = model, kernel, int8
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.G = self.H // self.Hkv  # query heads per kv head
         self.I = cfg.intermediate_size
@@ -54,13 +58,13 @@ class FusedWeights:
         """(Re)build the fused weights from the model's current parameters."""
         m, pk = self.model.model, self.packed
 
-        def proj(norm_w, ws, bs=None):  # one GEMM for the projections that read one RMSNorm's output
+        def proj(norm_w, ws, bs=None, int8=self.int8):  # one GEMM for the projections reading one RMSNorm
             w = torch.cat(ws)
             b = torch.cat(bs) if bs and bs[0] is not None else None
-            return Linear(w * norm_w, b, pk, self.kernel)
+            return Linear(w * norm_w, b, pk, self.kernel, int8)
 
         self.embed = m.embed_tokens.weight
-        self.lm_head = proj(m.norm.weight, [self.model.lm_head.weight])
+        self.lm_head = proj(m.norm.weight, [self.model.lm_head.weight], int8=False)
         self.layers = []
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -70,9 +74,10 @@ class FusedWeights:
                 [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
                 [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
             )
-            L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk, self.kernel)
+            L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk, self.kernel, self.int8)
             L.gate_up = proj(
                 layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight]
             )
-            L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel)
+            L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8)
+            L.norm_attn, L.norm_mlp = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             self.layers.append(L)

@@ -6,6 +6,7 @@
    - a decode layer's whole attention block after the q/k/v projection (RoPE, both cache writes,
      attention) in one call;
    - RMSNorm and SiLU-and-multiply, the elementwise ops between the GEMMs;
+   - the LoRA terms of a batch whose rows belong to different adapters (one call per fused projection);
    - sampling: the engine sampler's Gumbel noise (tailrace/engine/sampler.py: the same counter-based
      hash) and, for rows without top-k/top-p or banned stop tokens, the whole draw (argmax of tempered
      logits + noise) with the log-softmax logprob of the drawn token.
@@ -470,6 +471,88 @@ void NAME(const T *restrict gu, T *restrict out, int64_t M, int64_t I) {        
 }
 SILU_MUL(silu_mul_f32, float, f32_in, f32_out)
 SILU_MUL(silu_mul_bf16, uint16_t, bf16_in, bf16_out)
+
+/* -- LoRA: the low-rank terms of rows of several adapters (tailrace/engine/adapters.py) -------------- */
+
+/* For each row m of x (M, K) whose adapter slot s = slot[m] is >= 0: u = A[s] x[m] (A: (S, R, K)), then
+   for each segment g (a target projection: columns [cols[g], cols[g+1]) of y, ranks [rk[g], rk[g+1]) of
+   u) y[m, c] += sum_r u[r] Bt[s, r, c] (Bt: (S, R, N), B transposed so the sums over columns vectorize,
+   the adapter's scale folded in); y (M, N) in place. Rows with slot < 0 are left as they are. fp32
+   arithmetic, y rounded once to T.
+   The rows of one slot go through in blocks of LORA_ROWS, so each row of A and Bt is read once per block
+   rather than once per row (per row, an adapter's weights are as many bytes as its terms' multiplies).
+   Each row's sums run in the same order whatever block it is in: its result does not depend on the
+   other rows (a batch of mixed adapters equals each adapter's rows alone).
+   work: LORA_ROWS (R + N) floats + M int64. Returns -5 for a slot >= S. */
+#define LORA_ROWS 8
+#define LORA_COLS 16  /* columns per register block of the B^T sums (a segment's other columns: one by one) */
+#define LORA(NAME, T, IN, OUT)                                                                          \
+int NAME(const T *restrict x, const T *restrict A, const T *restrict Bt, const int32_t *restrict slot,   \
+         T *restrict y, int64_t M, int64_t K, int64_t N, int64_t R, int64_t S, int64_t nseg,            \
+         const int64_t *restrict cols, const int64_t *restrict rk, float *restrict work) {               \
+    float *restrict u = work;                                                                           \
+    int64_t *restrict rows = (int64_t *)(work + LORA_ROWS * (R + N));                                   \
+    for (int64_t m = 0; m < M; m++) if (slot[m] >= S) return -5;                                        \
+    for (int64_t s = 0; s < S; s++) {                                                                   \
+        int64_t n = 0;                                                                                  \
+        for (int64_t m = 0; m < M; m++) if (slot[m] == s) rows[n++] = m;                                \
+        const T *As = A + s * R * K, *Bs = Bt + s * R * N;                                              \
+        for (int64_t j0 = 0; j0 < n; j0 += LORA_ROWS) {                                                 \
+            const int64_t nb = n - j0 < LORA_ROWS ? n - j0 : LORA_ROWS;                                 \
+            for (int64_t j = 0; j < nb; j++) {  /* u = A x, four ranks per pass over x */               \
+                const T *xm = x + rows[j0 + j] * K;                                                     \
+                int64_t r = 0;                                                                          \
+                for (; r + 4 <= R; r += 4) {                                                            \
+                    const T *a0 = As + r * K, *a1 = a0 + K, *a2 = a1 + K, *a3 = a2 + K;                 \
+                    float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;                                       \
+                    _Pragma("omp simd reduction(+:d0,d1,d2,d3)")                                        \
+                    for (int64_t k = 0; k < K; k++) {                                                   \
+                        const float xk = IN(xm[k]);                                                     \
+                        d0 += IN(a0[k]) * xk; d1 += IN(a1[k]) * xk;                                     \
+                        d2 += IN(a2[k]) * xk; d3 += IN(a3[k]) * xk;                                     \
+                    }                                                                                   \
+                    float *uj = u + j * R + r;                                                          \
+                    uj[0] = d0; uj[1] = d1; uj[2] = d2; uj[3] = d3;                                     \
+                }                                                                                       \
+                for (; r < R; r++) {                                                                    \
+                    const T *a = As + r * K;                                                            \
+                    float d = 0.f;                                                                      \
+                    _Pragma("omp simd reduction(+:d)")                                                  \
+                    for (int64_t k = 0; k < K; k++) d += IN(a[k]) * IN(xm[k]);                          \
+                    u[j * R + r] = d;                                                                   \
+                }                                                                                       \
+            }                                                                                           \
+            for (int64_t g = 0; g < nseg; g++) {  /* y += u B^T, LORA_COLS columns in registers */      \
+                const int64_t c0 = cols[g], c1 = cols[g + 1], r0 = rk[g], r1 = rk[g + 1];               \
+                if (r1 == r0) continue;                                                                 \
+                for (int64_t j = 0; j < nb; j++) {                                                      \
+                    T *ym = y + rows[j0 + j] * N;                                                       \
+                    const float *uj = u + j * R;                                                        \
+                    int64_t c = c0;                                                                     \
+                    for (; c + LORA_COLS <= c1; c += LORA_COLS) {                                       \
+                        float t[LORA_COLS] = {0.f};                                                     \
+                        for (int64_t r = r0; r < r1; r++) {                                             \
+                            const float ur = uj[r];                                                     \
+                            const T *b = Bs + r * N + c;                                                \
+                            _Pragma("omp simd")                                                         \
+                            for (int q = 0; q < LORA_COLS; q++) t[q] += IN(b[q]) * ur;                  \
+                        }                                                                               \
+                        _Pragma("omp simd")                                                             \
+                        for (int q = 0; q < LORA_COLS; q++) ym[c + q] = OUT(IN(ym[c + q]) + t[q]);      \
+                    }                                                                                   \
+                    for (; c < c1; c++) {                                                               \
+                        float t = 0.f;                                                                  \
+                        for (int64_t r = r0; r < r1; r++) t += IN(Bs[r * N + c]) * uj[r];               \
+                        ym[c] = OUT(IN(ym[c]) + t);                                                     \
+                    }                                                                                   \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+    return 0;                                                                                           \
+}
+LORA(lora_f32, float, f32_in, f32_out)
+LORA(lora_bf16, uint16_t, bf16_in, bf16_out)
 
 /* -- sampling (see tailrace/engine/sampler.py, whose hash this is) --------------------------------- */
 

@@ -4,9 +4,9 @@ Symmetric RTN per output channel (int8) or per group of 32 inputs of an output c
 round(w / s) s with s = max|w| / (2^(bits-1) - 1) over the channel or group. Only the decoder layers'
 linear weights are quantized; embeddings, norms and the (tied) head are the policy's own tensors,
 shared, not copied. The copy holds the dequantized values in the model's dtype, so it runs on the
-engine's own backend and kernels: quantization here reproduces the published drafter's numerics (its
-acceptance), not its memory-bandwidth saving, so such a drafter pays only where its forward is cheaper
-than the target's for another reason.
+engine's own backend and kernels: it reproduces the published drafter's numerics (its acceptance), not
+its memory-bandwidth saving. That is the int4 drafter's path; the int8 one instead has the backend
+round its fused weights (`FusedWeights(int8=True)`), which on CPU keeps them int8 for the C int8 GEMM.
 """
 
 from __future__ import annotations

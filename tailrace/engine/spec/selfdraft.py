@@ -1,7 +1,10 @@
 """`QuantDrafter`: the live policy, quantized, drafts for itself (EfficientRollout's self-speculation).
 
-Per version the engine holds, a `quant.quantized_copy` of its weights on the engine's own backend,
-rebuilt at every `load` (a weight update). A draft of k tokens is k forward steps of that copy over the
+Per version the engine holds, a quantized copy of its weights on the engine's own backend, rebuilt at
+every `load` (a weight update): int8, the backend's fused layer weights rounded per output row
+(`FusedWeights(int8=True)`; on CPU with AVX-512 BF16 they stay int8 and run on the C int8 GEMM, half
+the bytes a bf16 step reads); int4, `quant.quantized_copy` (dequantized values). The LM head and
+embeddings are the policy's own precision. A draft of k tokens is k forward steps of that copy over the
 drafting rows, each a one-token piece of its row at the next position, on the target's own KV cache:
 the prefix's k/v are the target's (exact, and no prefill or catch-up of a drafter cache), and the
 copy's k/v for the drafted positions go where the verify writes the target's next, before anything
@@ -29,7 +32,10 @@ class QuantDrafter:
         self._backends: dict[int, object] = {}
 
     def load(self, version: int, model: CausalLM) -> None:
-        self._backends[version] = self.env.make_backend(quantized_copy(model, self.bits))
+        if self.bits == 8:  # the backend rounds its fused layer weights to int8 (the C int8 GEMM, on CPU)
+            self._backends[version] = self.env.make_backend(model, int8=True)
+        else:
+            self._backends[version] = self.env.make_backend(quantized_copy(model, self.bits))
 
     def drop(self, version: int) -> None:
         self._backends.pop(version, None)

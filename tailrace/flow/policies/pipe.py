@@ -10,6 +10,10 @@
   `frontier=F` restores a hard cap of F groups, for comparison.
 - A zero-signal group is swapped for a fresh one in its slot as soon as it completes (within the
   round's allowance), before it can join a train step.
+- Round-based shapings (tailbatch): a round opens `round_open(R)` groups and trains the first
+  `round_keep(R)` to complete, U at a time as they complete; then the rest of the round is deferred
+  (its candidates aborted, its prompts to shaping's tail queue), and the next round starts once their
+  aborts are back. A tail round (shaping's own prompts) trains all of its groups.
 """
 
 from __future__ import annotations
@@ -44,14 +48,16 @@ class PipePolicy(Policy):
                 return
         R = core.spec.groups_per_round
         self.extra += self.replace_zero_signal(core, self.round, self.allowance(core, R // U) - self.extra)
+        keep = self._keep(core)
         ready = [g for g in list(core.ready) if g in self.round]  # completion order (FIFO)
         while len(ready) >= U:
             chunk, ready = ready[:U], ready[U:]
             self.trained_in_round += U
-            last = self.trained_in_round >= len(self.round)
+            last = self.trained_in_round >= keep
             core.train(chunk, publish=last)
             if last:
-                core.mark("round_trained", groups=len(self.round))
+                self._cut_rest(core)
+                core.mark("round_trained", groups=self.trained_in_round)
                 self.round, self.trained_in_round = [], 0
                 return
         pending = [core.open[g] for g in self.round if g in core.open]  # slot order: lowest first
@@ -59,14 +65,32 @@ class PipePolicy(Policy):
             pending = pending[: self.frontier]
         self.fill(core, [g for g in pending if g.todo])
 
+    def _keep(self, core: Scheduler) -> int:
+        """Groups this round trains: all of them, or shaping's `round_keep` of a short round."""
+        keep = core.shaping.round_keep(core.spec.groups_per_round)
+        own = any(core.open[g].own for g in self.round if g in core.open)
+        return len(self.round) if keep is None or own else min(keep, len(self.round))
+
+    def _cut_rest(self, core: Scheduler) -> None:
+        """The round's groups past its `keep` (a short round of a round-based shaping): deferred."""
+        for g in self.round:
+            live = (g in core.open and not core.open[g].deferred) or g in core.ready
+            if live:
+                core.defer_group(g)
+
     def _start_round(self, core: Scheduler) -> None:
         v = core.trainer_version
         if core.steps_done < core.steps_issued or v not in core.published:
             return
+        if core.shaping.round_keep(core.spec.groups_per_round) is not None and core.in_flight():
+            return  # the last round's deferred candidates are still being aborted
         if not self.sync_engines(core, v):
             return
         R = core.spec.groups_per_round
-        leftover = sorted(list(core.open) + list(core.ready))[:R]  # a resumed round's groups
-        self.round = leftover + [core.open_group(v).id for _ in range(R - len(leftover))]
+        live = [g for g in core.open if not core.open[g].deferred]
+        leftover = sorted(live + list(core.ready))  # a resumed round's groups
+        n = max(0, R - len(leftover)) if leftover else core.shaping.round_open(R)
+        self.round = leftover + [core.open_group(v).id for _ in range(n)]
         self.trained_in_round = self.extra = 0
-        core.mark("round_start", version=v, groups=list(self.round))
+        tail = any(core.open[g].own for g in self.round if g in core.open)
+        core.mark("round_start", version=v, groups=list(self.round), tail=tail)

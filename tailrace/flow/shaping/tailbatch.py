@@ -1,4 +1,4 @@
-"""tailbatch: RollPacker's tail batching (TECHNIQUES.md §6), for round-based modes (sync).
+"""tailbatch: RollPacker's tail batching (TECHNIQUES.md §6), for round-based modes (sync, pipe).
 
 A short round opens ceil(eta x R) prompts with ceil(eta_responses x M) candidates each. A prompt's
 group stops at its first M finishers (the core aborts the rest), and the round keeps the first R
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 class TailBatch(OwnQueue):
     name = "tailbatch"
-    modes = ("sync",)
+    modes = ("sync", "pipe")
 
     def __init__(self, eta: float = 1.25, eta_responses: float = 1.25) -> None:
         if not 1 <= eta <= 2:

@@ -1,0 +1,226 @@
+"""LoRA: low-rank adapters on a frozen `CausalLM`, and their files in PEFT's format.
+
+`attach(model, cfg)` swaps each target projection (`LoraConfig.targets`, PEFT's names: q_proj ...
+down_proj) for a `LoRALinear` that keeps the base `weight` and `bias` (the same Parameters, under the same
+state_dict keys) and adds `lora_A` (r, in) and `lora_B` (out, r):
+
+    y = x W^T + b + (alpha / r) (x A^T) B^T
+
+as PEFT's `lora.Linear` computes it (no dropout: the policy is trained in eval mode). A starts as PEFT's
+(kaiming-uniform, a = sqrt(5)), B at zero, so the adapted model starts as the base. Every base parameter
+is frozen (requires_grad False): an optimizer over the trainable parameters holds the adapter's alone.
+
+`Adapter` is one adapter's weights apart from any model — what an engine loads (`engine.adapters`) and
+what `save_peft` / `load_peft` write and read: `adapter_config.json` + `adapter_model.safetensors` keyed
+as PEFT keys them (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), so
+`peft.PeftModel.from_pretrained(hf_model, path)` loads it onto transformers' model of the same base.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from tailrace.common import InputError, one_line
+from tailrace.config.train import LORA_TARGETS, LoraConfig
+from tailrace.model.decoder import CausalLM
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PeftModel (base_model) wrapping the LoraModel (model) around the HF model
+_PARENT = {t: "self_attn" for t in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
+    t: "mlp" for t in ("gate_proj", "up_proj", "down_proj")
+}
+
+Site = tuple[int, str]  # (layer index, target projection name)
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update, PEFT's layout (`lora_A`, `lora_B`)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.weight = base.weight
+        self.bias = base.bias  # None registers no parameter, as nn.Linear
+        self.in_features, self.out_features = base.in_features, base.out_features
+        kw = dict(bias=False, device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(self.in_features, rank, **kw)
+        self.lora_B = nn.Linear(rank, self.out_features, **kw)
+        self.scaling = alpha / rank
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
+            self.lora_B.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One LoRA adapter's weights: per (layer, target), A (r, in) and B (out, r); the update is
+    scale * (x A^T) B^T with scale = alpha / rank."""
+
+    rank: int
+    alpha: float
+    weights: dict[Site, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        names = {t for _, t in self.weights}
+        return tuple(t for t in LORA_TARGETS if t in names)
+
+
+def _module(model: CausalLM, layer: int, target: str) -> nn.Module:
+    return getattr(getattr(model.model.layers[layer], _PARENT[target]), target)
+
+
+def attach(model: CausalLM, cfg: LoraConfig) -> CausalLM:
+    """Give `model` (in place) a fresh adapter on `cfg.targets` of every layer and freeze the rest;
+    its A draws from torch's global generator. Returns the model."""
+    if cfg.rank < 1:
+        raise ValueError(f"lora rank {cfg.rank}: attach needs a rank >= 1")
+    model.requires_grad_(False)
+    for i, layer in enumerate(model.model.layers):
+        for t in cfg.targets:
+            parent = getattr(layer, _PARENT[t])
+            base = getattr(parent, t)
+            if isinstance(base, LoRALinear):
+                raise ValueError(f"layer {i} {t} already has an adapter")
+            setattr(parent, t, LoRALinear(base, cfg.rank, cfg.alpha))
+    return model
+
+
+def has_adapter(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def adapter_of(model: CausalLM) -> Adapter:
+    """The adapter `attach` gave `model`, as detached copies (its current weights)."""
+    weights, rank, alpha = {}, None, None
+    for i in range(len(model.model.layers)):
+        for t in LORA_TARGETS:
+            m = _module(model, i, t)
+            if isinstance(m, LoRALinear):
+                a, b = m.lora_A.weight, m.lora_B.weight
+                weights[i, t] = (a.detach().clone(), b.detach().clone())
+                rank, alpha = a.shape[0], m.scaling * a.shape[0]
+    if not weights:
+        raise ValueError("the model has no adapter; lora.attach gives it one")
+    return Adapter(int(rank), float(alpha), weights)
+
+
+def load_adapter_into(model: CausalLM, adapter: Adapter) -> None:
+    """Copy `adapter`'s weights into the adapter `attach` gave `model` (same rank and targets)."""
+    for (i, t), (a, b) in adapter.weights.items():
+        m = _module(model, i, t)
+        if (
+            not isinstance(m, LoRALinear)
+            or m.lora_A.weight.shape != a.shape
+            or m.lora_B.weight.shape != b.shape
+        ):
+            raise ValueError(f"layer {i} {t}: the model's adapter does not fit this one (rank or target)")
+        with torch.no_grad():
+            m.lora_A.weight.copy_(a)
+            m.lora_B.weight.copy_(b)
+        m.scaling = adapter.scale
+
+
+def merged(model: CausalLM, adapter: Adapter) -> CausalLM:
+    """W + scale B A folded into each target's weight of `model` (in place; a reference, not a server)."""
+    with torch.no_grad():
+        for (i, t), (a, b) in adapter.weights.items():
+            w = _module(model, i, t).weight
+            w.add_((b.float() @ a.float()).mul_(adapter.scale).to(w.dtype))
+    return model
+
+
+# -- PEFT files ----------------------------------------------------------------------------------------
+
+
+def peft_key(site: Site, which: str) -> str:
+    i, t = site
+    return f"{PEFT_PREFIX}model.layers.{i}.{_PARENT[t]}.{t}.lora_{which}.weight"
+
+
+def save_peft(adapter: Adapter, path: str | os.PathLike, base_model: str | None = None) -> None:
+    """Write `adapter` as PEFT writes a LoRA adapter of a causal LM (each file replaced atomically)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for site, (a, b) in adapter.weights.items():
+        state[peft_key(site, "A")] = a.detach().to("cpu").contiguous()
+        state[peft_key(site, "B")] = b.detach().to("cpu").contiguous()
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": adapter.rank,
+        "lora_alpha": adapter.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(adapter.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    tmp = path / f".{ADAPTER_WEIGHTS}.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path / ADAPTER_WEIGHTS)
+    tmp = path / f".{ADAPTER_CONFIG}.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, path / ADAPTER_CONFIG)
+
+
+def load_peft(path: str | os.PathLike) -> Adapter:
+    """A PEFT LoRA adapter directory (ours or PEFT's own) of a Llama/Qwen2 causal LM; one rank and alpha
+    for all targets (a `rank_pattern` / `alpha_pattern`, DoRA or rsLoRA are refused, in one line)."""
+    path = Path(path)
+    try:
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path / ADAPTER_CONFIG}: not a readable adapter config ({one_line(e)})")
+    if cfg.get("peft_type") != "LORA" or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise InputError(f"{path}: only plain LoRA adapters load (one rank and alpha; no rank_pattern)")
+    if cfg.get("use_dora") or cfg.get("use_rslora") or cfg.get("bias", "none") != "none":
+        raise InputError(f"{path}: DoRA, rsLoRA and trained biases are not supported; use plain LoRA")
+    try:
+        with safe_open(str(path / ADAPTER_WEIGHTS), framework="pt") as fh:
+            state = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise InputError(f"{path / ADAPTER_WEIGHTS}: not a readable safetensors file ({one_line(e)})")
+    weights: dict[Site, list] = {}
+    for key, tensor in state.items():
+        parts = key.removeprefix(PEFT_PREFIX).split(".")
+        # model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}[.default].weight
+        if len(parts) < 7 or parts[:2] != ["model", "layers"] or parts[4] not in _PARENT:
+            raise InputError(
+                f"{path}: unexpected tensor {key!r}; a Llama/Qwen2 LoRA adapter names its layers"
+            )
+        site = (int(parts[2]), parts[4])
+        weights.setdefault(site, [None, None])["AB".index(parts[5][-1])] = tensor
+    rank = int(cfg["r"])
+    out = {}
+    for site, (a, b) in weights.items():
+        if a is None or b is None or a.shape[0] != rank or b.shape[1] != rank:
+            raise InputError(f"{path}: layer {site[0]} {site[1]} lacks lora_A or lora_B of rank {rank}")
+        out[site] = (a, b)
+    return Adapter(rank, float(cfg["lora_alpha"]), out)

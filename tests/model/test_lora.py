@@ -1,0 +1,120 @@
+"""LoRA adapters on the decoder: the update PEFT computes, a frozen base, PEFT-format files both ways.
+
+The `peft` tests run where peft is installed (the dev extra pins it); elsewhere they skip."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+
+import pytest
+import torch
+from model_helpers import make_config, max_diff, random_model
+
+from tailrace.config.train import LORA_TARGETS, LoraConfig
+from tailrace.model import lora, save_pretrained
+
+HAS_PEFT = importlib.util.find_spec("peft") is not None
+IDS = torch.randint(0, 53, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def adapted(seed: int = 0, rank: int = 4, alpha: float = 8.0, targets=LORA_TARGETS, **cfg):
+    """(base, the same base with an adapter whose B is random: an update that shows)."""
+    base = random_model(make_config(**cfg), seed)
+    torch.manual_seed(seed)
+    model = lora.attach(copy.deepcopy(base), LoraConfig(rank=rank, alpha=alpha, targets=tuple(targets)))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, lora.LoRALinear):
+                m.lora_B.weight.normal_(0.0, 0.2)
+    return base, model
+
+
+def test_attach_freezes_the_base_and_starts_as_it():
+    base = random_model(make_config(), 0)
+    model = lora.attach(copy.deepcopy(base), LoraConfig(rank=4))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert len(trainable) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    assert set(base.state_dict()) <= set(model.state_dict())  # the base keeps its keys
+    with torch.no_grad():
+        assert max_diff(model(IDS), base(IDS)) == 0.0  # B = 0
+
+
+@pytest.mark.parametrize("targets", [LORA_TARGETS, ("q_proj", "v_proj"), ("down_proj",)])
+def test_the_update_equals_merging_it_into_the_weights(targets):
+    base, model = adapted(targets=targets, attention_bias=True, model_type="qwen2")
+    ad = lora.adapter_of(model)
+    assert ad.targets == tuple(t for t in LORA_TARGETS if t in targets)
+    ref = lora.merged(copy.deepcopy(base), ad)
+    with torch.no_grad():
+        out, want, plain = model(IDS), ref(IDS), base(IDS)
+    assert max_diff(out, want) < 1e-4
+    assert max_diff(out, plain) > 1e-2
+
+
+def test_peft_files_round_trip(tmp_path):
+    _, model = adapted()
+    ad = lora.adapter_of(model)
+    lora.save_peft(ad, tmp_path / "a", base_model="base")
+    cfg = json.loads((tmp_path / "a" / lora.ADAPTER_CONFIG).read_text())
+    assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"]) == ("LORA", 4, 8.0)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "a" / lora.ADAPTER_WEIGHTS), framework="pt") as fh:
+        keys = set(fh.keys())
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in keys
+    back = lora.load_peft(tmp_path / "a")
+    assert (back.rank, back.alpha) == (ad.rank, ad.alpha)
+    assert back.weights.keys() == ad.weights.keys()
+    for site, (a, b) in ad.weights.items():
+        assert torch.equal(back.weights[site][0], a) and torch.equal(back.weights[site][1], b)
+
+
+def test_an_adapter_loads_into_a_fresh_attach(tmp_path):
+    base, model = adapted()
+    lora.save_peft(lora.adapter_of(model), tmp_path)
+    other = lora.attach(copy.deepcopy(base), LoraConfig(rank=4, alpha=8.0))
+    lora.load_adapter_into(other, lora.load_peft(tmp_path))
+    with torch.no_grad():
+        assert max_diff(other(IDS), model(IDS)) == 0.0
+
+
+@pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed (pip install -e '.[dev]' has it)")
+def test_peft_loads_our_adapter_onto_transformers_model(tmp_path):
+    """transformers' model of our base + peft's loader of our adapter = our adapted model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, model = adapted(num_key_value_heads=2)
+    save_pretrained(base, tmp_path / "base")
+    lora.save_peft(lora.adapter_of(model), tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert max_diff(peft_model(IDS).logits, model(IDS)) < 1e-4
+
+
+@pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed (pip install -e '.[dev]' has it)")
+def test_an_adapter_peft_trained_and_saved_loads_here(tmp_path):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = random_model(make_config(num_key_value_heads=2), 1)
+    save_pretrained(base, tmp_path / "base")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    pm = get_peft_model(hf, PeftLoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "up_proj"]))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.2)
+    pm.save_pretrained(tmp_path / "adapter")
+    ad = lora.load_peft(tmp_path / "adapter")
+    assert (ad.rank, ad.alpha, ad.targets) == (2, 6.0, ("q_proj", "up_proj"))
+    ours = lora.attach(copy.deepcopy(base), LoraConfig(rank=2, alpha=6.0, targets=ad.targets))
+    lora.load_adapter_into(ours, ad)
+    with torch.no_grad():
+        assert max_diff(pm.eval()(IDS).logits, ours(IDS)) < 1e-4
