@@ -405,10 +405,11 @@ class Scheduler(SchedulerState):
         self.now = now
         if engine in self.departed or engine not in self._by_id:
             raise InvariantError(f"engine {engine} cannot leave: it is not in the job")
+        self.departed.add(engine)  # first: the requeue's own aborts (shaping's cuts) skip it
+        self.engines = tuple(e for e in self.engines if e.id != engine)
         requeued = self._requeue(self._by_id[engine])
         self._pending.pop(engine, None)  # requests booked for it this poll are requeued with the rest
-        self.departed.add(engine)
-        self.engines = tuple(e for e in self.engines if e.id != engine)
+        self._out.commands = [c for c in self._out.commands if getattr(c, "engine", None) != engine]
         self.mark("engine_left", engine=engine, requeued=requeued)
         return requeued
 
@@ -423,13 +424,13 @@ class Scheduler(SchedulerState):
         prompt); its pre-generation is dropped (drafts only). The ledger is unchanged: nothing was
         produced. Returns how many samples were requeued."""
         lost = list(eng.in_flight)
+        eng.in_flight.clear()  # first: a group the requeue completes aborts nothing on this engine
         for rid in lost:
             key = SampleKey.parse(rid)
             self._aborting.discard(rid)
             self._seeds.pop(rid, None)
             self._episodes.pop((key.group, key.index), None)  # generated again from its prompt
             self._requeue_sample(self._store.open[key.group], key)
-        eng.in_flight.clear()
         eng.loading.clear()
         for rid in [rid for rid, (e, _) in self._pregen.items() if e == eng.id]:  # drafts only: gone
             del self._pregen[rid]

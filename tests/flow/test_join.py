@@ -6,6 +6,7 @@ identity holds at every poll (the core raises otherwise), every step trains, and
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -243,3 +244,79 @@ def test_a_tool_answer_for_a_sample_whose_engines_all_left_starts_it_over():
     trained = [t for step in c.trained for g in step.groups for t in g.trajectories]
     assert len(trained) == 2 and all(t.observed == ((2, 4),) and t.length == 7 for t in trained)
     assert s.ledger.produced == s.ledger.trained == 2
+
+
+SHAPED = [("sync", "tailbatch"), ("pipe", "tailbatch"), ("sync", "april"), ("sync", "sorted"), ("sync", "darts"),
+          ("multiversion", "darts"), ("async", "darts"), ("partial", "darts")]  # fmt: skip
+
+
+def shaped_run(mode, shaping, rng, engines, events):
+    """A run with shaping on under a join/leave schedule ({tick: join | leave | leave-all})."""
+    from tailrace.flow.shaping import make_shaping
+    from tests.flow.scripted import every_third
+
+    lengths = {}
+
+    def length(g, i):
+        return lengths.setdefault((g, i), max(1, min(40, int(rng.lognormvariate(1.6, 0.9)))))
+
+    s = Scheduler(make_policy(mode, "replace", max_staleness=2), prompts(), [(4, 2)] * engines,
+                  FlowSpec(4, 2, 2, 6), shaping=make_shaping(shaping, window=4))  # fmt: skip
+    c = ScriptedCluster(s, length, slots=4, train_ticks=4, load_ticks=2, reward=every_third)
+    while not s.done and c.t < 20_000:
+        c.execute(s.poll(c.t))
+        c.tick()
+        kind, live = events.get(c.t), [e.id for e in s.engines]
+        if kind == "join" or (kind and not live):
+            c.join_engine()
+        elif kind == "leave":
+            c.leave_engine(rng.choice(live))
+        elif kind == "leave-all":
+            for e in live:
+                c.leave_engine(e)
+            c.execute(s.poll(c.t))
+            c.join_engine()
+        if not s.engines and rng.random() < 0.1:
+            c.join_engine()
+    assert s.done, f"stuck at tick {c.t}"
+    c.execute(s.poll(c.t))
+    keys = trained_keys(c)
+    assert len(keys) == len(set(keys))
+    s.ledger.check(s.in_store())
+    assert all(reason for reason in s.ledger.discarded)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    case=st.sampled_from(SHAPED),
+    seed=st.integers(0, 10_000),
+    engines=st.integers(1, 2),
+    events=st.lists(
+        st.tuples(st.integers(1, 200), st.sampled_from(["join", "leave", "leave-all"])),
+        min_size=1,
+        max_size=5,
+    ),
+)
+def test_join_leave_under_shaping_keeps_the_ledger(case, seed, engines, events):
+    """As above with shaping on (its cuts abort candidates, tailbatch defers groups, april carries
+    them, zero-signal groups are replaced). The cluster raises on any command sent to a departed
+    engine."""
+    shaped_run(*case, random.Random(seed), engines, dict(events))
+
+
+@pytest.mark.parametrize(
+    "mode,seed", [("sync", 3), ("sync", 5), ("sync", 6), ("sync", 19), ("pipe", 4), ("pipe", 19)]
+)
+def test_a_leave_whose_requeue_completes_a_cut_group_aborts_nothing_on_it(mode, seed):
+    """tailbatch: the leaving engine held candidates shaping had cut; requeueing them completes their
+    group, whose other candidates are aborted, never on the engine that left (these schedules sent
+    such an Abort before the fix)."""
+    rng = random.Random(seed)
+    engines = rng.randint(1, 2)
+    rng2 = random.Random(seed)  # the schedule comes from its own draws, as the search that found it
+    rng2.randint(1, 2)
+    shaped_run(mode, "tailbatch", rng, engines, _schedule(rng2))
+
+
+def _schedule(rng):
+    return {rng.randint(1, 200): rng.choice(["join", "leave", "leave-all"]) for _ in range(rng.randint(1, 5))}
