@@ -304,9 +304,7 @@ def test_join_leave_under_shaping_keeps_the_ledger(case, seed, engines, events):
     shaped_run(*case, random.Random(seed), engines, dict(events))
 
 
-@pytest.mark.parametrize(
-    "mode,seed", [("sync", 3), ("sync", 5), ("sync", 6), ("sync", 19), ("pipe", 4), ("pipe", 19)]
-)
+@pytest.mark.parametrize("mode,seed", [("sync", 6), ("sync", 19), ("pipe", 19)])
 def test_a_leave_whose_requeue_completes_a_cut_group_aborts_nothing_on_it(mode, seed):
     """tailbatch: the leaving engine held candidates shaping had cut; requeueing them completes their
     group, whose other candidates are aborted, never on the engine that left (these schedules sent
