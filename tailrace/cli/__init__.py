@@ -1,4 +1,4 @@
-"""Command line: tailrace train | sft | eval | serve | model | report | trace | sim.
+"""Command line: tailrace train | sft | eval | serve | model | engine | report | trace | sim.
 `tailrace VERB --help` documents each verb.
 
 Every way a command can end is one line and an exit code:
@@ -112,6 +112,31 @@ TAILRACE = Verb(
                         Flag("--out", "DIR", "the new checkpoint directory"),
                         Flag("--dtype", "D", "float32 (default) or bfloat16: the weights' dtype on disk"),
                     ),
+                ),
+            ),
+        ),
+        Verb(
+            "engine",
+            "rollout engines that join a running job (tailrace train, runtime.kind=local) or leave it",
+            ("engine join RUN_DIR [--cores LIST]", "engine leave RUN_DIR ENGINE_ID"),
+            verbs=(
+                Verb(
+                    "engine join",
+                    "start a rollout engine (the run's engine config, a free core if there is one) that "
+                    "joins the job running in RUN_DIR and works until the run ends or it is told to "
+                    "leave (engine leave, or SIGTERM to this process)",
+                    ("engine join RUN_DIR [--cores LIST]",),
+                    commands.engine_join,
+                    flags=(
+                        Flag("--cores", "LIST", "the cores to pin it to, e.g. 0 or 2,3 (default: see above)"),
+                    ),
+                ),
+                Verb(
+                    "engine leave",
+                    "remove engine ENGINE_ID from the job running in RUN_DIR (its in-flight samples are "
+                    "requeued, none lost); its id is in RUN_DIR/events.jsonl (engine_join) or its join line",
+                    ("engine leave RUN_DIR ENGINE_ID",),
+                    commands.engine_leave,
                 ),
             ),
         ),

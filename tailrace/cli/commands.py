@@ -310,3 +310,30 @@ def import_model(args: Args) -> int:
     )
     console.print(f"use it: tailrace eval --model.path={r.path}   tailrace train --model.path={r.path} ...")
     return 0
+
+
+def engine_join(args: Args) -> int:
+    from tailrace.runtime.join import join
+
+    if len(args.rest) != 1:
+        raise ConfigError("tailrace engine join RUN_DIR: name the run directory of a running tailrace train")
+    raw = args.flags.get("--cores", "")
+    try:
+        cores = tuple(int(c) for c in raw.split(",") if c)
+    except ValueError:
+        raise ConfigError(
+            f"--cores {raw}: write core numbers separated by commas, e.g. --cores 0,1"
+        ) from None
+    return join(Path(args.rest[0]), cores)
+
+
+def engine_leave(args: Args) -> int:
+    from tailrace.runtime.join import leave
+
+    if len(args.rest) != 2 or not args.rest[1].isdigit():
+        raise ConfigError(
+            "tailrace engine leave RUN_DIR ENGINE_ID: name the run directory and the engine's id"
+        )
+    leave(Path(args.rest[0]), int(args.rest[1]))
+    console.print(f"asked engine {args.rest[1]} to leave the job in {args.rest[0]}")
+    return 0

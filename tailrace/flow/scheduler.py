@@ -134,10 +134,12 @@ class Scheduler(SchedulerState):
         self._cut: set[str] = set()  # requests shaping aborted: their partials are discarded
         self.shaping_tokens = 0  # tokens of samples discarded by shaping (what redundancy cost)
         self._generated: list[int] = []  # lengths produced since `take_generated`, before selection
-        self.engines = tuple(
-            EngineState(i, slots, look, versions_at_once=capabilities.versions_at_once)
+        self._by_id: dict[int, EngineState] = {
+            i: EngineState(i, slots, look, versions_at_once=capabilities.versions_at_once)
             for i, (slots, look) in enumerate(engines)
-        )
+        }
+        self.engines: tuple[EngineState, ...] = tuple(self._by_id.values())  # the live ones, by id
+        self.departed: set[int] = set()  # engines that left (`remove_engine`): never given work again
         self._store = Store()
         self.ledger = Ledger()
         self.trainer_version = 0  # weights the trainer holds now (published or about to be)
@@ -177,6 +179,7 @@ class Scheduler(SchedulerState):
     def poll(self, now: float) -> Outbox:
         self.now = now
         if not self.done:
+            self._provision()
             self.policy.decide(self)
         self._flush()
         self.ledger.check(self._store.in_store())
@@ -244,7 +247,9 @@ class Scheduler(SchedulerState):
         not aborted (an aborted partial has no reward) nor in `calls`: the ids of results whose turn
         ended in a tool call (multi-turn), which park, their engine slots free, until `on_observation`."""
         self.now = now
-        eng = self.engines[engine]
+        if engine in self.departed:  # crossed its leave: its samples were requeued already
+            return
+        eng = self._by_id[engine]
         scored = {s.request_id: s for s in scores}
         for r in results:
             rid = r.request_id
@@ -311,9 +316,12 @@ class Scheduler(SchedulerState):
             ep.observed.append((start, start + len(obs)))
         ep.tool_s += now - at.since
         holding = [e for e in self.engines if at.version in e.loaded]
-        if not holding:
-            raise InvariantError(f"no engine holds version {at.version} for the continuation of {request_id}")
-        eng = self.engines[at.engine] if self.engines[at.engine] in holding else holding[0]
+        if not holding:  # its engines left: the sample starts over from its prompt, as a lost one does
+            self._episodes.pop((key.group, key.index), None)
+            self._requeue_sample(g, key)
+            self.mark("continuation_requeued", request=request_id, version=at.version)
+            return
+        eng = self._by_id[at.engine] if self._by_id[at.engine] in holding else holding[0]
         nxt = key.next_attempt()
         rid = str(nxt)
         self._seeds[rid] = at.seed
@@ -350,7 +358,9 @@ class Scheduler(SchedulerState):
 
     def on_loaded(self, engine: int, version: int, now: float) -> None:
         self.now = now
-        e = self.engines[engine]
+        if engine in self.departed:  # a load that landed after its engine left
+            return
+        e = self._by_id[engine]
         e.loading.discard(version)
         e.loaded.add(version)
         self.mark("loaded", engine=engine, version=version)
@@ -368,29 +378,96 @@ class Scheduler(SchedulerState):
         keeps the versions it held (its replacement loads them) and its capacity. Returns how many
         samples were requeued."""
         self.now = now
-        eng = self.engines[engine]
+        if engine in self.departed:  # it left first: its samples were requeued then
+            return 0
+        lost = self._requeue(self._by_id[engine])
+        self.mark("engine_lost", engine=engine, requeued=lost)
+        return lost
+
+    def add_engine(self, slots: int, lookahead: int) -> int:
+        """An engine joins the running job: a new id (never one that was used), its slots and local
+        queue, the run's engine capabilities, holding no weights. The next poll has it load what the
+        policy needs (`_provision`), and from then on the policy gives it work like any other. Returns
+        its id."""
+        eid = max(self._by_id, default=-1) + 1
+        ones = self.capabilities.versions_at_once
+        self._by_id[eid] = EngineState(eid, slots, lookahead, loaded=set(), versions_at_once=ones)
+        self.engines = tuple(e for e in self._by_id.values() if e.id not in self.departed)
+        self.mark("engine_joined", engine=eid, slots=slots)
+        return eid
+
+    def remove_engine(self, engine: int, now: float) -> int:
+        """An engine leaves the job gracefully. It does not drain: its in-flight samples go back to
+        their groups' to-do lists at once, exactly as a lost engine's do (the tokens it generated for
+        them are not used), so a leave takes one message however long its samples are. It is never
+        given work again, and whatever it still reports (results, loads that crossed the leave) is
+        ignored. Returns how many samples were requeued."""
+        self.now = now
+        if engine in self.departed or engine not in self._by_id:
+            raise InvariantError(f"engine {engine} cannot leave: it is not in the job")
+        self.departed.add(engine)  # first: the requeue's own aborts (shaping's cuts) skip it
+        self.engines = tuple(e for e in self.engines if e.id != engine)
+        requeued = self._requeue(self._by_id[engine])
+        self._pending.pop(engine, None)  # requests booked for it this poll are requeued with the rest
+        self._out.commands = [c for c in self._out.commands if getattr(c, "engine", None) != engine]
+        self.mark("engine_left", engine=engine, requeued=requeued)
+        return requeued
+
+    def engine(self, engine: int) -> EngineState:
+        """A live engine's books, by id (ids are never reused)."""
+        if engine in self.departed:
+            raise InvariantError(f"engine {engine} has left the job")
+        return self._by_id[engine]
+
+    def _requeue(self, eng: EngineState) -> int:
+        """Every request `eng` holds goes back to its group's to-do list (generated again from its
+        prompt); its pre-generation is dropped (drafts only). The ledger is unchanged: nothing was
+        produced. Returns how many samples were requeued."""
         lost = list(eng.in_flight)
+        eng.in_flight.clear()  # first: a group the requeue completes aborts nothing on this engine
         for rid in lost:
             key = SampleKey.parse(rid)
-            g = self._store.open[key.group]
-            g.in_flight.discard(key)
-            g.dispatched -= 1
             self._aborting.discard(rid)
             self._seeds.pop(rid, None)
             self._episodes.pop((key.group, key.index), None)  # generated again from its prompt
-            if rid in self._cut:  # shaping had given it up: not generated again
-                self._cut.discard(rid)
-                self._maybe_ready(g)
-            elif key.index not in g.todo:
-                g.todo.append(key.index)
-                g.todo.sort()
-        eng.in_flight.clear()
+            self._requeue_sample(self._store.open[key.group], key)
         eng.loading.clear()
-        for rid in [rid for rid, (e, _) in self._pregen.items() if e == engine]:  # drafts only: gone
+        for rid in [rid for rid, (e, _) in self._pregen.items() if e == eng.id]:  # drafts only: gone
             del self._pregen[rid]
             self._aborting.discard(rid)
-        self.mark("engine_lost", engine=engine, requeued=len(lost))
         return len(lost)
+
+    def _requeue_sample(self, g: GroupState, key: SampleKey) -> None:
+        """Sample `key` of `g` is no longer in flight and goes back to the to-do list (unless shaping
+        had given it up): dispatched again like a fresh sample."""
+        rid = str(key)
+        g.in_flight.discard(key)
+        g.dispatched -= 1
+        if rid in self._cut:  # shaping had given it up: not generated again
+            self._cut.discard(rid)
+            self._maybe_ready(g)
+        elif key.index not in g.todo:
+            g.todo.append(key.index)
+            g.todo.sort()
+
+    def _provision(self) -> None:
+        """Weights for a changing engine set: an engine that holds nothing (it joined) loads the newest
+        version, and a version some group's pending samples need (`Policy.version_for`) that no live
+        engine holds or is loading (its holders left) is loaded on the engine with the most room."""
+        if not self.engines:
+            return
+        for e in self.engines:
+            if not e.loaded and not e.loading:
+                self.load(e.id, self.newest)
+        held = {v for e in self.engines for v in e.loaded | e.loading}
+        needed = {
+            self.policy.version_for(self, g)
+            for g in self._store.open.values()
+            if (g.todo or g.parked) and not g.deferred
+        }
+        for v in sorted(needed - held - {None}):
+            if v in self.published:
+                self.load(max(self.engines, key=lambda e: (e.free, -e.id)).id, v)
 
     # ------------------------------------------------------------------ the policies' view
     @property
@@ -451,7 +528,7 @@ class Scheduler(SchedulerState):
         ignores the engine's free capacity (its local queue takes the rest): sync hands a whole
         round over at once, so the engine's schedule does not depend on driver timing. `params`
         replaces the run's sampling params for these samples (their seeds stay per request)."""
-        eng = self.engines[engine]
+        eng = self.engine(engine)
         v = g.version if version is None else version
         if v not in eng.loaded:
             raise InvariantError(
@@ -471,7 +548,7 @@ class Scheduler(SchedulerState):
         if partial in g.parked:
             g.parked.remove(partial)
         key = SampleKey.parse(partial.result.request_id).next_attempt()
-        self._send(self.engines[engine], g, key, version, None, partial.result)
+        self._send(self.engine(engine), g, key, version, None, partial.result)
 
     def abort(self, engine: int, request_ids: list[str], reason: str) -> None:
         ids = [rid for rid in request_ids if rid not in self._aborting]
@@ -497,7 +574,7 @@ class Scheduler(SchedulerState):
     def pregen(self, engine: int, prompts: Sequence[Prompt], version: int) -> None:
         """Generate one response to each prompt on `engine` under `version`, outside every group (they
         are drafts for a later round: `take_pregen`); the engine queues them like any request."""
-        if version not in self.engines[engine].loaded:
+        if version not in self.engine(engine).loaded:
             raise InvariantError(f"pre-generation under version {version} on engine {engine}, which lacks it")
         for p in prompts:
             rid = f"{PREGEN}{self._pregen_n}"
@@ -575,7 +652,7 @@ class Scheduler(SchedulerState):
         """Ask `engine` to load `version`. An engine holding one version at a time replaces the one it
         holds, so it is asked only once it is drained (no request in flight, no load under way; until
         then this does nothing and the policy asks again), and holds nothing until the load lands."""
-        e = self.engines[engine]
+        e = self.engine(engine)
         if version in e.loaded or version in e.loading:
             return
         if version not in self.published:
@@ -588,7 +665,7 @@ class Scheduler(SchedulerState):
         self._out.commands.append(LoadWeights(engine, version))
 
     def drop(self, engine: int, version: int) -> None:
-        e = self.engines[engine]
+        e = self.engine(engine)
         if version in e.loaded and e.count(version) == 0:
             e.loaded.discard(version)
             self._out.commands.append(DropWeights(engine, version))

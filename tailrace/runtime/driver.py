@@ -40,11 +40,13 @@ from tailrace.records import CheckpointRecord, EvalRecord, Mark, Span, StepRecor
 from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator, next_turn
-from tailrace.runtime.health import Lost
-from tailrace.runtime.hosts import Seat, hosts_for
+from tailrace.runtime.health import Heard, Lost
+from tailrace.runtime.hosts import Seat, Started, hosts_for
+from tailrace.runtime.join import Arrival, Desk, JoinedProcess, Leave, Welcome, serve_weights
 from tailrace.runtime.messages import EngineReport, Go, History, Ready, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import SpecTally, Utilization
 from tailrace.runtime.orders import TrainOrders
+from tailrace.runtime.procs import available_cores
 from tailrace.runtime.recovery import Recovery, describe, weights_on_disk
 from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
@@ -139,6 +141,7 @@ class Driver:
         self._room: dict[str, int] = {}
         self._eval_reqs: dict[str, tuple[Prompt, GenRequest]] = {}  # held-out id -> its prompt and request
         self._eval_calls: dict[str, int] = {}  # held-out id -> tool calls answered (multi-turn)
+        self.desk: Desk | None = None
 
     # ------------------------------------------------------------------ set-up
     def _start(self, version: int) -> None:
@@ -154,17 +157,20 @@ class Driver:
         )  # fmt: skip
         self.trainer = self.workers.start("trainer", trainer_main, self.tspec, self.weights)
         self.expected_context = ses.expected_context(max(r.max_new_tokens, cfg.eval.max_new_tokens))
-        self.especs = [self._engine_spec(seat, version) for seat in engine_seats]
+        self.seats = (trainer_seat, *engine_seats)
+        self.especs = {i: self._engine_spec(seat, version) for i, seat in enumerate(engine_seats)}
         # The engines start alongside the trainer (their imports overlap its start-up), gated: each
         # loads its weights (from the ring the trainer fills) and sizes its KV memory once it is up.
-        gated = [replace(e, gated=True) for e in self.especs]
-        self.engines: list[Worker] = [
-            self.workers.start(f"engine{i}", engine_main, i, e, self.weights) for i, e in enumerate(gated)
-        ]
+        self.engines: dict[int, Worker] = {
+            i: self.workers.start(f"engine{i}", engine_main, i, replace(e, gated=True), self.weights)
+            for i, e in self.especs.items()
+        }  # by engine id: engines that joined are added, those that left removed
         self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
-        for engine in self.engines:
+        for engine in self.engines.values():
             self.workers.send(engine, Go())
-        self.workers.ready(self.engines)
+        self.workers.ready(list(self.engines.values()))
+        if cfg.runtime.kind == "local":  # engines may join (tailrace engine join RUN_DIR) and leave
+            self.desk = Desk(self.run.path)
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)
 
@@ -180,6 +186,8 @@ class Driver:
     def close(self) -> None:
         if self.tools is not None:
             self.tools.close()
+        if self.desk is not None:
+            self.desk.close()
         self.workers.close()
         self.hosts.close()
         for f in (self.metrics, self.events, self.journal):
@@ -210,6 +218,7 @@ class Driver:
         while not self.sched.done:
             self._handle(self.sched.poll(self._now()))
             self._pump(timeout=1.0)
+            self._arrivals()
         self._handle(self.sched.poll(self._now()), sync=True)
         final = None
         if evaluator is not None:
@@ -240,9 +249,9 @@ class Driver:
         self._eval_wanted = {r.id for r in reqs}
         self._eval_reqs = {r.id: (p, r) for p, r in zip(evaluator.prompts, reqs)}
         self._eval_calls = {}
-        n = len(self.engines)
-        self._eval_sent = {i: tuple(reqs[i::n]) for i in range(n)}
-        for i, engine in enumerate(self.engines):
+        ids = list(self.engines)
+        self._eval_sent = {e: tuple(reqs[k :: len(ids)]) for k, e in enumerate(ids)}
+        for i, engine in self.engines.items():
             self.workers.send(engine, Generate(i, self._eval_sent[i]))
         while self._eval_wanted:
             self._pump(timeout=5.0)  # all workers: a trainer replaced meanwhile says Ready here
@@ -269,7 +278,7 @@ class Driver:
         v = self._eval_version
         self.weights.write(v, Snapshots.load(snap))
         self._eval_loaded = set()
-        for i, engine in enumerate(self.engines):
+        for i, engine in self.engines.items():
             self.workers.send(engine, LoadWeights(i, v))
         while len(self._eval_loaded) < len(self.engines):
             self._pump()
@@ -284,7 +293,8 @@ class Driver:
         self._record(out, sync)
         for c in out.commands:
             if isinstance(c, (Generate, Abort, LoadWeights, DropWeights)):
-                self.workers.send(self.engines[c.engine], c)
+                if c.engine in self.engines:  # (none is ever addressed to an engine that left)
+                    self.workers.send(self.engines[c.engine], c)
             elif isinstance(c, Train):
                 self._send_train(c)
 
@@ -315,6 +325,7 @@ class Driver:
         """Handle what the workers (`among`, default all) report within `timeout`; a lost worker is
         replaced (or raises, past its restarts)."""
         wake = (self.tools.waitable,) if self.tools is not None else ()
+        wake += (self.desk.waitable,) if self.desk is not None else ()
         for w, msg in self.workers.receive(among, timeout, wake):
             if isinstance(msg, EngineReport):
                 self._on_engine_report(msg)
@@ -374,6 +385,9 @@ class Driver:
     # ------------------------------------------------------------------ recovery
     def _replace(self, w: Worker, lost: Lost) -> None:
         now = self._now()
+        if w.elastic:  # a joined engine is not the driver's to restart: it leaves, its samples requeued
+            self._leave(next(k for k, x in self.engines.items() if x is w), lost.line)
+            return
         if not self.recovery.allows(lost, now):
             raise Fault(self.recovery.refusal(lost))
         if w is self.trainer:
@@ -382,8 +396,8 @@ class Driver:
             self.trainer = self.workers.replace(w, trainer_main, spec, self.weights)
             self.recovery.begin(lost, now, replayed=self.orders.restart(self.sched.steps_done))
             return
-        i = self.engines.index(w)
-        e = self.sched.engines[i]
+        i = next(k for k, x in self.engines.items() if x is w)
+        e = self.sched.engine(i)
         loading = e.loading - e.loaded  # asked of the lost process: its replacement starts with them
         requeued = self.sched.on_engine_lost(i, now)
         for v in sorted(loading):
@@ -400,7 +414,7 @@ class Driver:
     def _engine_weights(self, i: int, lost: Lost) -> dict:
         """The versions a replacement for engine i starts with, and the checkpoints of those the ring
         no longer holds."""
-        versions = sorted(self.sched.engines[i].loaded)
+        versions = sorted(self.sched.engine(i).loaded)
         disk, missing = weights_on_disk(versions, self.weights.holds, self.saved_versions)
         if missing:
             raise Fault(
@@ -410,6 +424,66 @@ class Driver:
         return dict(
             start_versions=tuple(versions), from_disk=tuple((v, str(p / "model")) for v, p in disk.items())
         )
+
+    # ------------------------------------------------------------------ engines joining and leaving
+    def _arrivals(self) -> None:
+        """Engines that asked to join or leave since the last poll (runtime/join.py)."""
+        if self.desk is None:
+            return
+        for what in self.desk.take():
+            if isinstance(what, Leave):
+                self._leave(what.engine, "asked to leave")
+            else:
+                self._join(what)
+
+    def _join(self, a: Arrival) -> None:
+        r = self.cfg.rollout
+        eid = self.sched.add_engine(r.slots, r.lookahead)
+        spec = replace(
+            self._engine_spec(Seat(a.cores or self._join_cores(), r.threads), 0), start_versions=()
+        )
+        started = Started(JoinedProcess(a.pid), a.conns["messages"], Heard(a.conns["beats"]))
+        w = self.workers.adopt(f"engine{eid}", started, elastic=True)
+        self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.layout.buffer.dtype))
+        serve_weights(a.conns["weights"], self.weights)
+        self.engines[eid], self.especs[eid] = w, spec
+        self.util.slots += r.slots
+        data = {"engine": eid, "pid": a.pid, "cores": list(spec.cores)}
+        self._event(Mark(self._now(), "engine_join", data), f"engine {eid} joined (pid {a.pid})")
+
+    def _leave(self, eid: int, why: str) -> None:
+        """Engine `eid` leaves the run: its samples are requeued, its process told to shut down."""
+        if eid not in self.engines:
+            self._event(
+                Mark(self._now(), "engine_leave_refused", {"engine": eid}), f"engine {eid}: not in the run"
+            )
+            return
+        requeued = self.sched.remove_engine(eid, self._now())
+        self.workers.retire(self.engines.pop(eid))
+        self.util.slots -= self.cfg.rollout.slots
+        wanted = tuple(r for r in self._eval_sent.pop(eid, ()) if r.id in self._eval_wanted)
+        if wanted and self.engines:  # (a joined engine died during an evaluation) another answers them
+            other = next(iter(self.engines))
+            for r in wanted:
+                self._eval_calls.pop(r.id, None)
+            self._eval_sent[other] = self._eval_sent.get(other, ()) + wanted
+            self.workers.send(self.engines[other], Generate(other, wanted))
+        data = {"engine": eid, "requeued": requeued, "why": why}
+        self._event(
+            Mark(self._now(), "engine_leave", data), f"engine {eid} left ({why}): {requeued} samples requeued"
+        )
+
+    def _event(self, mark: Mark, line: str) -> None:
+        self.events.write(mark)
+        if self.ui is not None:
+            self.ui.note(line)
+
+    def _join_cores(self) -> tuple[int, ...]:
+        """A core no worker is pinned to, if there is one; else the first engine's (a joined engine
+        shares the rollout pool's cores, never the trainer's unless they are all there is)."""
+        used = {c for s in self.seats for c in s.cores} | {c for e in self.especs.values() for c in e.cores}
+        free = [c for c in available_cores() if c not in used]
+        return (free[0],) if free else self.seats[1].cores
 
     def _on_ready(self, w: Worker) -> None:
         mark = self.recovery.ready(w.name, self._now())
@@ -485,7 +559,7 @@ class Driver:
         if source is not None and len(self.engines) < 2:
             return
         msg = History(tuple((p.token_ids, r.token_ids) for p, r in zip(prompts, results)))
-        for i, engine in enumerate(self.engines):
+        for i, engine in self.engines.items():
             if i != source:
                 self.workers.send(engine, msg)
 
@@ -559,9 +633,9 @@ class Driver:
 
     def _load_final(self) -> None:
         v = self.sched.done_version
-        for i in range(len(self.engines)):
+        for i in list(self.engines):
             asked = None  # the engine process asked to load v (a replacement is asked again)
-            while v not in self.sched.engines[i].loaded:
+            while i in self.engines and v not in self.sched.engine(i).loaded:
                 if asked is not self.engines[i]:
                     asked = self.engines[i]
                     self.workers.send(asked, LoadWeights(i, v))

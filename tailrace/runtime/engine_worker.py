@@ -39,7 +39,9 @@ class EngineSpec:
     cores: tuple[int, ...]
     seed: int
     dtype: str = "float32"
-    start_versions: tuple[int, ...] = (0,)  # the versions it holds when Ready (0: the model it loads)
+    start_versions: tuple[int, ...] = (
+        0,
+    )  # the versions it holds when Ready (0: the model it loads; none: joined)
     from_disk: tuple[tuple[int, str], ...] = ()  # (version, checkpoint model dir) the ring no longer holds
     device: str = "cpu"
     attention: str = "auto"
@@ -74,10 +76,13 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
             engine.load_weights(flat.views(), v)
         elif v != 0:
             engine.load_weights(weights.read(v).views(), v)
-    if 0 not in spec.start_versions and 0 in engine.versions:  # a one-version engine replaced it
-        engine.drop_version(0)
+    # an engine that joined a run starts holding none of the run's versions: the model it loaded stays
+    # as a placeholder (an engine never holds nothing) until the first version it is asked to load
+    placeholder = 0 if not spec.start_versions else None
+    if spec.start_versions and 0 not in spec.start_versions and 0 in engine.versions:
+        engine.drop_version(0)  # (unless a one-version engine replaced it)
         release_memory()
-    conn.send(Ready(max(spec.start_versions)))
+    conn.send(Ready(max(spec.start_versions, default=-1)))  # -1: none (an engine that joined a run)
     stats, results, loaded = Stats(), [], []
     last = time.perf_counter()
     learning = False  # a trained drafter used the last idle slice: the inbox is polled between slices
@@ -95,6 +100,10 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
             elif isinstance(msg, LoadWeights):
                 t0 = time.perf_counter()
                 engine.load_weights(weights.read(msg.version).views(), msg.version)
+                if placeholder not in (None, msg.version) and placeholder in engine.versions:
+                    engine.drop_version(placeholder)
+                    release_memory()
+                placeholder = None
                 loaded.append((msg.version, t0, time.perf_counter()))
             elif isinstance(msg, DropWeights):
                 engine.drop_version(msg.version)

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tailrace.runtime.messages import Beat
+
 BEAT_S = 1.0
 STARTUP_S = 300.0  # until the first beat: the worker is importing its modules
 
@@ -95,3 +97,44 @@ def exit_reason(code: int | None) -> str:
         return f"exit code {code}"
     name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
     return f"killed by {name}" + (": out of memory?" if name == "SIGKILL" else "")
+
+
+# -- a heartbeat over a connection, for a worker that shares no memory with the driver (a Ray actor,
+# an engine that joined the run: runtime/ray_hosts.py, runtime/join.py)
+
+
+class Beats:
+    """The heartbeat counter of a worker the driver shares no memory with: each `value` its Pulse
+    sets (`value += 1`) goes to the driver as a `Beat` on the beat connection."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.count = conn, 0
+
+    @property
+    def value(self) -> int:
+        return self.count
+
+    @value.setter
+    def value(self, count: int) -> None:
+        self.count = count
+        try:
+            self.conn.send(Beat(count))
+        except OSError:  # the driver is gone: the worker's loop finds out and exits
+            pass
+
+
+class Heard(threading.Thread):
+    """The driver's copy of a worker's heartbeat count (`value`, as health.Health reads a counter),
+    kept by reading its beat connection until it closes."""
+
+    def __init__(self, conn: Any) -> None:
+        super().__init__(name="beats", daemon=True)
+        self.conn, self.value = conn, 0
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.value = self.conn.recv().count
+            except (EOFError, OSError):
+                return

@@ -20,16 +20,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 from multiprocessing import current_process
 from multiprocessing.connection import Client, Listener
 from typing import Any, Callable
 
 from tailrace.common import ConfigError, Fault, one_line
 from tailrace.config import RuntimeConfig
-from tailrace.runtime.health import STARTUP_S
+from tailrace.runtime.health import STARTUP_S, Beats, Heard
 from tailrace.runtime.hosts import Seat, Started
-from tailrace.runtime.messages import Beat
 
 LOOPBACK = "127.0.0.1"
 PLACE_S = 120.0  # for the placement group's bundles to be reserved, once the cluster has the resources
@@ -71,26 +69,6 @@ class Host:
         target(conn, Beats(beats), *args)
 
 
-class Beats:
-    """The heartbeat counter of a worker the driver shares no memory with: each `value` its Pulse
-    sets (`value += 1`) goes to the driver as a `Beat` on the beat connection."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn, self.count = conn, 0
-
-    @property
-    def value(self) -> int:
-        return self.count
-
-    @value.setter
-    def value(self, count: int) -> None:
-        self.count = count
-        try:
-            self.conn.send(Beat(count))
-        except OSError:  # the driver is gone: the worker's loop finds out and exits
-            pass
-
-
 def _sigkill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -99,23 +77,6 @@ def _sigkill(pid: int) -> None:
 
 
 # -- the driver's side ---------------------------------------------------------------------------
-
-
-class Heard(threading.Thread):
-    """The driver's copy of a worker's heartbeat count (`value`, as health.Health reads a counter),
-    kept by reading its beat connection until it closes."""
-
-    def __init__(self, conn: Any) -> None:
-        super().__init__(name="beats", daemon=True)
-        self.conn, self.value = conn, 0
-        self.start()
-
-    def run(self) -> None:
-        while True:
-            try:
-                self.value = self.conn.recv().count
-            except (EOFError, OSError):
-                return
 
 
 class RayProcess:

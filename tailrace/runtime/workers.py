@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from tailrace.common import Fault, InputError, one_line
 from tailrace.runtime.health import Health, Lost, Pulse, exit_reason
-from tailrace.runtime.hosts import Hosts, LocalHosts
+from tailrace.runtime.hosts import Hosts, LocalHosts, Started
 from tailrace.runtime.messages import Failed, Ready, Shutdown
 from tailrace.runtime.procs import name_process
 
@@ -88,6 +88,7 @@ class Worker:
     health: Health
     sender: Sender
     lost: bool = False  # killed and no longer heard: the driver replaces it or stops
+    elastic: bool = False  # joined the run (runtime/join.py): its loss always comes back as `Lost`
 
 
 class Workers:
@@ -105,14 +106,29 @@ class Workers:
         self.hosts = hosts or LocalHosts()
         self.timeout_s, self.errors_log, self.recover = timeout_s, errors_log, recover
         self.all: list[Worker] = []
+        self.retired: list[Worker] = []  # workers that left the run, shut down at `close`
 
     def start(self, name: str, target: Callable[..., None], *args: Any) -> Worker:
         """Start `target(conn, counter, *args)` in a new process on this machine or the cluster."""
-        s = self.hosts.start(name, target, args)
-        w = Worker(name, s.proc, s.conn, Health(name, s.proc, s.counter, self.timeout_s), Sender(s.conn))
+        return self.adopt(name, self.hosts.start(name, target, args))
+
+    def adopt(self, name: str, s: Started, elastic: bool = False) -> Worker:
+        """A worker started elsewhere (`elastic`: an engine that joined the run, runtime/join.py, whose
+        loss never stops the run), heard and checked from now on like the driver's own."""
+        health = Health(name, s.proc, s.counter, self.timeout_s)
+        w = Worker(name, s.proc, s.conn, health, Sender(s.conn), elastic=elastic)
         w.sender.start()
         self.all.append(w)
         return w
+
+    def retire(self, w: Worker) -> None:
+        """`w` leaves the run (an engine told to leave, or a joined one lost): it is told to shut down
+        if it still can be, no longer heard or checked, and waited for at `close`."""
+        if w in self.all:
+            self.all.remove(w)
+        self.send(w, Shutdown())
+        w.lost = True  # nothing more is read from it
+        self.retired.append(w)
 
     def replace(self, old: Worker, target: Callable[..., None], *args: Any) -> Worker:
         """A fresh process under `old`'s name (`old` is lost: already killed); it says `Ready` when up."""
@@ -151,8 +167,8 @@ class Workers:
             if verdict is not None:
                 got.append((w, self._lose(w, verdict)))
         if not self.recover:
-            for _, msg in got:
-                if isinstance(msg, Lost):
+            for w, msg in got:
+                if isinstance(msg, Lost) and not w.elastic:
                     raise Fault(msg.line)
         return got
 
@@ -163,6 +179,13 @@ class Workers:
 
     def close(self) -> None:
         live = [w for w in self.all if not w.lost]  # a lost one is already killed and closed
+        for w in self.retired:
+            w.proc.join(timeout=5)
+            if w.proc.is_alive():
+                w.proc.kill()
+            w.sender.stop()
+            w.conn.close()
+        self.retired = []
         for w in live:
             self.send(w, Shutdown())
         for w in live:

@@ -73,11 +73,14 @@ class ScriptedCluster:
         self.generated: list[SampleKey] = []  # every sample this cluster finished (not aborted)
         self.journal: list[JournalEntry] = []  # the journal and marks of every poll, in order
         self.marks: list[Mark] = []
+        self.gone: set[int] = set()  # engines that left: commands to them are dropped
 
     def execute(self, out: Outbox) -> None:
         self.journal.extend(out.journal)
         self.marks.extend(out.marks)
         for c in out.commands:
+            if getattr(c, "engine", None) in self.gone:
+                raise AssertionError(f"{type(c).__name__} sent to engine {c.engine}, which left")
             if isinstance(c, Generate):
                 for req in c.requests:
                     assert req.version in self.loaded[c.engine], "dispatched a version the engine lacks"
@@ -184,6 +187,24 @@ class ScriptedCluster:
         self.queue[e], self.running[e] = [], []
         self.loads = [(t, eng, v) for t, eng, v in self.loads if eng != e]
         return self.s.on_engine_lost(e, self.t)
+
+    def join_engine(self, lookahead: int = 2) -> int:
+        """A new engine with this cluster's slots joins the job holding no weights; returns its id."""
+        e = self.s.add_engine(self.slots, lookahead)
+        assert e == len(self.queue), "engine ids are handed out in order"
+        self.queue.append([])
+        self.running.append([])
+        self.loaded.append(set())
+        return e
+
+    def leave_engine(self, e: int) -> int:
+        """Engine `e` leaves gracefully: the scheduler requeues its samples; the process stops (what it
+        was running is never reported) and its loads in flight land nowhere."""
+        n = self.s.remove_engine(e, self.t)
+        self.gone.add(e)
+        self.queue[e], self.running[e] = [], []
+        self.loads = [(t, eng, v) for t, eng, v in self.loads if eng != e]
+        return n
 
     def run(self, max_ticks: int = 100_000) -> None:
         while not self.s.done and self.t < max_ticks:

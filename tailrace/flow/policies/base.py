@@ -66,6 +66,11 @@ class Policy:
     def on_aborted(self, core: Scheduler, partial: Trajectory) -> None:
         core.discard_partial(partial, "aborted")
 
+    def version_for(self, core: Scheduler, g: GroupState) -> int | None:
+        """The version `g`'s pending samples will be dispatched under (the core has some engine load it
+        when the engines holding it left); None: none in particular."""
+        return g.version
+
     def state_dict(self) -> dict:
         return {}
 
@@ -95,6 +100,8 @@ class Policy:
             v = g.version if version is None else version
             while g.todo:
                 engines = [e for e in core.engines if v in e.loaded]
+                if not engines:  # every holder left: the core has a joined engine load it
+                    return
                 core.dispatch(engines[i % len(engines)].id, g, 1, version=v, queue_all=True)
                 i += 1
 
@@ -117,15 +124,16 @@ class Policy:
                 continue
             held = {v for e in core.engines for v in e.loaded}
             core.drop_group(gid, "zero-signal")
-            slots[i] = core.open_group(g.version if g.version in held else max(held)).id
+            slots[i] = core.open_group(g.version if g.version in held or not held else max(held)).id
             n += 1
         return n
 
     @staticmethod
     def sync_engines(core: Scheduler, version: int) -> bool:
-        """Load `version` everywhere and drop older idle versions; True once every engine holds it."""
+        """Load `version` everywhere and drop older idle versions; True once every engine holds it
+        (and there is one)."""
         for e in core.engines:
             core.load(e.id, version)
             for old in [v for v in e.loaded if v < version]:
                 core.drop(e.id, old)
-        return all(version in e.loaded for e in core.engines)
+        return bool(core.engines) and all(version in e.loaded for e in core.engines)

@@ -68,13 +68,17 @@ class MultiVersionPolicy(StreamingPolicy):
 
     @staticmethod
     def _place_dedicated(core: Scheduler, v: int, live: set[int]) -> None:
-        engines = core.engines
-        if not any(v in e.loaded or v in e.loading for e in engines):
+        waiting = {g.version for g in core.open.values() if g.todo}
+        # an engine holding one version at a time keeps an older one while samples of it wait to go
+        # (its holders left, and it loaded it for them): they gate the window
+        engines = [e for e in core.engines if not (e.versions_at_once == 1 and e.loaded & waiting)]
+        if engines and not any(v in e.loaded or v in e.loading for e in core.engines):
             first = min(engines, key=lambda e: (len(e.in_flight), e.id))
             core.load(first.id, v)
         for e in engines:
             if not e.in_flight:  # drained: it moves to the newest version
                 core.load(e.id, v)
+        engines = core.engines
         for e in engines:
             for old in [x for x in e.loaded if x < max(e.loaded | e.loading)]:
                 served_elsewhere = any(old in f.loaded for f in engines if f is not e)

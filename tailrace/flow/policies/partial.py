@@ -34,6 +34,9 @@ class PartialPolicy(StreamingPolicy):
                 self.fill(core, [g], version=v)
             self.open_new(core, v)
 
+    def version_for(self, core: Scheduler, g) -> int:
+        return core.newest  # every sample continues under the newest weights
+
     def one_version_refusal(self) -> str | None:
         return (
             "aborts running samples once an engine holds the new version beside the old one; use "
@@ -43,5 +46,5 @@ class PartialPolicy(StreamingPolicy):
 
     def on_aborted(self, core: Scheduler, partial) -> None:
         """Resume the partial on the engine that returned it, under the newest version it holds."""
-        engine = max(core.engines, key=lambda e: (max(e.loaded), e.free))
+        engine = max([e for e in core.engines if e.loaded], key=lambda e: (max(e.loaded), e.free))
         core.resume(engine.id, partial, max(engine.loaded))

@@ -70,6 +70,8 @@ class SortedRounds:
             for e in core.engines:
                 for old in [v for v in e.loaded if v < core.newest]:
                     core.drop(e.id, old)
+        if not core.engines:
+            return None
         return max(set.intersection(*(e.loaded for e in core.engines)), default=None)
 
     def _start_round(self, core: Scheduler, held: int) -> None:

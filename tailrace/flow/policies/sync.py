@@ -91,6 +91,11 @@ class SyncPolicy(Policy):
             core.train(kept[i : i + U], publish=i + U >= len(kept))
         self.round = []
 
+    def version_for(self, core: Scheduler, g: GroupState) -> None:
+        """None: a round's samples go under the newest weights, which an engine that joins loads (a
+        group carried into the next round goes under that round's)."""
+        return None
+
     def on_aborted(self, core: Scheduler, partial: Trajectory) -> None:
         if core.shaping.carries:  # a carried group's sample: resumed in the next round
             core.park(partial)

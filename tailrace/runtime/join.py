@@ -1,0 +1,294 @@
+"""Engines that join a running job from outside it, and leave it: `tailrace engine join RUN_DIR`,
+`tailrace engine leave RUN_DIR ENGINE_ID` (or SIGTERM to a joined process).
+
+The driver opens a desk (`Desk`): a listener on loopback, authenticated by a key made for the run;
+the address goes to RUN_DIR/join.json and the key to RUN_DIR/join.key, both mode 0600, so only the
+run's owner can add or remove engines. A joining process (`join`) opens three connections, each
+introduced by a `Hello(pid, role)`: its messages (runtime/messages.py, as any worker's), its heartbeat
+(`Beat`s, as a Ray actor's: runtime/ray_hosts.py) and its weights. The driver registers it with the
+scheduler (a new engine id, holding no weights: `Scheduler.add_engine`), answers with a `Welcome`
+(its id and the run's engine spec), and from then on it is a worker like the others: the scheduler
+has it load the weights its policy needs, then gives it work.
+
+It was not forked from the driver, so it shares no memory with the weights ring: it asks for a
+version on its weights connection and a driver thread answers with that ring slot, one contiguous
+buffer in one message (`WireWeights`; a few MB for the built-in model).
+
+A `Leave(engine)` on a connection of its own asks the driver to remove an engine, joined or not: the
+scheduler requeues its in-flight samples (`Scheduler.remove_engine`) and the worker is told to shut
+down; the driver handles joins and leaves between polls of the training loop, never during an
+evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import AuthenticationError, Pipe, current_process
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from tailrace.common import Fault, InputError, one_line
+
+LOOPBACK = "127.0.0.1"
+ROLES = ("messages", "beats", "weights")  # a joiner's connections, opened in this order
+HELLO_S = 10.0  # for a connection's first message
+
+
+@dataclass(frozen=True)
+class Hello:
+    pid: int
+    role: str  # one of ROLES
+    cores: tuple[int, ...] = ()  # the cores it asks to be pinned to (messages only; (): the driver picks)
+
+
+@dataclass(frozen=True)
+class Leave:
+    engine: int
+
+
+@dataclass(frozen=True)
+class Welcome:
+    engine: int
+    spec: Any  # runtime/engine_worker.EngineSpec
+    layout: Any  # model/flat.Layout
+    dtype: Any  # the ring's torch dtype
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A joining process, its three connections open."""
+
+    pid: int
+    conns: dict[str, Connection]
+    cores: tuple[int, ...]  # asked for; () = the driver picks
+
+
+# -- the driver's side ---------------------------------------------------------------------------
+
+
+class Desk:
+    """The driver's listener for engines that join or leave (`take` between polls)."""
+
+    def __init__(self, run_path: Path) -> None:
+        self.run_path = run_path
+        key = os.urandom(32)
+        self.listener = Listener((LOOPBACK, 0), authkey=key)
+        host, port = self.listener.address
+        _private(run_path / "join.key", key)
+        _private(
+            run_path / "join.json", json.dumps({"host": host, "port": port, "pid": os.getpid()}).encode()
+        )
+        self.waitable, self._wake = Pipe(duplex=False)  # readable when something arrived
+        self._arrived: queue.SimpleQueue = queue.SimpleQueue()
+        self._parts: dict[int, dict[str, Connection]] = {}
+        self._cores: dict[int, tuple[int, ...]] = {}
+        self._closed = False
+        threading.Thread(target=self._accept, name="join-desk", daemon=True).start()
+
+    def take(self) -> list[Arrival | Leave]:
+        while self.waitable.poll():
+            self.waitable.recv_bytes()
+        got = []
+        while not self._arrived.empty():
+            got.append(self._arrived.get())
+        return got
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        for name in ("join.json", "join.key"):
+            (self.run_path / name).unlink(missing_ok=True)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn = self.listener.accept()
+            except AuthenticationError:  # not the run's key: refused
+                continue
+            except OSError:  # closed
+                return
+            try:
+                msg = conn.recv() if conn.poll(HELLO_S) else None
+            except (EOFError, OSError):
+                msg = None
+            if isinstance(msg, Leave):
+                conn.close()
+                self._arrive(msg)
+            elif isinstance(msg, Hello) and msg.role in ROLES:
+                parts = self._parts.setdefault(msg.pid, {})
+                parts[msg.role] = conn
+                self._cores[msg.pid] = self._cores.get(msg.pid, ()) or msg.cores
+                if len(parts) == len(ROLES):
+                    self._arrive(Arrival(msg.pid, self._parts.pop(msg.pid), self._cores.pop(msg.pid)))
+            else:
+                conn.close()
+
+    def _arrive(self, what: Arrival | Leave) -> None:
+        self._arrived.put(what)
+        self._wake.send_bytes(b"!")
+
+
+def serve_weights(conn: Connection, weights: Any) -> None:
+    """Answer a joined engine's weight requests (a version each) with that version's buffer, as raw
+    bytes; an empty answer when the ring no longer holds it. Runs in a thread until the engine goes."""
+
+    def run() -> None:
+        while True:
+            try:
+                v = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                buf = weights.read(v).buffer
+                data = memoryview(buf.contiguous().view(-1).view(_uint8()).numpy())
+            except RuntimeError:
+                data = b""
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                return
+
+    threading.Thread(target=run, name="join-weights", daemon=True).start()
+
+
+class JoinedProcess:
+    """A joined engine's process as the driver handles one (runtime/health.py): not its child, so
+    alive while its pid is (and not a zombie); its exit code is not the driver's to know."""
+
+    exitcode = None
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+        except OSError:  # no /proc: ask the kernel
+            try:
+                os.kill(self.pid, 0)
+                return True
+            except OSError:
+                return False
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def join(self, timeout: float | None = None) -> None:
+        end = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.is_alive() and time.monotonic() < end:
+            time.sleep(0.05)
+
+
+# -- the joining process's side ------------------------------------------------------------------
+
+
+class WireWeights:
+    """A joined engine's weights reader (read / arrivals, as runtime/weights.SharedWeights): each
+    version comes from the driver's ring over the weights connection."""
+
+    def __init__(self, conn: Connection, layout: Any, dtype: Any) -> None:
+        self.conn, self.layout, self.dtype = conn, layout, dtype
+
+    def read(self, version: int):
+        import torch
+
+        from tailrace.model.flat import FlatWeights
+
+        self.conn.send(version)
+        data = self.conn.recv_bytes()
+        if not data:
+            raise Fault(f"the driver's ring no longer holds the weights of version {version}")
+        return FlatWeights(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype), self.layout)
+
+    def arrivals(self) -> list:
+        return []
+
+
+def address(run_dir: Path) -> tuple[tuple[str, int], bytes]:
+    """Where a running job's desk listens, and its key: bad input when the run is not running."""
+    try:
+        where = json.loads((run_dir / "join.json").read_text())
+        key = (run_dir / "join.key").read_bytes()
+    except FileNotFoundError:
+        raise InputError(
+            f"{run_dir}: no running job to join there (no join.json); start one with tailrace train "
+            "(runtime.kind=local), or pass its run directory"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"{run_dir}: cannot read its join.json / join.key ({one_line(e)})") from None
+    return (where["host"], int(where["port"])), key
+
+
+def connect(run_dir: Path) -> Connection:
+    addr, key = address(run_dir)
+    try:
+        return Client(addr, authkey=key)
+    except (ConnectionRefusedError, AuthenticationError, OSError) as e:
+        raise InputError(
+            f"{run_dir}: its job does not answer at {addr[0]}:{addr[1]} ({one_line(e)})"
+        ) from None
+
+
+def leave(run_dir: Path, engine: int) -> None:
+    """Ask the job running in `run_dir` to remove `engine` (it leaves once the driver reads this)."""
+    with connect(run_dir) as conn:
+        conn.send(Leave(engine))
+
+
+def join(run_dir: Path, cores: tuple[int, ...] = ()) -> int:
+    """Join the job running in `run_dir` as a new engine and serve it until the run ends or the engine
+    is told to leave (SIGTERM: this process asks to leave, and exits when the driver lets it go).
+    `cores`: pin it there (default: a core no worker of the run uses, else the run's engines')."""
+    from tailrace.runtime.engine_worker import engine_main
+    from tailrace.runtime.health import Beats
+
+    pid = os.getpid()
+    conns = {}
+    for role in ROLES:
+        conns[role] = connect(run_dir)
+        conns[role].send(Hello(pid, role, cores))
+    welcome = conns["messages"].recv()
+    if not isinstance(welcome, Welcome):
+        raise Fault(f"{run_dir}: the job answered {type(welcome).__name__}, not Welcome")
+    print(f"joined {run_dir} as engine {welcome.engine} (pid {pid})", flush=True)
+
+    def on_term(signum, frame) -> None:
+        try:
+            leave(run_dir, welcome.engine)  # on a connection of its own: the loop's is the engine's
+        except InputError:  # the run is over: nothing to leave
+            os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in its terminal: leave with SIGTERM instead
+    current_process().name = f"engine{welcome.engine}"
+    weights = WireWeights(conns["weights"], welcome.layout, welcome.dtype)
+    engine_main(conns["messages"], Beats(conns["beats"]), welcome.engine, welcome.spec, weights)
+    print(f"engine {welcome.engine} left {run_dir}", flush=True)
+    return 0
+
+
+def _private(path: Path, data: bytes) -> None:
+    """Write a file only its owner can read (created 0600, never readable by others first)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _uint8():
+    import torch
+
+    return torch.uint8

@@ -1,0 +1,98 @@
+"""Engines joining and leaving a real run (runtime/join.py): `tailrace engine join RUN_DIR` starts an
+engine process that joins the running `tailrace train`; `tailrace engine leave RUN_DIR 0` removes the
+run's own engine; SIGTERM makes the joined one leave, so the run has no engine at all until a third
+joins; that one is killed (-9) and removed, and a fourth finishes the run. The run completes its
+steps, the ledger is exact at every step record, and no (group, sample) is trained twice."""
+
+import json
+import os
+import signal
+import stat
+import time
+
+import pytest
+
+from tests.runtime.conftest import TINY_RUN, run_cli, start_cli
+
+pytestmark = pytest.mark.slow
+
+
+def events(run_dir):
+    f = run_dir / "events.jsonl"
+    return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+
+
+def wait_until(cond, proc, what, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()[-3000:]}"
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def worked(run_dir, engine):
+    """Engine `engine` has generated (a busy span in its lane)."""
+    return any(e.get("lane") == f"engine{engine}" and e.get("phase") == "generate" for e in events(run_dir))
+
+
+def mark(run_dir, kind):
+    return [e for e in events(run_dir) if e.get("kind") == kind]
+
+
+def test_engines_join_and_leave_a_running_job(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    train = start_cli(
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.steps=40",
+        "--max_restarts=0",
+    )  # fmt: skip
+    joined = []
+    try:
+        wait_until(lambda: (run_dir / "join.json").exists(), train, "join desk")
+        assert stat.S_IMODE((run_dir / "join.key").stat().st_mode) == 0o600
+        joined.append(start_cli("engine", "join", str(run_dir)))
+        wait_until(lambda: worked(run_dir, 1), train, "work on the joined engine 1")
+        leave = run_cli("engine", "leave", str(run_dir), "0", timeout=60)
+        assert leave.returncode == 0, leave.stdout + leave.stderr
+        wait_until(lambda: mark(run_dir, "engine_leave"), train, "engine 0 leaving")
+        os.kill(joined[0].pid, signal.SIGTERM)  # engine 1 leaves too: the job has no engine now
+        wait_until(lambda: len(mark(run_dir, "engine_leave")) == 2, train, "engine 1 leaving")
+        assert joined[0].wait(timeout=30) == 0
+        joined.append(start_cli("engine", "join", str(run_dir)))
+        wait_until(lambda: worked(run_dir, 2), train, "work on the joined engine 2")
+        os.kill(joined[1].pid, signal.SIGKILL)  # a joined engine that dies leaves (max_restarts=0 or not)
+        wait_until(lambda: len(mark(run_dir, "engine_leave")) == 3, train, "engine 2 removed")
+        joined.append(start_cli("engine", "join", str(run_dir)))
+        out, _ = train.communicate(timeout=180)
+        assert train.returncode == 0, out[-3000:]
+        assert joined[2].wait(timeout=30) == 0  # told to shut down when the run ended
+    finally:
+        for p in [train, *joined]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert not (run_dir / "join.json").exists() and not (run_dir / "join.key").exists()
+    leaves = {m["engine"]: m for m in mark(run_dir, "engine_leave")}
+    assert set(leaves) == {0, 1, 2} and "died" in leaves[2]["why"]
+    assert [m["engine"] for m in mark(run_dir, "engine_join")] == [1, 2, 3]
+    assert worked(run_dir, 3)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if r["kind"] == "step"]
+    assert len(steps) == 40
+    for r in steps:  # produced = trained + in_store + discarded, at every step
+        led = r["ledger"]
+        assert led["produced"] == led["trained"] + led["in_store"] + sum(led["discarded"].values())
+    trained = [
+        (g, i) for m in mark(run_dir, "train_issued") for g, s in zip(m["groups"], m["samples"])
+        for i in s
+    ]  # fmt: skip
+    assert len(trained) == len(set(trained)) == steps[-1]["ledger"]["trained"]
+
+
+def test_joining_or_leaving_no_running_job_is_one_line(capsys, tmp_path):
+    from tests.runtime.conftest import one_line, run
+
+    rc, out = run(capsys, "engine", "join", str(tmp_path))
+    assert rc == 2 and "no running job to join" in one_line(out)
+    rc, out = run(capsys, "engine", "leave", str(tmp_path), "x")
+    assert rc == 2 and "ENGINE_ID" in one_line(out)
