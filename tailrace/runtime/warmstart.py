@@ -101,18 +101,28 @@ def build_warm_start(arch: ArchConfig, cfg: SFTConfig, out: Path, progress=None)
         seconds = time.perf_counter() - t0
     finally:
         torch.set_num_threads(prev_threads)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tmp)
-    tok.save(tmp)
     info = {
         "recipe": recipe(arch, cfg),
         "task": dataclasses.asdict(task.spec),
         "seconds": round(seconds, 1),
-        "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
+        "final_loss": _final_loss(losses),
         "steps": len(losses),
         "parameters": model.num_parameters(),
     }
+    return _publish(model, tok, info, out)
+
+
+def _final_loss(losses: list[float]) -> float:
+    return round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)
+
+
+def _publish(model, tok, info: dict, out: Path) -> dict:
+    """The model, its tokenizer and `info` (warmstart.json) written to a temporary directory beside
+    `out`, then renamed over it: a reader never sees half a warm start."""
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tmp)
+    tok.save(tmp)
     (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)
@@ -159,15 +169,8 @@ def build_tool_warm_start(
         seconds = time.perf_counter() - t0
     finally:
         torch.set_num_threads(prev_threads)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tmp)
-    tok.save(tmp)
     info = {
         "base": base.name, "recipe": TOOL_RECIPE, "seconds": round(seconds, 1),
-        "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4), "steps": len(losses),
+        "final_loss": _final_loss(losses), "steps": len(losses),
     }  # fmt: skip
-    (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return info
+    return _publish(model, tok, info, out)
