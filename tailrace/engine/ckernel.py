@@ -107,29 +107,21 @@ class Kernels:
     def pack(w: torch.Tensor) -> torch.Tensor:
         """w (N, K) laid out for `gemm`: panels of 48 columns (zero past N); bf16 with k in pairs
         (ceil(N/48), K/2, 48, 2) (K even), fp32 with k single (ceil(N/48), K, 48)."""
-        N, K = w.shape
-        if w.dtype not in (torch.float32, torch.bfloat16) or (w.dtype == torch.bfloat16 and K % 2):
+        if w.dtype not in (torch.float32, torch.bfloat16) or (w.dtype == torch.bfloat16 and w.shape[1] % 2):
             raise ValueError(
                 f"pack: needs an fp32 weight, or a bf16 one with an even number of columns, not "
                 f"{tuple(w.shape)} {w.dtype}"
             )
-        panels = -(-N // GEMM_PANEL)
-        w = torch.nn.functional.pad(w, (0, 0, 0, panels * GEMM_PANEL - N))
-        if w.dtype == torch.float32:
-            return w.view(panels, GEMM_PANEL, K).transpose(1, 2).contiguous()
-        return w.view(panels, GEMM_PANEL, K // 2, 2).transpose(1, 2).contiguous()
+        return _panels(w, pairs=w.dtype == torch.bfloat16)
 
     @staticmethod
     def pack_i8(q: torch.Tensor) -> torch.Tensor:
         """q (N, K) int8, K even, in `pack`'s bf16 layout (ceil(N/48), K/2, 48, 2), for `gemm_i8`."""
-        N, K = q.shape
-        if q.dtype != torch.int8 or K % 2:
+        if q.dtype != torch.int8 or q.shape[1] % 2:
             raise ValueError(
                 f"pack_i8: needs an int8 weight with an even number of columns, not {tuple(q.shape)}"
             )
-        panels = -(-N // GEMM_PANEL)
-        q = torch.nn.functional.pad(q, (0, 0, 0, panels * GEMM_PANEL - N))
-        return q.view(panels, GEMM_PANEL, K // 2, 2).transpose(1, 2).contiguous()
+        return _panels(q, pairs=True)
 
     def gemm_i8(
         self,
@@ -148,11 +140,10 @@ class Kernels:
             and x.dtype == torch.bfloat16
             and x.is_contiguous()
             and packed.dtype == torch.int8
-            and packed.shape == (-(-n // GEMM_PANEL), K // 2, GEMM_PANEL, 2)
+            and packed.shape == _panel_shape(n, K, pairs=True)
             and scale.dtype == torch.float32
             and scale.is_contiguous()
-            and (b is None or (b.dtype == torch.float32 and b.shape == (n,) and b.is_contiguous()))
-            and (r is None or (r.dtype == torch.bfloat16 and r.shape == (M, n) and r.is_contiguous()))
+            and _bias_residual_ok(b, r, M, n, torch.bfloat16)
         ):
             raise ValueError(
                 f"gemm_i8: bad operands x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)}, n {n}"
@@ -183,18 +174,12 @@ class Kernels:
         (n, K) as `pack`ed; b fp32 (n,), r (M, n) in x's dtype. One thread."""
         M, K = x.shape
         dt = x.dtype
-        shape = (
-            (-(-n // GEMM_PANEL), K // 2, GEMM_PANEL, 2)
-            if dt == torch.bfloat16
-            else (-(-n // GEMM_PANEL), K, GEMM_PANEL)
-        )
         if not (
             dt in self.gemm_dtypes
             and packed.dtype == dt
             and x.is_contiguous()
-            and packed.shape == shape
-            and (b is None or (b.dtype == torch.float32 and b.shape == (n,) and b.is_contiguous()))
-            and (r is None or (r.dtype == dt and r.shape == (M, n) and r.is_contiguous()))
+            and packed.shape == _panel_shape(n, K, pairs=dt == torch.bfloat16)
+            and _bias_residual_ok(b, r, M, n, dt)
         ):
             raise ValueError(
                 f"gemm: bad operands x {tuple(x.shape)} {dt}, packed {tuple(packed.shape)}, n {n}"
@@ -477,6 +462,30 @@ _WHY = {
     -4: "a block outside the cache",
     -5: "an adapter slot outside the adapters",
 }
+
+
+def _panel_shape(n: int, k: int, pairs: bool) -> tuple[int, ...]:
+    """A packed (n, k) weight's shape: 48-column panels, k in pairs (bf16, int8) or single (fp32)."""
+    panels = -(-n // GEMM_PANEL)
+    return (panels, k // 2, GEMM_PANEL, 2) if pairs else (panels, k, GEMM_PANEL)
+
+
+def _panels(w: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """w (N, K) in `_panel_shape`'s layout, the columns past N zero."""
+    n, k = w.shape
+    shape = _panel_shape(n, k, pairs)
+    w = torch.nn.functional.pad(w, (0, 0, 0, shape[0] * GEMM_PANEL - n))
+    split = (k // 2, 2) if pairs else (k,)
+    return w.view(shape[0], GEMM_PANEL, *split).transpose(1, 2).contiguous()
+
+
+def _bias_residual_ok(
+    b: torch.Tensor | None, r: torch.Tensor | None, m: int, n: int, dt: torch.dtype
+) -> bool:
+    """A GEMM's optional bias (fp32, (n,)) and residual (`dt`, (m, n)), contiguous."""
+    return (b is None or (b.dtype == torch.float32 and b.shape == (n,) and b.is_contiguous())) and (
+        r is None or (r.dtype == dt and r.shape == (m, n) and r.is_contiguous())
+    )
 
 
 def _paged(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> bool:
