@@ -145,12 +145,12 @@ class Toggle:
     drafter's time grows with the draft length (a model drafting token by token) rather than per call
     (a lookup)."""
 
-    def __init__(self, per_token_draft: bool, min_speedup: float = 1.05, draft_prior=None):
-        """`draft_prior()`: a draft step's time over a plain decode step's at the same batch, until the
-        drafter's own time is measured (default: 1 for a model drafter, 0 for a lookup). A prior of 1
+    def __init__(self, per_token_draft: bool, min_speedup: float = 1.05, draft_prior: float | None = None):
+        """`draft_prior`: a draft step's time over a plain decode step's at the same batch, until the
+        drafter's own time is measured (None: 1 for a model drafter, 0 for a lookup). A prior of 1
         never predicts a gain, so such a drafter is never tried: a cheaper one must say so."""
         self.per_token_draft, self.min_speedup = per_token_draft, min_speedup
-        self.draft_prior = draft_prior or (lambda: 1.0 if per_token_draft else 0.0)
+        self.draft_prior = draft_prior if draft_prior is not None else 1.0 if per_token_draft else 0.0
         self.decode = ByBatch()  # a decode step without drafts or prefill, by active batch
         self.excess: LowFit | None = None  # a verify's excess, per [draft token, verifying row]
         self.draft: LowFit | None = None  # the drafter's time per [call, 8 rows], per draft step or call
@@ -215,7 +215,7 @@ class Toggle:
         if self.draft is not None:
             d = self.draft([1.0, batch / 8])
         else:  # not measured yet: the drafter's prior (a model as dear as the target, a lookup free)
-            d = t * self.draft_prior()
+            d = t * self.draft_prior
         d = max(d, 0.0) * (gamma if self.per_token_draft else 1)
         v = 1.0 + max(extra, 0.0) / t  # a verify never costs less than the decode step it replaces
         return speedup(alpha, gamma, d / (gamma * t), v)

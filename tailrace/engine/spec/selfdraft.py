@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from tailrace.engine.backends.linear import kernel_gemm_serves
 from tailrace.engine.rows import TOK, TOP_P_OFF
 from tailrace.engine.sampler import SampleFlags, sample
 from tailrace.engine.spec.drafter import DraftEnv, DraftRow
@@ -37,24 +36,12 @@ class QuantDrafter:
         # the engine's first version now, not inside the first draft: its quantization would be timed as
         # that draft's cost, and a draft step thought to cost a second is never tried again
         self.load(0, env.model_of(0))
-
-    @property
-    def alpha_prior(self) -> float:
-        return INT8_ALPHA if self.bits == 8 else 0.5
-
-    @property
-    def cost_prior(self) -> float:
-        """A draft step against a decode step before either is timed: about 0.6 where the layers run on
-        the int8 GEMM (they read half the bytes; the LM head, attention and sampling do not shrink),
-        else 1 (dequantized weights: as dear as the target, so the toggle never tries it)."""
-        k = self.env.kernel
-        on_int8 = (
-            self.bits == 8
-            and k is not None
-            and self.env.cache.dtype == torch.bfloat16  # the kernel backend: model and cache in one dtype
-            and kernel_gemm_serves(k, torch.empty(1, 2, dtype=torch.bfloat16))
-        )
-        return INT8_COST if on_int8 else 1.0
+        # what the toggle assumes before it has timed a draft or verified one (speculator.py): a draft
+        # step on the int8 GEMM reads half the layers' bytes (the LM head, attention and the draw do not
+        # shrink); on dequantized weights it costs a target step, and the toggle never tries it
+        on_int8 = any(layer.qkv.ks is not None for layer in self._backends[0].w.layers)
+        self.cost_prior = INT8_COST if on_int8 else 1.0
+        self.alpha_prior = INT8_ALPHA if bits == 8 else None
 
     def load(self, version: int, model: CausalLM) -> None:
         if self.bits == 8:  # the backend rounds its fused layer weights to int8 (the C int8 GEMM, on CPU)

@@ -61,14 +61,12 @@ class Speculator:
         self.drafter, self.toggled, self.train_s = drafter, o.toggle, o.train_s
         self._idle_left = o.train_s  # training seconds left in this idle period
         # a drafter may say what a draft step costs before it is timed (`cost_prior`; quant8 on the int8
-        # GEMM: about 0.6 of a decode step); without it, the toggle's default for its kind
-        prior = getattr(drafter, "cost_prior", None)
-        self.toggle = Toggle(
-            drafter.per_token_cost, o.min_speedup, None if prior is None else lambda: drafter.cost_prior
-        )
+        # GEMM: about 0.6 of a decode step) and what it accepts before any verify (`alpha_prior`; int8
+        # RTN: ~0.9); without them, the toggle's default for its kind and ALPHA0
+        self.toggle = Toggle(drafter.per_token_cost, o.min_speedup, getattr(drafter, "cost_prior", None))
         self.rung = Rung(rungs=rungs(o.gamma_min, o.gamma_max))
         self.stats = SpecStats(gamma=self.rung.gamma)
-        alpha0 = getattr(drafter, "alpha_prior", ALPHA0)
+        alpha0 = getattr(drafter, "alpha_prior", None) or ALPHA0
         self._acc, self._cmp = alpha0 * PRIOR, PRIOR  # the drafter's decayed record
         self._round = [0, 0, 0]  # steps with verifies, accepted, compared in this round
 
