@@ -26,6 +26,11 @@ A request ends with STOP on one of its `stop_token_ids` (the engine adds no EOS 
 LENGTH at `max_new_tokens` (resumed tokens count) or when prompt + response fill `max_context` (a
 response is cut there like at max_new_tokens; a prompt that leaves no room is refused by `add`).
 Preemption changes no output: a preempted request resumes as an aborted one does (`abort_resume`).
+With `keep_finished` (multi-turn: a request that stopped at a tool call continues after the tool
+answers), a finished request's blocks stay, and a later request of the same version and adapter whose
+prompt + resumed tokens extend its tokens adopts them and prefills only the rest: the k/v it reuses
+are those its own uninterrupted decoding would have computed. Kept blocks count as free: the pool
+takes them back, oldest first, before it refuses an admission or preempts anyone.
 LoRA adapters (`load_adapter`) apply over any version: a request names one in `GenRequest.adapter`, and
 each version's forward runs the base GEMMs over all its rows once and the rows' low-rank terms after
 them, per row (`adapters`), so rows of several adapters (and of none) share a step.
@@ -109,6 +114,7 @@ class TailraceEngine(SpeculativeSteps):
         attention: str | None = None,
         kv_dtype: torch.dtype | None = None,
         spec: str | Callable[[DraftEnv], Drafter] | SpecOptions | None = None,
+        keep_finished: bool = False,
     ):
         """`model` is version 0. `max_context`: context limit (prompt + response) per request, default
         the model's max_position_embeddings (or less, if the KV pool holds less). `expected_context`: the
@@ -122,7 +128,8 @@ class TailraceEngine(SpeculativeSteps):
         the KV cache's dtype, default the model's (float32 with a bf16 model: fp32 cache, twice the
         bytes). `spec`: speculative decoding with this drafter (a name in `spec.DRAFTERS`, or a factory
         of a `Drafter`; None or 'off': none) or these `SpecOptions`; it changes no output, only the
-        time (see `spec`)."""
+        time (see `spec`). `keep_finished`: keep finished requests' k/v for continuations (see above;
+        not with speculation, whose drafters keep caches of their own)."""
         if num_slots < 1:
             raise EngineError(f"num_slots={num_slots} must be at least 1")
         if prefill_tokens < 1:
@@ -207,6 +214,12 @@ class TailraceEngine(SpeculativeSteps):
             )
             self._spec = Speculator(make(env), opts)
         self.capabilities = capabilities(speculative=self._spec is not None)
+        if keep_finished and self._spec is not None:
+            raise EngineError("keep_finished=True does not work with speculative decoding; drop one")
+        self.keep_finished = keep_finished
+        # (version, adapter, prompt ids) -> [(key of kept blocks, the tokens they hold k/v for + 1)]
+        self._kept: dict[tuple, list[tuple[str, tuple[int, ...]]]] = {}
+        self.reused_tokens = 0  # prompt + resumed tokens not prefilled again: their k/v were kept
 
     # -- public API ---------------------------------------------------------------------------------
 
@@ -284,6 +297,7 @@ class TailraceEngine(SpeculativeSteps):
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Add weights as a new `version`, or overwrite an existing version in place (its in-flight
         requests continue from the next step with the new weights on top of their cached k/v)."""
+        self._forget_kept(version=version)  # in place: its kept k/v are the old weights'
         with torch.inference_mode():
             self._versions.load(state_dict, version)
             if self._spec:
@@ -318,6 +332,7 @@ class TailraceEngine(SpeculativeSteps):
         """Add a LoRA adapter of this engine's base model under `name` (requests name it in
         `GenRequest.adapter`), or replace the weights of the one loaded under it: its requests in
         flight continue from the next step with the new weights, as `load_weights` over a version."""
+        self._forget_kept(adapter=name)
         with torch.inference_mode():
             self._adapters.load(name, adapter)
 
@@ -329,6 +344,7 @@ class TailraceEngine(SpeculativeSteps):
                 f"drop_adapter({name!r}): {self._per_adapter[name]} request(s) of it are waiting or "
                 "running; abort them or let them finish first"
             )
+        self._forget_kept(adapter=name)
         with torch.inference_mode():  # the stacks are inference tensors: a dropped slot is zeroed in place
             self._adapters.drop(name)
 
@@ -342,6 +358,7 @@ class TailraceEngine(SpeculativeSteps):
             )
         if len(self.versions) == 1:
             raise EngineError(f"drop_version({version}): it is the only version; load another one first")
+        self._forget_kept(version=version)
         self._versions.drop(version)
         if self._spec:
             self._spec.drafter.drop(version)
@@ -432,15 +449,43 @@ class TailraceEngine(SpeculativeSteps):
         (a request that does not fit waits at the head, so a long prompt is never overtaken)."""
         while self._waiting and self.slots.num_free:
             seq = self._waiting[0]
+            key, cached = self._kept_prefix(seq)
             # it holds at most len(ids) + allowed - 1 positions: its last token's k/v is never written
-            blocks = self.paging.admit(seq.id, len(seq.ids), len(seq.ids) + seq.allowed - 1, seq.age)
+            limit = len(seq.ids) + seq.allowed - 1
+            blocks = self.paging.admit(seq.id, len(seq.ids), limit, seq.age, key, cached)
             if blocks is None:
                 return
             self._waiting.popleft()
+            seq.prefilled = cached
+            self.reused_tokens += cached
             row = self.slots.admit(seq.id)
             self.rows.set(row, seq)
             self.cache.table.set(row, blocks)
             self._prefilling.append(seq)
+
+    def _kept_prefix(self, seq: Sequence) -> tuple[str | None, int]:
+        """Kept blocks `seq` may adopt (the longest whose tokens its own begin with) and how many of
+        its positions they hold; (None, 0): none. Entries the pool took back are pruned here."""
+        where = (seq.version, seq.req.adapter, seq.req.prompt_ids)
+        entries = self._kept.get(where)
+        if not entries:
+            return None, 0
+        entries[:] = [(k, t) for k, t in entries if self.paging.is_kept(k)]
+        n = len(seq.ids)
+        hits = [(len(t) - 1, k) for k, t in entries if len(t) <= n and seq.ids[: len(t)] == t]
+        if not entries:
+            del self._kept[where]
+        if not hits:
+            return None, 0
+        cached, key = max(hits)
+        entries[:] = [(k, t) for k, t in entries if k != key]
+        return key, cached
+
+    def _forget_kept(self, version: int | None = None, adapter: str | None = None) -> None:
+        """Kept blocks of `version` (or of `adapter`) no longer match their weights."""
+        for where in [w for w in self._kept if w[0] == version or w[1] == adapter]:
+            for key, _ in self._kept.pop(where):
+                self.paging.forget(key)
 
     def _preempt(self, seq: Sequence) -> None:
         """Take a running request's slot (its blocks are already free) and queue it first, as a request
@@ -657,6 +702,12 @@ class TailraceEngine(SpeculativeSteps):
             for (seq, reason), (toks, lps) in zip(fin, outs):
                 res = self._result(seq, toks, lps, reason, now)
                 results.append(res)
+                if self.keep_finished and self.paging.holds(seq.id):  # k/v of all but its last token
+                    full = seq.ids + tuple(toks)
+                    key = self.paging.keep(seq.id, len(full) - 1)
+                    self._kept.setdefault((seq.version, seq.req.adapter, seq.req.prompt_ids), []).append(
+                        (key, full)
+                    )
                 self._remove(seq)
                 if self._spec is not None:  # a sibling's response: what the others may draft from
                     self._spec.drafter.add_history(seq.req.prompt_ids, res.token_ids)

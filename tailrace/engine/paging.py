@@ -15,11 +15,16 @@ Decisions the engine applies (as `Slots` returns row moves), over a `BlockPool`:
     or the needing sequence was itself the youngest. Needs are served oldest first, so the oldest
     holder always progresses (no livelock), and the caller requeues a preempted request at the front,
     where it is admitted again before any later arrival.
+  * `keep` (multi-turn): a finished sequence's blocks stay, under a key of their own, for a
+    continuation that `admit` lets adopt them (it then prefills only what follows them). Kept blocks
+    count as free for every decision: the pool takes them back, oldest first, before it would refuse
+    an admission or preempt anyone.
 Ages are arrival numbers (smaller = older); a preempted request keeps its age when readmitted.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from tailrace.engine.block_pool import BlockPool
@@ -36,10 +41,41 @@ class Paging:
         self.pool = BlockPool(num_blocks, block_size)
         self._age: dict[str, int] = {}  # the holders (sequences owning blocks) and their arrival numbers
         self._limit: dict[str, int] = {}  # the most positions each holder may come to hold
+        self._kept: OrderedDict[str, int] = OrderedDict()  # kept blocks' key -> positions, oldest first
+        self._keys = 0
 
     @property
     def num_holders(self) -> int:
         return len(self._age)
+
+    @property
+    def num_kept_blocks(self) -> int:
+        return sum(len(self.pool.owned[k]) for k in self._kept)
+
+    def is_kept(self, key: str) -> bool:
+        return key in self._kept
+
+    def keep(self, rid: str, positions: int) -> str:
+        """`rid` finished: the blocks of its first `positions` stay (the rest return) under the key
+        returned, until a continuation adopts them or the pool needs them."""
+        del self._age[rid], self._limit[rid]
+        self._keys += 1
+        key = f"kept.{self._keys}"
+        self.pool.owned[key] = self.pool.owned.pop(rid)
+        self.pool.truncate(key, positions)
+        self._kept[key] = positions
+        return key
+
+    def forget(self, key: str) -> None:
+        """Kept blocks no continuation may adopt any more (their weights changed): back to the pool."""
+        if self._kept.pop(key, None) is not None:
+            self.pool.release(key)
+
+    def _room(self, blocks: int) -> bool:
+        """Free at least `blocks` blocks, taking kept ones back oldest first; False: not even then."""
+        while self.pool.num_free < blocks and self._kept:
+            self.pool.release(self._kept.popitem(last=False)[0])
+        return self.pool.num_free >= blocks
 
     def holds(self, rid: str) -> bool:
         return rid in self._age
@@ -48,18 +84,31 @@ class Paging:
         """Positions the blocks `rid` holds can take."""
         return len(self.pool.owned[rid]) * self.pool.block_size
 
-    def admit(self, rid: str, tokens: int, limit: int, age: int) -> list[int] | None:
+    def admit(
+        self, rid: str, tokens: int, limit: int, age: int, adopt: str | None = None, cached: int = 0
+    ) -> list[int] | None:
         """The blocks for `rid`'s first `tokens` positions (of at most `limit` it may come to hold), or
-        None: not now (stop admitting)."""
+        None: not now (stop admitting). `adopt`: the key of kept blocks whose first `cached` positions
+        `rid` takes over (they hold its first `cached` positions' k/v); the rest are new."""
         if rid in self._age:
             raise ValueError(f"{rid!r} already holds blocks")
         pool = self.pool
+        if adopt is not None and (adopt not in self._kept or cached > self._kept[adopt]):
+            raise ValueError(f"{adopt!r} does not keep {cached} positions")
         reserve = sum(pool.short_by(r, n) > 0 for r, n in self._limit.items())
         reserve += pool.blocks_for(limit) > pool.blocks_for(tokens)
-        if pool.blocks_for(tokens) + reserve > pool.num_free:
+        reuse = pool.blocks_for(cached) if adopt is not None else 0
+        other_kept = self.num_kept_blocks - (len(pool.owned[adopt]) if adopt is not None else 0)
+        if pool.blocks_for(tokens) - reuse + reserve > pool.num_free + other_kept:
             return None
+        if adopt is not None:
+            del self._kept[adopt]
+            pool.owned[rid] = pool.owned.pop(adopt)
+            pool.truncate(rid, cached)
+        self._room(pool.blocks_for(tokens) - reuse + reserve)
         self._age[rid], self._limit[rid] = age, limit
-        return pool.allocate(rid, tokens)
+        pool.allocate(rid, tokens)
+        return list(pool.owned[rid])
 
     def grow(self, needs: list[tuple[str, int]]) -> Growth:
         """Blocks so that each holder `rid` of `needs` holds `tokens` positions, preempting the youngest
@@ -68,6 +117,7 @@ class Paging:
         grown: list[tuple[str, int, int]] = []
         for rid, tokens in sorted(needs, key=lambda n: self._age[n[0]]):
             short = self.pool.short_by(rid, tokens)
+            self._room(short)
             while rid in self._age and short > self.pool.num_free:
                 victim = max(self._age, key=self._age.__getitem__)
                 self.release(victim)

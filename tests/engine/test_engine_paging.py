@@ -135,3 +135,98 @@ def test_extend_takes_only_spare_blocks_and_shrink_returns_them_in_order():
     assert p.pool.allocate("a", 9) == [3]  # handed out again first, as if never taken
     p.shrink("b", 4)
     assert p.pool.owned["b"] == [1] and p.pool.allocate("c", 1) == [5]
+
+
+def test_kept_blocks_are_adopted_by_a_continuation_and_taken_back_before_anyone_waits():
+    p = Paging(8, 4)
+    p.admit("a", 6, 12, age=0)  # blocks 0, 1
+    p.grow([("a", 11)])  # block 2
+    key = p.keep("a", 10)  # a finished at 11 positions, 10 with k/v: its three blocks stay
+    assert p.is_kept(key) and p.num_holders == 0 and p.num_kept_blocks == 3 and p.pool.num_free == 5
+    # its continuation: 10 cached positions + 4 new ones; only block 3 is new
+    assert p.admit("b", 14, 20, age=1, adopt=key, cached=10) == [0, 1, 2, 3]
+    assert not p.is_kept(key) and p.num_kept_blocks == 0 and p.pool.num_free == 4
+    key = p.keep("b", 13)
+    assert p.num_kept_blocks == 4 and p.admit("c", 4, 4, age=2) == [4]
+    assert p.admit("d", 28, 32, age=3) is None  # 7 blocks + its reserve > 3 free + 4 kept
+    # 6 blocks: more than the 3 free, not more than free + kept: the kept ones come back first
+    assert p.admit("d", 24, 24, age=3) == [0, 1, 2, 3, 5, 6]
+    assert not p.is_kept(key) and p.pool.num_free == 1
+    with pytest.raises(ValueError, match="does not keep"):
+        p.admit("e", 4, 4, age=4, adopt=key, cached=4)
+
+
+def test_growth_takes_kept_blocks_back_before_it_preempts():
+    p = Paging(4, 2)
+    p.admit("a", 2, 8, age=0)
+    p.admit("b", 2, 2, age=1)
+    key = p.keep("b", 1)
+    assert p.admit("c", 4, 8, age=2) is None  # 2 blocks + reserve 2 > 2 free + 1 kept
+    assert p.is_kept(key)  # a refused admission takes nothing back
+    g = p.grow([("a", 8)])  # needs 3 blocks: 2 free + the kept one, nobody preempted
+    assert g.preempted == () and not p.is_kept(key) and p.held("a") == 8
+
+
+def test_forgotten_blocks_return_to_the_pool():
+    p = Paging(4, 2)
+    p.admit("a", 3, 3, age=0)
+    key = p.keep("a", 2)
+    assert p.pool.num_free == 3  # one block holds its 2 positions; the other came back
+    p.forget(key)
+    p.forget(key)  # twice: nothing more
+    assert p.pool.num_free == 4 and not p.is_kept(key)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["admit", "adopt", "grow", "keep", "forget"]), st.integers(0, 10**6)),
+        max_size=60,
+    ),
+    num_blocks=st.integers(1, 10),
+    block_size=st.integers(1, 4),
+)
+def test_random_keeps_and_adoptions_lose_no_block_and_preempt_only_when_kept_blocks_run_out(
+    ops, num_blocks, block_size
+):
+    p = Paging(num_blocks, block_size)
+    cap = num_blocks * block_size
+    tokens: dict[str, int] = {}  # holder -> positions it has blocks for
+    kept: dict[str, int] = {}  # key -> positions kept (as far as the pool has not taken them back)
+    nxt = 0
+    for op, pick in ops:
+        holders, keys = sorted(tokens), [k for k in kept if p.is_kept(k)]
+        kept = {k: kept[k] for k in keys}
+        if op in ("admit", "adopt"):
+            rid, nxt = f"s{nxt}", nxt + 1
+            key = keys[pick % len(keys)] if op == "adopt" and keys else None
+            cached = kept[key] if key else 0
+            want = min(cap, max(cached + 1, pick % (cap + 1)))
+            if p.admit(rid, want, want, age=nxt, adopt=key, cached=cached) is not None:
+                tokens[rid] = want
+                kept.pop(key, None)
+        elif op == "grow" and holders:
+            rid = holders[pick % len(holders)]
+            want = min(cap, tokens[rid] + pick % (2 * block_size + 1))
+            short = p.pool.short_by(rid, want)
+            room = p.pool.num_free + p.num_kept_blocks
+            g = p.grow([(rid, want)])
+            assert short > room or not g.preempted, "preempted while kept blocks could serve"
+            for r in g.preempted:
+                del tokens[r]
+            if rid in tokens:
+                tokens[rid] = want
+        elif op == "keep" and holders:
+            rid = holders[pick % len(holders)]
+            n = pick % (tokens.pop(rid) + 1)
+            kept[p.keep(rid, n)] = n
+        elif op == "forget" and keys:
+            p.forget(keys[pick % len(keys)])
+        owned = [b for blocks in p.pool.owned.values() for b in blocks]
+        assert sorted(owned + p.pool._free) == list(range(num_blocks)), "a block lost or duplicated"
+        for rid, n in tokens.items():
+            assert len(p.pool.owned[rid]) == p.pool.blocks_for(n)
+        for k, n in kept.items():
+            if p.is_kept(k):
+                assert len(p.pool.owned[k]) == p.pool.blocks_for(n)
+        assert set(p.pool.owned) == set(tokens) | {k for k in kept if p.is_kept(k)}
