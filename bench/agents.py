@@ -34,7 +34,7 @@ def run(name: str, latency: float, args) -> dict:
     argv = [
         "train", f"--run-dir={run_dir}", "--task.name=chaincalc", f"--flow.steps={args.steps}",
         f"--task.config={{tool_latency_s: {latency}}}", f"--eval.n={args.eval_n}", f"--seed={args.seed}",
-        f"--task.tool_threads={args.tool_threads}",
+        f"--task.tool_threads={args.tool_threads}", f"--flow.mode={args.mode}",
     ]  # fmt: skip
     t0 = time.perf_counter()
     code = tailrace(argv)
@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--latency", default="0,0.05", help="mean added tool latency per run, seconds")
     ap.add_argument("--eval-n", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", default="sync", help="flow.mode (bench/README's figures are sync's)")
     ap.add_argument("--tool-threads", type=int, default=4, help="task.tool_threads: the driver's tool pool")
     args = ap.parse_args()
     rows = []

@@ -62,8 +62,9 @@ def real(engines: list[int], transports: list[str], steps: int, extra: list[str]
         for transport in transports:
             with tempfile.TemporaryDirectory() as tmp:
                 run = Path(tmp) / "run"
-                argv = [sys.executable, "-m", "tailrace.cli", "train", f"--run-dir={run}", f"--flow.steps={steps}",
-                        f"--rollout.engines={n}", *SMALL, *TRANSPORTS[transport], *extra]  # fmt: skip
+                argv = [sys.executable, "-m", "tailrace.cli", "train", f"--run-dir={run}", "--flow.mode=sync",
+                        f"--flow.steps={steps}", f"--rollout.engines={n}", *SMALL, *TRANSPORTS[transport],
+                        *extra]  # fmt: skip
                 done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
                 if done.returncode:
                     sys.exit(f"{transport}, {n} engine(s): the run failed (exit {done.returncode}):\n"

@@ -53,16 +53,12 @@ def _walk(cfg: Any, prefix: str, table: Registries) -> None:
 
 
 def check_multi_turn(cfg: RunConfig) -> None:
-    """A multi-turn (tool) task runs where its parked samples are tested: sync rounds, no shaping."""
+    """A multi-turn (tool) task runs in every mode (its parked samples continue under the weights the
+    mode allows), without shaping."""
     from tailrace.tasks.registry import multi_turn
 
     if not multi_turn(cfg.task.name):
         return
-    if cfg.flow.mode != "sync":
-        raise ConfigError(
-            f"task.name={cfg.task.name} is multi-turn (tool calls), which runs in flow.mode=sync only "
-            f"for now; set --flow.mode=sync (not {cfg.flow.mode})"
-        )
     if cfg.shaping.name != "none":
         raise ConfigError(
             f"task.name={cfg.task.name} is multi-turn (tool calls); shaping.name={cfg.shaping.name} "
@@ -76,7 +72,9 @@ def check(cfg: RunConfig) -> None:
     from tailrace.engine import capabilities
     from tailrace.flow.policies import make_policy
     from tailrace.flow.shaping import check_mode
+    from tailrace.runtime.driver import with_mode
 
+    cfg, _ = with_mode(cfg)  # flow.mode null: the mode the run will get
     check_names(cfg)
     check_multi_turn(cfg)
     try:

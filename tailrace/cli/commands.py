@@ -67,11 +67,17 @@ def _progress(label: str, unit: str):
 
 def load(path: str | Path | None, overrides: list[str]) -> RunConfig:
     """The run config of a file and overrides, every registry name in it checked."""
-    from tailrace.cli.choices import check  # the registries: torch
+    return load_run(path, overrides)[0]
 
-    cfg = load_config(path, overrides)
+
+def load_run(path: str | Path | None, overrides: list[str]) -> tuple[RunConfig, str | None]:
+    """`load`, and why the run has its overlap mode where flow.mode is null (the recommended one)."""
+    from tailrace.cli.choices import check  # the registries: torch
+    from tailrace.runtime.driver import with_mode
+
+    cfg, why = with_mode(load_config(path, overrides))
     check(cfg)
-    return cfg
+    return cfg, why
 
 
 class Terminated(KeyboardInterrupt):
@@ -80,6 +86,7 @@ class Terminated(KeyboardInterrupt):
 
 def train(args: Args) -> int:
     from tailrace.cli.choices import check
+    from tailrace.runtime.driver import with_mode
     from tailrace.runtime.lock import RunLock
     from tailrace.runtime.resume import plan_resume
     from tailrace.runtime.rundir import RunDir
@@ -99,7 +106,7 @@ def train(args: Args) -> int:
                 f"({' '.join(rest)}) or start a new run"
             )
     else:
-        cfg = load(flags.get("--config"), rest)
+        cfg, why = load_run(flags.get("--config"), rest)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run = RunDir(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
         run.create()
@@ -107,13 +114,13 @@ def train(args: Args) -> int:
         resume = None
         if "--resume" in flags:
             resume = plan_resume(run)
-            check(resume.cfg)
-            cfg = resume.cfg
+            cfg, why = with_mode(resume.cfg)  # a config.yaml written with flow.mode null
+            check(cfg)
             for note in resume.commit():
                 console.print(note)
         else:
             run.begin(dump_config(cfg))
-        return _train(cfg, run, resume)
+        return _train(cfg, run, resume, why)
 
 
 def _supervise(flags: dict[str, str], rest: list[str]) -> int:
@@ -135,7 +142,8 @@ def _supervise(flags: dict[str, str], rest: list[str]) -> int:
     return supervise(argv, run_dir, cfg.max_restarts, console.print)
 
 
-def _train(cfg: RunConfig, run, resume) -> int:
+def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
+    """`why`: the reason for the run's overlap mode where flow.mode is null."""
     from tailrace.config.train import auto_lr
     from tailrace.report.console import ConsoleUI
     from tailrace.runtime.driver import Driver
@@ -148,11 +156,14 @@ def _train(cfg: RunConfig, run, resume) -> int:
         f"run directory: {run.path}  (mode {cfg.flow.mode}, {cfg.flow.steps} steps, "
         f"{cfg.flow.prompts_per_round} prompts x {cfg.flow.samples_per_prompt} samples per round)"
     )
+    if why is not None:
+        baseline = "; --flow.mode=sync for the on-policy baseline" if cfg.flow.mode != "sync" else ""
+        console.print(f"mode {cfg.flow.mode} (flow.mode null: {why}{baseline})")
     if cfg.train.loss.correction is None:
         from tailrace.flow.policies import POLICIES
 
         console.print(
-            f"off-policy correction {POLICIES[cfg.flow.mode].correction} "
+            f"off-policy correction {POLICIES[cfg.flow.mode].own_correction(cfg.flow.steps_per_round)} "
             f"(train.loss.correction null: the {cfg.flow.mode} mode's own)"
         )
     if cfg.train.lr is None:

@@ -315,7 +315,14 @@ class Scheduler(SchedulerState):
         if obs:
             ep.observed.append((start, start + len(obs)))
         ep.tool_s += now - at.since
-        holding = [e for e in self.engines if at.version in e.loaded]
+        # under the version its mode resumes samples with (partial: the newest; its tokens keep theirs),
+        # else its own
+        version = self.policy.version_for(self, g)
+        version = at.version if version is None else version
+        holding = [e for e in self.engines if version in e.loaded]
+        if not holding and version != at.version:
+            version = at.version
+            holding = [e for e in self.engines if version in e.loaded]
         if not holding:  # its engines left: the sample starts over from its prompt, as a lost one does
             self._episodes.pop((key.group, key.index), None)
             self._requeue_sample(g, key)
@@ -327,8 +334,8 @@ class Scheduler(SchedulerState):
         self._seeds[rid] = at.seed
         params = replace(self._sampling, seed=at.seed)
         g.in_flight.add(nxt)
-        eng.in_flight[rid] = at.version
-        self._pending[eng.id].append(continuation(rid, g.prompt.token_ids, params, at.version, at.turn, obs))
+        eng.in_flight[rid] = version
+        self._pending[eng.id].append(continuation(rid, g.prompt.token_ids, params, version, at.turn, obs))
 
     def calls_of(self, request_id: str) -> int:
         """Tool calls answered so far in the episode of an in-flight request (0: its first turn)."""
@@ -449,6 +456,38 @@ class Scheduler(SchedulerState):
         elif key.index not in g.todo:
             g.todo.append(key.index)
             g.todo.sort()
+
+    def pending_versions(self) -> set[int]:
+        """The versions open groups' pending samples are to be dispatched under (`Policy.version_for`)."""
+        out = set()
+        for g in self._store.open.values():
+            v = self.policy.version_for(self, g) if (g.todo or g.parked) and not g.deferred else None
+            if v is not None:
+                out.add(v)
+        return out
+
+    def restore_version(self, version: int) -> None:
+        """(Resume) an older version's weights are back, from a kept checkpoint: every engine starts
+        holding it, for the restored groups of that version."""
+        self.published.add(version)
+        for e in self.engines:
+            e.loaded.add(version)
+
+    def restart_groups(self, versions: set[int], version: int) -> int:
+        """(Resume) open groups of `versions` with samples to do, whose weights are gone: each starts
+        over under `version`, its finished samples discarded (reason "resumed"). Returns how many."""
+        n = 0
+        for gid, g in list(self._store.open.items()):
+            if g.version not in versions or not (g.todo or g.parked) or g.deferred:
+                continue
+            self.ledger.on_discarded("resumed", len(g.done))
+            self._store.open[gid] = GroupState(
+                g.id, g.prompt, version, g.size, g.opened, candidates=g.candidates,
+                early_stop=g.early_stop, own=g.own,
+            )  # fmt: skip
+            self.mark("group_restarted", group=gid, version=version, was=g.version, discarded=len(g.done))
+            n += 1
+        return n
 
     def _provision(self) -> None:
         """Weights for a changing engine set: an engine that holds nothing (it joined) loads the newest

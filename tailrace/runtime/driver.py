@@ -32,7 +32,7 @@ from tailrace.config import RunConfig, TrainerConfig, dump_config
 from tailrace.engine import capabilities
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
-from tailrace.flow.policies import make_policy
+from tailrace.flow.policies import make_policy, recommended_mode
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.flow.shaping import make_shaping
 from tailrace.metrics import step_record
@@ -47,7 +47,7 @@ from tailrace.runtime.messages import EngineReport, Go, History, Ready, TrainerR
 from tailrace.runtime.metrics import SpecTally, Utilization
 from tailrace.runtime.orders import TrainOrders
 from tailrace.runtime.procs import available_cores
-from tailrace.runtime.recovery import Recovery, describe, weights_on_disk
+from tailrace.runtime.recovery import Recovery, describe, saved_versions, weights_on_disk
 from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
@@ -80,6 +80,7 @@ class Driver:
         driver_lost: DriverLost | None = None,
     ) -> None:
         """`driver_lost`: how the driver this one resumes died, under `tailrace train --supervise`."""
+        cfg, _ = with_mode(cfg)
         self.cfg, self.run, self.ses, self.ui = cfg, run, session, ui
         self.resume = resume
         self.driver_lost = driver_lost if resume is not None else None
@@ -90,7 +91,7 @@ class Driver:
             rollout_groups=f.rollout_groups, ahead=f.ahead, placement=f.placement,
             pregen_below=r.spec.pregen_below,
         )  # fmt: skip
-        self.train_cfg = with_correction(cfg.train, policy.correction)
+        self.train_cfg = with_correction(cfg.train, policy.own_correction(f.steps_per_round))
         sampling = SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
@@ -117,6 +118,8 @@ class Driver:
         self.orders = TrainOrders()
         self.restart_from = resume.checkpoint if resume else None  # the newest whole checkpoint
         self.saved_versions: dict[int, Path] = {}  # version -> a checkpoint holding its weights
+        if resume is not None:  # the run's kept checkpoints hold older versions' weights too
+            self.saved_versions = saved_versions(run.path / "checkpoints")
         self.metrics = RecordFile(run.file("metrics.jsonl"))
         self.events = RecordFile(run.file("events.jsonl"))
         self.journal = RecordFile(run.file("journal.jsonl"))
@@ -144,7 +147,22 @@ class Driver:
         self.desk: Desk | None = None
 
     # ------------------------------------------------------------------ set-up
-    def _start(self, version: int) -> None:
+    def _older_weights(self, version: int) -> dict[int, Path]:
+        """On resume: the older versions the restored groups' pending samples need (multiversion), from
+        the kept checkpoints holding them; a group whose version no checkpoint holds starts over under
+        `version`, its finished samples discarded (said in a mark and the console)."""
+        need = self.sched.pending_versions() - {version}
+        disk, missing = weights_on_disk(sorted(need), lambda v: False, self.saved_versions)
+        if missing:
+            n = self.sched.restart_groups(set(missing), version)
+            if self.ui is not None:
+                self.ui.note(f"resumed: the weights of version(s) {missing} are in no kept checkpoint; "
+                             f"{n} group(s) of them start over under version {version}")  # fmt: skip
+        for v in disk:
+            self.sched.restore_version(v)
+        return {v: p / "model" for v, p in disk.items()}
+
+    def _start(self, version: int, older: dict[int, Path] | None = None) -> None:
         cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
         trainer_seat, engine_seats = self.hosts.place(r.engines, r.threads)
         self.device = device = self.hosts.device(cfg.device)
@@ -158,7 +176,7 @@ class Driver:
         self.trainer = self.workers.start("trainer", trainer_main, self.tspec, self.weights)
         self.expected_context = ses.expected_context(max(r.max_new_tokens, cfg.eval.max_new_tokens))
         self.seats = (trainer_seat, *engine_seats)
-        self.especs = {i: self._engine_spec(seat, version) for i, seat in enumerate(engine_seats)}
+        self.especs = {i: self._engine_spec(seat, version, older) for i, seat in enumerate(engine_seats)}
         # The engines start alongside the trainer (their imports overlap its start-up), gated: each
         # loads its weights (from the ring the trainer fills) and sizes its KV memory once it is up.
         self.engines: dict[int, Worker] = {
@@ -174,13 +192,16 @@ class Driver:
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)
 
-    def _engine_spec(self, seat: Seat, version: int) -> EngineSpec:
-        r = self.cfg.rollout
+    def _engine_spec(self, seat: Seat, version: int, older: dict[int, Path] | None = None) -> EngineSpec:
+        """`older`: versions it also starts with, from the checkpoint model directories given."""
+        r, older = self.cfg.rollout, older or {}
         return EngineSpec(
             str(self.ses.model_path), r.slots, r.prefill_tokens, seat.threads, seat.cores, self.cfg.seed,
-            self.cfg.model.dtype, start_versions=(version,), attention=r.attention, max_context=r.max_context,
+            self.cfg.model.dtype, start_versions=(*sorted(older), version),
+            from_disk=tuple((v, str(p)) for v, p in sorted(older.items())),
+            attention=r.attention, max_context=r.max_context,
             kv_memory_gb=r.kv_memory_gb, expected_context=self.expected_context, device=self.device, spec=self.spec,
-            backend=r.backend,
+            backend=r.backend, keep_finished=r.keep_kv and self.tools is not None and self.spec is None,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -198,10 +219,12 @@ class Driver:
     # ------------------------------------------------------------------ the loop
     def train(self) -> Summary:
         version = 0
+        older: dict[int, Path] = {}
         if self.resume is not None:
             self.resume.restore(self.sched)
             version = self.resume.version
-        self._start(version)
+            older = self._older_weights(version)
+        self._start(version, older)
         if self.driver_lost is not None:  # resumed by the supervisor: the driver's own recovery
             self._note(self.driver_lost.mark(self._now(), self.sched.steps_done))
         self.cadence.saved(self.sched.steps_done, 0.0)
@@ -640,6 +663,20 @@ class Driver:
                     asked = self.engines[i]
                     self.workers.send(asked, LoadWeights(i, v))
                 self._pump()
+
+
+def with_mode(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """`cfg` with the recommended overlap mode where flow.mode is null, and why it is that one (None
+    where the config names its mode)."""
+    if cfg.flow.mode is not None:
+        return cfg, None
+    r = cfg.rollout
+    mode, why = recommended_mode(
+        cfg.shaping.name,
+        capabilities(r.backend, speculative=r.spec.drafter != "none").versions_at_once,
+        r.spec.pregen_below is not None,
+    )
+    return replace(cfg, flow=replace(cfg.flow, mode=mode)), why
 
 
 def with_correction(train: TrainerConfig, own: str) -> TrainerConfig:

@@ -51,6 +51,7 @@ class EngineSpec:
     spec: SpecOptions | None = None  # speculative decoding (None: off)
     backend: str = "tailrace"  # rollout.backend: tailrace's engine, or vLLM (which loads model_path itself)
     gated: bool = False  # wait for `Go` before loading the model (started alongside the trainer)
+    keep_finished: bool = False  # keep finished requests' k/v for their continuations (tool turns)
 
 
 def engine_main(
@@ -151,5 +152,6 @@ def _build(spec: EngineSpec) -> Engine:
         attention=spec.attention,
         expected_context=spec.expected_context,
         spec=spec.spec,
+        keep_finished=spec.keep_finished,
         **common,
     )

@@ -12,6 +12,7 @@ predecessor held from the shared-memory ring, or from a checkpoint for one the r
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -92,6 +93,20 @@ def describe(m: Mark) -> str:
     else:
         what = f"{d['requeued']} samples requeued"
     return f"recovered: {d['detail']}; restarted in {d['downtime_s']:.1f} s, {what}"
+
+
+def saved_versions(root: Path) -> dict[int, Path]:
+    """{version: a whole kept checkpoint holding its weights} of the run's checkpoints under `root`."""
+    from tailrace.runtime import checkpoint
+
+    out: dict[int, Path] = {}
+    for d in reversed(checkpoint.step_dirs(root)):  # oldest first: the newest holding a version wins
+        if checkpoint.verify(d) is None:
+            try:
+                out[json.loads((d / checkpoint.SCHEDULER).read_text())["version"]] = d
+            except (OSError, ValueError, KeyError):
+                continue
+    return out
 
 
 def weights_on_disk(

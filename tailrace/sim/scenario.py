@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from tailrace.config import ConfigError, FlowConfig, ShapingConfig, load_config
 from tailrace.config.fields import section, setting
-from tailrace.flow.policies import make_policy
+from tailrace.flow.policies import make_policy, recommended_mode
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.flow.shaping import check_mode, make_shaping
 from tailrace.records import StepRecord, read_metrics
@@ -133,6 +133,8 @@ class Scenario:
             raise ConfigError(f"poll_s={self.poll_s}: must be >= 0 (0 = poll after every event)")
         if not isinstance(self.lengths, dict) or "kind" not in self.lengths:
             raise ConfigError("lengths: give a mapping with kind: constant | lognormal | empirical")
+        if self.flow.mode is None:  # as a real run with flow.mode null would run
+            self.flow = dataclasses.replace(self.flow, mode=recommended_mode(self.shaping.name)[0])
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

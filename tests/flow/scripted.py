@@ -31,6 +31,7 @@ class Running:
     target: int
     tokens: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    turn: int = 0  # multi-turn: tool calls answered before this request (its turn of the episode)
 
 
 class ScriptedCluster:
@@ -56,6 +57,7 @@ class ScriptedCluster:
         self.turns, self.tool_ticks, self.observation = turns, tool_ticks, observation
         self.tools: list[tuple[int, str]] = []  # (tick the tool answers, request id)
         self.calls = 0
+        self.turn_end: dict[tuple[int, int, int], int] = {}  # (group, index, turn) -> its last position
         self.s, self.slots, self.max_len, self.pregen_len = sched, slots, max_len, pregen_len
         self.one_version = one_version
         self.length = length if max_len is None else (lambda g, i: min(max_len, length(g, i)))
@@ -88,12 +90,23 @@ class ScriptedCluster:
                     key = None if pregen else SampleKey.parse(req.id)
                     if pregen:
                         target = self.pregen_len
-                    elif self.turns is not None:  # the attempt is the turn (no aborts in these runs)
-                        target = len(req.resume_ids) + self.turns(key.group, key.index)[key.attempt]
+                    elif self.turns is not None:  # the turn ends where its first request was to end it
+                        turn = self.s.calls_of(req.id)  # (a partial resumed mid-turn continues it)
+                        target = self.turn_end.setdefault(
+                            (key.group, key.index, turn),
+                            len(req.resume_ids) + self.turns(key.group, key.index)[turn],
+                        )
                     else:
                         target = self.length(key.group, key.index)
                     self.queue[c.engine].append(
-                        Running(req, key, target, list(req.resume_ids), list(req.resume_versions))
+                        Running(
+                            req,
+                            key,
+                            target,
+                            list(req.resume_ids),
+                            list(req.resume_versions),
+                            self.s.calls_of(req.id) if self.turns is not None and key else 0,
+                        )  # fmt: skip
                     )
             elif isinstance(c, Abort):
                 out = []
@@ -159,7 +172,7 @@ class ScriptedCluster:
                 for r in finished:
                     if r.request.id in calls:
                         self.calls += 1
-                        ticks = self.tool_ticks(r.key.group, r.key.index, r.key.attempt)
+                        ticks = self.tool_ticks(r.key.group, r.key.index, r.turn)
                         self.tools.append((self.t + ticks, r.request.id))
                 scores = [self._score(r) for r in finished if r.key is not None and r.request.id not in calls]
                 self.s.on_results(e, results, scores, self.t, calls=calls)
@@ -178,7 +191,7 @@ class ScriptedCluster:
         return (
             self.turns is not None
             and r.key is not None
-            and r.key.attempt < len(self.turns(r.key.group, r.key.index)) - 1
+            and r.turn < len(self.turns(r.key.group, r.key.index)) - 1
         )
 
     def lose_engine(self, e: int) -> int:

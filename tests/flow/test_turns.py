@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tailrace.flow.policies import SyncPolicy
+from tailrace.flow.policies import SyncPolicy, make_policy
 from tailrace.flow.scheduler import FlowSpec, InvariantError, Scheduler
 from tailrace.records import Finished, trajectory_from_json, trajectory_to_json
 from tailrace.types import SamplingParams
@@ -155,3 +155,45 @@ def test_a_call_on_the_last_token_of_the_budget_cannot_park():
     c = ScriptedCluster(s, length=None, slots=1, turns=lambda g, i: [4, 1], tool_ticks=lambda g, i, k: 1)
     with pytest.raises(InvariantError, match="last token of its budget"):
         c.run(max_ticks=50)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    mode=st.sampled_from(["sync", "pipe", "async", "partial", "multiversion", "multiversion-dedicated"]),
+    seed=st.integers(0, 10_000),
+    engines=st.integers(1, 2),
+    slots=st.integers(1, 5),
+    train_ticks=st.integers(1, 10),
+)
+def test_tool_turns_run_in_every_mode_within_its_promises(mode, seed, engines, slots, train_ticks):
+    """A sample parked at a tool comes back under the weights its mode allows: its own version (every
+    mode but partial: one version per trajectory), or the newest (partial: tokens keep their versions);
+    the staleness bound and the ledger hold, and every sample's turns all reach the trainer."""
+    rng = random.Random(seed)
+    turns, ticks = {}, {}
+    name, _, placement = mode.partition("-")
+    policy = make_policy(name, max_staleness=2, placement=placement or "shared")
+    s = Scheduler(
+        policy, prompts(), [(slots, 1)] * engines, FlowSpec(4, 2, 2, 6), SamplingParams(max_new_tokens=1000)
+    )
+    c = ScriptedCluster(
+        s, length=None, slots=slots, train_ticks=train_ticks,
+        turns=lambda g, i: turns.setdefault((g, i), [rng.randint(1, 8) for _ in range(rng.randint(1, 3))]),
+        tool_ticks=lambda g, i, k: ticks.setdefault((g, i, k), rng.randint(0, 12)),
+    )  # fmt: skip
+    c.run(max_ticks=20_000)
+    assert len(c.trained) == 6 and s.ledger.trained == 6 * 2 * 2 and s.at_tool == 0
+    s.ledger.check(s.in_store())
+    # no engine leaves here, so every parked sample continues: none starts over from its prompt
+    assert not [m for m in c.marks if m.kind == "continuation_requeued"]
+    for step in c.trained:
+        for g in step.groups:
+            for t in g.trajectories:
+                assert step.trainer_version - min(t.versions) <= (0 if name in ("sync", "pipe") else 2)
+                if name == "partial":
+                    assert list(t.versions) == sorted(t.versions)
+                else:
+                    assert len(set(t.versions)) == 1, "a trajectory mixed versions"
+                n = len(turns[(t.group, t.sample_index)])
+                assert len(t.observed) == n - 1
+                assert t.length == sum(turns[(t.group, t.sample_index)]) + 2 * (n - 1)

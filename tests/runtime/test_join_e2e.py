@@ -45,7 +45,7 @@ def test_engines_join_and_leave_a_running_job(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     train = start_cli(
         "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.steps=40",
-        "--max_restarts=0",
+        "--max_restarts=0", "--flow.mode=sync",  # sync's rounds leave the job running long enough
     )  # fmt: skip
     joined = []
     try:

@@ -50,7 +50,14 @@ def no_local_hosts(monkeypatch):
 
 
 def train(capsys, tiny_model, run_dir, *extra):
-    argv = ["train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--runtime.kind=ray"]
+    argv = [
+        "train",
+        f"--run-dir={run_dir}",
+        f"--model.path={tiny_model}",
+        *TINY_RUN,
+        "--runtime.kind=ray",
+        "--flow.mode=sync",
+    ]  # compared record for record: the reproducible mode
     return run(capsys, *argv, "--train.loss.kl_coef=0.01", *extra)
 
 
@@ -67,7 +74,14 @@ def store_run(ray_cluster, tiny_model, tmp_path_factory) -> tuple[int, str, Path
     """The 4-step run with weights through the object store and the local runtime disabled (rc,
     output, run directory): one run for the tests that check it and compare with it."""
     run_dir = tmp_path_factory.mktemp("store") / "run"
-    argv = ["train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--runtime.kind=ray"]
+    argv = [
+        "train",
+        f"--run-dir={run_dir}",
+        f"--model.path={tiny_model}",
+        *TINY_RUN,
+        "--runtime.kind=ray",
+        "--flow.mode=sync",
+    ]  # compared record for record: the reproducible mode
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         refuse_local_hosts(mp)

@@ -1,5 +1,6 @@
-"""A multi-turn tool task end to end through real processes (sync): tool calls park and continue,
-observations are in the trajectories and masked, the ledger is exact, the record shows the waits."""
+"""A multi-turn tool task end to end through real processes (sync, and the default multiversion): tool
+calls park and continue, observations are in the trajectories and masked, the ledger is exact, the
+record shows the waits."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ def tool_model(tiny_model, tmp_path_factory) -> Path:
     return out
 
 
-def test_chaincalc_trains_with_tool_calls_and_an_exact_ledger(tool_model, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", None])  # None: flow.mode null, the recommended multiversion
+def test_chaincalc_trains_with_tool_calls_and_an_exact_ledger(tool_model, tmp_path, mode):
     run = tmp_path / "run"
     argv = ["train", f"--run-dir={run}", f"--model.path={tool_model}", "--task.name=chaincalc", *TINY_RUN]
     argv = [a for a in argv if not a.startswith("--rollout.max_new_tokens")] + ["--rollout.max_new_tokens=96"]
+    argv += [f"--flow.mode={mode}"] if mode else []
     assert main([*argv, "--task.config={tools: [calc, py]}", "--eval.max_new_tokens=96"]) == 0
+    assert f"mode: {mode or 'multiversion'}" in (run / "config.yaml").read_text()
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r["kind"] == "step"]
     assert len(steps) == 4
@@ -65,8 +69,7 @@ def test_calls_near_the_context_limit_are_cut_never_overflow_it(tool_model, tmp_
     assert trajs and all(len(t.prompt_ids) + t.length <= 72 for t in trajs)
 
 
-def test_multi_turn_is_refused_outside_sync_naming_the_fix(tmp_path):
+def test_multi_turn_refuses_shaping_and_unknown_keys_naming_the_fix(tmp_path):
     argv = ["train", f"--run-dir={tmp_path / 'r'}", "--task.name=chaincalc"]
-    assert main([*argv, "--flow.mode=multiversion"]) == 2
     assert main([*argv, "--shaping.name=darts"]) == 2
     assert main([*argv, "--task.max_turn=3"]) == 2  # an unknown key

@@ -33,7 +33,13 @@ def test_sync_with_a_fixed_seed_gives_identical_metrics_with_or_without_periodic
     # the tiny model earns no reward: a small KL penalty makes every step move the weights
     runs, extra = [], {"a": [], "b": ["--eval.every=2", "--flow.keep_checkpoints=4"]}
     for name in ("a", "b"):
-        argv = ["train", f"--run-dir={tmp_path / name}", f"--model.path={tiny_model}", *TINY_RUN]
+        argv = [
+            "train",
+            f"--run-dir={tmp_path / name}",
+            f"--model.path={tiny_model}",
+            *TINY_RUN,
+            "--flow.mode=sync",
+        ]
         assert main([*argv, "--train.loss.kl_coef=0.01", *extra[name]]) == 0
         runs.append([{k: v for k, v in r.items() if k != "time"} for r in steps_of(tmp_path / name)])
     assert len(runs[0]) == 4
@@ -134,7 +140,14 @@ def test_speculation_changes_no_recorded_figure_but_time(tiny_model, tmp_path, d
         ("off", []),
         ("spec", [f"--rollout.spec.drafter={drafter}", "--rollout.spec.toggle=false"]),
     ):
-        rc = main(["train", f"--run-dir={tmp_path / name}", f"--model.path={tiny_model}", *TINY_RUN, *spec])
+        argv = [
+            "train",
+            f"--run-dir={tmp_path / name}",
+            f"--model.path={tiny_model}",
+            *TINY_RUN,
+            "--flow.mode=sync",
+        ]
+        rc = main([*argv, *spec])
         assert rc == 0
         runs.append(steps_of(tmp_path / name))
     strip = [[{k: v for k, v in r.items() if k != "time"} for r in run] for run in runs]
@@ -205,3 +218,17 @@ def test_pre_generation_needs_the_history_drafter():
 
     with pytest.raises(Exception, match="rollout.spec.pregen_below=0.5.*drafter=history"):
         load_config(None, ["--rollout.spec.pregen_below=0.5"])
+
+
+def test_the_default_run_is_multiversion_with_its_own_correction_and_says_so(tiny_model, tmp_path, capsys):
+    """flow.mode null: the recommended mode (multiversion, K = 1, behaviour correction), printed with
+    the reason, written to config.yaml (a resume runs it again), and every sample at most 1 stale."""
+    from tests.runtime.conftest import run
+
+    rc, out = run(capsys, "train", f"--run-dir={tmp_path / 'r'}", f"--model.path={tiny_model}", *TINY_RUN)
+    assert rc == 0, out[-2000:]
+    assert "mode multiversion (flow.mode null: the best measured wall time" in out
+    assert "off-policy correction behaviour" in out
+    assert "mode: multiversion" in (tmp_path / "r" / "config.yaml").read_text()
+    steps = steps_of(tmp_path / "r")
+    assert len(steps) == 4 and all(set(s["staleness"]) <= {"0", "1"} for s in steps)

@@ -37,6 +37,12 @@ class Policy:
     extra_groups: int | None = 0  # zero-signal groups replaced per optimizer step at most (None = U)
 
     @classmethod
+    def own_correction(cls, steps_per_round: int) -> str:
+        """The correction a run of this mode trains with where train.loss.correction is null, for
+        rounds of `steps_per_round` optimizer steps (R / U)."""
+        return cls.correction
+
+    @classmethod
     def from_options(cls, **options) -> "Policy":
         """Build from run options (e.g. max_staleness); a policy reads only the ones it has."""
         return cls()

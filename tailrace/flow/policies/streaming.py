@@ -25,6 +25,7 @@ newest version.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from tailrace.flow.policies.base import Policy
@@ -68,7 +69,7 @@ class StreamingPolicy(Policy):
         while core.steps_issued < core.spec.total_steps:
             if self.ahead is not None and core.steps_issued - core.steps_done > self.ahead:
                 return  # the trainer has its next steps queued: a batch chosen later is fresher
-            ready = sorted(core.ready.values(), key=lambda g: (g.version, g.completed_at, g.id))
+            ready = sorted(core.ready.values(), key=_first_completed)
             if len(ready) < U:
                 return
             batch = {g.id for g in ready[:U]}
@@ -131,3 +132,8 @@ def _trainable_later(versions: list[int], U: int, K: int, T: int) -> bool:
         if below > U * max(0, v + K - T + 1):
             return False
     return True
+
+
+def _first_completed(g) -> tuple:
+    """Oldest version first, then first completed (None: from a checkpoint, so before any other)."""
+    return (g.version, -math.inf if g.completed_at is None else g.completed_at, g.id)
