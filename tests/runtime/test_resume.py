@@ -145,9 +145,7 @@ def test_run_dir_at_an_existing_run_is_refused(finished_run, tmp_path, tiny_mode
 def test_an_edited_config_is_refused_unless_the_key_may_change(unfinished_run, capsys):
     cfg = unfinished_run / "config.yaml"
     text = cfg.read_text()
-    cfg.write_text(
-        text.replace("mode: sync", "mode: pipe").replace("train_batch: 16", "train_batch: 8")
-    )
+    cfg.write_text(text.replace("mode: sync", "mode: pipe").replace("train_batch: 16", "train_batch: 8"))
     rc, out = run(capsys, "train", f"--resume={unfinished_run}")
     assert rc == 2 and len(out.splitlines()) == 1, out
     assert "flow.mode" in out and "flow.train_batch" in out and "flow.time_limit_s" in out
