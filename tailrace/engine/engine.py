@@ -471,10 +471,11 @@ class TailraceEngine(SpeculativeSteps):
         if not entries:
             return None, 0
         entries[:] = [(k, t) for k, t in entries if self.paging.is_kept(k)]
-        n = len(seq.ids)
-        hits = [(len(t) - 1, k) for k, t in entries if len(t) <= n and seq.ids[: len(t)] == t]
         if not entries:
             del self._kept[where]
+            return None, 0
+        n = len(seq.ids)
+        hits = [(len(t) - 1, k) for k, t in entries if len(t) <= n and seq.ids[: len(t)] == t]
         if not hits:
             return None, 0
         cached, key = max(hits)

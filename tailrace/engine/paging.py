@@ -71,11 +71,10 @@ class Paging:
         if self._kept.pop(key, None) is not None:
             self.pool.release(key)
 
-    def _room(self, blocks: int) -> bool:
-        """Free at least `blocks` blocks, taking kept ones back oldest first; False: not even then."""
+    def _room(self, blocks: int) -> None:
+        """Free at least `blocks` blocks as far as kept ones allow, taking them back oldest first."""
         while self.pool.num_free < blocks and self._kept:
             self.pool.release(self._kept.popitem(last=False)[0])
-        return self.pool.num_free >= blocks
 
     def holds(self, rid: str) -> bool:
         return rid in self._age

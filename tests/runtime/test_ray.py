@@ -49,16 +49,16 @@ def no_local_hosts(monkeypatch):
     refuse_local_hosts(monkeypatch)
 
 
-def train(capsys, tiny_model, run_dir, *extra):
-    argv = [
-        "train",
-        f"--run-dir={run_dir}",
-        f"--model.path={tiny_model}",
-        *TINY_RUN,
-        "--runtime.kind=ray",
+def ray_argv(tiny_model, run_dir) -> list[str]:
+    """A TINY_RUN on the Ray runtime, in sync: runs are compared record for record (the reproducible mode)."""
+    return [
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--runtime.kind=ray",
         "--flow.mode=sync",
-    ]  # compared record for record: the reproducible mode
-    return run(capsys, *argv, "--train.loss.kl_coef=0.01", *extra)
+    ]  # fmt: skip
+
+
+def train(capsys, tiny_model, run_dir, *extra):
+    return run(capsys, *ray_argv(tiny_model, run_dir), "--train.loss.kl_coef=0.01", *extra)
 
 
 def steps_of(run_dir: Path) -> list[StepRecord]:
@@ -74,14 +74,7 @@ def store_run(ray_cluster, tiny_model, tmp_path_factory) -> tuple[int, str, Path
     """The 4-step run with weights through the object store and the local runtime disabled (rc,
     output, run directory): one run for the tests that check it and compare with it."""
     run_dir = tmp_path_factory.mktemp("store") / "run"
-    argv = [
-        "train",
-        f"--run-dir={run_dir}",
-        f"--model.path={tiny_model}",
-        *TINY_RUN,
-        "--runtime.kind=ray",
-        "--flow.mode=sync",
-    ]  # compared record for record: the reproducible mode
+    argv = ray_argv(tiny_model, run_dir)
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         refuse_local_hosts(mp)

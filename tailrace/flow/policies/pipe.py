@@ -28,13 +28,7 @@ if TYPE_CHECKING:
 
 class PipePolicy(Policy):
     name = "pipe"
-
-    @classmethod
-    def own_correction(cls, steps_per_round: int) -> str:
-        """A round of several steps trains its later steps after the weights moved (unpublished, so
-        its samples count 0 versions stale): they clip against the behaviour policy, as verl's
-        mini-batches clip against the rollout's logprobs; a one-step round is exactly on-policy."""
-        return "behaviour" if steps_per_round > 1 else cls.correction
+    publishes_per_round = True
 
     max_staleness = 0
 
