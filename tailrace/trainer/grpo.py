@@ -98,6 +98,7 @@ class GRPOTrainer:
             rank_share(available_bytes(self.device), self.world, self.device.type == "cpu"),
             cfg.memory_gb,
             cfg.micro_batch_tokens,
+            cpu=self.device.type == "cpu",
         )
         self.steps = 0
 

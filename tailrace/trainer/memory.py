@@ -15,12 +15,20 @@ per layer, the elements of 8 hidden-wide, 4 KV-wide and 4 MLP-wide activations a
 bytes each, plus `_VOCAB_BYTES` a vocabulary entry (the logits: the log-softmax keeps no copy of its
 own, see `logprobs`), times `MARGIN`. Measured: SmolLM2 fp32 1.90 MiB a token, bf16 1.26; the random
 model fp32 0.47, bf16 0.30.
+
+A bf16 step on CPU attends eagerly up to `EAGER_MAX_T` tokens (`tailrace.model.attention`), and
+autograd keeps its probabilities: `eager_attention_bytes` adds, per layer, 6 bytes (the fp32 softmax
+output and its bf16 copy) x heads x `EAGER_MAX_T` plus the fp32 copies of q and k (4 bytes x (heads +
+kv heads) x head_dim), the longest such sequence's cost. Measured on SmolLM2's shape (bf16, slope
+of peak resident memory between 1,024- and 4,096-token micro-batches, 2026-12-02): eager adds 0.39 MiB
+a token at T = 256 and 0.15 at T = 72 over SDPA's 1.43; the estimate adds 0.48 (x `MARGIN`: 0.60).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tailrace.model.attention import EAGER_MAX_T
 from tailrace.model.config import ModelConfig
 
 ACTIVATION_FRACTION = 0.3  # of the memory available at start (the engines' KV takes up to 0.4 of it)
@@ -32,13 +40,25 @@ _VOCAB_BYTES = {False: 1.2, True: 0.5}
 GIB = 1 << 30
 
 
-def activation_bytes_per_token(cfg: ModelConfig, bf16: bool) -> int:
-    """What one more token in a micro-batch adds to the step's peak memory (with `MARGIN`)."""
+def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) -> int:
+    """What one more token in a micro-batch adds to the step's peak memory (with `MARGIN`); `cpu`: the
+    step runs on CPU (where bf16 attends eagerly)."""
     head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
     kv = (cfg.num_key_value_heads or cfg.num_attention_heads) * head_dim
     per_layer = 8 * cfg.hidden_size + 4 * kv + 4 * cfg.intermediate_size
     raw = cfg.num_hidden_layers * per_layer * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[bf16]
+    if bf16 and cpu:
+        raw += eager_attention_bytes(cfg)
     return int(MARGIN * raw)
+
+
+def eager_attention_bytes(cfg: ModelConfig) -> int:
+    """What eager attention keeps a token, over all layers, at its longest sequence (`EAGER_MAX_T`)."""
+    heads = cfg.num_attention_heads
+    head_dim = cfg.head_dim or cfg.hidden_size // heads
+    kv_heads = cfg.num_key_value_heads or heads
+    per_layer = 6 * heads * EAGER_MAX_T + 4 * (heads + kv_heads) * head_dim
+    return cfg.num_hidden_layers * per_layer
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,7 @@ def size_micro_batch(
     available: int,
     memory_gb: float | None = None,
     tokens: int | None = None,
+    cpu: bool = False,
 ) -> MicroBatch:
     """The micro-batch size: `tokens` when given (train.micro_batch_tokens), else what the budget
     (`memory_gb` GiB, or `ACTIVATION_FRACTION` of `available` bytes less 12 bytes a parameter) pays for."""
@@ -81,7 +102,7 @@ def size_micro_batch(
         return MicroBatch(
             tokens or UNSIZED_TOKENS, 0, None, "train.micro_batch_tokens" if tokens else "fixed"
         )
-    per_token = activation_bytes_per_token(cfg, bf16)
+    per_token = activation_bytes_per_token(cfg, bf16, cpu)
     if tokens is not None:
         return MicroBatch(tokens, per_token, None, "train.micro_batch_tokens")
     if memory_gb is not None:

@@ -68,6 +68,52 @@ def test_bf16_autocast_forward_and_backward():
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_eager_attention_equals_sdpa_in_fp32(kv_heads):
+    """The CPU bf16 path's attention, run in fp32 where both are exact: causal, heads grouped as HF's
+    repeat_kv (query head h reads kv head h // G), the same output and gradients as SDPA."""
+    import torch.nn.functional as F
+
+    from tailrace.model.attention import eager_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 17, 4, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(3, 17, kv_heads, 8, generator=g, requires_grad=True) for _ in range(2))
+    w = torch.randn(3, 17, 4, 8, generator=g)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
+    grads_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    out = eager_attention(q, k, v)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    assert max_diff(out, ref) < 1e-5
+    assert all(max_diff(a, b) < 1e-5 for a, b in zip(grads, grads_ref))
+
+
+def test_bf16_autocast_on_cpu_attends_eagerly_as_accurately_as_sdpa(monkeypatch):
+    """Under CPU bf16 autocast, sequences up to EAGER_MAX_T attend eagerly (scores and softmax in fp32,
+    as accurate as SDPA's bf16 kernel against the fp32 forward); longer ones, fp32 and CUDA keep SDPA."""
+    from tailrace.model import attention
+
+    cpu = torch.device("cpu")
+    assert attention.attends_eagerly(attention.EAGER_MAX_T, torch.bfloat16, cpu)
+    assert not attention.attends_eagerly(attention.EAGER_MAX_T + 1, torch.bfloat16, cpu)
+    assert not attention.attends_eagerly(16, torch.float32, cpu)
+    assert not attention.attends_eagerly(16, torch.bfloat16, torch.device("cuda"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention.attends_eagerly(16, torch.float32, cpu)  # RoPE makes q fp32; autocast decides
+    model = random_model(make_config(num_key_value_heads=2))
+    ids = torch.randint(0, 53, (4, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            eager = model(ids).float()
+            monkeypatch.setattr(attention, "EAGER_MAX_T", 0)
+            sdpa = model(ids).float()
+    assert max_diff(eager, sdpa) > 0  # the two paths ran
+    assert max_diff(eager, ref) < 1.5 * max_diff(sdpa, ref) + 1e-3
+
+
 def test_explicit_positions_on_training_path_shift_rope():
     """positions=None is arange(T); explicit positions are honoured. RoPE is relative: a uniform shift
     changes nothing (up to rounding), a gap changes the logits after it."""
