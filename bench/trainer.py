@@ -32,12 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tailrace.config import TrainerConfig  # noqa: E402
+from tailrace.model import attention  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained  # noqa: E402
 from tailrace.trainer.grpo import GRPOTrainer  # noqa: E402
 from tailrace.types import Finish, GenResult, Group, Trajectory  # noqa: E402
 
 PROMPT_TOKENS = 16
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-sdpa": torch.bfloat16}
 # Ops of each kind, by self CPU time (they do not nest in one another); the optimizer by its whole step.
 _KINDS = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
@@ -52,6 +53,7 @@ _KINDS = (
     ("log-softmax", ("aten::_log_softmax", "aten::_log_softmax_backward_data", "aten::logsumexp")),
 )
 _OPTIMIZER = "Optimizer.step#AdamW.step"
+EAGER_MAX_T = attention.EAGER_MAX_T
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,7 +61,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="HF checkpoint dir")
     p.add_argument("--seqs", type=int, default=16)
     p.add_argument("--tokens", type=int, default=128, help="tokens per sequence, prompt included")
-    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument(
+        "--dtypes",
+        default="fp32,bf16",
+        help="fp32, bf16 (on CPU: eager attention up to EAGER_MAX_T tokens), bf16-sdpa (bf16 with torch's SDPA, "
+        "the path before 2026-12-02)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     a = p.parse_args(argv)
@@ -137,8 +144,10 @@ def main(argv=None) -> int:
     )
     rows = []
     for dn in a.dtypes:
+        attention.EAGER_MAX_T = 0 if dn == "bf16-sdpa" else EAGER_MAX_T
         model = load_pretrained(a.model, dtype=torch.float32)  # master weights; bf16 = autocast
-        trainer = GRPOTrainer(model, TrainerConfig(bf16=dn == "bf16", micro_batch_tokens=max(8192, tokens)))
+        bf16 = DTYPES[dn] == torch.bfloat16
+        trainer = GRPOTrainer(model, TrainerConfig(bf16=bf16, micro_batch_tokens=max(8192, tokens)))
         batch = groups(a.seqs, a.tokens, model.config.vocab_size)
         trainer.step(batch, 0)  # warm-up
         wall, cpu = [], []

@@ -7,12 +7,13 @@ all layers, so the RoPE lookup happens once, not once per layer.
 Query head h reads kv head h // G (G = heads / kv_heads), as HF's `repeat_kv`.
 
 On CPU in bf16/fp16, sequences of up to `EAGER_MAX_T` tokens attend eagerly (scores by one batched
-matmul, a cached causal mask, softmax, a second matmul, as HF's "eager" attention) instead of through
-SDPA: torch's CPU flash kernel runs reduced precision 3-6x slower than these two GEMMs at RL lengths
-(measured forward + backward, 4,096-token batches: T=64 0.17-0.20x the time, T=256 0.47-0.63x; fp32
-SDPA is as fast as eager, and CUDA's flash kernels are not slow, so both keep SDPA). The price is memory:
-autograd keeps the probabilities, 2 x heads x T bytes a token and layer, which the trainer's
-micro-batch budget counts (`trainer.memory.eager_attention_bytes`).
+matmul and softmax in fp32 with a cached causal mask, then a second matmul, as HF's "eager" attention)
+instead of through SDPA: torch's CPU flash kernel ran reduced precision at 44-60% of a bf16 trainer
+step at RL lengths (bench/trainer.py, 64 rows of the built-in model, 2026-12-02: 14.4k -> 25.6k tok/s at
+64 tokens, 14.7k -> 22.1k at 128, 12.8k -> 18.1k at 160, 13.0k -> 14.0k at 192, 15.5k -> 10.7k at
+256, where SDPA wins). fp32 SDPA is as fast as eager, and CUDA's flash kernels are not slow, so both
+keep SDPA. The price is memory: autograd keeps the probabilities, ~6 x heads x T bytes a token and
+layer, which the trainer's micro-batch budget counts (`trainer.memory.eager_attention_bytes`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(B, T, -1))
 
 
-EAGER_MAX_T = 256  # the longest sequence attended eagerly (see the module docstring)
+EAGER_MAX_T = 192  # the longest sequence attended eagerly (see the module docstring)
 _EAGER_DTYPES = (torch.bfloat16, torch.float16)
 _masks: dict[tuple, torch.Tensor] = {}
 

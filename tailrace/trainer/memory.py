@@ -20,8 +20,8 @@ A bf16 step on CPU attends eagerly up to `EAGER_MAX_T` tokens (`tailrace.model.a
 autograd keeps its probabilities: `eager_attention_bytes` adds, per layer, 6 bytes (the fp32 softmax
 output and its bf16 copy) x heads x `EAGER_MAX_T` plus the fp32 copies of q and k (4 bytes x (heads +
 kv heads) x head_dim), the longest such sequence's cost. Measured on SmolLM2's shape (bf16, slope
-of peak resident memory between 1,024- and 4,096-token micro-batches, 2026-12-02): eager adds 0.39 MiB
-a token at T = 256 and 0.15 at T = 72 over SDPA's 1.43; the estimate adds 0.48 (x `MARGIN`: 0.60).
+of peak resident memory between 1,024- and 4,096-token micro-batches, 2026-12-02): over SDPA's 1.43 MiB
+a token, eager adds 0.22 MiB at T = 192 and 0.15 at T = 72; the estimate adds 0.38 (x `MARGIN`).
 """
 
 from __future__ import annotations
