@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -62,6 +63,23 @@ def _isolated_cache(tmp_path, monkeypatch, _built_kernels):
         shutil.copytree(_built_kernels, cache / "kernels")
     monkeypatch.setenv("TAILRACE_CACHE", str(cache))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_workers():
+    """A test that failed or timed out inside a run can leave that run's workers (trainer, engines)
+    alive: they would hold cores and files into the next tests (a sandbox test once timed out at 0.5 s
+    behind them). After each test, the workers of runs in this process get a moment to exit, then
+    are killed."""
+    yield
+    deadline = time.monotonic() + 3.0
+    while (left := workers_of(os.getpid())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
