@@ -51,10 +51,11 @@ def name_process(name: str) -> None:
 
 
 def release_memory() -> None:
-    """Give the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere a no-op), after a
-    worker frees a policy version or a step's activations. Without it an engine serving SmolLM2-135M
-    in bf16 settles ~600 MB above its start (freed ranges stay in the heap, fragmented); trimmed, it
-    returns to its start after each weight load. Costs milliseconds."""
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere a no-op), after an
+    engine frees a policy version (not after a trainer step: its activations are needed again).
+    Without it an engine serving SmolLM2-135M in bf16 settles ~600 MB above its start (freed ranges
+    stay in the heap, fragmented); trimmed, it returns to its start after each weight load. Costs
+    milliseconds."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
