@@ -58,13 +58,13 @@ _EAGER_DTYPES = (torch.bfloat16, torch.float16)
 _masks: dict[tuple, torch.Tensor] = {}
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype CPU matmuls run in: autocast's under autocast (RoPE's fp32 tables make q and k fp32)."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else dtype
+
+
 def attends_eagerly(T: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Under autocast the dtype that counts is autocast's (RoPE's fp32 tables make q and k fp32)."""
-    if device.type != "cpu" or T > EAGER_MAX_T:
-        return False
-    if torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")
-    return dtype in _EAGER_DTYPES
+    return device.type == "cpu" and T <= EAGER_MAX_T and _compute_dtype(dtype) in _EAGER_DTYPES
 
 
 def causal_mask(T: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -82,7 +82,7 @@ def eager_attention(q, k, v):
     KV = k.shape[2]
     qg = q.permute(0, 2, 1, 3).unflatten(1, (KV, H // KV))  # (B, KV, G, T, D): head h = kv * G + g
     kt, vt = k.permute(0, 2, 3, 1).unsqueeze(2), v.permute(0, 2, 1, 3).unsqueeze(2)  # (B, KV, 1, D|T, T|D)
-    low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    low = _compute_dtype(q.dtype)
     with torch.autocast("cpu", enabled=False):
         s = torch.matmul(qg.float(), kt.float()) * D**-0.5 + causal_mask(T, torch.float32, q.device)
     o = torch.matmul(torch.softmax(s, dim=-1).to(low), vt)  # (B, KV, G, T, D)

@@ -43,8 +43,7 @@ GIB = 1 << 30
 def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) -> int:
     """What one more token in a micro-batch adds to the step's peak memory (with `MARGIN`); `cpu`: the
     step runs on CPU (where bf16 attends eagerly)."""
-    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-    kv = (cfg.num_key_value_heads or cfg.num_attention_heads) * head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim  # ModelConfig fills both when a checkpoint omits them
     per_layer = 8 * cfg.hidden_size + 4 * kv + 4 * cfg.intermediate_size
     raw = cfg.num_hidden_layers * per_layer * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[bf16]
     if bf16 and cpu:
@@ -55,9 +54,7 @@ def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) 
 def eager_attention_bytes(cfg: ModelConfig) -> int:
     """What eager attention keeps a token, over all layers, at its longest sequence (`EAGER_MAX_T`)."""
     heads = cfg.num_attention_heads
-    head_dim = cfg.head_dim or cfg.hidden_size // heads
-    kv_heads = cfg.num_key_value_heads or heads
-    per_layer = 6 * heads * EAGER_MAX_T + 4 * (heads + kv_heads) * head_dim
+    per_layer = 6 * heads * EAGER_MAX_T + 4 * (heads + cfg.num_key_value_heads) * cfg.head_dim
     return cfg.num_hidden_layers * per_layer
 
 
