@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from tailrace.model.attention import sdpa_only
+
 
 @dataclass(frozen=True)
 class SFTSchedule:
@@ -84,7 +86,8 @@ def sft(
 ) -> list[float]:
     """Train `model` in place; returns the per-step losses. `on_step(step, total, loss)` for progress.
     `bf16` autocasts the forward (weights and optimizer stay fp32): on CPUs with AVX512-BF16 it is
-    about twice as fast, since fp32 GEMMs there run through a slower BLAS path."""
+    about twice as fast, since fp32 GEMMs there run through a slower BLAS path. Attention goes through
+    SDPA (`sdpa_only`), so a recipe trains the model it always has."""
     device = next(model.parameters()).device
     rng = random.Random(seed)
     lengths = [len(p) + len(r) for p, r in pairs]
@@ -100,20 +103,21 @@ def sft(
     )
     model.train()
     losses = []
-    for step, idx in enumerate(plan):
-        for g in opt.param_groups:
-            g["lr"] = sched.lr_at(step)
-        inp, tgt, mask = collate([pairs[i] for i in idx], pad_id, device, prompt_weight)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(inp)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), reduction="none")
-        loss = (nll * mask.flatten()).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(step, len(plan), losses[-1])
+    with sdpa_only():  # the model the recipe has always trained (model/attention.py)
+        for step, idx in enumerate(plan):
+            for g in opt.param_groups:
+                g["lr"] = sched.lr_at(step)
+            inp, tgt, mask = collate([pairs[i] for i in idx], pad_id, device, prompt_weight)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(inp)
+            nll = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), reduction="none")
+            loss = (nll * mask.flatten()).sum() / mask.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step(step, len(plan), losses[-1])
     model.eval()
     return losses

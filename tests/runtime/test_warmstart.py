@@ -38,3 +38,32 @@ def test_recipe_key_follows_shape_and_training():
         recipe_key(ArchConfig(), SFTConfig(lr=1e-3), task),
     }
     assert len(keys) == 3
+
+
+def test_sft_attends_through_sdpa_as_its_recipes_always_did(monkeypatch):
+    """bf16 on CPU would attend eagerly at these lengths; the warm start's SFT must not: eager attention
+    rounds differently and would train another model from the same recipe (and key)."""
+    import torch
+
+    from tailrace.model import CausalLM, attention
+    from tailrace.runtime.warmstart import model_config
+    from tailrace.tokenizer import char_tokenizer
+    from tailrace.trainer.sft import sft
+
+    tok = char_tokenizer()
+    model = CausalLM.from_config(
+        model_config(ArchConfig(hidden_size=32, num_layers=1), tok.vocab_size, tok), seed=0
+    )
+    calls = []
+    real = attention.eager_attention
+    monkeypatch.setattr(attention, "eager_attention", lambda *a: calls.append(1) or real(*a))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.zeros(1, 8, dtype=torch.long))
+    assert calls  # outside sft, this forward attends eagerly
+    calls.clear()
+    pairs = [(tok.encode("1+2="), tok.encode("3")), (tok.encode("4+4="), tok.encode("8"))]
+    losses = sft(
+        model, pairs, lr=1e-3, warmup=1, batch_tokens=64, epochs=2, pad_id=tok.pad_id, seed=0, bf16=True
+    )
+    assert losses and not calls
+    assert attention.attends_eagerly(8, torch.bfloat16, torch.device("cpu"))  # switched back on after
