@@ -58,6 +58,7 @@ MODES = [
     ("sync", {"shaping.name": "sorted", "train.loss.correction": "tis"}),
     # shaping on a streaming mode: --modes sync,sync+darts,multiversion-K1+darts
     ("multiversion", {"flow.max_staleness": 1, "shaping.name": "darts"}),
+    ("multiversion", {"flow.max_staleness": 2, "shaping.name": "darts"}),
 ]
 
 CONFIGS = {
