@@ -16,7 +16,7 @@ keep SDPA. The price is memory: autograd keeps the probabilities, ~6 x heads x T
 layer, which the trainer's micro-batch budget counts (`trainer.memory.eager_attention_bytes`).
 `sdpa_only()` turns the eager path off: the warm starts' recipes were fixed before it existed, and the
 cached default model is what they train through SDPA (eager attention rounds differently, and from
-the same recipe would train another model: base accuracy 45.3% instead of 52.3% on 512 held-out
+the same recipe would train another model: base accuracy 45.3% instead of 52.5% on 512 held-out
 prompts).
 """
 
