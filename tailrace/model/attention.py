@@ -61,6 +61,7 @@ class Attention(nn.Module):
 
 
 EAGER_MAX_T = 192  # the longest sequence attended eagerly (see the module docstring)
+_eager_on = True  # False inside sdpa_only()
 _EAGER_DTYPES = (torch.bfloat16, torch.float16)
 _masks: dict[tuple, torch.Tensor] = {}
 
@@ -71,22 +72,18 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def attends_eagerly(T: int, dtype: torch.dtype, device: torch.device) -> bool:
-    return (
-        _eager_on[0] and device.type == "cpu" and T <= EAGER_MAX_T and _compute_dtype(dtype) in _EAGER_DTYPES
-    )
-
-
-_eager_on = [True]
+    return _eager_on and device.type == "cpu" and T <= EAGER_MAX_T and _compute_dtype(dtype) in _EAGER_DTYPES
 
 
 @contextlib.contextmanager
 def sdpa_only() -> Iterator[None]:
     """Every sequence attends through SDPA inside the block (see the module docstring)."""
-    was, _eager_on[0] = _eager_on[0], False
+    global _eager_on
+    was, _eager_on = _eager_on, False
     try:
         yield
     finally:
-        _eager_on[0] = was
+        _eager_on = was
 
 
 def causal_mask(T: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
