@@ -59,6 +59,8 @@ MODES = [
     # shaping on a streaming mode: --modes sync,sync+darts,multiversion-K1+darts
     ("multiversion", {"flow.max_staleness": 1, "shaping.name": "darts"}),
     ("multiversion", {"flow.max_staleness": 2, "shaping.name": "darts"}),
+    # darts with a fixed extra budget: a streaming mode's engine has the slack the priced budget ignores
+    ("multiversion", {"flow.max_staleness": 1, "shaping.name": "darts", "shaping.extra": 0.5}),
 ]
 
 CONFIGS = {
@@ -89,11 +91,13 @@ CONFIGS = {
 
 
 def mode_label(mode: str, opts: dict) -> str:
-    """e.g. multiversion-K2, sync+darts: the mode, its staleness bound, its shaping."""
+    """e.g. multiversion-K2, sync+darts, multiversion-K1+darts@0.5: the mode, its staleness bound, its
+    shaping and a fixed darts budget."""
     return (
         mode
         + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
         + "".join(f"+{v}" for k, v in opts.items() if k == "shaping.name")
+        + "".join(f"@{v}" for k, v in opts.items() if k == "shaping.extra")
     )
 
 
