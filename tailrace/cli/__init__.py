@@ -117,7 +117,7 @@ TAILRACE = Verb(
         ),
         Verb(
             "engine",
-            "rollout engines that join a running job (tailrace train, runtime.kind=local) or leave it",
+            "rollout engines that join a running job (tailrace train, local or on Ray) or leave it",
             ("engine join RUN_DIR [--cores LIST]", "engine leave RUN_DIR ENGINE_ID"),
             verbs=(
                 Verb(

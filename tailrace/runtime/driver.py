@@ -42,7 +42,7 @@ from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator, next_turn
 from tailrace.runtime.health import Heard, Lost
 from tailrace.runtime.hosts import Seat, Started, hosts_for
-from tailrace.runtime.join import Arrival, Desk, JoinedProcess, Leave, Welcome, serve_weights
+from tailrace.runtime.join import Arrival, Desk, Leave, Welcome, serve_weights
 from tailrace.runtime.messages import EngineReport, Go, History, Ready, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import SpecTally, Utilization
 from tailrace.runtime.orders import TrainOrders
@@ -187,8 +187,9 @@ class Driver:
         for engine in self.engines.values():
             self.workers.send(engine, Go())
         self.workers.ready(list(self.engines.values()))
-        if cfg.runtime.kind == "local":  # engines may join (tailrace engine join RUN_DIR) and leave
-            self.desk = Desk(self.run.path)
+        self.desk = Desk(
+            self.run.path, *self.hosts.desk()
+        )  # engines may join (tailrace engine join) and leave
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)
 
@@ -462,17 +463,22 @@ class Driver:
     def _join(self, a: Arrival) -> None:
         r = self.cfg.rollout
         eid = self.sched.add_engine(r.slots, r.lookahead)
-        spec = replace(
-            self._engine_spec(Seat(a.cores or self._join_cores(), r.threads), 0), start_versions=()
-        )
-        started = Started(JoinedProcess(a.pid), a.conns["messages"], Heard(a.conns["beats"]))
+        cores = a.cores if a.actor else a.cores or self._join_cores()  # a Ray actor: Ray placed it
+        spec = replace(self._engine_spec(Seat(cores, r.threads), 0), start_versions=())
+        started = Started(self.hosts.joined(a), a.conns["messages"], Heard(a.conns["beats"]))
         w = self.workers.adopt(f"engine{eid}", started, elastic=True)
         self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.layout.buffer.dtype))
         serve_weights(a.conns["weights"], self.weights)
         self.engines[eid], self.especs[eid] = w, spec
         self.util.slots += r.slots
-        data = {"engine": eid, "pid": a.pid, "cores": list(spec.cores)}
-        self._event(Mark(self._now(), "engine_join", data), f"engine {eid} joined (pid {a.pid})")
+        data = {
+            "engine": eid,
+            "pid": a.pid,
+            "cores": list(spec.cores),
+            **({"actor": a.actor} if a.actor else {}),
+        }
+        where = f"Ray actor {a.actor}" if a.actor else f"pid {a.pid}"
+        self._event(Mark(self._now(), "engine_join", data), f"engine {eid} joined ({where})")
 
     def _leave(self, eid: int, why: str) -> None:
         """Engine `eid` leaves the run: its samples are requeued, its process told to shut down."""

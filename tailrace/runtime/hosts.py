@@ -6,7 +6,9 @@ are one code for both: a seat per role (`place`: cores to pin, torch threads), t
 device (`device`), a started worker
 (`start`: a process handle as runtime/health.py reads one, a connection speaking runtime/messages.py,
 the counter its heartbeat moves), and a weights ring (`ring`: write / read / holds / slots, as
-runtime/weights.py). Worker bodies are called `target(conn, counter, *args)`.
+runtime/weights.py). Worker bodies are called `target(conn, counter, *args)`. Engines that join a
+running job (runtime/join.py) find its desk where `desk` says, and the driver watches each one through
+the handle `joined` makes of it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ class Hosts(Protocol):
         """The weights ring for a flat layout (model/flat.FlatWeights) holding `slots` versions."""
         ...
 
+    def desk(self) -> tuple[str, dict]:
+        """Where the join desk listens, and what a joiner needs to know beyond it (join.json)."""
+        ...
+
+    def joined(self, arrival: Any) -> Any:
+        """The process handle (as `Started.proc`) of an engine that joined (a runtime/join.Arrival)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -94,6 +104,16 @@ class LocalHosts:
         from tailrace.runtime.weights import SharedWeights
 
         return SharedWeights.like(layout, slots=slots)
+
+    def desk(self) -> tuple[str, dict]:
+        from tailrace.runtime.join import LOOPBACK
+
+        return LOOPBACK, {"runtime": "local"}
+
+    def joined(self, arrival: Any) -> Any:
+        from tailrace.runtime.join import JoinedProcess
+
+        return JoinedProcess(arrival.pid)
 
     def close(self) -> None:
         pass

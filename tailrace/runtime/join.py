@@ -1,14 +1,16 @@
 """Engines that join a running job from outside it, and leave it: `tailrace engine join RUN_DIR`,
 `tailrace engine leave RUN_DIR ENGINE_ID` (or SIGTERM to a joined process).
 
-The driver opens a desk (`Desk`): a listener on loopback, authenticated by a key made for the run;
-the address goes to RUN_DIR/join.json and the key to RUN_DIR/join.key, both mode 0600, so only the
-run's owner can add or remove engines. A joining process (`join`) opens three connections, each
-introduced by a `Hello(pid, role)`: its messages (runtime/messages.py, as any worker's), its heartbeat
-(`Beat`s, as a Ray actor's: runtime/ray_hosts.py) and its weights. The driver registers it with the
-scheduler (a new engine id, holding no weights: `Scheduler.add_engine`), answers with a `Welcome`
-(its id and the run's engine spec), and from then on it is a worker like the others: the scheduler
-has it load the weights its policy needs, then gives it work.
+The driver opens a desk (`Desk`): a listener authenticated by a key made for the run, on loopback
+(on Ray: on the address Ray knows the driver's node by, as its actors listen); the address goes to
+RUN_DIR/join.json and the key to RUN_DIR/join.key, both mode 0600, so only the run's owner can add
+or remove engines. A joining process (`join`; on a Ray job, a Ray actor it starts on the job's
+cluster: runtime/ray_join.py) opens three connections, each introduced by a `Hello(pid, role)`: its
+messages (runtime/messages.py, as any worker's), its heartbeat (`Beat`s, as a Ray actor's:
+runtime/ray_hosts.py) and its weights. The driver registers it with the scheduler (a new engine id,
+holding no weights: `Scheduler.add_engine`), answers with a `Welcome` (its id and the run's engine
+spec), and from then on it is a worker like the others: the scheduler has it load the weights its
+policy needs, then gives it work.
 
 It was not forked from the driver, so it shares no memory with the weights ring: it asks for a
 version on its weights connection and a driver thread answers with that ring slot, one contiguous
@@ -46,6 +48,8 @@ class Hello:
     pid: int
     role: str  # one of ROLES
     cores: tuple[int, ...] = ()  # the cores it asks to be pinned to (messages only; (): the driver picks)
+    actor: str = ""  # a Ray actor's name (runtime/ray_join.py), by which the driver finds it; "" = a process
+    node: str = ""  # that actor's Ray node id
 
 
 @dataclass(frozen=True)
@@ -68,27 +72,30 @@ class Arrival:
     pid: int
     conns: dict[str, Connection]
     cores: tuple[int, ...]  # asked for; () = the driver picks
+    actor: str = ""  # a Ray actor's name; "" = a process on this machine
+    node: str = ""  # the actor's Ray node id
 
 
 # -- the driver's side ---------------------------------------------------------------------------
 
 
 class Desk:
-    """The driver's listener for engines that join or leave (`take` between polls)."""
+    """The driver's listener for engines that join or leave (`take` between polls). `host`: the address
+    it listens on (loopback locally; on Ray the address Ray knows the driver's node by); `about`: what
+    else a joiner needs to know, written to join.json beside the address (`runtime`: local or ray)."""
 
-    def __init__(self, run_path: Path) -> None:
+    def __init__(self, run_path: Path, host: str = LOOPBACK, about: dict | None = None) -> None:
         self.run_path = run_path
         key = os.urandom(32)
-        self.listener = Listener((LOOPBACK, 0), authkey=key)
+        self.listener = Listener((host, 0), authkey=key)
         host, port = self.listener.address
+        where = {"host": host, "port": port, "pid": os.getpid(), "runtime": "local", **(about or {})}
         _private(run_path / "join.key", key)
-        _private(
-            run_path / "join.json", json.dumps({"host": host, "port": port, "pid": os.getpid()}).encode()
-        )
+        _private(run_path / "join.json", json.dumps(where).encode())
         self.waitable, self._wake = Pipe(duplex=False)  # readable when something arrived
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()
         self._parts: dict[int, dict[str, Connection]] = {}
-        self._cores: dict[int, tuple[int, ...]] = {}
+        self._hellos: dict[int, Hello] = {}  # each joiner's messages Hello: its cores, actor and node
         self._closed = False
         threading.Thread(target=self._accept, name="join-desk", daemon=True).start()
 
@@ -124,9 +131,11 @@ class Desk:
             elif isinstance(msg, Hello) and msg.role in ROLES:
                 parts = self._parts.setdefault(msg.pid, {})
                 parts[msg.role] = conn
-                self._cores[msg.pid] = self._cores.get(msg.pid, ()) or msg.cores
+                if msg.role == "messages":
+                    self._hellos[msg.pid] = msg
                 if len(parts) == len(ROLES):
-                    self._arrive(Arrival(msg.pid, self._parts.pop(msg.pid), self._cores.pop(msg.pid)))
+                    h = self._hellos.pop(msg.pid)
+                    self._arrive(Arrival(msg.pid, self._parts.pop(msg.pid), h.cores, h.actor, h.node))
             else:
                 conn.close()
 
@@ -217,29 +226,32 @@ class WireWeights:
         return []
 
 
-def address(run_dir: Path) -> tuple[tuple[str, int], bytes]:
-    """Where a running job's desk listens, and its key: bad input when the run is not running."""
+def address(run_dir: Path) -> tuple[dict, bytes]:
+    """What a running job's join.json says (where its desk listens, its runtime) and its key: bad input
+    when the run is not running."""
     try:
         where = json.loads((run_dir / "join.json").read_text())
         key = (run_dir / "join.key").read_bytes()
     except FileNotFoundError:
         raise InputError(
             f"{run_dir}: no running job to join there (no join.json); start one with tailrace train "
-            "(runtime.kind=local), or pass its run directory"
+            "(runtime.kind=local or ray), or pass its run directory"
         ) from None
     except (OSError, ValueError) as e:
         raise InputError(f"{run_dir}: cannot read its join.json / join.key ({one_line(e)})") from None
-    return (where["host"], int(where["port"])), key
+    return where, key
 
 
-def connect(run_dir: Path) -> Connection:
-    addr, key = address(run_dir)
+def dial(addr: tuple[str, int], key: bytes, what: str) -> Connection:
     try:
         return Client(addr, authkey=key)
     except (ConnectionRefusedError, AuthenticationError, OSError) as e:
-        raise InputError(
-            f"{run_dir}: its job does not answer at {addr[0]}:{addr[1]} ({one_line(e)})"
-        ) from None
+        raise InputError(f"{what}: its job does not answer at {addr[0]}:{addr[1]} ({one_line(e)})") from None
+
+
+def connect(run_dir: Path) -> Connection:
+    where, key = address(run_dir)
+    return dial((where["host"], int(where["port"])), key, str(run_dir))
 
 
 def leave(run_dir: Path, engine: int) -> None:
@@ -251,19 +263,15 @@ def leave(run_dir: Path, engine: int) -> None:
 def join(run_dir: Path, cores: tuple[int, ...] = ()) -> int:
     """Join the job running in `run_dir` as a new engine and serve it until the run ends or the engine
     is told to leave (SIGTERM: this process asks to leave, and exits when the driver lets it go).
-    `cores`: pin it there (default: a core no worker of the run uses, else the run's engines')."""
-    from tailrace.runtime.engine_worker import engine_main
-    from tailrace.runtime.health import Beats
+    `cores`: pin it there (default: a core no worker of the run uses, else the run's engines'). A job on
+    Ray is joined by a Ray actor this process starts on its cluster (runtime/ray_join.py)."""
+    where, key = address(run_dir)
+    if where.get("runtime") == "ray":
+        from tailrace.runtime.ray_join import join_on_ray
 
-    pid = os.getpid()
-    conns = {}
-    for role in ROLES:
-        conns[role] = connect(run_dir)
-        conns[role].send(Hello(pid, role, cores))
-    welcome = conns["messages"].recv()
-    if not isinstance(welcome, Welcome):
-        raise Fault(f"{run_dir}: the job answered {type(welcome).__name__}, not Welcome")
-    print(f"joined {run_dir} as engine {welcome.engine} (pid {pid})", flush=True)
+        return join_on_ray(run_dir, where, key, cores)
+    conns, welcome = introduce((where["host"], int(where["port"])), key, cores, str(run_dir))
+    print(f"joined {run_dir} as engine {welcome.engine} (pid {os.getpid()})", flush=True)
 
     def on_term(signum, frame) -> None:
         try:
@@ -273,11 +281,34 @@ def join(run_dir: Path, cores: tuple[int, ...] = ()) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in its terminal: leave with SIGTERM instead
+    serve(conns, welcome)
+    print(f"engine {welcome.engine} left {run_dir}", flush=True)
+    return 0
+
+
+def introduce(
+    addr: tuple[str, int], key: bytes, cores: tuple[int, ...], what: str, actor: str = "", node: str = ""
+) -> tuple[dict[str, Connection], Welcome]:
+    """Open the three connections to the desk at `addr` and wait for the job's `Welcome`."""
+    pid = os.getpid()
+    conns = {}
+    for role in ROLES:
+        conns[role] = dial(addr, key, what)
+        conns[role].send(Hello(pid, role, cores, actor, node))
+    welcome = conns["messages"].recv()
+    if not isinstance(welcome, Welcome):
+        raise Fault(f"{what}: the job answered {type(welcome).__name__}, not Welcome")
+    return conns, welcome
+
+
+def serve(conns: dict[str, Connection], welcome: Welcome) -> None:
+    """Work as engine `welcome.engine` until the job ends or tells it to leave."""
+    from tailrace.runtime.engine_worker import engine_main
+    from tailrace.runtime.health import Beats
+
     current_process().name = f"engine{welcome.engine}"
     weights = WireWeights(conns["weights"], welcome.layout, welcome.dtype)
     engine_main(conns["messages"], Beats(conns["beats"]), welcome.engine, welcome.spec, weights)
-    print(f"engine {welcome.engine} left {run_dir}", flush=True)
-    return 0
 
 
 def _private(path: Path, data: bytes) -> None:

@@ -12,7 +12,9 @@ started gets its own end of the group, `start`), instead of the shared-memory ri
 process (its connection ends, its `run` call fails) and a stopped one as a silent one: `Workers`
 finds both and the driver replaces them in the same bundle, as it does local workers.
 
-This module is the one place tailrace imports Ray, and only when a run asks for it.
+Engines may also join a running Ray job as actors of their own (runtime/ray_join.py, the joiner's
+side); `desk` tells them where, and `RayJoined` is how the driver watches one. This module and
+ray_join.py import Ray, and only when a run asks for it (`import_ray`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
+import time
 from multiprocessing import current_process
 from multiprocessing.connection import Client, Listener
 from typing import Any, Callable
@@ -33,7 +37,13 @@ LOOPBACK = "127.0.0.1"
 PLACE_S = 120.0  # for the placement group's bundles to be reserved, once the cluster has the resources
 
 
-def import_ray():
+def import_ray(address: str | None = None):
+    """Ray, imported once a run asks for it. `address`: the cluster this process will connect to. On
+    loopback, Ray is kept there: it rewrites a loopback address to this machine's interface address,
+    where a cluster started on loopback does not listen (ray.init then retries for minutes), unless
+    its cluster switch is off, which changes nothing else on Linux (this node's address is loopback)."""
+    if address and address.rsplit(":", 1)[0] in (LOOPBACK, "localhost") and "ray" not in sys.modules:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     try:
         import ray
     except ImportError:
@@ -102,18 +112,60 @@ class RayProcess:
         return not self.ended
 
     def kill(self) -> None:
-        """`ray.kill` asks the actor to exit, which a stopped process never does (and its bundle stays
-        held): a task on its node SIGKILLs the pid as well."""
-        ray = self.ray
-        ray.kill(self.actor, no_restart=True)
-        if self.is_alive():
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            on_node = NodeAffinitySchedulingStrategy(self.node, soft=False)
-            ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=on_node).remote(self.pid)
+        _kill_actor(self.ray, self.actor, self.is_alive, self.node, self.pid)
 
     def join(self, timeout: float | None = None) -> None:
         self.ray.wait([self.running], timeout=timeout, fetch_local=False)
+
+
+class RayJoined:
+    """An engine that joined the run as a Ray actor (runtime/ray_join.py), as the driver handles a
+    process: the joiner's `tailrace engine join` owns the actor, the driver finds it by its name, and
+    it is alive while Ray still knows that name (a dead actor's is released). Asked at most every
+    `EVERY_S`: each answer is a call to Ray's control store."""
+
+    EVERY_S = 0.5
+    exitcode = None  # not the driver's to know
+
+    def __init__(self, ray: Any, name: str, node: str, pid: int) -> None:
+        self.ray, self.name, self.node, self.pid = ray, name, node, pid
+        self._alive, self._asked = True, float("-inf")
+
+    def is_alive(self) -> bool:
+        if self._alive and time.monotonic() - self._asked >= self.EVERY_S:
+            self._asked = time.monotonic()
+            self._alive = self._actor() is not None
+        return self._alive
+
+    def kill(self) -> None:
+        actor = self._actor()
+        if actor is not None:
+            self._asked = float("-inf")
+            _kill_actor(self.ray, actor, self.is_alive, self.node, self.pid)
+
+    def join(self, timeout: float | None = None) -> None:
+        end = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.is_alive() and time.monotonic() < end:
+            time.sleep(0.05)
+
+    def _actor(self) -> Any:
+        from tailrace.runtime.ray_join import NAMESPACE
+
+        try:
+            return self.ray.get_actor(self.name, namespace=NAMESPACE)
+        except ValueError:  # no live actor of that name
+            return None
+
+
+def _kill_actor(ray: Any, actor: Any, is_alive: Callable[[], bool], node: str, pid: int) -> None:
+    """`ray.kill` asks the actor to exit, which a stopped process never does (and its bundle stays
+    held): a task on its node SIGKILLs the pid as well."""
+    ray.kill(actor, no_restart=True)
+    if is_alive():
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        on_node = NodeAffinitySchedulingStrategy(node, soft=False)
+        ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=on_node).remote(pid)
 
 
 class RayHosts:
@@ -121,7 +173,7 @@ class RayHosts:
 
     def __init__(self, cfg: RuntimeConfig) -> None:
         self.cfg = cfg
-        self.ray = import_ray()
+        self.ray = import_ray(cfg.address)
         self.authkey = os.urandom(32)
         self.owns_ray = False  # this run started Ray (and so shuts it down)
         self.group = None
@@ -208,6 +260,25 @@ class RayHosts:
             host, world = self.ray.util.get_node_ip_address(), len(self.bundles)
             self.weights = Collective(self.weights, layout.buffer.numel(), host, world, self.workers_device)
         return self.weights
+
+    def desk(self) -> tuple[str, dict]:
+        """On the address Ray knows the driver's node by (as `Host` listens), with the cluster's address
+        and an engine actor's resources: a joiner starts its actor there (runtime/ray_join.py)."""
+        c = self.cfg
+        about = {
+            "runtime": "ray", "ray_address": self.ray.get_runtime_context().gcs_address,
+            "engine_cpus": c.engine_cpus, "engine_gpus": c.engine_gpus,
+        }  # fmt: skip
+        return self.ray.util.get_node_ip_address(), about
+
+    def joined(self, arrival: Any) -> Any:
+        if (
+            not arrival.actor
+        ):  # a plain process joined a Ray run (`tailrace engine join` always starts an actor)
+            from tailrace.runtime.join import JoinedProcess
+
+            return JoinedProcess(arrival.pid)
+        return RayJoined(self.ray, arrival.actor, arrival.node, arrival.pid)
 
     def close(self) -> None:
         if not self.ray.is_initialized():

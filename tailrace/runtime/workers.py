@@ -46,6 +46,8 @@ def serving(conn: Connection, counter: Any) -> Iterator[None]:
         yield
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the driver is gone: there is no one to tell
+    except SystemExit:  # told to end (Ray turns SIGTERM into this): the driver finds a death, not a fault
+        raise
     except BaseException as e:  # noqa: BLE001 — whatever it is, the driver hears it, in one line
         try:
             conn.send(

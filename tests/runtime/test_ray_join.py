@@ -1,0 +1,76 @@
+"""Engines joining a running Ray job as Ray actors (runtime/ray_join.py), on a real local Ray cluster:
+`tailrace train --runtime.kind=ray` runs on the test's cluster (3 CPUs on loopback: the trainer's,
+its engine's and a joiner's); `tailrace engine join RUN_DIR` starts an actor there that works as
+engine 1, and leaves on SIGTERM to the command; a second joiner's command is killed (-9), so its actor
+dies with it and the driver removes engine 2; a third works until the run ends and then exits 0.
+The run completes its steps, the ledger is exact at every step record, and no (group, sample) is
+trained twice."""
+
+import json
+import logging
+import os
+import signal
+
+import pytest
+
+from tests.runtime.conftest import TINY_RUN, start_cli
+from tests.runtime.test_join_e2e import mark, wait_until, worked
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster_address():
+    import ray
+
+    ray.init(num_cpus=3, include_dashboard=False, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def test_ray_actors_join_and_leave_a_running_ray_job(cluster_address, tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    train = start_cli(
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.steps=60",
+        "--max_restarts=0", "--flow.mode=sync", "--runtime.kind=ray", f"--runtime.address={cluster_address}",
+    )  # fmt: skip
+    joined = []
+    try:
+        wait_until(lambda: (run_dir / "join.json").exists(), train, "join desk", timeout=180)
+        where = json.loads((run_dir / "join.json").read_text())
+        assert where["runtime"] == "ray" and where["ray_address"] == cluster_address
+        assert where["host"] == "127.0.0.1"  # the cluster is on loopback, and so is the desk
+        joined.append(start_cli("engine", "join", str(run_dir)))
+        wait_until(lambda: worked(run_dir, 1), train, "work on the joined actor, engine 1")
+        os.kill(joined[0].pid, signal.SIGTERM)
+        wait_until(lambda: mark(run_dir, "engine_leave"), train, "engine 1 leaving")
+        assert joined[0].wait(timeout=60) == 0
+        joined.append(start_cli("engine", "join", str(run_dir)))
+        wait_until(lambda: worked(run_dir, 2), train, "work on the joined actor, engine 2")
+        os.killpg(joined[1].pid, signal.SIGKILL)  # its owner gone, Ray ends the actor: engine 2 died
+        wait_until(lambda: len(mark(run_dir, "engine_leave")) == 2, train, "engine 2 removed")
+        joined.append(start_cli("engine", "join", str(run_dir)))
+        out, _ = train.communicate(timeout=240)
+        assert train.returncode == 0, out[-3000:]
+        assert joined[2].wait(timeout=60) == 0, joined[2].stdout.read()[-3000:]  # let go as the run ended
+    finally:
+        for p in [train, *joined]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert not (run_dir / "join.json").exists() and not (run_dir / "join.key").exists()
+    joins = mark(run_dir, "engine_join")
+    assert [m["engine"] for m in joins] == [1, 2, 3]
+    assert all(m["actor"].startswith("engine-join-") and m["cores"] == [] for m in joins)
+    leaves = {m["engine"]: m["why"] for m in mark(run_dir, "engine_leave")}
+    assert leaves[1] == "asked to leave" and "died" in leaves[2] and set(leaves) == {1, 2}
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if r["kind"] == "step"]
+    assert len(steps) == 60
+    for r in steps:  # produced = trained + in_store + discarded, at every step
+        led = r["ledger"]
+        assert led["produced"] == led["trained"] + led["in_store"] + sum(led["discarded"].values())
+    trained = [
+        (g, i) for m in mark(run_dir, "train_issued") for g, s in zip(m["groups"], m["samples"])
+        for i in s
+    ]  # fmt: skip
+    assert len(trained) == len(set(trained)) == steps[-1]["ledger"]["trained"]
