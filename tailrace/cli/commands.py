@@ -162,9 +162,10 @@ def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
     if cfg.train.loss.correction is None:
         from tailrace.flow.policies import POLICIES
 
+        own = POLICIES[cfg.flow.mode].own_correction(cfg.flow.steps_per_round, cfg.store.replay > 0)
+        replay = " with replay" if cfg.store.replay else ""
         console.print(
-            f"off-policy correction {POLICIES[cfg.flow.mode].own_correction(cfg.flow.steps_per_round)} "
-            f"(train.loss.correction null: the {cfg.flow.mode} mode's own)"
+            f"off-policy correction {own} (train.loss.correction null: the {cfg.flow.mode} mode's own{replay})"
         )
     if cfg.train.lr is None:
         n = session.flat_layout().buffer.numel()

@@ -10,6 +10,7 @@ from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
 from tailrace.config.run import EvalConfig, FlowConfig, RolloutConfig, RunConfig, SpecConfig, TaskConfig
 from tailrace.config.runtime import RuntimeConfig
 from tailrace.config.shaping import ShapingConfig
+from tailrace.config.store import StoreConfig
 from tailrace.config.train import LossConfig, TrainerConfig
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "SFTConfig",
     "ShapingConfig",
     "SpecConfig",
+    "StoreConfig",
     "TaskConfig",
     "TrainerConfig",
     "dump_config",

@@ -13,6 +13,7 @@ from tailrace.config.model import ArchConfig, ModelSpec, SFTConfig
 from tailrace.config.runtime import RuntimeConfig
 from tailrace.config.serve import ServeConfig
 from tailrace.config.shaping import ShapingConfig
+from tailrace.config.store import StoreConfig
 from tailrace.config.train import TrainerConfig
 
 
@@ -336,6 +337,7 @@ class RunConfig:
     rollout: RolloutConfig = section(RolloutConfig, "the rollout engines")
     flow: FlowConfig = section(FlowConfig, "the scheduler: batch shape, overlap mode, run length")
     shaping: ShapingConfig = section(ShapingConfig, "the length distribution generated and trained on")
+    store: StoreConfig = section(StoreConfig, "the trajectory store: its replay buffer")
     train: TrainerConfig = section(TrainerConfig, "the GRPO trainer")
     eval: EvalConfig = section(EvalConfig, "held-out accuracy before and after training")
     runtime: RuntimeConfig = section(RuntimeConfig, "where the trainer and engine processes run")
@@ -372,6 +374,13 @@ class RunConfig:
             f"train.lora.rank={self.train.lora.rank}: the run's processes publish whole weights, not "
             "adapters, yet; LoRA trains through GRPOTrainer and serves from the engine's adapters "
             "(bench/tenants.py): set train.lora.rank=0 for tailrace train",
+        )
+        need(
+            not (self.store.replay and self.train.loss.correction == "none"),
+            f"store.replay={self.store.replay} with train.loss.correction=none: replayed groups are "
+            "off-policy and need a correction anchored at the logprobs that sampled them: set "
+            "train.loss.correction to behaviour, tis or decoupled (or null: the mode's own, behaviour "
+            "with replay)",
         )
 
     def to_dict(self) -> dict[str, Any]:

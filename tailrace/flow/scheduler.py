@@ -33,6 +33,7 @@ from typing import Collection, Iterator, Mapping, Sequence
 from tailrace.flow.commands import Abort, Command, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.keys import SampleKey, sample_seed
 from tailrace.flow.ledger import Ledger
+from tailrace.flow.replay import ReplayBuffer, ReplayOptions
 from tailrace.flow.shaping import Plan, Shaping
 from tailrace.flow.state import SchedulerState
 from tailrace.flow.store import GroupState, Store
@@ -114,11 +115,13 @@ class Scheduler(SchedulerState):
         seed: int = 0,
         shaping: Shaping | None = None,
         capabilities: Capabilities = ANY_VERSIONS,
+        replay: ReplayOptions | None = None,
     ) -> None:
         """`engines`: (slots, lookahead) per engine. `sampling`: the params of every request (a
         policy may pass others to `dispatch`); each request gets its own seed from `seed` and its id.
         `shaping`: how many candidates a prompt gets and which ones its group trains on (none: all).
-        `capabilities`: what the engines can do; a policy that needs more is refused here."""
+        `capabilities`: what the engines can do; a policy that needs more is refused here. `replay`:
+        the store's replay buffer (flow/replay.py; none: every group is trained once)."""
         if policy.refusal(capabilities):
             raise ValueError(policy.refusal(capabilities))
         self.policy = policy
@@ -141,6 +144,7 @@ class Scheduler(SchedulerState):
         self.engines: tuple[EngineState, ...] = tuple(self._by_id.values())  # the live ones, by id
         self.departed: set[int] = set()  # engines that left (`remove_engine`): never given work again
         self._store = Store()
+        self.replay_buffer = ReplayBuffer(replay) if replay is not None and replay.ratio > 0 else None
         self.ledger = Ledger()
         self.trainer_version = 0  # weights the trainer holds now (published or about to be)
         self.published = {0}  # versions whose weights can be loaded into engines
@@ -201,9 +205,10 @@ class Scheduler(SchedulerState):
         (zero_signal) and dropped untrained by reason, and the tokens of samples shaping discarded
         (a step record's `ledger`; cumulative)."""
         groups = {**self.groups_done, "dropped": dict(self.groups_dropped)}
+        replay = {"replay": self.replay_buffer.record()} if self.replay_buffer else {}
         return {
             **self.ledger.state_dict(), "in_store": self.in_store(), "groups": groups,
-            "shaping_tokens": self.shaping_tokens,
+            "shaping_tokens": self.shaping_tokens, **replay,
         }  # fmt: skip
 
     def take_generated(self) -> list[int]:
@@ -351,6 +356,8 @@ class Scheduler(SchedulerState):
         self.now = now
         groups = self._store.trained(step)
         self.ledger.on_trained(sum(len(g.done) for g in groups))
+        if self.replay_buffer is not None:
+            self.replay_buffer.on_trained(step, [(g.prompt, g.id, g.done) for g in groups])
         stale, publish = self._issued.pop(step)
         self.staleness.update(stale)
         if publish is not None:
@@ -678,13 +685,19 @@ class Scheduler(SchedulerState):
                 stale[self.trainer_version - t.oldest_version] += 1
         publish_v = self.trainer_version + 1 if publish else None
         self._issued[step] = (stale, publish_v)
-        batch = tuple(Group(g.id, g.prompt.id, tuple(g.done)) for g in groups)
+        replays = (
+            []
+            if self.replay_buffer is None
+            else self.replay_buffer.pick(step, len(groups), self.trainer_version)
+        )
+        batch = tuple(Group(g.id, g.prompt.id, tuple(g.done)) for g in groups) + tuple(replays)
         self._out.commands.append(Train(step, batch, self.trainer_version, publish_v))
         self.steps_issued += 1
         if publish_v is not None:
             self.trainer_version = publish_v
         samples = [[t.sample_index for t in g.done] for g in groups]  # shaping may have trained a subset
-        self.mark("train_issued", step=step, groups=[g.id for g in groups], samples=samples)
+        more = {"replayed": [g.id for g in replays]} if replays else {}
+        self.mark("train_issued", step=step, groups=[g.id for g in groups], samples=samples, **more)
         return step
 
     def load(self, engine: int, version: int) -> None:

@@ -49,6 +49,7 @@ class SchedulerState:
             "requeued": [prompt_to_json(p) for p in self._requeued], **self._store.to_json(),
             "policy": self.policy.state_dict(), "shaping": self.shaping.state_dict(),
             "upcoming": [[prompt_to_json(p), n.candidates, n.early_stop] for p, n in self._upcoming],
+            **({"replay": self.replay_buffer.to_json()} if self.replay_buffer is not None else {}),
         }  # fmt: skip
 
     def load_state_dict(self, d: dict) -> None:
@@ -71,6 +72,8 @@ class SchedulerState:
         self.policy.load_state_dict(d["policy"])
         self.shaping.load_state_dict(d.get("shaping", {}))  # older checkpoints: no shaping state
         self._upcoming = [(prompt_from_json(p), Plan(n, early)) for p, n, early in d.get("upcoming", [])]
+        if self.replay_buffer is not None and "replay" in d:  # (a checkpoint of a run without replay: empty)
+            self.replay_buffer.load_json(d["replay"])
         for g in list(self._store.open.values()):  # a group shaping had cut: its in-flight went to todo
             self._maybe_ready(g)
 

@@ -33,6 +33,7 @@ from tailrace.engine import capabilities
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.policies import make_policy, recommended_mode
+from tailrace.flow.replay import ReplayOptions
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.flow.shaping import make_shaping
 from tailrace.metrics import step_record
@@ -91,7 +92,9 @@ class Driver:
             rollout_groups=f.rollout_groups, ahead=f.ahead, placement=f.placement,
             pregen_below=r.spec.pregen_below,
         )  # fmt: skip
-        self.train_cfg = with_correction(cfg.train, policy.own_correction(f.steps_per_round))
+        self.train_cfg = with_correction(
+            cfg.train, policy.own_correction(f.steps_per_round, cfg.store.replay > 0)
+        )
         sampling = SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
@@ -104,6 +107,7 @@ class Driver:
         self.sched = Scheduler(
             policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed, shaping=shaping,
             capabilities=capabilities(r.backend, speculative=r.spec.drafter != "none"),
+            replay=ReplayOptions(cfg.store.replay, cfg.store.capacity, cfg.store.max_age, cfg.store.uses),
         )  # fmt: skip
         self.layout = session.flat_layout()
         # fp32 weights and AdamW's two moments: what a checkpoint weighs, near enough

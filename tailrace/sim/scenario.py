@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from tailrace.config import ConfigError, FlowConfig, ShapingConfig, load_config
+from tailrace.config import ConfigError, FlowConfig, ShapingConfig, StoreConfig, load_config
 from tailrace.config.fields import section, setting
 from tailrace.flow.policies import make_policy, recommended_mode
+from tailrace.flow.replay import ReplayOptions
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.flow.shaping import check_mode, make_shaping
 from tailrace.records import StepRecord, read_metrics
@@ -109,6 +110,7 @@ class Scenario:
         lambda: FlowConfig(steps=20), "a real run's flow section, driving the same policy"
     )
     shaping: ShapingConfig = section(ShapingConfig, "a real run's shaping section, on top of flow.mode")
+    store: StoreConfig = section(StoreConfig, "a real run's store section: its replay buffer")
     train_size: int | None = setting(
         None, "training prompts cycled in epochs (their lengths come back; null = always fresh prompts)"
     )
@@ -238,7 +240,11 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     slots = engine_slots(scn, cost, lengths)
     spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
     pool = [(slots, scn.cluster.lookahead)] * scn.cluster.engines
-    sched = Scheduler(policy, prompt_stream(lengths, scn.train_size), pool, spec, shaping=shaping)
+    st = scn.store
+    replay = ReplayOptions(st.replay, st.capacity, st.max_age, st.uses)
+    sched = Scheduler(
+        policy, prompt_stream(lengths, scn.train_size), pool, spec, shaping=shaping, replay=replay
+    )
     kv = cost.kv_capacity_tokens() if scn.cluster.kv_memory else None
     sp = scn.spec
     spec = (sp.alpha, sp.gamma, sp.min_speedup) if sp.alpha > 0 else None
@@ -341,6 +347,7 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
         cluster=cluster,
         flow=flow,
         shaping=cfg.shaping,
+        store=cfg.store,
         lengths=lengths,
         seed=cfg.seed,
     )

@@ -38,13 +38,16 @@ class Policy:
     publishes_per_round = False  # sync, pipe: a round's steps publish one version, at its end
 
     @classmethod
-    def own_correction(cls, steps_per_round: int) -> str:
+    def own_correction(cls, steps_per_round: int, replay: bool = False) -> str:
         """The correction a run of this mode trains with where train.loss.correction is null, for
         rounds of `steps_per_round` optimizer steps (R / U). Where a round publishes once and has
         several steps, its later steps train after the weights moved (unpublished, so its samples
         count 0 versions stale): they clip against the behaviour policy, as verl's mini-batches clip
-        against the rollout's logprobs; a one-step round is exactly on-policy."""
-        return "behaviour" if cls.publishes_per_round and steps_per_round > 1 else cls.correction
+        against the rollout's logprobs; a one-step round is exactly on-policy. Replayed groups
+        (`replay`: the store replays) are off-policy in any mode: behaviour as well."""
+        if cls.correction == "none" and (replay or (cls.publishes_per_round and steps_per_round > 1)):
+            return "behaviour"
+        return cls.correction
 
     @classmethod
     def from_options(cls, **options) -> "Policy":
