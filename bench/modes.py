@@ -61,6 +61,9 @@ MODES = [
     ("multiversion", {"flow.max_staleness": 2, "shaping.name": "darts"}),
     # darts with a fixed extra budget: a streaming mode's engine has the slack the priced budget ignores
     ("multiversion", {"flow.max_staleness": 1, "shaping.name": "darts", "shaping.extra": 0.5}),
+    # the store's replay buffer (issue #19): --modes sync,sync+replay0.25,multiversion-K1,multiversion-K1+replay0.25
+    ("sync", {"store.replay": 0.25}),
+    ("multiversion", {"flow.max_staleness": 1, "store.replay": 0.25}),
 ]
 
 CONFIGS = {
@@ -91,13 +94,14 @@ CONFIGS = {
 
 
 def mode_label(mode: str, opts: dict) -> str:
-    """e.g. multiversion-K2, sync+darts, multiversion-K1+darts@0.5: the mode, its staleness bound, its
-    shaping and a fixed darts budget."""
+    """e.g. multiversion-K2, sync+darts, multiversion-K1+darts@0.5, sync+replay0.25: the mode, its
+    staleness bound, its shaping, a fixed darts budget and the store's replay ratio."""
     return (
         mode
         + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
         + "".join(f"+{v}" for k, v in opts.items() if k == "shaping.name")
         + "".join(f"@{v}" for k, v in opts.items() if k == "shaping.extra")
+        + "".join(f"+replay{v}" for k, v in opts.items() if k == "store.replay")
     )
 
 

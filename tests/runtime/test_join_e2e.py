@@ -76,9 +76,15 @@ def test_engines_join_and_leave_a_running_job(tiny_model, tmp_path):
     assert set(leaves) == {0, 1, 2} and "died" in leaves[2]["why"]
     assert [m["engine"] for m in mark(run_dir, "engine_join")] == [1, 2, 3]
     assert worked(run_dir, 3)
+    assert_exact(run_dir, 40)
+
+
+def assert_exact(run_dir, n_steps):
+    """The run wrote its `n_steps` step records, the ledger exact at each, and no (group, sample) was
+    trained twice."""
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r["kind"] == "step"]
-    assert len(steps) == 40
+    assert len(steps) == n_steps
     for r in steps:  # produced = trained + in_store + discarded, at every step
         led = r["ledger"]
         assert led["produced"] == led["trained"] + led["in_store"] + sum(led["discarded"].values())
