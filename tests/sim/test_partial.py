@@ -71,7 +71,7 @@ def test_a_weight_update_stops_every_engine_for_the_load_and_the_re_prefill():
     cl = SimCluster(sched, engs, COST, rec)
     cl.run()
     published = next(s.t1 for s in cl.trainer_spans if s.phase == "sync" and s.version == 1)
-    step = max(COST.decode_segment({0: (n, n * P)}).step_time(short) for n in range(1, 5))
+    step = COST.decode_segment({0: (4, 4 * (P + long_))}).step_time(0)  # longer than any step here
     loads = [[s for s in e.spans if s.phase == "sync"] for e in engs]
     for (load,) in loads:  # every engine stops, at its first step boundary after the publish
         assert published <= load.t0 <= published + step
