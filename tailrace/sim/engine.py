@@ -260,12 +260,14 @@ class SimEngine:
                     f"engine {self.id}: abort of {sorted(unknown)}, which it was never sent "
                     "(commands apply in order: an Abort before its Generate finds nothing)"
                 )
-            for job in [j for j in self.queue if j.request.id in ids]:
-                self.queue.remove(job)
-                rep.results.append(self._result(job, Finish.ABORTED, self.t_b))
-            for sid in ids & self.running.keys():
-                job = self.running[sid]
-                self._remove(job)
+            queued = {j.request.id: j for j in self.queue if j.request.id in ids}
+            self.queue = deque(j for j in self.queue if j.request.id not in queued)
+            for sid in dict.fromkeys(cmd.request_ids):  # in the order named: never a set's (hash) order
+                job = queued.get(sid) or self.running.get(sid)
+                if job is None:
+                    continue  # finished before the abort reached it
+                if sid in self.running:
+                    self._remove(job)
                 rep.results.append(self._result(job, Finish.ABORTED, self.t_b))
         elif isinstance(cmd, LoadWeights):
             dt = self.cost.load_time()

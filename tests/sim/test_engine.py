@@ -141,6 +141,22 @@ def test_abort_mid_step_takes_effect_at_the_next_boundary_with_partial_tokens():
     assert got["0.1.0"][2] == Finish.ABORTED and 0 < got["0.1.0"][1] < 500
 
 
+def test_aborted_requests_come_back_in_the_order_the_abort_names_them():
+    """The order decides where the policy resumes each partial and in which order the engine admits it
+    again, so it must not depend on string hashing (a set's order changes with PYTHONHASHSEED, and
+    so did the simulated partial rollout's step time)."""
+    table = {(0, i): 500 for i in range(24)}
+    smps = samples(table)
+    eng = SimEngine(0, 16, COST, Table(table))
+    eng.post(Generate(0, tuple(smps)))  # 16 running, 8 queued
+    assert eng.plan(0.0) == 0.0
+    eng.fire()
+    named = tuple(s.id for s in reversed(smps))
+    eng.post(Abort(0, named, "test"))
+    eng.plan(eng.t_b)
+    assert [r.request_id for r in eng.fire().results] == list(named)
+
+
 def test_resumed_partial_keeps_old_versions_and_finishes_at_its_length():
     table = {(0, 0): 300}
     eng = SimEngine(0, 4, COST, Table(table))
