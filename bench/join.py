@@ -3,6 +3,7 @@
     .venv/bin/python bench/join.py                    # both placements of the joined engine (~4 min)
     .venv/bin/python bench/join.py --cores shared     # one of them: shared | trainer | a core
     .venv/bin/python bench/join.py --config default   # the default run (trainer-bound on 2 cores)
+    .venv/bin/python bench/join.py --cores ray        # on Ray: the run's actors, a joiner's actor
 
 Each run is a `tailrace train` (default model and task, `--mode`, one engine, `--config`: genheavy,
 bench/modes.py's generation-bound shape, or the defaults) that a second engine
@@ -13,6 +14,8 @@ engine's first generated step on). Placements of the joined engine:
   shared   the driver's choice on a machine with no free core: the run's engine core (two engines
            time-share one core; the trainer keeps its own)
   trainer  pinned to the trainer's core (--cores 0): the engines get a core each, the trainer shares
+  ray      the run on a Ray cluster this script starts (loopback, 3 CPUs: trainer, engine, joiner), the
+           joiner a Ray actor (runtime/ray_join.py); nothing is pinned, the OS shares the cores
 The table says what each core ran: per lane (trainer, engine0, engine1) its busy share of the window.
 Writes bench/out/join-<config>.json.
 """
@@ -56,12 +59,27 @@ def steps_done(run: Path) -> int:
     return sum(1 for r in lines(run / "metrics.jsonl") if r.get("kind") == "step")
 
 
+def ray_cluster() -> str:
+    """A Ray cluster on loopback for the `ray` placement (3 CPUs), started once; its address."""
+    import logging
+
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=3, include_dashboard=False, logging_level=logging.WARNING, _node_ip_address="127.0.0.1"
+        )
+    return ray.get_runtime_context().gcs_address
+
+
 def run_one(name: str, cores: str | None, args) -> dict:
     run = OUT / f"join-{args.config}-{name}"
     subprocess.run(["rm", "-rf", str(run)], check=True)
+    on_ray = ["--runtime.kind=ray", f"--runtime.address={ray_cluster()}"] if name == "ray" else []
+    cores = None if name == "ray" else cores
     train = cli(
         "train", f"--run-dir={run}", f"--flow.mode={args.mode}", f"--flow.steps={args.steps}",
-        "--eval.n=16", "--rollout.engines=1", f"--seed={args.seed}", *CONFIGS[args.config],
+        "--eval.n=16", "--rollout.engines=1", f"--seed={args.seed}", *CONFIGS[args.config], *on_ray,
     )  # fmt: skip
     joiner = None
     try:
@@ -149,7 +167,9 @@ def table(rows: list[dict], load: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cores", default="shared,trainer", help="placements: shared, trainer, or a core list")
+    ap.add_argument(
+        "--cores", default="shared,trainer", help="placements: shared, trainer, ray, or a core list"
+    )
     ap.add_argument("--mode", default="multiversion")
     ap.add_argument("--config", default="genheavy", choices=sorted(CONFIGS))
     ap.add_argument("--steps", type=int, default=24)
