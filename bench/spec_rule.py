@@ -1,8 +1,9 @@
 """The acceptance rule, measured: the engine's exact matching under shared Gumbel noise against the
 standard min(1, p/q) rule (Leviathan et al.), on the same drafts of real rollouts.
 
-    .venv/bin/python bench/spec_rule.py                          # quant8, trained, history at T = 1
-    .venv/bin/python bench/spec_rule.py --temperatures 1.0,0.7 --drafters quant8,history
+    .venv/bin/python bench/spec_rule.py                        # quant8, quant4, trained, history at T = 1
+    .venv/bin/python bench/spec_rule.py --temperatures 1.0,0.7 --seed 1
+    .venv/bin/python bench/spec_rule.py --drafters trained --train-s 0   # the untrained drafter
 
 The engine accepts a draft token iff it equals the target's own token there, argmax(log p + g) with the
 noise g of (request seed, response index) (`spec.accept`). Model drafters draft argmax(log q + g) with
@@ -169,18 +170,22 @@ def summarize(eng: Probe) -> dict:
     p = torch.stack([p for _, p, _ in eng.judged]).double()
     q = torch.stack([q for _, _, q in eng.judged]).double()
     std, coupled = standard_acceptance(p, q), gumbel_agreement(p, q)
-    gamma = eng.spec_stats.gamma
+    st = eng.spec_stats
+    gamma = st.gamma
     out = {
         "positions": len(exact),
         "verifies": len(eng.rows_p),
         "gamma": gamma,
         "mean_draft": sum(r["n"] for r in eng.rows_p) / len(eng.rows_p),
         "exact": exact.mean().item(),
+        "engine_exact": st.accepted / st.compared,  # the engine's own books: must equal "exact"
         "closed_form": coupled.mean().item(),
         "standard": std.mean().item(),
         "bound": (std / (2 - std)).mean().item(),  # (1 - TV) / (1 + TV) per position
         "acc_exact": sum(r["a"] for r in eng.rows_p) / len(eng.rows_p),
         "acc_standard": sum(r["std"] for r in eng.rows_p) / len(eng.rows_p),
+        "train_steps": st.train_steps,
+        "train_s": st.train_s,
     }
     out["len_exact"], out["len_standard"] = (expected_length(out[k], gamma) for k in ("exact", "standard"))
     return out
@@ -188,7 +193,7 @@ def summarize(eng: Probe) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafters", default="quant8,trained,history")
+    p.add_argument("--drafters", default="quant8,quant4,trained,history")
     p.add_argument("--temperatures", default="1.0", help="comma-separated (the task's default is 1.0)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
@@ -212,8 +217,8 @@ def main(argv=None) -> int:
     print(f"{a.prompts} prompts x {a.samples} samples through {a.slots} slots, fp32, toggle off, seed {a.seed}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     head = (f"{'T':>4} {'drafter':8} {'positions':>9} {'verifies':>8} {'gamma':>5} {'draft':>5} | per position: "
-            f"{'exact':>5} {'closed':>6} {'std':>5} {'bound':>5} | accepted/verify: {'exact':>5} {'std':>5} | "
-            f"tokens/verify at gamma: {'exact':>5} {'std':>5}")  # fmt: skip
+            f"{'exact':>5} {'closed':>6} {'std':>5} {'std-cl':>6} {'bound':>5} | accepted/verify: {'exact':>5} "
+            f"{'std':>5} | tokens/verify at gamma: {'exact':>5} {'std':>5} | drafter training")  # fmt: skip
     table = {}
     for temp in [float(t) for t in a.temperatures.split(",")]:
         off = TailraceEngine(policy, num_slots=a.slots, seed=0, kv_memory_gb=0.5)
@@ -232,11 +237,12 @@ def main(argv=None) -> int:
             if [r.token_ids for r in eng.generate(reqs)] != ref:
                 raise SystemExit(f"T={temp}: {name} changed the outputs")
             s = table.setdefault(str(temp), {})[name] = summarize(eng)
+            gap = s["standard"] - s["closed_form"]
             print(f"{temp:4.1f} {name:8} {s['positions']:9d} {s['verifies']:8d} {s['gamma']:5d} "
-                  f"{s['mean_draft']:5.2f} | "
-                  f"{'':15}{s['exact']:5.3f} {s['closed_form']:6.3f} {s['standard']:5.3f} {s['bound']:5.3f} | "
-                  f"{'':17}{s['acc_exact']:5.2f} {s['acc_standard']:5.2f} | {'':24}{s['len_exact']:5.2f} "
-                  f"{s['len_standard']:5.2f}", flush=True)  # fmt: skip
+                  f"{s['mean_draft']:5.2f} | {s['exact']:20.3f} {s['closed_form']:6.3f} {s['standard']:5.3f} "
+                  f"{gap:+6.3f} {s['bound']:5.3f} | {s['acc_exact']:22.2f} {s['acc_standard']:5.2f} | "
+                  f"{s['len_exact']:29.2f} {s['len_standard']:5.2f} | {s['train_steps']} steps, "
+                  f"{s['train_s']:.0f} s", flush=True)  # fmt: skip
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"args": vars(a), "table": table}, f, indent=1)
