@@ -182,6 +182,7 @@ def summarize(eng: Probe) -> dict:
         "closed_form": coupled.mean().item(),
         "standard": std.mean().item(),
         "bound": (std / (2 - std)).mean().item(),  # (1 - TV) / (1 + TV) per position
+        "top2": p.topk(2, -1).values.sum(-1).mean().item(),  # how peaked the target is
         "acc_exact": sum(r["a"] for r in eng.rows_p) / len(eng.rows_p),
         "acc_standard": sum(r["std"] for r in eng.rows_p) / len(eng.rows_p),
         "train_steps": st.train_steps,
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
           f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     head = (f"{'T':>4} {'drafter':8} {'positions':>9} {'verifies':>8} {'gamma':>5} {'draft':>5} | per position: "
             f"{'exact':>5} {'closed':>6} {'std':>5} {'std-cl':>6} {'bound':>5} | accepted/verify: {'exact':>5} "
-            f"{'std':>5} | tokens/verify at gamma: {'exact':>5} {'std':>5} | drafter training")  # fmt: skip
+            f"{'std':>5} | tokens/verify at gamma: {'exact':>5} {'std':>5} | p top-2 | drafter training")  # fmt: skip
     table = {}
     for temp in [float(t) for t in a.temperatures.split(",")]:
         off = TailraceEngine(policy, num_slots=a.slots, seed=0, kv_memory_gb=0.5)
@@ -241,7 +242,7 @@ def main(argv=None) -> int:
             print(f"{temp:4.1f} {name:8} {s['positions']:9d} {s['verifies']:8d} {s['gamma']:5d} "
                   f"{s['mean_draft']:5.2f} | {s['exact']:20.3f} {s['closed_form']:6.3f} {s['standard']:5.3f} "
                   f"{gap:+6.3f} {s['bound']:5.3f} | {s['acc_exact']:22.2f} {s['acc_standard']:5.2f} | "
-                  f"{s['len_exact']:29.2f} {s['len_standard']:5.2f} | {s['train_steps']} steps, "
+                  f"{s['len_exact']:29.2f} {s['len_standard']:5.2f} | {s['top2']:7.3f} | {s['train_steps']} steps, "
                   f"{s['train_s']:.0f} s", flush=True)  # fmt: skip
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
