@@ -53,3 +53,21 @@ def test_expected_accepted_drafts_of_a_verify():
     assert expected_accepted([1.0, 1.0, 1.0]) == 3.0
     assert expected_accepted([0.5, 0.5]) == pytest.approx(0.5 + 0.25)
     assert expected_accepted([0.9, 0.0, 1.0]) == pytest.approx(0.9)  # nothing past a sure rejection
+
+
+def test_coupling_sits_between_its_bound_and_the_maximal_coupling():
+    """On random pairs: (1 - TV) / (1 + TV) <= Gumbel agreement <= 1 - TV, with equality on the right
+    for two tokens (the coupling is maximal there)."""
+    gen = torch.Generator().manual_seed(1)
+    for V in (2, 3, 7, 50):
+        p, q = (
+            torch.rand(64, V, generator=gen, dtype=torch.float64).pow(4),
+            torch.rand(64, V, generator=gen).double(),
+        )
+        p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+        closed, std = gumbel_agreement(p, q), standard_acceptance(p, q)
+        assert (closed <= std + 1e-12).all() and (closed >= std / (2 - std) - 1e-12).all()
+        if V == 2:
+            assert closed.tolist() == pytest.approx(std.tolist())
+        else:
+            assert (closed < std - 1e-6).any()
