@@ -51,7 +51,7 @@ import tailrace.engine.spec.trained as trained  # noqa: E402
 from tailrace.config import ArchConfig, SFTConfig  # noqa: E402
 from tailrace.engine import TailraceEngine  # noqa: E402
 from tailrace.engine.rows import IDX, INV_T  # noqa: E402
-from tailrace.engine.sampler import gumbel_noise, seed_key  # noqa: E402
+from tailrace.engine.sampler import gumbel_noise, seed_key, vocab_salt  # noqa: E402
 from tailrace.engine.spec import SpecOptions  # noqa: E402
 from tailrace.engine.spec.accept import accepted  # noqa: E402
 from tailrace.engine.spec.costs import expected_length  # noqa: E402
@@ -113,14 +113,12 @@ class Probe(TailraceEngine):
         seen, off = [], 0
         for d in drafts:
             n = len(d.tokens)
-            key, idx = (
-                seed_key(d.seq.req.params.seed),
-                int(self.rows.ints[d.row, IDX]) - 1,
-            )  # index of draft[0]
+            key = seed_key(d.seq.req.params.seed)
+            idx = int(self.rows.ints[d.row, IDX]) - 1  # draft[0]'s response index (the decode draw's)
             z = torch.cat((self._dec[d.row : d.row + 1], logits[off : off + n - 1].float()))  # (n, V)
             z = z * self.rows.floats[d.row, INV_T]  # as the sampler tempers
             p = torch.softmax(z, -1)
-            g = gumbel_noise(torch.full((n,), key), torch.arange(idx, idx + n), self._salt)
+            g = gumbel_noise(torch.full((n,), key), torch.arange(idx, idx + n), vocab_salt(p.shape[1]))
             target = (z + g).argmax(-1).tolist()  # the sampler's draw
             qs = [self.q.get((key, idx + j)) for j in range(n)]
             if qs[0] is None:  # a lookup draft: a point mass
