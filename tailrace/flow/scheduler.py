@@ -376,7 +376,12 @@ class Scheduler(SchedulerState):
         """An engine's step counts and busy seconds since its last report (what shaping may size its
         redundancy from; nothing else of the schedule depends on time)."""
         slots = sum(e.slots for e in self.engines)
-        self.shaping.observe_steps(steps, decode_tokens, prefill_tokens, busy_s, slots)
+        self.shaping.observe_steps(steps, decode_tokens, prefill_tokens, busy_s, slots, len(self.engines))
+
+    def on_train_step(self, tokens: int, busy_s: float) -> None:
+        """An optimizer step's trained (response) tokens and busy seconds (what shaping may price a
+        trained token from)."""
+        self.shaping.observe_train(tokens, busy_s)
 
     def on_engine_lost(self, engine: int, now: float) -> int:
         """An engine died (or was killed for not answering) with work in flight: every request it held
