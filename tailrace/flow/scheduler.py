@@ -124,6 +124,7 @@ class Scheduler(SchedulerState):
         self.policy = policy
         self.capabilities = capabilities
         self.shaping = shaping or Shaping()
+        self.shaping.set_overlap(policy.max_staleness > 0)
         self.spec = spec
         self._prompts = prompts
         self._sampling = sampling or SamplingParams()
@@ -378,10 +379,10 @@ class Scheduler(SchedulerState):
         slots = sum(e.slots for e in self.engines)
         self.shaping.observe_steps(steps, decode_tokens, prefill_tokens, busy_s, slots, len(self.engines))
 
-    def on_train_step(self, tokens: int, busy_s: float) -> None:
-        """An optimizer step's trained (response) tokens and busy seconds (what shaping may price a
-        trained token from)."""
-        self.shaping.observe_train(tokens, busy_s)
+    def on_train_step(self, samples: int, tokens: int, busy_s: float) -> None:
+        """An optimizer step's samples, trained (response) tokens and busy seconds (what shaping may
+        price training from)."""
+        self.shaping.observe_train(samples, tokens, busy_s)
 
     def on_engine_lost(self, engine: int, now: float) -> int:
         """An engine died (or was killed for not answering) with work in flight: every request it held

@@ -48,18 +48,26 @@ def budget(costs: Costs, early: int, slots_ok: bool = True) -> int:
 def test_only_the_step_priced_extras_pay_where_they_stop_early():
     # a wide prompt stopping early at its 8th of 16 ends long before its 8th of 8; extras that wait
     # for all 16 only make the round's last group later
-    assert budget(Costs(1.0, 0.0, 0.0, 1, 10**6), early=1) == 8
-    assert budget(Costs(1.0, 0.0, 0.0, 1, 10**6), early=0) == 0
+    assert budget(Costs(1.0, 0.0, 0.0, 0.0, 1, 10**6), early=1) == 8
+    assert budget(Costs(1.0, 0.0, 0.0, 0.0, 1, 10**6), early=0) == 0
 
 
 def test_only_the_trainer_priced_every_prompt_gets_2m():
     # the 7 shortest + the longest of 16 are shorter than all 8 of 8, except with no spread
-    assert budget(Costs(0.0, 0.0, 1.0, 1, 10**6), early=0) == 24
+    assert budget(Costs(0.0, 0.0, 0.0, 1.0, 1, 10**6), early=0) == 24
 
 
 def test_only_rows_priced_no_extras():
-    assert budget(Costs(0.0, 1.0, 0.0, 1, 10**6), early=1) == 0
+    assert budget(Costs(0.0, 1.0, 0.0, 0.0, 1, 10**6), early=1) == 0
 
 
 def test_extras_must_fit_in_the_slots():
-    assert budget(Costs(0.0, 0.0, 1.0, 1, 1), early=0) == 0  # one row: 32 samples never fit one round
+    assert budget(Costs(0.0, 0.0, 0.0, 1.0, 1, 1), early=0) == 0  # one row: 32 samples never fit one round
+
+
+def test_overlapped_only_the_slower_side_counts():
+    # trainer-bound (1 s a sample, 32 samples): the engines' cost of extras hides under training
+    assert budget(Costs(0.0, 0.01, 1.0, 0.01, 1, 10**6, overlap=True), early=0) == 24
+    assert budget(Costs(0.0, 0.01, 1.0, 0.01, 1, 10**6), early=0) == 0  # in sequence, the rows cost
+    # engine-bound: the trainer's savings buy nothing
+    assert budget(Costs(0.0, 1.0, 0.0, 0.01, 1, 10**6, overlap=True), early=0) == 0

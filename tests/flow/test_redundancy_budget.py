@@ -63,13 +63,13 @@ def test_darts_with_a_null_extra_plans_the_budget_of_least_predicted_time():
         d.stats.observe(pid, lengths)
     for rows in (16, 9, 4, 1, 12):
         s.on_engine_steps(1, rows, 0, 0.01 + 0.001 * rows)
-    for tokens in (100, 60, 80, 120):
-        s.on_train_step(tokens, 0.5 + 0.02 * tokens)
+    for samples, tokens in [(8, 100), (8, 60), (4, 80), (6, 120)]:
+        s.on_train_step(samples, tokens, 0.05 * samples + 0.02 * tokens)
     assert d.cost.fit() == (pytest.approx(0.01), pytest.approx(0.001))
-    assert d.train_cost.fit() == (pytest.approx(0.5), pytest.approx(0.02))
+    assert d.train_cost.fit() == (pytest.approx(0.05), pytest.approx(0.02))
     var = [d.stats.variance(i) for i in range(4)]
     want = best_budget([d.stats.mean_length(i) for i in range(4)], var, 19, 4, 1, 1,
-                       Costs(0.01, 0.001, 0.02, 1, 16), by_spread(var))  # fmt: skip
+                       Costs(0.01, 0.001, 0.05, 0.02, 1, 16), by_spread(var))  # fmt: skip
     plans = d.plan(window, 4)
     assert want > 0 and sum(p.candidates for p in plans) == 16 + want
     assert plans[2].candidates == 8 and plans[2].early_stop  # prompt 2's lengths spread widest

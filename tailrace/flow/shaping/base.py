@@ -9,7 +9,8 @@ consults the run's shaping at the same points whatever policy decides the rest.
     observe(group)          a complete group's lengths, before selection (per-prompt statistics)
     observe_steps(...)      an engine report's step counts and busy time, and the engines' slots and
                             number (darts sizes its redundancy from what a step costs)
-    observe_train(...)      an optimizer step's trained tokens and busy time (what a trained token costs)
+    observe_train(...)      an optimizer step's samples, trained tokens and busy time (what training costs)
+    set_overlap(overlapped) whether the mode trains while it generates (a staleness bound > 0)
     state_dict / load_state_dict   what a resume needs (the statistics)
 
 Round-based shapings (tailbatch) also size the rounds of round-based modes (sync) and keep prompts of
@@ -75,7 +76,10 @@ class Shaping:
     ) -> None:
         pass
 
-    def observe_train(self, tokens: int, busy_s: float) -> None:
+    def observe_train(self, samples: int, tokens: int, busy_s: float) -> None:
+        pass
+
+    def set_overlap(self, overlapped: bool) -> None:
         pass
 
     def round_open(self, r: int) -> int:

@@ -19,12 +19,16 @@ With n = M and no early stop this is the plain group: X_(M:M), M E[X] tokens gen
 Groups are independent, so the round's longest wait is E[max_i C_i] = integral of (1 - prod_i
 P(C_i <= x)) dx, C_i group i's completion.
 
-Time. A round on `engines` engines whose decode step costs `step` seconds plus `token` a row, then
-trained at `train_token` seconds a trained token, takes about
-    T = step x E[round length] + token x E[generated tokens] / engines + train_token x E[trained tokens]
-(plus parts that do not depend on the budget). Extras cut the last term (the shortest of more
-candidates are trained) and, on early-stopped prompts, the first (the M-th of 2M finishes before the
-last of M); they add to the middle one, and to the first where a group waits for all 2M. The budget
+Time. A round of R prompts generates on `engines` engines whose decode step costs `step` seconds
+plus `token` a row, and trains at `train_sample` seconds a sample plus `train_token` a trained token:
+    T_gen   = step x E[round length] + token x E[generated tokens] / engines
+    T_train = train_sample x R x M + train_token x E[trained tokens]
+    T       = T_gen + T_train            (generation, then training: sync, pipe)
+    T       = max(T_gen, T_train)        (`overlap`: a streaming mode trains while it generates)
+Extras cut the trained tokens (the shortest of more candidates are trained) and, on early-stopped
+prompts, the round length (the M-th of 2M finishes before the last of M); they add generated tokens,
+and round length where a group waits for all 2M. Where the two overlap, only the slower side's
+change counts: extras that save the trainer time are free while the engines keep ahead. The budget
 is searched over whole prompts raised to 2M in darts' order (largest variance first; the first
 `early` of them stop early), b = 0, M, ..., R x M, keeping the least T among those whose generated
 tokens fit in the slots over the round (slots x E[round length]); ties go to the smaller budget.
@@ -43,9 +47,11 @@ GRID = 129  # points of [0, cap] each distribution is tabulated at
 class Costs:
     step: float  # seconds of an engine's decode step, fixed part
     token: float  # seconds a decode row adds to a step
+    train_sample: float  # seconds the trainer spends per trained sample
     train_token: float  # seconds the trainer spends per trained token
     engines: int  # engines decoding in parallel
     slots: int  # their rows in all
+    overlap: bool = False  # generation and training run at once (the round takes the slower's time)
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,9 @@ def best_budget(
         length = expect([p * q for p, q in zip(head, rest[j])], h)
         if j and gen > costs.slots * length:
             continue  # the extras do not fit in the slots over the round
-        t = costs.step * length + costs.token * gen / max(costs.engines, 1) + costs.train_token * trained
+        t_gen = costs.step * length + costs.token * gen / max(costs.engines, 1)
+        t_train = costs.train_sample * m * len(order) + costs.train_token * trained
+        t = max(t_gen, t_train) if costs.overlap else t_gen + t_train
         if t < best_t * (1 - 1e-12):
             best, best_t = j * m, t
     return best

@@ -53,8 +53,9 @@ class Darts(Shaping):
         self.window, self.extra, self.longest, self.early_stop = window, extra, longest, early_stop
         self.stats = LengthStats(alpha=ema)
         self.cost = StepCost()  # the engines' decode steps
-        self.train_cost = StepCost()  # the trainer's optimizer steps
+        self.train_cost = StepCost()  # the trainer's optimizer steps: a part per sample, one per token
         self.slots, self.engines = 0, 0  # the engines' rows in all and their number, as last reported
+        self.overlap = False  # the mode trains while it generates (set_overlap)
 
     @classmethod
     def from_options(cls, **options) -> Darts:
@@ -74,9 +75,8 @@ class Darts(Shaping):
         fit, s = self.cost.fit(), self.stats
         if fit is None or not s.cap or not self.slots:
             return 0
-        train = self.train_cost.fit()
-        per_trained = train[1] if train else self.train_cost.per_token_bound() or 0.0
-        costs = Costs(*fit, per_trained, self.engines, self.slots)
+        train = self.train_cost.fit() or (0.0, self.train_cost.per_token_bound() or 0.0)
+        costs = Costs(*fit, *train, self.engines, self.slots, self.overlap)
         means = [max(s.mean_length(p.id), 1.0) for p in prompts]
         return best_budget(means, var, s.cap, m, self.longest, early, costs, order)
 
@@ -104,8 +104,11 @@ class Darts(Shaping):
         self.cost.add(steps, decode_tokens, prefill_tokens, busy_s)
         self.slots, self.engines = slots, engines
 
-    def observe_train(self, tokens: int, busy_s: float) -> None:
-        self.train_cost.add(1, tokens, 0, busy_s)
+    def observe_train(self, samples: int, tokens: int, busy_s: float) -> None:
+        self.train_cost.add(samples, tokens, 0, busy_s)
+
+    def set_overlap(self, overlapped: bool) -> None:
+        self.overlap = overlapped
 
     def state_dict(self) -> dict:
         return {
