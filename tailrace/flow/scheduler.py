@@ -379,10 +379,10 @@ class Scheduler(SchedulerState):
         slots = sum(e.slots for e in self.engines)
         self.shaping.observe_steps(steps, decode_tokens, prefill_tokens, busy_s, slots, len(self.engines))
 
-    def on_train_step(self, samples: int, tokens: int, busy_s: float) -> None:
-        """An optimizer step's samples, trained (response) tokens and busy seconds (what shaping may
-        price training from)."""
-        self.shaping.observe_train(samples, tokens, busy_s)
+    def on_train_step(self, lengths: Sequence[int], busy_s: float) -> None:
+        """An optimizer step's trained response lengths and busy seconds (what shaping may price
+        training from)."""
+        self.shaping.observe_train(len(lengths), sum(lengths), sum(n * n for n in lengths), busy_s)
 
     def on_engine_lost(self, engine: int, now: float) -> int:
         """An engine died (or was killed for not answering) with work in flight: every request it held

@@ -9,7 +9,7 @@ from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.flow.shaping import make_shaping
 from tailrace.flow.shaping.benefit import Costs, best_budget
-from tailrace.flow.shaping.redundancy import StepCost, by_spread
+from tailrace.flow.shaping.redundancy import LengthStats, StepCost, by_spread
 from tailrace.types import Prompt
 
 
@@ -17,7 +17,7 @@ def test_the_fit_recovers_a_steps_fixed_and_per_token_cost():
     fit = StepCost()
     for steps, dec, pre in [(3, 40, 0), (10, 90, 200), (1, 64, 0), (7, 20, 30), (5, 300, 0), (2, 2, 500)]:
         fit.add(steps, dec, pre, 0.003 * steps + 0.0002 * dec + 0.00005 * pre)
-    fixed, per_token = fit.fit()
+    fixed, per_token, _ = fit.fit()
     assert fixed == pytest.approx(0.003, rel=1e-9) and per_token == pytest.approx(0.0002, rel=1e-9)
 
 
@@ -25,7 +25,7 @@ def test_without_prefill_two_parts_are_fitted():
     fit = StepCost()
     for steps, dec in [(3, 40), (10, 90), (1, 64), (7, 20)]:
         fit.add(steps, dec, 0, 0.001 * steps + 0.0004 * dec)
-    assert fit.fit() == pytest.approx((0.001, 0.0004), rel=1e-9)
+    assert fit.fit() == pytest.approx((0.001, 0.0004, 0.0), rel=1e-9)
 
 
 def test_no_fit_until_the_parts_can_be_told_apart():
@@ -46,6 +46,15 @@ def test_before_the_parts_are_told_apart_a_token_carries_the_whole_cost():
     assert fit.per_token_bound() == pytest.approx(0.032) and fit.fit() is None
 
 
+def test_the_truncated_fraction_counts_samples_over_groups():
+    stats = LengthStats()
+    assert stats.truncated() == 0.0
+    stats.observe(0, [1, 2, 12, 12], truncated=2)
+    stats.observe(1, [3, 4], truncated=0)
+    assert stats.truncated() == pytest.approx(0.99 * 2 / (0.99 * 4 + 2))  # not the last group's 0
+    assert stats.cap == 12
+
+
 def prompts():
     i = 0
     while True:
@@ -63,13 +72,15 @@ def test_darts_with_a_null_extra_plans_the_budget_of_least_predicted_time():
         d.stats.observe(pid, lengths)
     for rows in (16, 9, 4, 1, 12):
         s.on_engine_steps(1, rows, 0, 0.01 + 0.001 * rows)
-    for samples, tokens in [(8, 100), (8, 60), (4, 80), (6, 120)]:
-        s.on_train_step(samples, tokens, 0.05 * samples + 0.02 * tokens)
-    assert d.cost.fit() == (pytest.approx(0.01), pytest.approx(0.001))
-    assert d.train_cost.fit() == (pytest.approx(0.05), pytest.approx(0.02))
+    for lengths in [[10, 20, 30], [5, 5, 40, 1], [8, 12], [7, 7, 7, 7, 50]]:
+        s.on_train_step(
+            lengths, 0.05 * len(lengths) + 0.02 * sum(lengths) + 0.001 * sum(n * n for n in lengths)
+        )
+    assert d.cost.fit() == pytest.approx((0.01, 0.001, 0.0))
+    assert d.train_cost.fit() == pytest.approx((0.05, 0.02, 0.001))
     var = [d.stats.variance(i) for i in range(4)]
-    want = best_budget([d.stats.mean_length(i) for i in range(4)], var, 19, 4, 1, 1,
-                       Costs(0.01, 0.001, 0.05, 0.02, 1, 16), by_spread(var))  # fmt: skip
+    want = best_budget([d.stats.mean_length(i) for i in range(4)], var, 19, 0.0, 4, 1, 1,
+                       Costs(0.01, 0.001, 0.05, 0.02, 0.001, 1, 16), by_spread(var))  # fmt: skip
     plans = d.plan(window, 4)
     assert want > 0 and sum(p.candidates for p in plans) == 16 + want
     assert plans[2].candidates == 8 and plans[2].early_stop  # prompt 2's lengths spread widest

@@ -9,7 +9,8 @@ consults the run's shaping at the same points whatever policy decides the rest.
     observe(group)          a complete group's lengths, before selection (per-prompt statistics)
     observe_steps(...)      an engine report's step counts and busy time, and the engines' slots and
                             number (darts sizes its redundancy from what a step costs)
-    observe_train(...)      an optimizer step's samples, trained tokens and busy time (what training costs)
+    observe_train(...)      an optimizer step's samples, trained tokens, the sum of their squared lengths
+                            and busy time (what training costs)
     set_overlap(overlapped) whether the mode trains while it generates (a staleness bound > 0)
     state_dict / load_state_dict   what a resume needs (the statistics)
 
@@ -76,7 +77,7 @@ class Shaping:
     ) -> None:
         pass
 
-    def observe_train(self, samples: int, tokens: int, busy_s: float) -> None:
+    def observe_train(self, samples: int, tokens: int, squares: int, busy_s: float) -> None:
         pass
 
     def set_overlap(self, overlapped: bool) -> None:

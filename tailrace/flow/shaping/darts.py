@@ -53,7 +53,7 @@ class Darts(Shaping):
         self.window, self.extra, self.longest, self.early_stop = window, extra, longest, early_stop
         self.stats = LengthStats(alpha=ema)
         self.cost = StepCost()  # the engines' decode steps
-        self.train_cost = StepCost()  # the trainer's optimizer steps: a part per sample, one per token
+        self.train_cost = StepCost()  # the trainer's: a part per sample, per token, per squared length
         self.slots, self.engines = 0, 0  # the engines' rows in all and their number, as last reported
         self.overlap = False  # the mode trains while it generates (set_overlap)
 
@@ -75,10 +75,11 @@ class Darts(Shaping):
         fit, s = self.cost.fit(), self.stats
         if fit is None or not s.cap or not self.slots:
             return 0
-        train = self.train_cost.fit() or (0.0, self.train_cost.per_token_bound() or 0.0)
-        costs = Costs(*fit, *train, self.engines, self.slots, self.overlap)
+        train = self.train_cost.fit() or (0.0, self.train_cost.per_token_bound() or 0.0, 0.0)
+        costs = Costs(*fit[:2], *train, self.engines, self.slots, self.overlap)
         means = [max(s.mean_length(p.id), 1.0) for p in prompts]
-        return best_budget(means, var, s.cap, m, self.longest, early, costs, order)
+        runaway = min(s.truncated(), 0.5)
+        return best_budget(means, var, s.cap, runaway, m, self.longest, early, costs, order)
 
     def plan(self, prompts: Sequence[Prompt], m: int) -> list[Plan]:
         if self.longest > m:
@@ -96,7 +97,7 @@ class Darts(Shaping):
         return dual_end(g.done, g.size, self.longest)
 
     def observe(self, g: GroupState) -> None:
-        self.stats.observe(g.prompt.id, [t.length for t in g.done])
+        self.stats.observe(g.prompt.id, [t.length for t in g.done], sum(t.truncated for t in g.done))
 
     def observe_steps(
         self, steps: int, decode_tokens: int, prefill_tokens: int, busy_s: float, slots: int, engines: int
@@ -104,8 +105,8 @@ class Darts(Shaping):
         self.cost.add(steps, decode_tokens, prefill_tokens, busy_s)
         self.slots, self.engines = slots, engines
 
-    def observe_train(self, samples: int, tokens: int, busy_s: float) -> None:
-        self.train_cost.add(samples, tokens, 0, busy_s)
+    def observe_train(self, samples: int, tokens: int, squares: int, busy_s: float) -> None:
+        self.train_cost.add(samples, tokens, squares, busy_s)
 
     def set_overlap(self, overlapped: bool) -> None:
         self.overlap = overlapped

@@ -12,8 +12,11 @@ reports by `StepCost`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
+
+CUT_DECAY = 0.99  # weight of a group's truncation counts per later group
 
 
 @dataclass
@@ -25,9 +28,11 @@ class LengthStats:
     typical: float | None = None  # EMA of every observed group's mean length
     longest: float | None = None  # EMA of every observed group's longest length
     cap: int | None = None  # the longest length seen (the engines cut responses there)
+    cut: list[float] = field(default_factory=lambda: [0.0, 0.0])  # truncated, samples: decayed counts
 
-    def observe(self, prompt_id: int, lengths: Sequence[int]) -> None:
-        """One completed group's sample lengths (population mean and variance)."""
+    def observe(self, prompt_id: int, lengths: Sequence[int], truncated: int = 0) -> None:
+        """One completed group's sample lengths (population mean and variance), `truncated` of them
+        cut at the length limit."""
         if not lengths:
             return
         mu = sum(lengths) / len(lengths)
@@ -40,10 +45,16 @@ class LengthStats:
         top = max(lengths)
         self.longest = top if self.longest is None else (1 - a) * self.longest + a * top
         self.cap = top if self.cap is None else max(self.cap, top)
+        self.cut = [CUT_DECAY * self.cut[0] + truncated, CUT_DECAY * self.cut[1] + len(lengths)]
 
     def variance(self, prompt_id: int) -> float:
         """The prompt's estimated length variance (the prior for a cold prompt; 0 before any data)."""
         return self.var.get(prompt_id, self.prior or 0.0)
+
+    def truncated(self) -> float:
+        """The task's truncated fraction: truncated over samples, each group's counts weighted down by
+        CUT_DECAY per later group (a rate of a few percent needs many groups, not the last one)."""
+        return self.cut[0] / self.cut[1] if self.cut[1] else 0.0
 
     def mean_length(self, prompt_id: int) -> float:
         """The prompt's estimated mean length (the task-level one for a cold prompt; 0 before any data)."""
@@ -57,6 +68,7 @@ class LengthStats:
             "typical": self.typical,
             "longest": self.longest,
             "cap": self.cap,
+            "cut": self.cut,
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -64,7 +76,7 @@ class LengthStats:
         self.var = {int(k): v for k, v in d["var"]}
         self.prior = d["prior"]
         self.typical, self.longest = d.get("typical"), d.get("longest")  # older checkpoints lack them
-        self.cap = d.get("cap")
+        self.cap, self.cut = d.get("cap"), list(d.get("cut", [0.0, 0.0]))
 
 
 def by_spread(variances: Sequence[float]) -> list[int]:
@@ -90,40 +102,43 @@ def allocate(variances: Sequence[float], m: int, budget: int) -> list[int]:
 
 @dataclass
 class StepCost:
-    """A step's cost, fitted to reports: busy seconds ~ fixed x steps + per_token x tokens +
-    per_prefill x prefill tokens (an engine's decode steps; a trainer's optimizer steps and trained
-    tokens, no prefill), by least squares over every report so far (older ones weighted down by
-    `decay` each), with each coefficient kept >= 0. `fit()` is None until the reports tell the parts
-    apart."""
+    """A step's cost, fitted to reports: busy seconds ~ fixed x steps + per_token x tokens + third x
+    a third count (an engine: decode steps, decode tokens, prefill tokens; the trainer: samples,
+    trained tokens, the sum of their squared lengths, attention's quadratic part), by least squares
+    over every report so far (older ones weighted down by `decay` each), with each coefficient kept
+    >= 0. `fit()` is None until the reports tell the parts apart."""
 
     decay: float = 0.99
     ata: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     atb: list[float] = field(default_factory=lambda: [0.0] * 3)
     reports: int = 0
 
-    def add(self, steps: int, decode_tokens: int, prefill_tokens: int, busy_s: float) -> None:
+    def add(self, steps: int, tokens: int, third: int, busy_s: float) -> None:
         if steps <= 0:
             return
-        x = (float(steps), float(decode_tokens), float(prefill_tokens))
+        x = (float(steps), float(tokens), float(third))
         for i in range(3):
             self.atb[i] = self.decay * self.atb[i] + x[i] * busy_s
             for j in range(3):
                 self.ata[i][j] = self.decay * self.ata[i][j] + x[i] * x[j]
         self.reports += 1
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds a step, seconds a token), or None while they cannot be told apart."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """(fixed seconds a step, seconds a token, seconds a unit of the third count), or None while
+        they cannot be told apart."""
         if self.reports < 4:
             return None
-        used = [i for i in range(3) if self.ata[i][i] > 0]  # no prefill seen: two unknowns
-        w = _solve([[self.ata[i][j] for j in used] for i in used], [self.atb[i] for i in used])
+        used = [i for i in range(3) if self.ata[i][i] > 0]  # no third count seen: two unknowns
+        d = [math.sqrt(self.ata[i][i]) for i in used]  # columns scaled to unit norm (counts differ by 1e9)
+        a = [[self.ata[i][j] / (d[u] * d[v]) for v, j in enumerate(used)] for u, i in enumerate(used)]
+        w = _solve(a, [self.atb[i] / d[u] for u, i in enumerate(used)])
         if w is None:
             return None
-        coef = dict(zip(used, w))
-        fixed, per_token = coef.get(0, 0.0), coef.get(1, 0.0)
+        coef = {i: w[u] / d[u] for u, i in enumerate(used)}
+        fixed, per_token, third = coef.get(0, 0.0), coef.get(1, 0.0), coef.get(2, 0.0)
         if per_token <= 0:
             return None
-        return max(fixed, 0.0), per_token
+        return max(fixed, 0.0), per_token, max(third, 0.0)
 
     def per_token_bound(self) -> float | None:
         """Seconds a token with the whole cost put on the tokens (least squares through the origin):
