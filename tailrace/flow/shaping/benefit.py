@@ -2,7 +2,7 @@
 round's predicted time.
 
 Lengths. A prompt's response runs to the cap (the longest length seen: the engines stop at max_len)
-with the task's truncated fraction q (runaways), else for min(Y, cap), Y lognormal with the mean m
+with the task's truncated fraction q (runaways), else runs min(Y, cap), Y lognormal with the mean m
 and variance v its moving averages estimate (redundancy.LengthStats): s^2 = ln(1 + v / m^2),
 mu = ln m - s^2 / 2, F(x) = (1 - q) Phi((ln x - mu) / s) below the cap, tabulated at GRID evenly
 spaced points of [0, cap] (the last one F's limit from below).

@@ -78,7 +78,7 @@ class Darts(Shaping):
         train = self.train_cost.fit() or (0.0, self.train_cost.per_token_bound() or 0.0, 0.0)
         costs = Costs(*fit[:2], *train, self.engines, self.slots, self.overlap)
         means = [max(s.mean_length(p.id), 1.0) for p in prompts]
-        runaway = min(s.truncated(), 0.5)
+        runaway = min(s.truncated(), 0.5)  # the model needs q < 1; at half truncated no tail is left to cut
         return best_budget(means, var, s.cap, runaway, m, self.longest, early, costs, order)
 
     def plan(self, prompts: Sequence[Prompt], m: int) -> list[Plan]:

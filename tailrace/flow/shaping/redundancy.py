@@ -3,11 +3,12 @@ earlier samples said about its length spread.
 
 `LengthStats` keeps, per prompt id, an exponential moving average of the mean and variance of its
 samples' lengths (updated once per completed group); a prompt not seen yet uses the task-level prior,
-the moving averages of every observed group's mean and variance. `allocate` spends an extra-sample
-budget greedily on the prompts of largest variance (`by_spread`), each getting between M and 2M
-candidates. The budget is a fixed share of the window (`shaping.extra`), or the one of least
-predicted round time (benefit.py) under the engines' and the trainer's costs, each fitted to their
-reports by `StepCost`.
+the moving averages of every observed group's mean and variance. It also keeps the longest length
+seen (the cap) and the task's truncated fraction, what benefit.py models runaways with. `allocate`
+spends an extra-sample budget greedily on the prompts of largest variance (`by_spread`), each getting
+between M and 2M candidates. The budget is a fixed share of the window (`shaping.extra`), or the one
+of least predicted round time (benefit.py) under the engines' and the trainer's costs, each fitted to
+their reports by `StepCost`.
 """
 
 from __future__ import annotations
