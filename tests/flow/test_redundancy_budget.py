@@ -37,6 +37,15 @@ def test_no_fit_until_the_parts_can_be_told_apart():
     assert fit.fit() is None  # always 10 rows a step: fixed and per-token cost are one number
 
 
+def test_a_part_fitted_negative_is_dropped_and_the_rest_refitted():
+    fit = StepCost(decay=1.0)
+    for tokens in (10, 20, 30, 40):
+        fit.add(1, tokens, 0, 0.001 * tokens * tokens)  # convex: a line through it crosses below 0
+    # without the fixed part, the per-token cost is the fit through the origin, not the steeper line
+    assert fit.fit() == pytest.approx((0.0, fit.per_token_bound(), 0.0))
+    assert fit.per_token_bound() == pytest.approx(0.001 * 100_000 / 3000)  # sum x^3 / sum x^2
+
+
 def test_before_the_parts_are_told_apart_a_token_carries_the_whole_cost():
     fit = StepCost(decay=1.0)
     assert fit.per_token_bound() is None

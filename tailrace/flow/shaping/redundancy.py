@@ -106,8 +106,9 @@ class StepCost:
     """A step's cost, fitted to reports: busy seconds ~ fixed x steps + per_token x tokens + third x
     a third count (an engine: decode steps, decode tokens, prefill tokens; the trainer: samples,
     trained tokens, the sum of their squared lengths, attention's quadratic part), by least squares
-    over every report so far (older ones weighted down by `decay` each), with each coefficient kept
-    >= 0. `fit()` is None until the reports tell the parts apart."""
+    over every report so far (older ones weighted down by `decay` each); a part that fits negative is
+    dropped (0) and the others refitted without it. `fit()` is None until the reports tell the parts
+    apart."""
 
     decay: float = 0.99
     ata: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
@@ -130,16 +131,21 @@ class StepCost:
         if self.reports < 4:
             return None
         used = [i for i in range(3) if self.ata[i][i] > 0]  # no third count seen: two unknowns
-        d = [math.sqrt(self.ata[i][i]) for i in used]  # columns scaled to unit norm (counts differ by 1e9)
+        while True:  # a part fitted negative is dropped and the rest refitted without it
+            coef = self._solve(used)
+            if coef is None or coef.get(1, 0.0) <= 0:
+                return None
+            negative = [i for i in used if i != 1 and coef[i] < 0]
+            if not negative:
+                return coef.get(0, 0.0), coef[1], coef.get(2, 0.0)
+            used = [i for i in used if i != negative[0]]
+
+    def _solve(self, used: list[int]) -> dict[int, float] | None:
+        """Least squares on the columns `used`, scaled to unit norm (the counts differ by 1e9)."""
+        d = [math.sqrt(self.ata[i][i]) for i in used]
         a = [[self.ata[i][j] / (d[u] * d[v]) for v, j in enumerate(used)] for u, i in enumerate(used)]
         w = _solve(a, [self.atb[i] / d[u] for u, i in enumerate(used)])
-        if w is None:
-            return None
-        coef = {i: w[u] / d[u] for u, i in enumerate(used)}
-        fixed, per_token, third = coef.get(0, 0.0), coef.get(1, 0.0), coef.get(2, 0.0)
-        if per_token <= 0:
-            return None
-        return max(fixed, 0.0), per_token, max(third, 0.0)
+        return None if w is None else {i: w[u] / d[u] for u, i in enumerate(used)}
 
     def per_token_bound(self) -> float | None:
         """Seconds a token with the whole cost put on the tokens (least squares through the origin):
