@@ -21,10 +21,7 @@ class ShapingConfig:
     extra: float | None = setting(
         None,
         "darts: extra candidates per round, a fraction of R x G, to the prompts of widest length spread "
-        "(null: as many as the engines' measured step cost affords for shaping.extra_time more of a round)",
-    )
-    extra_time: float = setting(
-        0.1, "darts, shaping.extra null: the share of a round's predicted time extra candidates may add"
+        "(null: the budget of least predicted round time, from the engines' and the trainer's measured costs)",
     )
     longest: int = setting(1, "darts: L, the longest non-truncated candidates kept (the rest: the shortest)")
     early_stop: float = setting(
@@ -47,10 +44,9 @@ class ShapingConfig:
     def __post_init__(self) -> None:
         need(
             self.extra is None or 0 <= self.extra <= 1,
-            f"shaping.extra={self.extra}: must lie in [0, 1] (0 = no extra candidates), or null (from the "
-            "engines' step cost)",
+            f"shaping.extra={self.extra}: must lie in [0, 1] (0 = no extra candidates), or null (the "
+            "budget of least predicted round time)",
         )
-        need(self.extra_time >= 0, f"shaping.extra_time={self.extra_time}: must be >= 0 (0.1: 10% more time)")
         need(self.longest >= 0, f"shaping.longest={self.longest}: must be >= 0")
         need(0 <= self.early_stop <= 1, f"shaping.early_stop={self.early_stop}: must lie in [0, 1]")
         need(0 < self.ema <= 1, f"shaping.ema={self.ema}: must lie in (0, 1]")
@@ -67,7 +63,7 @@ class ShapingConfig:
     def options(self) -> dict:
         """The options of `flow.shaping.make_shaping` (all but the name)."""
         return {
-            "extra": self.extra, "extra_time": self.extra_time, "longest": self.longest,
+            "extra": self.extra, "longest": self.longest,
             "early_stop": self.early_stop, "ema": self.ema,
             "eta": self.eta, "eta_responses": self.eta_responses, "over": self.over,
         }  # fmt: skip

@@ -127,6 +127,7 @@ class Scheduler(SchedulerState):
         self.policy = policy
         self.capabilities = capabilities
         self.shaping = shaping or Shaping()
+        self.shaping.set_overlap(policy.max_staleness > 0)
         self.spec = spec
         self._prompts = prompts
         self._sampling = sampling or SamplingParams()
@@ -383,7 +384,12 @@ class Scheduler(SchedulerState):
         """An engine's step counts and busy seconds since its last report (what shaping may size its
         redundancy from; nothing else of the schedule depends on time)."""
         slots = sum(e.slots for e in self.engines)
-        self.shaping.observe_steps(steps, decode_tokens, prefill_tokens, busy_s, slots)
+        self.shaping.observe_steps(steps, decode_tokens, prefill_tokens, busy_s, slots, len(self.engines))
+
+    def on_train_step(self, lengths: Sequence[int], busy_s: float) -> None:
+        """An optimizer step's trained response lengths and busy seconds (what shaping may price
+        training from)."""
+        self.shaping.observe_train(len(lengths), sum(lengths), sum(n * n for n in lengths), busy_s)
 
     def on_engine_lost(self, engine: int, now: float) -> int:
         """An engine died (or was killed for not answering) with work in flight: every request it held

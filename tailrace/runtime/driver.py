@@ -609,6 +609,7 @@ class Driver:
             s0, s1 = rep.sync_span
             self.util.sync_time += s1 - s0
             self.events.write(Span("trainer", "sync", s0 - self.t0, s1 - self.t0, version=rep.published))
+        self.sched.on_train_step([t.length for t in self.pending_trajs[rep.step][1]], t1 - t0)
         self.sched.on_trained(rep.step, now)
         if rep.published is not None:
             self.sched.on_published(rep.published, now)

@@ -301,6 +301,7 @@ class SimCluster:
             if self.failures is not None:
                 self._since_checkpoint = 0.0 if c.publish is not None else self._since_checkpoint + dt
             self.events += 1
+            self.sched.on_train_step([t.length for g in c.groups for t in g.trajectories], dt)
             self.sched.on_trained(c.step, env.now)
             if c.publish is not None:
                 self.sched.on_published(c.publish, env.now)

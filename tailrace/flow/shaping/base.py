@@ -7,8 +7,11 @@ consults the run's shaping at the same points whatever policy decides the rest.
     enough(group)           the group has what it needs: the core aborts its other candidates
     select(group)           (kept, rest) of a complete group; the rest are discards, reason `shaping`
     observe(group)          a complete group's lengths, before selection (per-prompt statistics)
-    observe_steps(...)      an engine report's step counts and busy time, and the engines' slots
-                            (darts sizes its redundancy from what a step costs)
+    observe_steps(...)      an engine report's step counts and busy time, and the engines' slots and
+                            number (darts sizes its redundancy from what a step costs)
+    observe_train(...)      an optimizer step's samples, trained tokens, the sum of their squared lengths
+                            and busy time (what training costs)
+    set_overlap(overlapped) whether the mode trains while it generates (a staleness bound > 0)
     state_dict / load_state_dict   what a resume needs (the statistics)
 
 Round-based shapings (tailbatch) also size the rounds of round-based modes (sync) and keep prompts of
@@ -70,8 +73,14 @@ class Shaping:
         pass
 
     def observe_steps(
-        self, steps: int, decode_tokens: int, prefill_tokens: int, busy_s: float, slots: int
+        self, steps: int, decode_tokens: int, prefill_tokens: int, busy_s: float, slots: int, engines: int
     ) -> None:
+        pass
+
+    def observe_train(self, samples: int, tokens: int, squares: int, busy_s: float) -> None:
+        pass
+
+    def set_overlap(self, overlapped: bool) -> None:
         pass
 
     def round_open(self, r: int) -> int:

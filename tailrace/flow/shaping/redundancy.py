@@ -3,25 +3,21 @@ earlier samples said about its length spread.
 
 `LengthStats` keeps, per prompt id, an exponential moving average of the mean and variance of its
 samples' lengths (updated once per completed group); a prompt not seen yet uses the task-level prior,
-the moving average of every observed group's variance. `allocate` spends an extra-sample budget
-greedily on the prompts of largest variance, each getting between M and 2M candidates.
-
-The budget is a fixed share of the window (`shaping.extra`), or chosen from what the engines'
-steps cost (`cost_budget`, with `StepCost` fitted to their reports): a decode step costs a fixed
-part (the weights' pass) plus a part per row. A round without extras lasts about
-    T0 = fixed x L_max + per_token x n x L_mean
-(n samples; the fixed part is paid at every step until the longest one ends), and each extra
-candidate adds about per_token x L_mean. The budget is the most extras that add at most a
-`tolerance` share of T0 and whose tokens still fit in the engines' slots over the round
-(slots x L_max), at most n (no prompt beyond 2M). Where the fixed cost dominates -- a small batch,
-a weight-bound step -- redundancy is nearly free and the budget is large; where rows cost the most,
-it is small.
+the moving averages of every observed group's mean and variance. It also keeps the longest length
+seen (the cap) and the task's truncated fraction, what benefit.py models runaways with. `allocate`
+spends an extra-sample budget greedily on the prompts of largest variance (`by_spread`), each getting
+between M and 2M candidates. The budget is a fixed share of the window (`shaping.extra`), or the one
+of least predicted round time (benefit.py) under the engines' and the trainer's costs, each fitted to
+their reports by `StepCost`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
+
+CUT_DECAY = 0.99  # weight of a group's truncation counts per later group
 
 
 @dataclass
@@ -32,9 +28,12 @@ class LengthStats:
     prior: float | None = None  # EMA of every observed group's variance (cold prompts' estimate)
     typical: float | None = None  # EMA of every observed group's mean length
     longest: float | None = None  # EMA of every observed group's longest length
+    cap: int | None = None  # the longest length seen (the engines cut responses there)
+    cut: list[float] = field(default_factory=lambda: [0.0, 0.0])  # truncated, samples: decayed counts
 
-    def observe(self, prompt_id: int, lengths: Sequence[int]) -> None:
-        """One completed group's sample lengths (population mean and variance)."""
+    def observe(self, prompt_id: int, lengths: Sequence[int], truncated: int = 0) -> None:
+        """One completed group's sample lengths (population mean and variance), `truncated` of them
+        cut at the length limit."""
         if not lengths:
             return
         mu = sum(lengths) / len(lengths)
@@ -46,10 +45,21 @@ class LengthStats:
         self.typical = mu if self.typical is None else (1 - a) * self.typical + a * mu
         top = max(lengths)
         self.longest = top if self.longest is None else (1 - a) * self.longest + a * top
+        self.cap = top if self.cap is None else max(self.cap, top)
+        self.cut = [CUT_DECAY * self.cut[0] + truncated, CUT_DECAY * self.cut[1] + len(lengths)]
 
     def variance(self, prompt_id: int) -> float:
         """The prompt's estimated length variance (the prior for a cold prompt; 0 before any data)."""
         return self.var.get(prompt_id, self.prior or 0.0)
+
+    def truncated(self) -> float:
+        """The task's truncated fraction: truncated over samples, each group's counts weighted down by
+        CUT_DECAY per later group (a rate of a few percent needs many groups, not the last one)."""
+        return self.cut[0] / self.cut[1] if self.cut[1] else 0.0
+
+    def mean_length(self, prompt_id: int) -> float:
+        """The prompt's estimated mean length (the task-level one for a cold prompt; 0 before any data)."""
+        return self.mean.get(prompt_id, self.typical or 0.0)
 
     def state_dict(self) -> dict:
         return {
@@ -58,6 +68,8 @@ class LengthStats:
             "prior": self.prior,
             "typical": self.typical,
             "longest": self.longest,
+            "cap": self.cap,
+            "cut": self.cut,
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -65,16 +77,22 @@ class LengthStats:
         self.var = {int(k): v for k, v in d["var"]}
         self.prior = d["prior"]
         self.typical, self.longest = d.get("typical"), d.get("longest")  # older checkpoints lack them
+        self.cap, self.cut = d.get("cap"), list(d.get("cut", [0.0, 0.0]))
+
+
+def by_spread(variances: Sequence[float]) -> list[int]:
+    """Prompt indices, largest variance first (ties: the earlier prompt first): the order extras go in."""
+    return sorted(range(len(variances)), key=lambda i: (-variances[i], i))
 
 
 def allocate(variances: Sequence[float], m: int, budget: int) -> list[int]:
-    """Candidates per prompt: m each, then up to m more each to the prompts of largest variance first
-    until `budget` extra samples are spent (ties: the earlier prompt first). Each result lies in
-    [m, 2m] and they sum to at most m * len(variances) + budget."""
+    """Candidates per prompt: m each, then up to m more each in `by_spread` order until `budget`
+    extra samples are spent. Each result lies in [m, 2m] and they sum to at most
+    m * len(variances) + budget."""
     if budget < 0:
         raise ValueError(f"redundancy budget {budget} is negative")
     counts = [m] * len(variances)
-    for i in sorted(range(len(variances)), key=lambda i: (-variances[i], i)):
+    for i in by_spread(variances):
         extra = min(m, budget)
         counts[i] += extra
         budget -= extra
@@ -83,59 +101,56 @@ def allocate(variances: Sequence[float], m: int, budget: int) -> list[int]:
     return counts
 
 
-def cost_budget(
-    n: int, slots: int, fixed: float, per_token: float, mean_len: float, max_len: float, tolerance: float
-) -> int:
-    """Extra candidates for a window of `n` samples on engines of `slots` rows in all, a decode step
-    costing `fixed` + `per_token` x rows, responses of `mean_len` tokens on average and `max_len` at
-    the longest: the most that add at most `tolerance` x the round's time and fit in its slots (see
-    the module doc), in [0, n]."""
-    if min(fixed, per_token, tolerance) < 0 or mean_len <= 0 or max_len < mean_len:
-        raise ValueError(
-            f"cost_budget: needs non-negative costs and tolerance and 0 < mean_len <= max_len (got "
-            f"fixed={fixed}, per_token={per_token}, tolerance={tolerance}, mean={mean_len}, max={max_len})"
-        )
-    t0 = fixed * max_len + per_token * n * mean_len
-    by_time = tolerance * t0 / (per_token * mean_len) if per_token > 0 else float(n)
-    by_slots = slots * max_len / mean_len - n
-    return max(0, min(n, int(by_time), int(by_slots)))
-
-
 @dataclass
 class StepCost:
-    """The engines' step cost, fitted to their reports: busy seconds ~ fixed x steps + per_token x
-    decode tokens + per_prefill x prefill tokens, by least squares over every report so far (older
-    ones weighted down by `decay` each), with each coefficient kept >= 0. `fit()` is None until the
-    reports tell the parts apart."""
+    """A step's cost, fitted to reports: busy seconds ~ fixed x steps + per_token x tokens + third x
+    a third count (an engine: decode steps, decode tokens, prefill tokens; the trainer: samples,
+    trained tokens, the sum of their squared lengths, attention's quadratic part), by least squares
+    over every report so far (older ones weighted down by `decay` each); a part that fits negative is
+    dropped (0) and the others refitted without it. `fit()` is None until the reports tell the parts
+    apart."""
 
     decay: float = 0.99
     ata: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     atb: list[float] = field(default_factory=lambda: [0.0] * 3)
     reports: int = 0
 
-    def add(self, steps: int, decode_tokens: int, prefill_tokens: int, busy_s: float) -> None:
+    def add(self, steps: int, tokens: int, third: int, busy_s: float) -> None:
         if steps <= 0:
             return
-        x = (float(steps), float(decode_tokens), float(prefill_tokens))
+        x = (float(steps), float(tokens), float(third))
         for i in range(3):
             self.atb[i] = self.decay * self.atb[i] + x[i] * busy_s
             for j in range(3):
                 self.ata[i][j] = self.decay * self.ata[i][j] + x[i] * x[j]
         self.reports += 1
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds a step, seconds a decode token), or None while they cannot be told apart."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """(fixed seconds a step, seconds a token, seconds a unit of the third count), or None while
+        they cannot be told apart."""
         if self.reports < 4:
             return None
-        used = [i for i in range(3) if self.ata[i][i] > 0]  # no prefill seen: two unknowns
-        w = _solve([[self.ata[i][j] for j in used] for i in used], [self.atb[i] for i in used])
-        if w is None:
-            return None
-        coef = dict(zip(used, w))
-        fixed, per_token = coef.get(0, 0.0), coef.get(1, 0.0)
-        if per_token <= 0:
-            return None
-        return max(fixed, 0.0), per_token
+        used = [i for i in range(3) if self.ata[i][i] > 0]  # no third count seen: two unknowns
+        while True:  # a part fitted negative is dropped and the rest refitted without it
+            coef = self._solve(used)
+            if coef is None or coef.get(1, 0.0) <= 0:
+                return None
+            negative = [i for i in used if i != 1 and coef[i] < 0]
+            if not negative:
+                return coef.get(0, 0.0), coef[1], coef.get(2, 0.0)
+            used = [i for i in used if i != negative[0]]
+
+    def _solve(self, used: list[int]) -> dict[int, float] | None:
+        """Least squares on the columns `used`, scaled to unit norm (the counts differ by 1e9)."""
+        d = [math.sqrt(self.ata[i][i]) for i in used]
+        a = [[self.ata[i][j] / (d[u] * d[v]) for v, j in enumerate(used)] for u, i in enumerate(used)]
+        w = _solve(a, [self.atb[i] / d[u] for u, i in enumerate(used)])
+        return None if w is None else {i: w[u] / d[u] for u, i in enumerate(used)}
+
+    def per_token_bound(self) -> float | None:
+        """Seconds a token with the whole cost put on the tokens (least squares through the origin):
+        from the first report with tokens, t + fixed x sum(x) / sum(x^2) >= the fitted t."""
+        return self.atb[1] / self.ata[1][1] if self.ata[1][1] > 0 else None
 
     def state_dict(self) -> dict:
         return {"ata": self.ata, "atb": self.atb, "reports": self.reports}
