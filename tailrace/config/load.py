@@ -92,6 +92,27 @@ def _unknown(key: str, fields: list[str], prefix: str, root: type) -> ConfigErro
     return ConfigError(f"unknown config key {prefix}{key}; {hint}")
 
 
+# keys a release removed, and why: a config file that still holds one (an older run directory's
+# config.yaml, which resume, `tailrace sim --like` and the report read back) loads without it; an
+# override that names one is refused with the reason
+RETIRED = {
+    "shaping.extra_time": "darts' budget of extra candidates comes from its benefit model now "
+    "(flow/shaping/benefit.py); use shaping.extra for a fixed share",
+}
+
+
+def _drop_retired(data: dict[str, Any]) -> dict[str, Any]:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for key in RETIRED:
+        *sections, last = key.split(".")
+        node = out
+        for s in sections:
+            node = node.get(s) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return out
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str, root: type) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {data!r}")
@@ -174,7 +195,15 @@ def load_config(
             raise ConfigError(
                 f"config file {p} holds a {type(data).__name__}, not a mapping; write `section: {{key: value}}`"
             )
-    data = _merge(data, parse_overrides(overrides or []))
+    over = parse_overrides(overrides or [])
+    for key, why in RETIRED.items():
+        *sections, last = key.split(".")
+        node = over
+        for sec in sections:
+            node = node.get(sec) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            raise ConfigError(f"--{key} was removed: {why}")
+    data = _merge(_drop_retired(data), over)
     return _build(cls, data, "", cls)
 
 

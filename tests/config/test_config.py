@@ -77,3 +77,19 @@ def test_the_vllm_backend_is_refused_where_vllm_is_missing_or_with_what_it_canno
     assert load_config(None, ["--rollout.backend=vllm"]).rollout.backend == "vllm"
     with pytest.raises(ConfigError, match="no speculative decoding"):
         load_config(None, ["--rollout.backend=vllm", "--rollout.spec.drafter=history"])
+
+
+def test_a_retired_key_in_an_older_run_s_config_loads_and_on_the_command_line_is_refused(tmp_path):
+    """shaping.extra_time was removed (darts' budget comes from its benefit model): a run directory
+    written before still resumes, and an override naming it says why it is gone."""
+    from tailrace.config.load import RETIRED
+
+    old = tmp_path / "config.yaml"
+    old.write_text("shaping:\n  name: darts\n  extra_time: 0.1\nflow:\n  steps: 7\n")
+    cfg = load_config(old)
+    assert cfg.shaping.name == "darts" and cfg.flow.steps == 7
+    with pytest.raises(ConfigError, match="--shaping.extra_time was removed: darts' budget"):
+        load_config(None, ["--shaping.extra_time=0.2"])
+    with pytest.raises(ConfigError, match="unknown config key shaping.extra_tim"):
+        load_config(None, ["--shaping.extra_tim=0.2"])
+    assert "shaping.extra_time" in RETIRED
