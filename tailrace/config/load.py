@@ -6,6 +6,7 @@ one-line `ConfigError` before any process starts; each section then validates it
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -101,16 +102,17 @@ RETIRED = {
 }
 
 
-def _drop_retired(data: dict[str, Any]) -> dict[str, Any]:
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+def _retired_in(tree: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The retired keys `tree` holds, each with the mapping it sits in."""
+    found = []
     for key in RETIRED:
         *sections, last = key.split(".")
-        node = out
+        node: Any = tree
         for s in sections:
             node = node.get(s) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(last, None)
-    return out
+        if isinstance(node, dict) and last in node:
+            found.append((key, node))
+    return found
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str, root: type) -> Any:
@@ -196,14 +198,12 @@ def load_config(
                 f"config file {p} holds a {type(data).__name__}, not a mapping; write `section: {{key: value}}`"
             )
     over = parse_overrides(overrides or [])
-    for key, why in RETIRED.items():
-        *sections, last = key.split(".")
-        node = over
-        for sec in sections:
-            node = node.get(sec) if isinstance(node, dict) else None
-        if isinstance(node, dict) and last in node:
-            raise ConfigError(f"--{key} was removed: {why}")
-    data = _merge(_drop_retired(data), over)
+    for key, _ in _retired_in(over):
+        raise ConfigError(f"--{key} was removed: {RETIRED[key]}")
+    data = copy.deepcopy(data)
+    for key, node in _retired_in(data):
+        del node[key.rsplit(".", 1)[1]]
+    data = _merge(data, over)
     return _build(cls, data, "", cls)
 
 

@@ -28,3 +28,7 @@ class StoreConfig:
         need(self.capacity >= 1, f"store.capacity={self.capacity}: must be at least 1")
         need(self.max_age >= 0, f"store.max_age={self.max_age}: must be >= 0")
         need(self.uses >= 1, f"store.uses={self.uses}: must be at least 1")
+
+    def options(self) -> dict:
+        """The options of `flow.replay.ReplayOptions`."""
+        return {"ratio": self.replay, "capacity": self.capacity, "max_age": self.max_age, "uses": self.uses}

@@ -64,9 +64,9 @@ class ReplayBuffer:
     def pick(self, step: int, fresh: int, trainer_version: int) -> list[Group]:
         """The replays of train step `step`, which trains `fresh` fresh groups at `trainer_version`."""
         o = self.options
-        stale = [e for e in self.entries if trainer_version - e.oldest > o.max_age]
-        self.expired += len(stale)
-        self.entries = [e for e in self.entries if trainer_version - e.oldest <= o.max_age]
+        kept = [e for e in self.entries if trainer_version - e.oldest <= o.max_age]
+        self.expired += len(self.entries) - len(kept)
+        self.entries = kept
         held = {id(e) for es in self.picked.values() for e in es}
         free = [e for e in self.entries if id(e) not in held]
         free.sort(key=lambda e: (-e.variance, -e.step, -e.group))

@@ -107,7 +107,7 @@ class Driver:
         self.sched = Scheduler(
             policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed, shaping=shaping,
             capabilities=capabilities(r.backend, speculative=r.spec.drafter != "none"),
-            replay=ReplayOptions(cfg.store.replay, cfg.store.capacity, cfg.store.max_age, cfg.store.uses),
+            replay=ReplayOptions(**cfg.store.options()),
         )  # fmt: skip
         self.layout = session.flat_layout()
         # fp32 weights and AdamW's two moments: what a checkpoint weighs, near enough

@@ -272,9 +272,8 @@ class RayHosts:
         return self.ray.util.get_node_ip_address(), about
 
     def joined(self, arrival: Any) -> Any:
-        if (
-            not arrival.actor
-        ):  # a plain process joined a Ray run (`tailrace engine join` always starts an actor)
+        # a plain process joined a Ray run (`tailrace engine join` always starts an actor there)
+        if not arrival.actor:
             from tailrace.runtime.join import JoinedProcess
 
             return JoinedProcess(arrival.pid)

@@ -240,8 +240,7 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     slots = engine_slots(scn, cost, lengths)
     spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
     pool = [(slots, scn.cluster.lookahead)] * scn.cluster.engines
-    st = scn.store
-    replay = ReplayOptions(st.replay, st.capacity, st.max_age, st.uses)
+    replay = ReplayOptions(**scn.store.options())
     sched = Scheduler(
         policy, prompt_stream(lengths, scn.train_size), pool, spec, shaping=shaping, replay=replay
     )
