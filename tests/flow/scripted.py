@@ -86,8 +86,9 @@ class ScriptedCluster:
             if isinstance(c, Generate):
                 for req in c.requests:
                     assert req.version in self.loaded[c.engine], "dispatched a version the engine lacks"
-                    pregen = req.id.startswith("pregen.")  # the next round's prompts, generated in a bubble
-                    key = None if pregen else SampleKey.parse(req.id)
+                    own = req.id.rpartition("/")[2]  # (several policies: "name/id")
+                    pregen = own.startswith("pregen.")  # the next round's prompts, generated in a bubble
+                    key = None if pregen else SampleKey.parse(own)
                     if pregen:
                         target = self.pregen_len
                     elif self.turns is not None:  # the turn ends where its first request was to end it

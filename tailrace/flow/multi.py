@@ -1,0 +1,203 @@
+"""`PolicySet`: several policies trained in one run, sharing the rollout engines.
+
+Each policy is a `Scheduler` of its own — its mode, staleness bound, version counter, store, ledger
+and trainer — unchanged: it believes it has the engines to itself. The set stands between them and
+the engines, which hold every policy's weights side by side:
+
+    policy p's version v  <->  engine version v * P + p      (P policies)
+    policy p's request id <->  "name/id"                     (its name: no "/")
+
+`poll` hands out one outbox per policy, its engine commands (Generate, Abort, LoadWeights,
+DropWeights) translated into the engines' space; its Train commands stay in the policy's own versions
+and steps, tagged with the policy (`Train.policy`), for that policy's trainer. What the engines report
+(results, loads, losses, joins and leaves) comes back through the set, translated back and handed to
+its policy; what a trainer reports goes straight to its policy's scheduler (`self[p].on_trained`).
+
+So the version barrier is per policy: a policy waits for its own trainer's weights only, never for
+another's, and each scheduler checks its own staleness bound and ledger identity at every poll. A
+policy sees each engine's whole capacity (one generating alone, while the other trains, gets every
+slot); when both generate, the engine queues what exceeds its slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Collection, Iterator, Sequence
+
+from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
+from tailrace.flow.scheduler import InvariantError, Outbox, Scheduler
+from tailrace.types import GenRequest, GenResult, Prompt, Scored
+
+
+class PolicySet:
+    def __init__(self, names: Sequence[str], schedulers: Sequence[Scheduler]) -> None:
+        if len(names) != len(schedulers) or len(names) < 1:
+            raise ValueError("PolicySet: one name per scheduler, at least one")
+        bad = [n for n in names if not n or "/" in n]
+        if bad or len(set(names)) != len(names):
+            raise ValueError(f"policy names {list(names)}: give each a unique, non-empty name without '/'")
+        engines = {tuple((e.id, e.slots, e.lookahead) for e in s.engines) for s in schedulers}
+        if len(engines) != 1:
+            raise ValueError("PolicySet: every policy's scheduler must be built with the same engines")
+        self.names = tuple(names)
+        self._scheds = tuple(schedulers)
+        self._index = {n: p for p, n in enumerate(self.names)}
+
+    def __len__(self) -> int:
+        return len(self._scheds)
+
+    def __getitem__(self, p: int) -> Scheduler:
+        return self._scheds[p]
+
+    def __iter__(self) -> Iterator[Scheduler]:
+        return iter(self._scheds)
+
+    @property
+    def engines(self):
+        """The live engines (ids, slots, lookahead), as every policy's books have them (each policy
+        counts its own requests in flight)."""
+        return self._scheds[0].engines
+
+    # ------------------------------------------------------------------ the engines' space
+    def version(self, p: int, v: int) -> int:
+        """Policy p's version v as the engines hold it."""
+        return v * len(self) + p
+
+    def policy_version(self, g: int) -> tuple[int, int]:
+        """(policy, its version) of engine version `g`."""
+        return g % len(self), g // len(self)
+
+    def request_id(self, p: int, rid: str) -> str:
+        return f"{self.names[p]}/{rid}"
+
+    def split(self, request_id: str) -> tuple[int, str]:
+        """(policy, its own request id) of an engine request id."""
+        name, sep, rid = request_id.partition("/")
+        if not sep or name not in self._index:
+            raise InvariantError(f"request {request_id!r} belongs to no policy of {list(self.names)}")
+        return self._index[name], rid
+
+    def policy_of(self, request_id: str) -> int:
+        return self.split(request_id)[0]
+
+    # ------------------------------------------------------------------ driving
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self._scheds)
+
+    def poll(self, now: float) -> list[Outbox]:
+        """Every policy's poll, its engine commands in the engines' space (one outbox per policy, in
+        order: the driver keeps each policy's journal and marks apart)."""
+        outs = []
+        for p, s in enumerate(self._scheds):
+            out = s.poll(now)
+            out.commands = [self._outward(p, c) for c in out.commands]
+            outs.append(out)
+        return outs
+
+    def _outward(self, p: int, c):
+        if isinstance(c, Generate):
+            return Generate(c.engine, tuple(self._request(p, r) for r in c.requests))
+        if isinstance(c, Abort):
+            return Abort(c.engine, tuple(self.request_id(p, r) for r in c.request_ids), c.reason)
+        if isinstance(c, (LoadWeights, DropWeights)):
+            return type(c)(c.engine, self.version(p, c.version))
+        if isinstance(c, Train):
+            return replace(c, policy=p)
+        raise TypeError(f"unknown command {c!r}")
+
+    def _request(self, p: int, r: GenRequest) -> GenRequest:
+        return replace(
+            r,
+            id=self.request_id(p, r.id),
+            version=self.version(p, r.version),
+            resume_versions=tuple(self.version(p, v) for v in r.resume_versions),
+        )
+
+    def _result(self, p: int, r: GenResult) -> GenResult:
+        local = []
+        for g in r.versions:
+            q, v = self.policy_version(g)
+            if q != p:
+                raise InvariantError(
+                    f"request {r.request_id} of policy {self.names[p]} has a token of engine version {g}, "
+                    f"policy {self.names[q]}'s"
+                )
+            local.append(v)
+        return replace(r, request_id=self.split(r.request_id)[1], versions=tuple(local))
+
+    # ------------------------------------------------------------------ what the engines report
+    def on_results(
+        self,
+        engine: int,
+        results: Sequence[GenResult],
+        scores: Sequence[Scored],
+        now: float,
+        calls: Collection[str] = (),
+    ) -> None:
+        """An engine's results of any policies (as `Scheduler.on_results`), each handed to its own."""
+        by: dict[int, tuple[list[GenResult], list[Scored], set[str]]] = {}
+        for r in results:
+            p = self.policy_of(r.request_id)
+            by.setdefault(p, ([], [], set()))[0].append(self._result(p, r))
+        for s in scores:
+            p, rid = self.split(s.request_id)
+            by.setdefault(p, ([], [], set()))[1].append(replace(s, request_id=rid))
+        for c in calls:
+            p, rid = self.split(c)
+            by.setdefault(p, ([], [], set()))[2].add(rid)
+        for p, (res, sc, cl) in sorted(by.items()):
+            self._scheds[p].on_results(engine, res, sc, now, calls=cl)
+
+    def on_loaded(self, engine: int, version: int, now: float) -> None:
+        p, v = self.policy_version(version)
+        self._scheds[p].on_loaded(engine, v, now)
+
+    def on_engine_steps(self, steps: int, decode_tokens: int, prefill_tokens: int, busy_s: float) -> None:
+        for s in self._scheds:  # each policy's shaping prices the engines it shares
+            s.on_engine_steps(steps, decode_tokens, prefill_tokens, busy_s)
+
+    def on_engine_lost(self, engine: int, now: float) -> int:
+        return sum(s.on_engine_lost(engine, now) for s in self._scheds)
+
+    def add_engine(self, slots: int, lookahead: int) -> int:
+        ids = {s.add_engine(slots, lookahead) for s in self._scheds}
+        if len(ids) != 1:
+            raise InvariantError(f"the policies gave a joining engine different ids {sorted(ids)}")
+        return ids.pop()
+
+    def remove_engine(self, engine: int, now: float) -> int:
+        return sum(s.remove_engine(engine, now) for s in self._scheds)
+
+    def loaded(self, engine: int) -> set[int]:
+        """The engine versions engine `engine` holds, every policy's."""
+        return {self.version(p, v) for p, s in enumerate(self._scheds) for v in s.engine(engine).loaded}
+
+    def loading(self, engine: int) -> set[int]:
+        """The engine versions engine `engine` was asked to load and has not reported."""
+        return {
+            self.version(p, v)
+            for p, s in enumerate(self._scheds)
+            for v in s.engine(engine).loading - s.engine(engine).loaded
+        }
+
+    # ------------------------------------------------------------------ per request
+    def prompt_of(self, request_id: str) -> Prompt:
+        p, rid = self.split(request_id)
+        return self._scheds[p].prompt_of(rid)
+
+    def calls_of(self, request_id: str) -> int:
+        p, rid = self.split(request_id)
+        return self._scheds[p].calls_of(rid)
+
+    def is_pregen(self, request_id: str) -> bool:
+        return Scheduler.is_pregen(self.split(request_id)[1])
+
+    def on_observation(self, request_id: str, token_ids: Sequence[int], now: float) -> None:
+        p, rid = self.split(request_id)
+        self._scheds[p].on_observation(rid, token_ids, now)
+
+    # ------------------------------------------------------------------ books
+    def ledger_record(self) -> dict:
+        """Each policy's ledger record, by name."""
+        return {n: s.ledger_record() for n, s in zip(self.names, self._scheds)}
