@@ -74,6 +74,9 @@ def check(cfg: RunConfig) -> None:
     from tailrace.flow.shaping import check_mode
     from tailrace.runtime.driver import with_mode
 
+    if cfg.policies:
+        check_policies(cfg)
+        return
     cfg, _ = with_mode(cfg)  # flow.mode null: the mode the run will get
     check_names(cfg)
     check_multi_turn(cfg)
@@ -89,3 +92,37 @@ def check(cfg: RunConfig) -> None:
     why = policy.refusal(capabilities(cfg.rollout.backend, speculative=cfg.rollout.spec.drafter != "none"))
     if why:
         raise ConfigError(why)
+
+
+def check_policies(cfg: RunConfig) -> None:
+    """A run of several policies: each policy's config checked as a run's, and what such a run does
+    not do yet refused, in one line naming the key."""
+    from tailrace.config.load import policy_configs
+    from tailrace.tasks.registry import multi_turn
+
+    r = cfg.rollout
+    shared = [
+        (r.backend != "tailrace", f"rollout.backend={r.backend}: the engines must hold several policies' "
+                                  "weights at once; use rollout.backend=tailrace"),
+        (r.spec.drafter != "none", f"rollout.spec.drafter={r.spec.drafter}: drafters serve one policy; "
+                                   "set rollout.spec.drafter=none"),
+        (cfg.runtime.kind != "local", f"runtime.kind={cfg.runtime.kind}: several policies run on the local "
+                                      "runtime; set runtime.kind=local"),
+    ]  # fmt: skip
+    for bad, why in shared:
+        if bad:
+            raise ConfigError(f"policies: a run of several policies does not take {why}")
+    for name, pc in policy_configs(cfg):
+        each = [
+            (pc.train.world_size > 1, f"train.world_size={pc.train.world_size}: one trainer process per "
+                                      "policy (train.world_size=1)"),
+            (multi_turn(pc.task.name), f"task.name={pc.task.name}: a multi-turn task; give each policy a "
+                                       "single-turn task"),
+        ]  # fmt: skip
+        for bad, why in each:
+            if bad:
+                raise ConfigError(f"policies ({name}): a run of several policies does not take {why} yet")
+        try:
+            check(pc)
+        except ConfigError as e:
+            raise ConfigError(f"policies ({name}): {e}") from None

@@ -115,6 +115,11 @@ def train(args: Args) -> int:
         if "--resume" in flags:
             resume = plan_resume(run)
             cfg, why = with_mode(resume.cfg)  # a config.yaml written with flow.mode null
+            if cfg.policies:
+                raise ConfigError(
+                    f"--resume {run.path}: a run of several policies does not resume yet; its policies' "
+                    "checkpoints are under policies/<name>/checkpoints (tailrace eval --model.path=...)"
+                )
             check(cfg)
             for note in resume.commit():
                 console.print(note)
@@ -135,6 +140,8 @@ def _supervise(flags: dict[str, str], rest: list[str]) -> int:
         argv = ["--resume", str(run_dir), *rest]
     else:
         cfg = load(flags.get("--config"), rest)  # bad input ends here, before any child starts
+        if cfg.policies:
+            raise ConfigError("--supervise: a run of several policies does not resume yet; drop --supervise")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = Path(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
         config = ["--config", flags["--config"]] if "--config" in flags else []
@@ -144,14 +151,21 @@ def _supervise(flags: dict[str, str], rest: list[str]) -> int:
 
 def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
     """`why`: the reason for the run's overlap mode where flow.mode is null."""
+    from tailrace.config.load import policy_configs
     from tailrace.config.train import auto_lr
     from tailrace.report.console import ConsoleUI
-    from tailrace.runtime.driver import Driver
+    from tailrace.runtime.driver import Driver, with_mode
     from tailrace.runtime.session import Session
     from tailrace.runtime.supervisor import DriverLost
 
-    session = Session(cfg, progress=_sft_progress())
+    named = policy_configs(cfg)
+    sessions = [Session(pc, progress=_sft_progress()) for _, pc in named]
+    session = sessions[0]
     ui = ConsoleUI(console)
+    if cfg.policies:
+        each = [f"{n} ({m.flow.mode}, {m.flow.steps} steps, task {m.task.name})" for n, m in
+                ((n, with_mode(pc)[0]) for n, pc in named)]  # fmt: skip
+        console.print(f"{len(named)} policies sharing the rollout engines: {'; '.join(each)}")
     console.print(
         f"run directory: {run.path}  (mode {cfg.flow.mode}, {cfg.flow.steps} steps, "
         f"{cfg.flow.prompts_per_round} prompts x {cfg.flow.samples_per_prompt} samples per round)"
@@ -174,7 +188,7 @@ def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
         )
     driver = None
     try:
-        driver = Driver(cfg, run, session, resume=resume, ui=ui, driver_lost=DriverLost.from_env())
+        driver = Driver(cfg, run, sessions, resume=resume, ui=ui, driver_lost=DriverLost.from_env())
         summary = driver.train()
     except KeyboardInterrupt as e:
         console.print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}; {_continue(run)}")
@@ -185,15 +199,25 @@ def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
         ui.end()
         if driver is not None:
             driver.close()
-        session.close()
-    if summary.base_accuracy is not None and summary.final_accuracy is not None:
+        for s in sessions:
+            s.close()
+    for name, (base, final) in summary.policies.items():
+        if base is not None and final is not None:
+            console.print(
+                f"{name}: held-out accuracy {base:.1%} -> {final:.1%} ({100 * (final - base):+.1f} points)"
+            )
+    if not summary.policies and summary.base_accuracy is not None and summary.final_accuracy is not None:
         gain = 100 * (summary.final_accuracy - summary.base_accuracy)
         console.print(
             f"held-out accuracy {summary.base_accuracy:.1%} -> {summary.final_accuracy:.1%} "
             f"({gain:+.1f} points) after {summary.steps} steps in {_duration(summary.wall_s)}",
             style="bold",
         )
-    console.print(f"metrics: {run.file('metrics.jsonl')}   report: tailrace report {run.path}")
+    if summary.policies:
+        dirs = " ".join(str(run.path / "policies" / n) for n in summary.policies)
+        console.print(f"metrics: {run.path}/policies/<name>/metrics.jsonl   report: tailrace report {dirs}")
+    else:
+        console.print(f"metrics: {run.file('metrics.jsonl')}   report: tailrace report {run.path}")
     return 0
 
 

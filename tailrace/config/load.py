@@ -179,6 +179,48 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# what a policy of a several-policy run may set for itself; the rest (model, rollout, runtime, ...)
+# is the run's: the engines it shares hold every policy's weights in the one model's layout
+POLICY_SECTIONS = ("task", "flow", "shaping", "store", "train", "eval", "seed")
+RUN_WIDE_FLOW = ("time_limit_s", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints")
+
+
+def policy_configs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+    """(name, the run's config with its overrides) for each policy of `cfg.policies`; one unnamed
+    ("") policy, `cfg` itself, when there are none. Each is validated as a whole config is."""
+    if not cfg.policies:
+        return [("", cfg)]
+    base = dataclasses.asdict(cfg)
+    base["policies"] = []
+    out: list[tuple[str, RunConfig]] = []
+    for i, entry in enumerate(cfg.policies):
+        where = f"policies[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"]:
+            raise ConfigError(
+                f"{where}: each policy is a mapping with a name, e.g. {{name: sums, task: {{seed: 1}}}}"
+            )
+        name = entry["name"]
+        if "/" in name or name in {n for n, _ in out}:
+            raise ConfigError(f"{where}.name={name!r}: give each policy a unique name without '/'")
+        for key, value in entry.items():
+            if key != "name" and key not in POLICY_SECTIONS:
+                raise ConfigError(
+                    f"{where}.{key}: a policy sets only {', '.join(POLICY_SECTIONS)}; {key} is the run's, "
+                    f"shared by every policy: set it outside policies"
+                )
+            if key == "flow" and isinstance(value, dict):
+                for k in set(value) & set(RUN_WIDE_FLOW):
+                    raise ConfigError(
+                        f"{where}.flow.{k}: the run's, not a policy's: set flow.{k} outside policies"
+                    )
+        over = {k: v for k, v in entry.items() if k != "name"}
+        try:
+            out.append((name, _build(RunConfig, _merge(base, over), "", RunConfig)))
+        except ConfigError as e:
+            raise ConfigError(f"{where} ({name}): {e}") from None
+    return out
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, cls: type = RunConfig
 ) -> Any:
@@ -204,7 +246,10 @@ def load_config(
     for key, node in _retired_in(data):
         del node[key.rsplit(".", 1)[1]]
     data = _merge(data, over)
-    return _build(cls, data, "", cls)
+    cfg = _build(cls, data, "", cls)
+    if cls is RunConfig:
+        policy_configs(cfg)  # a bad policy entry fails here, before any process starts
+    return cfg
 
 
 def dump_config(cfg: Any) -> str:

@@ -358,6 +358,13 @@ class RunConfig:
         "restarts of each worker process (dead, or stuck and killed) within an hour; past it the run "
         "stops (0 = stop at the first lost worker)",
     )
+    policies: list[dict[str, Any]] = section(
+        list,
+        "several policies in one run, sharing the rollout engines: one entry each, {name, and any of the "
+        "sections task, flow, shaping, store, train, eval and the key seed}, each on top of the run's own "
+        "(e.g. [{name: sums}, {name: calc, task: {seed: 1}, flow: {mode: sync}}]); each policy has its "
+        "own scheduler, versions, staleness bound and trainer (empty = one policy)",
+    )
 
     def __post_init__(self) -> None:
         need(

@@ -37,7 +37,9 @@ class Train:
     groups: tuple[Group, ...]
     trainer_version: int  # the version of the weights this step starts from
     publish: int | None
-    policy: int = 0  # whose trainer (several policies in one run: flow/multi.py); steps and versions are its own
+    policy: int = (
+        0  # whose trainer (several policies in one run: flow/multi.py); steps and versions are its own
+    )
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ and trainer — unchanged: it believes it has the engines to itself. The set sta
 the engines, which hold every policy's weights side by side:
 
     policy p's version v  <->  engine version v * P + p      (P policies)
-    policy p's request id <->  "name/id"                     (its name: no "/")
+    policy p's request id <->  "name/id"                     (its name: no "/"; one policy: "id")
 
 `poll` hands out one outbox per policy, its engine commands (Generate, Abort, LoadWeights,
 DropWeights) translated into the engines' space; its Train commands stay in the policy's own versions
@@ -68,10 +68,12 @@ class PolicySet:
         return g % len(self), g // len(self)
 
     def request_id(self, p: int, rid: str) -> str:
-        return f"{self.names[p]}/{rid}"
+        return f"{self.names[p]}/{rid}" if len(self) > 1 else rid  # one policy: the ids as they are
 
     def split(self, request_id: str) -> tuple[int, str]:
         """(policy, its own request id) of an engine request id."""
+        if len(self) == 1:
+            return 0, request_id
         name, sep, rid = request_id.partition("/")
         if not sep or name not in self._index:
             raise InvariantError(f"request {request_id!r} belongs to no policy of {list(self.names)}")

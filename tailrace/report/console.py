@@ -25,7 +25,9 @@ class ConsoleUI:
         self._eval: tuple[Progress, int] | None = None  # an evaluation's own bar, outside training
 
     def begin(self, done: int, total: int, base: EvalRecord | None) -> None:
-        self._groups: dict | None = {} if done == 0 else None  # group counts at the last step seen
+        # each policy's group counts at its last step seen (None: resumed, not yet seen)
+        self._groups: dict[str, dict] | None = {} if done == 0 else None
+        self._steps: dict[str, int] = {}  # each policy's steps done (its name: "" for a run's only one)
         if base is not None:
             b = base.summary
             self.console.print(
@@ -74,9 +76,10 @@ class ConsoleUI:
             bar.stop()
             self._eval = None
 
-    def step(self, r: StepRecord, saved: CheckpointRecord | None = None) -> None:
+    def step(self, r: StepRecord, saved: CheckpointRecord | None = None, policy: str = "") -> None:
+        """A step line; `policy`: whose step, in a run of several policies (its name leads the line)."""
         t, L = r.time, r.length
-        line = (
+        line = (f"{policy}: " if policy else "") + (
             f"step {r.step + 1:4d} v{r.version:<3d} reward {r.reward:.3f} acc {r.accuracy:.3f} "
             f"len p50 {L.get('p50', 0):.0f} max {L.get('max', 0):.0f}  gen {t['gen_tok_s']:.0f} tok/s  "
             f"step {t['step_s']:.2f}s  wait {t['trainer_wait_ratio']:.2f} bubble {t['bubble_ratio']:.2f}"
@@ -100,14 +103,15 @@ class ConsoleUI:
                 )
         if saved is not None:
             line += f"  ckpt {_size(saved.bytes['total'])} in {saved.seconds:.1f}s"
-        warning = self._zero_signal(r)
+        warning = self._zero_signal(r, policy)
+        self._steps[policy] = r.step + 1
         if self.progress is not None:
             self.progress.console.print(line)
             if warning:
                 self.progress.console.print(warning, style="yellow")
             self.progress.update(
                 self.task,
-                completed=r.step + 1,
+                completed=sum(self._steps.values()),
                 info=f"reward {r.reward:.3f} acc {r.accuracy:.3f} {t['gen_tok_s']:.0f} tok/s",
             )
         else:
@@ -119,13 +123,15 @@ class ConsoleUI:
         """A line between the step lines (a worker recovered, ...)."""
         (self.progress.console if self.progress is not None else self.console).print(line)
 
-    def _zero_signal(self, r: StepRecord) -> str | None:
+    def _zero_signal(self, r: StepRecord, policy: str = "") -> str | None:
         """A warning when at least 3/4 of the groups completed since the last step had equal rewards
         (the ledger's group counts are cumulative; after a resume the first step sets the baseline)."""
-        now, prev = r.ledger["groups"], self._groups
-        self._groups = now
-        if prev is None:
+        now = r.ledger["groups"]
+        if self._groups is None:  # (resumed: the first step sets the baseline)
+            self._groups = {policy: now}
             return None
+        prev = self._groups.get(policy, {})  # (a fresh run: its first step counts from zero)
+        self._groups[policy] = now
         done = now["complete"] - prev.get("complete", 0)
         zero = now["zero_signal"] - prev.get("zero_signal", 0)
         if not done or 4 * zero < 3 * done:

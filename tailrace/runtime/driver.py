@@ -23,15 +23,17 @@ dies itself is resumed from the run directory under `tailrace train --supervise`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
 from tailrace.common import Fault
 from tailrace.config import RunConfig, TrainerConfig, dump_config
+from tailrace.config.load import policy_configs
 from tailrace.engine import capabilities
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
+from tailrace.flow.multi import PolicySet
 from tailrace.flow.policies import make_policy, recommended_mode
 from tailrace.flow.replay import ReplayOptions
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
@@ -46,7 +48,7 @@ from tailrace.runtime.hosts import Seat, Started, hosts_for
 from tailrace.runtime.join import Arrival, Desk, Leave, Welcome, serve_weights
 from tailrace.runtime.messages import EngineReport, Go, History, Ready, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import SpecTally, Utilization
-from tailrace.runtime.orders import TrainOrders
+from tailrace.runtime.policy_run import PolicyRun
 from tailrace.runtime.procs import available_cores
 from tailrace.runtime.recovery import Recovery, describe, saved_versions, weights_on_disk
 from tailrace.runtime.resume import Resume
@@ -58,7 +60,7 @@ from tailrace.runtime.tools import Failed, ToolPool
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.workers import Worker, Workers
 from tailrace.tasks.env import Turn
-from tailrace.types import Finish, GenRequest, GenResult, Prompt, SamplingParams, Trajectory
+from tailrace.types import Finish, GenRequest, GenResult, Prompt, SamplingParams, Scored, Trajectory
 
 
 @dataclass
@@ -68,6 +70,9 @@ class Summary:
     base_accuracy: float | None
     final_accuracy: float | None
     run_dir: str
+    policies: dict[str, tuple[float | None, float | None]] = field(
+        default_factory=dict
+    )  # name -> (base, final)
 
 
 class Driver:
@@ -75,16 +80,59 @@ class Driver:
         self,
         cfg: RunConfig,
         run: RunDir,
-        session: Session,
+        session: Session | list[Session],
         resume: Resume | None = None,
         ui=None,
         driver_lost: DriverLost | None = None,
     ) -> None:
-        """`driver_lost`: how the driver this one resumes died, under `tailrace train --supervise`."""
+        """`session`: the run's, or one per policy of `cfg.policies` (in order). `driver_lost`: how the
+        driver this one resumes died, under `tailrace train --supervise`."""
         cfg, _ = with_mode(cfg)
-        self.cfg, self.run, self.ses, self.ui = cfg, run, session, ui
+        sessions = session if isinstance(session, list) else [session]
+        named = policy_configs(cfg)
+        if len(named) != len(sessions):
+            raise ValueError(f"{len(named)} policies but {len(sessions)} sessions")
+        self.cfg, self.run, self.ses, self.ui = cfg, run, sessions[0], ui
         self.resume = resume
         self.driver_lost = driver_lost if resume is not None else None
+        self.layout = sessions[0].flat_layout()
+        self.events = RecordFile(run.file("events.jsonl"))
+        self.pols = [self._policy(p, name, with_mode(pc)[0], ses) for p, ((name, pc), ses) in
+                     enumerate(zip(named, sessions))]  # fmt: skip
+        self.sched = PolicySet([p.name or "main" for p in self.pols], [p.sched for p in self.pols])
+        self.hosts = hosts_for(cfg.runtime)
+        self.workers = Workers(
+            cfg.worker_timeout_s, run.file("errors.log"), recover=cfg.max_restarts > 0, hosts=self.hosts
+        )
+        self.recovery = Recovery(cfg.max_restarts)
+        if resume is not None:
+            self.pols[0].restart_from = resume.checkpoint  # the newest whole checkpoint
+            # the run's kept checkpoints hold older versions' weights too
+            self.pols[0].saved_versions = saved_versions(run.path / "checkpoints")
+        self.tb = _tensorboard(run) if cfg.tensorboard else None
+        self._eval_wanted: set[str] = set()  # ids of held-out requests not yet returned
+        self._eval_sent: dict[int, tuple[GenRequest, ...]] = {}  # engine -> the held-out requests it got
+        self._eval_results: list[GenResult] = []
+        self._eval_version: int | None = None  # the engines' version slot for snapshots, after training
+        self._eval_loaded: set[int] = set()  # engines that hold the snapshot being evaluated
+        r = cfg.rollout
+        sp = r.spec
+        self.spec = None if sp.drafter == "none" else SpecOptions(
+            sp.drafter, sp.toggle, sp.min_speedup, sp.gamma_min, sp.gamma_max, sp.train_s
+        )  # fmt: skip
+        self.spec_tally = SpecTally()
+        self.tools = ToolPool(cfg.task.tool_threads) if self.ses.env is not None else None
+        self.tool_errors = 0  # tool calls that failed since the last step record
+        # multi-turn: the engines' context limit, and each parked sample's room in it for an answer
+        self.context = r.max_context or self.ses.model_cfg.max_position_embeddings
+        self._room: dict[str, int] = {}
+        self._eval_reqs: dict[str, tuple[Prompt, GenRequest]] = {}  # held-out id -> its prompt and request
+        self._eval_calls: dict[str, int] = {}  # held-out id -> tool calls answered (multi-turn)
+        self.desk: Desk | None = None
+
+    def _policy(self, p: int, name: str, cfg: RunConfig, ses: Session) -> PolicyRun:
+        """Policy `p` of the run: its scheduler on the run's engines, its files (the run directory's
+        top for the run's only policy, policies/<name>/ for one of several)."""
         f, r = cfg.flow, cfg.rollout
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         policy = make_policy(
@@ -92,92 +140,65 @@ class Driver:
             rollout_groups=f.rollout_groups, ahead=f.ahead, placement=f.placement,
             pregen_below=r.spec.pregen_below,
         )  # fmt: skip
-        self.train_cfg = with_correction(
-            cfg.train, policy.own_correction(f.steps_per_round, cfg.store.replay > 0)
-        )
+        train_cfg = with_correction(cfg.train, policy.own_correction(f.steps_per_round, cfg.store.replay > 0))
         sampling = SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
-            stop_token_ids=session.stop_ids,
+            stop_token_ids=ses.stop_ids,
         )
         engines = [(r.slots, r.lookahead)] * r.engines
         shaping = make_shaping(cfg.shaping.name, window=f.prompts_per_round, **cfg.shaping.options())
-        self.sched = Scheduler(
-            policy, session.prompt_stream(), engines, spec, sampling, seed=cfg.seed, shaping=shaping,
+        sched = Scheduler(
+            policy, ses.prompt_stream(), engines, spec, sampling, seed=cfg.seed, shaping=shaping,
             capabilities=capabilities(r.backend, speculative=r.spec.drafter != "none"),
             replay=ReplayOptions(**cfg.store.options()),
         )  # fmt: skip
-        self.layout = session.flat_layout()
+        run = self.run
+        if name:  # its own directory, as a run's: report, eval and --model.path read it as they read a run
+            run = RunDir(self.run.path / "policies" / name)
+            run.ckpt.mkdir(parents=True, exist_ok=True)
+            run.file("config.yaml").write_text(dump_config(cfg))
         # fp32 weights and AdamW's two moments: what a checkpoint weighs, near enough
-        self.cadence = checkpoint.Cadence.of(
+        cadence = checkpoint.Cadence.of(
             f.checkpoint_every, f.checkpoint_minutes, 12 * self.layout.buffer.numel()
         )
-        self.hosts = hosts_for(cfg.runtime)
-        self.workers = Workers(
-            cfg.worker_timeout_s, run.file("errors.log"), recover=cfg.max_restarts > 0, hosts=self.hosts
-        )
-        self.recovery = Recovery(cfg.max_restarts)
-        self.orders = TrainOrders()
-        self.restart_from = resume.checkpoint if resume else None  # the newest whole checkpoint
-        self.saved_versions: dict[int, Path] = {}  # version -> a checkpoint holding its weights
-        if resume is not None:  # the run's kept checkpoints hold older versions' weights too
-            self.saved_versions = saved_versions(run.path / "checkpoints")
-        self.metrics = RecordFile(run.file("metrics.jsonl"))
-        self.events = RecordFile(run.file("events.jsonl"))
-        self.journal = RecordFile(run.file("journal.jsonl"))
-        self.tb = _tensorboard(run) if cfg.tensorboard else None
-        self.pending_trajs: dict[int, tuple[int, list[Trajectory]]] = {}  # step -> (version, trajectories)
-        self._eval_wanted: set[str] = set()  # ids of held-out requests not yet returned
-        self._eval_sent: dict[int, tuple[GenRequest, ...]] = {}  # engine -> the held-out requests it got
-        self._eval_results: list[GenResult] = []
-        self._last_wall = 0.0  # the newest step record's wall_s: when the newest weights were published
-        self.snapshots = Snapshots(run.path, cfg.eval.every if cfg.eval.n else 0)
-        self._eval_version: int | None = None  # the engines' version slot for snapshots, after training
-        self._eval_loaded: set[int] = set()  # engines that hold the snapshot being evaluated
-        sp = r.spec
-        self.spec = None if sp.drafter == "none" else SpecOptions(
-            sp.drafter, sp.toggle, sp.min_speedup, sp.gamma_min, sp.gamma_max, sp.train_s
-        )  # fmt: skip
-        self.spec_tally = SpecTally()
-        self.tools = ToolPool(cfg.task.tool_threads) if session.env is not None else None
-        self.tool_errors = 0  # tool calls that failed since the last step record
-        # multi-turn: the engines' context limit, and each parked sample's room in it for an answer
-        self.context = r.max_context or session.model_cfg.max_position_embeddings
-        self._room: dict[str, int] = {}
-        self._eval_reqs: dict[str, tuple[Prompt, GenRequest]] = {}  # held-out id -> its prompt and request
-        self._eval_calls: dict[str, int] = {}  # held-out id -> tool calls answered (multi-turn)
-        self.desk: Desk | None = None
+        snapshots = Snapshots(run.path, cfg.eval.every if cfg.eval.n else 0)
+        marks = RecordFile(run.file("events.jsonl")) if name else None
+        return PolicyRun(name, p, cfg, sched, ses, train_cfg, run, cadence, snapshots, marks=marks)
 
     # ------------------------------------------------------------------ set-up
     def _older_weights(self, version: int) -> dict[int, Path]:
         """On resume: the older versions the restored groups' pending samples need (multiversion), from
         the kept checkpoints holding them; a group whose version no checkpoint holds starts over under
         `version`, its finished samples discarded (said in a mark and the console)."""
-        need = self.sched.pending_versions() - {version}
-        disk, missing = weights_on_disk(sorted(need), lambda v: False, self.saved_versions)
+        sched, pol = self.pols[0].sched, self.pols[0]  # (a run of several policies does not resume yet)
+        need = sched.pending_versions() - {version}
+        disk, missing = weights_on_disk(sorted(need), lambda v: False, pol.saved_versions)
         if missing:
-            n = self.sched.restart_groups(set(missing), version)
+            n = sched.restart_groups(set(missing), version)
             if self.ui is not None:
                 self.ui.note(f"resumed: the weights of version(s) {missing} are in no kept checkpoint; "
                              f"{n} group(s) of them start over under version {version}")  # fmt: skip
         for v in disk:
-            self.sched.restore_version(v)
+            sched.restore_version(v)
         return {v: p / "model" for v, p in disk.items()}
 
     def _start(self, version: int, older: dict[int, Path] | None = None) -> None:
         cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
         trainer_seat, engine_seats = self.hosts.place(r.engines, r.threads)
         self.device = device = self.hosts.device(cfg.device)
-        self.weights = self.hosts.ring(self.layout, slots=cfg.flow.max_staleness + 3)
-        self.tspec = TrainerSpec(
-            str(ses.model_path), self.train_cfg, threads=trainer_seat.threads, cores=trainer_seat.cores,
-            seed=cfg.seed,
-            start_version=version, resume_from=str(self.resume.checkpoint) if self.resume else None,
-            device=device,
-        )  # fmt: skip
-        self.trainer = self.workers.start("trainer", trainer_main, self.tspec, self.weights)
+        # each policy's live versions, side by side: policy p's sit in the slots = p (mod P)
+        staleness = max(p.cfg.flow.max_staleness for p in self.pols)
+        self.weights = self.hosts.ring(self.layout, slots=(staleness + 3) * len(self.pols))
+        for pol in self.pols:
+            pol.tspec = TrainerSpec(
+                str(ses.model_path), pol.train_cfg, threads=trainer_seat.threads, cores=trainer_seat.cores,
+                seed=pol.cfg.seed, start_version=self.sched.version(pol.index, version),
+                resume_from=str(self.resume.checkpoint) if self.resume else None, device=device,
+            )  # fmt: skip
+            pol.trainer = self.workers.start(pol.worker_name, trainer_main, pol.tspec, self.weights)
         self.expected_context = ses.expected_context(max(r.max_new_tokens, cfg.eval.max_new_tokens))
         self.seats = (trainer_seat, *engine_seats)
         self.especs = {i: self._engine_spec(seat, version, older) for i, seat in enumerate(engine_seats)}
@@ -187,7 +208,7 @@ class Driver:
             i: self.workers.start(f"engine{i}", engine_main, i, replace(e, gated=True), self.weights)
             for i, e in self.especs.items()
         }  # by engine id: engines that joined are added, those that left removed
-        self.workers.ready([self.trainer])  # it has put the start version's weights in shared memory
+        self.workers.ready([p.trainer for p in self.pols])  # the start weights are in shared memory
         for engine in self.engines.values():
             self.workers.send(engine, Go())
         self.workers.ready(list(self.engines.values()))
@@ -202,7 +223,8 @@ class Driver:
         r, older = self.cfg.rollout, older or {}
         return EngineSpec(
             str(self.ses.model_path), r.slots, r.prefill_tokens, seat.threads, seat.cores, self.cfg.seed,
-            self.cfg.model.dtype, start_versions=(*sorted(older), version),
+            self.cfg.model.dtype,
+            start_versions=(*sorted(older), *(self.sched.version(p, version) for p in range(len(self.pols)))),
             from_disk=tuple((v, str(p)) for v, p in sorted(older.items())),
             attention=r.attention, max_context=r.max_context,
             kv_memory_gb=r.kv_memory_gb, expected_context=self.expected_context, device=self.device, spec=self.spec,
@@ -216,8 +238,9 @@ class Driver:
             self.desk.close()
         self.workers.close()
         self.hosts.close()
-        for f in (self.metrics, self.events, self.journal):
-            f.close()
+        self.events.close()
+        for p in self.pols:
+            p.close()
         if self.tb is not None:
             self.tb.close()
 
@@ -226,53 +249,77 @@ class Driver:
         version = 0
         older: dict[int, Path] = {}
         if self.resume is not None:
-            self.resume.restore(self.sched)
+            self.resume.restore(self.pols[0].sched)
             version = self.resume.version
             older = self._older_weights(version)
         self._start(version, older)
         if self.driver_lost is not None:  # resumed by the supervisor: the driver's own recovery
-            self._note(self.driver_lost.mark(self._now(), self.sched.steps_done))
-        self.cadence.saved(self.sched.steps_done, 0.0)
-        evaluator = Evaluator(self.ses, self.cfg.eval) if self.cfg.eval.n else None
-        base = self._recorded_eval("base")
-        if base is None and evaluator is not None:
-            base = self._evaluate(evaluator, "base", version, wall_s=0.0)
-        self.snapshots = Snapshots(self.run.path, self.snapshots.every, self.sched.steps_done)
+            self._note(self.driver_lost.mark(self._now(), self.pols[0].sched.steps_done))
+        for p in self.pols:
+            p.cadence.saved(p.sched.steps_done, 0.0)
+        evaluators = [Evaluator(p.ses, p.cfg.eval) if p.cfg.eval.n else None for p in self.pols]
+        bases = []
+        for p, evaluator in zip(self.pols, evaluators):
+            base = self._recorded_eval(p, "base")
+            if base is None and evaluator is not None:
+                base = self._evaluate(p, evaluator, "base", version, wall_s=0.0)
+            bases.append(base)
+            p.snapshots = Snapshots(p.run.path, p.snapshots.every, p.sched.steps_done)
         # utilization counts from here: the base evaluation is not part of the training timeline
         self.util = Utilization(time.perf_counter(), slots=self.util.slots)
         self._cpu_mark = time.process_time()
         if self.ui is not None:
-            self.ui.begin(self.sched.steps_done, self.cfg.flow.steps, base)
+            steps = sum(p.sched.spec.total_steps for p in self.pols)
+            self.ui.begin(
+                sum(p.sched.steps_done for p in self.pols), steps, bases[0] if len(bases) == 1 else None
+            )
+            for p, base in zip(self.pols, bases):
+                if len(bases) > 1 and base is not None:
+                    self.ui.note(
+                        f"{p.name}: base policy held-out accuracy {base.accuracy:.1%} on {base.summary['n']} prompts"
+                    )
         while not self.sched.done:
             self._handle(self.sched.poll(self._now()))
             self._pump(timeout=1.0)
             self._arrivals()
         self._handle(self.sched.poll(self._now()), sync=True)
-        final = None
-        if evaluator is not None:
+        finals = [None] * len(self.pols)
+        if any(evaluators):
             self._load_final()
-            final = self._evaluate(evaluator, "final", self.sched.done_version, self._last_wall)
-            self._evaluate_snapshots(evaluator)
+        for k, (p, evaluator) in enumerate(zip(self.pols, evaluators)):
+            if evaluator is not None:
+                final_v = self.sched.version(p.index, p.sched.done_version)
+                finals[k] = self._evaluate(p, evaluator, "final", final_v, p.last_wall)
+                self._evaluate_snapshots(p, evaluator)
         while self.recovery.restarting:  # a worker lost after training: its recovery is recorded too
             self._pump()
         return Summary(
-            self.sched.steps_done,
+            sum(p.sched.steps_done for p in self.pols),
             self._now(),
-            base.accuracy if base else None,
-            final.accuracy if final else None,
+            bases[0].accuracy if bases[0] else None,
+            finals[0].accuracy if finals[0] else None,
             str(self.run.path),
-        )
+            {p.name: (b.accuracy if b else None, f.accuracy if f else None)
+             for p, b, f in zip(self.pols, bases, finals) if p.name},
+        )  # fmt: skip
 
-    def _recorded_eval(self, tag: str) -> EvalRecord | None:
-        records = read_metrics(self.run.file("metrics.jsonl"))
+    def _recorded_eval(self, pol: PolicyRun, tag: str) -> EvalRecord | None:
+        records = read_metrics(pol.run.file("metrics.jsonl"))
         return next((r for r in records if isinstance(r, EvalRecord) and r.tag == tag), None)
 
     def _evaluate(
-        self, evaluator: Evaluator, tag: str, version: int, wall_s: float, snap: Snapshot | None = None
+        self,
+        pol: PolicyRun,
+        evaluator: Evaluator,
+        tag: str,
+        version: int,
+        wall_s: float,
+        snap: Snapshot | None = None,
     ) -> EvalRecord:
-        """Held-out requests through the engines' command path; the scheduler is idle meanwhile.
-        `wall_s`: when `version` was published, on the step records' clock. A snapshot's record
-        carries its own step and version (the engines hold it as `version`)."""
+        """`pol`'s held-out requests through the engines' command path; the schedulers are idle
+        meanwhile. `version`: the engines' (the policy's own, for one policy). `wall_s`: when it was
+        published, on the step records' clock. A snapshot's record carries its own step and version
+        (the engines hold it as `version`)."""
         reqs = evaluator.requests(version)
         self._eval_wanted = {r.id for r in reqs}
         self._eval_reqs = {r.id: (p, r) for p, r in zip(evaluator.prompts, reqs)}
@@ -286,23 +333,28 @@ class Driver:
             if self.ui is not None:
                 self.ui.evaluating(tag, len(reqs) - len(self._eval_wanted), len(reqs))
         results, self._eval_results, self._eval_sent = self._eval_results, [], {}
-        step, version = (snap.step, snap.version) if snap else (self.sched.steps_done, version)
+        own = self.sched.policy_version(version)[1]
+        step, version = (snap.step, snap.version) if snap else (pol.sched.steps_done, own)
         rec = EvalRecord(tag, step, evaluator.summarize(reqs, results), version, wall_s)
-        self.metrics.write(rec)
+        pol.metrics.write(rec)
         return rec
 
-    def _evaluate_snapshots(self, evaluator: Evaluator) -> None:
+    def _evaluate_snapshots(self, pol: PolicyRun, evaluator: Evaluator) -> None:
         """Evaluate the weights `eval.every` kept while training (oldest first), each loaded into one
-        spare version of the engines: the run's clock and samples are those of a run without them."""
-        done = {r.version for r in read_metrics(self.run.file("metrics.jsonl")) if isinstance(r, EvalRecord)}
-        final = self.sched.done_version
+        spare version of the engines (the policy's next, in the engines' space): the run's clock and
+        samples are those of a run without them."""
+        done = {r.version for r in read_metrics(pol.run.file("metrics.jsonl")) if isinstance(r, EvalRecord)}
+        final = pol.sched.done_version
         ring = self.weights.slots
-        self._eval_version = final + 1 if (final + 1) % ring != final % ring else final + 2
-        for snap in self.snapshots.pending(done):
+        spare = self.sched.version(pol.index, final + 1)
+        self._eval_version = (
+            spare if spare % ring != self.sched.version(pol.index, final) % ring else spare + len(self.pols)
+        )
+        for snap in pol.snapshots.pending(done):
             if snap.version != final:
-                self._evaluate_snapshot(evaluator, snap)
+                self._evaluate_snapshot(pol, evaluator, snap)
 
-    def _evaluate_snapshot(self, evaluator: Evaluator, snap: Snapshot) -> None:
+    def _evaluate_snapshot(self, pol: PolicyRun, evaluator: Evaluator, snap: Snapshot) -> None:
         v = self._eval_version
         self.weights.write(v, Snapshots.load(snap))
         self._eval_loaded = set()
@@ -310,44 +362,47 @@ class Driver:
             self.workers.send(engine, LoadWeights(i, v))
         while len(self._eval_loaded) < len(self.engines):
             self._pump()
-        self._evaluate(evaluator, "periodic", v, snap.wall_s, snap)
+        self._evaluate(pol, evaluator, "periodic", v, snap.wall_s, snap)
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def _handle(self, out: Outbox, sync: bool = False) -> None:
-        """Append a poll's records (the journal first: it is the write-ahead log), then execute its
-        commands."""
-        self._record(out, sync)
-        for c in out.commands:
-            if isinstance(c, (Generate, Abort, LoadWeights, DropWeights)):
-                if c.engine in self.engines:  # (none is ever addressed to an engine that left)
-                    self.workers.send(self.engines[c.engine], c)
-            elif isinstance(c, Train):
-                self._send_train(c)
+    def _handle(self, outs: list[Outbox], sync: bool = False) -> None:
+        """Append each policy's poll records (the journal first: it is the write-ahead log), then
+        execute its commands."""
+        for pol, out in zip(self.pols, outs):
+            self._record(pol, out, sync)
+            for c in out.commands:
+                if isinstance(c, (Generate, Abort, LoadWeights, DropWeights)):
+                    if c.engine in self.engines:  # (none is ever addressed to an engine that left)
+                        self.workers.send(self.engines[c.engine], c)
+                elif isinstance(c, Train):
+                    self._send_train(pol, c)
 
-    def _record(self, out: Outbox, sync: bool = False) -> None:
+    def _record(self, pol: PolicyRun, out: Outbox, sync: bool = False) -> None:
         for e in out.journal:
-            self.journal.write(e)
+            pol.journal.write(e)
         if sync:
-            self.journal.sync()
+            pol.journal.sync()
         for m in out.marks:
-            self.events.write(m)
+            (pol.marks or self.events).write(m)
 
-    def _send_train(self, c: Train) -> None:
+    def _send_train(self, pol: PolicyRun, c: Train) -> None:
         steps, now = c.step + 1, self._now()
         save = None
         limit = self.cfg.flow.time_limit_s
         if limit is not None and now > limit:  # the first step issued past the limit is the last, kept
-            self.sched.stop()
-        last = steps == self.sched.spec.total_steps
-        if (c.publish is not None and self.cadence.due(steps, now)) or last:
-            save = f"{checkpoint.step_dir(self.run.ckpt, steps)}.tmp"  # renamed when whole
-            self.cadence.saved(steps, now)
-        self.pending_trajs[c.step] = (c.trainer_version, [t for g in c.groups for t in g.trajectories])
-        order = self.orders.add(TrainOrder(c, save))
+            pol.sched.stop()
+        last = steps == pol.sched.spec.total_steps
+        if (c.publish is not None and pol.cadence.due(steps, now)) or last:
+            save = f"{checkpoint.step_dir(pol.run.ckpt, steps)}.tmp"  # renamed when whole
+            pol.cadence.saved(steps, now)
+        pol.pending_trajs[c.step] = (c.trainer_version, [t for g in c.groups for t in g.trajectories])
+        if c.publish is not None:  # the trainer publishes into the engines' space
+            c = replace(c, publish=self.sched.version(pol.index, c.publish))
+        order = pol.orders.add(TrainOrder(c, save))
         if order is not None:
-            self.workers.send(self.trainer, order)
+            self.workers.send(pol.trainer, order)
 
     def _pump(self, among: list[Worker] | None = None, timeout: float = 1.0) -> None:
         """Handle what the workers (`among`, default all) report within `timeout`; a lost worker is
@@ -358,13 +413,16 @@ class Driver:
             if isinstance(msg, EngineReport):
                 self._on_engine_report(msg)
             elif isinstance(msg, TrainerReport):
-                self._on_trainer_report(msg)
+                self._on_trainer_report(self._trainer_of(w), msg)
             elif isinstance(msg, Lost):
                 self._replace(w, msg)
             elif isinstance(msg, Ready):
                 self._on_ready(w)
         if self.tools is not None:
             self._on_tools()
+
+    def _trainer_of(self, w: Worker) -> PolicyRun | None:
+        return next((p for p in self.pols if p.trainer is w), None)
 
     # ------------------------------------------------------------------ tools (multi-turn tasks)
     def _on_tools(self) -> None:
@@ -418,15 +476,15 @@ class Driver:
             return
         if not self.recovery.allows(lost, now):
             raise Fault(self.recovery.refusal(lost))
-        if w is self.trainer:
-            start = str(self.restart_from) if self.restart_from else None  # None: the run's start
-            spec = replace(self.tspec, resume_from=start, publish_start=False)
-            self.trainer = self.workers.replace(w, trainer_main, spec, self.weights)
-            self.recovery.begin(lost, now, replayed=self.orders.restart(self.sched.steps_done))
+        pol = self._trainer_of(w)
+        if pol is not None:
+            start = str(pol.restart_from) if pol.restart_from else None  # None: the run's start
+            spec = replace(pol.tspec, resume_from=start, publish_start=False)
+            pol.trainer = self.workers.replace(w, trainer_main, spec, self.weights)
+            self.recovery.begin(lost, now, replayed=pol.orders.restart(pol.sched.steps_done))
             return
         i = next(k for k, x in self.engines.items() if x is w)
-        e = self.sched.engine(i)
-        loading = e.loading - e.loaded  # asked of the lost process: its replacement starts with them
+        loading = self.sched.loading(i)  # asked of the lost process: its replacement starts with them
         requeued = self.sched.on_engine_lost(i, now)
         for v in sorted(loading):
             self.sched.on_loaded(i, v, now)
@@ -442,8 +500,11 @@ class Driver:
     def _engine_weights(self, i: int, lost: Lost) -> dict:
         """The versions a replacement for engine i starts with, and the checkpoints of those the ring
         no longer holds."""
-        versions = sorted(self.sched.engine(i).loaded)
-        disk, missing = weights_on_disk(versions, self.weights.holds, self.saved_versions)
+        versions = sorted(self.sched.loaded(i))
+        saved = {
+            self.sched.version(p.index, v): path for p in self.pols for v, path in p.saved_versions.items()
+        }
+        disk, missing = weights_on_disk(versions, self.weights.holds, saved)
         if missing:
             raise Fault(
                 f"{lost.line}, and the weights of version(s) {missing} it held are neither in shared "
@@ -522,8 +583,9 @@ class Driver:
         mark = self.recovery.ready(w.name, self._now())
         if mark is not None:
             self._note(mark)
-        if w is self.trainer:
-            for order in self.orders.ready():
+        pol = self._trainer_of(w)
+        if pol is not None:
+            for order in pol.orders.ready():
                 self.workers.send(w, order)
 
     def _note(self, recovery: Mark) -> None:
@@ -568,9 +630,9 @@ class Driver:
                 )
         pre = [r for r in mine if self.sched.is_pregen(r.request_id)]
         if pre:  # the next round's prompts, generated in this round's bubble: drafts, not samples
-            self.sched.on_results(rep.engine, pre, [], self._now())
+            self.sched.on_results(rep.engine, pre, [], self._now())  # (one policy: pregen refuses several)
             mine = [r for r in mine if not self.sched.is_pregen(r.request_id)]
-            done = self.sched.take_pregen()
+            done = self.pols[0].sched.take_pregen()
             self._relay_history(rep.engine, [p for p, r in done if r.finish != Finish.ABORTED],
                                 [r for r in pre if r.finish != Finish.ABORTED])  # fmt: skip
             partial = [(p, r) for p, r in done if r.finish == Finish.ABORTED]  # no engine kept these
@@ -580,8 +642,19 @@ class Driver:
             final = [r for r in mine if r.finish != Finish.ABORTED and r.request_id not in calls]
             prompts = [self.sched.prompt_of(r.request_id) for r in final]
             self._relay_history(rep.engine, prompts, final)
-            scores = self.ses.score(prompts, final)
+            scores = self._score(prompts, final)
             self.sched.on_results(rep.engine, mine, scores, self._now(), calls=calls)
+
+    def _score(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
+        """Each result scored by its policy's task."""
+        if len(self.pols) == 1:
+            return self.ses.score(prompts, results)
+        scores: list[Scored] = []
+        for pol in self.pols:
+            mine = [k for k, r in enumerate(results) if self.sched.policy_of(r.request_id) == pol.index]
+            if mine:
+                scores += pol.ses.score([prompts[k] for k in mine], [results[k] for k in mine])
+        return scores
 
     def _relay_history(self, source: int | None, prompts: list[Prompt], results: list[GenResult]) -> None:
         """A drafter's material (a history drafter's lookups, a trained drafter's training data): each
@@ -596,53 +669,55 @@ class Driver:
             if i != source:
                 self.workers.send(engine, msg)
 
-    def _on_trainer_report(self, rep: TrainerReport) -> None:
+    def _on_trainer_report(self, pol: PolicyRun, rep: TrainerReport) -> None:
         now = self._now()
         t0, t1 = rep.span
         if rep.replay:  # a replacement redoing a step already counted
-            self.events.write(Span("trainer", "replay", t0 - self.t0, t1 - self.t0, step=rep.step))
+            self.events.write(Span(pol.worker_name, "replay", t0 - self.t0, t1 - self.t0, step=rep.step))
             return
         self.util.trainer_busy += t1 - t0
         self.util.train_tokens += int(rep.metrics.get("tokens", 0))
-        self.events.write(Span("trainer", "train", t0 - self.t0, t1 - self.t0, step=rep.step))
+        self.events.write(Span(pol.worker_name, "train", t0 - self.t0, t1 - self.t0, step=rep.step))
+        published = None if rep.published is None else self.sched.policy_version(rep.published)[1]
         if rep.sync_span:
             s0, s1 = rep.sync_span
             self.util.sync_time += s1 - s0
-            self.events.write(Span("trainer", "sync", s0 - self.t0, s1 - self.t0, version=rep.published))
-        self.sched.on_train_step([t.length for t in self.pending_trajs[rep.step][1]], t1 - t0)
-        self.sched.on_trained(rep.step, now)
-        if rep.published is not None:
-            self.sched.on_published(rep.published, now)
-        trainer_version, trajs = self.pending_trajs.pop(rep.step)
-        record = self._step_record(rep, trajs, trainer_version, now)
-        self.metrics.write(record)
-        saved = self._checkpoint(rep) if rep.saved else None
-        if rep.published is not None and self.snapshots.due(self.sched.steps_done):
+            self.events.write(Span(pol.worker_name, "sync", s0 - self.t0, s1 - self.t0, version=published))
+        sched = pol.sched
+        sched.on_train_step([t.length for t in pol.pending_trajs[rep.step][1]], t1 - t0)
+        sched.on_trained(rep.step, now)
+        if published is not None:
+            sched.on_published(published, now)
+        trainer_version, trajs = pol.pending_trajs.pop(rep.step)
+        record = self._step_record(pol, rep, trajs, trainer_version, now)
+        pol.metrics.write(record)
+        saved = self._checkpoint(pol, rep, published) if rep.saved else None
+        if published is not None and pol.snapshots.due(sched.steps_done):
             buf = self.weights.read(rep.published).buffer
-            self.snapshots.take(self.sched.steps_done, rep.published, record.time["wall_s"], buf)
+            pol.snapshots.take(sched.steps_done, published, record.time["wall_s"], buf)
         if self.tb is not None:
             for key, value in _flatten(record.to_json()):
                 self.tb.add_scalar(key, value, rep.step + 1)
         if self.ui is not None:
-            self.ui.step(record, saved)
+            self.ui.step(record, saved, pol.name)
 
-    def _checkpoint(self, rep: TrainerReport) -> CheckpointRecord:
+    def _checkpoint(self, pol: PolicyRun, rep: TrainerReport, published: int | None) -> CheckpointRecord:
         """Make the trainer's half-written checkpoint whole: everything it counts is on disk first."""
         self._handle(self.sched.poll(self._now()), sync=True)
-        self.metrics.sync()
-        saved = checkpoint.finalize(Path(rep.saved), self.sched.state_dict(), dump_config(self.cfg))
-        checkpoint.prune(self.run.ckpt, self.cfg.flow.keep_checkpoints)
-        self.restart_from = saved.path
-        self.orders.checkpointed(rep.step + 1)
-        if rep.published is not None:  # its model is that version's weights
-            self.saved_versions[rep.published] = saved.path
+        pol.metrics.sync()
+        saved = checkpoint.finalize(Path(rep.saved), pol.sched.state_dict(), dump_config(pol.cfg))
+        checkpoint.prune(pol.run.ckpt, self.cfg.flow.keep_checkpoints)
+        pol.restart_from = saved.path
+        pol.orders.checkpointed(rep.step + 1)
+        if published is not None:  # its model is that version's weights
+            pol.saved_versions[published] = saved.path
         sizes = {"model": saved.model, "optimizer": saved.optimizer, "total": saved.total}
         record = CheckpointRecord(rep.step + 1, sizes, rep.save_s)
-        self.metrics.write(record)
+        pol.metrics.write(record)
         return record
 
     def _step_record(
-        self, rep: TrainerReport, trajs: list[Trajectory], trainer_version: int, now: float
+        self, pol: PolicyRun, rep: TrainerReport, trajs: list[Trajectory], trainer_version: int, now: float
     ) -> StepRecord:
         m = rep.metrics
         timing = self.util.snapshot(now + self.t0)
@@ -656,24 +731,25 @@ class Driver:
         if self.spec is not None:  # the toggle's choices follow the engines' timings: "time" figures
             timing.update(self.spec_tally.take())
         self._cpu_mark = cpu
-        self._last_wall = timing["wall_s"]
+        pol.last_wall = timing["wall_s"]
         tool_errors = None
         if self.tools is not None:
             tool_errors, self.tool_errors = self.tool_errors, 0
         return step_record(
-            rep.step, self.sched.done_version, trajs, trainer_version, self.sched.ledger_record(),
-            self.ses.guard.errors, m, timing, self.sched.take_generated(), tool_errors,
+            rep.step, pol.sched.done_version, trajs, trainer_version, pol.sched.ledger_record(),
+            pol.ses.guard.errors, m, timing, pol.sched.take_generated(), tool_errors,
         )  # fmt: skip
 
     def _load_final(self) -> None:
-        v = self.sched.done_version
-        for i in list(self.engines):
-            asked = None  # the engine process asked to load v (a replacement is asked again)
-            while i in self.engines and v not in self.sched.engine(i).loaded:
-                if asked is not self.engines[i]:
-                    asked = self.engines[i]
-                    self.workers.send(asked, LoadWeights(i, v))
-                self._pump()
+        """Every policy's final weights on every engine (for the final evaluations)."""
+        for v in [self.sched.version(p.index, p.sched.done_version) for p in self.pols]:
+            for i in list(self.engines):
+                asked = None  # the engine process asked to load v (a replacement is asked again)
+                while i in self.engines and v not in self.sched.loaded(i):
+                    if asked is not self.engines[i]:
+                        asked = self.engines[i]
+                        self.workers.send(asked, LoadWeights(i, v))
+                    self._pump()
 
 
 def with_mode(cfg: RunConfig) -> tuple[RunConfig, str | None]:

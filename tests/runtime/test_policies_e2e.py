@@ -1,0 +1,86 @@
+"""Several policies in one run (`policies`), end to end through real processes: one trainer process per
+policy, the engines shared. Each policy keeps its own versions, staleness bound and ledger, and writes
+a run directory of its own under policies/<name>/."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tailrace.cli import main
+from tailrace.common import ConfigError
+from tailrace.config.load import load_config, policy_configs
+from tailrace.records import Finished, read_journal
+from tests.runtime.conftest import TINY_RUN
+
+
+def records(run: Path, kind: str) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in (json.loads(l) for l in lines if l.strip()) if r["kind"] == kind]
+
+
+def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    policies = "[{name: sums, eval: {every: 2}}, {name: other, task: {seed: 7}, flow: {mode: multiversion, steps: 6}}]"
+    argv = ["train", f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=sync", "--train.loss.kl_coef=0.01"]
+    assert main([*argv, f"--run-dir={run}", f"--policies={policies}"]) == 0
+    for name, steps, bound in (("sums", 4, 0), ("other", 6, 1)):
+        d = run / "policies" / name
+        st = records(d, "step")
+        assert [r["step"] for r in st] == list(range(steps))
+        versions = [r["version"] for r in st]
+        assert versions == sorted(versions) and versions[-1] >= 1  # its own counter, from 0
+        assert max(int(k) for r in st for k in r["staleness"]) <= bound  # histogram: staleness -> samples
+        led = st[-1]["ledger"]
+        # 16 samples a step; every one trained once (the core checks the identity at every poll)
+        assert led["trained"] == 16 * steps
+        keys = [(e.trajectory.group, e.trajectory.sample_index) for e in read_journal(d / "journal.jsonl")
+                if isinstance(e, Finished)]  # fmt: skip
+        assert len(keys) == len(set(keys))
+        evals = {r["tag"]: r for r in records(d, "eval")}
+        assert evals["final"]["version"] == versions[-1]
+        # sums also evaluates step 2's weights after training (its snapshot, in a spare engine version)
+        assert set(evals) == ({"base", "final", "periodic"} if name == "sums" else {"base", "final"})
+        if name == "sums":
+            assert evals["periodic"]["step"] == 2 and evals["periodic"]["version"] == st[1]["version"]
+        assert (d / "config.yaml").is_file()
+        ckpt = sorted((d / "checkpoints").glob("step_*"))[-1]
+        assert ckpt.name == f"step_{steps:06d}" and (ckpt / "model" / "model.safetensors").is_file()
+    # a seeded sync policy is the same run beside another policy as alone: its requests' tokens do not
+    # depend on what shares their batches, its trainer is its own
+    alone = tmp_path / "alone"
+    assert main([*argv, "--eval.every=2", f"--run-dir={alone}"]) == 0
+    strip = [{k: v for k, v in r.items() if k != "time"} for r in records(alone, "step")]
+    assert strip == [
+        {k: v for k, v in r.items() if k != "time"} for r in records(run / "policies" / "sums", "step")
+    ]
+    # each trainer's spans are its own lane
+    events = [json.loads(l) for l in (run / "events.jsonl").read_text().splitlines()]
+    lanes = {e["lane"] for e in events if e.get("phase") == "train"}
+    assert lanes == {"trainer-sums", "trainer-other"}
+
+
+def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
+    def load(policies: str, *more: str):
+        from tailrace.cli.choices import check
+
+        check(load_config(None, [f"--policies={policies}", *more]))
+
+    with pytest.raises(ConfigError, match=r"policies\[0\]: each policy is a mapping with a name"):
+        load("[{task: {seed: 1}}]")
+    with pytest.raises(ConfigError, match=r"unique name"):
+        load("[{name: a}, {name: a}]")
+    with pytest.raises(ConfigError, match=r"policies\[1\]\.rollout: a policy sets only task, flow"):
+        load("[{name: a}, {name: b, rollout: {slots: 4}}]")
+    with pytest.raises(ConfigError, match=r"policies\[0\]\.flow\.time_limit_s: the run's"):
+        load("[{name: a, flow: {time_limit_s: 5}}]")
+    with pytest.raises(ConfigError, match=r"policies\[0\] \(a\): unknown config key task\.sed"):
+        load("[{name: a, task: {sed: 1}}]")
+    with pytest.raises(ConfigError, match=r"policies \(b\): flow\.mode='nope': choose one of"):
+        load("[{name: a}, {name: b, flow: {mode: nope}}]")
+    with pytest.raises(ConfigError, match=r"policies \(a\): .* task\.name=chaincalc: a multi-turn task"):
+        load("[{name: a, task: {name: chaincalc}}]")
+    with pytest.raises(ConfigError, match=r"rollout\.spec\.drafter=history"):
+        load("[{name: a}]", "--rollout.spec.drafter=history")
+    named = policy_configs(load_config(None, ["--policies=[{name: a, train: {lr: 0.001}}, {name: b}]"]))
+    assert [(n, c.train.lr, c.policies) for n, c in named] == [("a", 0.001, []), ("b", None, [])]
