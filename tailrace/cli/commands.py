@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -294,6 +295,7 @@ def _run_dir(args: Args, verb: str) -> Path:
 
 
 def report(args: Args) -> int:
+    args = dataclasses.replace(args, rest=[str(d) for a in args.rest for d in _policy_dirs(Path(a))])
     if len(args.rest) > 1:
         from tailrace.report.compare import write_comparison
 
@@ -309,6 +311,13 @@ def report(args: Args) -> int:
 
     console.print(f"wrote {write_report(_run_dir(args, 'report'))}")
     return 0
+
+
+def _policy_dirs(run: Path) -> list[Path]:
+    """A run of several policies: its policies' run directories (reported side by side); else the run."""
+    if (run / "metrics.jsonl").exists() or not (run / "policies").is_dir():
+        return [run]
+    return sorted(p for p in (run / "policies").iterdir() if p.is_dir())
 
 
 def _fraction(raw: str, flag: str) -> float:

@@ -54,6 +54,9 @@ def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp
     assert strip == [
         {k: v for k, v in r.items() if k != "time"} for r in records(run / "policies" / "sums", "step")
     ]
+    # `tailrace report RUN` compares the run's policies
+    assert main(["report", str(run), "--out", str(tmp_path / "compare.html")]) == 0
+    assert "sums" in (tmp_path / "compare.html").read_text()
     # each trainer's spans are its own lane
     events = [json.loads(l) for l in (run / "events.jsonl").read_text().splitlines()]
     lanes = {e["lane"] for e in events if e.get("phase") == "train"}
