@@ -262,7 +262,7 @@ class Driver:
         for p, evaluator in zip(self.pols, evaluators):
             base = self._recorded_eval(p, "base")
             if base is None and evaluator is not None:
-                base = self._evaluate(p, evaluator, "base", version, wall_s=0.0)
+                base = self._evaluate(p, evaluator, "base", self.sched.version(p.index, version), wall_s=0.0)
             bases.append(base)
             p.snapshots = Snapshots(p.run.path, p.snapshots.every, p.sched.steps_done)
         # utilization counts from here: the base evaluation is not part of the training timeline
@@ -696,7 +696,7 @@ class Driver:
             buf = self.weights.read(rep.published).buffer
             pol.snapshots.take(sched.steps_done, published, record.time["wall_s"], buf)
         if self.tb is not None:
-            for key, value in _flatten(record.to_json()):
+            for key, value in _flatten(record.to_json(), f"{pol.name}/" if pol.name else ""):
                 self.tb.add_scalar(key, value, rep.step + 1)
         if self.ui is not None:
             self.ui.step(record, saved, pol.name)
