@@ -87,3 +87,33 @@ def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
         load("[{name: a}]", "--rollout.spec.drafter=history")
     named = policy_configs(load_config(None, ["--policies=[{name: a, train: {lr: 0.001}}, {name: b}]"]))
     assert [(n, c.train.lr, c.policies) for n, c in named] == [("a", 0.001, []), ("b", None, [])]
+
+
+def test_a_lost_engine_and_a_lost_trainer_leave_every_policy_exact(tiny_model, tmp_path):
+    """The shared engine killed (its replacement loads every policy's versions it held) and one
+    policy's trainer killed (its replacement replays that policy's steps since its checkpoint): both
+    policies finish every step once, their ledgers exact."""
+    import os
+    import signal
+
+    from tests.runtime.conftest import start_cli, wait_for_steps, workers_of
+    from tests.runtime.test_faults import finish
+    from tests.runtime.test_recovery import assert_exact, recoveries
+
+    run = tmp_path / "run"
+    p = start_cli(
+        "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.steps=6", "--eval.n=8",
+        "--flow.mode=sync", "--flow.checkpoint_every=3", "--train.loss.kl_coef=0.01",
+        "--policies=[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion}}]",
+    )  # fmt: skip
+    wait_for_steps(run / "policies" / "a", p, 2)
+    names = {(Path("/proc") / str(w) / "comm").read_text().strip(): w for w in workers_of(p.pid)}
+    os.kill(names["tr-engine0"], signal.SIGKILL)
+    wait_for_steps(run / "policies" / "b", p, 5)
+    os.kill(names["tr-trainer-b"], signal.SIGKILL)
+    rc, out = finish(p, timeout=180)
+    assert rc == 0, out
+    got = [(m.data["worker"], m.data["cause"]) for m in recoveries(run)]
+    assert got == [("engine0", "died"), ("trainer-b", "died")]
+    for name in ("a", "b"):
+        assert_exact(run / "policies" / name, steps=6)
