@@ -266,7 +266,7 @@ def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:
         (Path(out_dir) / "config.yaml").write_text(yaml.safe_dump(scn.to_dict(), sort_keys=False))
     cl.run()
     summary = dict(
-        cl.rec.summary,
+        cl.summary,
         scenario=scn.name,
         gpus=scn.cluster.gpus,
         slots=cl.engines[0].slots,
