@@ -198,3 +198,13 @@ def test_tailrace_sim_lays_out_a_run_of_several_policies_as_a_real_run(tmp_path)
     assert lanes == {"engine0", "engine1", "trainer-solver", "trainer-verifier"}
     assert load_scenario(out / "config.yaml").policies == policies
     assert main(["report", str(out), "--out", str(tmp_path / "compare.html")]) == 0
+
+
+def test_a_real_run_of_several_policies_is_simulated_one_policy_at_a_time(tmp_path):
+    from tailrace.config import RunConfig, dump_config
+    from tailrace.sim.scenario import scenario_from_run
+
+    cfg = RunConfig(policies=[{"name": "sums"}, {"name": "calc", "task": {"seed": 1}}])
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    with pytest.raises(ConfigError, match=r"trained 2 policies: .* --like .*policies/sums"):
+        scenario_from_run(tmp_path)
