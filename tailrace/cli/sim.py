@@ -26,9 +26,10 @@ def simulate(args: Args) -> int:
         raise ConfigError("usage: tailrace sim --config SCENARIO.yaml | --like RUN_DIR | calibrate | presets")
     check_names(scn)
     out = Path(flags.get("--out") or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sim-{scn.name}")
+    flows, dirs = [ps.flow for _, ps in scn.policy_scenarios()], scn.run_dirs(out)
     console.print(
-        f"simulating {scn.name}: {scn.cluster.gpus} devices ({scn.cluster.hardware}), "
-        f"{scn.flow.mode}, {scn.flow.steps} steps -> {out}"
+        f"simulating {scn.name}: {scn.gpus} devices ({scn.cluster.hardware}), "
+        f"{'+'.join(f.mode for f in flows)}, {'+'.join(str(f.steps) for f in flows)} steps -> {out}"
     )
     s = scenario.simulate(scn, out)
     console.print(
@@ -36,15 +37,21 @@ def simulate(args: Args) -> int:
         f"{s['time_per_step_s']:.2f} s/step, trainer waiting {s['trainer_wait_ratio']:.2f}, "
         f"bubble {s['bubble_ratio']:.2f}, length bubble {s['length_bubble']:.2f}"
     )
-    if scn.shaping.name != "none":
-        for line in shaping_lines(out / "metrics.jsonl"):
-            console.print(line)
-    write_report(out)
-    if "--like" in flags:
-        real, sim = compare.step_figures(flags["--like"]), compare.step_figures(out)
+    for name, p in s.get("policies", {}).items():
+        console.print(
+            f"  {name} ({p['policy']}): {p['steps']} steps, finished at {p['wall_s']:.1f} s, "
+            f"trainer waiting {p['trainer_wait_ratio']:.2f}, staleness {p['staleness']}"
+        )
+    for d in dirs:
+        if scn.shaping.name != "none":
+            for line in ([d.name] if len(dirs) > 1 else []) + shaping_lines(d / "metrics.jsonl"):
+                console.print(line)
+        write_report(d)
+    if "--like" in flags:  # the real run's own flow is the first policy's
+        real, sim = compare.step_figures(flags["--like"]), compare.step_figures(dirs[0])
         for name, r, m, err in compare.compare(real, sim):
             console.print(f"  {name:20s} real {r:10.3f}  sim {m:10.3f}  ({err:+.1%})")
-    console.print(f"report: {out / 'report.html'}")
+    console.print("report: " + ", ".join(str(d / "report.html") for d in dirs))
     return 0
 
 

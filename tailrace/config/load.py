@@ -185,27 +185,29 @@ POLICY_SECTIONS = ("task", "flow", "shaping", "store", "train", "eval", "seed")
 RUN_WIDE_FLOW = ("time_limit_s", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints")
 
 
-def policy_configs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+def policy_configs(cfg: Any, sections: tuple[str, ...] = POLICY_SECTIONS) -> list[tuple[str, Any]]:
     """(name, the run's config with its overrides) for each policy of `cfg.policies`; one unnamed
-    ("") policy, `cfg` itself, when there are none. Each is validated as a whole config is."""
+    ("") policy, `cfg` itself, when there are none. Each is validated as a whole config is. `cfg`: a
+    RunConfig, or any config with `policies` (the simulator's Scenario), whose policies may set
+    `sections`."""
     if not cfg.policies:
         return [("", cfg)]
     base = dataclasses.asdict(cfg)
     base["policies"] = []
-    out: list[tuple[str, RunConfig]] = []
+    out: list[tuple[str, Any]] = []
     for i, entry in enumerate(cfg.policies):
         where = f"policies[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"]:
             raise ConfigError(
-                f"{where}: each policy is a mapping with a name, e.g. {{name: sums, task: {{seed: 1}}}}"
+                f"{where}: each policy is a mapping with a name, e.g. {{name: sums, flow: {{mode: sync}}}}"
             )
         name = entry["name"]
         if "/" in name or name in {n for n, _ in out}:
             raise ConfigError(f"{where}.name={name!r}: give each policy a unique name without '/'")
         for key, value in entry.items():
-            if key != "name" and key not in POLICY_SECTIONS:
+            if key != "name" and key not in sections:
                 raise ConfigError(
-                    f"{where}.{key}: a policy sets only {', '.join(POLICY_SECTIONS)}; {key} is the run's, "
+                    f"{where}.{key}: a policy sets only {', '.join(sections)}; {key} is the run's, "
                     f"shared by every policy: set it outside policies"
                 )
             if key == "flow" and isinstance(value, dict):
@@ -215,7 +217,7 @@ def policy_configs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
                     )
         over = {k: v for k, v in entry.items() if k != "name"}
         try:
-            out.append((name, _build(RunConfig, _merge(base, over), "", RunConfig)))
+            out.append((name, _build(type(cfg), _merge(base, over), "", type(cfg))))
         except ConfigError as e:
             raise ConfigError(f"{where} ({name}): {e}") from None
     return out

@@ -7,6 +7,9 @@ the engines, which hold every policy's weights side by side:
     policy p's version v  <->  engine version v * P + p      (P policies)
     policy p's request id <->  "name/id"                     (its name: no "/"; one policy: "id")
 
+A set of one translates nothing (its versions and ids are the engines'; commands and results pass
+through untouched), so a driver can always drive a set, at no cost with one policy.
+
 `poll` hands out one outbox per policy, its engine commands (Generate, Abort, LoadWeights,
 DropWeights) translated into the engines' space; its Train commands stay in the policy's own versions
 and steps, tagged with the policy (`Train.policy`), for that policy's trainer. What the engines report
@@ -22,7 +25,7 @@ slot); when both generate, the engine queues what exceeds its slots.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Collection, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.scheduler import InvariantError, Outbox, Scheduler
@@ -93,7 +96,8 @@ class PolicySet:
         outs = []
         for p, s in enumerate(self._scheds):
             out = s.poll(now)
-            out.commands = [self._outward(p, c) for c in out.commands]
+            if len(self) > 1:  # a set of one translates nothing
+                out.commands = [self._outward(p, c) for c in out.commands]
             outs.append(out)
         return outs
 
@@ -113,20 +117,19 @@ class PolicySet:
             r,
             id=self.request_id(p, r.id),
             version=self.version(p, r.version),
-            resume_versions=tuple(self.version(p, v) for v in r.resume_versions),
+            resume_versions=_mapped(r.resume_versions, lambda v: self.version(p, v)),
         )
 
     def _result(self, p: int, r: GenResult) -> GenResult:
-        local = []
-        for g in r.versions:
-            q, v = self.policy_version(g)
-            if q != p:
-                raise InvariantError(
-                    f"request {r.request_id} of policy {self.names[p]} has a token of engine version {g}, "
-                    f"policy {self.names[q]}'s"
-                )
-            local.append(v)
-        return replace(r, request_id=self.split(r.request_id)[1], versions=tuple(local))
+        foreign = sorted(g for g in set(r.versions) if g % len(self) != p)
+        if foreign:
+            q = self.policy_version(foreign[0])[0]
+            raise InvariantError(
+                f"request {r.request_id} of policy {self.names[p]} has a token of engine version "
+                f"{foreign[0]}, policy {self.names[q]}'s"
+            )
+        versions = _mapped(r.versions, lambda g: g // len(self))
+        return replace(r, request_id=self.split(r.request_id)[1], versions=versions)
 
     # ------------------------------------------------------------------ what the engines report
     def on_results(
@@ -138,6 +141,9 @@ class PolicySet:
         calls: Collection[str] = (),
     ) -> None:
         """An engine's results of any policies (as `Scheduler.on_results`), each handed to its own."""
+        if len(self) == 1:  # a set of one translates nothing
+            self._scheds[0].on_results(engine, results, scores, now, calls=calls)
+            return
         by: dict[int, tuple[list[GenResult], list[Scored], set[str]]] = {}
         for r in results:
             p = self.policy_of(r.request_id)
@@ -203,3 +209,10 @@ class PolicySet:
     def ledger_record(self) -> dict:
         """Each policy's ledger record, by name."""
         return {n: s.ledger_record() for n, s in zip(self.names, self._scheds)}
+
+
+def _mapped(values: Sequence[int], f: Callable[[int], int]) -> Sequence[int]:
+    """`values` with `f` applied to each. A run-length sequence that maps itself (the simulator's
+    `sim.runs.Runs`) maps run by run: a long trajectory's versions are never expanded token by token."""
+    own = getattr(values, "map", None)
+    return own(f) if own is not None else tuple(f(v) for v in values)

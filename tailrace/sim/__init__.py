@@ -1,5 +1,5 @@
-"""The cluster simulator: tailrace's own Scheduler and policies driving cost-modelled engines and a
-trainer under SimPy's virtual clock (DESIGN.md §2 "Simulator").
+"""The cluster simulator: tailrace's own Scheduler and policies driving cost-modelled engines and
+trainers under SimPy's virtual clock (DESIGN.md §2 "Simulator").
 
     hardware.py  Hardware presets (datasheet numbers + stated efficiencies); "cpu" from calibration
     models.py    ModelShape presets (parameter/KV/FLOP counts from config.json shapes)
@@ -8,8 +8,8 @@ trainer under SimPy's virtual clock (DESIGN.md §2 "Simulator").
     runs.py      Runs: run-length token/version sequences (exact, O(runs) memory)
     lengths.py   response-length models (constant, lognormal with tail, empirical replay)
     engine.py    SimEngine: continuous batching, one event per request boundary
-    cluster.py   SimCluster: the scheduler loop under SimPy
-    recorder.py  metrics.jsonl / events.jsonl / journal.jsonl and the run summary
+    cluster.py   SimCluster: the schedulers' loop under SimPy (one policy, or several sharing the engines)
+    recorder.py  metrics.jsonl / events.jsonl / journal.jsonl per policy, and the run summary
     scenario.py  Scenario (YAML), simulate(), scenario_from_run()
     compare.py   the same step figures read from a real and a simulated run directory
     metrics.py   length/staleness/interval helpers (DESIGN.md §5 definitions)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights
 from tailrace.flow.keys import SampleKey
@@ -104,13 +104,14 @@ class SimEngine:
         slots: int,
         cost: CostModel,
         lengths: LengthModel,
-        start_version: int = 0,
+        start_versions: Iterable[int] = (0,),
         kv_tokens: int | None = None,
         spec: tuple[float, int, float] | None = None,
     ) -> None:
         """`lengths` says how long each request runs, by (prompt id, sample index): the driver sets
         `describe` (request id -> that pair) from its scheduler; by default the request id is read
-        as a sample key with the group standing for the prompt."""
+        as a sample key with the group standing for the prompt. `start_versions`: the weights it holds
+        at the start (several policies sharing the engine: each policy's version 0, flow/multi.py)."""
         if slots < 1:
             raise ValueError(f"engine {eid}: slots={slots} must be at least 1")
         self.id, self.slots, self.cost, self.lengths = eid, slots, cost, lengths
@@ -119,7 +120,7 @@ class SimEngine:
         self.spec_on = False  # the current segment speculates
         self.spec_busy = 0.0  # decode time spent speculating
         self.describe: Callable[[str], tuple[int, int]] = _group_and_index
-        self.loaded = {start_version}
+        self.loaded = set(start_versions)
         self.queue: deque[Job] = deque()
         self.running: dict[str, Job] = {}
         self.heap: list[tuple[int, int, str]] = []  # (finish step, uid, request id)

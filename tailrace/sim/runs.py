@@ -98,3 +98,7 @@ class Runs(Sequence):
 
     def min(self):
         return min(v for v, _ in self.runs)
+
+    def map(self, f) -> "Runs":
+        """`f` applied to every value, run by run (what `flow.multi` calls to translate versions)."""
+        return Runs(tuple((f(v), n) for v, n in self.runs))

@@ -9,6 +9,16 @@
 `flow` is tailrace's own FlowConfig (the section a real run's config.yaml has), so a policy sees the
 same options in a simulated run as in a real one. `scenario_from_run(RUN_DIR)` rebuilds the scenario
 of a real run (its flow, rollout and model shape on the "cpu" preset, its recorded lengths).
+
+Several policies in one run (`policies`, as a real run's: one entry each, a name and any of the
+sections flow, shaping, store and policy_options on top of the scenario's own, e.g.
+`[{name: solver}, {name: verifier, flow: {mode: multiversion, max_staleness: 2}}]`) share the engines
+(`flow.multi.PolicySet`); each has its own scheduler and its own trainer of `cluster.trainer_gpus`
+devices, so the run holds engines x engine_gpus + policies x trainer_gpus devices. Every policy draws
+the same prompts and lengths (they key on prompt and sample, and `seed` is the run's): a policy alone
+in a scenario of its own sections is the run it would have had by itself. As in a real run, each
+policy's files go to RUN_DIR/policies/<name>/ and the engines' and trainers' timeline (trainer lanes
+`trainer-<name>`) to RUN_DIR/events.jsonl.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from typing import Any, Iterator
 
 from tailrace.config import ConfigError, FlowConfig, ShapingConfig, StoreConfig, load_config
 from tailrace.config.fields import section, setting
+from tailrace.config.load import policy_configs
+from tailrace.flow.multi import PolicySet
 from tailrace.flow.policies import make_policy, recommended_mode
 from tailrace.flow.replay import ReplayOptions
 from tailrace.flow.scheduler import FlowSpec, Scheduler
@@ -34,10 +46,12 @@ from tailrace.sim.failures import FailureSpec
 from tailrace.sim.hardware import get_hardware, preset_path
 from tailrace.sim.lengths import LengthModel, make_lengths
 from tailrace.sim.models import ModelShape, get_model
-from tailrace.sim.recorder import Recorder
+from tailrace.sim.recorder import Recorder, write_timeline
 from tailrace.types import Prompt
 
 MAX_AUTO_SLOTS = 256  # vLLM's default max_num_seqs: the cap when slots are sized from KV memory
+# what a policy of a simulated run may set for itself; the rest (cluster, lengths, seed, ...) is the run's
+POLICY_SECTIONS = ("flow", "shaping", "store", "policy_options")
 
 
 @dataclass
@@ -52,7 +66,7 @@ class ClusterSpec:
     engine_gpus: int = setting(1, "devices per engine (tensor parallel)")
     slots: int = setting(64, "concurrent sequences per engine; 0 = size from KV memory (capped at 256)")
     lookahead: int = setting(16, "samples queued per engine beyond its slots")
-    trainer_gpus: int = setting(1, "devices of the trainer")
+    trainer_gpus: int = setting(1, "devices of the trainer (of each policy's, with several policies)")
     colocated: bool = setting(False, "trainer and engines share devices: engines pause while training runs")
     recompute_logprobs: bool = setting(
         True, "the trainer runs a forward for old-policy logprobs before each step"
@@ -78,10 +92,6 @@ class ClusterSpec:
             raise ConfigError(
                 "cluster.slots and cluster.lookahead must be >= 0 (slots 0 = size from KV memory)"
             )
-
-    @property
-    def gpus(self) -> int:
-        return self.engines * self.engine_gpus + (0 if self.colocated else self.trainer_gpus)
 
 
 @dataclass
@@ -123,6 +133,13 @@ class Scenario:
     journal: bool = setting(True, "write journal.jsonl (every token id: turn off at scale)")
     poll_s: float = setting(0.0, "the driver polls at most every poll_s virtual seconds (0 = at every event)")
     policy_options: dict[str, Any] = section(dict, "extra options for the flow policy (make_policy)")
+    policies: list[dict[str, Any]] = section(
+        list,
+        "several policies in one simulated run, sharing the engines, as a real run's: one entry each, {name, "
+        "and any of the sections flow, shaping, store, policy_options}, each on top of the scenario's own "
+        "(e.g. [{name: solver}, {name: verifier, flow: {mode: multiversion}}]); each has its own "
+        "scheduler, versions, staleness bound and trainer of cluster.trainer_gpus devices (empty = one)",
+    )
     failures: FailureSpec = section(FailureSpec, "workers that die and come back (RobustRL's recovery)")
     spec: SpecSim = section(SpecSim, "speculative decoding in the engines (an expected-value model)")
 
@@ -137,6 +154,27 @@ class Scenario:
             raise ConfigError("lengths: give a mapping with kind: constant | lognormal | empirical")
         if self.flow.mode is None:  # as a real run with flow.mode null would run
             self.flow = dataclasses.replace(self.flow, mode=recommended_mode(self.shaping.name)[0])
+        if len(self.policy_scenarios()) > 1 and self.cluster.colocated:
+            raise ConfigError(
+                f"policies: {len(self.policies)} policies with cluster.colocated=true: the simulator gives "
+                "each policy's trainer devices of its own; set cluster.colocated: false"
+            )
+
+    def policy_scenarios(self) -> list[tuple[str, Scenario]]:
+        """(name, this scenario with the policy's sections) for each policy; ("", self) for one."""
+        return policy_configs(self, POLICY_SECTIONS)
+
+    def run_dirs(self, out_dir: str | Path) -> list[Path]:
+        """Where each policy's files go: `out_dir` itself for one policy, out_dir/policies/<name> for
+        several (as a real run's)."""
+        named = self.policy_scenarios()
+        return [Path(out_dir)] if len(named) == 1 else [Path(out_dir) / "policies" / n for n, _ in named]
+
+    @property
+    def gpus(self) -> int:
+        """Devices of the run: the engines', and each policy's trainer's unless colocated."""
+        c, trainers = self.cluster, len(self.policy_scenarios())
+        return c.engines * c.engine_gpus + (0 if c.colocated else trainers * c.trainer_gpus)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -211,10 +249,12 @@ def cost_model(scn: Scenario) -> CostModel:
 
 
 def engine_slots(scn: Scenario, cost: CostModel, lengths: LengthModel) -> int:
+    """The scenario's slots, or as many sequences as the KV memory holds beside every policy's weights."""
     if scn.cluster.slots:
         return scn.cluster.slots
     per_seq = lengths.prompt_len(0) + lengths.mean()
-    return max(1, min(MAX_AUTO_SLOTS, int(cost.kv_capacity_tokens() / per_seq)))
+    kv = cost.kv_capacity_tokens() - (len(scn.policy_scenarios()) - 1) * cost.version_kv_tokens()
+    return max(1, min(MAX_AUTO_SLOTS, int(kv / per_seq)))
 
 
 def prompt_stream(lengths: LengthModel, train_size: int | None = None) -> Iterator[Prompt]:
@@ -227,32 +267,50 @@ def prompt_stream(lengths: LengthModel, train_size: int | None = None) -> Iterat
 
 
 def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
-    f = scn.flow
+    named = scn.policy_scenarios()
+    policies, shapings = [], []
+    for name, ps in named:
+        f = ps.flow
+        try:
+            options = {k: v for k, v in dataclasses.asdict(f).items() if k != "mode"} | ps.policy_options
+            policies.append(make_policy(f.mode, **options))
+            check_mode(ps.shaping.name, f.mode)
+            shapings.append(make_shaping(ps.shaping.name, window=f.prompts_per_round, **ps.shaping.options()))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"scenario {scn.name}{f', policy {name}' if name else ''}: {e}") from None
     try:
         lengths = make_lengths(scn.lengths, scn.seed)
-        options = {k: v for k, v in dataclasses.asdict(f).items() if k != "mode"} | scn.policy_options
-        policy = make_policy(f.mode, **options)
-        check_mode(scn.shaping.name, f.mode)
-        shaping = make_shaping(scn.shaping.name, window=f.prompts_per_round, **scn.shaping.options())
     except (TypeError, ValueError, FileNotFoundError) as e:
         raise ConfigError(f"scenario {scn.name}: {e}") from None
     cost = cost_model(scn)
     slots = engine_slots(scn, cost, lengths)
-    spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
     pool = [(slots, scn.cluster.lookahead)] * scn.cluster.engines
-    replay = ReplayOptions(**scn.store.options())
-    sched = Scheduler(
-        policy, prompt_stream(lengths, scn.train_size), pool, spec, shaping=shaping, replay=replay
-    )
+    scheds = [
+        Scheduler(
+            policy,
+            prompt_stream(lengths, scn.train_size),
+            pool,
+            FlowSpec(
+                ps.flow.prompts_per_round, ps.flow.samples_per_prompt, ps.flow.groups_per_step, ps.flow.steps
+            ),
+            shaping=shaping,
+            replay=ReplayOptions(**ps.store.options()),
+        )
+        for (_, ps), policy, shaping in zip(named, policies, shapings)
+    ]
+    pset = PolicySet([name or "policy" for name, _ in named], scheds)
     kv = cost.kv_capacity_tokens() if scn.cluster.kv_memory else None
     sp = scn.spec
     spec = (sp.alpha, sp.gamma, sp.min_speedup) if sp.alpha > 0 else None
+    start = [pset.version(p, 0) for p in range(len(pset))]
     engines = [
-        SimEngine(i, slots, cost, lengths, kv_tokens=kv, spec=spec) for i in range(scn.cluster.engines)
+        SimEngine(i, slots, cost, lengths, start_versions=start, kv_tokens=kv, spec=spec)
+        for i in range(scn.cluster.engines)
     ]
-    rec = Recorder(out_dir, journal=scn.journal)
+    dirs = scn.run_dirs(out_dir) if out_dir is not None else [None] * len(pset)
+    recs = [Recorder(d, journal=scn.journal, timeline=len(pset) == 1) for d in dirs]
     return SimCluster(
-        sched, engines, cost, rec, scn.cluster.colocated, scn.poll_s, scn.accuracy, scn.seed, scn.failures
+        pset, engines, cost, recs, scn.cluster.colocated, scn.poll_s, scn.accuracy, scn.seed, scn.failures
     )
 
 
@@ -260,15 +318,20 @@ def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:
     """Run the scenario; returns the summary (also written to out_dir/summary.json with the run files)."""
     t0, c0 = time.perf_counter(), time.process_time()
     cl = build(scn, out_dir)
+    named = scn.policy_scenarios()
     if out_dir is not None:
         import yaml
 
-        (Path(out_dir) / "config.yaml").write_text(yaml.safe_dump(scn.to_dict(), sort_keys=False))
+        each = zip(scn.run_dirs(out_dir), (ps for _, ps in named)) if len(named) > 1 else ()
+        for path, config in [(Path(out_dir), scn), *each]:  # the run's, and each policy's own
+            (path / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     cl.run()
+    if out_dir is not None and len(named) > 1:  # the engines' and trainers' timeline is the run's
+        write_timeline(cl, Path(out_dir) / "events.jsonl", [f"trainer-{n}" for n, _ in named])
     summary = dict(
-        cl.rec.summary,
+        cl.summary,
         scenario=scn.name,
-        gpus=scn.cluster.gpus,
+        gpus=scn.gpus,
         slots=cl.engines[0].slots,
         sim_seconds=time.perf_counter() - t0,
         sim_cpu_seconds=time.process_time() - c0,
@@ -309,6 +372,12 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} has no config.yaml; pass a run directory written by tailrace train")
     cfg = load_config(run_dir / "config.yaml", cls=RunConfig)
+    if cfg.policies:
+        name = cfg.policies[0]["name"]
+        raise ConfigError(
+            f"{run_dir} trained {len(cfg.policies)} policies: simulate one policy's run directory, e.g. "
+            f"--like {run_dir / 'policies' / name}"
+        )
     r, s = cfg.rollout, cfg.arch
     model, shape = "tailrace-default", {}
     if cfg.model.path:
