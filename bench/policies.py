@@ -2,19 +2,20 @@
 after another on the same engines (issue #19 item 2; AstraFlow publishes 2.7x on multi-policy
 training).
 
-    .venv/bin/python bench/policies.py --steps 40 --seeds 0,1,2 --eval-every 20 --eval-n 512
+    .venv/bin/python bench/policies.py --steps 60 --seeds 0,1,2 --eval-every 20 --eval-n 512
     .venv/bin/python bench/policies.py --quick       # a smoke run
 
 Each seed s trains P policies (`--policies`, default 2) on the default task, policy k with seed and
 task seed 10 s + k (its own prompt stream and held-out set), in `--mode` (default sync: each policy
 strictly on-policy). Together: one `tailrace train` run with `policies`, one trainer process per
 policy (they share the trainer's core), the engine shared. One after another: each policy alone in a
-run of its own, the same config, back to back. Every run evaluates its published weights every
-`--eval-every` steps on `--eval-n` held-out prompts (snapshots evaluated after training: off the
-clock). Per seed: the wall time until every policy has done its steps, and until every policy has
-reached the target accuracy (the mean final accuracy of the policies trained alone, minus 2 points);
-one after another, policy k's clock starts when the policies before it finish. Per policy: final
-accuracy together vs alone. Writes bench/out/policies.json.
+run of its own, the same config, back to back. Together runs once per `--share` (flow.engine_share:
+turns, where the engines serve the policy whose oldest open group began first, and fifo). Every run
+evaluates its published weights every `--eval-every` steps on `--eval-n` held-out prompts (snapshots
+evaluated after training: off the clock). Per seed: the wall time until every policy has done its
+steps, and until every policy has reached the target accuracy (the mean final accuracy of the policies
+trained alone, minus 2 points); one after another, policy k's clock starts when the policies before it
+finish. Per policy: final accuracy together vs alone. Writes bench/out/policies.json.
 """
 
 from __future__ import annotations
@@ -85,9 +86,13 @@ def one_seed(args, seed: int, out: Path) -> dict:
     ]
     ids = [10 * seed + k for k in range(args.policies)]
     entries = ", ".join(f"{{name: p{k}, seed: {i}, task: {{seed: {i}}}}}" for k, i in enumerate(ids))
-    together = out / f"seed{seed}" / "together"
-    train(RunDir(together), [*common, f"--policies=[{entries}]"])
-    rows = {"together": [policy_row(together / "policies" / f"p{k}") for k in range(args.policies)]}
+    rows = {}
+    for share in args.share.split(","):
+        together = out / f"seed{seed}" / f"together-{share}"
+        train(RunDir(together), [*common, f"--policies=[{entries}]", f"--flow.engine_share={share}"])
+        rows[f"together-{share}"] = [
+            policy_row(together / "policies" / f"p{k}") for k in range(args.policies)
+        ]
     alone = []
     for k, i in enumerate(ids):
         rd = RunDir(out / f"seed{seed}" / f"alone-p{k}")
@@ -98,54 +103,54 @@ def one_seed(args, seed: int, out: Path) -> dict:
 
 
 def summarize(results: dict[int, dict], eval_n: int) -> str:
+    """Per contender (together under each engine share, one after another) over the seeds: the wall
+    time until every policy has done its steps and until every policy reached the target, and the
+    policies' final accuracies."""
     finals_alone = [p["final"] for r in results.values() for p in r["alone"]]
     target = statistics.mean(finals_alone) - 0.02
 
     def sd(xs):
         return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
-    lines = []
-    done_tog, done_seq, tt_tog, tt_seq = [], [], [], []
-    for seed, r in results.items():
-        tog, alone = r["together"], r["alone"]
-        done_tog.append(max(p["wall_s"] for p in tog))
-        done_seq.append(sum(p["wall_s"] for p in alone))
-        reach_tog = [time_to_accuracy(p["points"], target) for p in tog]
-        offsets = [sum(p["wall_s"] for p in alone[:k]) for k in range(len(alone))]
-        reach_seq = [
-            None if (t := time_to_accuracy(p["points"], target)) is None else off + t
-            for p, off in zip(alone, offsets)
+    def figures(policies: list[dict], one_after_another: bool) -> tuple[float, float | None]:
+        """(all steps done, every policy at target or None); one after another, policy k's clock
+        starts when the policies before it finished."""
+        offsets = [
+            sum(p["wall_s"] for p in policies[:k]) if one_after_another else 0.0 for k in range(len(policies))
         ]
-        if None not in reach_tog and None not in reach_seq:
-            tt_tog.append(max(reach_tog))
-            tt_seq.append(max(reach_seq))
-        lines.append(
-            f"seed {seed}: all steps done {done_tog[-1]:.0f} s together vs {done_seq[-1]:.0f} s one after "
-            f"another ({done_seq[-1] / done_tog[-1]:.2f}x); every policy at target: "
-            f"{f'{max(reach_tog):.0f} s' if None not in reach_tog else 'never'} vs "
-            f"{f'{max(reach_seq):.0f} s' if None not in reach_seq else 'never'}; finals together "
-            + " ".join(f"{p['final']:.3f}" for p in tog)
-            + " alone "
-            + " ".join(f"{p['final']:.3f}" for p in alone)
-        )
-    ratio = [s / t for s, t in zip(done_seq, done_tog)]
-    lines.append(
-        f"all steps done: together {statistics.mean(done_tog):.0f} s +- {sd(done_tog):.0f}, one after another "
-        f"{statistics.mean(done_seq):.0f} s +- {sd(done_seq):.0f}: {statistics.mean(ratio):.2f}x "
-        f"({min(ratio):.2f}-{max(ratio):.2f}) over {len(ratio)} seeds"
+        done = max(off + p["wall_s"] for p, off in zip(policies, offsets))
+        reach = [time_to_accuracy(p["points"], target) for p in policies]
+        return done, None if None in reach else max(off + t for t, off in zip(reach, offsets))
+
+    contenders = [*(k for k in next(iter(results.values())) if k != "alone"), "alone"]
+    per = {c: [figures(r[c], c == "alone") for r in results.values()] for c in contenders}
+    head = (
+        f"{'contender':16s} {'all steps done s':>16s} {'sd':>5s} {'speed-up':>8s} {'all at target s':>15s} "
+        f"{'sd':>5s} {'speed-up':>8s} {'reached':>7s} {'final acc':>9s} {'sd':>6s}"
     )
-    if tt_tog:
-        r2 = [s / t for s, t in zip(tt_seq, tt_tog)]
-        lines.append(
-            f"every policy at {target:.3f}: together {statistics.mean(tt_tog):.0f} s +- {sd(tt_tog):.0f}, one "
-            f"after another {statistics.mean(tt_seq):.0f} s +- {sd(tt_seq):.0f}: {statistics.mean(r2):.2f}x "
-            f"({len(tt_tog)}/{len(results)} seeds reached it both ways)"
+    lines = [head, "-" * len(head)]
+    base_done = [d for d, _ in per["alone"]]
+    base_reach = [t for _, t in per["alone"]]
+    for c in contenders:
+        done = [d for d, _ in per[c]]
+        both = [(t, b) for (_, t), b in zip(per[c], base_reach) if t is not None and b is not None]
+        finals = [p["final"] for r in results.values() for p in r[c]]
+        sp = statistics.mean(b / d for d, b in zip(done, base_done))
+        reach = [t for t, _ in both]
+        rs = (
+            f"{statistics.mean(reach):15.0f} {sd(reach):5.0f} {statistics.mean(b / t for t, b in both):7.2f}x"
+            if both
+            else f"{'never':>15s} {'':5s} {'':8s}"
         )
-    tog_f = [p["final"] for r in results.values() for p in r["together"]]
+        lines.append(
+            f"{('one after another' if c == 'alone' else c):16s} {statistics.mean(done):16.0f} {sd(done):5.0f} "
+            f"{sp:7.2f}x {rs} {sum(t is not None for _, t in per[c]):>3d}/{len(per[c]):<3d} "
+            f"{statistics.mean(finals):9.3f} {sd(finals):6.3f}"
+        )
     lines.append(
-        f"final accuracy per policy: together {statistics.mean(tog_f):.3f} +- {sd(tog_f):.3f}, alone "
-        f"{statistics.mean(finals_alone):.3f} +- {sd(finals_alone):.3f} (n = {eval_n} each: standard error "
-        f"<= {0.5 / eval_n**0.5:.3f}); target = alone's mean final - 2 points"
+        f"target {target:.3f} = the policies trained alone: mean final minus 2 points; held-out n = {eval_n} per "
+        f"policy (standard error <= {0.5 / eval_n**0.5:.3f}); speed-up = one after another's time / the "
+        f"contender's, per seed, mean over {len(results)} seeds (target: over seeds where both reached it)"
     )
     return "\n".join(lines)
 
@@ -156,6 +161,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--policies", type=int, default=2)
     ap.add_argument("--mode", default="sync")
+    ap.add_argument("--share", default="turns,fifo", help="flow.engine_share values to run together under")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--eval-n", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="2 steps, 1 seed, 32 held-out prompts")

@@ -6,8 +6,12 @@ token ids + logprobs + versions out. RL records (`Prompt`, `Scored`, `Trajectory
 
 from __future__ import annotations
 
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class Finish(str, Enum):
@@ -75,6 +79,20 @@ class GenRequest:
     resume_logprobs: tuple[float, ...] = ()
     resume_versions: tuple[int, ...] = ()
     adapter: str = ""  # the LoRA adapter on top (a name the engine's `load_adapter` was given); "" = none
+    # the engine admits waiting requests lowest first, in arrival order among equals (() for all: FIFO);
+    # several policies in one run stamp (when the policy's oldest open group opened, policy): flow/multi.py
+    priority: tuple[float, ...] = ()
+
+
+def queue_by_priority(queue: MutableSequence[T], item: T, priority: Callable[[T], tuple]) -> None:
+    """Put `item` in a waiting queue kept in `GenRequest.priority` order: after every waiting item of
+    the same or a lower priority (arrival order among equals; all equal: a FIFO)."""
+    p = priority(item)
+    if not queue or priority(queue[-1]) <= p:
+        queue.append(item)
+        return
+    at = next(i for i, x in enumerate(queue) if priority(x) > p)
+    queue.insert(at, item)
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,12 @@ class FlowConfig:
         None, "minutes between checkpoints (at the first publishing step after them; null = by steps)"
     )
     keep_checkpoints: int = setting(2, "checkpoints kept; older ones are deleted")
+    engine_share: Literal["turns", "fifo"] = setting(
+        "turns",
+        "several policies (policies): the waiting request an engine admits first: turns = the policy whose "
+        "oldest unfinished group began first, so one policy generates while another trains; fifo = "
+        "arrival order, whatever the policy",
+    )
 
     def __post_init__(self) -> None:
         for k in ("prompts_per_round", "samples_per_prompt", "train_batch", "steps"):

@@ -70,7 +70,7 @@ from tailrace.engine.speculative import Draft, SpeculativeSteps, Verified
 from tailrace.engine.versions import Versions
 from tailrace.model.decoder import CausalLM
 from tailrace.model.lora import Adapter
-from tailrace.types import Capabilities, Finish, GenRequest, GenResult, SamplingParams
+from tailrace.types import Capabilities, Finish, GenRequest, GenResult, SamplingParams, queue_by_priority
 
 _DTYPES = {
     "float32": torch.float32,
@@ -255,7 +255,7 @@ class TailraceEngine(SpeculativeSteps):
         self._seqs[req.id] = seq
         self._per_version[req.version] += 1
         self._per_adapter[req.adapter] += 1
-        self._waiting.append(seq)
+        queue_by_priority(self._waiting, seq, _priority)
 
     def abort(self, request_id: str) -> GenResult:
         """Take a waiting or running request out; returns its partial (finish=ABORTED)."""
@@ -789,3 +789,7 @@ def _special(p: SamplingParams, vocab_size: int) -> bool:
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _priority(seq: Sequence) -> tuple:
+    return seq.req.priority

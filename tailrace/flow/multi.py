@@ -33,7 +33,9 @@ from tailrace.types import GenRequest, GenResult, Prompt, Scored
 
 
 class PolicySet:
-    def __init__(self, names: Sequence[str], schedulers: Sequence[Scheduler]) -> None:
+    def __init__(self, names: Sequence[str], schedulers: Sequence[Scheduler], turns: bool = True) -> None:
+        """`turns`: stamp each policy's requests with its priority on the engines (see `poll`); False:
+        the engines take every policy's requests in arrival order."""
         if len(names) != len(schedulers) or len(names) < 1:
             raise ValueError("PolicySet: one name per scheduler, at least one")
         bad = [n for n in names if not n or "/" in n]
@@ -43,6 +45,7 @@ class PolicySet:
         if len(engines) != 1:
             raise ValueError("PolicySet: every policy's scheduler must be built with the same engines")
         self.names = tuple(names)
+        self.turns = turns
         self._scheds = tuple(schedulers)
         self._index = {n: p for p, n in enumerate(self.names)}
 
@@ -97,13 +100,16 @@ class PolicySet:
         for p, s in enumerate(self._scheds):
             out = s.poll(now)
             if len(self) > 1:  # a set of one translates nothing
-                out.commands = [self._outward(p, c) for c in out.commands]
+                # the engines serve first the policy whose oldest unfinished group began first (ties: the
+                # lower index), so policies fall into turns: one generates while another trains
+                first = min((g.opened for g in s.open.values()), default=now)
+                out.commands = [self._outward(p, c, (first, p) if self.turns else ()) for c in out.commands]
             outs.append(out)
         return outs
 
-    def _outward(self, p: int, c):
+    def _outward(self, p: int, c, priority: tuple):
         if isinstance(c, Generate):
-            return Generate(c.engine, tuple(self._request(p, r) for r in c.requests))
+            return Generate(c.engine, tuple(self._request(p, r, priority) for r in c.requests))
         if isinstance(c, Abort):
             return Abort(c.engine, tuple(self.request_id(p, r) for r in c.request_ids), c.reason)
         if isinstance(c, (LoadWeights, DropWeights)):
@@ -112,9 +118,10 @@ class PolicySet:
             return replace(c, policy=p)
         raise TypeError(f"unknown command {c!r}")
 
-    def _request(self, p: int, r: GenRequest) -> GenRequest:
+    def _request(self, p: int, r: GenRequest, priority: tuple) -> GenRequest:
         return replace(
             r,
+            priority=priority,
             id=self.request_id(p, r.id),
             version=self.version(p, r.version),
             resume_versions=_mapped(r.resume_versions, lambda v: self.version(p, v)),

@@ -99,7 +99,11 @@ class Driver:
         self.events = RecordFile(run.file("events.jsonl"))
         self.pols = [self._policy(p, name, with_mode(pc)[0], ses) for p, ((name, pc), ses) in
                      enumerate(zip(named, sessions))]  # fmt: skip
-        self.sched = PolicySet([p.name or "main" for p in self.pols], [p.sched for p in self.pols])
+        self.sched = PolicySet(
+            [p.name or "main" for p in self.pols],
+            [p.sched for p in self.pols],
+            cfg.flow.engine_share == "turns",
+        )
         self.hosts = hosts_for(cfg.runtime)
         self.workers = Workers(
             cfg.worker_timeout_s, run.file("errors.log"), recover=cfg.max_restarts > 0, hosts=self.hosts

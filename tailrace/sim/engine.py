@@ -32,7 +32,7 @@ from tailrace.sim.costs import CostModel
 from tailrace.sim.lengths import LengthModel
 from tailrace.sim.runs import Runs
 from tailrace.sim.segment import Segment
-from tailrace.types import Finish, GenRequest, GenResult
+from tailrace.types import Finish, GenRequest, GenResult, queue_by_priority
 
 TOKEN = 1  # every simulated token has this id; only counts matter
 
@@ -251,7 +251,7 @@ class SimEngine:
                         f"engine {self.id}: request {s.id} needs version {s.version}, "
                         f"engine holds {sorted(self.loaded)}"
                     )
-                self.queue.append(self._job(s))
+                queue_by_priority(self.queue, self._job(s), _priority)
                 self.received.add(s.id)
         elif isinstance(cmd, Abort):
             ids = set(cmd.request_ids)
@@ -417,3 +417,7 @@ class SimEngine:
 def _group_and_index(request_id: str) -> tuple[int, int]:
     key = SampleKey.parse(request_id)
     return key.group, key.index
+
+
+def _priority(job: Job) -> tuple:
+    return job.request.priority

@@ -221,3 +221,32 @@ def test_generate_reports_progress_and_returns_what_it_would_without(model):
     assert [r.token_ids for r in with_progress] == [r.token_ids for r in plain]
     assert seen[-1] == (5, 5) and all(n == 5 for _, n in seen)
     assert [d for d, _ in seen] == sorted({d for d, _ in seen})  # strictly growing
+
+
+def test_waiting_requests_are_admitted_lowest_priority_first_in_arrival_order_among_equals(model):
+    """Several policies in one run stamp their requests (flow/multi.py); unstamped ones stay a FIFO."""
+    from dataclasses import replace
+
+    eng = TailraceEngine(model, num_slots=1)
+    stamps = {"a": (5.0, 1), "b": (1.0, 0), "c": (5.0, 1), "d": (1.0, 1), "e": (9.0, 0)}
+    for rid, p in stamps.items():
+        eng.add(replace(req(rid, 4, 3, temperature=1.0), priority=p))
+    order = []
+    while eng.num_running or eng.num_waiting:
+        order += [r.request_id for r in eng.step().finished]
+    assert order == ["b", "d", "a", "c", "e"]
+    fifo = TailraceEngine(model, num_slots=1)
+    for rid in "xyz":
+        fifo.add(req(rid, 4, 3, temperature=1.0))
+    assert list(_run(fifo)) == ["x", "y", "z"]
+
+
+def test_priority_queue_inserts_after_its_equals():
+    from collections import deque
+
+    from tailrace.types import queue_by_priority
+
+    q: deque = deque()
+    for x in [(2, "a"), (1, "b"), (2, "c"), (0, "d"), (1, "e")]:
+        queue_by_priority(q, x, lambda t: (t[0],))
+    assert [t[1] for t in q] == ["d", "b", "e", "a", "c"]

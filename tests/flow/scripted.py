@@ -12,7 +12,7 @@ from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Tr
 from tailrace.flow.keys import SampleKey
 from tailrace.flow.scheduler import Outbox
 from tailrace.records import JournalEntry, Mark
-from tailrace.types import Finish, GenRequest, GenResult, Prompt, Scored
+from tailrace.types import Finish, GenRequest, GenResult, Prompt, Scored, queue_by_priority
 
 STEP_FIXED, STEP_ROW = 1.0, 0.25  # the scripted engines' step cost (seconds a step, a row)
 
@@ -99,7 +99,8 @@ class ScriptedCluster:
                         )
                     else:
                         target = self.length(key.group, key.index)
-                    self.queue[c.engine].append(
+                    queue_by_priority(
+                        self.queue[c.engine],
                         Running(
                             req,
                             key,
@@ -107,7 +108,8 @@ class ScriptedCluster:
                             list(req.resume_ids),
                             list(req.resume_versions),
                             self.s.calls_of(req.id) if self.turns is not None and key else 0,
-                        )  # fmt: skip
+                        ),  # fmt: skip
+                        lambda r: r.request.priority,
                     )
             elif isinstance(c, Abort):
                 out = []
