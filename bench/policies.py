@@ -9,7 +9,7 @@ Each seed s trains P policies (`--policies`, default 2) on the default task, pol
 task seed 10 s + k (its own prompt stream and held-out set), in `--mode` (default sync: each policy
 strictly on-policy). Together: one `tailrace train` run with `policies`, one trainer process per
 policy (they share the trainer's core), the engine shared. One after another: each policy alone in a
-run of its own, the same config, back to back. Together runs once per `--share` (flow.engine_share:
+run of its own, the same config, back to back. Together runs once per `--share` (flow.share:
 turns, where the engines serve the policy whose oldest open group began first, and fifo). Every run
 evaluates its published weights every `--eval-every` steps on `--eval-n` held-out prompts (snapshots
 evaluated after training: off the clock). Per seed: the wall time until every policy has done its
@@ -89,7 +89,7 @@ def one_seed(args, seed: int, out: Path) -> dict:
     rows = {}
     for share in args.share.split(","):
         together = out / f"seed{seed}" / f"together-{share}"
-        train(RunDir(together), [*common, f"--policies=[{entries}]", f"--flow.engine_share={share}"])
+        train(RunDir(together), [*common, f"--policies=[{entries}]", f"--flow.share={share}"])
         rows[f"together-{share}"] = [
             policy_row(together / "policies" / f"p{k}") for k in range(args.policies)
         ]
@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--policies", type=int, default=2)
     ap.add_argument("--mode", default="sync")
-    ap.add_argument("--share", default="turns,fifo", help="flow.engine_share values to run together under")
+    ap.add_argument("--share", default="turns,fifo", help="flow.share values to run together under")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--eval-n", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="2 steps, 1 seed, 32 held-out prompts")

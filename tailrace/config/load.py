@@ -182,7 +182,7 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 # what a policy of a several-policy run may set for itself; the rest (model, rollout, runtime, ...)
 # is the run's: the engines it shares hold every policy's weights in the one model's layout
 POLICY_SECTIONS = ("task", "flow", "shaping", "store", "train", "eval", "seed")
-RUN_WIDE_FLOW = ("time_limit_s", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "engine_share")
+RUN_WIDE_FLOW = ("time_limit_s", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "share")
 
 
 def policy_configs(cfg: Any, sections: tuple[str, ...] = POLICY_SECTIONS) -> list[tuple[str, Any]]:

@@ -255,11 +255,12 @@ class FlowConfig:
         None, "minutes between checkpoints (at the first publishing step after them; null = by steps)"
     )
     keep_checkpoints: int = setting(2, "checkpoints kept; older ones are deleted")
-    engine_share: Literal["turns", "fifo"] = setting(
+    share: Literal["turns", "fifo"] = setting(
         "turns",
-        "several policies (policies): the waiting request an engine admits first: turns = the policy whose "
-        "oldest unfinished group began first, so one policy generates while another trains; fifo = "
-        "arrival order, whatever the policy",
+        "several policies (policies) take turns: turns = an engine admits first the requests of the policy "
+        "whose oldest unfinished group began first, and trainers sharing cores train one step at a time, "
+        "in the order the steps were issued, so one policy generates while another trains; fifo = the "
+        "engines take requests in arrival order and the trainers train at once (the OS shares the cores)",
     )
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ dies itself is resumed from the run directory under `tailrace train --supervise`
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -102,7 +103,7 @@ class Driver:
         self.sched = PolicySet(
             [p.name or "main" for p in self.pols],
             [p.sched for p in self.pols],
-            cfg.flow.engine_share == "turns",
+            cfg.flow.share == "turns",
         )
         self.hosts = hosts_for(cfg.runtime)
         self.workers = Workers(
@@ -133,6 +134,12 @@ class Driver:
         self._eval_reqs: dict[str, tuple[Prompt, GenRequest]] = {}  # held-out id -> its prompt and request
         self._eval_calls: dict[str, int] = {}  # held-out id -> tool calls answered (multi-turn)
         self.desk: Desk | None = None
+        # several policies' trainers share the trainer's cores: with flow.share=turns one trains at a time,
+        # its steps in the order they were issued (time-sliced together, two policies that finish their
+        # rounds together train together and then generate together: in phase, never in turns)
+        self._one_trainer = len(self.pols) > 1 and cfg.flow.share == "turns"
+        self._training: PolicyRun | None = None  # the policy whose trainer has a step in hand
+        self._waiting_orders: deque[tuple[PolicyRun, TrainOrder]] = deque()
 
     def _policy(self, p: int, name: str, cfg: RunConfig, ses: Session) -> PolicyRun:
         """Policy `p` of the run: its scheduler on the run's engines, its files (the run directory's
@@ -406,7 +413,27 @@ class Driver:
             c = replace(c, publish=self.sched.version(pol.index, c.publish))
         order = pol.orders.add(TrainOrder(c, save))
         if order is not None:
-            self.workers.send(pol.trainer, order)
+            self._order(pol, order)
+
+    def _order(self, pol: PolicyRun, order: TrainOrder) -> None:
+        """Hand `order` to its policy's trainer, or queue it while another policy's trainer works on the
+        shared cores (flow.share=turns)."""
+        if self._one_trainer and self._training is not None:
+            self._waiting_orders.append((pol, order))
+            return
+        self._send_order(pol, order)
+
+    def _send_order(self, pol: PolicyRun, order: TrainOrder) -> None:
+        if self._one_trainer:
+            self._training = pol
+        self.workers.send(pol.trainer, order)
+
+    def _trained(self, pol: PolicyRun) -> None:
+        """`pol`'s trainer finished a step: the next order waiting for the cores goes."""
+        if self._training is pol:
+            self._training = None
+            if self._waiting_orders:
+                self._send_order(*self._waiting_orders.popleft())
 
     def _pump(self, among: list[Worker] | None = None, timeout: float = 1.0) -> None:
         """Handle what the workers (`among`, default all) report within `timeout`; a lost worker is
@@ -676,6 +703,8 @@ class Driver:
     def _on_trainer_report(self, pol: PolicyRun, rep: TrainerReport) -> None:
         now = self._now()
         t0, t1 = rep.span
+        if not rep.replay:
+            self._trained(pol)
         if rep.replay:  # a replacement redoing a step already counted
             self.events.write(Span(pol.worker_name, "replay", t0 - self.t0, t1 - self.t0, step=rep.step))
             return

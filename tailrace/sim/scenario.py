@@ -298,7 +298,7 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
         )
         for (_, ps), policy, shaping in zip(named, policies, shapings)
     ]
-    pset = PolicySet([name or "policy" for name, _ in named], scheds, scn.flow.engine_share == "turns")
+    pset = PolicySet([name or "policy" for name, _ in named], scheds, scn.flow.share == "turns")
     kv = cost.kv_capacity_tokens() if scn.cluster.kv_memory else None
     sp = scn.spec
     spec = (sp.alpha, sp.gamma, sp.min_speedup) if sp.alpha > 0 else None
