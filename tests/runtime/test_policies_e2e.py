@@ -59,8 +59,10 @@ def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp
     assert "sums" in (tmp_path / "compare.html").read_text()
     # each trainer's spans are its own lane
     events = [json.loads(l) for l in (run / "events.jsonl").read_text().splitlines()]
-    lanes = {e["lane"] for e in events if e.get("phase") == "train"}
-    assert lanes == {"trainer-sums", "trainer-other"}
+    spans = sorted((e["t0"], e["t1"], e["lane"]) for e in events if e.get("phase") == "train")
+    assert {lane for *_, lane in spans} == {"trainer-sums", "trainer-other"}
+    # flow.share=turns: the trainers share the trainer's core one step at a time
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two trainers trained at once"
 
 
 def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
