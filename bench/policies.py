@@ -8,14 +8,15 @@ training).
 Each seed s trains P policies (`--policies`, default 2) on the default task, policy k with seed and
 task seed 10 s + k (its own prompt stream and held-out set), in `--mode` (default sync: each policy
 strictly on-policy). Together: one `tailrace train` run with `policies`, one trainer process per
-policy (they share the trainer's core), the engine shared. One after another: each policy alone in a
-run of its own, the same config, back to back. Together runs once per `--share` (flow.share:
-turns: one trainer step at a time on the shared trainer core and the engines serving first the policy
-whose oldest open group began first; fifo: neither). Every run
-evaluates its published weights every `--eval-every` steps on `--eval-n` held-out prompts (snapshots
-evaluated after training: off the clock). Per seed: the wall time until every policy has done its
-steps, and until every policy has reached its target accuracy (its final accuracy trained alone, minus
-2 points); one after another, policy k's clock starts when the policies before it finish. Per policy: final accuracy together vs alone. Writes bench/out/policies.json.
+policy (they share the trainer's core), the engine shared, once per `--share` (flow.share: turns, one
+trainer step at a time on the shared core and the engines serving first the policy whose oldest open
+group began first; fifo, neither). One after another: each policy alone in a run of its own, the same
+config, back to back. Every run evaluates its published weights every `--eval-every` steps on
+`--eval-n` held-out prompts (snapshots evaluated after training: off the clock). Per seed: the wall
+time until every policy has done its steps, and until every policy has reached its target accuracy
+(its final accuracy trained alone minus 2 points); one after another, policy k's clock starts when
+the policies before it finish. Per policy: final accuracy together vs alone. Writes
+bench/out/policies.json (`--tables` reprints its table).
 """
 
 from __future__ import annotations
