@@ -114,19 +114,30 @@ def train(args: Args) -> int:
     with RunLock(run.path):  # held until the run ends: a second process is refused, naming this one
         resume = None
         if "--resume" in flags:
+            _refuse_policies(run)
             resume = plan_resume(run)
             cfg, why = with_mode(resume.cfg)  # a config.yaml written with flow.mode null
-            if cfg.policies:
-                raise ConfigError(
-                    f"--resume {run.path}: a run of several policies does not resume yet; its policies' "
-                    "checkpoints are under policies/<name>/checkpoints (tailrace eval --model.path=...)"
-                )
             check(cfg)
             for note in resume.commit():
                 console.print(note)
         else:
             run.begin(dump_config(cfg))
         return _train(cfg, run, resume, why)
+
+
+def _refuse_policies(run) -> None:
+    """A run of several policies does not resume yet: said before anything else reads the run (its
+    top-level checkpoints/ is empty, and a resume's own refusal would say to start over)."""
+    try:
+        policies = load_config(run.file("config.yaml")).policies
+    except ConfigError:
+        return  # the resume's own checks say what is wrong
+    if policies:
+        raise ConfigError(
+            f"--resume {run.path}: a run of several policies does not resume yet; everything it produced is "
+            f"kept: each policy's checkpoints are under {run.path}/policies/<name>/checkpoints (tailrace eval "
+            f"{run.path}/policies/<name>; --model.path=.../step_N/model starts a new run from one)"
+        )
 
 
 def _supervise(flags: dict[str, str], rest: list[str]) -> int:
@@ -141,12 +152,12 @@ def _supervise(flags: dict[str, str], rest: list[str]) -> int:
         argv = ["--resume", str(run_dir), *rest]
     else:
         cfg = load(flags.get("--config"), rest)  # bad input ends here, before any child starts
-        if cfg.policies:
-            raise ConfigError("--supervise: a run of several policies does not resume yet; drop --supervise")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = Path(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
         config = ["--config", flags["--config"]] if "--config" in flags else []
         argv = [*config, "--run-dir", str(run_dir), *rest]
+    if cfg.policies:
+        raise ConfigError("--supervise: a run of several policies does not resume yet; drop --supervise")
     return supervise(argv, run_dir, cfg.max_restarts, console.print)
 
 

@@ -54,6 +54,11 @@ def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp
     assert strip == [
         {k: v for k, v in r.items() if k != "time"} for r in records(run / "policies" / "sums", "step")
     ]
+    # it does not resume yet: refused before anything reads or changes the run, which keeps everything
+    kept = sorted(p.name for p in (run / "policies" / "other" / "checkpoints").iterdir())
+    assert main(["train", "--resume", str(run)]) == 2
+    assert main(["train", "--supervise", "--resume", str(run)]) == 2
+    assert sorted(p.name for p in (run / "policies" / "other" / "checkpoints").iterdir()) == kept
     # `tailrace report RUN` compares the run's policies
     assert main(["report", str(run), "--out", str(tmp_path / "compare.html")]) == 0
     assert "sums" in (tmp_path / "compare.html").read_text()
