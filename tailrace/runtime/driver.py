@@ -71,9 +71,8 @@ class Summary:
     base_accuracy: float | None
     final_accuracy: float | None
     run_dir: str
-    policies: dict[str, tuple[float | None, float | None]] = field(
-        default_factory=dict
-    )  # name -> (base, final)
+    # a run of several policies: name -> (base accuracy, final accuracy) of each
+    policies: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
 
 class Driver:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tailrace.config import RunConfig, TrainerConfig
 from tailrace.flow.scheduler import Scheduler
@@ -25,6 +26,9 @@ from tailrace.runtime.trainer_worker import TrainerSpec
 from tailrace.runtime.workers import Worker
 from tailrace.types import Trajectory
 
+if TYPE_CHECKING:
+    from tailrace.runtime.session import Session
+
 
 @dataclass
 class PolicyRun:
@@ -32,7 +36,7 @@ class PolicyRun:
     index: int  # p: its versions are engine versions v * P + p
     cfg: RunConfig  # the run's config with the policy's own sections
     sched: Scheduler
-    ses: object  # runtime.session.Session
+    ses: Session
     train_cfg: TrainerConfig  # with the mode's own correction
     run: RunDir  # where its files go
     cadence: checkpoint.Cadence
