@@ -151,7 +151,8 @@ class Scheduler(SchedulerState):
         self.published = {0}  # versions whose weights can be loaded into engines
         self.steps_issued = 0
         self.steps_done = 0
-        self.groups_opened = 0
+        self.groups_opened = 0  # group ids handed out (the next group's id)
+        self.groups_withdrawn = 0  # of them, opened under weights a crash lost: a resume un-opened them
         self.groups_done: Counter = Counter()  # complete groups; with all rewards equal; deferred by shaping
         self.groups_dropped: Counter = Counter()  # reason -> complete groups that left untrained
         self._aborting: set[str] = set()  # aborts sent whose partials have not come back yet

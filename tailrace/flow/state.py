@@ -43,6 +43,7 @@ class SchedulerState:
             )
         return {
             "prompts_taken": self.prompts_taken, "groups_opened": self.groups_opened,
+            "groups_withdrawn": self.groups_withdrawn,
             "version": self.done_version, "steps_done": self.steps_done, "ledger": self.ledger.state_dict(),
             "staleness": dict(self.staleness), "journal_seq": self.journal_seq,
             "groups_done": dict(self.groups_done), "groups_dropped": dict(self.groups_dropped),
@@ -57,6 +58,7 @@ class SchedulerState:
         for _ in range(d["prompts_taken"]):
             next(self._prompts)
         self.prompts_taken, self.groups_opened = d["prompts_taken"], d["groups_opened"]
+        self.groups_withdrawn = d.get("groups_withdrawn", 0)  # older checkpoints lack it
         self.trainer_version = self.done_version = d["version"]
         self.published = {d["version"]}
         for e in self.engines:
@@ -143,6 +145,7 @@ class SchedulerState:
             if g.version > self.done_version:
                 assert not g.done and not g.in_flight
                 del store.open[g.id]
+                self.groups_withdrawn += 1  # its id stays used: the journal names it
                 if not g.deferred:  # a deferred group's prompt is in shaping's queue already
                     self._requeued.append(g.prompt)
         for g in list(store.open.values()):  # cut while samples were in flight that never came back

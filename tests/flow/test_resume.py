@@ -129,12 +129,15 @@ def test_trajectory_records_round_trip_through_json_with_every_field():
     crash_tick=st.integers(5, 120),
     on_disk=st.booleans(),
     zero_signal=st.sampled_from(["train", "replace"]),
+    every=st.sampled_from([1, 2]),
 )
-def test_multiversion_resumes_groups_of_older_versions(seed, crash_tick, on_disk, zero_signal):
+def test_multiversion_resumes_groups_of_older_versions(seed, crash_tick, on_disk, zero_signal, every):
     """A multiversion checkpoint holds open groups of the version before it. Their pending samples are
     dispatched under that version once a kept checkpoint gives it back (`restore_version`); without
-    one the groups start over under the checkpoint's (`restart_groups`). Either way the run ends: no
-    step repeated, no trajectory trained twice, every trajectory of one version within the bound."""
+    one the groups start over under the checkpoint's (`restart_groups`). Groups the journal opened
+    under weights newer than the checkpoint are un-opened, their prompts served again (every=2). Either
+    way the run ends: no step repeated, no trajectory trained twice, every trajectory of one version
+    within the bound."""
     rng = random.Random(seed)
     lengths = {}
 
@@ -147,7 +150,7 @@ def test_multiversion_resumes_groups_of_older_versions(seed, crash_tick, on_disk
 
     s = mv()
     c = ScriptedCluster(s, length, slots=3, train_ticks=3, reward=reward)
-    journal, ckpt = run_until_crash(s, c, 1, crash_tick)
+    journal, ckpt = run_until_crash(s, c, every, crash_tick)
     if ckpt is None or s.done:
         return
     s2 = mv()

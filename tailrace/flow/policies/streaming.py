@@ -103,7 +103,7 @@ class StreamingPolicy(Policy):
         while (
             self.opened_at.get(version, 0) < cap
             and room >= per_group
-            and core.groups_opened < needed
+            and core.groups_opened - core.groups_withdrawn < needed
             and budget > 0
         ):
             g = core.open_group(version)
