@@ -512,6 +512,9 @@ class Driver:
             spec = replace(pol.tspec, resume_from=start, publish_start=False)
             pol.trainer = self.workers.replace(w, trainer_main, spec, self.weights)
             self.recovery.begin(lost, now, replayed=pol.orders.restart(pol.sched.steps_done))
+            # its orders waiting for the shared cores go to the replacement with the rest, once: drawn
+            # from the queue too, they would be trained twice
+            self._waiting_orders = deque((q, o) for q, o in self._waiting_orders if q is not pol)
             return
         i = next(k for k, x in self.engines.items() if x is w)
         loading = self.sched.loading(i)  # asked of the lost process: its replacement starts with them
