@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tailrace.cli.verb import Args
-from tailrace.common import ConfigError, Fault, one_line
+from tailrace.common import ConfigError, Fault, InputError, one_line
 from tailrace.config import RunConfig, dump_config, load_config
 
 # markup off: what tailrace prints is text, and paths and messages may hold [brackets]; a styled line
@@ -90,7 +90,7 @@ def train(args: Args) -> int:
     from tailrace.runtime.driver import with_mode
     from tailrace.runtime.lock import RunLock
     from tailrace.runtime.resume import plan_resume
-    from tailrace.runtime.rundir import RunDir
+    from tailrace.runtime.rundir import RunDir, repair
 
     flags, rest = args.flags, args.rest
     if "--supervise" in flags:
@@ -113,8 +113,22 @@ def train(args: Args) -> int:
         run.create()
     with RunLock(run.path):  # held until the run ends: a second process is refused, naming this one
         resume = None
-        if "--resume" in flags:
-            _refuse_policies(run)
+        if "--resume" in flags and (planned := _plan_policies(run)) is not None:
+            cfg, resume = planned  # a run of several policies: each resumes from its own checkpoint
+            cfg, why = with_mode(cfg)
+            check(cfg)
+            for k, res in enumerate(resume):
+                if isinstance(res, RunDir):  # no checkpoint yet: its records but the base evaluation go
+                    _start_over(res)
+                    console.print(f"{res.path.name}: no checkpoint yet, so it starts over")
+                    resume[k] = None
+                    continue
+                for note in res.commit():
+                    console.print(f"{res.run.path.name}: {note}")
+            repaired = repair(run.file("events.jsonl")).message()  # the engines' timeline
+            if repaired:
+                console.print(repaired)
+        elif "--resume" in flags:
             resume = plan_resume(run)
             cfg, why = with_mode(resume.cfg)  # a config.yaml written with flow.mode null
             check(cfg)
@@ -125,19 +139,53 @@ def train(args: Args) -> int:
         return _train(cfg, run, resume, why)
 
 
-def _refuse_policies(run) -> None:
-    """A run of several policies does not resume yet: said before anything else reads the run (its
-    top-level checkpoints/ is empty, and a resume's own refusal would say to start over)."""
+def _plan_policies(run):
+    """A run of several policies resumes policy by policy, each from its own newest checkpoint
+    (`plan_resume` on policies/<name>/; one that finished waits for the others): (the run's config, each
+    policy's Resume, or its RunDir where it has no checkpoint yet and starts over), or None for a run of
+    one policy. Checked before anything changes; the run's config.yaml must still make each policy's."""
+    from tailrace.config.load import policy_configs
+    from tailrace.runtime import checkpoint
+    from tailrace.runtime.resume import changed_keys, plan_resume
+    from tailrace.runtime.rundir import RunDir
+
     try:
-        policies = load_config(run.file("config.yaml")).policies
+        cfg = load_config(run.file("config.yaml"))
     except ConfigError:
-        return  # the resume's own checks say what is wrong
-    if policies:
-        raise ConfigError(
-            f"--resume {run.path}: a run of several policies does not resume yet; everything it produced is "
-            f"kept: each policy's checkpoints are under {run.path}/policies/<name>/checkpoints (tailrace eval "
-            f"{run.path}/policies/<name>; --model.path=.../step_N/model starts a new run from one)"
+        return None  # the resume's own checks say what is wrong
+    if not cfg.policies:
+        return None
+    resumes = []
+    for name, pc in policy_configs(cfg):
+        pol = RunDir(run.path / "policies" / name)
+        if not checkpoint.step_dirs(pol.ckpt):  # killed before its first checkpoint: it starts over
+            resumes.append(pol)
+            continue
+        res = plan_resume(pol, finished_ok=True)
+        keys = changed_keys(res.cfg, pc)
+        if keys:
+            raise ConfigError(
+                f"--resume {run.path}: its config.yaml changed policy {name}'s {', '.join(keys)} since the run "
+                f"wrote {res.run.file('config.yaml')}; restore them, or start a new run"
+            )
+        resumes.append(res)
+    if all(getattr(r, "finished", False) for r in resumes):
+        raise InputError(
+            f"--resume {run.path}: the run finished (every policy wrote its final evaluation); start a new run "
+            f"(tailrace report {run.path} compares its policies)"
         )
+    return cfg, resumes
+
+
+def _start_over(pol) -> None:
+    """A policy of a run of several that had no checkpoint when the run stopped: it starts over, its
+    base evaluation kept (the same weights), its steps and journal dropped (they are redone)."""
+    from tailrace.records import EvalRecord
+    from tailrace.runtime.rundir import truncate_metrics
+
+    truncate_metrics(pol.file("metrics.jsonl"), lambda r: isinstance(r, EvalRecord) and r.tag == "base")
+    for name in ("journal.jsonl", "events.jsonl"):
+        pol.file(name).write_text("")
 
 
 def _supervise(flags: dict[str, str], rest: list[str]) -> int:
@@ -156,8 +204,6 @@ def _supervise(flags: dict[str, str], rest: list[str]) -> int:
         run_dir = Path(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
         config = ["--config", flags["--config"]] if "--config" in flags else []
         argv = [*config, "--run-dir", str(run_dir), *rest]
-    if cfg.policies:
-        raise ConfigError("--supervise: a run of several policies does not resume yet; drop --supervise")
     return supervise(argv, run_dir, cfg.max_restarts, console.print)
 
 
@@ -236,8 +282,9 @@ def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
 def _continue(run) -> str:
     """How to go on after a run stopped early."""
     from tailrace.runtime.checkpoint import step_dirs
+    from tailrace.runtime.rundir import policy_dirs
 
-    if not step_dirs(run.ckpt):
+    if not step_dirs(run.ckpt) and not policy_dirs(run.path):  # several: a policy without one starts over
         return f"no checkpoint was written yet: start the run again (remove {run.path} or pass another --run-dir)"
     return f"{run.path} keeps everything so far: continue with tailrace train --resume {run.path}"
 
@@ -306,7 +353,11 @@ def _run_dir(args: Args, verb: str) -> Path:
 
 
 def report(args: Args) -> int:
-    args = dataclasses.replace(args, rest=[str(d) for a in args.rest for d in _policy_dirs(Path(a))])
+    from tailrace.runtime.rundir import policy_dirs
+
+    args = dataclasses.replace(
+        args, rest=[str(d) for a in args.rest for d in policy_dirs(Path(a)) or [Path(a)]]
+    )
     if len(args.rest) > 1:
         from tailrace.report.compare import write_comparison
 
@@ -322,13 +373,6 @@ def report(args: Args) -> int:
 
     console.print(f"wrote {write_report(_run_dir(args, 'report'))}")
     return 0
-
-
-def _policy_dirs(run: Path) -> list[Path]:
-    """A run of several policies: its policies' run directories (reported side by side); else the run."""
-    if (run / "metrics.jsonl").exists() or not (run / "policies").is_dir():
-        return [run]
-    return sorted(p for p in (run / "policies").iterdir() if p.is_dir())
 
 
 def _fraction(raw: str, flag: str) -> float:

@@ -81,19 +81,19 @@ class Driver:
         cfg: RunConfig,
         run: RunDir,
         session: Session | list[Session],
-        resume: Resume | None = None,
+        resume: Resume | list[Resume] | None = None,
         ui=None,
         driver_lost: DriverLost | None = None,
     ) -> None:
-        """`session`: the run's, or one per policy of `cfg.policies` (in order). `driver_lost`: how the
-        driver this one resumes died, under `tailrace train --supervise`."""
+        """`session`: the run's, or one per policy of `cfg.policies` (in order); `resume` likewise (each
+        policy resumes from its own newest checkpoint). `driver_lost`: how the driver this one resumes
+        died, under `tailrace train --supervise`."""
         cfg, _ = with_mode(cfg)
         sessions = session if isinstance(session, list) else [session]
         named = policy_configs(cfg)
         if len(named) != len(sessions):
             raise ValueError(f"{len(named)} policies but {len(sessions)} sessions")
         self.cfg, self.run, self.ses, self.ui = cfg, run, sessions[0], ui
-        self.resume = resume
         self.driver_lost = driver_lost if resume is not None else None
         self.layout = sessions[0].flat_layout()
         self.events = RecordFile(run.file("events.jsonl"))
@@ -109,10 +109,14 @@ class Driver:
             cfg.worker_timeout_s, run.file("errors.log"), recover=cfg.max_restarts > 0, hosts=self.hosts
         )
         self.recovery = Recovery(cfg.max_restarts)
-        if resume is not None:
-            self.pols[0].restart_from = resume.checkpoint  # the newest whole checkpoint
-            # the run's kept checkpoints hold older versions' weights too
-            self.pols[0].saved_versions = saved_versions(run.path / "checkpoints")
+        self.resumes: list[Resume | None] = (
+            [None] * len(self.pols) if resume is None else resume if isinstance(resume, list) else [resume]
+        )
+        for pol, res in zip(self.pols, self.resumes):
+            if res is not None:
+                pol.restart_from = res.checkpoint  # the newest whole checkpoint
+                # the policy's kept checkpoints hold older versions' weights too
+                pol.saved_versions = saved_versions(pol.run.ckpt)
         self.tb = _tensorboard(run) if cfg.tensorboard else None
         self._eval_wanted: set[str] = set()  # ids of held-out requests not yet returned
         self._eval_sent: dict[int, tuple[GenRequest, ...]] = {}  # engine -> the held-out requests it got
@@ -179,11 +183,12 @@ class Driver:
         return PolicyRun(name, p, cfg, sched, ses, train_cfg, run, cadence, snapshots, marks=marks)
 
     # ------------------------------------------------------------------ set-up
-    def _older_weights(self, version: int) -> dict[int, Path]:
-        """On resume: the older versions the restored groups' pending samples need (multiversion), from
-        the kept checkpoints holding them; a group whose version no checkpoint holds starts over under
-        `version`, its finished samples discarded (said in a mark and the console)."""
-        sched, pol = self.pols[0].sched, self.pols[0]  # (a run of several policies does not resume yet)
+    def _older_weights(self, pol: PolicyRun, version: int) -> dict[int, Path]:
+        """On resume: the older versions `pol`'s restored groups' pending samples need (multiversion),
+        from its kept checkpoints holding them, by engine version; a group whose version no checkpoint
+        holds starts over under `version`, its finished samples discarded (said in a mark and the
+        console)."""
+        sched = pol.sched
         need = sched.pending_versions() - {version}
         disk, missing = weights_on_disk(sorted(need), lambda v: False, pol.saved_versions)
         if missing:
@@ -193,25 +198,27 @@ class Driver:
                              f"{n} group(s) of them start over under version {version}")  # fmt: skip
         for v in disk:
             sched.restore_version(v)
-        return {v: p / "model" for v, p in disk.items()}
+        return {self.sched.version(pol.index, v): p / "model" for v, p in disk.items()}
 
-    def _start(self, version: int, older: dict[int, Path] | None = None) -> None:
+    def _start(self, versions: list[int], older: dict[int, Path] | None = None) -> None:
+        """Start the workers: policy p's trainer from `versions[p]` (its checkpoint's on resume), the
+        engines holding every policy's start version and the `older` engine versions from disk."""
         cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
         trainer_seat, engine_seats = self.hosts.place(r.engines, r.threads)
         self.device = device = self.hosts.device(cfg.device)
         # each policy's live versions, side by side: policy p's sit in the slots = p (mod P)
         staleness = max(p.cfg.flow.max_staleness for p in self.pols)
         self.weights = self.hosts.ring(self.layout, slots=(staleness + 3) * len(self.pols))
-        for pol in self.pols:
+        for pol, res in zip(self.pols, self.resumes):
             pol.tspec = TrainerSpec(
                 str(ses.model_path), pol.train_cfg, threads=trainer_seat.threads, cores=trainer_seat.cores,
-                seed=pol.cfg.seed, start_version=self.sched.version(pol.index, version),
-                resume_from=str(self.resume.checkpoint) if self.resume else None, device=device,
+                seed=pol.cfg.seed, start_version=self.sched.version(pol.index, versions[pol.index]),
+                resume_from=str(res.checkpoint) if res else None, device=device,
             )  # fmt: skip
             pol.trainer = self.workers.start(pol.worker_name, trainer_main, pol.tspec, self.weights)
         self.expected_context = ses.expected_context(max(r.max_new_tokens, cfg.eval.max_new_tokens))
         self.seats = (trainer_seat, *engine_seats)
-        self.especs = {i: self._engine_spec(seat, version, older) for i, seat in enumerate(engine_seats)}
+        self.especs = {i: self._engine_spec(seat, versions, older) for i, seat in enumerate(engine_seats)}
         # The engines start alongside the trainer (their imports overlap its start-up), gated: each
         # loads its weights (from the ring the trainer fills) and sizes its KV memory once it is up.
         self.engines: dict[int, Worker] = {
@@ -228,13 +235,16 @@ class Driver:
         self.t0 = time.perf_counter()
         self.util = Utilization(self.t0, slots=r.slots * r.engines)
 
-    def _engine_spec(self, seat: Seat, version: int, older: dict[int, Path] | None = None) -> EngineSpec:
-        """`older`: versions it also starts with, from the checkpoint model directories given."""
+    def _engine_spec(
+        self, seat: Seat, versions: list[int], older: dict[int, Path] | None = None
+    ) -> EngineSpec:
+        """`versions`: each policy's start version; `older`: engine versions it also starts with, from
+        the checkpoint model directories given."""
         r, older = self.cfg.rollout, older or {}
         return EngineSpec(
             str(self.ses.model_path), r.slots, r.prefill_tokens, seat.threads, seat.cores, self.cfg.seed,
             self.cfg.model.dtype,
-            start_versions=(*sorted(older), *(self.sched.version(p, version) for p in range(len(self.pols)))),
+            start_versions=(*sorted(older), *(self.sched.version(p, v) for p, v in enumerate(versions))),
             from_disk=tuple((v, str(p)) for v, p in sorted(older.items())),
             attention=r.attention, max_context=r.max_context,
             kv_memory_gb=r.kv_memory_gb, expected_context=self.expected_context, device=self.device, spec=self.spec,
@@ -256,15 +266,16 @@ class Driver:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Summary:
-        version = 0
+        versions = [0] * len(self.pols)
         older: dict[int, Path] = {}
-        if self.resume is not None:
-            self.resume.restore(self.pols[0].sched)
-            version = self.resume.version
-            older = self._older_weights(version)
-        self._start(version, older)
+        for pol, res in zip(self.pols, self.resumes):
+            if res is not None:
+                res.restore(pol.sched)
+                versions[pol.index] = res.version
+                older |= self._older_weights(pol, res.version)
+        self._start(versions, older)
         if self.driver_lost is not None:  # resumed by the supervisor: the driver's own recovery
-            self._note(self.driver_lost.mark(self._now(), self.pols[0].sched.steps_done))
+            self._note(self.driver_lost.mark(self._now(), sum(p.sched.steps_done for p in self.pols)))
         for p in self.pols:
             p.cadence.saved(p.sched.steps_done, 0.0)
         evaluators = [Evaluator(p.ses, p.cfg.eval) if p.cfg.eval.n else None for p in self.pols]
@@ -272,7 +283,9 @@ class Driver:
         for p, evaluator in zip(self.pols, evaluators):
             base = self._recorded_eval(p, "base")
             if base is None and evaluator is not None:
-                base = self._evaluate(p, evaluator, "base", self.sched.version(p.index, version), wall_s=0.0)
+                base = self._evaluate(
+                    p, evaluator, "base", self.sched.version(p.index, versions[p.index]), wall_s=0.0
+                )
             bases.append(base)
             p.snapshots = Snapshots(p.run.path, p.snapshots.every, p.sched.steps_done)
         # utilization counts from here: the base evaluation is not part of the training timeline
@@ -297,7 +310,8 @@ class Driver:
         if any(evaluators):
             self._load_final()
         for k, (p, evaluator) in enumerate(zip(self.pols, evaluators)):
-            if evaluator is not None:
+            finals[k] = self._recorded_eval(p, "final")  # a policy of several that finished before a resume
+            if evaluator is not None and finals[k] is None:
                 final_v = self.sched.version(p.index, p.sched.done_version)
                 finals[k] = self._evaluate(p, evaluator, "final", final_v, p.last_wall)
                 self._evaluate_snapshots(p, evaluator)
@@ -562,7 +576,7 @@ class Driver:
         r = self.cfg.rollout
         eid = self.sched.add_engine(r.slots, r.lookahead)
         cores = a.cores if a.actor else a.cores or self._join_cores()  # a Ray actor: Ray placed it
-        spec = replace(self._engine_spec(Seat(cores, r.threads), 0), start_versions=())
+        spec = replace(self._engine_spec(Seat(cores, r.threads), []), start_versions=())
         started = Started(self.hosts.joined(a), a.conns["messages"], Heard(a.conns["beats"]))
         w = self.workers.adopt(f"engine{eid}", started, elastic=True)
         self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.layout.buffer.dtype))

@@ -62,6 +62,7 @@ class Resume:
     cut: int | None  # journal line (1-based) from which the rest is quarantined; None: none lost
     damaged: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints, and why
     changed: list[str] = field(default_factory=list)  # keys of MAY_CHANGE that changed
+    finished: bool = False  # a policy of several that finished (its final evaluation recorded)
 
     @property
     def version(self) -> int:
@@ -85,7 +86,10 @@ class Resume:
             self.run.file("metrics.jsonl"),
             lambda r: r.step < done if isinstance(r, StepRecord) else r.step <= done,
         )
-        notes.append(f"resuming from checkpoint {self.checkpoint.name} (step {done})")
+        if self.finished:
+            notes.append(f"finished at step {done}: it waits for the others")
+        else:
+            notes.append(f"resuming from checkpoint {self.checkpoint.name} (step {done})")
         if self.changed:
             notes.append(f"with config.yaml changed in {', '.join(self.changed)}")
         return [n for n in notes if n]
@@ -107,8 +111,10 @@ class Resume:
             ) from None
 
 
-def plan_resume(run: RunDir) -> Resume:
-    """Check everything a resume of `run` reads; raise `InputError` (one line) where it cannot go on."""
+def plan_resume(run: RunDir, finished_ok: bool = False) -> Resume:
+    """Check everything a resume of `run` reads; raise `InputError` (one line) where it cannot go on.
+    `finished_ok`: a finished run is planned too (`Resume.finished`), from its last checkpoint (a policy
+    of several that finished before the others)."""
     try:
         cfg = load_config(run.file("config.yaml"))
     except ConfigError as e:
@@ -120,7 +126,7 @@ def plan_resume(run: RunDir) -> Resume:
             for r in read_metrics(run.file("metrics.jsonl"))
             if isinstance(r, EvalRecord) and r.tag == "final"
         ]
-        if final:
+        if final and not finished_ok:
             raise InputError(
                 f"--resume {run.path}: the run finished (held-out accuracy {final[-1].accuracy:.1%} after "
                 f"step {final[-1].step}); start a new run (tailrace report {run.path} reports this one)"
@@ -129,7 +135,7 @@ def plan_resume(run: RunDir) -> Resume:
         changed = _changed(run, chosen, cfg)
         state = json.loads((chosen / checkpoint.SCHEDULER).read_text())
         tail, cut = _journal_after(run.file("journal.jsonl"), state["journal_seq"])
-    return Resume(run, cfg, chosen, state, tail, cut, damaged, changed)
+    return Resume(run, cfg, chosen, state, tail, cut, damaged, changed, finished=bool(final))
 
 
 def _newest_whole(run: RunDir) -> tuple[Path, list[tuple[Path, str]]]:
@@ -166,6 +172,12 @@ def _changed(run: RunDir, ckpt: Path, cfg: RunConfig) -> list[str]:
             "may change)"
         )
     return changed
+
+
+def changed_keys(then: RunConfig, now: RunConfig) -> list[str]:
+    """The keys whose values differ between two configs, but those a resume may see changed."""
+    a, b = _flat(dataclasses.asdict(then)), _flat(dataclasses.asdict(now))
+    return [k for k in b if b[k] != a.get(k) and k not in MAY_CHANGE]
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:

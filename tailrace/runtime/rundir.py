@@ -166,3 +166,11 @@ class RunDir:
             f"--run-dir {self.path} already holds a run; continue it with tailrace train --resume "
             f"{self.path}, or pass another --run-dir"
         )
+
+
+def policy_dirs(run: Path) -> list[Path]:
+    """A run of several policies: each policy's run directory (policies/<name>/); a run of one: none."""
+    root = Path(run) / "policies"
+    if (Path(run) / "metrics.jsonl").exists() or not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir())

@@ -31,6 +31,7 @@ from typing import Callable
 from tailrace.records import EvalRecord, Mark, read_metrics
 from tailrace.runtime.health import Lost, exit_reason
 from tailrace.runtime.recovery import Recovery
+from tailrace.runtime.rundir import policy_dirs
 
 LOST_ENV = "TAILRACE_DRIVER_LOST"
 FAULT = 3  # the CLI's exit code for a fault (tailrace/cli/__init__.py)
@@ -132,7 +133,11 @@ def supervise(argv: list[str], run_dir: Path, max_restarts: int, say: Callable[[
 
 
 def finished(run_dir: Path) -> bool:
-    """The run wrote its final evaluation (what `--resume` refuses as finished: runtime/resume.py)."""
+    """The run wrote its final evaluation, every policy of several its own (what `--resume` refuses as
+    finished: runtime/resume.py, cli/commands.py)."""
+    policies = policy_dirs(run_dir)
+    if policies:
+        return all(finished(p) for p in policies)
     if not (run_dir / "metrics.jsonl").is_file():
         return False
     with warnings.catch_warnings():
@@ -151,6 +156,10 @@ def _driver_recoveries(run_dir: Path) -> int:
 
 
 def _steps_recorded(run_dir: Path) -> int:
+    """Step records written so far, every policy's."""
+    policies = policy_dirs(run_dir)
+    if policies:
+        return sum(_steps_recorded(p) for p in policies)
     try:
         return (run_dir / "metrics.jsonl").read_text(errors="replace").count('"kind":"step"')
     except OSError:

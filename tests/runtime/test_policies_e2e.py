@@ -54,7 +54,7 @@ def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp
     assert strip == [
         {k: v for k, v in r.items() if k != "time"} for r in records(run / "policies" / "sums", "step")
     ]
-    # it does not resume yet: refused before anything reads or changes the run, which keeps everything
+    # every policy finished: a resume is refused before anything changes the run
     kept = sorted(p.name for p in (run / "policies" / "other" / "checkpoints").iterdir())
     assert main(["train", "--resume", str(run)]) == 2
     assert main(["train", "--supervise", "--resume", str(run)]) == 2
@@ -124,3 +124,124 @@ def test_a_lost_engine_and_a_lost_trainer_leave_every_policy_exact(tiny_model, t
     assert got == [("engine0", "died"), ("trainer-b", "died")]
     for name in ("a", "b"):
         assert_exact(run / "policies" / name, steps=6)
+
+
+POLICIES = "[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion, steps: 6}}]"
+RESUMABLE = [
+    *TINY_RUN,
+    "--flow.mode=sync",
+    "--flow.checkpoint_every=2",
+    "--flow.keep_checkpoints=3",
+    "--train.loss.kl_coef=0.01",
+]
+
+
+@pytest.fixture(scope="module")
+def two_policies(tiny_model, tmp_path_factory) -> Path:
+    """A whole run of two policies: a (sync, 4 steps) and b (multiversion, 6 steps), a checkpoint every 2
+    steps. Copy it before changing anything in it."""
+    run = tmp_path_factory.mktemp("two") / "run"
+    argv = ["train", f"--run-dir={run}", f"--model.path={tiny_model}", *RESUMABLE, f"--policies={POLICIES}"]
+    assert main(argv) == 0
+    return run
+
+
+def unfinish_policy(pol: Path, keep: int) -> None:
+    """Make a finished policy look killed with `keep` checkpoints left (0: none, so it starts over): its
+    final evaluation and newer checkpoints gone; its journal and metrics keep what the lost steps wrote."""
+    import shutil
+
+    metrics = pol / "metrics.jsonl"
+    metrics.write_text("".join(l for l in metrics.read_text().splitlines(True) if '"tag":"final"' not in l))
+    for ckpt in sorted((pol / "checkpoints").glob("step_*"))[keep:]:
+        shutil.rmtree(ckpt)
+
+
+@pytest.mark.parametrize("a_left", ["none", "finished"])
+def test_a_run_of_several_policies_resumes_policy_by_policy(two_policies, tmp_path, capsys, a_left):
+    """Each policy resumes from its own newest checkpoint: b from step 2 of 6 (journal tail replayed),
+    while a, killed before its first checkpoint, starts over (its seeded sync steps come out identical
+    to the run that never stopped), or, finished already, waits for b untouched."""
+    import shutil
+
+    from tests.runtime.test_recovery import assert_exact
+
+    run = shutil.copytree(two_policies, tmp_path / "run")
+    before = {n: (run / "policies" / n / "metrics.jsonl").read_text() for n in ("a", "b")}
+    (run / "run.lock").unlink(missing_ok=True)
+    unfinish_policy(run / "policies" / "b", keep=1)
+    if a_left == "none":
+        unfinish_policy(run / "policies" / "a", keep=0)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "b: resuming from checkpoint step_000002 (step 2)" in out
+    if a_left == "none":
+        assert "a: no checkpoint yet, so it starts over" in out
+    else:
+        assert "a: finished at step 4: it waits for the others" in out
+        assert (run / "policies" / "a" / "metrics.jsonl").read_text() == before["a"]
+    for name, steps in (("a", 4), ("b", 6)):
+        d = run / "policies" / name
+        assert_exact(d, steps)
+        evals = [r["tag"] for r in records(d, "eval")]
+        assert sorted(evals) == ["base", "final"], evals
+    strip = lambda recs: [{k: v for k, v in r.items() if k != "time"} for r in recs]  # noqa: E731
+    a_then = [json.loads(l) for l in before["a"].splitlines() if '"kind":"step"' in l]
+    assert strip(records(run / "policies" / "a", "step")) == strip(a_then)
+
+
+def test_a_resume_of_several_policies_refuses_an_edited_policy_and_a_finished_run(two_policies, tmp_path):
+    import shutil
+
+    from tailrace.cli.commands import _plan_policies
+    from tailrace.runtime.rundir import RunDir
+
+    run = shutil.copytree(two_policies, tmp_path / "run")
+    (run / "run.lock").unlink(missing_ok=True)
+    kept = sorted(p.name for p in (run / "policies" / "b" / "checkpoints").iterdir())
+    assert main(["train", "--resume", str(run)]) == 2  # every policy finished
+    unfinish_policy(run / "policies" / "b", keep=1)
+    cfg = (run / "config.yaml").read_text()
+    assert "steps: 6" in cfg
+    (run / "config.yaml").write_text(cfg.replace("steps: 6", "steps: 7"))
+    with pytest.raises(ConfigError, match=r"changed policy b's flow\.steps since the run wrote"):
+        _plan_policies(RunDir(run))
+    assert main(["train", "--resume", str(run)]) == 2
+    assert sorted(p.name for p in (run / "policies" / "b" / "checkpoints").iterdir()) == kept[:1]
+
+
+def test_a_supervised_run_of_several_policies_survives_its_driver_killed(tiny_model, tmp_path):
+    """`--supervise`: the driver killed with -9 mid-run is resumed, each policy from its own checkpoint
+    (or from the start), and every policy ends exact."""
+    import os
+    import signal
+
+    from tests.runtime.conftest import start_cli, wait_for_steps
+    from tests.runtime.test_faults import finish
+    from tests.runtime.test_recovery import assert_exact, recoveries
+    from tests.runtime.test_supervise import children, stop
+
+    run = tmp_path / "run"
+    policies = "[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion, steps: 8}}]"
+    p = start_cli(
+        "train", "--supervise", f"--run-dir={run}", f"--model.path={tiny_model}", *RESUMABLE, "--flow.steps=6",
+        f"--policies={policies}",
+    )  # fmt: skip
+    try:
+        wait_for_steps(run / "policies" / "b", p, 3)
+        (driver,) = children(p.pid)
+        os.kill(driver, signal.SIGKILL)
+        rc, out = finish(p, timeout=240)
+    finally:
+        stop(p)
+    assert rc == 0, out
+    assert [line for line in out.splitlines() if line.startswith("supervisor: ")] == [
+        f"supervisor: the driver process died (killed by SIGKILL: out of memory?); resuming it from {run} "
+        "(restart 1 of at most 3 within the hour)"
+    ], out
+    (m,) = recoveries(run)
+    assert (m.data["worker"], m.data["cause"]) == ("driver", "died")
+    for name, steps in (("a", 6), ("b", 8)):
+        assert_exact(run / "policies" / name, steps)
+        assert [r["tag"] for r in records(run / "policies" / name, "eval")].count("final") == 1
