@@ -104,8 +104,6 @@ def check_policies(cfg: RunConfig) -> None:
     shared = [
         (r.backend != "tailrace", f"rollout.backend={r.backend}: the engines must hold several policies' "
                                   "weights at once; use rollout.backend=tailrace"),
-        (r.spec.drafter != "none", f"rollout.spec.drafter={r.spec.drafter}: drafters serve one policy; "
-                                   "set rollout.spec.drafter=none"),
         (cfg.runtime.kind != "local", f"runtime.kind={cfg.runtime.kind}: several policies run on the local "
                                       "runtime; set runtime.kind=local"),
     ]  # fmt: skip

@@ -677,9 +677,9 @@ class Driver:
                 )
         pre = [r for r in mine if self.sched.is_pregen(r.request_id)]
         if pre:  # the next round's prompts, generated in this round's bubble: drafts, not samples
-            self.sched.on_results(rep.engine, pre, [], self._now())  # (one policy: pregen refuses several)
+            self.sched.on_results(rep.engine, pre, [], self._now())
             mine = [r for r in mine if not self.sched.is_pregen(r.request_id)]
-            done = self.pols[0].sched.take_pregen()
+            done = [d for p in self.pols for d in p.sched.take_pregen()]
             self._relay_history(rep.engine, [p for p, r in done if r.finish != Finish.ABORTED],
                                 [r for r in pre if r.finish != Finish.ABORTED])  # fmt: skip
             partial = [(p, r) for p, r in done if r.finish == Finish.ABORTED]  # no engine kept these
@@ -765,6 +765,11 @@ class Driver:
         pol.metrics.write(record)
         return record
 
+    def _own_version(self, p: int, g: int) -> int | None:
+        """Policy p's version of engine version `g`, None where `g` is another policy's."""
+        q, v = self.sched.policy_version(g)
+        return v if q == p else None
+
     def _step_record(
         self, pol: PolicyRun, rep: TrainerReport, trajs: list[Trajectory], trainer_version: int, now: float
     ) -> StepRecord:
@@ -778,7 +783,9 @@ class Driver:
             driver_cpu_s=cpu - self._cpu_mark,
         )
         if self.spec is not None:  # the toggle's choices follow the engines' timings: "time" figures
-            timing.update(self.spec_tally.take())
+            # (acceptance by version: the policy's own versions; with several, the rest stay for theirs)
+            own = None if len(self.pols) == 1 else partial(self._own_version, pol.index)
+            timing.update(self.spec_tally.take(own))
         self._cpu_mark = cpu
         pol.last_wall = timing["wall_s"]
         tool_errors = None

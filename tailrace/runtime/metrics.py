@@ -8,6 +8,7 @@ compared exactly on the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tailrace.metrics import length_stats, percentile, speculation, staleness_hist, utilization
 
@@ -55,8 +56,14 @@ class SpecTally:
             c[1] += a
         self.train = (self.train[0] + train[0], self.train[1] + train[1])
 
-    def take(self) -> dict:
-        """The figures of the window, which starts anew."""
-        out = speculation(*self.counts, by_version=self.by_version, train=self.train)
-        self.counts, self.by_version, self.train = [0, 0, 0, 0], {}, (0, 0.0)
+    def take(self, own: Callable[[int], int | None] | None = None) -> dict:
+        """The figures of the window, which starts anew. `own` (a run of several policies): the record's
+        policy's version of an engine version, None for another policy's, whose counts by version stay
+        for that policy's record."""
+        mine, rest = self.by_version, {}
+        if own is not None:
+            mine = {own(v): c for v, c in self.by_version.items() if own(v) is not None}
+            rest = {v: c for v, c in self.by_version.items() if own(v) is None}
+        out = speculation(*self.counts, by_version=mine, train=self.train)
+        self.counts, self.by_version, self.train = [0, 0, 0, 0], rest, (0, 0.0)
         return out

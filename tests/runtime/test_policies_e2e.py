@@ -90,8 +90,6 @@ def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
         load("[{name: a}, {name: b, flow: {mode: nope}}]")
     with pytest.raises(ConfigError, match=r"policies \(a\): .* task\.name=chaincalc: a multi-turn task"):
         load("[{name: a, task: {name: chaincalc}}]")
-    with pytest.raises(ConfigError, match=r"rollout\.spec\.drafter=history"):
-        load("[{name: a}]", "--rollout.spec.drafter=history")
     named = policy_configs(load_config(None, ["--policies=[{name: a, train: {lr: 0.001}}, {name: b}]"]))
     assert [(n, c.train.lr, c.policies) for n, c in named] == [("a", 0.001, []), ("b", None, [])]
 
@@ -245,3 +243,33 @@ def test_a_supervised_run_of_several_policies_survives_its_driver_killed(tiny_mo
     for name, steps in (("a", 6), ("b", 8)):
         assert_exact(run / "policies" / name, steps)
         assert [r["tag"] for r in records(run / "policies" / name, "eval")].count("final") == 1
+
+
+def test_drafters_serve_several_policies_and_change_no_recorded_figure_but_time(tiny_model, tmp_path):
+    """Two seeded sync policies, without and with the history drafter (toggle off: every decode row
+    drafts; bubble pre-generation on): speculation is exact, so each policy's step records are the
+    same but for `time`, whose acceptance by version is the policy's own versions."""
+    runs = {}
+    for arm, spec in (("off", []), ("spec", ["--rollout.spec.drafter=history", "--rollout.spec.toggle=false",
+                                             "--rollout.spec.pregen_below=1.0"])):  # fmt: skip
+        run = tmp_path / arm
+        argv = ["train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=sync"]
+        policies = "[{name: a}, {name: b, task: {seed: 5}}]"
+        assert (
+            main([*argv, "--flow.steps=3", "--flow.zero_signal=train", f"--policies={policies}", *spec]) == 0
+        )
+        runs[arm] = {n: records(run / "policies" / n, "step") for n in ("a", "b")}
+    for name in ("a", "b"):
+        off, on = runs["off"][name], runs["spec"][name]
+        assert [{k: v for k, v in r.items() if k != "time"} for r in off] == [
+            {k: v for k, v in r.items() if k != "time"} for r in on
+        ]
+        t = [r["time"] for r in on]
+        assert sum(x["spec_drafted"] for x in t) > 0 and sum(x["spec_accepted"] for x in t) > 0
+        for r, x in zip(on, t):  # sync: a step's samples are of the policy's version before it
+            assert set(x["spec_by_version"]) <= {str(r["version"] - 1)}
+    events = [
+        json.loads(l)
+        for l in (tmp_path / "spec" / "policies" / "a" / "events.jsonl").read_text().splitlines()
+    ]
+    assert any(e.get("kind") == "pregen" for e in events)  # the next round's prompts, drafted in a bubble
