@@ -233,7 +233,8 @@ class Driver:
             self.run.path, *self.hosts.desk()
         )  # engines may join (tailrace engine join) and leave
         self.t0 = time.perf_counter()
-        self.util = Utilization(self.t0, slots=r.slots * r.engines)
+        for p in self.pols:
+            p.util = Utilization(self.t0, slots=r.slots * r.engines)
 
     def _engine_spec(
         self, seat: Seat, versions: list[int], older: dict[int, Path] | None = None
@@ -289,8 +290,9 @@ class Driver:
             bases.append(base)
             p.snapshots = Snapshots(p.run.path, p.snapshots.every, p.sched.steps_done)
         # utilization counts from here: the base evaluation is not part of the training timeline
-        self.util = Utilization(time.perf_counter(), slots=self.util.slots)
-        self._cpu_mark = time.process_time()
+        for p in self.pols:
+            p.util = Utilization(time.perf_counter(), slots=p.util.slots)
+            p.cpu_mark = time.process_time()
         if self.ui is not None:
             steps = sum(p.sched.spec.total_steps for p in self.pols)
             self.ui.begin(
@@ -582,7 +584,8 @@ class Driver:
         self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.layout.buffer.dtype))
         serve_weights(a.conns["weights"], self.weights)
         self.engines[eid], self.especs[eid] = w, spec
-        self.util.slots += r.slots
+        for p in self.pols:
+            p.util.slots += r.slots
         data = {
             "engine": eid,
             "pid": a.pid,
@@ -601,7 +604,8 @@ class Driver:
             return
         requeued = self.sched.remove_engine(eid, self._now())
         self.workers.retire(self.engines.pop(eid))
-        self.util.slots -= self.cfg.rollout.slots
+        for p in self.pols:
+            p.util.slots -= self.cfg.rollout.slots
         wanted = tuple(r for r in self._eval_sent.pop(eid, ()) if r.id in self._eval_wanted)
         if wanted and self.engines:  # (a joined engine died during an evaluation) another answers them
             other = next(iter(self.engines))
@@ -642,9 +646,10 @@ class Driver:
 
     def _on_engine_report(self, rep: EngineReport) -> None:
         st = rep.stats
-        self.util.slot_time += st.slot_s
-        self.util.engine_busy += st.busy_s
-        self.util.gen_tokens += st.decode_tokens
+        for p in self.pols:  # the shared engines' figures go to every policy's windows
+            p.util.slot_time += st.slot_s
+            p.util.engine_busy += st.busy_s
+            p.util.gen_tokens += st.decode_tokens
         self.spec_tally.add(st.spec, st.spec_versions, st.train)
         self.sched.on_engine_steps(st.steps, st.decode_tokens, st.prefill_tokens, st.busy_s)
         lane = f"engine{rep.engine}"
@@ -724,13 +729,13 @@ class Driver:
         if rep.replay:  # a replacement redoing a step already counted
             self.events.write(Span(pol.worker_name, "replay", t0 - self.t0, t1 - self.t0, step=rep.step))
             return
-        self.util.trainer_busy += t1 - t0
-        self.util.train_tokens += int(rep.metrics.get("tokens", 0))
+        pol.util.trainer_busy += t1 - t0  # its own trainer's
+        pol.util.train_tokens += int(rep.metrics.get("tokens", 0))
         self.events.write(Span(pol.worker_name, "train", t0 - self.t0, t1 - self.t0, step=rep.step))
         published = None if rep.published is None else self.sched.policy_version(rep.published)[1]
         if rep.sync_span:
             s0, s1 = rep.sync_span
-            self.util.sync_time += s1 - s0
+            pol.util.sync_time += s1 - s0
             self.events.write(Span(pol.worker_name, "sync", s0 - self.t0, s1 - self.t0, version=published))
         sched = pol.sched
         sched.on_train_step([t.length for t in pol.pending_trajs[rep.step][1]], t1 - t0)
@@ -774,19 +779,19 @@ class Driver:
         self, pol: PolicyRun, rep: TrainerReport, trajs: list[Trajectory], trainer_version: int, now: float
     ) -> StepRecord:
         m = rep.metrics
-        timing = self.util.snapshot(now + self.t0)
+        timing = pol.util.snapshot(now + self.t0)  # since the policy's previous step record
         cpu = time.process_time()
         timing.update(
             train_s=rep.span[1] - rep.span[0],
             weight_sync_s=m.pop("weight_sync_s", 0.0),
             trainer_step_s=m.pop("time_s", 0.0),
-            driver_cpu_s=cpu - self._cpu_mark,
+            driver_cpu_s=cpu - pol.cpu_mark,
         )
         if self.spec is not None:  # the toggle's choices follow the engines' timings: "time" figures
             # (acceptance by version: the policy's own versions; with several, the rest stay for theirs)
             own = None if len(self.pols) == 1 else partial(self._own_version, pol.index)
             timing.update(self.spec_tally.take(own))
-        self._cpu_mark = cpu
+        pol.cpu_mark = cpu
         pol.last_wall = timing["wall_s"]
         tool_errors = None
         if self.tools is not None:

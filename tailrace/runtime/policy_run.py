@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tailrace.config import RunConfig, TrainerConfig
 from tailrace.flow.scheduler import Scheduler
 from tailrace.runtime import checkpoint
+from tailrace.runtime.metrics import Utilization
 from tailrace.runtime.orders import TrainOrders
 from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.snapshots import Snapshots
@@ -50,6 +51,10 @@ class PolicyRun:
     saved_versions: dict[int, Path] = field(default_factory=dict)  # its version -> a checkpoint holding it
     restart_from: Path | None = None  # its newest whole checkpoint
     last_wall: float = 0.0  # the newest step record's wall_s: when its newest weights were published
+    # its step records' time figures, each over the window since its previous record: the shared
+    # engines' (every policy's windows get them) and its own trainer's; the driver's CPU likewise
+    util: Utilization | None = None
+    cpu_mark: float = 0.0
     trainer: Worker | None = None
     tspec: TrainerSpec | None = None
 

@@ -44,6 +44,13 @@ def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp
         if name == "sums":
             assert evals["periodic"]["step"] == 2 and evals["periodic"]["version"] == st[1]["version"]
         assert (d / "config.yaml").is_file()
+        # each step record's time figures are over the window since the policy's own previous record:
+        # its windows tile its timeline, and its trained tokens are its own trainer's
+        t = [r["time"] for r in st]
+        assert sum(x["step_s"] for x in t) == pytest.approx(t[-1]["wall_s"], rel=1e-6)
+        assert sum(x["train_tok_s"] * x["step_s"] for x in t) == pytest.approx(
+            sum(r["train"]["tokens"] for r in st), rel=1e-6
+        )
         ckpt = sorted((d / "checkpoints").glob("step_*"))[-1]
         assert ckpt.name == f"step_{steps:06d}" and (ckpt / "model" / "model.safetensors").is_file()
     # a seeded sync policy is the same run beside another policy as alone: its requests' tokens do not
