@@ -88,8 +88,13 @@ def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
         load("[{name: a, task: {sed: 1}}]")
     with pytest.raises(ConfigError, match=r"policies \(b\): flow\.mode='nope': choose one of"):
         load("[{name: a}, {name: b, flow: {mode: nope}}]")
-    with pytest.raises(ConfigError, match=r"policies \(a\): .* task\.name=chaincalc: a multi-turn task"):
-        load("[{name: a, task: {name: chaincalc}}]")
+    with pytest.raises(ConfigError, match=r"policies\[1\]\.task\.tool_threads: the run's"):
+        load("[{name: a}, {name: b, task: {name: chaincalc, tool_threads: 2}}]")  # the driver's one pool
+    with pytest.raises(ConfigError, match=r"policies \(b\): task\.name=chaincalc is multi-turn .* shaping"):
+        load("[{name: a}, {name: b, task: {name: chaincalc}, shaping: {name: darts}}]")
+    with pytest.raises(ConfigError, match=r"policies \(a\): .* train\.world_size=2 yet"):
+        load("[{name: a, train: {world_size: 2}}]")
+    load("[{name: a}, {name: b, task: {name: chaincalc}}]")  # a multi-turn policy beside a single-turn one
     with pytest.raises(ConfigError, match=r"rollout\.spec\.drafter=history"):
         load("[{name: a}]", "--rollout.spec.drafter=history")
     named = policy_configs(load_config(None, ["--policies=[{name: a, train: {lr: 0.001}}, {name: b}]"]))
