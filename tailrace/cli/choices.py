@@ -98,7 +98,6 @@ def check_policies(cfg: RunConfig) -> None:
     """A run of several policies: each policy's config checked as a run's, and what such a run does
     not do yet refused, in one line naming the key."""
     from tailrace.config.load import policy_configs
-    from tailrace.tasks.registry import multi_turn
 
     r = cfg.rollout
     shared = [
@@ -111,15 +110,11 @@ def check_policies(cfg: RunConfig) -> None:
         if bad:
             raise ConfigError(f"policies: a run of several policies does not take {why}")
     for name, pc in policy_configs(cfg):
-        each = [
-            (pc.train.world_size > 1, f"train.world_size={pc.train.world_size}: one trainer process per "
-                                      "policy (train.world_size=1)"),
-            (multi_turn(pc.task.name), f"task.name={pc.task.name}: a multi-turn task; give each policy a "
-                                       "single-turn task"),
-        ]  # fmt: skip
-        for bad, why in each:
-            if bad:
-                raise ConfigError(f"policies ({name}): a run of several policies does not take {why} yet")
+        if pc.train.world_size > 1:
+            raise ConfigError(
+                f"policies ({name}): a run of several policies does not take train.world_size="
+                f"{pc.train.world_size} yet: one trainer process per policy (train.world_size=1)"
+            )
         try:
             check(pc)
         except ConfigError as e:

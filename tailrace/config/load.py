@@ -182,7 +182,12 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 # what a policy of a several-policy run may set for itself; the rest (model, rollout, runtime, ...)
 # is the run's: the engines it shares hold every policy's weights in the one model's layout
 POLICY_SECTIONS = ("task", "flow", "shaping", "store", "train", "eval", "seed")
-RUN_WIDE_FLOW = ("time_limit_s", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "share")
+# the keys of those sections that are still the run's: its clock and checkpoints, how the policies
+# share the trainer's cores, the driver's one tool pool (every multi-turn policy's tools run there)
+RUN_WIDE = {
+    "flow": ("time_limit_s", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "share"),
+    "task": ("tool_threads",),
+}
 
 
 def policy_configs(cfg: Any, sections: tuple[str, ...] = POLICY_SECTIONS) -> list[tuple[str, Any]]:
@@ -210,10 +215,10 @@ def policy_configs(cfg: Any, sections: tuple[str, ...] = POLICY_SECTIONS) -> lis
                     f"{where}.{key}: a policy sets only {', '.join(sections)}; {key} is the run's, "
                     f"shared by every policy: set it outside policies"
                 )
-            if key == "flow" and isinstance(value, dict):
-                for k in set(value) & set(RUN_WIDE_FLOW):
+            if isinstance(value, dict):
+                for k in sorted(set(value) & set(RUN_WIDE.get(key, ()))):
                     raise ConfigError(
-                        f"{where}.flow.{k}: the run's, not a policy's: set flow.{k} outside policies"
+                        f"{where}.{key}.{k}: the run's, not a policy's: set {key}.{k} outside policies"
                     )
         over = {k: v for k, v in entry.items() if k != "name"}
         try:

@@ -52,7 +52,10 @@ class TaskConfig:
         "multi-turn tasks (chaincalc): turns per trajectory at most (tool calls + 1); a call past it "
         "ends the trajectory unanswered",
     )
-    tool_threads: int = setting(4, "multi-turn tasks: threads of the driver's tool pool (tools run there)")
+    tool_threads: int = setting(
+        4,
+        "multi-turn tasks: threads of the driver's tool pool (tools run there); the run's, one pool for every policy",
+    )
 
     def __post_init__(self) -> None:
         need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")

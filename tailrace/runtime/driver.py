@@ -93,9 +93,9 @@ class Driver:
         named = policy_configs(cfg)
         if len(named) != len(sessions):
             raise ValueError(f"{len(named)} policies but {len(sessions)} sessions")
-        self.cfg, self.run, self.ses, self.ui = cfg, run, sessions[0], ui
+        self.cfg, self.run, self.ui = cfg, run, ui
         self.driver_lost = driver_lost if resume is not None else None
-        self.layout = sessions[0].flat_layout()
+        self.layout = sessions[0].flat_layout()  # the run's model: every policy's weights in one layout
         self.events = RecordFile(run.file("events.jsonl"))
         self.pols = [self._policy(p, name, with_mode(pc)[0], ses) for p, ((name, pc), ses) in
                      enumerate(zip(named, sessions))]  # fmt: skip
@@ -129,11 +129,13 @@ class Driver:
             sp.drafter, sp.toggle, sp.min_speedup, sp.gamma_min, sp.gamma_max, sp.train_s
         )  # fmt: skip
         self.spec_tally = SpecTally()
-        self.tools = ToolPool(cfg.task.tool_threads) if self.ses.env is not None else None
-        self.tool_errors = 0  # tool calls that failed since the last step record
+        # multi-turn tasks (any policy's): one pool runs every policy's tools (task.tool_threads: the run's)
+        multi = any(p.ses.env is not None for p in self.pols)
+        self.tools = ToolPool(cfg.task.tool_threads) if multi else None
         # multi-turn: the engines' context limit, and each parked sample's room in it for an answer
-        self.context = r.max_context or self.ses.model_cfg.max_position_embeddings
+        self.context = r.max_context or sessions[0].model_cfg.max_position_embeddings
         self._room: dict[str, int] = {}
+        self._eval_ses: Session = sessions[0]  # the session of the policy being evaluated
         self._eval_reqs: dict[str, tuple[Prompt, GenRequest]] = {}  # held-out id -> its prompt and request
         self._eval_calls: dict[str, int] = {}  # held-out id -> tool calls answered (multi-turn)
         self.desk: Desk | None = None
@@ -203,20 +205,22 @@ class Driver:
     def _start(self, versions: list[int], older: dict[int, Path] | None = None) -> None:
         """Start the workers: policy p's trainer from `versions[p]` (its checkpoint's on resume), the
         engines holding every policy's start version and the `older` engine versions from disk."""
-        cfg, ses, r = self.cfg, self.ses, self.cfg.rollout
+        r = self.cfg.rollout
         trainer_seat, engine_seats = self.hosts.place(r.engines, r.threads)
-        self.device = device = self.hosts.device(cfg.device)
+        self.device = device = self.hosts.device(self.cfg.device)
         # each policy's live versions, side by side: policy p's sit in the slots = p (mod P)
         staleness = max(p.cfg.flow.max_staleness for p in self.pols)
         self.weights = self.hosts.ring(self.layout, slots=(staleness + 3) * len(self.pols))
         for pol, res in zip(self.pols, self.resumes):
             pol.tspec = TrainerSpec(
-                str(ses.model_path), pol.train_cfg, threads=trainer_seat.threads, cores=trainer_seat.cores,
+                str(pol.ses.model_path), pol.train_cfg, threads=trainer_seat.threads, cores=trainer_seat.cores,
                 seed=pol.cfg.seed, start_version=self.sched.version(pol.index, versions[pol.index]),
                 resume_from=str(res.checkpoint) if res else None, device=device,
             )  # fmt: skip
             pol.trainer = self.workers.start(pol.worker_name, trainer_main, pol.tspec, self.weights)
-        self.expected_context = ses.expected_context(max(r.max_new_tokens, cfg.eval.max_new_tokens))
+        self.expected_context = max(
+            p.ses.expected_context(max(r.max_new_tokens, p.cfg.eval.max_new_tokens)) for p in self.pols
+        )  # the longest request of any policy's
         self.seats = (trainer_seat, *engine_seats)
         self.especs = {i: self._engine_spec(seat, versions, older) for i, seat in enumerate(engine_seats)}
         # The engines start alongside the trainer (their imports overlap its start-up), gated: each
@@ -242,8 +246,8 @@ class Driver:
         """`versions`: each policy's start version; `older`: engine versions it also starts with, from
         the checkpoint model directories given."""
         r, older = self.cfg.rollout, older or {}
-        return EngineSpec(
-            str(self.ses.model_path), r.slots, r.prefill_tokens, seat.threads, seat.cores, self.cfg.seed,
+        return EngineSpec(  # its model: the first policy's start weights, engine version 0
+            str(self.pols[0].ses.model_path), r.slots, r.prefill_tokens, seat.threads, seat.cores, self.cfg.seed,
             self.cfg.model.dtype,
             start_versions=(*sorted(older), *(self.sched.version(p, v) for p, v in enumerate(versions))),
             from_disk=tuple((v, str(p)) for v, p in sorted(older.items())),
@@ -347,6 +351,7 @@ class Driver:
         published, on the step records' clock. A snapshot's record carries its own step and version
         (the engines hold it as `version`)."""
         reqs = evaluator.requests(version)
+        self._eval_ses = pol.ses
         self._eval_wanted = {r.id for r in reqs}
         self._eval_reqs = {r.id: (p, r) for p, r in zip(evaluator.prompts, reqs)}
         self._eval_calls = {}
@@ -474,39 +479,43 @@ class Driver:
     def _on_tools(self) -> None:
         """Tool calls answered since the last pump: each observation goes to its parked sample."""
         for done in self.tools.take():
-            turn = done.value
+            turn, pol = done.value, self.pols[self.sched.policy_of(done.key)]
             if isinstance(turn, Failed):  # the environment itself raised: the policy is told so
-                turn = Turn(self.ses.env.observe(f"error: {turn.error}"), error=True)
-            self.tool_errors += turn.error
+                turn = Turn(pol.ses.env.observe(f"error: {turn.error}"), error=True)
+            pol.tool_errors += turn.error
             self.events.write(Span("tools", "tool", done.t0 - self.t0, done.t1 - self.t0))
-            obs = self.ses.observation_ids(turn)[: self._room.pop(done.key)]  # within the context limit
+            obs = pol.ses.observation_ids(turn)[: self._room.pop(done.key)]  # within the context limit
             self.sched.on_observation(done.key, obs, self._now())
 
     def _park_calls(self, results: list[GenResult]) -> set[str]:
-        """The results whose turn ended in a tool call the environment answers: their calls go to the
-        pool (the sample parks in the scheduler meanwhile). Returns their request ids."""
+        """The results whose turn ended in a tool call their policy's environment answers: their calls
+        go to the pool (the sample parks in its scheduler meanwhile). Returns their request ids."""
         if self.tools is None:
             return set()
         calls = set()
         for r in results:
+            ses = self.pols[self.sched.policy_of(r.request_id)].ses
+            if ses.env is None:  # a single-turn policy's
+                continue
             n, p = self.sched.calls_of(r.request_id), self.sched.prompt_of(r.request_id)
             room = self.context - len(p.token_ids) - len(r.token_ids) - 1  # the continuation's 1 token
             # a call on the last token of the budget or of the context has no room for an answer:
             # scored as it stands
-            if len(r.token_ids) < self.cfg.rollout.max_new_tokens and room >= 0 and self.ses.is_call(r, n):
+            if len(r.token_ids) < self.cfg.rollout.max_new_tokens and room >= 0 and ses.is_call(r, n):
                 calls.add(r.request_id)
                 self._room[r.request_id] = room
-                self.tools.submit(r.request_id, partial(self.ses.turn, p, r, n))
+                self.tools.submit(r.request_id, partial(ses.turn, p, r, n))
         return calls
 
     def _continue_heldout(self, engine: int, r: GenResult) -> bool:
         """A held-out episode's turn that ended in a tool call: answered here, at once (the scheduler is
-        idle during evaluation), and continued on the same engine. False: the result is final."""
-        if self.tools is None:
+        idle during evaluation), and continued on the same engine, by the evaluated policy's environment.
+        False: the result is final."""
+        if self._eval_ses.env is None:
             return False
         n = self._eval_calls.get(r.request_id, 0)
         p, req = self._eval_reqs[r.request_id]
-        cont = next_turn(self.ses, p, req, r, n, self.context)
+        cont = next_turn(self._eval_ses, p, req, r, n, self.context)
         if cont is None:
             return False
         self._eval_calls[r.request_id] = n + 1
@@ -700,7 +709,7 @@ class Driver:
     def _score(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
         """Each result scored by its policy's task."""
         if len(self.pols) == 1:
-            return self.ses.score(prompts, results)
+            return self.pols[0].ses.score(prompts, results)
         scores: list[Scored] = []
         for pol in self.pols:
             mine = [k for k, r in enumerate(results) if self.sched.policy_of(r.request_id) == pol.index]
@@ -793,9 +802,9 @@ class Driver:
             timing.update(self.spec_tally.take(own))
         pol.cpu_mark = cpu
         pol.last_wall = timing["wall_s"]
-        tool_errors = None
-        if self.tools is not None:
-            tool_errors, self.tool_errors = self.tool_errors, 0
+        tool_errors = None  # a single-turn policy's steps have no tool figures
+        if pol.ses.env is not None:
+            tool_errors, pol.tool_errors = pol.tool_errors, 0
         return step_record(
             rep.step, pol.sched.done_version, trajs, trainer_version, pol.sched.ledger_record(),
             pol.ses.guard.errors, m, timing, pol.sched.take_generated(), tool_errors,

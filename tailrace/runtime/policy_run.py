@@ -3,8 +3,9 @@
 A run trains one policy, or several sharing the rollout engines (`policies` in the config;
 flow/multi.py's `PolicySet` holds their schedulers). Each policy has what the driver keeps per
 trainer: the scheduler (its mode, staleness bound, versions, ledger), the session (task, prompts,
-rewards, held-out set), the trainer process and the train orders a replacement of it redoes, its
-checkpoint cadence, the groups of each step in training, and its files. One policy writes them at the
+rewards, held-out set; a multi-turn task's environment, whose tools answer the policy's samples), the
+trainer process and the train orders a replacement of it redoes, its checkpoint cadence, the groups of
+each step in training, and its files. One policy writes them at the
 top of the run directory as always; several write each under `policies/<name>/` (metrics.jsonl,
 journal.jsonl, events.jsonl with its scheduler's marks, checkpoints/), and the run's engine timeline
 and recoveries go to the top-level events.jsonl.
@@ -55,6 +56,7 @@ class PolicyRun:
     # engines' (every policy's windows get them) and its own trainer's; the driver's CPU likewise
     util: Utilization | None = None
     cpu_mark: float = 0.0
+    tool_errors: int = 0  # its tool calls that failed since its last step record (multi-turn tasks)
     trainer: Worker | None = None
     tspec: TrainerSpec | None = None
 

@@ -120,6 +120,24 @@ def test_each_policy_trains_its_own_steps_on_shared_engines(modes):
     assert s.ledger_record()["p1"]["trained"] == 24
 
 
+@pytest.mark.parametrize("modes", [("sync", "multiversion"), ("partial", "async")])
+def test_parked_samples_of_two_policies_continue_under_their_own_versions(modes):
+    """Multi-turn samples of two policies park at their tool calls and continue, each continuation in
+    its own policy's engine versions (its resumed tokens' too), each trajectory whole and masked."""
+    s = policy_set(modes, steps=(4, 6))
+    c = MultiCluster(s, None, slots=4, train_ticks=3, load_ticks=1, turns=lambda g, i: [3, 2, 4])
+    c.run()
+    conts = [r for g in c.sent for r in g.requests if r.resume_ids]
+    assert conts and c.calls == 2 * (4 + 6) * 4  # two calls a sample, U x G = 4 samples a step
+    for r in conts:
+        p = s.policy_of(r.id)
+        assert {s.policy_version(v)[0] for v in (r.version, *r.resume_versions)} == {p}
+    for p, n in enumerate((4, 6)):
+        trajs = [t for step in c.trained_by[p] for g in step.groups for t in g.trajectories]
+        assert len(trajs) == n * 4 and s[p].ledger.trained == n * 4
+        assert all(t.observed == ((3, 5), (7, 9)) and len(t.result.token_ids) == 13 for t in trajs)
+
+
 def test_a_result_carrying_another_policys_version_is_refused():
     s = policy_set(["sync", "sync"])
     out = s.poll(0.0)

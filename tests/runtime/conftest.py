@@ -41,6 +41,17 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tool_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny chainsum model fine-tuned briefly on chaincalc demonstrations (it learns to call)."""
+    from tailrace.config import SFTConfig
+    from tailrace.runtime.warmstart import build_tool_warm_start
+
+    out = tmp_path_factory.mktemp("tool") / "model"
+    build_tool_warm_start(tiny_model, SFTConfig(**TINY_SFT), out, examples=1500)
+    return out
+
+
+@pytest.fixture(scope="session")
 def _built_kernels(tmp_path_factory) -> Path | None:
     """The engine's C kernels built once for the session (None where they cannot be): every test's own
     cache starts with a copy, so the processes of each run do not compile them again (seconds each)."""

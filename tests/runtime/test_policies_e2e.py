@@ -95,10 +95,51 @@ def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
         load("[{name: a, task: {sed: 1}}]")
     with pytest.raises(ConfigError, match=r"policies \(b\): flow\.mode='nope': choose one of"):
         load("[{name: a}, {name: b, flow: {mode: nope}}]")
-    with pytest.raises(ConfigError, match=r"policies \(a\): .* task\.name=chaincalc: a multi-turn task"):
-        load("[{name: a, task: {name: chaincalc}}]")
+    with pytest.raises(ConfigError, match=r"policies\[1\]\.task\.tool_threads: the run's"):
+        load("[{name: a}, {name: b, task: {name: chaincalc, tool_threads: 2}}]")  # the driver's one pool
+    with pytest.raises(ConfigError, match=r"policies \(b\): task\.name=chaincalc is multi-turn .* shaping"):
+        load("[{name: a}, {name: b, task: {name: chaincalc}, shaping: {name: darts}}]")
+    with pytest.raises(ConfigError, match=r"policies \(a\): .* train\.world_size=2 yet"):
+        load("[{name: a, train: {world_size: 2}}]")
+    load("[{name: a}, {name: b, task: {name: chaincalc}}]")  # a multi-turn policy beside a single-turn one
     named = policy_configs(load_config(None, ["--policies=[{name: a, train: {lr: 0.001}}, {name: b}]"]))
     assert [(n, c.train.lr, c.policies) for n, c in named] == [("a", 0.001, []), ("b", None, [])]
+
+
+def test_a_multi_turn_policy_trains_beside_a_single_turn_one(tool_model, tmp_path):
+    """A chaincalc policy (tool calls, multiversion) beside a chainsum one (sync, listed first) on the
+    shared engines: each sample's calls are answered by its own policy's environment, its parked
+    samples continue under its own policy's versions (a token of another's fails the run), and both
+    policies finish every step once, exact."""
+    from tailrace.tokenizer import char_tokenizer
+    from tests.runtime.test_recovery import assert_exact
+
+    run = tmp_path / "run"
+    calc = "{name: calc, task: {name: chaincalc}, flow: {mode: multiversion}, eval: {max_new_tokens: 96}}"
+    base = [a for a in TINY_RUN if not a.startswith(("--flow.steps", "--rollout.max_new_tokens", "--eval.n"))]
+    argv = ["train", f"--run-dir={run}", f"--model.path={tool_model}", *base, "--flow.steps=3", "--eval.n=8"]
+    argv += ["--rollout.max_new_tokens=96", "--flow.mode=sync", f"--policies=[{{name: sums}}, {calc}]"]
+    assert main(argv) == 0
+    tok = char_tokenizer()
+    for name in ("sums", "calc"):
+        d = run / "policies" / name
+        assert_exact(d, steps=3)
+        assert sorted(r["tag"] for r in records(d, "eval")) == ["base", "final"]
+        steps = records(d, "step")
+        trajs = [e.trajectory for e in read_journal(d / "journal.jsonl") if isinstance(e, Finished)]
+        called = [t for t in trajs if t.observed]
+        if name == "sums":  # single-turn: no call answered, no tool figures
+            assert not called and all("tools" not in r for r in steps)
+            continue
+        assert sum(r["tools"]["calls"] for r in steps) > 0, "the tool model should call the calculator"
+        assert called
+        for t in called:  # each observation follows its call, masked: logprob 0, never trained on
+            ids = t.result.token_ids
+            for a, b in t.observed:
+                assert tok.decode(ids[:a]).endswith("]") and tok.decode(ids[a:b]).startswith("=")
+                assert all(lp == 0.0 for lp in t.result.logprobs[a:b])
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert any(e.get("lane") == "tools" for e in events)  # the driver's one pool ran them
 
 
 def test_a_lost_engine_and_a_lost_trainer_leave_every_policy_exact(tiny_model, tmp_path):

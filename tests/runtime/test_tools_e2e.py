@@ -5,25 +5,13 @@ record shows the waits."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tailrace.cli import main
-from tailrace.config import SFTConfig
 from tailrace.records import Finished, read_journal
 from tailrace.tokenizer import char_tokenizer
-from tests.runtime.conftest import TINY_RUN, TINY_SFT
-
-
-@pytest.fixture(scope="module")
-def tool_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny chainsum model fine-tuned briefly on chaincalc demonstrations (it learns to call)."""
-    from tailrace.runtime.warmstart import build_tool_warm_start
-
-    out = tmp_path_factory.mktemp("tool") / "model"
-    build_tool_warm_start(tiny_model, SFTConfig(**TINY_SFT), out, examples=1500)
-    return out
+from tests.runtime.conftest import TINY_RUN
 
 
 @pytest.mark.parametrize("mode", ["sync", None])  # None: flow.mode null, the recommended multiversion
