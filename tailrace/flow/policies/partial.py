@@ -49,6 +49,8 @@ class PartialPolicy(StreamingPolicy):
         )
 
     def on_aborted(self, core: Scheduler, partial) -> None:
-        """Resume the partial on the engine that returned it, under the newest version it holds."""
+        """Resume the partial at once under the newest version any engine holds, on the holder of it
+        with the most free slots (not necessarily the engine that returned it: its prefix is
+        prefilled again wherever it goes)."""
         engine = max([e for e in core.engines if e.loaded], key=lambda e: (max(e.loaded), e.free))
         core.resume(engine.id, partial, max(engine.loaded))
