@@ -106,22 +106,16 @@ def check_policies(cfg: RunConfig) -> None:
                                   "weights at once; use rollout.backend=tailrace"),
         (r.spec.drafter != "none", f"rollout.spec.drafter={r.spec.drafter}: drafters serve one policy; "
                                    "set rollout.spec.drafter=none"),
-        (cfg.runtime.kind != "local", f"runtime.kind={cfg.runtime.kind}: several policies run on the local "
-                                      "runtime; set runtime.kind=local"),
     ]  # fmt: skip
     for bad, why in shared:
         if bad:
             raise ConfigError(f"policies: a run of several policies does not take {why}")
     for name, pc in policy_configs(cfg):
-        each = [
-            (pc.train.world_size > 1, f"train.world_size={pc.train.world_size}: one trainer process per "
-                                      "policy (train.world_size=1)"),
-            (multi_turn(pc.task.name), f"task.name={pc.task.name}: a multi-turn task; give each policy a "
-                                       "single-turn task"),
-        ]  # fmt: skip
-        for bad, why in each:
-            if bad:
-                raise ConfigError(f"policies ({name}): a run of several policies does not take {why} yet")
+        if multi_turn(pc.task.name):
+            raise ConfigError(
+                f"policies ({name}): a run of several policies does not take task.name={pc.task.name}: "
+                "a multi-turn task; give each policy a single-turn task yet"
+            )
         try:
             check(pc)
         except ConfigError as e:
