@@ -100,21 +100,12 @@ def check_policies(cfg: RunConfig) -> None:
     from tailrace.config.load import policy_configs
 
     r = cfg.rollout
-    shared = [
-        (r.backend != "tailrace", f"rollout.backend={r.backend}: the engines must hold several policies' "
-                                  "weights at once; use rollout.backend=tailrace"),
-        (cfg.runtime.kind != "local", f"runtime.kind={cfg.runtime.kind}: several policies run on the local "
-                                      "runtime; set runtime.kind=local"),
-    ]  # fmt: skip
-    for bad, why in shared:
-        if bad:
-            raise ConfigError(f"policies: a run of several policies does not take {why}")
+    if r.backend != "tailrace":
+        raise ConfigError(
+            f"policies: a run of several policies does not take rollout.backend={r.backend}: the engines "
+            "must hold several policies' weights at once; use rollout.backend=tailrace"
+        )
     for name, pc in policy_configs(cfg):
-        if pc.train.world_size > 1:
-            raise ConfigError(
-                f"policies ({name}): a run of several policies does not take train.world_size="
-                f"{pc.train.world_size} yet: one trainer process per policy (train.world_size=1)"
-            )
         try:
             check(pc)
         except ConfigError as e:

@@ -139,10 +139,11 @@ class Driver:
         self._eval_reqs: dict[str, tuple[Prompt, GenRequest]] = {}  # held-out id -> its prompt and request
         self._eval_calls: dict[str, int] = {}  # held-out id -> tool calls answered (multi-turn)
         self.desk: Desk | None = None
-        # several policies' trainers share the trainer's cores: with flow.share=turns one trains at a time,
-        # its steps in the order they were issued (time-sliced together, two policies that finish their
-        # rounds together train together and then generate together: in phase, never in turns)
-        self._one_trainer = len(self.pols) > 1 and cfg.flow.share == "turns"
+        # several policies' trainers sharing cores (the local runtime's trainer cores; on Ray each has a
+        # bundle of its own): with flow.share=turns one trains at a time, its steps in the order they
+        # were issued (time-sliced together, two policies that finish their rounds together train
+        # together and then generate together: in phase, never in turns); set once they are placed
+        self._one_trainer = False
         self._training: PolicyRun | None = None  # the policy whose trainer has a step in hand
         self._waiting_orders: deque[tuple[PolicyRun, TrainOrder]] = deque()
 
@@ -205,15 +206,18 @@ class Driver:
     def _start(self, versions: list[int], older: dict[int, Path] | None = None) -> None:
         """Start the workers: policy p's trainer from `versions[p]` (its checkpoint's on resume), the
         engines holding every policy's start version and the `older` engine versions from disk."""
-        r = self.cfg.rollout
-        trainer_seat, engine_seats = self.hosts.place(r.engines, r.threads)
-        self.device = device = self.hosts.device(self.cfg.device)
+        cfg, r = self.cfg, self.cfg.rollout
+        trainer_seats, engine_seats = self.hosts.place(
+            [p.worker_name for p in self.pols], r.engines, r.threads
+        )
+        self._one_trainer = cfg.flow.share == "turns" and _share_cores(trainer_seats)
+        self.device = device = self.hosts.device(cfg.device)
         # each policy's live versions, side by side: policy p's sit in the slots = p (mod P)
         staleness = max(p.cfg.flow.max_staleness for p in self.pols)
         self.weights = self.hosts.ring(self.layout, slots=(staleness + 3) * len(self.pols))
-        for pol, res in zip(self.pols, self.resumes):
+        for pol, seat, res in zip(self.pols, trainer_seats, self.resumes):
             pol.tspec = TrainerSpec(
-                str(pol.ses.model_path), pol.train_cfg, threads=trainer_seat.threads, cores=trainer_seat.cores,
+                str(pol.ses.model_path), pol.train_cfg, threads=seat.threads, cores=seat.cores,
                 seed=pol.cfg.seed, start_version=self.sched.version(pol.index, versions[pol.index]),
                 resume_from=str(res.checkpoint) if res else None, device=device,
             )  # fmt: skip
@@ -221,7 +225,7 @@ class Driver:
         self.expected_context = max(
             p.ses.expected_context(max(r.max_new_tokens, p.cfg.eval.max_new_tokens)) for p in self.pols
         )  # the longest request of any policy's
-        self.seats = (trainer_seat, *engine_seats)
+        self.seats = (*trainer_seats, *engine_seats)
         self.especs = {i: self._engine_spec(seat, versions, older) for i, seat in enumerate(engine_seats)}
         # The engines start alongside the trainer (their imports overlap its start-up), gated: each
         # loads its weights (from the ring the trainer fills) and sizes its KV memory once it is up.
@@ -637,7 +641,7 @@ class Driver:
         shares the rollout pool's cores, never the trainer's unless they are all there is)."""
         used = {c for s in self.seats for c in s.cores} | {c for e in self.especs.values() for c in e.cores}
         free = [c for c in available_cores() if c not in used]
-        return (free[0],) if free else self.seats[1].cores
+        return (free[0],) if free else self.especs[min(self.especs)].cores
 
     def _on_ready(self, w: Worker) -> None:
         mark = self.recovery.ready(w.name, self._now())
@@ -820,6 +824,11 @@ class Driver:
                         asked = self.engines[i]
                         self.workers.send(asked, LoadWeights(i, v))
                     self._pump()
+
+
+def _share_cores(seats: list[Seat]) -> bool:
+    """Whether two of these seats pin to a common core (Ray's seats pin to none: each has its bundle)."""
+    return any(set(a.cores) & set(b.cores) for k, a in enumerate(seats) for b in seats[k + 1 :])
 
 
 def with_mode(cfg: RunConfig) -> tuple[RunConfig, str | None]:

@@ -2,7 +2,8 @@
 a Ray cluster (runtime/ray_hosts.py).
 
 Either gives the driver the same three things, so `Workers`, the driver's loop and the worker bodies
-are one code for both: a seat per role (`place`: cores to pin, torch threads), the workers' torch
+are one code for both: a seat per worker (`place`: cores to pin, torch threads; one trainer per
+policy of the run, each by its worker name), the workers' torch
 device (`device`), a started worker
 (`start`: a process handle as runtime/health.py reads one, a connection speaking runtime/messages.py,
 the counter its heartbeat moves), and a weights ring (`ring`: write / read / holds / slots, as
@@ -18,7 +19,7 @@ import signal
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 from tailrace.config import RuntimeConfig
 from tailrace.runtime.procs import context, placement, resolve_device
@@ -37,8 +38,11 @@ class Started:
 
 
 class Hosts(Protocol):
-    def place(self, engines: int, engine_threads: int) -> tuple[Seat, list[Seat]]:
-        """Reserve a seat for the trainer and each engine (on Ray: the placement group)."""
+    def place(
+        self, trainers: Sequence[str], engines: int, engine_threads: int
+    ) -> tuple[list[Seat], list[Seat]]:
+        """Reserve a seat for each trainer (by its worker name: one per policy) and each engine (on Ray:
+        the placement group); returns the trainers' seats in that order, then the engines'."""
         ...
 
     def device(self, name: str) -> str:
@@ -76,9 +80,12 @@ class LocalHosts:
     def __init__(self) -> None:
         self.ctx = context()
 
-    def place(self, engines: int, engine_threads: int) -> tuple[Seat, list[Seat]]:
+    def place(
+        self, trainers: Sequence[str], engines: int, engine_threads: int
+    ) -> tuple[list[Seat], list[Seat]]:
+        """Several policies' trainers share the trainer's cores (flow.share says how they take turns)."""
         train, cores = placement(engines)
-        return Seat(train, len(train)), [Seat(c, engine_threads) for c in cores]
+        return [Seat(train, len(train))] * len(trainers), [Seat(c, engine_threads) for c in cores]
 
     def device(self, name: str) -> str:
         return resolve_device(name)

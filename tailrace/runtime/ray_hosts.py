@@ -26,7 +26,7 @@ import sys
 import time
 from multiprocessing import current_process
 from multiprocessing.connection import Client, Listener
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from tailrace.common import ConfigError, Fault, one_line
 from tailrace.config import RuntimeConfig
@@ -169,7 +169,8 @@ def _kill_actor(ray: Any, actor: Any, is_alive: Callable[[], bool], node: str, p
 
 
 class RayHosts:
-    """Seats on a Ray cluster: bundle 0 of the placement group is the trainer's, bundle i+1 engine i's."""
+    """Seats on a Ray cluster: bundles 0..P-1 of the placement group are the trainers' (one per policy,
+    each with runtime.trainer_cpus / trainer_gpus), bundle P+i engine i's."""
 
     def __init__(self, cfg: RuntimeConfig) -> None:
         self.cfg = cfg
@@ -177,19 +178,24 @@ class RayHosts:
         self.authkey = os.urandom(32)
         self.owns_ray = False  # this run started Ray (and so shuts it down)
         self.group = None
-        self.bundles: dict[str, int] = {}
+        self.bundles: dict[str, tuple[int, float, float]] = {}  # worker name -> (bundle, CPUs, GPUs)
+        self.trainers: list[str] = []  # their worker names, one per policy
         self.actors: list[Any] = []
         self.workers_device = "cpu"
         self.weights: Any = None  # the ring `ring` made
         self.started: set[str] = set()  # worker names started once (a later start is a replacement)
 
-    def place(self, engines: int, engine_threads: int) -> tuple[Seat, list[Seat]]:
+    def place(
+        self, trainers: Sequence[str], engines: int, engine_threads: int
+    ) -> tuple[list[Seat], list[Seat]]:
         ray, c = self.ray, self.cfg
         self._connect()
-        need = [{"CPU": c.trainer_cpus, "GPU": c.trainer_gpus}] + [
-            {"CPU": c.engine_cpus, "GPU": c.engine_gpus}
-        ] * engines
-        self._check_fits(need, engines)
+        trainer, engine = (
+            {"CPU": c.trainer_cpus, "GPU": c.trainer_gpus},
+            {"CPU": c.engine_cpus, "GPU": c.engine_gpus},
+        )
+        need = [trainer] * len(trainers) + [engine] * engines
+        self._check_fits(need, len(trainers), engines)
         from ray.util.placement_group import placement_group
 
         self.group = placement_group([{k: v for k, v in b.items() if v} for b in need], strategy=c.strategy)
@@ -197,11 +203,13 @@ class RayHosts:
             ray.get(self.group.ready(), timeout=PLACE_S)
         except ray.exceptions.GetTimeoutError:
             raise Fault(
-                f"runtime.strategy={c.strategy}: Ray placed no group of the trainer and {engines} engine(s) "
-                f"within {PLACE_S:.0f} s (nodes busy, or too few for a STRICT strategy)"
+                f"runtime.strategy={c.strategy}: Ray placed no group of {_trainers(len(trainers))} and "
+                f"{engines} engine(s) within {PLACE_S:.0f} s (nodes busy, or too few for a STRICT strategy)"
             ) from None
-        self.bundles = {"trainer": 0, **{f"engine{i}": i + 1 for i in range(engines)}}
-        return Seat((), int(c.trainer_cpus)), [Seat((), engine_threads) for _ in range(engines)]
+        self.trainers = list(trainers)
+        names = [*trainers, *(f"engine{i}" for i in range(engines))]
+        self.bundles = {name: (k, need[k]["CPU"], need[k]["GPU"]) for k, name in enumerate(names)}
+        return [Seat((), int(c.trainer_cpus))] * len(trainers), [Seat((), engine_threads)] * engines
 
     def device(self, name: str) -> str:
         """The workers' torch device: cuda when every actor reserves a GPU (auto), else cpu; the driver
@@ -225,8 +233,7 @@ class RayHosts:
             first = name not in self.started
             args = tuple(self.weights.end(name, first) if a is self.weights else a for a in args)
         self.started.add(name)
-        index = self.bundles[name]
-        cpus, gpus = (c.trainer_cpus, c.trainer_gpus) if index == 0 else (c.engine_cpus, c.engine_gpus)
+        index, cpus, gpus = self.bundles[name]
         actor = (
             ray.remote(Host)
             .options(
@@ -257,8 +264,11 @@ class RayHosts:
         if self.cfg.weights == "collective":
             from tailrace.runtime.ray_collective import Collective
 
-            host, world = self.ray.util.get_node_ip_address(), len(self.bundles)
-            self.weights = Collective(self.weights, layout.buffer.numel(), host, world, self.workers_device)
+            host, senders = self.ray.util.get_node_ip_address(), tuple(self.trainers)
+            world = len(self.bundles) - len(senders) + 1  # a group: its trainer and every engine
+            self.weights = Collective(
+                self.weights, layout.buffer.numel(), host, world, self.workers_device, senders
+            )
         return self.weights
 
     def desk(self) -> tuple[str, dict]:
@@ -305,7 +315,7 @@ class RayHosts:
             ) from None
         self.owns_ray = True
 
-    def _check_fits(self, need: list[dict[str, float]], engines: int) -> None:
+    def _check_fits(self, need: list[dict[str, float]], trainers: int, engines: int) -> None:
         """A cluster that cannot hold the group now is refused at once (no autoscaler is waited for)."""
         have = self.ray.cluster_resources()
         total = {k: sum(b[k] for b in need) for k in ("CPU", "GPU")}
@@ -314,10 +324,15 @@ class RayHosts:
         if fits_a_node and all(have.get(k, 0) >= v for k, v in total.items()):
             return
         c = self.cfg
+        each = " each" if trainers > 1 else ""
         raise ConfigError(
-            f"runtime: the trainer (trainer_cpus={c.trainer_cpus:g}, trainer_gpus={c.trainer_gpus:g}) and "
-            f"{engines} engine(s) (engine_cpus={c.engine_cpus:g}, engine_gpus={c.engine_gpus:g} each) need "
-            f"{total['CPU']:g} CPU(s) and {total['GPU']:g} GPU(s), each seat on one node; the Ray cluster has "
+            f"runtime: {_trainers(trainers)} (trainer_cpus={c.trainer_cpus:g}, trainer_gpus={c.trainer_gpus:g}"
+            f"{each}) and {engines} engine(s) (engine_cpus={c.engine_cpus:g}, engine_gpus={c.engine_gpus:g} each) "
+            f"need {total['CPU']:g} CPU(s) and {total['GPU']:g} GPU(s), each seat on one node; the Ray cluster has "
             f"{have.get('CPU', 0):g} CPU(s) and {have.get('GPU', 0):g} GPU(s) on {len(nodes)} node(s): lower "
             "runtime.*_cpus / *_gpus or rollout.engines, or add nodes (ray start --address=...)"
         )
+
+
+def _trainers(n: int) -> str:
+    return "the trainer" if n == 1 else f"{n} trainers (one per policy)"

@@ -88,7 +88,7 @@ def describe(m: Mark) -> str:
     d = m.data
     if d["worker"] == "driver":
         what = f"resumed from its last checkpoint, {d['replayed']} steps redone"
-    elif d["worker"] == "trainer":
+    elif d["worker"] == "trainer" or d["worker"].startswith("trainer-"):  # (a policy's, of several)
         what = f"{d['replayed']} steps replayed from its last checkpoint"
     else:
         what = f"{d['requeued']} samples requeued"

@@ -77,6 +77,37 @@ def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two trainers trained at once"
 
 
+@pytest.mark.slow
+def test_each_policy_trains_with_data_parallel_ranks_of_its_own_like_one_process(tiny_model, tmp_path):
+    """train.world_size=2 for two policies: each trainer leads two gloo ranks of its own (a process group
+    and rendezvous per trainer: two sharing one would not form), the trainers taking turns on the shared
+    cores as single processes do. Both policies end exact, and each one's first step (same weights,
+    same seeded samples) has the metrics of the same run with one process per trainer. The tiny model
+    earns no reward, so a KL penalty makes every step compute."""
+    from tests.runtime.test_recovery import assert_exact
+
+    first = {}
+    for world in (1, 2):
+        run = tmp_path / f"w{world}"
+        argv = [
+            "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.steps=2",
+            "--eval.n=4", "--flow.mode=sync", "--flow.zero_signal=train", f"--train.world_size={world}",
+            "--train.micro_batch_tokens=256", "--train.loss.kl_coef=0.1",
+            "--policies=[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion}}]",
+        ]  # fmt: skip
+        assert main(argv) == 0
+        for name in ("a", "b"):
+            assert_exact(run / "policies" / name, steps=2)
+            step = records(run / "policies" / name, "step")[0]["train"]
+            first[world, name] = (step["entropy"], step["tokens"])
+        events = [json.loads(l) for l in (run / "events.jsonl").read_text().splitlines()]
+        spans = sorted((e["t0"], e["t1"]) for e in events if e.get("phase") == "train")
+        assert len(spans) == 4 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # in turns
+    for name in ("a", "b"):
+        (ent1, tok1), (ent2, tok2) = first[1, name], first[2, name]
+        assert tok2 == tok1 > 0 and ent2 == pytest.approx(ent1, rel=1e-5), name
+
+
 def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
     def load(policies: str, *more: str):
         from tailrace.cli.choices import check
@@ -99,9 +130,11 @@ def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
         load("[{name: a}, {name: b, task: {name: chaincalc, tool_threads: 2}}]")  # the driver's one pool
     with pytest.raises(ConfigError, match=r"policies \(b\): task\.name=chaincalc is multi-turn .* shaping"):
         load("[{name: a}, {name: b, task: {name: chaincalc}, shaping: {name: darts}}]")
-    with pytest.raises(ConfigError, match=r"policies \(a\): .* train\.world_size=2 yet"):
-        load("[{name: a, train: {world_size: 2}}]")
     load("[{name: a}, {name: b, task: {name: chaincalc}}]")  # a multi-turn policy beside a single-turn one
+    # each policy's trainer a Ray actor of its own, with data-parallel ranks of its own: taken
+    load("[{name: a}, {name: b, train: {world_size: 2}}]", "--runtime.kind=ray", "--train.world_size=2")
+    with pytest.raises(ConfigError, match=r"policies: .* rollout\.backend=vllm"):
+        load("[{name: a}]", "--rollout.backend=vllm")
     named = policy_configs(load_config(None, ["--policies=[{name: a, train: {lr: 0.001}}, {name: b}]"]))
     assert [(n, c.train.lr, c.policies) for n, c in named] == [("a", 0.001, []), ("b", None, [])]
 

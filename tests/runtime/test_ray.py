@@ -28,7 +28,8 @@ def ray_cluster():
     import ray
 
     # on loopback: the cluster's processes and the driver's connections never leave this machine
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+    # 3 CPUs: two policies' trainers and an engine, one CPU each
+    ray.init(num_cpus=3, include_dashboard=False, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
     assert ray.util.get_node_ip_address() == "127.0.0.1"
     yield ray
     ray.shutdown()
@@ -213,7 +214,48 @@ def test_a_cluster_too_small_for_the_seats_is_one_line(ray_cluster, tiny_model, 
     rc, out = train(capsys, tiny_model, tmp_path / "run", "--runtime.engine_cpus=4")
     line = one_line(out)
     assert rc == 2
-    assert "need 5 CPU(s)" in line and "has 2 CPU(s)" in line and "runtime.*_cpus" in line
+    assert "the trainer (trainer_cpus=1" in line and "need 5 CPU(s)" in line and "has 3 CPU(s)" in line
+    assert "runtime.*_cpus" in line
+    rc, out = train(
+        capsys, tiny_model, tmp_path / "two", "--runtime.trainer_cpus=2", f"--policies={POLICIES}"
+    )
+    line = one_line(out)
+    assert rc == 2
+    assert "2 trainers (one per policy) (trainer_cpus=2, trainer_gpus=0 each)" in line
+    assert "need 5 CPU(s)" in line and "has 3 CPU(s)" in line
+
+
+POLICIES = "[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion}}]"
+
+
+@pytest.mark.parametrize("weights", ["object_store", "collective"])
+def test_two_policies_train_on_ray_each_trainer_an_actor_in_a_bundle_of_its_own(
+    weights, ray_cluster, no_local_hosts, tiny_model, tmp_path, capsys
+):
+    """Two policies (a sync, b multiversion) share the engine actor; each trainer is an actor of its own
+    (trainer-a, trainer-b), in its own bundle with runtime.trainer_cpus. Their versions sit side by side
+    in the ring, through the object store or by a collective of each trainer's own (the engine receives
+    both). Both finish every step once, their ledgers exact, each trainer publishing its own versions."""
+    run_dir = tmp_path / "run"
+    rc, out = train(
+        capsys, tiny_model, run_dir, "--flow.steps=3", "--eval.n=4", f"--runtime.weights={weights}",
+        f"--policies={POLICIES}",
+    )  # fmt: skip
+    assert rc == 0, out
+    assert "Traceback" not in out
+    for name in ("a", "b"):
+        assert_exact(run_dir / "policies" / name, steps=3)
+        mine = steps_of(run_dir / "policies" / name)
+        published = {s.version for s in spans_of(run_dir, "sync") if s.lane == f"trainer-{name}"}
+        assert published and max(published) == mine[-1].version, (name, published)
+    assert {s.lane for s in spans_of(run_dir, "train")} == {"trainer-a", "trainer-b"}
+    loaded = {s.version for s in spans_of(run_dir, "sync") if s.lane == "engine0"}
+    assert {v % 2 for v in loaded} == {0, 1}  # engine versions: policy p's are p mod 2
+    received = {s.version for s in spans_of(run_dir, "receive")}
+    if weights == "collective":  # one group per trainer, the engine in both
+        assert {v % 2 for v in received} == {0, 1}, received
+    else:
+        assert received == set()
 
 
 def test_an_engine_killed_in_a_collective_run_is_replaced_and_the_run_ends_exact(
