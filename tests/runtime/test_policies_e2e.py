@@ -133,8 +133,12 @@ def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
     load("[{name: a}, {name: b, task: {name: chaincalc}}]")  # a multi-turn policy beside a single-turn one
     # each policy's trainer a Ray actor of its own, with data-parallel ranks of its own: taken
     load("[{name: a}, {name: b, train: {world_size: 2}}]", "--runtime.kind=ray", "--train.world_size=2")
-    with pytest.raises(ConfigError, match=r"policies: .* rollout\.backend=vllm"):
-        load("[{name: a}]", "--rollout.backend=vllm")
+    from tailrace.cli.choices import check_policies
+
+    vllm = load_config(None, ["--policies=[{name: a}, {name: b}]"])
+    object.__setattr__(vllm.rollout, "backend", "vllm")  # (a config naming it loads only where vLLM is)
+    with pytest.raises(ConfigError, match=r"policies: .* rollout\.backend=vllm: the engines must hold"):
+        check_policies(vllm)
     named = policy_configs(load_config(None, ["--policies=[{name: a, train: {lr: 0.001}}, {name: b}]"]))
     assert [(n, c.train.lr, c.policies) for n, c in named] == [("a", 0.001, []), ("b", None, [])]
 
