@@ -210,7 +210,8 @@ class Driver:
         trainer_seats, engine_seats = self.hosts.place(
             [p.worker_name for p in self.pols], r.engines, r.threads
         )
-        self._one_trainer = cfg.flow.share == "turns" and _share_cores(trainer_seats)
+        shared = _share_cores(trainer_seats)  # several trainers on one machine (not Ray's bundles)
+        self._one_trainer = cfg.flow.share == "turns" and shared
         self.device = device = self.hosts.device(cfg.device)
         # each policy's live versions, side by side: policy p's sit in the slots = p (mod P)
         staleness = max(p.cfg.flow.max_staleness for p in self.pols)
@@ -220,6 +221,7 @@ class Driver:
                 str(pol.ses.model_path), pol.train_cfg, threads=seat.threads, cores=seat.cores,
                 seed=pol.cfg.seed, start_version=self.sched.version(pol.index, versions[pol.index]),
                 resume_from=str(res.checkpoint) if res else None, device=device,
+                trainers=len(self.pols) if shared else 1,  # each sizes its micro-batches from its share
             )  # fmt: skip
             pol.trainer = self.workers.start(pol.worker_name, trainer_main, pol.tspec, self.weights)
         self.expected_context = max(

@@ -40,6 +40,7 @@ class TrainerSpec:
     start_version: int = 0
     device: str = "cpu"
     publish_start: bool = True  # write the start weights to the ring (a replacement does not)
+    trainers: int = 1  # trainers sharing this machine's memory (several policies' on the local runtime)
 
 
 def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
@@ -51,7 +52,7 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
     ref = None
     if spec.cfg.loss.kl_coef > 0:  # the KL penalty's reference: the policy the run started from
         ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(False)
-    trainer = GRPOTrainer(model, spec.cfg, ref_model=ref)
+    trainer = GRPOTrainer(model, spec.cfg, ref_model=ref, trainers=spec.trainers)
     if spec.resume_from:
         load_trainer(trainer, Path(spec.resume_from))
     return trainer

@@ -72,7 +72,11 @@ def _has_signal(g: Group) -> bool:
 
 
 class GRPOTrainer:
-    def __init__(self, model: nn.Module, cfg: TrainerConfig, ref_model: nn.Module | None = None):
+    def __init__(
+        self, model: nn.Module, cfg: TrainerConfig, ref_model: nn.Module | None = None, trainers: int = 1
+    ):
+        """`trainers`: trainers sharing this device's memory (a run of several policies on one machine),
+        each sizing its micro-batches from its share."""
         if cfg.loss.kl_coef > 0 and ref_model is None:
             raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef} needs a ref_model; pass one or set kl_coef=0")
         self.cfg = cfg
@@ -95,7 +99,7 @@ class GRPOTrainer:
             getattr(model, "config", None),
             cfg.bf16,
             self.flat.buffer.numel(),
-            rank_share(available_bytes(self.device), self.world, self.device.type == "cpu"),
+            rank_share(available_bytes(self.device), self.world, self.device.type == "cpu", trainers),
             cfg.memory_gb,
             cfg.micro_batch_tokens,
             cpu=self.device.type == "cpu",

@@ -77,11 +77,13 @@ class MicroBatch:
         )
 
 
-def rank_share(available: int, world: int, shared: bool) -> int:
-    """The memory one of `world` data-parallel ranks may plan with: on a host whose memory they all
-    share (CPU: train.world_size starts every rank on this machine) its 1/world part, else (a GPU each)
-    all of it. Each rank keeps its own weights, gradient and AdamW moments besides."""
-    return available // world if shared else available
+def rank_share(available: int, world: int, shared: bool, trainers: int = 1) -> int:
+    """The memory one of `world` data-parallel ranks of one of `trainers` trainers (a run of several
+    policies: one each, on one machine) may plan with: each trainer its 1/trainers part, and of that, on
+    a host whose memory the ranks all share (CPU: train.world_size starts every rank on this machine)
+    each rank its 1/world part, else (a GPU each) all of it. Each rank keeps its own weights, gradient
+    and AdamW moments besides."""
+    return available // trainers // (world if shared else 1)
 
 
 def size_micro_batch(

@@ -19,11 +19,19 @@ def records(run: Path, kind: str) -> list[dict]:
     return [r for r in (json.loads(l) for l in lines if l.strip()) if r["kind"] == kind]
 
 
-def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp_path):
+def available(out: str) -> list[float]:
+    """The GiB each trainer sized its micro-batches from, as its start-up line says."""
+    import re
+
+    return [float(x) for x in re.findall(r"of ([0-9.]+) GiB available after the optimizer state", out)]
+
+
+def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp_path, capfd):
     run = tmp_path / "run"
     policies = "[{name: sums, eval: {every: 2}}, {name: other, task: {seed: 7}, flow: {mode: multiversion, steps: 6}}]"
     argv = ["train", f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=sync", "--train.loss.kl_coef=0.01"]
     assert main([*argv, f"--run-dir={run}", f"--policies={policies}"]) == 0
+    together = available(capfd.readouterr().out)
     for name, steps, bound in (("sums", 4, 0), ("other", 6, 1)):
         d = run / "policies" / name
         st = records(d, "step")
@@ -57,6 +65,9 @@ def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp
     # depend on what shares their batches, its trainer is its own
     alone = tmp_path / "alone"
     assert main([*argv, "--eval.every=2", f"--run-dir={alone}"]) == 0
+    # the two trainers share the machine's memory: each sized its micro-batches from half of it
+    (one,) = available(capfd.readouterr().out)
+    assert len(together) == 2 and all(0.35 < x / one < 0.65 for x in together), (together, one)
     strip = [{k: v for k, v in r.items() if k != "time"} for r in records(alone, "step")]
     assert strip == [
         {k: v for k, v in r.items() if k != "time"} for r in records(run / "policies" / "sums", "step")

@@ -89,6 +89,10 @@ def test_data_parallel_ranks_on_one_host_split_its_memory():
     assert rank_share(12 * GIB, 1, shared=True) == 12 * GIB
     assert rank_share(12 * GIB, 3, shared=True) == 4 * GIB
     assert rank_share(12 * GIB, 3, shared=False) == 12 * GIB
+    # several policies' trainers on one machine: each its share first, then each of its ranks
+    assert rank_share(12 * GIB, 1, shared=True, trainers=2) == 6 * GIB
+    assert rank_share(12 * GIB, 3, shared=True, trainers=2) == 2 * GIB
+    assert rank_share(12 * GIB, 3, shared=False, trainers=2) == 6 * GIB
     one = size_micro_batch(SMOLLM2, False, 135_000_000, available=rank_share(16 * GIB, 1, True))
     four = size_micro_batch(SMOLLM2, False, 135_000_000, available=rank_share(16 * GIB, 4, True))
     assert four.tokens < one.tokens and four.budget < one.budget / 4
