@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +49,11 @@ def start(spec, world: int) -> tuple[str, list[subprocess.Popen]]:
         for r in range(1, world)
     ]
     return init, procs
+
+
+def cleanup(init: str) -> None:
+    """Remove what `start` wrote (the ranks' spec and the rendezvous file), once the ranks are done."""
+    shutil.rmtree(Path(init.removeprefix("file://")).parent, ignore_errors=True)
 
 
 def join(rank: int, world: int, init: str, device: str) -> None:

@@ -78,6 +78,7 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
             trainer_ranks.lead(None)
             for p in ranks:
                 p.wait(timeout=60)
+            trainer_ranks.cleanup(init)
 
 
 def _step(

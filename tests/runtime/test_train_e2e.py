@@ -166,7 +166,13 @@ def test_a_data_parallel_trainer_trains_like_one_process(tiny_model, tmp_path):
     """train.world_size=2: two gloo ranks share each step's rows; the first step's metrics (same
     weights, same samples) are the one-process run's, summed over both ranks, and the run ends whole.
     The tiny model earns no reward, so a KL penalty makes every step compute."""
-    losses = {}
+    import glob
+    import tempfile
+
+    def rendezvous() -> set[str]:
+        return set(glob.glob(f"{tempfile.gettempdir()}/tailrace-ranks-*"))
+
+    before, losses = rendezvous(), {}
     for world in (1, 2):
         run = tmp_path / f"w{world}"
         argv = [
@@ -183,6 +189,7 @@ def test_a_data_parallel_trainer_trains_like_one_process(tiny_model, tmp_path):
     (ent1, tok1), (ent2, tok2) = losses[1][0], losses[2][0]
     assert tok2 == tok1 > 0 and ent2 == pytest.approx(ent1, rel=1e-5)
     assert len(losses[2]) == 2
+    assert rendezvous() <= before  # the ranks' spec and rendezvous file are removed once they finish
 
 
 def test_bubble_pre_generation_drafts_the_next_round_and_trains_nothing_of_it(tiny_model, tmp_path):
