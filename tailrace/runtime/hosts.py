@@ -49,15 +49,7 @@ class Hosts(Protocol):
         """The workers' torch device for the config's `device` (auto, cpu, cuda, cuda:N)."""
         ...
 
-    def start(self, name: str, target: Callable[..., None], args: tuple) -> Started:
-        conn, child = self.ctx.Pipe()
-        counter = self.ctx.Value("Q", 0, lock=False)
-        proc = self.ctx.Process(
-            target=_exit_when_done, args=(target, Driver(), child, counter, *args), name=name, daemon=True
-        )
-        proc.start()
-        child.close()  # only the worker holds its end now: when it dies, ours reads end-of-file
-        return Started(proc, conn, counter)
+    def start(self, name: str, target: Callable[..., None], args: tuple) -> Started: ...
 
     def ring(self, layout: Any, slots: int) -> Any:
         """The weights ring for a flat layout (model/flat.FlatWeights) holding `slots` versions."""
@@ -95,7 +87,7 @@ class LocalHosts:
         counter = self.ctx.Value("Q", 0, lock=False)
         proc = self.ctx.Process(
             target=_exit_when_done,
-            args=(target, dict(os.environ), child, counter, *args),
+            args=(target, Driver(), child, counter, *args),  # the driver's environment and output now
             name=name,
             daemon=True,
         )
