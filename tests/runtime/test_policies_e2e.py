@@ -214,8 +214,10 @@ def test_a_lost_engine_and_a_lost_trainer_leave_every_policy_exact(tiny_model, t
     os.kill(names["tr-trainer-b"], signal.SIGKILL)
     rc, out = finish(p, timeout=180)
     assert rc == 0, out
+    # each recovery is recorded once its replacement is up: b, the faster policy, may lose its trainer
+    # before the engine's replacement is, so the order is either
     got = [(m.data["worker"], m.data["cause"]) for m in recoveries(run)]
-    assert got == [("engine0", "died"), ("trainer-b", "died")]
+    assert sorted(got) == [("engine0", "died"), ("trainer-b", "died")], got
     for name in ("a", "b"):
         assert_exact(run / "policies" / name, steps=6)
 
