@@ -89,34 +89,28 @@ def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp
 
 
 @pytest.mark.slow
-def test_each_policy_trains_with_data_parallel_ranks_of_its_own_like_one_process(tiny_model, tmp_path):
+def test_each_policy_trains_with_data_parallel_ranks_of_its_own(tiny_model, tmp_path):
     """train.world_size=2 for two policies: each trainer leads two gloo ranks of its own (a process group
     and rendezvous per trainer: two sharing one would not form), the trainers taking turns on the shared
-    cores as single processes do. Both policies end exact, and each one's first step (same weights,
-    same seeded samples) has the metrics of the same run with one process per trainer. The tiny model
-    earns no reward, so a KL penalty makes every step compute."""
+    cores as single processes do. Both policies end exact. (That a step of two ranks equals the one
+    process's is test_train_e2e's.) The tiny model earns no reward, so a KL penalty makes every step
+    compute."""
     from tests.runtime.test_recovery import assert_exact
 
-    first = {}
-    for world in (1, 2):
-        run = tmp_path / f"w{world}"
-        argv = [
-            "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.steps=2",
-            "--eval.n=4", "--flow.mode=sync", "--flow.zero_signal=train", f"--train.world_size={world}",
-            "--train.micro_batch_tokens=256", "--train.loss.kl_coef=0.1",
-            "--policies=[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion}}]",
-        ]  # fmt: skip
-        assert main(argv) == 0
-        for name in ("a", "b"):
-            assert_exact(run / "policies" / name, steps=2)
-            step = records(run / "policies" / name, "step")[0]["train"]
-            first[world, name] = (step["entropy"], step["tokens"])
-        events = [json.loads(l) for l in (run / "events.jsonl").read_text().splitlines()]
-        spans = sorted((e["t0"], e["t1"]) for e in events if e.get("phase") == "train")
-        assert len(spans) == 4 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # in turns
+    run = tmp_path / "run"
+    argv = [
+        "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.steps=2",
+        "--eval.n=4", "--flow.mode=sync", "--flow.zero_signal=train", "--train.world_size=2",
+        "--train.micro_batch_tokens=256", "--train.loss.kl_coef=0.1",
+        "--policies=[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion}}]",
+    ]  # fmt: skip
+    assert main(argv) == 0
     for name in ("a", "b"):
-        (ent1, tok1), (ent2, tok2) = first[1, name], first[2, name]
-        assert tok2 == tok1 > 0 and ent2 == pytest.approx(ent1, rel=1e-5), name
+        assert_exact(run / "policies" / name, steps=2)
+        assert records(run / "policies" / name, "step")[0]["train"]["tokens"] > 0
+    events = [json.loads(l) for l in (run / "events.jsonl").read_text().splitlines()]
+    spans = sorted((e["t0"], e["t1"]) for e in events if e.get("phase") == "train")
+    assert len(spans) == 4 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # in turns
 
 
 def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
@@ -319,9 +313,9 @@ def test_a_supervised_run_of_several_policies_survives_its_driver_killed(tiny_mo
     from tests.runtime.test_supervise import children, stop
 
     run = tmp_path / "run"
-    policies = "[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion, steps: 8}}]"
+    policies = "[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion, steps: 6}}]"
     p = start_cli(
-        "train", "--supervise", f"--run-dir={run}", f"--model.path={tiny_model}", *RESUMABLE, "--flow.steps=6",
+        "train", "--supervise", f"--run-dir={run}", f"--model.path={tiny_model}", *RESUMABLE, "--flow.steps=4",
         f"--policies={policies}",
     )  # fmt: skip
     try:
@@ -338,7 +332,7 @@ def test_a_supervised_run_of_several_policies_survives_its_driver_killed(tiny_mo
     ], out
     (m,) = recoveries(run)
     assert (m.data["worker"], m.data["cause"]) == ("driver", "died")
-    for name, steps in (("a", 6), ("b", 8)):
+    for name, steps in (("a", 4), ("b", 6)):
         assert_exact(run / "policies" / name, steps)
         assert [r["tag"] for r in records(run / "policies" / name, "eval")].count("final") == 1
 

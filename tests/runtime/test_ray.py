@@ -228,17 +228,17 @@ def test_a_cluster_too_small_for_the_seats_is_one_line(ray_cluster, tiny_model, 
 POLICIES = "[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion}}]"
 
 
-@pytest.mark.parametrize("weights", ["object_store", "collective"])
 def test_two_policies_train_on_ray_each_trainer_an_actor_in_a_bundle_of_its_own(
-    weights, ray_cluster, no_local_hosts, tiny_model, tmp_path, capsys
+    ray_cluster, no_local_hosts, tiny_model, tmp_path, capsys
 ):
     """Two policies (a sync, b multiversion) share the engine actor; each trainer is an actor of its own
     (trainer-a, trainer-b), in its own bundle with runtime.trainer_cpus. Their versions sit side by side
-    in the ring, through the object store or by a collective of each trainer's own (the engine receives
-    both). Both finish every step once, their ledgers exact, each trainer publishing its own versions."""
+    in the ring, and each trainer broadcasts by a collective group of its own (the engine in both; the
+    object store path is the one-policy tests' with the same bundles). Both finish every step once,
+    their ledgers exact, each trainer publishing its own versions."""
     run_dir = tmp_path / "run"
     rc, out = train(
-        capsys, tiny_model, run_dir, "--flow.steps=3", "--eval.n=4", f"--runtime.weights={weights}",
+        capsys, tiny_model, run_dir, "--flow.steps=3", "--eval.n=4", "--runtime.weights=collective",
         f"--policies={POLICIES}",
     )  # fmt: skip
     assert rc == 0, out
@@ -252,10 +252,7 @@ def test_two_policies_train_on_ray_each_trainer_an_actor_in_a_bundle_of_its_own(
     loaded = {s.version for s in spans_of(run_dir, "sync") if s.lane == "engine0"}
     assert {v % 2 for v in loaded} == {0, 1}  # engine versions: policy p's are p mod 2
     received = {s.version for s in spans_of(run_dir, "receive")}
-    if weights == "collective":  # one group per trainer, the engine in both
-        assert {v % 2 for v in received} == {0, 1}, received
-    else:
-        assert received == set()
+    assert {v % 2 for v in received} == {0, 1}, received  # one group per trainer, the engine in both
 
 
 def test_an_engine_killed_in_a_collective_run_is_replaced_and_the_run_ends_exact(
