@@ -372,7 +372,10 @@ class Driver:
         results, self._eval_results, self._eval_sent = self._eval_results, [], {}
         own = self.sched.policy_version(version)[1]
         step, version = (snap.step, snap.version) if snap else (pol.sched.steps_done, own)
-        rec = EvalRecord(tag, step, evaluator.summarize(reqs, results), version, wall_s)
+        summary = evaluator.summarize(reqs, results)
+        if pol.ses.env is not None:  # a multi-turn task: the tool calls its held-out episodes made
+            summary["tool_calls"] = sum(self._eval_calls.values())
+        rec = EvalRecord(tag, step, summary, version, wall_s)
         pol.metrics.write(rec)
         return rec
 

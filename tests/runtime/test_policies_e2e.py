@@ -170,10 +170,14 @@ def test_a_multi_turn_policy_trains_beside_a_single_turn_one(tool_model, tmp_pat
         steps = records(d, "step")
         trajs = [e.trajectory for e in read_journal(d / "journal.jsonl") if isinstance(e, Finished)]
         called = [t for t in trajs if t.observed]
+        evals = records(d, "eval")
         if name == "sums":  # single-turn: no call answered, no tool figures
             assert not called and all("tools" not in r for r in steps)
+            assert all("tool_calls" not in r for r in evals)
             continue
         assert sum(r["tools"]["calls"] for r in steps) > 0, "the tool model should call the calculator"
+        # its held-out episodes call the calculator too (answered by the driver between their turns)
+        assert sum(r["tool_calls"] for r in evals) > 0, evals
         assert called
         for t in called:  # each observation follows its call, masked: logprob 0, never trained on
             ids = t.result.token_ids
