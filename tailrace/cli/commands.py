@@ -146,7 +146,7 @@ def _plan_policies(run):
     one policy. Checked before anything changes; the run's config.yaml must still make each policy's."""
     from tailrace.config.load import policy_configs
     from tailrace.runtime import checkpoint
-    from tailrace.runtime.resume import changed_keys, plan_resume
+    from tailrace.runtime.resume import Resume, changed_keys, plan_resume
     from tailrace.runtime.rundir import RunDir
 
     try:
@@ -169,7 +169,7 @@ def _plan_policies(run):
                 f"wrote {res.run.file('config.yaml')}; restore them, or start a new run"
             )
         resumes.append(res)
-    if all(getattr(r, "finished", False) for r in resumes):
+    if all(isinstance(r, Resume) and r.finished for r in resumes):
         raise InputError(
             f"--resume {run.path}: the run finished (every policy wrote its final evaluation); start a new run "
             f"(tailrace report {run.path} compares its policies)"

@@ -62,8 +62,13 @@ class SpecTally:
         for that policy's record."""
         mine, rest = self.by_version, {}
         if own is not None:
-            mine = {own(v): c for v, c in self.by_version.items() if own(v) is not None}
-            rest = {v: c for v, c in self.by_version.items() if own(v) is None}
+            mine = {}
+            for v, c in self.by_version.items():
+                mapped = own(v)
+                if mapped is None:
+                    rest[v] = c
+                else:
+                    mine[mapped] = c
         out = speculation(*self.counts, by_version=mine, train=self.train)
         self.counts, self.by_version, self.train = [0, 0, 0, 0], rest, (0, 0.0)
         return out

@@ -162,7 +162,7 @@ def _changed(run: RunDir, ckpt: Path, cfg: RunConfig) -> list[str]:
     except ConfigError as e:
         raise ConfigError(f"{ckpt / checkpoint.CONFIG}: {e}") from None
     now = _flat(dataclasses.asdict(cfg))
-    changed = [k for k in now if now[k] != then.get(k)]
+    changed = _differ(then, now)
     refused = [k for k in changed if k not in MAY_CHANGE]
     if refused:
         diffs = ", ".join(f"{k} ({then.get(k)} -> {now[k]})" for k in refused)
@@ -176,8 +176,13 @@ def _changed(run: RunDir, ckpt: Path, cfg: RunConfig) -> list[str]:
 
 def changed_keys(then: RunConfig, now: RunConfig) -> list[str]:
     """The keys whose values differ between two configs, but those a resume may see changed."""
-    a, b = _flat(dataclasses.asdict(then)), _flat(dataclasses.asdict(now))
-    return [k for k in b if b[k] != a.get(k) and k not in MAY_CHANGE]
+    differ = _differ(_flat(dataclasses.asdict(then)), _flat(dataclasses.asdict(now)))
+    return [k for k in differ if k not in MAY_CHANGE]
+
+
+def _differ(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The keys of flat config `now` whose values `then` does not have."""
+    return [k for k in now if now[k] != then.get(k)]
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
