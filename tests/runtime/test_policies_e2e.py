@@ -308,13 +308,9 @@ def test_a_resume_of_several_policies_refuses_an_edited_policy_and_a_finished_ru
 def test_a_supervised_run_of_several_policies_survives_its_driver_killed(tiny_model, tmp_path):
     """`--supervise`: the driver killed with -9 mid-run is resumed, each policy from its own checkpoint
     (or from the start), and every policy ends exact."""
-    import os
-    import signal
-
-    from tests.runtime.conftest import start_cli, wait_for_steps
-    from tests.runtime.test_faults import finish
+    from tests.runtime.conftest import start_cli
     from tests.runtime.test_recovery import assert_exact, recoveries
-    from tests.runtime.test_supervise import children, stop
+    from tests.runtime.test_supervise import assert_resumed_once, kill_the_driver
 
     run = tmp_path / "run"
     policies = "[{name: a}, {name: b, task: {seed: 3}, flow: {mode: multiversion, steps: 6}}]"
@@ -322,18 +318,9 @@ def test_a_supervised_run_of_several_policies_survives_its_driver_killed(tiny_mo
         "train", "--supervise", f"--run-dir={run}", f"--model.path={tiny_model}", *RESUMABLE, "--flow.steps=4",
         f"--policies={policies}",
     )  # fmt: skip
-    try:
-        wait_for_steps(run / "policies" / "b", p, 3)
-        (driver,) = children(p.pid)
-        os.kill(driver, signal.SIGKILL)
-        rc, out = finish(p, timeout=240)
-    finally:
-        stop(p)
+    rc, out = kill_the_driver(p, run / "policies" / "b", 3, timeout=240)
     assert rc == 0, out
-    assert [line for line in out.splitlines() if line.startswith("supervisor: ")] == [
-        f"supervisor: the driver process died (killed by SIGKILL: out of memory?); resuming it from {run} "
-        "(restart 1 of at most 3 within the hour)"
-    ], out
+    assert_resumed_once(out, run)
     (m,) = recoveries(run)
     assert (m.data["worker"], m.data["cause"]) == ("driver", "died")
     for name, steps in (("a", 4), ("b", 6)):

@@ -38,6 +38,26 @@ def stop(p) -> None:
             pass
 
 
+def kill_the_driver(p, run_dir: Path, steps: int, timeout: float = 180) -> tuple[int, str]:
+    """Kill supervised run `p`'s driver with -9 once `run_dir` holds `steps` step records; the
+    supervisor's exit code and output (what is left of the run is killed either way)."""
+    try:
+        wait_for_steps(run_dir, p, steps)
+        (driver,) = children(p.pid)
+        os.kill(driver, signal.SIGKILL)
+        return finish(p, timeout=timeout)
+    finally:
+        stop(p)
+
+
+def assert_resumed_once(out: str, run_dir: Path) -> None:
+    """The supervisor's only line: the killed driver resumed, its first restart."""
+    assert [line for line in out.splitlines() if line.startswith("supervisor: ")] == [
+        f"supervisor: the driver process died (killed by SIGKILL: out of memory?); resuming it from {run_dir} "
+        "(restart 1 of at most 3 within the hour)"
+    ], out
+
+
 def test_only_faults_are_restarted():
     assert lost_driver(-signal.SIGKILL).line == "the driver process died (killed by SIGKILL: out of memory?)"
     assert lost_driver(-signal.SIGSEGV).cause == "died"
@@ -60,20 +80,10 @@ def test_a_killed_driver_is_resumed_and_the_run_ends_exact(tiny_model, tmp_path)
         "train", "--supervise", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN,
         f"--flow.steps={STEPS}", "--eval.n=4", "--train.loss.kl_coef=0.01",
     )  # fmt: skip
-    try:
-        wait_for_steps(run_dir, p, 2)
-        (driver,) = children(p.pid)
-        os.kill(driver, signal.SIGKILL)
-        rc, out = finish(p, timeout=180)
-    finally:
-        stop(p)
+    rc, out = kill_the_driver(p, run_dir, 2)
     assert rc == 0, out
     assert "Traceback" not in out
-    restarts = [line for line in out.splitlines() if line.startswith("supervisor: ")]
-    assert restarts == [
-        f"supervisor: the driver process died (killed by SIGKILL: out of memory?); resuming it from {run_dir} "
-        "(restart 1 of at most 3 within the hour)"
-    ], out
+    assert_resumed_once(out, run_dir)
     (m,) = recoveries(run_dir)
     assert (m.data["worker"], m.data["cause"], m.data["restarts"]) == ("driver", "died", 1)
     assert m.data["downtime_s"] > 0
