@@ -20,10 +20,22 @@ So the version barrier is per policy: a policy waits for its own trainer's weigh
 another's, and each scheduler checks its own staleness bound and ledger identity at every poll. A
 policy sees each engine's whole capacity (one generating alone, while the other trains, gets every
 slot); when both generate, the engine queues what exceeds its slots.
+
+Engines that hold one weight version at a time (`Capabilities.versions_at_once == 1`: vLLM, or
+rollout.max_versions=1) cannot hold the policies' weights side by side. Each then serves one policy,
+its *owner*, and the other policies see it lent (`Scheduler.lend_engine`: out of their view). The
+engines are dealt out in turn (engine k to policy k mod P: at least one engine a policy), a joining
+engine to the policy with the fewest, and a policy left with none (its engines left) takes one that
+another policy with several has no use for at the moment (`_rebalance`); its next poll loads its
+weights there, as on an engine that joined. Moving engines more eagerly — to whichever policy has
+samples waiting, whenever an owner has none in flight — did not pay on the scripted cluster: each
+move costs a weight load, and a sync round is handed to the engines its policy holds when it
+starts (4 engines of one slot, 5 seeds: sync + pipe 1.16x slower, sync + multiversion 1.03x).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import Callable, Collection, Iterator, Sequence
 
@@ -48,6 +60,9 @@ class PolicySet:
         self.turns = turns
         self._scheds = tuple(schedulers)
         self._index = {n: p for p, n in enumerate(self.names)}
+        ones = {s.capabilities.versions_at_once == 1 for s in schedulers}
+        self.one_version = len(names) > 1 and ones == {True}  # engines dealt out: one owner each
+        self._owner: dict[int, int] | None = None  # engine -> its policy (one_version; set at first use)
 
     def __len__(self) -> int:
         return len(self._scheds)
@@ -60,9 +75,54 @@ class PolicySet:
 
     @property
     def engines(self):
-        """The live engines (ids, slots, lookahead), as every policy's books have them (each policy
-        counts its own requests in flight)."""
-        return self._scheds[0].engines
+        """The live engines (ids, slots, lookahead), as their owners' books have them (each policy
+        counts its own requests in flight), by id."""
+        if not self.one_version:
+            return self._scheds[0].engines
+        self._owners()
+        return tuple(sorted((e for s in self._scheds for e in s.engines), key=lambda e: e.id))
+
+    def owner(self, engine: int) -> int | None:
+        """The policy engine `engine` serves now (one-version engines); None: it serves every policy."""
+        return self._owners().get(engine) if self.one_version else None
+
+    def _owners(self) -> dict[int, int]:
+        """The engines dealt out in turn, once (after a resume's restore: its books are the owners')."""
+        if self._owner is None:
+            ids = [e.id for e in self._scheds[0].engines]
+            if len(ids) < len(self):
+                raise ValueError(
+                    f"{len(self)} policies on engines that hold one weight version at a time need at least "
+                    f"{len(self)} engines, one each; raise rollout.engines to {len(self)} or more"
+                )
+            self._owner = {eid: k % len(self) for k, eid in enumerate(ids)}
+            for eid, p in self._owner.items():
+                for q, s in enumerate(self._scheds):
+                    if q != p:
+                        s.lend_engine(eid)
+                    elif len((e := s.engine(eid)).loaded) > 1:  # (a resume restored older versions)
+                        e.loaded = {max(e.loaded)}
+        return self._owner
+
+    def _rebalance(self) -> None:
+        """A policy left without an engine (its engines left) takes one another policy has no use for
+        now (nothing of its in flight or loading), never that policy's last."""
+        owners = self._owners()
+        counts = Counter(owners.values())
+        for q, sq in enumerate(self._scheds):
+            if counts[q] or sq.done:
+                continue
+            for eid, p in sorted(owners.items()):
+                s = self._scheds[p]
+                e = s.engine(eid)
+                if counts[p] > 1 and not (e.in_flight or e.loading or s.pregen_in_flight(eid)):
+                    s.lend_engine(eid)
+                    sq.take_engine(eid, set())
+                    owners[eid] = q
+                    counts[p] -= 1
+                    counts[q] += 1
+                    s.mark("engine_lent", engine=eid, to=self.names[q])
+                    break
 
     # ------------------------------------------------------------------ the engines' space
     def version(self, p: int, v: int) -> int:
@@ -105,6 +165,8 @@ class PolicySet:
                 first = min((g.opened for g in s.open.values()), default=now)
                 out.commands = [self._outward(p, c, (first, p) if self.turns else ()) for c in out.commands]
             outs.append(out)
+        if self.one_version:
+            self._rebalance()
         return outs
 
     def _outward(self, p: int, c, priority: tuple):
@@ -166,7 +228,16 @@ class PolicySet:
 
     def on_loaded(self, engine: int, version: int, now: float) -> None:
         p, v = self.policy_version(version)
+        if self.one_version:  # it holds this version only now (a load outside the policies': evaluation)
+            self.on_replaced(engine)
         self._scheds[p].on_loaded(engine, v, now)
+
+    def on_replaced(self, engine: int) -> None:
+        """(One-version engines) engine `engine` now holds weights no policy asked for (an evaluation's):
+        no policy's books hold any of their versions there (its owner's next poll loads its own)."""
+        for s in self._scheds:
+            if engine not in s.departed:
+                s.engine(engine).loaded.clear()
 
     def on_engine_steps(self, steps: int, decode_tokens: int, prefill_tokens: int, busy_s: float) -> None:
         for s in self._scheds:  # each policy's shaping prices the engines it shares
@@ -176,16 +247,30 @@ class PolicySet:
         return sum(s.on_engine_lost(engine, now) for s in self._scheds)
 
     def add_engine(self, slots: int, lookahead: int) -> int:
+        """An engine joins (every policy's, or on one-version engines the policy with the fewest)."""
+        owners = self._owners() if self.one_version else {}
         ids = {s.add_engine(slots, lookahead) for s in self._scheds}
         if len(ids) != 1:
             raise InvariantError(f"the policies gave a joining engine different ids {sorted(ids)}")
-        return ids.pop()
+        eid = ids.pop()
+        if self.one_version:
+            counts = Counter(owners.values())
+            p = min(range(len(self)), key=lambda q: counts[q])
+            owners[eid] = p
+            for q, s in enumerate(self._scheds):
+                if q != p:
+                    s.lend_engine(eid)
+        return eid
 
     def remove_engine(self, engine: int, now: float) -> int:
+        if self.one_version:
+            self._owners().pop(engine, None)
         return sum(s.remove_engine(engine, now) for s in self._scheds)
 
     def loaded(self, engine: int) -> set[int]:
-        """The engine versions engine `engine` holds, every policy's."""
+        """The engine versions engine `engine` holds, every policy's (one-version engines: its owner's)."""
+        if self.one_version:
+            self._owners()
         return {self.version(p, v) for p, s in enumerate(self._scheds) for v in s.engine(engine).loaded}
 
     def loading(self, engine: int) -> set[int]:

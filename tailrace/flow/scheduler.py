@@ -144,6 +144,7 @@ class Scheduler(SchedulerState):
         }
         self.engines: tuple[EngineState, ...] = tuple(self._by_id.values())  # the live ones, by id
         self.departed: set[int] = set()  # engines that left (`remove_engine`): never given work again
+        self.lent: set[int] = set()  # engines serving another policy for now (`lend_engine`)
         self._store = Store()
         self.replay_buffer = ReplayBuffer(replay) if replay is not None and replay.ratio > 0 else None
         self.ledger = Ledger()
@@ -413,7 +414,7 @@ class Scheduler(SchedulerState):
         eid = max(self._by_id, default=-1) + 1
         ones = self.capabilities.versions_at_once
         self._by_id[eid] = EngineState(eid, slots, lookahead, loaded=set(), versions_at_once=ones)
-        self.engines = tuple(e for e in self._by_id.values() if e.id not in self.departed)
+        self._see_engines()
         self.mark("engine_joined", engine=eid, slots=slots)
         return eid
 
@@ -433,6 +434,30 @@ class Scheduler(SchedulerState):
         self._out.commands = [c for c in self._out.commands if getattr(c, "engine", None) != engine]
         self.mark("engine_left", engine=engine, requeued=requeued)
         return requeued
+
+    def lend_engine(self, engine: int) -> None:
+        """(Several policies on engines that hold one weight version at a time: flow/multi.py) engine
+        `engine`, idle for this policy (nothing in flight, loading or pre-generating), serves another
+        policy for now: it leaves this policy's view and its books hold none of this policy's weights
+        (the other policy's will replace them) until `take_engine` gives it back."""
+        e = self.engine(engine)
+        if e.in_flight or e.loading or self.pregen_in_flight(engine) or self._pending.get(engine):
+            raise InvariantError(f"engine {engine} cannot be lent: it has work of this policy")
+        self.lent.add(engine)
+        e.loaded.clear()
+        self._see_engines()
+
+    def take_engine(self, engine: int, loaded: set[int]) -> None:
+        """A lent engine serves this policy again, holding `loaded` of its versions (none: the next poll
+        loads what the policy needs, as for an engine that joined)."""
+        if engine not in self.lent:
+            raise InvariantError(f"engine {engine} was not lent")
+        self.lent.discard(engine)
+        self._by_id[engine].loaded = set(loaded)
+        self._see_engines()
+
+    def _see_engines(self) -> None:
+        self.engines = tuple(e for e in self._by_id.values() if e.id not in self.departed | self.lent)
 
     def engine(self, engine: int) -> EngineState:
         """A live engine's books, by id (ids are never reused)."""
