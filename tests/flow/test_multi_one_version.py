@@ -23,9 +23,12 @@ def one_version_set(modes, steps, engines=2, slots=3, R=4, G=2, U=2):
     rounds = R if isinstance(R, tuple) else (R,) * len(modes)
     scheds = [
         Scheduler(
-            make_policy(m, max_staleness=1, placement="dedicated"), prompts(), [(slots, 2)] * engines,
-            FlowSpec(r, G, U, n), capabilities=ONE,
-        )  # fmt: skip
+            make_policy(m, max_staleness=1, placement="dedicated"),
+            prompts(),
+            [(slots, 2)] * engines,
+            FlowSpec(r, G, U, n),
+            capabilities=ONE,
+        )
         for m, n, r in zip(modes, steps, rounds)
     ]
     return PolicySet([f"p{i}" for i in range(len(modes))], scheds)
