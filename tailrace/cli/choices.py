@@ -89,7 +89,10 @@ def check(cfg: RunConfig) -> None:
         policy = make_policy(cfg.flow.mode, **options)
     except ValueError as e:
         raise ConfigError(f"flow.mode={cfg.flow.mode}: {e}") from None
-    why = policy.refusal(capabilities(cfg.rollout.backend, speculative=cfg.rollout.spec.drafter != "none"))
+    r = cfg.rollout
+    why = policy.refusal(
+        capabilities(r.backend, speculative=r.spec.drafter != "none", max_versions=r.max_versions)
+    )
     if why:
         raise ConfigError(why)
 
@@ -104,6 +107,11 @@ def check_policies(cfg: RunConfig) -> None:
         raise ConfigError(
             f"policies: a run of several policies does not take rollout.backend={r.backend}: the engines "
             "must hold several policies' weights at once; use rollout.backend=tailrace"
+        )
+    if r.max_versions == 1:
+        raise ConfigError(
+            "policies: a run of several policies does not take rollout.max_versions=1: the engines must "
+            "hold several policies' weights at once; set rollout.max_versions=null"
         )
     for name, pc in policy_configs(cfg):
         try:

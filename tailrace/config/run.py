@@ -163,6 +163,11 @@ class RolloutConfig:
         "auto",
         "decode attention: the C kernel (CPU), bmm or sdpa; auto picks (see engine/backends/__init__.py)",
     )
+    max_versions: int | None = setting(
+        None,
+        "weight versions each engine holds at once: null = as many as the mode needs; 1 = one copy of the "
+        "weights (a large model), as vLLM holds; modes that need several versions on an engine are then refused",
+    )
     spec: SpecConfig = section(
         SpecConfig, "speculative decoding in the rollout engines (exact: see engine/spec)"
     )
@@ -186,6 +191,11 @@ class RolloutConfig:
             )
         for k in ("engines", "slots", "threads", "max_new_tokens", "prefill_tokens"):
             need(getattr(self, k) > 0, f"rollout.{k}={getattr(self, k)}: must be positive")
+        need(
+            self.max_versions in (None, 1),
+            f"rollout.max_versions={self.max_versions}: use null (as many as the mode needs) or 1 (one copy "
+            "of the weights per engine)",
+        )
         need(self.lookahead >= 0, f"rollout.lookahead={self.lookahead}: must be >= 0")
         need(
             self.max_context is None or self.max_context >= 2,

@@ -38,11 +38,12 @@ def build_engine(model: CausalLM | str | Path, backend: str = "tailrace", **opti
     raise EngineError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
 
 
-def capabilities(backend: str, speculative: bool = False) -> Capabilities:
-    """What an engine of `backend` can do, known before one is built (the scheduler is built first)."""
+def capabilities(backend: str, speculative: bool = False, max_versions: int | None = None) -> Capabilities:
+    """What an engine of `backend` can do, known before one is built (the scheduler is built first).
+    `max_versions`: tailrace's engine's option (vLLM holds one version regardless)."""
     if backend == "vllm":
         return vllm_engine.CAPABILITIES
-    return tailrace_engine.capabilities(speculative)
+    return tailrace_engine.capabilities(speculative, max_versions)
 
 
 __all__ = [

@@ -37,9 +37,13 @@ them, per row (`adapters`), so rows of several adapters (and of none) share a st
 Seeded requests are batch-invariant (see `sampler`): the same tokens alone or in any batch, up to
 floating-point differences between batch shapes (a flip needs a near-tie of perturbed logits).
 
+With `max_versions=1` the engine holds one version, as vLLM does (a large model: one copy of its
+weights): a load of another version overwrites the held weights in place and relabels them, and is
+refused while any request waits or runs.
+
 Not thread-safe: call `add`, `abort`, `load_weights`, ... between steps, from the thread that steps.
-The engine owns the model it is given (it may be overwritten by `load_weights(..., version=0)`); it
-is copied only when `device`/`dtype` ask for a different placement.
+The engine owns the model it is given (it may be overwritten by `load_weights(..., version=0)`, or by
+any load with `max_versions=1`); it is copied only when `device`/`dtype` ask for a different placement.
 """
 
 from __future__ import annotations
@@ -82,11 +86,11 @@ _DTYPES = {
 }
 
 
-def capabilities(speculative: bool) -> Capabilities:
+def capabilities(speculative: bool, max_versions: int | None = None) -> Capabilities:
     """What a `TailraceEngine` can do (the runtime asks before it builds one)."""
     return Capabilities(
         abort_resume=True,
-        versions_at_once=None,
+        versions_at_once=max_versions,
         per_request_seed=True,
         speculative=speculative,
         adapters=True,
@@ -115,6 +119,7 @@ class TailraceEngine(SpeculativeSteps):
         kv_dtype: torch.dtype | None = None,
         spec: str | Callable[[DraftEnv], Drafter] | SpecOptions | None = None,
         keep_finished: bool = False,
+        max_versions: int | None = None,
     ):
         """`model` is version 0. `max_context`: context limit (prompt + response) per request, default
         the model's max_position_embeddings (or less, if the KV pool holds less). `expected_context`: the
@@ -129,7 +134,13 @@ class TailraceEngine(SpeculativeSteps):
         bytes). `spec`: speculative decoding with this drafter (a name in `spec.DRAFTERS`, or a factory
         of a `Drafter`; None or 'off': none) or these `SpecOptions`; it changes no output, only the
         time (see `spec`). `keep_finished`: keep finished requests' k/v for continuations (see above;
-        not with speculation, whose drafters keep caches of their own)."""
+        not with speculation, whose drafters keep caches of their own). `max_versions`: None, as many
+        versions as are loaded; 1, one (see above)."""
+        if max_versions not in (None, 1):
+            raise EngineError(
+                f"max_versions={max_versions}: use None (as many versions as are loaded) or 1 (one copy "
+                "of the weights: a load of another version replaces the one held)"
+            )
         if num_slots < 1:
             raise EngineError(f"num_slots={num_slots} must be at least 1")
         if prefill_tokens < 1:
@@ -213,7 +224,7 @@ class TailraceEngine(SpeculativeSteps):
                 lambda v: self._versions[v].model,
             )
             self._spec = Speculator(make(env), opts)
-        self.capabilities = capabilities(speculative=self._spec is not None)
+        self.capabilities = capabilities(speculative=self._spec is not None, max_versions=max_versions)
         if keep_finished and self._spec is not None:
             raise EngineError("keep_finished=True does not work with speculative decoding; drop one")
         self.keep_finished = keep_finished
@@ -296,10 +307,26 @@ class TailraceEngine(SpeculativeSteps):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Add weights as a new `version`, or overwrite an existing version in place (its in-flight
-        requests continue from the next step with the new weights on top of their cached k/v)."""
-        self._forget_kept(version=version)  # in place: its kept k/v are the old weights'
+        requests continue from the next step with the new weights on top of their cached k/v). A
+        one-version engine (`max_versions=1`) replaces the version it holds by a new one instead, only
+        while no request waits or runs."""
+        held = self.versions[0]
+        replace = self.capabilities.versions_at_once == 1 and version != held
+        if replace and self.num_running + self.num_waiting:
+            raise EngineError(
+                f"load_weights(version={version}): {self.num_running + self.num_waiting} request(s) of "
+                f"version {held} are waiting or running, and this engine holds one version at a time "
+                "(max_versions=1); let them finish or abort them first"
+            )
+        old = held if replace else version
+        self._forget_kept(version=old)  # in place: its kept k/v are the old weights'
         with torch.inference_mode():
-            self._versions.load(state_dict, version)
+            self._versions.load(state_dict, old)
+            if replace:
+                self._versions.relabel(held, version)
+                self._sorting.pop(held, None)
+                if self._spec:
+                    self._spec.drafter.drop(held)
             if self._spec:
                 self._spec.drafter.load(version, self._versions[version].model)
 

@@ -53,6 +53,10 @@ class Versions:
     def drop(self, version: int) -> None:
         del self._backends[version]
 
+    def relabel(self, old: int, new: int) -> None:
+        """Hold `old`'s weights (as they are now) as version `new` instead."""
+        self._backends[new] = self._backends.pop(old)
+
     def _build(self, model: CausalLM) -> Backend:
         model.eval().requires_grad_(False)
         return self._make(model)

@@ -169,7 +169,9 @@ class Driver:
         shaping = make_shaping(cfg.shaping.name, window=f.prompts_per_round, **cfg.shaping.options())
         sched = Scheduler(
             policy, ses.prompt_stream(), engines, spec, sampling, seed=cfg.seed, shaping=shaping,
-            capabilities=capabilities(r.backend, speculative=r.spec.drafter != "none"),
+            capabilities=capabilities(
+                r.backend, speculative=r.spec.drafter != "none", max_versions=r.max_versions
+            ),
             replay=ReplayOptions(**cfg.store.options()),
         )  # fmt: skip
         run = self.run
@@ -260,6 +262,7 @@ class Driver:
             attention=r.attention, max_context=r.max_context,
             kv_memory_gb=r.kv_memory_gb, expected_context=self.expected_context, device=self.device, spec=self.spec,
             backend=r.backend, keep_finished=r.keep_kv and self.tools is not None and self.spec is None,
+            max_versions=r.max_versions,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -844,7 +847,9 @@ def with_mode(cfg: RunConfig) -> tuple[RunConfig, str | None]:
     r = cfg.rollout
     mode, why = recommended_mode(
         cfg.shaping.name,
-        capabilities(r.backend, speculative=r.spec.drafter != "none").versions_at_once,
+        capabilities(
+            r.backend, speculative=r.spec.drafter != "none", max_versions=r.max_versions
+        ).versions_at_once,
         r.spec.pregen_below is not None,
     )
     return replace(cfg, flow=replace(cfg.flow, mode=mode)), why

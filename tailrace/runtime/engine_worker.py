@@ -52,6 +52,7 @@ class EngineSpec:
     backend: str = "tailrace"  # rollout.backend: tailrace's engine, or vLLM (which loads model_path itself)
     gated: bool = False  # wait for `Go` before loading the model (started alongside the trainer)
     keep_finished: bool = False  # keep finished requests' k/v for their continuations (tool turns)
+    max_versions: int | None = None  # rollout.max_versions (tailrace's engine; vLLM holds one regardless)
 
 
 def engine_main(
@@ -153,5 +154,6 @@ def _build(spec: EngineSpec) -> Engine:
         expected_context=spec.expected_context,
         spec=spec.spec,
         keep_finished=spec.keep_finished,
+        max_versions=spec.max_versions,
         **common,
     )

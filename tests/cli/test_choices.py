@@ -55,6 +55,14 @@ def test_every_registered_name_passes():
             )
 
 
+def test_a_mode_that_needs_several_versions_is_refused_on_one_version_engines():
+    one = "--rollout.max_versions=1"
+    with pytest.raises(ConfigError, match="flow.mode=partial .*rollout.max_versions=1"):
+        check(load_config(overrides=["--flow.mode=partial", one]))
+    check(load_config(overrides=[one]))  # flow.mode null: the recommended mode is then sync
+    assert load_config(overrides=[one]).rollout.max_versions == 1
+
+
 def test_the_chosen_policy_judges_its_options():
     with pytest.raises(ConfigError, match="flow.mode=async: .*max_staleness"):
         check(load_config(overrides=["--flow.mode=async", "--flow.max_staleness=0"]))

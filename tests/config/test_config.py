@@ -49,6 +49,11 @@ def test_yaml_then_overrides(tmp_path):
         ("--flow.stepz=3", "unknown config key flow.stepz; did you mean flow.steps?"),
         ("--sft.hidden_size=64", "unknown config key sft.hidden_size; did you mean arch.hidden_size?"),
         ("--flow.lr=1e-4", "unknown config key flow.lr; did you mean sft.lr or train.lr?"),
+        (
+            "--rollout.max_versions=2",
+            "rollout.max_versions=2: use null (as many as the mode needs) or 1 (one copy of the weights "
+            "per engine)",
+        ),
     ],
 )
 def test_bad_values_are_one_line_with_the_fix(override, message):

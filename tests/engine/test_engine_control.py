@@ -158,6 +158,29 @@ def test_drop_version_refuses_while_in_use(model, other):
     assert eng.versions == (0,)
 
 
+def test_a_one_version_engine_replaces_its_version_only_while_idle(model, other):
+    """max_versions=1 (as vLLM): a load of another version replaces the held one, and is refused while a
+    request waits or runs; a seeded request gets the tokens a default engine with those weights gives."""
+    eng = TailraceEngine(tiny_model(0), num_slots=1, max_versions=1)
+    assert eng.capabilities.versions_at_once == 1
+    eng.load_weights(other.state_dict(), 3)
+    assert eng.versions == (3,)
+    r = req("a", 5, 12, version=3, temperature=1.0)
+    eng.add(r)
+    eng.step()
+    with pytest.raises(EngineError, match="one version at a time .*let them finish or abort them"):
+        eng.load_weights(model.state_dict(), 4)
+    eng.load_weights(other.state_dict(), 3)  # the held version: overwritten in place, as on any engine
+    out = _run(eng)["a"]
+    ref = TailraceEngine(tiny_model(0), num_slots=1)
+    ref.load_weights(other.state_dict(), 3)
+    want = ref.generate([r])[0]
+    assert out.token_ids == want.token_ids and out.versions == (3,) * 12
+    assert max(abs(a - b) for a, b in zip(out.logprobs, want.logprobs)) < 1e-5
+    with pytest.raises(EngineError, match="max_versions=2: use None .* or 1"):
+        TailraceEngine(model, max_versions=2)
+
+
 BAD = {
     "empty prompt": GenRequest("bad", (), SamplingParams()),
     "longer than the context": GenRequest("bad", tuple(range(5)) * 13, SamplingParams()),

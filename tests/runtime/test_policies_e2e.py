@@ -144,6 +144,8 @@ def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
     object.__setattr__(vllm.rollout, "backend", "vllm")  # (a config naming it loads only where vLLM is)
     with pytest.raises(ConfigError, match=r"policies: .* rollout\.backend=vllm: the engines must hold"):
         check_policies(vllm)
+    with pytest.raises(ConfigError, match=r"policies: .* rollout\.max_versions=1: the engines must hold"):
+        load("[{name: a}, {name: b}]", "--rollout.max_versions=1")
     named = policy_configs(load_config(None, ["--policies=[{name: a, train: {lr: 0.001}}, {name: b}]"]))
     assert [(n, c.train.lr, c.policies) for n, c in named] == [("a", 0.001, []), ("b", None, [])]
 

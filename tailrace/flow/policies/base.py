@@ -70,7 +70,7 @@ class Policy:
             return None
         return (
             f"flow.mode={self.name} {why}, and the rollout engines hold one weight version at a time "
-            "(versions_at_once=1, e.g. rollout.backend=vllm)"
+            "(versions_at_once=1: rollout.backend=vllm, or rollout.max_versions=1)"
         )
 
     def decide(self, core: Scheduler) -> None:

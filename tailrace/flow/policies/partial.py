@@ -45,7 +45,7 @@ class PartialPolicy(StreamingPolicy):
         return (
             "aborts running samples once an engine holds the new version beside the old one; use "
             "flow.mode=multiversion with flow.placement=dedicated (each engine one version, DORA's), or "
-            "rollout.backend=tailrace"
+            "rollout.backend=tailrace with rollout.max_versions=null"
         )
 
     def on_aborted(self, core: Scheduler, partial) -> None:
