@@ -103,15 +103,12 @@ def check_policies(cfg: RunConfig) -> None:
     from tailrace.config.load import policy_configs
 
     r = cfg.rollout
-    if r.backend != "tailrace":
+    n = len(cfg.policies)
+    if (r.backend == "vllm" or r.max_versions == 1) and r.engines < n:
+        why = "rollout.backend=vllm" if r.backend == "vllm" else "rollout.max_versions=1"
         raise ConfigError(
-            f"policies: a run of several policies does not take rollout.backend={r.backend}: the engines "
-            "must hold several policies' weights at once; use rollout.backend=tailrace"
-        )
-    if r.max_versions == 1:
-        raise ConfigError(
-            "policies: a run of several policies does not take rollout.max_versions=1: the engines must "
-            "hold several policies' weights at once; set rollout.max_versions=null"
+            f"policies: {n} policies on engines that hold one weight version at a time ({why}) need an "
+            f"engine each at least, and rollout.engines={r.engines}; raise rollout.engines to {n} or more"
         )
     for name, pc in policy_configs(cfg):
         try:

@@ -192,14 +192,18 @@ class Driver:
         """On resume: the older versions `pol`'s restored groups' pending samples need (multiversion),
         from its kept checkpoints holding them, by engine version; a group whose version no checkpoint
         holds starts over under `version`, its finished samples discarded (said in a mark and the
-        console)."""
+        console); so does every such group on engines that hold one version at a time."""
         sched = pol.sched
         need = sched.pending_versions() - {version}
-        disk, missing = weights_on_disk(sorted(need), lambda v: False, pol.saved_versions)
+        if sched.capabilities.versions_at_once == 1:  # the engines hold the resumed version only
+            disk, missing, why = {}, sorted(need), "the engines hold one version at a time"
+        else:
+            disk, missing = weights_on_disk(sorted(need), lambda v: False, pol.saved_versions)
+            why = "in no kept checkpoint"
         if missing:
             n = sched.restart_groups(set(missing), version)
             if self.ui is not None:
-                self.ui.note(f"resumed: the weights of version(s) {missing} are in no kept checkpoint; "
+                self.ui.note(f"resumed: the weights of version(s) {missing}: {why}; "
                              f"{n} group(s) of them start over under version {version}")  # fmt: skip
         for v in disk:
             sched.restore_version(v)
@@ -230,7 +234,10 @@ class Driver:
             p.ses.expected_context(max(r.max_new_tokens, p.cfg.eval.max_new_tokens)) for p in self.pols
         )  # the longest request of any policy's
         self.seats = (*trainer_seats, *engine_seats)
-        self.especs = {i: self._engine_spec(seat, versions, older) for i, seat in enumerate(engine_seats)}
+        self.especs = {
+            i: self._engine_spec(seat, tuple(sorted(self.sched.loaded(i))), older)
+            for i, seat in enumerate(engine_seats)
+        }
         # The engines start alongside the trainer (their imports overlap its start-up), gated: each
         # loads its weights (from the ring the trainer fills) and sizes its KV memory once it is up.
         self.engines: dict[int, Worker] = {
@@ -249,16 +256,17 @@ class Driver:
             p.util = Utilization(self.t0, slots=r.slots * r.engines)
 
     def _engine_spec(
-        self, seat: Seat, versions: list[int], older: dict[int, Path] | None = None
+        self, seat: Seat, start: tuple[int, ...], older: dict[int, Path] | None = None
     ) -> EngineSpec:
-        """`versions`: each policy's start version; `older`: engine versions it also starts with, from
-        the checkpoint model directories given."""
+        """`start`: the engine versions it starts with (each policy's start version, and older ones a
+        resume restored; on one-version engines its owner's only); `older`: the checkpoint model
+        directories of those the ring does not hold."""
         r, older = self.cfg.rollout, older or {}
         return EngineSpec(  # its model: the first policy's start weights, engine version 0
             str(self.pols[0].ses.model_path), r.slots, r.prefill_tokens, seat.threads, seat.cores, self.cfg.seed,
             self.cfg.model.dtype,
-            start_versions=(*sorted(older), *(self.sched.version(p, v) for p, v in enumerate(versions))),
-            from_disk=tuple((v, str(p)) for v, p in sorted(older.items())),
+            start_versions=start,
+            from_disk=tuple((v, str(p)) for v, p in sorted(older.items()) if v in start),
             attention=r.attention, max_context=r.max_context,
             kv_memory_gb=r.kv_memory_gb, expected_context=self.expected_context, device=self.device, spec=self.spec,
             backend=r.backend, keep_finished=r.keep_kv and self.tools is not None and self.spec is None,
@@ -297,9 +305,10 @@ class Driver:
         for p, evaluator in zip(self.pols, evaluators):
             base = self._recorded_eval(p, "base")
             if base is None and evaluator is not None:
-                base = self._evaluate(
-                    p, evaluator, "base", self.sched.version(p.index, versions[p.index]), wall_s=0.0
-                )
+                v = self.sched.version(p.index, versions[p.index])
+                if self.sched.one_version:  # each engine holds its own policy's: this one's everywhere
+                    self._load_everywhere(v)
+                base = self._evaluate(p, evaluator, "base", v, wall_s=0.0)
             bases.append(base)
             p.snapshots = Snapshots(p.run.path, p.snapshots.every, p.sched.steps_done)
         # utilization counts from here: the base evaluation is not part of the training timeline
@@ -322,12 +331,14 @@ class Driver:
             self._arrivals()
         self._handle(self.sched.poll(self._now()), sync=True)
         finals = [None] * len(self.pols)
-        if any(evaluators):
+        if any(evaluators) and not self.sched.one_version:
             self._load_final()
         for k, (p, evaluator) in enumerate(zip(self.pols, evaluators)):
             finals[k] = self._recorded_eval(p, "final")  # a policy of several that finished before a resume
             if evaluator is not None and finals[k] is None:
                 final_v = self.sched.version(p.index, p.sched.done_version)
+                if self.sched.one_version:  # one policy's weights at a time, everywhere
+                    self._load_everywhere(final_v)
                 finals[k] = self._evaluate(p, evaluator, "final", final_v, p.last_wall)
                 self._evaluate_snapshots(p, evaluator)
         while self.recovery.restarting:  # a worker lost after training: its recovery is recorded too
@@ -599,7 +610,7 @@ class Driver:
         r = self.cfg.rollout
         eid = self.sched.add_engine(r.slots, r.lookahead)
         cores = a.cores if a.actor else a.cores or self._join_cores()  # a Ray actor: Ray placed it
-        spec = replace(self._engine_spec(Seat(cores, r.threads), []), start_versions=())
+        spec = self._engine_spec(Seat(cores, r.threads), ())
         started = Started(self.hosts.joined(a), a.conns["messages"], Heard(a.conns["beats"]))
         w = self.workers.adopt(f"engine{eid}", started, elastic=True)
         self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.layout.buffer.dtype))
@@ -679,6 +690,8 @@ class Driver:
         for v, t0, t1 in rep.loaded:
             if v == self._eval_version:  # a snapshot to evaluate, after training: not the scheduler's
                 self._eval_loaded.add(rep.engine)
+                if self.sched.one_version:  # it replaced what the engine held
+                    self.sched.on_replaced(rep.engine)
                 continue
             self.events.write(Span(lane, "sync", t0 - self.t0, t1 - self.t0, version=v))
             self.sched.on_loaded(rep.engine, v, self._now())
@@ -825,13 +838,17 @@ class Driver:
     def _load_final(self) -> None:
         """Every policy's final weights on every engine (for the final evaluations)."""
         for v in [self.sched.version(p.index, p.sched.done_version) for p in self.pols]:
-            for i in list(self.engines):
-                asked = None  # the engine process asked to load v (a replacement is asked again)
-                while i in self.engines and v not in self.sched.loaded(i):
-                    if asked is not self.engines[i]:
-                        asked = self.engines[i]
-                        self.workers.send(asked, LoadWeights(i, v))
-                    self._pump()
+            self._load_everywhere(v)
+
+    def _load_everywhere(self, v: int) -> None:
+        """Engine version `v` on every engine (held-out evaluations, while the policies are idle)."""
+        for i in list(self.engines):
+            asked = None  # the engine process asked to load v (a replacement is asked again)
+            while i in self.engines and v not in self.sched.loaded(i):
+                if asked is not self.engines[i]:
+                    asked = self.engines[i]
+                    self.workers.send(asked, LoadWeights(i, v))
+                self._pump()
 
 
 def _share_cores(seats: list[Seat]) -> bool:

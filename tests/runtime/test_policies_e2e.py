@@ -140,12 +140,14 @@ def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
     load("[{name: a}, {name: b, train: {world_size: 2}}]", "--runtime.kind=ray", "--train.world_size=2")
     from tailrace.cli.choices import check_policies
 
+    # engines that hold one version at a time serve one policy each: at least an engine a policy
     vllm = load_config(None, ["--policies=[{name: a}, {name: b}]"])
     object.__setattr__(vllm.rollout, "backend", "vllm")  # (a config naming it loads only where vLLM is)
-    with pytest.raises(ConfigError, match=r"policies: .* rollout\.backend=vllm: the engines must hold"):
+    with pytest.raises(ConfigError, match=r"\(rollout\.backend=vllm\) need .* raise rollout\.engines to 2"):
         check_policies(vllm)
-    with pytest.raises(ConfigError, match=r"policies: .* rollout\.max_versions=1: the engines must hold"):
+    with pytest.raises(ConfigError, match=r"\(rollout\.max_versions=1\) need .* rollout\.engines=1"):
         load("[{name: a}, {name: b}]", "--rollout.max_versions=1")
+    load("[{name: a}, {name: b}]", "--rollout.max_versions=1", "--rollout.engines=2")
     named = policy_configs(load_config(None, ["--policies=[{name: a, train: {lr: 0.001}}, {name: b}]"]))
     assert [(n, c.train.lr, c.policies) for n, c in named] == [("a", 0.001, []), ("b", None, [])]
 
@@ -358,3 +360,34 @@ def test_drafters_serve_several_policies_and_change_no_recorded_figure_but_time(
         for l in (tmp_path / "spec" / "policies" / "a" / "events.jsonl").read_text().splitlines()
     ]
     assert any(e.get("kind") == "pregen" for e in events)  # the next round's prompts, drafted in a bubble
+
+
+def test_two_policies_share_engines_that_hold_one_version_each_serving_one_policy(tiny_model, tmp_path):
+    """rollout.max_versions=1 (as vLLM): each engine holds one weight version, so each serves one
+    policy — engine 0 the first, engine 1 the second — and loads that policy's versions only while
+    training. The held-out evaluations load each policy's weights on every engine in turn (base,
+    final, and a snapshot's); every policy ends exact, each evaluation under its own version."""
+    from tailrace.records import Mark, read_events
+    from tests.runtime.test_recovery import assert_exact
+
+    run = tmp_path / "run"
+    argv = [
+        "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=sync",
+        "--rollout.max_versions=1", "--rollout.engines=2", "--eval.n=8",
+        "--policies=[{name: a, eval: {every: 2}}, {name: b, task: {seed: 3}, flow: {mode: pipe}}]",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    for engine, name in enumerate(("a", "b")):
+        d = run / "policies" / name
+        assert_exact(d, steps=4)
+        loads = [m for m in read_events(d / "events.jsonl") if isinstance(m, Mark) and m.kind == "loaded"]
+        # the versions it trained to, on its own engine only (version 0: also on the other for the base
+        # evaluation, and again on its own, which the other policy's base evaluation had replaced)
+        assert {m.data["engine"] for m in loads if m.data["version"]} == {engine}
+        base_loads = {(m.data["engine"], m.data["version"]) for m in loads if not m.data["version"]}
+        assert base_loads == {(0, 0), (1, 0)}
+        versions = [r["version"] for r in records(d, "step")]
+        evals = {r["tag"]: r for r in records(d, "eval")}
+        assert evals["base"]["version"] == 0 and evals["final"]["version"] == versions[-1]
+        assert all(e["n"] == 8 for e in evals.values())
+    assert records(run / "policies" / "a", "eval")[-1]["tag"] == "periodic"
