@@ -117,6 +117,7 @@ class Opened:
     candidates: int = 0  # samples shaping planned for the prompt (0 = the group size)
     early_stop: bool = False  # shaping stops the group at its first group-size finishers
     own: bool = False  # the prompt came from shaping's own queue (tailbatch, sorted), not the stream
+    external: bool = False  # an external agent's group (flow/external.py): its samples follow, whole
     kind = "open"
 
     def to_json(self) -> dict:
@@ -124,7 +125,7 @@ class Opened:
             "kind": self.kind, "group": self.group, "version": self.version,
             "prompts_taken": self.prompts_taken, "requeued": self.requeued,
             "prompt": prompt_to_json(self.prompt), "candidates": self.candidates,
-            "early_stop": self.early_stop, "own": self.own,
+            "early_stop": self.early_stop, "own": self.own, **({"external": True} if self.external else {}),
         }  # fmt: skip
 
 
@@ -187,7 +188,7 @@ def journal_from_json(d: dict) -> JournalEntry:
     if kind == "open":
         return Opened(
             d["group"], d["version"], d["prompts_taken"], d["requeued"], prompt_from_json(d["prompt"]),
-            d.get("candidates", 0), d.get("early_stop", False), d.get("own", False),
+            d.get("candidates", 0), d.get("early_stop", False), d.get("own", False), d.get("external", False),
         )  # fmt: skip
     if kind == "done":
         return Finished(trajectory_from_json(d, ()))

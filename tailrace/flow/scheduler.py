@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Collection, Iterator, Mapping, Sequence
 
 from tailrace.flow.commands import Abort, Command, DropWeights, Generate, LoadWeights, Train
+from tailrace.flow.external import ExternalBook, ExternalError, is_external
 from tailrace.flow.keys import SampleKey, sample_seed
 from tailrace.flow.ledger import Ledger
 from tailrace.flow.replay import ReplayBuffer, ReplayOptions
@@ -172,6 +173,7 @@ class Scheduler(SchedulerState):
         self._at_tool: dict[str, AtTool] = {}  # multi-turn samples parked while their tool runs, by request
         self._episodes: dict[tuple[int, int], Episode] = {}  # (group, index) -> its tool calls so far
         self._seeds: dict[str, int | None] = {}  # a continuation's request id -> its episode's seed
+        self.external = ExternalBook()  # an external agent's requests (flow/external.py)
         policy.attach(self)
 
     # ------------------------------------------------------------------ driving
@@ -188,6 +190,7 @@ class Scheduler(SchedulerState):
         if not self.done:
             self._provision()
             self.policy.decide(self)
+            self._dispatch_external()
         self._flush()
         self.ledger.check(self._store.in_store())
         for g in self._store.open.values():  # every dispatched sample is done, in flight, parked or discarded
@@ -270,6 +273,9 @@ class Scheduler(SchedulerState):
             if version is None:
                 raise InvariantError(f"engine {engine} returned request {rid}, which it was not running")
             self._aborting.discard(rid)
+            if is_external(rid):  # an agent's: back to it, kept for a group
+                self.external.on_result(r, version)
+                continue
             key = SampleKey.parse(rid)
             g = self._store.open[key.group]
             seed = self._seeds.pop(rid, None)
@@ -472,6 +478,10 @@ class Scheduler(SchedulerState):
         lost = list(eng.in_flight)
         eng.in_flight.clear()  # first: a group the requeue completes aborts nothing on this engine
         for rid in lost:
+            if is_external(rid):  # an agent's: generated again elsewhere
+                self._aborting.discard(rid)
+                self.external.requeue(rid)
+                continue
             key = SampleKey.parse(rid)
             self._aborting.discard(rid)
             self._seeds.pop(rid, None)
@@ -570,7 +580,11 @@ class Scheduler(SchedulerState):
         return max(self.published)
 
     def in_flight(self, version: int | None = None) -> int:
-        return sum(len(e.in_flight) if version is None else e.count(version) for e in self.engines)
+        """Samples in flight (of `version`); an external agent's requests are not the policy's to wait
+        for (each still holds its version on its engine against a drop)."""
+        n = sum(len(e.in_flight) if version is None else e.count(version) for e in self.engines)
+        return n - sum(1 for e in self.engines for rid, v in e.in_flight.items()
+                       if is_external(rid) and version in (None, v))  # fmt: skip
 
     def live_versions(self) -> set[int]:
         """Versions some not-yet-trained sample depends on (open groups, or in flight)."""
@@ -756,6 +770,75 @@ class Scheduler(SchedulerState):
 
     def mark(self, kind: str, **data) -> None:
         self._out.marks.append(Mark(self.now, kind, data))
+
+    # ------------------------------------------------------------------ an external agent's
+    def submit_external(self, request: GenRequest) -> None:
+        """An external agent's request (id "x.<...>"; its version is set at dispatch: the newest an
+        engine holds). Its result comes back through `take_external`."""
+        self.external.submit(request)
+
+    def cancel_external(self, request_ids: Sequence[str]) -> None:
+        """The agent went away: its requests stop (waiting ones never go; running ones are aborted)."""
+        ids = set(request_ids)
+        self.external.todo = [r for r in self.external.todo if r.id not in ids]
+        for e in self.engines:
+            mine = sorted(ids & e.in_flight.keys())
+            self.external.cancelled.update(mine)
+            self.abort(e.id, mine, "cancelled")
+
+    def take_external(self) -> list[GenResult]:
+        """External requests finished since the last call."""
+        return self.external.take()
+
+    def submit_group(self, request_ids: Sequence[str], rewards: Sequence[float], correct=None) -> int:
+        """An external agent's group: `request_ids` name finished external results of one prompt,
+        `samples_per_prompt` of them, scored `rewards` (`correct`: whether each is right; default
+        reward > 0). It enters the store complete and journaled; returns its group id. Refused (an
+        `ExternalError` naming the fix) by a policy that makes its own groups."""
+        if not getattr(self.policy, "external", False):
+            raise ExternalError(
+                f"this run's flow.mode={self.policy.name} makes its own groups; an agent's groups train "
+                "in a run with flow.mode=external"
+            )
+        if self.done:
+            raise ExternalError("the run has trained all its steps (flow.steps); it takes no more groups")
+        size = self.spec.samples_per_prompt
+        kept = self.external.claim(list(request_ids), list(rewards), size)
+        correct = [r > 0 for r in rewards] if correct is None else list(correct)
+        gid = self.groups_opened
+        self.groups_opened += 1
+        prompt = Prompt(-1 - gid, kept[0].prompt_ids, "")  # its own id: no prompt of the task's stream
+        version = min(k.version for k in kept)
+        g = GroupState(gid, prompt, version, size, self.now, dispatched=size, todo=[], external=True)
+        self._store.add_group(g)
+        self._log(Opened(gid, version, self.prompts_taken, False, prompt, external=True))
+        for i, (k, reward, ok) in enumerate(zip(kept, rewards, correct)):
+            t = Trajectory(
+                group=gid, sample_index=i, prompt_id=prompt.id, prompt_ids=prompt.token_ids,
+                result=replace(k.result, request_id=str(SampleKey(gid, i))), reward=float(reward),
+                correct=bool(ok), dispatch_version=k.version,
+            )  # fmt: skip
+            self._generated.append(t.length)
+            self.ledger.on_produced()
+            g.done.append(t)
+            self._log(Finished(t))
+        self.mark("external_group", group=gid, version=version)
+        self._maybe_ready(g)
+        return gid
+
+    def _dispatch_external(self) -> None:
+        """External requests go, each under the newest version an engine holds, to the engine holding
+        it with the most room (past its slots if need be: the engine queues them)."""
+        while self.external.todo:
+            holding = [e for e in self.engines if e.loaded]
+            if not holding:
+                return
+            top = max(max(e.loaded) for e in holding)
+            e = max((e for e in holding if top in e.loaded), key=lambda e: (e.free, -e.id))
+            req = replace(self.external.todo.pop(0), version=top)
+            self.external.flight[req.id] = req
+            e.in_flight[req.id] = top
+            self._pending[e.id].append(req)
 
     # ------------------------------------------------------------------ internals
     def _next_prompt(self) -> tuple[Prompt, Plan]:

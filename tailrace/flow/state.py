@@ -90,12 +90,12 @@ class SchedulerState:
             if isinstance(e, Opened):
                 if e.own:  # from shaping's own queue, as the journal says (not the stream)
                     self.shaping.claim(e.prompt)
-                else:  # the plan is the journal's (stats may differ after lost weights)
+                elif not e.external:  # the plan is the journal's (stats may differ after lost weights)
                     self._next_prompt()
                 store.add_group(
                     GroupState(
                         e.group, e.prompt, e.version, self.spec.samples_per_prompt, self.now,
-                        candidates=e.candidates, early_stop=e.early_stop, own=e.own,
+                        candidates=e.candidates, early_stop=e.early_stop, own=e.own, external=e.external,
                     )
                 )  # fmt: skip
                 self.prompts_taken, self.groups_opened = e.prompts_taken, e.group + 1
@@ -139,6 +139,11 @@ class SchedulerState:
                     self.ledger.on_discarded(e.reason, len(store.drop(e.group).done))
                     self.groups_dropped[e.reason] += 1
             self.journal_seq += 1
+        # an agent's group with samples made by weights that did not survive cannot make them again:
+        # it leaves, its other samples discarded (the agent's completions of lost weights are gone)
+        for g in [g for g in store.open.values() if g.external and g.todo]:
+            del store.open[g.id]
+            self.ledger.on_discarded("resume:weights-lost", len(g.done))
         # groups opened under weights that did not survive are un-opened: their prompts go back to the
         # front of the queue (their finished samples were discarded above, with a reason)
         for g in sorted(store.open.values(), key=lambda g: g.id):

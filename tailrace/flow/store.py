@@ -35,6 +35,7 @@ class GroupState:
     own: bool = False  # its prompt came from shaping's own queue (tailbatch's tail round, sorted's cache)
     deferred: bool = False  # shaping gave the group up: it drains, its samples are discarded
     parked: list[Trajectory] = field(default_factory=list)  # aborted partials waiting to be resumed
+    external: bool = False  # an external agent's group, complete when it came (flow/external.py)
 
     def __post_init__(self) -> None:
         self.candidates = self.candidates or self.size
@@ -55,6 +56,7 @@ class GroupState:
             "discarded": self.discarded, "todo": sorted(self.todo + back),
             "done": [trajectory_to_json(t) for t in self.done], "candidates": self.candidates,
             "early_stop": self.early_stop, "own": self.own, "deferred": self.deferred,
+            **({"external": True} if self.external else {}),
         }  # fmt: skip
 
     @classmethod
@@ -65,7 +67,7 @@ class GroupState:
             dispatched=d["dispatched"], discarded=d["discarded"], todo=list(d["todo"]),
             done=[trajectory_from_json(t, prompt.token_ids) for t in d["done"]],
             candidates=d.get("candidates", 0), early_stop=d.get("early_stop", False),
-            own=d.get("own", False), deferred=d.get("deferred", False),
+            own=d.get("own", False), deferred=d.get("deferred", False), external=d.get("external", False),
         )  # fmt: skip
 
 

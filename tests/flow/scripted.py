@@ -88,8 +88,9 @@ class ScriptedCluster:
                     assert req.version in self.loaded[c.engine], "dispatched a version the engine lacks"
                     own = req.id.rpartition("/")[2]  # (several policies: "name/id")
                     pregen = own.startswith("pregen.")  # the next round's prompts, generated in a bubble
-                    key = None if pregen else SampleKey.parse(own)
-                    if pregen:
+                    ext = own.startswith("x.")  # an external agent's request (flow/external.py)
+                    key = None if pregen or ext else SampleKey.parse(own)
+                    if pregen or ext:
                         target = self.pregen_len
                     elif self.turns is not None:  # the turn ends where its first request was to end it
                         turn = self.s.calls_of(req.id)  # (a partial resumed mid-turn continues it)

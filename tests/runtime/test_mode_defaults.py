@@ -57,6 +57,7 @@ def test_a_null_correction_is_the_modes_own_and_a_named_one_is_kept():
         "async": "tis",
         "partial": "behaviour",
         "multiversion": "behaviour",
+        "external": "tis",
     }
     assert set(own.values()) <= set(CORRECTIONS)
     named = TrainerConfig(loss=LossConfig(correction="icepop"))

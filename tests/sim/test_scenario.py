@@ -15,6 +15,7 @@ from tailrace.sim.scenario import (
     ClusterSpec,
     Scenario,
     apply_overrides,
+    build,
     load_scenario,
     scenario_from_run,
     simulate,
@@ -67,6 +68,8 @@ def test_bad_scenarios_fail_with_one_line(tmp_path):
         load_scenario(None, ["--flow.train_batch=12"])
     with pytest.raises(ConfigError, match="engines"):
         ClusterSpec(engines=0)
+    with pytest.raises(ConfigError, match="flow.mode=external .* the simulator has no agent"):
+        build(load_scenario(None, ["--flow.mode=external"]))
 
 
 def test_overrides_and_every_mode_on_a_gpu_scenario():

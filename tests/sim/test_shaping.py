@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tailrace.cli.sim import shaping_lines
 from tailrace.common import ConfigError
-from tailrace.flow.policies import POLICIES
+from tailrace.flow.policies import GROUP_MODES
 from tailrace.flow.shaping import SHAPINGS
 from tailrace.sim.scenario import load_scenario, simulate
 
@@ -24,7 +24,7 @@ SMALL = [
 
 @settings(max_examples=12, deadline=None)
 @given(
-    mode=st.sampled_from(sorted(POLICIES)),
+    mode=st.sampled_from(GROUP_MODES),
     shaping=st.sampled_from(sorted(SHAPINGS)),
     seed=st.integers(0, 1000),
     extra=st.sampled_from([0.25, 1.0]),

@@ -1,6 +1,7 @@
 """Overlap and shaping policies: each a small class plugged into the scheduler core."""
 
 from tailrace.flow.policies.base import Policy
+from tailrace.flow.policies.external import ExternalPolicy
 from tailrace.flow.policies.multiversion import MultiVersionPolicy
 from tailrace.flow.policies.offpolicy import AsyncPolicy
 from tailrace.flow.policies.partial import PartialPolicy
@@ -14,7 +15,9 @@ POLICIES: dict[str, type[Policy]] = {
     "async": AsyncPolicy,
     "partial": PartialPolicy,
     "multiversion": MultiVersionPolicy,
+    "external": ExternalPolicy,
 }
+GROUP_MODES = [m for m, p in POLICIES.items() if not getattr(p, "external", False)]  # open their own groups
 
 
 def make_policy(mode: str, zero_signal: str = "train", extra_groups: int | None = None, **options) -> Policy:

@@ -25,6 +25,11 @@ def make_shaping(name: str = "none", **options) -> Shaping:
 
 def check_mode(name: str, mode: str) -> None:
     """Reject a shaping on an overlap mode it does not support (tailbatch cuts sync's rounds)."""
+    if mode == "external" and name != "none":
+        raise ValueError(
+            f"shaping.name={name} shapes the groups a run makes; with flow.mode=external the agent makes "
+            "them (it chooses which completions to send): set shaping.name=none"
+        )
     modes = SHAPINGS[name].modes if name in SHAPINGS else None
     if modes is not None and mode not in modes:
         raise ValueError(
