@@ -1,4 +1,5 @@
-"""The serve section: `tailrace serve`, an OpenAI-compatible endpoint on a rollout engine."""
+"""The serve section: `tailrace serve`, an OpenAI-compatible endpoint on a rollout engine, and the same
+endpoint on a training run's engines for an external agent (flow.mode=external: serve/attached.py)."""
 
 from __future__ import annotations
 

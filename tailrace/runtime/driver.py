@@ -34,6 +34,7 @@ from tailrace.config.load import policy_configs
 from tailrace.engine import capabilities
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
+from tailrace.flow.external import is_external
 from tailrace.flow.multi import PolicySet
 from tailrace.flow.policies import make_policy, recommended_mode
 from tailrace.flow.replay import ReplayOptions
@@ -139,6 +140,7 @@ class Driver:
         self._eval_reqs: dict[str, tuple[Prompt, GenRequest]] = {}  # held-out id -> its prompt and request
         self._eval_calls: dict[str, int] = {}  # held-out id -> tool calls answered (multi-turn)
         self.desk: Desk | None = None
+        self.endpoint = None  # flow.mode=external: the run's OpenAI-compatible endpoint (serve/attached.py)
         # several policies' trainers sharing cores (the local runtime's trainer cores; on Ray each has a
         # bundle of its own): with flow.share=turns one trains at a time, its steps in the order they
         # were issued (time-sliced together, two policies that finish their rounds together train
@@ -274,6 +276,8 @@ class Driver:
         )  # fmt: skip
 
     def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
         if self.tools is not None:
             self.tools.close()
         if self.desk is not None:
@@ -325,9 +329,15 @@ class Driver:
                     self.ui.note(
                         f"{p.name}: base policy held-out accuracy {base.accuracy:.1%} on {base.summary['n']} prompts"
                     )
+        self.endpoint = self._attach()
+        agent = self.pols[0].sched if self.endpoint else None
         while not self.sched.done:
+            if agent is not None:  # what the agent sent (requests, groups) goes to the scheduler
+                self.endpoint.loop.intake(agent)
             self._handle(self.sched.poll(self._now()))
-            self._pump(timeout=1.0)
+            self._pump(timeout=1.0 if agent is None else 0.02)
+            if agent is not None:
+                self.endpoint.loop.answer(agent)
             self._arrivals()
         self._handle(self.sched.poll(self._now()), sync=True)
         finals = [None] * len(self.pols)
@@ -352,6 +362,25 @@ class Driver:
             {p.name: (b.accuracy if b else None, f.accuracy if f else None)
              for p, b, f in zip(self.pols, bases, finals) if p.name},
         )  # fmt: skip
+
+    def _attach(self):
+        """flow.mode=external: the run's OpenAI-compatible endpoint, for the agent that makes its groups;
+        None for a run that makes its own."""
+        pol = self.pols[0]
+        if not getattr(pol.sched.policy, "external", False):
+            return None
+        from tailrace.serve.attached import Attached  # (serve imports the runtime: not at the top)
+
+        r = self.cfg.rollout
+        sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        name = str(self.cfg.model.path or "tailrace-default")
+        a = Attached(self.cfg, pol.ses.text, name, self.context, sampling, self.run.path)
+        if self.ui is not None:
+            self.ui.note(f"agent endpoint: {a.url} (completions, chat completions; POST {a.url}/groups sends "
+                         f"a scored group back; {a.file} names it)")  # fmt: skip
+            if a.generated_token:
+                self.ui.note(f"agent endpoint token (this run only): {a.token}")
+        return a
 
     def _recorded_eval(self, pol: PolicyRun, tag: str) -> EvalRecord | None:
         records = read_metrics(pol.run.file("metrics.jsonl"))
@@ -714,6 +743,10 @@ class Driver:
                         finished=r.finished - t0,
                     )
                 )
+        ext = [r for r in mine if is_external(r.request_id)]
+        if ext:  # an agent's (flow.mode=external): back to it, unscored (it scores them itself)
+            self.sched.on_results(rep.engine, ext, [], self._now())
+            mine = [r for r in mine if not is_external(r.request_id)]
         pre = [r for r in mine if self.sched.is_pregen(r.request_id)]
         if pre:  # the next round's prompts, generated in this round's bubble: drafts, not samples
             self.sched.on_results(rep.engine, pre, [], self._now())

@@ -7,7 +7,9 @@ Both endpoints (`/v1/completions`, `/v1/chat/completions`) take `max_tokens`, `t
 comes with every choice, whether asked for or not: `token_ids`, `token_logprobs` (the sampled
 token's log-probability under the distribution it was sampled from: after temperature, top-k,
 top-p) and `token_versions` (the policy version that produced each token), and the response's
-`policy_version`. Only the sampled token's log-probability exists: `top_logprobs` above 0 is refused.
+`policy_version`, and each choice its `completion_id` (which names it in a group sent back to a
+training run: `POST /v1/groups`, `parse_group`). Only the sampled token's log-probability exists:
+`top_logprobs` above 0 is refused.
 Stop strings are not supported (a request with `stop` is refused: use `stop_token_ids`).
 """
 
@@ -53,10 +55,12 @@ def parse(
     max_tokens: int,
     vocab: int,
     context: int,
+    sampling: SamplingParams | None = None,
 ) -> Parsed:
     """Check a body of either endpoint. `encode`: text -> token ids (a completion's prompt);
     `render`: messages -> token ids through the chat template (None: the model has none); `context`:
-    the most tokens a request may hold."""
+    the most tokens a request may hold; `sampling`: a training run's temperature, top-p and top-k, the
+    defaults and the only values taken (None: any, defaults 1, 1, 0)."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     if "stop" in body and body["stop"] not in (None, [], ""):
@@ -80,12 +84,21 @@ def parse(
     stops = body.get("stop_token_ids", [])
     if not isinstance(stops, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in stops):
         raise ApiError(f"stop_token_ids: must be a list of token ids in [0, {vocab})", param="stop_token_ids")
+    base = sampling or SamplingParams()
+    if sampling is not None:
+        for key, own in (("temperature", base.temperature), ("top_p", base.top_p), ("top_k", base.top_k)):
+            if body.get(key) is not None and body.get(key) != own:
+                raise ApiError(
+                    f"{key}={body.get(key)!r}: this endpoint serves a training run, which samples at "
+                    f"rollout.{key}={own} (its trainer's ratios assume it); omit {key} or send {own}",
+                    param=key,
+                )
     try:
         params = tuple(
             SamplingParams(
-                temperature=_float(body, "temperature", 1.0),
-                top_p=_float(body, "top_p", 1.0),
-                top_k=_int(body, "top_k", 0, 0, None),
+                temperature=_float(body, "temperature", base.temperature),
+                top_p=_float(body, "top_p", base.top_p),
+                top_k=_int(body, "top_k", base.top_k, 0, None),
                 min_new_tokens=_int(body, "min_tokens", 0, 0, None),
                 max_new_tokens=_int(body, "max_tokens", max_tokens, 1, None),
                 stop_token_ids=tuple(dict.fromkeys([*stop_ids, *stops])),
@@ -103,6 +116,26 @@ def parse(
             param="max_tokens",
         )
     return Parsed(tuple(ids), params, bool(body.get("stream", False)), chat)
+
+
+def parse_group(body: Any) -> tuple[list[str], list, list | None]:
+    """A group's body: {"completions": [completion ids], "rewards": [numbers], "correct": [bools]
+    (optional; default reward > 0)}. The run checks the rest (one prompt, the group size, each once)."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    ids, rewards, correct = body.get("completions"), body.get("rewards"), body.get("correct")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+        raise ApiError("completions: a non-empty list of completion ids (each choice's completion_id)",
+                       param="completions")  # fmt: skip
+    if not isinstance(rewards, list):
+        raise ApiError("rewards: a list of numbers, one per completion", param="rewards")
+    if correct is not None and (
+        not isinstance(correct, list)
+        or len(correct) != len(ids)
+        or not all(isinstance(c, bool) for c in correct)
+    ):
+        raise ApiError("correct: a list of booleans, one per completion (or omit it)", param="correct")
+    return ids, rewards, correct
 
 
 def response(
@@ -164,6 +197,7 @@ class Delta:
 
 def _trained(r: GenResult) -> dict:
     return {
+        "completion_id": r.request_id,  # names it in a group sent back to a training run (/v1/groups)
         "token_ids": list(r.token_ids),
         "token_logprobs": list(r.logprobs),
         "token_versions": list(r.versions),

@@ -23,9 +23,10 @@ from typing import Any
 
 from tailrace.engine import Engine, EngineError
 from tailrace.serve import api
-from tailrace.types import Finish, GenRequest, GenResult
+from tailrace.types import Finish, GenRequest, GenResult, SamplingParams
 
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}
+GROUPS = "/v1/groups"  # a training run's (flow.mode=external): scored completions sent back as a group
 MAX_BODY = 8 << 20  # bytes of a request body
 
 
@@ -45,6 +46,17 @@ class EngineLoop(threading.Thread):
 
     def cancel(self, request_ids: list[str]) -> None:
         self.inbox.put(("cancel", request_ids))
+
+    def version(self) -> int:
+        """The version a new request is generated under: the newest the engine holds."""
+        return max(self.engine.versions)
+
+    def group(self, ids: list[str], rewards: list, correct: list | None) -> queue.SimpleQueue:
+        """Only a training run takes groups (serve/attached.py)."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        events.put(("refused", f"POST {GROUPS} sends groups to a training run (tailrace train --flow.mode=external); "
+                               "`tailrace serve` trains nothing"))  # fmt: skip
+        return events
 
     def stop(self) -> None:
         self.inbox.put(("stop",))
@@ -100,19 +112,24 @@ class EngineLoop(threading.Thread):
 
 
 class Endpoint:
-    """What the handlers share: the engine loop, the model's text side, the token, the defaults."""
+    """What the handlers share: the engine loop (an `EngineLoop`, or a training run's
+    `serve.attached.RunLoop`), the model's text side, the token, the defaults. `sampling`: a training
+    run's sampling (temperature, top-p, top-k: what its trainer's ratios assume), every request's
+    default and the only values taken; None: any. `prefix`: of the response ids."""
 
     def __init__(
-        self, loop: EngineLoop, text: Any, model: str, token: str, max_tokens: int, vocab: int, context: int
-    ) -> None:
+        self, loop: Any, text: Any, model: str, token: str, max_tokens: int, vocab: int, context: int,
+        sampling: SamplingParams | None = None, prefix: str = "cmpl-",
+    ) -> None:  # fmt: skip
         self.loop, self.text, self.model, self.token = loop, text, model, token
         self.max_tokens, self.vocab, self.context = max_tokens, vocab, context
+        self.sampling, self.prefix = sampling, prefix
         self.ids = itertools.count()
         self.lock = threading.Lock()
 
     def next_id(self) -> str:
         with self.lock:
-            return f"cmpl-{next(self.ids)}"
+            return f"{self.prefix}{next(self.ids)}"
 
     def render(self):
         chat = self.text.chat
@@ -148,8 +165,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         if not self._authorized():
             return
-        if self.path not in ROUTES:
-            return self._error(api.ApiError(f"no route {self.path}; POST {' or '.join(ROUTES)}", status=404))
+        if self.path not in ROUTES and self.path != GROUPS:
+            routes = " or ".join([*ROUTES, GROUPS])
+            return self._error(api.ApiError(f"no route {self.path}; POST {routes}", status=404))
         try:
             size = int(self.headers.get("Content-Length", "0"))
             if not 0 < size <= MAX_BODY:
@@ -160,19 +178,27 @@ class _Handler(BaseHTTPRequestHandler):
                 body = json.loads(self.rfile.read(size))
             except (ValueError, UnicodeDecodeError):
                 raise api.ApiError("the body is not valid JSON") from None
+            if self.path == GROUPS:
+                return self._group(api.parse_group(body))
             ep = self.ep
             p = api.parse(body, ROUTES[self.path], ep.text.tok.encode, ep.render(), ep.text.stop_ids,
-                          ep.max_tokens, ep.vocab, ep.context)  # fmt: skip
+                          ep.max_tokens, ep.vocab, ep.context, ep.sampling)  # fmt: skip
         except api.ApiError as e:
             return self._error(e)
         rid, created = self.ep.next_id(), int(time.time())
-        version = max(self.ep.loop.engine.versions)
+        version = self.ep.loop.version()
         reqs = [GenRequest(f"{rid}-{i}", p.prompt_ids, sp, version) for i, sp in enumerate(p.params)]
         events = self.ep.loop.submit(reqs, p.stream)
         if p.stream:
             self._stream(rid, created, p, reqs, events)
         else:
             self._whole(rid, created, p, reqs, events)
+
+    def _group(self, g: tuple[list[str], list, list | None]) -> None:
+        kind, x = self.ep.loop.group(*g).get()
+        if kind == "ok":
+            return self._json(200, {"object": "group", "group": x, "completions": len(g[0])})
+        self._error(api.ApiError(x, status=404 if kind == "refused" else 409))
 
     # ------------------------------------------------------------------ responses
     def _whole(self, rid: str, created: int, p: api.Parsed, reqs: list[GenRequest], events) -> None:

@@ -1,0 +1,110 @@
+"""An external agent trains a run (flow.mode=external) end to end: it finds the run's endpoint in
+RUN/endpoint.json, asks for completions over HTTP as an agent framework would, scores them itself and
+sends each prompt's completions back as a group; the run trains its steps on those groups, exact."""
+
+import http.client
+import json
+import threading
+import time
+from pathlib import Path
+
+from tailrace.cli import main
+from tests.runtime.conftest import TINY_RUN
+
+TOKEN = "agent-token-123"
+
+
+def call(url: str, path: str, body: dict, token: str = TOKEN) -> tuple[int, dict]:
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", f"/v1{path}", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    if resp.getheader("Content-Type") == "text/event-stream":
+        return resp.status, {"events": [l[6:] for l in text.splitlines() if l.startswith("data: ")]}
+    return resp.status, json.loads(text)
+
+
+class Agent(threading.Thread):
+    """Groups of 4 completions of one prompt, rewarded by the parity of their first token, until the
+    run stops taking groups; it also tries what a careless agent would."""
+
+    def __init__(self, run: Path):
+        super().__init__(daemon=True)
+        self.dir, self.groups, self.refused, self.checks = run, [], [], {}
+
+    def run_agent(self) -> None:
+        while not (self.dir / "endpoint.json").exists():
+            time.sleep(0.05)
+        url = json.loads((self.dir / "endpoint.json").read_text())["url"]
+        self.checks["no token"] = call(
+            url, "/completions", {"prompt": "1+2=", "max_tokens": 4}, token="x" * 12
+        )[0]
+        self.checks["temperature"] = call(url, "/completions", {"prompt": "1+2=", "temperature": 0.5})
+        st, streamed = call(url, "/completions", {"prompt": "1+2=", "max_tokens": 4, "stream": True})
+        self.checks["stream"] = (st, streamed["events"][-1], json.loads(streamed["events"][0]))
+        k = 0
+        while True:
+            st, out = call(url, "/completions", {"prompt": f"{k % 9}+{k % 7}=", "n": 4, "max_tokens": 8})
+            if st != 200:  # the run ended
+                return
+            ch = out["choices"]
+            ids = [c["completion_id"] for c in ch]
+            rewards = [float(c["token_ids"][0] % 2) for c in ch]
+            st, got = call(url, "/groups", {"completions": ids, "rewards": rewards})
+            if st == 200:
+                self.groups.append((got["group"], out["policy_version"]))
+            else:
+                self.refused.append(got["error"]["message"])
+                if "all its steps" in got["error"]["message"]:
+                    return
+            if k == 1:  # the same completions again: refused, each trains once
+                self.checks["twice"] = call(url, "/groups", {"completions": ids, "rewards": rewards})
+            k += 1
+
+    def run(self) -> None:
+        try:
+            self.run_agent()
+        except (ConnectionError, OSError):  # the run shut its endpoint down mid-request
+            pass
+
+
+def test_an_external_agents_groups_train_a_run_exactly(tiny_model, tmp_path):
+    from tests.runtime.test_recovery import assert_exact
+
+    run = tmp_path / "run"
+    agent = Agent(run)
+    agent.start()
+    argv = [
+        "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=external",
+        "--flow.steps=3", "--eval.n=4", "--serve.port=0", f"--serve.token={TOKEN}", "--train.loss.kl_coef=0.01",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    agent.join(timeout=60)
+    assert_exact(run, steps=3)
+    steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"kind":"step"' in l]
+    assert [s["samples"] for s in steps] == [16, 16, 16]  # U = 4 groups of 4 completions a step
+    assert len(agent.groups) >= 12 and max(v for _, v in agent.groups) >= 1  # later ones of newer weights
+    assert agent.checks["no token"] == 401
+    st, err = agent.checks["temperature"]
+    assert st == 400 and "rollout.temperature=1.0" in err["error"]["message"]
+    st, last, first = agent.checks["stream"]
+    assert st == 200 and last == "[DONE]" and first["choices"][0]["token_ids"]
+    st, err = agent.checks["twice"]
+    assert st == 409 and "already in a group" in err["error"]["message"]
+    assert not (run / "endpoint.json").exists()  # gone with the run
+
+
+def test_an_external_run_refuses_shaping_and_one_version_engines_in_one_line():
+    import pytest
+
+    from tailrace.cli.choices import check
+    from tailrace.common import ConfigError
+    from tailrace.config.load import load_config
+
+    with pytest.raises(ConfigError, match="with flow.mode=external the agent makes them"):
+        check(load_config(None, ["--flow.mode=external", "--shaping.name=darts"]))
+    with pytest.raises(ConfigError, match="flow.mode=external serves an agent's requests under the newest"):
+        check(load_config(None, ["--flow.mode=external", "--rollout.max_versions=1"]))
