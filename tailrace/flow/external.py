@@ -23,6 +23,7 @@ from tailrace.types import Finish, GenRequest, GenResult
 
 PREFIX = "x."  # external request ids: "x.<anything>" (scheduler samples are "group.index.attempt")
 KEEP = 4096  # finished external results kept for a group, newest first (older ones are forgotten)
+LEASE_S = 30.0  # how long a finished result not yet sent back in a group still counts as on its way
 
 
 class ExternalError(ValueError):
@@ -38,6 +39,7 @@ class Kept:
     prompt_ids: tuple[int, ...]
     result: GenResult
     version: int  # the version it was dispatched under
+    finished_at: float  # on the scheduler's clock
 
 
 class ExternalBook:
@@ -60,7 +62,7 @@ class ExternalBook:
             raise ExternalError(f"external request id {req.id!r} is in use; give each request its own")
         self.todo.append(req)
 
-    def on_result(self, r: GenResult, version: int) -> None:
+    def on_result(self, r: GenResult, version: int, now: float) -> None:
         """A finished or aborted result of an external request in flight (not lost: `requeue`)."""
         req = self.flight.pop(r.request_id)
         if r.finish == Finish.ABORTED:
@@ -70,7 +72,7 @@ class ExternalBook:
                 self.todo.append(req)
             return
         self.finished.append(r)
-        self.kept[r.request_id] = Kept(req.prompt_ids, r, version)
+        self.kept[r.request_id] = Kept(req.prompt_ids, r, version, now)
         while len(self.kept) > self.keep:
             self.kept.popitem(last=False)
             self.forgotten += 1
@@ -78,6 +80,17 @@ class ExternalBook:
     def requeue(self, request_id: str) -> None:
         """Its engine was lost or left: generated again elsewhere."""
         self.todo.append(self.flight.pop(request_id))
+
+    def on_its_way(self, now: float, oldest: int) -> int:
+        """Finished results of version `oldest` or newer the agent may still send back in a group: those
+        that finished within `LEASE_S` (one it has not sent by then no longer counts, so an agent that
+        drops its completions never holds the engines' room for good)."""
+        n = 0
+        for k in reversed(self.kept.values()):
+            if now - k.finished_at >= LEASE_S:
+                break
+            n += k.version >= oldest
+        return n
 
     def take(self) -> list[GenResult]:
         out, self.finished = self.finished, []

@@ -274,7 +274,7 @@ class Scheduler(SchedulerState):
                 raise InvariantError(f"engine {engine} returned request {rid}, which it was not running")
             self._aborting.discard(rid)
             if is_external(rid):  # an agent's: back to it, kept for a group
-                self.external.on_result(r, version)
+                self.external.on_result(r, version, now)
                 continue
             key = SampleKey.parse(rid)
             g = self._store.open[key.group]
@@ -828,17 +828,26 @@ class Scheduler(SchedulerState):
 
     def _dispatch_external(self) -> None:
         """External requests go, each under the newest version an engine holds, to the engine holding
-        it with the most room (past its slots if need be: the engine queues them)."""
-        while self.external.todo:
+        it with the most room (past its slots if need be: the engine queues them), as many as the
+        policy admits (`external_room`; a policy without one: all), a prompt's requests together (one
+        call's choices: they make one group, best all of one version)."""
+        room = getattr(self.policy, "external_room", None)
+        n = len(self.external.todo) if room is None else room(self)
+        todo = self.external.todo
+        while todo:
             holding = [e for e in self.engines if e.loaded]
-            if not holding:
+            head = todo[0].prompt_ids
+            unit = next((k for k, r in enumerate(todo) if r.prompt_ids != head), len(todo))
+            if not holding or unit > n:
                 return
+            n -= unit
             top = max(max(e.loaded) for e in holding)
-            e = max((e for e in holding if top in e.loaded), key=lambda e: (e.free, -e.id))
-            req = replace(self.external.todo.pop(0), version=top)
-            self.external.flight[req.id] = req
-            e.in_flight[req.id] = top
-            self._pending[e.id].append(req)
+            for _ in range(unit):
+                e = max((e for e in holding if top in e.loaded), key=lambda e: (e.free, -e.id))
+                req = replace(todo.pop(0), version=top)
+                self.external.flight[req.id] = req
+                e.in_flight[req.id] = top
+                self._pending[e.id].append(req)
 
     # ------------------------------------------------------------------ internals
     def _next_prompt(self) -> tuple[Prompt, Plan]:

@@ -123,7 +123,7 @@ class Attached:
         self.loop = RunLoop()
         self.token = s.token or secrets.token_urlsafe(24)
         ep = Endpoint(self.loop, text, model_name, self.token, cfg.rollout.max_new_tokens,
-                      text.model_cfg.vocab_size, context, sampling=sampling, prefix=PREFIX)  # fmt: skip
+                      text.model_cfg.vocab_size, context, sampling=sampling, prefix=PREFIX, bos=True)  # fmt: skip
         self.server = make_server(ep, s.host, s.port)
         host, port = self.server.server_address[:2]
         self.url = f"http://{host}:{port}/v1"

@@ -115,21 +115,26 @@ class Endpoint:
     """What the handlers share: the engine loop (an `EngineLoop`, or a training run's
     `serve.attached.RunLoop`), the model's text side, the token, the defaults. `sampling`: a training
     run's sampling (temperature, top-p, top-k: what its trainer's ratios assume), every request's
-    default and the only values taken; None: any. `prefix`: of the response ids."""
+    default and the only values taken; None: any. `prefix`: of the response ids. `bos`: a completion's
+    text prompt starts with BOS (a training run's: as it encodes its own prompts; `tailrace serve`:
+    the text's tokens alone)."""
 
     def __init__(
         self, loop: Any, text: Any, model: str, token: str, max_tokens: int, vocab: int, context: int,
-        sampling: SamplingParams | None = None, prefix: str = "cmpl-",
+        sampling: SamplingParams | None = None, prefix: str = "cmpl-", bos: bool = False,
     ) -> None:  # fmt: skip
         self.loop, self.text, self.model, self.token = loop, text, model, token
         self.max_tokens, self.vocab, self.context = max_tokens, vocab, context
-        self.sampling, self.prefix = sampling, prefix
+        self.sampling, self.prefix, self.bos = sampling, prefix, bos
         self.ids = itertools.count()
         self.lock = threading.Lock()
 
     def next_id(self) -> str:
         with self.lock:
             return f"{self.prefix}{next(self.ids)}"
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.text.tok.encode(prompt, bos=self.bos)
 
     def render(self):
         chat = self.text.chat
@@ -181,7 +186,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.path == GROUPS:
                 return self._group(api.parse_group(body))
             ep = self.ep
-            p = api.parse(body, ROUTES[self.path], ep.text.tok.encode, ep.render(), ep.text.stop_ids,
+            p = api.parse(body, ROUTES[self.path], ep.encode, ep.render(), ep.text.stop_ids,
                           ep.max_tokens, ep.vocab, ep.context, ep.sampling)  # fmt: skip
         except api.ApiError as e:
             return self._error(e)

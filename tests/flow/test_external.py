@@ -79,13 +79,20 @@ def test_an_agents_groups_train_each_once_u_a_step_and_nothing_of_the_policys_ow
     assert max(x.result.versions[0] for t in c.trained for g in t.groups for x in g.trajectories) >= 2
 
 
-def test_groups_held_past_the_staleness_bound_are_dropped_at_the_stores_exit():
+@pytest.mark.parametrize("hold", [6, 40])
+def test_the_engines_take_only_requests_whose_groups_can_train_and_late_groups_are_dropped(hold):
+    """K = 0: a group must train at the version it was made by. An agent that sends its groups 6 ticks
+    after they finish: the engines take no more requests than the next step can train (the finished
+    ones on their way count), so none goes stale. One that holds them 40 ticks, past the lease
+    (`LEASE_S`, ticks here): the engines move on without them, and they are dropped as stale at the
+    store's exit."""
     s = external_sched(steps=3, K=0)
     c = ScriptedCluster(s, lambda g, i: 4, slots=3, train_ticks=3, pregen_len=4)
-    a = Agent(s, c, prompts=4, hold=6)
+    a = Agent(s, c, prompts=4, hold=hold)
     drive(s, c, a)
     led = s.ledger_record()
-    assert led["discarded"].get("stale", 0) == G * s.groups_dropped["stale"] > 0
+    assert led["discarded"].get("stale", 0) == G * s.groups_dropped["stale"]
+    assert (s.groups_dropped["stale"] > 0) == (hold > 30)
     assert s.ledger.trained == 3 * U * G
 
 

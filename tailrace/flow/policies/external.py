@@ -6,7 +6,8 @@ and sends each prompt's `samples_per_prompt` completions back as a group with th
 engine loads each new version as soon as it is published (older ones stay while requests of them
 run); the store's exit drops a group whose oldest token is more than `max_staleness` versions
 behind the trainer (reason `stale`: the agent held its completions too long), and each step trains
-the U oldest ready groups and publishes. The policy opens no group of its own: the task's prompts
+the U oldest ready groups and publishes. The engines take the agent's requests only as far as their
+groups could still train within the bound (`external_room`): past it a request waits for a step. The policy opens no group of its own: the task's prompts
 serve only its held-out evaluation.
 """
 
@@ -40,6 +41,17 @@ class ExternalPolicy(Policy):
             "engine busy with them would never be free to load; use rollout.backend=tailrace with "
             "rollout.max_versions=null"
         )
+
+    def external_room(self, core: Scheduler) -> int:
+        """Requests the engines take now: as many as make groups that can still train within the bound
+        (a group of version v by a step starting at trainer version v + K at the latest, U a step),
+        less the groups waiting in the store, the requests running, and the finished ones on their way
+        back in a group (`ExternalBook.on_its_way`). The rest wait: the agent's calls take longer, and
+        it sends fewer groups that would only go stale."""
+        U, G, K = core.spec.groups_per_step, core.spec.samples_per_prompt, self.max_staleness
+        groups = U * (core.newest + K - core.trainer_version + 1) - len(core.ready)
+        coming = core.external.on_its_way(core.now, core.trainer_version - K)
+        return max(0, groups * G - len(core.external.flight) - coming)
 
     def decide(self, core: Scheduler) -> None:
         self.sync_engines(core, core.newest)
