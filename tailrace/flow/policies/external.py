@@ -7,8 +7,8 @@ engine loads each new version as soon as it is published (older ones stay while 
 run); the store's exit drops a group whose oldest token is more than `max_staleness` versions
 behind the trainer (reason `stale`: the agent held its completions too long), and each step trains
 the U oldest ready groups and publishes. The engines take the agent's requests only as far as their
-groups could still train within the bound (`external_room`): past it a request waits for a step. The policy opens no group of its own: the task's prompts
-serve only its held-out evaluation.
+groups could still train within the bound (`external_room`): past it a request waits for a step.
+The policy opens no group of its own: the task's prompts serve only its held-out evaluation.
 """
 
 from __future__ import annotations
