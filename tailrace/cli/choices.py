@@ -111,11 +111,6 @@ def check_policies(cfg: RunConfig) -> None:
             f"engine each at least, and rollout.engines={r.engines}; raise rollout.engines to {n} or more"
         )
     for name, pc in policy_configs(cfg):
-        if pc.flow.mode == "external":
-            raise ConfigError(
-                f"policies ({name}): flow.mode=external (an agent's groups, through the run's endpoint) runs "
-                "as the run's only policy; run it on its own"
-            )
         try:
             check(pc)
         except ConfigError as e:

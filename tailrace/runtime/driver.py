@@ -330,7 +330,7 @@ class Driver:
                         f"{p.name}: base policy held-out accuracy {base.accuracy:.1%} on {base.summary['n']} prompts"
                     )
         self.endpoint = self._attach()
-        agent = self.pols[0].sched if self.endpoint else None
+        agent = self.sched if self.endpoint else None  # every policy's scheduler, by the request's model
         while not self.sched.done:
             if agent is not None:  # what the agent sent (requests, groups) goes to the scheduler
                 self.endpoint.loop.intake(agent)
@@ -364,17 +364,18 @@ class Driver:
         )  # fmt: skip
 
     def _attach(self):
-        """flow.mode=external: the run's OpenAI-compatible endpoint, for the agent that makes its groups;
-        None for a run that makes its own."""
-        pol = self.pols[0]
-        if not getattr(pol.sched.policy, "external", False):
+        """flow.mode=external (any policy's): the run's OpenAI-compatible endpoint, for the agent that
+        makes that policy's groups (a request's `model` names the policy, in a run of several); None
+        for a run whose policies all make their own."""
+        if not any(getattr(p.sched.policy, "external", False) for p in self.pols):
             return None
+        pol = self.pols[0]  # the model and its text side are the run's
         from tailrace.serve.attached import Attached  # (serve imports the runtime: not at the top)
 
         r = self.cfg.rollout
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         name = str(self.cfg.model.path or "tailrace-default")
-        a = Attached(self.cfg, pol.ses.text, name, self.context, sampling, self.run.path)
+        a = Attached(self.cfg, pol.ses.text, name, self.context, sampling, self.run.path, self.sched.names)
         if self.ui is not None:
             self.ui.note(f"agent endpoint: {a.url} (completions, chat completions; POST {a.url}/groups sends "
                          f"a scored group back; {a.file} names it)")  # fmt: skip
@@ -743,10 +744,10 @@ class Driver:
                         finished=r.finished - t0,
                     )
                 )
-        ext = [r for r in mine if is_external(r.request_id)]
+        ext = [r for r in mine if is_external(self.sched.split(r.request_id)[1])]
         if ext:  # an agent's (flow.mode=external): back to it, unscored (it scores them itself)
             self.sched.on_results(rep.engine, ext, [], self._now())
-            mine = [r for r in mine if not is_external(r.request_id)]
+            mine = [r for r in mine if r not in ext]
         pre = [r for r in mine if self.sched.is_pregen(r.request_id)]
         if pre:  # the next round's prompts, generated in this round's bubble: drafts, not samples
             self.sched.on_results(rep.engine, pre, [], self._now())

@@ -15,6 +15,7 @@ import json
 import queue
 import secrets
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from tailrace.flow.external import ExternalError
@@ -27,9 +28,11 @@ ENDED = "the training run has ended (it trained all its steps): it takes no more
 
 class RunLoop:
     """The handlers' side: thread-safe (an inbox); the driver's side: `intake` and `answer`, called by
-    its own thread only."""
+    its own thread only. `models`: the run's policies by name; a request's `model` names the policy
+    that generates it (and trains its group), which a run of one policy does not need."""
 
-    def __init__(self) -> None:
+    def __init__(self, models: Sequence[str] = ("main",)) -> None:
+        self.models = list(models)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.sinks: dict[str, queue.SimpleQueue] = {}  # request id -> its handler's events (driver's)
         self.lock = threading.Lock()
@@ -44,11 +47,22 @@ class RunLoop:
         return reply
 
     # -- the handlers' side -------------------------------------------------------------------
-    def submit(self, reqs: list[GenRequest], stream: bool) -> queue.SimpleQueue:
+    def submit(self, reqs: list[GenRequest], stream: bool, model: str | None = None) -> queue.SimpleQueue:
         """Events come as `EngineLoop.submit`'s: ("done", GenResult) per request, or ("error", message).
         A stream gets each whole completion as one chunk (the run's engines report finished requests)."""
         events: queue.SimpleQueue = queue.SimpleQueue()
-        return self._put(("add", reqs, events), events)
+        p = self._policy(model, events)
+        return events if p is None else self._put(("add", p, reqs, events), events)
+
+    def _policy(self, model: str | None, reply: queue.SimpleQueue) -> int | None:
+        """The policy `model` names (a run of one: its only one, whatever the name); None, with an
+        error on `reply`, when it names none."""
+        if len(self.models) == 1:
+            return 0
+        if model in self.models:
+            return self.models.index(model)
+        reply.put(("error", f"model={model!r}: name one of this run's policies: {', '.join(self.models)}"))
+        return None
 
     def cancel(self, request_ids: list[str]) -> None:
         self._put(("cancel", request_ids), queue.SimpleQueue())
@@ -56,14 +70,16 @@ class RunLoop:
     def version(self) -> int:
         return 0  # set at dispatch: the newest version an engine holds
 
-    def group(self, ids: list[str], rewards: list, correct: list | None) -> queue.SimpleQueue:
+    def group(self, ids: list[str], rewards: list, correct: list | None, model=None) -> queue.SimpleQueue:
         """("ok", group id) or ("error", message)."""
         reply: queue.SimpleQueue = queue.SimpleQueue()
-        return self._put(("group", ids, rewards, correct, reply), reply)
+        p = self._policy(model, reply)
+        return reply if p is None else self._put(("group", p, ids, rewards, correct, reply), reply)
 
     # -- the driver's side ----------------------------------------------------------------------
-    def intake(self, sched) -> bool:
-        """Hand what came in to the scheduler (`sched`: the run's one policy). True if anything came."""
+    def intake(self, policies) -> bool:
+        """Hand what came in to the policies' schedulers (`policies`: the run's `PolicySet`, or a list of
+        schedulers). True if anything came."""
         came = False
         while True:
             try:
@@ -72,7 +88,8 @@ class RunLoop:
                 return came
             came = True
             if msg[0] == "add":
-                _, reqs, events = msg
+                _, p, reqs, events = msg
+                sched = policies[p]
                 try:
                     for r in reqs:
                         sched.submit_external(r)
@@ -82,21 +99,23 @@ class RunLoop:
                     continue
                 self.sinks.update((r.id, events) for r in reqs)
             elif msg[0] == "cancel":
-                sched.cancel_external(msg[1])
+                for sched in policies:  # (ids are unique across policies: one counter)
+                    sched.cancel_external(msg[1])
                 for rid in msg[1]:
                     self.sinks.pop(rid, None)
             else:
-                _, ids, rewards, correct, reply = msg
+                _, p, ids, rewards, correct, reply = msg
                 try:
-                    reply.put(("ok", sched.submit_group(ids, rewards, correct)))
+                    reply.put(("ok", policies[p].submit_group(ids, rewards, correct)))
                 except ExternalError as e:
                     reply.put(("error", str(e)))
 
-    def answer(self, sched) -> None:
-        for r in sched.take_external():
-            sink = self.sinks.pop(r.request_id, None)
-            if sink is not None:
-                sink.put(("done", r))
+    def answer(self, policies) -> None:
+        for sched in policies:
+            for r in sched.take_external():
+                sink = self.sinks.pop(r.request_id, None)
+                if sink is not None:
+                    sink.put(("done", r))
 
     def close(self) -> None:
         """The run ended: requests and groups still waiting get an error, not silence."""
@@ -118,9 +137,12 @@ class RunLoop:
 class Attached:
     """A running endpoint of a training run: its server thread, its loop, where it listens."""
 
-    def __init__(self, cfg, text, model_name: str, context: int, sampling: SamplingParams, run_path: Path):
+    def __init__(
+        self, cfg, text, model_name: str, context: int, sampling: SamplingParams, run_path: Path,
+        policies: Sequence[str] = ("main",),
+    ) -> None:  # fmt: skip
         s = cfg.serve
-        self.loop = RunLoop()
+        self.loop = RunLoop(policies)
         self.token = s.token or secrets.token_urlsafe(24)
         ep = Endpoint(self.loop, text, model_name, self.token, cfg.rollout.max_new_tokens,
                       text.model_cfg.vocab_size, context, sampling=sampling, prefix=PREFIX, bos=True)  # fmt: skip
@@ -129,7 +151,14 @@ class Attached:
         self.url = f"http://{host}:{port}/v1"
         self.file = run_path / "endpoint.json"
         self.file.write_text(
-            json.dumps({"url": self.url, "model": model_name, "groups": f"{self.url}/groups"})
+            json.dumps(
+                {
+                    "url": self.url,
+                    "model": model_name,
+                    "groups": f"{self.url}/groups",
+                    "policies": list(policies),
+                }
+            )
         )
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
                                        name="endpoint", daemon=True)  # fmt: skip

@@ -37,9 +37,10 @@ class EngineLoop(threading.Thread):
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.sinks: dict[str, tuple[queue.SimpleQueue, bool]] = {}  # request id -> (events, streamed)
 
-    def submit(self, reqs: list[GenRequest], stream: bool) -> queue.SimpleQueue:
+    def submit(self, reqs: list[GenRequest], stream: bool, model: str | None = None) -> queue.SimpleQueue:
         """Queue `reqs`; their events come on the returned queue: ("partial" | "done", GenResult), or
-        ("error", message) when the engine refuses one (then none of them runs)."""
+        ("error", message) when the engine refuses one (then none of them runs). `model`: ignored
+        (one model is served)."""
         events: queue.SimpleQueue = queue.SimpleQueue()
         self.inbox.put(("add", reqs, events, stream))
         return events
@@ -51,7 +52,7 @@ class EngineLoop(threading.Thread):
         """The version a new request is generated under: the newest the engine holds."""
         return max(self.engine.versions)
 
-    def group(self, ids: list[str], rewards: list, correct: list | None) -> queue.SimpleQueue:
+    def group(self, ids: list[str], rewards: list, correct: list | None, model=None) -> queue.SimpleQueue:
         """Only a training run takes groups (serve/attached.py)."""
         events: queue.SimpleQueue = queue.SimpleQueue()
         events.put(("refused", f"POST {GROUPS} sends groups to a training run (tailrace train --flow.mode=external); "
@@ -164,7 +165,13 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(api.ApiError(f"no route {self.path}; GET /v1/models", status=404))
         self._json(
             200,
-            {"object": "list", "data": [{"id": self.ep.model, "object": "model", "owned_by": "tailrace"}]},
+            {
+                "object": "list",
+                "data": [
+                    {"id": m, "object": "model", "owned_by": "tailrace"}
+                    for m in getattr(self.ep.loop, "models", None) or [self.ep.model]
+                ],
+            },  # fmt: skip
         )
 
     def do_POST(self) -> None:
@@ -183,8 +190,9 @@ class _Handler(BaseHTTPRequestHandler):
                 body = json.loads(self.rfile.read(size))
             except (ValueError, UnicodeDecodeError):
                 raise api.ApiError("the body is not valid JSON") from None
+            model = body.get("model") if isinstance(body, dict) else None  # a training run's: its policy
             if self.path == GROUPS:
-                return self._group(api.parse_group(body))
+                return self._group(api.parse_group(body), model)
             ep = self.ep
             p = api.parse(body, ROUTES[self.path], ep.encode, ep.render(), ep.text.stop_ids,
                           ep.max_tokens, ep.vocab, ep.context, ep.sampling)  # fmt: skip
@@ -193,14 +201,14 @@ class _Handler(BaseHTTPRequestHandler):
         rid, created = self.ep.next_id(), int(time.time())
         version = self.ep.loop.version()
         reqs = [GenRequest(f"{rid}-{i}", p.prompt_ids, sp, version) for i, sp in enumerate(p.params)]
-        events = self.ep.loop.submit(reqs, p.stream)
+        events = self.ep.loop.submit(reqs, p.stream, model)
         if p.stream:
             self._stream(rid, created, p, reqs, events)
         else:
             self._whole(rid, created, p, reqs, events)
 
-    def _group(self, g: tuple[list[str], list, list | None]) -> None:
-        kind, x = self.ep.loop.group(*g).get()
+    def _group(self, g: tuple[list[str], list, list | None], model: str | None) -> None:
+        kind, x = self.ep.loop.group(*g, model).get()
         if kind == "ok":
             return self._json(200, {"object": "group", "group": x, "completions": len(g[0])})
         self._error(api.ApiError(x, status=404 if kind == "refused" else 409))

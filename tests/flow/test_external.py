@@ -16,9 +16,12 @@ from tests.flow.scripted import ScriptedCluster, prompts, restore
 G, U = 2, 2
 
 
-def external_sched(steps=4, K=1, engines=2, mode="external"):
+def external_sched(steps=4, K=1, engines=2, mode="external", zero_signal="train"):
     return Scheduler(
-        make_policy(mode, max_staleness=K), prompts(), [(3, 2)] * engines, FlowSpec(4, G, U, steps)
+        make_policy(mode, zero_signal, max_staleness=K),
+        prompts(),
+        [(3, 2)] * engines,
+        FlowSpec(4, G, U, steps),
     )
 
 
@@ -26,8 +29,8 @@ class Agent:
     """Keeps `prompts` prompts in flight, G completions each; scores a finished prompt's completions
     (reward: the choice index's parity) and sends them as a group once `hold` ticks have passed."""
 
-    def __init__(self, s, c, prompts=3, hold=0):
-        self.s, self.c, self.n, self.hold = s, c, prompts, hold
+    def __init__(self, s, c, prompts=3, hold=0, reward=lambda p, i: float(i % 2)):
+        self.s, self.c, self.n, self.hold, self.reward = s, c, prompts, hold, reward
         self.next = 0
         self.waiting: dict[int, set[str]] = {}  # prompt -> its requests not finished
         self.results: dict[str, object] = {}
@@ -45,7 +48,7 @@ class Agent:
         while self.ready and self.ready[0][0] + self.hold <= self.c.t and not self.s.done:
             _, p = self.ready.pop(0)
             ids = [f"x.{p}.{i}" for i in range(G)]
-            self.groups.append(self.s.submit_group(ids, [float(i % 2) for i in range(G)]))
+            self.groups.append(self.s.submit_group(ids, [self.reward(p, i) for i in range(G)]))
         while len(self.waiting) < self.n and not self.s.done:
             p, self.next = self.next, self.next + 1
             self.waiting[p] = {f"x.{p}.{i}" for i in range(G)}
@@ -94,6 +97,19 @@ def test_the_engines_take_only_requests_whose_groups_can_train_and_late_groups_a
     assert led["discarded"].get("stale", 0) == G * s.groups_dropped["stale"]
     assert (s.groups_dropped["stale"] > 0) == (hold > 30)
     assert s.ledger.trained == 3 * U * G
+
+
+def test_zero_signal_groups_are_dropped_at_the_exit_within_the_allowance_and_the_agent_sends_more():
+    """flow.zero_signal=replace: every third prompt's completions all score 0; such groups leave untrained
+    (at most U a step), the steps train the groups with signal."""
+    s = external_sched(steps=4, zero_signal="replace")
+    c = ScriptedCluster(s, lambda g, i: 4, slots=3, train_ticks=3, pregen_len=4)
+    a = Agent(s, c, reward=lambda p, i: 0.0 if p % 3 == 0 else float(i % 2))
+    drive(s, c, a)
+    assert s.groups_dropped["zero-signal"] > 0
+    assert s.ledger_record()["discarded"]["zero-signal"] == G * s.groups_dropped["zero-signal"]
+    trained = [g for t in c.trained for g in t.groups]
+    assert len(trained) == 4 * U and all(len({x.reward for x in g.trajectories}) > 1 for g in trained)
 
 
 def test_an_engine_lost_with_an_agents_requests_generates_them_again():

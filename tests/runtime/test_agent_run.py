@@ -31,38 +31,46 @@ class Agent(threading.Thread):
     """Groups of 4 completions of one prompt, rewarded by the parity of their first token, until the
     run stops taking groups; it also tries what a careless agent would."""
 
-    def __init__(self, run: Path):
+    def __init__(self, run: Path, model: str | None = None, checks: bool = True):
         super().__init__(daemon=True)
         self.dir, self.groups, self.refused, self.checks = run, [], [], {}
+        self.model, self.try_checks = model, checks
 
     def run_agent(self) -> None:
         while not (self.dir / "endpoint.json").exists():
             time.sleep(0.05)
         url = json.loads((self.dir / "endpoint.json").read_text())["url"]
-        self.checks["no token"] = call(
-            url, "/completions", {"prompt": "1+2=", "max_tokens": 4}, token="x" * 12
-        )[0]
-        self.checks["temperature"] = call(url, "/completions", {"prompt": "1+2=", "temperature": 0.5})
-        st, streamed = call(url, "/completions", {"prompt": "1+2=", "max_tokens": 4, "stream": True})
-        self.checks["stream"] = (st, streamed["events"][-1], json.loads(streamed["events"][0]))
+        if self.try_checks:
+            self.careless(url)
+        named = {} if self.model is None else {"model": self.model}
         k = 0
         while True:
-            st, out = call(url, "/completions", {"prompt": f"{k % 9}+{k % 7}=", "n": 4, "max_tokens": 8})
+            body = {"prompt": f"{k % 9}+{k % 7}=", "n": 4, "max_tokens": 8, **named}
+            st, out = call(url, "/completions", body)
             if st != 200:  # the run ended
                 return
             ch = out["choices"]
             ids = [c["completion_id"] for c in ch]
             rewards = [float(c["token_ids"][0] % 2) for c in ch]
-            st, got = call(url, "/groups", {"completions": ids, "rewards": rewards})
+            st, got = call(url, "/groups", {"completions": ids, "rewards": rewards, **named})
             if st == 200:
                 self.groups.append((got["group"], out["policy_version"]))
             else:
                 self.refused.append(got["error"]["message"])
                 if "all its steps" in got["error"]["message"]:
                     return
-            if k == 1:  # the same completions again: refused, each trains once
-                self.checks["twice"] = call(url, "/groups", {"completions": ids, "rewards": rewards})
+            if k == 1 and self.try_checks:  # the same completions again: refused, each trains once
+                self.checks["twice"] = call(url, "/groups", {"completions": ids, "rewards": rewards, **named})
             k += 1
+
+    def careless(self, url: str) -> None:
+        """What a careless agent would try."""
+        self.checks["no token"] = call(
+            url, "/completions", {"prompt": "1+2=", "max_tokens": 4}, token="x" * 12
+        )[0]
+        self.checks["temperature"] = call(url, "/completions", {"prompt": "1+2=", "temperature": 0.5})
+        st, streamed = call(url, "/completions", {"prompt": "1+2=", "max_tokens": 4, "stream": True})
+        self.checks["stream"] = (st, streamed["events"][-1], json.loads(streamed["events"][0]))
 
     def run(self) -> None:
         try:
@@ -108,3 +116,42 @@ def test_an_external_run_refuses_shaping_and_one_version_engines_in_one_line():
         check(load_config(None, ["--flow.mode=external", "--shaping.name=darts"]))
     with pytest.raises(ConfigError, match="flow.mode=external serves an agent's requests under the newest"):
         check(load_config(None, ["--flow.mode=external", "--rollout.max_versions=1"]))
+
+
+def test_an_agent_trains_one_policy_of_a_run_beside_one_that_makes_its_own_groups(tiny_model, tmp_path):
+    """A solver trained by an external agent (its requests name it as their model) beside a sync policy
+    of the task's on the same engines: the endpoint lists both policies and refuses a model naming
+    neither; both policies end exact, each its own steps."""
+    from tests.runtime.test_recovery import assert_exact
+
+    run = tmp_path / "run"
+    agent = Agent(run, model="solver", checks=False)
+    agent.start()
+    argv = [
+        "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=sync", "--flow.steps=2",
+        "--eval.n=4", "--serve.port=0", f"--serve.token={TOKEN}", "--train.loss.kl_coef=0.01",
+        "--policies=[{name: solver, flow: {mode: external}}, {name: sums}]",
+    ]  # fmt: skip
+    box = {}
+
+    def probe():  # while the run lives: its models, and a request naming none of them
+        while not (run / "endpoint.json").exists():
+            time.sleep(0.05)
+        url = json.loads((run / "endpoint.json").read_text())["url"]
+        box["nope"] = call(url, "/completions", {"prompt": "1+2=", "max_tokens": 4, "model": "nope"})
+        host, port = url.split("//")[1].split("/")[0].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
+        box["models"] = [m["id"] for m in json.loads(conn.getresponse().read())["data"]]
+        conn.close()
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    assert main(argv) == 0
+    agent.join(timeout=60)
+    t.join(timeout=10)
+    for name in ("solver", "sums"):
+        assert_exact(run / "policies" / name, steps=2)
+    st, err = box["nope"]
+    assert st == 400 and "name one of this run's policies: solver, sums" in err["error"]["message"]
+    assert box["models"] == ["solver", "sums"] and len(agent.groups) >= 8

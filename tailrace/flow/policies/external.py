@@ -8,6 +8,8 @@ run); the store's exit drops a group whose oldest token is more than `max_stalen
 behind the trainer (reason `stale`: the agent held its completions too long), and each step trains
 the U oldest ready groups and publishes. The engines take the agent's requests only as far as their
 groups could still train within the bound (`external_room`): past it a request waits for a step.
+With flow.zero_signal=replace a group whose rewards are all equal (it teaches nothing) is dropped at
+the exit too, at most `extra_groups` a step, as the other modes replace theirs.
 The policy opens no group of its own: the task's prompts serve only its held-out evaluation.
 """
 
@@ -30,6 +32,7 @@ class ExternalPolicy(Policy):
         if max_staleness < 0:
             raise ValueError(f"external needs max_staleness >= 0 (got {max_staleness})")
         self.max_staleness = max_staleness
+        self.step_seen, self.dropped = 0, 0  # zero-signal groups dropped since step `step_seen` issued
 
     @classmethod
     def from_options(cls, max_staleness: int = 1, **_) -> "ExternalPolicy":
@@ -57,9 +60,14 @@ class ExternalPolicy(Policy):
         self.sync_engines(core, core.newest)
         U = core.spec.groups_per_step
         while core.steps_issued < core.spec.total_steps:
+            if core.steps_issued != self.step_seen:
+                self.step_seen, self.dropped = core.steps_issued, 0
             for g in list(core.ready.values()):  # the store's exit: none past the staleness bound
                 if core.trainer_version - min(t.oldest_version for t in g.done) > self.max_staleness:
                     core.drop_group(g.id, "stale")
+                elif g.zero_signal and self.dropped < self.allowance(core):  # flow.zero_signal=replace:
+                    core.drop_group(g.id, "zero-signal")  # it teaches nothing; the agent sends more
+                    self.dropped += 1
             if len(core.ready) < U:
                 return
             core.train(list(core.ready)[:U], publish=True)
