@@ -381,6 +381,9 @@ class Driver:
                          f"a scored group back; {a.file} names it)")  # fmt: skip
             if a.generated_token:
                 self.ui.note(f"agent endpoint token (this run only): {a.token}")
+            if self.cfg.serve.host not in ("127.0.0.1", "::1", "localhost"):
+                self.ui.note(f"warning: the agent endpoint listens on {self.cfg.serve.host}: reachable from "
+                             "other machines; anyone with the token can generate and send groups")  # fmt: skip
         return a
 
     def _recorded_eval(self, pol: PolicyRun, tag: str) -> EvalRecord | None:
