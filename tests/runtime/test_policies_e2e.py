@@ -148,8 +148,9 @@ def test_a_policy_entry_that_cannot_run_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"\(rollout\.max_versions=1\) need .* rollout\.engines=1"):
         load("[{name: a}, {name: b}]", "--rollout.max_versions=1")
     load("[{name: a}, {name: b}]", "--rollout.max_versions=1", "--rollout.engines=2")
-    with pytest.raises(ConfigError, match=r"policies \(b\): flow\.mode=external .* only policy"):
-        load("[{name: a}, {name: b, flow: {mode: external}}]")
+    load("[{name: a}, {name: b, flow: {mode: external}}]")  # an agent trains b through the run's endpoint
+    with pytest.raises(ConfigError, match=r"policies \(b\): shaping\.name=darts .* the agent makes them"):
+        load("[{name: a}, {name: b, flow: {mode: external}, shaping: {name: darts}}]")
     named = policy_configs(load_config(None, ["--policies=[{name: a, train: {lr: 0.001}}, {name: b}]"]))
     assert [(n, c.train.lr, c.policies) for n, c in named] == [("a", 0.001, []), ("b", None, [])]
 
