@@ -17,6 +17,9 @@ from tailrace.types import Finish, GenResult
 from tests.flow.scripted import ScriptedCluster, prompts
 
 MODES = ["sync", "pipe", "async", "partial", "multiversion"]
+CHURN = st.lists(
+    st.tuples(st.integers(1, 60), st.sampled_from(["join", "leave", "lose"])), max_size=6
+)  # `churn`
 
 
 class MultiCluster(ScriptedCluster):
@@ -75,6 +78,25 @@ def policy_set(modes, steps=None, engines=1, slots=4, K=1, R=4, G=2, U=2):
 def lengths(seed):
     rng, memo = random.Random(seed), {}
     return lambda g, i: memo.setdefault((g, i), max(1, min(40, int(rng.lognormvariate(1.5, 0.8)))))
+
+
+def churn(s, c, events, keep: int = 1) -> None:
+    """Drive `s` on `c` to its end while engines join, leave (never below `keep` live) and die at the
+    ticks `events` names ((tick, "join" | "leave" | "lose") pairs)."""
+    plan = dict(events)
+    while not s.done and c.t < 20_000:
+        what = plan.pop(c.t, None)
+        live = [e.id for e in s.engines]
+        if what == "join":
+            c.join_engine()
+        elif what == "leave" and len(live) > keep:
+            c.leave_engine(live[-1])
+        elif what == "lose" and live:
+            c.lose_engine(live[0])
+        c.execute(s.poll(c.t))
+        c.tick()
+    assert s.done
+    c.execute(s.poll(c.t))
 
 
 def keys(trains):
@@ -179,7 +201,7 @@ def test_two_on_policy_runs_share_the_engines_in_less_time_than_one_after_the_ot
 @given(
     modes=st.lists(st.sampled_from(MODES), min_size=2, max_size=3),
     seed=st.integers(0, 10_000),
-    events=st.lists(st.tuples(st.integers(1, 60), st.sampled_from(["join", "leave", "lose"])), max_size=6),
+    events=CHURN,
 )
 def test_join_leave_and_loss_keep_every_policys_ledger(modes, seed, events):
     """Engines join, leave and die at random ticks while several policies (any modes) share them: every
@@ -188,20 +210,7 @@ def test_join_leave_and_loss_keep_every_policys_ledger(modes, seed, events):
     steps = tuple(4 + 2 * i for i in range(len(modes)))  # whole rounds (2 steps each)
     s = policy_set(modes, steps=steps, engines=2)
     c = MultiCluster(s, lengths(seed), slots=3, train_ticks=3, load_ticks=1)
-    plan = dict(events)
-    while not s.done and c.t < 20_000:
-        what = plan.pop(c.t, None)
-        live = [e.id for e in s.engines]
-        if what == "join":
-            c.join_engine()
-        elif what == "leave" and len(live) > 1:
-            c.leave_engine(live[-1])
-        elif what == "lose" and live:
-            c.lose_engine(live[0])
-        c.execute(s.poll(c.t))
-        c.tick()
-    assert s.done
-    c.execute(s.poll(c.t))
+    churn(s, c, events)
     for p, n in enumerate(steps):
         assert [t.step for t in c.trained_by[p]] == list(range(n))
         ks = keys(c.trained_by[p])

@@ -12,7 +12,7 @@ from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
 from tailrace.types import Capabilities
 from tests.flow.scripted import prompts
-from tests.flow.test_multi import MultiCluster, keys, lengths
+from tests.flow.test_multi import CHURN, MultiCluster, churn, keys, lengths
 
 ONE = Capabilities(abort_resume=False, versions_at_once=1, per_request_seed=True, speculative=False)
 MODES = ["sync", "pipe", "multiversion"]  # the modes one-version engines take (multiversion: dedicated)
@@ -102,29 +102,12 @@ def test_fewer_engines_than_policies_is_refused_naming_the_fix():
 
 
 @settings(max_examples=20, deadline=None)
-@given(
-    modes=st.lists(st.sampled_from(MODES), min_size=2, max_size=3),
-    seed=st.integers(0, 10_000),
-    events=st.lists(st.tuples(st.integers(1, 60), st.sampled_from(["join", "leave", "lose"])), max_size=6),
-)
+@given(st.lists(st.sampled_from(MODES), min_size=2, max_size=3), st.integers(0, 10_000), CHURN)
 def test_join_leave_and_loss_keep_every_policys_ledger_on_one_version_engines(modes, seed, events):
     """Engines join, leave and die at random ticks: every policy still trains each of its steps once,
     on engines that hold one version at a time (a policy left without an engine waits for one)."""
     steps = tuple(4 + 2 * i for i in range(len(modes)))
     s = one_version_set(modes, steps, engines=len(modes) + 1)
     c = OneVersionCluster(s, lengths(seed), slots=3, train_ticks=3, load_ticks=1)
-    plan = dict(events)
-    while not s.done and c.t < 20_000:
-        what = plan.pop(c.t, None)
-        live = [e.id for e in s.engines]
-        if what == "join":
-            c.join_engine()
-        elif what == "leave" and len(live) > len(modes):
-            c.leave_engine(live[-1])
-        elif what == "lose" and live:
-            c.lose_engine(live[0])
-        c.execute(s.poll(c.t))
-        c.tick()
-    assert s.done
-    c.execute(s.poll(c.t))
+    churn(s, c, events, keep=len(modes))
     assert_exact(s, c, steps)
