@@ -155,3 +155,55 @@ def test_an_agent_trains_one_policy_of_a_run_beside_one_that_makes_its_own_group
     st, err = box["nope"]
     assert st == 400 and "name one of this run's policies: solver, sums" in err["error"]["message"]
     assert box["models"] == ["solver", "sums"] and len(agent.groups) >= 8
+
+
+def test_an_agent_trains_a_chat_model_through_chat_completions(tmp_path):
+    """A small random Llama whose tokenizer has a chat template: the agent's messages are rendered by
+    the template (one BOS: the template's own), its completions stop at the end-of-turn token, and
+    the groups it sends train the run's step."""
+    from tailrace.chat import ChatFormat
+    from tailrace.config import load_config
+    from tailrace.runtime.session import Session
+    from tests.chat_helpers import write_chat_model
+    from tests.runtime.test_recovery import assert_exact
+
+    d = write_chat_model(tmp_path / "llama", "llama", max_position_embeddings=32768)
+    run = tmp_path / "run"
+    seen = {}
+
+    def chat_agent():
+        while not (run / "endpoint.json").exists():
+            time.sleep(0.05)
+        url = json.loads((run / "endpoint.json").read_text())["url"]
+        for k in range(64):
+            msgs = [{"role": "user", "content": f"What is {k % 9} + {k % 7}?"}]
+            st, out = call(url, "/chat/completions", {"messages": msgs, "n": 4, "max_tokens": 16})
+            if st != 200:
+                return
+            seen.setdefault("first", (msgs, out))
+            ch = out["choices"]
+            rewards = [float(c["token_ids"][0] % 2) for c in ch]
+            st, _ = call(
+                url, "/groups", {"completions": [c["completion_id"] for c in ch], "rewards": rewards}
+            )
+            if st != 200:
+                return
+
+    t = threading.Thread(target=chat_agent, daemon=True)
+    t.start()
+    argv = [
+        "train", f"--run-dir={run}", f"--model.path={d}", *TINY_RUN, "--flow.mode=external", "--flow.steps=1",
+        "--eval.n=4", "--serve.port=0", f"--serve.token={TOKEN}", "--flow.zero_signal=train",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    t.join(timeout=60)
+    assert_exact(run, steps=1)
+    msgs, out = seen["first"]
+    ses = Session(load_config(None, [f"--model.path={d}"]))
+    try:
+        want = ChatFormat(ses.tok).render_turns(msgs)
+        assert out["prompt_token_ids"] == ses.tok.encode(want)  # the template's ids, no second BOS
+    finally:
+        ses.close()
+    for c in out["choices"]:  # stopped at the end of its turn, or cut at max_tokens
+        assert c["finish_reason"] == "length" or c["token_ids"][-1] in ses.stop_ids
