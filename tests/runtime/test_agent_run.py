@@ -207,3 +207,24 @@ def test_an_agent_trains_a_chat_model_through_chat_completions(tmp_path):
         ses.close()
     for c in out["choices"]:  # stopped at the end of its turn, or cut at max_tokens
         assert c["finish_reason"] == "length" or c["token_ids"][-1] in ses.stop_ids
+
+
+def test_the_example_agent_trains_a_run(tiny_model, tmp_path, monkeypatch):
+    """examples/external_agent.py as the README shows it: chainsum's questions and reward, over HTTP."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
+    from external_agent import agent
+
+    from tests.runtime.test_recovery import assert_exact
+
+    run = tmp_path / "run"
+    box = {}
+    t = threading.Thread(target=lambda: box.update(agent(run, TOKEN, 4, 4, "chainsum", 0)), daemon=True)
+    t.start()
+    argv = [
+        "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=external", "--flow.steps=2",
+        "--eval.n=4", "--serve.port=0", f"--serve.token={TOKEN}", "--flow.zero_signal=train",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    t.join(timeout=60)
+    assert_exact(run, steps=2)
+    assert box["groups"] >= 8 and not t.is_alive()
