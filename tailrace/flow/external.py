@@ -65,11 +65,11 @@ class ExternalBook:
     def on_result(self, r: GenResult, version: int, now: float) -> None:
         """A finished or aborted result of an external request in flight (not lost: `requeue`)."""
         req = self.flight.pop(r.request_id)
-        if r.finish == Finish.ABORTED:
-            if r.request_id in self.cancelled:  # the agent left: nothing to answer
-                self.cancelled.discard(r.request_id)
-            else:  # aborted under it (a policy's load): generated again, from its prompt
-                self.todo.append(req)
+        if r.request_id in self.cancelled:  # the agent left (its abort, or a finish that crossed it)
+            self.cancelled.discard(r.request_id)
+            return
+        if r.finish == Finish.ABORTED:  # aborted under it (a policy's load): generated again
+            self.todo.append(req)
             return
         self.finished.append(r)
         self.kept[r.request_id] = Kept(req.prompt_ids, r, version, now)

@@ -188,3 +188,23 @@ def test_an_agents_groups_survive_a_resume_through_checkpoint_and_journal():
     assert len(trained) == len(set(trained)) == 6 * U
     assert set(sent_after) & set(trained)  # journaled groups trained after the resume
     assert c2.trained[0].step == 2  # the step the crash lost, trained again
+
+
+def test_a_cancelled_request_stops_and_leaves_nothing_behind():
+    """The agent's client went away: a waiting request never goes, a running one is aborted, and neither
+    comes back, is generated again or stays in the books; the other request finishes."""
+    s = external_sched(engines=1)
+    c = ScriptedCluster(s, lambda g, i: 4, slots=3, pregen_len=20)
+    for rid in ("x.a", "x.b"):
+        s.submit_external(GenRequest(rid, (1, 2, 3), SamplingParams(), 0))
+    for _ in range(2):
+        c.execute(s.poll(c.t))
+        c.tick()
+    s.submit_external(GenRequest("x.c", (1, 2, 3), SamplingParams(), 0))
+    s.cancel_external(["x.a", "x.c"])  # x.a running, x.c not yet dispatched
+    for _ in range(25):
+        c.execute(s.poll(c.t))
+        c.tick()
+    assert [r.request_id for r in s.take_external()] == ["x.b"]
+    assert not s.external.todo and not s.external.flight and not s.external.cancelled
+    assert list(s.external.kept) == ["x.b"] and not s.engine(0).in_flight
