@@ -27,6 +27,23 @@ def call(url: str, path: str, body: dict, token: str = TOKEN) -> tuple[int, dict
     return resp.status, json.loads(text)
 
 
+def train_beside(agent, model: Path, run: Path, steps: int) -> threading.Thread:
+    """`tailrace train --flow.mode=external` for `steps` steps with `agent()` in a thread beside it; the
+    run ends exact (every group trained once, the ledger whole). Returns the agent's thread."""
+    from tests.runtime.test_recovery import assert_exact
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    argv = [
+        "train", f"--run-dir={run}", f"--model.path={model}", *TINY_RUN, "--flow.mode=external",
+        f"--flow.steps={steps}", "--eval.n=4", "--serve.port=0", f"--serve.token={TOKEN}", "--flow.zero_signal=train",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    t.join(timeout=60)
+    assert_exact(run, steps=steps)
+    return t
+
+
 class Agent(threading.Thread):
     """Groups of 4 completions of one prompt, rewarded by the parity of their first token, until the
     run stops taking groups; it also tries what a careless agent would."""
@@ -165,7 +182,6 @@ def test_an_agent_trains_a_chat_model_through_chat_completions(tmp_path):
     from tailrace.config import load_config
     from tailrace.runtime.session import Session
     from tests.chat_helpers import write_chat_model
-    from tests.runtime.test_recovery import assert_exact
 
     d = write_chat_model(tmp_path / "llama", "llama", max_position_embeddings=32768)
     run = tmp_path / "run"
@@ -189,15 +205,7 @@ def test_an_agent_trains_a_chat_model_through_chat_completions(tmp_path):
             if st != 200:
                 return
 
-    t = threading.Thread(target=chat_agent, daemon=True)
-    t.start()
-    argv = [
-        "train", f"--run-dir={run}", f"--model.path={d}", *TINY_RUN, "--flow.mode=external", "--flow.steps=1",
-        "--eval.n=4", "--serve.port=0", f"--serve.token={TOKEN}", "--flow.zero_signal=train",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    t.join(timeout=60)
-    assert_exact(run, steps=1)
+    train_beside(chat_agent, d, run, steps=1)
     msgs, out = seen["first"]
     ses = Session(load_config(None, [f"--model.path={d}"]))
     try:
@@ -214,17 +222,7 @@ def test_the_example_agent_trains_a_run(tiny_model, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
     from external_agent import agent
 
-    from tests.runtime.test_recovery import assert_exact
-
     run = tmp_path / "run"
     box = {}
-    t = threading.Thread(target=lambda: box.update(agent(run, TOKEN, 4, 4, "chainsum", 0)), daemon=True)
-    t.start()
-    argv = [
-        "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=external", "--flow.steps=2",
-        "--eval.n=4", "--serve.port=0", f"--serve.token={TOKEN}", "--flow.zero_signal=train",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    t.join(timeout=60)
-    assert_exact(run, steps=2)
+    t = train_beside(lambda: box.update(agent(run, TOKEN, 4, 4, "chainsum", 0)), tiny_model, run, steps=2)
     assert box["groups"] >= 8 and not t.is_alive()
