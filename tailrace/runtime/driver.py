@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-from tailrace.common import Fault
+from tailrace.common import ConfigError, Fault
 from tailrace.config import RunConfig, TrainerConfig, dump_config
 from tailrace.config.load import policy_configs
 from tailrace.engine import capabilities
@@ -299,6 +299,7 @@ class Driver:
                 res.restore(pol.sched)
                 versions[pol.index] = res.version
                 older |= self._older_weights(pol, res.version)
+        self.endpoint = self._attach()  # first: a port in use fails the run before anything starts
         self._start(versions, older)
         if self.driver_lost is not None:  # resumed by the supervisor: the driver's own recovery
             self._note(self.driver_lost.mark(self._now(), sum(p.sched.steps_done for p in self.pols)))
@@ -329,7 +330,6 @@ class Driver:
                     self.ui.note(
                         f"{p.name}: base policy held-out accuracy {base.accuracy:.1%} on {base.summary['n']} prompts"
                     )
-        self.endpoint = self._attach()
         agent = self.sched if self.endpoint else None  # every policy's scheduler, by the request's model
         while not self.sched.done:
             if agent is not None:  # what the agent sent (requests, groups) goes to the scheduler
@@ -375,7 +375,16 @@ class Driver:
         r = self.cfg.rollout
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         name = str(self.cfg.model.path or "tailrace-default")
-        a = Attached(self.cfg, pol.ses.text, name, self.context, sampling, self.run.path, self.sched.names)
+        try:
+            a = Attached(
+                self.cfg, pol.ses.text, name, self.context, sampling, self.run.path, self.sched.names
+            )
+        except OSError as e:
+            s = self.cfg.serve
+            raise ConfigError(
+                f"serve.host={s.host} serve.port={s.port}: the agent endpoint cannot listen there ({e.strerror}); "
+                "pick another serve.port (0: any free one, named in RUN/endpoint.json)"
+            ) from None
         if self.ui is not None:
             self.ui.note(f"agent endpoint: {a.url} (completions, chat completions; POST {a.url}/groups sends "
                          f"a scored group back; {a.file} names it)")  # fmt: skip
@@ -920,8 +929,6 @@ def _tensorboard(run: RunDir):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        from tailrace.common import ConfigError
-
         raise ConfigError(
             "tensorboard=true needs the tensorboard package; pip install 'tailrace[tensorboard]' "
             "or drop --tensorboard"

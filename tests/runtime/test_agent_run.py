@@ -226,3 +226,21 @@ def test_the_example_agent_trains_a_run(tiny_model, tmp_path, monkeypatch):
     box = {}
     t = train_beside(lambda: box.update(agent(run, TOKEN, 4, 4, "chainsum", 0)), tiny_model, run, steps=2)
     assert box["groups"] >= 8 and not t.is_alive()
+
+
+def test_an_agent_endpoint_on_a_port_in_use_fails_the_run_before_anything_starts(
+    tiny_model, tmp_path, capsys
+):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["train", f"--run-dir={tmp_path / 'run'}", f"--model.path={tiny_model}", *TINY_RUN,
+                "--flow.mode=external", f"--serve.port={port}", f"--serve.token={TOKEN}"]  # fmt: skip
+        assert main(argv) == 2
+    out = capsys.readouterr()
+    err = out.out + out.err
+    assert f"serve.port={port}: the agent endpoint cannot listen there" in err and "0: any free one" in err
+    assert not list((tmp_path / "run").glob("checkpoints/step_*"))
