@@ -795,7 +795,7 @@ class Scheduler(SchedulerState):
         `samples_per_prompt` of them, scored `rewards` (`correct`: whether each is right; default
         reward > 0). It enters the store complete and journaled; returns its group id. Refused (an
         `ExternalError` naming the fix) by a policy that makes its own groups."""
-        if not getattr(self.policy, "external", False):
+        if not self.policy.external:
             raise ExternalError(
                 f"this run's flow.mode={self.policy.name} makes its own groups; an agent's groups train "
                 "in a run with flow.mode=external"
@@ -829,11 +829,13 @@ class Scheduler(SchedulerState):
     def _dispatch_external(self) -> None:
         """External requests go, each under the newest version an engine holds, to the engine holding
         it with the most room (past its slots if need be: the engine queues them), as many as the
-        policy admits (`external_room`; a policy without one: all), a prompt's requests together (one
-        call's choices: they make one group, best all of one version)."""
-        room = getattr(self.policy, "external_room", None)
-        n = len(self.external.todo) if room is None else room(self)
+        policy admits (`Policy.external_room`; None: all), a prompt's requests together (one call's
+        choices: they make one group, best all of one version)."""
         todo = self.external.todo
+        if not todo:  # (every poll of every run: nothing to price)
+            return
+        room = self.policy.external_room(self)
+        n = len(todo) if room is None else room
         while todo:
             holding = [e for e in self.engines if e.loaded]
             head = todo[0].prompt_ids

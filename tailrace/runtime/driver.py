@@ -367,7 +367,7 @@ class Driver:
         """flow.mode=external (any policy's): the run's OpenAI-compatible endpoint, for the agent that
         makes that policy's groups (a request's `model` names the policy, in a run of several); None
         for a run whose policies all make their own."""
-        if not any(getattr(p.sched.policy, "external", False) for p in self.pols):
+        if not any(p.sched.policy.external for p in self.pols):
             return None
         pol = self.pols[0]  # the model and its text side are the run's
         from tailrace.serve.attached import Attached  # (serve imports the runtime: not at the top)

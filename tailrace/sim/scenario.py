@@ -274,7 +274,7 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
         try:
             options = {k: v for k, v in dataclasses.asdict(f).items() if k != "mode"} | ps.policy_options
             policies.append(make_policy(f.mode, **options))
-            if getattr(policies[-1], "external", False):
+            if policies[-1].external:
                 raise ValueError(
                     "flow.mode=external trains an external agent's groups, and the simulator has no agent; "
                     "simulate the mode its rollouts would follow (e.g. async)"

@@ -17,7 +17,7 @@ POLICIES: dict[str, type[Policy]] = {
     "multiversion": MultiVersionPolicy,
     "external": ExternalPolicy,
 }
-GROUP_MODES = [m for m, p in POLICIES.items() if not getattr(p, "external", False)]  # open their own groups
+GROUP_MODES = [m for m, p in POLICIES.items() if not p.external]  # the modes that open their own groups
 
 
 def make_policy(mode: str, zero_signal: str = "train", extra_groups: int | None = None, **options) -> Policy:

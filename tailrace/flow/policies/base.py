@@ -36,6 +36,7 @@ class Policy:
     correction = "none"  # on-policy: the trainer's own logprobs anchor the ratio
     extra_groups: int | None = 0  # zero-signal groups replaced per optimizer step at most (None = U)
     publishes_per_round = False  # sync, pipe: a round's steps publish one version, at its end
+    external = False  # its groups come from an external agent (`Scheduler.submit_group`), not its own
 
     @classmethod
     def own_correction(cls, steps_per_round: int, replay: bool = False) -> str:
@@ -56,6 +57,10 @@ class Policy:
 
     def attach(self, core: Scheduler) -> None:
         self.core = core
+
+    def external_room(self, core: Scheduler) -> int | None:
+        """An external agent's requests the engines may take now (None: all of them)."""
+        return None
 
     def one_version_refusal(self) -> str | None:
         """Why this policy cannot run on engines that hold one version at a time, and the fix (None: it

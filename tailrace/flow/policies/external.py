@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 class ExternalPolicy(Policy):
     name = "external"
-    external = True  # `Scheduler.submit_group` takes an agent's groups
+    external = True
     correction = "tis"  # whole samples up to K versions stale, as async's
 
     def __init__(self, max_staleness: int = 1) -> None:
