@@ -95,14 +95,20 @@ class PolicySet:
                     f"{len(self)} policies on engines that hold one weight version at a time need at least "
                     f"{len(self)} engines, one each; raise rollout.engines to {len(self)} or more"
                 )
-            self._owner = {eid: k % len(self) for k, eid in enumerate(ids)}
-            for eid, p in self._owner.items():
-                for q, s in enumerate(self._scheds):
-                    if q != p:
-                        s.lend_engine(eid)
-                    elif len((e := s.engine(eid)).loaded) > 1:  # (a resume restored older versions)
-                        e.loaded = {max(e.loaded)}
+            self._owner = {}
+            for k, eid in enumerate(ids):
+                self._deal(eid, k % len(self))
+                e = self._scheds[k % len(self)].engine(eid)
+                if len(e.loaded) > 1:  # a resume restored older versions: the engine holds the newest only
+                    e.loaded = {max(e.loaded)}
         return self._owner
+
+    def _deal(self, engine: int, p: int) -> None:
+        """Engine `engine` (new to the set) serves policy `p`: every other policy lends it."""
+        self._owner[engine] = p
+        for q, s in enumerate(self._scheds):
+            if q != p:
+                s.lend_engine(engine)
 
     def _rebalance(self) -> None:
         """A policy left without an engine (its engines left) takes one another policy has no use for
@@ -114,8 +120,7 @@ class PolicySet:
                 continue
             for eid, p in sorted(owners.items()):
                 s = self._scheds[p]
-                e = s.engine(eid)
-                if counts[p] > 1 and not (e.in_flight or e.loading or s.pregen_in_flight(eid)):
+                if counts[p] > 1 and s.can_lend(eid):
                     s.lend_engine(eid)
                     sq.take_engine(eid, set())
                     owners[eid] = q
@@ -255,11 +260,7 @@ class PolicySet:
         eid = ids.pop()
         if self.one_version:
             counts = Counter(owners.values())
-            p = min(range(len(self)), key=lambda q: counts[q])
-            owners[eid] = p
-            for q, s in enumerate(self._scheds):
-                if q != p:
-                    s.lend_engine(eid)
+            self._deal(eid, min(range(len(self)), key=lambda q: counts[q]))
         return eid
 
     def remove_engine(self, engine: int, now: float) -> int:

@@ -446,12 +446,16 @@ class Scheduler(SchedulerState):
         `engine`, idle for this policy (nothing in flight, loading or pre-generating), serves another
         policy for now: it leaves this policy's view and its books hold none of this policy's weights
         (the other policy's will replace them) until `take_engine` gives it back."""
-        e = self.engine(engine)
-        if e.in_flight or e.loading or self.pregen_in_flight(engine) or self._pending.get(engine):
+        if not self.can_lend(engine):
             raise InvariantError(f"engine {engine} cannot be lent: it has work of this policy")
         self.lent.add(engine)
-        e.loaded.clear()
+        self.engine(engine).loaded.clear()
         self._see_engines()
+
+    def can_lend(self, engine: int) -> bool:
+        """Engine `engine` has nothing of this policy's: none in flight, loading, pre-generating or booked."""
+        e = self.engine(engine)
+        return not (e.in_flight or e.loading or self.pregen_in_flight(engine) or self._pending.get(engine))
 
     def take_engine(self, engine: int, loaded: set[int]) -> None:
         """A lent engine serves this policy again, holding `loaded` of its versions (none: the next poll
