@@ -311,8 +311,7 @@ class Driver:
             base = self._recorded_eval(p, "base")
             if base is None and evaluator is not None:
                 v = self.sched.version(p.index, versions[p.index])
-                if self.sched.one_version:  # each engine holds its own policy's: this one's everywhere
-                    self._load_everywhere(v)
+                self._load_everywhere(v)  # (one-version engines hold their own policy's only)
                 base = self._evaluate(p, evaluator, "base", v, wall_s=0.0)
             bases.append(base)
             p.snapshots = Snapshots(p.run.path, p.snapshots.every, p.sched.steps_done)
@@ -341,14 +340,11 @@ class Driver:
             self._arrivals()
         self._handle(self.sched.poll(self._now()), sync=True)
         finals = [None] * len(self.pols)
-        if any(evaluators) and not self.sched.one_version:
-            self._load_final()
         for k, (p, evaluator) in enumerate(zip(self.pols, evaluators)):
             finals[k] = self._recorded_eval(p, "final")  # a policy of several that finished before a resume
             if evaluator is not None and finals[k] is None:
                 final_v = self.sched.version(p.index, p.sched.done_version)
-                if self.sched.one_version:  # one policy's weights at a time, everywhere
-                    self._load_everywhere(final_v)
+                self._load_everywhere(final_v)
                 finals[k] = self._evaluate(p, evaluator, "final", final_v, p.last_wall)
                 self._evaluate_snapshots(p, evaluator)
         while self.recovery.restarting:  # a worker lost after training: its recovery is recorded too
@@ -881,13 +877,9 @@ class Driver:
             pol.ses.guard.errors, m, timing, pol.sched.take_generated(), tool_errors,
         )  # fmt: skip
 
-    def _load_final(self) -> None:
-        """Every policy's final weights on every engine (for the final evaluations)."""
-        for v in [self.sched.version(p.index, p.sched.done_version) for p in self.pols]:
-            self._load_everywhere(v)
-
     def _load_everywhere(self, v: int) -> None:
-        """Engine version `v` on every engine (held-out evaluations, while the policies are idle)."""
+        """Engine version `v` on every engine that lacks it (before a held-out evaluation, the policies
+        idle; a one-version engine then holds it alone)."""
         for i in list(self.engines):
             asked = None  # the engine process asked to load v (a replacement is asked again)
             while i in self.engines and v not in self.sched.loaded(i):
