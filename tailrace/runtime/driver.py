@@ -386,7 +386,7 @@ class Driver:
                          f"a scored group back; {a.file} names it)")  # fmt: skip
             if a.generated_token:
                 self.ui.note(f"agent endpoint token (this run only): {a.token}")
-            if self.cfg.serve.host not in ("127.0.0.1", "::1", "localhost"):
+            if a.exposed:
                 self.ui.note(f"warning: the agent endpoint listens on {self.cfg.serve.host}: reachable from "
                              "other machines; anyone with the token can generate and send groups")  # fmt: skip
         return a

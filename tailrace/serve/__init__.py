@@ -17,7 +17,7 @@ from tailrace.model.checkpoint import load_pretrained
 from tailrace.runtime.procs import available_cores, resolve_device
 from tailrace.runtime.session import ModelText
 from tailrace.runtime.warmstart import ensure_warm_start
-from tailrace.serve.server import Endpoint, EngineLoop, make_server
+from tailrace.serve.server import LOOPBACK, Endpoint, EngineLoop, make_server
 
 
 def serve(cfg: RunConfig, say: Callable[[str], None] = print, progress=None, ready=None) -> None:
@@ -41,7 +41,7 @@ def serve(cfg: RunConfig, say: Callable[[str], None] = print, progress=None, rea
     say(engine.describe())
     say(f"serving {path} on http://{host}:{port}/v1 (completions, chat completions"
         f"{'' if text.chat else ': no chat template, completions only'})")  # fmt: skip
-    if host not in ("127.0.0.1", "::1", "localhost"):
+    if host not in LOOPBACK:
         say(
             f"warning: listening on {host}: reachable from other machines; anyone with the token can generate"
         )

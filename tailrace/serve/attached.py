@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tailrace.flow.external import ExternalError
-from tailrace.serve.server import Endpoint, make_server
+from tailrace.serve.server import LOOPBACK, Endpoint, make_server
 from tailrace.types import GenRequest, SamplingParams
 
 PREFIX = "x.cmpl-"  # the scheduler's external ids start "x."
@@ -77,16 +77,14 @@ class RunLoop:
         return reply if p is None else self._put(("group", p, ids, rewards, correct, reply), reply)
 
     # -- the driver's side ----------------------------------------------------------------------
-    def intake(self, policies) -> bool:
+    def intake(self, policies) -> None:
         """Hand what came in to the policies' schedulers (`policies`: the run's `PolicySet`, or a list of
-        schedulers). True if anything came."""
-        came = False
+        schedulers)."""
         while True:
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
-                return came
-            came = True
+                return
             if msg[0] == "add":
                 _, p, reqs, events = msg
                 sched = policies[p]
@@ -164,6 +162,7 @@ class Attached:
                                        name="endpoint", daemon=True)  # fmt: skip
         self.thread.start()
         self.generated_token = s.token is None
+        self.exposed = s.host not in LOOPBACK  # reachable from other machines
 
     def close(self) -> None:
         self.server.shutdown()

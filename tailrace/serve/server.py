@@ -28,6 +28,7 @@ from tailrace.types import Finish, GenRequest, GenResult, SamplingParams
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}
 GROUPS = "/v1/groups"  # a training run's (flow.mode=external): scored completions sent back as a group
 MAX_BODY = 8 << 20  # bytes of a request body
+LOOPBACK = ("127.0.0.1", "::1", "localhost")  # a host only this machine reaches
 
 
 class EngineLoop(threading.Thread):
