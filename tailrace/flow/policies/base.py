@@ -123,6 +123,21 @@ class Policy:
                 core.dispatch(engines[i % len(engines)].id, g, 1, version=v, queue_all=True)
                 i += 1
 
+    _dropped_at = (0, 0)  # (steps issued when counted, zero-signal groups dropped since)
+
+    def drop_zero_signal(self, core: Scheduler, g: GroupState) -> bool:
+        """Drop ready group `g` if it is zero-signal and this step's allowance has room (counted from
+        the last step issued); True if it was dropped. For modes that drop such groups from the store
+        and let admission open fresh ones in their place (the streaming modes, an agent's groups)."""
+        step, dropped = self._dropped_at
+        if step != core.steps_issued:
+            step, dropped = core.steps_issued, 0
+        if not g.zero_signal or dropped >= self.allowance(core):
+            return False
+        core.drop_group(g.id, "zero-signal")
+        self._dropped_at = (step, dropped + 1)
+        return True
+
     def allowance(self, core: Scheduler, steps: int = 1) -> int:
         """Replacement groups `steps` optimizer steps may open."""
         per_step = core.spec.groups_per_step if self.extra_groups is None else self.extra_groups

@@ -32,7 +32,6 @@ class ExternalPolicy(Policy):
         if max_staleness < 0:
             raise ValueError(f"external needs max_staleness >= 0 (got {max_staleness})")
         self.max_staleness = max_staleness
-        self.step_seen, self.dropped = 0, 0  # zero-signal groups dropped since step `step_seen` issued
 
     @classmethod
     def from_options(cls, max_staleness: int = 1, **_) -> "ExternalPolicy":
@@ -60,14 +59,11 @@ class ExternalPolicy(Policy):
         self.sync_engines(core, core.newest)
         U = core.spec.groups_per_step
         while core.steps_issued < core.spec.total_steps:
-            if core.steps_issued != self.step_seen:
-                self.step_seen, self.dropped = core.steps_issued, 0
             for g in list(core.ready.values()):  # the store's exit: none past the staleness bound
                 if core.trainer_version - min(t.oldest_version for t in g.done) > self.max_staleness:
                     core.drop_group(g.id, "stale")
-                elif g.zero_signal and self.dropped < self.allowance(core):  # flow.zero_signal=replace:
-                    core.drop_group(g.id, "zero-signal")  # it teaches nothing; the agent sends more
-                    self.dropped += 1
+                else:  # flow.zero_signal=replace: it teaches nothing; the agent sends more
+                    self.drop_zero_signal(core, g)
             if len(core.ready) < U:
                 return
             core.train(list(core.ready)[:U], publish=True)

@@ -58,13 +58,9 @@ class StreamingPolicy(Policy):
     # -- training -------------------------------------------------------------------------------
     def train_ready(self, core: Scheduler) -> None:
         """Drop zero-signal groups (within the allowance), then issue every step the window allows."""
-        if core.steps_issued != self.step_seen:
-            self.step_seen, self.replaced = core.steps_issued, 0
         for g in list(core.ready.values()):
-            if g.zero_signal and self.replaced < self.allowance(core):
-                core.drop_group(g.id, "zero-signal")
+            if self.drop_zero_signal(core, g):  # admission opens a fresh group in its place
                 self.opened_at[g.version] = self.opened_at.get(g.version, 0) - 1
-                self.replaced += 1
         U, K = core.spec.groups_per_step, self.max_staleness
         while core.steps_issued < core.spec.total_steps:
             if self.ahead is not None and core.steps_issued - core.steps_done > self.ahead:
@@ -115,7 +111,6 @@ class StreamingPolicy(Policy):
     def attach(self, core: Scheduler) -> None:
         super().attach(core)
         self.opened_at: dict[int, int] = {}  # groups this policy opened per version (less dropped)
-        self.step_seen, self.replaced = 0, 0  # zero-signal groups dropped since step `step_seen` issued
 
     def pending(self, core: Scheduler) -> list[GroupState]:
         """Open groups with samples still to dispatch, oldest version first."""
