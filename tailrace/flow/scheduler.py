@@ -586,9 +586,12 @@ class Scheduler(SchedulerState):
     def in_flight(self, version: int | None = None) -> int:
         """Samples in flight (of `version`); an external agent's requests are not the policy's to wait
         for (each still holds its version on its engine against a drop)."""
-        n = sum(len(e.in_flight) if version is None else e.count(version) for e in self.engines)
-        return n - sum(1 for e in self.engines for rid, v in e.in_flight.items()
-                       if is_external(rid) and version in (None, v))  # fmt: skip
+        return sum(
+            1
+            for e in self.engines
+            for rid, v in e.in_flight.items()
+            if version in (None, v) and not is_external(rid)
+        )
 
     def live_versions(self) -> set[int]:
         """Versions some not-yet-trained sample depends on (open groups, or in flight)."""
