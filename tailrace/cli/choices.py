@@ -69,10 +69,9 @@ def check_multi_turn(cfg: RunConfig) -> None:
 def check(cfg: RunConfig) -> None:
     """Every name in its registry, the shaping one the mode supports, the flow settings ones the
     chosen policy accepts, and the policy one the rollout engines' capabilities can serve."""
-    from tailrace.engine import capabilities
     from tailrace.flow.policies import make_policy
     from tailrace.flow.shaping import check_mode
-    from tailrace.runtime.driver import with_mode
+    from tailrace.runtime.driver import run_capabilities, with_mode
 
     if cfg.policies:
         check_policies(cfg)
@@ -89,10 +88,7 @@ def check(cfg: RunConfig) -> None:
         policy = make_policy(cfg.flow.mode, **options)
     except ValueError as e:
         raise ConfigError(f"flow.mode={cfg.flow.mode}: {e}") from None
-    r = cfg.rollout
-    why = policy.refusal(
-        capabilities(r.backend, speculative=r.spec.drafter != "none", max_versions=r.max_versions)
-    )
+    why = policy.refusal(run_capabilities(cfg))
     if why:
         raise ConfigError(why)
 
@@ -104,7 +100,7 @@ def check_policies(cfg: RunConfig) -> None:
 
     r = cfg.rollout
     n = len(cfg.policies)
-    if (r.backend == "vllm" or r.max_versions == 1) and r.engines < n:
+    if (r.backend == "vllm" or (r.max_versions == 1 and not cfg.train.lora.rank)) and r.engines < n:
         why = "rollout.backend=vllm" if r.backend == "vllm" else "rollout.max_versions=1"
         raise ConfigError(
             f"policies: {n} policies on engines that hold one weight version at a time ({why}) need an "
@@ -115,3 +111,9 @@ def check_policies(cfg: RunConfig) -> None:
             check(pc)
         except ConfigError as e:
             raise ConfigError(f"policies ({name}): {e}") from None
+        if pc.train.lora != cfg.train.lora:  # the engines hold every policy's weights in one layout
+            raise ConfigError(
+                f"policies ({name}): train.lora {dataclasses.asdict(pc.train.lora)} differs from the run's "
+                f"{dataclasses.asdict(cfg.train.lora)}; the policies share the engines' model, so give "
+                "train.lora at the top of the config, not per policy"
+            )

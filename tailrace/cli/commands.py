@@ -240,9 +240,11 @@ def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
             f"off-policy correction {own} (train.loss.correction null: the {cfg.flow.mode} mode's own{replay})"
         )
     if cfg.train.lr is None:
-        n = session.flat_layout().buffer.numel()
+        n, rank = session.num_params(), cfg.train.lora.rank
+        adapter = f", a rank-{rank} LoRA adapter's: 10x" if rank else ""
         console.print(
-            f"learning rate {auto_lr(n):.2g} (train.lr null: by the policy's {n / 1e6:.1f}M parameters)"
+            f"learning rate {auto_lr(n, bool(rank)):.2g} (train.lr null: by the policy's {n / 1e6:.1f}M "
+            f"parameters{adapter})"
         )
     driver = None
     try:

@@ -397,10 +397,10 @@ class RunConfig:
         )
         need(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be >= 0 (0 = no restarts)")
         need(
-            self.train.lora.rank == 0,
-            f"train.lora.rank={self.train.lora.rank}: the run's processes publish whole weights, not "
-            "adapters, yet; LoRA trains through GRPOTrainer and serves from the engine's adapters "
-            "(bench/tenants.py): set train.lora.rank=0 for tailrace train",
+            not (self.train.lora.rank and self.rollout.backend == "vllm"),
+            f"train.lora.rank={self.train.lora.rank} with rollout.backend=vllm: a LoRA run's engines serve "
+            "each version as an adapter, which the vLLM backend here does not load; use "
+            "rollout.backend=tailrace, or train.lora.rank=0 (whole weights)",
         )
         need(
             not (self.store.replay and self.train.loss.correction == "none"),

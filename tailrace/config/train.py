@@ -85,12 +85,17 @@ class LoraConfig:
         )
 
 
-def auto_lr(num_params: int) -> float:
+LORA_LR_FACTOR = 10.0
+
+
+def auto_lr(num_params: int, lora: bool = False) -> float:
     """The default learning rate for a policy of `num_params` parameters: 2e-4 up to 2M (what moved the
     built-in sub-2M policy in DESIGN §6: +18 points in 9 min), then falling as N^-0.65, which meets
     the 1e-6 that verl and TRL use for 7B policies (135M: 1.3e-5; the SmolLM2 recipe in the README
-    measured 2e-5)."""
-    return 2e-4 * min(1.0, (2e6 / num_params) ** 0.65)
+    measured 2e-5). A LoRA adapter on a base of `num_params` gets `LORA_LR_FACTOR` times that: the
+    factor Thinking Machines' "LoRA Without Regret" (2025) measured between the best LoRA and full
+    fine-tuning learning rates, RL included; the built-in model's tenants trained at 2e-3 (bench/README.md)."""
+    return 2e-4 * min(1.0, (2e6 / num_params) ** 0.65) * (LORA_LR_FACTOR if lora else 1.0)
 
 
 @dataclass
@@ -98,7 +103,7 @@ class TrainerConfig:
     lr: float | None = setting(
         None,
         "AdamW learning rate (null = by the policy's size: 2e-4 up to 2M parameters, then "
-        "2e-4 * (2M / N)^0.65: ~1.3e-5 at 135M, ~1e-6 at 7B; see auto_lr)",
+        "2e-4 * (2M / N)^0.65: ~1.3e-5 at 135M, ~1e-6 at 7B; 10x that with train.lora; see auto_lr)",
     )
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas")
     eps: float = setting(1e-8, "AdamW epsilon")

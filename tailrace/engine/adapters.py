@@ -85,8 +85,11 @@ class Adapters:
         if not name:
             raise EngineError('load_adapter: give the adapter a name ("" means no adapter)')
         self._check(name, adapter)
-        w = {
-            site: (a.detach().to(self.device, torch.float32), b.detach().to(self.device, torch.float32))
+        w = {  # copies: the caller's tensors may be views of a buffer that is written again
+            site: (
+                a.detach().to(self.device, torch.float32, copy=True),
+                b.detach().to(self.device, torch.float32, copy=True),
+            )
             for site, (a, b) in adapter.weights.items()
         }
         held = Adapter(adapter.rank, adapter.alpha, w)

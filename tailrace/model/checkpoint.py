@@ -115,14 +115,19 @@ def load_pretrained(
 
 
 def save_pretrained(
-    model: CausalLM, path: str | os.PathLike, companions_from: str | os.PathLike | None = None
+    model: CausalLM,
+    path: str | os.PathLike,
+    companions_from: str | os.PathLike | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write config.json + model.safetensors (no lm_head entry when tied), and the `COMPANIONS` files
     (tokenizer, chat template, ...) that `companions_from` has. A new directory appears whole (built
-    aside, then renamed); in an existing one each file is replaced atomically."""
+    aside, then renamed); in an existing one each file is replaced atomically. `state_dict`: the
+    weights to write instead of `model`'s (a LoRA model's merged ones: `lora.merged_state`)."""
     path = Path(path)
     cfg: ModelConfig = model.config
-    state = {n: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
+    own = model.state_dict() if state_dict is None else state_dict
+    state = {n: t.detach().to("cpu").contiguous() for n, t in own.items()}
     if cfg.tie_word_embeddings:
         del state["lm_head.weight"]
     config = cfg.to_hf()

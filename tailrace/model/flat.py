@@ -30,13 +30,16 @@ class FlatWeights:
         return {n: self.buffer[o : o + math.prod(s)].view(s) for n, s, o in self.layout}
 
 
-def flatten_parameters(model: nn.Module) -> FlatWeights:
+def flatten_parameters(model: nn.Module, trainable: bool = False) -> FlatWeights:
     """Move `model`'s parameters into one buffer and make each a view of it; returns the live buffer.
+    `trainable`: only those that require a gradient (a LoRA adapter on a frozen base: what a trainer
+    publishes is the adapter), the others left where they are.
 
     All parameters must share one dtype and device (e.g. fp32 master weights). Call before building
     the optimizer; afterwards do not replace parameters (`.to()` on the model would detach them).
     """
-    uniq = list(dict.fromkeys(model.parameters()))  # parameters() yields a tied weight once
+    # parameters() yields a tied weight once
+    uniq = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad or not trainable]
     if not uniq:
         raise ValueError("model has no parameters to train")
     kinds = {(p.dtype, p.device) for p in uniq}
@@ -58,6 +61,8 @@ def flatten_parameters(model: nn.Module) -> FlatWeights:
             p.grad = None
             p.data = buf[o : o + p.numel()].view_as(p)
     layout = tuple(
-        (n, tuple(p.shape), offsets[id(p)]) for n, p in model.named_parameters(remove_duplicate=False)
+        (n, tuple(p.shape), offsets[id(p)])
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if id(p) in offsets
     )
     return FlatWeights(buf, layout)

@@ -34,6 +34,7 @@ from tailrace.common import InputError, one_line
 from tailrace.config.train import LORA_TARGETS, LoraConfig
 from tailrace.model.decoder import CausalLM
 
+ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint keeps its adapter here, beside model/ (merged)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModel (base_model) wrapping the LoraModel (model) around the HF model
@@ -145,6 +146,22 @@ def merged(model: CausalLM, adapter: Adapter) -> CausalLM:
             w = _module(model, i, t).weight
             w.add_((b.float() @ a.float()).mul_(adapter.scale).to(w.dtype))
     return model
+
+
+def merged_state(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The state dict of the model `attach` adapted, with each adapter folded into its base weight
+    (W + scale B A, new tensors; the model is unchanged): a plain checkpoint of the adapted policy."""
+    out = {}
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if ".lora_A." in name or ".lora_B." in name:
+                continue
+            m = model.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(m, LoRALinear) and name.endswith(".weight"):
+                delta = (m.lora_B.weight.float() @ m.lora_A.weight.float()).mul_(m.scaling)
+                t = (t.float() + delta).to(t.dtype)
+            out[name] = t
+    return out
 
 
 # -- PEFT files ----------------------------------------------------------------------------------------

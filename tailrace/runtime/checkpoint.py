@@ -3,6 +3,8 @@
     model/                 a complete HF checkpoint: config.json, model.safetensors (the trainer's fp32
                            weights) and the source checkpoint's tokenizer files and chat template, so
                            transformers and `tailrace eval --model.path=.../model` load it as it is
+                           (a LoRA run's: the base with the adapter merged in)
+    adapter/               a LoRA run's adapter in PEFT's files (`peft.PeftModel.from_pretrained`)
     optimizer.safetensors  AdamW's state (`state.<parameter index>.<name>`) and the RNG state (`rng`)
     trainer.json           the trainer's step count
     scheduler.json         the scheduler, store and ledger as of step N, and its journal position
@@ -30,6 +32,7 @@ from safetensors.torch import save_file
 
 from tailrace.common import one_line
 from tailrace.config import load_config
+from tailrace.model import lora
 from tailrace.model.checkpoint import CheckpointError, save_pretrained
 from tailrace.trainer.grpo import GRPOTrainer
 
@@ -86,7 +89,11 @@ def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)  # a save of this step that an earlier, killed process began
     out.mkdir(parents=True)
-    save_pretrained(trainer.model, out / "model", companions_from=source_model)
+    if lora.has_adapter(trainer.model):  # model/ the merged policy, adapter/ the adapter in PEFT's files
+        save_pretrained(trainer.model, out / "model", source_model, lora.merged_state(trainer.model))
+        lora.save_peft(trainer.adapter(), out / lora.ADAPTER_DIR, base_model=str(source_model))
+    else:
+        save_pretrained(trainer.model, out / "model", companions_from=source_model)
     state = trainer.state_dict()
     tensors = {
         f"state.{i}.{name}": t.detach().to("cpu").contiguous()

@@ -62,7 +62,16 @@ from tailrace.runtime.tools import Failed, ToolPool
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.workers import Worker, Workers
 from tailrace.tasks.env import Turn
-from tailrace.types import Finish, GenRequest, GenResult, Prompt, SamplingParams, Scored, Trajectory
+from tailrace.types import (
+    Capabilities,
+    Finish,
+    GenRequest,
+    GenResult,
+    Prompt,
+    SamplingParams,
+    Scored,
+    Trajectory,
+)
 
 
 @dataclass
@@ -96,7 +105,9 @@ class Driver:
             raise ValueError(f"{len(named)} policies but {len(sessions)} sessions")
         self.cfg, self.run, self.ui = cfg, run, ui
         self.driver_lost = driver_lost if resume is not None else None
-        self.layout = sessions[0].flat_layout()  # the run's model: every policy's weights in one layout
+        # what the trainers publish (the model's weights, or with train.lora its adapter): one layout
+        self.layout = sessions[0].flat_layout()
+        self.num_params = sessions[0].num_params()
         self.events = RecordFile(run.file("events.jsonl"))
         self.pols = [self._policy(p, name, with_mode(pc)[0], ses) for p, ((name, pc), ses) in
                      enumerate(zip(named, sessions))]  # fmt: skip
@@ -171,9 +182,7 @@ class Driver:
         shaping = make_shaping(cfg.shaping.name, window=f.prompts_per_round, **cfg.shaping.options())
         sched = Scheduler(
             policy, ses.prompt_stream(), engines, spec, sampling, seed=cfg.seed, shaping=shaping,
-            capabilities=capabilities(
-                r.backend, speculative=r.spec.drafter != "none", max_versions=r.max_versions
-            ),
+            capabilities=run_capabilities(cfg),
             replay=ReplayOptions(**cfg.store.options()),
         )  # fmt: skip
         run = self.run
@@ -181,9 +190,9 @@ class Driver:
             run = RunDir(self.run.path / "policies" / name)
             run.ckpt.mkdir(parents=True, exist_ok=True)
             run.file("config.yaml").write_text(dump_config(cfg))
-        # fp32 weights and AdamW's two moments: what a checkpoint weighs, near enough
+        # fp32 weights and AdamW's two moments (a LoRA run's: the adapter's): what a checkpoint weighs
         cadence = checkpoint.Cadence.of(
-            f.checkpoint_every, f.checkpoint_minutes, 12 * self.layout.buffer.numel()
+            f.checkpoint_every, f.checkpoint_minutes, 4 * self.num_params + 8 * self.layout.buffer.numel()
         )
         snapshots = Snapshots(run.path, cfg.eval.every if cfg.eval.n else 0)
         marks = RecordFile(run.file("events.jsonl")) if name else None
@@ -273,6 +282,7 @@ class Driver:
             kv_memory_gb=r.kv_memory_gb, expected_context=self.expected_context, device=self.device, spec=self.spec,
             backend=r.backend, keep_finished=r.keep_kv and self.tools is not None and self.spec is None,
             max_versions=r.max_versions,
+            lora_alpha=self.cfg.train.lora.alpha if self.cfg.train.lora.rank else None,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -894,6 +904,14 @@ def _share_cores(seats: list[Seat]) -> bool:
     return any(set(a.cores) & set(b.cores) for k, a in enumerate(seats) for b in seats[k + 1 :])
 
 
+def run_capabilities(cfg: RunConfig) -> Capabilities:
+    """What the run's engines can do. A LoRA run's versions are adapters over one base
+    (`engine.adapter_versions`): as many as the mode needs, whatever `rollout.max_versions`."""
+    r = cfg.rollout
+    max_versions = None if cfg.train.lora.rank else r.max_versions
+    return capabilities(r.backend, speculative=r.spec.drafter != "none", max_versions=max_versions)
+
+
 def with_mode(cfg: RunConfig) -> tuple[RunConfig, str | None]:
     """`cfg` with the recommended overlap mode where flow.mode is null, and why it is that one (None
     where the config names its mode)."""
@@ -902,9 +920,7 @@ def with_mode(cfg: RunConfig) -> tuple[RunConfig, str | None]:
     r = cfg.rollout
     mode, why = recommended_mode(
         cfg.shaping.name,
-        capabilities(
-            r.backend, speculative=r.spec.drafter != "none", max_versions=r.max_versions
-        ).versions_at_once,
+        run_capabilities(cfg).versions_at_once,
         r.spec.pregen_below is not None,
     )
     return replace(cfg, flow=replace(cfg.flow, mode=mode)), why

@@ -7,21 +7,25 @@ request to run it gives the engine its idle time in slices (`Engine.idle`: a tra
 within its budget per idle period), polling the inbox between them.
 Requests arrive as the engine's own `GenRequest`s (built once, by the scheduler or the evaluator).
 A replacement for a lost engine starts holding the versions its predecessor held (`start_versions`),
-read from the shared-memory ring, or from a checkpoint for one the ring no longer holds.
+read from the shared-memory ring, or from a checkpoint for one the ring no longer holds. In a LoRA run
+(`lora_alpha`) the versions are adapters over the model it loads (`engine.adapter_versions`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from tailrace.engine import Engine, build_engine
+from tailrace.engine.adapter_versions import AdapterVersions
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.model.flat import flatten_parameters
+from tailrace.model.lora import ADAPTER_DIR, load_peft
 from tailrace.runtime.messages import EngineReport, Go, History, Ready, Shutdown, Stats
 from tailrace.runtime.procs import pin, release_memory
 from tailrace.runtime.weights import SharedWeights
@@ -53,6 +57,7 @@ class EngineSpec:
     gated: bool = False  # wait for `Go` before loading the model (started alongside the trainer)
     keep_finished: bool = False  # keep finished requests' k/v for their continuations (tool turns)
     max_versions: int | None = None  # rollout.max_versions (tailrace's engine; vLLM holds one regardless)
+    lora_alpha: float | None = None  # train.lora: versions are adapters over the model (None: whole weights)
 
 
 def engine_main(
@@ -71,9 +76,13 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
         raise TypeError(f"engine {engine_id}: expected Go before start-up, got {type(msg).__name__}")
     engine = _build(spec)
     print(f"engine {engine_id}: {engine.describe()}", flush=True)
+    if spec.lora_alpha is not None:
+        engine = AdapterVersions(engine, spec.lora_alpha)
     disk = dict(spec.from_disk)
     for v in spec.start_versions:
-        if v in disk:
+        if v in disk and isinstance(engine, AdapterVersions):  # the checkpoint's adapter/, beside model/
+            engine.load_adapter_version(load_peft(Path(disk[v]).parent / ADAPTER_DIR), v)
+        elif v in disk:
             flat = flatten_parameters(load_pretrained(disk[v], dtype=torch.float32, device=spec.device))
             engine.load_weights(flat.views(), v)
         elif v != 0:

@@ -15,6 +15,7 @@ import torch
 from tailrace.chat import ChatFormat
 from tailrace.common import ConfigError
 from tailrace.config import RunConfig
+from tailrace.model import lora
 from tailrace.model.checkpoint import read_config
 from tailrace.model.decoder import CausalLM
 from tailrace.model.flat import FlatWeights, flatten_parameters
@@ -147,6 +148,16 @@ class Session:
         return self.text.response_text(r)
 
     def flat_layout(self) -> FlatWeights:
-        """The trainer's flat-buffer layout, computed on the meta device (no memory, no weights)."""
+        """The layout of what the trainer publishes, computed on the meta device (no memory, no
+        weights): the model's parameters, or with `train.lora` its adapter's alone."""
+        lora_cfg = self.cfg.train.lora
         with torch.device("meta"):
-            return flatten_parameters(CausalLM(self.model_cfg))
+            model = CausalLM(self.model_cfg)
+            if lora_cfg.rank:
+                lora.attach(model, lora_cfg)
+            return flatten_parameters(model, trainable=bool(lora_cfg.rank))
+
+    def num_params(self) -> int:
+        """The model's parameters (a LoRA run's base, without the adapter)."""
+        with torch.device("meta"):
+            return CausalLM(self.model_cfg).num_parameters()

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tailrace.config import TrainerConfig
+from tailrace.model import lora
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.runtime import trainer_ranks
 from tailrace.runtime.checkpoint import load_trainer, save_trainer
@@ -47,12 +48,15 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
     """The trainer of `spec` (every data-parallel rank builds the same one): its start weights, the KL
     reference when the loss has one, and the checkpoint's optimizer state when it resumes."""
     torch.manual_seed(spec.seed)
-    start = Path(spec.resume_from) / "model" if spec.resume_from else spec.model_path
+    lora_run = bool(spec.cfg.lora.rank)  # the base never changes: a checkpoint's adapter/ is the policy
+    start = Path(spec.resume_from) / "model" if spec.resume_from and not lora_run else spec.model_path
     model = load_pretrained(start, dtype=torch.float32, device=spec.device)
     ref = None
     if spec.cfg.loss.kl_coef > 0:  # the KL penalty's reference: the policy the run started from
         ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(False)
     trainer = GRPOTrainer(model, spec.cfg, ref_model=ref, trainers=spec.trainers)
+    if spec.resume_from and lora_run:
+        lora.load_adapter_into(trainer.model, lora.load_peft(Path(spec.resume_from) / lora.ADAPTER_DIR))
     if spec.resume_from:
         load_trainer(trainer, Path(spec.resume_from))
     return trainer

@@ -11,7 +11,8 @@ whose ratio we clip must be the one the engine sampled from. A loss or gradient 
 raises `NonFiniteError` before the optimizer moves, so the weights never take a nan.
 
 With `train.lora.rank` > 0 the model gets a LoRA adapter (`model.lora.attach`): the base is frozen and
-AdamW holds the adapter's parameters alone; the step is otherwise the same. `adapter()` is its weights.
+AdamW holds the adapter's parameters alone; the step is otherwise the same. `adapter()` is its weights,
+and `flat` (what a trainer process publishes) holds the adapter's parameters alone.
 """
 
 from __future__ import annotations
@@ -82,8 +83,12 @@ class GRPOTrainer:
         self.cfg = cfg
         self.model = lora.attach(model, cfg.lora) if cfg.lora.rank else model
         self.ref_model = ref_model if cfg.loss.kl_coef > 0 else None
-        self.flat = flatten_parameters(model)  # parameters now view one buffer
-        self.lr = cfg.lr if cfg.lr is not None else auto_lr(self.flat.buffer.numel())
+        # parameters now view one buffer: what the trainer publishes (with LoRA: the adapter alone)
+        self.flat = flatten_parameters(model, trainable=bool(cfg.lora.rank))
+        base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        self.lr = (
+            cfg.lr if cfg.lr is not None else auto_lr(self.flat.buffer.numel() + base, bool(cfg.lora.rank))
+        )
         self.opt = build_adamw(model, self.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.loss_fn = LOSSES[cfg.loss.name]
         self.correct = CORRECTIONS[cfg.loss.correction or "none"]  # the runtime fills in the mode's own

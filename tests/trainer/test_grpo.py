@@ -349,7 +349,7 @@ def test_lora_trains_the_adapter_alone():
     assert sum(p.numel() for p in held) == 2 * adapter_numel  # exp_avg and exp_avg_sq of A and B only
 
 
-def test_lora_config_keys_and_what_tailrace_train_refuses():
+def test_lora_config_keys():
     from tailrace.config.train import LoraConfig
 
     cfg = load_config(
@@ -364,5 +364,28 @@ def test_lora_config_keys_and_what_tailrace_train_refuses():
     ]:
         with pytest.raises(ConfigError, match=match):
             LoraConfig(**bad)
-    with pytest.raises(ConfigError, match="train.lora.rank=4: the run's processes publish whole weights"):
-        load_config(overrides=["--train.lora.rank=4"])
+    assert load_config(overrides=["--train.lora.rank=4"]).train.lora.rank == 4  # tailrace train takes it
+
+
+def test_lora_flat_is_the_adapter_and_its_learning_rate_is_ten_times():
+    """A LoRA trainer's flat buffer (what it publishes) holds the adapter's parameters alone, in the
+    layout the engines' `adapter_from_state` reads; the default learning rate is 10x the base's."""
+    from tailrace.config.train import LoraConfig, auto_lr
+    from tailrace.engine.adapter_versions import adapter_from_state
+    from tailrace.model import CausalLM, ModelConfig
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    model = CausalLM.from_config(cfg, seed=0)
+    n = model.num_parameters()
+    tr = GRPOTrainer(
+        model, TrainerConfig(lora=LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "down_proj")))
+    )
+    names = [name for name, _, _ in tr.flat.layout]
+    assert len(names) == 2 * 2 * 2 and all(".lora_" in name for name in names)
+    assert tr.flat.buffer.numel() == sum(a.numel() + b.numel() for a, b in tr.adapter().weights.values())
+    assert tr.lr == pytest.approx(10 * auto_lr(n))
+    rebuilt = adapter_from_state(tr.flat.views(), alpha=8.0)
+    assert rebuilt.rank == 4 and rebuilt.scale == 2.0
+    for site, (a, b) in tr.adapter().weights.items():
+        assert torch.equal(rebuilt.weights[site][0], a) and torch.equal(rebuilt.weights[site][1], b)

@@ -1,0 +1,122 @@
+"""`tailrace train` with `train.lora`, end to end through real processes: the trainer publishes its
+adapter alone, the engines serve each version as an adapter over the one base they loaded, a
+checkpoint holds the merged model and the adapter in PEFT's files, and a resume continues exactly."""
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tailrace.cli import main
+from tailrace.model import lora
+from tailrace.model.checkpoint import load_pretrained
+from tests.runtime.conftest import TINY_RUN, checkpoints, unfinish
+
+# The tiny model earns no reward on chainsum, and a KL penalty cannot move a fresh adapter (the policy
+# is the reference until it moves); on one-digit answers it is right now and then, which is signal.
+# A high learning rate moves the adapter far enough that an engine serving the base instead would show
+# in the logprob gap.
+LORA = ["--train.lora.rank=4", "--train.lora.alpha=8", "--train.lr=0.05", "--flow.samples_per_prompt=8",
+        "--flow.train_batch=32"]  # fmt: skip
+
+
+@pytest.fixture
+def digits(tmp_path) -> str:
+    """A jsonl task of one-digit answers."""
+    f = tmp_path / "digits.jsonl"
+    rows = [{"question": f"q{i}: a={i % 9 + 1} b=0. a+b?", "answer": str(i % 9 + 1)} for i in range(200)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f"--task.name=jsonl:{f}"
+
+
+def gaps_small(steps: list[dict]) -> bool:
+    """The engine-vs-trainer logprob gap within fp32 rounding at every step that measured one (nan: no
+    token of the step was sampled under the weights it trained from)."""
+    gaps = [s["train"]["logprob_gap_max"] for s in steps]
+    return all(not g >= 1e-3 for g in gaps) and sum(g == g for g in gaps) >= len(gaps) // 2
+
+
+def step_records(run: Path) -> list[dict]:
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [r for r in recs if r["kind"] == "step"]
+
+
+def test_a_lora_run_publishes_adapters_saves_peft_files_and_resumes_exactly(tiny_model, tmp_path, digits):
+    run = tmp_path / "run"
+    argv = ["train", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits, "--flow.mode=sync",
+            "--flow.keep_checkpoints=4"]  # fmt: skip
+    assert main([*argv, f"--run-dir={run}"]) == 0
+    steps = step_records(run)
+    assert len(steps) == 4
+    # the engines sampled each step's tokens under the trainer's own adapter: the trainer recomputes
+    # their logprobs to fp32 rounding (the base alone would be off by the adapter's update)
+    assert gaps_small(steps)
+    base = load_pretrained(tiny_model)
+    last = checkpoints(run)[-1]
+    adapter = lora.load_peft(last / lora.ADAPTER_DIR)
+    assert adapter.rank == 4 and adapter.alpha == 8.0
+    assert json.loads((last / lora.ADAPTER_DIR / lora.ADAPTER_CONFIG).read_text())[
+        "base_model_name_or_path"
+    ] == str(tiny_model)
+    saved = load_pretrained(last / "model")  # the merged policy, a plain checkpoint
+    want = lora.merged(load_pretrained(tiny_model), adapter)
+    moved = 0.0
+    for (name, w), b in zip(want.state_dict().items(), base.state_dict().values()):
+        assert torch.allclose(saved.state_dict()[name], w, atol=1e-6), name
+        moved = max(moved, float((w - b).abs().max()))
+    assert moved > 1e-2  # the adapter changed the policy (the gap check above is not vacuous)
+
+    # killed after its third checkpoint: the resume trains the fourth step from its adapter (the next
+    # test checks what a LoRA checkpoint restores) and saves it
+    again = unfinish(Path(shutil.copytree(run, tmp_path / "again")))
+    assert main(["train", "--resume", str(again)]) == 0
+    assert [r["step"] for r in step_records(again)] == [0, 1, 2, 3]
+    assert step_records(again)[-1]["train"]["logprob_gap_max"] < 1e-3
+    assert lora.load_peft(checkpoints(again)[-1] / lora.ADAPTER_DIR).rank == 4
+
+
+def test_a_lora_checkpoint_restores_the_adapter_and_adamw(tiny_model, tmp_path):
+    """What a resumed (or replacement) trainer builds from a LoRA checkpoint: the base from the source
+    checkpoint, the adapter from adapter/, AdamW's state and step, bit for bit."""
+    from tailrace.config import TrainerConfig
+    from tailrace.config.train import LoraConfig
+    from tailrace.runtime.checkpoint import save_trainer
+    from tailrace.runtime.trainer_worker import TrainerSpec, build_trainer
+    from tests.trainer.test_grpo import make_groups
+
+    spec = TrainerSpec(str(tiny_model), TrainerConfig(lr=0.05, lora=LoraConfig(rank=4)), 1, (), seed=0)
+    tr = build_trainer(spec)
+    for step in range(2):
+        tr.step(make_groups(tr.model, seed=step), trainer_version=step)
+    save_trainer(tr, tiny_model, tmp_path / "ckpt")
+    back = build_trainer(replace(spec, seed=1, resume_from=str(tmp_path / "ckpt")))
+    assert torch.equal(back.flat.buffer, tr.flat.buffer) and back.steps == 2
+    params = lambda t: [p for g in t.opt.param_groups for p in g["params"]]  # noqa: E731
+    for p, q in zip(params(tr), params(back), strict=True):
+        assert all(torch.equal(tr.opt.state[p][k], back.opt.state[q][k]) for k in ("exp_avg", "exp_avg_sq"))
+    # and the two step on alike
+    groups = make_groups(tr.model, seed=9)
+    assert tr.step(groups, 2)["loss"] == back.step(groups, 2)["loss"]
+    assert torch.equal(back.flat.buffer, tr.flat.buffer)
+
+
+@pytest.mark.slow
+def test_two_lora_policies_share_the_base_on_the_engines(tiny_model, tmp_path, digits):
+    """Each policy's versions are adapters on the same engines (engine version v * 2 + p); each trains
+    its own adapter, saved in its own directory."""
+    run = tmp_path / "run"
+    policies = "[{name: sums}, {name: other, seed: 7, flow: {mode: multiversion}}]"
+    argv = ["train", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits, "--flow.mode=sync"]
+    assert main([*argv, f"--run-dir={run}", f"--policies={policies}"]) == 0
+    adapters = []
+    for name in ("sums", "other"):
+        d = run / "policies" / name
+        steps = step_records(d)
+        assert len(steps) == 4 and steps[-1]["ledger"]["trained"] == 32 * 4
+        assert gaps_small(steps)
+        adapters.append(lora.load_peft(checkpoints(d)[-1] / lora.ADAPTER_DIR))
+    a, b = (x.weights[0, "q_proj"][1] for x in adapters)
+    assert not torch.equal(a, b)  # two adapters, each its own policy's
