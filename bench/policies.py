@@ -49,6 +49,9 @@ def policy_row(run: Path) -> dict:
     final = next(e.accuracy for e in evals if e.tag == "final")
     return {
         "wall_s": steps[-1].time["wall_s"],
+        # the engines' busy slot-seconds over its step windows (shared engines: every policy's windows
+        # see the same engines, and they tile the run's clock)
+        "slot_s": sum(r.time["step_s"] * (1 - r.time["step_bubble_ratio"]) for r in steps),
         "steps": len(steps),
         "points": sorted((e.wall_s, e.accuracy) for e in evals),
         "final": final,
@@ -123,11 +126,17 @@ def summarize(results: dict[int, dict], eval_n: int) -> str:
         reach = [time_to_accuracy(p["points"], a["final"] - 0.02) for p, a in zip(policies, alone)]
         return done, None if None in reach else max(off + t for t, off in zip(reach, offsets))
 
+    def slot_use(policies: list[dict], one_after_another: bool) -> float:
+        """The engines' slot use over the run(s): busy slot-seconds over wall seconds (together: one
+        policy's windows tile the run's clock; one after another: every run's)."""
+        runs = policies if one_after_another else policies[:1]
+        return sum(p["slot_s"] for p in runs) / sum(p["wall_s"] for p in runs)
+
     contenders = [*(k for k in next(iter(results.values())) if k != "alone"), "alone"]
     per = {c: [figures(r[c], r["alone"], c == "alone") for r in results.values()] for c in contenders}
     head = (
         f"{'contender':16s} {'all steps done s':>16s} {'sd':>5s} {'speed-up':>8s} {'all at target s':>15s} "
-        f"{'sd':>5s} {'speed-up':>8s} {'reached':>7s} {'final acc':>9s} {'sd':>6s}"
+        f"{'sd':>5s} {'speed-up':>8s} {'reached':>7s} {'final acc':>9s} {'sd':>6s} {'slot use':>8s}"
     )
     lines = [head, "-" * len(head)]
     base_done = [d for d, _ in per["alone"]]
@@ -136,6 +145,8 @@ def summarize(results: dict[int, dict], eval_n: int) -> str:
         done = [d for d, _ in per[c]]
         both = [(t, b) for (_, t), b in zip(per[c], base_reach) if t is not None and b is not None]
         finals = [p["final"] for r in results.values() for p in r[c]]
+        uses = [slot_use(r[c], c == "alone") for r in results.values() if "slot_s" in r[c][0]]
+        use = statistics.mean(uses) if uses else float("nan")
         sp = statistics.mean(b / d for d, b in zip(done, base_done))
         reach = [t for t, _ in both]
         rs = (
@@ -146,7 +157,7 @@ def summarize(results: dict[int, dict], eval_n: int) -> str:
         lines.append(
             f"{('one after another' if c == 'alone' else c):16s} {statistics.mean(done):16.0f} {sd(done):5.0f} "
             f"{sp:7.2f}x {rs} {sum(t is not None for _, t in per[c]):>3d}/{len(per[c]):<3d} "
-            f"{statistics.mean(finals):9.3f} {sd(finals):6.3f}"
+            f"{statistics.mean(finals):9.3f} {sd(finals):6.3f} {use:8.0%}"
         )
     lines.append(
         f"a policy's target: its final accuracy trained alone minus 2 points; held-out n = {eval_n} per "
@@ -167,20 +178,22 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="2 steps, 1 seed, 32 held-out prompts")
     ap.add_argument("--tables", action="store_true", help="reprint the last invocation's table")
-    ap.add_argument("extra", nargs="*", help="more --section.key=value overrides for every run")
+    ap.add_argument("--tag", default="", help="keep this invocation's runs and JSON apart (out/policies-TAG)")
+    ap.add_argument("extra", nargs="*", help="more --section.key=value overrides for every run (after --)")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.seeds, args.eval_n, args.eval_every = 2, "0", 32, 1
-    out = ROOT / "bench" / "out" / "policies"
+    name = f"policies-{args.tag}" if args.tag else "policies"
+    out = ROOT / "bench" / "out" / name
     if args.tables:
-        saved = json.loads((ROOT / "bench" / "out" / "policies.json").read_text())
+        saved = json.loads((ROOT / "bench" / "out" / f"{name}.json").read_text())
         print(summarize({int(k): v for k, v in saved["results"].items()}, saved["eval_n"]))
         return
     results = {}
     for s in (int(x) for x in args.seeds.split(",")):
         results[s] = one_seed(args, s, out)
         saved = {"eval_n": args.eval_n, "results": results}
-        (ROOT / "bench" / "out" / "policies.json").write_text(json.dumps(saved, indent=1))
+        (ROOT / "bench" / "out" / f"{name}.json").write_text(json.dumps(saved, indent=1))
     print(summarize(results, args.eval_n))
 
 

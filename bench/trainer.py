@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tailrace.config import TrainerConfig  # noqa: E402
+from tailrace.config.train import LoraConfig  # noqa: E402
 from tailrace.model import attention  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained  # noqa: E402
 from tailrace.trainer.grpo import GRPOTrainer  # noqa: E402
@@ -68,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the path before 2026-12-02)",
     )
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lora", type=int, default=0, help="train a LoRA adapter of this rank (every projection)")
     p.add_argument("--repeats", type=int, default=2)
     a = p.parse_args(argv)
     a.dtypes = a.dtypes.split(",")
@@ -147,7 +149,10 @@ def main(argv=None) -> int:
         attention.EAGER_MAX_T = 0 if dn == "bf16-sdpa" else EAGER_MAX_T
         model = load_pretrained(a.model, dtype=torch.float32)  # master weights; bf16 = autocast
         bf16 = DTYPES[dn] == torch.bfloat16
-        trainer = GRPOTrainer(model, TrainerConfig(bf16=bf16, micro_batch_tokens=max(8192, tokens)))
+        trainer = GRPOTrainer(
+            model,
+            TrainerConfig(bf16=bf16, micro_batch_tokens=max(8192, tokens), lora=LoraConfig(rank=a.lora)),
+        )
         batch = groups(a.seqs, a.tokens, model.config.vocab_size)
         trainer.step(batch, 0)  # warm-up
         wall, cpu = [], []

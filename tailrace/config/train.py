@@ -8,9 +8,12 @@ the CLI checks a name against its registry right after loading (cli/choices.py).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
+from tailrace.common import ConfigError, one_line
 from tailrace.config.fields import need, section, setting
 
 
@@ -73,6 +76,11 @@ class LoraConfig:
     targets: tuple[str, ...] = setting(
         LORA_TARGETS, "the projections that get an adapter, by PEFT's names (q_proj ... down_proj)"
     )
+    init: str | None = setting(
+        None,
+        "a PEFT LoRA adapter directory to start from (e.g. an SFT adapter), instead of a fresh adapter; "
+        "its r, lora_alpha and target_modules must be train.lora's rank, alpha and targets",
+    )
 
     def __post_init__(self) -> None:
         need(self.rank >= 0, f"train.lora.rank={self.rank}: must be >= 0 (0 = no adapter), e.g. 8")
@@ -82,6 +90,29 @@ class LoraConfig:
         need(
             not bad and len(set(self.targets)) == len(self.targets) and bool(self.targets),
             f"train.lora.targets={list(self.targets)}: name each of some of {', '.join(LORA_TARGETS)} once",
+        )
+        if self.init is not None:
+            self._check_init()
+
+    def _check_init(self) -> None:
+        """The adapter at `init` is one this config would train: its file says so, read here (cheap)."""
+        need(self.rank > 0, f"train.lora.init={self.init}: set train.lora.rank to the adapter's r as well")
+        f = Path(self.init) / "adapter_config.json"
+        try:
+            peft = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"train.lora.init={self.init}: {f} is not a readable PEFT adapter config ({one_line(e)}); "
+                "point it at a directory that peft's save_pretrained wrote"
+            ) from None
+        theirs = (peft.get("r"), float(peft.get("lora_alpha", 0)), sorted(peft.get("target_modules") or ()))
+        ours = (self.rank, self.alpha, sorted(self.targets))
+        need(
+            theirs == ours,
+            f"train.lora.init={self.init}: the adapter has r={theirs[0]}, lora_alpha={theirs[1]:g}, "
+            f"target_modules={theirs[2]}, the config rank={ours[0]}, alpha={ours[1]:g}, targets={ours[2]}; "
+            f"set --train.lora.rank={theirs[0]} --train.lora.alpha={theirs[1]:g} "
+            f"--train.lora.targets=[{', '.join(theirs[2])}]",
         )
 
 

@@ -283,6 +283,7 @@ class Driver:
             backend=r.backend, keep_finished=r.keep_kv and self.tools is not None and self.spec is None,
             max_versions=r.max_versions,
             lora_alpha=self.cfg.train.lora.alpha if self.cfg.train.lora.rank else None,
+            lora_init=self.cfg.train.lora.init,
         )  # fmt: skip
 
     def close(self) -> None:

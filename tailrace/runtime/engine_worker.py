@@ -58,6 +58,7 @@ class EngineSpec:
     keep_finished: bool = False  # keep finished requests' k/v for their continuations (tool turns)
     max_versions: int | None = None  # rollout.max_versions (tailrace's engine; vLLM holds one regardless)
     lora_alpha: float | None = None  # train.lora: versions are adapters over the model (None: whole weights)
+    lora_init: str | None = None  # train.lora.init: the adapter of version 0 (None: the model itself)
 
 
 def engine_main(
@@ -82,6 +83,8 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
     for v in spec.start_versions:
         if v in disk and isinstance(engine, AdapterVersions):  # the checkpoint's adapter/, beside model/
             engine.load_adapter_version(load_peft(Path(disk[v]).parent / ADAPTER_DIR), v)
+        elif v == 0 and spec.lora_init is not None and isinstance(engine, AdapterVersions):
+            engine.load_adapter_version(load_peft(spec.lora_init), 0)
         elif v in disk:
             flat = flatten_parameters(load_pretrained(disk[v], dtype=torch.float32, device=spec.device))
             engine.load_weights(flat.views(), v)

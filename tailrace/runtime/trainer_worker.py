@@ -51,12 +51,16 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
     lora_run = bool(spec.cfg.lora.rank)  # the base never changes: a checkpoint's adapter/ is the policy
     start = Path(spec.resume_from) / "model" if spec.resume_from and not lora_run else spec.model_path
     model = load_pretrained(start, dtype=torch.float32, device=spec.device)
+    init = lora.load_peft(spec.cfg.lora.init) if spec.cfg.lora.init else None  # train.lora.init
     ref = None
     if spec.cfg.loss.kl_coef > 0:  # the KL penalty's reference: the policy the run started from
         ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(False)
+        ref = lora.merged(ref, init) if init is not None else ref
     trainer = GRPOTrainer(model, spec.cfg, ref_model=ref, trainers=spec.trainers)
     if spec.resume_from and lora_run:
         lora.load_adapter_into(trainer.model, lora.load_peft(Path(spec.resume_from) / lora.ADAPTER_DIR))
+    elif init is not None:
+        lora.load_adapter_into(trainer.model, init)
     if spec.resume_from:
         load_trainer(trainer, Path(spec.resume_from))
     return trainer

@@ -120,3 +120,43 @@ def test_two_lora_policies_share_the_base_on_the_engines(tiny_model, tmp_path, d
         adapters.append(lora.load_peft(checkpoints(d)[-1] / lora.ADAPTER_DIR))
     a, b = (x.weights[0, "q_proj"][1] for x in adapters)
     assert not torch.equal(a, b)  # two adapters, each its own policy's
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_a_peft_adapter(tiny_model, tmp_path, digits):
+    """train.lora.init: a second run starts from the first's last adapter. Its trainer and its engines
+    hold it as version 0: its base evaluation is the first run's final one, and the engines sample its
+    first step under the trainer's own weights."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    argv = ["train", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits, "--flow.mode=sync"]
+    assert main([*argv, f"--run-dir={first}"]) == 0
+    init = checkpoints(first)[-1] / lora.ADAPTER_DIR
+    assert main([*argv, f"--run-dir={second}", f"--train.lora.init={init}", "--flow.steps=1"]) == 0
+
+    def evals(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return {r["tag"]: r for r in map(json.loads, lines) if r["kind"] == "eval"}
+
+    final, base = evals(first)["final"], evals(second)["base"]
+    assert base["accuracy"] == final["accuracy"] and base["histogram"] == final["histogram"]
+    # the engines sampled step 1 under the trainer's version 0, the moved adapter (not the base)
+    assert gaps_small(step_records(second))
+
+
+def test_an_init_adapter_that_does_not_fit_the_config_is_one_line(tmp_path):
+    from tailrace.common import ConfigError
+    from tailrace.config import load_config
+
+    d = tmp_path / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(
+        json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
+    )
+    with pytest.raises(ConfigError, match=r"has r=8.*set --train.lora.rank=8 --train.lora.alpha=16 "):
+        load_config(overrides=["--train.lora.rank=4", f"--train.lora.init={d}"])
+    with pytest.raises(ConfigError, match="not a readable PEFT adapter config"):
+        load_config(overrides=["--train.lora.rank=4", f"--train.lora.init={tmp_path / 'none'}"])
+    cfg = load_config(
+        overrides=["--train.lora.rank=8", "--train.lora.targets=[q_proj]", f"--train.lora.init={d}"]
+    )
+    assert cfg.train.lora.init == str(d)
