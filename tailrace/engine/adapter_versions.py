@@ -13,7 +13,9 @@ plus adapter v. This presents the `Engine` protocol over an engine that serves a
   * version 0 before any load is the base itself: a fresh adapter's B is zero, so it adds exact zeros.
 
 Holding another version costs an adapter's memory (a few MB), not a model's: `versions_at_once` is
-unbounded whatever the inner engine's.
+unbounded whatever the inner engine's. Speculative decoding stays exact (verification runs each row
+through its adapter), but its figures per version are not kept: the inner engine counts every row
+under the base version, so a step's `by_version` is left empty.
 """
 
 from __future__ import annotations
