@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", default=None, help="summarize these run directories instead")
     ap.add_argument("--model", default=None, help="a local HF checkpoint (default: the built-in model)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    ap.add_argument("--lora", type=int, default=0, help="train.lora.rank: the trainer publishes its adapter")
     a = ap.parse_args()
     if a.runs:
         return runs(a.runs)
@@ -144,6 +145,7 @@ def main() -> None:
     if not a.sim:
         extra = [f"--model.path={a.model}"] if a.model else []
         extra += [f"--model.dtype={a.dtype}"] if a.dtype else []
+        extra += [f"--train.lora.rank={a.lora}"] if a.lora else []
         real([int(x) for x in a.engines.split(",")], a.transports.split(","), a.steps, extra)
     simulated()
 
