@@ -64,6 +64,9 @@ MODES = [
     # the store's replay buffer (issue #19): --modes sync,sync+replay0.25,multiversion-K1,multiversion-K1+replay0.25
     ("sync", {"store.replay": 0.25}),
     ("multiversion", {"flow.max_staleness": 1, "store.replay": 0.25}),
+    # a LoRA adapter (rank 8, every projection) on the frozen base: --modes multiversion-K1,multiversion-K1+lora8
+    ("sync", {"train.lora.rank": 8}),
+    ("multiversion", {"flow.max_staleness": 1, "train.lora.rank": 8}),
 ]
 
 CONFIGS = {
@@ -94,14 +97,15 @@ CONFIGS = {
 
 
 def mode_label(mode: str, opts: dict) -> str:
-    """e.g. multiversion-K2, sync+darts, multiversion-K1+darts@0.5, sync+replay0.25: the mode, its
-    staleness bound, its shaping, a fixed darts budget and the store's replay ratio."""
+    """e.g. multiversion-K2, sync+darts, multiversion-K1+darts@0.5, sync+replay0.25, sync+lora8: the mode,
+    its staleness bound, its shaping, a fixed darts budget, the store's replay ratio and a LoRA rank."""
     return (
         mode
         + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
         + "".join(f"+{v}" for k, v in opts.items() if k == "shaping.name")
         + "".join(f"@{v}" for k, v in opts.items() if k == "shaping.extra")
         + "".join(f"+replay{v}" for k, v in opts.items() if k == "store.replay")
+        + "".join(f"+lora{v}" for k, v in opts.items() if k == "train.lora.rank")
     )
 
 
