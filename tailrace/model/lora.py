@@ -62,7 +62,10 @@ class LoRALinear(nn.Module):
             self.lora_B.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+        w = self.weight  # in bf16 when `store_frozen_projections` kept it so: autocast casts x to it
+        if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            w = w.to(x.dtype)
+        return F.linear(x, w, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,23 @@ def attach(model: CausalLM, cfg: LoraConfig) -> CausalLM:
                 raise ValueError(f"layer {i} {t} already has an adapter")
             setattr(parent, t, LoRALinear(base, cfg.rank, cfg.alpha))
     return model
+
+
+def store_frozen_projections(model: CausalLM, dtype: torch.dtype) -> int:
+    """Keep the frozen base weight of every adapted projection in `dtype`; returns the bytes saved. For
+    a LoRA trainer that autocasts to `dtype`: its GEMMs cast every frozen weight to `dtype` on each
+    forward anyway, so this changes no value it computes, halves those weights' memory and skips the
+    casts (outside autocast `LoRALinear` casts the weight to its input's dtype). Embeddings, norms and
+    projections without an adapter stay as they are."""
+    saved = 0
+    for m in model.modules():
+        w = m.weight if isinstance(m, LoRALinear) else None
+        if w is None or w.requires_grad:
+            continue
+        if w.dtype != dtype:
+            saved += w.numel() * (w.element_size() - torch.finfo(dtype).bits // 8)
+            m.weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
+    return saved
 
 
 def has_adapter(model: nn.Module) -> bool:
@@ -149,8 +169,8 @@ def merged(model: CausalLM, adapter: Adapter) -> CausalLM:
 
 
 def merged_state(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The state dict of the model `attach` adapted, with each adapter folded into its base weight
-    (W + scale B A, new tensors; the model is unchanged): a plain checkpoint of the adapted policy."""
+    """The state dict of the model `attach` adapted, in fp32, with each adapter folded into its base
+    weight (W + scale B A, new tensors; the model is unchanged): a plain checkpoint of the policy."""
     out = {}
     with torch.no_grad():
         for name, t in model.state_dict().items():
@@ -158,9 +178,8 @@ def merged_state(model: CausalLM) -> dict[str, torch.Tensor]:
                 continue
             m = model.get_submodule(name.rsplit(".", 1)[0])
             if isinstance(m, LoRALinear) and name.endswith(".weight"):
-                delta = (m.lora_B.weight.float() @ m.lora_A.weight.float()).mul_(m.scaling)
-                t = (t.float() + delta).to(t.dtype)
-            out[name] = t
+                t = t.float() + (m.lora_B.weight.float() @ m.lora_A.weight.float()).mul_(m.scaling)
+            out[name] = t.float()  # one dtype (a base kept in bf16 by `store_frozen_projections` too)
     return out
 
 

@@ -75,8 +75,13 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
             init, ranks = trainer_ranks.start(spec, world)
             trainer_ranks.join(0, world, init, spec.device)
         trainer = build_trainer(spec)
-        print(f"trainer: {trainer.micro.describe()}" + (f", {world} data-parallel ranks" if world > 1 else ""),
-              flush=True)  # fmt: skip
+        dp = f", {world} data-parallel ranks" if world > 1 else ""
+        base = (
+            f", the frozen base's projections in bf16 ({trainer.base_saved / 1e6:,.0f} MB saved)"
+            if trainer.base_saved
+            else ""
+        )
+        print(f"trainer: {trainer.micro.describe()}{dp}{base}", flush=True)
         if spec.publish_start:
             weights.write(spec.start_version, trainer.flat.buffer)
         conn.send(Ready(spec.start_version))

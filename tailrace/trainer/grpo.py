@@ -12,7 +12,9 @@ raises `NonFiniteError` before the optimizer moves, so the weights never take a 
 
 With `train.lora.rank` > 0 the model gets a LoRA adapter (`model.lora.attach`): the base is frozen and
 AdamW holds the adapter's parameters alone; the step is otherwise the same. `adapter()` is its weights,
-and `flat` (what a trainer process publishes) holds the adapter's parameters alone.
+and `flat` (what a trainer process publishes) holds the adapter's parameters alone. With `train.bf16`
+the frozen projections are kept in bf16 (`lora.store_frozen_projections`): the autocast GEMMs cast
+them to bf16 on every forward anyway, so no value changes, and the base takes half the memory.
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class GRPOTrainer:
             raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef} needs a ref_model; pass one or set kl_coef=0")
         self.cfg = cfg
         self.model = lora.attach(model, cfg.lora) if cfg.lora.rank else model
+        self.base_saved = 0  # bytes: the frozen base's adapted projections kept in bf16 (LoRA with bf16)
+        if cfg.lora.rank and cfg.bf16:  # their GEMMs run in bf16 anyway: store them so
+            self.base_saved = lora.store_frozen_projections(model, torch.bfloat16)
         self.ref_model = ref_model if cfg.loss.kl_coef > 0 else None
         # parameters now view one buffer: what the trainer publishes (with LoRA: the adapter alone)
         self.flat = flatten_parameters(model, trainable=bool(cfg.lora.rank))

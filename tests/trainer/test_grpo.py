@@ -389,3 +389,32 @@ def test_lora_flat_is_the_adapter_and_its_learning_rate_is_ten_times():
     assert rebuilt.rank == 4 and rebuilt.scale == 2.0
     for site, (a, b) in tr.adapter().weights.items():
         assert torch.equal(rebuilt.weights[site][0], a) and torch.equal(rebuilt.weights[site][1], b)
+
+
+def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same(monkeypatch):
+    """The autocast GEMMs cast every frozen projection to bf16 on each forward anyway: storing them in
+    bf16 changes no loss, gradient or adapter value, and halves the projections' memory."""
+    from tailrace.config.train import LoraConfig
+    from tailrace.model import CausalLM, ModelConfig, lora
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    tc = TrainerConfig(lr=1e-2, bf16=True, lora=LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "up_proj")))
+    runs = []
+    for store in (True, False):
+        if not store:
+            monkeypatch.setattr(lora, "store_frozen_projections", lambda *a: 0)
+        torch.manual_seed(0)
+        model = CausalLM.from_config(cfg, seed=0)
+        tr = GRPOTrainer(model, tc)
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        ms = [tr.step(make_groups(model, seed=s), trainer_version=s) for s in range(2)]
+        runs.append((dtypes, [(m["loss"], m["grad_norm"]) for m in ms], tr.flat.buffer.clone()))
+    (stored, a, flat_a), (plain, b, flat_b) = runs
+    assert stored["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16  # adapted
+    assert stored["model.layers.0.mlp.down_proj.weight"] == torch.float32  # frozen, not adapted
+    assert stored["model.embed_tokens.weight"] == torch.float32  # and the tied head with it
+    assert stored["model.layers.0.input_layernorm.weight"] == torch.float32
+    assert stored["model.layers.0.self_attn.q_proj.lora_A.weight"] == torch.float32
+    assert set(plain.values()) == {torch.float32}
+    assert a == b and torch.equal(flat_a, flat_b)
