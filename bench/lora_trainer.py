@@ -71,7 +71,9 @@ def main() -> None:
     full = statistics.median(cpu["full"])
     print(f"{a.model}: {a.seqs} x {a.tokens} tokens, bf16 autocast, LoRA rank {a.rank} on every projection")
     for k, v in cpu.items():
-        print(f"  {k:16s} {statistics.median(v):7.3f} s CPU a step   {statistics.median(v) / full:5.2f}x full's")
+        print(
+            f"  {k:16s} {statistics.median(v):7.3f} s CPU a step   {statistics.median(v) / full:5.2f}x full's"
+        )
 
 
 if __name__ == "__main__":

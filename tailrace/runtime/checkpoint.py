@@ -3,7 +3,8 @@
     model/                 a complete HF checkpoint: config.json, model.safetensors (the trainer's fp32
                            weights) and the source checkpoint's tokenizer files and chat template, so
                            transformers and `tailrace eval --model.path=.../model` load it as it is
-                           (a LoRA run's: the base with the adapter merged in)
+                           (a LoRA run's: the base with the adapter merged in, in its last
+                           checkpoint only: the others hold adapter/ alone, megabytes)
     adapter/               a LoRA run's adapter in PEFT's files (`peft.PeftModel.from_pretrained`)
     optimizer.safetensors  AdamW's state (`state.<parameter index>.<name>`) and the RNG state (`rng`)
     trainer.json           the trainer's step count
@@ -84,14 +85,16 @@ class Cadence:
 # -- the trainer's part (in the trainer process) -----------------------------------------------
 
 
-def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path) -> None:
-    """model/ (with the source checkpoint's tokenizer and chat template), optimizer and step, synced."""
+def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path, merged: bool = True) -> None:
+    """model/ (with the source checkpoint's tokenizer and chat template), optimizer and step, synced;
+    a LoRA trainer's adapter/, and model/ (the merged policy) only when `merged`."""
     if out.exists():
         shutil.rmtree(out)  # a save of this step that an earlier, killed process began
     out.mkdir(parents=True)
-    if lora.has_adapter(trainer.model):  # model/ the merged policy, adapter/ the adapter in PEFT's files
-        save_pretrained(trainer.model, out / "model", source_model, lora.merged_state(trainer.model))
+    if lora.has_adapter(trainer.model):
         lora.save_peft(trainer.adapter(), out / lora.ADAPTER_DIR, base_model=str(source_model))
+        if merged:
+            save_pretrained(trainer.model, out / "model", source_model, lora.merged_state(trainer.model))
     else:
         save_pretrained(trainer.model, out / "model", companions_from=source_model)
     state = trainer.state_dict()
@@ -180,7 +183,12 @@ def verify(ckpt: Path) -> str | None:
             f = ckpt / name
             if not f.is_file() or f.stat().st_size != size:
                 return f"{name} is {'missing' if not f.is_file() else 'not the size it was saved at'}"
-        for name in (OPTIMIZER, "model/model.safetensors"):
+        weights = (
+            "model/model.safetensors"
+            if "model/model.safetensors" in files
+            else f"{lora.ADAPTER_DIR}/{lora.ADAPTER_WEIGHTS}"
+        )
+        for name in (OPTIMIZER, weights):
             with safe_open(str(ckpt / name), framework="pt") as fh:
                 fh.keys()
         state = json.loads((ckpt / SCHEDULER).read_text())

@@ -107,7 +107,6 @@ class Driver:
         self.driver_lost = driver_lost if resume is not None else None
         # what the trainers publish (the model's weights, or with train.lora its adapter): one layout
         self.layout = sessions[0].flat_layout()
-        self.num_params = sessions[0].num_params()
         self.events = RecordFile(run.file("events.jsonl"))
         self.pols = [self._policy(p, name, with_mode(pc)[0], ses) for p, ((name, pc), ses) in
                      enumerate(zip(named, sessions))]  # fmt: skip
@@ -190,9 +189,9 @@ class Driver:
             run = RunDir(self.run.path / "policies" / name)
             run.ckpt.mkdir(parents=True, exist_ok=True)
             run.file("config.yaml").write_text(dump_config(cfg))
-        # fp32 weights and AdamW's two moments (a LoRA run's: the adapter's): what a checkpoint weighs
+        # fp32 weights and AdamW's two moments (a LoRA run's: its adapter's): what a checkpoint weighs
         cadence = checkpoint.Cadence.of(
-            f.checkpoint_every, f.checkpoint_minutes, 4 * self.num_params + 8 * self.layout.buffer.numel()
+            f.checkpoint_every, f.checkpoint_minutes, 12 * self.layout.buffer.numel()
         )
         snapshots = Snapshots(run.path, cfg.eval.every if cfg.eval.n else 0)
         marks = RecordFile(run.file("events.jsonl")) if name else None
@@ -503,7 +502,8 @@ class Driver:
         pol.pending_trajs[c.step] = (c.trainer_version, [t for g in c.groups for t in g.trajectories])
         if c.publish is not None:  # the trainer publishes into the engines' space
             c = replace(c, publish=self.sched.version(pol.index, c.publish))
-        order = pol.orders.add(TrainOrder(c, save))
+        # a LoRA run's checkpoints hold the adapter (MBs); the last one the merged model too
+        order = pol.orders.add(TrainOrder(c, save, merged=last or not self.cfg.train.lora.rank))
         if order is not None:
             self._order(pol, order)
 

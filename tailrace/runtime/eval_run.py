@@ -1,7 +1,8 @@
 """`tailrace eval RUN_DIR`: held-out accuracy of every kept checkpoint of a run, after the fact.
 
 Each whole checkpoint's model directory is evaluated as saved (the same held-out prompts, seeds and
-engine as the run's own evaluations) and appended to the run's metrics.jsonl as an `EvalRecord`
+engine as the run's own evaluations; a LoRA run's checkpoint without one, its adapter merged into the
+run's base) and appended to the run's metrics.jsonl as an `EvalRecord`
 tagged "checkpoint", with the step, version and wall time of the step that wrote it, so `tailrace
 report` plots it on the run's accuracy-vs-time curve. Under the run's lock: a run still going is
 refused, not raced.
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from tailrace.common import ConfigError
 from tailrace.config import load_config
+from tailrace.model import lora
 from tailrace.records import EvalRecord, StepRecord, read_metrics
 from tailrace.runtime import checkpoint
 from tailrace.runtime.lock import RunLock
@@ -64,8 +66,11 @@ def evaluate_checkpoints(
         out, f = [], RecordFile(metrics)
         try:
             for step, ckpt in todo:
-                one = replace(cfg, model=replace(cfg.model, path=str(ckpt / "model")))
-                summary = evaluate_model(one, progress, on_done)
+                if (ckpt / "model").is_dir():
+                    summary = evaluate_model(replace(cfg, model=replace(cfg.model, path=str(ckpt / "model"))),
+                                             progress, on_done)  # fmt: skip
+                else:  # a LoRA run's checkpoint before its last: the run's base with the adapter merged
+                    summary = evaluate_model(cfg, progress, on_done, adapter=ckpt / lora.ADAPTER_DIR)
                 summary.pop("model")
                 s = steps[step]
                 rec = EvalRecord(TAG, step, summary, s.version, s.time["wall_s"])

@@ -112,6 +112,7 @@ class History:
 class TrainOrder:
     train: Train
     save_dir: str | None = None  # write a checkpoint there after the step
+    merged: bool = True  # a LoRA trainer's checkpoint holds model/ (merged) too, not only adapter/
     replay: bool = False  # redo a step the driver already counted: neither publish nor save
 
 

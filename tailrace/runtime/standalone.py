@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from tailrace.config import RunConfig
 from tailrace.engine import build_engine
+from tailrace.model import lora
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.runtime.evaluate import Evaluator, generate_episodes
 from tailrace.runtime.procs import available_cores, resolve_device
 from tailrace.runtime.session import Session
 
 
-def evaluate_model(cfg: RunConfig, progress=None, on_done=None) -> dict:
-    """Held-out accuracy of `cfg`'s model on one in-process engine; `progress` follows a warm start,
-    `on_done(done, total)` the evaluation."""
+def evaluate_model(cfg: RunConfig, progress=None, on_done=None, adapter: Path | None = None) -> dict:
+    """Held-out accuracy of `cfg`'s model (with the PEFT `adapter` merged in, when given) on one
+    in-process engine; `progress` follows a warm start, `on_done(done, total)` the evaluation."""
     ses = Session(cfg, progress)
     try:
         torch.set_num_threads(len(available_cores()))
         device = resolve_device(cfg.device)
-        model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype), device=device)
+        if adapter is None:
+            model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype), device=device)
+        else:  # merged in fp32, then to the engine's dtype
+            model = lora.merged(load_pretrained(ses.model_path, dtype=torch.float32), lora.load_peft(adapter))
+            model = model.to(device, getattr(torch, cfg.model.dtype))
         r = cfg.rollout
         engine = build_engine(
             model,

@@ -116,6 +116,6 @@ def _step(
     save_s = 0.0
     if order.save_dir:
         s0 = time.perf_counter()
-        save_trainer(trainer, Path(spec.model_path), Path(order.save_dir))
+        save_trainer(trainer, Path(spec.model_path), Path(order.save_dir), merged=order.merged)
         save_s = time.perf_counter() - s0
     return TrainerReport(t.step, metrics, t.publish, order.save_dir, (t0, t1), sync, save_s)

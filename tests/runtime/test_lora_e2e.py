@@ -68,6 +68,16 @@ def test_a_lora_run_publishes_adapters_saves_peft_files_and_resumes_exactly(tiny
         assert torch.allclose(saved.state_dict()[name], w, atol=1e-6), name
         moved = max(moved, float((w - b).abs().max()))
     assert moved > 1e-2  # the adapter changed the policy (the gap check above is not vacuous)
+    # the checkpoints before the last hold the adapter alone; `tailrace eval RUN` merges it into the base
+    assert [(c / "model").is_dir() for c in checkpoints(run)] == [False, False, False, True]
+    assert all((c / lora.ADAPTER_DIR / lora.ADAPTER_WEIGHTS).is_file() for c in checkpoints(run))
+    assert main(["eval", str(run), "--eval.n=16"]) == 0
+    evals = [
+        r
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if r.get("tag") == "checkpoint"
+    ]
+    assert [e["step"] for e in evals] == [1, 2, 3, 4]
 
     # killed after its third checkpoint: the resume trains the fourth step from its adapter (the next
     # test checks what a LoRA checkpoint restores) and saves it
