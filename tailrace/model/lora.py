@@ -53,7 +53,9 @@ class LoRALinear(nn.Module):
         self.weight = base.weight
         self.bias = base.bias  # None registers no parameter, as nn.Linear
         self.in_features, self.out_features = base.in_features, base.out_features
-        kw = dict(bias=False, device=base.weight.device, dtype=base.weight.dtype)
+        # trained master weights: fp32 even over a base kept in bf16 (`store_frozen_projections`)
+        dtype = torch.float32 if base.weight.dtype in (torch.bfloat16, torch.float16) else base.weight.dtype
+        kw = dict(bias=False, device=base.weight.device, dtype=dtype)
         self.lora_A = nn.Linear(self.in_features, rank, **kw)
         self.lora_B = nn.Linear(rank, self.out_features, **kw)
         self.scaling = alpha / rank

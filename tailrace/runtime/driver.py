@@ -56,6 +56,8 @@ from tailrace.runtime.recovery import Recovery, describe, saved_versions, weight
 from tailrace.runtime.resume import Resume
 from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
+from tailrace.runtime.shared_base import SharedBase
+from tailrace.runtime.shared_base import share as share_base
 from tailrace.runtime.snapshots import Snapshot, Snapshots
 from tailrace.runtime.supervisor import DriverLost
 from tailrace.runtime.tools import Failed, ToolPool
@@ -232,12 +234,14 @@ class Driver:
         # each policy's live versions, side by side: policy p's sit in the slots = p (mod P)
         staleness = max(p.cfg.flow.max_staleness for p in self.pols)
         self.weights = self.hosts.ring(self.layout, slots=(staleness + 3) * len(self.pols))
+        base = self._shared_base(shared, device)
         for pol, seat, res in zip(self.pols, trainer_seats, self.resumes):
             pol.tspec = TrainerSpec(
                 str(pol.ses.model_path), pol.train_cfg, threads=seat.threads, cores=seat.cores,
                 seed=pol.cfg.seed, start_version=self.sched.version(pol.index, versions[pol.index]),
                 resume_from=str(res.checkpoint) if res else None, device=device,
                 trainers=len(self.pols) if shared else 1,  # each sizes its micro-batches from its share
+                base=base,
             )  # fmt: skip
             pol.trainer = self.workers.start(pol.worker_name, trainer_main, pol.tspec, self.weights)
         self.expected_context = max(
@@ -264,6 +268,17 @@ class Driver:
         self.t0 = time.perf_counter()
         for p in self.pols:
             p.util = Utilization(self.t0, slots=r.slots * r.engines)
+
+    def _shared_base(self, shared: bool, device: str) -> SharedBase | None:
+        """Several LoRA policies' trainers on this machine's CPU: one copy of their frozen base
+        (runtime/shared_base.py), said on the console either way."""
+        lora_cfg, bf16 = self.cfg.train.lora, {p.train_cfg.bf16 for p in self.pols}
+        if not (lora_cfg.rank and len(self.pols) > 1 and shared and device == "cpu" and len(bf16) == 1):
+            return None
+        base, why = share_base(self.pols[0].ses.model_path, lora_cfg, bf16.pop())
+        if self.ui is not None:
+            self.ui.note(why)
+        return base
 
     def _engine_spec(
         self, seat: Seat, start: tuple[int, ...], older: dict[int, Path] | None = None

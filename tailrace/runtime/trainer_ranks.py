@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -32,7 +33,7 @@ def start(spec, world: int) -> tuple[str, list[subprocess.Popen]]:
     """Start ranks 1..world-1 for trainer `spec`; returns the process group's init method and them."""
     tmp = Path(tempfile.mkdtemp(prefix="tailrace-ranks-"))
     init = f"file://{tmp / 'rendezvous'}"
-    (tmp / "spec.pickle").write_bytes(pickle.dumps(spec))
+    (tmp / "spec.pickle").write_bytes(pickle.dumps(replace(spec, base=None)))  # each rank loads its base
     procs = [
         subprocess.Popen(
             [

@@ -25,6 +25,7 @@ from tailrace.runtime import trainer_ranks
 from tailrace.runtime.checkpoint import load_trainer, save_trainer
 from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
 from tailrace.runtime.procs import pin
+from tailrace.runtime.shared_base import SharedBase
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import serving
 from tailrace.trainer.grpo import GRPOTrainer
@@ -42,6 +43,7 @@ class TrainerSpec:
     device: str = "cpu"
     publish_start: bool = True  # write the start weights to the ring (a replacement does not)
     trainers: int = 1  # trainers sharing this machine's memory (several policies' on the local runtime)
+    base: SharedBase | None = None  # a LoRA run's frozen base, one copy in shared memory for every trainer
 
 
 def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
@@ -50,7 +52,10 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
     torch.manual_seed(spec.seed)
     lora_run = bool(spec.cfg.lora.rank)  # the base never changes: a checkpoint's adapter/ is the policy
     start = Path(spec.resume_from) / "model" if spec.resume_from and not lora_run else spec.model_path
-    model = load_pretrained(start, dtype=torch.float32, device=spec.device)
+    if spec.base is not None and lora_run:
+        model = spec.base.model()
+    else:
+        model = load_pretrained(start, dtype=torch.float32, device=spec.device)
     init = lora.load_peft(spec.cfg.lora.init) if spec.cfg.lora.init else None  # train.lora.init
     ref = None
     if spec.cfg.loss.kl_coef > 0:  # the KL penalty's reference: the policy the run started from

@@ -114,13 +114,15 @@ def test_a_lora_checkpoint_restores_the_adapter_and_adamw(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_lora_policies_share_the_base_on_the_engines(tiny_model, tmp_path, digits):
-    """Each policy's versions are adapters on the same engines (engine version v * 2 + p); each trains
-    its own adapter, saved in its own directory."""
+def test_two_lora_policies_share_the_base_on_the_engines(tiny_model, tmp_path, digits, capfd):
+    """Each policy's versions are adapters on the same engines (engine version v * 2 + p), and their
+    trainers build their models over one shared copy of the base; each trains its own adapter, saved in
+    its own directory."""
     run = tmp_path / "run"
     policies = "[{name: sums}, {name: other, seed: 7, flow: {mode: multiversion}}]"
     argv = ["train", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits, "--flow.mode=sync"]
     assert main([*argv, f"--run-dir={run}", f"--policies={policies}"]) == 0
+    assert "the trainers share one copy of the base in shared memory" in capfd.readouterr().out
     adapters = []
     for name in ("sums", "other"):
         d = run / "policies" / name
@@ -170,3 +172,33 @@ def test_an_init_adapter_that_does_not_fit_the_config_is_one_line(tmp_path):
         overrides=["--train.lora.rank=8", "--train.lora.targets=[q_proj]", f"--train.lora.init={d}"]
     )
     assert cfg.train.lora.init == str(d)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, bf16):
+    """runtime/shared_base.py: the base in shared memory once; each trainer's frozen parameters are its
+    tensors (no copy), and a trainer over them steps exactly as one over a base loaded for itself."""
+    from tailrace.config import TrainerConfig
+    from tailrace.config.train import LoraConfig
+    from tailrace.runtime.shared_base import share
+    from tailrace.runtime.trainer_worker import TrainerSpec, build_trainer
+    from tests.trainer.test_grpo import make_groups
+
+    cfg = TrainerConfig(lr=0.05, bf16=bf16, lora=LoraConfig(rank=4))
+    base, why = share(tiny_model, cfg.lora, bf16)
+    assert base is not None and "share one copy" in why
+    spec = TrainerSpec(str(tiny_model), cfg, 1, (), seed=0)
+    own, a, b = (
+        build_trainer(spec),
+        build_trainer(replace(spec, base=base)),
+        build_trainer(replace(spec, base=base)),
+    )
+    q = "model.layers.0.self_attn.q_proj.weight"
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert pa[q].data_ptr() == pb[q].data_ptr() == base.tensors[q].data_ptr() and pa[q].is_shared()
+    assert pa[q].dtype == (torch.bfloat16 if bf16 else torch.float32)
+    for step in range(2):
+        groups = make_groups(own.model, seed=step)
+        assert own.step(groups, step)["loss"] == a.step(groups, step)["loss"]
+    assert torch.equal(own.flat.buffer, a.flat.buffer)
+    assert torch.equal(pb[q], base.tensors[q])  # nothing wrote to the shared base
