@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +61,7 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, rank, **kw)
         self.lora_B = nn.Linear(rank, self.out_features, **kw)
         self.scaling = alpha / rank
+        self.off = False  # `adapters_off`: the base projection alone
         with torch.no_grad():
             nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
             self.lora_B.weight.zero_()
@@ -67,6 +70,8 @@ class LoRALinear(nn.Module):
         w = self.weight  # in bf16 when `store_frozen_projections` kept it so: autocast casts x to it
         if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             w = w.to(x.dtype)
+        if self.off:
+            return F.linear(x, w, self.bias)
         return F.linear(x, w, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
 
 
@@ -124,6 +129,20 @@ def store_frozen_projections(model: CausalLM, dtype: torch.dtype) -> int:
             saved += w.numel() * (w.element_size() - torch.finfo(dtype).bits // 8)
             m.weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
     return saved
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` computing as its base while inside (PEFT's `disable_adapter`): a fresh adapter's policy,
+    the KL reference of a LoRA run, without a second copy of the base."""
+    mods = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in mods:
+        m.off = True
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.off = False
 
 
 def has_adapter(model: nn.Module) -> bool:

@@ -58,7 +58,9 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
         model = load_pretrained(start, dtype=torch.float32, device=spec.device)
     init = lora.load_peft(spec.cfg.lora.init) if spec.cfg.lora.init else None  # train.lora.init
     ref = None
-    if spec.cfg.loss.kl_coef > 0:  # the KL penalty's reference: the policy the run started from
+    # the KL penalty's reference: the policy the run started from (a fresh adapter's: the trainer's own
+    # base with its adapter off, no copy)
+    if spec.cfg.loss.kl_coef > 0 and not (lora_run and init is None):
         ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(False)
         ref = lora.merged(ref, init) if init is not None else ref
     trainer = GRPOTrainer(model, spec.cfg, ref_model=ref, trainers=spec.trainers)

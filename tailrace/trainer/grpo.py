@@ -14,7 +14,8 @@ With `train.lora.rank` > 0 the model gets a LoRA adapter (`model.lora.attach`): 
 AdamW holds the adapter's parameters alone; the step is otherwise the same. `adapter()` is its weights,
 and `flat` (what a trainer process publishes) holds the adapter's parameters alone. With `train.bf16`
 the frozen projections are kept in bf16 (`lora.store_frozen_projections`): the autocast GEMMs cast
-them to bf16 on every forward anyway, so no value changes, and the base takes half the memory.
+them to bf16 on every forward anyway, so no value changes, and the base takes half the memory. With a
+KL penalty and no `ref_model`, the reference is the base itself: the adapter off (`lora.adapters_off`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class GRPOTrainer:
     ):
         """`trainers`: trainers sharing this device's memory (a run of several policies on one machine),
         each sizing its micro-batches from its share."""
-        if cfg.loss.kl_coef > 0 and ref_model is None:
+        if cfg.loss.kl_coef > 0 and ref_model is None and not cfg.lora.rank:
             raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef} needs a ref_model; pass one or set kl_coef=0")
         self.cfg = cfg
         self.model = lora.attach(model, cfg.lora) if cfg.lora.rank else model
@@ -88,6 +89,8 @@ class GRPOTrainer:
         if cfg.lora.rank and cfg.bf16:  # their GEMMs run in bf16 anyway: store them so
             self.base_saved = lora.store_frozen_projections(model, torch.bfloat16)
         self.ref_model = ref_model if cfg.loss.kl_coef > 0 else None
+        # a LoRA trainer without a reference given: its own base, the adapter switched off (no copy)
+        self.ref_is_base = cfg.loss.kl_coef > 0 and ref_model is None
         # parameters now view one buffer: what the trainer publishes (with LoRA: the adapter alone)
         self.flat = flatten_parameters(model, trainable=bool(cfg.lora.rank))
         base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
@@ -120,7 +123,7 @@ class GRPOTrainer:
         """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""
         t0 = time.perf_counter()
         batch = self.make_batch(groups, trainer_version)
-        if self.ref_model is None and not any(map(_has_signal, groups)):
+        if self.ref_model is None and not self.ref_is_base and not any(map(_has_signal, groups)):
             # every advantage is zero: the gradient is too, so skip the passes and leave the weights
             self.steps += 1
             return self._metrics(_Sums(), batch, 0, 0.0, time.perf_counter() - t0, skipped=True)
@@ -219,9 +222,12 @@ class GRPOTrainer:
             scale=mb.scale,
         )
         loss = pg
-        if self.ref_model is not None:
-            with torch.no_grad(), self._autocast():
-                ref_logp = token_logprobs(self.ref_model(mb.input_ids), mb.targets, cfg.temperature)
+        if self.ref_model is not None or self.ref_is_base:
+            off = lora.adapters_off(self.model) if self.ref_is_base else contextlib.nullcontext()
+            with torch.no_grad(), self._autocast(), off:
+                ref_logp = token_logprobs(
+                    (self.ref_model or self.model)(mb.input_ids), mb.targets, cfg.temperature
+                )
             kl = kl_penalty(logp, ref_logp, mb.mask, mb.scale)
             loss = pg + lc.kl_coef * kl
             acc.add("kl", kl.detach())

@@ -418,3 +418,26 @@ def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same
     assert stored["model.layers.0.self_attn.q_proj.lora_A.weight"] == torch.float32
     assert set(plain.values()) == {torch.float32}
     assert a == b and torch.equal(flat_a, flat_b)
+
+
+def test_a_lora_trainers_kl_reference_is_its_base_with_the_adapter_off():
+    """kl_coef > 0 with LoRA and no ref_model: the reference is the trainer's own base (the adapter
+    switched off while it runs), exactly as a separate copy of the base would give."""
+    import copy
+
+    from tailrace.config.train import LoraConfig
+    from tailrace.model import CausalLM, ModelConfig
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    tc = TrainerConfig(lr=5e-2, loss=LossConfig(kl_coef=0.1), lora=LoraConfig(rank=4, alpha=8.0))
+    runs = []
+    for given in (True, False):
+        torch.manual_seed(0)
+        model = CausalLM.from_config(cfg, seed=0)
+        ref = copy.deepcopy(model).requires_grad_(False) if given else None
+        tr = GRPOTrainer(model, tc, ref_model=ref)
+        runs.append([tr.step(make_groups(model, seed=s), trainer_version=s) for s in range(3)])
+    (a, b) = runs
+    assert [m["kl"] for m in a] == [m["kl"] for m in b] and [m["loss"] for m in a] == [m["loss"] for m in b]
+    assert a[-1]["kl"] > 0  # the adapter moved away from the base: the penalty is live
