@@ -25,27 +25,22 @@ from collections.abc import Callable
 
 import torch
 
+from tailrace.common import InputError
 from tailrace.engine.errors import EngineError
 from tailrace.engine.events import StepEvent
 from tailrace.engine.protocol import Engine
+from tailrace.model import lora
 from tailrace.model.lora import Adapter
 from tailrace.types import GenRequest, GenResult
-
-_PARTS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
 def adapter_from_state(state: dict[str, torch.Tensor], alpha: float) -> Adapter:
     """The adapter whose parameters `state` holds, keyed as `lora.attach` names them in the model."""
-    pairs: dict[tuple[int, str], list] = {}
-    for key, t in state.items():
-        parts = key.split(".")  # model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight
-        if len(parts) != 7 or parts[:2] != ["model", "layers"] or parts[4] not in _PARTS.get(parts[3], ()):
-            raise EngineError(f"{key!r} is not a LoRA adapter's parameter; publish the adapter alone")
-        pairs.setdefault((int(parts[2]), parts[4]), [None, None])["AB".index(parts[5][-1])] = t
-    if not pairs or any(a is None or b is None for a, b in pairs.values()):
-        raise EngineError("an adapter needs lora_A and lora_B of every site it adapts")
-    rank = next(iter(pairs.values()))[0].shape[0]
-    return Adapter(rank, alpha, {site: (a, b) for site, (a, b) in pairs.items()})
+    a = next((t for k, t in state.items() if ".lora_A." in k), None)
+    try:
+        return lora.from_state(state, a.shape[0] if a is not None else 0, alpha, "load_weights")
+    except InputError as e:
+        raise EngineError(f"{e}; a LoRA run's engines load the adapter's parameters alone") from None
 
 
 class AdapterVersions:

@@ -94,6 +94,11 @@ class Adapter:
         return tuple(t for t in LORA_TARGETS if t in names)
 
 
+def adapted_weight(name: str, targets: tuple[str, ...]) -> bool:
+    """Whether the state-dict key `name` is the base weight of a projection in `targets`."""
+    return any(name.endswith(f".{_PARENT[t]}.{t}.weight") for t in targets)
+
+
 def _module(model: CausalLM, layer: int, target: str) -> nn.Module:
     return getattr(getattr(model.model.layers[layer], _PARENT[target]), target)
 
@@ -264,20 +269,33 @@ def load_peft(path: str | os.PathLike) -> Adapter:
             state = {k: fh.get_tensor(k) for k in fh.keys()}
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise InputError(f"{path / ADAPTER_WEIGHTS}: not a readable safetensors file ({one_line(e)})")
+    state = {k.removeprefix(PEFT_PREFIX): t for k, t in state.items()}
+    return from_state(state, int(cfg["r"]), float(cfg["lora_alpha"]), str(path))
+
+
+def from_state(state: dict[str, torch.Tensor], rank: int, alpha: float, source: str) -> Adapter:
+    """The adapter whose tensors `state` holds, keyed as the adapted model names them
+    (`model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}[.<adapter name>].weight`): a PEFT file's
+    (its prefix removed) or a LoRA trainer's published parameters. `source` names it in errors."""
     weights: dict[Site, list] = {}
     for key, tensor in state.items():
-        parts = key.removeprefix(PEFT_PREFIX).split(".")
-        # model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}[.default].weight
-        if len(parts) < 7 or parts[:2] != ["model", "layers"] or parts[4] not in _PARENT:
+        parts = key.split(".")
+        if (
+            len(parts) < 7
+            or parts[:2] != ["model", "layers"]
+            or _PARENT.get(parts[4]) != parts[3]
+            or parts[5] not in ("lora_A", "lora_B")
+        ):
             raise InputError(
-                f"{path}: unexpected tensor {key!r}; a Llama/Qwen2 LoRA adapter names its layers"
+                f"{source}: unexpected tensor {key!r}; a Llama/Qwen2 LoRA adapter names its layers"
             )
         site = (int(parts[2]), parts[4])
         weights.setdefault(site, [None, None])["AB".index(parts[5][-1])] = tensor
-    rank = int(cfg["r"])
     out = {}
     for site, (a, b) in weights.items():
         if a is None or b is None or a.shape[0] != rank or b.shape[1] != rank:
-            raise InputError(f"{path}: layer {site[0]} {site[1]} lacks lora_A or lora_B of rank {rank}")
+            raise InputError(f"{source}: layer {site[0]} {site[1]} lacks lora_A or lora_B of rank {rank}")
         out[site] = (a, b)
-    return Adapter(rank, float(cfg["lora_alpha"]), out)
+    if not out:
+        raise InputError(f"{source}: no LoRA tensors")
+    return Adapter(rank, alpha, out)

@@ -22,10 +22,7 @@ from tailrace.common import one_line
 from tailrace.config.train import LoraConfig
 from tailrace.model.checkpoint import load_pretrained, read_config
 from tailrace.model.decoder import CausalLM
-
-_PARENT = {t: "self_attn" for t in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
-    t: "mlp" for t in ("gate_proj", "up_proj", "down_proj")
-}
+from tailrace.model.lora import adapted_weight
 
 
 @dataclass
@@ -49,12 +46,11 @@ class SharedBase:
 def share(model_path: str | Path, lora: LoraConfig, bf16: bool) -> tuple[SharedBase | None, str]:
     """The base of `model_path` in shared memory, or None and why not."""
     model = load_pretrained(model_path, dtype=torch.float32)
-    adapted = {f".{_PARENT[t]}.{t}.weight" for t in lora.targets}
     tensors: dict[int, torch.Tensor] = {}  # by identity: a tied weight is one tensor under two names
     names: dict[str, int] = {}
     for name, t in model.state_dict().items():
         names[name] = id(t)
-        tensors[id(t)] = t.to(torch.bfloat16) if bf16 and any(name.endswith(s) for s in adapted) else t
+        tensors[id(t)] = t.to(torch.bfloat16) if bf16 and adapted_weight(name, lora.targets) else t
     # one buffer a dtype: a worker receives each shared storage as a file descriptor, and a process
     # start passes at most a few hundred of them
     try:
