@@ -202,3 +202,37 @@ def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, bf16)
         assert own.step(groups, step)["loss"] == a.step(groups, step)["loss"]
     assert torch.equal(own.flat.buffer, a.flat.buffer)
     assert torch.equal(pb[q], base.tensors[q])  # nothing wrote to the shared base
+
+
+@pytest.mark.slow
+def test_a_lora_run_replaces_a_lost_engine_and_trainer_exactly(tiny_model, tmp_path, digits):
+    """An engine killed, then the trainer: the new engine loads the live versions' adapters, the new
+    trainer its checkpoint's adapter and AdamW state and replays the steps since; every step once,
+    every trajectory once, and the engines keep sampling under the trainer's own adapters."""
+    import os
+    import signal
+
+    from tests.runtime.conftest import start_cli, wait_for_steps, workers_of
+    from tests.runtime.test_faults import finish
+    from tests.runtime.test_recovery import assert_exact, recoveries
+    from tests.runtime.test_recovery_modes import wait_for_recovery
+
+    run = tmp_path / "run"
+    p = start_cli(
+        "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits, "--flow.steps=6",
+        "--flow.mode=multiversion", "--rollout.engines=2", "--eval.n=4", "--flow.checkpoint_every=2",
+    )  # fmt: skip
+    try:
+        wait_for_steps(run, p, 1)
+        os.kill(workers_of(p.pid)[2], signal.SIGKILL)  # engine 1
+        wait_for_recovery(run, p, "engine1")
+        wait_for_steps(run, p, 3)
+        os.kill(workers_of(p.pid)[0], signal.SIGKILL)  # the trainer
+        rc, out = finish(p, timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert rc == 0, out
+    assert sorted(m.data["worker"] for m in recoveries(run)) == ["engine1", "trainer"], out
+    assert_exact(run, 6)
+    assert gaps_small(step_records(run))
