@@ -108,6 +108,7 @@ def train(args: Args) -> int:
             )
     else:
         cfg, why = load_run(flags.get("--config"), rest)
+        cfg.train.lora.check_init()  # train.lora.init is read when the run starts (policies share it)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run = RunDir(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
         run.create()

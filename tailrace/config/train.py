@@ -91,12 +91,17 @@ class LoraConfig:
             not bad and len(set(self.targets)) == len(self.targets) and bool(self.targets),
             f"train.lora.targets={list(self.targets)}: name each of some of {', '.join(LORA_TARGETS)} once",
         )
-        if self.init is not None:
-            self._check_init()
+        need(
+            self.init is None or self.rank > 0,
+            f"train.lora.init={self.init}: set train.lora.rank to the adapter's r as well",
+        )
 
-    def _check_init(self) -> None:
-        """The adapter at `init` is one this config would train: its file says so, read here (cheap)."""
-        need(self.rank > 0, f"train.lora.init={self.init}: set train.lora.rank to the adapter's r as well")
+    def check_init(self) -> None:
+        """The adapter at `init` is one this config would train: its file says so (cheap). Asked when a
+        run starts, not at every load of its config: a resume, a report or an evaluation of the run
+        needs the adapter no more."""
+        if self.init is None:
+            return
         f = Path(self.init) / "adapter_config.json"
         try:
             peft = json.loads(f.read_text())

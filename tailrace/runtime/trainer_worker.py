@@ -56,7 +56,9 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
         model = spec.base.model()
     else:
         model = load_pretrained(start, dtype=torch.float32, device=spec.device)
-    init = lora.load_peft(spec.cfg.lora.init) if spec.cfg.lora.init else None  # train.lora.init
+    # train.lora.init: the start adapter (a resume takes its checkpoint's), and the KL reference's
+    wants_init = spec.cfg.lora.init and (not spec.resume_from or spec.cfg.loss.kl_coef > 0)
+    init = lora.load_peft(spec.cfg.lora.init) if wants_init else None
     ref = None
     # the KL penalty's reference: the policy the run started from (a fresh adapter's: the trainer's own
     # base with its adapter off, no copy)

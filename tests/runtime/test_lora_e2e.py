@@ -155,23 +155,28 @@ def test_a_run_starts_from_a_peft_adapter(tiny_model, tmp_path, digits):
     assert gaps_small(step_records(second))
 
 
-def test_an_init_adapter_that_does_not_fit_the_config_is_one_line(tmp_path):
-    from tailrace.common import ConfigError
+def test_an_init_adapter_that_does_not_fit_the_config_is_one_line(tmp_path, capsys):
+    """Checked when a run starts (exit 2, no run directory), not at every load of the config: a finished
+    run's resume, report or evaluation does not need the adapter any more."""
     from tailrace.config import load_config
+    from tests.runtime.conftest import one_line, run
 
     d = tmp_path / "adapter"
     d.mkdir()
     (d / "adapter_config.json").write_text(
         json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
     )
-    with pytest.raises(ConfigError, match=r"has r=8.*set --train.lora.rank=8 --train.lora.alpha=16 "):
-        load_config(overrides=["--train.lora.rank=4", f"--train.lora.init={d}"])
-    with pytest.raises(ConfigError, match="not a readable PEFT adapter config"):
-        load_config(overrides=["--train.lora.rank=4", f"--train.lora.init={tmp_path / 'none'}"])
+    start = ["train", f"--run-dir={tmp_path / 'run'}", "--train.lora.rank=4"]
+    rc, out = run(capsys, *start, f"--train.lora.init={d}")
+    assert rc == 2 and not (tmp_path / "run").exists()
+    assert "has r=8" in one_line(out) and "set --train.lora.rank=8 --train.lora.alpha=16 " in one_line(out)
+    rc, out = run(capsys, *start, f"--train.lora.init={tmp_path / 'none'}")
+    assert rc == 2 and "not a readable PEFT adapter config" in one_line(out)
     cfg = load_config(
         overrides=["--train.lora.rank=8", "--train.lora.targets=[q_proj]", f"--train.lora.init={d}"]
     )
-    assert cfg.train.lora.init == str(d)
+    cfg.train.lora.check_init()  # fits
+    assert load_config(overrides=["--train.lora.rank=4", f"--train.lora.init={tmp_path / 'none'}"])  # loads
 
 
 @pytest.mark.parametrize("bf16", [False, True])
