@@ -47,6 +47,7 @@ class CostModel:
     broadcast: str = (
         "tree"  # how: a pipelined broadcast tree (NCCL's), or flat (the trainer sends each a copy)
     )
+    lora_rank: int = 0  # > 0: versions are adapters of this rank on every projection (a LoRA run)
 
     def __post_init__(self) -> None:
         if self.engine_gpus < 1 or self.trainer_gpus < 1 or self.engines < 1:
@@ -124,12 +125,24 @@ class CostModel:
 
     def version_kv_tokens(self) -> int:
         """Tokens of KV cache one more resident policy version displaces (its weights' bytes)."""
-        return int(self.weight_bytes / self.model.kv_bytes_per_token(self.hw.dtype_bytes))
+        return int(self.version_bytes / self.model.kv_bytes_per_token(self.hw.dtype_bytes))
 
     # -- weights -----------------------------------------------------------------------------------
     @property
     def weight_bytes(self) -> float:
         return self.model.params * self.hw.dtype_bytes
+
+    @property
+    def version_bytes(self) -> float:
+        """What a new version moves and a resident one holds: the weights, or a LoRA run's adapter (rank
+        r on q, k, v, o, gate, up and down of every layer: r x (in + out) each; a MoE's experts are
+        taken as one dense MLP of `intermediate`)."""
+        if not self.lora_rank:
+            return self.weight_bytes
+        m = self.model
+        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        per_layer = (m.hidden + q) * 2 + (m.hidden + kv) * 2 + (m.hidden + m.intermediate) * 3
+        return self.lora_rank * per_layer * m.layers * self.hw.dtype_bytes
 
     def load_time(self) -> float:
         """One engine receives and installs a new version, sent to all `engines` at once. Tree: a
@@ -139,14 +152,14 @@ class CostModel:
         link = self.engine_gpus * self.hw.weight_load_bw
         if self.broadcast == "flat":
             rate = min(link, self.trainer_gpus * self.hw.net_bw / self.engines)
-            return self.hw.sync_fixed_s + self.weight_bytes / rate
+            return self.hw.sync_fixed_s + self.version_bytes / rate
         hops = math.ceil(math.log2(self.engines)) if self.engines > 1 else 0
-        per_level = BROADCAST_CHUNK / link + self.hw.link_latency_s
-        return self.hw.sync_fixed_s + self.weight_bytes / link + hops * per_level
+        per_level = min(BROADCAST_CHUNK, self.version_bytes) / link + self.hw.link_latency_s
+        return self.hw.sync_fixed_s + self.version_bytes / link + hops * per_level
 
     def publish_time(self) -> float:
         """The trainer gathers its shards into one sendable copy (one node's NVLink)."""
-        return self.weight_bytes / (min(self.trainer_gpus, 8) * self.hw.scaleup_bw)
+        return self.version_bytes / (min(self.trainer_gpus, 8) * self.hw.scaleup_bw)
 
     # -- training ------------------------------------------------------------------------------------
     def train_flops(self, lengths: list[int]) -> float:
@@ -154,7 +167,9 @@ class CostModel:
         `micro_batch_tokens`, every row is computed at its micro-batch's padded length, micro-batches
         formed as tailrace's trainer forms them (longest first, rows x longest <= micro_batch_tokens)."""
         m = self.model
-        mult = 8.0 if self.recompute_logprobs else 6.0
+        # forward 2, backward 4 FLOPs a parameter and token (a LoRA run's frozen base: 2, the input's
+        # gradient alone), and the old policy's forward when it is recomputed
+        mult = (4.0 if self.lora_rank else 6.0) + (2.0 if self.recompute_logprobs else 0.0)
         rows = self.padded(lengths) if self.micro_batch_tokens else lengths
         attn = m.attn_flops_per_context_token * sum(n * n / 2 for n in rows)
         return mult * m.matmul_params * sum(rows) + (mult / 2) * attn

@@ -78,6 +78,12 @@ class ClusterSpec:
     weight_broadcast: str = setting(
         "tree", "how a new version reaches the engines: tree (pipelined broadcast) or flat (a copy each)"
     )
+    lora_rank: int = setting(
+        0,
+        "a LoRA run (train.lora.rank): each version is a rank-r adapter on every projection, so a new "
+        "version moves and a resident one costs the adapter's bytes, and training skips the base's "
+        "weight gradients; 0 = whole weights",
+    )
     kv_memory: bool = setting(
         True,
         "engines hold a KV cache of the memory their weights leave (admission waits, growing contexts "
@@ -88,6 +94,8 @@ class ClusterSpec:
         for k in ("engines", "engine_gpus", "trainer_gpus"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"cluster.{k}={getattr(self, k)}: must be at least 1")
+        if self.lora_rank < 0:
+            raise ConfigError(f"cluster.lora_rank={self.lora_rank}: must be >= 0 (0 = whole weights)")
         if self.slots < 0 or self.lookahead < 0:
             raise ConfigError(
                 "cluster.slots and cluster.lookahead must be >= 0 (slots 0 = size from KV memory)"
@@ -244,7 +252,7 @@ def cost_model(scn: Scenario) -> CostModel:
     shape = shape_from_hf(c.model_config, c.model) if c.model_config else model_shape(c.model)
     return CostModel(
         hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s, c.micro_batch_tokens,
-        c.engines, c.weight_broadcast,
+        c.engines, c.weight_broadcast, c.lora_rank,
     )  # fmt: skip
 
 

@@ -136,3 +136,22 @@ def test_padded_micro_batches_match_tailraces_trainer():
     real = sorted(int(mb.lengths.max()) for mb in batch.micro_batches(2048) for _ in range(mb.num_seqs))
     cost = CostModel(GPUS["h100"], Q7, micro_batch_tokens=2048)
     assert sorted(cost.padded([int(x) for x in batch.lengths])) == real
+
+
+def test_a_lora_run_moves_its_adapter_and_trains_without_the_base_weight_gradients():
+    """cluster.lora_rank: a version is r x (in + out) per projection and layer (Qwen2.5-7B at r = 8, by
+    hand: per layer (3584 + 3584) x 2 + (3584 + 512) x 2 + (3584 + 18944) x 3 = 90,112, x 8 x 28 layers
+    x 2 bytes = 40.4 MB), so its sync and its resident cost shrink; the step's matmul FLOPs fall from
+    8 to 6 a parameter and token (recomputed old policy included), 6 to 4 without."""
+    import dataclasses
+
+    full = CostModel(GPUS["h800"], Q7, trainer_gpus=8)
+    lora = dataclasses.replace(full, lora_rank=8)
+    assert lora.version_bytes == 90_112 * 8 * 28 * 2 and full.version_bytes == full.weight_bytes
+    assert lora.weight_bytes == full.weight_bytes  # the base is still resident, once
+    assert lora.load_time() - GPUS["h800"].sync_fixed_s < (full.load_time() - GPUS["h800"].sync_fixed_s) / 300
+    assert lora.version_kv_tokens() == int(lora.version_bytes / Q7_KV)
+    rows = [512, 1024, 2048]
+    assert lora.train_flops(rows) == pytest.approx(full.train_flops(rows) * 6 / 8, rel=1e-12)
+    no_re = dataclasses.replace(lora, recompute_logprobs=False)
+    assert no_re.train_flops(rows) == pytest.approx(full.train_flops(rows) * 4 / 8, rel=1e-12)
