@@ -70,9 +70,8 @@ class LoRALinear(nn.Module):
         w = self.weight  # in bf16 when `store_frozen_projections` kept it so: autocast casts x to it
         if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             w = w.to(x.dtype)
-        if self.off:
-            return F.linear(x, w, self.bias)
-        return F.linear(x, w, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+        y = F.linear(x, w, self.bias)
+        return y if self.off else y + self.lora_B(self.lora_A(x)) * self.scaling
 
 
 @dataclass(frozen=True)

@@ -88,15 +88,12 @@ class GRPOTrainer:
         self.base_saved = 0  # bytes: the frozen base's adapted projections kept in bf16 (LoRA with bf16)
         if cfg.lora.rank and cfg.bf16:  # their GEMMs run in bf16 anyway: store them so
             self.base_saved = lora.store_frozen_projections(model, torch.bfloat16)
+        # None with a KL penalty: a LoRA trainer's own base is the reference, its adapter switched off
         self.ref_model = ref_model if cfg.loss.kl_coef > 0 else None
-        # a LoRA trainer without a reference given: its own base, the adapter switched off (no copy)
-        self.ref_is_base = cfg.loss.kl_coef > 0 and ref_model is None
         # parameters now view one buffer: what the trainer publishes (with LoRA: the adapter alone)
         self.flat = flatten_parameters(model, trainable=bool(cfg.lora.rank))
-        base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        self.lr = (
-            cfg.lr if cfg.lr is not None else auto_lr(self.flat.buffer.numel() + base, bool(cfg.lora.rank))
-        )
+        n = sum(p.numel() for p in model.parameters())  # the base's and, with LoRA, the adapter's
+        self.lr = cfg.lr if cfg.lr is not None else auto_lr(n, bool(cfg.lora.rank))
         self.opt = build_adamw(model, self.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.loss_fn = LOSSES[cfg.loss.name]
         self.correct = CORRECTIONS[cfg.loss.correction or "none"]  # the runtime fills in the mode's own
@@ -123,7 +120,7 @@ class GRPOTrainer:
         """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""
         t0 = time.perf_counter()
         batch = self.make_batch(groups, trainer_version)
-        if self.ref_model is None and not self.ref_is_base and not any(map(_has_signal, groups)):
+        if self.cfg.loss.kl_coef == 0 and not any(map(_has_signal, groups)):
             # every advantage is zero: the gradient is too, so skip the passes and leave the weights
             self.steps += 1
             return self._metrics(_Sums(), batch, 0, 0.0, time.perf_counter() - t0, skipped=True)
@@ -222,12 +219,11 @@ class GRPOTrainer:
             scale=mb.scale,
         )
         loss = pg
-        if self.ref_model is not None or self.ref_is_base:
-            off = lora.adapters_off(self.model) if self.ref_is_base else contextlib.nullcontext()
+        if lc.kl_coef > 0:
+            ref = self.model if self.ref_model is None else self.ref_model
+            off = lora.adapters_off(ref) if self.ref_model is None else contextlib.nullcontext()
             with torch.no_grad(), self._autocast(), off:
-                ref_logp = token_logprobs(
-                    (self.ref_model or self.model)(mb.input_ids), mb.targets, cfg.temperature
-                )
+                ref_logp = token_logprobs(ref(mb.input_ids), mb.targets, cfg.temperature)
             kl = kl_penalty(logp, ref_logp, mb.mask, mb.scale)
             loss = pg + lc.kl_coef * kl
             acc.add("kl", kl.detach())
