@@ -4,11 +4,17 @@ Each policy is a `Scheduler` of its own — its mode, staleness bound, version c
 and trainer — unchanged: it believes it has the engines to itself. The set stands between them and
 the engines, which hold every policy's weights side by side:
 
-    policy p's version v  <->  engine version v * P + p      (P policies)
+    policy p's version v  <->  engine version v * S + p      (S: room for S policies, at least P)
     policy p's request id <->  "name/id"                     (its name: no "/"; one policy: "id")
 
-A set of one translates nothing (its versions and ids are the engines'; commands and results pass
-through untouched), so a driver can always drive a set, at no cost with one policy.
+A set with room for one translates nothing (its versions and ids are the engines'; commands and
+results pass through untouched), so a driver can always drive a set, at no cost with one policy.
+
+A policy can join a running set (`add`) while there is room (S, fixed when the set is made: the
+engines' space must not move under the versions and ids already out): its scheduler's engine books
+mirror the live ones, holding none of its weights, so its first poll loads its start version on every
+engine (as on an engine that joined), and from then on it is one more policy. A policy leaves by
+stopping (`Scheduler.stop`): it finishes the steps it issued and is done.
 
 `poll` hands out one outbox per policy, its engine commands (Generate, Abort, LoadWeights,
 DropWeights) translated into the engines' space; its Train commands stay in the policy's own versions
@@ -45,14 +51,24 @@ from tailrace.types import GenRequest, GenResult, Prompt, Scored
 
 
 class PolicySet:
-    def __init__(self, names: Sequence[str], schedulers: Sequence[Scheduler], turns: bool = True) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        schedulers: Sequence[Scheduler],
+        turns: bool = True,
+        room: int | None = None,
+    ) -> None:
         """`turns`: stamp each policy's requests with its priority on the engines (see `poll`); False:
-        the engines take every policy's requests in arrival order."""
+        the engines take every policy's requests in arrival order. `room`: how many policies the set
+        can hold, those that join later (`add`) included (default: these)."""
         if len(names) != len(schedulers) or len(names) < 1:
             raise ValueError("PolicySet: one name per scheduler, at least one")
         bad = [n for n in names if not n or "/" in n]
         if bad or len(set(names)) != len(names):
             raise ValueError(f"policy names {list(names)}: give each a unique, non-empty name without '/'")
+        self.room = room or len(names)
+        if self.room < len(names):
+            raise ValueError(f"PolicySet: room for {self.room} policies, given {len(names)}")
         engines = {tuple((e.id, e.slots, e.lookahead) for e in s.engines) for s in schedulers}
         if len(engines) != 1:
             raise ValueError("PolicySet: every policy's scheduler must be built with the same engines")
@@ -66,6 +82,35 @@ class PolicySet:
 
     def __len__(self) -> int:
         return len(self._scheds)
+
+    @property
+    def translates(self) -> bool:
+        """Whether policies' versions and ids differ from the engines' (a set with room for several)."""
+        return self.room > 1
+
+    def add(self, name: str, sched: Scheduler) -> int:
+        """Policy `name` joins the running set (between polls), `sched` not yet polled. Returns its index."""
+        if len(self) >= self.room:
+            raise ValueError(
+                f"policy {name!r} cannot join: the run has room for {self.room} policies and holds "
+                f"{len(self)} ({', '.join(self.names)}); start a run with a larger max_policies"
+            )
+        if not name or "/" in name or name in self._index:
+            raise ValueError(
+                f"policy name {name!r}: give each policy a unique, non-empty name without '/' "
+                f"(the run's: {', '.join(self.names)})"
+            )
+        if self.one_version or sched.capabilities.versions_at_once == 1:
+            raise ValueError(
+                f"policy {name!r} cannot join: the engines hold one weight version at a time, each dealt "
+                "to one policy when the run starts"
+            )
+        sched.mirror_engines(self._scheds[0])
+        p = len(self)
+        self._scheds += (sched,)
+        self.names += (name,)
+        self._index[name] = p
+        return p
 
     def __getitem__(self, p: int) -> Scheduler:
         return self._scheds[p]
@@ -132,18 +177,18 @@ class PolicySet:
     # ------------------------------------------------------------------ the engines' space
     def version(self, p: int, v: int) -> int:
         """Policy p's version v as the engines hold it."""
-        return v * len(self) + p
+        return v * self.room + p
 
     def policy_version(self, g: int) -> tuple[int, int]:
         """(policy, its version) of engine version `g`."""
-        return g % len(self), g // len(self)
+        return g % self.room, g // self.room
 
     def request_id(self, p: int, rid: str) -> str:
-        return f"{self.names[p]}/{rid}" if len(self) > 1 else rid  # one policy: the ids as they are
+        return f"{self.names[p]}/{rid}" if self.translates else rid  # one policy: the ids as they are
 
     def split(self, request_id: str) -> tuple[int, str]:
         """(policy, its own request id) of an engine request id."""
-        if len(self) == 1:
+        if not self.translates:
             return 0, request_id
         name, sep, rid = request_id.partition("/")
         if not sep or name not in self._index:
@@ -164,7 +209,7 @@ class PolicySet:
         outs = []
         for p, s in enumerate(self._scheds):
             out = s.poll(now)
-            if len(self) > 1:  # a set of one translates nothing
+            if self.translates:  # a set of one translates nothing
                 # the engines serve first the policy whose oldest unfinished group began first (ties: the
                 # lower index), so policies fall into turns: one generates while another trains
                 first = min((g.opened for g in s.open.values()), default=now)
@@ -195,14 +240,14 @@ class PolicySet:
         )
 
     def _result(self, p: int, r: GenResult) -> GenResult:
-        foreign = sorted(g for g in set(r.versions) if g % len(self) != p)
+        foreign = sorted(g for g in set(r.versions) if g % self.room != p)
         if foreign:
             q = self.policy_version(foreign[0])[0]
             raise InvariantError(
                 f"request {r.request_id} of policy {self.names[p]} has a token of engine version "
                 f"{foreign[0]}, policy {self.names[q]}'s"
             )
-        versions = _mapped(r.versions, lambda g: g // len(self))
+        versions = _mapped(r.versions, lambda g: g // self.room)
         return replace(r, request_id=self.split(r.request_id)[1], versions=versions)
 
     # ------------------------------------------------------------------ what the engines report
@@ -215,7 +260,7 @@ class PolicySet:
         calls: Collection[str] = (),
     ) -> None:
         """An engine's results of any policies (as `Scheduler.on_results`), each handed to its own."""
-        if len(self) == 1:  # a set of one translates nothing
+        if not self.translates:  # a set of one translates nothing
             self._scheds[0].on_results(engine, results, scores, now, calls=calls)
             return
         by: dict[int, tuple[list[GenResult], list[Scored], set[str]]] = {}

@@ -441,6 +441,20 @@ class Scheduler(SchedulerState):
         self.mark("engine_left", engine=engine, requeued=requeued)
         return requeued
 
+    def mirror_engines(self, other: Scheduler) -> None:
+        """A policy joining a running job (flow/multi.py's `PolicySet.add`), before its first poll: its
+        engine books take `other`'s ids (those that left too: ids are never reused), holding none of
+        its weights, so its first poll loads its start version everywhere (`_provision`)."""
+        if self.groups_opened or self.steps_issued:
+            raise InvariantError("mirror_engines: the policy has already started")
+        ones = self.capabilities.versions_at_once
+        self._by_id = {
+            i: EngineState(i, e.slots, e.lookahead, loaded=set(), versions_at_once=ones)
+            for i, e in other._by_id.items()
+        }
+        self.departed = set(other.departed)
+        self._see_engines()
+
     def lend_engine(self, engine: int) -> None:
         """(Several policies on engines that hold one weight version at a time: flow/multi.py) engine
         `engine`, idle for this policy (nothing in flight, loading or pre-generating), serves another
