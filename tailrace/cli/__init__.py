@@ -1,4 +1,4 @@
-"""Command line: tailrace train | sft | eval | serve | model | engine | report | trace | sim.
+"""Command line: tailrace train | sft | eval | serve | model | engine | policy | report | trace | sim.
 `tailrace VERB --help` documents each verb.
 
 Every way a command can end is one line and an exit code:
@@ -137,6 +137,27 @@ TAILRACE = Verb(
                     "requeued, none lost); its id is in RUN_DIR/events.jsonl (engine_join) or its join line",
                     ("engine leave RUN_DIR ENGINE_ID",),
                     commands.engine_leave,
+                ),
+            ),
+        ),
+        Verb(
+            "policy",
+            "policies (tenants) that join a running run (tailrace train with max_policies) or leave it",
+            ("policy join RUN_DIR NAME [--section.key=value ...]", "policy leave RUN_DIR NAME"),
+            verbs=(
+                Verb(
+                    "policy join",
+                    "add policy NAME to the run in RUN_DIR: the run's config with these overrides of the "
+                    "sections a policy sets (task, flow, shaping, store, train, eval, seed), its own "
+                    "scheduler, versions and trainer on the run's engines; files in RUN_DIR/policies/NAME",
+                    ("policy join RUN_DIR NAME [--section.key=value ...]",),
+                    commands.policy_join,
+                ),
+                Verb(
+                    "policy leave",
+                    "policy NAME of the run in RUN_DIR trains one more step, checkpointed, and stops",
+                    ("policy leave RUN_DIR NAME",),
+                    commands.policy_leave,
                 ),
             ),
         ),

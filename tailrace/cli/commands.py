@@ -440,3 +440,23 @@ def engine_leave(args: Args) -> int:
     leave(Path(args.rest[0]), int(args.rest[1]))
     console.print(f"asked engine {args.rest[1]} to leave the job in {args.rest[0]}")
     return 0
+
+
+def policy_join(args: Args) -> int:
+    from tailrace.runtime.policy_join import join_policy
+
+    if len(args.rest) < 2 or args.rest[0].startswith("-") or args.rest[1].startswith("-"):
+        raise ConfigError(
+            "usage: tailrace policy join RUN_DIR NAME [--section.key=value ...] (the sections a policy sets)"
+        )
+    console.print(join_policy(Path(args.rest[0]), args.rest[1], args.rest[2:]))
+    return 0
+
+
+def policy_leave(args: Args) -> int:
+    from tailrace.runtime.policy_join import leave_policy
+
+    if len(args.rest) != 2:
+        raise ConfigError("usage: tailrace policy leave RUN_DIR NAME")
+    console.print(leave_policy(Path(args.rest[0]), args.rest[1]))
+    return 0

@@ -199,6 +199,8 @@ def policy_configs(cfg: Any, sections: tuple[str, ...] = POLICY_SECTIONS) -> lis
         return [("", cfg)]
     base = dataclasses.asdict(cfg)
     base["policies"] = []
+    if "max_policies" in base:  # the run's room for joiners, not a policy's
+        base["max_policies"] = None
     out: list[tuple[str, Any]] = []
     for i, entry in enumerate(cfg.policies):
         where = f"policies[{i}]"

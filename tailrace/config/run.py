@@ -386,6 +386,12 @@ class RunConfig:
         "own scheduler, versions, staleness bound and trainer (empty = one policy)",
     )
 
+    max_policies: int | None = setting(
+        None,
+        "room for policies that join the running run (tailrace policy join RUN_DIR NAME), these included; "
+        "needs a policies list, even of one (null = the policies it starts with)",
+    )
+
     def __post_init__(self) -> None:
         need(
             re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
@@ -396,6 +402,16 @@ class RunConfig:
             f"worker_timeout_s={self.worker_timeout_s}: must be at least 3 seconds (heartbeats come every second)",
         )
         need(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be >= 0 (0 = no restarts)")
+        need(
+            self.max_policies is None or self.max_policies >= max(1, len(self.policies)),
+            f"max_policies={self.max_policies}: must hold the {len(self.policies)} policies the run starts "
+            "with (null = just those)",
+        )
+        need(
+            not (self.max_policies and self.max_policies > 1 and not self.policies),
+            f"max_policies={self.max_policies} without a policies list: policies that join sit beside named "
+            "ones; name the run's first policy, e.g. --policies='[{name: main}]'",
+        )
         need(
             not (self.train.lora.rank and self.rollout.backend == "vllm"),
             f"train.lora.rank={self.train.lora.rank} with rollout.backend=vllm: a LoRA run's engines serve "

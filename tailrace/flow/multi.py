@@ -47,7 +47,7 @@ from typing import Callable, Collection, Iterator, Sequence
 
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.scheduler import InvariantError, Outbox, Scheduler
-from tailrace.types import GenRequest, GenResult, Prompt, Scored
+from tailrace.types import Capabilities, GenRequest, GenResult, Prompt, Scored
 
 
 class PolicySet:
@@ -88,23 +88,30 @@ class PolicySet:
         """Whether policies' versions and ids differ from the engines' (a set with room for several)."""
         return self.room > 1
 
-    def add(self, name: str, sched: Scheduler) -> int:
-        """Policy `name` joins the running set (between polls), `sched` not yet polled. Returns its index."""
+    def refusal(self, name: str, capabilities: Capabilities) -> str | None:
+        """Why policy `name` on engines of `capabilities` cannot join (`add`); None: it can."""
         if len(self) >= self.room:
-            raise ValueError(
+            return (
                 f"policy {name!r} cannot join: the run has room for {self.room} policies and holds "
                 f"{len(self)} ({', '.join(self.names)}); start a run with a larger max_policies"
             )
         if not name or "/" in name or name in self._index:
-            raise ValueError(
+            return (
                 f"policy name {name!r}: give each policy a unique, non-empty name without '/' "
                 f"(the run's: {', '.join(self.names)})"
             )
-        if self.one_version or sched.capabilities.versions_at_once == 1:
-            raise ValueError(
+        if self.one_version or capabilities.versions_at_once == 1:
+            return (
                 f"policy {name!r} cannot join: the engines hold one weight version at a time, each dealt "
                 "to one policy when the run starts"
             )
+        return None
+
+    def add(self, name: str, sched: Scheduler) -> int:
+        """Policy `name` joins the running set (between polls), `sched` not yet polled. Returns its index."""
+        why = self.refusal(name, sched.capabilities)
+        if why:
+            raise ValueError(why)
         sched.mirror_engines(self._scheds[0])
         p = len(self)
         self._scheds += (sched,)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-from tailrace.common import ConfigError, Fault
+from tailrace.common import ConfigError, Fault, InputError, one_line
 from tailrace.config import RunConfig, TrainerConfig, dump_config
 from tailrace.config.load import policy_configs
 from tailrace.engine import capabilities
@@ -47,7 +47,7 @@ from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator, next_turn
 from tailrace.runtime.health import Heard, Lost
 from tailrace.runtime.hosts import Seat, Started, hosts_for
-from tailrace.runtime.join import Arrival, Desk, Leave, Welcome, serve_weights
+from tailrace.runtime.join import Arrival, Asked, Desk, Leave, PolicyJoin, Welcome, serve_weights
 from tailrace.runtime.messages import EngineReport, Go, History, Ready, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import SpecTally, Utilization
 from tailrace.runtime.policy_run import PolicyRun
@@ -116,6 +116,7 @@ class Driver:
             [p.name or "main" for p in self.pols],
             [p.sched for p in self.pols],
             cfg.flow.share == "turns",
+            room=cfg.max_policies,
         )
         self.hosts = hosts_for(cfg.runtime)
         self.workers = Workers(
@@ -231,19 +232,14 @@ class Driver:
         shared = _share_cores(trainer_seats)  # several trainers on one machine (not Ray's bundles)
         self._one_trainer = cfg.flow.share == "turns" and shared
         self.device = device = self.hosts.device(cfg.device)
-        # each policy's live versions, side by side: policy p's sit in the slots = p (mod P)
+        # each policy's live versions, side by side: policy p's sit in the slots = p (mod S), S the
+        # run's room for policies (those that may join included)
         staleness = max(p.cfg.flow.max_staleness for p in self.pols)
-        self.weights = self.hosts.ring(self.layout, slots=(staleness + 3) * len(self.pols))
-        base = self._shared_base(shared, device)
+        self.weights = self.hosts.ring(self.layout, slots=(staleness + 3) * self.sched.room)
+        self._base = self._shared_base(shared, device)
         for pol, seat, res in zip(self.pols, trainer_seats, self.resumes):
-            pol.tspec = TrainerSpec(
-                str(pol.ses.model_path), pol.train_cfg, threads=seat.threads, cores=seat.cores,
-                seed=pol.cfg.seed, start_version=self.sched.version(pol.index, versions[pol.index]),
-                resume_from=str(res.checkpoint) if res else None, device=device,
-                trainers=len(self.pols) if shared else 1,  # each sizes its micro-batches from its share
-                base=base,
-            )  # fmt: skip
-            pol.trainer = self.workers.start(pol.worker_name, trainer_main, pol.tspec, self.weights)
+            version = self.sched.version(pol.index, versions[pol.index])
+            self._start_trainer(pol, seat, version, res, trainers=len(self.pols) if shared else 1)
         self.expected_context = max(
             p.ses.expected_context(max(r.max_new_tokens, p.cfg.eval.max_new_tokens)) for p in self.pols
         )  # the longest request of any policy's
@@ -269,11 +265,24 @@ class Driver:
         for p in self.pols:
             p.util = Utilization(self.t0, slots=r.slots * r.engines)
 
+    def _start_trainer(
+        self, pol: PolicyRun, seat: Seat, version: int, res: Resume | None, trainers: int
+    ) -> None:
+        """`pol`'s trainer process, from engine version `version` (its checkpoint's on resume);
+        `trainers`: how many share its cores (each sizes its micro-batches from its share)."""
+        pol.tspec = TrainerSpec(
+            str(pol.ses.model_path), pol.train_cfg, threads=seat.threads, cores=seat.cores,
+            seed=pol.cfg.seed, start_version=version, resume_from=str(res.checkpoint) if res else None,
+            device=self.device, trainers=trainers, base=self._base,
+        )  # fmt: skip
+        pol.trainer = self.workers.start(pol.worker_name, trainer_main, pol.tspec, self.weights)
+
     def _shared_base(self, shared: bool, device: str) -> SharedBase | None:
         """Several LoRA policies' trainers on this machine's CPU: one copy of their frozen base
         (runtime/shared_base.py), said on the console either way."""
         lora_cfg, bf16 = self.cfg.train.lora, {p.train_cfg.bf16 for p in self.pols}
-        if not (lora_cfg.rank and len(self.pols) > 1 and shared and device == "cpu" and len(bf16) == 1):
+        several = len(self.pols) > 1 or self.sched.room > 1  # (or policies may join)
+        if not (lora_cfg.rank and several and shared and device == "cpu" and len(bf16) == 1):
             return None
         base, why = share_base(self.pols[0].ses.model_path, lora_cfg, bf16.pop())
         if self.ui is not None:
@@ -330,16 +339,15 @@ class Driver:
             self._note(self.driver_lost.mark(self._now(), sum(p.sched.steps_done for p in self.pols)))
         for p in self.pols:
             p.cadence.saved(p.sched.steps_done, 0.0)
-        evaluators = [Evaluator(p.ses, p.cfg.eval) if p.cfg.eval.n else None for p in self.pols]
-        bases = []
-        for p, evaluator in zip(self.pols, evaluators):
-            base = self._recorded_eval(p, "base")
-            if base is None and evaluator is not None:
+        for p in self.pols:
+            p.evaluator = Evaluator(p.ses, p.cfg.eval) if p.cfg.eval.n else None
+            p.base = self._recorded_eval(p, "base")
+            if p.base is None and p.evaluator is not None:
                 v = self.sched.version(p.index, versions[p.index])
                 self._load_everywhere(v)  # (one-version engines hold their own policy's only)
-                base = self._evaluate(p, evaluator, "base", v, wall_s=0.0)
-            bases.append(base)
+                p.base = self._evaluate(p, p.evaluator, "base", v, wall_s=0.0)
             p.snapshots = Snapshots(p.run.path, p.snapshots.every, p.sched.steps_done)
+        bases = [p.base for p in self.pols]
         # utilization counts from here: the base evaluation is not part of the training timeline
         for p in self.pols:
             p.util = Utilization(time.perf_counter(), slots=p.util.slots)
@@ -364,24 +372,24 @@ class Driver:
                 self.endpoint.loop.answer(agent)
             self._arrivals()
         self._handle(self.sched.poll(self._now()), sync=True)
-        finals = [None] * len(self.pols)
-        for k, (p, evaluator) in enumerate(zip(self.pols, evaluators)):
+        finals = [None] * len(self.pols)  # (policies that joined included)
+        for k, p in enumerate(self.pols):
             finals[k] = self._recorded_eval(p, "final")  # a policy of several that finished before a resume
-            if evaluator is not None and finals[k] is None:
+            if p.evaluator is not None and finals[k] is None:
                 final_v = self.sched.version(p.index, p.sched.done_version)
                 self._load_everywhere(final_v)
-                finals[k] = self._evaluate(p, evaluator, "final", final_v, p.last_wall)
-                self._evaluate_snapshots(p, evaluator)
+                finals[k] = self._evaluate(p, p.evaluator, "final", final_v, p.last_wall)
+                self._evaluate_snapshots(p, p.evaluator)
         while self.recovery.restarting:  # a worker lost after training: its recovery is recorded too
             self._pump()
         return Summary(
             sum(p.sched.steps_done for p in self.pols),
             self._now(),
-            bases[0].accuracy if bases[0] else None,
+            self.pols[0].base.accuracy if self.pols[0].base else None,
             finals[0].accuracy if finals[0] else None,
             str(self.run.path),
-            {p.name: (b.accuracy if b else None, f.accuracy if f else None)
-             for p, b, f in zip(self.pols, bases, finals) if p.name},
+            {p.name: (p.base.accuracy if p.base else None, f.accuracy if f else None)
+             for p, f in zip(self.pols, finals) if p.name},
         )  # fmt: skip
 
     def _attach(self):
@@ -465,7 +473,7 @@ class Driver:
         ring = self.weights.slots
         spare = self.sched.version(pol.index, final + 1)
         self._eval_version = (
-            spare if spare % ring != self.sched.version(pol.index, final) % ring else spare + len(self.pols)
+            spare if spare % ring != self.sched.version(pol.index, final) % ring else spare + self.sched.room
         )
         for snap in pol.snapshots.pending(done):
             if snap.version != final:
@@ -508,7 +516,8 @@ class Driver:
         steps, now = c.step + 1, self._now()
         save = None
         limit = self.cfg.flow.time_limit_s
-        if limit is not None and now > limit:  # the first step issued past the limit is the last, kept
+        # the first step issued past the limit is the last, kept; so is a leaving policy's next step
+        if pol.leaving or (limit is not None and now > limit):
             pol.sched.stop()
         last = steps == pol.sched.spec.total_steps
         if (c.publish is not None and pol.cadence.due(steps, now)) or last:
@@ -667,6 +676,8 @@ class Driver:
         for what in self.desk.take():
             if isinstance(what, Leave):
                 self._leave(what.engine, "asked to leave")
+            elif isinstance(what, Asked):
+                self._policy_asked(what)
             else:
                 self._join(what)
 
@@ -713,6 +724,81 @@ class Driver:
         self._event(
             Mark(self._now(), "engine_leave", data), f"engine {eid} left ({why}): {requeued} samples requeued"
         )
+
+    # ------------------------------------------------------------------ policies joining and leaving
+    def _policy_asked(self, asked: Asked) -> None:
+        """A policy asked to join the run or to leave it (tailrace policy join / leave): answered with
+        one line, what was done or why not; either way in events.jsonl."""
+        msg = asked.msg
+        kind = "policy_join" if isinstance(msg, PolicyJoin) else "policy_leave"
+        name = msg.entry.get("name") if isinstance(msg, PolicyJoin) else msg.name
+        try:
+            line = self._add_policy(msg.entry) if isinstance(msg, PolicyJoin) else self._stop_policy(msg.name)
+        except (ConfigError, InputError, ValueError, KeyError) as e:
+            line = one_line(e)
+            self._event(Mark(self._now(), f"{kind}_refused", {"policy": name, "why": line}), line)
+            asked.answer(False, line)
+            return
+        self._event(Mark(self._now(), kind, {"policy": name}), line)
+        asked.answer(True, line)
+
+    def _add_policy(self, entry: dict) -> str:
+        """A policy joins the running run: its scheduler on the live engines, its trainer (on the first
+        policy's cores, its frozen base shared where the others share theirs), its files under
+        policies/<name>/, its base evaluation, and its entry in config.yaml (a resume brings it back)."""
+        if self.cfg.runtime.kind != "local":
+            raise ConfigError(
+                f"runtime.kind={self.cfg.runtime.kind}: policies join runs on the local runtime only"
+            )
+        joined = replace(self.cfg, policies=[*self.cfg.policies, entry])  # (its names checked by the asker)
+        name, pc = policy_configs(joined)[-1]
+        pc = with_mode(pc)[0]
+        why = self.sched.refusal(name, run_capabilities(pc))
+        if why:
+            raise ValueError(why)
+        held = self.weights.slots // self.sched.room - 3  # each policy's slots of the ring, less 3
+        if pc.flow.max_staleness > held:
+            raise ConfigError(
+                f"policy {name}: flow.max_staleness={pc.flow.max_staleness}, and the run's shared memory "
+                f"holds {held} (the largest its policies started with); join with --flow.max_staleness={held}"
+            )
+        ses = Session(pc)
+        pol = self._policy(len(self.pols), name, pc, ses)
+        self.sched.add(name, pol.sched)
+        self.pols.append(pol)
+        first = self.pols[0].tspec
+        seat = Seat(first.cores, first.threads)
+        self._start_trainer(pol, seat, self.sched.version(pol.index, 0), None, trainers=first.trainers)
+        self.workers.ready([pol.trainer])  # its start weights are in the ring
+        self._one_trainer = self.cfg.flow.share == "turns"  # (it shares the first policy's cores)
+        pol.util = Utilization(time.perf_counter(), slots=self.pols[0].util.slots)
+        pol.cpu_mark = time.process_time()
+        pol.cadence.saved(0, self._now())
+        self.cfg = joined
+        _replace_text(self.run.file("config.yaml"), dump_config(joined))
+        pol.evaluator = Evaluator(ses, pc.eval) if pc.eval.n else None
+        if pol.evaluator is not None:  # the others' work goes on around it; nothing new is dispatched
+            v = self.sched.version(pol.index, 0)
+            self._load_everywhere(v)
+            pol.base = self._evaluate(pol, pol.evaluator, "base", v, wall_s=0.0)
+        base = f"; base held-out accuracy {pol.base.accuracy:.1%}" if pol.base else ""
+        return (
+            f"policy {name} joined as policy {pol.index + 1} of {self.sched.room} ({pc.flow.mode}, "
+            f"{pc.flow.steps} steps, task {pc.task.name}){base}; its files: {pol.run.path}"
+        )
+
+    def _stop_policy(self, name: str) -> str:
+        """A policy leaves: its next step is its last (checkpointed), its final evaluation comes when the
+        run's other policies are done."""
+        pol = next((p for p in self.pols if p.name == name), None)
+        if pol is None:
+            raise InputError(
+                f"policy {name!r} is not in the run; its policies: {', '.join(self.sched.names)}"
+            )
+        if pol.sched.done:
+            return f"policy {name} has trained its {pol.sched.steps_done} steps already"
+        pol.leaving = True
+        return f"policy {name} leaves after its next step (step {pol.sched.steps_issued + 1}, checkpointed)"
 
     def _event(self, mark: Mark, line: str) -> None:
         self.events.write(mark)
@@ -891,7 +977,7 @@ class Driver:
         )
         if self.spec is not None:  # the toggle's choices follow the engines' timings: "time" figures
             # (acceptance by version: the policy's own versions; with several, the rest stay for theirs)
-            own = None if len(self.pols) == 1 else partial(self._own_version, pol.index)
+            own = None if not self.sched.translates else partial(self._own_version, pol.index)
             timing.update(self.spec_tally.take(own))
         pol.cpu_mark = cpu
         pol.last_wall = timing["wall_s"]
@@ -913,6 +999,13 @@ class Driver:
                     asked = self.engines[i]
                     self.workers.send(asked, LoadWeights(i, v))
                 self._pump()
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """`path` holds `text`, whole or not at all (a crash mid-write leaves the old file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _share_cores(seats: list[Seat]) -> bool:

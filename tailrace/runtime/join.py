@@ -1,5 +1,7 @@
 """Engines that join a running job from outside it, and leave it: `tailrace engine join RUN_DIR`,
-`tailrace engine leave RUN_DIR ENGINE_ID` (or SIGTERM to a joined process).
+`tailrace engine leave RUN_DIR ENGINE_ID` (or SIGTERM to a joined process). Policies join and leave
+through the same desk (runtime/policy_join.py): a `PolicyJoin` or `PolicyLeave` on a connection the
+driver answers on once it has handled it.
 
 The driver opens a desk (`Desk`): a listener authenticated by a key made for the run, on loopback
 (on Ray: on the address Ray knows the driver's node by, as its actors listen); the address goes to
@@ -58,6 +60,33 @@ class Leave:
 
 
 @dataclass(frozen=True)
+class PolicyJoin:
+    """A policy joins the run (runtime/policy_join.py): its entry of the run's policies list."""
+
+    entry: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PolicyLeave:
+    name: str
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A policy's join or leave, and the connection its answer goes back on."""
+
+    msg: PolicyJoin | PolicyLeave
+    conn: Connection
+
+    def answer(self, ok: bool, line: str) -> None:
+        try:
+            self.conn.send((ok, line))
+        except OSError:  # the asker gave up waiting: the run's records say what happened
+            pass
+        self.conn.close()
+
+
+@dataclass(frozen=True)
 class Welcome:
     engine: int
     spec: Any  # runtime/engine_worker.EngineSpec
@@ -99,7 +128,7 @@ class Desk:
         self._closed = False
         threading.Thread(target=self._accept, name="join-desk", daemon=True).start()
 
-    def take(self) -> list[Arrival | Leave]:
+    def take(self) -> list[Arrival | Leave | Asked]:
         while self.waitable.poll():
             self.waitable.recv_bytes()
         got = []
@@ -128,6 +157,8 @@ class Desk:
             if isinstance(msg, Leave):
                 conn.close()
                 self._arrive(msg)
+            elif isinstance(msg, (PolicyJoin, PolicyLeave)):
+                self._arrive(Asked(msg, conn))  # answered by the driver, between polls
             elif isinstance(msg, Hello) and msg.role in ROLES:
                 parts = self._parts.setdefault(msg.pid, {})
                 parts[msg.role] = conn
@@ -139,7 +170,7 @@ class Desk:
             else:
                 conn.close()
 
-    def _arrive(self, what: Arrival | Leave) -> None:
+    def _arrive(self, what: Arrival | Leave | Asked) -> None:
         self._arrived.put(what)
         self._wake.send_bytes(b"!")
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from tailrace.config import RunConfig, TrainerConfig
 from tailrace.flow.scheduler import Scheduler
+from tailrace.records import EvalRecord
 from tailrace.runtime import checkpoint
 from tailrace.runtime.metrics import Utilization
 from tailrace.runtime.orders import TrainOrders
@@ -29,13 +30,14 @@ from tailrace.runtime.workers import Worker
 from tailrace.types import Trajectory
 
 if TYPE_CHECKING:
+    from tailrace.runtime.evaluate import Evaluator
     from tailrace.runtime.session import Session
 
 
 @dataclass
 class PolicyRun:
     name: str  # "" when the run has one policy
-    index: int  # p: its versions are engine versions v * P + p
+    index: int  # p: its versions are engine versions v * S + p (S: the run's room for policies)
     cfg: RunConfig  # the run's config with the policy's own sections
     sched: Scheduler
     ses: Session
@@ -59,6 +61,9 @@ class PolicyRun:
     tool_errors: int = 0  # its tool calls that failed since its last step record (multi-turn tasks)
     trainer: Worker | None = None
     tspec: TrainerSpec | None = None
+    evaluator: Evaluator | None = None  # its held-out set (None: eval.n = 0)
+    base: EvalRecord | None = None  # its base evaluation
+    leaving: bool = False  # asked to leave (tailrace policy leave): its next step is its last
 
     def __post_init__(self) -> None:
         self.metrics = RecordFile(self.run.file("metrics.jsonl"))

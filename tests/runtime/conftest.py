@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import signal
@@ -203,3 +204,12 @@ def one_line(out: str) -> str:
     """The output's last line, after checking the output holds no traceback."""
     assert "Traceback" not in out, out[-3000:]
     return out.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def digits(tmp_path) -> str:
+    """A jsonl task of one-digit answers (the tiny model gets some right: a reward signal)."""
+    f = tmp_path / "digits.jsonl"
+    rows = [{"question": f"q{i}: a={i % 9 + 1} b=0. a+b?", "answer": str(i % 9 + 1)} for i in range(200)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f"--task.name=jsonl:{f}"

@@ -23,15 +23,6 @@ LORA = ["--train.lora.rank=4", "--train.lora.alpha=8", "--train.lr=0.05", "--flo
         "--flow.train_batch=32"]  # fmt: skip
 
 
-@pytest.fixture
-def digits(tmp_path) -> str:
-    """A jsonl task of one-digit answers."""
-    f = tmp_path / "digits.jsonl"
-    rows = [{"question": f"q{i}: a={i % 9 + 1} b=0. a+b?", "answer": str(i % 9 + 1)} for i in range(200)]
-    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return f"--task.name=jsonl:{f}"
-
-
 def gaps_small(steps: list[dict]) -> bool:
     """The engine-vs-trainer logprob gap within fp32 rounding at every step that measured one (nan: no
     token of the step was sampled under the weights it trained from)."""

@@ -1,0 +1,105 @@
+"""Policies joining and leaving a running `tailrace train` (runtime/policy_join.py): a LoRA run started
+with one named policy and room for three; `tailrace policy join` adds a second (its own task seed, mode
+and step count) while the first trains, `tailrace policy leave` stops the first after its next step.
+Both train the steps they issued once each, with exact ledgers; the joiner has its base and final
+evaluations, its checkpoints (adapter in PEFT's files) under policies/NAME/; config.yaml names it, so a
+resume of the killed run brings both back."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from tests.runtime.conftest import TINY_RUN, run_cli, start_cli
+from tests.runtime.test_join_e2e import mark, wait_until
+from tests.runtime.test_lora_e2e import LORA
+
+pytestmark = pytest.mark.slow
+
+
+def records(d, kind):
+    lines = (d / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def exact(d, n_steps):
+    st = records(d, "step")
+    assert [r["step"] for r in st] == list(range(n_steps))
+    for r in st:
+        led = r["ledger"]
+        assert led["produced"] == led["trained"] + led["in_store"] + sum(led["discarded"].values())
+    trained = [(g, i) for m in mark(d, "train_issued") for g, s in zip(m["groups"], m["samples"]) for i in s]
+    assert len(trained) == len(set(trained)) == st[-1]["ledger"]["trained"]
+
+
+def test_a_policy_joins_a_running_lora_run_and_another_leaves(tiny_model, tmp_path, digits):
+    run = tmp_path / "run"
+    train = start_cli(
+        "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits,
+        "--flow.steps=400", "--flow.mode=sync", "--policies=[{name: main}]", "--max_policies=3",
+    )  # fmt: skip
+    try:
+        wait_until(lambda: (run / "join.json").exists(), train, "join desk")
+        # what the run cannot take is refused in one line, before or after it reaches the run
+        bad = run_cli("policy", "join", str(run), "solver", "--train.lora.rank=8", timeout=120)
+        assert bad.returncode == 2 and "train.lora" in bad.stderr + bad.stdout
+        taken = run_cli("policy", "join", str(run), "main", timeout=120)
+        assert taken.returncode == 2 and "unique" in taken.stderr + taken.stdout
+        stale = run_cli("policy", "join", str(run), "solver", "--flow.max_staleness=4", timeout=120)
+        assert stale.returncode == 2 and "--flow.max_staleness=1" in stale.stderr + stale.stdout  # the run's
+        joined = run_cli(
+            "policy", "join", str(run), "solver", "--task.seed=3", "--flow.mode=pipe", "--flow.steps=3",
+            timeout=300,
+        )  # fmt: skip
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        assert "policy solver joined as policy 2 of 3" in joined.stdout
+        wait_until(lambda: records(run / "policies" / "solver", "step"), train, "the joiner's first step")
+        left = run_cli("policy", "leave", str(run), "main", timeout=120)
+        assert left.returncode == 0 and "leaves after its next step" in left.stdout, left.stdout + left.stderr
+        out, _ = train.communicate(timeout=300)
+        assert train.returncode == 0, out[-3000:]
+    finally:
+        if train.poll() is None:
+            os.killpg(train.pid, signal.SIGKILL)
+    main, solver = run / "policies" / "main", run / "policies" / "solver"
+    n_main = len(records(main, "step"))
+    assert 1 <= n_main < 400
+    exact(main, n_main)
+    exact(solver, 3)
+    for d, n in ((main, n_main), (solver, 3)):
+        assert {r["tag"] for r in records(d, "eval")} == {"base", "final"}
+        assert (d / "checkpoints" / f"step_{n:06d}" / "adapter" / "adapter_model.safetensors").is_file()
+    assert [m["policy"] for m in mark(run, "policy_join")] == ["solver"]
+    assert len(mark(run, "policy_join_refused")) == 1  # (the staleness; the others never reached the run)
+    assert [
+        p["name"] for p in __import__("yaml").safe_load((run / "config.yaml").read_text())["policies"]
+    ] == [
+        "main",
+        "solver",
+    ]
+    assert "solver: held-out accuracy" in out
+
+
+def test_a_run_a_policy_joined_resumes_with_it(tiny_model, tmp_path, digits):
+    run = tmp_path / "run"
+    argv = ["train", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits, "--flow.mode=sync"]
+    train = start_cli(
+        *argv, f"--run-dir={run}", "--flow.steps=12", "--policies=[{name: main}]", "--max_policies=2"
+    )
+    try:
+        wait_until(lambda: (run / "join.json").exists(), train, "join desk")
+        joined = run_cli("policy", "join", str(run), "solver", "--task.seed=3", "--flow.steps=6", timeout=300)
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        full = run / "policies" / "solver" / "checkpoints" / "step_000002"
+        wait_until(lambda: full.is_dir(), train, "the joiner's second checkpoint")
+        os.killpg(train.pid, signal.SIGKILL)
+        train.wait(timeout=30)
+    finally:
+        if train.poll() is None:
+            os.killpg(train.pid, signal.SIGKILL)
+    resumed = run_cli("train", "--resume", str(run), timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    exact(run / "policies" / "main", 12)
+    exact(run / "policies" / "solver", 6)
+    assert "solver: held-out accuracy" in resumed.stdout
