@@ -389,7 +389,9 @@ class RunConfig:
     max_policies: int | None = setting(
         None,
         "room for policies that join the running run (tailrace policy join RUN_DIR NAME), these included; "
-        "needs a policies list, even of one (null = the policies it starts with)",
+        "needs a policies list, even of one (null = the policies it starts with). Each place holds "
+        "flow.max_staleness + 3 published versions in shared memory: a LoRA adapter's MBs each, or the "
+        "whole model's without train.lora",
     )
 
     def __post_init__(self) -> None:

@@ -236,6 +236,12 @@ class Driver:
         # run's room for policies (those that may join included)
         staleness = max(p.cfg.flow.max_staleness for p in self.pols)
         self.weights = self.hosts.ring(self.layout, slots=(staleness + 3) * self.sched.room)
+        if self.sched.room > len(self.pols) and self.ui is not None:
+            size = self.layout.buffer.numel() * self.layout.buffer.element_size() * self.weights.slots
+            self.ui.note(
+                f"room for {self.sched.room - len(self.pols)} more policies (max_policies={self.sched.room}): "
+                f"{size / 2**20:,.0f} MiB of shared memory for the published weights"
+            )
         self._base = self._shared_base(shared, device)
         for pol, seat, res in zip(self.pols, trainer_seats, self.resumes):
             version = self.sched.version(pol.index, versions[pol.index])
