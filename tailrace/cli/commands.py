@@ -316,7 +316,7 @@ def serve(args: Args) -> int:
 def evaluate(args: Args) -> int:
     from tailrace.runtime.eval_run import evaluate_checkpoints, is_run_dir
     from tailrace.runtime.evaluate import difficulty_line
-    from tailrace.runtime.standalone import evaluate_model
+    from tailrace.runtime.standalone import evaluate_model, with_checkpoint
 
     if args.rest and not args.rest[0].startswith("-"):
         if not is_run_dir(args.rest[0]):
@@ -330,9 +330,9 @@ def evaluate(args: Args) -> int:
         )
         console.print(f"{len(done)} checkpoint(s) evaluated; tailrace report {args.rest[0]} plots them")
         return 0
-    cfg = load(None, args.rest)
-    res = evaluate_model(cfg, progress=_sft_progress(), on_done=_eval_progress())
-    console.print(f"model {res['model']}")
+    cfg, adapter = with_checkpoint(load(None, args.rest))
+    res = evaluate_model(cfg, progress=_sft_progress(), on_done=_eval_progress(), adapter=adapter)
+    console.print(f"model {res['model']}" + (f" with the LoRA adapter {adapter} merged" if adapter else ""))
     console.print(
         f"held-out accuracy {res['accuracy']:.1%} on {res['n']} prompts of {cfg.task.name} "
         f"(temperature {cfg.eval.temperature})"

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from tailrace.common import InputError
 from tailrace.config import RunConfig
 from tailrace.engine import build_engine
 from tailrace.model import lora
-from tailrace.model.checkpoint import load_pretrained
+from tailrace.model.checkpoint import CONFIG, load_pretrained
 from tailrace.runtime.evaluate import Evaluator, generate_episodes
 from tailrace.runtime.procs import available_cores, resolve_device
 from tailrace.runtime.session import Session
@@ -48,3 +51,31 @@ def evaluate_model(cfg: RunConfig, progress=None, on_done=None, adapter: Path | 
         return out
     finally:
         ses.close()
+
+
+def with_checkpoint(cfg: RunConfig) -> tuple[RunConfig, Path | None]:
+    """`cfg` with model.path a model directory, and the PEFT adapter to merge into it (or None), where
+    model.path names a run's checkpoint (step_N: its model/, or its adapter/ alone: a LoRA run's
+    checkpoint before its last) or an adapter directory itself: the adapter's base is the model its
+    adapter_config.json names (base_model_name_or_path)."""
+    if cfg.model.path is None:
+        return cfg, None
+    path = Path(cfg.model.path)
+    if (path / CONFIG).is_file() or not path.is_dir():
+        return cfg, None  # a model (or nothing: loading it says what is wrong)
+    if (path / "model" / CONFIG).is_file():
+        return replace(cfg, model=replace(cfg.model, path=str(path / "model"))), None
+    adapter = path / lora.ADAPTER_DIR if (path / lora.ADAPTER_DIR / lora.ADAPTER_CONFIG).is_file() else path
+    if not (adapter / lora.ADAPTER_CONFIG).is_file():
+        return cfg, None
+    try:
+        base = json.loads((adapter / lora.ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    if not base or not (Path(base) / CONFIG).is_file():
+        raise InputError(
+            f"model.path={path}: a LoRA adapter over {base or 'a base its adapter_config.json does not name'}, "
+            "which is not a local checkpoint; evaluate a run's checkpoints over the run's base with "
+            "tailrace eval RUN_DIR, or set base_model_name_or_path in its adapter_config.json to the base's directory"
+        )
+    return replace(cfg, model=replace(cfg.model, path=str(base))), adapter

@@ -35,7 +35,9 @@ def step_records(run: Path) -> list[dict]:
     return [r for r in recs if r["kind"] == "step"]
 
 
-def test_a_lora_run_publishes_adapters_saves_peft_files_and_resumes_exactly(tiny_model, tmp_path, digits):
+def test_a_lora_run_publishes_adapters_saves_peft_files_and_resumes_exactly(
+    tiny_model, tmp_path, digits, capfd
+):
     run = tmp_path / "run"
     argv = ["train", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits, "--flow.mode=sync",
             "--flow.keep_checkpoints=4"]  # fmt: skip
@@ -69,6 +71,12 @@ def test_a_lora_run_publishes_adapters_saves_peft_files_and_resumes_exactly(tiny
         if r.get("tag") == "checkpoint"
     ]
     assert [e["step"] for e in evals] == [1, 2, 3, 4]
+    # a checkpoint's directory evaluates as a model too: its adapter over the base its adapter_config
+    # names, the figure `tailrace eval RUN` gave it (the same held-out requests, seeded)
+    capfd.readouterr()
+    flags = [digits, "--eval.n=16", "--eval.max_new_tokens=32"]
+    assert main(["eval", f"--model.path={checkpoints(run)[0]}", *flags]) == 0
+    assert f"held-out accuracy {evals[0]['accuracy']:.1%} on 16" in capfd.readouterr().out
 
     # killed after its third checkpoint: the resume trains the fourth step from its adapter (the next
     # test checks what a LoRA checkpoint restores) and saves it
