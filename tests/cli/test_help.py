@@ -47,7 +47,7 @@ def test_every_verb_answers_help(capsys, path, flag):
 
 def test_top_level_help_lists_every_verb(capsys):
     out = help_of(capsys)  # no arguments at all
-    verbs = ["train", "sft", "eval", "serve", "report", "model", "engine", "trace", "sim"]
+    verbs = ["train", "sft", "eval", "serve", "report", "model", "engine", "policy", "trace", "sim"]
     assert [v.name for v in TAILRACE.verbs] == verbs
     assert all(f"\n  {v.name} " in out for v in TAILRACE.verbs)
 
