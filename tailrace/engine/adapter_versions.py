@@ -14,8 +14,8 @@ plus adapter v. This presents the `Engine` protocol over an engine that serves a
 
 Holding another version costs an adapter's memory (a few MB), not a model's: `versions_at_once` is
 unbounded whatever the inner engine's. Speculative decoding stays exact (verification runs each row
-through its adapter), but its figures per version are not kept: the inner engine counts every row
-under the base version, so a step's `by_version` is left empty.
+through its adapter), and its figures per version come from the inner engine's per adapter (a row of
+adapter "v<v>" is version v's; a row of none, version 0's).
 """
 
 from __future__ import annotations
@@ -104,7 +104,13 @@ class AdapterVersions:
         ev = self.inner.step()
         if not ev.finished and not ev.by_version:
             return ev
-        return dataclasses.replace(ev, finished=tuple(map(self._own, ev.finished)), by_version=())
+        # rows of adapter "v<v>" are version v's, the rest the base's (version 0)
+        named_d, named_a = sum(d for _, d, _ in ev.by_adapter), sum(a for _, _, a in ev.by_adapter)
+        by = {0: [ev.drafted - named_d, ev.accepted - named_a]}
+        for name, d, a in ev.by_adapter:
+            by[int(name[1:])] = [d, a]
+        by_version = tuple((v, d, a) for v, (d, a) in sorted(by.items()) if d)
+        return dataclasses.replace(ev, finished=tuple(map(self._own, ev.finished)), by_version=by_version)
 
     def abort(self, request_id: str) -> GenResult:
         return self._own(self.inner.abort(request_id))

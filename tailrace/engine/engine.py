@@ -452,6 +452,7 @@ class TailraceEngine(SpeculativeSteps):
             accepted=v.accepted,
             verifies=len(drafts),
             by_version=tuple((ver, d, a) for ver, (d, a) in sorted(v.by_version.items())),
+            by_adapter=tuple((name, d, a) for name, (d, a) in sorted(v.by_adapter.items())),
         )
 
     def _grow(self) -> None:

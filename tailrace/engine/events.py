@@ -22,3 +22,4 @@ class StepEvent:
     accepted: int = 0
     verifies: int = 0
     by_version: tuple[tuple[int, int, int], ...] = ()  # (policy version, drafted, accepted) of those
+    by_adapter: tuple[tuple[str, int, int], ...] = ()  # (adapter, drafted, accepted) of rows naming one

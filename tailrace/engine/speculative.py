@@ -100,7 +100,7 @@ class SpeculativeSteps:
             target = [host[i]] + host[off : off + n]
             a, e, stopped = accept.verify(d.tokens, target, d.seq.req.params.stop_token_ids)
             spec.verified(d.seq.version, n, a, min(a + 1, n))
-            out.count(d.seq.version, n, a)
+            out.count(d.seq.version, d.seq.req.adapter, n, a)
             d.seq.accepted, d.seq.compared = spec.record(d.seq.accepted, d.seq.compared, a, min(a + 1, n))
             d.seq.host.extend(target[:e])
             if e > 1:
@@ -151,15 +151,18 @@ class Verified:
     accepted: int = 0
     # policy version -> [drafted, accepted]
     by_version: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    by_adapter: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # of rows naming one
     extra: int = 0  # tokens emitted beyond one per decode row
     stopped: list[int] = dataclasses.field(default_factory=list)  # as `_read_stops` indexes rows
 
-    def count(self, version: int, drafted: int, accepted: int) -> None:
+    def count(self, version: int, adapter: str | None, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
-        c = self.by_version.setdefault(version, [0, 0])
-        c[0] += drafted
-        c[1] += accepted
+        for c in [self.by_version.setdefault(version, [0, 0])] + (
+            [self.by_adapter.setdefault(adapter, [0, 0])] if adapter else []
+        ):
+            c[0] += drafted
+            c[1] += accepted
 
 
 def _clean(tokens: list[int], vocab_size: int, stop_ids: tuple[int, ...]) -> list[int]:

@@ -94,3 +94,33 @@ def _finish(eng):
     while eng.num_running or eng.num_waiting:
         out += eng.step().finished
     return out
+
+
+def test_speculation_figures_are_kept_per_version():
+    """A self-drafter drafts every decode row; each row's drafted and accepted tokens are counted under
+    its own version (its adapter's, the base's for version 0), and they add up to the step's."""
+    from tailrace.engine.spec import SpecOptions
+
+    base = tiny_model(seed=0)
+    inner = TailraceEngine(
+        copy.deepcopy(base), num_slots=16, block_size=8, spec=SpecOptions("quant8", toggle=False)
+    )
+    eng = AdapterVersions(inner, alpha=CFG.alpha)
+    for v in (1, 2):
+        eng.load_weights(published(base, v), v)
+    for i in range(9):
+        eng.add(at(req(f"r{i}", 4 + i, 12), i % 3))
+    per: dict[int, list[int]] = {}
+    drafted = accepted = 0
+    while eng.num_running or eng.num_waiting:
+        ev = eng.step()
+        drafted, accepted = drafted + ev.drafted, accepted + ev.accepted
+        assert sum(d for _, d, _ in ev.by_version) == ev.drafted
+        assert sum(a for _, _, a in ev.by_version) == ev.accepted
+        for v, d, a in ev.by_version:
+            c = per.setdefault(v, [0, 0])
+            c[0], c[1] = c[0] + d, c[1] + a
+    assert set(per) == {0, 1, 2} and drafted > 0
+    # the base's drafts agree with version 0 (the base itself) more than with the adapted versions
+    rate = {v: a / d for v, (d, a) in per.items()}
+    assert rate[0] > max(rate[1], rate[2])
