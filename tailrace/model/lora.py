@@ -61,7 +61,10 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, rank, **kw)
         self.lora_B = nn.Linear(rank, self.out_features, **kw)
         self.scaling = alpha / rank
-        self.off = False  # `adapters_off`: the base projection alone
+        self.off = False  # `as_reference`: the base projection, plus the reference adapter if any
+        # the KL reference's own adapter (`set_reference`: the one a run started from), frozen; not saved
+        self.register_buffer("ref_A", None, persistent=False)
+        self.register_buffer("ref_B", None, persistent=False)
         with torch.no_grad():
             nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
             self.lora_B.weight.zero_()
@@ -71,7 +74,11 @@ class LoRALinear(nn.Module):
         if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             w = w.to(x.dtype)
         y = F.linear(x, w, self.bias)
-        return y if self.off else y + self.lora_B(self.lora_A(x)) * self.scaling
+        if not self.off:
+            return y + self.lora_B(self.lora_A(x)) * self.scaling
+        if self.ref_A is None:
+            return y
+        return y + F.linear(F.linear(x, self.ref_A), self.ref_B) * self.scaling
 
 
 @dataclass(frozen=True)
@@ -136,9 +143,10 @@ def store_frozen_projections(model: CausalLM, dtype: torch.dtype) -> int:
 
 
 @contextmanager
-def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
-    """`model` computing as its base while inside (PEFT's `disable_adapter`): a fresh adapter's policy,
-    the KL reference of a LoRA run, without a second copy of the base."""
+def as_reference(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` computing as a LoRA run's KL reference while inside, without a second copy of the base:
+    its base (PEFT's `disable_adapter`: a fresh adapter's start), plus the adapter the run started from
+    where `set_reference` gave it one."""
     mods = [m for m in model.modules() if isinstance(m, LoRALinear)]
     for m in mods:
         m.off = True
@@ -147,6 +155,19 @@ def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m in mods:
             m.off = False
+
+
+def set_reference(model: CausalLM, adapter: Adapter) -> None:
+    """`adapter` (the one a run started from: train.lora.init) as `model`'s reference adapter, frozen
+    beside the trained one: `as_reference` computes base + it."""
+    for (i, t), (a, b) in adapter.weights.items():
+        m = _module(model, i, t)
+        if not isinstance(m, LoRALinear) or m.lora_A.weight.shape != a.shape or m.scaling != adapter.scale:
+            raise ValueError(
+                f"layer {i} {t}: the model's adapter does not fit this one (rank, alpha or target)"
+            )
+        kw = dict(device=m.lora_A.weight.device, dtype=m.lora_A.weight.dtype)
+        m.ref_A, m.ref_B = a.detach().to(**kw).clone(), b.detach().to(**kw).clone()
 
 
 def has_adapter(model: nn.Module) -> bool:

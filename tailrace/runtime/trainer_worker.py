@@ -60,12 +60,13 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
     wants_init = spec.cfg.lora.init and (not spec.resume_from or spec.cfg.loss.kl_coef > 0)
     init = lora.load_peft(spec.cfg.lora.init) if wants_init else None
     ref = None
-    # the KL penalty's reference: the policy the run started from (a fresh adapter's: the trainer's own
-    # base with its adapter off, no copy)
-    if spec.cfg.loss.kl_coef > 0 and not (lora_run and init is None):
+    # the KL penalty's reference: the policy the run started from (a LoRA run's: the trainer's own base
+    # with its adapter off, or swapped for the adapter it started from; no copy)
+    if spec.cfg.loss.kl_coef > 0 and not lora_run:
         ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(False)
-        ref = lora.merged(ref, init) if init is not None else ref
     trainer = GRPOTrainer(model, spec.cfg, ref_model=ref, trainers=spec.trainers)
+    if init is not None and spec.cfg.loss.kl_coef > 0:
+        lora.set_reference(trainer.model, init)
     if spec.resume_from and lora_run:
         lora.load_adapter_into(trainer.model, lora.load_peft(Path(spec.resume_from) / lora.ADAPTER_DIR))
     elif init is not None:

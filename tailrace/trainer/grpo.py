@@ -15,7 +15,8 @@ AdamW holds the adapter's parameters alone; the step is otherwise the same. `ada
 and `flat` (what a trainer process publishes) holds the adapter's parameters alone. With `train.bf16`
 the frozen projections are kept in bf16 (`lora.store_frozen_projections`): the autocast GEMMs cast
 them to bf16 on every forward anyway, so no value changes, and the base takes half the memory. With a
-KL penalty and no `ref_model`, the reference is the base itself: the adapter off (`lora.adapters_off`).
+KL penalty and no `ref_model`, the reference is the model itself with its adapter off, or swapped for
+the adapter the run started from (`lora.as_reference`, `lora.set_reference`): no second copy of the base.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ class GRPOTrainer:
         loss = pg
         if lc.kl_coef > 0:
             ref = self.model if self.ref_model is None else self.ref_model
-            off = lora.adapters_off(ref) if self.ref_model is None else contextlib.nullcontext()
+            off = lora.as_reference(ref) if self.ref_model is None else contextlib.nullcontext()
             with torch.no_grad(), self._autocast(), off:
                 ref_logp = token_logprobs(ref(mb.input_ids), mb.targets, cfg.temperature)
             kl = kl_penalty(logp, ref_logp, mb.mask, mb.scale)

@@ -441,3 +441,39 @@ def test_a_lora_trainers_kl_reference_is_its_base_with_the_adapter_off():
     (a, b) = runs
     assert [m["kl"] for m in a] == [m["kl"] for m in b] and [m["loss"] for m in a] == [m["loss"] for m in b]
     assert a[-1]["kl"] > 0  # the adapter moved away from the base: the penalty is live
+
+
+def test_a_lora_trainer_started_from_an_adapter_keeps_it_as_its_kl_reference():
+    """train.lora.init with a KL penalty: the reference is the trainer's own base with the start adapter
+    swapped in (`lora.set_reference`), exactly as a merged copy of base + start adapter would give."""
+    import copy
+
+    from tailrace.config.train import LoraConfig
+    from tailrace.model import CausalLM, ModelConfig, lora
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    lc = LoraConfig(rank=4, alpha=8.0)
+    tc = TrainerConfig(lr=5e-2, loss=LossConfig(kl_coef=0.1), lora=lc)
+    torch.manual_seed(1)
+    start = lora.attach(CausalLM.from_config(cfg, seed=0), lc)
+    with torch.no_grad():
+        for m in start.modules():
+            if isinstance(m, lora.LoRALinear):
+                m.lora_B.weight.normal_(0.0, 0.3)
+    init = lora.adapter_of(start)
+    runs = []
+    for merged_copy in (True, False):
+        torch.manual_seed(0)
+        model = CausalLM.from_config(cfg, seed=0)
+        ref = lora.merged(copy.deepcopy(model), init).requires_grad_(False) if merged_copy else None
+        tr = GRPOTrainer(model, tc, ref_model=ref)
+        lora.load_adapter_into(tr.model, init)
+        if not merged_copy:
+            lora.set_reference(tr.model, init)
+        runs.append([tr.step(make_groups(model, seed=s), trainer_version=s) for s in range(3)])
+    (a, b) = runs
+    assert a[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 starts at the reference
+    assert [m["kl"] for m in a] == pytest.approx([m["kl"] for m in b], rel=1e-4, abs=1e-7)
+    assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-4, abs=1e-7)
+    assert a[-1]["kl"] > 1e-5
