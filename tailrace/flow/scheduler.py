@@ -137,6 +137,7 @@ class Scheduler(SchedulerState):
         self._requeued: list[Prompt] = []  # prompts given back by a resume, served before new ones
         self._upcoming: list[tuple[Prompt, Plan]] = []  # taken from the stream and planned, not opened
         self._cut: set[str] = set()  # requests shaping aborted: their partials are discarded
+        self._spent: set[str] = set()  # requests aborted because the policy is done (`_wind_down`)
         self.shaping_tokens = 0  # tokens of samples discarded by shaping (what redundancy cost)
         self._generated: list[int] = []  # lengths produced since `take_generated`, before selection
         self._by_id: dict[int, EngineState] = {
@@ -191,6 +192,8 @@ class Scheduler(SchedulerState):
             self._provision()
             self.policy.decide(self)
             self._dispatch_external()
+        else:
+            self._wind_down()
         self._flush()
         self.ledger.check(self._store.in_store())
         for g in self._store.open.values():  # every dispatched sample is done, in flight, parked or discarded
@@ -291,6 +294,9 @@ class Scheduler(SchedulerState):
                     self.shaping_tokens += partial.length
                     self._generated.append(partial.length)
                     self.discard_partial(partial, "shaping")
+                elif rid in self._spent:
+                    self._spent.discard(rid)
+                    self.discard_partial(partial, "done")
                 else:
                     self.policy.on_aborted(self, partial)
                 continue  # resumed or discarded; never silently lost
@@ -669,6 +675,19 @@ class Scheduler(SchedulerState):
             self._flush()  # a Generate booked earlier in this poll must reach the engine before its Abort
             self._aborting.update(ids)
             self._out.commands.append(Abort(engine, tuple(ids), reason))
+
+    def _wind_down(self) -> None:
+        """Done (its steps trained, or stopped): the samples it still has generating (a streaming mode
+        works ahead; a policy that left mid-round) are aborted, their partials discarded ("done"), so a
+        policy that finishes before others sharing the engines frees its slots at once."""
+        for e in self.engines:
+            ids = sorted(
+                rid for rid in e.in_flight
+                if rid not in self._aborting and rid not in self._at_tool and not is_external(rid)
+            )  # fmt: skip
+            if ids:
+                self._spent.update(ids)
+                self.abort(e.id, ids, "done")
 
     def park(self, partial: Trajectory) -> None:
         """Keep an aborted partial in its group, to `resume` later (e.g. under the next weights). A

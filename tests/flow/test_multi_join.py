@@ -114,3 +114,26 @@ def test_a_policy_joining_and_one_leaving_keep_every_ledger(first, joiner, seed,
         ks = keys(c.trained_by[p])
         assert len(ks) == len(set(ks)) == s[p].ledger.trained
     assert len(c.trained_by[1]) == 4
+    assert not any(e.in_flight for p in range(2) for e in s[p].engines)  # the done ones wound down
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "multiversion", "partial"])
+def test_a_policy_that_leaves_frees_its_slots_once_done(mode):
+    """A policy stopped mid-round (it leaves, or its time is up) trains the steps it issued; its requests
+    still on the engines then are aborted (partials discarded as "done"), so the policies still
+    training get every slot from the next tick on."""
+    s = PolicySet(["a", "b"], [sched(mode, 40, engines=2), sched("sync", 12, engines=2)])
+    c = JoinCluster(s, lengths(3), slots=3, train_ticks=3, load_ticks=1)
+    done_at = stopped = None
+    while not s.done and c.t < 5_000:
+        if stopped is None and c.t >= 25 and any(e.in_flight for e in s[0].engines):
+            stopped = c.t  # while it generates
+            s[0].stop()
+        c.execute(s.poll(c.t))
+        if s[0].done and done_at is None:
+            done_at = c.t  # its aborts went out with this poll
+        c.tick()
+    assert done_at is not None and s.done and s[0].steps_done < 40
+    assert not [t for t in c.running_by[0] if t > done_at], "the done policy kept generating"
+    assert s[0].ledger.discarded["done"] > 0  # it had work on the engines when it finished (not vacuous)
+    assert not any(e.in_flight for e in s[0].engines)
