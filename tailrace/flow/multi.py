@@ -14,7 +14,9 @@ A policy can join a running set (`add`) while there is room (S, fixed when the s
 engines' space must not move under the versions and ids already out): its scheduler's engine books
 mirror the live ones, holding none of its weights, so its first poll loads its start version on every
 engine (as on an engine that joined), and from then on it is one more policy. A policy leaves by
-stopping (`Scheduler.stop`): it finishes the steps it issued and is done.
+stopping (`Scheduler.stop`): it finishes the steps it issued and is done; what it still has on the
+engines then is aborted (as every policy's is when it is done before the others), so the others get
+its slots at once.
 
 `poll` hands out one outbox per policy, its engine commands (Generate, Abort, LoadWeights,
 DropWeights) translated into the engines' space; its Train commands stay in the policy's own versions
