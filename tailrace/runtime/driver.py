@@ -750,12 +750,9 @@ class Driver:
 
     def _add_policy(self, entry: dict) -> str:
         """A policy joins the running run: its scheduler on the live engines, its trainer (on the first
-        policy's cores, its frozen base shared where the others share theirs), its files under
+        policy's cores, its frozen base shared where the others share theirs; on Ray an actor in a
+        bundle of its own), its files under
         policies/<name>/, its base evaluation, and its entry in config.yaml (a resume brings it back)."""
-        if self.cfg.runtime.kind != "local":
-            raise ConfigError(
-                f"runtime.kind={self.cfg.runtime.kind}: policies join runs on the local runtime only"
-            )
         joined = replace(self.cfg, policies=[*self.cfg.policies, entry])  # (its names checked by the asker)
         name, pc = policy_configs(joined)[-1]
         pc = with_mode(pc)[0]
@@ -769,14 +766,15 @@ class Driver:
                 f"holds {held} (the largest its policies started with); join with --flow.max_staleness={held}"
             )
         ses = Session(pc)
+        first = self.pols[0].tspec  # on this machine its seat (Ray: a bundle of its own, reserved now)
+        seat = self.hosts.trainer_seat(f"trainer-{name}", Seat(first.cores, first.threads))
         pol = self._policy(len(self.pols), name, pc, ses)
         self.sched.add(name, pol.sched)
         self.pols.append(pol)
-        first = self.pols[0].tspec
-        seat = Seat(first.cores, first.threads)
         self._start_trainer(pol, seat, self.sched.version(pol.index, 0), None, trainers=first.trainers)
         self.workers.ready([pol.trainer])  # its start weights are in the ring
-        self._one_trainer = self.cfg.flow.share == "turns"  # (it shares the first policy's cores)
+        # on this machine it shares the first policy's cores (flow.share=turns: one trains at a time)
+        self._one_trainer |= self.cfg.flow.share == "turns" and bool(set(seat.cores) & set(first.cores))
         pol.util = Utilization(time.perf_counter(), slots=self.pols[0].util.slots)
         pol.cpu_mark = time.process_time()
         pol.cadence.saved(0, self._now())

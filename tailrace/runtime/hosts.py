@@ -45,6 +45,11 @@ class Hosts(Protocol):
         the placement group); returns the trainers' seats in that order, then the engines'."""
         ...
 
+    def trainer_seat(self, name: str, like: Seat) -> Seat:
+        """A seat for the trainer `name` of a policy that joins the running job (`like`: the first
+        policy's trainer seat)."""
+        ...
+
     def device(self, name: str) -> str:
         """The workers' torch device for the config's `device` (auto, cpu, cuda, cuda:N)."""
         ...
@@ -78,6 +83,9 @@ class LocalHosts:
         """Several policies' trainers share the trainer's cores (flow.share says how they take turns)."""
         train, cores = placement(engines)
         return [Seat(train, len(train))] * len(trainers), [Seat(c, engine_threads) for c in cores]
+
+    def trainer_seat(self, name: str, like: Seat) -> Seat:
+        return like  # the trainers' cores, shared
 
     def device(self, name: str) -> str:
         return resolve_device(name)

@@ -178,6 +178,7 @@ class RayHosts:
         self.authkey = os.urandom(32)
         self.owns_ray = False  # this run started Ray (and so shuts it down)
         self.group = None
+        self.joined_groups: dict[str, Any] = {}  # a joining policy's trainer -> its own one-bundle group
         self.bundles: dict[str, tuple[int, float, float]] = {}  # worker name -> (bundle, CPUs, GPUs)
         self.trainers: list[str] = []  # their worker names, one per policy
         self.actors: list[Any] = []
@@ -211,6 +212,32 @@ class RayHosts:
         self.bundles = {name: (k, need[k]["CPU"], need[k]["GPU"]) for k, name in enumerate(names)}
         return [Seat((), int(c.trainer_cpus))] * len(trainers), [Seat((), engine_threads)] * engines
 
+    def trainer_seat(self, name: str, like: Seat) -> Seat:
+        """A seat for the trainer of a policy joining the running job: a placement group of its own (one
+        trainer bundle), reserved now; refused in one line where the cluster has no room or the weights
+        move by a collective (its members are fixed when the run starts)."""
+        ray, c = self.ray, self.cfg
+        if c.weights == "collective":
+            raise ConfigError(
+                "runtime.weights=collective: the collective's members are fixed when the run starts; "
+                "policies join a Ray run whose weights move through the object store (runtime.weights=store)"
+            )
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        need = {"CPU": c.trainer_cpus, "GPU": c.trainer_gpus}
+        group = placement_group([{k: v for k, v in need.items() if v}])
+        try:
+            ray.get(group.ready(), timeout=PLACE_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)
+            raise ConfigError(
+                f"the Ray cluster has no room for another trainer ({c.trainer_cpus:g} CPU, {c.trainer_gpus:g} "
+                f"GPU) within {PLACE_S:.0f} s; add a node (ray start --address) and join again"
+            ) from None
+        self.joined_groups[name] = group
+        self.bundles[name] = (0, need["CPU"], need["GPU"])
+        return Seat((), int(c.trainer_cpus))
+
     def device(self, name: str) -> str:
         """The workers' torch device: cuda when every actor reserves a GPU (auto), else cpu; the driver
         may have no GPU of its own."""
@@ -241,7 +268,7 @@ class RayHosts:
                 num_gpus=gpus,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.group, placement_group_bundle_index=index
+                    self.joined_groups.get(name, self.group), placement_group_bundle_index=index
                 ),
             )  # fmt: skip
             .remote(self.authkey)
@@ -294,8 +321,9 @@ class RayHosts:
             return
         for actor in self.actors:
             self.ray.kill(actor, no_restart=True)
-        if self.group is not None:
-            self.ray.util.remove_placement_group(self.group)
+        for group in [self.group, *self.joined_groups.values()]:
+            if group is not None:
+                self.ray.util.remove_placement_group(group)
         if self.owns_ray:
             self.ray.shutdown()
 

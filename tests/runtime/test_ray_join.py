@@ -64,3 +64,37 @@ def test_ray_actors_join_and_leave_a_running_ray_job(cluster_address, tiny_model
     leaves = {m["engine"]: m["why"] for m in mark(run_dir, "engine_leave")}
     assert leaves[1] == "asked to leave" and "died" in leaves[2] and set(leaves) == {1, 2}
     assert_exact(run_dir, 60)
+
+
+def test_a_policy_joins_a_running_ray_job_its_trainer_an_actor_of_its_own(
+    cluster_address, tiny_model, tmp_path
+):
+    """`tailrace policy join` on a Ray job: the joiner's trainer is an actor in a placement group of its
+    own (the cluster's third CPU), and both policies train their steps exactly."""
+    from tests.runtime.conftest import run_cli
+    from tests.runtime.test_policy_join_e2e import exact, records
+
+    run_dir = tmp_path / "run"
+    train = start_cli(
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.steps=30",
+        "--max_restarts=0", "--flow.mode=sync", "--runtime.kind=ray", f"--runtime.address={cluster_address}",
+        "--policies=[{name: main}]", "--max_policies=2",
+    )  # fmt: skip
+    try:
+        wait_until(lambda: (run_dir / "join.json").exists(), train, "join desk", timeout=180)
+        joined = run_cli(
+            "policy", "join", str(run_dir), "solver", "--task.seed=3", "--flow.steps=3", timeout=300
+        )
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        out, _ = train.communicate(timeout=300)
+        assert train.returncode == 0, out[-3000:]
+    finally:
+        if train.poll() is None:
+            os.killpg(train.pid, signal.SIGKILL)
+    exact(run_dir / "policies" / "main", 30)
+    exact(run_dir / "policies" / "solver", 3)
+    assert {r["tag"] for r in records(run_dir / "policies" / "solver", "eval")} == {"base", "final"}
+    lanes = {
+        e.get("lane") for e in (json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines())
+    }
+    assert "trainer-solver" in lanes
