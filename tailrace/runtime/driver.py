@@ -765,7 +765,14 @@ class Driver:
                 f"policy {name}: flow.max_staleness={pc.flow.max_staleness}, and the run's shared memory "
                 f"holds {held} (the largest its policies started with); join with --flow.max_staleness={held}"
             )
+        if pc.flow.mode == "external" and self.endpoint is None:
+            raise ConfigError(
+                f"policy {name}: flow.mode=external needs the agent endpoint, which a run opens when it starts "
+                "with an external policy; join with another flow.mode"
+            )
         ses = Session(pc)
+        if ses.env is not None and self.tools is None:  # the first multi-turn policy: the tool pool
+            self.tools = ToolPool(self.cfg.task.tool_threads)
         first = self.pols[0].tspec  # on this machine its seat (Ray: a bundle of its own, reserved now)
         seat = self.hosts.trainer_seat(f"trainer-{name}", Seat(first.cores, first.threads))
         pol = self._policy(len(self.pols), name, pc, ses)

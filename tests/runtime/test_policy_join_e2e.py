@@ -51,6 +51,8 @@ def test_a_policy_joins_a_running_lora_run_and_another_leaves(tiny_model, tmp_pa
         assert taken.returncode == 2 and "unique" in taken.stderr + taken.stdout
         stale = run_cli("policy", "join", str(run), "solver", "--flow.max_staleness=4", timeout=120)
         assert stale.returncode == 2 and "--flow.max_staleness=1" in stale.stderr + stale.stdout  # the run's
+        agent = run_cli("policy", "join", str(run), "agent", "--flow.mode=external", timeout=120)
+        assert agent.returncode == 2 and "agent endpoint" in agent.stderr + agent.stdout
         joined = run_cli(
             "policy", "join", str(run), "solver", "--task.seed=3", "--flow.mode=pipe", "--flow.steps=3",
             timeout=300,
@@ -74,7 +76,7 @@ def test_a_policy_joins_a_running_lora_run_and_another_leaves(tiny_model, tmp_pa
         assert {r["tag"] for r in records(d, "eval")} == {"base", "final"}
         assert (d / "checkpoints" / f"step_{n:06d}" / "adapter" / "adapter_model.safetensors").is_file()
     assert [m["policy"] for m in mark(run, "policy_join")] == ["solver"]
-    assert len(mark(run, "policy_join_refused")) == 1  # (the staleness; the others never reached the run)
+    assert len(mark(run, "policy_join_refused")) == 2  # (staleness, endpoint; the others never reached it)
     assert [
         p["name"] for p in __import__("yaml").safe_load((run / "config.yaml").read_text())["policies"]
     ] == [
