@@ -801,7 +801,9 @@ class Driver:
     def _stop_policy(self, name: str) -> str:
         """A policy leaves: its next step is its last (checkpointed), its final evaluation comes when the
         run's other policies are done."""
-        pol = next((p for p in self.pols if p.name == name), None)
+        pol = next(
+            (p for p in self.pols if self.sched.names[p.index] == name), None
+        )  # ("main": a run's only)
         if pol is None:
             raise InputError(
                 f"policy {name!r} is not in the run; its policies: {', '.join(self.sched.names)}"
