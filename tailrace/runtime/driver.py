@@ -279,7 +279,9 @@ class Driver:
         pol.tspec = TrainerSpec(
             str(pol.ses.model_path), pol.train_cfg, threads=seat.threads, cores=seat.cores,
             seed=pol.cfg.seed, start_version=version, resume_from=str(res.checkpoint) if res else None,
-            device=self.device, trainers=trainers, base=self._base,
+            device=self.device, trainers=trainers,
+            # the shared base holds its adapted projections in the dtype the trainers compute in
+            base=self._base if pol.train_cfg.bf16 == self._base_bf16 else None,
         )  # fmt: skip
         pol.trainer = self.workers.start(pol.worker_name, trainer_main, pol.tspec, self.weights)
 
@@ -288,9 +290,11 @@ class Driver:
         (runtime/shared_base.py), said on the console either way."""
         lora_cfg, bf16 = self.cfg.train.lora, {p.train_cfg.bf16 for p in self.pols}
         several = len(self.pols) > 1 or self.sched.room > 1  # (or policies may join)
+        self._base_bf16: bool | None = None
         if not (lora_cfg.rank and several and shared and device == "cpu" and len(bf16) == 1):
             return None
-        base, why = share_base(self.pols[0].ses.model_path, lora_cfg, bf16.pop())
+        self._base_bf16 = bf16.pop()
+        base, why = share_base(self.pols[0].ses.model_path, lora_cfg, self._base_bf16)
         if self.ui is not None:
             self.ui.note(why)
         return base
