@@ -567,16 +567,39 @@ class Driver:
         wake = (self.tools.waitable,) if self.tools is not None else ()
         wake += (self.desk.waitable,) if self.desk is not None else ()
         for w, msg in self.workers.receive(among, timeout, wake):
-            if isinstance(msg, EngineReport):
-                self._on_engine_report(msg)
-            elif isinstance(msg, TrainerReport):
-                self._on_trainer_report(self._trainer_of(w), msg)
-            elif isinstance(msg, Lost):
-                self._replace(w, msg)
-            elif isinstance(msg, Ready):
-                self._on_ready(w)
+            self._dispatch(w, msg)
         if self.tools is not None:
             self._on_tools()
+
+    def _dispatch(self, w: Worker, msg) -> None:
+        if isinstance(msg, EngineReport):
+            self._on_engine_report(msg)
+        elif isinstance(msg, TrainerReport):
+            self._on_trainer_report(self._trainer_of(w), msg)
+        elif isinstance(msg, Lost):
+            self._replace(w, msg)
+        elif isinstance(msg, Ready):
+            self._on_ready(w)
+
+    def _await_ready(self, joiner: Worker) -> None:
+        """Until a joining policy's trainer says `Ready`, what the others report handled as `_pump`
+        does; the joiner lost or failed while it starts raises `_JoinerLost` (the others' faults go on
+        as they would)."""
+        while True:
+            try:
+                got = self.workers.receive(None, timeout=1.0)
+            except (Fault, InputError) as e:
+                if joiner.lost or str(e).startswith(f"{joiner.name}:"):
+                    raise _JoinerLost(one_line(e)) from None
+                raise
+            for w, msg in got:
+                if w is joiner:
+                    if isinstance(msg, Lost):
+                        raise _JoinerLost(msg.line)
+                    if isinstance(msg, Ready):
+                        return
+                else:
+                    self._dispatch(w, msg)
 
     def _trainer_of(self, w: Worker) -> PolicyRun | None:
         return next((p for p in self.pols if p.trainer is w), None)
@@ -780,10 +803,21 @@ class Driver:
         first = self.pols[0].tspec  # on this machine its seat (Ray: a bundle of its own, reserved now)
         seat = self.hosts.trainer_seat(f"trainer-{name}", Seat(first.cores, first.threads))
         pol = self._policy(len(self.pols), name, pc, ses)
+        try:  # it joins the schedulers once its start weights are in the ring
+            try:
+                self._start_trainer(pol, seat, self.sched.version(pol.index, 0), None, first.trainers)
+            except Fault as e:  # (a Ray actor that did not start)
+                raise _JoinerLost(one_line(e)) from None
+            self._await_ready(pol.trainer)
+        except _JoinerLost as e:  # the run goes on as it was
+            if pol.trainer is not None:
+                self.workers.retire(pol.trainer)
+            pol.close()
+            raise InputError(
+                f"policy {name}: its trainer did not start ({e}); the run goes on without it"
+            ) from None
         self.sched.add(name, pol.sched)
         self.pols.append(pol)
-        self._start_trainer(pol, seat, self.sched.version(pol.index, 0), None, trainers=first.trainers)
-        self.workers.ready([pol.trainer])  # its start weights are in the ring
         # on this machine it shares the first policy's cores (flow.share=turns: one trains at a time)
         self._one_trainer |= self.cfg.flow.share == "turns" and bool(set(seat.cores) & set(first.cores))
         pol.util = Utilization(time.perf_counter(), slots=self.pols[0].util.slots)
@@ -1016,6 +1050,10 @@ class Driver:
                     asked = self.engines[i]
                     self.workers.send(asked, LoadWeights(i, v))
                 self._pump()
+
+
+class _JoinerLost(Exception):
+    """A joining policy's trainer died or failed before it was ready."""
 
 
 def _replace_text(path: Path, text: str) -> None:

@@ -108,3 +108,49 @@ def test_a_run_a_policy_joined_resumes_with_it(tiny_model, tmp_path, digits):
     exact(run / "policies" / "main", 12)
     exact(run / "policies" / "solver", 6)
     assert "solver: held-out accuracy" in resumed.stdout
+
+
+def test_a_joiner_whose_trainer_never_starts_is_refused_and_the_run_goes_on(tiny_model, tmp_path, digits):
+    """The joiner's trainer is stopped (SIGSTOP) as soon as it exists, so it never says Ready: found
+    stuck after worker_timeout_s, it is withdrawn, the join is refused in one line, nothing of the run
+    changes, and the same name joins again."""
+    import time
+
+    from tests.runtime.conftest import workers_of
+
+    run = tmp_path / "run"
+    train = start_cli(
+        "train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits,
+        "--flow.steps=400", "--flow.mode=sync", "--policies=[{name: main}]", "--max_policies=2",
+        "--worker_timeout_s=3",
+    )  # fmt: skip
+    try:
+        wait_until(lambda: (run / "join.json").exists(), train, "join desk")
+        before = set(workers_of(train.pid))
+        join = start_cli("policy", "join", str(run), "solver", "--flow.steps=2")
+        stopped, deadline = None, time.time() + 60
+        while stopped is None and time.time() < deadline:
+            new = [p for p in workers_of(train.pid) if p not in before]
+            if new:
+                stopped = new[0]
+                os.kill(stopped, signal.SIGSTOP)
+            time.sleep(0.005)
+        assert stopped is not None, "no trainer started for the joiner"
+        out, _ = join.communicate(timeout=120)
+        assert join.returncode == 2 and "its trainer did not start" in out, out
+        assert "solver" not in (run / "config.yaml").read_text()
+        again = run_cli("policy", "join", str(run), "solver", "--flow.steps=2", timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        wait_until(
+            lambda: len(records(run / "policies" / "solver", "step")) == 2, train, "the joiner's steps"
+        )
+        assert run_cli("policy", "leave", str(run), "main", timeout=120).returncode == 0
+        out, _ = train.communicate(timeout=300)
+        assert train.returncode == 0, out[-3000:]
+    finally:
+        for p in (train,):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    exact(run / "policies" / "solver", 2)
+    exact(run / "policies" / "main", len(records(run / "policies" / "main", "step")))
+    assert [m["policy"] for m in mark(run, "policy_join_refused")] == ["solver"]
