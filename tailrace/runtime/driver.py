@@ -812,6 +812,7 @@ class Driver:
         except _JoinerLost as e:  # the run goes on as it was
             if pol.trainer is not None:
                 self.workers.retire(pol.trainer)
+            self.hosts.release_trainer_seat(pol.worker_name)
             pol.close()
             raise InputError(
                 f"policy {name}: its trainer did not start ({e}); the run goes on without it"

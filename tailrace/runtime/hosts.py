@@ -50,6 +50,10 @@ class Hosts(Protocol):
         policy's trainer seat)."""
         ...
 
+    def release_trainer_seat(self, name: str) -> None:
+        """The seat `trainer_seat` gave `name`, whose trainer did not start, back to the cluster."""
+        ...
+
     def device(self, name: str) -> str:
         """The workers' torch device for the config's `device` (auto, cpu, cuda, cuda:N)."""
         ...
@@ -86,6 +90,9 @@ class LocalHosts:
 
     def trainer_seat(self, name: str, like: Seat) -> Seat:
         return like  # the trainers' cores, shared
+
+    def release_trainer_seat(self, name: str) -> None:
+        pass
 
     def device(self, name: str) -> str:
         return resolve_device(name)

@@ -238,6 +238,12 @@ class RayHosts:
         self.bundles[name] = (0, need["CPU"], need["GPU"])
         return Seat((), int(c.trainer_cpus))
 
+    def release_trainer_seat(self, name: str) -> None:
+        group = self.joined_groups.pop(name, None)
+        self.bundles.pop(name, None)
+        if group is not None:
+            self.ray.util.remove_placement_group(group)
+
     def device(self, name: str) -> str:
         """The workers' torch device: cuda when every actor reserves a GPU (auto), else cpu; the driver
         may have no GPU of its own."""
