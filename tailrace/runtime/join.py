@@ -265,7 +265,7 @@ def address(run_dir: Path) -> tuple[dict, bytes]:
         key = (run_dir / "join.key").read_bytes()
     except FileNotFoundError:
         raise InputError(
-            f"{run_dir}: no running job to join there (no join.json); start one with tailrace train "
+            f"{run_dir}: no running job there (no join.json); start one with tailrace train "
             "(runtime.kind=local or ray), or pass its run directory"
         ) from None
     except (OSError, ValueError) as e:

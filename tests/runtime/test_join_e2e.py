@@ -103,6 +103,6 @@ def test_joining_or_leaving_no_running_job_is_one_line(capsys, tmp_path):
     from tests.runtime.conftest import one_line, run
 
     rc, out = run(capsys, "engine", "join", str(tmp_path))
-    assert rc == 2 and "no running job to join" in one_line(out)
+    assert rc == 2 and "no running job there" in one_line(out)
     rc, out = run(capsys, "engine", "leave", str(tmp_path), "x")
     assert rc == 2 and "ENGINE_ID" in one_line(out)
