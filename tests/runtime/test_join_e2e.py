@@ -106,3 +106,12 @@ def test_joining_or_leaving_no_running_job_is_one_line(capsys, tmp_path):
     assert rc == 2 and "no running job there" in one_line(out)
     rc, out = run(capsys, "engine", "leave", str(tmp_path), "x")
     assert rc == 2 and "ENGINE_ID" in one_line(out)
+    rc, out = run(capsys, "policy", "leave", str(tmp_path), "x")
+    assert rc == 2 and "no running job there" in one_line(out)
+    rc, out = run(capsys, "policy", "join", str(tmp_path), "x")
+    assert rc == 2 and "no config.yaml there" in one_line(out)
+    (tmp_path / "config.yaml").write_text("flow: {steps: 3}\n")  # a run of one unnamed policy: no room
+    rc, out = run(capsys, "policy", "join", str(tmp_path), "x", "--task.seed=2")
+    assert rc == 2 and "no room for another policy" in one_line(out) and "--max_policies=4" in one_line(out)
+    rc, out = run(capsys, "policy", "join", str(tmp_path))
+    assert rc == 2 and "usage: tailrace policy join RUN_DIR NAME" in one_line(out)
