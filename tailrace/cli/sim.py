@@ -37,9 +37,11 @@ def simulate(args: Args) -> int:
         f"{s['time_per_step_s']:.2f} s/step, trainer waiting {s['trainer_wait_ratio']:.2f}, "
         f"bubble {s['bubble_ratio']:.2f}, length bubble {s['length_bubble']:.2f}"
     )
+    joined = {name: ps.join_at_s for name, ps in scn.policy_scenarios() if ps.join_at_s}
     for name, p in s.get("policies", {}).items():
+        at = f"joined at {joined[name]:.1f} s, " if name in joined else ""
         console.print(
-            f"  {name} ({p['policy']}): {p['steps']} steps, finished at {p['wall_s']:.1f} s, "
+            f"  {name} ({p['policy']}): {p['steps']} steps, {at}finished at {p['wall_s']:.1f} s, "
             f"trainer waiting {p['trainer_wait_ratio']:.2f}, staleness {p['staleness']}"
         )
     for d in dirs:

@@ -69,12 +69,15 @@ class SimCluster:
         accuracy: float = 0.5,
         seed: int = 0,
         failures: FailureSpec | None = None,
+        joins: Sequence[tuple[float, str, Scheduler, Recorder]] = (),
     ) -> None:
         """`recorder`: one per policy. `accuracy`: the chance that a sample is scored correct (reward
         1), drawn per (prompt, sample index) from `seed`: the cluster scores results as the real driver
         does. `failures`: workers die and come back (see `sim.failures`); the cost lands in
         `failure_log`. The engines must start holding what the policies' books say they hold (every
-        policy's version 0: `SimEngine(start_versions=...)`)."""
+        policy's version 0: `SimEngine(start_versions=...)`). `joins`: (virtual seconds, name,
+        scheduler, recorder) of each policy that joins the running set then (`PolicySet.add`, as
+        `tailrace policy join` does: its trainer on devices of its own), the set's room made for them."""
         self.policies = policies if isinstance(policies, PolicySet) else PolicySet(["policy"], [policies])
         n = len(self.policies)
         if len(engines) != len(self.policies.engines):
@@ -123,6 +126,22 @@ class SimCluster:
                 tr.clock = self.failures.arrivals(len(engines) + tr.policy, self.failures.trainer_mtbf_s)
                 tr.fail_at = tr.clock.next()
             self._progress_at_failure, self._failures_since = 0, 0
+        self._joining = len(joins)  # policies still to join: the run is not done before they are
+        for at, name, sched, rec in joins:
+            self.env.process(self._join(at, name, sched, rec))
+
+    def _join(self, at: float, name: str, sched: Scheduler, rec: Recorder):
+        yield self.env.timeout(at)
+        p = self.policies.add(name, sched)
+        self.recs.append(rec)
+        tr = SimTrainer(p, self.env.event())
+        if self.failures is not None:
+            tr.clock = self.failures.arrivals(len(self.engines) + p, self.failures.trainer_mtbf_s)
+            tr.fail_at = tr.clock.next()
+        self.trainers.append(tr)
+        self.env.process(self._trainer_proc(tr))
+        self._joining -= 1
+        self._request_poll()
 
     # a single-policy run's scheduler, recorder and trainer (the first policy's of several)
     @property
@@ -378,7 +397,7 @@ class SimCluster:
             if c.publish is not None:
                 sched.on_published(c.publish, env.now)
             rec.on_trained(self, c, sum(lengths), (t0, t0 + dt), sync)
-            if self.policies.done:
+            if self.policies.done and not self._joining:
                 for r, out in zip(self.recs, self.policies.poll(env.now)):
                     r.record(out)
                 self.done.succeed()

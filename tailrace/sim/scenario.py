@@ -51,7 +51,7 @@ from tailrace.types import Prompt
 
 MAX_AUTO_SLOTS = 256  # vLLM's default max_num_seqs: the cap when slots are sized from KV memory
 # what a policy of a simulated run may set for itself; the rest (cluster, lengths, seed, ...) is the run's
-POLICY_SECTIONS = ("flow", "shaping", "store", "policy_options")
+POLICY_SECTIONS = ("flow", "shaping", "store", "policy_options", "join_at_s")
 
 
 @dataclass
@@ -148,6 +148,11 @@ class Scenario:
         "(e.g. [{name: solver}, {name: verifier, flow: {mode: multiversion}}]); each has its own "
         "scheduler, versions, staleness bound and trainer of cluster.trainer_gpus devices (empty = one)",
     )
+    join_at_s: float = setting(
+        0.0,
+        "a policy's own key (in policies): the virtual second it joins the running run, as tailrace policy "
+        "join does (0 = from the start; at least one policy starts)",
+    )
     failures: FailureSpec = section(FailureSpec, "workers that die and come back (RobustRL's recovery)")
     spec: SpecSim = section(SpecSim, "speculative decoding in the engines (an expected-value model)")
 
@@ -162,6 +167,8 @@ class Scenario:
             raise ConfigError("lengths: give a mapping with kind: constant | lognormal | empirical")
         if self.flow.mode is None:  # as a real run with flow.mode null would run
             self.flow = dataclasses.replace(self.flow, mode=recommended_mode(self.shaping.name)[0])
+        if self.join_at_s < 0:
+            raise ConfigError(f"join_at_s={self.join_at_s}: must be >= 0 virtual seconds")
         if len(self.policy_scenarios()) > 1 and self.cluster.colocated:
             raise ConfigError(
                 f"policies: {len(self.policies)} policies with cluster.colocated=true: the simulator gives "
@@ -298,7 +305,7 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     cost = cost_model(scn)
     slots = engine_slots(scn, cost, lengths)
     pool = [(slots, scn.cluster.lookahead)] * scn.cluster.engines
-    scheds = [
+    scheds: list[Scheduler] = [
         Scheduler(
             policy,
             prompt_stream(lengths, scn.train_size),
@@ -311,7 +318,21 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
         )
         for (_, ps), policy, shaping in zip(named, policies, shapings)
     ]
-    pset = PolicySet([name or "policy" for name, _ in named], scheds, scn.flow.share == "turns")
+    if not scn.policies and scn.join_at_s or all(ps.join_at_s for _, ps in named):
+        raise ConfigError(
+            f"scenario {scn.name}: join_at_s is a policy's own key (in policies), and at least one policy "
+            "starts at 0"
+        )
+    dirs = scn.run_dirs(out_dir) if out_dir is not None else [None] * len(named)
+    recs = [Recorder(d, journal=scn.journal, timeline=len(named) == 1) for d in dirs]
+    # those that start, then those that join (tailrace policy join), in the order they join
+    order = sorted(range(len(named)), key=lambda k: named[k][1].join_at_s)
+    first = [k for k in order if not named[k][1].join_at_s]
+    pset = PolicySet(
+        [named[k][0] or "policy" for k in first], [scheds[k] for k in first], scn.flow.share == "turns",
+        room=len(named),
+    )  # fmt: skip
+    joins = [(named[k][1].join_at_s, named[k][0], scheds[k], recs[k]) for k in order if k not in first]
     kv = cost.kv_capacity_tokens() if scn.cluster.kv_memory else None
     sp = scn.spec
     spec = (sp.alpha, sp.gamma, sp.min_speedup) if sp.alpha > 0 else None
@@ -320,11 +341,10 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
         SimEngine(i, slots, cost, lengths, start_versions=start, kv_tokens=kv, spec=spec)
         for i in range(scn.cluster.engines)
     ]
-    dirs = scn.run_dirs(out_dir) if out_dir is not None else [None] * len(pset)
-    recs = [Recorder(d, journal=scn.journal, timeline=len(pset) == 1) for d in dirs]
     return SimCluster(
-        pset, engines, cost, recs, scn.cluster.colocated, scn.poll_s, scn.accuracy, scn.seed, scn.failures
-    )
+        pset, engines, cost, [recs[k] for k in first], scn.cluster.colocated, scn.poll_s, scn.accuracy,
+        scn.seed, scn.failures, joins,
+    )  # fmt: skip
 
 
 def simulate(scn: Scenario, out_dir: str | Path | None = None) -> dict:

@@ -208,3 +208,28 @@ def test_a_real_run_of_several_policies_is_simulated_one_policy_at_a_time(tmp_pa
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     with pytest.raises(ConfigError, match=r"trained 2 policies: .* --like .*policies/sums"):
         scenario_from_run(tmp_path)
+
+
+def test_a_policy_that_joins_mid_run_starts_then_and_every_ledger_holds():
+    """`join_at_s` (a policy's own key): the policy joins the running set at that virtual second, as
+    `tailrace policy join` does: its first request goes out after it, in its own versions (v * room + p),
+    and it trains all its steps; the run ends when every policy, joiners included, is done."""
+    policies = "[{name: a}, {name: late, join_at_s: 30, flow: {mode: multiversion, steps: 4}}, {name: b}]"
+    cl = build(load_scenario(None, [*SMALL, f"--policies={policies}", "--flow.steps=12"]))
+    sent = []
+    post = cl._post
+    cl._post = lambda engine, c: (sent.append((cl.now, c)), post(engine, c))[1]
+    cl.run()
+    assert cl.policies.names == ("a", "b", "late") and cl.policies.room == 3
+    late = cl.policies[2]
+    assert late.steps_done == 4 and late.ledger.trained == 4 * 16
+    for s in cl.policies:
+        s.ledger.check(s.in_store())
+    gens = [(t, r) for t, c in sent if type(c).__name__ == "Generate" for r in c.requests]
+    mine = [(t, r) for t, r in gens if r.id.startswith("late/")]
+    assert mine and min(t for t, _ in mine) >= 30.0
+    assert all(r.version % 3 == 2 for _, r in mine)
+    assert any(t < 30.0 for t, _ in gens)  # the others ran before it came
+    assert cl.summary["policies"]["late"]["steps"] == 4
+    with pytest.raises(ConfigError, match="at least one policy starts at 0"):
+        build(load_scenario(None, [*SMALL, "--policies=[{name: a, join_at_s: 5}]"]))
