@@ -106,40 +106,40 @@ class SimCluster:
         self.colocated = colocated  # training holds the engines' devices: engines pause while it runs
         self.env = simpy.Environment()
         self.wakes = [self.env.event() for _ in engines]
-        self.trainers = [SimTrainer(p, self.env.event()) for p in range(n)]
+        self.trainers: list[SimTrainer] = []
         self.done = self.env.event()
         self._poll_pending = False
         self.poll_s = poll_s
         self._last_poll = -float("inf")
         self.events = 0
         self._progress = 0  # samples finished and steps trained: failures that let none happen livelock
-        for e in engines:
-            self.env.process(self._engine_proc(e))
-        for tr in self.trainers:
-            self.env.process(self._trainer_proc(tr))
         self.failures = failures if failures is not None and failures.active else None
         self.failure_log = FailureLog()
+        for e in engines:
+            self.env.process(self._engine_proc(e))
+        for p in range(n):
+            self._add_trainer(p)
         if self.failures is not None:
             for e in engines:
                 self.env.process(self._engine_failures(e))
-            for tr in self.trainers:  # worker ids after the engines'
-                tr.clock = self.failures.arrivals(len(engines) + tr.policy, self.failures.trainer_mtbf_s)
-                tr.fail_at = tr.clock.next()
             self._progress_at_failure, self._failures_since = 0, 0
         self._joining = len(joins)  # policies still to join: the run is not done before they are
         for at, name, sched, rec in joins:
             self.env.process(self._join(at, name, sched, rec))
 
-    def _join(self, at: float, name: str, sched: Scheduler, rec: Recorder):
-        yield self.env.timeout(at)
-        p = self.policies.add(name, sched)
-        self.recs.append(rec)
+    def _add_trainer(self, p: int) -> None:
+        """Policy p's trainer, on devices of its own (failures on: its worker id after the engines')."""
         tr = SimTrainer(p, self.env.event())
         if self.failures is not None:
             tr.clock = self.failures.arrivals(len(self.engines) + p, self.failures.trainer_mtbf_s)
             tr.fail_at = tr.clock.next()
         self.trainers.append(tr)
         self.env.process(self._trainer_proc(tr))
+
+    def _join(self, at: float, name: str, sched: Scheduler, rec: Recorder):
+        yield self.env.timeout(at)
+        self.recs.append(rec)
+        self._add_trainer(self.policies.add(name, sched))
         self._joining -= 1
         self._request_poll()
 
