@@ -158,11 +158,14 @@ class Verified:
     def count(self, version: int, adapter: str | None, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
-        for c in [self.by_version.setdefault(version, [0, 0])] + (
-            [self.by_adapter.setdefault(adapter, [0, 0])] if adapter else []
-        ):
-            c[0] += drafted
-            c[1] += accepted
+        _add(self.by_version.setdefault(version, [0, 0]), drafted, accepted)
+        if adapter:
+            _add(self.by_adapter.setdefault(adapter, [0, 0]), drafted, accepted)
+
+
+def _add(counts: list[int], drafted: int, accepted: int) -> None:
+    counts[0] += drafted
+    counts[1] += accepted
 
 
 def _clean(tokens: list[int], vocab_size: int, stop_ids: tuple[int, ...]) -> list[int]:
