@@ -763,10 +763,12 @@ class Driver:
         """A policy asked to join the run or to leave it (tailrace policy join / leave): answered with
         one line, what was done or why not; either way in events.jsonl."""
         msg = asked.msg
-        kind = "policy_join" if isinstance(msg, PolicyJoin) else "policy_leave"
-        name = msg.entry.get("name") if isinstance(msg, PolicyJoin) else msg.name
+        if isinstance(msg, PolicyJoin):
+            kind, name, act = "policy_join", msg.entry.get("name"), partial(self._add_policy, msg.entry)
+        else:
+            kind, name, act = "policy_leave", msg.name, partial(self._stop_policy, msg.name)
         try:
-            line = self._add_policy(msg.entry) if isinstance(msg, PolicyJoin) else self._stop_policy(msg.name)
+            line = act()
         except (ConfigError, InputError, ValueError, KeyError) as e:
             line = one_line(e)
             self._event(Mark(self._now(), f"{kind}_refused", {"policy": name, "why": line}), line)
