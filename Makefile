@@ -46,12 +46,12 @@ $(VLLM_STAMP): bench/vllm-constraints.txt
 vllm: $(VLLM_STAMP)
 
 # make test-vllm: the vLLM backend's tests, with .venv-vllm's interpreter (CI has no vLLM: they skip there).
-# pytest and hypothesis go into .venv-vllm, pinned by constraints.txt; nothing else of tailrace's is needed.
+# pytest, hypothesis and math-verify (the jsonl tasks' reward) go into .venv-vllm, pinned by constraints.txt.
 VLLM_TEST_STAMP := $(VLLM_VENV)/.test-installed
 $(VLLM_TEST_STAMP): $(VLLM_STAMP) constraints.txt
-	$(VLLM_VENV)/bin/pip install -q -c constraints.txt pytest pytest-timeout hypothesis
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt pytest pytest-timeout hypothesis math-verify
 	touch $@
 test-vllm: $(VLLM_TEST_STAMP)
 	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
-		tests/engine/test_vllm_backend.py tests/runtime/test_vllm_e2e.py tests/config/test_config.py \
+		tests/engine/test_vllm_backend.py tests/engine/test_vllm_lora.py tests/runtime/test_vllm_e2e.py tests/config/test_config.py \
 		tests/flow/test_one_version.py

@@ -97,10 +97,11 @@ def check_policies(cfg: RunConfig) -> None:
     """A run of several policies: each policy's config checked as a run's, and what such a run does
     not do yet refused, in one line naming the key."""
     from tailrace.config.load import policy_configs
+    from tailrace.runtime.driver import run_capabilities
 
     r = cfg.rollout
     n = len(cfg.policies)
-    if (r.backend == "vllm" or (r.max_versions == 1 and not cfg.train.lora.rank)) and r.engines < n:
+    if run_capabilities(cfg).versions_at_once == 1 and r.engines < n:
         why = "rollout.backend=vllm" if r.backend == "vllm" else "rollout.max_versions=1"
         raise ConfigError(
             f"policies: {n} policies on engines that hold one weight version at a time ({why}) need an "

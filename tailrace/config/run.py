@@ -415,12 +415,6 @@ class RunConfig:
             "ones; name the run's first policy, e.g. --policies='[{name: main}]'",
         )
         need(
-            not (self.train.lora.rank and self.rollout.backend == "vllm"),
-            f"train.lora.rank={self.train.lora.rank} with rollout.backend=vllm: a LoRA run's engines serve "
-            "each version as an adapter, which the vLLM backend here does not load; use "
-            "rollout.backend=tailrace, or train.lora.rank=0 (whole weights)",
-        )
-        need(
             not (self.store.replay and self.train.loss.correction == "none"),
             f"store.replay={self.store.replay} with train.loss.correction=none: replayed groups are "
             "off-policy and need a correction anchored at the logprobs that sampled them: set "

@@ -27,6 +27,10 @@ What it cannot do (`CAPABILITIES`):
     would have drawn (vLLM's per-request generator starts afresh; the seed is mixed with the resumed
     length, so the continuation does not reuse the noise that drew the partial's first tokens);
   * no speculative decoding.
+With `lora_rank`, it serves LoRA adapters (`load_adapter`, `GenRequest.adapter`; `capabilities.adapters`)
+through vLLM's own LoRA support (`vllm_lora`): rows of up to `max_adapters` adapters share one step's
+forward, the base GEMMs once. A LoRA run's versions are adapters over the one base (`adapter_versions`),
+so such an engine holds as many versions as the run needs.
 Chunked prefill is off: vLLM 0.32 on CPU crashes on a seeded request whose prompt a step splits
 (`torch.Generator.set_offset` is CUDA-only), so a step's token budget is at least `max_context` and a
 prompt is prefilled whole, in the step that samples its first token. A request counts as waiting until
@@ -35,6 +39,7 @@ that first token arrives.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -45,7 +50,9 @@ import torch
 
 from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
+from tailrace.engine.vllm_lora import VLLMAdapters, slot_rank
 from tailrace.model.checkpoint import read_config
+from tailrace.model.lora import Adapter
 from tailrace.types import Capabilities, Finish, GenRequest, GenResult
 
 CAPABILITIES = Capabilities(
@@ -78,6 +85,7 @@ class _Live:
     first_token: float = 0.0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    lora: object = None  # the vLLM LoRARequest it runs with (None: the base)
 
 
 class VLLMEngine:
@@ -97,17 +105,28 @@ class VLLMEngine:
         seed: int = 0,
         threads: int | None = None,
         prefix_caching: bool = True,
+        lora_rank: int = 0,
+        max_adapters: int = 4,
     ):
         """`max_context`: tokens per request, prompt + response (default the model's limit);
         `kv_memory_gb`: vLLM's KV cache in GiB (default 1: vLLM's own default on CPU reserves a share of
         all memory); `prefill_tokens`: tokens per step (vLLM's max_num_batched_tokens; raised to
         `max_context`, see above); `threads`: torch threads (None leaves the caller's); `prefix_caching`: requests
-        sharing a prompt (a group's samples) share its k/v."""
+        sharing a prompt (a group's samples) share its k/v; `lora_rank`: serve LoRA adapters up to this
+        rank (0: none), rows of up to `max_adapters` of them in one step."""
         missing = vllm_available()
         if missing:
             raise EngineError(missing)
-        if num_slots < 1 or prefill_tokens < 1:
-            raise EngineError(f"num_slots={num_slots}, prefill_tokens={prefill_tokens}: both must be >= 1")
+        if num_slots < 1 or prefill_tokens < 1 or max_adapters < 1:
+            raise EngineError(
+                f"num_slots={num_slots}, prefill_tokens={prefill_tokens}, max_adapters={max_adapters}: "
+                "each must be >= 1"
+            )
+        lora = (
+            dict(enable_lora=True, max_loras=max_adapters, max_lora_rank=slot_rank(lora_rank))
+            if lora_rank
+            else {}
+        )
         for k, v in _ENV.items():
             os.environ.setdefault(k, v)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and model in this process
@@ -135,6 +154,7 @@ class VLLMEngine:
                 enforce_eager=True,  # no torch.compile: start-up in seconds, not minutes
                 logprobs_mode="processed_logprobs",
                 kv_cache_memory_bytes=int((kv_memory_gb or 1.0) * 2**30),
+                **lora,
             )
             self._llm = LLMEngine.from_engine_args(args)
         except (ValueError, RuntimeError, OSError) as e:
@@ -149,6 +169,10 @@ class VLLMEngine:
         self._rng = random.Random(seed)
         self._live: dict[str, _Live] = {}
         self._done_next: list[GenResult] = []  # finished without compute, returned by the next step
+        self._adapters = VLLMAdapters(self._llm, lora["max_lora_rank"]) if lora_rank else None
+        self.max_adapters = max_adapters if lora_rank else 0
+        if lora_rank:
+            self.capabilities = dataclasses.replace(CAPABILITIES, adapters=True)
 
     # -- what it holds ------------------------------------------------------------------------------
 
@@ -170,10 +194,33 @@ class VLLMEngine:
     def describe(self) -> str:
         import vllm
 
+        lora = (
+            f"; LoRA up to rank {self._adapters.rank}, {self.max_adapters} adapters a step"
+            if self._adapters
+            else ""
+        )
         return (
             f"vLLM {vllm.__version__}; {self.dtype}; {self.num_slots} slots, max_context {self.max_context}, "
-            f"KV cache {self.kv_memory_gb:g} GiB"
+            f"KV cache {self.kv_memory_gb:g} GiB{lora}"
         )
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return self._adapters.names if self._adapters else ()
+
+    def load_adapter(self, name: str, adapter: Adapter) -> None:
+        """Add a LoRA adapter of the base model under `name`, or replace the weights of the one held
+        under it: requests of it already waiting or running finish on the weights they started with."""
+        if self._adapters is None:
+            raise EngineError(
+                "load_adapter: this vLLM engine serves no adapters; build it with lora_rank > 0"
+            )
+        self._adapters.load(name, adapter)
+
+    def drop_adapter(self, name: str) -> None:
+        if self._adapters is None:
+            raise EngineError(f"drop_adapter({name!r}): this vLLM engine serves no adapters")
+        self._adapters.drop(name)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -183,7 +230,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        check_request(req, self._live, self.versions, self.max_context, self.vocab_size)
+        check_request(req, self._live, self.versions, self.max_context, self.vocab_size, self.adapters)
         p, n_res = req.params, len(req.resume_ids)
         now = time.perf_counter()
         allowed = p.max_new_tokens - n_res
@@ -206,8 +253,9 @@ class VLLMEngine:
             output_kind=RequestOutputKind.DELTA,
         )
         prompt = TokensPrompt(prompt_token_ids=list(req.prompt_ids + req.resume_ids))
-        self._llm.add_request(req.id, prompt, params)
-        self._live[req.id] = _Live(req, now)
+        lora = self._adapters.take(req.adapter) if self._adapters else None
+        self._llm.add_request(req.id, prompt, params, lora_request=lora)
+        self._live[req.id] = _Live(req, now, lora=lora)
 
     def step(self) -> StepEvent:
         t0 = time.perf_counter()
@@ -232,6 +280,7 @@ class VLLMEngine:
                 s.logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
             if out.finished:
                 del self._live[out.request_id]
+                self._release(s)
                 finished.append(_result(s, _FINISH.get(c.finish_reason, Finish.LENGTH), now))
         return StepEvent(t0, now - t0, active, prefill, decoded, tuple(advanced), tuple(finished))
 
@@ -244,7 +293,12 @@ class VLLMEngine:
                 "or never added); abort only requests that are waiting or running"
             )
         self._llm.abort_request([request_id])
+        self._release(s)
         return _result(s, Finish.ABORTED, time.perf_counter())
+
+    def _release(self, s: _Live) -> None:
+        if self._adapters is not None:
+            self._adapters.release(s.lora)
 
     def peek(self, request_id: str) -> GenResult:
         """A waiting or running request's tokens so far (finish=ABORTED), the request left running."""
@@ -268,7 +322,7 @@ class VLLMEngine:
         if len(set(ids)) != len(ids):
             raise EngineError("generate() got a request id twice; give each request a unique id")
         for r in requests:
-            check_request(r, (), self.versions, self.max_context, self.vocab_size)
+            check_request(r, (), self.versions, self.max_context, self.vocab_size, self.adapters)
         for r in requests:
             self.add(r)
         results: dict[str, GenResult] = {}

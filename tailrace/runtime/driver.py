@@ -316,7 +316,8 @@ class Driver:
             backend=r.backend, keep_finished=r.keep_kv and self.tools is not None and self.spec is None,
             max_versions=r.max_versions,
             lora_alpha=self.cfg.train.lora.alpha if self.cfg.train.lora.rank else None,
-            lora_init=self.cfg.train.lora.init,
+            lora_init=self.cfg.train.lora.init, lora_rank=self.cfg.train.lora.rank,
+            max_adapters=self.weights.slots - self.sched.room,  # each policy's max_staleness + 2 versions
         )  # fmt: skip
 
     def close(self) -> None:
@@ -1075,8 +1076,8 @@ def run_capabilities(cfg: RunConfig) -> Capabilities:
     """What the run's engines can do. A LoRA run's versions are adapters over one base
     (`engine.adapter_versions`): as many as the mode needs, whatever `rollout.max_versions`."""
     r = cfg.rollout
-    max_versions = None if cfg.train.lora.rank else r.max_versions
-    return capabilities(r.backend, speculative=r.spec.drafter != "none", max_versions=max_versions)
+    caps = capabilities(r.backend, speculative=r.spec.drafter != "none", max_versions=r.max_versions)
+    return replace(caps, versions_at_once=None, adapters=True) if cfg.train.lora.rank else caps
 
 
 def with_mode(cfg: RunConfig) -> tuple[RunConfig, str | None]:

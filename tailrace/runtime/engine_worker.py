@@ -59,6 +59,8 @@ class EngineSpec:
     max_versions: int | None = None  # rollout.max_versions (tailrace's engine; vLLM holds one regardless)
     lora_alpha: float | None = None  # train.lora: versions are adapters over the model (None: whole weights)
     lora_init: str | None = None  # train.lora.init: the adapter of version 0 (None: the model itself)
+    lora_rank: int = 0  # train.lora.rank: vLLM's LoRA slots are sized to it (tailrace's engine needs nothing)
+    max_adapters: int = 4  # vLLM: versions (adapters) whose rows share one step
 
 
 def engine_main(
@@ -157,7 +159,14 @@ def _build(spec: EngineSpec) -> Engine:
         kv_memory_gb=spec.kv_memory_gb,
     )
     if spec.backend == "vllm":
-        return build_engine(spec.model_path, backend="vllm", dtype=spec.dtype, threads=spec.threads, **common)
+        lora = (
+            dict(lora_rank=spec.lora_rank, max_adapters=spec.max_adapters)
+            if spec.lora_alpha is not None
+            else {}
+        )
+        return build_engine(
+            spec.model_path, backend="vllm", dtype=spec.dtype, threads=spec.threads, **lora, **common
+        )
     model = load_pretrained(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     return build_engine(
         model,
