@@ -3,6 +3,7 @@ tenant, on the same engine, one run, one table (#19 item 3, first figure).
 
     .venv/bin/python bench/tenants.py                 # tenants 1, 4, 8 (writes bench/out/tenants.json)
     .venv/bin/python bench/tenants.py --quick         # smoke run: tenants 1 and 4, fewer requests
+    PYTHONPATH=. .venv-vllm/bin/python bench/tenants.py --backend vllm   # the same on vLLM's LoRA (make vllm)
 
 The model is the default tailrace architecture (the warm start's shape: hidden 128, 4 layers, 0.8M
 parameters) with seeded random weights; each tenant has its own seeded random LoRA adapter (rank
@@ -19,7 +20,9 @@ bench/engine.py's continuous-batching workload), temperature 1, no stop tokens. 
 samples/s = requests / wall seconds, best of `--repeats` runs taken in turn; tokens/s likewise; a second
 table divides by the CPU seconds of the thread instead (the comparable figure on a shared machine);
 **slot use** = decode rows per step / slots, averaged over steps weighted by their time (the engine's
-utilization); **engine steps** per arm, which do not depend on the machine's load. The 1-minute load
+utilization); with `--backend vllm` the engine is vLLM serving the adapters through its own LoRA support
+(punica; on CPU `PunicaWrapperCPU`), the base saved as a checkpoint it loads; **engine steps** per arm,
+which do not depend on the machine's load. The 1-minute load
 average is printed: the machine may be shared.
 """
 
@@ -31,6 +34,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,9 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 from tailrace.config import ArchConfig  # noqa: E402
 from tailrace.config.train import LoraConfig  # noqa: E402
-from tailrace.engine import TailraceEngine  # noqa: E402
+from tailrace.engine import TailraceEngine, build_engine  # noqa: E402
 from tailrace.model import lora  # noqa: E402
-from tailrace.model.checkpoint import load_pretrained  # noqa: E402
+from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from tailrace.model.decoder import CausalLM  # noqa: E402
 from tailrace.runtime import warmstart  # noqa: E402
 from tailrace.tokenizer import char_tokenizer  # noqa: E402
@@ -62,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", help="a local HF checkpoint as the base (e.g. SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--attention", default="auto", help="the engine backend: auto (kernel), kernel, bmm")
+    p.add_argument("--backend", default="tailrace", choices=["tailrace", "vllm"], help="the rollout engine")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each arm (best of), interleaved")
     p.add_argument("--quick", action="store_true", help="tenants 1,4; 8 requests each; 1 repeat")
@@ -108,7 +113,19 @@ def workload(n_tenants: int, per_tenant: int, vocab: int, seed: int = 0) -> list
     return out
 
 
-def run(eng: TailraceEngine, batches: list[list[GenRequest]]) -> dict:
+def engine(a: argparse.Namespace, base: CausalLM, n_adapters: int):
+    """tailrace's engine over `base`, or vLLM loading it from a scratch checkpoint, serving LoRA adapters."""
+    if a.backend == "tailrace":
+        return TailraceEngine(base, num_slots=a.slots, dtype=a.dtype, attention=a.attention, seed=0)
+    path = Path(tempfile.mkdtemp(prefix="tenants-base-"))
+    save_pretrained(base, path)
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}[a.dtype]
+    return build_engine(path, backend="vllm", num_slots=a.slots, dtype=dtype, seed=0, threads=a.threads,
+                        max_context=PROMPT_TOKENS + 256, kv_memory_gb=0.5, lora_rank=a.rank,
+                        max_adapters=n_adapters)  # fmt: skip
+
+
+def run(eng, batches: list[list[GenRequest]]) -> dict:
     """The batches one after another (each to its last result); wall time, tokens, slot use."""
     t0, c0 = time.perf_counter(), time.thread_time()
     tokens = samples = steps = 0
@@ -141,7 +158,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     base = load_pretrained(a.model).eval() if a.model else base_model(a.hidden)
     tenants = [int(x) for x in a.tenants.split(",")]
-    eng = TailraceEngine(base, num_slots=a.slots, dtype=a.dtype, attention=a.attention, seed=0)
+    eng = engine(a, base, max(tenants))
     for t in range(max(tenants)):
         eng.load_adapter(f"t{t}", adapter(base, a.rank, seed=100 + t))
     load = os.getloadavg()[0]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tailrace.records import Finished, Mark, StepRecord, read_events, read_journal, read_metrics
+
 TINY_ARCH = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 TINY_SFT = dict(
     examples=600,
@@ -213,3 +215,29 @@ def digits(tmp_path) -> str:
     rows = [{"question": f"q{i}: a={i % 9 + 1} b=0. a+b?", "answer": str(i % 9 + 1)} for i in range(200)]
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return f"--task.name=jsonl:{f}"
+
+
+def assert_exact(run_dir, steps: int):
+    """Every step once, every finished trajectory once, each trained group trained once and whole,
+    and the ledger's identity: checked against the journal, not only the ledger's own counts. A step
+    issued by a driver that died before it was checkpointed is issued again by the resumed driver:
+    the later issue is the step's (as the report reads them)."""
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
+    assert [r.step for r in records] == list(range(steps))
+    done = [(e.trajectory.group, e.trajectory.sample_index) for e in read_journal(run_dir / "journal.jsonl")
+            if isinstance(e, Finished)]  # fmt: skip
+    assert len(done) == len(set(done)), "a trajectory was finished twice"
+    issued = {m.data["step"]: m.data["groups"] for m in read_events(run_dir / "events.jsonl")
+              if isinstance(m, Mark) and m.kind == "train_issued"}  # fmt: skip
+    assert sorted(issued) == list(range(steps))  # a step a resumed driver issued again: its groups count
+    trained = [g for groups in issued.values() for g in groups]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    per_group = {g: sum(1 for d, _ in done if d == g) for g in trained}
+    ledger = records[-1].ledger
+    assert ledger["trained"] == sum(per_group.values()) == sum(r.samples for r in records)
+    assert ledger["produced"] == len(done)
+    assert ledger["produced"] == ledger["trained"] + ledger["in_store"] + sum(ledger["discarded"].values())
+
+
+def recoveries(run_dir):
+    return [m for m in read_events(run_dir / "events.jsonl") if isinstance(m, Mark) and m.kind == "recovery"]

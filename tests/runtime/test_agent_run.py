@@ -30,7 +30,7 @@ def call(url: str, path: str, body: dict, token: str = TOKEN) -> tuple[int, dict
 def train_beside(agent, model: Path, run: Path, steps: int) -> threading.Thread:
     """`tailrace train --flow.mode=external` for `steps` steps with `agent()` in a thread beside it; the
     run ends exact (every group trained once, the ledger whole). Returns the agent's thread."""
-    from tests.runtime.test_recovery import assert_exact
+    from tests.runtime.conftest import assert_exact
 
     t = threading.Thread(target=agent, daemon=True)
     t.start()
@@ -97,7 +97,7 @@ class Agent(threading.Thread):
 
 
 def test_an_external_agents_groups_train_a_run_exactly(tiny_model, tmp_path):
-    from tests.runtime.test_recovery import assert_exact
+    from tests.runtime.conftest import assert_exact
 
     run = tmp_path / "run"
     agent = Agent(run)
@@ -139,7 +139,7 @@ def test_an_agent_trains_one_policy_of_a_run_beside_one_that_makes_its_own_group
     """A solver trained by an external agent (its requests name it as their model) beside a sync policy
     of the task's on the same engines: the endpoint lists both policies and refuses a model naming
     neither; both policies end exact, each its own steps."""
-    from tests.runtime.test_recovery import assert_exact
+    from tests.runtime.conftest import assert_exact
 
     run = tmp_path / "run"
     agent = Agent(run, model="solver", checks=False)

@@ -216,9 +216,8 @@ def test_a_lora_run_replaces_a_lost_engine_and_trainer_exactly(tiny_model, tmp_p
     import os
     import signal
 
-    from tests.runtime.conftest import start_cli, wait_for_steps, workers_of
+    from tests.runtime.conftest import assert_exact, recoveries, start_cli, wait_for_steps, workers_of
     from tests.runtime.test_faults import finish
-    from tests.runtime.test_recovery import assert_exact, recoveries
     from tests.runtime.test_recovery_modes import wait_for_recovery
 
     run = tmp_path / "run"

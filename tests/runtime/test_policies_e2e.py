@@ -95,7 +95,7 @@ def test_each_policy_trains_with_data_parallel_ranks_of_its_own(tiny_model, tmp_
     cores as single processes do. Both policies end exact. (That a step of two ranks equals the one
     process's is test_train_e2e's.) The tiny model earns no reward, so a KL penalty makes every step
     compute."""
-    from tests.runtime.test_recovery import assert_exact
+    from tests.runtime.conftest import assert_exact
 
     run = tmp_path / "run"
     argv = [
@@ -161,7 +161,7 @@ def test_a_multi_turn_policy_trains_beside_a_single_turn_one(tool_model, tmp_pat
     samples continue under its own policy's versions (a token of another's fails the run), and both
     policies finish every step once, exact."""
     from tailrace.tokenizer import char_tokenizer
-    from tests.runtime.test_recovery import assert_exact
+    from tests.runtime.conftest import assert_exact
 
     run = tmp_path / "run"
     calc = "{name: calc, task: {name: chaincalc}, flow: {mode: multiversion}, eval: {max_new_tokens: 96}}"
@@ -202,9 +202,8 @@ def test_a_lost_engine_and_a_lost_trainer_leave_every_policy_exact(tiny_model, t
     import os
     import signal
 
-    from tests.runtime.conftest import start_cli, wait_for_steps, workers_of
+    from tests.runtime.conftest import assert_exact, recoveries, start_cli, wait_for_steps, workers_of
     from tests.runtime.test_faults import finish
-    from tests.runtime.test_recovery import assert_exact, recoveries
 
     run = tmp_path / "run"
     p = start_cli(
@@ -265,7 +264,7 @@ def test_a_run_of_several_policies_resumes_policy_by_policy(two_policies, tmp_pa
     to the run that never stopped), or, finished already, waits for b untouched."""
     import shutil
 
-    from tests.runtime.test_recovery import assert_exact
+    from tests.runtime.conftest import assert_exact
 
     run = shutil.copytree(two_policies, tmp_path / "run")
     before = {n: (run / "policies" / n / "metrics.jsonl").read_text() for n in ("a", "b")}
@@ -315,8 +314,7 @@ def test_a_resume_of_several_policies_refuses_an_edited_policy_and_a_finished_ru
 def test_a_supervised_run_of_several_policies_survives_its_driver_killed(tiny_model, tmp_path):
     """`--supervise`: the driver killed with -9 mid-run is resumed, each policy from its own checkpoint
     (or from the start), and every policy ends exact."""
-    from tests.runtime.conftest import start_cli
-    from tests.runtime.test_recovery import assert_exact, recoveries
+    from tests.runtime.conftest import assert_exact, recoveries, start_cli
     from tests.runtime.test_supervise import assert_resumed_once, kill_the_driver
 
     run = tmp_path / "run"
@@ -371,7 +369,7 @@ def test_two_policies_share_engines_that_hold_one_version_each_serving_one_polic
     training. The held-out evaluations load each policy's weights on every engine in turn (base,
     final, and a snapshot's); every policy ends exact, each evaluation under its own version."""
     from tailrace.records import Mark, read_events
-    from tests.runtime.test_recovery import assert_exact
+    from tests.runtime.conftest import assert_exact
 
     run = tmp_path / "run"
     argv = [

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from tailrace.records import Span, StepRecord, read_events, read_metrics
-from tests.runtime.conftest import TINY_RUN, one_line, run
-from tests.runtime.test_recovery import assert_exact, recoveries
+from tests.runtime.conftest import TINY_RUN, assert_exact, one_line, recoveries, run
 
 pytestmark = pytest.mark.slow
 

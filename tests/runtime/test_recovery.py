@@ -9,40 +9,22 @@ import signal
 
 import pytest
 
-from tailrace.records import Finished, Mark, StepRecord, read_events, read_journal, read_metrics
+from tailrace.records import read_metrics
 from tailrace.report.html import write_report
-from tests.runtime.conftest import TINY_RUN, checkpoints, start_cli, wait_for_steps, workers_of
+from tests.runtime.conftest import (
+    TINY_RUN,
+    assert_exact,
+    checkpoints,
+    recoveries,
+    start_cli,
+    wait_for_steps,
+    workers_of,
+)
 from tests.runtime.test_faults import finish
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-
-
-def assert_exact(run_dir, steps=STEPS):
-    """Every step once, every finished trajectory once, each trained group trained once and whole,
-    and the ledger's identity: checked against the journal, not only the ledger's own counts. A step
-    issued by a driver that died before it was checkpointed is issued again by the resumed driver:
-    the later issue is the step's (as the report reads them)."""
-    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
-    assert [r.step for r in records] == list(range(steps))
-    done = [(e.trajectory.group, e.trajectory.sample_index) for e in read_journal(run_dir / "journal.jsonl")
-            if isinstance(e, Finished)]  # fmt: skip
-    assert len(done) == len(set(done)), "a trajectory was finished twice"
-    issued = {m.data["step"]: m.data["groups"] for m in read_events(run_dir / "events.jsonl")
-              if isinstance(m, Mark) and m.kind == "train_issued"}  # fmt: skip
-    assert sorted(issued) == list(range(steps))  # a step a resumed driver issued again: its groups count
-    trained = [g for groups in issued.values() for g in groups]
-    assert len(trained) == len(set(trained)), "a group was trained twice"
-    per_group = {g: sum(1 for d, _ in done if d == g) for g in trained}
-    ledger = records[-1].ledger
-    assert ledger["trained"] == sum(per_group.values()) == sum(r.samples for r in records)
-    assert ledger["produced"] == len(done)
-    assert ledger["produced"] == ledger["trained"] + ledger["in_store"] + sum(ledger["discarded"].values())
-
-
-def recoveries(run_dir):
-    return [m for m in read_events(run_dir / "events.jsonl") if isinstance(m, Mark) and m.kind == "recovery"]
 
 
 def test_lost_workers_are_replaced_and_the_run_finishes_exact(tiny_model, tmp_path):
@@ -72,7 +54,7 @@ def test_lost_workers_are_replaced_and_the_run_finishes_exact(tiny_model, tmp_pa
     assert "engine0 process is stuck: no heartbeat for" in recoveries(run_dir)[0].data["detail"]
     assert out.count("recovered: ") == 2
     assert recoveries(run_dir)[-1].data["replayed"] == 2  # steps 4 and 5, after the checkpoint of step 3
-    assert_exact(run_dir)
+    assert_exact(run_dir, STEPS)
     assert json.loads((checkpoints(run_dir)[-1] / "trainer.json").read_text())["step"] == STEPS
     assert "2 workers replaced" in write_report(run_dir).read_text()
 

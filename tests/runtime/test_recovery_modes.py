@@ -11,9 +11,8 @@ import time
 import pytest
 
 from tailrace.records import Mark, read_events
-from tests.runtime.conftest import TINY_RUN, start_cli, wait_for_steps, workers_of
+from tests.runtime.conftest import TINY_RUN, assert_exact, recoveries, start_cli, wait_for_steps, workers_of
 from tests.runtime.test_faults import finish
-from tests.runtime.test_recovery import assert_exact, recoveries
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,8 @@ import pytest
 
 from tailrace.runtime.recovery import describe
 from tailrace.runtime.supervisor import LOST_ENV, DriverLost, finished, lost_driver
-from tests.runtime.conftest import TINY_RUN, start_cli, wait_for_steps
+from tests.runtime.conftest import TINY_RUN, assert_exact, recoveries, start_cli, wait_for_steps
 from tests.runtime.test_faults import finish
-from tests.runtime.test_recovery import assert_exact, recoveries
 
 STEPS = 5
 

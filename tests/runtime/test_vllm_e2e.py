@@ -11,6 +11,8 @@ pytest.importorskip("vllm")
 from tailrace.records import Finished, read_journal  # noqa: E402
 from tests.runtime.conftest import TINY_ARCH, TINY_RUN, TINY_SFT, run  # noqa: E402
 
+run_cli = run
+
 
 @pytest.fixture(scope="module")
 def tiny32(tmp_path_factory):
@@ -49,3 +51,47 @@ def test_modes_a_one_version_engine_cannot_serve_are_refused_before_anything_sta
                   *mode)  # fmt: skip
     assert rc == 2 and len(out.splitlines()) == 1
     assert "one weight version at a time" in out and "flow.placement=dedicated" in out
+
+
+def test_two_lora_policies_train_on_one_vllm_engine_in_multiversion(tiny32, tmp_path, digits, capfd):
+    """A LoRA run on vLLM: each version of each policy is an adapter over the base vLLM loaded once
+    (vLLM's LoRA), so the engine holds several versions and multiversion runs on it. Both policies
+    train every step, and vLLM's logprobs agree with each trainer's under its own adapter."""
+    from tests.runtime.test_lora_e2e import LORA, gaps_small, step_records
+
+    run = tmp_path / "r"
+    policies = "[{name: sums}, {name: other, seed: 7, flow: {mode: pipe}}]"
+    rc, out = run_cli(capfd, "train", f"--run-dir={run}", f"--model.path={tiny32}", *TINY_RUN, *LORA, digits,
+                      "--rollout.backend=vllm", "--flow.mode=multiversion", f"--policies={policies}")  # fmt: skip
+    assert rc == 0, out
+    assert "LoRA up to rank 8" in out
+    for name in ("sums", "other"):
+        steps = step_records(run / "policies" / name)
+        assert len(steps) == 4 and steps[-1]["ledger"]["trained"] == 32 * 4
+        assert gaps_small(steps), [s["train"]["logprob_gap_max"] for s in steps]
+    trajs = [
+        e.trajectory
+        for e in read_journal(run / "policies" / "sums" / "journal.jsonl")
+        if isinstance(e, Finished)
+    ]
+    assert len({t.dispatch_version for t in trajs}) > 1
+
+
+def test_two_policies_on_vllm_engines_each_serving_one_of_them(tiny32, tmp_path, capfd):
+    """Whole weights on one-version vLLM engines: engine k serves policy k (each holds one set of
+    weights), the held-out evaluations load each policy's weights in turn; both policies end exact,
+    sampled under their own weights (vLLM's logprobs agree with each trainer's at every step: the KL
+    penalty makes every step compute)."""
+    from tests.runtime.conftest import assert_exact
+    from tests.runtime.test_lora_e2e import step_records
+
+    run = tmp_path / "r"
+    rc, out = run_cli(capfd, "train", f"--run-dir={run}", f"--model.path={tiny32}", *TINY_RUN,
+                      "--train.loss.kl_coef=0.01", "--rollout.backend=vllm", "--rollout.engines=2", "--flow.mode=sync",
+                      "--policies=[{name: a}, {name: b, seed: 7, flow: {mode: pipe}}]")  # fmt: skip
+    assert rc == 0, out
+    assert out.count("vLLM 0.32") >= 2
+    for name in ("a", "b"):
+        assert_exact(run / "policies" / name, steps=4)
+        steps = step_records(run / "policies" / name)
+        assert all(s["train"]["logprob_gap_max"] < 1e-2 for s in steps), steps
