@@ -6,6 +6,11 @@ the step time broken into training and the rest; trainer waiting and rollout bub
 staleness of the trained samples; and the response-length distribution. A table gives the figures
 a user compares runs by: final accuracy, wall time, steps per hour, and the wall time to reach a
 target accuracy (by default the lowest final accuracy among the runs minus 2 points).
+
+A policy that joined a running run (`tailrace policy join`) keeps its records on its own clock, from
+its join: the accuracy-against-time plot moves it to the run's clock (the `policy_join` event in the
+run's events.jsonl says where its clock starts), and the table gives the time it joined; its wall time
+and time to target stay its own.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import matplotlib.pyplot as plt
 
 from tailrace.common import ConfigError
 from tailrace.metrics import time_to_accuracy
-from tailrace.records import EvalRecord, Finished, StepRecord, read_journal, read_metrics
+from tailrace.records import EvalRecord, Finished, Mark, StepRecord, read_events, read_journal, read_metrics
 from tailrace.report.html import _png
 
 
@@ -28,6 +33,7 @@ class Run:
     steps: list[StepRecord]
     evals: list[EvalRecord]
     lengths: list[int]
+    joined_s: float = 0.0  # where its clock starts on the run's (a policy that joined the run)
 
     @classmethod
     def read(cls, path: Path) -> Run:
@@ -42,6 +48,7 @@ class Run:
             [m for m in metrics if isinstance(m, StepRecord)],
             sorted((m for m in metrics if isinstance(m, EvalRecord)), key=lambda e: e.step),
             lengths,
+            joined_at(path),
         )
 
     @property
@@ -60,6 +67,18 @@ class Run:
         return time_to_accuracy([(e.wall_s, e.accuracy) for e in self.evals], target)
 
 
+def joined_at(path: Path) -> float:
+    """When the policy whose directory is `path` (RUN/policies/NAME) joined its run, on the run's clock;
+    0 for a run's own policies and for a plain run."""
+    events = path.parent.parent / "events.jsonl"
+    if path.parent.name != "policies" or not events.is_file():
+        return 0.0
+    for m in read_events(events):
+        if isinstance(m, Mark) and m.kind == "policy_join" and m.data.get("policy") == path.name:
+            return float(m.data.get("clock_s", m.t))
+    return 0.0
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -67,8 +86,9 @@ def _mean(xs: list[float]) -> float:
 def curves(runs: list[Run]) -> str:
     fig, ax = plt.subplots(1, 3, figsize=(15, 3.6))
     for r in runs:
+        label = f"{r.name} (joined at {r.joined_s:.0f} s)" if r.joined_s else r.name
         (line,) = ax[0].plot(
-            [e.wall_s for e in r.evals], [e.accuracy for e in r.evals], marker="o", label=r.name
+            [r.joined_s + e.wall_s for e in r.evals], [e.accuracy for e in r.evals], marker="o", label=label
         )
         ax[1].plot(
             [e.step for e in r.evals], [e.accuracy for e in r.evals], marker="o", color=line.get_color()
@@ -76,7 +96,7 @@ def curves(runs: list[Run]) -> str:
         ax[2].plot(
             [s.step + 1 for s in r.steps], [s.reward for s in r.steps], color=line.get_color(), alpha=0.7
         )
-    for a, x, y in zip(ax, ("wall s (publication of the evaluated version)", "step", "step"),
+    for a, x, y in zip(ax, ("run's wall s (publication of the evaluated version)", "step", "step"),
                        ("held-out accuracy", "held-out accuracy", "training-batch reward")):  # fmt: skip
         a.set_xlabel(x)
         a.set_ylabel(y)
@@ -131,13 +151,14 @@ def table(runs: list[Run], target: float) -> str:
         return "-" if x is None else format(x, fmt)
 
     rows = "".join(
-        f"<tr><td>{html.escape(r.name)}</td><td>{len(r.steps)}</td><td>{r.wall_s:.1f}</td>"
+        f"<tr><td>{html.escape(r.name)}</td><td>{r.joined_s:.1f}</td><td>{len(r.steps)}</td><td>{r.wall_s:.1f}</td>"
         f"<td>{len(r.steps) / r.wall_s * 3600 if r.wall_s else 0:.0f}</td>"
         f"<td>{cell(r.final_accuracy, '.3f')}</td><td>{cell(r.time_to(target), '.1f')}</td></tr>"
         for r in runs
     )
     return (
-        "<table><tr><th>run</th><th>steps</th><th>wall s</th><th>steps/h</th><th>final accuracy</th>"
+        "<table><tr><th>run</th><th>joined at s</th><th>steps</th><th>wall s</th><th>steps/h</th>"
+        "<th>final accuracy</th>"
         f"<th>s to {target:.3f}</th></tr>{rows}</table>"
     )
 

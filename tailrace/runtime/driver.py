@@ -775,7 +775,10 @@ class Driver:
             self._event(Mark(self._now(), f"{kind}_refused", {"policy": name, "why": line}), line)
             asked.answer(False, line)
             return
-        self._event(Mark(self._now(), kind, {"policy": name}), line)
+        data = {"policy": name}
+        if kind == "policy_join":  # its step and eval records' clock starts here on the run's
+            data["clock_s"] = self.pols[-1].util.start - self.t0
+        self._event(Mark(self._now(), kind, data), line)
         asked.answer(True, line)
 
     def _add_policy(self, entry: dict) -> str:

@@ -94,7 +94,14 @@ def test_a_policy_joins_a_running_lora_run_and_another_leaves(tiny_model, tmp_pa
     for d, n in ((main, n_main), (solver, 3)):
         assert {r["tag"] for r in records(d, "eval")} == {"base", "final"}
         assert (d / "checkpoints" / f"step_{n:06d}" / "adapter" / "adapter_model.safetensors").is_file()
-    assert [m["policy"] for m in mark(run, "policy_join")] == ["solver"]
+    (joined,) = mark(run, "policy_join")
+    assert joined["policy"] == "solver" and 0 < joined["clock_s"] <= joined["t"]
+    # the comparison puts the joiner on the run's clock, from where its own starts
+    from tailrace.report.compare import Run, write_comparison
+
+    assert Run.read(main).joined_s == 0.0 and Run.read(solver).joined_s == joined["clock_s"]
+    page = write_comparison([main, solver], tmp_path / "compare.html").read_text()
+    assert f"<td>solver</td><td>{joined['clock_s']:.1f}</td>" in page
     # staleness, endpoint, the stopped trainer (the others never reached the run)
     assert [m["policy"] for m in mark(run, "policy_join_refused")] == ["solver", "agent", "solver"]
     assert [
