@@ -291,6 +291,10 @@ class PolicySet:
             self.on_replaced(engine)
         self._scheds[p].on_loaded(engine, v, now)
 
+    def on_load_missed(self, engine: int, version: int, now: float) -> None:
+        p, v = self.policy_version(version)
+        self._scheds[p].on_load_missed(engine, v, now)
+
     def on_replaced(self, engine: int) -> None:
         """(One-version engines) engine `engine` now holds weights no policy asked for (an evaluation's):
         no policy's books hold any of their versions there (its owner's next poll loads its own)."""

@@ -8,6 +8,7 @@ the same object through one surface:
     ... execute out.commands, record out.journal and out.marks, wait for something to happen ...
     sched.on_results(engine, results, scores, now)   # engine results + the rewards of finished ones
     sched.on_trained(step, now) | on_published(version, now) | on_loaded(engine, version, now)
+    | on_load_missed(engine, version, now)
     sched.on_observation(request_id, tokens, now)     # a tool answered a parked multi-turn sample
 
 The scheduler owns a sample's whole lifecycle: it builds each engine request once (the run's
@@ -393,6 +394,17 @@ class Scheduler(SchedulerState):
         e.loading.discard(version)
         e.loaded.add(version)
         self.mark("loaded", engine=engine, version=version)
+
+    def on_load_missed(self, engine: int, version: int, now: float) -> None:
+        """`engine` could not load `version`: newer versions had replaced its weights before it read
+        them (an engine that joined reads them over the wire, and may be slow to). It holds what it held
+        (on a one-version engine: nothing in the books); the next poll asks it for what it needs now
+        (`_provision`: the newest where it holds nothing)."""
+        self.now = now
+        if engine in self.departed:
+            return
+        self._by_id[engine].loading.discard(version)
+        self.mark("load_missed", engine=engine, version=version)
 
     def on_engine_steps(self, steps: int, decode_tokens: int, prefill_tokens: int, busy_s: float) -> None:
         """An engine's step counts and busy seconds since its last report (what shaping may size its

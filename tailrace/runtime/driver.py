@@ -903,6 +903,8 @@ class Driver:
                 continue
             self.events.write(Span(lane, "sync", t0 - self.t0, t1 - self.t0, version=v))
             self.sched.on_loaded(rep.engine, v, self._now())
+        for v in rep.missed:
+            self.sched.on_load_missed(rep.engine, v, self._now())
         for v, t0, t1 in rep.received:  # a collective's receive, beside the engine's work
             self.events.write(Span(lane, "receive", t0 - self.t0, t1 - self.t0, version=v))
         mine = []

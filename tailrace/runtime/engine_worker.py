@@ -28,7 +28,7 @@ from tailrace.model.flat import flatten_parameters
 from tailrace.model.lora import ADAPTER_DIR, load_peft
 from tailrace.runtime.messages import EngineReport, Go, History, Ready, Shutdown, Stats
 from tailrace.runtime.procs import pin, release_memory
-from tailrace.runtime.weights import SharedWeights
+from tailrace.runtime.weights import SharedWeights, VersionGone
 from tailrace.runtime.workers import serving
 
 IDLE_SLICE_S = 0.05  # drafter training per call while the engine is idle, between polls of the inbox
@@ -99,7 +99,7 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
         engine.drop_version(0)  # (unless a one-version engine replaced it)
         release_memory()
     conn.send(Ready(max(spec.start_versions, default=-1)))  # -1: none (an engine that joined a run)
-    stats, results, loaded = Stats(), [], []
+    stats, results, loaded, missed = Stats(), [], [], []
     last = time.perf_counter()
     learning = False  # a trained drafter used the last idle slice: the inbox is polled between slices
     while True:
@@ -115,7 +115,12 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
                 results.extend(engine.abort(rid) for rid in msg.request_ids if rid in engine)
             elif isinstance(msg, LoadWeights):
                 t0 = time.perf_counter()
-                engine.load_weights(weights.read(msg.version).views(), msg.version)
+                try:
+                    state = weights.read(msg.version).views()
+                except VersionGone:  # newer versions replaced it before this engine read it
+                    missed.append(msg.version)
+                    continue
+                engine.load_weights(state, msg.version)
                 if placeholder not in (None, msg.version) and placeholder in engine.versions:
                     engine.drop_version(placeholder)
                     release_memory()
@@ -143,9 +148,9 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
             if learning:
                 stats.add_training(done)
         now = time.perf_counter()
-        if results or loaded or ((stats.steps or stats.train[0]) and now - last >= report_s):
-            conn.send(EngineReport(engine_id, results, stats, loaded, now, weights.arrivals()))
-            stats, results, loaded, last = Stats(), [], [], now
+        if results or loaded or missed or ((stats.steps or stats.train[0]) and now - last >= report_s):
+            conn.send(EngineReport(engine_id, results, stats, loaded, now, weights.arrivals(), missed))
+            stats, results, loaded, missed, last = Stats(), [], [], [], now
 
 
 def _build(spec: EngineSpec) -> Engine:

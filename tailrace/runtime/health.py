@@ -46,7 +46,8 @@ class Pulse(threading.Thread):
 
 @dataclass(frozen=True)
 class Lost:
-    """A worker the driver no longer has: `cause` is "died" or "stuck"; `line` says how, for a person."""
+    """A worker the driver no longer has: `cause` is "died", "stuck" or (an engine that joined the run)
+    "failed"; `line` says how, for a person."""
 
     worker: str
     cause: str

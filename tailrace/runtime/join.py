@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tailrace.common import Fault, InputError, one_line
+from tailrace.runtime.weights import VersionGone
 
 LOOPBACK = "127.0.0.1"
 ROLES = ("messages", "beats", "weights")  # a joiner's connections, opened in this order
@@ -250,7 +251,7 @@ class WireWeights:
         self.conn.send(version)
         data = self.conn.recv_bytes()
         if not data:
-            raise Fault(f"the driver's ring no longer holds the weights of version {version}")
+            raise VersionGone(f"the driver's ring no longer holds the weights of version {version}")
         return FlatWeights(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype), self.layout)
 
     def arrivals(self) -> list:

@@ -98,6 +98,8 @@ class EngineReport:
     t: float
     received: list[tuple[int, float, float]] = field(default_factory=list)  # (version, t0, t1) weights
     # that reached the engine's own ring meanwhile (a collective's receive; none from a shared ring)
+    missed: list[int] = field(default_factory=list)  # versions it was asked to load whose weights were
+    # gone when it read them (`weights.VersionGone`): it holds what it held
 
 
 @dataclass(frozen=True)

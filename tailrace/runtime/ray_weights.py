@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tailrace.model.flat import FlatWeights, Layout
+from tailrace.runtime.weights import VersionGone
 
 
 class Registry:
@@ -70,7 +71,7 @@ class StoreWeights:
         boxed = self.ray.get(self.registry.get.remote(version))
         if boxed is None:
             held = self.ray.get(self.registry.holding.remote(version))
-            raise RuntimeError(
+            raise VersionGone(
                 f"weights of version {version} are not in the object store (slot holds {held}); "
                 f"more versions are live than the ring's {self._slots} slots"
             )

@@ -15,6 +15,13 @@ from tailrace.common import Fault, one_line
 from tailrace.model.flat import FlatWeights, Layout
 
 
+class VersionGone(RuntimeError):
+    """The weights of a version asked for are no longer where the trainer published them: newer
+    versions took its place before the reader got to it (an engine that joined reads over the wire, and
+    may be slow to). The engine reports it (`EngineReport.missed`) and the scheduler asks again for what
+    it needs now (`Scheduler.on_load_missed`)."""
+
+
 class SharedWeights:
     def __init__(
         self, layout: Layout, numel: int, dtype: torch.dtype = torch.float32, slots: int = 4
@@ -55,7 +62,7 @@ class SharedWeights:
         slot = version % self.slots
         held = int(self.versions[slot])
         if held != version:
-            raise RuntimeError(
+            raise VersionGone(
                 f"weights of version {version} are not in shared memory (slot holds {held}); "
                 f"more versions are live than the ring's {self.slots} slots"
             )

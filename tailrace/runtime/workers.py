@@ -206,7 +206,10 @@ class Workers:
             w.proc.join(timeout=5)
             return self._lose(w, _died(w))
         if isinstance(msg, Failed):
-            raise self._failed(w, msg)
+            err = self._failed(w, msg)
+            if w.elastic:  # an engine that joined: its error ends it alone, as a loss (it leaves)
+                return self._lose(w, Lost(w.name, "failed", one_line(err)))
+            raise err
         return msg
 
     def _lose(self, w: Worker, lost: Lost) -> Lost:
@@ -217,8 +220,10 @@ class Workers:
                 msg = w.conn.recv()
             except (EOFError, OSError):
                 break
-            if isinstance(msg, Failed):
+            if isinstance(msg, Failed) and not w.elastic:
                 raise self._failed(w, msg)
+            if isinstance(msg, Failed):
+                lost = Lost(w.name, "failed", one_line(self._failed(w, msg)))
         if w.proc.is_alive():
             w.proc.kill()
             w.proc.join(timeout=5)

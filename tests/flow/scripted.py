@@ -76,6 +76,7 @@ class ScriptedCluster:
         self.journal: list[JournalEntry] = []  # the journal and marks of every poll, in order
         self.marks: list[Mark] = []
         self.gone: set[int] = set()  # engines that left: commands to them are dropped
+        self.miss: set[int] = set()  # engines whose next weight load misses (its weights were replaced)
 
     def execute(self, out: Outbox) -> None:
         self.journal.extend(out.journal)
@@ -152,6 +153,10 @@ class ScriptedCluster:
         for i, (done_t, e, v) in enumerate(list(self.loads)):
             if done_t <= self.t:
                 self.loads.remove((done_t, e, v))
+                if e in self.miss:  # newer versions took its weights' place before the engine read them
+                    self.miss.discard(e)
+                    self.s.on_load_missed(e, v, self.t)
+                    continue
                 self.loaded[e].add(v)
                 self.s.on_loaded(e, v, self.t)
         for e in range(len(self.running)):

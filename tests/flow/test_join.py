@@ -154,7 +154,9 @@ def test_multiversion_reloads_an_old_version_whose_only_holder_left():
     assert len(trained_keys(c)) == len(set(trained_keys(c))) == 8 * 2 * 2
 
 
-EVENT = st.tuples(st.integers(1, 300), st.sampled_from(["join", "leave", "leave-loading", "leave-all"]))
+EVENT = st.tuples(
+    st.integers(1, 300), st.sampled_from(["join", "leave", "leave-loading", "leave-all", "miss"])
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -169,7 +171,8 @@ def test_join_leave_schedules_keep_the_ledger_and_train_nothing_twice(
     mode, seed, engines, one_version, events
 ):
     """Engines join and leave at random ticks (a leave picks a random live engine; `leave-loading` one
-    whose weights are loading, when there is one; `leave-all` every engine, then one joins). The
+    whose weights are loading, when there is one; `leave-all` every engine, then one joins; `miss`: a
+    random engine's next weight load finds its weights gone, as a slow joined engine's may). The
     cluster raises if any command reaches a departed engine; the core checks the ledger every poll."""
     if one_version and mode in ("partial", "multiversion"):
         policy = {"placement": "dedicated"} if mode == "multiversion" else None
@@ -200,6 +203,8 @@ def test_join_leave_schedules_keep_the_ledger_and_train_nothing_twice(
                 c.join_engine()
             elif kind == "leave":
                 requeued += c.leave_engine(rng.choice(live))
+            elif kind == "miss":
+                c.miss.add(rng.choice(live))
             elif kind == "leave-loading":
                 loading = [e.id for e in s.engines if e.loading]
                 requeued += c.leave_engine(rng.choice(loading or live))
@@ -318,3 +323,25 @@ def test_a_leave_whose_requeue_completes_a_cut_group_aborts_nothing_on_it(mode, 
 
 def _schedule(rng):
     return {rng.randint(1, 200): rng.choice(["join", "leave", "leave-all"]) for _ in range(rng.randint(1, 5))}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_joined_engine_whose_first_load_misses_is_asked_again_and_gets_work(mode):
+    """Its weights were replaced in the ring before it read them (newer versions published meanwhile):
+    the scheduler forgets the load and asks it for the newest, and the run trains every sample once."""
+    s, c = cluster(mode, length=lambda g, i: 3 + (g + i) % 5)
+    spy(c)
+    c.execute(s.poll(0))
+    while s.newest == 0:
+        c.tick()
+        c.execute(s.poll(c.t))
+    e = c.join_engine()
+    c.miss.add(e)
+    c.run()
+    missed = [m for m in c.marks if m.kind == "load_missed"]
+    assert [m.data["engine"] for m in missed] == [e]
+    asked = [m for m in c.marks if m.kind == "loaded" and m.data["engine"] == e]
+    assert asked and asked[0].t > missed[0].t  # loaded after the miss: asked again
+    assert e in {x.engine for x in c.sent}
+    keys = trained_keys(c)
+    assert len(keys) == len(set(keys)) == 4 * 2 * 2
