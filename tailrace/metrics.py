@@ -69,18 +69,23 @@ def utilization(start: float, cur: tuple, prev: tuple, slots: int, engine_busy: 
     `cur`, `prev`: (time, trainer busy s, engine slot-time s, generated tokens, trained tokens).
 
     trainer waiting ratio = trainer idle (waiting for data) / wall time;
-    rollout bubble ratio = engine slot-time idle / engine slot-time available (`slots` in all);
+    rollout bubble ratio = engine slot-time idle / engine slot-time available (`slots` in all; 1 while
+    the job has no engine: every engine left it);
     mean active batch = engine slot-time / engine busy time (sequences per step while generating)."""
     now, busy, slot_time, gen, trained = cur
     wall, dt = max(1e-9, now - start), max(1e-9, now - prev[0])
+
+    def idle(used: float, span: float) -> float:  # no engine at all (every one left the job): all idle
+        return 1.0 - min(1.0, used / (slots * span)) if slots > 0 else 1.0
+
     return {
         "wall_s": wall,
         "trainer_wait_ratio": 1.0 - min(1.0, busy / wall),
-        "bubble_ratio": 1.0 - min(1.0, slot_time / (slots * wall)),
+        "bubble_ratio": idle(slot_time, wall),
         "mean_active_batch": slot_time / engine_busy if engine_busy > 0 else 0.0,
         "step_s": dt,
         "step_trainer_wait_ratio": 1.0 - min(1.0, (busy - prev[1]) / dt),
-        "step_bubble_ratio": 1.0 - min(1.0, (slot_time - prev[2]) / (slots * dt)),
+        "step_bubble_ratio": idle(slot_time - prev[2], dt),
         "gen_tok_s": (gen - prev[3]) / dt,
         "train_tok_s": (trained - prev[4]) / dt,
     }
