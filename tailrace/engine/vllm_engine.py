@@ -186,8 +186,7 @@ class VLLMEngine:
         self._rng = random.Random(seed)
         self._live: dict[str, _Live] = {}
         self._done_next: list[GenResult] = []  # finished without compute, returned by the next step
-        self._adapters = VLLMAdapters(self._llm, lora["max_lora_rank"]) if lora_rank else None
-        self.max_adapters = max_adapters if lora_rank else 0
+        self._adapters = VLLMAdapters(self._llm, lora["max_lora_rank"], max_adapters) if lora_rank else None
         if lora_rank:
             self.capabilities = dataclasses.replace(CAPABILITIES, adapters=True)
 
@@ -212,7 +211,7 @@ class VLLMEngine:
         import vllm
 
         lora = (
-            f"; LoRA up to rank {self._adapters.rank}, {self.max_adapters} adapters a step"
+            f"; LoRA up to rank {self._adapters.rank}, {self._adapters.per_step} adapters a step"
             if self._adapters
             else ""
         )

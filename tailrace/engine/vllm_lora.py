@@ -37,20 +37,18 @@ def slot_rank(rank: int) -> int:
 
 
 class VLLMAdapters:
-    def __init__(self, llm, rank: int):
-        """`llm`: the `LLMEngine` (built with enable_lora); `rank`: the largest rank it takes."""
-        self._llm, self.rank = llm, rank
+    def __init__(self, llm, rank: int, per_step: int):
+        """`llm`: the `LLMEngine` (built with enable_lora); `rank`: the largest rank it takes;
+        `per_step`: adapters whose rows share one step (its max_loras)."""
+        self._llm, self.rank, self.per_step = llm, rank, per_step
         scratch = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self._root = Path(tempfile.mkdtemp(prefix="tailrace-vllm-lora-", dir=scratch))
         weakref.finalize(self, shutil.rmtree, str(self._root), True)
         self._ids = count(1)
         self._named: dict[str, int] = {}  # name -> the id its new requests get
         self._requests: dict[int, object] = {}  # id -> its LoRARequest
-        self._users: dict[int, int] = {}  # id -> requests waiting or running with it
-        self._retired: set[int] = set()  # ids replaced or dropped, removed once unused
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._named
+        self._users: dict[int, int] = {}  # id -> requests waiting or running with it (an id no name
+        # holds any more, replaced or dropped, is removed once it has none)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -83,7 +81,7 @@ class VLLMAdapters:
         old = self._named.get(name)
         self._named[name], self._requests[lid], self._users[lid] = lid, req, 0
         if old is not None:
-            self._retire(old)
+            self._remove_unused(old)
 
     def drop(self, name: str) -> None:
         lid = self._named.get(name)
@@ -95,7 +93,7 @@ class VLLMAdapters:
                 "abort them or let them finish first"
             )
         del self._named[name]
-        self._retire(lid)
+        self._remove_unused(lid)
 
     def take(self, name: str):
         """The LoRARequest a new request of adapter `name` carries ("": none, the base), now in use."""
@@ -115,14 +113,13 @@ class VLLMAdapters:
             return
         lid = lora_request.lora_int_id
         self._users[lid] -= 1
-        if lid in self._retired:
-            self._retire(lid)
+        if lid not in self._named.values():
+            self._remove_unused(lid)
 
-    def _retire(self, lid: int) -> None:
-        self._retired.add(lid)
+    def _remove_unused(self, lid: int) -> None:
+        """Remove id `lid`, which no name holds any more, once no request uses it."""
         if self._users[lid]:
             return
         self._llm.remove_lora(lid)
         shutil.rmtree(self._root / str(lid), ignore_errors=True)
-        self._retired.discard(lid)
         del self._users[lid], self._requests[lid]

@@ -164,14 +164,10 @@ def _build(spec: EngineSpec) -> Engine:
         kv_memory_gb=spec.kv_memory_gb,
     )
     if spec.backend == "vllm":
-        lora = (
-            dict(lora_rank=spec.lora_rank, max_adapters=spec.max_adapters)
-            if spec.lora_alpha is not None
-            else {}
-        )
         return build_engine(
-            spec.model_path, backend="vllm", dtype=spec.dtype, threads=spec.threads, **lora, **common
-        )
+            spec.model_path, backend="vllm", dtype=spec.dtype, threads=spec.threads, lora_rank=spec.lora_rank,
+            max_adapters=spec.max_adapters, **common,
+        )  # fmt: skip
     model = load_pretrained(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     return build_engine(
         model,

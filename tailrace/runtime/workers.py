@@ -206,10 +206,7 @@ class Workers:
             w.proc.join(timeout=5)
             return self._lose(w, _died(w))
         if isinstance(msg, Failed):
-            err = self._failed(w, msg)
-            if w.elastic:  # an engine that joined: its error ends it alone, as a loss (it leaves)
-                return self._lose(w, Lost(w.name, "failed", one_line(err)))
-            raise err
+            return self._lose(w, self._failure(w, msg))
         return msg
 
     def _lose(self, w: Worker, lost: Lost) -> Lost:
@@ -220,10 +217,8 @@ class Workers:
                 msg = w.conn.recv()
             except (EOFError, OSError):
                 break
-            if isinstance(msg, Failed) and not w.elastic:
-                raise self._failed(w, msg)
             if isinstance(msg, Failed):
-                lost = Lost(w.name, "failed", one_line(self._failed(w, msg)))
+                lost = self._failure(w, msg)
         if w.proc.is_alive():
             w.proc.kill()
             w.proc.join(timeout=5)
@@ -231,6 +226,14 @@ class Workers:
         w.sender.stop()
         w.conn.close()
         return lost
+
+    def _failure(self, w: Worker, f: Failed) -> Lost:
+        """A worker's error: raised, a fault of the run, from one of the run's own workers; the loss of
+        an engine that joined the run (it ends that engine alone: it leaves)."""
+        err = self._failed(w, f)
+        if not w.elastic:
+            raise err
+        return Lost(w.name, "failed", one_line(err))
 
     def _failed(self, w: Worker, f: Failed) -> Exception:
         if f.input:
