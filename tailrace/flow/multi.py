@@ -309,10 +309,10 @@ class PolicySet:
     def on_engine_lost(self, engine: int, now: float) -> int:
         return sum(s.on_engine_lost(engine, now) for s in self._scheds)
 
-    def add_engine(self, slots: int, lookahead: int) -> int:
+    def add_engine(self, slots: int, lookahead: int, started: bool = True) -> int:
         """An engine joins (every policy's, or on one-version engines the policy with the fewest)."""
         owners = self._owners() if self.one_version else {}
-        ids = {s.add_engine(slots, lookahead) for s in self._scheds}
+        ids = {s.add_engine(slots, lookahead, started) for s in self._scheds}
         if len(ids) != 1:
             raise InvariantError(f"the policies gave a joining engine different ids {sorted(ids)}")
         eid = ids.pop()
@@ -320,6 +320,15 @@ class PolicySet:
             counts = Counter(owners.values())
             self._deal(eid, min(range(len(self)), key=lambda q: counts[q]))
         return eid
+
+    def engine_started(self, engine: int) -> None:
+        for s in self._scheds:
+            s.engine_started(engine)
+
+    @property
+    def starting(self) -> set[int]:
+        """Engines that joined and are not up yet (every policy's books agree)."""
+        return self._scheds[0].starting
 
     def remove_engine(self, engine: int, now: float) -> int:
         if self.one_version:

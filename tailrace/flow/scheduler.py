@@ -148,6 +148,7 @@ class Scheduler(SchedulerState):
         self.engines: tuple[EngineState, ...] = tuple(self._by_id.values())  # the live ones, by id
         self.departed: set[int] = set()  # engines that left (`remove_engine`): never given work again
         self.lent: set[int] = set()  # engines serving another policy for now (`lend_engine`)
+        self.starting: set[int] = set()  # joined, not yet up (`add_engine(started=False)`): no orders yet
         self._store = Store()
         self.replay_buffer = ReplayBuffer(replay) if replay is not None and replay.ratio > 0 else None
         self.ledger = Ledger()
@@ -430,17 +431,32 @@ class Scheduler(SchedulerState):
         self.mark("engine_lost", engine=engine, requeued=lost)
         return lost
 
-    def add_engine(self, slots: int, lookahead: int) -> int:
+    def add_engine(self, slots: int, lookahead: int, started: bool = True) -> int:
         """An engine joins the running job: a new id (never one that was used), its slots and local
         queue, the run's engine capabilities, holding no weights. The next poll has it load what the
         policy needs (`_provision`), and from then on the policy gives it work like any other. Returns
-        its id."""
+        its id. `started=False`: its process is still building its engine (a slow starter takes
+        seconds, during which newer versions replace what it would be asked to load); it gets no order
+        until `engine_started`."""
         eid = max(self._by_id, default=-1) + 1
         ones = self.capabilities.versions_at_once
         self._by_id[eid] = EngineState(eid, slots, lookahead, loaded=set(), versions_at_once=ones)
+        if not started:
+            self.starting.add(eid)
         self._see_engines()
         self.mark("engine_joined", engine=eid, slots=slots)
         return eid
+
+    def engine_started(self, engine: int) -> None:
+        """A joined engine is up (its process said so): from the next poll it loads and gets work.
+        One that left while starting stays gone."""
+        if engine in self.departed:
+            return
+        if engine not in self.starting:
+            raise InvariantError(f"engine {engine} was not starting")
+        self.starting.discard(engine)
+        self._see_engines()
+        self.mark("engine_started", engine=engine)
 
     def remove_engine(self, engine: int, now: float) -> int:
         """An engine leaves the job gracefully. It does not drain: its in-flight samples go back to
@@ -452,6 +468,7 @@ class Scheduler(SchedulerState):
         if engine in self.departed or engine not in self._by_id:
             raise InvariantError(f"engine {engine} cannot leave: it is not in the job")
         self.departed.add(engine)  # first: the requeue's own aborts (shaping's cuts) skip it
+        self.starting.discard(engine)
         self.engines = tuple(e for e in self.engines if e.id != engine)
         requeued = self._requeue(self._by_id[engine])
         self._pending.pop(engine, None)  # requests booked for it this poll are requeued with the rest
@@ -470,7 +487,7 @@ class Scheduler(SchedulerState):
             i: EngineState(i, e.slots, e.lookahead, loaded=set(), versions_at_once=ones)
             for i, e in other._by_id.items()
         }
-        self.departed = set(other.departed)
+        self.departed, self.starting = set(other.departed), set(other.starting)
         self._see_engines()
 
     def lend_engine(self, engine: int) -> None:
@@ -499,7 +516,8 @@ class Scheduler(SchedulerState):
         self._see_engines()
 
     def _see_engines(self) -> None:
-        self.engines = tuple(e for e in self._by_id.values() if e.id not in self.departed | self.lent)
+        hidden = self.departed | self.lent | self.starting
+        self.engines = tuple(e for e in self._by_id.values() if e.id not in hidden)
 
     def engine(self, engine: int) -> EngineState:
         """A live engine's books, by id (ids are never reused)."""

@@ -717,7 +717,7 @@ class Driver:
 
     def _join(self, a: Arrival) -> None:
         r = self.cfg.rollout
-        eid = self.sched.add_engine(r.slots, r.lookahead)
+        eid = self.sched.add_engine(r.slots, r.lookahead, started=False)  # orders once it is Ready
         cores = a.cores if a.actor else a.cores or self._join_cores()  # a Ray actor: Ray placed it
         spec = self._engine_spec(Seat(cores, r.threads), ())
         started = Started(self.hosts.joined(a), a.conns["messages"], Heard(a.conns["beats"]))
@@ -725,8 +725,6 @@ class Driver:
         self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.layout.buffer.dtype))
         serve_weights(a.conns["weights"], self.weights)
         self.engines[eid], self.especs[eid] = w, spec
-        for p in self.pols:
-            p.util.slots += r.slots
         data = {
             "engine": eid,
             "pid": a.pid,
@@ -743,10 +741,11 @@ class Driver:
                 Mark(self._now(), "engine_leave_refused", {"engine": eid}), f"engine {eid}: not in the run"
             )
             return
+        up = eid not in self.sched.starting
         requeued = self.sched.remove_engine(eid, self._now())
         self.workers.retire(self.engines.pop(eid))
         for p in self.pols:
-            p.util.slots -= self.cfg.rollout.slots
+            p.util.slots -= self.cfg.rollout.slots * up
         wanted = tuple(r for r in self._eval_sent.pop(eid, ()) if r.id in self._eval_wanted)
         if wanted and self.engines:  # (a joined engine died during an evaluation) another answers them
             other = next(iter(self.engines))
@@ -871,6 +870,12 @@ class Driver:
         return (free[0],) if free else self.especs[min(self.especs)].cores
 
     def _on_ready(self, w: Worker) -> None:
+        eid = next((e for e, x in self.engines.items() if x is w), None)
+        if eid in self.sched.starting:  # an engine that joined is up: from now on it loads and works
+            self.sched.engine_started(eid)
+            for p in self.pols:
+                p.util.slots += self.cfg.rollout.slots
+            self._event(Mark(self._now(), "engine_ready", {"engine": eid}), f"engine {eid} is up")
         mark = self.recovery.ready(w.name, self._now())
         if mark is not None:
             self._note(mark)

@@ -11,8 +11,10 @@ cluster: runtime/ray_join.py) opens three connections, each introduced by a `Hel
 messages (runtime/messages.py, as any worker's), its heartbeat (`Beat`s, as a Ray actor's:
 runtime/ray_hosts.py) and its weights. The driver registers it with the scheduler (a new engine id,
 holding no weights: `Scheduler.add_engine`), answers with a `Welcome` (its id and the run's engine
-spec), and from then on it is a worker like the others: the scheduler has it load the weights its
-policy needs, then gives it work.
+spec), and from then on it is a worker like the others. Until it says `Ready` (its engine built: a
+vLLM engine takes seconds) it is booked as starting and gets no order, so it is never asked for
+weights the ring replaces meanwhile; then the scheduler has it load the weights its policy needs,
+then gives it work.
 
 It was not forked from the driver, so it shares no memory with the weights ring: it asks for a
 version on its weights connection and a driver thread answers with that ring slot, one contiguous

@@ -210,9 +210,10 @@ class ScriptedCluster:
         self.loads = [(t, eng, v) for t, eng, v in self.loads if eng != e]
         return self.s.on_engine_lost(e, self.t)
 
-    def join_engine(self, lookahead: int = 2) -> int:
-        """A new engine with this cluster's slots joins the job holding no weights; returns its id."""
-        e = self.s.add_engine(self.slots, lookahead)
+    def join_engine(self, lookahead: int = 2, started: bool = True) -> int:
+        """A new engine with this cluster's slots joins the job holding no weights; returns its id.
+        `started=False`: it is still starting, until `self.s.engine_started(id)`."""
+        e = self.s.add_engine(self.slots, lookahead, started)
         assert e == len(self.queue), "engine ids are handed out in order"
         self.queue.append([])
         self.running.append([])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tailrace.flow.commands import Generate, LoadWeights
 from tailrace.flow.policies import make_policy
-from tailrace.flow.scheduler import ANY_VERSIONS, FlowSpec, Scheduler
+from tailrace.flow.scheduler import ANY_VERSIONS, FlowSpec, InvariantError, Scheduler
 from tailrace.types import Capabilities, Finish, GenResult
 from tests.flow.scripted import ScriptedCluster, prompts
 
@@ -61,6 +61,52 @@ def test_a_joined_engine_loads_the_newest_weights_before_any_work():
     got = {x.engine for x in c.sent}
     assert e in got, "the joined engine never got work"
     assert len(trained_keys(c)) == len(set(trained_keys(c))) == 4 * 2 * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_starting_engine_gets_no_order_until_it_is_up_then_loads_the_newest(mode):
+    """A slow starter (a vLLM engine takes seconds to build) is booked when it joins but asked for
+    nothing until it says it is up: the loads it would have missed are never sent."""
+    s, c = cluster(mode, length=lambda g, i: 3 + (g + i) % 5, steps=8)
+    spy(c)
+    c.execute(s.poll(0))
+    while s.newest == 0:
+        c.tick()
+        c.execute(s.poll(c.t))
+    e = c.join_engine(started=False)
+    assert e not in {x.id for x in s.engines}
+    for _ in range(6):  # versions are published meanwhile
+        out = s.poll(c.t)
+        assert not [x for x in out.commands if getattr(x, "engine", None) == e]
+        c.execute(out)
+        c.tick()
+    s.engine_started(e)
+    out = s.poll(c.t)
+    assert [x.version for x in out.commands if isinstance(x, LoadWeights) and x.engine == e] == [s.newest]
+    c.execute(out)
+    c.run()
+    assert [m.kind for m in c.marks if m.data.get("engine") == e][:3] == [
+        "engine_joined",
+        "engine_started",
+        "loaded",
+    ]
+    assert not [m for m in c.marks if m.kind == "load_missed"]
+    assert e in {x.engine for x in c.sent}
+    keys = trained_keys(c)
+    assert len(keys) == len(set(keys)) == 8 * 2 * 2
+
+
+def test_an_engine_that_leaves_while_starting_is_forgotten():
+    s, c = cluster("async", engines=1)
+    c.execute(s.poll(0))
+    e = c.join_engine(started=False)
+    assert c.leave_engine(e) == 0
+    s.engine_started(e)  # its Ready crossed the leave: ignored
+    assert e not in {x.id for x in s.engines}
+    c.run()
+    assert len(trained_keys(c)) == 4 * 2 * 2
+    with pytest.raises(InvariantError, match="was not starting"):
+        s.engine_started(0)
 
 
 def test_a_leaving_engine_hands_its_samples_back_and_gets_nothing_after():
@@ -155,7 +201,7 @@ def test_multiversion_reloads_an_old_version_whose_only_holder_left():
 
 
 EVENT = st.tuples(
-    st.integers(1, 300), st.sampled_from(["join", "leave", "leave-loading", "leave-all", "miss"])
+    st.integers(1, 300), st.sampled_from(["join", "join-slow", "leave", "leave-loading", "leave-all", "miss"])
 )
 
 
@@ -172,7 +218,8 @@ def test_join_leave_schedules_keep_the_ledger_and_train_nothing_twice(
 ):
     """Engines join and leave at random ticks (a leave picks a random live engine; `leave-loading` one
     whose weights are loading, when there is one; `leave-all` every engine, then one joins; `miss`: a
-    random engine's next weight load finds its weights gone, as a slow joined engine's may). The
+    random engine's next weight load finds its weights gone, as a slow joined engine's may;
+    `join-slow`: an engine joins that is up 1-30 ticks later, or leaves first). The
     cluster raises if any command reaches a departed engine; the core checks the ledger every poll."""
     if one_version and mode in ("partial", "multiversion"):
         policy = {"placement": "dedicated"} if mode == "multiversion" else None
@@ -193,16 +240,21 @@ def test_join_leave_schedules_keep_the_ledger_and_train_nothing_twice(
     at: dict[int, list[str]] = {}
     for t, kind in events:
         at.setdefault(t, []).append(kind)
-    requeued = 0
+    requeued, up_at = 0, {}
     while not s.done and c.t < 20_000:
         c.execute(s.poll(c.t))
         c.tick()
+        for e in [e for e, t in up_at.items() if t <= c.t]:
+            del up_at[e]
+            s.engine_started(e)  # (one that left while starting stays gone)
         for kind in at.get(c.t, []):
             live = [e.id for e in s.engines]
-            if kind == "join" or not live:
+            if kind == "join-slow":
+                up_at[c.join_engine(started=False)] = c.t + rng.randint(1, 30)
+            elif kind == "join" or not live:
                 c.join_engine()
             elif kind == "leave":
-                requeued += c.leave_engine(rng.choice(live))
+                requeued += c.leave_engine(rng.choice(live + sorted(s.starting)))
             elif kind == "miss":
                 c.miss.add(rng.choice(live))
             elif kind == "leave-loading":

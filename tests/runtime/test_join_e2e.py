@@ -80,6 +80,10 @@ def test_engines_join_and_leave_a_running_job(tiny_model, tmp_path):
     assert set(leaves) == {0, 1, 2} and "died" in leaves[2]["why"]
     assert [m["engine"] for m in mark(run_dir, "engine_join")] == [1, 2, 3]
     assert worked(run_dir, 3)
+    seen = [(e.get("kind"), e.get("engine")) for e in events(run_dir)]  # (spans have no kind)
+    for eid in (1, 2, 3):  # a joiner is asked to load only once it is up: no load crosses its start
+        ready = seen.index(("engine_ready", eid))
+        assert seen.index(("loaded", eid)) > ready and ("load_missed", eid) not in seen
     assert_exact(run_dir, 40)
 
 
