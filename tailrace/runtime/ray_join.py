@@ -51,6 +51,14 @@ def join_on_ray(run_dir: Path, where: dict, key: bytes, cores: tuple[int, ...]) 
         ) from None
     name = f"engine-join-{os.getpid()}-{os.urandom(3).hex()}"
     cpus, gpus = where["engine_cpus"], where["engine_gpus"]
+    free = ray.available_resources()
+    if free.get("CPU", 0) < cpus or free.get("GPU", 0) < gpus:  # said now, not after the wait
+        print(
+            f"waiting up to {PLACE_S:.0f} s for a seat: the cluster has {free.get('CPU', 0):g} CPUs and "
+            f"{free.get('GPU', 0):g} GPUs free, an engine actor takes {cpus:g} and {gpus:g} (add a node: "
+            f"ray start --address={where['ray_address']})",
+            flush=True,
+        )
     actor = ray.remote(Joiner).options(name=name, num_cpus=cpus, num_gpus=gpus, max_restarts=0).remote()
     hello = actor.hello.remote((where["host"], int(where["port"])), key, cores, name, str(run_dir))
     try:
@@ -63,6 +71,9 @@ def join_on_ray(run_dir: Path, where: dict, key: bytes, cores: tuple[int, ...]) 
         ) from None
     except ray.exceptions.RayTaskError as e:
         raise Fault(f"{run_dir}: the engine actor could not join ({one_line(e.cause)})") from None
+    except ray.exceptions.RayError as e:  # its cluster went down before it joined: the run ended?
+        ended = "" if (run_dir / "join.json").exists() else "the run ended first; "
+        raise Fault(f"{run_dir}: the engine actor died before it joined ({ended}{one_line(e)})") from None
     print(f"joined {run_dir} as engine {engine} (Ray actor {name})", flush=True)
 
     def on_term(signum, frame) -> None:

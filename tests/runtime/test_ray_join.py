@@ -2,7 +2,8 @@
 `tailrace train --runtime.kind=ray` runs on the test's cluster (3 CPUs on loopback: the trainer's,
 its engine's and a joiner's); `tailrace engine join RUN_DIR` starts an actor there that works as
 engine 1, and leaves on SIGTERM to the command; a second joiner's command is killed (-9), so its actor
-dies with it and the driver removes engine 2; a third works until the run ends and then exits 0.
+dies with it and the driver removes engine 2; a third works until the run ends and then exits 0,
+while a fourth, finding no free CPU, says so at once and fails in one line when the run ends.
 The run completes its steps, the ledger is exact at every step record, and no (group, sample) is
 trained twice."""
 
@@ -50,9 +51,15 @@ def test_ray_actors_join_and_leave_a_running_ray_job(cluster_address, tiny_model
         os.killpg(joined[1].pid, signal.SIGKILL)  # its owner gone, Ray ends the actor: engine 2 died
         wait_until(lambda: len(mark(run_dir, "engine_leave")) == 2, train, "engine 2 removed")
         joined.append(start_cli("engine", "join", str(run_dir)))
+        wait_until(lambda: worked(run_dir, 3), train, "work on the joined actor, engine 3")
+        joined.append(start_cli("engine", "join", str(run_dir)))  # the cluster's 3 CPUs are taken
         out, _ = train.communicate(timeout=240)
         assert train.returncode == 0, out[-3000:]
         assert joined[2].wait(timeout=60) == 0, joined[2].stdout.read()[-3000:]  # let go as the run ended
+        assert joined[3].wait(timeout=60) == 3  # it never joined: said at once, and why in one line
+        seatless = joined[3].stdout.read()
+        assert "waiting up to 120 s for a seat: the cluster has 0 CPUs" in seatless
+        assert "Traceback" not in seatless and f"{run_dir}: the engine actor" in seatless
     finally:
         for p in [train, *joined]:
             if p.poll() is None:
