@@ -46,10 +46,10 @@ $(VLLM_STAMP): bench/vllm-constraints.txt
 vllm: $(VLLM_STAMP)
 
 # make test-vllm: the vLLM backend's tests, with .venv-vllm's interpreter (CI has no vLLM: they skip there).
-# pytest, hypothesis and math-verify (the jsonl tasks' reward) go into .venv-vllm, pinned by constraints.txt.
+# pytest, hypothesis, math-verify (the jsonl tasks' reward) and ray (vLLM engines as Ray actors) go into .venv-vllm, pinned by constraints.txt.
 VLLM_TEST_STAMP := $(VLLM_VENV)/.test-installed
 $(VLLM_TEST_STAMP): $(VLLM_STAMP) constraints.txt
-	$(VLLM_VENV)/bin/pip install -q -c constraints.txt pytest pytest-timeout hypothesis math-verify
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt pytest pytest-timeout hypothesis math-verify ray
 	touch $@
 test-vllm: $(VLLM_TEST_STAMP)
 	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
