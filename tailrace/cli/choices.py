@@ -11,6 +11,7 @@ after loading a config, and its help lists each field's choices from the same ta
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any, Collection
 
 from tailrace.common import ConfigError
@@ -63,6 +64,16 @@ def check_multi_turn(cfg: RunConfig) -> None:
         raise ConfigError(
             f"task.name={cfg.task.name} is multi-turn (tool calls); shaping.name={cfg.shaping.name} "
             "cannot stop a sample parked at a tool yet: set --shaping.name=none"
+        )
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """The rollout backend is installed in this Python: asked only by what builds engines (train, its
+    supervisor), so a vLLM run's directory still loads where vLLM is not (eval, sim, report, checks)."""
+    if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.backend=vllm: vLLM is not installed in this Python; pip install 'tailrace[vllm]' "
+            "(or `make vllm` for its CPU build in .venv-vllm), or set rollout.backend=tailrace"
         )
 
 

@@ -86,7 +86,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def train(args: Args) -> int:
-    from tailrace.cli.choices import check
+    from tailrace.cli.choices import check, check_backend
     from tailrace.runtime.driver import with_mode
     from tailrace.runtime.lock import RunLock
     from tailrace.runtime.resume import plan_resume
@@ -108,6 +108,7 @@ def train(args: Args) -> int:
             )
     else:
         cfg, why = load_run(flags.get("--config"), rest)
+        check_backend(cfg)
         cfg.train.lora.check_init()  # train.lora.init is read when the run starts (policies share it)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run = RunDir(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
@@ -118,6 +119,7 @@ def train(args: Args) -> int:
             cfg, resume = planned  # a run of several policies: each resumes from its own checkpoint
             cfg, why = with_mode(cfg)
             check(cfg)
+            check_backend(cfg)
             for k, res in enumerate(resume):
                 if isinstance(res, RunDir):  # no checkpoint yet: its records but the base evaluation go
                     _start_over(res)
@@ -133,6 +135,7 @@ def train(args: Args) -> int:
             resume = plan_resume(run)
             cfg, why = with_mode(resume.cfg)  # a config.yaml written with flow.mode null
             check(cfg)
+            check_backend(cfg)
             for note in resume.commit():
                 console.print(note)
         else:
@@ -192,6 +195,7 @@ def _start_over(pol) -> None:
 def _supervise(flags: dict[str, str], rest: list[str]) -> int:
     """`train --supervise`: this process runs the driver as a child and resumes it after a fault
     (runtime/supervisor.py). The run directory is settled here, so a restart knows what to resume."""
+    from tailrace.cli.choices import check_backend
     from tailrace.runtime.supervisor import supervise
 
     if "--resume" in flags:
@@ -201,6 +205,7 @@ def _supervise(flags: dict[str, str], rest: list[str]) -> int:
         argv = ["--resume", str(run_dir), *rest]
     else:
         cfg = load(flags.get("--config"), rest)  # bad input ends here, before any child starts
+        check_backend(cfg)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = Path(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")
         config = ["--config", flags["--config"]] if "--config" in flags else []

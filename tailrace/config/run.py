@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -173,12 +172,7 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.backend == "vllm":
-            need(
-                importlib.util.find_spec("vllm") is not None,
-                "rollout.backend=vllm: vLLM is not installed in this Python; pip install 'tailrace[vllm]' "
-                "(or `make vllm` for its CPU build in .venv-vllm)",
-            )
+        if self.backend == "vllm":  # (whether vLLM is installed: cli/choices.check_backend, where it runs)
             need(
                 self.spec.drafter == "none",
                 f"rollout.spec.drafter={self.spec.drafter}: the vLLM backend has no speculative decoding "

@@ -73,13 +73,19 @@ def test_every_float_key_rejects_a_non_finite_value(value):
 
 
 def test_the_vllm_backend_is_refused_where_vllm_is_missing_or_with_what_it_cannot_do():
+    """A config naming vLLM loads anywhere (a vLLM run's directory is read where vLLM is not); what
+    builds engines refuses it there (`choices.check_backend`)."""
+    from tailrace.cli.choices import check_backend
+
+    cfg = load_config(None, ["--rollout.backend=vllm"])
+    assert cfg.rollout.backend == "vllm"
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(
             ConfigError, match=r"^rollout.backend=vllm: vLLM is not installed .*tailrace\[vllm\]"
         ):
-            load_config(None, ["--rollout.backend=vllm"])
-        return
-    assert load_config(None, ["--rollout.backend=vllm"]).rollout.backend == "vllm"
+            check_backend(cfg)
+    else:
+        check_backend(cfg)
     with pytest.raises(ConfigError, match="no speculative decoding"):
         load_config(None, ["--rollout.backend=vllm", "--rollout.spec.drafter=history"])
 

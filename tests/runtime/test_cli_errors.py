@@ -64,3 +64,39 @@ def test_bad_config_is_rejected_before_anything_starts(capsys, tmp_path, args, n
     rc, out = run(capsys, "train", f"--run-dir={tmp_path / 'r'}", *args)
     assert rc == 2 and len(out.splitlines()) == 1 and needle in out
     assert not (tmp_path / "r").exists(), "a rejected config must not create a run directory"
+
+
+def as_vllm_run(run):
+    """`run` as if it had rolled out on vLLM: rollout.backend=vllm in its config.yaml and each
+    checkpoint's (the checkpoint manifest's sizes follow)."""
+    from tailrace.runtime.checkpoint import MANIFEST
+    from tests.runtime.conftest import checkpoints
+
+    for d in [run, *checkpoints(run)]:
+        cfg = d / "config.yaml"
+        cfg.write_text(cfg.read_text().replace("backend: tailrace", "backend: vllm", 1))
+        if (d / MANIFEST).is_file():
+            man = json.loads((d / MANIFEST).read_text())
+            man["files"]["config.yaml"] = cfg.stat().st_size
+            (d / MANIFEST).write_text(json.dumps(man))
+    return run
+
+
+def test_a_vllm_run_s_directory_is_read_where_vllm_is_not_installed(capsys, finished_run, tmp_path):
+    """Trained on a GPU box with vLLM, evaluated on a laptop without it: `tailrace eval RUN` reads its
+    checkpoints (it evaluates on tailrace's engine), and only what rolls out on vLLM asks for it."""
+    import importlib.util
+
+    from tests.runtime.conftest import copy_run
+
+    run_dir = as_vllm_run(copy_run(finished_run, tmp_path / "run"))
+    rc, out = run(capsys, "eval", str(run_dir), "--eval.n=8", "--eval.max_new_tokens=16")
+    assert rc == 0 and "not whole" not in out, out
+    assert out.count("held-out accuracy") == 3  # the three kept checkpoints
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    rc, out = run(capsys, "train", "--rollout.backend=vllm", f"--run-dir={tmp_path / 'new'}")
+    assert rc == 2 and len(out.splitlines()) == 1 and not (tmp_path / "new").exists()
+    assert "vLLM is not installed" in out and "rollout.backend=tailrace" in out
+    rc, out = run(capsys, "train", "--supervise", "--rollout.backend=vllm", f"--run-dir={tmp_path / 'new'}")
+    assert rc == 2 and "vLLM is not installed" in out
