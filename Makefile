@@ -54,4 +54,4 @@ $(VLLM_TEST_STAMP): $(VLLM_STAMP) constraints.txt
 test-vllm: $(VLLM_TEST_STAMP)
 	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
 		tests/engine/test_vllm_backend.py tests/engine/test_vllm_lora.py tests/runtime/test_vllm_e2e.py tests/config/test_config.py \
-		tests/flow/test_one_version.py
+		tests/flow/test_one_version.py tests/serve/test_serve_vllm.py

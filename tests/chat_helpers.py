@@ -45,17 +45,18 @@ def write_tokenizer(d: Path, template: str | None = CHATML, bos: str = "<|im_sta
 
 
 def write_chat_model(
-    d: Path, model_type: str = "qwen2", template: str = CHATML, max_position_embeddings: int = 256
+    d: Path, model_type: str = "qwen2", template: str = CHATML, max_position_embeddings: int = 256, **arch
 ) -> Path:
-    """A random model (vocab = the tokenizer's) saved with the chat tokenizer beside it."""
+    """A random model (vocab = the tokenizer's) saved with the chat tokenizer beside it; `arch`
+    overrides its ModelConfig fields (vLLM's CPU attention wants heads of 32 or more)."""
     from tailrace.model import CausalLM, ModelConfig, save_pretrained
 
     write_tokenizer(d, template)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)  # fmt: skip
     cfg = ModelConfig(
-        model_type=model_type, vocab_size=len(SPECIALS + CHARS), hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=1, eos_token_id=0, tie_word_embeddings=True,
+        model_type=model_type, vocab_size=len(SPECIALS + CHARS), max_position_embeddings=max_position_embeddings,
+        bos_token_id=1, eos_token_id=0, tie_word_embeddings=True, **{**shape, **arch},
     )  # fmt: skip
     save_pretrained(CausalLM.from_config(cfg, seed=0), d)
     return d

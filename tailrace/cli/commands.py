@@ -312,9 +312,12 @@ def sft(args: Args) -> int:
 
 
 def serve(args: Args) -> int:
+    from tailrace.cli.choices import check_backend
     from tailrace.serve import serve as run_server
 
-    run_server(load(None, args.rest), console.print, _sft_progress())
+    cfg = load(None, args.rest)
+    check_backend(cfg)
+    run_server(cfg, console.print, _sft_progress())
     return 0
 
 

@@ -1,6 +1,7 @@
 """`tailrace serve`: an OpenAI-compatible endpoint (completions and chat completions, streaming) on
-a rollout engine, so an external agent framework can drive it; every response carries the policy
-version and the token logprobs a trainer needs (api.py: the wire format; server.py: the server)."""
+a rollout engine (tailrace's, or vLLM's with rollout.backend=vllm), so an external agent framework
+can drive it; every response carries the policy version and the token logprobs a trainer needs
+(api.py: the wire format; server.py: the server)."""
 
 from __future__ import annotations
 
@@ -27,12 +28,18 @@ def serve(cfg: RunConfig, say: Callable[[str], None] = print, progress=None, rea
     text = ModelText(path, cfg.task.chat_template, cfg.task.system_prompt)
     torch.set_num_threads(len(available_cores()))
     device = resolve_device(cfg.device)
-    model = load_pretrained(path, dtype=getattr(torch, cfg.model.dtype), device=device)
-    engine = build_engine(
-        model, num_slots=s.slots, device=device, seed=cfg.seed, max_context=s.context,
-        expected_context=s.context, kv_memory_gb=cfg.rollout.kv_memory_gb,
-    )  # fmt: skip
-    del model
+    if cfg.rollout.backend == "vllm":  # vLLM loads the checkpoint itself
+        engine = build_engine(
+            str(path), backend="vllm", num_slots=s.slots, seed=cfg.seed, max_context=s.context,
+            kv_memory_gb=cfg.rollout.kv_memory_gb, dtype=cfg.model.dtype,
+        )  # fmt: skip
+    else:
+        model = load_pretrained(path, dtype=getattr(torch, cfg.model.dtype), device=device)
+        engine = build_engine(
+            model, num_slots=s.slots, device=device, seed=cfg.seed, max_context=s.context,
+            expected_context=s.context, kv_memory_gb=cfg.rollout.kv_memory_gb,
+        )  # fmt: skip
+        del model
     token = s.token or secrets.token_urlsafe(24)
     loop = EngineLoop(engine)
     ep = Endpoint(loop, text, str(path), token, s.max_tokens, text.model_cfg.vocab_size, s.context)
