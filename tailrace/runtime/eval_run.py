@@ -1,8 +1,8 @@
 """`tailrace eval RUN_DIR`: held-out accuracy of every kept checkpoint of a run, after the fact.
 
 Each whole checkpoint's model directory is evaluated as saved (the same held-out prompts, seeds and
-engine as the run's own evaluations; a LoRA run's checkpoint without one, its adapter merged into the
-run's base) and appended to the run's metrics.jsonl as an `EvalRecord`
+engine as the run's own evaluations: vLLM's for a run on vLLM, where it is installed; a LoRA run's
+checkpoint without one, its adapter over the run's base) and appended to the run's metrics.jsonl as an `EvalRecord`
 tagged "checkpoint", with the step, version and wall time of the step that wrote it, so `tailrace
 report` plots it on the run's accuracy-vs-time curve. Under the run's lock: a run still going is
 refused, not raced.

@@ -11,6 +11,7 @@ import torch
 from tailrace.common import InputError
 from tailrace.config import RunConfig
 from tailrace.engine import build_engine
+from tailrace.engine.adapter_versions import AdapterVersions
 from tailrace.model import lora
 from tailrace.model.checkpoint import CONFIG, load_pretrained
 from tailrace.runtime.evaluate import Evaluator, generate_episodes
@@ -20,30 +21,16 @@ from tailrace.runtime.session import Session
 
 def evaluate_model(cfg: RunConfig, progress=None, on_done=None, adapter: Path | None = None) -> dict:
     """Held-out accuracy of `cfg`'s model (with the PEFT `adapter` merged in, when given) on one
-    in-process engine; `progress` follows a warm start, `on_done(done, total)` the evaluation."""
+    in-process engine of the run's backend; `progress` follows a warm start, `on_done(done, total)`
+    the evaluation."""
     ses = Session(cfg, progress)
     try:
         torch.set_num_threads(len(available_cores()))
-        device = resolve_device(cfg.device)
-        if adapter is None:
-            model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype), device=device)
-        else:  # merged in fp32, then to the engine's dtype
-            model = lora.merged(load_pretrained(ses.model_path, dtype=torch.float32), lora.load_peft(adapter))
-            model = model.to(device, getattr(torch, cfg.model.dtype))
-        r = cfg.rollout
-        engine = build_engine(
-            model,
-            num_slots=cfg.eval.batch,
-            device=device,
-            seed=cfg.seed,
-            max_context=r.max_context,
-            expected_context=ses.expected_context(cfg.eval.max_new_tokens),
-            kv_memory_gb=r.kv_memory_gb,
-        )
+        engine = _engine(cfg, ses, adapter)
         print(engine.describe(), flush=True)
         evaluator = Evaluator(ses, cfg.eval)
         reqs = evaluator.requests(version=0)
-        context = r.max_context or ses.model_cfg.max_position_embeddings
+        context = cfg.rollout.max_context or ses.model_cfg.max_position_embeddings
         out = evaluator.summarize(
             reqs, generate_episodes(engine, ses, evaluator.prompts, reqs, context, on_done)
         )
@@ -51,6 +38,38 @@ def evaluate_model(cfg: RunConfig, progress=None, on_done=None, adapter: Path | 
         return out
     finally:
         ses.close()
+
+
+def _engine(cfg: RunConfig, ses: Session, adapter: Path | None):
+    """The engine the run's own evaluations ran on: vLLM's (an adapter as vLLM's LoRA over the base)
+    where rollout.backend=vllm and vLLM imports here, else tailrace's (an adapter merged in)."""
+    r = cfg.rollout
+    common = dict(
+        num_slots=cfg.eval.batch, seed=cfg.seed, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb
+    )
+    if r.backend == "vllm":
+        from tailrace.engine.vllm_engine import vllm_available
+
+        missing = vllm_available()
+        if missing is None:
+            peft = lora.load_peft(adapter) if adapter is not None else None
+            engine = build_engine(str(ses.model_path), backend="vllm", dtype=cfg.model.dtype,
+                                  lora_rank=peft.rank if peft else 0, max_adapters=1, **common)  # fmt: skip
+            if peft is None:
+                return engine
+            engine = AdapterVersions(engine, peft.alpha)
+            engine.load_adapter_version(peft, 0)
+            return engine
+        print(f"evaluating on tailrace's engine (the run rolled out on vLLM): {missing}", flush=True)
+    device = resolve_device(cfg.device)
+    if adapter is None:
+        model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype), device=device)
+    else:  # merged in fp32, then to the engine's dtype
+        model = lora.merged(load_pretrained(ses.model_path, dtype=torch.float32), lora.load_peft(adapter))
+        model = model.to(device, getattr(torch, cfg.model.dtype))
+    return build_engine(
+        model, device=device, expected_context=ses.expected_context(cfg.eval.max_new_tokens), **common
+    )
 
 
 def with_checkpoint(cfg: RunConfig) -> tuple[RunConfig, Path | None]:

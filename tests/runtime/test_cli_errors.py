@@ -84,7 +84,8 @@ def as_vllm_run(run):
 
 def test_a_vllm_run_s_directory_is_read_where_vllm_is_not_installed(capsys, finished_run, tmp_path):
     """Trained on a GPU box with vLLM, evaluated on a laptop without it: `tailrace eval RUN` reads its
-    checkpoints (it evaluates on tailrace's engine), and only what rolls out on vLLM asks for it."""
+    checkpoints and evaluates them on tailrace's engine, saying so; only what rolls out on vLLM asks
+    for it."""
     import importlib.util
 
     from tests.runtime.conftest import copy_run
@@ -95,6 +96,7 @@ def test_a_vllm_run_s_directory_is_read_where_vllm_is_not_installed(capsys, fini
     assert out.count("held-out accuracy") == 3  # the three kept checkpoints
     if importlib.util.find_spec("vllm") is not None:
         return
+    assert out.count("evaluating on tailrace's engine (the run rolled out on vLLM)") == 3
     rc, out = run(capsys, "train", "--rollout.backend=vllm", f"--run-dir={tmp_path / 'new'}")
     assert rc == 2 and len(out.splitlines()) == 1 and not (tmp_path / "new").exists()
     assert "vLLM is not installed" in out and "rollout.backend=tailrace" in out

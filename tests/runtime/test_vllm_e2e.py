@@ -126,3 +126,25 @@ def test_vllm_engines_as_ray_actors(tiny32, tmp_path, capfd, weights, extra):
     assert [s["version"] for s in steps] == [1, 2, 3, 4]
     assert gaps_small(steps), [s["train"]["logprob_gap_max"] for s in steps]
     assert all(s["time"]["weight_sync_s"] > 0 for s in steps)
+
+
+def test_tailrace_eval_of_a_vllm_lora_run_reproduces_its_final_evaluation(tiny32, tmp_path, digits, capfd):
+    """`tailrace eval RUN` evaluates on the engine the run's own evaluations used: vLLM, a checkpoint's
+    adapter as vLLM's LoRA over the base. The last checkpoint gives the run's final figures exactly
+    (the same prompts and seeds); the earlier ones (their adapter alone) are evaluated too."""
+    from tests.runtime.test_lora_e2e import LORA
+
+    run = tmp_path / "r"
+    rc, out = run_cli(capfd, "train", f"--run-dir={run}", f"--model.path={tiny32}", *TINY_RUN, *LORA, digits,
+                      "--rollout.backend=vllm", "--flow.mode=sync", "--eval.n=32")  # fmt: skip
+    assert rc == 0, out
+    rc, out = run_cli(capfd, "eval", str(run))
+    assert rc == 0 and "vLLM 0.32" in out and "tailrace's engine" not in out, out
+    evals = [
+        json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line
+    ]
+    (final,) = [e for e in evals if e["tag"] == "final"]
+    ckpts = {e["step"]: e for e in evals if e["tag"] == "checkpoint"}
+    assert sorted(ckpts) == [3, 4]  # the two kept (step 3's: its adapter alone)
+    same = ("accuracy", "n", "p50", "p99", "mean")
+    assert {k: ckpts[4][k] for k in same} == {k: final[k] for k in same}
