@@ -61,6 +61,9 @@ ANY_VERSIONS = Capabilities(
 PREGEN = "pregen."  # the id prefix of pre-generation requests (sample keys are group.index.attempt)
 
 
+DONE = "this policy has trained all its steps (flow.steps): it takes no more requests or groups"
+
+
 class InvariantError(AssertionError):
     pass
 
@@ -844,7 +847,10 @@ class Scheduler(SchedulerState):
     # ------------------------------------------------------------------ an external agent's
     def submit_external(self, request: GenRequest) -> None:
         """An external agent's request (id "x.<...>"; its version is set at dispatch: the newest an
-        engine holds). Its result comes back through `take_external`."""
+        engine holds). Its result comes back through `take_external`. Refused once the policy has
+        trained all its steps (in a run of several, the others may go on)."""
+        if self.done:
+            raise ExternalError(DONE)
         self.external.submit(request)
 
     def cancel_external(self, request_ids: Sequence[str]) -> None:
@@ -871,7 +877,7 @@ class Scheduler(SchedulerState):
                 "in a run with flow.mode=external"
             )
         if self.done:
-            raise ExternalError("the run has trained all its steps (flow.steps); it takes no more groups")
+            raise ExternalError(DONE)
         size = self.spec.samples_per_prompt
         kept = self.external.claim(list(request_ids), list(rewards), size)
         correct = [r > 0 for r in rewards] if correct is None else list(correct)

@@ -417,7 +417,14 @@ class Driver:
         name = str(self.cfg.model.path or "tailrace-default")
         try:
             a = Attached(
-                self.cfg, pol.ses.text, name, self.context, sampling, self.run.path, self.sched.names
+                self.cfg,
+                pol.ses.text,
+                name,
+                self.context,
+                sampling,
+                self.run.path,
+                self.sched.names,
+                texts={p.name: p.ses.text for p in self.pols},  # each policy's chat template, system prompt
             )
         except OSError as e:
             s = self.cfg.serve
@@ -824,6 +831,8 @@ class Driver:
             ) from None
         self.sched.add(name, pol.sched)
         self.pols.append(pol)
+        if self.endpoint is not None:  # an agent's requests may name it
+            self.endpoint.add_policy(name, ses.text)
         # on this machine it shares the first policy's cores (flow.share=turns: one trains at a time)
         self._one_trainer |= self.cfg.flow.share == "turns" and bool(set(seat.cores) & set(first.cores))
         pol.util = Utilization(time.perf_counter(), slots=self.pols[0].util.slots)

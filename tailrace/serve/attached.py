@@ -15,10 +15,12 @@ import json
 import queue
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tailrace.flow.external import ExternalError
+from tailrace.flow.scheduler import DONE
 from tailrace.serve.server import LOOPBACK, Endpoint, make_server
 from tailrace.types import GenRequest, SamplingParams
 
@@ -35,6 +37,7 @@ class RunLoop:
         self.models = list(models)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.sinks: dict[str, queue.SimpleQueue] = {}  # request id -> its handler's events (driver's)
+        self.policy_of: dict[str, int] = {}  # request id (in `sinks`) -> its policy
         self.lock = threading.Lock()
         self.closed = False  # the run ended: whatever comes is answered at once
 
@@ -96,11 +99,13 @@ class RunLoop:
                     events.put(("error", str(e)))
                     continue
                 self.sinks.update((r.id, events) for r in reqs)
+                self.policy_of.update((r.id, p) for r in reqs)
             elif msg[0] == "cancel":
                 for sched in policies:  # (ids are unique across policies: one counter)
                     sched.cancel_external(msg[1])
                 for rid in msg[1]:
                     self.sinks.pop(rid, None)
+                    self.policy_of.pop(rid, None)
             else:
                 _, p, ids, rewards, correct, reply = msg
                 try:
@@ -109,17 +114,25 @@ class RunLoop:
                     reply.put(("error", str(e)))
 
     def answer(self, policies) -> None:
+        """Finished requests to their handlers; those of a policy that has trained all its steps (in a
+        run of several, the others go on) get its refusal instead of waiting for ever."""
         for sched in policies:
             for r in sched.take_external():
                 sink = self.sinks.pop(r.request_id, None)
+                self.policy_of.pop(r.request_id, None)
                 if sink is not None:
                     sink.put(("done", r))
+        done = {p for p in set(self.policy_of.values()) if policies[p].done}
+        for rid in [rid for rid, p in self.policy_of.items() if p in done]:
+            del self.policy_of[rid]
+            self.sinks.pop(rid).put(("error", DONE))
 
     def close(self) -> None:
         """The run ended: requests and groups still waiting get an error, not silence."""
         with self.lock:
             self.closed = True
         waiting = list(self.sinks.values())
+        self.policy_of.clear()
         while True:
             try:
                 msg = self.inbox.get_nowait()
@@ -137,32 +150,36 @@ class Attached:
 
     def __init__(
         self, cfg, text, model_name: str, context: int, sampling: SamplingParams, run_path: Path,
-        policies: Sequence[str] = ("main",),
+        policies: Sequence[str] = ("main",), texts: Mapping[str, Any] | None = None,
     ) -> None:  # fmt: skip
         s = cfg.serve
         self.loop = RunLoop(policies)
         self.token = s.token or secrets.token_urlsafe(24)
         ep = Endpoint(self.loop, text, model_name, self.token, cfg.rollout.max_new_tokens,
-                      text.model_cfg.vocab_size, context, sampling=sampling, prefix=PREFIX, bos=True)  # fmt: skip
-        self.server = make_server(ep, s.host, s.port)
+                      text.model_cfg.vocab_size, context, sampling=sampling, prefix=PREFIX, bos=True,
+                      texts=texts)  # fmt: skip
+        self.ep, self.server = ep, make_server(ep, s.host, s.port)
         host, port = self.server.server_address[:2]
-        self.url = f"http://{host}:{port}/v1"
+        self.url, self.model_name = f"http://{host}:{port}/v1", model_name
         self.file = run_path / "endpoint.json"
-        self.file.write_text(
-            json.dumps(
-                {
-                    "url": self.url,
-                    "model": model_name,
-                    "groups": f"{self.url}/groups",
-                    "policies": list(policies),
-                }
-            )
-        )
+        self._describe()
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
                                        name="endpoint", daemon=True)  # fmt: skip
         self.thread.start()
         self.generated_token = s.token is None
         self.exposed = s.host not in LOOPBACK  # reachable from other machines
+
+    def _describe(self) -> None:
+        about = {"url": self.url, "model": self.model_name, "groups": f"{self.url}/groups",
+                 "policies": list(self.loop.models)}  # fmt: skip
+        self.file.write_text(json.dumps(about))
+
+    def add_policy(self, name: str, text: Any) -> None:
+        """A policy joined the run (tailrace policy join): requests may name it, and its text side
+        (chat template, system prompt) renders theirs."""
+        self.ep.texts = {**self.ep.texts, name: text}  # (a new dict: handler threads read the old one)
+        self.loop.models = [*self.loop.models, name]
+        self._describe()
 
     def close(self) -> None:
         self.server.shutdown()

@@ -11,12 +11,14 @@ loopback unless told otherwise.
 
 from __future__ import annotations
 
+import copy
 import hmac
 import itertools
 import json
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -119,17 +121,29 @@ class Endpoint:
     run's sampling (temperature, top-p, top-k: what its trainer's ratios assume), every request's
     default and the only values taken; None: any. `prefix`: of the response ids. `bos`: a completion's
     text prompt starts with BOS (a training run's: as it encodes its own prompts; `tailrace serve`:
-    the text's tokens alone)."""
+    the text's tokens alone). `texts`: a run's policies' text sides by name (`of`)."""
 
     def __init__(
         self, loop: Any, text: Any, model: str, token: str, max_tokens: int, vocab: int, context: int,
         sampling: SamplingParams | None = None, prefix: str = "cmpl-", bos: bool = False,
+        texts: Mapping[str, Any] | None = None,
     ) -> None:  # fmt: skip
         self.loop, self.text, self.model, self.token = loop, text, model, token
+        self.texts = texts or {}
         self.max_tokens, self.vocab, self.context = max_tokens, vocab, context
         self.sampling, self.prefix, self.bos = sampling, prefix, bos
         self.ids = itertools.count()
         self.lock = threading.Lock()
+
+    def of(self, model: str | None) -> Endpoint:
+        """What serves a request naming `model`: in a run of several policies, that policy's text side
+        (its chat template and system prompt); the rest shared (ids, lock, loop)."""
+        text = self.texts.get(model) if model is not None else None
+        if text is None or text is self.text:
+            return self
+        ep = copy.copy(self)
+        ep.text = text
+        return ep
 
     def next_id(self) -> str:
         with self.lock:
@@ -192,6 +206,7 @@ class _Handler(BaseHTTPRequestHandler):
             except (ValueError, UnicodeDecodeError):
                 raise api.ApiError("the body is not valid JSON") from None
             model = body.get("model") if isinstance(body, dict) else None  # a training run's: its policy
+            self.ep = type(self).ep.of(model if isinstance(model, str) else None)  # (this request's)
             if self.path == GROUPS:
                 return self._group(api.parse_group(body), model)
             ep = self.ep

@@ -244,3 +244,66 @@ def test_an_agent_endpoint_on_a_port_in_use_fails_the_run_before_anything_starts
     err = out.out + out.err
     assert f"serve.port={port}: the agent endpoint cannot listen there" in err and "0: any free one" in err
     assert not list((tmp_path / "run").glob("checkpoints/step_*"))
+
+
+def test_each_policy_s_chat_requests_render_with_its_own_system_prompt_a_joiner_s_too(tmp_path):
+    """Two external policies of one chat model, each with its own task.system_prompt, the second joining
+    the running run (tailrace policy join): a chat request naming a policy is rendered by that policy's
+    chat format (not the first policy's), and the joiner is served and trained like the first; once
+    the joiner has trained its steps, its requests are refused while the first policy goes on."""
+    from tailrace.chat import ChatFormat
+    from tailrace.config import load_config
+    from tailrace.runtime.session import Session
+    from tests.chat_helpers import write_chat_model
+    from tests.runtime.conftest import assert_exact, run_cli
+
+    d = write_chat_model(tmp_path / "llama", "llama", max_position_embeddings=32768)
+    run, msgs, seen = tmp_path / "run", [{"role": "user", "content": "What is 2 + 3?"}], {}
+
+    def chat(url, model):
+        body = {"messages": msgs, "n": 4, "max_tokens": 8, "model": model}
+        st, out = call(url, "/chat/completions", body)
+        if st != 200:
+            seen.setdefault(f"refused {model}", out["error"]["message"])
+            return False
+        seen.setdefault(model, out["prompt_token_ids"])
+        ch = out["choices"]
+        group = {"completions": [c["completion_id"] for c in ch], "model": model,
+                 "rewards": [float(c["token_ids"][0] % 2) for c in ch]}  # fmt: skip
+        return call(url, "/groups", group)[0] == 200
+
+    def agent():
+        while not (run / "endpoint.json").exists():
+            time.sleep(0.05)
+        url = json.loads((run / "endpoint.json").read_text())["url"]
+        chat(url, "a")
+        seen["join"] = run_cli(
+            "policy", "join", str(run), "b", "--task.system_prompt=You help.", "--flow.steps=1"
+        )
+        live = {"a", "b"}
+        while live:
+            live = {m for m in live if chat(url, m)}
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    argv = [
+        "train", f"--run-dir={run}", f"--model.path={d}", *TINY_RUN, "--flow.mode=external", "--flow.steps=2",
+        "--eval.n=4", "--serve.port=0", f"--serve.token={TOKEN}", "--flow.zero_signal=train", "--max_policies=2",
+        "--policies=[{name: a, task: {system_prompt: You add.}}]",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    t.join(timeout=60)
+    assert seen["join"].returncode == 0, seen["join"].stdout + seen["join"].stderr
+    ses = Session(load_config(None, [f"--model.path={d}"]))
+    try:
+        for model, system in (("a", "You add."), ("b", "You help.")):
+            assert seen[model] == ses.tok.encode(ChatFormat(ses.tok, system).render_turns(msgs)), model
+    finally:
+        ses.close()
+    assert_exact(run / "policies" / "a", steps=2)
+    assert_exact(run / "policies" / "b", steps=1)
+    # b's one step trains first; its later requests are refused at once, not left waiting while a goes on
+    assert (
+        seen["refused b"]
+        == "this policy has trained all its steps (flow.steps): it takes no more requests or groups"
+    )
