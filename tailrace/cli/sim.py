@@ -51,6 +51,11 @@ def simulate(args: Args) -> int:
         write_report(d)
     if "--like" in flags:  # the real run's own flow is the first policy's
         real, sim = compare.step_figures(flags["--like"]), compare.step_figures(dirs[0])
+        if scenario.rolled_out_on(flags["--like"]) == "vllm":
+            console.print(
+                "note: the run rolled out on vLLM, and the cpu presets cost tailrace's engine (as calibrated "
+                "by tailrace sim calibrate): its rollout figures compare two engines, not the model"
+            )
         for name, r, m, err in compare.compare(real, sim):
             console.print(f"  {name:20s} real {r:10.3f}  sim {m:10.3f}  ({err:+.1%})")
     console.print("report: " + ", ".join(str(d / "report.html") for d in dirs))

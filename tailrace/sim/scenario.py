@@ -394,6 +394,13 @@ def _recorded_micro_batch(run_dir: Path) -> int:
     return 8192
 
 
+def rolled_out_on(run_dir: str | Path) -> str:
+    """The rollout backend of a real run (its config.yaml's rollout.backend)."""
+    from tailrace.config import RunConfig
+
+    return load_config(Path(run_dir) / "config.yaml", cls=RunConfig).rollout.backend
+
+
 def scenario_from_run(run_dir: str | Path) -> Scenario:
     """The scenario of a real tailrace run: its flow and rollout settings, its model's shape on the cpu
     preset of its engine's dtype ("cpu" for fp32, "cpu-bf16" for bf16; the trainer is costed by the same

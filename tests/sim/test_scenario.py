@@ -96,11 +96,11 @@ def test_overrides_and_every_mode_on_a_gpu_scenario():
     assert results["pipe"]["trainer_wait_ratio"] < results["sync"]["trainer_wait_ratio"]
 
 
-def _fake_run(tmp_path, dtype="float32"):
+def _fake_run(tmp_path, dtype="float32", backend="tailrace"):
     """A run directory as tailrace train leaves it: config, journal of finished samples, step records."""
     tmp_path.mkdir()
     cfg = RunConfig(flow=FlowConfig(prompts_per_round=4, samples_per_prompt=4, train_batch=16, steps=3))
-    cfg.model.dtype = dtype
+    cfg.model.dtype, cfg.rollout.backend = dtype, backend
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     lines, steps = [], []
     for g in range(12):
@@ -135,6 +135,13 @@ def test_a_real_run_directory_becomes_a_scenario_and_compares(tmp_path):
     assert sim["steps"] == 2 and real["step_s"] == 1.0
     rows = compare.compare(real, sim)
     assert [r[0] for r in rows] == list(compare.FIGURES)
+
+
+def test_a_vllm_run_is_simulated_and_the_comparison_says_its_engine_was_another(tmp_path, capsys):
+    """(Where vLLM is not installed too: the run directory loads anywhere.)"""
+    run = _fake_run(tmp_path / "real", backend="vllm")
+    assert main(["sim", "--like", str(run), "--out", str(tmp_path / "sim"), "--flow.steps=2"]) == 0
+    assert "note: the run rolled out on vLLM" in capsys.readouterr().out
 
 
 def test_a_bf16_run_is_simulated_on_the_bf16_cpu_preset(tmp_path):
