@@ -21,8 +21,12 @@ def server(tmp_path_factory):
     d = write_chat_model(tmp_path_factory.mktemp("chat") / "model", "llama", max_position_embeddings=32768)
     cfg = load_config(None, [f"--model.path={d}", "--serve.port=0", f"--serve.token={TOKEN}", "--serve.slots=8",
                              "--serve.context=256", "--serve.max_tokens=12"])  # fmt: skip
-    up, lines = threading.Event(), []
-    box = {}
+    yield from serving(cfg)
+
+
+def serving(cfg, start_s: float = 60):
+    """`tailrace serve` of `cfg` in a thread, for a fixture: yields (its server, the lines it said)."""
+    up, lines, box = threading.Event(), [], {}
 
     def ready(srv):
         box["server"] = srv
@@ -30,10 +34,9 @@ def server(tmp_path_factory):
 
     t = threading.Thread(target=serve, args=(cfg, lines.append), kwargs={"ready": ready}, daemon=True)
     t.start()
-    assert up.wait(60), lines
-    srv = box["server"]
-    yield srv, lines
-    srv.shutdown()
+    assert up.wait(start_s), lines
+    yield box["server"], lines
+    box["server"].shutdown()
     t.join(timeout=10)
 
 

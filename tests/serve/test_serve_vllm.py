@@ -1,16 +1,13 @@
 """`tailrace serve --rollout.backend=vllm`: the same endpoint on a vLLM engine. Needs vLLM: skipped
 where it does not import (CI); `make test-vllm` runs it."""
 
-import threading
-
 import pytest
 
 pytest.importorskip("vllm")
 
 from tailrace.config import load_config  # noqa: E402
-from tailrace.serve import serve  # noqa: E402
 from tests.chat_helpers import write_chat_model  # noqa: E402
-from tests.serve.test_serve import TOKEN, call, post  # noqa: E402
+from tests.serve.test_serve import TOKEN, call, post, serving  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -20,18 +17,7 @@ def server(tmp_path_factory):
                          hidden_size=64, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     cfg = load_config(None, [f"--model.path={d}", "--serve.port=0", f"--serve.token={TOKEN}", "--serve.slots=8",
                              "--serve.context=256", "--serve.max_tokens=12", "--rollout.backend=vllm"])  # fmt: skip
-    up, lines, box = threading.Event(), [], {}
-
-    def ready(srv):
-        box["server"] = srv
-        up.set()
-
-    t = threading.Thread(target=serve, args=(cfg, lines.append), kwargs={"ready": ready}, daemon=True)
-    t.start()
-    assert up.wait(180), lines
-    yield box["server"], lines
-    box["server"].shutdown()
-    t.join(timeout=10)
+    yield from serving(cfg, start_s=180)
 
 
 def test_a_vllm_engine_serves_completions_and_chat_with_the_trainer_s_logprobs(server):
