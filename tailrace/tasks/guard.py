@@ -46,6 +46,7 @@ log = logging.getLogger("tailrace.tasks")
 _IDX, _T0 = 0, 1  # slots of the shared progress array
 _WAITING = -1.0  # progress index while the worker has not started the batch
 _START_TIMEOUT_S = 120.0
+_WORKDIR = "tailrace-reward-"  # a worker's directory: <tmp>/tailrace-reward-<the guard's pid>-<random>
 _REASON_CHARS = 300  # a reason's length; a result row is at most 4 bytes a character of it and its numbers
 _ROW_BYTES = 4 * _REASON_CHARS + 64
 _LEAKED = "leaked processes: the reward returned with processes it started still running"
@@ -132,6 +133,29 @@ def _decode(data: bytes, n: int) -> list[tuple[int, float, str | None]]:
             raise ValueError(f"malformed result {str(row)[:80]}")
         out.append((i, float(reward), None if error is None else error[:_REASON_CHARS]))
     return out
+
+
+def sweep_orphans() -> int:
+    """Remove the reward workers' directories that a killed process left (its pid is in the name and
+    no longer runs); this user's only. Returns how many went."""
+    gone, tmp = 0, tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(_WORKDIR)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(tmp, name)
+        try:
+            pid = int(name[len(_WORKDIR) :].split("-", 1)[0])
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)  # raises when no process has that pid
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            gone += 1
+        except (ValueError, OSError):  # not ours, or a pid that runs (or one we may not signal)
+            continue
+    return gone
 
 
 class RewardGuard:
@@ -230,7 +254,8 @@ class RewardGuard:
 
     # -- worker lifecycle ---------------------------------------------------------------------
     def _start(self) -> None:
-        self._workdir = tempfile.mkdtemp(prefix=f"tailrace-reward-{os.getpid()}-")
+        sweep_orphans()
+        self._workdir = tempfile.mkdtemp(prefix=f"{_WORKDIR}{os.getpid()}-")
         # a fresh pipe per worker: a killed worker may have left a half-written message in the old one
         self._conn, child = self._ctx.Pipe()
         self._proc = self._ctx.Process(

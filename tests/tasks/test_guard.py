@@ -190,3 +190,23 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
+
+
+def test_the_worker_directories_a_killed_process_left_are_swept(tmp_path, monkeypatch):
+    """A reward worker's directory carries its guard's pid: one whose process no longer runs (a run
+    killed with -9) is removed when a guard starts a worker; a live process's, and others, stay."""
+    import tempfile
+
+    from tailrace.tasks.guard import sweep_orphans
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"tailrace-reward-{dead.pid}-abc"
+    (orphan / "scratch").mkdir(parents=True)
+    live = tmp_path / f"tailrace-reward-{os.getpid()}-def"
+    live.mkdir()
+    other = tmp_path / "tailrace-reward-notapid-x"
+    other.mkdir()
+    assert sweep_orphans() == 1
+    assert not orphan.exists() and live.exists() and other.exists()
