@@ -204,6 +204,8 @@ def test_the_worker_directories_a_killed_process_left_are_swept(tmp_path, monkey
     dead.wait()
     orphan = tmp_path / f"tailrace-reward-{dead.pid}-abc"
     (orphan / "scratch").mkdir(parents=True)
+    if os.getuid() == 0:  # as the sandbox leaves it under root: owned by a throwaway uid
+        os.chown(orphan, (1 << 30) + dead.pid, (1 << 30) + dead.pid)
     live = tmp_path / f"tailrace-reward-{os.getpid()}-def"
     live.mkdir()
     other = tmp_path / "tailrace-reward-notapid-x"
