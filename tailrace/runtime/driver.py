@@ -846,9 +846,17 @@ class Driver:
             self._load_everywhere(v)
             pol.base = self._evaluate(pol, pol.evaluator, "base", v, wall_s=0.0)
         base = f"; base held-out accuracy {pol.base.accuracy:.1%}" if pol.base else ""
+        need = ses.expected_context(max(self.cfg.rollout.max_new_tokens, pc.eval.max_new_tokens))
+        kv = (
+            f"; note: its requests hold up to {need:,} tokens, and the engines' KV memory was sized for "
+            f"{self.expected_context:,} a slot when the run started, so they queue or preempt sooner (a run "
+            "started with this policy sizes it)"
+            if need > self.expected_context
+            else ""
+        )
         return (
             f"policy {name} joined as policy {pol.index + 1} of {self.sched.room} ({pc.flow.mode}, "
-            f"{pc.flow.steps} steps, task {pc.task.name}){base}; its files: {pol.run.path}"
+            f"{pc.flow.steps} steps, task {pc.task.name}){base}; its files: {pol.run.path}{kv}"
         )
 
     def _stop_policy(self, name: str) -> str:
