@@ -4,6 +4,7 @@
     .venv/bin/python bench/join.py --cores shared     # one of them: shared | trainer | a core
     .venv/bin/python bench/join.py --config default   # the default run (trainer-bound on 2 cores)
     .venv/bin/python bench/join.py --cores ray        # on Ray: the run's actors, a joiner's actor
+    PYTHONPATH=. .venv-vllm/bin/python bench/join.py --backend vllm --lora 4 --cores trainer   # vLLM engines
 
 Each run is a `tailrace train` (default model and task, `--mode`, one engine, `--config`: genheavy,
 bench/modes.py's generation-bound shape, or the defaults) that a second engine
@@ -80,6 +81,7 @@ def run_one(name: str, cores: str | None, args) -> dict:
     train = cli(
         "train", f"--run-dir={run}", f"--flow.mode={args.mode}", f"--flow.steps={args.steps}",
         "--eval.n=16", "--rollout.engines=1", f"--seed={args.seed}", *CONFIGS[args.config], *on_ray,
+        f"--rollout.backend={args.backend}", *([f"--train.lora.rank={args.lora}"] if args.lora else []),
     )  # fmt: skip
     joiner = None
     try:
@@ -96,7 +98,7 @@ def run_one(name: str, cores: str | None, args) -> dict:
         for p in (train, joiner):
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    return measure(run, args.window) | {"placement": name, "config": args.config}
+    return measure(run, args.window) | {"placement": name, "config": args.config, "backend": args.backend}
 
 
 def measure(run: Path, window: float) -> dict:
@@ -176,6 +178,10 @@ def main() -> None:
     ap.add_argument("--join-after", type=int, default=8)
     ap.add_argument("--window", type=float, default=15.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", default="tailrace", choices=("tailrace", "vllm"))
+    ap.add_argument(
+        "--lora", type=int, default=0, help="LoRA rank (0: whole weights; vLLM needs it for multiversion)"
+    )
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     load = os.popen("uptime").read().strip().split("load average:")[-1].strip()
@@ -183,7 +189,7 @@ def main() -> None:
     for name in args.cores.split(","):
         rows.append(run_one(name, PLACEMENTS.get(name, name), args))
     print(table(rows, load))
-    (OUT / f"join-{args.config}.json").write_text(
+    (OUT / f"join-{args.config}{'-vllm' if args.backend == 'vllm' else ''}.json").write_text(
         json.dumps({"load": load, "args": vars(args), "rows": rows}, indent=1)
     )
 
