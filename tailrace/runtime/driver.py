@@ -359,9 +359,14 @@ class Driver:
                 p.base = self._evaluate(p, p.evaluator, "base", v, wall_s=0.0)
             p.snapshots = Snapshots(p.run.path, p.snapshots.every, p.sched.steps_done)
         bases = [p.base for p in self.pols]
-        # utilization counts from here: the base evaluation is not part of the training timeline
+        # utilization counts from here: the base evaluation is not part of the training timeline; a
+        # resumed policy's clock and ratios go on from its last step record
         for p in self.pols:
-            p.util = Utilization(time.perf_counter(), slots=p.util.slots)
+            f = p.run.file("metrics.jsonl")
+            steps = [r for r in read_metrics(f) if isinstance(r, StepRecord)] if f.is_file() else []
+            last = steps[-1].time if steps else None
+            p.util = Utilization.resumed(time.perf_counter(), p.util.slots, last)
+            p.last_wall = last["wall_s"] if last else 0.0
             p.cpu_mark = time.process_time()
         if self.ui is not None:
             steps = sum(p.sched.spec.total_steps for p in self.pols)
@@ -782,8 +787,9 @@ class Driver:
             asked.answer(False, line)
             return
         data = {"policy": name}
-        if kind == "policy_join":  # its step and eval records' clock starts here on the run's
-            data["clock_s"] = self.pols[-1].util.start - self.t0
+        if kind == "policy_join":  # its step and eval records' clock starts here on the run's (the
+            # first policy's: its step records' wall_s, which a resume carries on)
+            data["clock_s"] = self.pols[-1].util.start - self.pols[0].util.start
         self._event(Mark(self._now(), kind, data), line)
         asked.answer(True, line)
 

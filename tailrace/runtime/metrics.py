@@ -32,6 +32,22 @@ class Utilization:
     sync_time: float = 0.0
     history: list[tuple[float, float, float, int, int]] = field(default_factory=list)
 
+    @classmethod
+    def resumed(cls, now: float, slots: int, last: dict | None) -> Utilization:
+        """A resumed run's, from `last`, the time figures of its last step record kept (None: none,
+        a fresh start): its clock goes on from that step's wall_s (the time it was down not counted),
+        its cumulative ratios from the busy times they imply, and the first step's window starts now."""
+        if not last:
+            return cls(now, slots)
+        wall = last["wall_s"]
+        busy = (1.0 - last["trainer_wait_ratio"]) * wall
+        slot_time = (1.0 - last["bubble_ratio"]) * slots * wall
+        batch = last.get("mean_active_batch", 0.0)
+        engine_busy = slot_time / batch if batch > 0 else 0.0
+        u = cls(now - wall, slots, trainer_busy=busy, slot_time=slot_time, engine_busy=engine_busy)
+        u.history.append((now, busy, slot_time, 0, 0))
+        return u
+
     def snapshot(self, now: float) -> dict:
         """Cumulative ratios, and the same over the window since the previous snapshot."""
         cur = (now, self.trainer_busy, self.slot_time, self.gen_tokens, self.train_tokens)

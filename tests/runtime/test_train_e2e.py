@@ -118,6 +118,10 @@ def test_kill_9_then_resume_repeats_no_step_and_loses_no_trajectory(tiny_model, 
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     steps = [r["step"] for r in steps_of(run)]
     assert steps == list(range(8)), f"steps after resume: {steps}"
+    # the run's clock goes on across the resume (time to accuracy reads it): never back to zero
+    walls = [r["time"]["wall_s"] for r in steps_of(run)]
+    assert walls == sorted(walls) and walls[killed_at] > walls[killed_at - 1], walls
+    assert all(0 <= r["time"]["trainer_wait_ratio"] <= 1 for r in steps_of(run))
     done = finished(run)
     assert len(done) == len(set(done)), "a finished trajectory was generated twice"
     assert set(done_before) <= set(done)
