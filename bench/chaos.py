@@ -101,8 +101,8 @@ def wait(p: subprocess.Popen, run_dir: Path) -> None:
 
 
 def train_wall(run_dir: Path) -> float:
-    """The last step record's `wall_s` (a resumed driver starts that clock again: under `--supervise`
-    ETTR is the whole processes' ratio)."""
+    """The last step record's `wall_s` (a resumed driver's clock goes on from its last step record,
+    leaving out the time it was down: under `--supervise` ETTR is the whole processes' ratio)."""
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, StepRecord)]
     return steps[-1].time["wall_s"]
 
