@@ -154,6 +154,7 @@ class Driver:
         self._eval_calls: dict[str, int] = {}  # held-out id -> tool calls answered (multi-turn)
         self.desk: Desk | None = None
         self.endpoint = None  # flow.mode=external: the run's OpenAI-compatible endpoint (serve/attached.py)
+        self._resumed_at = 0.0  # a resumed run's clock when this session took it up (its last step record's)
         # several policies' trainers sharing cores (the local runtime's trainer cores; on Ray each has a
         # bundle of its own): with flow.share=turns one trains at a time, its steps in the order they
         # were issued (time-sliced together, two policies that finish their rounds together train
@@ -368,6 +369,7 @@ class Driver:
             p.util = Utilization.resumed(time.perf_counter(), p.util.slots, last)
             p.last_wall = last["wall_s"] if last else 0.0
             p.cpu_mark = time.process_time()
+        self._resumed_at = max(p.last_wall for p in self.pols)
         if self.ui is not None:
             steps = sum(p.sched.spec.total_steps for p in self.pols)
             self.ui.begin(
@@ -400,7 +402,7 @@ class Driver:
             self._pump()
         return Summary(
             sum(p.sched.steps_done for p in self.pols),
-            self._now(),
+            self._now() + self._resumed_at,  # a resumed run's: this session on top of its clock before
             self.pols[0].base.accuracy if self.pols[0].base else None,
             finals[0].accuracy if finals[0] else None,
             str(self.run.path),
