@@ -39,9 +39,12 @@ from tailrace.runtime.procs import name_process
 @contextmanager
 def serving(conn: Connection, counter: Any) -> Iterator[None]:
     """Around a worker's whole body: beat, and report any exception to the driver before exiting. The
-    process takes its worker's name (`tr-engine0`, `tr-trainer`: runtime/procs.py)."""
-    name_process(f"tr-{current_process().name}")
+    process takes its worker's name (`tr-engine0`, `tr-trainer`: runtime/procs.py) once it has beaten:
+    a worker stopped as soon as it shows (a chaos test's SIGSTOP) is found stuck after the usual
+    timeout, not after the first beat's start-up allowance (health.STARTUP_S)."""
+    counter.value += 1
     Pulse(counter).start()
+    name_process(f"tr-{current_process().name}")
     try:
         yield
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -270,7 +270,10 @@ def test_each_policy_s_chat_requests_render_with_its_own_system_prompt_a_joiner_
         ch = out["choices"]
         group = {"completions": [c["completion_id"] for c in ch], "model": model,
                  "rewards": [float(c["token_ids"][0] % 2) for c in ch]}  # fmt: skip
-        return call(url, "/groups", group)[0] == 200
+        st, got = call(url, "/groups", group)
+        if st != 200:  # (the policy finished between its completions and its group)
+            seen.setdefault(f"refused {model}", got["error"]["message"])
+        return st == 200
 
     def agent():
         while not (run / "endpoint.json").exists():
