@@ -26,6 +26,9 @@ KEEP = 4096  # finished external results kept for a group, newest first (older o
 LEASE_S = 30.0  # how long a finished result not yet sent back in a group still counts as on its way
 
 
+DONE = "this policy has trained all its steps (flow.steps): it takes no more requests or groups"
+
+
 class ExternalError(ValueError):
     """A group the scheduler refuses; the message names the problem and the fix (HTTP 400/409)."""
 

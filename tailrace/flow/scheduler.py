@@ -32,7 +32,7 @@ from types import MappingProxyType
 from typing import Collection, Iterator, Mapping, Sequence
 
 from tailrace.flow.commands import Abort, Command, DropWeights, Generate, LoadWeights, Train
-from tailrace.flow.external import ExternalBook, ExternalError, is_external
+from tailrace.flow.external import DONE, ExternalBook, ExternalError, is_external
 from tailrace.flow.keys import SampleKey, sample_seed
 from tailrace.flow.ledger import Ledger
 from tailrace.flow.replay import ReplayBuffer, ReplayOptions
@@ -59,9 +59,6 @@ ANY_VERSIONS = Capabilities(
 )
 
 PREGEN = "pregen."  # the id prefix of pre-generation requests (sample keys are group.index.attempt)
-
-
-DONE = "this policy has trained all its steps (flow.steps): it takes no more requests or groups"
 
 
 class InvariantError(AssertionError):

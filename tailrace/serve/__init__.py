@@ -27,13 +27,13 @@ def serve(cfg: RunConfig, say: Callable[[str], None] = print, progress=None, rea
     path = cfg.model.path or ensure_warm_start(cfg.arch, cfg.sft, progress)
     text = ModelText(path, cfg.task.chat_template, cfg.task.system_prompt)
     torch.set_num_threads(len(available_cores()))
-    device = resolve_device(cfg.device)
     if cfg.rollout.backend == "vllm":  # vLLM loads the checkpoint itself
         engine = build_engine(
             str(path), backend="vllm", num_slots=s.slots, seed=cfg.seed, max_context=s.context,
             kv_memory_gb=cfg.rollout.kv_memory_gb, dtype=cfg.model.dtype,
         )  # fmt: skip
     else:
+        device = resolve_device(cfg.device)
         model = load_pretrained(path, dtype=getattr(torch, cfg.model.dtype), device=device)
         engine = build_engine(
             model, num_slots=s.slots, device=device, seed=cfg.seed, max_context=s.context,

@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tailrace.flow.external import ExternalError
-from tailrace.flow.scheduler import DONE
+from tailrace.flow.external import DONE, ExternalError
 from tailrace.serve.server import LOOPBACK, Endpoint, make_server
 from tailrace.types import GenRequest, SamplingParams
 
@@ -36,8 +35,8 @@ class RunLoop:
     def __init__(self, models: Sequence[str] = ("main",)) -> None:
         self.models = list(models)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.sinks: dict[str, queue.SimpleQueue] = {}  # request id -> its handler's events (driver's)
-        self.policy_of: dict[str, int] = {}  # request id (in `sinks`) -> its policy
+        # request id -> its handler's events and its policy (the driver's side)
+        self.sinks: dict[str, tuple[queue.SimpleQueue, int]] = {}
         self.lock = threading.Lock()
         self.closed = False  # the run ended: whatever comes is answered at once
 
@@ -98,14 +97,12 @@ class RunLoop:
                     sched.cancel_external([r.id for r in reqs])
                     events.put(("error", str(e)))
                     continue
-                self.sinks.update((r.id, events) for r in reqs)
-                self.policy_of.update((r.id, p) for r in reqs)
+                self.sinks.update((r.id, (events, p)) for r in reqs)
             elif msg[0] == "cancel":
                 for sched in policies:  # (ids are unique across policies: one counter)
                     sched.cancel_external(msg[1])
                 for rid in msg[1]:
                     self.sinks.pop(rid, None)
-                    self.policy_of.pop(rid, None)
             else:
                 _, p, ids, rewards, correct, reply = msg
                 try:
@@ -119,20 +116,16 @@ class RunLoop:
         for sched in policies:
             for r in sched.take_external():
                 sink = self.sinks.pop(r.request_id, None)
-                self.policy_of.pop(r.request_id, None)
                 if sink is not None:
-                    sink.put(("done", r))
-        done = {p for p in set(self.policy_of.values()) if policies[p].done}
-        for rid in [rid for rid, p in self.policy_of.items() if p in done]:
-            del self.policy_of[rid]
-            self.sinks.pop(rid).put(("error", DONE))
+                    sink[0].put(("done", r))
+        for rid in [rid for rid, (_, p) in self.sinks.items() if policies[p].done]:
+            self.sinks.pop(rid)[0].put(("error", DONE))
 
     def close(self) -> None:
         """The run ended: requests and groups still waiting get an error, not silence."""
         with self.lock:
             self.closed = True
-        waiting = list(self.sinks.values())
-        self.policy_of.clear()
+        waiting = [events for events, _ in self.sinks.values()]
         while True:
             try:
                 msg = self.inbox.get_nowait()
