@@ -1,16 +1,49 @@
 #!/usr/bin/env bash
-# The CUDA path on a GPU machine, with that machine's own torch (no install): the engine's GPU tests,
-# then the demo's shape for a few steps with device=cuda and device=cpu side by side.
-#   bash bench/cuda_check.sh            (TAILRACE_CACHE may point at a cache holding the warm start)
+# The CUDA path on a GPU machine, with that machine's own torch (no install), as one prepared run:
+#   tests    the engine's GPU tests: CUDA against the CPU, speculation lossless with every drafter,
+#            LoRA rows of several adapters in one forward against each adapter alone
+#   spec     bench/spec.py on CUDA (bf16): rollouts with and without drafters, epochs 1 and 2
+#   toggle   bench/spec.py --batches on CUDA: the toggle at fixed active batches
+#   tenants  bench/tenants.py on CUDA, a 150M-parameter random model (hidden 1024, 12 layers, bf16),
+#            with the per-token gathered adapter terms and with the per-slot groups
+#   train    the demo's shape for 10 steps with device=cuda
+#   bash bench/cuda_check.sh                   STAGES=tests,spec bash bench/cuda_check.sh
+# TAILRACE_CACHE may point at a cache holding the warm start (carry it: building it takes minutes).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TAILRACE_CACHE=${TAILRACE_CACHE:-$PWD/.devcache}
 out=${OUT:-/tmp/cuda_check}
+stages=${STAGES:-tests,spec,toggle,tenants,train}
 mkdir -p "$out"
+has() { [[ ",$stages," == *",$1,"* ]]; }
+stamp() { echo "== $1 ($(date +%T), ${SECONDS}s)"; }
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
 echo "cores: $(nproc)"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py tests/runtime/test_device.py 2>&1 | tail -15
-for dev in cuda cpu; do
-  echo "== device=$dev"
-  timeout 150 python3 -m tailrace.cli train --device="$dev" --flow.steps=10 --eval.n=128 \
-    --run-dir="$out/run_$dev" 2>&1 | grep -v "^\s*$" | tail -6
-done
+if has tests; then
+  stamp tests
+  timeout 130 python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_engine_gpu.py tests/runtime/test_device.py 2>&1 | tail -30
+fi
+if has spec; then
+  stamp spec
+  timeout 140 python3 bench/spec.py --device cuda --dtype bf16 --drafters off,history,quant8 --rounds 2 \
+    --out "$out/spec.json" 2>&1 | tail -14
+fi
+if has toggle; then
+  stamp toggle
+  timeout 60 python3 bench/spec.py --device cuda --dtype bf16 --drafters off,history,quant8 --batches 1,4,16,64 \
+    --rounds 3 --max-new 128 --out "$out/toggle.json" 2>&1 | tail -6
+fi
+if has tenants; then
+  for terms in auto grouped; do
+    stamp "tenants ($terms)"
+    timeout 90 python3 bench/tenants.py --device cuda --dtype bf16 --hidden 1024 --layers 12 --tenants 1,4,8 \
+      --repeats 2 --lora-terms "$terms" --out "$out/tenants_$terms.json" 2>&1 | grep -v "^\s*$" | head -8
+  done
+fi
+if has train; then
+  for dev in cuda; do
+    stamp "train device=$dev"
+    timeout 100 python3 -m tailrace.cli train --device="$dev" --flow.steps=10 --eval.n=128 \
+      --run-dir="/tmp/run_$dev" 2>&1 | grep -v "^\s*$" | tail -5
+  done
+fi
+stamp done

@@ -67,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--tail", type=int, default=8)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--device", default="cpu", help="cpu or cuda (on CUDA the wall-clock columns count)")
     p.add_argument(
         "--model",
         help="a local HF checkpoint (e.g. SmolLM2-135M-Instruct) instead of the warm-started policy: "
@@ -89,7 +90,7 @@ def round_requests(prompts, samples: int, max_new: int, stops: tuple, epoch: int
 
 def run(model, spec, reqs, warmup, history, a) -> dict:
     """One rollout on a fresh engine; its steps' records and the results."""
-    eng = TailraceEngine(model, num_slots=a.slots, seed=0, kv_memory_gb=0.5, spec=spec)
+    eng = TailraceEngine(model, num_slots=a.slots, seed=0, kv_memory_gb=0.5, spec=spec, device=a.device)
     eng.generate(warmup)
     for prompt, tokens in history:
         eng.add_history(prompt, tokens)
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
     drafters = a.drafters.split(",")
     if a.batches:
         return toggle_check(model, prompts, drafters, [int(b) for b in a.batches.split(",")], a)
-    print(f"{a.prompts} prompts x {a.samples} samples through {a.slots} slots, {a.dtype}, "
+    print(f"{a.prompts} prompts x {a.samples} samples through {a.slots} slots, {a.dtype} on {a.device}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     table: dict = {}
     history: list = []
@@ -241,7 +242,9 @@ def main(argv=None) -> int:
 
 def toggle_check(model, prompts, drafters: list[str], batches: list[int], a) -> int:
     """tokens/s of each drafter (toggle on) over no speculation at fixed active batches (see doc)."""
-    print(f"toggle check: {a.max_new} tokens per request, {a.dtype}, {a.rounds} turns", flush=True)
+    print(
+        f"toggle check: {a.max_new} tokens per request, {a.dtype} on {a.device}, {a.rounds} turns", flush=True
+    )
     table = {}
     for b in batches:
         ps = [prompts[i % len(prompts)] for i in range(b)]
@@ -250,7 +253,8 @@ def toggle_check(model, prompts, drafters: list[str], batches: list[int], a) -> 
             GenRequest(f"{tag}{i}", p, SamplingParams(seed=j * 10_000 + i, **fixed)) for i, p in enumerate(ps)
         ]
         engines = {
-            d: TailraceEngine(model, num_slots=b, seed=0, spec=None if d == "off" else d) for d in drafters
+            d: TailraceEngine(model, num_slots=b, seed=0, spec=None if d == "off" else d, device=a.device)
+            for d in drafters
         }
         earlier = engines["off"].generate(mk("h", 99))
         for eng in engines.values():

@@ -29,6 +29,7 @@ average is printed: the machine may be shared.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -46,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from tailrace.config import ArchConfig  # noqa: E402
 from tailrace.config.train import LoraConfig  # noqa: E402
 from tailrace.engine import TailraceEngine, build_engine  # noqa: E402
+from tailrace.engine import adapters as adapters_mod  # noqa: E402
 from tailrace.model import lora  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from tailrace.model.decoder import CausalLM  # noqa: E402
@@ -67,6 +69,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--attention", default="auto", help="the engine backend: auto (kernel), kernel, bmm")
     p.add_argument("--backend", default="tailrace", choices=["tailrace", "vllm"], help="the rollout engine")
+    p.add_argument("--layers", type=int, default=None, help="model depth (default: the built-in's, 4)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (on CUDA read the wall-clock table)")
+    p.add_argument(
+        "--lora-terms",
+        default="auto",
+        choices=["auto", "grouped"],
+        help="grouped: the per-slot groups on every device (auto gathers per token on accelerators)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each arm (best of), interleaved")
     p.add_argument("--quick", action="store_true", help="tenants 1,4; 8 requests each; 1 repeat")
@@ -77,13 +87,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def base_model(hidden: int | None = None) -> CausalLM:
-    """The built-in architecture, or that shape at width `hidden` (the MLP 3x as wide, 64-wide heads)."""
+def base_model(hidden: int | None = None, layers: int | None = None) -> CausalLM:
+    """The built-in architecture, or that shape at width `hidden` (the MLP 3x as wide, 64-wide heads)
+    and depth `layers`."""
     tok = char_tokenizer()
     arch = ArchConfig()
     if hidden:
         arch = ArchConfig(hidden_size=hidden, num_heads=hidden // 64, num_kv_heads=hidden // 128 or 1,
                           intermediate_size=3 * hidden)  # fmt: skip
+    if layers:
+        arch = dataclasses.replace(arch, num_layers=layers)
     return CausalLM.from_config(warmstart.model_config(arch, tok.vocab_size, tok), seed=0).eval()
 
 
@@ -116,7 +129,9 @@ def workload(n_tenants: int, per_tenant: int, vocab: int, seed: int = 0) -> list
 def engine(a: argparse.Namespace, base: CausalLM, n_adapters: int):
     """tailrace's engine over `base`, or vLLM loading it from a scratch checkpoint, serving LoRA adapters."""
     if a.backend == "tailrace":
-        return TailraceEngine(base, num_slots=a.slots, dtype=a.dtype, attention=a.attention, seed=0)
+        return TailraceEngine(
+            base, num_slots=a.slots, dtype=a.dtype, attention=a.attention, seed=0, device=a.device
+        )
     path = Path(tempfile.mkdtemp(prefix="tenants-base-"))
     save_pretrained(base, path)
     dtype = {"fp32": "float32", "bf16": "bfloat16"}[a.dtype]
@@ -156,14 +171,16 @@ def run(eng, batches: list[list[GenRequest]]) -> dict:
 def main(argv=None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    base = load_pretrained(a.model).eval() if a.model else base_model(a.hidden)
+    if a.lora_terms == "grouped":
+        adapters_mod.gathered = lambda device: False
+    base = load_pretrained(a.model).eval() if a.model else base_model(a.hidden, a.layers)
     tenants = [int(x) for x in a.tenants.split(",")]
     eng = engine(a, base, max(tenants))
     for t in range(max(tenants)):
         eng.load_adapter(f"t{t}", adapter(base, a.rank, seed=100 + t))
     load = os.getloadavg()[0]
     print(
-        f"engine: {eng.describe()}; {base.num_parameters() / 1e6:.1f}M parameters, {a.dtype}, "
+        f"engine: {eng.describe()}; {base.num_parameters() / 1e6:.1f}M parameters, {a.dtype} on {a.device}, "
         f"{a.threads} thread(s); {max(tenants)} adapters of rank "
         f"{a.rank} loaded; load average {load:.2f}"
     )

@@ -12,6 +12,9 @@ weight version it runs on.
 the low-rank terms to y in place after the base GEMM has run over every row once:
   * torch: rows grouped by slot on the host, then per group (x_g A_s^T) B_s^T (an index_select, two
     GEMMs and an index_add; when one slot has every row, two GEMMs and an add, rounded alike);
+  * gathered (on CUDA, and wherever `gathered` says): each token's A and B^T gathered by its slot and
+    two batched GEMMs of one row each (punica's BGMV): the launches do not grow with the adapters in
+    the batch, which on a GPU costs more than the few MB gathered; bounded by `GATHER_MAX_BYTES`;
   * the C kernels (`Kernels.lora`): one call per projection, each row through its own slot's A and B
     (a row's terms never depend on the other rows).
 x is the projection's input as the model sees it (the caller applies the RMSNorm weight that the
@@ -28,6 +31,8 @@ from tailrace.engine.ckernel import Kernels
 from tailrace.engine.errors import EngineError
 from tailrace.model.config import ModelConfig
 from tailrace.model.lora import Adapter
+
+GATHER_MAX_BYTES = 256 << 20  # above: the per-slot groups (a big batch of a big model's MLP)
 
 FUSED = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -188,12 +193,13 @@ class Adapters:
 class LoraStep:
     """One forward's adapter terms; built by `Adapters.step`."""
 
-    __slots__ = ("adapters", "slots", "_slot_t", "_groups")
+    __slots__ = ("adapters", "slots", "_slot_t", "_groups", "_gather")
 
     def __init__(self, adapters: Adapters, slots: list[int]):
         self.adapters, self.slots = adapters, slots
         self._slot_t: torch.Tensor | None = None
         self._groups: list[tuple[int, torch.Tensor | None]] | None = None
+        self._gather: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def add(self, layer: int, kind: str, x: torch.Tensor, y: torch.Tensor, kernel: Kernels | None) -> None:
         """y (M, out) += each token's adapter terms of projection `kind` over its input x (M, in)."""
@@ -203,12 +209,37 @@ class LoraStep:
         if kernel is not None and x.device.type == "cpu" and x.dtype in kernel.dtypes:
             kernel.lora(x.contiguous(), st.a, st.bt, self._slot_tensor(), y, st.cols, st.ranks)
             return
+        if (
+            gathered(x.device)
+            and x.shape[0] * st.a.shape[1] * (st.a.shape[2] + st.bt.shape[2]) * x.element_size()
+            <= GATHER_MAX_BYTES
+        ):
+            idx, keep = self._gather_index(x.device, x.dtype)
+            xa = torch.bmm(x.unsqueeze(1), st.a.index_select(0, idx).transpose(1, 2))
+            t = torch.bmm(xa, st.bt.index_select(0, idx)).squeeze(1)
+            y.add_(t if keep is None else t * keep)
+            return
         for s, idx in self._slot_groups(x.device):
             a, bt = st.a[s], st.bt[s]
             if idx is None:  # the same roundings as a group's: the terms rounded, then added
                 y.add_((x @ a.t()) @ bt)
             else:
                 y.index_add_(0, idx, (x.index_select(0, idx) @ a.t()) @ bt)
+
+    def _gather_index(
+        self, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each token's slot (0 for none) and, when some token has none, a (M, 1) mask zeroing its terms."""
+        if self._gather is None:
+            idx = torch.tensor([max(s, 0) for s in self.slots], dtype=torch.int64).to(
+                device, non_blocking=True
+            )
+            keep = None
+            if any(s < 0 for s in self.slots):
+                m = torch.tensor([[float(s >= 0)] for s in self.slots], dtype=dtype)
+                keep = m.to(device, non_blocking=True)
+            self._gather = (idx, keep)
+        return self._gather
 
     def _slot_tensor(self) -> torch.Tensor:
         if self._slot_t is None:
@@ -227,3 +258,8 @@ class LoraStep:
                 (s, None if whole else torch.tensor(ix).to(device, non_blocking=True)) for s, ix in by.items()
             ]
         return self._groups
+
+
+def gathered(device: torch.device) -> bool:
+    """Whether the torch path gathers each token's adapter (accelerators) or groups tokens by slot (CPU)."""
+    return device.type != "cpu"

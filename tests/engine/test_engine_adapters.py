@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tailrace.config.train import LoraConfig
+from tailrace.engine import adapters as adapters_mod
 from tailrace.engine import ckernel
 from tailrace.engine.backends import torch_ref, weights
 from tailrace.engine.backends.linear import packing_supported
@@ -96,6 +97,18 @@ def test_mixed_adapter_batch_equals_each_adapter_alone(models, attention, dtype,
     mixed, alone = mixed_and_alone(*models, attention, dtype)
     for rid, r in alone.items():
         assert mixed[rid].token_ids == r.token_ids, rid
+        assert max(abs(x - y) for x, y in zip(mixed[rid].logprobs, r.logprobs)) < 1e-6, rid
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gathered_adapter_terms_equal_each_adapter_alone(models, dtype, batch_invariant_base, monkeypatch):
+    """The accelerators' path (each token's A and B^T gathered by its slot, batched one-row GEMMs), run
+    here on the torch backend: mixed rows equal each adapter's alone, and the per-slot groups' tokens."""
+    grouped, _ = mixed_and_alone(*models, "bmm", dtype)
+    monkeypatch.setattr(adapters_mod, "gathered", lambda device: True)
+    mixed, alone = mixed_and_alone(*models, "bmm", dtype)
+    for rid, r in alone.items():
+        assert mixed[rid].token_ids == r.token_ids == grouped[rid].token_ids, rid
         assert max(abs(x - y) for x, y in zip(mixed[rid].logprobs, r.logprobs)) < 1e-6, rid
 
 

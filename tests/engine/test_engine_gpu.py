@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,3 +31,83 @@ def test_cuda_engine_matches_cpu(dtype):
             if r.params.top_k == 0:
                 ref = full_logprobs(model, r.prompt_ids, res.token_ids, r.params.temperature)
                 assert max(abs(a - b) for a, b in zip(res.logprobs, ref)) < 1e-4
+
+
+def _mismatch(plain, fast) -> str:
+    """'' when every request got the same tokens, else how many did not and the largest logprob gap."""
+    bad = [p.request_id for p, f in zip(plain, fast) if p.token_ids != f.token_ids]
+    gap = max(
+        (
+            abs(x - y)
+            for p, f in zip(plain, fast)
+            if p.token_ids == f.token_ids
+            for x, y in zip(p.logprobs, f.logprobs)
+        ),
+        default=0.0,
+    )
+    return (
+        f"{len(bad)}/{len(plain)} requests differ ({bad[:4]}); largest logprob gap {gap:.2e}" if bad else ""
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("drafter", ["oracle", "noisy", "history", "quant8", "trained"])
+def test_cuda_speculation_is_lossless(dtype, drafter, monkeypatch):
+    """On CUDA too a seeded request gets the tokens it gets without speculation (every row drafts the
+    ladder's length: the toggle's timings would decide what is exercised)."""
+    from tailrace.engine.spec.costs import Toggle
+    from tests.engine.test_spec_engine import Scripted, _reqs
+
+    monkeypatch.setattr(Toggle, "gamma", lambda self, batch, alpha, gamma_max, veto=True: gamma_max)
+    model = tiny_model(0).to("cuda")
+    reqs = _reqs()
+
+    def mk(spec=None):
+        return TailraceEngine(model, num_slots=4, prefill_tokens=16, dtype=dtype, spec=spec)
+
+    plain = mk().generate(reqs)
+    truth = {r.request_id: r.token_ids for r in plain}
+    spec = {"oracle": Scripted(truth), "noisy": Scripted(truth, noise=0.3, silent=0.3)}.get(drafter, drafter)
+    eng = mk(spec)
+    assert eng.device.type == "cuda"
+    if drafter == "history":
+        for r, res in zip(reqs, plain):
+            eng.add_history(r.prompt_ids, res.token_ids[::-1])
+    if drafter == "trained":
+        eng.generate(
+            [
+                dataclasses.replace(r, id=f"e{r.id}", params=dataclasses.replace(r.params, seed=9))
+                for r in reqs
+            ]
+        )
+        assert eng.idle(0.2) is not None
+    fast = eng.generate(reqs)
+    assert eng.spec_stats.verifies > 0
+    assert not _mismatch(plain, fast), _mismatch(plain, fast)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert max(abs(x - y) for p, f in zip(plain, fast) for x, y in zip(p.logprobs, f.logprobs)) <= tol
+    if drafter == "oracle":
+        assert eng.spec_stats.acceptance > 0.95
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_mixed_adapter_batch_equals_each_adapter_alone(dtype, monkeypatch):
+    """LoRA rows of three adapters and of none in one forward on CUDA (each token's adapter gathered),
+    against each adapter's alone; bf16 decode attention pinned to its fp32 copies at every batch, as on
+    the CPU (else the base model's own rows move by up to ~0.06 between batch sizes, adapter or not)."""
+    from tailrace.engine.backends import torch_ref
+
+    monkeypatch.setattr(torch_ref, "UPCAST_MAX_BATCH", 10**9)
+    from tests.engine.test_engine_adapters import SPECS, adapted, mixed_and_alone
+
+    base = tiny_model(seed=0)
+    adapters = {n: adapted(base, n, seed) for seed, n in enumerate(SPECS, start=1)}
+    mixed, alone = mixed_and_alone(
+        base.to("cuda"), {n: m.to("cuda") for n, m in adapters.items()}, "bmm", dtype
+    )
+    order = sorted(alone)
+    assert not _mismatch([alone[k] for k in order], [mixed[k] for k in order]), _mismatch(
+        [alone[k] for k in order], [mixed[k] for k in order]
+    )
+    tol = 1e-4 if dtype == "fp32" else 2e-2
+    assert max(abs(x - y) for k in order for x, y in zip(alone[k].logprobs, mixed[k].logprobs)) <= tol
