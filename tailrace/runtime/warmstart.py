@@ -23,6 +23,7 @@ from tailrace.common import cache_root
 from tailrace.config import ArchConfig, SFTConfig
 from tailrace.model.checkpoint import load_pretrained, save_pretrained
 from tailrace.model.config import ModelConfig
+from tailrace.model.device import bf16_fast
 from tailrace.model.decoder import CausalLM
 from tailrace.tasks.chaincalc import ChainCalcTask
 from tailrace.tasks.chainsum import ChainSumTask
@@ -45,7 +46,8 @@ def recipe_key(arch: ArchConfig, sft: SFTConfig, task: ChainSumTask) -> str:
 
 def warm_start_dir(arch: ArchConfig, sft: SFTConfig, task: ChainSumTask | None = None) -> Path:
     task = task or ChainSumTask()
-    return cache_root() / "warmstart" / f"chainsum-{recipe_key(arch, sft, task)}"
+    fp32 = "-fp32" if sft.bf16 and not _autocast(sft) else ""  # another model: another name
+    return cache_root() / "warmstart" / f"chainsum-{recipe_key(arch, sft, task)}{fp32}"
 
 
 def model_config(cfg: ArchConfig, vocab_size: int, tok) -> ModelConfig:
@@ -95,7 +97,7 @@ def build_warm_start(arch: ArchConfig, cfg: SFTConfig, out: Path, progress=None)
             epochs=cfg.epochs,
             pad_id=tok.pad_id,
             seed=cfg.seed,
-            bf16=cfg.bf16,
+            bf16=_autocast(cfg),
             on_step=progress,
         )
         seconds = time.perf_counter() - t0
@@ -108,8 +110,16 @@ def build_warm_start(arch: ArchConfig, cfg: SFTConfig, out: Path, progress=None)
         "final_loss": _final_loss(losses),
         "steps": len(losses),
         "parameters": model.num_parameters(),
+        "autocast": "bfloat16" if _autocast(cfg) else "float32",
     }
     return _publish(model, tok, info, out)
+
+
+def _autocast(cfg: SFTConfig) -> bool:
+    """sft.bf16, where this CPU multiplies bf16 at least at fp32's pace: on an AVX2-only CPU bf16 runs
+    about 20x slower, and the warm start trains in fp32 (warmstart.json says which) into a folder of
+    its own (`-fp32`), so a key names one model."""
+    return cfg.bf16 and bf16_fast(torch.device("cpu"))
 
 
 def _final_loss(losses: list[float]) -> float:
@@ -164,7 +174,7 @@ def build_tool_warm_start(
         t0 = time.perf_counter()
         losses = sft(
             model, pairs, lr=TOOL_RECIPE["lr"], warmup=TOOL_RECIPE["warmup"], batch_tokens=cfg.batch_tokens,
-            epochs=1, pad_id=tok.pad_id, seed=cfg.seed, bf16=cfg.bf16, on_step=progress,
+            epochs=1, pad_id=tok.pad_id, seed=cfg.seed, bf16=_autocast(cfg), on_step=progress,
         )  # fmt: skip
         seconds = time.perf_counter() - t0
     finally:
@@ -172,5 +182,6 @@ def build_tool_warm_start(
     info = {
         "base": base.name, "recipe": TOOL_RECIPE, "seconds": round(seconds, 1),
         "final_loss": _final_loss(losses), "steps": len(losses),
+        "autocast": "bfloat16" if _autocast(cfg) else "float32",
     }  # fmt: skip
     return _publish(model, tok, info, out)

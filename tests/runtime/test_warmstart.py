@@ -67,3 +67,24 @@ def test_sft_attends_through_sdpa_as_its_recipes_always_did(monkeypatch):
     )
     assert losses and not calls
     assert attention.attends_eagerly(8, torch.bfloat16, torch.device("cpu"))  # switched back on after
+
+
+def test_a_cpu_without_bf16_gemms_warm_starts_in_fp32_under_its_own_name(monkeypatch, tmp_path):
+    """bf16 autocast on an AVX2-only CPU is ~20x slower than fp32: there the warm start trains in fp32,
+    says so in warmstart.json, and caches under another name (the recipe's key names one model)."""
+    import json
+
+    from tailrace.runtime import warmstart
+
+    monkeypatch.setenv("TAILRACE_CACHE", str(tmp_path))
+    arch = ArchConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    sft = SFTConfig(examples=40, batch_tokens=512, warmup=1, threads=1)
+    monkeypatch.setattr(warmstart, "bf16_fast", lambda device: True)
+    fast = warmstart.warm_start_dir(arch, sft)
+    monkeypatch.setattr(warmstart, "bf16_fast", lambda device: False)
+    slow = warmstart.ensure_warm_start(arch, sft)
+    assert slow == fast.with_name(fast.name + "-fp32")
+    assert json.loads((slow / "warmstart.json").read_text())["autocast"] == "float32"
+    assert warmstart.warm_start_dir(arch, SFTConfig(examples=40, bf16=False)).name.endswith(
+        recipe_key(arch, SFTConfig(examples=40, bf16=False), ChainSumTask())
+    )
