@@ -24,7 +24,7 @@ if has tests; then
 fi
 if has spec; then
   stamp spec
-  timeout 140 python3 bench/spec.py --device cuda --dtype bf16 --drafters off,history,quant8 --rounds 2 \
+  timeout 140 python3 bench/spec.py --device cuda --dtype bf16 --drafters off,history --rounds 3 \
     --out "$out/spec.json" 2>&1 | tail -14
 fi
 if has toggle; then
@@ -42,7 +42,7 @@ fi
 if has train; then
   for dev in cuda; do
     stamp "train device=$dev"
-    timeout 100 python3 -m tailrace.cli train --device="$dev" --flow.steps=10 --eval.n=128 \
+    timeout 60 python3 -m tailrace.cli train --device="$dev" --flow.steps=10 --eval.n=128 \
       --run-dir="/tmp/run_$dev" 2>&1 | grep -v "^\s*$" | tail -5
   done
 fi
