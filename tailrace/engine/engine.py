@@ -120,6 +120,7 @@ class TailraceEngine(SpeculativeSteps):
         spec: str | Callable[[DraftEnv], Drafter] | SpecOptions | None = None,
         keep_finished: bool = False,
         max_versions: int | None = None,
+        batch_invariant: bool | None = None,
     ):
         """`model` is version 0. `max_context`: context limit (prompt + response) per request, default
         the model's max_position_embeddings (or less, if the KV pool holds less). `expected_context`: the
@@ -135,7 +136,11 @@ class TailraceEngine(SpeculativeSteps):
         of a `Drafter`; None or 'off': none) or these `SpecOptions`; it changes no output, only the
         time (see `spec`). `keep_finished`: keep finished requests' k/v for continuations (see above;
         not with speculation, whose drafters keep caches of their own). `max_versions`: None, as many
-        versions as are loaded; 1, one (see above)."""
+        versions as are loaded; 1, one (see above). `batch_invariant`: a request's logits do not depend
+        on the batch it shares (see `backends.select`; the torch backend in bf16 then attends in fp32 at
+        every batch); default: with speculation only, whose verified tokens must come out as decoded
+        ones would. Without it the torch backend's bf16 rows move with the batch size (~0.06 in a
+        logprob: a token can change), so compare a speculating engine with one built batch-invariant."""
         if max_versions not in (None, 1):
             raise EngineError(
                 f"max_versions={max_versions}: use None (as many versions as are loaded) or 1 (one copy "
@@ -185,7 +190,11 @@ class TailraceEngine(SpeculativeSteps):
                 f"failed: {str(e).splitlines()[0]}; lower kv_memory_gb"
             ) from e
         # the backends address every position of a row's blocks (max_context rounded up to a block)
-        select = backends.select(attention, model, self.cache.max_context, kv_dtype)
+        if batch_invariant is None:  # verified tokens attend as prefill pieces, decoded ones as decode rows
+            batch_invariant = (
+                spec is not None and (spec.drafter if isinstance(spec, SpecOptions) else spec) != "off"
+            )
+        select = backends.select(attention, model, self.cache.max_context, kv_dtype, batch_invariant)
         self._versions = Versions(model, select)
         self._adapters = Adapters(cfg, dtype, device)
         self._per_adapter: Counter[str] = Counter()  # live requests per adapter name ("" = none)

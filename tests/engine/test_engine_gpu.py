@@ -53,17 +53,20 @@ def _mismatch(plain, fast) -> str:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("drafter", ["oracle", "noisy", "history", "quant8", "trained"])
 def test_cuda_speculation_is_lossless(dtype, drafter, monkeypatch):
-    """On CUDA too a seeded request gets the tokens it gets without speculation (every row drafts the
-    ladder's length: the toggle's timings would decide what is exercised)."""
+    """On CUDA too a seeded request gets the tokens it gets without speculation, from an engine built
+    batch-invariant as a speculating one is (every row drafts the ladder's length: the toggle's timings
+    would decide what is exercised)."""
     from tailrace.engine.spec.costs import Toggle
     from tests.engine.test_spec_engine import Scripted, _reqs
 
     monkeypatch.setattr(Toggle, "gamma", lambda self, batch, alpha, gamma_max, veto=True: gamma_max)
     model = tiny_model(0).to("cuda")
-    reqs = _reqs()
+    reqs = _reqs(24)  # through 16 slots: decode batches past the torch backend's UPCAST_MAX_BATCH
 
     def mk(spec=None):
-        return TailraceEngine(model, num_slots=4, prefill_tokens=16, dtype=dtype, spec=spec)
+        return TailraceEngine(
+            model, num_slots=16, prefill_tokens=16, dtype=dtype, spec=spec, batch_invariant=True
+        )
 
     plain = mk().generate(reqs)
     truth = {r.request_id: r.token_ids for r in plain}

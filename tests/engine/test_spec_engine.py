@@ -195,6 +195,30 @@ def test_torch_backend_gives_the_same_tokens(model):
     assert eng.spec_stats.accepted > 0
 
 
+@pytest.mark.parametrize("spec", ["noisy", "history"])
+def test_torch_backend_bf16_above_the_upcast_batch(model, spec):
+    """bf16 on the torch backend (CUDA's) at up to 16 rows: its decode attention above
+    `UPCAST_MAX_BATCH` rows ran in bf16 while verified tokens attend, as prefill pieces, in fp32, so
+    drafts changed tokens (1 request in 24 here; on an H200, at batch 64). A speculating engine is
+    batch-invariant: its tokens are those of a plain engine built batch-invariant (logprobs within
+    bf16 noise: prefill pieces attend in fp32 on the cache, decode rows on fp32 copies, in another
+    order)."""
+    reqs = [req(f"u{i}", 3 + i % 7, 60, temperature=1.0) for i in range(24)]
+    plain = TailraceEngine(model, num_slots=16, attention="bmm", dtype="bf16", batch_invariant=True).generate(
+        reqs
+    )
+    truth = {r.request_id: r.token_ids for r in plain}
+    eng = TailraceEngine(
+        model, num_slots=16, attention="bmm", dtype="bf16",
+        spec=Scripted(truth, noise=0.3) if spec == "noisy" else "history",
+    )  # fmt: skip
+    if spec == "history":
+        for r, res in zip(reqs, plain):
+            eng.add_history(r.prompt_ids, res.token_ids[::-1])
+    _same(plain, eng.generate(reqs), 2e-2)
+    assert eng.spec_stats.accepted > 0
+
+
 def test_versions_and_weight_updates(model):
     """Two versions in one batch (one forward each, drafts in both), then version 0 overwritten in
     place between runs: each request matches the plain engine holding the same weights."""

@@ -8,6 +8,7 @@ chosen when the engine was built: nothing in the step re-derives it.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -60,7 +61,11 @@ class Backend(Protocol):
 
 
 def select(
-    attention: str | None, model: CausalLM, max_context: int, kv_dtype: torch.dtype
+    attention: str | None,
+    model: CausalLM,
+    max_context: int,
+    kv_dtype: torch.dtype,
+    batch_invariant: bool = False,
 ) -> Callable[..., Backend]:
     """The backend of an engine serving `model` (on its device, in its dtype) over a cache whose rows
     address `max_context` positions, in `kv_dtype`; call it with each version's model. `attention`:
@@ -69,7 +74,10 @@ def select(
       build), else 'bmm';
       'bmm', 'sdpa': `TorchBackend` with that decode attention.
     The kernels need head_dim <= 256 and fp32/bf16 weights and cache; elsewhere 'auto' and 'kernel'
-    fall back to 'bmm'."""
+    fall back to 'bmm'. `batch_invariant`: a row's logits must not depend on the batch (nor on whether
+    its token is decoded or verified as a prefill piece): the torch backend then attends on fp32 copies
+    at every batch with a bf16/fp16 cache, and 'sdpa' (low-precision attention) gives way to 'bmm'.
+    The kernels are batch-invariant as they are."""
     attention = attention or "auto"
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}: use 'auto', 'kernel', 'bmm' or 'sdpa'")
@@ -87,5 +95,8 @@ def select(
     if kernel is not None and w.dtype in kernel.dtypes and kv_dtype in kernel.dtypes:
         cls = KernelBackend if kv_dtype == w.dtype else KernelAttentionBackend
         return functools.partial(cls, max_context=max_context, kv_dtype=kv_dtype, kernel=kernel)
-    variant = "sdpa" if attention == "sdpa" else "bmm"
-    return functools.partial(TorchBackend, max_context=max_context, kv_dtype=kv_dtype, variant=variant)
+    variant = "sdpa" if attention == "sdpa" and not (batch_invariant and kv_dtype != torch.float32) else "bmm"
+    upcast = {"upcast_max_batch": sys.maxsize} if batch_invariant else {}
+    return functools.partial(
+        TorchBackend, max_context=max_context, kv_dtype=kv_dtype, variant=variant, **upcast
+    )

@@ -51,14 +51,18 @@ class TorchBackend:
         packed: bool | None = None,
         gemm: Kernels | None = None,
         int8: bool = False,
+        upcast_max_batch: int | None = None,
     ):
         """`model` on its device, in its dtype; `max_context`, `kv_dtype`: the positions a cache row
         addresses and the cache's dtype; `variant`: decode attention, 'bmm' or 'sdpa'; `packed`, `gemm`
         (the C kernels whose GEMM serves the linears), `int8` (a quantized drafter's layers): see
-        `FusedWeights`."""
+        `FusedWeights`. `upcast_max_batch`: with a bf16/fp16 cache, decode attention of at most this many
+        rows (default `UPCAST_MAX_BATCH`) runs on fp32 copies, as prefill pieces always do (unbounded: a row's token is computed
+        alike whatever the batch, and decoded or verified, which speculation's exactness needs)."""
         if variant not in ("bmm", "sdpa"):
             raise ValueError(f"variant={variant!r}: use 'bmm' or 'sdpa'")
         self.name, self.model, self.kv_dtype = variant, model, kv_dtype
+        self.upcast_max_batch = UPCAST_MAX_BATCH if upcast_max_batch is None else upcast_max_batch
         self.w = w = FusedWeights(model, packed, gemm, int8)
         inv_freq, scale = inv_freq_and_scale(model.config)
         cos, sin = rope_table(inv_freq, scale, max_context)  # (max_context, D) fp32, sin first half negated
@@ -217,7 +221,7 @@ class TorchBackend:
         """A bf16/fp16 cache: small batches as `_attend_fp32` on upcast copies; larger ones in the cache's
         dtype, the scores as K @ q^T (the faster order for low-precision GEMMs), fp32 softmax."""
         B, Hkv, G, D = q.shape[0], self.w.Hkv, self.w.G, self.w.D
-        if B <= UPCAST_MAX_BATCH:
+        if B <= self.upcast_max_batch:
             return self._attend_fp32(q, ck, cv, state, upcast=True)
         q = q.reshape(B * Hkv, G, D)
         outs = []
