@@ -23,8 +23,8 @@ from tailrace.common import cache_root
 from tailrace.config import ArchConfig, SFTConfig
 from tailrace.model.checkpoint import load_pretrained, save_pretrained
 from tailrace.model.config import ModelConfig
-from tailrace.model.device import bf16_fast
 from tailrace.model.decoder import CausalLM
+from tailrace.model.device import bf16_fast
 from tailrace.tasks.chaincalc import ChainCalcTask
 from tailrace.tasks.chainsum import ChainSumTask
 from tailrace.tokenizer import char_tokenizer

@@ -56,9 +56,10 @@ class TorchBackend:
         """`model` on its device, in its dtype; `max_context`, `kv_dtype`: the positions a cache row
         addresses and the cache's dtype; `variant`: decode attention, 'bmm' or 'sdpa'; `packed`, `gemm`
         (the C kernels whose GEMM serves the linears), `int8` (a quantized drafter's layers): see
-        `FusedWeights`. `upcast_max_batch`: with a bf16/fp16 cache, decode attention of at most this many
-        rows (default `UPCAST_MAX_BATCH`) runs on fp32 copies, as prefill pieces always do (unbounded: a row's token is computed
-        alike whatever the batch, and decoded or verified, which speculation's exactness needs)."""
+        `FusedWeights`. `upcast_max_batch`: with a bf16/fp16 cache, decode attention of at most this
+        many rows (default `UPCAST_MAX_BATCH`) runs on fp32 copies, as prefill pieces always do
+        (unbounded: a row's token is computed alike whatever the batch, and decoded or verified, which
+        speculation's exactness needs)."""
         if variant not in ("bmm", "sdpa"):
             raise ValueError(f"variant={variant!r}: use 'bmm' or 'sdpa'")
         self.name, self.model, self.kv_dtype = variant, model, kv_dtype
