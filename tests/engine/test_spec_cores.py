@@ -254,3 +254,30 @@ def test_length_budget_by_class():
     assert length_budget(75, lengths, 8) == 8  # long: all
     assert length_budget(5, lengths[: MIN_PROMPTS - 1], 8) == 8  # too few prompts for classes
     assert math.isclose(length_budget(40, lengths, 1), 1)  # medium keeps at least one
+
+
+def test_history_indexes_responses_when_their_prompt_next_drafts():
+    """Responses wait outside the index until a request of their prompt asks for drafts (the last
+    siblings of a round are never walked); past 2 x window the index is rebuilt from the last window."""
+    from tailrace.engine.spec.drafter import DraftRow
+    from tailrace.engine.spec.history import HistoryDrafter
+
+    d = HistoryDrafter(window=2)
+    prompt = (1, 2)
+    for r in ([5, 6, 7, 9], [5, 6, 8, 9]):
+        d.add_history(prompt, r)
+    p = d._prompts[prompt]
+    assert p.index.sequences == 0 and p.pending == 2
+
+    def ask(tokens, rid="r"):
+        return d.propose([DraftRow(rid, prompt, tokens, 3, 0, len(tokens), 0)])[0]
+
+    assert ask([5, 6, 8]) == [9]  # the later response's continuation of the match 5 6 8
+    assert p.index.sequences == 2 and p.pending == 0
+    d.add_history(prompt, [4, 4, 4, 4])
+    assert ask([5, 6, 8, 9, 4, 4], rid="s") == [4, 4]  # one more indexed on the next ask
+    assert p.index.sequences == 3
+    for r in ([3, 3], [2, 2]):  # 5 responses > 2 x window: the last 2 alone, rebuilt when asked
+        d.add_history(prompt, r)
+    assert p.pending == -1
+    assert ask([7], rid="t") == [] and p.index.sequences == 2 and len(p.responses) == 2

@@ -9,7 +9,10 @@ whose responses run short gets no drafts, a medium one half the draft length, a 
 short requests finish early anyway, long ones set the rollout's end.
 
 Memory: `window` responses per prompt (older ones leave when the index is rebuilt at 2 x window) and
-`max_prompts` prompts (least recently used leave first).
+`max_prompts` prompts (least recently used leave first). A response is indexed when a request of its
+prompt next asks for drafts, not when it arrives: the siblings that finish last, or while the toggle
+keeps drafting off, are never walked into an index (at batch 64 that walk was ~11% of a rollout's
+CPU time with nothing drafted).
 """
 
 from __future__ import annotations
@@ -42,13 +45,25 @@ def length_budget(ema: float, lengths: Sequence[float], k: int) -> int:
 
 
 class _Prompt:
-    __slots__ = ("responses", "index", "stamp", "ema")
+    __slots__ = ("responses", "index", "stamp", "ema", "pending")
 
     def __init__(self) -> None:
         self.responses: list[Sequence[int]] = []
         self.index = SuffixIndex()
         self.stamp = 0  # changes whenever the index does
         self.ema = 0.0
+        self.pending = 0  # the last responses not yet in the index; -1: the index is to be rebuilt
+
+    def indexed(self) -> SuffixIndex:
+        """The index, with every response in it."""
+        if self.pending:
+            if self.pending < 0:
+                self.index = SuffixIndex()
+            for r in self.responses[-self.pending :] if self.pending > 0 else self.responses:
+                self.index.add(r)
+            self.pending = 0
+            self.stamp += 1
+        return self.index
 
 
 @dataclass(slots=True)
@@ -83,12 +98,9 @@ class HistoryDrafter:
         p.responses.append(tuple(tokens))
         if len(p.responses) > 2 * self.window:
             p.responses = p.responses[-self.window :]
-            p.index = SuffixIndex()
-            for r in p.responses:
-                p.index.add(r)
-        else:
-            p.index.add(p.responses[-1])
-        p.stamp += 1
+            p.pending = -1
+        elif p.pending >= 0:
+            p.pending += 1
 
     def propose(self, rows: list[DraftRow]) -> list[list[int]]:
         if self._lengths is None:
@@ -99,9 +111,10 @@ class HistoryDrafter:
             if p is None:
                 out.append([])
                 continue
+            index = p.indexed()
             m = self._match(r, p)
             k = min(r.k, m.length, length_budget(p.ema, self._lengths, r.k))
-            out.append(p.index.continuation(m, k))
+            out.append(index.continuation(m, k))
         return out
 
     def _match(self, r: DraftRow, p: _Prompt) -> Match:
