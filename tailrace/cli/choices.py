@@ -77,6 +77,26 @@ def check_backend(cfg: RunConfig) -> None:
         )
 
 
+def slow_settings(cfg: RunConfig) -> list[str]:
+    """Lines naming settings this machine runs far slower than their alternative (nothing is refused):
+    bf16 on a CPU without bf16 GEMMs (AVX2 only), ~12x slower than fp32 there."""
+    import torch
+
+    from tailrace.model.device import bf16_fast
+    from tailrace.runtime.procs import resolve_device
+
+    device = torch.device(resolve_device(cfg.device))
+    if bf16_fast(device):
+        return []
+    out = []
+    if cfg.train.bf16 or any((p.get("train") or {}).get("bf16") for p in cfg.policies):
+        out.append(
+            "train.bf16: this CPU has no bf16 GEMMs (AVX2 only), where bf16 autocast runs ~12x slower "
+            "than fp32; set train.bf16=false here"
+        )
+    return out
+
+
 def check(cfg: RunConfig) -> None:
     """Every name in its registry, the shaping one the mode supports, the flow settings ones the
     chosen policy accepts, and the policy one the rollout engines' capabilities can serve."""

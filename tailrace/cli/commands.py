@@ -86,7 +86,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def train(args: Args) -> int:
-    from tailrace.cli.choices import check, check_backend
+    from tailrace.cli.choices import check, check_backend, slow_settings
     from tailrace.runtime.driver import with_mode
     from tailrace.runtime.lock import RunLock
     from tailrace.runtime.resume import plan_resume
@@ -109,6 +109,8 @@ def train(args: Args) -> int:
     else:
         cfg, why = load_run(flags.get("--config"), rest)
         check_backend(cfg)
+        for line in slow_settings(cfg):
+            console.print(line)
         cfg.train.lora.check_init()  # train.lora.init is read when the run starts (policies share it)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run = RunDir(flags.get("--run-dir") or Path(cfg.out) / f"{stamp}-{cfg.flow.mode}")

@@ -67,3 +67,15 @@ def test_the_chosen_policy_judges_its_options():
     with pytest.raises(ConfigError, match="flow.mode=async: .*max_staleness"):
         check(load_config(overrides=["--flow.mode=async", "--flow.max_staleness=0"]))
     check(load_config(overrides=["--flow.mode=pipe", "--flow.max_staleness=0"]))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_train_bf16_on_a_cpu_without_bf16_gemms_says_so(monkeypatch, fast):
+    """Nothing refused: a line naming the setting and what to do, only where bf16 is slow."""
+    from tailrace.cli import choices
+    from tailrace.model import device
+
+    monkeypatch.setattr(device, "bf16_fast", lambda d: fast)
+    lines = choices.slow_settings(load_config(None, ["--train.bf16=true", "--device=cpu"]))
+    assert lines == ([] if fast else [lines[0]]) and all("train.bf16=false" in x for x in lines)
+    assert choices.slow_settings(load_config(None, ["--device=cpu"])) == []
