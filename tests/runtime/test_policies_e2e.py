@@ -347,15 +347,18 @@ def test_drafters_serve_several_policies_and_change_no_recorded_figure_but_time(
             main([*argv, "--flow.steps=3", "--flow.zero_signal=train", f"--policies={policies}", *spec]) == 0
         )
         runs[arm] = {n: records(run / "policies" / n, "step") for n in ("a", "b")}
+    accepted = 0  # a policy's drafts accepted: 0-5 in 3 steps, by which siblings finish first
     for name in ("a", "b"):
         off, on = runs["off"][name], runs["spec"][name]
         assert [{k: v for k, v in r.items() if k != "time"} for r in off] == [
             {k: v for k, v in r.items() if k != "time"} for r in on
         ]
         t = [r["time"] for r in on]
-        assert sum(x["spec_drafted"] for x in t) > 0 and sum(x["spec_accepted"] for x in t) > 0
+        assert sum(x["spec_drafted"] for x in t) > 0
+        accepted += sum(x["spec_accepted"] for x in t)
         for r, x in zip(on, t):  # sync: a step's samples are of the policy's version before it
             assert set(x["spec_by_version"]) <= {str(r["version"] - 1)}
+    assert accepted > 0
     events = [
         json.loads(l)
         for l in (tmp_path / "spec" / "policies" / "a" / "events.jsonl").read_text().splitlines()
