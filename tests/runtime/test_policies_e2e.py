@@ -68,8 +68,9 @@ def test_two_policies_train_side_by_side_each_with_its_own_books(tiny_model, tmp
     # the two trainers share the machine's memory: each sized its micro-batches from half of it
     (one,) = available(capfd.readouterr().out)
     assert len(together) == 2 and all(0.35 < x / one < 0.65 for x in together), (together, one)
-    strip = [{k: v for k, v in r.items() if k != "time"} for r in records(alone, "step")]
-    assert strip == [
+    from tests.runtime.conftest import step_figures
+
+    assert step_figures(records(alone, "step")) == [
         {k: v for k, v in r.items() if k != "time"} for r in records(run / "policies" / "sums", "step")
     ]
     # every policy finished: a resume is refused before anything changes the run
@@ -286,9 +287,12 @@ def test_a_run_of_several_policies_resumes_policy_by_policy(two_policies, tmp_pa
         assert_exact(d, steps)
         evals = [r["tag"] for r in records(d, "eval")]
         assert sorted(evals) == ["base", "final"], evals
-    strip = lambda recs: [{k: v for k, v in r.items() if k != "time"} for r in recs]  # noqa: E731
+    from tests.runtime.conftest import step_figures
+
     a_then = [json.loads(l) for l in before["a"].splitlines() if '"kind":"step"' in l]
-    assert strip(records(run / "policies" / "a", "step")) == strip(a_then)
+    assert step_figures(records(run / "policies" / "a", "step")) == [
+        {k: v for k, v in r.items() if k != "time"} for r in a_then
+    ]
 
 
 def test_a_resume_of_several_policies_refuses_an_edited_policy_and_a_finished_run(two_policies, tmp_path):
