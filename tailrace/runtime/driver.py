@@ -1013,7 +1013,6 @@ class Driver:
         published = None if rep.published is None else self.sched.policy_version(rep.published)[1]
         if rep.sync_span:
             s0, s1 = rep.sync_span
-            pol.util.sync_time += s1 - s0
             self.events.write(Span(pol.worker_name, "sync", s0 - self.t0, s1 - self.t0, version=published))
         sched = pol.sched
         sched.on_train_step([t.length for t in pol.pending_trajs[rep.step][1]], t1 - t0)

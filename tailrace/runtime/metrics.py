@@ -29,7 +29,6 @@ class Utilization:
     gen_tokens: int = 0
     train_tokens: int = 0
     engine_busy: float = 0.0
-    sync_time: float = 0.0
     history: list[tuple[float, float, float, int, int]] = field(default_factory=list)
 
     @classmethod
