@@ -190,10 +190,10 @@ class TailraceEngine(SpeculativeSteps):
                 f"failed: {str(e).splitlines()[0]}; lower kv_memory_gb"
             ) from e
         # the backends address every position of a row's blocks (max_context rounded up to a block)
+        opts = spec if isinstance(spec, SpecOptions) else SpecOptions(spec) if spec is not None else None
+        speculating = opts is not None and opts.drafter != "off"
         if batch_invariant is None:  # verified tokens attend as prefill pieces, decoded ones as decode rows
-            batch_invariant = (
-                spec is not None and (spec.drafter if isinstance(spec, SpecOptions) else spec) != "off"
-            )
+            batch_invariant = speculating
         select = backends.select(attention, model, self.cache.max_context, kv_dtype, batch_invariant)
         self._versions = Versions(model, select)
         self._adapters = Adapters(cfg, dtype, device)
@@ -219,8 +219,7 @@ class TailraceEngine(SpeculativeSteps):
         self._n_sampled = self._n_tempered = self._n_filter = self._n_min_stop = self._n_stop = 0
         self._n_special = 0  # decode rows (of each kind; special: filtered or banning, see `sampler`)
         self._spec = None
-        opts = spec if isinstance(spec, SpecOptions) else SpecOptions(spec) if spec is not None else None
-        if opts is not None and opts.drafter != "off":
+        if speculating:
             make = DRAFTERS.get(opts.drafter) if isinstance(opts.drafter, str) else opts.drafter
             if make is None:
                 raise EngineError(f"spec={opts.drafter!r} is unknown; use 'off' or one of {sorted(DRAFTERS)}")

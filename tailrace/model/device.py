@@ -26,7 +26,8 @@ def available_bytes(device: torch.device) -> int:
 def bf16_fast(device: torch.device) -> bool:
     """Whether bf16 matrix products run at least at fp32's pace on `device`: CUDA with bf16 support,
     or a CPU oneDNN serves in bf16 (AVX-512 and up). On an AVX2-only CPU they fall to a reference
-    path about 20x slower than fp32 (a warm-start step: 1.4 s against 0.12 s on a 2-core AMD EPYC)."""
+    path 7-25x slower than fp32 by shape (a warm-start step: 1.4 s against 0.12 s, ~12x, on a 2-core
+    AMD EPYC)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu":
