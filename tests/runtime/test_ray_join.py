@@ -51,8 +51,12 @@ def test_ray_actors_join_and_leave_a_running_ray_job(cluster_address, tiny_model
         os.killpg(joined[1].pid, signal.SIGKILL)  # its owner gone, Ray ends the actor: engine 2 died
         wait_until(lambda: len(mark(run_dir, "engine_leave")) == 2, train, "engine 2 removed")
         joined.append(start_cli("engine", "join", str(run_dir)))
+        # engine 3's actor, placed (it joins from inside), holds the cluster's last CPU: a fourth joiner
+        # started now finds no seat while the run has steps left (after engine 3's first work, a slow
+        # machine's run had ended before the fourth read join.json)
+        wait_until(lambda: len(mark(run_dir, "engine_join")) == 3, train, "engine 3 joining")
+        joined.append(start_cli("engine", "join", str(run_dir)))
         wait_until(lambda: worked(run_dir, 3), train, "work on the joined actor, engine 3")
-        joined.append(start_cli("engine", "join", str(run_dir)))  # the cluster's 3 CPUs are taken
         out, _ = train.communicate(timeout=240)
         assert train.returncode == 0, out[-3000:]
         assert joined[2].wait(timeout=60) == 0, joined[2].stdout.read()[-3000:]  # let go as the run ended
