@@ -6,13 +6,14 @@
 #   toggle   bench/spec.py --batches on CUDA (fp32): the toggle at fixed active batches
 #   tenants  bench/tenants.py on CUDA, a 150M-parameter random model (hidden 1024, 12 layers, bf16),
 #            with the per-token gathered adapter terms and with the per-slot groups
+#   tenants_rl  bench/tenants_rl.py on CUDA: 8 tenants training their LoRA adapters together vs one by one
 #   train    the demo's shape for 10 steps with device=cuda
 #   bash bench/cuda_check.sh                   STAGES=tests,spec bash bench/cuda_check.sh
 # TAILRACE_CACHE may point at a cache holding the warm start (carry it: building it takes minutes).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TAILRACE_CACHE=${TAILRACE_CACHE:-$PWD/.devcache}
 out=${OUT:-/tmp/cuda_check}
-stages=${STAGES:-tests,spec,toggle,tenants,train}
+stages=${STAGES:-tests,spec,toggle,tenants,tenants_rl,train}
 mkdir -p "$out"
 has() { [[ ",$stages," == *",$1,"* ]]; }
 stamp() { echo "== $1 ($(date +%T), ${SECONDS}s)"; }
@@ -39,6 +40,11 @@ if has tenants; then
   stamp "tenants (grouped)"
   timeout 50 python3 bench/tenants.py --device cuda --dtype bf16 --hidden 1024 --layers 12 --tenants 8 \
     --repeats 1 --lora-terms grouped --out "$out/tenants_grouped.json" 2>&1 | grep -v "^\s*$" | head -6
+fi
+if has tenants_rl; then
+  stamp tenants_rl
+  timeout 240 python3 bench/tenants_rl.py --device cuda --tenants 8 --steps 6 --eval-n 256 \
+    --out "$out/tenants_rl.json" 2>&1 | grep -v "^\s*$" | tail -8
 fi
 if has train; then
   stamp "train device=cuda"

@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--eval-n", type=int, default=256)
     p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--device", default="cpu", help="cpu or cuda: the engine and every tenant's trainer")
     p.add_argument("--arms", default=",".join(ARMS), help="which arms, by name (comma-separated)")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "tenants_rl.json"))
     return p.parse_args(argv)
@@ -68,8 +69,8 @@ class Setup:
         self.a = a
         self.cfg = RunConfig()
         self.ses = Session(self.cfg)  # the warm start, its tokenizer, the task
-        self.base = load_pretrained(self.ses.model_path, dtype=torch.float32).eval()
-        self.eng = TailraceEngine(self.base, num_slots=a.slots, seed=0, threads=1)
+        self.base = load_pretrained(self.ses.model_path, dtype=torch.float32).eval().to(a.device)
+        self.eng = TailraceEngine(self.base, num_slots=a.slots, seed=0, threads=1, device=a.device)
 
     def stream(self, seed: int):
         for ex in self.ses.task.stream("train", seed=seed):
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
     ns = [int(x) for x in a.tenants.split(",")]
     print(
         f"base {setup.ses.model_path.name}, {setup.base.num_parameters() / 1e6:.2f}M parameters; "
-        f"{a.steps} steps of {a.prompts} x {a.group} per tenant, LoRA rank {a.rank}, lr {a.lr}; "
+        f"{a.steps} steps of {a.prompts} x {a.group} per tenant, LoRA rank {a.rank}, lr {a.lr}, {a.device}; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
     warm = setup.tenant(99, steps=1)  # warm-up: the kernels, the trainer's first step, the allocator
