@@ -2,8 +2,9 @@
 # The CUDA path on a GPU machine, with that machine's own torch (no install), as one prepared run:
 #   tests    the engine's GPU tests: CUDA against the CPU, speculation lossless with every drafter,
 #            LoRA rows of several adapters in one forward against each adapter alone
-#   spec     bench/spec.py on CUDA (bf16): rollouts with and without history drafts, epochs 1 and 2
-#   toggle   bench/spec.py --batches on CUDA (fp32): the toggle at fixed active batches
+#   spec     bench/spec.py on CUDA (bf16): rollouts with and without history drafts, epochs 1 and 2,
+#            and the plain engine built batch-invariant (off-inv: the reference the tokens must equal)
+#   toggle   bench/spec.py --batches on CUDA: the toggle at fixed active batches (fp32; bf16 at 16, 64)
 #   tenants  bench/tenants.py on CUDA, a 150M-parameter random model (hidden 1024, 12 layers, bf16),
 #            with the per-token gathered adapter terms and with the per-slot groups
 #   tenants_rl  bench/tenants_rl.py on CUDA: 8 tenants training their LoRA adapters together vs one by one
@@ -25,13 +26,15 @@ if has tests; then
 fi
 if has spec; then  # bf16: exactness at batch 64 (it broke there before the batch-invariant fix)
   stamp spec
-  timeout 120 python3 bench/spec.py --device cuda --dtype bf16 --drafters off,history --rounds 2 \
+  timeout 150 python3 bench/spec.py --device cuda --dtype bf16 --drafters off,off-inv,history --rounds 2 \
     --out "$out/spec.json" 2>&1 | tail -12
 fi
 if has toggle; then
   stamp toggle
   timeout 60 python3 bench/spec.py --device cuda --dtype fp32 --drafters off,history,quant8 --batches 1,4,16,64 \
     --rounds 3 --max-new 128 --out "$out/toggle.json" 2>&1 | tail -6
+  timeout 60 python3 bench/spec.py --device cuda --dtype bf16 --drafters off,off-inv,history --batches 16,64 \
+    --rounds 3 --max-new 128 --out "$out/toggle_bf16.json" 2>&1 | tail -4
 fi
 if has tenants; then
   stamp "tenants (gathered)"
@@ -43,7 +46,7 @@ if has tenants; then
 fi
 if has tenants_rl; then
   stamp tenants_rl
-  timeout 240 python3 bench/tenants_rl.py --device cuda --tenants 8 --steps 6 --eval-n 256 \
+  timeout 240 python3 bench/tenants_rl.py --device cuda --tenants 8 --steps 6 --eval-n 256 --slots 512 \
     --out "$out/tenants_rl.json" 2>&1 | grep -v "^\s*$" | tail -8
 fi
 if has train; then

@@ -167,6 +167,33 @@ def test_toggle_vetoes_a_batch_where_verify_steps_measure_slower_then_tries_it_a
     assert t.gamma(8, 0.8, 5) > 0
 
 
+def test_toggle_waits_twice_as_long_each_time_a_retried_batch_is_vetoed_again():
+    t = _toggle()
+    slow = lambda: t.observe_step(8, 16, 8, 2 * (1 + 8 / 8) / 1e3, 0.0, emitted=int(1.2 * 8))  # noqa: E731
+    plain = lambda: t.observe_step(8, 0, 0, (1 + 8 / 8) / 1e3)  # noqa: E731
+    waits = []
+    for _ in range(3):  # veto, wait it out (counting the plain steps), a failing trial: vetoed again
+        for _ in range(costs.JUDGED):
+            slow()
+        n = 0
+        while t.gamma(8, 0.8, 5) == 0:
+            plain()
+            n += 1
+        waits.append(n)
+    assert waits == [costs.RETRY, 2 * costs.RETRY, 4 * costs.RETRY]
+    for _ in range(costs.JUDGED):  # a trial that pays: the next veto waits RETRY again
+        t.observe_step(8, 40, 8, (1 + 8 / 8) / 1e3, 0.0, emitted=16)
+    assert t.gamma(8, 0.8, 5) > 0
+    while t.gamma(8, 0.8, 5) > 0:  # slow verify steps again, until their average says so
+        slow()
+    n = 0
+    while t.gamma(8, 0.8, 5) == 0:
+        plain()
+        n += 1
+    assert n == costs.RETRY
+    assert costs.RETRY * 2**10 > costs.RETRY_MAX  # the wait is capped
+
+
 def test_toggle_threshold_is_min_speedup():
     # verifying costs nothing more: at alpha 0 a verify emits the one token a decode step would
     t = _toggle(x_ms=0.0)

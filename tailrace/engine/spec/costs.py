@@ -18,7 +18,9 @@ The model can be wrong (a fit from few or noisy timings, costs it leaves out), s
 checks what it gets: per batch bucket, the realized speed-up of the steps that verified drafts (tokens
 emitted per row over the step's time with drafting, against the average plain decode step there). A
 bucket whose realized speed-up falls below VETO over JUDGED verify steps is vetoed (no drafts at all)
-for RETRY plain steps there, then tried afresh (acceptance changes: a history fills, weights move).
+for RETRY plain steps there, then tried afresh (acceptance changes: a history fills, weights move);
+each time a retried bucket is vetoed again it waits twice as long (up to RETRY_MAX), so a batch where
+drafting keeps losing costs ever fewer trials, and a trial that pays resets the wait.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ REFIT_EVERY = 32  # observations between recomputations of the toggle's tables
 ALPHAS = 20  # the toggle's table resolution in alpha: buckets of 1/ALPHAS
 TRUSTED = 8  # verify timings before their fit replaces the prior (a draft token costs a decode row)
 VETO, JUDGED = 1.0, 4  # realized speed-up below which a bucket is vetoed, after this many verify steps
-RETRY = 256  # plain steps a vetoed bucket waits before it is tried again
+RETRY = 256  # plain steps a vetoed bucket waits before it is tried again; twice that after each failed
+RETRY_MAX = 16_384  # retry, up to this (a trial that pays resets it): a losing batch is tried ever less
 GAIN_EMA = 0.2  # weight of a step in its bucket's realized speed-up (and plain step time)
 
 
@@ -156,6 +159,7 @@ class Toggle:
         self.draft: LowFit | None = None  # the drafter's time per [call, 8 rows], per draft step or call
         self.realized = Realized()
         self.vetoed: dict[int, int] = {}  # batch bucket where drafting measured not to pay -> steps left
+        self.wait: dict[int, int] = {}  # batch bucket -> plain steps its next veto lasts (absent: RETRY)
         self._seen = 0
         self._tables: dict[tuple[int, int, int], int] = {}  # (batch, gamma_max, alpha bucket) -> gamma
 
@@ -176,8 +180,12 @@ class Toggle:
                     self.realized.gain.pop(b, None)
             return self._tick()
         gain = self.realized.observe_verify(batch, emitted, ms + draft_s * 1e3)
-        if gain is not None and gain < VETO and self.realized.gain[b][1] >= JUDGED:
-            self.vetoed[b] = RETRY
+        if gain is not None and self.realized.gain[b][1] >= JUDGED:
+            if gain < VETO:
+                self.vetoed[b] = self.wait.get(b, RETRY)
+                self.wait[b] = min(2 * self.vetoed[b], RETRY_MAX)
+            else:
+                self.wait.pop(b, None)
         t, per_row = self.decode(batch), self.decode.per_row()
         if t is None or per_row is None:
             return
