@@ -5,6 +5,7 @@
 #   spec     bench/spec.py on CUDA (bf16): rollouts with and without history drafts, epochs 1 and 2,
 #            and the plain engine built batch-invariant (off-inv: the reference the tokens must equal)
 #   toggle   bench/spec.py --batches on CUDA: the toggle at fixed active batches (fp32; bf16 at 16, 64)
+#   pieces   bench/spec_pieces.py on CUDA: verify steps, drafts attended one by one vs together
 #   tenants  bench/tenants.py on CUDA, a 150M-parameter random model (hidden 1024, 12 layers, bf16),
 #            with the per-token gathered adapter terms and with the per-slot groups
 #   tenants_rl  bench/tenants_rl.py on CUDA: 8 tenants training their LoRA adapters together vs one by one
@@ -14,7 +15,7 @@
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TAILRACE_CACHE=${TAILRACE_CACHE:-$PWD/.devcache}
 out=${OUT:-/tmp/cuda_check}
-stages=${STAGES:-tests,spec,toggle,tenants,tenants_rl,train}
+stages=${STAGES:-tests,spec,toggle,pieces,tenants,tenants_rl,train}
 mkdir -p "$out"
 has() { [[ ",$stages," == *",$1,"* ]]; }
 stamp() { echo "== $1 ($(date +%T), ${SECONDS}s)"; }
@@ -35,6 +36,10 @@ if has toggle; then
     --rounds 3 --max-new 128 --out "$out/toggle.json" 2>&1 | tail -6
   timeout 60 python3 bench/spec.py --device cuda --dtype bf16 --drafters off,off-inv,history --batches 16,64 \
     --rounds 3 --max-new 128 --out "$out/toggle_bf16.json" 2>&1 | tail -4
+fi
+if has pieces; then
+  stamp pieces
+  timeout 90 python3 bench/spec_pieces.py --device cuda --batches 8,64 --turns 1 2>&1 | tail -6
 fi
 if has tenants; then
   stamp "tenants (gathered)"

@@ -138,6 +138,43 @@ def test_mixed_prefill_and_decode_step_matches_model_forward(dtype):
             assert (read_kv(cache, layer, r, n)[0].float() - ref_k[layer][0][0].float()).abs().max() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_short_pieces_attend_together_as_each_alone(dtype, monkeypatch):
+    """Speculation's drafts are short prefill pieces: the torch backend attends them in one batched call
+    (padded to the longest), a long piece between them on its own, and every token's logits are the
+    model's, and those of the one-piece-at-a-time path."""
+    from tailrace.engine.backends import torch_ref
+
+    model = tiny_model(7, num_key_value_heads=2).to(dtype)
+    V = model.config.vocab_size
+    toks = torch.randint(0, V, (5, 64), generator=torch.Generator().manual_seed(4))
+    cache = paged_cache(model, 5, 64, block_size=4)
+    done = {0: 12, 1: 20, 2: 9, 3: 3, 4: 30}  # tokens already in each row's cache
+    for row, n in done.items():
+        write_kv(cache, row, reference_kv(model, toks[row : row + 1, :n]))
+    # rows 0, 1 decode; pieces: row 2 five tokens (a draft), row 3 forty (a prompt chunk), row 4 two
+    pieces = [(2, 9, 5), (3, 3, 40), (4, 30, 2)]
+    tokens = torch.cat([toks[0, 12:13], toks[1, 20:21]] + [toks[r, s : s + n] for r, s, n in pieces])
+    positions = torch.cat([torch.tensor([12, 20])] + [torch.arange(s, s + n) for _, s, n in pieces])
+    want = torch.arange(tokens.shape[0])
+    chunks = [(0, 1, 13), (1, 2, 21)]
+    ref = torch.cat(
+        [model(toks[0:1, :13])[0, -1:], model(toks[1:2, :21])[0, -1:]]
+        + [model(toks[r : r + 1, : s + n])[0, s:] for r, s, n in pieces]
+    ).float()
+
+    def step(short: int) -> torch.Tensor:
+        monkeypatch.setattr(torch_ref, "SHORT_PIECE", short)
+        backend = TorchBackend(model, 64, cache.dtype)
+        return backend.forward(tokens, positions, cache, slice(0, 2), chunks, pieces, want).float()
+
+    together, alone = step(32), step(0)
+    tol = 2e-5 if dtype == torch.float32 else 0.05 * float(ref.abs().max())
+    assert (together - ref).abs().max() < tol
+    assert (together - alone).abs().max() <= (1e-5 if dtype == torch.float32 else 0.02 * float(ref.abs().max()))
+
+
 @pytest.mark.parametrize("attention", ["kernel", "bmm", "sdpa"])
 @torch.inference_mode()
 def test_bf16_prefill_then_decode_close_to_bf16_forward(attention):

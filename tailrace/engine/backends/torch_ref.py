@@ -14,7 +14,10 @@ padding. Per layer:
     with a bf16/fp16 cache the scores GEMM runs as K @ q^T with an fp32 softmax, and up to
     `UPCAST_MAX_BATCH` rows on fp32 upcast copies, whichever is faster at that batch
     (bench/README.md); 'sdpa': `F.scaled_dot_product_attention` in the cache's dtype;
-  * prefill pieces attend causally to their row's blocks (gathered), in fp32.
+  * prefill pieces attend causally to their row's blocks (gathered), in fp32; the short ones (at most
+    `SHORT_PIECE` tokens: speculation's drafts, a prompt's last chunk) in one batched attention per
+    layer, padded to the longest, rather than a dozen ops each per layer (on a GPU a verify step of
+    many rows was launch-bound on them).
 The attended lengths come from the host, so the step needs no device->host sync. Supports exactly
 what `CausalLM` supports (Llama/Qwen2 biases, every RoPE type via the table); tests pin it to the
 logits of `CausalLM.forward` over whole sequences.
@@ -36,6 +39,7 @@ from tailrace.model.decoder import CausalLM
 from tailrace.model.rope import inv_freq_and_scale, rope_table
 
 UPCAST_MAX_BATCH = 8  # bf16/fp16 decode attention of at most this many rows runs on fp32 copies
+SHORT_PIECE = 32  # prefill pieces of at most this many tokens attend together (see module doc)
 Span = tuple[int, int, int]  # (row, start, n): a prefill piece's n tokens at positions start.. of a row
 
 
@@ -119,13 +123,26 @@ class TorchBackend:
         cs = self.cos_sin[positions]  # (M, 2, D)
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
         dec = self._decode_state(self, positions[:B], chunks, table, rows.start, bs)  # read by every layer
-        prefill = []  # per piece: its row's blocks (Hkv nb,) into k.view(-1, bs, D); causal mask (1, n G, S)
-        for row, start, n in pieces:
+        offsets = [
+            B + sum(n for _, _, n in pieces[:j]) for j in range(len(pieces))
+        ]  # each piece's first token
+        short = [j for j, (_, _, n) in enumerate(pieces) if n <= SHORT_PIECE]
+        short = short if len(short) > 1 else []
+        together = self._short_pieces(offsets, pieces, short, table, bs) if short else None
+        prefill = []  # per other piece: its token offset, n, its row's blocks (Hkv nb,), S, mask (1, n G, S)
+        for j in sorted(set(range(len(pieces))) - set(short)):
+            row, start, n = pieces[j]
             S = start + n
             m = torch.where(self.arange[:S] > self.arange[start:S, None], float("-inf"), 0.0)
-            prefill.append(
-                (self._gather_index(table[row : row + 1], S, bs), S, m.repeat_interleave(w.G, dim=0)[None])
-            )
+            idx = self._gather_index(table[row : row + 1], S, bs)
+            prefill.append((offsets[j], n, idx, S, m.repeat_interleave(w.G, dim=0)[None]))
+        order = None  # token order of the pieces' outputs when the batched ones come first out of turn
+        if together is not None and prefill:
+            spans = [(offsets[j], pieces[j][2]) for j in short] + [(o, n) for o, n, *_ in prefill]
+            at = [o - B + i for o, n in spans for i in range(n)]  # each output token's place
+            order = torch.empty(len(at), dtype=torch.long)
+            order[torch.tensor(at)] = torch.arange(len(at))
+            order = order.to(x.device)
         half = D // 2
         for i, lw in enumerate(w.layers):
             xn = self._rms(x)
@@ -137,12 +154,14 @@ class TorchBackend:
             ck, cv = cache.k[i], cache.v[i]
             ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D).to(ck.dtype))
             cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D :].reshape(M * Hkv, D).to(cv.dtype))
-            outs = [self._attend_decode(self, qk[:B, :H], ck, cv, dec)] if B else []
-            off = B
-            for (_, _, n), (idx, S, m) in zip(pieces, prefill):
+            outs = [self._attend_pieces(qk[:, :H], ck, cv, together)] if together is not None else []
+            for off, n, idx, S, m in prefill:
                 k, v = _gather(ck, idx, Hkv, S), _gather(cv, idx, Hkv, S)  # (Hkv, S, D)
                 outs.append(self._attend_piece(qk[off : off + n, :H], k, v, m))
-                off += n
+            if order is not None:
+                outs = [_cat(outs).index_select(0, order)]
+            if B:
+                outs.insert(0, self._attend_decode(self, qk[:B, :H], ck, cv, dec))
             x = self._mlp(i, lw, self._o(i, lw, _cat(outs), x, pk, lora), pk, lora)
         return x
 
@@ -259,6 +278,41 @@ class TorchBackend:
         s = torch.baddbmm(mask, q, k.float().transpose(1, 2), alpha=self.w.scale)  # (Hkv, n G, S)
         o = torch.bmm(torch.softmax(s, dim=-1), v.float())  # (Hkv, n G, D)
         return o.view(Hkv, n, G * D).transpose(0, 1).reshape(n, Hkv * G * D).to(self.w.dtype)
+
+    def _short_pieces(
+        self, offsets: list[int], pieces: Sequence[Span], short: list[int], table, bs: int
+    ) -> tuple:
+        """The per-step state of `_attend_pieces` for pieces `short` (indices into `pieces`, whose first
+        tokens are at `offsets` in the step's): P pieces padded to the longest, n_max tokens, attending to
+        positions [0, S) of their rows: the tokens' places in that padding (a padded place repeats its
+        piece's last token) and the real ones' places in the output, the rows' blocks, the causal
+        mask (P Hkv, n_max G, S)."""
+        w, dev = self.w, self.w.device
+        sel = [pieces[j] for j in short]
+        n_max, S = max(n for _, _, n in sel), max(start + n for _, start, n in sel)
+        take = [offsets[j] + min(i, pieces[j][2] - 1) for j in short for i in range(n_max)]
+        keep = [p * n_max + i for p, (_, _, n) in enumerate(sel) for i in range(n)]
+        last = [start + min(i, n - 1) for _, start, n in sel for i in range(n_max)]  # each place's position
+        last_t = torch.tensor(last).to(dev, non_blocking=True).view(len(sel), n_max, 1)
+        m = torch.where(self.arange[:S] > last_t, float("-inf"), 0.0)  # (P, n_max, S)
+        m = m.repeat_interleave(w.G, dim=1).repeat_interleave(w.Hkv, dim=0)  # (P Hkv, n_max G, S)
+        rows = torch.tensor([row for row, _, _ in sel]).to(dev, non_blocking=True)
+        idx = self._gather_index(table[rows], S, bs)
+        take_t = torch.tensor(take).to(dev, non_blocking=True)
+        keep_t = torch.tensor(keep).to(dev, non_blocking=True)
+        return len(sel), n_max, S, take_t, keep_t, idx, m
+
+    def _attend_pieces(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: tuple) -> torch.Tensor:
+        """Causal attention of several short prefill pieces at once, in fp32, as `_attend_piece` does
+        each: q (M, H, D) every token of the step; k, v the layer's cache. Returns (their n, H D)."""
+        P, n_max, S, take, keep, idx, m = state
+        Hkv, G, D = self.w.Hkv, self.w.G, self.w.D
+        q = q.index_select(0, take).view(P, n_max, Hkv, G, D).transpose(1, 2)  # (P, Hkv, n_max, G, D)
+        q = q.reshape(P * Hkv, n_max * G, D).float()
+        k3, v3 = _gather(k, idx, P * Hkv, S).float(), _gather(v, idx, P * Hkv, S).float()  # (P Hkv, S, D)
+        s = torch.baddbmm(m, q, k3.transpose(1, 2), alpha=self.w.scale)  # (P Hkv, n_max G, S)
+        o = torch.bmm(torch.softmax(s, dim=-1), v3).view(P, Hkv, n_max, G * D).transpose(1, 2)
+        return o.reshape(P * n_max, Hkv * G * D).index_select(0, keep).to(self.w.dtype)
 
     # -- the rest of a layer
 
