@@ -86,6 +86,8 @@ class Terminated(KeyboardInterrupt):
 
 
 def train(args: Args) -> int:
+    if "--supervise" not in args.flags:  # the supervisor's driver, a child, does this itself
+        _start_workers_early(args.flags, args.rest)
     from tailrace.cli.choices import check, check_backend, slow_settings
     from tailrace.runtime.driver import with_mode
     from tailrace.runtime.lock import RunLock
@@ -143,6 +145,23 @@ def train(args: Args) -> int:
         else:
             run.begin(dump_config(cfg))
         return _train(cfg, run, resume, why)
+
+
+def _start_workers_early(flags: dict[str, str], rest: list[str]) -> None:
+    """A local run's fork server starts before this process imports torch, so the two imports overlap
+    (`procs.start_fork_server`). Only the config is read here (no torch); a config that does not load,
+    or a Ray run, starts nothing: the run's own checks say what is wrong."""
+    resume = flags.get("--resume")
+    try:
+        cfg = load_config(
+            Path(resume) / "config.yaml" if resume else flags.get("--config"), [] if resume else rest
+        )
+    except Exception:  # noqa: BLE001 -- best effort: the same load, done again below, reports it
+        return
+    if cfg.runtime.kind == "local":
+        from tailrace.runtime.procs import start_fork_server
+
+        start_fork_server()
 
 
 def _plan_policies(run):
