@@ -172,7 +172,9 @@ def test_short_pieces_attend_together_as_each_alone(dtype, monkeypatch):
     together, alone = step(32), step(0)
     tol = 2e-5 if dtype == torch.float32 else 0.05 * float(ref.abs().max())
     assert (together - ref).abs().max() < tol
-    assert (together - alone).abs().max() <= (1e-5 if dtype == torch.float32 else 0.02 * float(ref.abs().max()))
+    assert (together - alone).abs().max() <= (
+        1e-5 if dtype == torch.float32 else 0.02 * float(ref.abs().max())
+    )
 
 
 @pytest.mark.parametrize("attention", ["kernel", "bmm", "sdpa"])
