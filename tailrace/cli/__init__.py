@@ -12,9 +12,12 @@ Every way a command can end is one line and an exit code:
 
 from __future__ import annotations
 
+import atexit
 import difflib
+import os
 import signal
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -229,6 +232,21 @@ def _check_sections(verb: Verb, overrides: list[str]) -> None:
                 f"tailrace {verb.name} does not read {key}{'.*' if isinstance(value, dict) else ''}; "
                 f"it reads {', '.join(verb.sections)} (tailrace {verb.name} --help lists the keys)"
             )
+
+
+def entry() -> None:
+    """The `tailrace` console script: `main`, then out without the interpreter's teardown of its
+    modules, which took ~1 s after every run (torch's). The exit handlers still run (Ray's shutdown,
+    multiprocessing's children), and stdout and stderr are flushed. Every file a run holds open is
+    line-buffered (`rundir.RecordFile`), and the rest are closed by their writers. A thread still
+    running, not a daemon, gets the ordinary exit, which waits for it."""
+    rc = main()
+    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(rc)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def main(argv: list[str] | None = None) -> int:

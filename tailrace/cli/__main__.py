@@ -1,5 +1,3 @@
-import sys
+from tailrace.cli import entry
 
-from tailrace.cli import main
-
-sys.exit(main())
+entry()
