@@ -274,7 +274,7 @@ def toggle_check(model, prompts, drafters: list[str], batches: list[int], a) -> 
             GenRequest(f"{tag}{i}", p, SamplingParams(seed=j * 10_000 + i, **fixed)) for i, p in enumerate(ps)
         ]
         engines = {d: build(model, d, b, a) for d in drafters}
-        reference = engines.get("off-inv") or build(model, "off-inv", b, a)
+        reference = engines["off-inv"] if "off-inv" in engines else build(model, "off-inv", b, a)
         earlier = reference.generate(mk("h", 99))
         for eng in engines.values():
             for p, r in zip(ps, earlier):

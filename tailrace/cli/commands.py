@@ -73,10 +73,15 @@ def load(path: str | Path | None, overrides: list[str]) -> RunConfig:
 
 def load_run(path: str | Path | None, overrides: list[str]) -> tuple[RunConfig, str | None]:
     """`load`, and why the run has its overlap mode where flow.mode is null (the recommended one)."""
+    return checked_run(load_config(path, overrides))
+
+
+def checked_run(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """A loaded config with its overlap mode settled (`with_mode`) and every registry name checked."""
     from tailrace.cli.choices import check  # the registries: torch
     from tailrace.runtime.driver import with_mode
 
-    cfg, why = with_mode(load_config(path, overrides))
+    cfg, why = with_mode(cfg)
     check(cfg)
     return cfg, why
 
@@ -86,17 +91,17 @@ class Terminated(KeyboardInterrupt):
 
 
 def train(args: Args) -> int:
-    if "--supervise" not in args.flags:  # the supervisor's driver, a child, does this itself
-        _start_workers_early(args.flags, args.rest)
+    flags, rest = args.flags, args.rest
+    if "--supervise" in flags:  # the supervisor's driver, a child, starts its workers itself
+        return _supervise(flags, rest)
+    loaded = None if "--resume" in flags else load_config(flags.get("--config"), rest)  # no torch yet
+    _start_workers_early(loaded, flags.get("--resume"))
     from tailrace.cli.choices import check, check_backend, slow_settings
     from tailrace.runtime.driver import with_mode
     from tailrace.runtime.lock import RunLock
     from tailrace.runtime.resume import plan_resume
     from tailrace.runtime.rundir import RunDir, repair
 
-    flags, rest = args.flags, args.rest
-    if "--supervise" in flags:
-        return _supervise(flags, rest)
     if "--resume" in flags:
         run = RunDir(flags["--resume"])
         if not run.file("config.yaml").is_file():
@@ -109,7 +114,7 @@ def train(args: Args) -> int:
                 f"({' '.join(rest)}) or start a new run"
             )
     else:
-        cfg, why = load_run(flags.get("--config"), rest)
+        cfg, why = checked_run(loaded)
         check_backend(cfg)
         for line in slow_settings(cfg):
             console.print(line)
@@ -147,17 +152,16 @@ def train(args: Args) -> int:
         return _train(cfg, run, resume, why)
 
 
-def _start_workers_early(flags: dict[str, str], rest: list[str]) -> None:
+def _start_workers_early(cfg: RunConfig | None, resume: str | None) -> None:
     """A local run's fork server starts before this process imports torch, so the two imports overlap
-    (`procs.start_fork_server`). Only the config is read here (no torch); a config that does not load,
-    or a Ray run, starts nothing: the run's own checks say what is wrong."""
-    resume = flags.get("--resume")
-    try:
-        cfg = load_config(
-            Path(resume) / "config.yaml" if resume else flags.get("--config"), [] if resume else rest
-        )
-    except Exception:  # noqa: BLE001 -- best effort: the same load, done again below, reports it
-        return
+    (`procs.start_fork_server`). `cfg`: the new run's config, or None for `--resume` of `resume`, whose
+    config.yaml is read here (no torch); one that does not load, or a Ray run, starts nothing: the
+    resume's own checks say what is wrong."""
+    if cfg is None:
+        try:
+            cfg = load_config(Path(resume) / "config.yaml", [])
+        except Exception:  # noqa: BLE001 -- best effort: plan_resume reads it again and reports it
+            return
     if cfg.runtime.kind == "local":
         from tailrace.runtime.procs import start_fork_server
 

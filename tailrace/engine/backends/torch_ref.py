@@ -26,6 +26,7 @@ logits of `CausalLM.forward` over whole sequences.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -123,9 +124,7 @@ class TorchBackend:
         cs = self.cos_sin[positions]  # (M, 2, D)
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
         dec = self._decode_state(self, positions[:B], chunks, table, rows.start, bs)  # read by every layer
-        offsets = [
-            B + sum(n for _, _, n in pieces[:j]) for j in range(len(pieces))
-        ]  # each piece's first token
+        offsets = list(accumulate((n for _, _, n in pieces[:-1]), initial=B))  # each piece's first token
         short = [j for j, (_, _, n) in enumerate(pieces) if n <= SHORT_PIECE]
         short = short if len(short) > 1 else []
         together = self._short_pieces(offsets, pieces, short, table, bs) if short else None
