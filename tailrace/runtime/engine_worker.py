@@ -104,7 +104,9 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
     learning = False  # a trained drafter used the last idle slice: the inbox is polled between slices
     while True:
         busy = engine.num_running + engine.num_waiting > 0
-        while conn.poll(0 if busy or results or learning else 0.2):
+        # an idle engine waits for its inbox, but not with a report to send: a load's report held back
+        # by the wait delayed every sync round by the wait's length
+        while conn.poll(0 if busy or results or learning or loaded or missed else 0.2):
             msg = conn.recv()
             if isinstance(msg, Shutdown):
                 return

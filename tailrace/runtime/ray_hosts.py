@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from multiprocessing import current_process
 from multiprocessing.connection import Client, Listener
@@ -337,6 +338,9 @@ class RayHosts:
         ray, address = self.ray, self.cfg.address
         if ray.is_initialized():  # a caller's own Ray session (a notebook, the tests)
             return
+        # ray.init makes SIGTERM exit at once with code 15; the run's own handler stops it as Ctrl-C does
+        # (exit 143, "continue with --resume"), and the supervisor tells the two apart
+        on_term = signal.getsignal(signal.SIGTERM)
         try:
             if address is None:  # a one-machine cluster for the run, on loopback only
                 ray.init(include_dashboard=False, logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
@@ -347,6 +351,9 @@ class RayHosts:
                 f"runtime.address={address}: no Ray cluster to join ({one_line(e)}); start one with "
                 "`ray start --head`, or leave runtime.address null to start one for the run"
             ) from None
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, on_term)
         self.owns_ray = True
 
     def _check_fits(self, need: list[dict[str, float]], trainers: int, engines: int) -> None:
