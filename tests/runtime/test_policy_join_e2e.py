@@ -119,7 +119,7 @@ def test_a_run_a_policy_joined_resumes_with_it(tiny_model, tmp_path, digits):
     run = tmp_path / "run"
     argv = ["train", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits, "--flow.mode=sync"]
     train = start_cli(
-        *argv, f"--run-dir={run}", "--flow.steps=12", "--policies=[{name: main}]", "--max_policies=2"
+        *argv, f"--run-dir={run}", "--flow.steps=16", "--policies=[{name: main}]", "--max_policies=2"
     )
     try:
         wait_until(lambda: (run / "join.json").exists(), train, "join desk")
@@ -134,6 +134,6 @@ def test_a_run_a_policy_joined_resumes_with_it(tiny_model, tmp_path, digits):
             os.killpg(train.pid, signal.SIGKILL)
     resumed = run_cli("train", "--resume", str(run), timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    exact(run / "policies" / "main", 12)
+    exact(run / "policies" / "main", 16)
     exact(run / "policies" / "solver", 6)
     assert "solver: held-out accuracy" in resumed.stdout
