@@ -439,8 +439,12 @@ class TailraceEngine(SpeculativeSteps):
             drafts, t_draft = self._draft(active) if self._spec is not None and active else ([], 0.0)
             advanced = tuple(self.slots.owner[:active]) + tuple(p.seq.id for p in pieces)
             completed, pre_stop, dec_stop, drafts, draft_logits = self._forward(pieces, plans, drafts)
-            v = self._verify(drafts, draft_logits, len(completed)) if drafts else Verified()
-            stopped = self._read_stops(completed, pre_stop, dec_stop) + v.stopped
+            stops = self._stop_flags(completed, pre_stop, dec_stop)
+            if drafts:  # the stop flags come back with the verify's tokens, in one read
+                v = self._verify(drafts, draft_logits, len(completed), stops)
+                stopped = v.stopped
+            else:
+                v, stopped = Verified(), _read(stops)
             finished = self._settle(completed, stopped, active)
         duration = time.perf_counter() - t0
         if self._spec is not None:
@@ -693,17 +697,17 @@ class TailraceEngine(SpeculativeSteps):
             any_plain=not all(_special(p, self.vocab_size) for p in ps),
         )
 
-    def _read_stops(self, completed: list[Sequence], pre_stop, dec_stop) -> list[int]:
-        """The one device->host read of a step: indices (prefill-completed requests first, then decode
-        rows) that sampled a stop token. Skipped when no request involved has stop tokens (rows without
-        stop tokens never flag, so the parts can be read together)."""
+    def _stop_flags(self, completed: list[Sequence], pre_stop, dec_stop) -> torch.Tensor | None:
+        """Which rows sampled a stop token (prefill-completed requests first, then decode rows), on the
+        device; None when no request involved has stop tokens (rows without them never flag, so the
+        parts can be read together). Reading them is the one device->host read of a step (`_read`, or
+        with a verify's tokens)."""
         need = (dec_stop is not None and self._n_stop > 0) or any(
             s.req.params.stop_token_ids for s in completed
         )
         if not need:
-            return []
-        parts = [t for t in (pre_stop, dec_stop) if t is not None]
-        return torch.nonzero(torch.cat(parts) if len(parts) > 1 else parts[0]).flatten().tolist()
+            return None
+        return _cat([t for t in (pre_stop, dec_stop) if t is not None])
 
     def _settle(self, completed: list[Sequence], stopped: list[int], active: int) -> tuple[GenResult, ...]:
         """Host bookkeeping after the step: finish requests, move prefilled ones into the decode batch."""
@@ -825,6 +829,11 @@ def _special(p: SamplingParams, vocab_size: int) -> bool:
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _read(flags: torch.Tensor | None) -> list[int]:
+    """The indices of the flags set (a device->host read; none when there are no flags)."""
+    return [] if flags is None else torch.nonzero(flags).flatten().tolist()
 
 
 def _priority(seq: Sequence) -> tuple:

@@ -38,7 +38,7 @@ class SpeculativeSteps:
         for b, rid in enumerate(self.slots.owner[:active]):
             seq = self._seqs[rid]
             g = spec.gamma(seq.accepted, seq.compared, active, cap, step)
-            g = min(g, seq.allowed - seq.num_new(step) - 1)
+            g = spec.budget(seq.req.prompt_ids, min(g, seq.allowed - seq.num_new(step) - 1))
             if g > 0:
                 want.append((b, seq, g))
         if not want:
@@ -80,11 +80,14 @@ class SpeculativeSteps:
         spec.stats.draft_s += took
         return drafts, took
 
-    def _verify(self, drafts: list[Draft], logits: torch.Tensor, n_completed: int) -> Verified:
+    def _verify(
+        self, drafts: list[Draft], logits: torch.Tensor, n_completed: int, stops: torch.Tensor | None
+    ) -> Verified:
         """Sample the target's own token at every draft position, with the noise plain decoding uses
         there (same key, same response index); keep each row's agreeing prefix and the target's token
         after it (`spec.accept`), store them after the token `_sample_decode` drew for the row, and
-        advance the row past them."""
+        advance the row past them. `stops`: the step's stop flags (`_stop_flags`), read to the host
+        with the tokens: a verify step reads the device once, as a plain step does."""
         dev, spec = self.device, self._spec
         n_tok = [len(d.tokens) for d in drafts]
         at = torch.tensor([d.row for d, n in zip(drafts, n_tok) for _ in range(n)]).to(dev, non_blocking=True)
@@ -93,8 +96,10 @@ class SpeculativeSteps:
         flags = self._flags([d.seq.req.params for d in drafts])
         toks, lps = sample(logits, salt=self._salt, flags=flags, kernel=self._sample_kernel, **args)
         first = self.rows.ints[torch.tensor([d.row for d in drafts]).to(dev), TOK]  # drawn by _sample_decode
-        host = torch.cat((first, toks)).tolist()
+        flags = () if stops is None else (stops.to(toks.dtype),)
+        host = torch.cat((first, toks, *flags)).tolist()
         out = Verified()
+        out.stopped = [i for i, f in enumerate(host[len(drafts) + len(toks) :]) if f]
         rows, counts, sel, off = [], [], [], len(drafts)
         for i, (d, n) in enumerate(zip(drafts, n_tok)):
             target = [host[i]] + host[off : off + n]
@@ -153,7 +158,8 @@ class Verified:
     by_version: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     by_adapter: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # of rows naming one
     extra: int = 0  # tokens emitted beyond one per decode row
-    stopped: list[int] = dataclasses.field(default_factory=list)  # as `_read_stops` indexes rows
+    # rows that sampled a stop token, as `_stop_flags` indexes them: its flags, then the verifies'
+    stopped: list[int] = dataclasses.field(default_factory=list)
 
     def count(self, version: int, adapter: str | None, drafted: int, accepted: int) -> None:
         self.drafted += drafted

@@ -352,6 +352,41 @@ def test_history_drafter_drafts_from_finished_siblings_and_given_history(model):
     assert eng.capabilities.speculative and "history" in DRAFTERS
 
 
+def test_a_row_the_drafter_has_nothing_for_is_never_asked(model, monkeypatch):
+    """The history drafter says up front that a prompt without history gets no draft: the engine asks
+    it (and copies response tokens off the device) only for the rows of the prompt it has history
+    for (b0 and b1 finish together: neither has the other's response to draft from); nothing changes
+    in the outputs."""
+    a = [req(f"a{i}", 6, 40, pseed=1, temperature=0.0) for i in range(2)]
+    b = [req(f"b{i}", 6, 40, pseed=2, seed=i) for i in range(2)]
+    plain = TailraceEngine(model, num_slots=4).generate(a + b)
+    eng = TailraceEngine(model, num_slots=4, spec="history")
+    eng.add_history(a[0].prompt_ids, plain[0].token_ids)
+    assert eng._spec.budget(b[0].prompt_ids, 5) == 0 and eng._spec.budget(a[0].prompt_ids, 5) == 5
+    asked, copied, drafting = [], [], []
+    propose, outputs, draft = eng._spec.drafter.propose, eng.rows.outputs, eng._draft
+
+    def copy(rows, *args):  # the requests whose tokens are read off the device to draft
+        if drafting:
+            owner = {row: rid for rid, row in eng.slots.row.items()}
+            copied.extend(owner[r] for r in rows)
+        return outputs(rows, *args)
+
+    def step_draft(active):
+        drafting.append(active)
+        try:
+            return draft(active)
+        finally:
+            drafting.pop()
+
+    monkeypatch.setattr(eng._spec.drafter, "propose", lambda rows: asked.extend(rows) or propose(rows))
+    monkeypatch.setattr(eng.rows, "outputs", copy)
+    monkeypatch.setattr(eng, "_draft", step_draft)
+    _same(plain, eng.generate(a + b), TOL["float32"])
+    assert {r.request_id for r in asked} == {"a0", "a1"} and eng.spec_stats.accepted >= 30
+    assert set(copied) == {"a0", "a1"}
+
+
 def test_step_events_count_drafts_and_tokens(model):
     reqs = [req(f"e{i}", 4, 30) for i in range(3)]
     want = TailraceEngine(model, num_slots=3).generate(reqs)

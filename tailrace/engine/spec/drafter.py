@@ -72,6 +72,10 @@ class Drafter(Protocol):
         """Up to rows[i].k draft tokens for each row (fewer, or none, is fine)."""
         ...
 
+    # optional: `budget(prompt, k) -> int`, the most of k draft tokens a request of `prompt` can get
+    # from this drafter whatever its response so far (a lookup drafter without history for a prompt:
+    # 0); the engine cuts the draft length to it before it asks (`Speculator.budget`)
+
     def add_history(self, prompt: tuple[int, ...], tokens: Sequence[int]) -> None:
         """A response to `prompt` to draft from (lookup drafters; others ignore it)."""
         ...

@@ -102,19 +102,28 @@ class HistoryDrafter:
         elif p.pending >= 0:
             p.pending += 1
 
-    def propose(self, rows: list[DraftRow]) -> list[list[int]]:
+    def budget(self, prompt: tuple[int, ...], k: int) -> int:
+        """The most of `k` draft tokens a request of `prompt` can get, whatever its response: none
+        without history, else its length class's budget. The engine asks no row it cannot help, so
+        it copies no such row's tokens off the device."""
+        p = self._prompts.get(prompt)
+        if p is None:
+            return 0
         if self._lengths is None:
-            self._lengths = sorted(p.ema for p in self._prompts.values())
+            self._lengths = sorted(q.ema for q in self._prompts.values())
+        return length_budget(p.ema, self._lengths, k)
+
+    def propose(self, rows: list[DraftRow]) -> list[list[int]]:
         out = []
         for r in rows:
             p = self._prompts.get(r.prompt)
-            if p is None:
+            k = self.budget(r.prompt, r.k)
+            if not k:
                 out.append([])
                 continue
             index = p.indexed()
             m = self._match(r, p)
-            k = min(r.k, m.length, length_budget(p.ema, self._lengths, r.k))
-            out.append(index.continuation(m, k))
+            out.append(index.continuation(m, min(k, m.length)))
         return out
 
     def _match(self, r: DraftRow, p: _Prompt) -> Match:

@@ -91,6 +91,11 @@ class Speculator:
             return g
         return min(PROBE, cap)
 
+    def budget(self, prompt: tuple[int, ...], k: int) -> int:
+        """`k` cut to what the drafter says it can give a request of `prompt` (its optional `budget`)."""
+        limit = getattr(self.drafter, "budget", None)
+        return limit(prompt, k) if limit is not None and k > 0 else k
+
     @staticmethod
     def record(accepted: float, compared: float, a: int, c: int) -> tuple[float, float]:
         """A request's record after a verify that accepted a of c judged draft tokens."""
