@@ -64,6 +64,8 @@ MODES = [
     # the store's replay buffer (issue #19): --modes sync,sync+replay0.25,multiversion-K1,multiversion-K1+replay0.25
     ("sync", {"store.replay": 0.25}),
     ("multiversion", {"flow.max_staleness": 1, "store.replay": 0.25}),
+    # the whole stack, layer by layer (bench/stack.py): + speculative decoding from the prompts' history
+    ("multiversion", {"flow.max_staleness": 1, "shaping.name": "darts", "rollout.spec.drafter": "history"}),
     # a LoRA adapter (rank 8, every projection) on the frozen base: --modes multiversion-K1,multiversion-K1+lora8
     ("sync", {"train.lora.rank": 8}),
     ("multiversion", {"flow.max_staleness": 1, "train.lora.rank": 8}),
@@ -97,8 +99,9 @@ CONFIGS = {
 
 
 def mode_label(mode: str, opts: dict) -> str:
-    """e.g. multiversion-K2, sync+darts, multiversion-K1+darts@0.5, sync+replay0.25, sync+lora8: the mode,
-    its staleness bound, its shaping, a fixed darts budget, the store's replay ratio and a LoRA rank."""
+    """e.g. multiversion-K2, sync+darts, multiversion-K1+darts@0.5, sync+replay0.25, sync+lora8,
+    multiversion-K1+darts+spec-history: the mode, its staleness bound, its shaping, a fixed darts
+    budget, the store's replay ratio, a LoRA rank and a drafter."""
     return (
         mode
         + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
@@ -106,6 +109,7 @@ def mode_label(mode: str, opts: dict) -> str:
         + "".join(f"@{v}" for k, v in opts.items() if k == "shaping.extra")
         + "".join(f"+replay{v}" for k, v in opts.items() if k == "store.replay")
         + "".join(f"+lora{v}" for k, v in opts.items() if k == "train.lora.rank")
+        + "".join(f"+spec-{v}" for k, v in opts.items() if k == "rollout.spec.drafter")
     )
 
 
