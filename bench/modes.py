@@ -313,6 +313,12 @@ def spread(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def reached(rows: list[dict], target: float) -> list[float]:
+    """The wall times at which the runs that reached `target` first did (those that never did left out)."""
+    times = (time_to_accuracy(r["accuracy_points"], target) for r in rows)
+    return [t for t in times if t is not None]
+
+
 def time_to_target(rows: list[dict], target: float | None = None) -> str:
     """The headline: per mode over its seeds, wall time to the target accuracy and final accuracy."""
     import statistics
@@ -342,8 +348,7 @@ def time_to_target(rows: list[dict], target: float | None = None) -> str:
     sync_t = None
     for label in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == label]
-        times = [time_to_accuracy(r["accuracy_points"], target) for r in rs]
-        got = [t for t in times if t is not None]
+        got = reached(rs, target)
         acc = [r["final_accuracy"] or 0.0 for r in rs]
         t_mean = statistics.mean(got) if got else None
         if label == base_mode:

@@ -27,9 +27,8 @@ import sys
 from pathlib import Path
 
 import modes
-from modes import ROOT, time_to_target
+from modes import ROOT, reached, time_to_target
 
-from tailrace.metrics import time_to_accuracy
 from tailrace.records import StepRecord, read_metrics
 
 LAYERS = [
@@ -48,7 +47,7 @@ def layers(rows: list[dict], target: float) -> str:
         rs = [r for r in rows if r["mode"] == label]
         if not rs:
             continue
-        got = [t for t in (time_to_accuracy(r["accuracy_points"], target) for r in rs) if t is not None]
+        got = reached(rs, target)
         t = statistics.mean(got) if got else None
         first = first if first is not None else t
         vs = f"{first / t:7.2f}x" if t and first else f"{'-':>8s}"

@@ -96,8 +96,8 @@ class SpeculativeSteps:
         flags = self._flags([d.seq.req.params for d in drafts])
         toks, lps = sample(logits, salt=self._salt, flags=flags, kernel=self._sample_kernel, **args)
         first = self.rows.ints[torch.tensor([d.row for d in drafts]).to(dev), TOK]  # drawn by _sample_decode
-        flags = () if stops is None else (stops.to(toks.dtype),)
-        host = torch.cat((first, toks, *flags)).tolist()
+        stop_part = () if stops is None else (stops.to(toks.dtype),)
+        host = torch.cat((first, toks, *stop_part)).tolist()
         out = Verified()
         out.stopped = [i for i, f in enumerate(host[len(drafts) + len(toks) :]) if f]
         rows, counts, sel, off = [], [], [], len(drafts)

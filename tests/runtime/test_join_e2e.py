@@ -112,7 +112,7 @@ def assert_exact(run_dir, n_steps=None):
     each, and no (group, sample) was trained twice."""
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r["kind"] == "step"]
-    assert len(steps) == n_steps if n_steps is not None else steps
+    assert steps and (n_steps is None or len(steps) == n_steps)
     for r in steps:  # produced = trained + in_store + discarded, at every step
         led = r["ledger"]
         assert led["produced"] == led["trained"] + led["in_store"] + sum(led["discarded"].values())

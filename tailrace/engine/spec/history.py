@@ -116,11 +116,11 @@ class HistoryDrafter:
     def propose(self, rows: list[DraftRow]) -> list[list[int]]:
         out = []
         for r in rows:
-            p = self._prompts.get(r.prompt)
             k = self.budget(r.prompt, r.k)
             if not k:
                 out.append([])
                 continue
+            p = self._prompts[r.prompt]
             index = p.indexed()
             m = self._match(r, p)
             out.append(index.continuation(m, min(k, m.length)))
