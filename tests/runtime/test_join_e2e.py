@@ -109,16 +109,18 @@ def read_until(proc, text, timeout=120):
 
 def assert_exact(run_dir, n_steps=None):
     """The run wrote its `n_steps` step records (a run the test stopped: some), the ledger exact at
-    each, and no (group, sample) was trained twice."""
+    each, and no (group, sample) was trained twice. A step the stop cut short (issued, never recorded)
+    is not counted: a resumed run issues it again from its checkpoint."""
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r["kind"] == "step"]
     assert steps and (n_steps is None or len(steps) == n_steps)
     for r in steps:  # produced = trained + in_store + discarded, at every step
         led = r["ledger"]
         assert led["produced"] == led["trained"] + led["in_store"] + sum(led["discarded"].values())
+    recorded = {r["step"] for r in steps}
     trained = [
-        (g, i) for m in mark(run_dir, "train_issued") for g, s in zip(m["groups"], m["samples"])
-        for i in s
+        (g, i) for m in mark(run_dir, "train_issued") if m["step"] in recorded
+        for g, s in zip(m["groups"], m["samples"]) for i in s
     ]  # fmt: skip
     assert len(trained) == len(set(trained)) == steps[-1]["ledger"]["trained"]
 
