@@ -100,6 +100,7 @@ def slow_settings(cfg: RunConfig) -> list[str]:
 def check(cfg: RunConfig) -> None:
     """Every name in its registry, the shaping one the mode supports, the flow settings ones the
     chosen policy accepts, and the policy one the rollout engines' capabilities can serve."""
+    from tailrace.flow.filters import load_keep
     from tailrace.flow.policies import make_policy
     from tailrace.flow.shaping import check_mode
     from tailrace.runtime.driver import run_capabilities, with_mode
@@ -115,8 +116,9 @@ def check(cfg: RunConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     options = {k: v for k, v in dataclasses.asdict(cfg.flow).items() if k != "mode"}
+    keep = load_keep(cfg.store.filter) if cfg.store.filter else None  # (its one-line ConfigError)
     try:
-        policy = make_policy(cfg.flow.mode, **options)
+        policy = make_policy(cfg.flow.mode, keep=keep, keep_name=cfg.store.filter or "", **options)
     except ValueError as e:
         raise ConfigError(f"flow.mode={cfg.flow.mode}: {e}") from None
     why = policy.refusal(run_capabilities(cfg))

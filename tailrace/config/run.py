@@ -250,8 +250,8 @@ class FlowConfig:
     )
     extra_groups: int | None = setting(
         None,
-        "zero_signal=replace: at most this many replacement groups per optimizer step (null = U); "
-        "past it, such groups are trained",
+        "zero_signal=replace or store.filter: at most this many replacement groups per optimizer step "
+        "(null = U); past it, such groups are trained",
     )
     checkpoint_every: int | None = setting(
         None,

@@ -1,4 +1,5 @@
-"""The store section: the trajectory store's replay buffer (flow/replay.py)."""
+"""The store section: the trajectory store's entry filter (flow/filters.py) and replay buffer
+(flow/replay.py)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,24 @@ class StoreConfig:
         "versions than this is evicted untrained",
     )
     uses: int = setting(1, "replay: times a group may be replayed")
+    filter: str | None = setting(
+        None,
+        "your entry filter, module:function or path/to/file.py:function: keep(prompt, samples) -> bool "
+        "is asked once per complete group; a group it refuses leaves untrained (discarded, reason "
+        "filtered) and a fresh prompt takes its place, at most flow.extra_groups a step (past it, "
+        "groups are trained as they are); null = none (flow.zero_signal is the built-in one)",
+    )
 
     def __post_init__(self) -> None:
         need(0 <= self.replay <= 4, f"store.replay={self.replay}: must be between 0 (off) and 4")
         need(self.capacity >= 1, f"store.capacity={self.capacity}: must be at least 1")
         need(self.max_age >= 0, f"store.max_age={self.max_age}: must be >= 0")
         need(self.uses >= 1, f"store.uses={self.uses}: must be at least 1")
+        where, sep, name = (self.filter or "x:x").rpartition(":")
+        need(
+            bool(sep and where) and name.isidentifier(),
+            f"store.filter={self.filter!r}: write it as module:function or path/to/file.py:function",
+        )
 
     def options(self) -> dict:
         """The options of `flow.replay.ReplayOptions`."""

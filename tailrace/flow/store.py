@@ -36,6 +36,7 @@ class GroupState:
     deferred: bool = False  # shaping gave the group up: it drains, its samples are discarded
     parked: list[Trajectory] = field(default_factory=list)  # aborted partials waiting to be resumed
     external: bool = False  # an external agent's group, complete when it came (flow/external.py)
+    kept: bool | None = None  # store.filter's verdict, asked once (flow/filters.py); None = not asked
 
     def __post_init__(self) -> None:
         self.candidates = self.candidates or self.size

@@ -136,7 +136,7 @@ class ConsoleUI:
         zero = now["zero_signal"] - prev.get("zero_signal", 0)
         if not done or 4 * zero < 3 * done:
             return None
-        replaced = sum(now["dropped"].values()) - sum(prev.get("dropped", {}).values())
+        replaced = now["dropped"].get("zero-signal", 0) - prev.get("dropped", {}).get("zero-signal", 0)
         what = f"; {replaced} replaced by fresh prompts" if replaced else ""
         what += "; the step trained nothing" if r.train.get("skipped") else ""
         fix = "tune it with task.config" + ("" if replaced else " or set flow.zero_signal=replace")

@@ -35,6 +35,7 @@ from tailrace.engine import capabilities
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
 from tailrace.flow.external import is_external
+from tailrace.flow.filters import load_keep
 from tailrace.flow.multi import PolicySet
 from tailrace.flow.policies import make_policy, recommended_mode
 from tailrace.flow.replay import ReplayOptions
@@ -168,8 +169,10 @@ class Driver:
         top for the run's only policy, policies/<name>/ for one of several)."""
         f, r = cfg.flow, cfg.rollout
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
+        keep = load_keep(cfg.store.filter) if cfg.store.filter else None
         policy = make_policy(
-            f.mode, f.zero_signal, f.extra_groups, max_staleness=f.max_staleness, frontier=f.frontier,
+            f.mode, f.zero_signal, f.extra_groups, keep, cfg.store.filter or "", max_staleness=f.max_staleness,
+            frontier=f.frontier,
             rollout_groups=f.rollout_groups, ahead=f.ahead, placement=f.placement,
             pregen_below=r.spec.pregen_below,
         )  # fmt: skip
@@ -204,9 +207,10 @@ class Driver:
     # ------------------------------------------------------------------ set-up
     def _older_weights(self, pol: PolicyRun, version: int) -> dict[int, Path]:
         """On resume: the older versions `pol`'s restored groups' pending samples need (multiversion),
-        from its kept checkpoints holding them, by engine version; a group whose version no checkpoint
-        holds starts over under `version`, its finished samples discarded (said in a mark and the
-        console); so does every such group on engines that hold one version at a time."""
+        from its kept checkpoints holding them, by engine version (version 0 of the first policy: the
+        model the engines load, kept); a group whose version no checkpoint holds starts over under
+        `version`, its finished samples discarded (said in a mark and the console); so does every such
+        group on engines that hold one version at a time."""
         sched = pol.sched
         need = sched.pending_versions() - {version}
         if sched.capabilities.versions_at_once == 1:  # the engines hold the resumed version only
@@ -214,12 +218,15 @@ class Driver:
         else:
             disk, missing = weights_on_disk(sorted(need), lambda v: False, pol.saved_versions)
             why = "in no kept checkpoint"
+            if 0 in need and self.sched.version(pol.index, 0) != 0:  # not the engines' own model
+                missing.append(0)
         if missing:
             n = sched.restart_groups(set(missing), version)
             if self.ui is not None:
                 self.ui.note(f"resumed: the weights of version(s) {missing}: {why}; "
                              f"{n} group(s) of them start over under version {version}")  # fmt: skip
-        for v in disk:
+        # version 0 of the first policy is the model the engines load: they keep it as well
+        for v in [*disk, *([0] if 0 in need and 0 not in missing else [])]:
             sched.restore_version(v)
         return {self.sched.version(pol.index, v): p / "model" for v, p in disk.items()}
 

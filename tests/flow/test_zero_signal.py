@@ -17,14 +17,14 @@ def informative(g, i):
     return float(i % 2)
 
 
-def run(mode, reward, zero_signal="replace", extra=1, R=4, G=2, U=2, steps=2, seed=0, K=1, slots=4):
+def run(mode, reward, zero_signal="replace", extra=1, R=4, G=2, U=2, steps=2, seed=0, K=1, slots=4, **keep):
     rng = random.Random(seed)
     lengths = {}
 
     def length(g, i):
         return lengths.setdefault((g, i), max(1, min(40, int(rng.lognormvariate(1.6, 0.9)))))
 
-    policy = make_policy(mode, zero_signal, extra, max_staleness=K)
+    policy = make_policy(mode, zero_signal, extra, max_staleness=K, **keep)  # keep: store.filter's
     s = Scheduler(policy, prompts(), [(slots, 2)], FlowSpec(R, G, U, steps))
     c = ScriptedCluster(s, length, slots=slots, train_ticks=3, reward=reward)
     c.run(max_ticks=20_000)

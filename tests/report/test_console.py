@@ -48,6 +48,16 @@ def test_steps_whose_groups_mostly_had_equal_rewards_warn_with_the_counts():
     assert "too hard for this model (0% of the step's samples correct): make it easier" in lines[0]
 
 
+def test_groups_a_filter_dropped_are_not_called_zero_signal_replacements():
+    c, out = ui()
+    c.begin(0, 3, None)
+    r = step(0, complete=16, zero=16)
+    r.ledger["groups"]["dropped"] = {"filtered": 5}
+    c.step(r)
+    line = next(l for l in out.getvalue().splitlines() if "warning" in l)
+    assert "replaced" not in line and line.endswith("or set flow.zero_signal=replace")
+
+
 def test_the_zero_signal_warning_says_too_hard_too_easy_or_all_or_nothing():
     for accuracy, says in ((0.99, "too easy for this model (99%"), (0.5, "all right or all wrong (50%")):
         c, out = ui()

@@ -1,5 +1,6 @@
 """Overlap and shaping policies: each a small class plugged into the scheduler core."""
 
+from tailrace.flow.filters import EntryFilter, Keep
 from tailrace.flow.policies.base import Policy
 from tailrace.flow.policies.external import ExternalPolicy
 from tailrace.flow.policies.multiversion import MultiVersionPolicy
@@ -20,14 +21,23 @@ POLICIES: dict[str, type[Policy]] = {
 GROUP_MODES = [m for m, p in POLICIES.items() if not p.external]  # the modes that open their own groups
 
 
-def make_policy(mode: str, zero_signal: str = "train", extra_groups: int | None = None, **options) -> Policy:
+def make_policy(
+    mode: str,
+    zero_signal: str = "train",
+    extra_groups: int | None = None,
+    keep: Keep | None = None,
+    keep_name: str = "",
+    **options,
+) -> Policy:
     """Build the policy for `mode`; each policy takes the options it understands from `options`.
-    `zero_signal` (flow.zero_signal): "replace" swaps zero-signal groups for fresh prompts, at most
-    `extra_groups` per optimizer step (None = U); "train" trains them as they are."""
+    `zero_signal` (flow.zero_signal): "replace" swaps zero-signal groups for fresh prompts, "train"
+    trains them as they are; `keep` (store.filter, loaded; `keep_name` as written) swaps the groups it
+    refuses; at most `extra_groups` swaps per optimizer step (None = U)."""
     if mode not in POLICIES:
         raise ValueError(f"unknown flow.mode {mode!r}; use one of {', '.join(POLICIES)}")
     policy = POLICIES[mode].from_options(**options)
-    policy.extra_groups = extra_groups if zero_signal == "replace" else 0
+    policy.entry = EntryFilter(zero_signal == "replace", keep, keep_name)
+    policy.extra_groups = extra_groups if policy.entry.active else 0
     return policy
 
 

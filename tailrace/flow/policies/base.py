@@ -11,17 +11,18 @@ off-policy correction (a `trainer.losses.CORRECTIONS` name) a run of the mode tr
 `train.loss.correction` names another: the one its time-to-accuracy runs were measured with
 (bench/modes.py).
 
-Zero-signal groups (DAPO's dynamic sampling): a complete group whose rewards are all equal has zero
-advantage everywhere and teaches nothing. With `extra_groups` (set by `make_policy`; 0 = off) each
-policy drops such groups (reason `zero-signal`, `core.drop_group`) and generates fresh prompts in
-their place, at most `extra_groups` more groups per optimizer step; past that bound they are
-trained as they are, so every step still has its U groups and the run its steps.
+The store's entry filter (`entry`, flow/filters.py; set by `make_policy`): a complete group it rejects
+(zero-signal: every reward equal, no advantage, DAPO's dynamic sampling; or refused by the user's
+`store.filter`) is dropped with the filter's reason (`core.drop_group`) and each policy generates a
+fresh prompt in its place, at most `extra_groups` more groups per optimizer step (0 = off); past that
+bound they are trained as they are, so every step still has its U groups and the run its steps.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tailrace.flow.filters import EntryFilter
 from tailrace.flow.store import GroupState
 from tailrace.types import Capabilities, Trajectory
 
@@ -34,7 +35,8 @@ class Policy:
     max_staleness = 0
     mixed_versions = False
     correction = "none"  # on-policy: the trainer's own logprobs anchor the ratio
-    extra_groups: int | None = 0  # zero-signal groups replaced per optimizer step at most (None = U)
+    extra_groups: int | None = 0  # rejected groups replaced per optimizer step at most (None = U)
+    entry = EntryFilter()  # the store's entry filter: which complete groups leave untrained
     publishes_per_round = False  # sync, pipe: a round's steps publish one version, at its end
     external = False  # its groups come from an external agent (`Scheduler.submit_group`), not its own
 
@@ -123,18 +125,22 @@ class Policy:
                 core.dispatch(engines[i % len(engines)].id, g, 1, version=v, queue_all=True)
                 i += 1
 
-    _dropped_at = (0, 0)  # (steps issued when counted, zero-signal groups dropped since)
+    _dropped_at = (0, 0)  # (steps issued when counted, rejected groups dropped since)
 
-    def drop_zero_signal(self, core: Scheduler, g: GroupState) -> bool:
-        """Drop ready group `g` if it is zero-signal and this step's allowance has room (counted from
-        the last step issued); True if it was dropped. For modes that drop such groups from the store
-        and let admission open fresh ones in their place (the streaming modes, an agent's groups)."""
+    def drop_rejected(self, core: Scheduler, g: GroupState) -> bool:
+        """Drop ready group `g` if the entry filter rejects it and this step's allowance has room
+        (counted from the last step issued); True if it was dropped. For modes that drop such groups
+        from the store and let admission open fresh ones in their place (the streaming modes, an
+        agent's groups)."""
         step, dropped = self._dropped_at
         if step != core.steps_issued:
             step, dropped = core.steps_issued, 0
-        if not g.zero_signal or dropped >= self.allowance(core):
+        if dropped >= self.allowance(core):
             return False
-        core.drop_group(g.id, "zero-signal")
+        reason = self.entry.reason(g)
+        if reason is None:
+            return False
+        core.drop_group(g.id, reason)
         self._dropped_at = (step, dropped + 1)
         return True
 
@@ -143,20 +149,20 @@ class Policy:
         per_step = core.spec.groups_per_step if self.extra_groups is None else self.extra_groups
         return per_step * steps
 
-    @staticmethod
-    def replace_zero_signal(core: Scheduler, slots: list[int], allowance: int) -> int:
-        """Swap each ready zero-signal group of `slots` (in slot order, at most `allowance`) for a
-        fresh group in the same slot, at its version while an engine still holds it (else the newest
-        an engine holds: fresher, so never staler). Returns how many were swapped."""
+    def replace_rejected(self, core: Scheduler, slots: list[int], allowance: int) -> int:
+        """Swap each ready group of `slots` the entry filter rejects (in slot order, at most
+        `allowance`) for a fresh group in the same slot, at its version while an engine still holds it
+        (else the newest an engine holds: fresher, so never staler). Returns how many were swapped."""
         n = 0
         for i, gid in enumerate(slots):
             if n >= allowance:
                 break
             g = core.ready.get(gid)
-            if g is None or not g.zero_signal:
+            reason = None if g is None else self.entry.reason(g)
+            if reason is None:
                 continue
             held = {v for e in core.engines for v in e.loaded}
-            core.drop_group(gid, "zero-signal")
+            core.drop_group(gid, reason)
             slots[i] = core.open_group(g.version if g.version in held or not held else max(held)).id
             n += 1
         return n

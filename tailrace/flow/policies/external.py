@@ -63,7 +63,7 @@ class ExternalPolicy(Policy):
                 if core.trainer_version - min(t.oldest_version for t in g.done) > self.max_staleness:
                     core.drop_group(g.id, "stale")
                 else:  # flow.zero_signal=replace: it teaches nothing; the agent sends more
-                    self.drop_zero_signal(core, g)
+                    self.drop_rejected(core, g)
             if len(core.ready) < U:
                 return
             core.train(list(core.ready)[:U], publish=True)

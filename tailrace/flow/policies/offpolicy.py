@@ -39,7 +39,7 @@ class AsyncPolicy(Policy):
         if not self.rounds and (core.open or core.ready):  # resumed: adopt what is there
             self._adopt(core)
         for i, r in enumerate(self.rounds):
-            self.extras[i] += self.replace_zero_signal(core, r, self.allowance(core) - self.extras[i])
+            self.extras[i] += self.replace_rejected(core, r, self.allowance(core) - self.extras[i])
         # train whole rounds in order, as soon as each is complete
         while self.rounds and all(g in core.ready for g in self.rounds[0]):
             self.extras.pop(0)

@@ -49,7 +49,7 @@ class PipePolicy(Policy):
             if not self.round:
                 return
         R = core.spec.groups_per_round
-        self.extra += self.replace_zero_signal(core, self.round, self.allowance(core, R // U) - self.extra)
+        self.extra += self.replace_rejected(core, self.round, self.allowance(core, R // U) - self.extra)
         keep = self._keep(core)
         ready = [g for g in list(core.ready) if g in self.round]  # completion order (FIFO)
         while len(ready) >= U:

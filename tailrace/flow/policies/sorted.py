@@ -44,7 +44,7 @@ class SortedRounds:
                 g = core.open.get(gid)
                 if gid not in self.issued and gid not in core.ready and (g is None or g.deferred):
                     p.round[i] = core.open_group(held).id
-            p.extra += p.replace_zero_signal(core, p.round, p.allowance(core, R // U) - p.extra)
+            p.extra += p.replace_rejected(core, p.round, p.allowance(core, R // U) - p.extra)
             todo = [core.open[g] for g in p.round if g in core.open and core.open[g].todo]
             p.hand_over(core, todo, held)  # (after a resume: the samples in flight at the crash)
         while core.steps_issued < core.spec.total_steps:

@@ -59,7 +59,7 @@ class StreamingPolicy(Policy):
     def train_ready(self, core: Scheduler) -> None:
         """Drop zero-signal groups (within the allowance), then issue every step the window allows."""
         for g in list(core.ready.values()):
-            if self.drop_zero_signal(core, g):  # admission opens a fresh group in its place
+            if self.drop_rejected(core, g):  # admission opens a fresh group in its place
                 self.opened_at[g.version] = self.opened_at.get(g.version, 0) - 1
         U, K = core.spec.groups_per_step, self.max_staleness
         while core.steps_issued < core.spec.total_steps:

@@ -80,9 +80,7 @@ class SyncPolicy(Policy):
         self._cut(core, core.shaping.round_keep(R))
         groups = self._generating(core)
         if not groups:  # the round is complete: its zero-signal groups go, a wave replaces them
-            self.extra += self.replace_zero_signal(
-                core, self.round, self.allowance(core, R // U) - self.extra
-            )
+            self.extra += self.replace_rejected(core, self.round, self.allowance(core, R // U) - self.extra)
             groups = self._generating(core)
         if groups:
             self.hand_over(core, groups, self.version)
