@@ -29,8 +29,11 @@ invariance without speculation.
 `--batches`: the toggle's promise (never more than 3% slower than no speculation) at fixed active
 batches: b requests of exactly `--max-new` tokens (EOS banned, so the batch stays b), on one engine
 per drafter kept across repetitions (its cost model learns from a warm-up call first), the history
-drafter given an earlier epoch's responses; the engines take turns call by call, medians shown, as
-ratios of the thread's CPU seconds (what load from other processes barely moves) and of wall seconds.
+drafter given an earlier epoch's responses; the engines take turns call by call. Shown: the median
+of the per-turn ratios (no speculation's seconds over the drafter's, in the thread's CPU seconds, what
+load from other processes barely moves, and in wall seconds) with a 95% bootstrap interval, and the
+verdict on the CPU ratio: `kept` where the whole interval is >= 0.97x, `BROKEN` where it is all below,
+`undecided` where these turns cannot tell.
 """
 
 from __future__ import annotations
@@ -293,20 +296,39 @@ def toggle_check(model, prompts, drafters: list[str], batches: list[int], a) -> 
                 n = sum(x != y for x, y in zip(toks, ref))
                 if n and checked(d, a):
                     raise SystemExit(f"batch {b}: {d} changed the outputs ({n} of {b} requests)")
-        med = {d: statistics.median(v) for d, v in secs.items()}
-        mcpu = {d: statistics.median(v) for d, v in cpu.items()}
+        med = statistics.median(secs["off"])
         on = {d: e.spec_stats.on_fraction().get(b, 0.0) for d, e in engines.items() if e.spec_stats}
         table[b] = {
-            d: {"wall": med["off"] / med[d], "cpu": mcpu["off"] / mcpu[d], "on": on.get(d)} for d in drafters
-        }
-        print(f"batch {b:3d}: off {b * a.max_new / med['off']:8,.0f} tok/s | "
-              + " ".join(f"{d} {table[b][d]['cpu']:.3f}x cpu {table[b][d]['wall']:.3f}x wall (on {on.get(d, 0.0):.2f})"
-                         for d in drafters if d != "off")
+            d: {"wall": paired_ratio(secs["off"], secs[d]), "cpu": paired_ratio(cpu["off"], cpu[d]), "on": on.get(d)}
+            for d in drafters
+        }  # fmt: skip
+        print(f"batch {b:3d}: off {b * a.max_new / med:8,.0f} tok/s | "
+              + " ".join(f"{d} {_ci(table[b][d]['cpu'])} cpu {_ci(table[b][d]['wall'])} wall (on {on.get(d, 0.0):.2f}) "
+                         f"{verdict(table[b][d]['cpu'])}" for d in drafters if d != "off")
               + f" | load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"args": vars(a), "toggle": table}, f, indent=1)
     return 0
+
+
+def paired_ratio(base: list[float], other: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """The median of the per-turn ratios base/other (a turn's two calls run back to back, so a slow
+    moment of the machine hits both) and a 95% bootstrap interval of that median (seeded)."""
+    ratios = [x / y for x, y in zip(base, other)]
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return statistics.median(ratios), meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+
+
+def verdict(r: tuple[float, float, float], bound: float = 0.97) -> str:
+    """The toggle's promise (never more than 3% slower) at this resolution: kept where the whole
+    interval is at or above 0.97x, broken where it is all below, else not decided by these turns."""
+    return "kept" if r[1] >= bound else "BROKEN" if r[2] < bound else "undecided"
+
+
+def _ci(r: tuple[float, float, float]) -> str:
+    return f"{r[0]:.3f}x [{r[1]:.3f}, {r[2]:.3f}]"
 
 
 def _median(runs: list[dict]) -> dict:
