@@ -103,7 +103,7 @@ def check(cfg: RunConfig) -> None:
     from tailrace.flow.filters import load_keep
     from tailrace.flow.policies import make_policy
     from tailrace.flow.shaping import check_mode
-    from tailrace.runtime.driver import run_capabilities, with_mode
+    from tailrace.runtime.run_modes import run_capabilities, with_mode
 
     if cfg.policies:
         check_policies(cfg)
@@ -130,7 +130,7 @@ def check_policies(cfg: RunConfig) -> None:
     """A run of several policies: each policy's config checked as a run's, and what such a run does
     not do yet refused, in one line naming the key."""
     from tailrace.config.load import policy_configs
-    from tailrace.runtime.driver import run_capabilities
+    from tailrace.runtime.run_modes import run_capabilities
 
     r = cfg.rollout
     n = len(cfg.policies)

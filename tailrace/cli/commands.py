@@ -79,7 +79,7 @@ def load_run(path: str | Path | None, overrides: list[str]) -> tuple[RunConfig, 
 def checked_run(cfg: RunConfig) -> tuple[RunConfig, str | None]:
     """A loaded config with its overlap mode settled (`with_mode`) and every registry name checked."""
     from tailrace.cli.choices import check  # the registries: torch
-    from tailrace.runtime.driver import with_mode
+    from tailrace.runtime.run_modes import with_mode
 
     cfg, why = with_mode(cfg)
     check(cfg)
@@ -97,9 +97,9 @@ def train(args: Args) -> int:
     loaded = None if "--resume" in flags else load_config(flags.get("--config"), rest)  # no torch yet
     _start_workers_early(loaded, flags.get("--resume"))
     from tailrace.cli.choices import check, check_backend, slow_settings
-    from tailrace.runtime.driver import with_mode
     from tailrace.runtime.lock import RunLock
     from tailrace.runtime.resume import plan_resume
+    from tailrace.runtime.run_modes import with_mode
     from tailrace.runtime.rundir import RunDir, repair
 
     if "--resume" in flags:
@@ -243,7 +243,8 @@ def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
     from tailrace.config.load import policy_configs
     from tailrace.config.train import auto_lr
     from tailrace.report.console import ConsoleUI
-    from tailrace.runtime.driver import Driver, with_mode
+    from tailrace.runtime.driver import Driver
+    from tailrace.runtime.run_modes import with_mode
     from tailrace.runtime.session import Session
     from tailrace.runtime.supervisor import DriverLost
 

@@ -18,6 +18,9 @@ holding the versions the scheduler says it held, its in-flight samples dispatche
 redoes the steps since (runtime/orders.py). The other workers keep going meanwhile. A driver that
 dies itself is resumed from the run directory under `tailrace train --supervise`
 (runtime/supervisor.py); the resumed one records that recovery once its workers are up.
+
+This file holds the set-up and the loop; what workers report is handled in runtime/reports.py, workers
+replaced, joining and leaving in runtime/membership.py (both mixins of `Driver`).
 """
 
 from __future__ import annotations
@@ -25,55 +28,48 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 
-from tailrace.common import ConfigError, Fault, InputError, one_line
-from tailrace.config import RunConfig, TrainerConfig, dump_config
+from tailrace.common import ConfigError
+from tailrace.config import RunConfig, dump_config
 from tailrace.config.load import policy_configs
-from tailrace.engine import capabilities
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights, Train
-from tailrace.flow.external import is_external
 from tailrace.flow.filters import load_keep
 from tailrace.flow.multi import PolicySet
-from tailrace.flow.policies import make_policy, recommended_mode
+from tailrace.flow.policies import make_policy
 from tailrace.flow.replay import ReplayOptions
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.flow.shaping import make_shaping
-from tailrace.metrics import step_record
-from tailrace.records import CheckpointRecord, EvalRecord, Mark, Span, StepRecord, read_metrics
+from tailrace.records import EvalRecord, Mark, StepRecord, read_metrics
 from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
-from tailrace.runtime.evaluate import Evaluator, next_turn
-from tailrace.runtime.health import Heard, Lost
-from tailrace.runtime.hosts import Seat, Started, hosts_for
-from tailrace.runtime.join import Arrival, Asked, Desk, Leave, PolicyJoin, Welcome, serve_weights
-from tailrace.runtime.messages import EngineReport, Go, History, Ready, TrainerReport, TrainOrder
+from tailrace.runtime.evaluate import Evaluator
+from tailrace.runtime.health import Lost
+from tailrace.runtime.hosts import Seat, hosts_for
+from tailrace.runtime.join import Desk
+from tailrace.runtime.membership import Membership
+from tailrace.runtime.messages import EngineReport, Go, Ready, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import SpecTally, Utilization
 from tailrace.runtime.policy_run import PolicyRun
-from tailrace.runtime.procs import available_cores
 from tailrace.runtime.recovery import Recovery, describe, saved_versions, weights_on_disk
+from tailrace.runtime.reports import Reports
 from tailrace.runtime.resume import Resume
+from tailrace.runtime.run_modes import run_capabilities, with_correction, with_mode
 from tailrace.runtime.rundir import RecordFile, RunDir
 from tailrace.runtime.session import Session
 from tailrace.runtime.shared_base import SharedBase
 from tailrace.runtime.shared_base import share as share_base
 from tailrace.runtime.snapshots import Snapshot, Snapshots
 from tailrace.runtime.supervisor import DriverLost
-from tailrace.runtime.tools import Failed, ToolPool
+from tailrace.runtime.tools import ToolPool
 from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
 from tailrace.runtime.workers import Worker, Workers
-from tailrace.tasks.env import Turn
 from tailrace.types import (
-    Capabilities,
-    Finish,
     GenRequest,
     GenResult,
     Prompt,
     SamplingParams,
-    Scored,
-    Trajectory,
 )
 
 
@@ -88,7 +84,7 @@ class Summary:
     policies: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
 
-class Driver:
+class Driver(Membership, Reports):
     def __init__(
         self,
         cfg: RunConfig,
@@ -603,487 +599,19 @@ class Driver:
         elif isinstance(msg, Ready):
             self._on_ready(w)
 
-    def _await_ready(self, joiner: Worker) -> None:
-        """Until a joining policy's trainer says `Ready`, what the others report handled as `_pump`
-        does; the joiner lost or failed while it starts raises `_JoinerLost` (the others' faults go on
-        as they would)."""
-        while True:
-            try:
-                got = self.workers.receive(None, timeout=1.0)
-            except (Fault, InputError) as e:
-                if joiner.lost or str(e).startswith(f"{joiner.name}:"):
-                    raise _JoinerLost(one_line(e)) from None
-                raise
-            for w, msg in got:
-                if w is joiner:
-                    if isinstance(msg, Lost):
-                        raise _JoinerLost(msg.line)
-                    if isinstance(msg, Ready):
-                        return
-                else:
-                    self._dispatch(w, msg)
-
     def _trainer_of(self, w: Worker) -> PolicyRun | None:
         return next((p for p in self.pols if p.trainer is w), None)
 
-    # ------------------------------------------------------------------ tools (multi-turn tasks)
-    def _on_tools(self) -> None:
-        """Tool calls answered since the last pump: each observation goes to its parked sample."""
-        for done in self.tools.take():
-            turn, pol = done.value, self.pols[self.sched.policy_of(done.key)]
-            if isinstance(turn, Failed):  # the environment itself raised: the policy is told so
-                turn = Turn(pol.ses.env.observe(f"error: {turn.error}"), error=True)
-            pol.tool_errors += turn.error
-            self.events.write(Span("tools", "tool", done.t0 - self.t0, done.t1 - self.t0))
-            obs = pol.ses.observation_ids(turn)[: self._room.pop(done.key)]  # within the context limit
-            self.sched.on_observation(done.key, obs, self._now())
-
-    def _park_calls(self, results: list[GenResult]) -> set[str]:
-        """The results whose turn ended in a tool call their policy's environment answers: their calls
-        go to the pool (the sample parks in its scheduler meanwhile). Returns their request ids."""
-        if self.tools is None:
-            return set()
-        calls = set()
-        for r in results:
-            ses = self.pols[self.sched.policy_of(r.request_id)].ses
-            if ses.env is None:  # a single-turn policy's
-                continue
-            n, p = self.sched.calls_of(r.request_id), self.sched.prompt_of(r.request_id)
-            room = self.context - len(p.token_ids) - len(r.token_ids) - 1  # the continuation's 1 token
-            # a call on the last token of the budget or of the context has no room for an answer:
-            # scored as it stands
-            if len(r.token_ids) < self.cfg.rollout.max_new_tokens and room >= 0 and ses.is_call(r, n):
-                calls.add(r.request_id)
-                self._room[r.request_id] = room
-                self.tools.submit(r.request_id, partial(ses.turn, p, r, n))
-        return calls
-
-    def _continue_heldout(self, engine: int, r: GenResult) -> bool:
-        """A held-out episode's turn that ended in a tool call: answered here, at once (the scheduler is
-        idle during evaluation), and continued on the same engine, by the evaluated policy's environment.
-        False: the result is final."""
-        if self._eval_ses.env is None:
-            return False
-        n = self._eval_calls.get(r.request_id, 0)
-        p, req = self._eval_reqs[r.request_id]
-        cont = next_turn(self._eval_ses, p, req, r, n, self.context)
-        if cont is None:
-            return False
-        self._eval_calls[r.request_id] = n + 1
-        self._eval_reqs[r.request_id] = (p, cont)
-        self.workers.send(self.engines[engine], Generate(engine, (cont,)))
-        return True
-
-    # ------------------------------------------------------------------ recovery
-    def _replace(self, w: Worker, lost: Lost) -> None:
-        now = self._now()
-        if w.elastic:  # a joined engine is not the driver's to restart: it leaves, its samples requeued
-            self._leave(next(k for k, x in self.engines.items() if x is w), lost.line)
-            return
-        if not self.recovery.allows(lost, now):
-            raise Fault(self.recovery.refusal(lost))
-        pol = self._trainer_of(w)
-        if pol is not None:
-            start = str(pol.restart_from) if pol.restart_from else None  # None: the run's start
-            spec = replace(pol.tspec, resume_from=start, publish_start=False)
-            pol.trainer = self.workers.replace(w, trainer_main, spec, self.weights)
-            self.recovery.begin(lost, now, replayed=pol.orders.restart(pol.sched.steps_done))
-            # its orders waiting for the shared cores go to the replacement with the rest, once: drawn
-            # from the queue too, they would be trained twice
-            self._waiting_orders = deque((q, o) for q, o in self._waiting_orders if q is not pol)
-            return
-        i = next(k for k, x in self.engines.items() if x is w)
-        loading = self.sched.loading(i)  # asked of the lost process: its replacement starts with them
-        requeued = self.sched.on_engine_lost(i, now)
-        for v in sorted(loading):
-            self.sched.on_loaded(i, v, now)
-        spec = replace(self.especs[i], **self._engine_weights(i, lost))
-        self.engines[i] = self.workers.replace(w, engine_main, i, spec, self.weights)
-        self.recovery.begin(lost, now, requeued=requeued)
-        wanted = tuple(r for r in self._eval_sent.get(i, ()) if r.id in self._eval_wanted)
-        if wanted:  # held-out requests it had: the replacement answers them (episodes from their start)
-            for r in wanted:
-                self._eval_calls.pop(r.id, None)
-            self.workers.send(self.engines[i], Generate(i, wanted))
-
-    def _engine_weights(self, i: int, lost: Lost) -> dict:
-        """The versions a replacement for engine i starts with, and the checkpoints of those the ring
-        no longer holds."""
-        versions = sorted(self.sched.loaded(i))
-        saved = {
-            self.sched.version(p.index, v): path for p in self.pols for v, path in p.saved_versions.items()
-        }
-        disk, missing = weights_on_disk(versions, self.weights.holds, saved)
-        if missing:
-            raise Fault(
-                f"{lost.line}, and the weights of version(s) {missing} it held are neither in shared "
-                "memory nor in a kept checkpoint (raise flow.keep_checkpoints)"
-            )
-        return dict(
-            start_versions=tuple(versions), from_disk=tuple((v, str(p / "model")) for v, p in disk.items())
-        )
-
-    # ------------------------------------------------------------------ engines joining and leaving
-    def _arrivals(self) -> None:
-        """Engines that asked to join or leave since the last poll (runtime/join.py)."""
-        if self.desk is None:
-            return
-        for what in self.desk.take():
-            if isinstance(what, Leave):
-                self._leave(what.engine, "asked to leave")
-            elif isinstance(what, Asked):
-                self._policy_asked(what)
-            else:
-                self._join(what)
-
-    def _join(self, a: Arrival) -> None:
-        r = self.cfg.rollout
-        eid = self.sched.add_engine(r.slots, r.lookahead, started=False)  # orders once it is Ready
-        cores = a.cores if a.actor else a.cores or self._join_cores()  # a Ray actor: Ray placed it
-        spec = self._engine_spec(Seat(cores, r.threads), ())
-        started = Started(self.hosts.joined(a), a.conns["messages"], Heard(a.conns["beats"]))
-        w = self.workers.adopt(f"engine{eid}", started, elastic=True)
-        self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.layout.buffer.dtype))
-        serve_weights(a.conns["weights"], self.weights)
-        self.engines[eid], self.especs[eid] = w, spec
-        data = {
-            "engine": eid,
-            "pid": a.pid,
-            "cores": list(spec.cores),
-            **({"actor": a.actor} if a.actor else {}),
-        }
-        where = f"Ray actor {a.actor}" if a.actor else f"pid {a.pid}"
-        self._event(Mark(self._now(), "engine_join", data), f"engine {eid} joined ({where})")
-
-    def _leave(self, eid: int, why: str) -> None:
-        """Engine `eid` leaves the run: its samples are requeued, its process told to shut down."""
-        if eid not in self.engines:
-            self._event(
-                Mark(self._now(), "engine_leave_refused", {"engine": eid}), f"engine {eid}: not in the run"
-            )
-            return
-        up = eid not in self.sched.starting
-        requeued = self.sched.remove_engine(eid, self._now())
-        self.workers.retire(self.engines.pop(eid))
-        for p in self.pols:
-            p.util.slots -= self.cfg.rollout.slots * up
-        wanted = tuple(r for r in self._eval_sent.pop(eid, ()) if r.id in self._eval_wanted)
-        if wanted and self.engines:  # (a joined engine died during an evaluation) another answers them
-            other = next(iter(self.engines))
-            for r in wanted:
-                self._eval_calls.pop(r.id, None)
-            self._eval_sent[other] = self._eval_sent.get(other, ()) + wanted
-            self.workers.send(self.engines[other], Generate(other, wanted))
-        data = {"engine": eid, "requeued": requeued, "why": why}
-        self._event(
-            Mark(self._now(), "engine_leave", data), f"engine {eid} left ({why}): {requeued} samples requeued"
-        )
-
-    # ------------------------------------------------------------------ policies joining and leaving
-    def _policy_asked(self, asked: Asked) -> None:
-        """A policy asked to join the run or to leave it (tailrace policy join / leave): answered with
-        one line, what was done or why not; either way in events.jsonl."""
-        msg = asked.msg
-        if isinstance(msg, PolicyJoin):
-            kind, name, act = "policy_join", msg.entry.get("name"), partial(self._add_policy, msg.entry)
-        else:
-            kind, name, act = "policy_leave", msg.name, partial(self._stop_policy, msg.name)
-        try:
-            line = act()
-        except (ConfigError, InputError, ValueError, KeyError) as e:
-            line = one_line(e)
-            self._event(Mark(self._now(), f"{kind}_refused", {"policy": name, "why": line}), line)
-            asked.answer(False, line)
-            return
-        data = {"policy": name}
-        if kind == "policy_join":  # its step and eval records' clock starts here on the run's (the
-            # first policy's: its step records' wall_s, which a resume carries on)
-            data["clock_s"] = self.pols[-1].util.start - self.pols[0].util.start
-        self._event(Mark(self._now(), kind, data), line)
-        asked.answer(True, line)
-
-    def _add_policy(self, entry: dict) -> str:
-        """A policy joins the running run: its scheduler on the live engines, its trainer (on the first
-        policy's cores, its frozen base shared where the others share theirs; on Ray an actor in a
-        bundle of its own), its files under
-        policies/<name>/, its base evaluation, and its entry in config.yaml (a resume brings it back)."""
-        joined = replace(self.cfg, policies=[*self.cfg.policies, entry])  # (its names checked by the asker)
-        name, pc = policy_configs(joined)[-1]
-        pc = with_mode(pc)[0]
-        why = self.sched.refusal(name, run_capabilities(pc))
-        if why:
-            raise ValueError(why)
-        held = self.weights.slots // self.sched.room - 3  # each policy's slots of the ring, less 3
-        if pc.flow.max_staleness > held:
-            raise ConfigError(
-                f"policy {name}: flow.max_staleness={pc.flow.max_staleness}, and the run's shared memory "
-                f"holds {held} (the largest its policies started with); join with --flow.max_staleness={held}"
-            )
-        if pc.flow.mode == "external" and self.endpoint is None:
-            raise ConfigError(
-                f"policy {name}: flow.mode=external needs the agent endpoint, which a run opens when it starts "
-                "with an external policy; join with another flow.mode"
-            )
-        ses = Session(pc)
-        if ses.env is not None and self.tools is None:  # the first multi-turn policy: the tool pool
-            self.tools = ToolPool(self.cfg.task.tool_threads)
-        first = self.pols[0].tspec  # on this machine its seat (Ray: a bundle of its own, reserved now)
-        seat = self.hosts.trainer_seat(f"trainer-{name}", Seat(first.cores, first.threads))
-        pol = self._policy(len(self.pols), name, pc, ses)
-        try:  # it joins the schedulers once its start weights are in the ring
-            try:
-                self._start_trainer(pol, seat, self.sched.version(pol.index, 0), None, first.trainers)
-            except Fault as e:  # (a Ray actor that did not start)
-                raise _JoinerLost(one_line(e)) from None
-            self._await_ready(pol.trainer)
-        except _JoinerLost as e:  # the run goes on as it was
-            if pol.trainer is not None:
-                self.workers.retire(pol.trainer)
-            self.hosts.release_trainer_seat(pol.worker_name)
-            pol.close()
-            raise InputError(
-                f"policy {name}: its trainer did not start ({e}); the run goes on without it"
-            ) from None
-        self.sched.add(name, pol.sched)
-        self.pols.append(pol)
-        if self.endpoint is not None:  # an agent's requests may name it
-            self.endpoint.add_policy(name, ses.text)
-        # on this machine it shares the first policy's cores (flow.share=turns: one trains at a time)
-        self._one_trainer |= self.cfg.flow.share == "turns" and bool(set(seat.cores) & set(first.cores))
-        pol.util = Utilization(time.perf_counter(), slots=self.pols[0].util.slots)
-        pol.cpu_mark = time.process_time()
-        pol.cadence.saved(0, self._now())
-        self.cfg = joined
-        _replace_text(self.run.file("config.yaml"), dump_config(joined))
-        pol.evaluator = Evaluator(ses, pc.eval) if pc.eval.n else None
-        if pol.evaluator is not None:  # the others' work goes on around it; nothing new is dispatched
-            v = self.sched.version(pol.index, 0)
-            self._load_everywhere(v)
-            pol.base = self._evaluate(pol, pol.evaluator, "base", v, wall_s=0.0)
-        base = f"; base held-out accuracy {pol.base.accuracy:.1%}" if pol.base else ""
-        need = ses.expected_context(max(self.cfg.rollout.max_new_tokens, pc.eval.max_new_tokens))
-        kv = (
-            f"; note: its requests hold up to {need:,} tokens, and the engines' KV memory was sized for "
-            f"{self.expected_context:,} a slot when the run started, so they queue or preempt sooner (a run "
-            "started with this policy sizes it)"
-            if need > self.expected_context
-            else ""
-        )
-        return (
-            f"policy {name} joined as policy {pol.index + 1} of {self.sched.room} ({pc.flow.mode}, "
-            f"{pc.flow.steps} steps, task {pc.task.name}){base}; its files: {pol.run.path}{kv}"
-        )
-
-    def _stop_policy(self, name: str) -> str:
-        """A policy leaves: its next step is its last (checkpointed), its final evaluation comes when the
-        run's other policies are done."""
-        pol = next(
-            (p for p in self.pols if self.sched.names[p.index] == name), None
-        )  # ("main": a run's only)
-        if pol is None:
-            raise InputError(
-                f"policy {name!r} is not in the run; its policies: {', '.join(self.sched.names)}"
-            )
-        if pol.sched.done:
-            return f"policy {name} has trained its {pol.sched.steps_done} steps already"
-        pol.leaving = True
-        return f"policy {name} leaves after its next step (step {pol.sched.steps_issued + 1}, checkpointed)"
-
+    # ------------------------------------------------------------------ lines for events.jsonl and the console
     def _event(self, mark: Mark, line: str) -> None:
         self.events.write(mark)
         if self.ui is not None:
             self.ui.note(line)
 
-    def _join_cores(self) -> tuple[int, ...]:
-        """A core no worker is pinned to, if there is one; else the first engine's (a joined engine
-        shares the rollout pool's cores, never the trainer's unless they are all there is)."""
-        used = {c for s in self.seats for c in s.cores} | {c for e in self.especs.values() for c in e.cores}
-        free = [c for c in available_cores() if c not in used]
-        return (free[0],) if free else self.especs[min(self.especs)].cores
-
-    def _on_ready(self, w: Worker) -> None:
-        eid = next((e for e, x in self.engines.items() if x is w), None)
-        if eid in self.sched.starting:  # an engine that joined is up: from now on it loads and works
-            self.sched.engine_started(eid)
-            for p in self.pols:
-                p.util.slots += self.cfg.rollout.slots
-            self._event(Mark(self._now(), "engine_ready", {"engine": eid}), f"engine {eid} is up")
-        mark = self.recovery.ready(w.name, self._now())
-        if mark is not None:
-            self._note(mark)
-        pol = self._trainer_of(w)
-        if pol is not None:
-            for order in pol.orders.ready():
-                self.workers.send(w, order)
-
     def _note(self, recovery: Mark) -> None:
         self.events.write(recovery)
         if self.ui is not None:
             self.ui.note(describe(recovery))
-
-    def _on_engine_report(self, rep: EngineReport) -> None:
-        st = rep.stats
-        for p in self.pols:  # the shared engines' figures go to every policy's windows
-            p.util.slot_time += st.slot_s
-            p.util.engine_busy += st.busy_s
-            p.util.gen_tokens += st.decode_tokens
-        self.spec_tally.add(st.spec, st.spec_versions, st.train)
-        self.sched.on_engine_steps(st.steps, st.decode_tokens, st.prefill_tokens, st.busy_s)
-        lane = f"engine{rep.engine}"
-        for t0, t1 in st.spans:
-            self.events.write(Span(lane, "generate", t0 - self.t0, t1 - self.t0))
-        for v, t0, t1 in rep.loaded:
-            if v == self._eval_version:  # a snapshot to evaluate, after training: not the scheduler's
-                self._eval_loaded.add(rep.engine)
-                if self.sched.one_version:  # it replaced what the engine held
-                    self.sched.on_replaced(rep.engine)
-                continue
-            self.events.write(Span(lane, "sync", t0 - self.t0, t1 - self.t0, version=v))
-            self.sched.on_loaded(rep.engine, v, self._now())
-        for v in rep.missed:
-            self.sched.on_load_missed(rep.engine, v, self._now())
-        for v, t0, t1 in rep.received:  # a collective's receive, beside the engine's work
-            self.events.write(Span(lane, "receive", t0 - self.t0, t1 - self.t0, version=v))
-        mine = []
-        for r in rep.results:
-            if r.request_id in self._eval_wanted:
-                if self._continue_heldout(rep.engine, r):
-                    continue
-                self._eval_wanted.discard(r.request_id)
-                self._eval_results.append(r)
-            else:  # the journal keeps request times on the run's clock, as events.jsonl
-                t0 = self.t0
-                mine.append(
-                    replace(
-                        r,
-                        submitted=r.submitted - t0,
-                        first_token=r.first_token - t0,
-                        finished=r.finished - t0,
-                    )
-                )
-        ext = [r for r in mine if is_external(self.sched.split(r.request_id)[1])]
-        if ext:  # an agent's (flow.mode=external): back to it, unscored (it scores them itself)
-            self.sched.on_results(rep.engine, ext, [], self._now())
-            mine = [r for r in mine if r not in ext]
-        pre = [r for r in mine if self.sched.is_pregen(r.request_id)]
-        if pre:  # the next round's prompts, generated in this round's bubble: drafts, not samples
-            self.sched.on_results(rep.engine, pre, [], self._now())
-            mine = [r for r in mine if not self.sched.is_pregen(r.request_id)]
-            done = [d for p in self.pols for d in p.sched.take_pregen()]
-            self._relay_history(rep.engine, [p for p, r in done if r.finish != Finish.ABORTED],
-                                [r for r in pre if r.finish != Finish.ABORTED])  # fmt: skip
-            partial = [(p, r) for p, r in done if r.finish == Finish.ABORTED]  # no engine kept these
-            self._relay_history(None, [p for p, _ in partial], [r for _, r in partial])
-        if mine:
-            calls = self._park_calls([r for r in mine if r.finish == Finish.STOP])
-            final = [r for r in mine if r.finish != Finish.ABORTED and r.request_id not in calls]
-            prompts = [self.sched.prompt_of(r.request_id) for r in final]
-            self._relay_history(rep.engine, prompts, final)
-            scores = self._score(prompts, final)
-            self.sched.on_results(rep.engine, mine, scores, self._now(), calls=calls)
-
-    def _score(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
-        """Each result scored by its policy's task."""
-        if len(self.pols) == 1:
-            return self.pols[0].ses.score(prompts, results)
-        scores: list[Scored] = []
-        for pol in self.pols:
-            mine = [k for k, r in enumerate(results) if self.sched.policy_of(r.request_id) == pol.index]
-            if mine:
-                scores += pol.ses.score([prompts[k] for k in mine], [results[k] for k in mine])
-        return scores
-
-    def _relay_history(self, source: int | None, prompts: list[Prompt], results: list[GenResult]) -> None:
-        """A drafter's material (a history drafter's lookups, a trained drafter's training data): each
-        engine keeps the responses it finishes itself (siblings, earlier epochs); the others get them
-        here (every engine, with no source: aborted partials). Drafters of weights ignore them."""
-        if self.spec is None or not results:
-            return
-        if source is not None and len(self.engines) < 2:
-            return
-        msg = History(tuple((p.token_ids, r.token_ids) for p, r in zip(prompts, results)))
-        for i, engine in self.engines.items():
-            if i != source:
-                self.workers.send(engine, msg)
-
-    def _on_trainer_report(self, pol: PolicyRun, rep: TrainerReport) -> None:
-        now = self._now()
-        t0, t1 = rep.span
-        if not rep.replay:
-            self._trained(pol)
-        if rep.replay:  # a replacement redoing a step already counted
-            self.events.write(Span(pol.worker_name, "replay", t0 - self.t0, t1 - self.t0, step=rep.step))
-            return
-        pol.util.trainer_busy += t1 - t0  # its own trainer's
-        pol.util.train_tokens += int(rep.metrics.get("tokens", 0))
-        self.events.write(Span(pol.worker_name, "train", t0 - self.t0, t1 - self.t0, step=rep.step))
-        published = None if rep.published is None else self.sched.policy_version(rep.published)[1]
-        if rep.sync_span:
-            s0, s1 = rep.sync_span
-            self.events.write(Span(pol.worker_name, "sync", s0 - self.t0, s1 - self.t0, version=published))
-        sched = pol.sched
-        sched.on_train_step([t.length for t in pol.pending_trajs[rep.step][1]], t1 - t0)
-        sched.on_trained(rep.step, now)
-        if published is not None:
-            sched.on_published(published, now)
-        trainer_version, trajs = pol.pending_trajs.pop(rep.step)
-        record = self._step_record(pol, rep, trajs, trainer_version, now)
-        pol.metrics.write(record)
-        saved = self._checkpoint(pol, rep, published) if rep.saved else None
-        if published is not None and pol.snapshots.due(sched.steps_done):
-            buf = self.weights.read(rep.published).buffer
-            pol.snapshots.take(sched.steps_done, published, record.time["wall_s"], buf)
-        if self.tb is not None:
-            for key, value in _flatten(record.to_json(), f"{pol.name}/" if pol.name else ""):
-                self.tb.add_scalar(key, value, rep.step + 1)
-        if self.ui is not None:
-            self.ui.step(record, saved, pol.name)
-
-    def _checkpoint(self, pol: PolicyRun, rep: TrainerReport, published: int | None) -> CheckpointRecord:
-        """Make the trainer's half-written checkpoint whole: everything it counts is on disk first."""
-        self._handle(self.sched.poll(self._now()), sync=True)
-        pol.metrics.sync()
-        saved = checkpoint.finalize(Path(rep.saved), pol.sched.state_dict(), dump_config(pol.cfg))
-        checkpoint.prune(pol.run.ckpt, self.cfg.flow.keep_checkpoints)
-        pol.restart_from = saved.path
-        pol.orders.checkpointed(rep.step + 1)
-        if published is not None:  # its model is that version's weights
-            pol.saved_versions[published] = saved.path
-        sizes = {"model": saved.model, "optimizer": saved.optimizer, "total": saved.total}
-        record = CheckpointRecord(rep.step + 1, sizes, rep.save_s)
-        pol.metrics.write(record)
-        return record
-
-    def _own_version(self, p: int, g: int) -> int | None:
-        """Policy p's version of engine version `g`, None where `g` is another policy's."""
-        q, v = self.sched.policy_version(g)
-        return v if q == p else None
-
-    def _step_record(
-        self, pol: PolicyRun, rep: TrainerReport, trajs: list[Trajectory], trainer_version: int, now: float
-    ) -> StepRecord:
-        m = rep.metrics
-        timing = pol.util.snapshot(now + self.t0)  # since the policy's previous step record
-        cpu = time.process_time()
-        timing.update(
-            train_s=rep.span[1] - rep.span[0],
-            weight_sync_s=m.pop("weight_sync_s", 0.0),
-            trainer_step_s=m.pop("time_s", 0.0),
-            driver_cpu_s=cpu - pol.cpu_mark,
-        )
-        if self.spec is not None:  # the toggle's choices follow the engines' timings: "time" figures
-            # (acceptance by version: the policy's own versions; with several, the rest stay for theirs)
-            own = None if not self.sched.translates else partial(self._own_version, pol.index)
-            timing.update(self.spec_tally.take(own))
-        pol.cpu_mark = cpu
-        pol.last_wall = timing["wall_s"]
-        tool_errors = None  # a single-turn policy's steps have no tool figures
-        if pol.ses.env is not None:
-            tool_errors, pol.tool_errors = pol.tool_errors, 0
-        return step_record(
-            rep.step, pol.sched.done_version, trajs, trainer_version, pol.sched.ledger_record(),
-            pol.ses.guard.errors, m, timing, pol.sched.take_generated(), tool_errors,
-        )  # fmt: skip
 
     def _load_everywhere(self, v: int) -> None:
         """Engine version `v` on every engine that lacks it (before a held-out evaluation, the policies
@@ -1097,49 +625,9 @@ class Driver:
                 self._pump()
 
 
-class _JoinerLost(Exception):
-    """A joining policy's trainer died or failed before it was ready."""
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """`path` holds `text`, whole or not at all (a crash mid-write leaves the old file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def _share_cores(seats: list[Seat]) -> bool:
     """Whether two of these seats pin to a common core (Ray's seats pin to none: each has its bundle)."""
     return any(set(a.cores) & set(b.cores) for k, a in enumerate(seats) for b in seats[k + 1 :])
-
-
-def run_capabilities(cfg: RunConfig) -> Capabilities:
-    """What the run's engines can do. A LoRA run's versions are adapters over one base
-    (`engine.adapter_versions`): as many as the mode needs, whatever `rollout.max_versions`."""
-    r = cfg.rollout
-    caps = capabilities(r.backend, speculative=r.spec.drafter != "none", max_versions=r.max_versions)
-    return replace(caps, versions_at_once=None, adapters=True) if cfg.train.lora.rank else caps
-
-
-def with_mode(cfg: RunConfig) -> tuple[RunConfig, str | None]:
-    """`cfg` with the recommended overlap mode where flow.mode is null, and why it is that one (None
-    where the config names its mode)."""
-    if cfg.flow.mode is not None:
-        return cfg, None
-    r = cfg.rollout
-    mode, why = recommended_mode(
-        cfg.shaping.name,
-        run_capabilities(cfg).versions_at_once,
-        r.spec.pregen_below is not None,
-    )
-    return replace(cfg, flow=replace(cfg.flow, mode=mode)), why
-
-
-def with_correction(train: TrainerConfig, own: str) -> TrainerConfig:
-    """`train` with the mode's own off-policy correction where train.loss.correction is null."""
-    if train.loss.correction is not None:
-        return train
-    return replace(train, loss=replace(train.loss, correction=own))
 
 
 def _tensorboard(run: RunDir):
@@ -1151,12 +639,3 @@ def _tensorboard(run: RunDir):
             "or drop --tensorboard"
         ) from None
     return SummaryWriter(str(run.path / "tensorboard"))
-
-
-def _flatten(d: dict, prefix: str = ""):
-    """('length/p50', 37.0)... for every numeric leaf of a step record."""
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from _flatten(v, f"{prefix}{k}/")
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-            yield prefix + k, v

@@ -8,7 +8,7 @@ import pytest
 
 from tailrace.config import LossConfig, TrainerConfig, load_config
 from tailrace.flow.policies import POLICIES, RECOMMENDED, recommended_mode
-from tailrace.runtime.driver import with_correction, with_mode
+from tailrace.runtime.run_modes import with_correction, with_mode
 from tailrace.sim.scenario import Scenario
 from tailrace.trainer.losses import CORRECTIONS
 
