@@ -17,9 +17,12 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from tailrace.types import Finish, GenRequest, GenResult
+from tailrace.flow.keys import SampleKey
+from tailrace.flow.store import GroupState
+from tailrace.records import Finished, Opened
+from tailrace.types import Finish, GenRequest, GenResult, Prompt, Trajectory
 
 PREFIX = "x."  # external request ids: "x.<anything>" (scheduler samples are "group.index.attempt")
 KEEP = 4096  # finished external results kept for a group, newest first (older ones are forgotten)
@@ -125,3 +128,90 @@ class ExternalBook:
         for i in ids:
             del self.kept[i]
         return kept
+
+
+class ExternalRequests:
+    """The scheduler's side of an external agent (a mixin of `Scheduler`): its requests submitted,
+    cancelled, dispatched and taken back, and its scored groups entering the store."""
+
+    def submit_external(self, request: GenRequest) -> None:
+        """An external agent's request (id "x.<...>"; its version is set at dispatch: the newest an
+        engine holds). Its result comes back through `take_external`. Refused once the policy has
+        trained all its steps (in a run of several, the others may go on)."""
+        if self.done:
+            raise ExternalError(DONE)
+        self.external.submit(request)
+
+    def cancel_external(self, request_ids: Sequence[str]) -> None:
+        """The agent went away: its requests stop (waiting ones never go; running ones are aborted)."""
+        ids = set(request_ids)
+        self.external.todo = [r for r in self.external.todo if r.id not in ids]
+        for e in self.engines:
+            mine = sorted(ids & e.in_flight.keys())
+            self.external.cancelled.update(mine)
+            self.abort(e.id, mine, "cancelled")
+
+    def take_external(self) -> list[GenResult]:
+        """External requests finished since the last call."""
+        return self.external.take()
+
+    def submit_group(self, request_ids: Sequence[str], rewards: Sequence[float], correct=None) -> int:
+        """An external agent's group: `request_ids` name finished external results of one prompt,
+        `samples_per_prompt` of them, scored `rewards` (`correct`: whether each is right; default
+        reward > 0). It enters the store complete and journaled; returns its group id. Refused (an
+        `ExternalError` naming the fix) by a policy that makes its own groups."""
+        if not self.policy.external:
+            raise ExternalError(
+                f"this run's flow.mode={self.policy.name} makes its own groups; an agent's groups train "
+                "in a run with flow.mode=external"
+            )
+        if self.done:
+            raise ExternalError(DONE)
+        size = self.spec.samples_per_prompt
+        kept = self.external.claim(list(request_ids), list(rewards), size)
+        correct = [r > 0 for r in rewards] if correct is None else list(correct)
+        gid = self.groups_opened
+        self.groups_opened += 1
+        prompt = Prompt(-1 - gid, kept[0].prompt_ids, "")  # its own id: no prompt of the task's stream
+        version = min(k.version for k in kept)
+        g = GroupState(gid, prompt, version, size, self.now, dispatched=size, todo=[], external=True)
+        self._store.add_group(g)
+        self._log(Opened(gid, version, self.prompts_taken, False, prompt, external=True))
+        for i, (k, reward, ok) in enumerate(zip(kept, rewards, correct)):
+            t = Trajectory(
+                group=gid, sample_index=i, prompt_id=prompt.id, prompt_ids=prompt.token_ids,
+                result=replace(k.result, request_id=str(SampleKey(gid, i))), reward=float(reward),
+                correct=bool(ok), dispatch_version=k.version,
+            )  # fmt: skip
+            self._generated.append(t.length)
+            self.ledger.on_produced()
+            g.done.append(t)
+            self._log(Finished(t))
+        self.mark("external_group", group=gid, version=version)
+        self._maybe_ready(g)
+        return gid
+
+    def _dispatch_external(self) -> None:
+        """External requests go, each under the newest version an engine holds, to the engine holding
+        it with the most room (past its slots if need be: the engine queues them), as many as the
+        policy admits (`Policy.external_room`; None: all), a prompt's requests together (one call's
+        choices: they make one group, best all of one version)."""
+        todo = self.external.todo
+        if not todo:  # (every poll of every run: nothing to price)
+            return
+        room = self.policy.external_room(self)
+        n = len(todo) if room is None else room
+        while todo:
+            holding = [e for e in self.engines if e.loaded]
+            head = todo[0].prompt_ids
+            unit = next((k for k, r in enumerate(todo) if r.prompt_ids != head), len(todo))
+            if not holding or unit > n:
+                return
+            n -= unit
+            top = max(max(e.loaded) for e in holding)
+            for _ in range(unit):
+                e = max((e for e in holding if top in e.loaded), key=lambda e: (e.free, -e.id))
+                req = replace(todo.pop(0), version=top)
+                self.external.flight[req.id] = req
+                e.in_flight[req.id] = top
+                self._pending[e.id].append(req)

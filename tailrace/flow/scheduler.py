@@ -21,7 +21,9 @@ A policy (flow/policies/) reads the core's read-only view (`open`, `ready`, `in_
 `dispatch`, `resume`, `abort`, `discard_partial`, `drop_group`, `defer_group`, `train`, `load`,
 `drop`, `mark`. The
 core checks, at every train step, the invariants a policy declares (staleness bound, one version
-per trajectory), and the ledger identity every poll. Checkpoints and journal replay: see `state.py`.
+per trajectory), and the ledger identity every poll. Checkpoints and journal replay: see `state.py`;
+engines joining, leaving, lost and lent: `engine_book.py`; an external agent's requests and groups:
+`external.py` (mixins of `Scheduler`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from types import MappingProxyType
 from typing import Collection, Iterator, Mapping, Sequence
 
 from tailrace.flow.commands import Abort, Command, DropWeights, Generate, LoadWeights, Train
-from tailrace.flow.external import DONE, ExternalBook, ExternalError, is_external
+from tailrace.flow.engine_book import EngineBook, EngineState, InvariantError
+from tailrace.flow.external import ExternalBook, ExternalRequests, is_external
 from tailrace.flow.keys import SampleKey, sample_seed
 from tailrace.flow.ledger import Ledger
 from tailrace.flow.replay import ReplayBuffer, ReplayOptions
@@ -61,10 +64,6 @@ ANY_VERSIONS = Capabilities(
 PREGEN = "pregen."  # the id prefix of pre-generation requests (sample keys are group.index.attempt)
 
 
-class InvariantError(AssertionError):
-    pass
-
-
 @dataclass(frozen=True)
 class FlowSpec:
     """The sizes every policy works with (validated by the run config)."""
@@ -76,28 +75,6 @@ class FlowSpec:
 
 
 @dataclass
-class EngineState:
-    id: int
-    slots: int
-    lookahead: int  # requests queued beyond the slots, so a freed slot never waits for the driver
-    loaded: set[int] = field(default_factory=lambda: {0})
-    loading: set[int] = field(default_factory=set)
-    in_flight: dict[str, int] = field(default_factory=dict)  # request id -> version
-    versions_at_once: int | None = None  # its `Capabilities.versions_at_once`
-
-    @property
-    def capacity(self) -> int:
-        return self.slots + self.lookahead
-
-    @property
-    def free(self) -> int:
-        return max(0, self.capacity - len(self.in_flight))
-
-    def count(self, version: int) -> int:
-        return sum(1 for v in self.in_flight.values() if v == version)
-
-
-@dataclass
 class Outbox:
     """What one poll hands its driver: commands to execute in order, records to append."""
 
@@ -106,7 +83,7 @@ class Outbox:
     marks: list[Mark] = field(default_factory=list)  # scheduler events (events.jsonl)
 
 
-class Scheduler(SchedulerState):
+class Scheduler(SchedulerState, EngineBook, ExternalRequests):
     def __init__(
         self,
         policy,
@@ -418,199 +395,6 @@ class Scheduler(SchedulerState):
         training from)."""
         self.shaping.observe_train(len(lengths), sum(lengths), sum(n * n for n in lengths), busy_s)
 
-    def on_engine_lost(self, engine: int, now: float) -> int:
-        """An engine died (or was killed for not answering) with work in flight: every request it held
-        goes back to its group's to-do list, to be dispatched again like a fresh sample (its tokens so
-        far are gone with the process). Nothing was produced, so the ledger is unchanged; the engine
-        keeps the versions it held (its replacement loads them) and its capacity. Returns how many
-        samples were requeued."""
-        self.now = now
-        if engine in self.departed:  # it left first: its samples were requeued then
-            return 0
-        lost = self._requeue(self._by_id[engine])
-        self.mark("engine_lost", engine=engine, requeued=lost)
-        return lost
-
-    def add_engine(self, slots: int, lookahead: int, started: bool = True) -> int:
-        """An engine joins the running job: a new id (never one that was used), its slots and local
-        queue, the run's engine capabilities, holding no weights. The next poll has it load what the
-        policy needs (`_provision`), and from then on the policy gives it work like any other. Returns
-        its id. `started=False`: its process is still building its engine (a slow starter takes
-        seconds, during which newer versions replace what it would be asked to load); it gets no order
-        until `engine_started`."""
-        eid = max(self._by_id, default=-1) + 1
-        ones = self.capabilities.versions_at_once
-        self._by_id[eid] = EngineState(eid, slots, lookahead, loaded=set(), versions_at_once=ones)
-        if not started:
-            self.starting.add(eid)
-        self._see_engines()
-        self.mark("engine_joined", engine=eid, slots=slots)
-        return eid
-
-    def engine_started(self, engine: int) -> None:
-        """A joined engine is up (its process said so): from the next poll it loads and gets work.
-        One that left while starting stays gone."""
-        if engine in self.departed:
-            return
-        if engine not in self.starting:
-            raise InvariantError(f"engine {engine} was not starting")
-        self.starting.discard(engine)
-        self._see_engines()
-        self.mark("engine_started", engine=engine)
-
-    def remove_engine(self, engine: int, now: float) -> int:
-        """An engine leaves the job gracefully. It does not drain: its in-flight samples go back to
-        their groups' to-do lists at once, exactly as a lost engine's do (the tokens it generated for
-        them are not used), so a leave takes one message however long its samples are. It is never
-        given work again, and whatever it still reports (results, loads that crossed the leave) is
-        ignored. Returns how many samples were requeued."""
-        self.now = now
-        if engine in self.departed or engine not in self._by_id:
-            raise InvariantError(f"engine {engine} cannot leave: it is not in the job")
-        self.departed.add(engine)  # first: the requeue's own aborts (shaping's cuts) skip it
-        self.starting.discard(engine)
-        self.engines = tuple(e for e in self.engines if e.id != engine)
-        requeued = self._requeue(self._by_id[engine])
-        self._pending.pop(engine, None)  # requests booked for it this poll are requeued with the rest
-        self._out.commands = [c for c in self._out.commands if getattr(c, "engine", None) != engine]
-        self.mark("engine_left", engine=engine, requeued=requeued)
-        return requeued
-
-    def mirror_engines(self, other: Scheduler) -> None:
-        """A policy joining a running job (flow/multi.py's `PolicySet.add`), before its first poll: its
-        engine books take `other`'s ids (those that left too: ids are never reused), holding none of
-        its weights, so its first poll loads its start version everywhere (`_provision`)."""
-        if self.groups_opened or self.steps_issued:
-            raise InvariantError("mirror_engines: the policy has already started")
-        ones = self.capabilities.versions_at_once
-        self._by_id = {
-            i: EngineState(i, e.slots, e.lookahead, loaded=set(), versions_at_once=ones)
-            for i, e in other._by_id.items()
-        }
-        self.departed, self.starting = set(other.departed), set(other.starting)
-        self._see_engines()
-
-    def lend_engine(self, engine: int) -> None:
-        """(Several policies on engines that hold one weight version at a time: flow/multi.py) engine
-        `engine`, idle for this policy (nothing in flight, loading or pre-generating), serves another
-        policy for now: it leaves this policy's view and its books hold none of this policy's weights
-        (the other policy's will replace them) until `take_engine` gives it back."""
-        if not self.can_lend(engine):
-            raise InvariantError(f"engine {engine} cannot be lent: it has work of this policy")
-        self.lent.add(engine)
-        self.engine(engine).loaded.clear()
-        self._see_engines()
-
-    def can_lend(self, engine: int) -> bool:
-        """Engine `engine` has nothing of this policy's: none in flight, loading, pre-generating or booked."""
-        e = self.engine(engine)
-        return not (e.in_flight or e.loading or self.pregen_in_flight(engine) or self._pending.get(engine))
-
-    def take_engine(self, engine: int, loaded: set[int]) -> None:
-        """A lent engine serves this policy again, holding `loaded` of its versions (none: the next poll
-        loads what the policy needs, as for an engine that joined)."""
-        if engine not in self.lent:
-            raise InvariantError(f"engine {engine} was not lent")
-        self.lent.discard(engine)
-        self._by_id[engine].loaded = set(loaded)
-        self._see_engines()
-
-    def _see_engines(self) -> None:
-        hidden = self.departed | self.lent | self.starting
-        self.engines = tuple(e for e in self._by_id.values() if e.id not in hidden)
-
-    def engine(self, engine: int) -> EngineState:
-        """A live engine's books, by id (ids are never reused)."""
-        if engine in self.departed:
-            raise InvariantError(f"engine {engine} has left the job")
-        return self._by_id[engine]
-
-    def _requeue(self, eng: EngineState) -> int:
-        """Every request `eng` holds goes back to its group's to-do list (generated again from its
-        prompt); its pre-generation is dropped (drafts only). The ledger is unchanged: nothing was
-        produced. Returns how many samples were requeued."""
-        lost = list(eng.in_flight)
-        eng.in_flight.clear()  # first: a group the requeue completes aborts nothing on this engine
-        for rid in lost:
-            if is_external(rid):  # an agent's: generated again elsewhere
-                self._aborting.discard(rid)
-                self.external.requeue(rid)
-                continue
-            key = SampleKey.parse(rid)
-            self._aborting.discard(rid)
-            self._seeds.pop(rid, None)
-            self._episodes.pop((key.group, key.index), None)  # generated again from its prompt
-            self._requeue_sample(self._store.open[key.group], key)
-        eng.loading.clear()
-        for rid in [rid for rid, (e, _) in self._pregen.items() if e == eng.id]:  # drafts only: gone
-            del self._pregen[rid]
-            self._aborting.discard(rid)
-        return len(lost)
-
-    def _requeue_sample(self, g: GroupState, key: SampleKey) -> None:
-        """Sample `key` of `g` is no longer in flight and goes back to the to-do list (unless shaping
-        had given it up): dispatched again like a fresh sample."""
-        rid = str(key)
-        g.in_flight.discard(key)
-        g.dispatched -= 1
-        if rid in self._cut:  # shaping had given it up: not generated again
-            self._cut.discard(rid)
-            self._maybe_ready(g)
-        elif key.index not in g.todo:
-            g.todo.append(key.index)
-            g.todo.sort()
-
-    def pending_versions(self) -> set[int]:
-        """The versions open groups' pending samples are to be dispatched under (`Policy.version_for`)."""
-        out = set()
-        for g in self._store.open.values():
-            v = self.policy.version_for(self, g) if (g.todo or g.parked) and not g.deferred else None
-            if v is not None:
-                out.add(v)
-        return out
-
-    def restore_version(self, version: int) -> None:
-        """(Resume) an older version's weights are back, from a kept checkpoint: every engine starts
-        holding it, for the restored groups of that version."""
-        self.published.add(version)
-        for e in self.engines:
-            e.loaded.add(version)
-
-    def restart_groups(self, versions: set[int], version: int) -> int:
-        """(Resume) open groups of `versions` with samples to do, whose weights are gone: each starts
-        over under `version`, its finished samples discarded (reason "resumed"). Returns how many."""
-        n = 0
-        for gid, g in list(self._store.open.items()):
-            if g.version not in versions or not (g.todo or g.parked) or g.deferred:
-                continue
-            self.ledger.on_discarded("resumed", len(g.done))
-            self._store.open[gid] = GroupState(
-                g.id, g.prompt, version, g.size, g.opened, candidates=g.candidates,
-                early_stop=g.early_stop, own=g.own,
-            )  # fmt: skip
-            self.mark("group_restarted", group=gid, version=version, was=g.version, discarded=len(g.done))
-            n += 1
-        return n
-
-    def _provision(self) -> None:
-        """Weights for a changing engine set: an engine that holds nothing (it joined) loads the newest
-        version, and a version some group's pending samples need (`Policy.version_for`) that no live
-        engine holds or is loading (its holders left) is loaded on the engine with the most room."""
-        if not self.engines:
-            return
-        for e in self.engines:
-            if not e.loaded and not e.loading:
-                self.load(e.id, self.newest)
-        held = {v for e in self.engines for v in e.loaded | e.loading}
-        needed = {
-            self.policy.version_for(self, g)
-            for g in self._store.open.values()
-            if (g.todo or g.parked) and not g.deferred
-        }
-        for v in sorted(needed - held - {None}):
-            if v in self.published:
-                self.load(max(self.engines, key=lambda e: (e.free, -e.id)).id, v)
-
     # ------------------------------------------------------------------ the policies' view
     @property
     def open(self) -> Mapping[int, GroupState]:
@@ -840,89 +624,6 @@ class Scheduler(SchedulerState):
 
     def mark(self, kind: str, **data) -> None:
         self._out.marks.append(Mark(self.now, kind, data))
-
-    # ------------------------------------------------------------------ an external agent's
-    def submit_external(self, request: GenRequest) -> None:
-        """An external agent's request (id "x.<...>"; its version is set at dispatch: the newest an
-        engine holds). Its result comes back through `take_external`. Refused once the policy has
-        trained all its steps (in a run of several, the others may go on)."""
-        if self.done:
-            raise ExternalError(DONE)
-        self.external.submit(request)
-
-    def cancel_external(self, request_ids: Sequence[str]) -> None:
-        """The agent went away: its requests stop (waiting ones never go; running ones are aborted)."""
-        ids = set(request_ids)
-        self.external.todo = [r for r in self.external.todo if r.id not in ids]
-        for e in self.engines:
-            mine = sorted(ids & e.in_flight.keys())
-            self.external.cancelled.update(mine)
-            self.abort(e.id, mine, "cancelled")
-
-    def take_external(self) -> list[GenResult]:
-        """External requests finished since the last call."""
-        return self.external.take()
-
-    def submit_group(self, request_ids: Sequence[str], rewards: Sequence[float], correct=None) -> int:
-        """An external agent's group: `request_ids` name finished external results of one prompt,
-        `samples_per_prompt` of them, scored `rewards` (`correct`: whether each is right; default
-        reward > 0). It enters the store complete and journaled; returns its group id. Refused (an
-        `ExternalError` naming the fix) by a policy that makes its own groups."""
-        if not self.policy.external:
-            raise ExternalError(
-                f"this run's flow.mode={self.policy.name} makes its own groups; an agent's groups train "
-                "in a run with flow.mode=external"
-            )
-        if self.done:
-            raise ExternalError(DONE)
-        size = self.spec.samples_per_prompt
-        kept = self.external.claim(list(request_ids), list(rewards), size)
-        correct = [r > 0 for r in rewards] if correct is None else list(correct)
-        gid = self.groups_opened
-        self.groups_opened += 1
-        prompt = Prompt(-1 - gid, kept[0].prompt_ids, "")  # its own id: no prompt of the task's stream
-        version = min(k.version for k in kept)
-        g = GroupState(gid, prompt, version, size, self.now, dispatched=size, todo=[], external=True)
-        self._store.add_group(g)
-        self._log(Opened(gid, version, self.prompts_taken, False, prompt, external=True))
-        for i, (k, reward, ok) in enumerate(zip(kept, rewards, correct)):
-            t = Trajectory(
-                group=gid, sample_index=i, prompt_id=prompt.id, prompt_ids=prompt.token_ids,
-                result=replace(k.result, request_id=str(SampleKey(gid, i))), reward=float(reward),
-                correct=bool(ok), dispatch_version=k.version,
-            )  # fmt: skip
-            self._generated.append(t.length)
-            self.ledger.on_produced()
-            g.done.append(t)
-            self._log(Finished(t))
-        self.mark("external_group", group=gid, version=version)
-        self._maybe_ready(g)
-        return gid
-
-    def _dispatch_external(self) -> None:
-        """External requests go, each under the newest version an engine holds, to the engine holding
-        it with the most room (past its slots if need be: the engine queues them), as many as the
-        policy admits (`Policy.external_room`; None: all), a prompt's requests together (one call's
-        choices: they make one group, best all of one version)."""
-        todo = self.external.todo
-        if not todo:  # (every poll of every run: nothing to price)
-            return
-        room = self.policy.external_room(self)
-        n = len(todo) if room is None else room
-        while todo:
-            holding = [e for e in self.engines if e.loaded]
-            head = todo[0].prompt_ids
-            unit = next((k for k, r in enumerate(todo) if r.prompt_ids != head), len(todo))
-            if not holding or unit > n:
-                return
-            n -= unit
-            top = max(max(e.loaded) for e in holding)
-            for _ in range(unit):
-                e = max((e for e in holding if top in e.loaded), key=lambda e: (e.free, -e.id))
-                req = replace(todo.pop(0), version=top)
-                self.external.flight[req.id] = req
-                e.in_flight[req.id] = top
-                self._pending[e.id].append(req)
 
     # ------------------------------------------------------------------ internals
     def _next_prompt(self) -> tuple[Prompt, Plan]:
