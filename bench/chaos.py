@@ -75,8 +75,15 @@ def children(pid: int) -> dict[int, str]:
 
 
 def workers(pid: int) -> dict[str, int]:
-    """name -> pid of the driver's workers (they name themselves tr-trainer, tr-engine0, ...)."""
-    return {comm.removeprefix("tr-"): c for c, comm in children(pid).items() if comm.startswith("tr-")}
+    """name -> pid of the driver's workers (they name themselves tr-trainer, tr-engine0, ...), among
+    all its descendants: the workers are children of the fork server the driver starts, not its own."""
+    found, todo = {}, [pid]
+    while todo:
+        for c, comm in children(todo.pop()).items():
+            if comm.startswith("tr-"):
+                found[comm.removeprefix("tr-")] = c
+            todo.append(c)
+    return found
 
 
 def victims(pid: int, supervised: bool) -> dict[str, int]:
