@@ -61,6 +61,7 @@ from tailrace.engine import backends, chunks, prefill
 from tailrace.engine.adapters import Adapters
 from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
+from tailrace.engine.held import HeldWeights
 from tailrace.engine.kv_budget import GIB, size_pool
 from tailrace.engine.kv_cache import KVCache
 from tailrace.engine.paging import Paging
@@ -73,7 +74,6 @@ from tailrace.engine.spec.drafter import DraftEnv, Drafter, Trained
 from tailrace.engine.speculative import Draft, SpeculativeSteps, Verified
 from tailrace.engine.versions import Versions
 from tailrace.model.decoder import CausalLM
-from tailrace.model.lora import Adapter
 from tailrace.types import Capabilities, Finish, GenRequest, GenResult, SamplingParams, queue_by_priority
 
 _DTYPES = {
@@ -97,7 +97,7 @@ def capabilities(speculative: bool, max_versions: int | None = None) -> Capabili
     )
 
 
-class TailraceEngine(SpeculativeSteps):
+class TailraceEngine(SpeculativeSteps, HeldWeights):
     """tailrace's own engine, in PyTorch (CPU and CUDA). Named for its implementer, as an adapter to
     another engine is named for that engine (`VLLMEngine`); both implement `Engine`."""
 
@@ -313,31 +313,6 @@ class TailraceEngine(SpeculativeSteps):
         [(toks, lps)] = self.rows.outputs([row], [r0], [r0 + seq.num_new(self._decode_step)])
         return toks, lps
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Add weights as a new `version`, or overwrite an existing version in place (its in-flight
-        requests continue from the next step with the new weights on top of their cached k/v). A
-        one-version engine (`max_versions=1`) replaces the version it holds by a new one instead, only
-        while no request waits or runs."""
-        held = self.versions[0]
-        replace = self.capabilities.versions_at_once == 1 and version != held
-        if replace and self.num_running + self.num_waiting:
-            raise EngineError(
-                f"load_weights(version={version}): {self.num_running + self.num_waiting} request(s) of "
-                f"version {held} are waiting or running, and this engine holds one version at a time "
-                "(max_versions=1); let them finish or abort them first"
-            )
-        old = held if replace else version
-        self._forget_kept(version=old)  # in place: its kept k/v are the old weights'
-        with torch.inference_mode():
-            self._versions.load(state_dict, old)
-            if replace:
-                self._versions.relabel(held, version)
-                self._sorting.pop(held, None)
-                if self._spec:
-                    self._spec.drafter.drop(held)
-            if self._spec:
-                self._spec.drafter.load(version, self._versions[version].model)
-
     def add_history(self, prompt_ids: tuple[int, ...], token_ids: tuple[int, ...]) -> None:
         """A response to `prompt_ids` that a history drafter may draft from (an earlier epoch's, or one
         pre-generated in idle time); the engine adds the responses it finishes itself. Ignored without
@@ -357,46 +332,6 @@ class TailraceEngine(SpeculativeSteps):
     def spec_stats(self) -> SpecStats | None:
         """Speculative decoding's running books (None without speculation)."""
         return self._spec.stats if self._spec else None
-
-    @property
-    def adapters(self) -> tuple[str, ...]:
-        """The LoRA adapters loaded (by name)."""
-        return self._adapters.names
-
-    def load_adapter(self, name: str, adapter: Adapter) -> None:
-        """Add a LoRA adapter of this engine's base model under `name` (requests name it in
-        `GenRequest.adapter`), or replace the weights of the one loaded under it: its requests in
-        flight continue from the next step with the new weights, as `load_weights` over a version."""
-        self._forget_kept(adapter=name)
-        with torch.inference_mode():
-            self._adapters.load(name, adapter)
-
-    def drop_adapter(self, name: str) -> None:
-        if name not in self._adapters:
-            raise EngineError(f"drop_adapter({name!r}): not loaded; loaded: {list(self.adapters)}")
-        if self._per_adapter[name]:
-            raise EngineError(
-                f"drop_adapter({name!r}): {self._per_adapter[name]} request(s) of it are waiting or "
-                "running; abort them or let them finish first"
-            )
-        self._forget_kept(adapter=name)
-        with torch.inference_mode():  # the stacks are inference tensors: a dropped slot is zeroed in place
-            self._adapters.drop(name)
-
-    def drop_version(self, version: int) -> None:
-        if version not in self._versions:
-            raise EngineError(f"drop_version({version}): version not loaded; loaded: {self.versions}")
-        if self._per_version[version]:
-            raise EngineError(
-                f"drop_version({version}): {self._per_version[version]} request(s) of it are "
-                "waiting or running; abort them or let them finish first"
-            )
-        if len(self.versions) == 1:
-            raise EngineError(f"drop_version({version}): it is the only version; load another one first")
-        self._forget_kept(version=version)
-        self._versions.drop(version)
-        if self._spec:
-            self._spec.drafter.drop(version)
 
     def generate(
         self, requests: list[GenRequest], on_done: Callable[[int, int], None] | None = None
@@ -502,31 +437,6 @@ class TailraceEngine(SpeculativeSteps):
             self.rows.set(row, seq)
             self.cache.table.set(row, blocks)
             self._prefilling.append(seq)
-
-    def _kept_prefix(self, seq: Sequence) -> tuple[str | None, int]:
-        """Kept blocks `seq` may adopt (the longest whose tokens its own begin with) and how many of
-        its positions they hold; (None, 0): none. Entries the pool took back are pruned here."""
-        where = (seq.version, seq.req.adapter, seq.req.prompt_ids)
-        entries = self._kept.get(where)
-        if not entries:
-            return None, 0
-        entries[:] = [(k, t) for k, t in entries if self.paging.is_kept(k)]
-        if not entries:
-            del self._kept[where]
-            return None, 0
-        n = len(seq.ids)
-        hits = [(len(t) - 1, k) for k, t in entries if len(t) <= n and seq.ids[: len(t)] == t]
-        if not hits:
-            return None, 0
-        cached, key = max(hits)
-        entries[:] = [(k, t) for k, t in entries if k != key]
-        return key, cached
-
-    def _forget_kept(self, version: int | None = None, adapter: str | None = None) -> None:
-        """Kept blocks of `version` (or of `adapter`) no longer match their weights."""
-        for where in [w for w in self._kept if w[0] == version or w[1] == adapter]:
-            for key, _ in self._kept.pop(where):
-                self.paging.forget(key)
 
     def _preempt(self, seq: Sequence) -> None:
         """Take a running request's slot (its blocks are already free) and queue it first, as a request
