@@ -287,6 +287,11 @@ def build(scn: Scenario, out_dir: str | Path | None = None) -> SimCluster:
     for name, ps in named:
         f = ps.flow
         try:
+            if ps.store.filter:
+                raise ValueError(
+                    f"store.filter={ps.store.filter}: the simulator does not run a filter (its samples have "
+                    "no text); drop it, or simulate flow.zero_signal's drops alone"
+                )
             options = {k: v for k, v in dataclasses.asdict(f).items() if k != "mode"} | ps.policy_options
             policies.append(make_policy(f.mode, **options))
             if policies[-1].external:
@@ -455,7 +460,7 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
         cluster=cluster,
         flow=flow,
         shaping=cfg.shaping,
-        store=cfg.store,
+        store=dataclasses.replace(cfg.store, filter=None),  # (its lengths are the filtered run's own)
         lengths=lengths,
         seed=cfg.seed,
     )

@@ -70,6 +70,8 @@ def test_bad_scenarios_fail_with_one_line(tmp_path):
         ClusterSpec(engines=0)
     with pytest.raises(ConfigError, match="flow.mode=external .* the simulator has no agent"):
         build(load_scenario(None, ["--flow.mode=external"]))
+    with pytest.raises(ConfigError, match="store.filter=f.py:keep: the simulator does not run a filter"):
+        build(load_scenario(None, ["--store.filter=f.py:keep"]))
 
 
 def test_overrides_and_every_mode_on_a_gpu_scenario():
