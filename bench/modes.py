@@ -69,6 +69,9 @@ MODES = [
     # a LoRA adapter (rank 8, every projection) on the frozen base: --modes multiversion-K1,multiversion-K1+lora8
     ("sync", {"train.lora.rank": 8}),
     ("multiversion", {"flow.max_staleness": 1, "train.lora.rank": 8}),
+    # the store's entry filter (store.filter): --modes multiversion-K1,multiversion-K1+filter-informative
+    ("sync", {"store.filter": f"{ROOT}/examples/filters.py:informative"}),
+    ("multiversion", {"flow.max_staleness": 1, "store.filter": f"{ROOT}/examples/filters.py:informative"}),
 ]
 
 CONFIGS = {
@@ -100,8 +103,9 @@ CONFIGS = {
 
 def mode_label(mode: str, opts: dict) -> str:
     """e.g. multiversion-K2, sync+darts, multiversion-K1+darts@0.5, sync+replay0.25, sync+lora8,
-    multiversion-K1+darts+spec-history: the mode, its staleness bound, its shaping, a fixed darts
-    budget, the store's replay ratio, a LoRA rank and a drafter."""
+    multiversion-K1+darts+spec-history, multiversion-K1+filter-informative: the mode, its staleness
+    bound, its shaping, a fixed darts budget, the store's replay ratio, a LoRA rank, a drafter and a
+    store filter."""
     return (
         mode
         + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
@@ -110,6 +114,7 @@ def mode_label(mode: str, opts: dict) -> str:
         + "".join(f"+replay{v}" for k, v in opts.items() if k == "store.replay")
         + "".join(f"+lora{v}" for k, v in opts.items() if k == "train.lora.rank")
         + "".join(f"+spec-{v}" for k, v in opts.items() if k == "rollout.spec.drafter")
+        + "".join(f"+filter-{v.rpartition(':')[2]}" for k, v in opts.items() if k == "store.filter")
     )
 
 

@@ -122,3 +122,14 @@ def test_a_filter_keeps_its_allowance_with_zero_signal_train():
     p = make_policy("sync", "train", None, keep=lambda p, s: True)
     assert p.extra_groups is None and p.entry.active
     assert make_policy("sync", "train", None).extra_groups == 0
+
+
+def test_the_example_filters_keep_what_they_say():
+    from pathlib import Path
+    from types import SimpleNamespace as S
+
+    here = Path(__file__).resolve().parents[2] / "examples" / "filters.py"
+    informative, no_truncated = load_keep(f"{here}:informative"), load_keep(f"{here}:no_truncated")
+    group = lambda right, cut=0: [S(correct=i < right, truncated=i < cut) for i in range(8)]  # noqa: E731
+    assert [informative(None, group(k)) for k in range(9)] == [False] * 2 + [True] * 5 + [False] * 2
+    assert no_truncated(None, group(3)) and not no_truncated(None, group(3, cut=1))
