@@ -77,6 +77,7 @@ class PolicySet:
         self.names = tuple(names)
         self.turns = turns
         self._scheds = tuple(schedulers)
+        self._polled: list[Outbox] = []  # the last poll's outboxes so far (see `salvage`)
         self._index = {n: p for p, n in enumerate(self.names)}
         ones = {s.capabilities.versions_at_once == 1 for s in schedulers}
         self.one_version = len(names) > 1 and ones == {True}  # engines dealt out: one owner each
@@ -212,10 +213,16 @@ class PolicySet:
     def done(self) -> bool:
         return all(s.done for s in self._scheds)
 
+    def salvage(self) -> list[Outbox]:
+        """After a poll that raised bad input: each policy's booked journal entries and marks (see
+        `Scheduler.salvage`), those polled before the error included; no commands."""
+        done = [replace(o, commands=[]) for o in self._polled]
+        return done + [s.salvage() for s in self._scheds[len(done) :]]
+
     def poll(self, now: float) -> list[Outbox]:
         """Every policy's poll, its engine commands in the engines' space (one outbox per policy, in
         order: the driver keeps each policy's journal and marks apart)."""
-        outs = []
+        outs = self._polled = []  # (what `salvage` hands back if a policy's poll raises)
         for p, s in enumerate(self._scheds):
             out = s.poll(now)
             if self.translates:  # a set of one translates nothing

@@ -184,6 +184,14 @@ class Scheduler(SchedulerState, EngineBook, ExternalRequests):
         out, self._out = self._out, Outbox()
         return out
 
+    def salvage(self) -> Outbox:
+        """After a poll that raised bad input (a user's store filter): what it had booked, its journal
+        entries and marks (facts, each of them: trajectories finished, groups opened or dropped), for
+        the run directory to keep; its commands are never sent (a group opened without them is
+        dispatched again on resume)."""
+        out, self._out = self._out, Outbox()
+        return replace(out, commands=[])
+
     def in_store(self) -> int:
         """Trajectories in the store (open, ready or in training), recounted from the data."""
         return self._store.in_store()

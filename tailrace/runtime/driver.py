@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tailrace.common import ConfigError
+from tailrace.common import ConfigError, InputError
 from tailrace.config import RunConfig, dump_config
 from tailrace.config.load import policy_configs
 from tailrace.engine.spec import SpecOptions
@@ -387,12 +387,12 @@ class Driver(Membership, Reports):
         while not self.sched.done:
             if agent is not None:  # what the agent sent (requests, groups) goes to the scheduler
                 self.endpoint.loop.intake(agent)
-            self._handle(self.sched.poll(self._now()))
+            self._handle(self._poll())
             self._pump(timeout=1.0 if agent is None else 0.02)
             if agent is not None:
                 self.endpoint.loop.answer(agent)
             self._arrivals()
-        self._handle(self.sched.poll(self._now()), sync=True)
+        self._handle(self._poll(), sync=True)
         finals = [None] * len(self.pols)  # (policies that joined included)
         for k, p in enumerate(self.pols):
             finals[k] = self._recorded_eval(p, "final")  # a policy of several that finished before a resume
@@ -519,6 +519,16 @@ class Driver(Membership, Reports):
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
+
+    def _poll(self) -> list[Outbox]:
+        """Every policy's poll. One that raises bad input (a user's store filter) keeps what the poll
+        had booked, the trajectories it finished included, in the run directory before it goes up."""
+        try:
+            return self.sched.poll(self._now())
+        except InputError:
+            for pol, out in zip(self.pols, self.sched.salvage()):
+                self._record(pol, out, sync=True)
+            raise
 
     def _handle(self, outs: list[Outbox], sync: bool = False) -> None:
         """Append each policy's poll records (the journal first: it is the write-ahead log), then

@@ -148,7 +148,7 @@ class Reports:
 
     def _checkpoint(self, pol: PolicyRun, rep: TrainerReport, published: int | None) -> CheckpointRecord:
         """Make the trainer's half-written checkpoint whole: everything it counts is on disk first."""
-        self._handle(self.sched.poll(self._now()), sync=True)
+        self._handle(self._poll(), sync=True)
         pol.metrics.sync()
         saved = checkpoint.finalize(Path(rep.saved), pol.sched.state_dict(), dump_config(pol.cfg))
         checkpoint.prune(pol.run.ckpt, self.cfg.flow.keep_checkpoints)

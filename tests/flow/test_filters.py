@@ -133,3 +133,28 @@ def test_the_example_filters_keep_what_they_say():
     group = lambda right, cut=0: [S(correct=i < right, truncated=i < cut) for i in range(8)]  # noqa: E731
     assert [informative(None, group(k)) for k in range(9)] == [False] * 2 + [True] * 5 + [False] * 2
     assert no_truncated(None, group(3)) and not no_truncated(None, group(3, cut=1))
+
+
+def test_a_poll_the_filter_broke_hands_back_what_it_had_booked():
+    """The run directory keeps every trajectory finished before the error: the broken poll's journal
+    entries come back from `salvage` (no commands), and with the earlier polls' they hold them all."""
+    from tailrace.flow.scheduler import FlowSpec, Scheduler
+    from tailrace.records import Finished
+    from tests.flow.scripted import ScriptedCluster, prompts
+
+    def keep(prompt, samples):
+        if samples[0].group == 3:
+            raise ValueError("no")
+        return True
+
+    s = Scheduler(make_policy("sync", "train", 1, keep=keep, keep_name="mine"), prompts(), [(4, 2)],
+                  FlowSpec(4, 2, 2, 2))  # fmt: skip
+    c = ScriptedCluster(s, lambda g, i: 3 + g, slots=4, train_ticks=3, reward=informative)
+    with pytest.raises(InputError, match="store.filter=mine raised ValueError"):
+        c.run(max_ticks=1_000)
+    out = s.salvage()
+    assert not out.commands
+    salvaged = [e for e in out.journal if isinstance(e, Finished)]
+    assert salvaged  # the last group's samples finished in the poll that broke
+    finished = [e for e in c.journal if isinstance(e, Finished)] + salvaged
+    assert len(finished) == s.ledger.produced == 8
