@@ -209,20 +209,18 @@ class Driver(Membership, Reports):
         group on engines that hold one version at a time."""
         sched = pol.sched
         need = sched.pending_versions() - {version}
+        model = 0 if self.sched.version(pol.index, 0) == 0 else None  # the engines' own model: kept
         if sched.capabilities.versions_at_once == 1:  # the engines hold the resumed version only
-            disk, missing, why = {}, sorted(need), "the engines hold one version at a time"
+            disk, missing, why, model = {}, sorted(need), "the engines hold one version at a time", None
         else:
-            disk, missing = weights_on_disk(sorted(need), lambda v: False, pol.saved_versions)
+            disk, missing = weights_on_disk(sorted(need), lambda v: False, pol.saved_versions, model)
             why = "in no kept checkpoint"
-            if 0 in need and self.sched.version(pol.index, 0) != 0:  # not the engines' own model
-                missing.append(0)
         if missing:
             n = sched.restart_groups(set(missing), version)
             if self.ui is not None:
                 self.ui.note(f"resumed: the weights of version(s) {missing}: {why}; "
                              f"{n} group(s) of them start over under version {version}")  # fmt: skip
-        # version 0 of the first policy is the model the engines load: they keep it as well
-        for v in [*disk, *([0] if 0 in need and 0 not in missing else [])]:
+        for v in [*disk, *({model} & need)]:
             sched.restore_version(v)
         return {self.sched.version(pol.index, v): p / "model" for v, p in disk.items()}
 

@@ -110,10 +110,11 @@ def saved_versions(root: Path) -> dict[int, Path]:
 
 
 def weights_on_disk(
-    versions: list[int], in_ring: Callable[[int], bool], saved: dict[int, Path]
+    versions: list[int], in_ring: Callable[[int], bool], saved: dict[int, Path], model: int | None = 0
 ) -> tuple[dict[int, Path], list[int]]:
     """Of `versions`, those the ring no longer holds: {version: the checkpoint holding its weights},
-    and those no kept checkpoint holds either. Version 0 needs neither: it is the model itself."""
-    gone = [v for v in versions if v != 0 and not in_ring(v)]
+    and those no kept checkpoint holds either. `model`, the version that is the engines' own model
+    (0, the first policy's start; None: none of these), needs neither."""
+    gone = [v for v in versions if v != model and not in_ring(v)]
     disk = {v: saved[v] for v in gone if v in saved and saved[v].is_dir()}  # is_dir: not pruned since
     return disk, [v for v in gone if v not in disk]

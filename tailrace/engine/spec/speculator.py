@@ -69,6 +69,7 @@ class Speculator:
         alpha0 = getattr(drafter, "alpha_prior", None) or ALPHA0
         self._acc, self._cmp = alpha0 * PRIOR, PRIOR  # the drafter's decayed record
         self._round = [0, 0, 0]  # steps with verifies, accepted, compared in this round
+        self._budget = getattr(drafter, "budget", None)  # optional (see `budget`): looked up once
 
     @property
     def alpha(self) -> float:
@@ -93,8 +94,7 @@ class Speculator:
 
     def budget(self, prompt: tuple[int, ...], k: int) -> int:
         """`k` cut to what the drafter says it can give a request of `prompt` (its optional `budget`)."""
-        limit = getattr(self.drafter, "budget", None)
-        return limit(prompt, k) if limit is not None and k > 0 else k
+        return self._budget(prompt, k) if self._budget is not None and k > 0 else k
 
     @staticmethod
     def record(accepted: float, compared: float, a: int, c: int) -> tuple[float, float]:
