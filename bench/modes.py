@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,10 @@ MODES = [
     # the store's entry filter (store.filter): --modes multiversion-K1,multiversion-K1+filter-informative
     ("sync", {"store.filter": f"{ROOT}/examples/filters.py:informative"}),
     ("multiversion", {"flow.max_staleness": 1, "store.filter": f"{ROOT}/examples/filters.py:informative"}),
+    # a trainer of one's own (train.external): examples/external_trainer.py, transformers' model, pulls
+    # each step's batch: --modes multiversion-K1,multiversion-K1+external
+    ("sync", {"train.external": True}),
+    ("multiversion", {"flow.max_staleness": 1, "train.external": True}),
 ]
 
 CONFIGS = {
@@ -115,6 +120,7 @@ def mode_label(mode: str, opts: dict) -> str:
         + "".join(f"+lora{v}" for k, v in opts.items() if k == "train.lora.rank")
         + "".join(f"+spec-{v}" for k, v in opts.items() if k == "rollout.spec.drafter")
         + "".join(f"+filter-{v.rpartition(':')[2]}" for k, v in opts.items() if k == "store.filter")
+        + "".join("+external" for k, v in opts.items() if k == "train.external" and v)
     )
 
 
@@ -152,6 +158,9 @@ def run_one(
     rd.file("config.yaml").write_text(dump_config(cfg))  # as tailrace train: `tailrace sim --like` reads it
     ses = Session(cfg)
     drv = Driver(cfg, rd, ses)
+    own = None  # train.external: the example trainer, which joins the run once it listens
+    if cfg.train.external:
+        own = subprocess.Popen([sys.executable, str(ROOT / "examples" / "external_trainer.py"), str(rd.path)])
     try:
         t0 = time.perf_counter()
         drv.train()
@@ -159,6 +168,8 @@ def run_one(
     finally:
         drv.close()
         ses.close()
+        if own is not None and own.wait(timeout=120) != 0:
+            raise RuntimeError(f"{label}: the external trainer exited with {own.returncode}")
     return row_of(rd.path, config, mode, label, seed, eval_n, wall)
 
 

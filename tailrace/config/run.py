@@ -416,5 +416,23 @@ class RunConfig:
             "with replay)",
         )
 
+        if self.train.external:
+            clash = [
+                (self.train.lora.rank > 0, f"train.lora.rank={self.train.lora.rank}", "--train.lora.rank=0"),
+                (
+                    self.train.world_size > 1,
+                    f"train.world_size={self.train.world_size}",
+                    "--train.world_size=1",
+                ),
+                (bool(self.policies), "a policies list", "one policy"),
+                (self.runtime.kind != "local", f"runtime.kind={self.runtime.kind}", "--runtime.kind=local"),
+            ]
+            for bad, what, fix in clash:
+                need(
+                    not bad,
+                    f"train.external with {what}: your own trainer trains the whole model of one policy, "
+                    f"from this machine ({fix}; your trainer's parallelism is its own)",
+                )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

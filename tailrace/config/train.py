@@ -164,6 +164,11 @@ class TrainerConfig:
         None, "mask tokens more than this many versions behind the trainer (null = off)"
     )
     pad_id: int = setting(0, "token id padding micro-batch rows (masked out of the loss)")
+    external: bool = setting(
+        False,
+        "train with a trainer of your own: it joins the run and pulls each step's batch "
+        '(tailrace.client.TrainerClient; README: "Your own trainer"); the settings above then are yours to use',
+    )
     world_size: int = setting(
         1,
         "data-parallel trainer processes (gloo on CPU, NCCL on GPU): each takes a token-balanced share of "

@@ -110,6 +110,32 @@ def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path, merged: bo
     _fsync(out / OPTIMIZER)
 
 
+def save_external(model, source_model: Path, out: Path, steps: int, state: dict[str, torch.Tensor]) -> None:
+    """An external trainer's part (train.external, written by the run's relay): model/ (the weights it
+    published), its own `state` tensors in place of the optimizer's, and the step count."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    save_pretrained(model, out / "model", companions_from=source_model)
+    _write(out / TRAINER, json.dumps({"step": steps}) + "\n")
+    save_file({k: t.detach().to("cpu").contiguous() for k, t in state.items()}, str(out / OPTIMIZER),
+              metadata={"format": str(FORMAT), "external": "1"})  # fmt: skip
+    shutil.copymode(out / TRAINER, out / OPTIMIZER)
+    _fsync(out / OPTIMIZER)
+
+
+def read_external_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The state an external trainer saved in `ckpt` (`save_external`)."""
+    try:
+        with safe_open(str(ckpt / OPTIMIZER), framework="pt") as fh:
+            return {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as e:
+        raise CheckpointError(
+            f"{ckpt} does not load ({one_line(e)}); it is damaged: move it away to resume from the "
+            "checkpoint before it"
+        ) from None
+
+
 def load_trainer(trainer: GRPOTrainer, ckpt: Path) -> None:
     """The optimizer state, step count and RNG of `ckpt` into a trainer built on `ckpt`/model."""
     f = ckpt / OPTIMIZER

@@ -63,7 +63,7 @@ from tailrace.runtime.shared_base import share as share_base
 from tailrace.runtime.snapshots import Snapshot, Snapshots
 from tailrace.runtime.supervisor import DriverLost
 from tailrace.runtime.tools import ToolPool
-from tailrace.runtime.trainer_worker import TrainerSpec, trainer_main
+from tailrace.runtime.trainer_worker import TrainerSpec, trainer_target
 from tailrace.runtime.workers import Worker, Workers
 from tailrace.types import (
     GenRequest,
@@ -284,8 +284,9 @@ class Driver(Membership, Reports):
             device=self.device, trainers=trainers,
             # the shared base holds its adapted projections in the dtype the trainers compute in
             base=self._base if pol.train_cfg.bf16 == self._base_bf16 else None,
+            relay=str(pol.run.path) if pol.train_cfg.external else None,
         )  # fmt: skip
-        pol.trainer = self.workers.start(pol.worker_name, trainer_main, pol.tspec, self.weights)
+        pol.trainer = self.workers.start(pol.worker_name, trainer_target(pol.tspec), pol.tspec, self.weights)
 
     def _shared_base(self, shared: bool, device: str) -> SharedBase | None:
         """Several LoRA policies' trainers on this machine's CPU: one copy of their frozen base

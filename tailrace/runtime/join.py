@@ -122,8 +122,8 @@ class Desk:
         self.listener = Listener((host, 0), authkey=key)
         host, port = self.listener.address
         where = {"host": host, "port": port, "pid": os.getpid(), "runtime": "local", **(about or {})}
-        _private(run_path / "join.key", key)
-        _private(run_path / "join.json", json.dumps(where).encode())
+        write_private(run_path / "join.key", key)
+        write_private(run_path / "join.json", json.dumps(where).encode())
         self.waitable, self._wake = Pipe(duplex=False)  # readable when something arrived
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()
         self._parts: dict[int, dict[str, Connection]] = {}
@@ -345,7 +345,7 @@ def serve(conns: dict[str, Connection], welcome: Welcome) -> None:
     engine_main(conns["messages"], Beats(conns["beats"]), welcome.engine, welcome.spec, weights)
 
 
-def _private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     """Write a file only its owner can read (created 0600, never readable by others first)."""
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -29,7 +29,7 @@ from tailrace.runtime.recovery import weights_on_disk
 from tailrace.runtime.run_modes import run_capabilities, with_mode
 from tailrace.runtime.session import Session
 from tailrace.runtime.tools import ToolPool
-from tailrace.runtime.trainer_worker import trainer_main
+from tailrace.runtime.trainer_worker import trainer_target
 from tailrace.runtime.workers import Worker
 
 
@@ -46,7 +46,7 @@ class Membership:
         if pol is not None:
             start = str(pol.restart_from) if pol.restart_from else None  # None: the run's start
             spec = replace(pol.tspec, resume_from=start, publish_start=False)
-            pol.trainer = self.workers.replace(w, trainer_main, spec, self.weights)
+            pol.trainer = self.workers.replace(w, trainer_target(spec), spec, self.weights)
             self.recovery.begin(lost, now, replayed=pol.orders.restart(pol.sched.steps_done))
             # its orders waiting for the shared cores go to the replacement with the rest, once: drawn
             # from the queue too, they would be trained twice

@@ -44,6 +44,16 @@ class TrainerSpec:
     publish_start: bool = True  # write the start weights to the ring (a replacement does not)
     trainers: int = 1  # trainers sharing this machine's memory (several policies' on the local runtime)
     base: SharedBase | None = None  # a LoRA run's frozen base, one copy in shared memory for every trainer
+    relay: str | None = None  # train.external: the run directory your trainer finds the relay by
+
+
+def trainer_target(spec: TrainerSpec):
+    """The trainer process's body: the built-in trainer, or the relay to your own (train.external)."""
+    if spec.relay is None:
+        return trainer_main
+    from tailrace.runtime.relay import relay_main
+
+    return relay_main
 
 
 def build_trainer(spec: TrainerSpec) -> GRPOTrainer:

@@ -1,0 +1,234 @@
+"""Your own trainer on a tailrace run: it pulls each step's batch from the run's store and publishes
+the weights the engines generate with next. Start the run with `--train.external=true`, then:
+
+    client = TrainerClient(run_dir)                  # waits for the run, then joins it
+    model = AutoModelForCausalLM.from_pretrained(client.start, dtype=torch.float32)
+    for batch in client.batches():                   # blocks until the scheduler hands out a step
+        tb = batch.tensors()                         # input_ids, targets, mask, adv, behav_logp (B, T)
+        ...                                          # your loss, backward, optimizer step
+        batch.done(model.state_dict(), {"loss": loss.item()})
+
+The run owns the rollout, the store and what a step trains on (the overlap mode, staleness bound,
+filters); your trainer owns the update. `batch.publish`: the engines load your weights as the next
+version (pass them whenever it is set); `batch.save`: the run takes a checkpoint after this step, and
+`done(state=...)` puts your own tensors in it (an optimizer's: `optimizer_state`); a trainer that
+starts later finds them in `client.state`. `batch.replay`: a step the trainer before you did since
+that checkpoint (it left); train on it as usual, nothing is published. The relay's side is
+runtime/relay.py; examples/external_trainer.py is a whole trainer on transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+
+import torch
+
+from tailrace.common import InputError, one_line
+from tailrace.runtime.relay import ADDRESS, KEY, End, Handshake, Refused, Stepped, Work, receive, send
+from tailrace.trainer.advantages import ADVANTAGES
+from tailrace.trainer.batch import TrainBatch
+from tailrace.trainer.losses import LOSSES
+from tailrace.types import Group, Trajectory
+
+
+class TrainerClientError(InputError):
+    """What your trainer did that the run cannot take; the message names it and the fix."""
+
+
+class Batch:
+    """One step's groups, as the scheduler chose them. Answer each with `done` before the next."""
+
+    def __init__(self, work: Work, client: TrainerClient) -> None:
+        self.step, self.groups = work.step, work.groups
+        self.trainer_version = work.trainer_version  # your weights' version before this step
+        self.publish, self.save, self.replay = work.publish, work.save, work.replay
+        self._client, self._t0, self.answered = client, time.perf_counter(), False
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]
+
+    def tensors(self, loss: str = "grpo", advantage: str | None = None) -> TrainBatch:
+        """The step as padded (B, T) tensors, as the built-in trainer builds them: `targets[b, t]` is the
+        token at t + 1, `mask` 1 on response tokens (tool observations excluded), `behav_logp` the
+        engine's logprob of each target (of logits / temperature), `adv` each row's advantage from
+        `advantage` (default: `loss`'s own estimator), `scale` the aggregation `loss` uses."""
+        fn = LOSSES[loss]
+        return TrainBatch.from_groups(
+            self.groups,
+            trainer_version=self.trainer_version,
+            token_scale=fn.token_scale,
+            advantage=ADVANTAGES[advantage or fn.advantage],
+            max_new_tokens=self._client.train["loss"]["max_new_tokens"],
+            pad_id=self._client.pad_id,
+        )
+
+    def done(
+        self,
+        weights: Mapping[str, torch.Tensor] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        state: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """The step is trained: `weights` (your model's state_dict, by the run's model's names, which
+        transformers' Llama and Qwen2 use) are required when `publish`; `metrics` go into the step's
+        record (numbers); `state` (or a function returning it) is saved when `save`."""
+        if self.answered:
+            raise TrainerClientError(f"step {self.step} was answered already: call done() once per batch")
+        c = self._client
+        flat = None
+        if self.publish:
+            if weights is None:
+                raise TrainerClientError(
+                    f"step {self.step} publishes version {self.trainer_version + 1}: pass your weights, "
+                    "batch.done(model.state_dict(), ...)"
+                )
+            flat = c.flatten(weights)
+        figures = {
+            "tokens": sum(t.length for t in self.trajectories),
+            "time_s": time.perf_counter() - self._t0,
+        }
+        figures.update({k: float(v) for k, v in (metrics or {}).items()})
+        saved = None
+        if self.save and state is not None:
+            saved = {
+                k: t.detach().cpu().contiguous() for k, t in (state() if callable(state) else state).items()
+            }
+        t0 = time.perf_counter()
+        c.answer(Stepped(self.step, figures, flat, saved))
+        c.sent_s = time.perf_counter() - t0
+        self.answered = True
+
+
+class TrainerClient:
+    """Your trainer's connection to the run in `run_dir` (started with --train.external=true). It waits
+    up to `wait_s` for the run to listen; one trainer at a time."""
+
+    def __init__(self, run_dir: str | Path, wait_s: float = 600.0) -> None:
+        self.run_dir = run_dir = Path(run_dir)
+        self.conn: Connection = _dial(run_dir, time.monotonic() + wait_s)
+        hello = self._recv()
+        if not isinstance(hello, Handshake):
+            raise TrainerClientError(
+                f"{run_dir}: the run sent {type(hello).__name__} instead of its handshake"
+            )
+        self.start = hello.start  # a HF checkpoint directory: load your model from it
+        self.state = hello.state  # your tensors from the checkpoint it belongs to ({} at a fresh start)
+        self.steps_done = hello.steps_done
+        self.temperature, self.pad_id, self.train = hello.temperature, hello.pad_id, hello.train
+        self.layout, self.numel = hello.layout, hello.numel
+        self.dtype = getattr(torch, hello.dtype)
+        self.cores, self.threads = hello.cores, hello.threads
+        self.sent_s = 0.0  # how long the last answer took to send (its weights, mostly)
+        self._open: Batch | None = None
+
+    def pin(self) -> None:
+        """Run this process on the run's trainer cores, with the built-in trainer's torch threads: the
+        engines keep off them (on a small machine, a trainer on the engines' cores slows both)."""
+        if self.cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(self.cores))
+        torch.set_num_threads(self.threads)
+
+    def batches(self) -> Iterator[Batch]:
+        """Each step's batch, as the run hands them out, until it trained its last step."""
+        while True:
+            if self._open is not None and not self._open.answered:
+                raise TrainerClientError(f"step {self._open.step} is not answered: call batch.done() first")
+            msg = self._recv()
+            if isinstance(msg, End):
+                return
+            self._open = Batch(msg, self)
+            yield self._open
+
+    def flatten(self, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """`weights` laid out as the engines hold them: one 1-D buffer (tied names share a slice)."""
+        missing = [n for n, _, _ in self.layout if n not in weights]
+        if missing:
+            raise TrainerClientError(
+                f"the weights lack {missing[0]!r} ({len(missing)} of {len(self.layout)} names): pass the "
+                f"state_dict of a model loaded from {self.start} (transformers' names are the run's)"
+            )
+        buf = torch.empty(self.numel, dtype=self.dtype)
+        for name, shape, offset in self.layout:
+            t = weights[name]
+            if tuple(t.shape) != shape:
+                raise TrainerClientError(
+                    f"weights[{name!r}] has shape {tuple(t.shape)}, the run's model {shape}: the model "
+                    f"is not the one in {self.start}"
+                )
+            buf[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+        return buf
+
+    def answer(self, msg: Stepped) -> None:
+        try:
+            send(self.conn, msg)
+        except OSError as e:
+            raise TrainerClientError(
+                f"{self.run_dir}: the run went away ({e}); its records say why"
+            ) from None
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> TrainerClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _recv(self):
+        try:
+            msg = receive(self.conn)
+        except (EOFError, OSError):
+            raise TrainerClientError(
+                f"the run in {self.run_dir} went away "
+                "(it stopped; RUN_DIR/errors.log and the console say why): start your trainer again once "
+                "the run resumes (tailrace train --resume)"
+            ) from None
+        if isinstance(msg, Refused):
+            raise TrainerClientError(f"the run refused your trainer: {msg.line}")
+        return msg
+
+
+def _dial(run_dir: Path, deadline: float) -> Connection:
+    """The run's relay, once it listens: a run still starting, or one whose files an earlier process
+    left (a killed run being resumed), is tried again until `deadline`."""
+    while True:
+        try:
+            where = json.loads((run_dir / ADDRESS).read_text())
+            return Client((where["host"], int(where["port"])), authkey=(run_dir / KEY).read_bytes())
+        except (OSError, ValueError, KeyError, AuthenticationError) as e:
+            if time.monotonic() > deadline:
+                raise TrainerClientError(
+                    f"{run_dir}: no run waits for a trainer there ({one_line(e)}); start one with tailrace "
+                    "train --train.external=true (or --resume it), or pass its run directory"
+                ) from None
+        time.sleep(0.2)
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """`opt`'s per-parameter state as flat tensors (`state.<index>.<name>`), for `Batch.done(state=)`;
+    its hyperparameters are your config's, not saved."""
+    return {
+        f"state.{i}.{k}": v if isinstance(v, torch.Tensor) else torch.tensor(v)
+        for i, s in opt.state_dict()["state"].items()
+        for k, v in s.items()
+    }
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]) -> None:
+    """The state `optimizer_state` saved, back into `opt` (built over the same parameters)."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if key.startswith("state."):
+            _, i, name = key.split(".", 2)
+            state.setdefault(int(i), {})[name] = t
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+__all__ = ["Batch", "Group", "TrainerClient", "TrainerClientError", "load_optimizer_state", "optimizer_state"]

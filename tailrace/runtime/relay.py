@@ -1,0 +1,313 @@
+"""A trainer of your own (`train.external`): the run's trainer process is a relay, and your trainer
+pulls each step's batch from it (`tailrace.client.TrainerClient`, in a process you start).
+
+The driver and the scheduler do not know the difference: the relay takes `TrainOrder`s and answers
+`TrainerReport`s as the built-in trainer does, writes published weights into the engines' ring, and
+writes the trainer's part of each checkpoint. What it relays:
+
+    relay --Handshake--> your trainer     where to start: a HF checkpoint directory, your own state
+                                          as you saved it there, the layout the weights must fill
+    relay --Work-------> your trainer     a step's groups (the scheduler chose them from its store)
+    relay <--Stepped---- your trainer     its metrics, the new weights when the step publishes, your
+                                          state when the step is checkpointed
+
+It listens on loopback, authenticated by a key made for the run: RUN_DIR/trainer.json (address) and
+RUN_DIR/trainer.key, both mode 0600, so only the run's owner can train it. One trainer at a time.
+
+Your trainer may come and go: until one is connected the engines keep generating up to the run's
+staleness bound and the step waits. One that leaves (its process ended, its connection broke, or it
+sent what the relay refuses) is waited for again; the next one starts from the newest checkpoint the
+relay saved and first redoes the steps since (`Batch.replay`: train them, publish nothing), so its
+weights and state are the ones the lost one had. Nothing the run produced is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+
+import torch
+
+from tailrace.common import InputError, one_line
+from tailrace.model.checkpoint import load_pretrained
+from tailrace.model.flat import flatten_parameters
+from tailrace.runtime.checkpoint import read_external_state, save_external
+from tailrace.runtime.join import LOOPBACK, write_private
+from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
+from tailrace.runtime.procs import pin
+from tailrace.runtime.weights import SharedWeights
+from tailrace.runtime.workers import serving
+from tailrace.types import Group
+
+ADDRESS, KEY = "trainer.json", "trainer.key"
+SAVED_S = 30.0  # how long a new trainer waits for the driver to make the last saved checkpoint whole
+
+
+# -- what the relay and your trainer say to each other ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """To a trainer that connected: where its model and state start, and what the weights must fill."""
+
+    start: str  # a HF checkpoint directory: the weights the engines hold of `steps_done`
+    state: dict[str, torch.Tensor]  # your trainer's state as you saved it there ({}: a fresh start)
+    steps_done: int  # optimizer steps in `start`
+    layout: tuple[tuple[str, tuple[int, ...], int], ...]  # every name the weights need: shape, offset
+    numel: int  # values in the published weights (tied names share their offset)
+    dtype: str  # the engines' weights dtype ("float32")
+    temperature: float  # the rollout's: the recorded logprobs are of logits / temperature
+    pad_id: int
+    train: dict  # the run's train section (lr, betas, grad_clip, loss, ...), to use as you see fit
+    cores: tuple[int, ...]  # the run's trainer cores (this machine's): yours, as the engines keep off them
+    threads: int  # torch threads the built-in trainer would run there
+
+
+@dataclass(frozen=True)
+class Work:
+    """One optimizer step: train on `groups`; publish the weights when `publish` (the engines load them
+    as the next version), send your state when `save` (it goes into the run's checkpoint)."""
+
+    step: int
+    groups: tuple[Group, ...]
+    trainer_version: int  # the version your weights are at before this step
+    publish: bool
+    save: bool
+    replay: bool  # a step the lost trainer did since the last checkpoint: train it, publish nothing
+
+
+@dataclass(frozen=True)
+class Stepped:
+    step: int
+    metrics: dict[str, float]
+    weights: torch.Tensor | None  # 1-D, the layout's tensors one after another, in `Handshake.dtype`
+    state: dict[str, torch.Tensor] | None  # with `save`
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The relay refuses what your trainer sent (the line names it and the fix); it waits for another."""
+
+    line: str
+
+
+@dataclass(frozen=True)
+class End:
+    """The run trained its last step (or stopped): no more batches."""
+
+
+def send(conn: Connection, msg: object) -> None:
+    """By the standard pickler: a `Connection`'s own would hand torch tensors over as shared memory,
+    which only a process of the same family may open."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Connection) -> object:
+    return pickle.loads(conn.recv_bytes())
+
+
+# -- the relay (the run's trainer process) ----------------------------------------------------------
+
+
+class Relay:
+    def __init__(self, run_dir: Path, ckpt: Path | None, model_path: str, weights: SharedWeights,
+                 hello: dict) -> None:  # fmt: skip
+        """`ckpt`: the checkpoint the run resumed from (None: it starts from `model_path`)."""
+        start = ckpt / "model" if ckpt is not None else Path(model_path)
+        steps_done = _steps_of(ckpt) if ckpt is not None else 0
+        self.run_dir, self.model_path, self.weights, self.hello = run_dir, model_path, weights, hello
+        # the published weights as a model, for the checkpoint's model/: its parameters view `flat`
+        self.model = load_pretrained(start, dtype=weights.buf.dtype)
+        self.flat = flatten_parameters(self.model)
+        if tuple(n for n, _, _ in self.flat.layout) != tuple(n for n, _, _ in weights.layout):
+            raise InputError(f"{start}: its tensors are not the run's model's (train.external)")
+        # where a trainer that connects starts: the newest checkpoint (its model/, its directory, steps)
+        self.saved: tuple[Path, Path | None, int] = (start, ckpt, steps_done)
+        self.since: list[TrainOrder] = []  # orders answered since then: a new trainer redoes them
+        self.client: Connection | None = None
+        self.told = False  # said that the run waits for a trainer
+        key = os.urandom(32)
+        self.listener = Listener((LOOPBACK, 0), authkey=key)
+        host, port = self.listener.address
+        write_private(run_dir / KEY, key)
+        write_private(
+            run_dir / ADDRESS, json.dumps({"host": host, "port": port, "pid": os.getpid()}).encode()
+        )
+        self.arrived: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._accept, name="relay-desk", daemon=True).start()
+
+    def step(self, order: TrainOrder) -> TrainerReport:
+        t = order.train
+        t0 = time.perf_counter()
+        got = self._ask(order, replay=order.replay)
+        t1 = time.perf_counter()
+        self.since.append(order)
+        if order.replay:
+            return TrainerReport(t.step, got.metrics, None, None, (t0, t1), None, replay=True)
+        sync = None
+        metrics = dict(got.metrics)
+        if t.publish is not None:
+            self.weights.write(t.publish, got.weights)
+            sync = (t1, time.perf_counter())
+            metrics["weight_sync_s"] = sync[1] - sync[0]
+            self.flat.buffer.copy_(got.weights)  # the model a checkpoint writes
+        save_s = 0.0
+        if order.save_dir:
+            s0 = time.perf_counter()
+            save_external(
+                self.model, Path(self.model_path), Path(order.save_dir), t.step + 1, got.state or {}
+            )
+            save_s = time.perf_counter() - s0
+            final = Path(order.save_dir.removesuffix(".tmp"))  # the driver makes it whole next
+            self.saved = (final / "model", final, t.step + 1)
+            self.since = []
+        return TrainerReport(t.step, metrics, t.publish, order.save_dir, (t0, t1), sync, save_s)
+
+    def close(self) -> None:
+        if self.client is not None:
+            try:
+                send(self.client, End())
+            except Exception:  # noqa: BLE001 — it finds the run gone either way
+                pass
+            self.client.close()
+        self.listener.close()
+        for name in (ADDRESS, KEY):
+            (self.run_dir / name).unlink(missing_ok=True)
+
+    # -- a trainer's connection ---------------------------------------------------------------
+
+    def _ask(self, order: TrainOrder, replay: bool) -> Stepped:
+        """`order` trained by the connected trainer (waiting for one as long as it takes)."""
+        while True:
+            conn = self._connected()
+            try:
+                send(conn, _batch(order, replay))
+                got = receive(conn)
+            except Exception as e:  # whatever a trainer's connection or pickle raises ends that trainer
+                self._lose(
+                    f"its connection broke ({one_line(e) or type(e).__name__}) during step {order.train.step}"
+                )
+                continue
+            why = self._refusal(got, order, replay)
+            if why is None:
+                return got
+            try:
+                send(conn, Refused(why))
+            except Exception:  # noqa: BLE001 — it is dropped either way
+                pass
+            self._lose(f"it sent what the relay refuses: {why}")
+
+    def _connected(self) -> Connection:
+        """The connected trainer, once it has redone the steps since the newest checkpoint."""
+        while self.client is None:
+            if not self.told:
+                print(f"trainer: waiting for your trainer to join: TrainerClient({str(self.run_dir)!r}) "
+                      "(tailrace.client; README: \"Your own trainer\")", flush=True)  # fmt: skip
+                self.told = True
+            conn = self.arrived.get()
+            try:
+                send(conn, self._handshake())
+                for old in self.since:  # its weights and state become the lost trainer's
+                    send(conn, _batch(old, replay=True))
+                    got = receive(conn)
+                    if not isinstance(got, Stepped) or got.step != old.train.step:
+                        raise EOFError("it did not redo the steps since the checkpoint")
+            except Exception as e:  # noqa: BLE001 — a trainer's connection or pickle
+                conn.close()
+                print(f"trainer: a trainer that joined left at once ({one_line(e)})", flush=True)
+                continue
+            self.client = conn
+            print(f"trainer: your trainer joined (it starts at step {self.saved[2]}, "
+                  f"{len(self.since)} step(s) redone)", flush=True)  # fmt: skip
+        return self.client
+
+    def _handshake(self) -> Handshake:
+        start, ckpt, steps = self.saved
+        deadline = time.monotonic() + SAVED_S
+        while not start.is_dir() and time.monotonic() < deadline:  # the driver is making it whole
+            time.sleep(0.1)
+        state = read_external_state(ckpt) if ckpt is not None else {}
+        return Handshake(str(start), state, steps, **self.hello)
+
+    def _refusal(self, got: object, order: TrainOrder, replay: bool) -> str | None:
+        t = order.train
+        if not isinstance(got, Stepped) or got.step != t.step:
+            return f"step {t.step} wants a Stepped reply for that step (use TrainerClient)"
+        if not all(isinstance(v, (int, float)) for v in got.metrics.values()):
+            return f"step {t.step}'s metrics must be numbers"
+        if t.publish is None or replay:
+            return None
+        w, ring = got.weights, self.weights.buf
+        if not isinstance(w, torch.Tensor) or w.dtype != ring.dtype or w.numel() != ring.shape[1]:
+            return (f"step {t.step} publishes: it needs its weights, {ring.shape[1]:,} {ring.dtype} "
+                    "values in the layout's order (Batch.done(weights=model.state_dict()))")  # fmt: skip
+        if not bool(torch.isfinite(w).all()):
+            return f"step {t.step}'s weights are not all finite: nothing was published (lower the lr?)"
+        return None
+
+    def _lose(self, why: str) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.client, self.told = None, False
+        print(f"trainer: your trainer left: {why}; the next one starts from step {self.saved[2]}'s "
+              f"weights and redoes {len(self.since)} step(s)", flush=True)  # fmt: skip
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except AuthenticationError:  # not the run's key
+                continue
+            except OSError:  # closed
+                return
+            if self.client is not None or not self.arrived.empty():
+                try:
+                    send(conn, Refused("another trainer is connected to this run: one at a time"))
+                except OSError:
+                    pass
+                conn.close()
+                continue
+            self.arrived.put(conn)
+
+
+def _batch(order: TrainOrder, replay: bool) -> Work:
+    t = order.train
+    return Work(t.step, t.groups, t.trainer_version, t.publish is not None and not replay,
+                 order.save_dir is not None and not replay, replay)  # fmt: skip
+
+
+def relay_main(conn, counter, spec, weights: SharedWeights) -> None:
+    """The run's trainer process under train.external (`spec`: runtime/trainer_worker.TrainerSpec)."""
+    with serving(conn, counter):
+        pin(spec.cores)
+        torch.set_num_threads(spec.threads)
+        cfg = spec.cfg
+        hello = {
+            "layout": tuple((n, tuple(s), o) for n, s, o in weights.layout), "numel": weights.buf.shape[1],
+            "dtype": str(weights.buf.dtype).removeprefix("torch."), "temperature": cfg.temperature,
+            "pad_id": cfg.pad_id, "train": dataclasses.asdict(cfg), "cores": tuple(spec.cores),
+            "threads": spec.threads,
+        }  # fmt: skip
+        ckpt = Path(spec.resume_from) if spec.resume_from else None
+        relay = Relay(Path(spec.relay), ckpt, spec.model_path, weights, hello)
+        if spec.publish_start:
+            weights.write(spec.start_version, relay.flat.buffer)
+        conn.send(Ready(spec.start_version))
+        try:
+            while not isinstance(order := conn.recv(), Shutdown):
+                conn.send(relay.step(order))
+        finally:
+            relay.close()
+
+
+def _steps_of(ckpt: Path) -> int:
+    return int(json.loads((ckpt / "trainer.json").read_text())["step"])

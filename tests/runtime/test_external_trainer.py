@@ -1,0 +1,138 @@
+"""train.external: a trainer of one's own pulls each step's batch from a real run and publishes the
+weights its engines generate with next (runtime/relay.py, tailrace/client.py).
+
+- the example trainer (transformers' model, examples/external_trainer.py) trains a sync run: every
+  step's samples come from the weights it published, its logprobs match the engines', the ledger is
+  exact, and the last checkpoint's model is the weights it published last;
+- trainers that fail come and go: one answering with weights that are not finite is refused (nothing
+  published), one that dies holding a step is replaced by the next, which starts from the newest
+  checkpoint and redoes the steps since; the run ends with the very weights of a run whose trainer
+  never left (sync, one seed: the schedule and the sampling are reproducible);
+- the configurations it cannot serve are refused in one line before anything starts.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tailrace.cli import main
+from tailrace.runtime.checkpoint import step_dirs
+from tests.runtime.conftest import TINY_RUN, assert_exact, one_line, run, start_cli, wait_for_steps
+
+ROOT = Path(__file__).resolve().parents[2]
+SYNC = [*TINY_RUN, "--flow.mode=sync", "--train.external=true"]
+
+
+def steps(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if r["kind"] == "step"]
+
+
+def trainer(run_dir, *args, module="tests.runtime.plain_trainer"):
+    """Start a trainer process on `run_dir` (it waits for the run to listen)."""
+    cmd = [sys.executable, "-m", module, str(run_dir), *args] if module else [sys.executable, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def final_model(run_dir):
+    last = step_dirs(run_dir / "checkpoints")[0]
+    return load_file(str(last / "model" / "model.safetensors"))
+
+
+def test_the_example_trainer_on_transformers_trains_a_run(tiny_model, digits, tmp_path):
+    run_dir = tmp_path / "run"
+    p = trainer(run_dir, str(ROOT / "examples" / "external_trainer.py"), str(run_dir), module=None)
+    assert main(["train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, digits]) == 0
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out[-3000:]
+    records = steps(run_dir)
+    assert [r["version"] for r in records] == [1, 2, 3, 4]
+    # sync: every step trains on samples of the weights it starts from, the ones the trainer published
+    assert all(r["staleness"] == {"0": 16} for r in records)
+    gaps = [r["train"]["logprob_gap"] for r in records]
+    assert all(g < 1e-3 for g in gaps), gaps  # transformers' Llama and the engine: one model
+    assert all(r["train"]["tokens"] > 0 and "loss" in r["train"] for r in records)
+    assert_exact(run_dir, steps=4)
+    start = load_file(str(tiny_model / "model.safetensors"))
+    end = final_model(run_dir)
+    assert any(not torch.equal(start[k], end[k]) for k in start)  # the trainer's updates reached it
+    assert not (run_dir / "trainer.json").exists() and not (run_dir / "trainer.key").exists()
+
+
+def test_trainers_that_fail_come_and_go_and_the_run_ends_as_if_none_had(tiny_model, digits, tmp_path):
+    argv = [f"--model.path={tiny_model}", *SYNC, digits, "--flow.steps=5", "--flow.checkpoint_every=2"]
+    calm = tmp_path / "calm"
+    p = trainer(calm)
+    assert main(["train", f"--run-dir={calm}", *argv]) == 0
+    assert p.wait(timeout=60) == 0
+
+    run_dir = tmp_path / "run"
+    proc = start_cli("train", f"--run-dir={run_dir}", *argv)
+    bad = trainer(run_dir, "--nan-at=0")
+    out, _ = bad.communicate(timeout=120)
+    assert bad.returncode == 3 and "step 0's weights are not all finite" in out, out
+    dies = trainer(run_dir, "--die-at=3")  # checkpoints after steps 2 and 4: it dies holding step 3
+    out, _ = dies.communicate(timeout=120)
+    assert dies.returncode == 9 and "batch 3 replay=False" in out, out
+    last = trainer(run_dir)
+    out, _ = last.communicate(timeout=120)
+    said, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and last.returncode == 0, (said[-3000:], out)
+    # it started from step 2's checkpoint and redid step 2 (published by the one that died)
+    assert out.splitlines()[0].startswith("start 2 state ") and "batch 2 replay=True publish=False" in out, (
+        out
+    )
+    assert_exact(run_dir, steps=5)
+    assert [r["version"] for r in steps(run_dir)] == [1, 2, 3, 4, 5]
+    calm_end, end = final_model(calm), final_model(run_dir)
+    assert all(torch.equal(calm_end[k], end[k]) for k in calm_end)
+    start = load_file(str(tiny_model / "model.safetensors"))
+    assert any(not torch.equal(start[k], end[k]) for k in start)
+
+
+def test_a_stopped_run_resumes_and_its_next_trainer_starts_from_the_checkpoint(tiny_model, digits, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_cli(
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, digits, "--flow.steps=6"
+    )
+    first = trainer(run_dir)
+    wait_for_steps(run_dir, proc, 2)
+    proc.send_signal(signal.SIGTERM)
+    said, _ = proc.communicate(timeout=60)
+    assert "--resume" in said, said[-3000:]
+    assert first.wait(timeout=60) == 0  # the run's end ends its batches
+    assert len(steps(run_dir)) < 6
+    newest = step_dirs(run_dir / "checkpoints")[0]
+    done = int(newest.name.removeprefix("step_"))  # the stop may land between a step and its checkpoint
+    proc = start_cli("train", "--resume", str(run_dir))
+    second = trainer(run_dir)
+    out, _ = second.communicate(timeout=120)
+    said, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and second.returncode == 0, (said[-3000:], out)
+    # from the newest checkpoint (one per step here), with the optimizer state the first one saved in it
+    start = out.splitlines()[0].split()
+    assert start[:2] == ["start", str(done)] and int(start[3]) > 0, out
+    assert_exact(run_dir, steps=6)
+
+
+@pytest.mark.parametrize(
+    "flag, said",
+    [
+        ("--train.lora.rank=8", "train.external with train.lora.rank=8"),
+        ("--train.world_size=2", "train.external with train.world_size=2"),
+        ("--runtime.kind=ray", "train.external with runtime.kind=ray"),
+    ],
+)
+def test_what_an_external_trainer_cannot_serve_is_refused_in_one_line(
+    capsys, tiny_model, tmp_path, flag, said
+):
+    run_dir = tmp_path / "run"
+    rc, out = run(capsys, "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, flag)
+    assert rc == 2 and said in one_line(out), out
+    assert not (run_dir / "journal.jsonl").exists()
