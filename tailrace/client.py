@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from tailrace.common import InputError, one_line
+from tailrace.model.flat import Layout
 from tailrace.runtime.relay import ADDRESS, KEY, End, Handshake, Refused, Stepped, Work, receive, send
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
@@ -146,23 +147,8 @@ class TrainerClient:
             yield self._open
 
     def flatten(self, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """`weights` laid out as the engines hold them: one 1-D buffer (tied names share a slice)."""
-        missing = [n for n, _, _ in self.layout if n not in weights]
-        if missing:
-            raise TrainerClientError(
-                f"the weights lack {missing[0]!r} ({len(missing)} of {len(self.layout)} names): pass the "
-                f"state_dict of a model loaded from {self.start} (transformers' names are the run's)"
-            )
-        buf = torch.empty(self.numel, dtype=self.dtype)
-        for name, shape, offset in self.layout:
-            t = weights[name]
-            if tuple(t.shape) != shape:
-                raise TrainerClientError(
-                    f"weights[{name!r}] has shape {tuple(t.shape)}, the run's model {shape}: the model "
-                    f"is not the one in {self.start}"
-                )
-            buf[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
-        return buf
+        """`weights` laid out as the engines hold them (`flatten_weights`)."""
+        return flatten_weights(weights, self.layout, self.numel, self.dtype, self.start)
 
     def answer(self, msg: Stepped) -> None:
         try:
@@ -186,13 +172,37 @@ class TrainerClient:
             msg = receive(self.conn)
         except (EOFError, OSError):
             raise TrainerClientError(
-                f"the run in {self.run_dir} went away "
-                "(it stopped; RUN_DIR/errors.log and the console say why): start your trainer again once "
-                "the run resumes (tailrace train --resume)"
+                f"the run in {self.run_dir} went away: it stopped (its console and errors.log say why) or "
+                "its trainer process was replaced; start your trainer again: it joins the run, or the "
+                "resumed one (tailrace train --resume), from the newest checkpoint"
             ) from None
         if isinstance(msg, Refused):
             raise TrainerClientError(f"the run refused your trainer: {msg.line}")
         return msg
+
+
+def flatten_weights(
+    weights: Mapping[str, torch.Tensor], layout: Layout, numel: int, dtype: torch.dtype, source: str
+) -> torch.Tensor:
+    """`weights` (a state_dict by the run's model's names) as one 1-D buffer of `numel` values laid out
+    by `layout` (name, shape, offset; tied names share their slice). `source`: the checkpoint the
+    model should come from, for the error."""
+    missing = [n for n, _, _ in layout if n not in weights]
+    if missing:
+        raise TrainerClientError(
+            f"the weights lack {missing[0]!r} ({len(missing)} of {len(layout)} names): pass the state_dict "
+            f"of a model loaded from {source} (transformers' names are the run's)"
+        )
+    buf = torch.empty(numel, dtype=dtype)
+    for name, shape, offset in layout:
+        t = weights[name]
+        if tuple(t.shape) != tuple(shape):
+            raise TrainerClientError(
+                f"weights[{name!r}] has shape {tuple(t.shape)}, the run's model {tuple(shape)}: the model is "
+                f"not the one in {source}"
+            )
+        buf[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+    return buf
 
 
 def _dial(run_dir: Path, deadline: float) -> Connection:
@@ -212,10 +222,10 @@ def _dial(run_dir: Path, deadline: float) -> Connection:
 
 
 def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """`opt`'s per-parameter state as flat tensors (`state.<index>.<name>`), for `Batch.done(state=)`;
-    its hyperparameters are your config's, not saved."""
+    """`opt`'s per-parameter state as flat tensors (`state.<index>.<name>`; copies, which the optimizer's
+    next step leaves alone), for `Batch.done(state=)`; its hyperparameters are your config's, not saved."""
     return {
-        f"state.{i}.{k}": v if isinstance(v, torch.Tensor) else torch.tensor(v)
+        f"state.{i}.{k}": v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
         for i, s in opt.state_dict()["state"].items()
         for k, v in s.items()
     }
@@ -231,4 +241,12 @@ def load_optimizer_state(opt: torch.optim.Optimizer, tensors: Mapping[str, torch
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
 
-__all__ = ["Batch", "Group", "TrainerClient", "TrainerClientError", "load_optimizer_state", "optimizer_state"]
+__all__ = [
+    "Batch",
+    "Group",
+    "TrainerClient",
+    "TrainerClientError",
+    "flatten_weights",
+    "load_optimizer_state",
+    "optimizer_state",
+]

@@ -1,0 +1,69 @@
+"""tailrace.client's parts that need no run: the weights laid out as the engines hold them (the names
+and shapes checked, tied names in one slice), and an optimizer's state through tensors and back."""
+
+import pytest
+import torch
+from torch import nn
+
+from tailrace.client import TrainerClientError, flatten_weights, load_optimizer_state, optimizer_state
+from tailrace.model.flat import flatten_parameters
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.proj = nn.Linear(3, 2)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_state_dict_fills_the_engines_layout_tied_names_in_one_slice():
+    torch.manual_seed(0)
+    model = Tied()
+    want = flatten_parameters(model)
+    other = Tied()  # another model's state_dict, by the same names
+    got = flatten_weights(other.state_dict(), want.layout, want.buffer.numel(), torch.float32, "here")
+    assert got.numel() == 15 + 6 + 2  # the tied head shares the embedding's slice
+    views = {
+        n: got[o : o + s.numel()].view(s) for n, s, o in ((n, torch.Size(s), o) for n, s, o in want.layout)
+    }
+    for name, t in other.state_dict().items():
+        assert torch.equal(views[name], t), name
+
+
+def test_a_missing_name_or_a_wrong_shape_is_one_line_naming_the_tensor():
+    flat = flatten_parameters(Tied())
+    layout, n = flat.layout, flat.buffer.numel()
+    state = Tied().state_dict()
+    with pytest.raises(TrainerClientError, match=r"lack 'proj.bias' \(1 of 4 names\).*loaded from ckpt"):
+        flatten_weights(
+            {k: v for k, v in state.items() if k != "proj.bias"}, layout, n, torch.float32, "ckpt"
+        )
+    state["proj.weight"] = torch.zeros(3, 2)
+    with pytest.raises(
+        TrainerClientError, match=r"weights\['proj.weight'\] has shape \(3, 2\), the run's model \(2, 3\)"
+    ):
+        flatten_weights(state, layout, n, torch.float32, "ckpt")
+
+
+def test_an_optimizers_state_goes_through_tensors_and_back():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).sum().backward()
+        opt.step()
+    saved = optimizer_state(opt)
+    assert all(isinstance(t, torch.Tensor) for t in saved.values()) and "state.0.exp_avg" in saved
+    twin = nn.Linear(4, 2)
+    twin.load_state_dict(model.state_dict())
+    opt2 = torch.optim.AdamW(twin.parameters(), lr=0.1)
+    load_optimizer_state(opt2, saved)
+    x = torch.randn(8, 4)
+    for m, o in ((model, opt), (twin, opt2)):
+        o.zero_grad()
+        m(x).pow(2).sum().backward()
+        o.step()
+    assert torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias)
