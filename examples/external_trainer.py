@@ -31,7 +31,7 @@ def main(run_dir: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(client.start, dtype=torch.float32)
     model.train()
     cfg = client.train  # the run's train section: use what you like of it
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"] or 2e-4, betas=tuple(cfg["betas"]),
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]),
                             eps=cfg["eps"], weight_decay=cfg["weight_decay"])  # fmt: skip
     if client.state:
         load_optimizer_state(opt, client.state)

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from tailrace.common import InputError, one_line
+from tailrace.config.train import auto_lr
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.model.flat import flatten_parameters
 from tailrace.runtime.checkpoint import read_external_state, save_external
@@ -67,7 +68,8 @@ class Handshake:
     dtype: str  # the engines' weights dtype ("float32")
     temperature: float  # the rollout's: the recorded logprobs are of logits / temperature
     pad_id: int
-    train: dict  # the run's train section (lr, betas, grad_clip, loss, ...), to use as you see fit
+    train: dict  # the run's train section (lr, betas, grad_clip, loss, ...), to use as you see fit;
+    # lr resolved (train.lr null: by the model's size, as the built-in trainer's)
     cores: tuple[int, ...]  # the run's trainer cores (this machine's): yours, as the engines keep off them
     threads: int  # torch threads the built-in trainer would run there
 
@@ -291,10 +293,11 @@ def relay_main(conn, counter, spec, weights: SharedWeights) -> None:
         pin(spec.cores)
         torch.set_num_threads(spec.threads)
         cfg = spec.cfg
+        lr = cfg.lr or auto_lr(weights.buf.shape[1])  # train.lr null: by size, as the built-in trainer's
         hello = {
             "layout": tuple((n, tuple(s), o) for n, s, o in weights.layout), "numel": weights.buf.shape[1],
             "dtype": str(weights.buf.dtype).removeprefix("torch."), "temperature": cfg.temperature,
-            "pad_id": cfg.pad_id, "train": dataclasses.asdict(cfg), "cores": tuple(spec.cores),
+            "pad_id": cfg.pad_id, "train": {**dataclasses.asdict(cfg), "lr": lr}, "cores": tuple(spec.cores),
             "threads": spec.threads,
         }  # fmt: skip
         ckpt = Path(spec.resume_from) if spec.resume_from else None
