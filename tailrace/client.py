@@ -82,14 +82,15 @@ class Batch:
         if self.answered:
             raise TrainerClientError(f"step {self.step} was answered already: call done() once per batch")
         c = self._client
-        flat = None
         if self.publish:
             if weights is None:
                 raise TrainerClientError(
                     f"step {self.step} publishes version {self.trainer_version + 1}: pass your weights, "
                     "batch.done(model.state_dict(), ...)"
                 )
-            flat = c.flatten(weights)
+            t0 = time.perf_counter()
+            c.flatten(weights)  # into the staging file the run's trainer process reads
+            c.staged_s = time.perf_counter() - t0
         figures = {
             "tokens": sum(t.length for t in self.trajectories),
             "time_s": time.perf_counter() - self._t0,
@@ -100,9 +101,7 @@ class Batch:
             saved = {
                 k: t.detach().cpu().contiguous() for k, t in (state() if callable(state) else state).items()
             }
-        t0 = time.perf_counter()
-        c.answer(Stepped(self.step, figures, flat, saved))
-        c.sent_s = time.perf_counter() - t0
+        c.answer(Stepped(self.step, figures, self.publish, saved))
         self.answered = True
 
 
@@ -125,7 +124,10 @@ class TrainerClient:
         self.layout, self.numel = hello.layout, hello.numel
         self.dtype = getattr(torch, hello.dtype)
         self.cores, self.threads = hello.cores, hello.threads
-        self.sent_s = 0.0  # how long the last answer took to send (its weights, mostly)
+        # the weights you publish go into this shared-memory file (the run's trainer process copies them
+        # into the engines' ring): no pickling, no socket; one copy of your state_dict
+        self.staging = torch.from_file(hello.staging, shared=True, size=self.numel, dtype=self.dtype)
+        self.staged_s = 0.0  # how long the last weights took to lay out there
         self._open: Batch | None = None
 
     def pin(self) -> None:
@@ -147,8 +149,8 @@ class TrainerClient:
             yield self._open
 
     def flatten(self, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """`weights` laid out as the engines hold them (`flatten_weights`)."""
-        return flatten_weights(weights, self.layout, self.numel, self.dtype, self.start)
+        """`weights` laid out as the engines hold them, in the staging file (`flatten_weights`)."""
+        return flatten_weights(weights, self.layout, self.numel, self.dtype, self.start, out=self.staging)
 
     def answer(self, msg: Stepped) -> None:
         try:
@@ -182,25 +184,33 @@ class TrainerClient:
 
 
 def flatten_weights(
-    weights: Mapping[str, torch.Tensor], layout: Layout, numel: int, dtype: torch.dtype, source: str
+    weights: Mapping[str, torch.Tensor],
+    layout: Layout,
+    numel: int,
+    dtype: torch.dtype,
+    source: str,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`weights` (a state_dict by the run's model's names) as one 1-D buffer of `numel` values laid out
-    by `layout` (name, shape, offset; tied names share their slice). `source`: the checkpoint the
-    model should come from, for the error."""
+    by `layout` (name, shape, offset; tied names share their slice), written into `out` when given.
+    `source`: the checkpoint the model should come from, for the error. Everything is checked before
+    anything is written."""
     missing = [n for n, _, _ in layout if n not in weights]
     if missing:
         raise TrainerClientError(
             f"the weights lack {missing[0]!r} ({len(missing)} of {len(layout)} names): pass the state_dict "
             f"of a model loaded from {source} (transformers' names are the run's)"
         )
-    buf = torch.empty(numel, dtype=dtype)
-    for name, shape, offset in layout:
+    for name, shape, _ in layout:
         t = weights[name]
         if tuple(t.shape) != tuple(shape):
             raise TrainerClientError(
                 f"weights[{name!r}] has shape {tuple(t.shape)}, the run's model {tuple(shape)}: the model is "
                 f"not the one in {source}"
             )
+    buf = torch.empty(numel, dtype=dtype) if out is None else out
+    for name, _, offset in layout:
+        t = weights[name]
         buf[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
     return buf
 

@@ -8,8 +8,9 @@ writes the trainer's part of each checkpoint. What it relays:
     relay --Handshake--> your trainer     where to start: a HF checkpoint directory, your own state
                                           as you saved it there, the layout the weights must fill
     relay --Work-------> your trainer     a step's groups (the scheduler chose them from its store)
-    relay <--Stepped---- your trainer     its metrics, the new weights when the step publishes, your
-                                          state when the step is checkpointed
+    relay <--Stepped---- your trainer     its metrics, your state when the step is checkpointed; the
+                                          weights it publishes it has written into a shared-memory
+                                          file the relay copies into the ring
 
 It listens on loopback, authenticated by a key made for the run: RUN_DIR/trainer.json (address) and
 RUN_DIR/trainer.key, both mode 0600, so only the run's owner can train it. One trainer at a time.
@@ -65,6 +66,7 @@ class Handshake:
     steps_done: int  # optimizer steps in `start`
     layout: tuple[tuple[str, tuple[int, ...], int], ...]  # every name the weights need: shape, offset
     numel: int  # values in the published weights (tied names share their offset)
+    staging: str  # a shared-memory file of `numel` values: your trainer writes the weights it publishes there
     dtype: str  # the engines' weights dtype ("float32")
     temperature: float  # the rollout's: the recorded logprobs are of logits / temperature
     pad_id: int
@@ -91,7 +93,7 @@ class Work:
 class Stepped:
     step: int
     metrics: dict[str, float]
-    weights: torch.Tensor | None  # 1-D, the layout's tensors one after another, in `Handshake.dtype`
+    published: bool  # the weights are in the staging file (a publishing step's answer)
     state: dict[str, torch.Tensor] | None  # with `save`
 
 
@@ -126,7 +128,7 @@ class Relay:
         """`ckpt`: the checkpoint the run resumed from (None: it starts from `model_path`)."""
         start = ckpt / "model" if ckpt is not None else Path(model_path)
         steps_done = _steps_of(ckpt) if ckpt is not None else 0
-        self.run_dir, self.model_path, self.weights, self.hello = run_dir, model_path, weights, hello
+        self.run_dir, self.model_path, self.weights = run_dir, model_path, weights
         # the published weights as a model, for the checkpoint's model/: its parameters view `flat`
         self.model = load_pretrained(start, dtype=weights.buf.dtype)
         self.flat = flatten_parameters(self.model)
@@ -137,6 +139,11 @@ class Relay:
         self.since: list[TrainOrder] = []  # orders answered since then: a new trainer redoes them
         self.client: Connection | None = None
         self.told = False  # said that the run waits for a trainer
+        # what your trainer publishes, written by it in place: no pickling, no socket (bench/README.md)
+        self.staging_path = staging_file(run_dir)
+        self.staging = torch.from_file(str(self.staging_path), shared=True, size=hello["numel"],
+                                       dtype=weights.buf.dtype)  # fmt: skip
+        self.hello = {**hello, "staging": str(self.staging_path)}
         key = os.urandom(32)
         self.listener = Listener((LOOPBACK, 0), authkey=key)
         host, port = self.listener.address
@@ -158,10 +165,10 @@ class Relay:
         sync = None
         metrics = dict(got.metrics)
         if t.publish is not None:
-            self.weights.write(t.publish, got.weights)
+            self.weights.write(t.publish, self.staging)
             sync = (t1, time.perf_counter())
             metrics["weight_sync_s"] = sync[1] - sync[0]
-            self.flat.buffer.copy_(got.weights)  # the model a checkpoint writes
+            self.flat.buffer.copy_(self.staging)  # the model a checkpoint writes
         save_s = 0.0
         if order.save_dir:
             s0 = time.perf_counter()
@@ -184,6 +191,7 @@ class Relay:
         self.listener.close()
         for name in (ADDRESS, KEY):
             (self.run_dir / name).unlink(missing_ok=True)
+        self.staging_path.unlink(missing_ok=True)
 
     # -- a trainer's connection ---------------------------------------------------------------
 
@@ -248,11 +256,10 @@ class Relay:
             return f"step {t.step}'s metrics must be numbers"
         if t.publish is None or replay:
             return None
-        w, ring = got.weights, self.weights.buf
-        if not isinstance(w, torch.Tensor) or w.dtype != ring.dtype or w.numel() != ring.shape[1]:
-            return (f"step {t.step} publishes: it needs its weights, {ring.shape[1]:,} {ring.dtype} "
-                    "values in the layout's order (Batch.done(weights=model.state_dict()))")  # fmt: skip
-        if not bool(torch.isfinite(w).all()):
+        if not got.published:
+            return (f"step {t.step} publishes: it needs its weights in the staging file "
+                    "(Batch.done(weights=model.state_dict()))")  # fmt: skip
+        if not bool(torch.isfinite(self.staging).all()):
             return f"step {t.step}'s weights are not all finite: nothing was published (lower the lr?)"
         return None
 
@@ -279,6 +286,28 @@ class Relay:
                 conn.close()
                 continue
             self.arrived.put(conn)
+
+
+def staging_file(run_dir: Path) -> Path:
+    """A new file, only its owner's, in memory where the machine has /dev/shm (else in the run
+    directory), sized by its user (`torch.from_file` grows it); those of relays no longer alive go."""
+    where = Path("/dev/shm") if Path("/dev/shm").is_dir() else run_dir
+    for old in where.glob("tailrace-relay-*"):
+        if not _alive(int(old.name.rsplit("-", 1)[1])):
+            old.unlink(missing_ok=True)
+    path = where / f"tailrace-relay-{os.getpid()}"
+    write_private(path, b"")
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _batch(order: TrainOrder, replay: bool) -> Work:
