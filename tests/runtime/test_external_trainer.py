@@ -121,6 +121,21 @@ def test_a_stopped_run_resumes_and_its_next_trainer_starts_from_the_checkpoint(t
     assert_exact(run_dir, steps=6)
 
 
+def test_one_policy_of_two_is_trained_from_outside_the_other_by_tailrace(tiny_model, digits, tmp_path):
+    run_dir = tmp_path / "run"
+    policies = "[{name: sums}, {name: own, train: {external: true}}]"
+    mine = trainer(run_dir / "policies" / "own")  # its relay listens in the policy's own directory
+    argv = [f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=sync", digits, f"--policies={policies}"]
+    assert main(["train", f"--run-dir={run_dir}", *argv]) == 0
+    out, _ = mine.communicate(timeout=60)
+    assert mine.returncode == 0 and "batch 3 replay=False publish=True" in out, out
+    for name, external in (("sums", False), ("own", True)):
+        d = run_dir / "policies" / name
+        assert_exact(d, steps=4)
+        assert [r["version"] for r in steps(d)] == [1, 2, 3, 4]
+        assert ("pg_loss" in steps(d)[-1]["train"]) is not external  # the built-in trainer's figure
+
+
 @pytest.mark.parametrize(
     "flag, said",
     [
