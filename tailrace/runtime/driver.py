@@ -203,13 +203,16 @@ class Driver(Membership, Reports):
     # ------------------------------------------------------------------ set-up
     def _older_weights(self, pol: PolicyRun, version: int) -> dict[int, Path]:
         """On resume: the older versions `pol`'s restored groups' pending samples need (multiversion),
-        from its kept checkpoints holding them, by engine version (version 0 of the first policy: the
-        model the engines load, kept); a group whose version no checkpoint holds starts over under
-        `version`, its finished samples discarded (said in a mark and the console); so does every such
-        group on engines that hold one version at a time."""
+        from its kept checkpoints holding them, by engine version. Version 0 is the model the run
+        started from: the first policy's is the engines' own model, kept; another full-model policy's
+        is loaded from the model's path (a LoRA policy's start adapter is in no file). A group whose
+        version no checkpoint holds starts over under `version`, its finished samples discarded (said
+        in a mark and the console); so does every such group on engines that hold one version at a time."""
         sched = pol.sched
         need = sched.pending_versions() - {version}
-        model = 0 if self.sched.version(pol.index, 0) == 0 else None  # the engines' own model: kept
+        own = self.sched.version(pol.index, 0) == 0  # the engines' own model: kept
+        start = not own and not pol.train_cfg.lora.rank  # loaded from the model's path
+        model = 0 if own or start else None
         if sched.capabilities.versions_at_once == 1:  # the engines hold the resumed version only
             disk, missing, why, model = {}, sorted(need), "the engines hold one version at a time", None
         else:
@@ -222,7 +225,10 @@ class Driver(Membership, Reports):
                              f"{n} group(s) of them start over under version {version}")  # fmt: skip
         for v in [*disk, *({model} & need)]:
             sched.restore_version(v)
-        return {self.sched.version(pol.index, v): p / "model" for v, p in disk.items()}
+        paths = {self.sched.version(pol.index, v): p / "model" for v, p in disk.items()}
+        if start and model == 0 and 0 in need:
+            paths[self.sched.version(pol.index, 0)] = Path(pol.ses.model_path)
+        return paths
 
     def _start(self, versions: list[int], older: dict[int, Path] | None = None) -> None:
         """Start the workers: policy p's trainer from `versions[p]` (its checkpoint's on resume), the
