@@ -346,11 +346,14 @@ def serve(conns: dict[str, Connection], welcome: Welcome) -> None:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write a file only its owner can read (created 0600, never readable by others first)."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    """Write a file only its owner can read (created 0600, never readable by others first), whole: a
+    reader polling for it sees it complete or not at all (built aside, then renamed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    os.replace(tmp, path)
 
 
 def _uint8():

@@ -12,6 +12,7 @@ model's name; never the token) so an agent finds the run.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import secrets
 import threading
@@ -165,7 +166,9 @@ class Attached:
     def _describe(self) -> None:
         about = {"url": self.url, "model": self.model_name, "groups": f"{self.url}/groups",
                  "policies": list(self.loop.models)}  # fmt: skip
-        self.file.write_text(json.dumps(about))
+        tmp = self.file.with_name(self.file.name + ".tmp")  # whole or not at all, for an agent polling it
+        tmp.write_text(json.dumps(about))
+        os.replace(tmp, self.file)
 
     def add_policy(self, name: str, text: Any) -> None:
         """A policy joined the run (tailrace policy join): requests may name it, and its text side
