@@ -31,7 +31,8 @@ import torch
 
 from tailrace.common import InputError, one_line
 from tailrace.model.flat import Layout
-from tailrace.runtime.relay import ADDRESS, KEY, End, Handshake, Refused, Stepped, Work, receive, send
+from tailrace.runtime import checkpoint
+from tailrace.runtime.relay import NAME, End, Handshake, Refused, Stepped, Work, receive, send
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.losses import LOSSES
@@ -220,8 +221,8 @@ def _dial(run_dir: Path, deadline: float) -> Connection:
     left (a killed run being resumed), is tried again until `deadline`."""
     while True:
         try:
-            where = json.loads((run_dir / ADDRESS).read_text())
-            return Client((where["host"], int(where["port"])), authkey=(run_dir / KEY).read_bytes())
+            where = json.loads((run_dir / f"{NAME}.json").read_text())
+            return Client((where["host"], int(where["port"])), authkey=(run_dir / f"{NAME}.key").read_bytes())
         except (OSError, ValueError, KeyError, AuthenticationError) as e:
             if time.monotonic() > deadline:
                 raise TrainerClientError(
@@ -232,22 +233,15 @@ def _dial(run_dir: Path, deadline: float) -> Connection:
 
 
 def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """`opt`'s per-parameter state as flat tensors (`state.<index>.<name>`; copies, which the optimizer's
-    next step leaves alone), for `Batch.done(state=)`; its hyperparameters are your config's, not saved."""
-    return {
-        f"state.{i}.{k}": v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
-        for i, s in opt.state_dict()["state"].items()
-        for k, v in s.items()
-    }
+    """`opt`'s per-parameter state as flat tensors, as the built-in trainer's checkpoints hold it
+    (`state.<index>.<name>`; copies, which the optimizer's next step leaves alone), for
+    `Batch.done(state=)`; its hyperparameters are your config's, not saved."""
+    return {k: t.clone() for k, t in checkpoint.optimizer_tensors(opt.state_dict()["state"]).items()}
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]) -> None:
     """The state `optimizer_state` saved, back into `opt` (built over the same parameters)."""
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        if key.startswith("state."):
-            _, i, name = key.split(".", 2)
-            state.setdefault(int(i), {})[name] = t
+    state = checkpoint.optimizer_state(dict(tensors))
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
 

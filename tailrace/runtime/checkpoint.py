@@ -88,9 +88,7 @@ class Cadence:
 def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path, merged: bool = True) -> None:
     """model/ (with the source checkpoint's tokenizer and chat template), optimizer and step, synced;
     a LoRA trainer's adapter/, and model/ (the merged policy) only when `merged`."""
-    if out.exists():
-        shutil.rmtree(out)  # a save of this step that an earlier, killed process began
-    out.mkdir(parents=True)
+    _fresh(out)
     if lora.has_adapter(trainer.model):
         lora.save_peft(trainer.adapter(), out / lora.ADAPTER_DIR, base_model=str(source_model))
         if merged:
@@ -98,56 +96,63 @@ def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path, merged: bo
     else:
         save_pretrained(trainer.model, out / "model", companions_from=source_model)
     state = trainer.state_dict()
-    tensors = {
-        f"state.{i}.{name}": t.detach().to("cpu").contiguous()
-        for i, s in state["optimizer"]["state"].items()
-        for name, t in s.items()
-    }
+    tensors = optimizer_tensors(state["optimizer"]["state"])
     tensors["rng"] = torch.get_rng_state()
-    _write(out / TRAINER, json.dumps({"step": state["step"]}) + "\n")
-    save_file(tensors, str(out / OPTIMIZER), metadata={"format": str(FORMAT)})
-    shutil.copymode(out / TRAINER, out / OPTIMIZER)  # safetensors writes 0600
-    _fsync(out / OPTIMIZER)
+    _save_state(out, state["step"], tensors)
 
 
 def save_external(model, source_model: Path, out: Path, steps: int, state: dict[str, torch.Tensor]) -> None:
     """An external trainer's part (train.external, written by the run's relay): model/ (the weights it
     published), its own `state` tensors in place of the optimizer's, and the step count."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    _fresh(out)
     save_pretrained(model, out / "model", companions_from=source_model)
-    _write(out / TRAINER, json.dumps({"step": steps}) + "\n")
-    save_file({k: t.detach().to("cpu").contiguous() for k, t in state.items()}, str(out / OPTIMIZER),
-              metadata={"format": str(FORMAT), "external": "1"})  # fmt: skip
-    shutil.copymode(out / TRAINER, out / OPTIMIZER)
-    _fsync(out / OPTIMIZER)
+    _save_state(out, steps, {k: t.detach().to("cpu").contiguous() for k, t in state.items()}, external="1")
 
 
-def read_external_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The state an external trainer saved in `ckpt` (`save_external`)."""
+def optimizer_tensors(state: dict[int, dict]) -> dict[str, torch.Tensor]:
+    """An optimizer's per-parameter state (`state_dict()["state"]`) as flat tensors on the CPU,
+    `state.<parameter index>.<name>` (a CPU optimizer's own tensors, not copies)."""
+    return {
+        f"state.{i}.{name}": (t if isinstance(t, torch.Tensor) else torch.tensor(t))
+        .detach()
+        .to("cpu")
+        .contiguous()
+        for i, s in state.items()
+        for name, t in s.items()
+    }
+
+
+def optimizer_state(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """`optimizer_tensors` back: the per-parameter state by index (other keys, e.g. `rng`, left out)."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if key.startswith("state."):
+            _, i, name = key.split(".", 2)
+            state.setdefault(int(i), {})[name] = t
+    return state
+
+
+def read_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The tensors of `ckpt`'s optimizer file: the built-in optimizer's and RNG, or the state an external
+    trainer saved there (`save_external`)."""
     try:
         with safe_open(str(ckpt / OPTIMIZER), framework="pt") as fh:
             return {k: fh.get_tensor(k) for k in fh.keys()}
-    except Exception as e:
-        raise CheckpointError(
-            f"{ckpt} does not load ({one_line(e)}); it is damaged: move it away to resume from the "
-            "checkpoint before it"
-        ) from None
+    except Exception as e:  # safetensors' own errors, a missing file
+        raise _damaged(ckpt, e) from None
+
+
+def steps_of(ckpt: Path) -> int:
+    """The optimizer steps `ckpt` holds (its trainer.json)."""
+    return int(json.loads((ckpt / TRAINER).read_text())["step"])
 
 
 def load_trainer(trainer: GRPOTrainer, ckpt: Path) -> None:
     """The optimizer state, step count and RNG of `ckpt` into a trainer built on `ckpt`/model."""
-    f = ckpt / OPTIMIZER
+    tensors = read_state(ckpt)
     try:
-        with safe_open(str(f), framework="pt") as fh:
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-        step = int(json.loads((ckpt / TRAINER).read_text())["step"])
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, t in tensors.items():
-            if key != "rng":
-                _, i, name = key.split(".", 2)
-                state.setdefault(int(i), {})[name] = t
+        step = steps_of(ckpt)
+        state = optimizer_state(tensors)
         params = [p for g in trainer.opt.param_groups for p in g["params"]]
         for i, s in state.items():
             if s["exp_avg"].shape != params[i].shape:
@@ -155,13 +160,29 @@ def load_trainer(trainer: GRPOTrainer, ckpt: Path) -> None:
         optimizer = {"state": state, "param_groups": trainer.opt.state_dict()["param_groups"]}
         trainer.load_state_dict({"model": trainer.model.state_dict(), "optimizer": optimizer, "step": step})
         torch.set_rng_state(tensors["rng"])
-    except CheckpointError:
-        raise
-    except Exception as e:  # safetensors' own errors, a bad key, a shape, a missing file
-        raise CheckpointError(
-            f"{ckpt} does not load ({one_line(e)}); it is damaged: move it away to resume from the "
-            "checkpoint before it"
-        ) from None
+    except Exception as e:  # a bad key, a shape, a missing file
+        raise _damaged(ckpt, e) from None
+
+
+def _fresh(out: Path) -> None:
+    """An empty `out`: a save of this step that an earlier, killed process began is removed."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+
+
+def _save_state(out: Path, steps: int, tensors: dict[str, torch.Tensor], **metadata: str) -> None:
+    _write(out / TRAINER, json.dumps({"step": steps}) + "\n")
+    save_file(tensors, str(out / OPTIMIZER), metadata={"format": str(FORMAT), **metadata})
+    shutil.copymode(out / TRAINER, out / OPTIMIZER)  # safetensors writes 0600
+    _fsync(out / OPTIMIZER)
+
+
+def _damaged(ckpt: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{ckpt} does not load ({one_line(e)}); it is damaged: move it away to resume from the "
+        "checkpoint before it"
+    )
 
 
 # -- the driver's part ---------------------------------------------------------------------------

@@ -111,6 +111,25 @@ class Arrival:
 # -- the driver's side ---------------------------------------------------------------------------
 
 
+def listen(run_path: Path, name: str, host: str = LOOPBACK, about: dict | None = None) -> Listener:
+    """A listener authenticated by a key made for it: its address (and `about`) in RUN/<name>.json, the
+    key in RUN/<name>.key, both 0600, so only the run's owner can connect."""
+    key = os.urandom(32)
+    listener = Listener((host, 0), authkey=key)
+    host, port = listener.address
+    write_private(run_path / f"{name}.key", key)
+    write_private(run_path / f"{name}.json", json.dumps({"host": host, "port": port, "pid": os.getpid(),
+                                                         **(about or {})}).encode())  # fmt: skip
+    return listener
+
+
+def unlisten(listener: Listener, run_path: Path, name: str) -> None:
+    """Close a `listen` listener and remove its files."""
+    listener.close()
+    for f in (f"{name}.json", f"{name}.key"):
+        (run_path / f).unlink(missing_ok=True)
+
+
 class Desk:
     """The driver's listener for engines that join or leave (`take` between polls). `host`: the address
     it listens on (loopback locally; on Ray the address Ray knows the driver's node by); `about`: what
@@ -118,12 +137,7 @@ class Desk:
 
     def __init__(self, run_path: Path, host: str = LOOPBACK, about: dict | None = None) -> None:
         self.run_path = run_path
-        key = os.urandom(32)
-        self.listener = Listener((host, 0), authkey=key)
-        host, port = self.listener.address
-        where = {"host": host, "port": port, "pid": os.getpid(), "runtime": "local", **(about or {})}
-        write_private(run_path / "join.key", key)
-        write_private(run_path / "join.json", json.dumps(where).encode())
+        self.listener = listen(run_path, "join", host, {"runtime": "local", **(about or {})})
         self.waitable, self._wake = Pipe(duplex=False)  # readable when something arrived
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()
         self._parts: dict[int, dict[str, Connection]] = {}
@@ -141,9 +155,7 @@ class Desk:
 
     def close(self) -> None:
         self._closed = True
-        self.listener.close()
-        for name in ("join.json", "join.key"):
-            (self.run_path / name).unlink(missing_ok=True)
+        unlisten(self.listener, self.run_path, "join")
 
     def _accept(self) -> None:
         while not self._closed:

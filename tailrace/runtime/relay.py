@@ -25,7 +25,6 @@ weights and state are the ones the lost one had. Nothing the run produced is los
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pickle
 import queue
@@ -33,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -42,15 +41,15 @@ from tailrace.common import InputError, one_line
 from tailrace.config.train import auto_lr
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.model.flat import flatten_parameters
-from tailrace.runtime.checkpoint import read_external_state, save_external
-from tailrace.runtime.join import LOOPBACK, write_private
+from tailrace.runtime.checkpoint import read_state, save_external, steps_of
+from tailrace.runtime.join import listen, unlisten, write_private
 from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
 from tailrace.runtime.procs import pin
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import serving
 from tailrace.types import Group
 
-ADDRESS, KEY = "trainer.json", "trainer.key"
+NAME = "trainer"  # RUN/trainer.json (where the relay listens) and RUN/trainer.key (join.listen)
 SAVED_S = 30.0  # how long a new trainer waits for the driver to make the last saved checkpoint whole
 
 
@@ -127,7 +126,7 @@ class Relay:
                  hello: dict) -> None:  # fmt: skip
         """`ckpt`: the checkpoint the run resumed from (None: it starts from `model_path`)."""
         start = ckpt / "model" if ckpt is not None else Path(model_path)
-        steps_done = _steps_of(ckpt) if ckpt is not None else 0
+        steps_done = steps_of(ckpt) if ckpt is not None else 0
         self.run_dir, self.model_path, self.weights = run_dir, model_path, weights
         # the published weights as a model, for the checkpoint's model/: its parameters view `flat`
         self.model = load_pretrained(start, dtype=weights.buf.dtype)
@@ -144,13 +143,7 @@ class Relay:
         self.staging = torch.from_file(str(self.staging_path), shared=True, size=hello["numel"],
                                        dtype=weights.buf.dtype)  # fmt: skip
         self.hello = {**hello, "staging": str(self.staging_path)}
-        key = os.urandom(32)
-        self.listener = Listener((LOOPBACK, 0), authkey=key)
-        host, port = self.listener.address
-        write_private(run_dir / KEY, key)
-        write_private(
-            run_dir / ADDRESS, json.dumps({"host": host, "port": port, "pid": os.getpid()}).encode()
-        )
+        self.listener = listen(run_dir, NAME)
         self.arrived: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._accept, name="relay-desk", daemon=True).start()
 
@@ -188,9 +181,7 @@ class Relay:
             except Exception:  # noqa: BLE001 — it finds the run gone either way
                 pass
             self.client.close()
-        self.listener.close()
-        for name in (ADDRESS, KEY):
-            (self.run_dir / name).unlink(missing_ok=True)
+        unlisten(self.listener, self.run_dir, NAME)
         self.staging_path.unlink(missing_ok=True)
 
     # -- a trainer's connection ---------------------------------------------------------------
@@ -245,7 +236,7 @@ class Relay:
         deadline = time.monotonic() + SAVED_S
         while not start.is_dir() and time.monotonic() < deadline:  # the driver is making it whole
             time.sleep(0.1)
-        state = read_external_state(ckpt) if ckpt is not None else {}
+        state = read_state(ckpt) if ckpt is not None else {}
         return Handshake(str(start), state, steps, **self.hello)
 
     def _refusal(self, got: object, order: TrainOrder, replay: bool) -> str | None:
@@ -339,7 +330,3 @@ def relay_main(conn, counter, spec, weights: SharedWeights) -> None:
                 conn.send(relay.step(order))
         finally:
             relay.close()
-
-
-def _steps_of(ckpt: Path) -> int:
-    return int(json.loads((ckpt / "trainer.json").read_text())["step"])
