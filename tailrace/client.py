@@ -23,6 +23,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, replace
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
@@ -33,9 +34,8 @@ from tailrace.common import InputError, one_line
 from tailrace.model.flat import Layout
 from tailrace.runtime import checkpoint
 from tailrace.runtime.relay import NAME, End, Handshake, Refused, Stepped, Work, receive, send
-from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
-from tailrace.trainer.losses import LOSSES
+from tailrace.trainer.grpo import batch_of
 from tailrace.types import Group, Trajectory
 
 
@@ -56,20 +56,18 @@ class Batch:
     def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g.trajectories]
 
-    def tensors(self, loss: str = "grpo", advantage: str | None = None) -> TrainBatch:
-        """The step as padded (B, T) tensors, as the built-in trainer builds them: `targets[b, t]` is the
-        token at t + 1, `mask` 1 on response tokens (tool observations excluded), `behav_logp` the
-        engine's logprob of each target (of logits / temperature), `adv` each row's advantage from
-        `advantage` (default: `loss`'s own estimator), `scale` the aggregation `loss` uses."""
-        fn = LOSSES[loss]
-        return TrainBatch.from_groups(
-            self.groups,
-            trainer_version=self.trainer_version,
-            token_scale=fn.token_scale,
-            advantage=ADVANTAGES[advantage or fn.advantage],
-            max_new_tokens=self._client.train["loss"]["max_new_tokens"],
-            pad_id=self._client.pad_id,
-        )
+    def tensors(self, loss: str | None = None, advantage: str | None = None) -> TrainBatch:
+        """The step as padded (B, T) tensors, as the built-in trainer builds them (`grpo.batch_of`):
+        `targets[b, t]` is the token at t + 1, `mask` 1 on response tokens (tool observations and tokens
+        past train.max_staleness excluded), `behav_logp` the engine's logprob of each target (of logits
+        / temperature), `adv` each row's advantage, `scale` the loss's aggregation. `loss`, `advantage`:
+        others than the run's train.loss.name and train.advantage (null: the loss's own)."""
+        cfg = self._client.config
+        if loss is not None or advantage is not None:
+            cfg = replace(
+                cfg, loss=replace(cfg.loss, name=loss or cfg.loss.name), advantage=advantage or cfg.advantage
+            )
+        return batch_of(self.groups, cfg, self.trainer_version)
 
     def done(
         self,
@@ -78,16 +76,17 @@ class Batch:
         state: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         """The step is trained: `weights` (your model's state_dict, by the run's model's names, which
-        transformers' Llama and Qwen2 use) are required when `publish`; `metrics` go into the step's
+        transformers' Llama and Qwen2 use) are required when `publish` or `save`; `metrics` go into the step's
         record (numbers); `state` (or a function returning it) is saved when `save`."""
         if self.answered:
             raise TrainerClientError(f"step {self.step} was answered already: call done() once per batch")
         c = self._client
-        if self.publish:
+        staged = self.publish or self.save  # the engines load them, or the checkpoint holds them
+        if staged:
             if weights is None:
+                why = f"publishes version {self.trainer_version + 1}" if self.publish else "is checkpointed"
                 raise TrainerClientError(
-                    f"step {self.step} publishes version {self.trainer_version + 1}: pass your weights, "
-                    "batch.done(model.state_dict(), ...)"
+                    f"step {self.step} {why}: pass your weights, batch.done(model.state_dict(), ...)"
                 )
             t0 = time.perf_counter()
             c.flatten(weights)  # into the staging file the run's trainer process reads
@@ -102,7 +101,7 @@ class Batch:
             saved = {
                 k: t.detach().cpu().contiguous() for k, t in (state() if callable(state) else state).items()
             }
-        c.answer(Stepped(self.step, figures, self.publish, saved))
+        c.answer(Stepped(self.step, figures, staged, saved))
         self.answered = True
 
 
@@ -121,7 +120,9 @@ class TrainerClient:
         self.start = hello.start  # a HF checkpoint directory: load your model from it
         self.state = hello.state  # your tensors from the checkpoint it belongs to ({} at a fresh start)
         self.steps_done = hello.steps_done
-        self.temperature, self.pad_id, self.train = hello.temperature, hello.pad_id, hello.train
+        self.temperature, self.pad_id = hello.temperature, hello.pad_id
+        self.config = hello.train  # the run's TrainerConfig, lr resolved
+        self.train = asdict(hello.train)  # the same as a dict
         self.layout, self.numel = hello.layout, hello.numel
         self.dtype = getattr(torch, hello.dtype)
         self.cores, self.threads = hello.cores, hello.threads

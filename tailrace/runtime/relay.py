@@ -8,9 +8,9 @@ writes the trainer's part of each checkpoint. What it relays:
     relay --Handshake--> your trainer     where to start: a HF checkpoint directory, your own state
                                           as you saved it there, the layout the weights must fill
     relay --Work-------> your trainer     a step's groups (the scheduler chose them from its store)
-    relay <--Stepped---- your trainer     its metrics, your state when the step is checkpointed; the
-                                          weights it publishes it has written into a shared-memory
-                                          file the relay copies into the ring
+    relay <--Stepped---- your trainer     its metrics, your state when the step is checkpointed; its
+                                          weights, when the step publishes or is checkpointed, it has
+                                          written into a shared-memory file the relay copies from
 
 It listens on loopback, authenticated by a key made for the run: RUN_DIR/trainer.json (address) and
 RUN_DIR/trainer.key, both mode 0600, so only the run's owner can train it. One trainer at a time.
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from tailrace.common import InputError, one_line
+from tailrace.config import TrainerConfig
 from tailrace.config.train import auto_lr
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.model.flat import flatten_parameters
@@ -69,8 +70,8 @@ class Handshake:
     dtype: str  # the engines' weights dtype ("float32")
     temperature: float  # the rollout's: the recorded logprobs are of logits / temperature
     pad_id: int
-    train: dict  # the run's train section (lr, betas, grad_clip, loss, ...), to use as you see fit;
-    # lr resolved (train.lr null: by the model's size, as the built-in trainer's)
+    train: TrainerConfig  # the run's train section, to use as you see fit; lr resolved (train.lr null:
+    # by the model's size, as the built-in trainer's)
     cores: tuple[int, ...]  # the run's trainer cores (this machine's): yours, as the engines keep off them
     threads: int  # torch threads the built-in trainer would run there
 
@@ -78,7 +79,8 @@ class Handshake:
 @dataclass(frozen=True)
 class Work:
     """One optimizer step: train on `groups`; publish the weights when `publish` (the engines load them
-    as the next version), send your state when `save` (it goes into the run's checkpoint)."""
+    as the next version); with `save` the run checkpoints after it: your weights (published or not)
+    and your state go into the checkpoint."""
 
     step: int
     groups: tuple[Group, ...]
@@ -92,7 +94,7 @@ class Work:
 class Stepped:
     step: int
     metrics: dict[str, float]
-    published: bool  # the weights are in the staging file (a publishing step's answer)
+    staged: bool  # your weights after the step are in the staging file (asked when it publishes or saves)
     state: dict[str, torch.Tensor] | None  # with `save`
 
 
@@ -161,10 +163,10 @@ class Relay:
             self.weights.write(t.publish, self.staging)
             sync = (t1, time.perf_counter())
             metrics["weight_sync_s"] = sync[1] - sync[0]
-            self.flat.buffer.copy_(self.staging)  # the model a checkpoint writes
         save_s = 0.0
         if order.save_dir:
             s0 = time.perf_counter()
+            self.flat.buffer.copy_(self.staging)  # the trainer's weights after this step, published or not
             save_external(
                 self.model, Path(self.model_path), Path(order.save_dir), t.step + 1, got.state or {}
             )
@@ -245,10 +247,10 @@ class Relay:
             return f"step {t.step} wants a Stepped reply for that step (use TrainerClient)"
         if not all(isinstance(v, (int, float)) for v in got.metrics.values()):
             return f"step {t.step}'s metrics must be numbers"
-        if t.publish is None or replay:
+        if (t.publish is None and order.save_dir is None) or replay:
             return None
-        if not got.published:
-            return (f"step {t.step} publishes: it needs its weights in the staging file "
+        if not got.staged:
+            return (f"step {t.step} publishes or is checkpointed: it needs its weights in the staging file "
                     "(Batch.done(weights=model.state_dict()))")  # fmt: skip
         if not bool(torch.isfinite(self.staging).all()):
             return f"step {t.step}'s weights are not all finite: nothing was published (lower the lr?)"
@@ -317,7 +319,7 @@ def relay_main(conn, counter, spec, weights: SharedWeights) -> None:
         hello = {
             "layout": tuple((n, tuple(s), o) for n, s, o in weights.layout), "numel": weights.buf.shape[1],
             "dtype": str(weights.buf.dtype).removeprefix("torch."), "temperature": cfg.temperature,
-            "pad_id": cfg.pad_id, "train": {**dataclasses.asdict(cfg), "lr": lr}, "cores": tuple(spec.cores),
+            "pad_id": cfg.pad_id, "train": dataclasses.replace(cfg, lr=lr), "cores": tuple(spec.cores),
             "threads": spec.threads,
         }  # fmt: skip
         ckpt = Path(spec.resume_from) if spec.resume_from else None

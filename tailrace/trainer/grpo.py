@@ -186,16 +186,7 @@ class GRPOTrainer:
         return int(sums[-1])
 
     def make_batch(self, groups: Sequence[Group], trainer_version: int) -> TrainBatch:
-        lc = self.cfg.loss
-        return TrainBatch.from_groups(
-            groups,
-            trainer_version=trainer_version,
-            token_scale=self.loss_fn.token_scale,
-            advantage=self.advantage,
-            max_new_tokens=lc.max_new_tokens,
-            max_staleness=self.cfg.max_staleness,
-            pad_id=self.cfg.pad_id,
-        )
+        return batch_of(groups, self.cfg, trainer_version)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
@@ -299,3 +290,19 @@ class GRPOTrainer:
         self.model.load_state_dict(state["model"])  # copies into the flat buffer's views
         self.opt.load_state_dict(state["optimizer"])
         self.steps = int(state["step"])
+
+
+def batch_of(groups: Sequence[Group], cfg: TrainerConfig, trainer_version: int) -> TrainBatch:
+    """`groups` as a trainer of `cfg` trains them: its loss's aggregation, its advantage estimator (the
+    loss's own when `advantage` is null), its staleness mask and padding (an external trainer's batches
+    too: tailrace/client.py)."""
+    loss = LOSSES[cfg.loss.name]
+    return TrainBatch.from_groups(
+        groups,
+        trainer_version=trainer_version,
+        token_scale=loss.token_scale,
+        advantage=ADVANTAGES[cfg.advantage or loss.advantage],
+        max_new_tokens=cfg.loss.max_new_tokens,
+        max_staleness=cfg.max_staleness,
+        pad_id=cfg.pad_id,
+    )

@@ -1,12 +1,14 @@
 """A trainer of one's own for the external-trainer tests: tailrace's model (no transformers import),
 the example's loss. `--nan-at S`: answer step S with weights that are not finite (the run refuses them);
-`--die-at S`: exit abruptly holding step S's batch. Exit code 3 when the run refused it."""
+`--die-at S`: exit abruptly holding step S's batch; `--dump D`: its weights after each step into D. Exit code 3
+when the run refused it."""
 
 import argparse
 import os
 import sys
 
 import torch
+from safetensors.torch import save_file
 
 from tailrace.client import TrainerClient, TrainerClientError, load_optimizer_state, optimizer_state
 from tailrace.model.checkpoint import load_pretrained
@@ -17,6 +19,9 @@ def main() -> None:
     ap.add_argument("run_dir")
     ap.add_argument("--nan-at", type=int, default=None)
     ap.add_argument("--die-at", type=int, default=None)
+    ap.add_argument(
+        "--dump", default=None, help="a directory: its weights after each step, step_<S>.safetensors"
+    )
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -43,6 +48,10 @@ def main() -> None:
             if batch.step == a.nan_at:
                 weights = {k: torch.full_like(v, float("nan")) for k, v in weights.items()}
             batch.done(weights, {"loss": loss.item()}, state=lambda: optimizer_state(opt))
+            if a.dump:  # (a tied embedding is one tensor under two names: each saved on its own)
+                save_file(
+                    {k: v.clone() for k, v in weights.items()}, f"{a.dump}/step_{batch.step}.safetensors"
+                )
     except TrainerClientError as e:
         print(e, flush=True)
         sys.exit(3)

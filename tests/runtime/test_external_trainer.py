@@ -96,6 +96,25 @@ def test_trainers_that_fail_come_and_go_and_the_run_ends_as_if_none_had(tiny_mod
     assert any(not torch.equal(start[k], end[k]) for k in start)
 
 
+def test_a_checkpoint_after_a_step_that_publishes_nothing_holds_the_trainers_weights(
+    tiny_model, digits, tmp_path
+):
+    """Sync rounds of two steps publish at their second. A run of 3 steps checkpoints after its third,
+    which publishes nothing: that checkpoint's model is the trainer's weights after it, not the last
+    published ones (the round's fourth step may follow: sync finishes its round)."""
+    run_dir = tmp_path / "run"
+    mine = trainer(run_dir, f"--dump={tmp_path}")
+    argv = [f"--model.path={tiny_model}", *SYNC, digits, "--flow.steps=3", "--flow.prompts_per_round=8"]
+    assert main(["train", f"--run-dir={run_dir}", *argv]) == 0
+    out, _ = mine.communicate(timeout=60)
+    assert mine.returncode == 0 and "batch 2 replay=False publish=False" in out, out
+    assert [r["version"] for r in steps(run_dir)][:3] == [0, 1, 1]
+    saved = load_file(str(run_dir / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
+    after, published = (load_file(str(tmp_path / f"step_{s}.safetensors")) for s in (2, 1))
+    assert all(torch.equal(saved[k], after[k]) for k in saved)
+    assert any(not torch.equal(saved[k], published[k]) for k in saved)  # step 2 moved them
+
+
 def test_a_stopped_run_resumes_and_its_next_trainer_starts_from_the_checkpoint(tiny_model, digits, tmp_path):
     run_dir = tmp_path / "run"
     proc = start_cli(
