@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from tailrace.common import InputError, one_line
-from tailrace.model.flat import Layout
+from tailrace.model.flat import FlatWeights, Layout
 from tailrace.runtime import checkpoint
 from tailrace.runtime.relay import NAME, End, Handshake, Refused, Stepped, Work, receive, send
 from tailrace.trainer.batch import TrainBatch
@@ -210,11 +210,10 @@ def flatten_weights(
                 f"weights[{name!r}] has shape {tuple(t.shape)}, the run's model {tuple(shape)}: the model is "
                 f"not the one in {source}"
             )
-    buf = torch.empty(numel, dtype=dtype) if out is None else out
-    for name, _, offset in layout:
-        t = weights[name]
-        buf[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
-    return buf
+    flat = FlatWeights(torch.empty(numel, dtype=dtype) if out is None else out, layout)
+    for name, view in flat.views().items():
+        view.copy_(weights[name].detach())
+    return flat.buffer
 
 
 def _dial(run_dir: Path, deadline: float) -> Connection:

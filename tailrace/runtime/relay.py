@@ -41,7 +41,7 @@ from tailrace.common import InputError, one_line
 from tailrace.config import TrainerConfig
 from tailrace.config.train import auto_lr
 from tailrace.model.checkpoint import load_pretrained
-from tailrace.model.flat import flatten_parameters
+from tailrace.model.flat import Layout, flatten_parameters
 from tailrace.runtime.checkpoint import read_state, save_external, steps_of
 from tailrace.runtime.join import listen, unlisten, write_private
 from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
@@ -64,7 +64,7 @@ class Handshake:
     start: str  # a HF checkpoint directory: the weights the engines hold of `steps_done`
     state: dict[str, torch.Tensor]  # your trainer's state as you saved it there ({}: a fresh start)
     steps_done: int  # optimizer steps in `start`
-    layout: tuple[tuple[str, tuple[int, ...], int], ...]  # every name the weights need: shape, offset
+    layout: Layout  # every name the weights need: its shape and offset
     numel: int  # values in the published weights (tied names share their offset)
     staging: str  # a shared-memory file of `numel` values: your trainer writes the weights it publishes there
     dtype: str  # the engines' weights dtype ("float32")
@@ -317,7 +317,7 @@ def relay_main(conn, counter, spec, weights: SharedWeights) -> None:
         cfg = spec.cfg
         lr = cfg.lr or auto_lr(weights.buf.shape[1])  # train.lr null: by size, as the built-in trainer's
         hello = {
-            "layout": tuple((n, tuple(s), o) for n, s, o in weights.layout), "numel": weights.buf.shape[1],
+            "layout": weights.layout, "numel": weights.buf.shape[1],
             "dtype": str(weights.buf.dtype).removeprefix("torch."), "temperature": cfg.temperature,
             "pad_id": cfg.pad_id, "train": dataclasses.replace(cfg, lr=lr), "cores": tuple(spec.cores),
             "threads": spec.threads,
