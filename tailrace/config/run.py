@@ -218,7 +218,9 @@ class FlowConfig:
     prompts_per_round: int = setting(16, "R: prompts issued per round")
     samples_per_prompt: int = setting(8, "G: samples per prompt, one group (advantages are taken within it)")
     train_batch: int = setting(128, "B: samples per optimizer step, U = B / G groups")
-    steps: int = setting(120, "optimizer steps in the run")
+    steps: int = setting(
+        120, "optimizer steps in the run (a round-based mode cuts its last round to the steps left)"
+    )
     time_limit_s: float | None = setting(
         None,
         "end the run with the first step issued after this many seconds of training, checkpointed "

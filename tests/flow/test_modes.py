@@ -252,3 +252,15 @@ def test_a_lost_engine_loses_no_sample_and_trains_none_twice(mode, seed, engines
     assert len(trained) == len(set(trained)) == 6 * 2 * 2
     s.ledger.check(s.in_store())
     assert sum(m.data["requeued"] for m in c.marks if m.kind == "engine_lost") == requeued
+
+
+@settings(max_examples=20, deadline=None)
+@given(mode=st.sampled_from(MODES), seed=st.integers(0, 10_000), steps=st.integers(1, 7))
+def test_every_mode_trains_exactly_the_steps_asked_and_publishes_the_last(mode, seed, steps):
+    """flow.steps need not be a multiple of a round's steps (R / U = 2 here): the last round is cut to
+    the steps left, trained in full and published, so the run ends with its weights out."""
+    s, c = run_mode(mode, seed, steps=steps)
+    assert [t.step for t in c.trained] == list(range(steps))
+    assert c.trained[-1].publish is not None
+    assert s.ledger.trained == steps * 2 * 2
+    s.ledger.check(s.in_store())

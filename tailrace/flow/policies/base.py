@@ -144,6 +144,13 @@ class Policy:
         self._dropped_at = (step, dropped + 1)
         return True
 
+    @staticmethod
+    def round_size(core: Scheduler) -> int:
+        """Groups the next round trains: R, or those of the steps left when fewer (flow.steps need not
+        be a multiple of a round's R / U steps; the last round is cut, not finished past the run)."""
+        left = (core.spec.total_steps - core.steps_issued) * core.spec.groups_per_step
+        return max(0, min(core.spec.groups_per_round, left))
+
     def allowance(self, core: Scheduler, steps: int = 1) -> int:
         """Replacement groups `steps` optimizer steps may open."""
         per_step = core.spec.groups_per_step if self.extra_groups is None else self.extra_groups

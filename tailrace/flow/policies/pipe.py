@@ -35,6 +35,7 @@ class PipePolicy(Policy):
     def __init__(self, frontier: int | None = None) -> None:
         self.frontier = frontier  # None: a priority order only; F: admit only the F lowest groups
         self.round: list[int] = []
+        self.size = 0  # groups the round trains (R, or fewer in the run's last round)
         self.trained_in_round = 0
         self.extra = 0  # zero-signal replacements this round
 
@@ -48,8 +49,8 @@ class PipePolicy(Policy):
             self._start_round(core)
             if not self.round:
                 return
-        R = core.spec.groups_per_round
-        self.extra += self.replace_rejected(core, self.round, self.allowance(core, R // U) - self.extra)
+        room = self.allowance(core, self.size // U) - self.extra
+        self.extra += self.replace_rejected(core, self.round, room)
         keep = self._keep(core)
         ready = [g for g in list(core.ready) if g in self.round]  # completion order (FIFO)
         while len(ready) >= U:
@@ -69,9 +70,9 @@ class PipePolicy(Policy):
 
     def _keep(self, core: Scheduler) -> int:
         """Groups this round trains: all of them, or shaping's `round_keep` of a short round."""
-        keep = core.shaping.round_keep(core.spec.groups_per_round)
+        keep = core.shaping.round_keep(self.size)
         own = any(core.open[g].own for g in self.round if g in core.open)
-        return len(self.round) if keep is None or own else min(keep, len(self.round))
+        return min(self.size, len(self.round)) if keep is None or own else min(keep, len(self.round))
 
     def _cut_rest(self, core: Scheduler) -> None:
         """The round's groups past its `keep` (a short round of a round-based shaping): deferred."""
@@ -88,7 +89,9 @@ class PipePolicy(Policy):
             return  # the last round's deferred candidates are still being aborted
         if not self.sync_engines(core, v):
             return
-        R = core.spec.groups_per_round
+        R = self.size = self.round_size(core)
+        if not R:
+            return  # stopped: no step left
         live = [g for g in core.open if not core.open[g].deferred]
         leftover = sorted(live + list(core.ready))  # a resumed round's groups
         n = max(0, R - len(leftover)) if leftover else core.shaping.round_open(R)
