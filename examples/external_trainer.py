@@ -57,6 +57,8 @@ def main(run_dir: str) -> None:
         if n_gap:
             metrics["logprob_gap"] = gap / n_gap
         batch.done(model.state_dict(), metrics, state=lambda: optimizer_state(opt))
+    how = "trained all its steps" if client.finished else "stopped (tailrace train --resume goes on)"
+    print(f"trainer: the run {how}: {client.steps_done} steps", flush=True)
 
 
 if __name__ == "__main__":

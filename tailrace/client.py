@@ -119,7 +119,9 @@ class TrainerClient:
             )
         self.start = hello.start  # a HF checkpoint directory: load your model from it
         self.state = hello.state  # your tensors from the checkpoint it belongs to ({} at a fresh start)
-        self.steps_done = hello.steps_done
+        self.steps_done = hello.steps_done  # steps trained: at the start, then the run's at its end
+        self.finished: bool | None = None  # once `batches()` ends: the run trained all its steps
+        # (False: it stopped before, `tailrace train --resume` goes on; None: it has not ended)
         self.temperature, self.pad_id = hello.temperature, hello.pad_id
         self.config = hello.train  # the run's TrainerConfig, lr resolved
         self.train = asdict(hello.train)  # the same as a dict
@@ -140,12 +142,14 @@ class TrainerClient:
         torch.set_num_threads(self.threads)
 
     def batches(self) -> Iterator[Batch]:
-        """Each step's batch, as the run hands them out, until it trained its last step."""
+        """Each step's batch, as the run hands them out, until the run ends: `finished` then says
+        whether it trained all its steps or stopped before, `steps_done` how many it trained."""
         while True:
             if self._open is not None and not self._open.answered:
                 raise TrainerClientError(f"step {self._open.step} is not answered: call batch.done() first")
             msg = self._recv()
             if isinstance(msg, End):
+                self.steps_done, self.finished = msg.steps_done, msg.finished
                 return
             self._open = Batch(msg, self)
             yield self._open

@@ -290,7 +290,7 @@ class Driver(Membership, Reports):
             device=self.device, trainers=trainers,
             # the shared base holds its adapted projections in the dtype the trainers compute in
             base=self._base if pol.train_cfg.bf16 == self._base_bf16 else None,
-            relay=str(pol.run.path) if pol.train_cfg.external else None,
+            relay=str(pol.run.path) if pol.train_cfg.external else None, steps=pol.cfg.flow.steps,
         )  # fmt: skip
         pol.trainer = self.workers.start(pol.worker_name, trainer_target(pol.tspec), pol.tspec, self.weights)
 

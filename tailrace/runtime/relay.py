@@ -107,7 +107,11 @@ class Refused:
 
 @dataclass(frozen=True)
 class End:
-    """The run trained its last step (or stopped): no more batches."""
+    """No more batches: the run trained its last step (`finished`), or it stopped before (SIGTERM, a
+    time limit, a failure; `tailrace train --resume` goes on). `steps_done`: the run's trained steps."""
+
+    steps_done: int
+    finished: bool
 
 
 def send(conn: Connection, msg: object) -> None:
@@ -137,6 +141,7 @@ class Relay:
             raise InputError(f"{start}: its tensors are not the run's model's (train.external)")
         # where a trainer that connects starts: the newest checkpoint (its model/, its directory, steps)
         self.saved: tuple[Path, Path | None, int] = (start, ckpt, steps_done)
+        self.steps_done = steps_done  # the run's steps trained (its trainers' answers, not redone ones)
         self.since: list[TrainOrder] = []  # orders answered since then: a new trainer redoes them
         self.client: Connection | None = None
         self.told = False  # said that the run waits for a trainer
@@ -155,6 +160,7 @@ class Relay:
         got = self._ask(order, replay=order.replay)
         t1 = time.perf_counter()
         self.since.append(order)
+        self.steps_done = max(self.steps_done, t.step + 1)
         if order.replay:
             return TrainerReport(t.step, got.metrics, None, None, (t0, t1), None, replay=True)
         sync = None
@@ -176,10 +182,11 @@ class Relay:
             self.since = []
         return TrainerReport(t.step, metrics, t.publish, order.save_dir, (t0, t1), sync, save_s)
 
-    def close(self) -> None:
+    def close(self, steps: int) -> None:
+        """The run is over: its trainer told so (`steps`: the policy's flow.steps)."""
         if self.client is not None:
             try:
-                send(self.client, End())
+                send(self.client, End(self.steps_done, self.steps_done >= steps))
             except Exception:  # noqa: BLE001 — it finds the run gone either way
                 pass
             self.client.close()
@@ -331,4 +338,4 @@ def relay_main(conn, counter, spec, weights: SharedWeights) -> None:
             while not isinstance(order := conn.recv(), Shutdown):
                 conn.send(relay.step(order))
         finally:
-            relay.close()
+            relay.close(spec.steps)

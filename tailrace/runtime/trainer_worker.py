@@ -45,6 +45,7 @@ class TrainerSpec:
     trainers: int = 1  # trainers sharing this machine's memory (several policies' on the local runtime)
     base: SharedBase | None = None  # a LoRA run's frozen base, one copy in shared memory for every trainer
     relay: str | None = None  # train.external: the run directory your trainer finds the relay by
+    steps: int = 0  # the policy's flow.steps (the relay tells your trainer whether the run finished)
 
 
 def trainer_target(spec: TrainerSpec):

@@ -52,6 +52,7 @@ def main() -> None:
                 save_file(
                     {k: v.clone() for k, v in weights.items()}, f"{a.dump}/step_{batch.step}.safetensors"
                 )
+        print(f"end steps_done={client.steps_done} finished={client.finished}", flush=True)
     except TrainerClientError as e:
         print(e, flush=True)
         sys.exit(3)

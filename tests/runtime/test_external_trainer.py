@@ -112,7 +112,7 @@ def test_a_run_of_steps_not_a_multiple_of_its_rounds_trains_them_and_publishes_t
     assert [x.split()[:4] for x in said] == [
         ["batch", str(s), "replay=False", f"publish={s > 0}"] for s in range(3)
     ], out
-    assert len(steps(run_dir)) == 3
+    assert len(steps(run_dir)) == 3 and "end steps_done=3 finished=True" in out
     saved = load_file(str(run_dir / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
     after = load_file(str(tmp_path / "step_2.safetensors"))
     assert all(torch.equal(saved[k], after[k]) for k in saved)
@@ -128,8 +128,9 @@ def test_a_stopped_run_resumes_and_its_next_trainer_starts_from_the_checkpoint(t
     proc.send_signal(signal.SIGTERM)
     said, _ = proc.communicate(timeout=60)
     assert "--resume" in said, said[-3000:]
-    assert first.wait(timeout=60) == 0  # the run's end ends its batches
-    assert len(steps(run_dir)) < 6
+    said_first, _ = first.communicate(timeout=60)
+    assert first.returncode == 0, said_first  # the run's end ends its batches, and says it stopped
+    assert len(steps(run_dir)) < 6 and "finished=False" in said_first, said_first
     newest = step_dirs(run_dir / "checkpoints")[0]
     done = int(newest.name.removeprefix("step_"))  # the stop may land between a step and its checkpoint
     proc = start_cli("train", "--resume", str(run_dir))
@@ -137,6 +138,7 @@ def test_a_stopped_run_resumes_and_its_next_trainer_starts_from_the_checkpoint(t
     out, _ = second.communicate(timeout=120)
     said, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and second.returncode == 0, (said[-3000:], out)
+    assert "end steps_done=6 finished=True" in out, out
     # from the newest checkpoint (one per step here), with the optimizer state the first one saved in it
     start = out.splitlines()[0].split()
     assert start[:2] == ["start", str(done)] and int(start[3]) > 0, out
