@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, replace
@@ -116,6 +117,12 @@ class TrainerClient:
         if not isinstance(hello, Handshake):
             raise TrainerClientError(
                 f"{run_dir}: the run sent {type(hello).__name__} instead of its handshake"
+            )
+        if hello.machine != socket.gethostname() or not Path(hello.staging).is_file():
+            self.conn.close()
+            raise TrainerClientError(
+                f"{run_dir}: the run's trainer process is on {hello.machine}, and your trainer hands it "
+                f"the weights through that machine's memory ({hello.staging}): start your trainer there"
             )
         self.start = hello.start  # a HF checkpoint directory: load your model from it
         self.state = hello.state  # your tensors from the checkpoint it belongs to ({} at a fresh start)

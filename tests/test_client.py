@@ -1,12 +1,24 @@
 """tailrace.client's parts that need no run: the weights laid out as the engines hold them (the names
-and shapes checked, tied names in one slice), and an optimizer's state through tensors and back."""
+and shapes checked, tied names in one slice), an optimizer's state through tensors and back, and a
+trainer on another machine than the run's trainer process refused in one line."""
+
+import threading
 
 import pytest
 import torch
 from torch import nn
 
-from tailrace.client import TrainerClientError, flatten_weights, load_optimizer_state, optimizer_state
+from tailrace.client import (
+    TrainerClient,
+    TrainerClientError,
+    flatten_weights,
+    load_optimizer_state,
+    optimizer_state,
+)
+from tailrace.config import TrainerConfig
 from tailrace.model.flat import flatten_parameters
+from tailrace.runtime.join import listen, unlisten
+from tailrace.runtime.relay import NAME, Handshake, send
 
 
 class Tied(nn.Module):
@@ -67,3 +79,28 @@ def test_an_optimizers_state_goes_through_tensors_and_back():
         m(x).pow(2).sum().backward()
         o.step()
     assert torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias)
+
+
+def test_a_trainer_on_another_machine_than_the_relay_is_told_where_to_run(tmp_path):
+    """On Ray the relay may be on another node: the weights go through its machine's memory, so a
+    trainer elsewhere is refused at the handshake, naming the machine."""
+    listener = listen(tmp_path, NAME)
+    staging = tmp_path / "staging"
+    staging.write_bytes(b"")
+    hello = Handshake(str(tmp_path), {}, 0, (), 0, str(staging), "node-7", "float32", 1.0, 0,
+                      TrainerConfig(), (), 1)  # fmt: skip
+
+    def relay():
+        with listener.accept() as conn:
+            send(conn, hello)
+
+    t = threading.Thread(target=relay)
+    t.start()
+    try:
+        with pytest.raises(
+            TrainerClientError, match=r"trainer process is on node-7.*start your trainer there"
+        ):
+            TrainerClient(tmp_path, wait_s=10)
+    finally:
+        t.join(timeout=10)
+        unlisten(listener, tmp_path, NAME)

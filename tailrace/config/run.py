@@ -426,13 +426,12 @@ class RunConfig:
                     f"train.world_size={self.train.world_size}",
                     "--train.world_size=1",
                 ),
-                (self.runtime.kind != "local", f"runtime.kind={self.runtime.kind}", "--runtime.kind=local"),
             ]
             for bad, what, fix in clash:
                 need(
                     not bad,
-                    f"train.external with {what}: your own trainer trains a policy's whole model, from "
-                    f"this machine ({fix}; your trainer's parallelism is its own)",
+                    f"train.external with {what}: your own trainer trains a policy's whole model "
+                    f"({fix}; your trainer's parallelism is its own)",
                 )
 
     def to_dict(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from tailrace.common import one_line
-from tailrace.model.flat import FlatWeights
+from tailrace.model.flat import FlatWeights, Layout
 from tailrace.runtime.ray_weights import StoreWeights
 
 JOIN_S = 120.0  # for every member to join the group (engines join before they load their model)
@@ -103,6 +103,14 @@ class Member:
 
     def __reduce__(self):
         return (_start, (self.store, self.numel, self.seats, self.device))
+
+    @property
+    def layout(self) -> Layout:
+        return self.store.layout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.store.dtype
 
     @property
     def group(self) -> Any:

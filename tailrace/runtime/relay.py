@@ -12,8 +12,10 @@ writes the trainer's part of each checkpoint. What it relays:
                                           weights, when the step publishes or is checkpointed, it has
                                           written into a shared-memory file the relay copies from
 
-It listens on loopback, authenticated by a key made for the run: RUN_DIR/trainer.json (address) and
-RUN_DIR/trainer.key, both mode 0600, so only the run's owner can train it. One trainer at a time.
+It listens on loopback (on Ray: the address its actor's node is known by, which the driver reached
+it at), authenticated by a key made for the run: RUN_DIR/trainer.json (address) and RUN_DIR/trainer.key,
+both mode 0600, so only the run's owner can train it. One trainer at a time, on the relay's machine
+(the weights go through its shared memory): on Ray, the node trainer.json names.
 
 Your trainer may come and go: until one is connected the engines keep generating up to the run's
 staleness bound and the step waits. One that leaves (its process ended, its connection broke, or it
@@ -28,6 +30,7 @@ import dataclasses
 import os
 import pickle
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -43,7 +46,7 @@ from tailrace.config.train import auto_lr
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.model.flat import Layout, flatten_parameters
 from tailrace.runtime.checkpoint import read_state, save_external, steps_of
-from tailrace.runtime.join import listen, unlisten, write_private
+from tailrace.runtime.join import LOOPBACK, listen, unlisten, write_private
 from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
 from tailrace.runtime.procs import pin
 from tailrace.runtime.weights import SharedWeights
@@ -67,6 +70,7 @@ class Handshake:
     layout: Layout  # every name the weights need: its shape and offset
     numel: int  # values in the published weights (tied names share their offset)
     staging: str  # a shared-memory file of `numel` values: your trainer writes the weights it publishes there
+    machine: str  # the relay's host name: your trainer runs there (the staging file is its memory)
     dtype: str  # the engines' weights dtype ("float32")
     temperature: float  # the rollout's: the recorded logprobs are of logits / temperature
     pad_id: int
@@ -129,13 +133,14 @@ def receive(conn: Connection) -> object:
 
 class Relay:
     def __init__(self, run_dir: Path, ckpt: Path | None, model_path: str, weights: SharedWeights,
-                 hello: dict) -> None:  # fmt: skip
-        """`ckpt`: the checkpoint the run resumed from (None: it starts from `model_path`)."""
+                 hello: dict, host: str = LOOPBACK) -> None:  # fmt: skip
+        """`ckpt`: the checkpoint the run resumed from (None: it starts from `model_path`); `host`:
+        the address it listens on."""
         start = ckpt / "model" if ckpt is not None else Path(model_path)
         steps_done = steps_of(ckpt) if ckpt is not None else 0
         self.run_dir, self.model_path, self.weights = run_dir, model_path, weights
         # the published weights as a model, for the checkpoint's model/: its parameters view `flat`
-        self.model = load_pretrained(start, dtype=weights.buf.dtype)
+        self.model = load_pretrained(start, dtype=weights.dtype)
         self.flat = flatten_parameters(self.model)
         if tuple(n for n, _, _ in self.flat.layout) != tuple(n for n, _, _ in weights.layout):
             raise InputError(f"{start}: its tensors are not the run's model's (train.external)")
@@ -147,10 +152,14 @@ class Relay:
         self.told = False  # said that the run waits for a trainer
         # what your trainer publishes, written by it in place: no pickling, no socket (bench/README.md)
         self.staging_path = staging_file(run_dir)
-        self.staging = torch.from_file(str(self.staging_path), shared=True, size=hello["numel"],
-                                       dtype=weights.buf.dtype)  # fmt: skip
-        self.hello = {**hello, "staging": str(self.staging_path)}
-        self.listener = listen(run_dir, NAME)
+        numel = self.flat.buffer.numel()
+        cfg = hello["train"]  # train.lr null: by size, as the built-in trainer's
+        hello = {**hello, "train": dataclasses.replace(cfg, lr=cfg.lr or auto_lr(numel))}
+        self.staging = torch.from_file(str(self.staging_path), shared=True, size=numel, dtype=weights.dtype)
+        dtype = str(weights.dtype).removeprefix("torch.")
+        self.hello = {**hello, "layout": weights.layout, "numel": numel, "dtype": dtype,
+                      "staging": str(self.staging_path), "machine": socket.gethostname()}  # fmt: skip
+        self.listener = listen(run_dir, NAME, host)
         self.arrived: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._accept, name="relay-desk", daemon=True).start()
 
@@ -310,6 +319,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _host(conn: Connection) -> str:
+    """Where the relay listens: the address its connection to the driver comes in at (a Ray actor's
+    node, as Ray knows it), else loopback (a local run's trainer process talks over a pipe)."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            if s.family in (socket.AF_INET, socket.AF_INET6):
+                return s.getsockname()[0]
+    except OSError:
+        pass
+    return LOOPBACK
+
+
 def _batch(order: TrainOrder, replay: bool) -> Work:
     t = order.train
     return Work(t.step, t.groups, t.trainer_version, t.publish is not None and not replay,
@@ -322,15 +343,12 @@ def relay_main(conn, counter, spec, weights: SharedWeights) -> None:
         pin(spec.cores)
         torch.set_num_threads(spec.threads)
         cfg = spec.cfg
-        lr = cfg.lr or auto_lr(weights.buf.shape[1])  # train.lr null: by size, as the built-in trainer's
         hello = {
-            "layout": weights.layout, "numel": weights.buf.shape[1],
-            "dtype": str(weights.buf.dtype).removeprefix("torch."), "temperature": cfg.temperature,
-            "pad_id": cfg.pad_id, "train": dataclasses.replace(cfg, lr=lr), "cores": tuple(spec.cores),
-            "threads": spec.threads,
+            "temperature": cfg.temperature, "pad_id": cfg.pad_id, "train": cfg,
+            "cores": tuple(spec.cores), "threads": spec.threads,
         }  # fmt: skip
         ckpt = Path(spec.resume_from) if spec.resume_from else None
-        relay = Relay(Path(spec.relay), ckpt, spec.model_path, weights, hello)
+        relay = Relay(Path(spec.relay), ckpt, spec.model_path, weights, hello, _host(conn))
         if spec.publish_start:
             weights.write(spec.start_version, relay.flat.buffer)
         conn.send(Ready(spec.start_version))

@@ -44,6 +44,10 @@ class SharedWeights:
     def slots(self) -> int:
         return self.buf.shape[0]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buf.dtype
+
     def write(self, version: int, buffer: torch.Tensor) -> None:
         slot = version % self.slots
         self.versions[slot] = -1  # a torn write is never read as valid

@@ -165,7 +165,6 @@ def test_one_policy_of_two_is_trained_from_outside_the_other_by_tailrace(tiny_mo
     [
         ("--train.lora.rank=8", "train.external with train.lora.rank=8"),
         ("--train.world_size=2", "train.external with train.world_size=2"),
-        ("--runtime.kind=ray", "train.external with runtime.kind=ray"),
     ],
 )
 def test_what_an_external_trainer_cannot_serve_is_refused_in_one_line(
