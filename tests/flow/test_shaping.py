@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tailrace.flow.policies import make_policy
 from tailrace.flow.scheduler import FlowSpec, Scheduler
-from tailrace.flow.shaping import make_shaping
+from tailrace.flow.shaping import check_mode, make_shaping
 from tailrace.records import journal_from_json
 from tailrace.types import Prompt
 from tests.flow.scripted import ScriptedCluster
@@ -151,3 +151,34 @@ def test_crash_and_resume_keeps_the_statistics_and_the_planned_window(seed, cras
     assert len(keys) == len(set(keys)), "a trajectory was trained twice"
     assert s2.ledger.trained == steps * U * G
     s2.ledger.check(s2.in_store())
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    mode=st.sampled_from(["sync", "pipe"]),
+    shaping=st.sampled_from(["tailbatch", "april", "sorted", "darts"]),
+    seed=st.integers(0, 10_000),
+    steps=st.integers(1, 5),
+)
+def test_round_shapings_train_exactly_the_steps_asked_when_they_cut_the_last_round(
+    mode, shaping, seed, steps
+):
+    """flow.steps not a multiple of a round's R / U = 2 steps: the last round, cut to the steps left,
+    still opens, defers, carries or sorts as its shaping says, and the run trains `steps` steps."""
+    rng = random.Random(seed)
+    lengths = {}
+
+    def length(g, i):
+        return lengths.setdefault((g, i), max(1, int(rng.lognormvariate(1.6, 0.9))))
+
+    try:
+        check_mode(shaping, mode)
+    except ValueError:  # a pairing the run refuses (april and sorted are sync's)
+        return
+    s = build(mode, 4, 2, 2, steps, shaping)
+    c = ScriptedCluster(s, length, slots=4, train_ticks=3, max_len=25)
+    c.run(max_ticks=20_000)
+    assert [t.step for t in c.trained] == list(range(steps))
+    assert c.trained[-1].publish is not None
+    s.ledger.check(s.in_store())
+    assert s.ledger.trained == steps * 2 * 2
