@@ -168,10 +168,8 @@ class TrainerClient:
     def answer(self, msg: Stepped) -> None:
         try:
             send(self.conn, msg)
-        except OSError as e:
-            raise TrainerClientError(
-                f"{self.run_dir}: the run went away ({e}); its records say why"
-            ) from None
+        except OSError:
+            raise self._gone() from None
 
     def close(self) -> None:
         self.conn.close()
@@ -182,15 +180,18 @@ class TrainerClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _gone(self) -> TrainerClientError:
+        return TrainerClientError(
+            f"the run in {self.run_dir} went away: it stopped (its console and errors.log say why) or "
+            "its trainer process was replaced; start your trainer again: it joins the run, or the "
+            "resumed one (tailrace train --resume), from the newest checkpoint"
+        )
+
     def _recv(self):
         try:
             msg = receive(self.conn)
         except (EOFError, OSError):
-            raise TrainerClientError(
-                f"the run in {self.run_dir} went away: it stopped (its console and errors.log say why) or "
-                "its trainer process was replaced; start your trainer again: it joins the run, or the "
-                "resumed one (tailrace train --resume), from the newest checkpoint"
-            ) from None
+            raise self._gone() from None
         if isinstance(msg, Refused):
             raise TrainerClientError(f"the run refused your trainer: {msg.line}")
         return msg

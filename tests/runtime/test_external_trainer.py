@@ -12,6 +12,7 @@ weights its engines generate with next (runtime/relay.py, tailrace/client.py).
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,7 +24,15 @@ from safetensors.torch import load_file
 
 from tailrace.cli import main
 from tailrace.runtime.checkpoint import step_dirs
-from tests.runtime.conftest import TINY_RUN, assert_exact, one_line, run, start_cli, wait_for_steps
+from tests.runtime.conftest import (
+    TINY_RUN,
+    assert_exact,
+    one_line,
+    recoveries,
+    run,
+    start_cli,
+    wait_for_steps,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SYNC = [*TINY_RUN, "--flow.mode=sync", "--train.external=true"]
@@ -142,6 +151,29 @@ def test_a_stopped_run_resumes_and_its_next_trainer_starts_from_the_checkpoint(t
     # from the newest checkpoint (one per step here), with the optimizer state the first one saved in it
     start = out.splitlines()[0].split()
     assert start[:2] == ["start", str(done)] and int(start[3]) > 0, out
+    assert_exact(run_dir, steps=6)
+
+
+def test_a_relay_killed_is_replaced_and_the_next_trainer_finishes_the_run(tiny_model, digits, tmp_path):
+    """The run's trainer process (the relay) SIGKILLed mid-run: the driver replaces it as it replaces a
+    lost trainer; the trainer that was connected is told to start again (exit 3 here), the next one
+    joins the new relay from the newest checkpoint, and the run ends exact."""
+    run_dir = tmp_path / "run"
+    proc = start_cli(
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, digits, "--flow.steps=6"
+    )
+    first = trainer(run_dir)
+    wait_for_steps(run_dir, proc, 2)
+    relay = json.loads((run_dir / "trainer.json").read_text())["pid"]
+    os.kill(relay, signal.SIGKILL)
+    said_first, _ = first.communicate(timeout=60)
+    assert first.returncode == 3 and "start your trainer again" in said_first, said_first
+    second = trainer(run_dir)
+    out, _ = second.communicate(timeout=180)
+    said, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and second.returncode == 0, (said[-3000:], out)
+    assert "end steps_done=6 finished=True" in out, out
+    assert recoveries(run_dir), said[-3000:]
     assert_exact(run_dir, steps=6)
 
 
