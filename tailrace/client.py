@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -133,6 +134,9 @@ class TrainerClient:
         self.config = hello.train  # the run's TrainerConfig, lr resolved
         self.train = asdict(hello.train)  # the same as a dict
         self.layout, self.numel = hello.layout, hello.numel
+        # a LoRA run (config.lora.rank > 0): the weights are an adapter's on the base `start`; start from
+        # `adapter` (a PEFT directory; None: a fresh one), built as `peft_config()` says
+        self.adapter = hello.adapter
         self.dtype = getattr(torch, hello.dtype)
         self.cores, self.threads = hello.cores, hello.threads
         # the weights you publish go into this shared-memory file (the run's trainer process copies them
@@ -160,6 +164,17 @@ class TrainerClient:
                 return
             self._open = Batch(msg, self)
             yield self._open
+
+    def peft_config(self):
+        """A LoRA run's adapter as `peft.LoraConfig` (rank, alpha, targets; no dropout, no bias): the
+        adapter your PEFT model must have for the engines to generate with it as you train it."""
+        lc = self.config.lora
+        if not lc.rank:
+            raise TrainerClientError("this run trains the whole model (train.lora.rank=0): it has no adapter")
+        from peft import LoraConfig
+
+        return LoraConfig(r=lc.rank, lora_alpha=lc.alpha, target_modules=list(lc.targets), lora_dropout=0.0,
+                          bias="none", task_type="CAUSAL_LM")  # fmt: skip
 
     def flatten(self, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """`weights` laid out as the engines hold them, in the staging file (`flatten_weights`)."""
@@ -209,11 +224,17 @@ def flatten_weights(
     by `layout` (name, shape, offset; tied names share their slice), written into `out` when given.
     `source`: the checkpoint the model should come from, for the error. Everything is checked before
     anything is written."""
+    weights = _by_run_names(weights, layout)
     missing = [n for n, _, _ in layout if n not in weights]
     if missing:
+        what = (
+            "of your PEFT model (get_peft_model(model, client.peft_config())) on the base"
+            if ".lora_" in missing[0]
+            else "of a model loaded from"
+        )
         raise TrainerClientError(
             f"the weights lack {missing[0]!r} ({len(missing)} of {len(layout)} names): pass the state_dict "
-            f"of a model loaded from {source} (transformers' names are the run's)"
+            f"{what} {source} (transformers' and PEFT's names are the run's)"
         )
     for name, shape, _ in layout:
         t = weights[name]
@@ -226,6 +247,22 @@ def flatten_weights(
     for name, view in flat.views().items():
         view.copy_(weights[name].detach())
     return flat.buffer
+
+
+_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.*\.lora_[AB])\.[^.]+(\.weight)$")
+
+
+def _by_run_names(weights: Mapping[str, torch.Tensor], layout: Layout) -> Mapping[str, torch.Tensor]:
+    """`weights` with a PEFT model's adapter keys (`base_model.model.<name>.lora_A.<adapter>.weight`)
+    under the run's names (`<name>.lora_A.weight`), for a LoRA run's layout; others as they are."""
+    if not any(".lora_" in n for n, _, _ in layout):
+        return weights
+    out = dict(weights)
+    for key, t in weights.items():
+        m = _PEFT_KEY.match(key)
+        if m and m[1] + m[2] not in weights:
+            out[m[1] + m[2]] = t
+    return out
 
 
 def _dial(run_dir: Path, deadline: float) -> Connection:

@@ -418,21 +418,11 @@ class RunConfig:
             "with replay)",
         )
 
-        if self.train.external:
-            clash = [
-                (self.train.lora.rank > 0, f"train.lora.rank={self.train.lora.rank}", "--train.lora.rank=0"),
-                (
-                    self.train.world_size > 1,
-                    f"train.world_size={self.train.world_size}",
-                    "--train.world_size=1",
-                ),
-            ]
-            for bad, what, fix in clash:
-                need(
-                    not bad,
-                    f"train.external with {what}: your own trainer trains a policy's whole model "
-                    f"({fix}; your trainer's parallelism is its own)",
-                )
+        need(
+            not (self.train.external and self.train.world_size > 1),
+            f"train.external with train.world_size={self.train.world_size}: your own trainer is one process "
+            "to the run (--train.world_size=1; your trainer's parallelism is its own)",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -101,11 +101,19 @@ def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path, merged: bo
     _save_state(out, state["step"], tensors)
 
 
-def save_external(model, source_model: Path, out: Path, steps: int, state: dict[str, torch.Tensor]) -> None:
-    """An external trainer's part (train.external, written by the run's relay): model/ (the weights it
-    published), its own `state` tensors in place of the optimizer's, and the step count."""
+def save_external(
+    model, source_model: Path, out: Path, steps: int, state: dict[str, torch.Tensor], merged: bool = True
+) -> None:
+    """An external trainer's part (train.external, written by the run's relay): model/ (its weights
+    after the step; with LoRA its adapter/, and model/ merged only when `merged`), its own `state`
+    tensors in place of the optimizer's, and the step count."""
     _fresh(out)
-    save_pretrained(model, out / "model", companions_from=source_model)
+    if lora.has_adapter(model):
+        lora.save_peft(lora.adapter_of(model), out / lora.ADAPTER_DIR, base_model=str(source_model))
+        if merged:
+            save_pretrained(model, out / "model", source_model, lora.merged_state(model))
+    else:
+        save_pretrained(model, out / "model", companions_from=source_model)
     _save_state(out, steps, {k: t.detach().to("cpu").contiguous() for k, t in state.items()}, external="1")
 
 

@@ -43,12 +43,14 @@ import torch
 from tailrace.common import InputError, one_line
 from tailrace.config import TrainerConfig
 from tailrace.config.train import auto_lr
+from tailrace.model import lora
 from tailrace.model.checkpoint import load_pretrained
 from tailrace.model.flat import Layout, flatten_parameters
 from tailrace.runtime.checkpoint import read_state, save_external, steps_of
 from tailrace.runtime.join import LOOPBACK, listen, unlisten, write_private
 from tailrace.runtime.messages import Ready, Shutdown, TrainerReport, TrainOrder
 from tailrace.runtime.procs import pin
+from tailrace.runtime.shared_base import SharedBase
 from tailrace.runtime.weights import SharedWeights
 from tailrace.runtime.workers import serving
 from tailrace.types import Group
@@ -78,6 +80,8 @@ class Handshake:
     # by the model's size, as the built-in trainer's)
     cores: tuple[int, ...]  # the run's trainer cores (this machine's): yours, as the engines keep off them
     threads: int  # torch threads the built-in trainer would run there
+    adapter: str | None = None  # a LoRA run's (train.lora.rank > 0): the PEFT adapter directory to start
+    # from on the base `start` (None: a fresh adapter); the weights you publish are the adapter's alone
 
 
 @dataclass(frozen=True)
@@ -133,19 +137,29 @@ def receive(conn: Connection) -> object:
 
 class Relay:
     def __init__(self, run_dir: Path, ckpt: Path | None, model_path: str, weights: SharedWeights,
-                 hello: dict, host: str = LOOPBACK) -> None:  # fmt: skip
+                 hello: dict, host: str = LOOPBACK, base: SharedBase | None = None) -> None:  # fmt: skip
         """`ckpt`: the checkpoint the run resumed from (None: it starts from `model_path`); `host`:
-        the address it listens on."""
-        start = ckpt / "model" if ckpt is not None else Path(model_path)
+        the address it listens on; `base`: a LoRA run's frozen base in shared memory, if the driver
+        made one. A LoRA run's (train.lora.rank > 0) weights are the adapter alone, on the base of
+        `model_path`: your trainer starts from that base and the adapter in `adapter`."""
+        cfg: TrainerConfig = hello["train"]
+        self.lora = bool(cfg.lora.rank)
+        full_start = ckpt / "model" if ckpt is not None else Path(model_path)
+        start = Path(model_path) if self.lora else full_start
         steps_done = steps_of(ckpt) if ckpt is not None else 0
         self.run_dir, self.model_path, self.weights = run_dir, model_path, weights
-        # the published weights as a model, for the checkpoint's model/: its parameters view `flat`
-        self.model = load_pretrained(start, dtype=weights.dtype)
-        self.flat = flatten_parameters(self.model)
+        # the published weights as a model, for the checkpoint's model/ (and adapter/): the parameters
+        # it publishes view `flat`
+        self.model = self._model(start, weights.dtype, cfg, base)
+        adapter = self._adapter(ckpt, cfg)
+        if adapter is not None:
+            lora.load_adapter_into(self.model, lora.load_peft(adapter))
+        self.flat = flatten_parameters(self.model, trainable=self.lora)
         if tuple(n for n, _, _ in self.flat.layout) != tuple(n for n, _, _ in weights.layout):
             raise InputError(f"{start}: its tensors are not the run's model's (train.external)")
-        # where a trainer that connects starts: the newest checkpoint (its model/, its directory, steps)
-        self.saved: tuple[Path, Path | None, int] = (start, ckpt, steps_done)
+        # where a trainer that connects starts: the newest checkpoint (its model/ or, with LoRA, the base
+        # and its adapter/; its directory; steps)
+        self.saved: tuple[Path, Path | None, int, Path | None] = (start, ckpt, steps_done, adapter)
         self.steps_done = steps_done  # the run's steps trained (its trainers' answers, not redone ones)
         self.since: list[TrainOrder] = []  # orders answered since then: a new trainer redoes them
         self.client: Connection | None = None
@@ -153,8 +167,8 @@ class Relay:
         # what your trainer publishes, written by it in place: no pickling, no socket (bench/README.md)
         self.staging_path = staging_file(run_dir)
         numel = self.flat.buffer.numel()
-        cfg = hello["train"]  # train.lr null: by size, as the built-in trainer's
-        hello = {**hello, "train": dataclasses.replace(cfg, lr=cfg.lr or auto_lr(numel))}
+        n = sum(p.numel() for p in self.model.parameters())  # train.lr null: by size, as the built-in's
+        hello = {**hello, "train": dataclasses.replace(cfg, lr=cfg.lr or auto_lr(n, self.lora))}
         self.staging = torch.from_file(str(self.staging_path), shared=True, size=numel, dtype=weights.dtype)
         dtype = str(weights.dtype).removeprefix("torch.")
         self.hello = {**hello, "layout": weights.layout, "numel": numel, "dtype": dtype,
@@ -183,11 +197,15 @@ class Relay:
             s0 = time.perf_counter()
             self.flat.buffer.copy_(self.staging)  # the trainer's weights after this step, published or not
             save_external(
-                self.model, Path(self.model_path), Path(order.save_dir), t.step + 1, got.state or {}
-            )
+                self.model, Path(self.model_path), Path(order.save_dir), t.step + 1, got.state or {},
+                merged=order.merged,
+            )  # fmt: skip
             save_s = time.perf_counter() - s0
             final = Path(order.save_dir.removesuffix(".tmp"))  # the driver makes it whole next
-            self.saved = (final / "model", final, t.step + 1)
+            if self.lora:
+                self.saved = (Path(self.model_path), final, t.step + 1, final / lora.ADAPTER_DIR)
+            else:
+                self.saved = (final / "model", final, t.step + 1, None)
             self.since = []
         return TrainerReport(t.step, metrics, t.publish, order.save_dir, (t0, t1), sync, save_s)
 
@@ -250,12 +268,32 @@ class Relay:
         return self.client
 
     def _handshake(self) -> Handshake:
-        start, ckpt, steps = self.saved
+        start, ckpt, steps, adapter = self.saved
         deadline = time.monotonic() + SAVED_S
-        while not start.is_dir() and time.monotonic() < deadline:  # the driver is making it whole
+        while not (ckpt or start).is_dir() and time.monotonic() < deadline:  # the driver makes it whole
             time.sleep(0.1)
         state = read_state(ckpt) if ckpt is not None else {}
-        return Handshake(str(start), state, steps, **self.hello)
+        return Handshake(
+            str(start), state, steps, **self.hello, adapter=None if adapter is None else str(adapter)
+        )
+
+    @staticmethod
+    def _model(start: Path, dtype: torch.dtype, cfg: TrainerConfig, base: SharedBase | None):
+        """The model the published weights are the parameters of (with LoRA: a fresh adapter on the
+        frozen base, shared with the other trainers when the driver shares it)."""
+        if not cfg.lora.rank:
+            return load_pretrained(start, dtype=dtype)
+        model = base.model() if base is not None else load_pretrained(start, dtype=dtype)
+        return lora.attach(model, cfg.lora)
+
+    def _adapter(self, ckpt: Path | None, cfg: TrainerConfig) -> Path | None:
+        """With LoRA, the adapter the run starts from: its checkpoint's, else train.lora.init (None: a
+        fresh one, whose B is zero: the base's outputs, whatever A your trainer draws)."""
+        if not self.lora:
+            return None
+        if ckpt is not None:
+            return ckpt / lora.ADAPTER_DIR
+        return Path(cfg.lora.init) if cfg.lora.init else None
 
     def _refusal(self, got: object, order: TrainOrder, replay: bool) -> str | None:
         t = order.train
@@ -348,7 +386,7 @@ def relay_main(conn, counter, spec, weights: SharedWeights) -> None:
             "cores": tuple(spec.cores), "threads": spec.threads,
         }  # fmt: skip
         ckpt = Path(spec.resume_from) if spec.resume_from else None
-        relay = Relay(Path(spec.relay), ckpt, spec.model_path, weights, hello, _host(conn))
+        relay = Relay(Path(spec.relay), ckpt, spec.model_path, weights, hello, _host(conn), spec.base)
         if spec.publish_start:
             weights.write(spec.start_version, relay.flat.buffer)
         conn.send(Ready(spec.start_version))

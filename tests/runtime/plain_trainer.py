@@ -1,7 +1,7 @@
 """A trainer of one's own for the external-trainer tests: tailrace's model (no transformers import),
 the example's loss. `--nan-at S`: answer step S with weights that are not finite (the run refuses them);
 `--die-at S`: exit abruptly holding step S's batch; `--dump D`: its weights after each step into D. Exit code 3
-when the run refused it."""
+when the run refused it. On a LoRA run it trains tailrace's own adapter (lora.attach) on the base."""
 
 import argparse
 import os
@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from tailrace.client import TrainerClient, TrainerClientError, load_optimizer_state, optimizer_state
+from tailrace.model import lora
 from tailrace.model.checkpoint import load_pretrained
 
 
@@ -27,7 +28,11 @@ def main() -> None:
     torch.set_num_threads(1)
     client = TrainerClient(a.run_dir, wait_s=120)
     model = load_pretrained(client.start, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if client.config.lora.rank:  # the run's adapter on the base: its names are the run's
+        lora.attach(model, client.config.lora)
+        if client.adapter:
+            lora.load_adapter_into(model, lora.load_peft(client.adapter))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     if client.state:
         load_optimizer_state(opt, client.state)
     print(f"start {client.steps_done} state {len(client.state)}", flush=True)

@@ -74,6 +74,37 @@ def test_the_example_trainer_on_transformers_trains_a_run(tiny_model, digits, tm
     assert not (run_dir / "trainer.json").exists() and not (run_dir / "trainer.key").exists()
 
 
+def test_the_example_trainer_trains_a_lora_run_with_a_peft_adapter(tiny_model, digits, tmp_path):
+    """--train.lora.rank=4: the example trainer builds PEFT's adapter from client.peft_config() on the
+    base and publishes the adapter alone; the engines generate with each version of it (the logprob gap
+    stays at the two implementations' distance once B is no longer zero), and the run's checkpoints
+    hold it in PEFT's format, the last one the merged model too."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tailrace.model import lora
+
+    run_dir = tmp_path / "run"
+    p = trainer(run_dir, str(ROOT / "examples" / "external_trainer.py"), str(run_dir), module=None)
+    argv = [f"--model.path={tiny_model}", *SYNC, digits, "--train.lora.rank=4", "--train.lr=2e-3"]
+    assert main(["train", f"--run-dir={run_dir}", *argv]) == 0
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out[-3000:]
+    records = steps(run_dir)
+    assert [r["version"] for r in records] == [1, 2, 3, 4]
+    assert all(r["staleness"] == {"0": 16} for r in records)
+    gaps = [r["train"]["logprob_gap"] for r in records]
+    assert all(g < 1e-3 for g in gaps), gaps
+    last = run_dir / "checkpoints" / "step_000004"
+    adapter = lora.load_peft(last / lora.ADAPTER_DIR)
+    assert adapter.rank == 4 and any(b.abs().sum() > 0 for _, b in adapter.weights.values())
+    assert (last / "model" / "model.safetensors").exists()  # the last checkpoint: merged too
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    PeftModel.from_pretrained(base, str(last / lora.ADAPTER_DIR))  # PEFT reads what the relay saved
+    earlier = run_dir / "checkpoints" / "step_000003"
+    assert (earlier / lora.ADAPTER_DIR).is_dir() and not (earlier / "model").exists()  # the adapter alone
+
+
 def test_trainers_that_fail_come_and_go_and_the_run_ends_as_if_none_had(tiny_model, digits, tmp_path):
     argv = [f"--model.path={tiny_model}", *SYNC, digits, "--flow.steps=5", "--flow.checkpoint_every=2"]
     calm = tmp_path / "calm"
@@ -154,14 +185,17 @@ def test_a_stopped_run_resumes_and_its_next_trainer_starts_from_the_checkpoint(t
     assert_exact(run_dir, steps=6)
 
 
-def test_a_relay_killed_is_replaced_and_the_next_trainer_finishes_the_run(tiny_model, digits, tmp_path):
+@pytest.mark.parametrize("rank", [0, 4])
+def test_a_relay_killed_is_replaced_and_the_next_trainer_finishes_the_run(tiny_model, digits, tmp_path, rank):
     """The run's trainer process (the relay) SIGKILLed mid-run: the driver replaces it as it replaces a
     lost trainer; the trainer that was connected is told to start again (exit 3 here), the next one
-    joins the new relay from the newest checkpoint, and the run ends exact."""
+    joins the new relay from the newest checkpoint (a LoRA run's: the base and the checkpoint's adapter),
+    and the run ends exact."""
     run_dir = tmp_path / "run"
     proc = start_cli(
-        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, digits, "--flow.steps=6"
-    )
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, digits, "--flow.steps=6",
+        f"--train.lora.rank={rank}",
+    )  # fmt: skip
     first = trainer(run_dir)
     wait_for_steps(run_dir, proc, 2)
     relay = json.loads((run_dir / "trainer.json").read_text())["pid"]
@@ -173,6 +207,8 @@ def test_a_relay_killed_is_replaced_and_the_next_trainer_finishes_the_run(tiny_m
     said, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and second.returncode == 0, (said[-3000:], out)
     assert "end steps_done=6 finished=True" in out, out
+    start = out.splitlines()[0].split()  # from the newest checkpoint, with the first trainer's state
+    assert int(start[1]) >= 2 and int(start[3]) > 0, out
     assert recoveries(run_dir), said[-3000:]
     assert_exact(run_dir, steps=6)
 
@@ -195,7 +231,6 @@ def test_one_policy_of_two_is_trained_from_outside_the_other_by_tailrace(tiny_mo
 @pytest.mark.parametrize(
     "flag, said",
     [
-        ("--train.lora.rank=8", "train.external with train.lora.rank=8"),
         ("--train.world_size=2", "train.external with train.world_size=2"),
     ],
 )
