@@ -77,6 +77,8 @@ MODES = [
     # each step's batch: --modes multiversion-K1,multiversion-K1+external
     ("sync", {"train.external": True}),
     ("multiversion", {"flow.max_staleness": 1, "train.external": True}),
+    # ... on a LoRA run, a PEFT adapter: --modes multiversion-K1+lora8,multiversion-K1+lora8+external
+    ("multiversion", {"flow.max_staleness": 1, "train.lora.rank": 8, "train.external": True}),
 ]
 
 CONFIGS = {
