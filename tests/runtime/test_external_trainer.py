@@ -54,20 +54,25 @@ def final_model(run_dir):
     return load_file(str(last / "model" / "model.safetensors"))
 
 
-def test_the_example_trainer_on_transformers_trains_a_run(tiny_model, digits, tmp_path):
-    run_dir = tmp_path / "run"
+def example_run(run_dir, tiny_model, digits, *extra) -> None:
+    """A 4-step sync run trained by examples/external_trainer.py: every step trains on samples of the
+    weights it starts from, the ones the trainer published, whose logprobs match the engine's."""
     p = trainer(run_dir, str(ROOT / "examples" / "external_trainer.py"), str(run_dir), module=None)
-    assert main(["train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, digits]) == 0
+    assert main(["train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, digits, *extra]) == 0
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out[-3000:]
     records = steps(run_dir)
     assert [r["version"] for r in records] == [1, 2, 3, 4]
-    # sync: every step trains on samples of the weights it starts from, the ones the trainer published
     assert all(r["staleness"] == {"0": 16} for r in records)
     gaps = [r["train"]["logprob_gap"] for r in records]
-    assert all(g < 1e-3 for g in gaps), gaps  # transformers' Llama and the engine: one model
+    assert all(g < 1e-3 for g in gaps), gaps  # transformers' (and PEFT's) Llama and the engine: one model
     assert all(r["train"]["tokens"] > 0 and "loss" in r["train"] for r in records)
     assert_exact(run_dir, steps=4)
+
+
+def test_the_example_trainer_on_transformers_trains_a_run(tiny_model, digits, tmp_path):
+    run_dir = tmp_path / "run"
+    example_run(run_dir, tiny_model, digits)
     start = load_file(str(tiny_model / "model.safetensors"))
     end = final_model(run_dir)
     assert any(not torch.equal(start[k], end[k]) for k in start)  # the trainer's updates reached it
@@ -85,16 +90,7 @@ def test_the_example_trainer_trains_a_lora_run_with_a_peft_adapter(tiny_model, d
     from tailrace.model import lora
 
     run_dir = tmp_path / "run"
-    p = trainer(run_dir, str(ROOT / "examples" / "external_trainer.py"), str(run_dir), module=None)
-    argv = [f"--model.path={tiny_model}", *SYNC, digits, "--train.lora.rank=4", "--train.lr=2e-3"]
-    assert main(["train", f"--run-dir={run_dir}", *argv]) == 0
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 0, out[-3000:]
-    records = steps(run_dir)
-    assert [r["version"] for r in records] == [1, 2, 3, 4]
-    assert all(r["staleness"] == {"0": 16} for r in records)
-    gaps = [r["train"]["logprob_gap"] for r in records]
-    assert all(g < 1e-3 for g in gaps), gaps
+    example_run(run_dir, tiny_model, digits, "--train.lora.rank=4", "--train.lr=2e-3")
     last = run_dir / "checkpoints" / "step_000004"
     adapter = lora.load_peft(last / lora.ADAPTER_DIR)
     assert adapter.rank == 4 and any(b.abs().sum() > 0 for _, b in adapter.weights.values())
