@@ -181,16 +181,15 @@ def test_a_stopped_run_resumes_and_its_next_trainer_starts_from_the_checkpoint(t
     assert_exact(run_dir, steps=6)
 
 
-@pytest.mark.parametrize("rank", [0, 4])
-def test_a_relay_killed_is_replaced_and_the_next_trainer_finishes_the_run(tiny_model, digits, tmp_path, rank):
+def test_a_relay_killed_is_replaced_and_the_next_trainer_finishes_the_run(tiny_model, digits, tmp_path):
     """The run's trainer process (the relay) SIGKILLed mid-run: the driver replaces it as it replaces a
     lost trainer; the trainer that was connected is told to start again (exit 3 here), the next one
-    joins the new relay from the newest checkpoint (a LoRA run's: the base and the checkpoint's adapter),
-    and the run ends exact."""
+    joins the new relay from the newest checkpoint (a LoRA run here: the base and the checkpoint's
+    adapter, which the new relay starts from too), and the run ends exact."""
     run_dir = tmp_path / "run"
     proc = start_cli(
-        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, digits, "--flow.steps=6",
-        f"--train.lora.rank={rank}",
+        "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, digits, "--flow.steps=5",
+        "--train.lora.rank=4",
     )  # fmt: skip
     first = trainer(run_dir)
     wait_for_steps(run_dir, proc, 2)
@@ -202,11 +201,11 @@ def test_a_relay_killed_is_replaced_and_the_next_trainer_finishes_the_run(tiny_m
     out, _ = second.communicate(timeout=180)
     said, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and second.returncode == 0, (said[-3000:], out)
-    assert "end steps_done=6 finished=True" in out, out
+    assert "end steps_done=5 finished=True" in out, out
     start = out.splitlines()[0].split()  # from the newest checkpoint, with the first trainer's state
     assert int(start[1]) >= 2 and int(start[3]) > 0, out
     assert recoveries(run_dir), said[-3000:]
-    assert_exact(run_dir, steps=6)
+    assert_exact(run_dir, steps=5)
 
 
 @pytest.mark.parametrize("rank", [0, 4])
