@@ -208,19 +208,18 @@ def test_a_relay_killed_is_replaced_and_the_next_trainer_finishes_the_run(tiny_m
     assert_exact(run_dir, steps=5)
 
 
-@pytest.mark.parametrize("rank", [0, 4])
 def test_one_policy_of_two_is_trained_from_outside_the_other_by_tailrace(
-    tiny_model, digits, tmp_path, capsys, rank
+    tiny_model, digits, tmp_path, capsys
 ):
-    """Two policies on the engines, one trained by a trainer of one's own; with LoRA (two tenants'
-    adapters on one base) the relay builds its model on the base the driver shares with the trainers."""
+    """Two LoRA tenants on the engines, one trained by a trainer of one's own: its relay builds its model
+    on the base the driver shares with the trainers."""
     run_dir = tmp_path / "run"
     policies = "[{name: sums}, {name: own, train: {external: true}}]"
     mine = trainer(run_dir / "policies" / "own")  # its relay listens in the policy's own directory
     argv = [f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=sync", digits, f"--policies={policies}",
-            f"--train.lora.rank={rank}"]  # fmt: skip
+            "--train.lora.rank=4"]  # fmt: skip
     assert main(["train", f"--run-dir={run_dir}", *argv]) == 0
-    assert ("share one copy of the base" in capsys.readouterr().out) == bool(rank)
+    assert "share one copy of the base" in capsys.readouterr().out
     out, _ = mine.communicate(timeout=60)
     assert mine.returncode == 0 and "batch 3 replay=False publish=True" in out, out
     for name, external in (("sums", False), ("own", True)):
