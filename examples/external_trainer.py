@@ -45,7 +45,10 @@ def main(run_dir: str) -> None:
                             eps=cfg["eps"], weight_decay=cfg["weight_decay"])  # fmt: skip
     if client.state:
         load_optimizer_state(opt, client.state)
-    print(f"trainer: from {client.start} (step {client.steps_done})", flush=True)
+    print(
+        f"trainer: from {client.start} (step {client.steps_done}, {len(client.state)} state tensors)",
+        flush=True,
+    )
     for batch in client.batches():
         tb = batch.tensors()  # (B, T): input_ids, targets, mask, adv, behav_logp, scale, versions
         loss_sum, gap, n_gap = 0.0, 0.0, 0

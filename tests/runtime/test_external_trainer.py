@@ -13,6 +13,7 @@ weights its engines generate with next (runtime/relay.py, tailrace/client.py).
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,28 +78,6 @@ def test_the_example_trainer_on_transformers_trains_a_run(tiny_model, digits, tm
     end = final_model(run_dir)
     assert any(not torch.equal(start[k], end[k]) for k in start)  # the trainer's updates reached it
     assert not (run_dir / "trainer.json").exists() and not (run_dir / "trainer.key").exists()
-
-
-def test_the_example_trainer_trains_a_lora_run_with_a_peft_adapter(tiny_model, digits, tmp_path):
-    """--train.lora.rank=4: the example trainer builds PEFT's adapter from client.peft_config() on the
-    base and publishes the adapter alone; the engines generate with each version of it (the logprob gap
-    stays at the two implementations' distance once B is no longer zero), and the run's checkpoints
-    hold it in PEFT's format, the last one the merged model too."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from tailrace.model import lora
-
-    run_dir = tmp_path / "run"
-    example_run(run_dir, tiny_model, digits, "--train.lora.rank=4", "--train.lr=2e-3")
-    last = run_dir / "checkpoints" / "step_000004"
-    adapter = lora.load_peft(last / lora.ADAPTER_DIR)
-    assert adapter.rank == 4 and any(b.abs().sum() > 0 for _, b in adapter.weights.values())
-    assert (last / "model" / "model.safetensors").exists()  # the last checkpoint: merged too
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    PeftModel.from_pretrained(base, str(last / lora.ADAPTER_DIR))  # PEFT reads what the relay saved
-    earlier = run_dir / "checkpoints" / "step_000003"
-    assert (earlier / lora.ADAPTER_DIR).is_dir() and not (earlier / "model").exists()  # the adapter alone
 
 
 def test_trainers_that_fail_come_and_go_and_the_run_ends_as_if_none_had(tiny_model, digits, tmp_path):
@@ -181,31 +160,51 @@ def test_a_stopped_run_resumes_and_its_next_trainer_starts_from_the_checkpoint(t
     assert_exact(run_dir, steps=6)
 
 
-def test_a_relay_killed_is_replaced_and_the_next_trainer_finishes_the_run(tiny_model, digits, tmp_path):
-    """The run's trainer process (the relay) SIGKILLed mid-run: the driver replaces it as it replaces a
-    lost trainer; the trainer that was connected is told to start again (exit 3 here), the next one
-    joins the new relay from the newest checkpoint (a LoRA run here: the base and the checkpoint's
-    adapter, which the new relay starts from too), and the run ends exact."""
+def test_the_example_trainer_trains_a_lora_run_with_peft_and_outlives_its_relay(tiny_model, digits, tmp_path):
+    """--train.lora.rank=4: the example trainer builds PEFT's adapter from client.peft_config() on the
+    base and publishes the adapter alone; the engines generate with each version of it (the logprob gap
+    stays at the two implementations' distance once B is no longer zero). The run's trainer process
+    (the relay) SIGKILLed mid-run is replaced as a lost trainer is: the connected trainer is told to
+    start again, the next one loads the newest checkpoint's adapter (client.adapter, PEFT's format) and
+    optimizer state, and the run ends exact, its last checkpoint holding the merged model too."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tailrace.model import lora
+
     run_dir = tmp_path / "run"
     proc = start_cli(
         "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, digits, "--flow.steps=5",
-        "--train.lora.rank=4",
+        "--train.lora.rank=4", "--train.lr=2e-3",
     )  # fmt: skip
-    first = trainer(run_dir)
+    example = (str(ROOT / "examples" / "external_trainer.py"), str(run_dir))
+    first = trainer(run_dir, *example, module=None)
     wait_for_steps(run_dir, proc, 2)
     relay = json.loads((run_dir / "trainer.json").read_text())["pid"]
     os.kill(relay, signal.SIGKILL)
     said_first, _ = first.communicate(timeout=60)
-    assert first.returncode == 3 and "start your trainer again" in said_first, said_first
-    second = trainer(run_dir)
+    assert first.returncode != 0 and "start your trainer again" in said_first, said_first
+    second = trainer(run_dir, *example, module=None)
     out, _ = second.communicate(timeout=180)
     said, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and second.returncode == 0, (said[-3000:], out)
-    assert "end steps_done=5 finished=True" in out, out
-    start = out.splitlines()[0].split()  # from the newest checkpoint, with the first trainer's state
-    assert int(start[1]) >= 2 and int(start[3]) > 0, out
+    assert "the run trained all its steps: 5 steps" in out, out
+    start = re.search(r"\(step (\d+), (\d+) state tensors\)", out)  # the newest checkpoint, its state
+    assert start and int(start[1]) >= 2 and int(start[2]) > 0, out
     assert recoveries(run_dir), said[-3000:]
     assert_exact(run_dir, steps=5)
+    records = steps(run_dir)
+    assert all(r["staleness"] == {"0": 16} for r in records)
+    gaps = [r["train"]["logprob_gap"] for r in records]
+    assert all(g < 1e-3 for g in gaps), gaps  # PEFT's LoRA and the engine's: one model
+    last = run_dir / "checkpoints" / "step_000005"
+    adapter = lora.load_peft(last / lora.ADAPTER_DIR)
+    assert adapter.rank == 4 and any(b.abs().sum() > 0 for _, b in adapter.weights.values())
+    assert (last / "model" / "model.safetensors").exists()  # the last checkpoint: merged too
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    PeftModel.from_pretrained(base, str(last / lora.ADAPTER_DIR))  # PEFT reads what the relay saved
+    earlier = run_dir / "checkpoints" / "step_000004"
+    assert (earlier / lora.ADAPTER_DIR).is_dir() and not (earlier / "model").exists()  # the adapter alone
 
 
 def test_one_policy_of_two_is_trained_from_outside_the_other_by_tailrace(
