@@ -13,8 +13,12 @@ filters); your trainer owns the update. `batch.publish`: the engines load your w
 version (pass them whenever it is set); `batch.save`: the run takes a checkpoint after this step, and
 `done(state=...)` puts your own tensors in it (an optimizer's: `optimizer_state`); a trainer that
 starts later finds them in `client.state`. `batch.replay`: a step the trainer before you did since
-that checkpoint (it left); train on it as usual, nothing is published. The relay's side is
-runtime/relay.py; examples/external_trainer.py is a whole trainer on transformers.
+that checkpoint (it left); train on it as usual, nothing is published. A LoRA run's weights are an
+adapter's on the base `client.start`: build it from `client.peft_config()` or load `client.adapter`,
+and pass the PEFT model's state_dict as it is. Run your trainer on the relay's machine (on Ray, the node
+RUN/trainer.json names): the weights go through its shared memory. When `batches()` ends,
+`client.finished` says whether the run trained all its steps. The relay's side is runtime/relay.py;
+examples/external_trainer.py is a whole trainer on transformers (and PEFT).
 """
 
 from __future__ import annotations
