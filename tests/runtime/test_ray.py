@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tailrace.records import Span, StepRecord, read_events, read_metrics
 from tests.runtime.conftest import TINY_RUN, assert_exact, one_line, recoveries, run
@@ -235,14 +234,39 @@ def test_two_policies_train_on_ray_each_trainer_an_actor_in_a_bundle_of_its_own(
     (trainer-a, trainer-b), in its own bundle with runtime.trainer_cpus. Their versions sit side by side
     in the ring, and each trainer broadcasts by a collective group of its own (the engine in both; the
     object store path is the one-policy tests' with the same bundles). Both finish every step once,
-    their ledgers exact, each trainer publishing its own versions."""
+    their ledgers exact, each trainer publishing its own versions.
+
+    b is trained by a trainer of one's own (train.external): trainer-b is its relay, listening where the
+    driver reached it (this cluster's node: loopback), and tests/runtime/plain_trainer.py joins it by
+    RUN/policies/b/trainer.json; its weights reach the engine by the collective as trainer-a's do."""
+    import json
+    import subprocess
+
     run_dir = tmp_path / "run"
+    b_dir = run_dir / "policies" / "b"
+    mine = subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime.plain_trainer", str(b_dir)], cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    seen: list[dict] = []
+
+    def watch():  # the relay's address, while the run lasts
+        while mine.poll() is None and not seen:
+            with contextlib.suppress(OSError, ValueError):
+                seen.append(json.loads((b_dir / "trainer.json").read_text()))
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+    policies = POLICIES.replace("mode: multiversion}", "mode: multiversion}, train: {external: true}")
     rc, out = train(
         capsys, tiny_model, run_dir, "--flow.steps=3", "--eval.n=4", "--runtime.weights=collective",
-        f"--policies={POLICIES}",
+        f"--policies={policies}",
     )  # fmt: skip
-    assert rc == 0, out
+    said, _ = mine.communicate(timeout=60)
+    assert rc == 0 and mine.returncode == 0, (out[-3000:], said)
     assert "Traceback" not in out
+    assert "end steps_done=3 finished=True" in said, said
+    assert seen and seen[0]["host"] == "127.0.0.1", seen
     for name in ("a", "b"):
         assert_exact(run_dir / "policies" / name, steps=3)
         mine = steps_of(run_dir / "policies" / name)
@@ -360,43 +384,3 @@ def test_a_stopped_member_holds_a_broadcast_only_until_it_is_killed(ray_cluster)
     ray.get(trainer.write.remote(3, 3.0, numel), timeout=10)
     assert coll.read(3).buffer.mean().item() == 3.0
     ray.kill(trainer)
-
-
-def test_a_trainer_of_ones_own_trains_a_ray_run_by_its_relay_actor(
-    ray_cluster, no_local_hosts, tiny_model, tmp_path, capsys
-):
-    """train.external on Ray: the trainer actor is the relay, listening where the driver reached it
-    (this cluster's node: loopback); the trainer process (tests/runtime/plain_trainer.py) joins it by the
-    run's trainer.json, and its weights reach the engine actor by the collective. Every step trains on
-    the weights it published; the last checkpoint's model is its weights after the last step."""
-    import json
-    import subprocess
-
-    from safetensors.torch import load_file
-
-    run_dir = tmp_path / "run"
-    mine = subprocess.Popen(
-        [sys.executable, "-m", "tests.runtime.plain_trainer", str(run_dir), f"--dump={tmp_path}"],
-        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    seen: list[dict] = []
-
-    def watch():  # the relay's address, while the run lasts
-        while mine.poll() is None and not seen:
-            with contextlib.suppress(OSError, ValueError):
-                seen.append(json.loads((run_dir / "trainer.json").read_text()))
-            time.sleep(0.2)
-
-    threading.Thread(target=watch, daemon=True).start()
-    rc, out = train(capsys, tiny_model, run_dir, "--train.external=true", "--runtime.weights=collective")
-    said, _ = mine.communicate(timeout=60)
-    assert rc == 0 and mine.returncode == 0, (out[-3000:], said)
-    assert "end steps_done=4 finished=True" in said, said
-    assert seen and seen[0]["host"] == "127.0.0.1", seen
-    assert_exact(run_dir, steps=4)
-    steps = steps_of(run_dir)
-    assert [r.version for r in steps] == [1, 2, 3, 4]
-    assert all(r.staleness == {"0": 16} for r in steps)  # sync: samples of the weights it published
-    saved = load_file(str(run_dir / "checkpoints" / "step_000004" / "model" / "model.safetensors"))
-    after = load_file(str(tmp_path / "step_3.safetensors"))
-    assert all(torch.equal(saved[k], after[k]) for k in saved)
