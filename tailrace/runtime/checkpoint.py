@@ -89,12 +89,7 @@ def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path, merged: bo
     """model/ (with the source checkpoint's tokenizer and chat template), optimizer and step, synced;
     a LoRA trainer's adapter/, and model/ (the merged policy) only when `merged`."""
     _fresh(out)
-    if lora.has_adapter(trainer.model):
-        lora.save_peft(trainer.adapter(), out / lora.ADAPTER_DIR, base_model=str(source_model))
-        if merged:
-            save_pretrained(trainer.model, out / "model", source_model, lora.merged_state(trainer.model))
-    else:
-        save_pretrained(trainer.model, out / "model", companions_from=source_model)
+    _save_policy(trainer.model, source_model, out, merged)
     state = trainer.state_dict()
     tensors = optimizer_tensors(state["optimizer"]["state"])
     tensors["rng"] = torch.get_rng_state()
@@ -108,13 +103,19 @@ def save_external(
     after the step; with LoRA its adapter/, and model/ merged only when `merged`), its own `state`
     tensors in place of the optimizer's, and the step count."""
     _fresh(out)
+    _save_policy(model, source_model, out, merged)
+    _save_state(out, steps, {k: t.detach().to("cpu").contiguous() for k, t in state.items()}, external="1")
+
+
+def _save_policy(model, source_model: Path, out: Path, merged: bool) -> None:
+    """model/ (with the source checkpoint's tokenizer and chat template); a LoRA model's adapter/ in
+    PEFT's format instead, and model/ (the merged policy) only when `merged`."""
     if lora.has_adapter(model):
         lora.save_peft(lora.adapter_of(model), out / lora.ADAPTER_DIR, base_model=str(source_model))
         if merged:
             save_pretrained(model, out / "model", source_model, lora.merged_state(model))
     else:
         save_pretrained(model, out / "model", companions_from=source_model)
-    _save_state(out, steps, {k: t.detach().to("cpu").contiguous() for k, t in state.items()}, external="1")
 
 
 def optimizer_tensors(state: dict[int, dict]) -> dict[str, torch.Tensor]:
