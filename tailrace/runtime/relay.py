@@ -144,8 +144,7 @@ class Relay:
         `model_path`: your trainer starts from that base and the adapter in `adapter`."""
         cfg: TrainerConfig = hello["train"]
         self.lora = bool(cfg.lora.rank)
-        full_start = ckpt / "model" if ckpt is not None else Path(model_path)
-        start = Path(model_path) if self.lora else full_start
+        start = Path(model_path) if self.lora or ckpt is None else ckpt / "model"  # LoRA: the base
         steps_done = steps_of(ckpt) if ckpt is not None else 0
         self.run_dir, self.model_path, self.weights = run_dir, model_path, weights
         # the published weights as a model, for the checkpoint's model/ (and adapter/): the parameters

@@ -37,7 +37,6 @@ class SyncPolicy(Policy):
 
     def __init__(self, max_staleness: int = 1, pregen_below: float | None = None) -> None:
         self.round: list[int] = []  # group ids of the round being generated
-        self.size = 0  # groups the round trains (R, or fewer in the run's last round)
         self.version = 0  # the round's version
         self.extra = 0  # zero-signal replacements this round
         self.carried: list[int] = []  # groups carried into the next round (a carrying shaping)
@@ -71,25 +70,25 @@ class SyncPolicy(Policy):
         if core.shaping.early_updates:
             self.sorted.decide(core)
             return
-        U = core.spec.groups_per_step
+        # the groups a round trains: R, or fewer in the run's last round (no step is issued before the
+        # round is complete, so this stays the round's own until it trains)
+        R, U = self.round_size(core), core.spec.groups_per_step
         if not self.round and not self.carried:  # resumed: the interrupted round's groups are there
             live = [g for g in core.open if not core.open[g].deferred] + list(core.ready)
             self.round, self.extra, self.version, self.cut = sorted(live), 0, core.trainer_version, False
-            self.size = self.round_size(core)
         if not self.round:
             self._start_round(core)
             return
-        self._cut(core, core.shaping.round_keep(self.size))
+        self._cut(core, core.shaping.round_keep(R))
         groups = self._generating(core)
         if not groups:  # the round is complete: its zero-signal groups go, a wave replaces them
-            room = self.allowance(core, self.size // U) - self.extra
-            self.extra += self.replace_rejected(core, self.round, room)
+            self.extra += self.replace_rejected(core, self.round, self.allowance(core, R // U) - self.extra)
             groups = self._generating(core)
         if groups:
             self.hand_over(core, groups, self.version)
             self._pregen(core, groups)
             return
-        kept = [g for g in self.round if g in core.ready][: self.size]  # (the last round: its steps only)
+        kept = [g for g in self.round if g in core.ready][:R]  # (the last round: its steps only)
         for i in range(0, len(kept), U):
             core.train(kept[i : i + U], publish=i + U >= len(kept))
         self.round = []
@@ -172,7 +171,6 @@ class SyncPolicy(Policy):
         last = core.shaping.carries and core.steps_issued + R // U >= core.spec.total_steps
         n = max(0, (R if last else core.shaping.round_open(R)) - len(carried))  # last: none to carry into
         self.round, self.carried, self.version = carried + [core.open_group(v).id for _ in range(n)], [], v
-        self.size = R
         self.cut = last  # the last round waits for every group: nothing is left over
         self.pregen_todo = None
         tail = any(core.open[g].own for g in self.round if g in core.open)
