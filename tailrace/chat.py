@@ -17,13 +17,21 @@ _PROBE = "TAILRACEPROBE"  # assistant content the end-of-turn search looks past:
 
 
 class ChatFormat:
-    def __init__(self, tok: Tokenizer, system: str | None = None) -> None:
+    def __init__(self, tok: Tokenizer, system: str | None = None, thinking: bool | None = None) -> None:
         """`tok` must carry a chat template; `system`: the system message (None: the template's own
-        default, if it has one)."""
+        default, if it has one); `thinking`: the template's `enable_thinking` (Qwen3's templates: False
+        closes an empty think block after the generation prompt, so the model answers at once; None:
+        the template's default). A template that never reads `enable_thinking` refuses a setting."""
         from transformers.utils.chat_template_utils import render_jinja_template  # ~1 s: only here
 
         assert tok.chat_template is not None
+        if thinking is not None and "enable_thinking" not in tok.chat_template:
+            raise TokenizerError(
+                f"task.thinking={str(thinking).lower()} but the model's chat template has no "
+                "enable_thinking switch; drop task.thinking"
+            )
         self.tok, self.system = tok, system
+        self.options = {} if thinking is None else {"enable_thinking": thinking}
         self._render_jinja = render_jinja_template
         self.end_of_turn = self._end_of_turn()
 
@@ -46,6 +54,7 @@ class ChatFormat:
                 chat_template=self.tok.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 **self.tok.special_tokens,
+                **self.options,
             )
         except Exception as e:  # jinja raises TemplateError, or whatever the template's code raises
             fix = "drop task.system_prompt or " if self.system is not None else ""

@@ -1,5 +1,5 @@
 """A checkpoint directory whose tokenizer has a chat template, built locally (no download): a
-character-level tokenizer with ChatML's special tokens, and optionally a small random Llama/Qwen2."""
+character-level tokenizer with ChatML's special tokens, and optionally a small random Llama/Qwen2/Qwen3."""
 
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ CHATML = (
     "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# ChatML with Qwen3's thinking switch at the generation prompt (as Qwen3's own template ends)
+THINKING = CHATML.replace(
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}",
 )
 # writes BOS itself, as Llama 3's does (here BOS is <|endoftext|>, the end of a turn <|im_end|>)
 BOS_FIRST = (

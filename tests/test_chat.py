@@ -7,16 +7,17 @@ import pytest
 
 from tailrace.chat import ChatFormat
 from tailrace.tokenizer import TokenizerError, load_tokenizer
-from tests.chat_helpers import BOS_FIRST, CHATML, write_chat_model, write_tokenizer
+from tests.chat_helpers import BOS_FIRST, CHATML, THINKING, write_chat_model, write_tokenizer
 
 Q = "Q:a7 b3 c9\n"
 
 
-def hf_ids(d, messages):
+def hf_ids(d, messages, **options):
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast.from_pretrained(d)
-    return list(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    out = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **options)
+    return list(out["input_ids"])
 
 
 @pytest.mark.parametrize("template", [CHATML, BOS_FIRST], ids=["chatml", "bos-first"])
@@ -37,6 +38,26 @@ def test_the_rendered_prompt_is_the_chat(tmp_path):
     assert chat.render(Q) == (
         "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nQ:a7 b3 c9\n<|im_end|>\n"
         "<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize("thinking", [None, False, True])
+def test_the_thinking_switch_renders_as_transformers_does(tmp_path, thinking):
+    """task.thinking is Qwen3's enable_thinking: false closes an empty think block after the
+    generation prompt; the ids are apply_chat_template's with the same switch."""
+    d = write_tokenizer(tmp_path, THINKING)
+    chat = ChatFormat(load_tokenizer(d), None, thinking)
+    options = {} if thinking is None else {"enable_thinking": thinking}
+    assert chat.ids(Q) == hf_ids(d, [{"role": "user", "content": Q}], **options)
+    closed = chat.render(Q).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert closed == (thinking is False) and chat.end_of_turn == 2
+
+
+def test_a_thinking_switch_the_template_lacks_is_refused(tmp_path):
+    with pytest.raises(TokenizerError) as e:
+        ChatFormat(load_tokenizer(write_tokenizer(tmp_path)), None, False)
+    assert str(e.value) == (
+        "task.thinking=false but the model's chat template has no enable_thinking switch; drop task.thinking"
     )
 
 

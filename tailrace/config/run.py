@@ -40,6 +40,11 @@ class TaskConfig:
     system_prompt: str | None = setting(
         None, "the chat template's system message (null = the template's own default)"
     )
+    thinking: bool | None = setting(
+        None,
+        "the chat template's enable_thinking (Qwen3's templates): false = answer without a think block, "
+        "true = think first; null = the template's default",
+    )
     train_size: int | None = setting(
         None,
         "training prompts: a finite set cycled in epochs, so a prompt comes back (shaping's per-prompt "
@@ -74,6 +79,10 @@ class TaskConfig:
         need(
             self.system_prompt is None or self.chat_template == "auto",
             "task.system_prompt needs a chat template; drop it or set task.chat_template=auto",
+        )
+        need(
+            self.thinking is None or self.chat_template == "auto",
+            "task.thinking needs a chat template; drop it or set task.chat_template=auto",
         )
 
 

@@ -33,6 +33,18 @@ from tailrace.model.config import ModelConfig
 from tailrace.model.rope import apply_rope
 
 
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: normalize in fp32, cast back to the input dtype, then scale by the weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -45,16 +57,19 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        # As HF: Llama's attention_bias also covers o_proj; Qwen2's o_proj never has one.
-        self.o_proj = nn.Linear(
-            self.num_heads * self.head_dim, cfg.hidden_size, bias=bias and cfg.model_type == "llama"
-        )
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalized over head_dim before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, step: CausalStep) -> torch.Tensor:
         B, T, _ = h.shape
         q = self.q_proj(h).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(h).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(h).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
         o = step.attend(q, k, v)  # (B, T, H, D), possibly strided
         return self.o_proj(o.reshape(B, T, -1))

@@ -1,8 +1,10 @@
-"""`ModelConfig`: the shape of a Llama/Qwen2-family decoder, and its mapping to and from HF config.json.
+"""`ModelConfig`: the shape of a Llama/Qwen2/Qwen3-family decoder, and its mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into LlamaForCausalLM / Qwen2ForCausalLM. Features those classes have and this decoder lacks
+loads into LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM. Qwen3 is Llama's layout with a
+per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch on every attention projection.
+Features those classes have and this decoder lacks
 (sliding windows, MLP bias, partial rotary, non-SiLU activations, other RoPE types) are rejected, never
 silently ignored.
 """
@@ -13,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
     "linear": ("factor",),
@@ -21,7 +23,7 @@ ROPE_REQUIRED = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-_HF_DEFAULT_MAX_POS = {"llama": 2048, "qwen2": 32768}
+_HF_DEFAULT_MAX_POS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
 
 
 @dataclass
@@ -40,7 +42,7 @@ class ModelConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    # Bias on q/k/v (and on o for llama, as HF's LlamaAttention does). None: qwen2 -> True, llama -> False.
+    # Bias on q/k/v (and on o for llama and qwen3, as HF's attention does). None: qwen2 -> True, else False.
     attention_bias: bool | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -102,6 +104,16 @@ class ModelConfig:
                     f"{name}={v} is outside [0, vocab_size={self.vocab_size}); fix it or set None"
                 )
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3's RMSNorm over each head's q and k (weights of head_dim), between projection and RoPE."""
+        return self.model_type == "qwen3"
+
+    @property
+    def o_bias(self) -> bool:
+        """Whether o_proj has a bias: Llama's and Qwen3's follow attention_bias; Qwen2's never has one."""
+        return self.attention_bias and self.model_type != "qwen2"
 
     @property
     def rope_type(self) -> str:
@@ -194,6 +206,8 @@ class ModelConfig:
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
         else:
             d.update(use_sliding_window=False)
+        if self.model_type == "qwen3":
+            d.update(attention_bias=self.attention_bias)
         return d
 
     def replace(self, **changes) -> "ModelConfig":

@@ -1,6 +1,6 @@
-"""`CausalLM`: a Llama/Qwen2-family decoder in plain PyTorch.
+"""`CausalLM`: a Llama/Qwen2/Qwen3-family decoder in plain PyTorch.
 
-Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM, so state_dicts map 1:1.
+Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM, so state_dicts map 1:1.
 
 The forward runs whole sequences with causal attention. Callers right-pad batches, so no padding mask
 is needed (a real token never attends to a later pad). Autograd and bf16 autocast work. There is no
@@ -14,21 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailrace.model.attention import Attention, CausalStep
+from tailrace.model.attention import Attention, CausalStep, RMSNorm
 from tailrace.model.config import ModelConfig
 from tailrace.model.rope import Rotary
-
-
-class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm: normalize in fp32, cast back to the input dtype, then scale by the weight."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class MLP(nn.Module):

@@ -32,26 +32,35 @@ class ModelText:
     """A checkpoint's text side: its tokenizer, its chat format (None: raw text) and the token ids
     that end a response -- EOS, the checkpoint's other EOS ids, the chat's end-of-turn token."""
 
-    def __init__(self, model_path: Path, chat_template: str = "auto", system_prompt: str | None = None):
+    def __init__(
+        self,
+        model_path: Path,
+        chat_template: str = "auto",
+        system_prompt: str | None = None,
+        thinking: bool | None = None,
+    ):
         self.model_cfg = read_config(model_path)  # fails early, in one line, on a bad checkpoint
         eos = self.model_cfg.eos_token_id  # config.json may list several (Llama 3: eos + end of turn)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or ())
         self.tok = load_tokenizer(model_path, eos_id=eos_ids[0] if eos_ids else None)
-        self.chat = self._chat_format(model_path, chat_template, system_prompt)
+        self.chat = self._chat_format(model_path, chat_template, system_prompt, thinking)
         turn_end = [self.chat.end_of_turn] if self.chat and self.chat.end_of_turn is not None else []
         self.stop_ids = tuple(dict.fromkeys([self.tok.eos_id, *eos_ids, *turn_end]))
 
-    def _chat_format(self, model_path: Path, mode: str, system: str | None) -> ChatFormat | None:
+    def _chat_format(
+        self, model_path: Path, mode: str, system: str | None, thinking: bool | None
+    ) -> ChatFormat | None:
         if mode == "none":
             return None
         if self.tok.chat_template is None:
-            if system is not None:
-                raise ConfigError(
-                    f"task.system_prompt is set but {model_path} has no chat template "
-                    "(tokenizer_config.json chat_template or chat_template.jinja); drop task.system_prompt"
-                )
+            for name, v in (("system_prompt", system), ("thinking", thinking)):
+                if v is not None:
+                    raise ConfigError(
+                        f"task.{name} is set but {model_path} has no chat template "
+                        f"(tokenizer_config.json chat_template or chat_template.jinja); drop task.{name}"
+                    )
             return None
-        return ChatFormat(self.tok, system)
+        return ChatFormat(self.tok, system, thinking)
 
     def response_text(self, r: GenResult) -> str:
         """A response decoded without the token that stopped it."""
@@ -69,7 +78,9 @@ class Session:
             if cfg.model.path
             else ensure_warm_start(cfg.arch, cfg.sft, progress, task=cfg.task.name)
         )
-        self.text = ModelText(self.model_path, cfg.task.chat_template, cfg.task.system_prompt)
+        self.text = ModelText(
+            self.model_path, cfg.task.chat_template, cfg.task.system_prompt, cfg.task.thinking
+        )
         self.model_cfg, self.tok, self.chat = self.text.model_cfg, self.text.tok, self.text.chat
         # a multi-turn task's environment: a turn also stops where a tool call ends
         self.env: Environment | None = self.task if isinstance(self.task, Environment) else None

@@ -25,7 +25,7 @@ def serve(cfg: RunConfig, say: Callable[[str], None] = print, progress=None, rea
     """Serve `cfg`'s model until SIGINT or SIGTERM. `ready(server)`: called once it listens (tests)."""
     s = cfg.serve
     path = cfg.model.path or ensure_warm_start(cfg.arch, cfg.sft, progress)
-    text = ModelText(path, cfg.task.chat_template, cfg.task.system_prompt)
+    text = ModelText(path, cfg.task.chat_template, cfg.task.system_prompt, cfg.task.thinking)
     torch.set_num_threads(len(available_cores()))
     if cfg.rollout.backend == "vllm":  # vLLM loads the checkpoint itself
         engine = build_engine(

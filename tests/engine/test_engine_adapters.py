@@ -131,10 +131,15 @@ def test_mixed_adapter_batch_as_the_engine_is_built(models, attention, dtype):
     assert differ >= 9  # 12 adapted requests; the 4 base ones agree
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 @pytest.mark.parametrize("attention", BACKENDS)
-def test_adapter_rows_equal_the_adapted_model(models, attention):
-    """fp32: each row's logprobs are the full-sequence forward of its model (base + its adapter)."""
+def test_adapter_rows_equal_the_adapted_model(models, attention, model_type):
+    """fp32: each row's logprobs are the full-sequence forward of its model (base + its adapter); on
+    Qwen3 the adapted q and k are normalized after their low-rank terms, as PEFT's model does."""
     base, adapters = models
+    if model_type == "qwen3":
+        base = tiny_model(seed=0, model_type="qwen3", head_dim=24)
+        adapters = {n: adapted(base, n, seed) for seed, n in enumerate(SPECS, start=1)}
     eng = engine(base, adapters, attention, "fp32")
     reqs = requests()
     for r, res in zip(reqs, eng.generate(reqs)):

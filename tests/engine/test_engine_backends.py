@@ -24,6 +24,7 @@ CONFIGS = {
     "llama": {},
     "llama-bias-mha": dict(attention_bias=True, num_key_value_heads=4),
     "qwen2-tied": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen3-tied": dict(model_type="qwen3", tie_word_embeddings=True),
     "llama3-rope": dict(
         rope_scaling={
             "rope_type": "llama3",

@@ -8,8 +8,8 @@ from tailrace.model import CausalLM, ModelConfig, save_pretrained
 
 TOL = 1e-4  # max abs fp32 logits difference allowed against transformers
 
-# Each entry exercises a different corner; together: llama and qwen2, tied and untied, GQA ratios 1/2/4,
-# head_dim != hidden/heads, every rope type in both spellings, with and without q/k/v bias.
+# Each entry exercises a different corner; together: llama, qwen2 and qwen3, tied and untied, GQA ratios
+# 1/2/4, head_dim != hidden/heads, every rope type in both spellings, with and without q/k/v bias.
 CONFIGS = {
     "llama-mha-default": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4),
     "llama-gqa2-tied-headdim-linear": dict(
@@ -49,7 +49,19 @@ CONFIGS = {
         head_dim=12,
         rope_scaling={"type": "dynamic", "factor": 2.0},
     ),
+    # Qwen3-0.6B's layout: per-head q/k norms, head_dim wider than hidden/heads, tied, a bias on all four
+    # attention projections (off in the published checkpoints; on here so o_proj's bias is covered too)
+    "qwen3-gqa2-tied-headdim-bias": dict(
+        model_type="qwen3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        rope_theta=1e6,
+    ),
 }
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def make_config(**overrides) -> ModelConfig:
@@ -96,7 +108,7 @@ def hf_reference(name: str, tmp_path, T: int = 24):
     cfg = make_config(**CONFIGS[name])
     ours = random_model(cfg, seed=len(name))
     hf = hf_from_ours(ours, tmp_path)
-    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.model_type]
+    assert type(hf).__name__ == HF_CLASSES[cfg.model_type]
     ids = torch.randint(0, cfg.vocab_size, (3, T), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref = hf(ids).logits

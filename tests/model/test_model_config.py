@@ -20,7 +20,10 @@ def test_transformers_reads_our_config_json(name):
 
     cfg = make_config(**CONFIGS[name])
     hf = AutoConfig.for_model(**cfg.to_hf())
-    assert type(hf).__name__ == {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[cfg.model_type]
+    assert (
+        type(hf).__name__
+        == {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[cfg.model_type]
+    )
     assert hf.head_dim == cfg.head_dim and hf.num_key_value_heads == cfg.num_key_value_heads
     assert hf.rope_parameters["rope_type"] == cfg.rope_type
     assert hf.rope_parameters["rope_theta"] == cfg.rope_theta

@@ -1,4 +1,4 @@
-"""A small random Llama / Qwen2 whose tokenizer has a chat template, through `tailrace eval` and
+"""A small random Llama / Qwen3 whose tokenizer has a chat template, through `tailrace eval` and
 `tailrace train`: prompts rendered by the template, generation stopped by its end-of-turn token, and
 a run without reward signal that replaces its groups (boundedly), skips its backward passes and
 says so."""
@@ -10,7 +10,7 @@ from tailrace.cli import main
 from tailrace.config import load_config
 from tailrace.records import Finished, Opened, read_journal
 from tailrace.types import Finish
-from tests.chat_helpers import write_chat_model
+from tests.chat_helpers import THINKING, write_chat_model
 from tests.runtime.conftest import TINY_RUN
 
 EOS, IM_END = 0, 2
@@ -56,9 +56,11 @@ def test_eval_renders_the_template_and_stops_at_the_end_of_turn(tmp_path, capsys
 
 
 def test_train_with_a_chat_model_and_no_reward_signal(tmp_path, capsys):
-    d = write_chat_model(tmp_path / "qwen2", "qwen2")
+    """A Qwen3 checkpoint (q/k norms, head_dim wider than hidden / heads) with its thinking switch off."""
+    d = write_chat_model(tmp_path / "qwen3", "qwen3", THINKING, head_dim=16)
     run = tmp_path / "run"
-    rc = main(["train", f"--run-dir={run}", f"--model.path={d}", *TINY_RUN, "--flow.zero_signal=replace"])
+    flags = [f"--model.path={d}", "--task.thinking=false"]
+    rc = main(["train", f"--run-dir={run}", *flags, *TINY_RUN, "--flow.zero_signal=replace"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "0% at base on 16 prompts: RL has no signal" in out
@@ -73,8 +75,10 @@ def test_train_with_a_chat_model_and_no_reward_signal(tmp_path, capsys):
     journal = read_journal(run / "journal.jsonl")
     from tailrace.tokenizer import load_tokenizer
 
-    chat = ChatFormat(load_tokenizer(d))
+    chat = ChatFormat(load_tokenizer(d), None, False)
     opened = [e for e in journal if isinstance(e, Opened)]
     assert all(e.prompt.token_ids == tuple(chat.ids(e.prompt.text)) for e in opened)
+    closed = tuple(chat.tok.encode("assistant\n<think>\n\n</think>\n\n"))  # thinking off
+    assert opened and all(e.prompt.token_ids[-len(closed) :] == closed for e in opened)
     done = [e.trajectory.result for e in journal if isinstance(e, Finished)]
     assert all(r.token_ids[-1] in (EOS, IM_END) for r in done if r.finish == Finish.STOP)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from tailrace.engine.backends.torch_ref import TorchBackend
+from tailrace.engine.backends.weights import norm_qk
 from tailrace.engine.ckernel import Kernels
 from tailrace.model.decoder import CausalLM
 
@@ -47,6 +48,8 @@ class KernelBackend(TorchBackend):
             qkv = lw.qkv(xn, pk)
             if lora is not None:
                 lora.add(i, "qkv", xn * lw.norm_attn, qkv, self.kernel)
+            if lw.qk_norm is not None:
+                norm_qk(qkv, lw.qk_norm, w.H, w.D, w.eps)
             o = layer(qkv, self.cos_sin, cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale)
             x = self._mlp(i, lw, self._o(i, lw, o, x, pk, lora), pk, lora)
         return x

@@ -19,8 +19,8 @@ padding. Per layer:
     layer, padded to the longest, rather than a dozen ops each per layer (on a GPU a verify step of
     many rows was launch-bound on them).
 The attended lengths come from the host, so the step needs no device->host sync. Supports exactly
-what `CausalLM` supports (Llama/Qwen2 biases, every RoPE type via the table); tests pin it to the
-logits of `CausalLM.forward` over whole sequences.
+what `CausalLM` supports (Llama/Qwen2 biases, Qwen3's q/k norms, every RoPE type via the table); tests
+pin it to the logits of `CausalLM.forward` over whole sequences.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tailrace.engine.adapters import LoraStep
-from tailrace.engine.backends.weights import FusedWeights
+from tailrace.engine.backends.weights import FusedWeights, norm_qk
 from tailrace.engine.chunks import Chunk
 from tailrace.engine.ckernel import Kernels
 from tailrace.engine.kv_cache import KVCache
@@ -148,6 +148,8 @@ class TorchBackend:
             qkv = lw.qkv(xn, pk)  # (M, (H + 2 Hkv) D)
             if lora is not None:
                 lora.add(i, "qkv", xn * lw.norm_attn, qkv, self.kernel)
+            if lw.qk_norm is not None:
+                norm_qk(qkv, lw.qk_norm, H, D, w.eps)
             qk = qkv[:, : (H + Hkv) * D].view(M, H + Hkv, D)
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             ck, cv = cache.k[i], cache.v[i]

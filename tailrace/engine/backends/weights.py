@@ -4,6 +4,8 @@
   `refresh` after a weight load), residual adds folded into `addmm`; each RMSNorm weight is folded
   into the columns of the projection that follows it ((x*w) W^T = x (W diag w)^T; in bf16 this
   rounds W*w instead of x*w, a difference of the size of bf16 rounding itself);
+* Qwen3's per-head q and k norm weights stacked into one (H + Hkv, D) table per layer, applied to the
+  q and k columns of the fused projection's output before RoPE (`norm_qk`);
 * on CPU, GEMMs over oneDNN packed copies of the weights at batches where they beat MKL (`packed_at`;
   see `linear.py`).
 """
@@ -20,7 +22,8 @@ PACKED_FP32_MIN_HIDDEN = 512  # fp32 models this wide use the packed weights at 
 
 
 class _Layer:
-    __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp")  # norms: their weights (hidden,)
+    # norms: their weights (hidden,); qk_norm: Qwen3's q and k norm weights per head, (H + Hkv, D), or None
+    __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "qk_norm")
 
 
 class FusedWeights:
@@ -80,4 +83,18 @@ class FusedWeights:
             )
             L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8)
             L.norm_attn, L.norm_mlp = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            L.qk_norm = (
+                torch.cat((a.q_norm.weight.expand(self.H, -1), a.k_norm.weight.expand(self.Hkv, -1)))
+                if a.qk_norm
+                else None
+            )
             self.layers.append(L)
+
+
+def norm_qk(qkv: torch.Tensor, weight: torch.Tensor, H: int, D: int, eps: float) -> torch.Tensor:
+    """Qwen3's q and k norms on the fused projection's output qkv (M, (H + 2 Hkv) D), in place: each
+    head's q and k RMS-normalized over D in fp32, rounded to the model's dtype, then scaled by its
+    weight (`weight` (H + Hkv, D)), as HF's Qwen3RMSNorm. Returns qkv."""
+    qk = qkv[:, : weight.shape[0] * D].view(qkv.shape[0], weight.shape[0], D)
+    qk.copy_(weight * torch.nn.functional.rms_norm(qk.float(), (D,), eps=eps).to(qkv.dtype))
+    return qkv
