@@ -2,8 +2,9 @@
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM. Qwen3 is Llama's layout with a
-per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch on every attention projection.
+loads into Llama/Mistral/Qwen2/Qwen3ForCausalLM. Qwen3 is Llama's layout with a per-head RMSNorm on
+q and k before RoPE (`qk_norm`) and its bias switch on every attention projection; Mistral is Llama's
+without biases, read when its sliding window covers every position (v0.2 on: no window).
 Features those classes have and this decoder lacks
 (sliding windows, MLP bias, partial rotary, non-SiLU activations, other RoPE types) are rejected, never
 silently ignored.
@@ -15,7 +16,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
     "linear": ("factor",),
@@ -23,7 +29,8 @@ ROPE_REQUIRED = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-_HF_DEFAULT_MAX_POS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+_HF_DEFAULT_MAX_POS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
+_HF_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json leaves it out
 
 
 @dataclass
@@ -92,6 +99,11 @@ class ModelConfig:
             raise ValueError(f"initializer_range={self.initializer_range!r} must be > 0")
         if self.attention_bias is None:
             self.attention_bias = self.model_type == "qwen2"
+        if self.model_type == "mistral" and self.attention_bias:
+            raise ValueError(
+                "attention_bias=True is impossible for model_type='mistral' (Mistral has no attention "
+                "bias); set attention_bias=False or model_type='llama'"
+            )
         if self.model_type == "qwen2" and not self.attention_bias:
             raise ValueError(
                 "attention_bias=False is impossible for model_type='qwen2' (Qwen2 always has "
@@ -150,6 +162,12 @@ class ModelConfig:
             )
         heads = d["num_attention_heads"]
         max_pos = d.get("max_position_embeddings", _HF_DEFAULT_MAX_POS[model_type])
+        window = d.get("sliding_window", _HF_MISTRAL_WINDOW) if model_type == "mistral" else None
+        if window is not None and window < max_pos:
+            raise ValueError(
+                f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window attention "
+                "is not supported; use a checkpoint without a window (Mistral v0.2 on)"
+            )
         theta, scaling = _rope_from_hf(d, max_pos)
         return cls(
             vocab_size=d["vocab_size"],
@@ -164,7 +182,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            attention_bias={"qwen2": True, "mistral": False}.get(model_type, bool(d.get("attention_bias"))),
             bos_token_id=_token_id(d.get("bos_token_id"), d["vocab_size"]),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=_token_id(d.get("pad_token_id"), d["vocab_size"]),
@@ -204,6 +222,8 @@ class ModelConfig:
             d["rope_scaling"] = dict(self.rope_scaling)
         if self.model_type == "llama":
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
+        elif self.model_type == "mistral":
+            d.update(sliding_window=None)
         else:
             d.update(use_sliding_window=False)
         if self.model_type == "qwen3":

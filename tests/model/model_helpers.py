@@ -8,7 +8,7 @@ from tailrace.model import CausalLM, ModelConfig, save_pretrained
 
 TOL = 1e-4  # max abs fp32 logits difference allowed against transformers
 
-# Each entry exercises a different corner; together: llama, qwen2 and qwen3, tied and untied, GQA ratios
+# Each entry exercises a different corner; together: llama, mistral, qwen2 and qwen3, tied and untied, GQA ratios
 # 1/2/4, head_dim != hidden/heads, every rope type in both spellings, with and without q/k/v bias.
 CONFIGS = {
     "llama-mha-default": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4),
@@ -49,6 +49,7 @@ CONFIGS = {
         head_dim=12,
         rope_scaling={"type": "dynamic", "factor": 2.0},
     ),
+    "mistral-gqa4-nowindow": dict(model_type="mistral", num_attention_heads=8, num_key_value_heads=2),
     # Qwen3-0.6B's layout: per-head q/k norms, head_dim wider than hidden/heads, tied, a bias on all four
     # attention projections (off in the published checkpoints; on here so o_proj's bias is covered too)
     "qwen3-gqa2-tied-headdim-bias": dict(
@@ -61,7 +62,12 @@ CONFIGS = {
         rope_theta=1e6,
     ),
 }
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def make_config(**overrides) -> ModelConfig:

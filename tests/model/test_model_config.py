@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from model_helpers import CONFIGS, make_config
+from model_helpers import CONFIGS, HF_CLASSES, make_config
 
 from tailrace.model import ModelConfig
 
@@ -20,10 +20,7 @@ def test_transformers_reads_our_config_json(name):
 
     cfg = make_config(**CONFIGS[name])
     hf = AutoConfig.for_model(**cfg.to_hf())
-    assert (
-        type(hf).__name__
-        == {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[cfg.model_type]
-    )
+    assert type(hf).__name__ == HF_CLASSES[cfg.model_type].replace("ForCausalLM", "Config")
     assert hf.head_dim == cfg.head_dim and hf.num_key_value_heads == cfg.num_key_value_heads
     assert hf.rope_parameters["rope_type"] == cfg.rope_type
     assert hf.rope_parameters["rope_theta"] == cfg.rope_theta
@@ -88,6 +85,7 @@ def test_defaults_follow_hf():
         (dict(head_dim=7), ["head_dim=7", "even"]),
         (dict(model_type="gpt2"), ["model_type='gpt2'", "llama", "qwen2"]),
         (dict(model_type="qwen2", attention_bias=False), ["attention_bias=False", "qwen2"]),
+        (dict(model_type="mistral", attention_bias=True), ["attention_bias=True", "mistral"]),
         (
             dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}),
             ["longrope", "linear", "yarn", "llama3"],
@@ -116,7 +114,16 @@ def test_validation_names_field_and_fix(overrides, words):
         (dict(hidden_act="gelu"), ["hidden_act", "silu"]),
         (dict(mlp_bias=True), ["mlp_bias"]),
         (dict(architectures=["LlamaForSequenceClassification"]), ["LlamaForCausalLM"]),
-        (dict(model_type="mistral"), ["mistral", "llama", "qwen2"]),
+        (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), ["gemma", "llama", "qwen3"]),
+        (
+            dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=16),
+            ["sliding_window=16 < max_position_embeddings=64", "without a window"],
+        ),
+        # MistralConfig's window when config.json leaves it out is 4,096: below 32,768 positions
+        (
+            dict(model_type="mistral", architectures=["MistralForCausalLM"], max_position_embeddings=32768),
+            ["sliding_window=4096"],
+        ),
         (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), ["per-layer"]),
     ],
 )

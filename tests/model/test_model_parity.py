@@ -1,4 +1,4 @@
-"""fp32 logits parity with transformers' Llama/Qwen2/Qwen3ForCausalLM (max abs diff <= 1e-4):
+"""fp32 logits parity with transformers' Llama/Mistral/Qwen2/Qwen3ForCausalLM (max abs diff <= 1e-4):
 full forward both ways through checkpoints. (Cached decoding is the engine's:
 tests/engine/test_engine_hf_parity.py.)"""
 
@@ -38,7 +38,7 @@ def test_full_forward_matches_hf(pair):
 
 def test_hf_saved_checkpoint_loads_and_matches(tmp_path):
     """HF builds and saves (its own config.json and naming, tied and untied); we load and agree."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     hf_cfgs = [
         LlamaConfig(
@@ -69,6 +69,15 @@ def test_hf_saved_checkpoint_loads_and_matches(tmp_path):
             tie_word_embeddings=False,
             max_position_embeddings=64,
             rope_theta=777.0,
+        ),
+        MistralConfig(  # its default window (4,096) covers the 64 positions: full attention
+            vocab_size=40,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
         ),
         Qwen3Config(  # as Qwen3-0.6B's config.json: head_dim explicit and wider than hidden/heads
             vocab_size=40,
