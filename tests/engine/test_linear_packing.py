@@ -40,3 +40,29 @@ def test_padded_packed_linear_matches_plain(dtype, m):
     z = lin.add(x, r, True)
     assert z.shape == (m, 40)
     torch.testing.assert_close(z.float(), (r + F.linear(x, w, b)).float(), atol=tol, rtol=tol)
+
+
+@torch.inference_mode()
+def test_weights_packed_at_every_batch_keep_no_plain_copy(monkeypatch):
+    """fp32 models from hidden 512 (bf16 ones always) run every GEMM on packed weights, so the fused
+    projections' plain copies are not kept (1.55 GiB of a 0.6B fp32 model's 6.9 GiB engine version);
+    the engine's tokens are those of a model that keeps them."""
+    from tailrace.engine import TailraceEngine
+    from tailrace.engine.backends import weights
+    from tests.engine.engine_helpers import req, tiny_model
+
+    if not packing_supported(torch.float32):
+        pytest.skip("no oneDNN packed GEMMs here")
+    model = tiny_model(2, model_type="qwen3")
+    reqs = [req(f"r{i}", 3 + i, 12, seed=i, temperature=1.0) for i in range(4)]
+    kept = TailraceEngine(model, num_slots=4, attention="bmm")
+    assert kept._versions[0].w.layers[0].qkv.w is not None  # tiny: plain GEMMs below 48 rows
+    monkeypatch.setattr(weights, "PACKED_FP32_MIN_HIDDEN", 0)
+    packed = TailraceEngine(model, num_slots=4, attention="bmm")
+    w = packed._versions[0].w
+    assert all(lin.w is None for L in w.layers for lin in (L.qkv, L.o, L.gate_up, L.down))
+    assert w.lm_head.w is None
+    got = [(r.token_ids, r.logprobs) for r in packed.generate(reqs)]
+    want = [(r.token_ids, r.logprobs) for r in kept.generate(reqs)]
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert max(abs(a - b) for (_, x), (_, y) in zip(got, want) for a, b in zip(x, y)) < 1e-4

@@ -60,11 +60,12 @@ class FusedWeights:
     def refresh(self) -> None:
         """(Re)build the fused weights from the model's current parameters."""
         m, pk = self.model.model, self.packed
+        plain = not self.packed_at(1)  # some calls run on W itself (below packed_min_batch rows)
 
         def proj(norm_w, ws, bs=None, int8=self.int8):  # one GEMM for the projections reading one RMSNorm
             w = torch.cat(ws)
             b = torch.cat(bs) if bs and bs[0] is not None else None
-            return Linear(w * norm_w, b, pk, self.kernel, int8)
+            return Linear(w * norm_w, b, pk, self.kernel, int8, plain)
 
         self.embed = m.embed_tokens.weight
         self.lm_head = proj(m.norm.weight, [self.model.lm_head.weight], int8=False)
@@ -77,11 +78,11 @@ class FusedWeights:
                 [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
                 [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
             )
-            L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk, self.kernel, self.int8)
+            L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk, self.kernel, self.int8, plain)
             L.gate_up = proj(
                 layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight]
             )
-            L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8)
+            L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8, plain)
             L.norm_attn, L.norm_mlp = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             L.qk_norm = (
                 torch.cat((a.q_norm.weight.expand(self.H, -1), a.k_norm.weight.expand(self.Hkv, -1)))
