@@ -117,7 +117,11 @@ class Driver(Membership, Reports):
         )
         self.hosts = hosts_for(cfg.runtime)
         self.workers = Workers(
-            cfg.worker_timeout_s, run.file("errors.log"), recover=cfg.max_restarts > 0, hosts=self.hosts
+            cfg.worker_timeout_s,
+            run.file("errors.log"),
+            recover=cfg.max_restarts > 0,
+            hosts=self.hosts,
+            explain=self._memory_hint,
         )
         self.recovery = Recovery(cfg.max_restarts)
         self.resumes: list[Resume | None] = (

@@ -35,13 +35,36 @@ from tailrace.runtime.workers import Worker
 
 class Membership:
     # ------------------------------------------------------------------ recovery
+    def _memory_hint(self, lost: Lost) -> str:
+        """For a worker killed by SIGKILL (the kernel's out-of-memory killer, most likely): what the run
+        keeps in memory beside its workers' own, and the settings that need less."""
+        if "SIGKILL" not in lost.line:
+            return ""
+        cfg = self.pols[0].cfg
+        tries = []
+        if not cfg.train.lora.rank:
+            tries.append("--train.lora.rank=8 (no optimizer state for the base; adapters published)")
+        if cfg.flow.mode != "sync":
+            tries.append(f"--flow.mode=sync (one version in each engine; {cfg.flow.mode} keeps more)")
+        if cfg.model.dtype == "float32":
+            tries.append("--model.dtype=bfloat16 (engines in half the memory)")
+        buf = getattr(getattr(self, "weights", None), "buf", None)  # the local runtime's ring, once made
+        held = (
+            f"; the run holds {buf.numel() * buf.element_size() / 2**30:.1f} GiB of published weights in "
+            f"shared memory ({buf.shape[0]} versions) beside its workers"
+            if buf is not None
+            else ""
+        )
+        return held + ("; with less memory, try " + ", ".join(tries) if tries else "")
+
+    # ------------------------------------------------------------------ recovery
     def _replace(self, w: Worker, lost: Lost) -> None:
         now = self._now()
         if w.elastic:  # a joined engine is not the driver's to restart: it leaves, its samples requeued
             self._leave(next(k for k, x in self.engines.items() if x is w), lost.line)
             return
         if not self.recovery.allows(lost, now):
-            raise Fault(self.recovery.refusal(lost))
+            raise Fault(self.recovery.refusal(lost) + self._memory_hint(lost))
         pol = self._trainer_of(w)
         if pol is not None:
             start = str(pol.restart_from) if pol.restart_from else None  # None: the run's start

@@ -99,7 +99,8 @@ class Worker:
 class Workers:
     """The driver's worker processes. `errors_log` receives the traceback of a worker's fault.
     `recover`: a lost worker comes back from `receive` as a `Lost` message instead of raising.
-    `hosts`: where the processes run (runtime/hosts.py; default: this machine)."""
+    `hosts`: where the processes run (runtime/hosts.py; default: this machine). `explain`: what the
+    run adds to the line of a fault it stops on (e.g. the memory it holds, after a SIGKILL)."""
 
     def __init__(
         self,
@@ -107,8 +108,9 @@ class Workers:
         errors_log: Path | None = None,
         recover: bool = False,
         hosts: Hosts | None = None,
+        explain: Callable[[Lost], str] = lambda lost: "",
     ) -> None:
-        self.hosts = hosts or LocalHosts()
+        self.hosts, self.explain = hosts or LocalHosts(), explain
         self.timeout_s, self.errors_log, self.recover = timeout_s, errors_log, recover
         self.all: list[Worker] = []
         self.retired: list[Worker] = []  # workers that left the run, shut down at `close`
@@ -147,7 +149,7 @@ class Workers:
         while waiting:
             for w, msg in self.receive(list(waiting), timeout=1.0):
                 if isinstance(msg, Lost):
-                    raise Fault(msg.line)
+                    raise Fault(msg.line + self.explain(msg))
                 if isinstance(msg, Ready):
                     waiting.discard(w)
 
@@ -174,7 +176,7 @@ class Workers:
         if not self.recover:
             for w, msg in got:
                 if isinstance(msg, Lost) and not w.elastic:
-                    raise Fault(msg.line)
+                    raise Fault(msg.line + self.explain(msg))
         return got
 
     def send(self, w: Worker, msg: Any) -> None:
