@@ -14,7 +14,11 @@ of 72 tokens, micro-batches of ~1,000 and ~4,000 tokens, the slope between them)
 per layer, the elements of 8 hidden-wide, 4 KV-wide and 4 MLP-wide activations at `_LAYER_BYTES`
 bytes each, plus `_VOCAB_BYTES` a vocabulary entry (the logits: the log-softmax keeps no copy of its
 own, see `logprobs`), times `MARGIN`. Measured: SmolLM2 fp32 1.90 MiB a token, bf16 1.26; the random
-model fp32 0.47, bf16 0.30.
+model fp32 0.47, bf16 0.30. Two of the hidden-wide ones are the queries' and the attention output's
+width, heads x head_dim, which Qwen3 makes twice the hidden size; its q/k norms keep
+`_QK_NORM_BYTES` per element of q and k more. Measured on a 4-layer model of Qwen3-0.6B's attention
+(hidden 512, 8 heads of 128, 4 kv heads, MLP 1536, vocab 4096; 2026-12-05): 292 KiB a token fp32 and
+306 bf16 as Llama, 338 and 322 as Qwen3.
 
 A bf16 step on CPU attends eagerly up to `EAGER_MAX_T` tokens (`tailrace.model.attention`), and
 autograd keeps its probabilities: `eager_attention_bytes` adds, per layer, 6 bytes (the fp32 softmax
@@ -37,6 +41,7 @@ MARGIN = 1.25
 UNSIZED_TOKENS = MAX_TOKENS  # for a model without a ModelConfig
 _LAYER_BYTES = {False: 5.6, True: 3.8}  # by train.bf16 (autocast keeps bf16 copies of GEMM inputs)
 _VOCAB_BYTES = {False: 1.2, True: 0.5}
+_QK_NORM_BYTES = {False: 8, True: 3}  # measured 7.6 and 2.6 (the module's docstring)
 GIB = 1 << 30
 
 
@@ -44,8 +49,11 @@ def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) 
     """What one more token in a micro-batch adds to the step's peak memory (with `MARGIN`); `cpu`: the
     step runs on CPU (where bf16 attends eagerly)."""
     kv = cfg.num_key_value_heads * cfg.head_dim  # ModelConfig fills both when a checkpoint omits them
-    per_layer = 8 * cfg.hidden_size + 4 * kv + 4 * cfg.intermediate_size
+    q = cfg.num_attention_heads * cfg.head_dim  # the hidden size, but for Qwen3-style wide heads
+    per_layer = 6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size
     raw = cfg.num_hidden_layers * per_layer * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[bf16]
+    if cfg.qk_norm:
+        raw += cfg.num_hidden_layers * (q + kv) * _QK_NORM_BYTES[bf16]
     if bf16 and cpu:
         raw += eager_attention_bytes(cfg)
     return int(MARGIN * raw)

@@ -27,6 +27,22 @@ def test_per_token_bytes_follow_the_shape_and_cover_the_measured_cost():
     assert 1.26 * MIB < activation_bytes_per_token(SMOLLM2, True) < 1.3 * 1.26 * MIB
 
 
+def test_wide_heads_and_qwen3s_qk_norms_are_counted_and_cover_the_measured_cost():
+    # 4 layers of Qwen3-0.6B's attention (8 heads of 128: q twice the hidden 512); trainer/memory.py's
+    # docstring: measured 292 / 338 KiB a token fp32 (Llama / Qwen3), 306 / 322 bf16 on CPU
+    shape = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True)  # fmt: skip
+    llama, qwen3 = ModelConfig(**shape), ModelConfig(model_type="qwen3", **shape)
+    # per layer 6 x 512 + 2 x 1024 + 4 x 512 + 4 x 1536 elements; Qwen3: + (1024 + 512) x 8 B
+    assert activation_bytes_per_token(llama, False) == int(1.25 * (4 * 13_312 * 5.6 + 4096 * 1.2))
+    assert activation_bytes_per_token(qwen3, False) == int(
+        1.25 * (4 * 13_312 * 5.6 + 4096 * 1.2 + 4 * 1536 * 8)
+    )
+    for cfg, fp32, bf16 in ((llama, 292, 306), (qwen3, 338, 322)):
+        assert fp32 * 1024 < activation_bytes_per_token(cfg, False) < 1.4 * fp32 * 1024
+        assert bf16 * 1024 < activation_bytes_per_token(cfg, True, cpu=True) < 1.4 * bf16 * 1024
+
+
 def test_bf16_on_cpu_adds_what_eager_attention_keeps():
     # 30 layers x (6 B x 9 heads x 192 tokens + 4 B x (9 + 3) heads x 64); measured over SDPA's 1.43 MiB a
     # token: 1.65 MiB at T = 192 (trainer/memory.py's docstring), which the estimate covers
