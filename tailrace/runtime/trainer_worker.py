@@ -103,6 +103,8 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
             else ""
         )
         print(f"trainer: {trainer.micro.describe()}{dp}{base}", flush=True)
+        if trainer.micro.short:
+            print(f"warning: {trainer.micro.short}", flush=True)
         if spec.publish_start:
             weights.write(spec.start_version, trainer.flat.buffer)
         conn.send(Ready(spec.start_version))

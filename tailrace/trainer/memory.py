@@ -72,6 +72,7 @@ class MicroBatch:
     per_token: int  # bytes, estimated
     budget: int | None  # bytes; None when train.micro_batch_tokens was given
     source: str  # where the size came from, for the start-up line
+    short: str | None = None  # the optimizer state alone outgrows the memory available: a warning
 
     def describe(self) -> str:
         est = f"~{self.per_token / (1 << 20):.2f} MiB of activations a token"
@@ -118,4 +119,11 @@ def size_micro_batch(
         free = max(0, available - 12 * num_params)
         budget = int(ACTIVATION_FRACTION * free)
         source = f"{ACTIVATION_FRACTION:.0%} of {free / GIB:.2f} GiB available after the optimizer state"
+        if available < 12 * num_params:
+            short = (
+                f"the trainer's gradients and AdamW moments need {12 * num_params / GIB:.1f} GiB and "
+                f"{available / GIB:.1f} GiB are available: it will likely be killed for memory at its "
+                "first step; train a LoRA adapter (--train.lora.rank=8) or free memory"
+            )
+            return MicroBatch(MIN_TOKENS, per_token, budget, source, short)
     return MicroBatch(min(MAX_TOKENS, max(MIN_TOKENS, budget // per_token)), per_token, budget, source)

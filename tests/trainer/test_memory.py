@@ -64,7 +64,12 @@ def test_the_budget_sets_the_tokens_within_bounds():
     # by default 30% of what is available once the gradient and AdamW's moments (12 B a parameter) are in
     m = size_micro_batch(SMOLLM2, True, 135_000_000, available=20 * GIB)
     assert m.budget == int(0.3 * (20 * GIB - 12 * 135_000_000))
-    assert size_micro_batch(SMOLLM2, True, 135_000_000, available=GIB).tokens == MIN_TOKENS
+    short = size_micro_batch(SMOLLM2, True, 135_000_000, available=GIB)
+    assert short.tokens == MIN_TOKENS and m.short is None
+    assert short.short == (
+        "the trainer's gradients and AdamW moments need 1.5 GiB and 1.0 GiB are available: it will likely "
+        "be killed for memory at its first step; train a LoRA adapter (--train.lora.rank=8) or free memory"
+    )
     assert size_micro_batch(SMOLLM2, True, 135_000_000, available=1 << 50).tokens == MAX_TOKENS
     given = size_micro_batch(SMOLLM2, True, 135_000_000, available=0, memory_gb=4.0, tokens=1000)
     assert (given.tokens, given.budget) == (1000, None)
