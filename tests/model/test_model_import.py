@@ -14,6 +14,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from tailrace.cli import main
@@ -114,15 +116,22 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
 
 
-@pytest.mark.parametrize("arch", ["llama-untied", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "qwen3"])
 def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch):
     tok = tiny_bpe()
     V = tok.get_vocab_size()
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):  # Qwen3: q/k norms, heads of 16 over hidden 32 (head_dim explicit)
         torch.manual_seed(0)
-        cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
-        model = Qwen2ForCausalLM(cfg).eval()
+        shape = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+        if arch == "qwen3":
+            model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **shape)).eval()
+            with torch.no_grad():  # norms away from HF's init of 1, so one not imported would show
+                for n, p in model.named_parameters():
+                    if n.endswith(("q_norm.weight", "k_norm.weight")):
+                        p.uniform_(0.5, 1.5)
+        else:
+            model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
     else:
         model = tiny_llama(V, tie=False)
     model.save_pretrained(str(tmp_path / "src"))
