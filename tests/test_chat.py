@@ -113,10 +113,14 @@ def test_the_session_renders_through_the_template_and_stops_at_the_end_of_turn(t
         raw.close()
 
 
-def test_a_system_prompt_without_a_template_is_refused(tmp_path):
+def test_a_system_prompt_or_thinking_switch_without_a_template_is_refused(tmp_path):
     from tailrace.common import ConfigError
 
     d = write_chat_model(tmp_path)
     write_tokenizer(d, None)
     with pytest.raises(ConfigError, match="has no chat template .*; drop task.system_prompt"):
         session(d, "--task.system_prompt=Be terse.")
+    with pytest.raises(
+        ConfigError, match="task.thinking is set but .* has no chat template .*; drop task.thinking"
+    ):
+        session(d, "--task.thinking=false")
