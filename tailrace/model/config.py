@@ -4,10 +4,9 @@ Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older styl
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
 loads into Llama/Mistral/Qwen2/Qwen3ForCausalLM. Qwen3 is Llama's layout with a per-head RMSNorm on
 q and k before RoPE (`qk_norm`) and its bias switch on every attention projection; Mistral is Llama's
-without biases, read when its sliding window covers every position (v0.2 on: no window).
-Features those classes have and this decoder lacks
-(sliding windows, MLP bias, partial rotary, non-SiLU activations, other RoPE types) are rejected, never
-silently ignored.
+without biases, read when its sliding window covers every position (v0.2 on: no window). Features
+those classes have and this decoder lacks (sliding windows, MLP bias, partial rotary, non-SiLU
+activations, other RoPE types) are rejected, never silently ignored.
 """
 
 from __future__ import annotations
