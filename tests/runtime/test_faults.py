@@ -56,7 +56,9 @@ def test_a_dead_worker_is_one_line_without_restarts(tiny_model, tmp_path):
     assert "engine0" in line and "died" in line and "SIGKILL" in line and "--resume" in line
     # a SIGKILL is most likely the out-of-memory killer: what the run holds, and what needs less
     assert "GiB of published weights in shared memory (4 versions)" in line, line
-    assert "try --train.lora.rank=8" in line and "--flow.mode=sync" in line and "--model.dtype=bfloat16" in line
+    assert (
+        "try --train.lora.rank=8" in line and "--flow.mode=sync" in line and "--model.dtype=bfloat16" in line
+    )
 
 
 def damage(model, how):
