@@ -40,17 +40,16 @@ def test_hf_saved_checkpoint_loads_and_matches(tmp_path):
     """HF builds and saves (its own config.json and naming, tied and untied); we load and agree."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+    small = dict(
+        vocab_size=40, hidden_size=48, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64
+    )
     hf_cfgs = [
         LlamaConfig(
-            vocab_size=40,
-            hidden_size=48,
-            intermediate_size=64,
-            num_hidden_layers=2,
+            **small,
             num_attention_heads=6,
             num_key_value_heads=3,
             head_dim=16,
             tie_word_embeddings=True,
-            max_position_embeddings=64,
             rope_scaling={
                 "rope_type": "yarn",
                 "factor": 2.0,
@@ -60,35 +59,17 @@ def test_hf_saved_checkpoint_loads_and_matches(tmp_path):
             },
         ),
         Qwen2Config(
-            vocab_size=40,
-            hidden_size=48,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            tie_word_embeddings=False,
-            max_position_embeddings=64,
-            rope_theta=777.0,
+            **small, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False, rope_theta=777.0
         ),
-        MistralConfig(  # its default window (4,096) covers the 64 positions: full attention
-            vocab_size=40,
-            hidden_size=48,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        ),
-        Qwen3Config(  # as Qwen3-0.6B's config.json: head_dim explicit and wider than hidden/heads
-            vocab_size=40,
-            hidden_size=48,
-            intermediate_size=64,
-            num_hidden_layers=2,
+        # its default window (4,096) covers the 64 positions: full attention
+        MistralConfig(**small, num_attention_heads=4, num_key_value_heads=2),
+        # as Qwen3-0.6B's config.json: head_dim explicit and wider than hidden/heads
+        Qwen3Config(
+            **small,
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=32,
             tie_word_embeddings=True,
-            max_position_embeddings=64,
             max_window_layers=2,
             rope_theta=1e6,
         ),
