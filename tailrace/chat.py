@@ -25,36 +25,39 @@ class ChatFormat:
         from transformers.utils.chat_template_utils import render_jinja_template  # ~1 s: only here
 
         assert tok.chat_template is not None
-        if thinking is not None and "enable_thinking" not in tok.chat_template:
+        self.switch = "enable_thinking" in tok.chat_template  # the template reads a thinking switch
+        if thinking is not None and not self.switch:
             raise TokenizerError(
                 f"task.thinking={str(thinking).lower()} but the model's chat template has no "
                 "enable_thinking switch; drop task.thinking"
             )
-        self.tok, self.system = tok, system
-        self.options = {} if thinking is None else {"enable_thinking": thinking}
+        self.tok, self.system, self.thinking = tok, system, thinking
         self._render_jinja = render_jinja_template
         self.end_of_turn = self._end_of_turn()
 
     def render(self, question: str) -> str:
         return self.render_turns([{"role": "user", "content": question}])
 
-    def render_turns(self, turns: list[dict]) -> str:
+    def render_turns(self, turns: list[dict], thinking: bool | None = None) -> str:
         """A conversation (the system message, if set, goes first) and the assistant's generation
-        prompt: what a chat endpoint sends the model."""
-        return self._render(turns, add_generation_prompt=True)
+        prompt: what a chat endpoint sends the model. `thinking`: this conversation's switch (None:
+        the format's); the caller checks `switch` first."""
+        return self._render(turns, add_generation_prompt=True, thinking=thinking)
 
     def ids(self, question: str) -> list[int]:
         return self.tok.encode(self.render(question))
 
-    def _render(self, turns: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, turns: list[dict], add_generation_prompt: bool, thinking: bool | None = None) -> str:
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        thinking = self.thinking if thinking is None else thinking
+        options = {} if thinking is None else {"enable_thinking": thinking}
         try:
             (text,), _ = self._render_jinja(
                 [system + turns],
                 chat_template=self.tok.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 **self.tok.special_tokens,
-                **self.options,
+                **options,
             )
         except Exception as e:  # jinja raises TemplateError, or whatever the template's code raises
             fix = "drop task.system_prompt or " if self.system is not None else ""

@@ -68,7 +68,7 @@ def parse(
             "stop strings are not supported; pass stop_token_ids (token ids) instead", param="stop"
         )
     if chat:
-        ids = _messages(body.get("messages"), render)
+        ids = _messages(body.get("messages"), render, _thinking(body.get("chat_template_kwargs")))
         if body.get("top_logprobs") not in (None, 0):
             raise ApiError(
                 "top_logprobs: only the sampled token's logprob exists; use 0", param="top_logprobs"
@@ -209,7 +209,25 @@ def _version(results: list[GenResult]) -> int | None:
     return max(versions) if versions else None
 
 
-def _messages(messages: Any, render: Callable[[list[dict]], list[int]] | None) -> list[int]:
+def _thinking(kwargs: Any) -> bool | None:
+    """`chat_template_kwargs`, as vLLM's server takes it: here only {enable_thinking: bool}."""
+    if kwargs is None:
+        return None
+    if (
+        not isinstance(kwargs, dict)
+        or set(kwargs) - {"enable_thinking"}
+        or not isinstance(kwargs.get("enable_thinking", False), bool)
+    ):
+        raise ApiError(
+            "chat_template_kwargs: only {enable_thinking: true|false} is supported",
+            param="chat_template_kwargs",
+        )
+    return kwargs.get("enable_thinking")
+
+
+def _messages(
+    messages: Any, render: Callable[[list[dict], bool | None], list[int]] | None, thinking: bool | None
+) -> list[int]:
     if render is None:
         raise ApiError("this model has no chat template: use /v1/completions with a prompt", status=400)
     ok = (
@@ -224,7 +242,7 @@ def _messages(messages: Any, render: Callable[[list[dict]], list[int]] | None) -
         raise ApiError(
             "messages: must be a non-empty list of {role: str, content: str} objects", param="messages"
         )
-    return render([{"role": m["role"], "content": m["content"]} for m in messages])
+    return render([{"role": m["role"], "content": m["content"]} for m in messages], thinking)
 
 
 def _prompt(prompt: Any, encode: Callable[[str], list[int]], vocab: int) -> list[int]:

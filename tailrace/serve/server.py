@@ -153,8 +153,20 @@ class Endpoint:
         return self.text.tok.encode(prompt, bos=self.bos)
 
     def render(self):
+        """messages (and a request's thinking switch, None: the run's) -> token ids; None: no template."""
         chat = self.text.chat
-        return None if chat is None else (lambda turns: self.text.tok.encode(chat.render_turns(turns)))
+        if chat is None:
+            return None
+
+        def render(turns: list[dict], thinking: bool | None) -> list[int]:
+            if thinking is not None and not chat.switch:
+                raise api.ApiError(
+                    "chat_template_kwargs: this model's chat template has no enable_thinking switch; drop it",
+                    param="chat_template_kwargs",
+                )
+            return self.text.tok.encode(chat.render_turns(turns, thinking))
+
+        return render
 
 
 def make_server(endpoint: Endpoint, host: str, port: int) -> ThreadingHTTPServer:

@@ -11,14 +11,16 @@ import pytest
 
 from tailrace.config import load_config
 from tailrace.serve import serve
-from tests.chat_helpers import write_chat_model
+from tests.chat_helpers import THINKING, write_chat_model
 
 TOKEN = "test-token-123"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    d = write_chat_model(tmp_path_factory.mktemp("chat") / "model", "llama", max_position_embeddings=32768)
+    d = write_chat_model(
+        tmp_path_factory.mktemp("chat") / "model", "llama", THINKING, max_position_embeddings=32768
+    )
     cfg = load_config(None, [f"--model.path={d}", "--serve.port=0", f"--serve.token={TOKEN}", "--serve.slots=8",
                              "--serve.context=256", "--serve.max_tokens=12"])  # fmt: skip
     yield from serving(cfg)
@@ -136,6 +138,24 @@ def test_chat_renders_the_template_and_stops_at_the_end_of_turn(server):
         assert c["token_ids"][-1] in ep.text.stop_ids and "<|im_end|>" not in c["message"]["content"]
 
 
+def test_a_chat_request_sets_the_templates_thinking_switch(server):
+    """chat_template_kwargs {enable_thinking: false}, as vLLM's server takes it: the prompt closes an
+    empty think block (Qwen3's templates); a template without the switch refuses it."""
+    srv, _ = server
+    chat = srv.RequestHandlerClass.ep.text.chat
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    body = {"messages": msgs, "seed": 1, "max_tokens": 4, "chat_template_kwargs": {"enable_thinking": False}}
+    out = post(server, "/v1/chat/completions", body)
+    assert out["prompt_token_ids"] == chat.tok.encode(chat.render_turns(msgs, False))
+    assert chat.render_turns(msgs, False).endswith("<think>\n\n</think>\n\n")
+    chat.switch = False  # as a template without it
+    try:
+        status, text = call(server, "/v1/chat/completions", body)
+    finally:
+        chat.switch = True
+    assert status == 400 and "has no enable_thinking switch" in text, text
+
+
 def sse(server, path, body):
     srv, _ = server
     conn = http.client.HTTPConnection(*srv.server_address[:2], timeout=60)
@@ -199,6 +219,12 @@ def test_a_client_that_leaves_mid_stream_has_its_request_aborted(server):
         ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "sampled token"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, 400, "context"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": 1}},
+            400,
+            "only {enable_thinking",
+        ),
     ],
 )
 def test_bad_requests_get_a_clear_error(server, path, body, status, says):
