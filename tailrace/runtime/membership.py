@@ -44,8 +44,11 @@ class Membership:
         tries = []
         if not cfg.train.lora.rank:
             tries.append("--train.lora.rank=8 (no optimizer state for the base; adapters published)")
-        if cfg.flow.mode != "sync":
-            tries.append(f"--flow.mode=sync (one version in each engine; {cfg.flow.mode} keeps more)")
+        k = cfg.flow.max_staleness
+        if cfg.flow.mode != "sync" and k > 0:
+            tries.append(
+                f"--flow.mode=sync (one version in each engine; {cfg.flow.mode} keeps up to {k + 1})"
+            )
         if cfg.model.dtype == "float32":
             tries.append("--model.dtype=bfloat16 (engines in half the memory)")
         buf = getattr(getattr(self, "weights", None), "buf", None)  # the local runtime's ring, once made
@@ -57,7 +60,6 @@ class Membership:
         )
         return held + ("; with less memory, try " + ", ".join(tries) if tries else "")
 
-    # ------------------------------------------------------------------ recovery
     def _replace(self, w: Worker, lost: Lost) -> None:
         now = self._now()
         if w.elastic:  # a joined engine is not the driver's to restart: it leaves, its samples requeued
