@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from tailrace.engine.backends.torch_ref import TorchBackend
-from tailrace.engine.backends.weights import norm_qk
 from tailrace.engine.ckernel import Kernels
 from tailrace.model.decoder import CausalLM
 
@@ -44,12 +43,7 @@ class KernelBackend(TorchBackend):
         trow = self._token_rows(rows, pieces)
         pos = positions.contiguous()
         for i, lw in enumerate(w.layers):
-            xn = self._rms(x)
-            qkv = lw.qkv(xn, pk)
-            if lora is not None:
-                lora.add(i, "qkv", xn * lw.norm_attn, qkv, self.kernel)
-            if lw.qk_norm is not None:
-                norm_qk(qkv, lw.qk_norm, w.H, w.D, w.eps)
+            qkv = self._qkv(i, lw, x, pk, lora)
             o = layer(qkv, self.cos_sin, cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale)
             x = self._mlp(i, lw, self._o(i, lw, o, x, pk, lora), pk, lora)
         return x

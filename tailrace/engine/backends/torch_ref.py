@@ -144,12 +144,7 @@ class TorchBackend:
             order = order.to(x.device)
         half = D // 2
         for i, lw in enumerate(w.layers):
-            xn = self._rms(x)
-            qkv = lw.qkv(xn, pk)  # (M, (H + 2 Hkv) D)
-            if lora is not None:
-                lora.add(i, "qkv", xn * lw.norm_attn, qkv, self.kernel)
-            if lw.qk_norm is not None:
-                norm_qk(qkv, lw.qk_norm, H, D, w.eps)
+            qkv = self._qkv(i, lw, x, pk, lora)  # (M, (H + 2 Hkv) D)
             qk = qkv[:, : (H + Hkv) * D].view(M, H + Hkv, D)
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             ck, cv = cache.k[i], cache.v[i]
@@ -165,6 +160,17 @@ class TorchBackend:
                 outs.insert(0, self._attend_decode(self, qk[:B, :H], ck, cv, dec))
             x = self._mlp(i, lw, self._o(i, lw, _cat(outs), x, pk, lora), pk, lora)
         return x
+
+    def _qkv(self, i: int, lw, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
+        """The fused q/k/v projection of x's RMSNorm (with the tokens' adapter terms, then Qwen3's q/k
+        norms), (M, (H + 2 Hkv) D), RoPE not yet applied."""
+        xn = self._rms(x)
+        qkv = lw.qkv(xn, pk)
+        if lora is not None:
+            lora.add(i, "qkv", xn * lw.norm_attn, qkv, self.kernel)
+        if lw.qk_norm is not None:
+            norm_qk(qkv, lw.qk_norm, self.w.D, self.w.eps)
+        return qkv
 
     def _o(self, i: int, lw, o: torch.Tensor, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
         """x + the attention output o (M, H D) projected (and its adapter terms)."""

@@ -92,7 +92,7 @@ class FusedWeights:
             self.layers.append(L)
 
 
-def norm_qk(qkv: torch.Tensor, weight: torch.Tensor, H: int, D: int, eps: float) -> torch.Tensor:
+def norm_qk(qkv: torch.Tensor, weight: torch.Tensor, D: int, eps: float) -> torch.Tensor:
     """Qwen3's q and k norms on the fused projection's output qkv (M, (H + 2 Hkv) D), in place: each
     head's q and k RMS-normalized over D in fp32, rounded to the model's dtype, then scaled by its
     weight (`weight` (H + Hkv, D)), as HF's Qwen3RMSNorm. Returns qkv."""
