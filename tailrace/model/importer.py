@@ -9,8 +9,8 @@ tokenizer files and chat template the source carries).
 - A transformers directory: loaded from safetensors only (a pickled `pytorch_model.bin` is refused:
   loading a pickle runs code), whatever its dtype or sharding.
 
-Only what tailrace's decoder supports is accepted (Llama / Mistral / Qwen2 / Qwen3 families; `ModelConfig.from_hf`
-names anything else). The converted model is checked against the source: the logits of a few tokens
+Only what tailrace's decoder supports is accepted (Llama / Mistral / Qwen2 / Qwen3 families;
+`ModelConfig.from_hf` names anything else). The converted model is checked against the source: the logits of a few tokens
 through tailrace's forward and transformers' must agree (fp32: within 1e-4).
 """
 
