@@ -1,0 +1,103 @@
+"""What a user's model costs in memory beyond its weights: one engine version, and the trainer's
+activations a token (the slope `trainer/memory.py` is fitted to).
+
+    .venv/bin/python bench/model_memory.py engine DIR              # RSS: the model, then with the engine
+    .venv/bin/python bench/model_memory.py trainer qwen3 --bf16    # KiB a token of activations, one shape
+
+`engine`: loads the checkpoint (fp32 by default, as the engines do) in this process and builds a
+`TailraceEngine` (8 slots, 256 positions: its KV pool is small) on it; prints the resident memory
+after each. `trainer`: a 4-layer model of Qwen3-0.6B's attention (hidden 512, 8 heads of 128, 4 kv
+heads, MLP 1536, vocab 4,096), as `llama` or `qwen3`, takes two `GRPOTrainer.step`s of 64 rows of 8 +
+64 tokens with micro-batches of ~1,000 tokens and, in a fresh process, of ~4,000; the slope of the
+peak resident memory between the two is the activations' cost a token. One thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.kv_memory import rss_gib  # noqa: E402
+from tailrace.config import TrainerConfig  # noqa: E402
+from tailrace.engine import TailraceEngine  # noqa: E402
+from tailrace.model import CausalLM, ModelConfig  # noqa: E402
+from tailrace.model.checkpoint import load_pretrained  # noqa: E402
+from tailrace.trainer.grpo import GRPOTrainer  # noqa: E402
+from tailrace.types import Finish, GenResult, Group, Trajectory  # noqa: E402
+
+MICRO = (1024, 4096)  # micro-batch token caps: 14 and 56 rows of 72 tokens
+
+
+def engine(path: str, dtype: str) -> None:
+    model = load_pretrained(path, dtype=getattr(torch, dtype))
+    a = rss_gib()
+    eng = TailraceEngine(model, num_slots=8, seed=0, max_context=256)  # held while measured
+    b = rss_gib()
+    print(
+        f"{dtype}: the model {a:.2f} GiB, with one engine version {b:.2f} GiB (+{b - a:.2f}; {eng.backend})"
+    )
+
+
+def peak_kib(model_type: str, bf16: bool, micro: int) -> tuple[int, int]:
+    """(micro-batch tokens, peak RSS KiB) of a second trainer step (the first allocates AdamW's moments)."""
+    cfg = ModelConfig(model_type=model_type, vocab_size=4096, hidden_size=512, intermediate_size=1536,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                      max_position_embeddings=512, tie_word_embeddings=True)  # fmt: skip
+    trainer = GRPOTrainer(
+        CausalLM.from_config(cfg, seed=0), TrainerConfig(micro_batch_tokens=micro, bf16=bf16)
+    )
+    rng = random.Random(0)
+    groups = []
+    for g in range(8):
+        trajs = []
+        for i in range(8):
+            resp = tuple(rng.randrange(1, 4096) for _ in range(64))
+            res = GenResult(f"{g}-{i}", resp, (-1.0,) * 64, (0,) * 64, Finish.STOP)
+            prompt = tuple(rng.randrange(1, 4096) for _ in range(8))
+            trajs.append(Trajectory(group=g, sample_index=i, prompt_id=g, prompt_ids=prompt, result=res,
+                                    reward=float(i % 2), correct=bool(i % 2)))  # fmt: skip
+        groups.append(Group(id=g, prompt_id=g, trajectories=tuple(trajs)))
+    for _ in range(2):
+        trainer.step(groups, 0)
+    return (micro // 72) * 72, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    e = sub.add_parser("engine")
+    e.add_argument("path")
+    e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    t = sub.add_parser("trainer")
+    t.add_argument("model_type", choices=("llama", "qwen3"))
+    t.add_argument("--bf16", action="store_true")
+    t.add_argument("--micro", type=int, help="one micro-batch cap, in this process (the others run it)")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    if a.what == "engine":
+        engine(a.path, a.dtype)
+    elif a.micro:
+        print(*peak_kib(a.model_type, a.bf16, a.micro))
+    else:
+        flags = ["--bf16"] if a.bf16 else []
+        runs = [
+            subprocess.run([sys.executable, __file__, "trainer", a.model_type, *flags, f"--micro={m}"],
+                           capture_output=True, text=True, check=True).stdout.split()
+            for m in MICRO
+        ]  # fmt: skip
+        (t0, k0), (t1, k1) = ([int(x) for x in r] for r in runs)
+        print(f"{a.model_type} {'bf16' if a.bf16 else 'fp32'}: peaks {k0:,} and {k1:,} KiB at {t0:,} and "
+              f"{t1:,} tokens a micro-batch: {(k1 - k0) / (t1 - t0):.0f} KiB a token")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
