@@ -10,8 +10,8 @@ tokenizer files and chat template the source carries).
   loading a pickle runs code), whatever its dtype or sharding.
 
 Only what tailrace's decoder supports is accepted (Llama / Mistral / Qwen2 / Qwen3 families;
-`ModelConfig.from_hf` names anything else). The converted model is checked against the source: the logits of a few tokens
-through tailrace's forward and transformers' must agree (fp32: within 1e-4).
+`ModelConfig.from_hf` names anything else). The converted model is checked against the source: the
+logits of a few tokens through tailrace's forward and transformers' must agree (fp32: within 1e-4).
 """
 
 from __future__ import annotations
