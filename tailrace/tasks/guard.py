@@ -6,18 +6,18 @@ a finite reward outside the task's `reward_range` is clamped into it (kind "clam
 
 Rewards run in one persistent worker process, sandboxed before it runs any of them (tasks/sandbox:
 limits, a private directory, no network, a file-system allow-list; the package doc says what holds
-on which system). It is forked where possible, so the task is not pickled; under spawn (or the
-task's `reward_start_method`) the task is pickled once per worker start. A batch is one message
-each way: the worker flushes results early only when the batch has run for `timeout_s / 10`, so a
-hang loses (and re-scores) at most that much finished work. The worker publishes (item, start time)
-in shared memory before each item; the parent watches it, and kills and replaces a worker whose
-current item has run `timeout_s` (or whose batch has run `timeout_s` per item: the worker's numbers
-are not trusted), then sends the rest of the batch to the new one. A reward that returns while
-processes it started still run scores 0 ("leaked processes") and its worker is replaced. Killing a
-worker kills its whole process group, which every process it started stays in. Results come back
-as checked JSON, never pickle: the worker runs untrusted code, so what it sends is data.
-`inline=True` scores in the calling process, unsandboxed: exceptions are caught, hangs are not (for
-trusted tasks and tests).
+on which system). It is forked where possible (`default_start_method`), so the task is not pickled;
+under spawn (or the task's `reward_start_method`) the task is pickled once per worker start. A batch
+is one message each way: the worker flushes results early only when the batch has run for
+`timeout_s / 10`, so a hang loses (and re-scores) at most that much finished work. The worker
+publishes (item, start time) in shared memory before each item; the parent watches it, and kills and
+replaces a worker whose current item has run `timeout_s` (or whose batch has run `timeout_s` per
+item: the worker's numbers are not trusted), then sends the rest of the batch to the new one. A
+reward that returns while processes it started still run scores 0 ("leaked processes") and its
+worker is replaced. Killing a worker kills its whole process group, which every process it started
+stays in. Results come back as checked JSON, never pickle: the worker runs untrusted code, so what
+it sends is data. `inline=True` scores in the calling process, unsandboxed: exceptions are caught,
+hangs are not (for trusted tasks and tests).
 """
 
 from __future__ import annotations
@@ -157,6 +157,17 @@ def sweep_orphans() -> int:
     return gone
 
 
+def default_start_method() -> str:
+    """How a reward worker starts when neither the caller nor the task says: fork (nothing is pickled,
+    nothing imported) where the platform has it and this process may fork; spawn otherwise. A process
+    with a Ray session up may not: gRPC's threads run in it, and a child forked then can crash before
+    its first line (CI saw exit code -11). Asked at each start, as Ray may have come up since the last."""
+    if "fork" not in mp.get_all_start_methods():
+        return "spawn"
+    ray = sys.modules.get("ray")  # looked up, not imported: a run that never used Ray does not load it
+    return "spawn" if ray is not None and ray.is_initialized() else "fork"
+
+
 class RewardGuard:
     def __init__(
         self,
@@ -183,14 +194,10 @@ class RewardGuard:
         self.errors: Counter[str] = Counter()
         self.restarts = 0  # workers replaced after a hang, death or leak
         self.held: Held | None = None  # what the worker's sandbox holds; None inline
-        if start_method is None:
-            start_method = task.reward_start_method or (
-                "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            )
-        self._ctx = mp.get_context(start_method)
+        self._start_method = start_method or task.reward_start_method  # None: chosen at each start
         self._proc = self._conn = self._workdir = None
         self._t_sent = self._batch_deadline = 0.0  # when the current batch was sent, and its last chance
-        self._progress = self._ctx.RawArray("d", 2)
+        self._progress = mp.RawArray("d", 2)
         if not inline:
             self._start()
 
@@ -256,8 +263,9 @@ class RewardGuard:
         sweep_orphans()
         self._workdir = tempfile.mkdtemp(prefix=f"{_WORKDIR}{os.getpid()}-")
         # a fresh pipe per worker: a killed worker may have left a half-written message in the old one
-        self._conn, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(
+        ctx = mp.get_context(self._start_method or default_start_method())
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
             target=_worker_main,
             name=f"reward-{self.task.name}",
             daemon=True,

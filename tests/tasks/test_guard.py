@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tailrace.tasks.base import Example, Task
-from tailrace.tasks.guard import RewardGuard, Scored
+from tailrace.tasks.guard import RewardGuard, Scored, default_start_method
 
 TIMEOUT = 0.5
 
@@ -142,6 +142,22 @@ def test_spawn_worker_gets_the_task_once_and_times_out_too():
     with RewardGuard(Scripted(), timeout_s=TIMEOUT, start_method="spawn") as g:
         got = g.score_many([(EX[0], "0"), (EX[1], "hang"), (EX[2], "2")])
         assert got == [Scored(1.0), Scored(0.0, f"timeout after {TIMEOUT}s"), Scored(1.0)]
+
+
+def test_a_worker_is_spawned_not_forked_while_a_ray_session_is_up(monkeypatch):
+    """gRPC's threads in a Ray driver make a forked child crash at random (CI: exit code -11)."""
+
+    class FakeRay:
+        up = False
+
+        def is_initialized(self):
+            return self.up
+
+    ray = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    assert default_start_method() == "fork"
+    ray.up = True
+    assert default_start_method() == "spawn"
 
 
 def test_close_and_context_manager_end_the_worker():
