@@ -52,7 +52,13 @@ class Kernels:
         self._layer = {torch.float32: lib.decode_layer_f32, torch.bfloat16: lib.decode_layer_bf16}
         for fn in self._layer.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p]
+            fn.argtypes = (
+                [ctypes.c_void_p] * 8
+                + [ctypes.c_int64] * 8
+                + [ctypes.c_float]
+                + [ctypes.c_void_p] * 2
+                + [ctypes.c_float]
+            )
         self._rms = {torch.float32: lib.rms_f32, torch.bfloat16: lib.rms_bf16}
         self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
         for fn in self._rms.values():
@@ -399,12 +405,15 @@ class Kernels:
         pos: torch.Tensor,
         G: int,
         scale: float,
+        qk_norm: torch.Tensor | None = None,
+        eps: float = 0.0,
     ) -> torch.Tensor:
         """One layer's attention block after the q/k/v projection: token t of qkv (M, (H + 2 Hkv) D)
         rotated by RoPE (cos_sin (>= W block_size, 2, D), the backend's table), its k and v written into
         the cache at position pos[t] of the sequence in table row row[t], its q attended over that
         sequence's positions [0, pos[t]] (a prefill piece: one row's tokens in increasing positions,
-        causal); returns o (M, H D). One dtype, fp32 or bf16."""
+        causal); returns o (M, H D). One dtype, fp32 or bf16. `qk_norm`: Qwen3's q and k norm weights
+        (H + Hkv, D), applied with `eps` to each head's q and k before RoPE, as `weights.norm_qk`."""
         M, Wq = qkv.shape
         nblocks, Hkv, bs, D = k.shape
         rows, W = table.shape
@@ -422,11 +431,16 @@ class Kernels:
             and pos.dtype == row.dtype == torch.int64
             and pos.is_contiguous()
             and row.is_contiguous()
+            and (
+                qk_norm is None
+                or (qk_norm.dtype == dt and qk_norm.is_contiguous() and qk_norm.shape == ((G + 1) * Hkv, D))
+            )
         ):
             raise ValueError(
                 f"decode_layer: bad operands qkv {tuple(qkv.shape)} {dt}, k {tuple(k.shape)} "
                 f"{k.dtype}, table {tuple(table.shape)} {table.dtype}, cos_sin {tuple(cos_sin.shape)} "
                 f"{cos_sin.dtype}, G {G}, pos {tuple(pos.shape)} {pos.dtype}, row {tuple(row.shape)} {row.dtype}"
+                + ("" if qk_norm is None else f", qk_norm {tuple(qk_norm.shape)} {qk_norm.dtype}")
             )
         scratch = self._scratch_of(G * W * bs + 2 * G * D)
         out = torch.empty(M, G * Hkv * D, dtype=dt)
@@ -449,6 +463,8 @@ class Kernels:
             nblocks,
             scale,
             scratch.data_ptr(),
+            None if qk_norm is None else qk_norm.data_ptr(),
+            eps,
         )
         if rc:
             raise ValueError(f"decode_layer: {_WHY[rc]} (rows {row.tolist()}, positions {pos.tolist()})")

@@ -153,7 +153,10 @@ def layer_reference(qkv, cos_sin, k, v, row, pos, G, scale):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D,G,bs", [(32, 2, 16), (16, 1, 3), (40, 3, 8), (64, 4, 16)])
-def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G, bs):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G, bs, qk_norm):
+    """qk_norm: Qwen3's q/k norms in the call, against the torch backend's `norm_qk` before RoPE."""
+    from tailrace.engine.backends.weights import norm_qk
     from tailrace.model.rope import rope_table
 
     g = torch.Generator().manual_seed(D + G)
@@ -166,17 +169,21 @@ def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G, bs):
     qkv = torch.randn(len(row), (G + 2) * Hkv * D, generator=g).to(dtype)
     cos, sin = rope_table(1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), 1.0, 48)  # >= W bs
     cos_sin = torch.stack((cos, sin), dim=1).to(dtype)
-    want_o, want_k, want_v = layer_reference(qkv, cos_sin, k, v, row, pos, G, D**-0.5)
+    norms, eps = (1 + 0.3 * torch.randn((G + 1) * Hkv, D, generator=g)).to(dtype), 1e-6
+    normed = norm_qk(qkv.clone(), norms, D, eps) if qk_norm else qkv
+    want_o, want_k, want_v = layer_reference(normed, cos_sin, k, v, row, pos, G, D**-0.5)
     table, n = table_for(rows, L, bs)
     pk, pv = page(k, table, n, bs), page(v, table, n, bs)
-    got = KERNEL.layer(qkv, cos_sin, pk, pv, table, row, pos, G, D**-0.5)
+    got = KERNEL.layer(qkv, cos_sin, pk, pv, table, row, pos, G, D**-0.5, norms if qk_norm else None, eps)
     k, v = unpage(pk, table, L), unpage(pv, table, L)
     assert got.dtype == dtype
     if dtype == torch.float32:
         assert torch.allclose(k, want_k, atol=1e-6) and torch.equal(v, want_v)
         assert (got.double() - want_o).abs().max() < 2e-6
     else:  # here RoPE is computed in fp32 and rounded once (torch's bf16 ops round each product)
-        _, exact_k, _ = layer_reference(qkv.float(), cos_sin.float(), k.float(), v.float(), row, pos, G, 1.0)
+        _, exact_k, _ = layer_reference(
+            normed.float(), cos_sin.float(), k.float(), v.float(), row, pos, G, 1.0
+        )
         rounded = exact_k.to(dtype).float()
         assert ((k.float() - rounded).abs() <= rounded.abs() * 2**-8).all()  # within one bf16 step
         assert torch.equal(v, want_v)
@@ -201,6 +208,9 @@ def test_fused_layer_rejects_a_bad_position_row_or_block_before_writing_anything
         KERNEL.layer(
             qkv.to(torch.bfloat16), cos_sin, k, v, table, torch.tensor([0, 1]), torch.tensor([3, 4]), 1, 1.0
         )
+    for norms in (torch.ones(1, 16), torch.ones(2, 16, dtype=torch.bfloat16)):  # (H + Hkv, D), qkv's dtype
+        with pytest.raises(ValueError, match="qk_norm"):
+            KERNEL.layer(qkv, cos_sin, k, v, table, torch.tensor([0, 1]), torch.tensor([3, 4]), 1, 1.0, norms)
 
 
 @needs_kernel

@@ -1,6 +1,6 @@
 """`KernelBackend`: the engine step on CPU with the C kernels of `ckernel` (kernels/decode.c).
 
-Per layer one C call does RoPE, both cache writes and attention for every token of the step (decode
+Per layer one C call does Qwen3's q/k norms, RoPE, both cache writes and attention for every token of the step (decode
 rows and prefill pieces; each row reads its own K/V exactly to its own length, in place from the blocks
 its block-table row lists, in fp32 arithmetic for fp32 and bf16 caches, so attention chunks are not
 needed), and RMSNorm and
@@ -43,8 +43,10 @@ class KernelBackend(TorchBackend):
         trow = self._token_rows(rows, pieces)
         pos = positions.contiguous()
         for i, lw in enumerate(w.layers):
-            qkv = self._qkv(i, lw, x, pk, lora)
-            o = layer(qkv, self.cos_sin, cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale)
+            qkv = self._qkv(i, lw, x, pk, lora, qk_norm=False)  # the C call applies Qwen3's q/k norms
+            o = layer(
+                qkv, self.cos_sin, cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale, lw.qk_norm, w.eps
+            )
             x = self._mlp(i, lw, self._o(i, lw, o, x, pk, lora), pk, lora)
         return x
 

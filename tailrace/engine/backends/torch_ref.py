@@ -161,14 +161,14 @@ class TorchBackend:
             x = self._mlp(i, lw, self._o(i, lw, _cat(outs), x, pk, lora), pk, lora)
         return x
 
-    def _qkv(self, i: int, lw, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
+    def _qkv(self, i: int, lw, x: torch.Tensor, pk: bool, lora, qk_norm: bool = True) -> torch.Tensor:
         """The fused q/k/v projection of x's RMSNorm (with the tokens' adapter terms, then Qwen3's q/k
-        norms), (M, (H + 2 Hkv) D), RoPE not yet applied."""
+        norms unless `qk_norm` is False), (M, (H + 2 Hkv) D), RoPE not yet applied."""
         xn = self._rms(x)
         qkv = lw.qkv(xn, pk)
         if lora is not None:
             lora.add(i, "qkv", xn * lw.norm_attn, qkv, self.kernel)
-        if lw.qk_norm is not None:
+        if qk_norm and lw.qk_norm is not None:
             norm_qk(qkv, lw.qk_norm, self.w.D, self.w.eps)
         return qkv
 

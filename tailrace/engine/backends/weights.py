@@ -5,7 +5,8 @@
   into the columns of the projection that follows it ((x*w) W^T = x (W diag w)^T; in bf16 this
   rounds W*w instead of x*w, a difference of the size of bf16 rounding itself);
 * Qwen3's per-head q and k norm weights stacked into one (H + Hkv, D) table per layer, applied to the
-  q and k columns of the fused projection's output before RoPE (`norm_qk`);
+  q and k columns of the fused projection's output before RoPE (`norm_qk`; the kernel backend's C
+  layer call applies them itself);
 * on CPU, GEMMs over oneDNN packed copies of the weights at batches where they beat MKL (`packed_at`;
   see `linear.py`).
 """

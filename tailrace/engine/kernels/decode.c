@@ -385,18 +385,37 @@ DRIVER(decode_attn_bf16, uint16_t, attend_bf16)
    sequence; out (M, H D) in T. A decode token is one per row; a prefill piece is consecutive tokens of
    one row in increasing positions, each attending causally to those before it (written by then). As
    torch, the rotated q/k are rounded to T before use; bf16 is rounded to nearest even. Rows, positions
-   and blocks are all checked before anything is written. scratch >= G W bs + 2 G D floats. Returns 0,
-   -1 (D > 256 or odd) or check_tokens' code. */
-#define FUSED(NAME, T, IN, OUT, ATTEND)                                                                 \
+   and blocks are all checked before anything is written. scratch >= G W bs + 2 G D floats. qkn: Qwen3's
+   q and k norm weights (H + Hkv, D) in T, or NULL: then each head's q and k go through HEAD_NORM before
+   RoPE. Returns 0, -1 (D > 256 or odd) or check_tokens' code. */
+/* y = w * round(x / sqrt(mean(x^2) + eps)) over one head's D values (Qwen3's q/k norm, as torch's
+   `norm_qk`): the mean in fp32, both products rounded to T. Returns y. */
+#define HEAD_NORM(NAME, T, IN, OUT)                                                                     \
+static inline const T *NAME(const T *restrict x, const T *restrict w, T *restrict y, int64_t D,         \
+                            float eps) {                                                                \
+    float ss = 0.f;                                                                                     \
+    _Pragma("omp simd reduction(+:ss)")                                                                 \
+    for (int64_t d = 0; d < D; d++) { const float a = IN(x[d]); ss += a * a; }                          \
+    const float r = 1.0f / sqrtf(ss / (float)D + eps);                                                  \
+    _Pragma("omp simd")                                                                                 \
+    for (int64_t d = 0; d < D; d++) y[d] = OUT(IN(w[d]) * IN(OUT(IN(x[d]) * r)));                       \
+    return y;                                                                                           \
+}
+HEAD_NORM(head_norm_f32, float, f32_in, f32_out)
+HEAD_NORM(head_norm_bf16, uint16_t, bf16_in, bf16_out)
+
+#define FUSED(NAME, T, IN, OUT, ATTEND, NORM)                                                           \
 int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tbl,                      \
          const int64_t *restrict row, const int64_t *restrict pos, T *restrict k, T *restrict v,         \
          T *restrict out, int64_t M, int64_t rows, int64_t W, int64_t Hkv, int64_t G, int64_t D,         \
-         int64_t bs, int64_t nblocks, float scale, float *restrict scratch) {                           \
+         int64_t bs, int64_t nblocks, float scale, float *restrict scratch, const T *restrict qkn,       \
+         float eps) {                                                                                    \
     if (D > 256 || D % 2) return -1;                                                                     \
     const int rc = check_tokens(row, 0, pos, M, tbl, rows, W, bs, nblocks);                              \
     if (rc) return rc;                                                                                   \
     const int64_t H = Hkv * G, Wq = (H + 2 * Hkv) * D, half = D / 2, J = M * Hkv, bstride = Hkv * bs * D; \
     float *qf = scratch + G * W * bs, *of = qf + G * D;                                                  \
+    T kn[256], qn[256]; /* a head's normalized k and q, where qkn is given */                            \
     for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(T, tbl + row[j / Hkv] * W, j % Hkv, pos[j / Hkv]); \
     for (int64_t j = 0; j < J; j++) {                                                                    \
         const int64_t t = j / Hkv, h = j % Hkv, p = pos[t];                                              \
@@ -409,6 +428,7 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
         const int64_t at = ((int64_t)tb[p / bs] * Hkv + h) * bs * D + (p % bs) * D;                      \
         T *kw = k + at, *vw = v + at;                                                                    \
         const T *ks = src + (H + h) * D, *vs = src + (H + Hkv + h) * D;                                  \
+        if (qkn) ks = NORM(ks, qkn + (H + h) * D, kn, D, eps);                                           \
         /* RoPE as two loops over the halves (d + half and d - half: no select, so they vectorize) */ \
         _Pragma("omp simd")                                                                              \
         for (int64_t d = 0; d < half; d++) {                                                             \
@@ -418,6 +438,7 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
         memcpy(vw, vs, D * sizeof(T));                                                                   \
         for (int64_t g = 0; g < G; g++) {                                                                \
             const T *qs = src + (h * G + g) * D;                                                         \
+            if (qkn) qs = NORM(qs, qkn + (h * G + g) * D, qn, D, eps);                                   \
             float *qg = qf + g * D;                                                                      \
             _Pragma("omp simd")                                                                          \
             for (int64_t d = 0; d < half; d++) {                                                         \
@@ -432,8 +453,8 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
     return 0;                                                                                            \
 }
 
-FUSED(decode_layer_f32, float, f32_in, f32_out, attend_f32)
-FUSED(decode_layer_bf16, uint16_t, bf16_in, bf16_out, attend_bf16)
+FUSED(decode_layer_f32, float, f32_in, f32_out, attend_f32, head_norm_f32)
+FUSED(decode_layer_bf16, uint16_t, bf16_in, bf16_out, attend_bf16, head_norm_bf16)
 
 /* -- the elementwise ops between the GEMMs ---------------------------------------------------------- */
 
