@@ -6,15 +6,19 @@ activations a token (the slope `trainer/memory.py` is fitted to).
 
 `engine`: loads the checkpoint (fp32 by default, as the engines do) in this process and builds a
 `TailraceEngine` (8 slots, 256 positions: its KV pool is small) on it; prints the resident memory
-after each. `trainer`: a 4-layer model of Qwen3-0.6B's attention (hidden 512, 8 heads of 128, 4 kv
-heads, MLP 1536, vocab 4,096), as `llama` or `qwen3`, takes two `GRPOTrainer.step`s of 64 rows of 8 +
-64 tokens with micro-batches of ~1,000 tokens and, in a fresh process, of ~4,000; the slope of the
-peak resident memory between the two is the activations' cost a token. One thread.
+after each. `--layout gpu`: instead of the engine, the backend a GPU runs (torch, no packed copies),
+so what a version holds on a GPU is measured here. `trainer`: a 4-layer model of Qwen3-0.6B's
+attention (hidden 512, 8 heads of 128, 4 kv heads, MLP 1536, vocab 4,096), as `llama` or `qwen3`,
+takes two `GRPOTrainer.step`s of 64 rows of 8 + 64 tokens with micro-batches of ~1,000 tokens and,
+in a fresh process, of ~4,000; the slope of the peak resident memory between the two is the
+activations' cost a token. One thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import random
 import resource
 import subprocess
@@ -29,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from bench.kv_memory import rss_gib  # noqa: E402
 from tailrace.config import TrainerConfig  # noqa: E402
 from tailrace.engine import TailraceEngine  # noqa: E402
+from tailrace.engine.backends import select  # noqa: E402
 from tailrace.model import CausalLM, ModelConfig  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained  # noqa: E402
 from tailrace.trainer.grpo import GRPOTrainer  # noqa: E402
@@ -37,14 +42,24 @@ from tailrace.types import Finish, GenResult, Group, Trajectory  # noqa: E402
 MICRO = (1024, 4096)  # micro-batch token caps: 14 and 56 rows of 72 tokens
 
 
-def engine(path: str, dtype: str) -> None:
+def engine(path: str, dtype: str, layout: str) -> None:
     model = load_pretrained(path, dtype=getattr(torch, dtype))
+    for p in model.parameters():  # in private memory, as the weights an engine loads: a checkpoint
+        p.data = p.data.clone()  # in its own dtype is mapped, and its pages count only once read
+    model.tie_weights()
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
     a = rss_gib()
-    eng = TailraceEngine(model, num_slots=8, seed=0, max_context=256)  # held while measured
+    if layout == "cpu":
+        eng = TailraceEngine(model, num_slots=8, seed=0, max_context=256)  # held while measured
+        name = eng.backend
+    else:  # what a version holds on a GPU: the torch backend's weights, no packed copies
+        eng = select("sdpa", model, 256, getattr(torch, dtype))(model, packed=False)
+        name = "sdpa, unpacked (a GPU's layout)"
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)  # what the process holds, not what glibc keeps of what it freed
     b = rss_gib()
-    print(
-        f"{dtype}: the model {a:.2f} GiB, with one engine version {b:.2f} GiB (+{b - a:.2f}; {eng.backend})"
-    )
+    print(f"{dtype}: the model {a:.2f} GiB, with one engine version {b:.2f} GiB (+{b - a:.2f}; {name})")
 
 
 def peak_kib(model_type: str, bf16: bool, micro: int) -> tuple[int, int]:
@@ -77,6 +92,7 @@ def main() -> None:
     e = sub.add_parser("engine")
     e.add_argument("path")
     e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    e.add_argument("--layout", default="cpu", choices=("cpu", "gpu"), help="gpu: the torch backend unpacked")
     t = sub.add_parser("trainer")
     t.add_argument("model_type", choices=("llama", "qwen3"))
     t.add_argument("--bf16", action="store_true")
@@ -84,7 +100,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.what == "engine":
-        engine(a.path, a.dtype)
+        engine(a.path, a.dtype, a.layout)
     elif a.micro:
         print(*peak_kib(a.model_type, a.bf16, a.micro))
     else:

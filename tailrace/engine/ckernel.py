@@ -63,7 +63,7 @@ class Kernels:
         self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
         for fn in self._rms.values():
             fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         for fn in self._silu_mul.values():
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
@@ -281,12 +281,16 @@ class Kernels:
         )
         return tokens, lps
 
-    def rms(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm without weight of each row of x (M, N), fp32 or bf16 (normalized in fp32, rounded once)."""
-        if not (x.dtype in self._rms and x.dim() == 2 and x.is_contiguous()):
-            raise ValueError(f"rms: bad operand {tuple(x.shape)} {x.dtype}")
+    def rms(self, x: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of each row of x (M, N), fp32 or bf16, as the model's: normalized in fp32, rounded to
+        the dtype, times `weight` (N,) of x's dtype, rounded again."""
+        ok = weight.dtype == x.dtype and weight.shape == x.shape[1:] and weight.is_contiguous()
+        if not (x.dtype in self._rms and x.dim() == 2 and x.is_contiguous() and ok):
+            raise ValueError(
+                f"rms: bad operands {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+            )
         y = torch.empty_like(x)
-        self._rms[x.dtype](x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+        self._rms[x.dtype](x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
         return y
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:

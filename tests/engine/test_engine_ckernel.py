@@ -222,15 +222,17 @@ def test_rms_and_silu_mul_match_torch(dtype):
     x = (torch.randn(9, 40, generator=g) * 3).to(dtype)
     gu = (torch.randn(9, 2 * 24, generator=g) * 4).to(dtype)
     gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # e^-g clamped both ways
-    want_rms = F.rms_norm(x.float(), (40,), eps=1e-6)
+    w = (1 + 0.3 * torch.randn(40, generator=g)).to(dtype)
+    want_rms = (F.rms_norm(x, (40,), eps=1e-6) * w).float()  # the torch backend's (HF's) roundings
     want_act = F.silu(gu[:, :24].float()) * gu[:, 24:].float()
-    got_rms, got_act = KERNEL.rms(x, 1e-6), KERNEL.silu_mul(gu)
+    got_rms, got_act = KERNEL.rms(x, 1e-6, w), KERNEL.silu_mul(gu)
     assert got_rms.dtype == got_act.dtype == dtype and got_act.shape == (9, 24)
     tol = 2e-6 if dtype == torch.float32 else 2**-8  # fp32 rounding / one bf16 step
     assert ((got_rms.float() - want_rms).abs() <= want_rms.abs() * tol + 1e-6).all()
     assert ((got_act.float() - want_act).abs() <= want_act.abs() * tol + 1e-6).all()
-    with pytest.raises(ValueError, match="bad operand"):
-        KERNEL.rms(x.t(), 1e-6)  # not contiguous
+    for bad in ((x.t(), w), (x, w[:20]), (x, w.double())):  # not contiguous; a weight of another size, dtype
+        with pytest.raises(ValueError, match="bad operand"):
+            KERNEL.rms(*bad[:1], 1e-6, bad[1])
 
 
 def test_no_compiler_falls_back_with_the_reason(monkeypatch, tmp_path):

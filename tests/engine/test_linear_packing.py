@@ -43,10 +43,39 @@ def test_padded_packed_linear_matches_plain(dtype, m):
 
 
 @torch.inference_mode()
+def test_a_version_holds_its_weights_once_and_a_load_updates_its_fused_gemms():
+    """The fused q/k/v and gate/up GEMMs run on the model's own weights (row blocks of one tensor), the
+    LM head on the model's head: no copy (0.84 GiB a bf16 version of a 0.6B model had). A weight load,
+    which copies into them, gives the tokens of an engine built on the new weights."""
+    from tailrace.engine import TailraceEngine
+    from tests.engine.engine_helpers import req, tiny_model
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    model = tiny_model(2, model_type="qwen3", attention_bias=True)
+    engine = TailraceEngine(model, num_slots=4, attention="bmm")
+    w, m = engine._versions[0].w, engine._versions[0].model
+    for L, layer in zip(w.layers, m.model.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        assert all(same(L.qkv.w, p) for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
+        assert all(same(L.qkv.b, p) for p in (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
+        assert same(L.gate_up.w, mlp.gate_proj.weight) and same(L.gate_up.w, mlp.up_proj.weight)
+    assert w.lm_head.w is m.lm_head.weight
+    new = tiny_model(5, model_type="qwen3", attention_bias=True)
+    engine.load_weights(new.state_dict(), 0)
+    reqs = [req(f"r{i}", 3 + i, 12, seed=i, temperature=1.0) for i in range(4)]
+    got = [(r.token_ids, r.logprobs) for r in engine.generate(reqs)]
+    want = [
+        (r.token_ids, r.logprobs) for r in TailraceEngine(new, num_slots=4, attention="bmm").generate(reqs)
+    ]
+    assert got == want
+
+
 def test_weights_packed_at_every_batch_keep_no_plain_copy(monkeypatch):
-    """fp32 models from hidden 512 (bf16 ones always) run every GEMM on packed weights, so the fused
-    projections' plain copies are not kept (1.55 GiB of a 0.6B fp32 model's 6.9 GiB engine version);
-    the engine's tokens are those of a model that keeps them."""
+    """fp32 models from hidden 512 (bf16 ones always) run every GEMM on packed weights, so no Linear
+    keeps a reference to W (an int8 drafter's dequantized W is then freed); the engine's tokens are
+    those of an engine that runs plain GEMMs."""
     from tailrace.engine import TailraceEngine
     from tailrace.engine.backends import weights
     from tests.engine.engine_helpers import req, tiny_model

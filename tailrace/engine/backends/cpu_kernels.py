@@ -50,8 +50,8 @@ class KernelBackend(TorchBackend):
             x = self._mlp(i, lw, self._o(i, lw, o, x, pk, lora), pk, lora)
         return x
 
-    def _rms(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.rms(x.contiguous(), self.w.eps)
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.kernel.rms(x.contiguous(), self.w.eps, weight)
 
     def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         return self.kernel.silu_mul(gu)

@@ -101,8 +101,8 @@ class Linear:
         drafter's weights): run on the kernels' int8 GEMM where it serves a bf16 W, else as the
         dequantized values on the other paths (the same numbers, without the halved weight bytes).
         `plain=False`: every call will pass `packed=True`, so W itself is not kept where a packed copy
-        (the kernels' or oneDNN's) serves: a fused projection's W is a copy of the model's weights,
-        1.8 GB of a 0.6B fp32 model's 6.6 GB a version."""
+        (the kernels' or oneDNN's) serves: an int8 W (its dequantized copy) is then freed; the model's
+        own weights stay the model's."""
         self.ks = None
         if int8:
             q, scale = rtn_int8(w)

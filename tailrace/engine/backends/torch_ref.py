@@ -110,7 +110,7 @@ class TorchBackend:
             x = x.index_select(0, want)
         elif M > B:
             x = x[:B]
-        return self.w.lm_head(self._rms(x), self.w.packed_at(x.shape[0]))
+        return self.w.lm_head(self._rms(x, self.w.norm), self.w.packed_at(x.shape[0]))
 
     def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool, lora=None) -> torch.Tensor:
         """The layers over x (M, hidden), `pk`: GEMMs on packed weights; `lora`: the tokens' adapters."""
@@ -164,10 +164,10 @@ class TorchBackend:
     def _qkv(self, i: int, lw, x: torch.Tensor, pk: bool, lora, qk_norm: bool = True) -> torch.Tensor:
         """The fused q/k/v projection of x's RMSNorm (with the tokens' adapter terms, then Qwen3's q/k
         norms unless `qk_norm` is False), (M, (H + 2 Hkv) D), RoPE not yet applied."""
-        xn = self._rms(x)
+        xn = self._rms(x, lw.norm_attn)
         qkv = lw.qkv(xn, pk)
         if lora is not None:
-            lora.add(i, "qkv", xn * lw.norm_attn, qkv, self.kernel)
+            lora.add(i, "qkv", xn, qkv, self.kernel)
         if qk_norm and lw.qk_norm is not None:
             norm_qk(qkv, lw.qk_norm, self.w.D, self.w.eps)
         return qkv
@@ -181,10 +181,10 @@ class TorchBackend:
 
     def _mlp(self, i: int, lw, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
         """x + the MLP of x (with the tokens' adapter terms on gate/up and down)."""
-        xn = self._rms(x)
+        xn = self._rms(x, lw.norm_mlp)
         gu = lw.gate_up(xn, pk)
         if lora is not None:
-            lora.add(i, "gate_up", xn * lw.norm_mlp, gu, self.kernel)
+            lora.add(i, "gate_up", xn, gu, self.kernel)
         h = self._silu_mul(gu)
         y = lw.down.add(h, x, pk)
         if lora is not None:
@@ -323,10 +323,10 @@ class TorchBackend:
 
     # -- the rest of a layer
 
-    def _rms(self, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm without its weight (folded into the next GEMM), normalized in fp32 and rounded once
-        (for bf16 as the model's x.float() ... .to(bf16))."""
-        return F.rms_norm(x, (x.shape[-1],), eps=self.w.eps)
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as the model's: normalized in fp32 and rounded to the dtype, then times `weight` (for
+        bf16 as HF's weight * x.float() ... .to(bf16))."""
+        return F.rms_norm(x, (x.shape[-1],), eps=self.w.eps).mul_(weight)
 
     def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused gate/up projection's output (M, 2 I)."""

@@ -1,9 +1,11 @@
 """`FusedWeights`: one model version's parameters laid out for the engine step (both backends).
 
-* q/k/v and gate/up projections fused into one GEMM each (fused copies of the weights, rebuilt by
-  `refresh` after a weight load), residual adds folded into `addmm`; each RMSNorm weight is folded
-  into the columns of the projection that follows it ((x*w) W^T = x (W diag w)^T; in bf16 this
-  rounds W*w instead of x*w, a difference of the size of bf16 rounding itself);
+* q/k/v and gate/up projections fused into one GEMM each, residual adds folded into `addmm`. The
+  fusion copies nothing: the model's own q/k/v (gate/up) weights become row blocks of one tensor
+  (`fuse_rows`), so a weight load, which copies into them, updates the fused GEMM's weight in place,
+  and a version holds its weights once (a fused copy beside them made a Qwen3 version 1.6x its
+  weights' bytes on a GPU). RMSNorm weights multiply the normalized rows, as HF's RMSNorm does (round
+  to the dtype, then times the weight), not folded into the next GEMM's columns;
 * Qwen3's per-head q and k norm weights stacked into one (H + Hkv, D) table per layer, applied to the
   q and k columns of the fused projection's output before RoPE (`norm_qk`; the kernel backend's C
   layer call applies them itself);
@@ -25,6 +27,35 @@ PACKED_FP32_MIN_HIDDEN = 512  # fp32 models this wide use the packed weights at 
 class _Layer:
     # norms: their weights (hidden,); qk_norm: Qwen3's q and k norm weights per head, (H + Hkv, D), or None
     __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "qk_norm")
+
+
+def fuse_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One tensor whose consecutive row blocks are `params` (each (n_i, ...)), the params made views of
+    it: copied there at the first call, found in place at the next (a weight load copies into the
+    views). An inference tensor where the params are (a parameter keeps its kind: a plain one made a
+    view of an inference tensor, or the reverse, cannot be read by autograd-aware ops), else a plain one,
+    which loads outside inference mode may write."""
+    ts = [p.data for p in params]
+    rows = sum(t.shape[0] for t in ts)
+    with torch.inference_mode(ts[0].is_inference()):
+        if _consecutive(ts):
+            return ts[0].as_strided((rows, *ts[0].shape[1:]), ts[0].stride(), ts[0].storage_offset())
+        fused = torch.cat(ts)
+        at = 0
+        for p in params:
+            p.data = fused[at : at + p.shape[0]]
+            at += p.shape[0]
+    return fused
+
+
+def _consecutive(ts: list[torch.Tensor]) -> bool:
+    """Whether the tensors lie one after another, contiguous, in one storage."""
+    storage, at = ts[0].untyped_storage().data_ptr(), ts[0].storage_offset()
+    for t in ts:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != at:
+            return False
+        at += t.numel()
+    return True
 
 
 class FusedWeights:
@@ -59,30 +90,29 @@ class FusedWeights:
 
     @torch.inference_mode()
     def refresh(self) -> None:
-        """(Re)build the fused weights from the model's current parameters."""
+        """(Re)build what derives from the model's current parameters: packed copies, int8 roundings, the
+        q/k norm tables (the fused weights are the parameters themselves)."""
         m, pk = self.model.model, self.packed
         plain = not self.packed_at(1)  # some calls run on W itself (below packed_min_batch rows)
 
-        def proj(norm_w, ws, bs=None, int8=self.int8):  # one GEMM for the projections reading one RMSNorm
-            w = torch.cat(ws)
-            b = torch.cat(bs) if bs and bs[0] is not None else None
-            return Linear(w * norm_w, b, pk, self.kernel, int8, plain)
+        def proj(ws, bs=None, int8=self.int8):  # one GEMM for the projections reading one RMSNorm
+            w = fuse_rows(ws) if len(ws) > 1 else ws[0]
+            b = fuse_rows(bs) if bs and bs[0] is not None else None
+            return Linear(w, b, pk, self.kernel, int8, plain)
 
         self.embed = m.embed_tokens.weight
-        self.lm_head = proj(m.norm.weight, [self.model.lm_head.weight], int8=False)
+        self.norm = m.norm.weight
+        self.lm_head = proj([self.model.lm_head.weight], int8=False)
         self.layers = []
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
             L = _Layer()
             L.qkv = proj(
-                layer.input_layernorm.weight,
                 [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
                 [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
             )
             L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk, self.kernel, self.int8, plain)
-            L.gate_up = proj(
-                layer.post_attention_layernorm.weight, [mlp.gate_proj.weight, mlp.up_proj.weight]
-            )
+            L.gate_up = proj([mlp.gate_proj.weight, mlp.up_proj.weight])
             L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8, plain)
             L.norm_attn, L.norm_mlp = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             L.qk_norm = (

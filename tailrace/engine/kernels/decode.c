@@ -388,8 +388,8 @@ DRIVER(decode_attn_bf16, uint16_t, attend_bf16)
    and blocks are all checked before anything is written. scratch >= G W bs + 2 G D floats. qkn: Qwen3's
    q and k norm weights (H + Hkv, D) in T, or NULL: then each head's q and k go through HEAD_NORM before
    RoPE. Returns 0, -1 (D > 256 or odd) or check_tokens' code. */
-/* y = w * round(x / sqrt(mean(x^2) + eps)) over one head's D values (Qwen3's q/k norm, as torch's
-   `norm_qk`): the mean in fp32, both products rounded to T. Returns y. */
+/* y = w * round(x / sqrt(mean(x^2) + eps)) over D values (a row: RMSNorm; a head's q or k: Qwen3's
+   q/k norms), as HF's RMSNorm: the mean in fp32, both products rounded to T. Returns y. */
 #define HEAD_NORM(NAME, T, IN, OUT)                                                                     \
 static inline const T *NAME(const T *restrict x, const T *restrict w, T *restrict y, int64_t D,         \
                             float eps) {                                                                \
@@ -458,23 +458,14 @@ FUSED(decode_layer_bf16, uint16_t, bf16_in, bf16_out, attend_bf16, head_norm_bf1
 
 /* -- the elementwise ops between the GEMMs ---------------------------------------------------------- */
 
-/* y = x / sqrt(mean(x^2) + eps) per row of x (M, N), in fp32, rounded once to T (as torch's rms_norm
-   without a weight: the backend folds the weight into the next GEMM). */
-#define RMS(NAME, T, IN, OUT)                                                                           \
-void NAME(const T *restrict x, T *restrict y, int64_t M, int64_t N, float eps) {                        \
-    for (int64_t m = 0; m < M; m++) {                                                                   \
-        const T *xm = x + m * N;                                                                        \
-        float ss = 0.f;                                                                                 \
-        _Pragma("omp simd reduction(+:ss)")                                                             \
-        for (int64_t i = 0; i < N; i++) { const float a = IN(xm[i]); ss += a * a; }                     \
-        const float r = 1.0f / sqrtf(ss / (float)N + eps);                                              \
-        T *ym = y + m * N;                                                                              \
-        _Pragma("omp simd")                                                                             \
-        for (int64_t i = 0; i < N; i++) ym[i] = OUT(IN(xm[i]) * r);                                     \
-    }                                                                                                   \
+/* RMSNorm of each row of x (M, N) as the model's: y = w * round(x / sqrt(mean(x^2) + eps)), the mean
+   in fp32, both products rounded to T (HEAD_NORM over a row). */
+#define RMS(NAME, T, NORM)                                                                              \
+void NAME(const T *restrict x, const T *restrict w, T *restrict y, int64_t M, int64_t N, float eps) {   \
+    for (int64_t m = 0; m < M; m++) NORM(x + m * N, w, y + m * N, N, eps);                              \
 }
-RMS(rms_f32, float, f32_in, f32_out)
-RMS(rms_bf16, uint16_t, bf16_in, bf16_out)
+RMS(rms_f32, float, head_norm_f32)
+RMS(rms_bf16, uint16_t, head_norm_bf16)
 
 /* out (M, I) = silu(gu[:, :I]) * gu[:, I:], gu (M, 2 I); silu(g) = g / (1 + e^-g) in fp32, the product
    rounded to T. e^x by exp_poly. */
