@@ -30,6 +30,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from tailrace.common import ConfigError, InputError
 from tailrace.config import RunConfig, dump_config
 from tailrace.config.load import policy_configs
@@ -247,9 +249,10 @@ class Driver(Membership, Reports):
         # each policy's live versions, side by side: policy p's sit in the slots = p (mod S), S the
         # run's room for policies (those that may join included)
         staleness = max(p.cfg.flow.max_staleness for p in self.pols)
-        self.weights = self.hosts.ring(self.layout, slots=(staleness + 3) * self.sched.room)
+        slots = (staleness + 3) * self.sched.room
+        self.weights = self.hosts.ring(self.layout, slots, self._ring_dtype())
         if self.sched.room > len(self.pols) and self.ui is not None:
-            size = self.layout.buffer.numel() * self.layout.buffer.element_size() * self.weights.slots
+            size = self.layout.buffer.numel() * self.weights.dtype.itemsize * slots
             self.ui.note(
                 f"room for {self.sched.room - len(self.pols)} more policies (max_policies={self.sched.room}): "
                 f"{size / 2**20:,.0f} MiB of shared memory for the published weights"
@@ -297,6 +300,18 @@ class Driver(Membership, Reports):
             relay=str(pol.run.path) if pol.train_cfg.external else None, steps=pol.cfg.flow.steps,
         )  # fmt: skip
         pol.trainer = self.workers.start(pol.worker_name, trainer_target(pol.tspec), pol.tspec, self.weights)
+
+    def _ring_dtype(self) -> torch.dtype:
+        """What the weights ring holds: bf16 where every policy's engines run bf16 and the built-in
+        trainer publishes the whole model (each version rounded once as it is written, as an engine
+        rounds an fp32 one as it loads it: the same weights, the ring in half the memory); else the
+        trainer's own dtype (a LoRA run publishes adapters; an external trainer's relay checkpoints
+        what is published)."""
+        half = all(
+            p.cfg.model.dtype == "bfloat16" and not p.cfg.train.lora.rank and not p.cfg.train.external
+            for p in self.pols
+        )
+        return torch.bfloat16 if half else self.layout.buffer.dtype
 
     def _shared_base(self, shared: bool, device: str) -> SharedBase | None:
         """Several LoRA policies' trainers on this machine's CPU: one copy of their frozen base

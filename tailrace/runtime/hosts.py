@@ -60,8 +60,9 @@ class Hosts(Protocol):
 
     def start(self, name: str, target: Callable[..., None], args: tuple) -> Started: ...
 
-    def ring(self, layout: Any, slots: int) -> Any:
-        """The weights ring for a flat layout (model/flat.FlatWeights) holding `slots` versions."""
+    def ring(self, layout: Any, slots: int, dtype: Any) -> Any:
+        """The weights ring for a flat layout (model/flat.FlatWeights) holding `slots` versions in
+        `dtype` (a writer's buffer is rounded to it)."""
         ...
 
     def desk(self) -> tuple[str, dict]:
@@ -114,10 +115,10 @@ class LocalHosts:
         child.close()  # only the worker holds its end now: when it dies, ours reads end-of-file
         return Started(proc, conn, counter)
 
-    def ring(self, layout: Any, slots: int) -> Any:
+    def ring(self, layout: Any, slots: int, dtype: Any) -> Any:
         from tailrace.runtime.weights import SharedWeights
 
-        return SharedWeights.like(layout, slots=slots)
+        return SharedWeights(layout.layout, layout.buffer.numel(), dtype, slots)
 
     def desk(self) -> tuple[str, dict]:
         from tailrace.runtime.join import LOOPBACK

@@ -50,7 +50,9 @@ class Membership:
                 f"--flow.mode=sync (one version in each engine; {cfg.flow.mode} keeps up to {k + 1})"
             )
         if cfg.model.dtype == "float32":
-            tries.append("--model.dtype=bfloat16 (engines in half the memory)")
+            tries.append(
+                "--model.dtype=bfloat16 (engines, and a full fine-tune's published weights, in half the memory)"
+            )
         buf = getattr(getattr(self, "weights", None), "buf", None)  # the local runtime's ring, once made
         held = (
             f"; the run holds {buf.numel() * buf.element_size() / 2**30:.1f} GiB of published weights in "
@@ -128,7 +130,7 @@ class Membership:
         spec = self._engine_spec(Seat(cores, r.threads), ())
         started = Started(self.hosts.joined(a), a.conns["messages"], Heard(a.conns["beats"]))
         w = self.workers.adopt(f"engine{eid}", started, elastic=True)
-        self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.layout.buffer.dtype))
+        self.workers.send(w, Welcome(eid, spec, self.layout.layout, self.weights.dtype))
         serve_weights(a.conns["weights"], self.weights)
         self.engines[eid], self.especs[eid] = w, spec
         data = {

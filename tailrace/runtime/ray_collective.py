@@ -127,8 +127,9 @@ class Member:
         """Broadcast `version` to the group, then put it into the object store: one after the other,
         as at the same time they contend for cores and memory and took longer on 2 cores than the
         two in turn (bench/README.md)."""
+        buffer = buffer.detach().reshape(-1).to(self.dtype)  # rounded to the ring's dtype, once
         try:
-            for work in self._send(version, buffer.detach().reshape(-1)):
+            for work in self._send(version, buffer):
                 work.wait()
         except RuntimeError as e:  # a member lost or too slow: the object store carries on
             self._end(0, f"version {version}: {one_line(e)}")

@@ -290,11 +290,11 @@ class RayHosts:
         beats = Client((ip, port), authkey=self.authkey)
         return Started(RayProcess(ray, actor, running, pid, node), conn, Heard(beats))
 
-    def ring(self, layout: Any, slots: int) -> Any:
+    def ring(self, layout: Any, slots: int, dtype: Any) -> Any:
         """The object store (runtime/ray_weights.py), or a collective over it (runtime/ray_collective.py)."""
         from tailrace.runtime.ray_weights import StoreWeights
 
-        self.weights = StoreWeights.like(self.ray, layout, slots)
+        self.weights = StoreWeights(self.ray, layout.layout, dtype, slots)
         if self.cfg.weights == "collective":
             from tailrace.runtime.ray_collective import Collective
 

@@ -56,7 +56,8 @@ class StoreWeights:
         return self._slots
 
     def write(self, version: int, buffer: torch.Tensor) -> None:
-        data = buffer.detach().reshape(-1).cpu().view(torch.uint8).numpy()  # bytes: numpy has no bf16
+        flat = buffer.detach().reshape(-1).to("cpu", self.dtype)  # rounded to the ring's dtype
+        data = flat.view(torch.uint8).numpy()  # bytes: numpy has no bf16
         ref = self.ray.put(data, _owner=self.registry)
         self.ray.get(self.registry.put.remote(version, [ref]))
 

@@ -52,6 +52,31 @@ def test_sync_with_a_fixed_seed_gives_identical_metrics_with_or_without_periodic
     check_periodic_and_checkpoint_evals(tmp_path / "b")
 
 
+def test_bf16_engines_get_a_bf16_ring_and_train_as_with_an_fp32_one(tiny_model, tmp_path, monkeypatch):
+    """bf16 engines and the built-in full fine-tune: the ring holds bf16, half the memory. A version
+    is rounded once as it is written, as an engine rounds an fp32 one as it loads it: every step and
+    the periodic evaluation are those of a run whose ring holds fp32."""
+    from safetensors.torch import load_file
+
+    from tailrace.runtime.driver import Driver
+
+    real, runs, rings = Driver._ring_dtype, [], []
+    for name, dtype in (("half", None), ("full", torch.float32)):
+        monkeypatch.setattr(
+            Driver, "_ring_dtype", lambda self, d=dtype: rings.append(d or real(self)) or rings[-1]
+        )
+        argv = ["train", f"--run-dir={tmp_path / name}", f"--model.path={tiny_model}", *TINY_RUN]
+        extra = ["--flow.mode=sync", "--model.dtype=bfloat16", "--train.loss.kl_coef=0.01", "--eval.every=2"]
+        assert main([*argv, *extra]) == 0
+        records = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        timeless = [{k: v for k, v in r.items() if k not in ("time", "wall_s")} for r in records]
+        runs.append([r for r in timeless if r["kind"] in ("step", "eval")])
+    assert rings == [torch.bfloat16, torch.float32]
+    assert runs[0] == runs[1] and len(runs[0]) > 4
+    snaps = sorted((tmp_path / "half" / "snapshots").glob("*.safetensors"))
+    assert snaps and load_file(str(snaps[0]))["flat"].dtype == torch.bfloat16
+
+
 def check_periodic_and_checkpoint_evals(run):
     from safetensors.torch import load_file
 
