@@ -10,10 +10,12 @@ import torch
 
 
 def available_bytes(device: torch.device) -> int:
-    """Memory a new allocation can take without swapping or evicting: free device memory on CUDA, the
-    kernel's MemAvailable (free plus reclaimable page cache) on CPU."""
+    """Memory a new allocation can take without swapping or evicting: on CUDA the device's free memory
+    plus what torch's caching allocator holds unused (an engine's first version frees the weights it
+    fuses into it); on CPU the kernel's MemAvailable (free plus reclaimable page cache)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

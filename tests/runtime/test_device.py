@@ -23,3 +23,14 @@ def test_a_missing_gpu_is_a_config_error_naming_the_fix():
 def test_an_unknown_device_is_rejected(bad):
     with pytest.raises(ConfigError, match="use auto, cpu, cuda or cuda:N"):
         load_config(None, [f"--device={bad}"])
+
+
+def test_cuda_memory_available_counts_what_torchs_allocator_holds_unused(monkeypatch):
+    """An engine's first version frees the weights it fuses into torch's cache, not to the device: a
+    KV pool sized by the device's free memory alone would be smaller by them."""
+    from tailrace.model.device import available_bytes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (100 << 20, 200 << 20))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 50 << 20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 30 << 20)
+    assert available_bytes(torch.device("cuda")) == 120 << 20
