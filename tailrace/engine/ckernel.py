@@ -284,13 +284,14 @@ class Kernels:
     def rms(self, x: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each row of x (M, N), fp32 or bf16, as the model's: normalized in fp32, rounded to
         the dtype, times `weight` (N,) of x's dtype, rounded again."""
-        ok = weight.dtype == x.dtype and weight.shape == x.shape[1:] and weight.is_contiguous()
-        if not (x.dtype in self._rms and x.dim() == 2 and x.is_contiguous() and ok):
+        fn = self._rms.get(x.dtype)
+        ok = fn is not None and x.dim() == 2 and x.is_contiguous() and weight.dtype is x.dtype
+        if not (ok and weight.dim() == 1 and weight.numel() == x.shape[1] and weight.is_contiguous()):
             raise ValueError(
                 f"rms: bad operands {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
             )
         y = torch.empty_like(x)
-        self._rms[x.dtype](x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+        fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
         return y
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:

@@ -96,12 +96,14 @@ class FusedWeights:
         plain = not self.packed_at(1)  # some calls run on W itself (below packed_min_batch rows)
 
         def proj(ws, bs=None, int8=self.int8):  # one GEMM for the projections reading one RMSNorm
-            w = fuse_rows(ws) if len(ws) > 1 else ws[0]
+            w = fuse_rows(ws) if len(ws) > 1 else ws[0].detach()
             b = fuse_rows(bs) if bs and bs[0] is not None else None
             return Linear(w, b, pk, self.kernel, int8, plain)
 
+        # plain tensors over the parameters' storage (a load writes them): a Parameter costs each op
+        # that takes it a few microseconds more (a torch-function subclass), 5% of a small model's step
         self.embed = m.embed_tokens.weight
-        self.norm = m.norm.weight
+        self.norm = m.norm.weight.detach()
         self.lm_head = proj([self.model.lm_head.weight], int8=False)
         self.layers = []
         for layer in m.layers:
@@ -114,7 +116,8 @@ class FusedWeights:
             L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk, self.kernel, self.int8, plain)
             L.gate_up = proj([mlp.gate_proj.weight, mlp.up_proj.weight])
             L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8, plain)
-            L.norm_attn, L.norm_mlp = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            L.norm_attn = layer.input_layernorm.weight.detach()
+            L.norm_mlp = layer.post_attention_layernorm.weight.detach()
             L.qk_norm = (
                 torch.cat((a.q_norm.weight.expand(self.H, -1), a.k_norm.weight.expand(self.Hkv, -1)))
                 if a.qk_norm
