@@ -61,7 +61,7 @@ def test_a_version_holds_its_weights_once_and_a_load_updates_its_fused_gemms():
         assert all(same(L.qkv.w, p) for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
         assert all(same(L.qkv.b, p) for p in (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
         assert same(L.gate_up.w, mlp.gate_proj.weight) and same(L.gate_up.w, mlp.up_proj.weight)
-    assert w.lm_head.w is m.lm_head.weight
+    assert same(w.lm_head.w, m.lm_head.weight)
     new = tiny_model(5, model_type="qwen3", attention_bias=True)
     engine.load_weights(new.state_dict(), 0)
     reqs = [req(f"r{i}", 3 + i, 12, seed=i, temperature=1.0) for i in range(4)]
