@@ -230,9 +230,9 @@ def test_rms_and_silu_mul_match_torch(dtype):
     tol = 2e-6 if dtype == torch.float32 else 2**-8  # fp32 rounding / one bf16 step
     assert ((got_rms.float() - want_rms).abs() <= want_rms.abs() * tol + 1e-6).all()
     assert ((got_act.float() - want_act).abs() <= want_act.abs() * tol + 1e-6).all()
-    for bad in ((x.t(), w), (x, w[:20]), (x, w.double())):  # not contiguous; a weight of another size, dtype
+    for bad_x, bad_w in ((x.t(), w), (x, w[:20]), (x, w.double())):  # not contiguous; a weight's size, dtype
         with pytest.raises(ValueError, match="bad operand"):
-            KERNEL.rms(*bad[:1], 1e-6, bad[1])
+            KERNEL.rms(bad_x, 1e-6, bad_w)
 
 
 def test_no_compiler_falls_back_with_the_reason(monkeypatch, tmp_path):

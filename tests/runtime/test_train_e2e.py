@@ -61,10 +61,13 @@ def test_bf16_engines_get_a_bf16_ring_and_train_as_with_an_fp32_one(tiny_model, 
     from tailrace.runtime.driver import Driver
 
     real, runs, rings = Driver._ring_dtype, [], []
-    for name, dtype in (("half", None), ("full", torch.float32)):
-        monkeypatch.setattr(
-            Driver, "_ring_dtype", lambda self, d=dtype: rings.append(d or real(self)) or rings[-1]
-        )
+    for name, forced in (("half", None), ("full", torch.float32)):
+
+        def ring_dtype(self, forced=forced):
+            rings.append(forced or real(self))
+            return rings[-1]
+
+        monkeypatch.setattr(Driver, "_ring_dtype", ring_dtype)
         argv = ["train", f"--run-dir={tmp_path / name}", f"--model.path={tiny_model}", *TINY_RUN]
         extra = ["--flow.mode=sync", "--model.dtype=bfloat16", "--train.loss.kl_coef=0.01", "--eval.every=2"]
         assert main([*argv, *extra]) == 0

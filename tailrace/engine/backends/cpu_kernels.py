@@ -1,15 +1,14 @@
 """`KernelBackend`: the engine step on CPU with the C kernels of `ckernel` (kernels/decode.c).
 
-Per layer one C call does Qwen3's q/k norms, RoPE, both cache writes and attention for every token of the step (decode
-rows and prefill pieces; each row reads its own K/V exactly to its own length, in place from the blocks
-its block-table row lists, in fp32 arithmetic for fp32 and bf16 caches, so attention chunks are not
-needed), and RMSNorm and
-SiLU-and-multiply are C calls too: at decode sizes each torch op costs more to dispatch than to
-compute. The GEMMs are `FusedWeights`': the kernels' own bf16 GEMM on one thread where the CPU has
-AVX-512 BF16, else oneDNN packed weights above their batch threshold (on every torch thread). The other
-kernels are single-threaded. Needs the model and its cache in one dtype,
-fp32 or bf16, and head_dim <= 256 (`backends.select` checks). Its speed against the torch backend:
-bench/README.md.
+Per layer one C call does Qwen3's q/k norms, RoPE, both cache writes and attention for every token of
+the step (decode rows and prefill pieces; each row reads its own K/V exactly to its own length, in
+place from the blocks its block-table row lists, in fp32 arithmetic for fp32 and bf16 caches, so
+attention chunks are not needed), and RMSNorm and SiLU-and-multiply are C calls too: at decode sizes
+each torch op costs more to dispatch than to compute. The GEMMs are `FusedWeights`': the kernels' own
+bf16 GEMM on one thread where the CPU has AVX-512 BF16, else oneDNN packed weights above their batch
+threshold (on every torch thread). The other kernels are single-threaded. Needs the model and its cache
+in one dtype, fp32 or bf16, and head_dim <= 256 (`backends.select` checks). Its speed against the torch
+backend: bench/README.md.
 
 `KernelAttentionBackend`: a cache in another dtype than the model's (an fp32 cache serving a bf16
 model) keeps the torch backend's RoPE, cache writes and prefill attention, and runs the decode rows'

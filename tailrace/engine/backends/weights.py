@@ -100,8 +100,9 @@ class FusedWeights:
             b = fuse_rows(bs) if bs and bs[0] is not None else None
             return Linear(w, b, pk, self.kernel, int8, plain)
 
-        # plain tensors over the parameters' storage (a load writes them): a Parameter costs each op
-        # that takes it a few microseconds more (a torch-function subclass), 5% of a small model's step
+        # plain tensors over the parameters' storage (a load writes them): ops that take a Parameter (a
+        # torch-function subclass) dispatch slower (bench/README.md, under model_memory.py: the GEMM calls of
+        # the built-in model's decode 0.055 s with the LM head a Parameter, 0.045 s as a view)
         self.embed = m.embed_tokens.weight
         self.norm = m.norm.weight.detach()
         self.lm_head = proj([self.model.lm_head.weight], int8=False)

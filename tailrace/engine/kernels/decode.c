@@ -376,18 +376,6 @@ int NAME(const float *restrict q, const KT *restrict k, const KT *restrict v,   
 DRIVER(decode_attn_f32, float, attend_f32)
 DRIVER(decode_attn_bf16, uint16_t, attend_bf16)
 
-/* -- one layer's attention block after the q/k/v projection, fused ----------------------------------
-
-   qkv (M, (H + 2 Hkv) D) in the model dtype T (fp32 or bf16; the cache has the same dtype), token t of
-   the sequence in table row row[t] at position pos[t]: RoPE on its q and k (cos/sin rows of the
-   backend's table cs (>= W bs, 2, D), sin's first half negated: x cos + rot(x) sin, rot swapping the
-   halves), its k and v written into the cache, then its q attends to positions [0, pos[t]] of its
-   sequence; out (M, H D) in T. A decode token is one per row; a prefill piece is consecutive tokens of
-   one row in increasing positions, each attending causally to those before it (written by then). As
-   torch, the rotated q/k are rounded to T before use; bf16 is rounded to nearest even. Rows, positions
-   and blocks are all checked before anything is written. scratch >= G W bs + 2 G D floats. qkn: Qwen3's
-   q and k norm weights (H + Hkv, D) in T, or NULL: then each head's q and k go through HEAD_NORM before
-   RoPE. Returns 0, -1 (D > 256 or odd) or check_tokens' code. */
 /* y = w * round(x / sqrt(mean(x^2) + eps)) over D values (a row: RMSNorm; a head's q or k: Qwen3's
    q/k norms), as HF's RMSNorm: the mean in fp32, both products rounded to T. Returns y. */
 #define HEAD_NORM(NAME, T, IN, OUT)                                                                     \
@@ -404,6 +392,18 @@ static inline const T *NAME(const T *restrict x, const T *restrict w, T *restric
 HEAD_NORM(head_norm_f32, float, f32_in, f32_out)
 HEAD_NORM(head_norm_bf16, uint16_t, bf16_in, bf16_out)
 
+/* -- one layer's attention block after the q/k/v projection, fused ----------------------------------
+
+   qkv (M, (H + 2 Hkv) D) in the model dtype T (fp32 or bf16; the cache has the same dtype), token t of
+   the sequence in table row row[t] at position pos[t]: RoPE on its q and k (cos/sin rows of the
+   backend's table cs (>= W bs, 2, D), sin's first half negated: x cos + rot(x) sin, rot swapping the
+   halves), its k and v written into the cache, then its q attends to positions [0, pos[t]] of its
+   sequence; out (M, H D) in T. A decode token is one per row; a prefill piece is consecutive tokens of
+   one row in increasing positions, each attending causally to those before it (written by then). As
+   torch, the rotated q/k are rounded to T before use; bf16 is rounded to nearest even. Rows, positions
+   and blocks are all checked before anything is written. scratch >= G W bs + 2 G D floats. qkn: Qwen3's
+   q and k norm weights (H + Hkv, D) in T, or NULL: then each head's q and k go through HEAD_NORM before
+   RoPE. Returns 0, -1 (D > 256 or odd) or check_tokens' code. */
 #define FUSED(NAME, T, IN, OUT, ATTEND, NORM)                                                           \
 int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tbl,                      \
          const int64_t *restrict row, const int64_t *restrict pos, T *restrict k, T *restrict v,         \
