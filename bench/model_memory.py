@@ -2,6 +2,7 @@
 activations a token (the slope `trainer/memory.py` is fitted to).
 
     .venv/bin/python bench/model_memory.py engine DIR              # RSS: the model, then with the engine
+    .venv/bin/python bench/model_memory.py ring DIR                # the weights ring, fp32 and bf16
     .venv/bin/python bench/model_memory.py trainer qwen3 --bf16    # KiB a token of activations, one shape
 
 `engine`: loads the checkpoint (fp32 by default, as the engines do) in this process and builds a
@@ -35,7 +36,9 @@ from tailrace.config import TrainerConfig  # noqa: E402
 from tailrace.engine import TailraceEngine  # noqa: E402
 from tailrace.engine.backends import select  # noqa: E402
 from tailrace.model import CausalLM, ModelConfig  # noqa: E402
-from tailrace.model.checkpoint import load_pretrained  # noqa: E402
+from tailrace.model.checkpoint import load_pretrained, read_config  # noqa: E402
+from tailrace.model.flat import flatten_parameters  # noqa: E402
+from tailrace.runtime.weights import SharedWeights  # noqa: E402
 from tailrace.trainer.grpo import GRPOTrainer  # noqa: E402
 from tailrace.types import Finish, GenResult, Group, Trajectory  # noqa: E402
 
@@ -60,6 +63,29 @@ def engine(path: str, dtype: str, layout: str) -> None:
     ctypes.CDLL(None).malloc_trim(0)  # what the process holds, not what glibc keeps of what it freed
     b = rss_gib()
     print(f"{dtype}: the model {a:.2f} GiB, with one engine version {b:.2f} GiB (+{b - a:.2f}; {name})")
+
+
+def ring(path: str, slots: int) -> None:
+    """The published-weights ring of a full fine-tune of `path`, `slots` versions written into it (the
+    trainer's fp32 buffer), in fp32 and in bf16 (`model.dtype=bfloat16`): the shared memory it holds."""
+
+    def shmem_gib() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssShmem")) / 2**20
+
+    with torch.device("meta"):
+        layout = flatten_parameters(CausalLM(read_config(path)))
+    n = layout.buffer.numel()
+    published = torch.randn(n)
+    for dtype in (torch.float32, torch.bfloat16):
+        before = shmem_gib()
+        weights = SharedWeights(layout.layout, n, dtype, slots)
+        for v in range(slots):
+            weights.write(v, published)
+        print(
+            f"{dtype}: {n / 1e6:.0f}M parameters, {slots} versions: {shmem_gib() - before:.2f} GiB of shared memory"
+        )
+        del weights
 
 
 def peak_kib(model_type: str, bf16: bool, micro: int) -> tuple[int, int]:
@@ -93,13 +119,18 @@ def main() -> None:
     e.add_argument("path")
     e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     e.add_argument("--layout", default="cpu", choices=("cpu", "gpu"), help="gpu: the torch backend unpacked")
+    r = sub.add_parser("ring")
+    r.add_argument("path")
+    r.add_argument("--slots", type=int, default=4, help="flow.max_staleness + 3 (the default's: 4)")
     t = sub.add_parser("trainer")
     t.add_argument("model_type", choices=("llama", "qwen3"))
     t.add_argument("--bf16", action="store_true")
     t.add_argument("--micro", type=int, help="one micro-batch cap, in this process (the others run it)")
     a = p.parse_args()
     torch.set_num_threads(1)
-    if a.what == "engine":
+    if a.what == "ring":
+        ring(a.path, a.slots)
+    elif a.what == "engine":
         engine(a.path, a.dtype, a.layout)
     elif a.micro:
         print(*peak_kib(a.model_type, a.bf16, a.micro))
