@@ -39,6 +39,7 @@ from typing import Sequence
 
 from tailrace.tasks.base import Example, Task
 from tailrace.tasks.sandbox import Held, SandboxConfig, enter, leaked_children
+from tailrace.tasks.sandbox.isolated import ray_session_up
 from tailrace.tasks.sandbox.limits import CpuBudget
 
 log = logging.getLogger("tailrace.tasks")
@@ -164,8 +165,7 @@ def default_start_method() -> str:
     its first line (CI saw exit code -11). Asked at each start, as Ray may have come up since the last."""
     if "fork" not in mp.get_all_start_methods():
         return "spawn"
-    ray = sys.modules.get("ray")  # looked up, not imported: a run that never used Ray does not load it
-    return "spawn" if ray is not None and ray.is_initialized() else "fork"
+    return "spawn" if ray_session_up() else "fork"
 
 
 class RewardGuard:

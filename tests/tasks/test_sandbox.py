@@ -4,6 +4,7 @@ each child enters a fresh sandbox with only the mechanisms named."""
 
 import ctypes
 import errno
+import json
 import os
 import platform
 import socket
@@ -13,7 +14,7 @@ import uuid
 
 import pytest
 
-from tailrace.tasks.sandbox import SandboxConfig, active, enter, landlock
+from tailrace.tasks.sandbox import SandboxConfig, active, enter, isolated, landlock
 from tailrace.tasks.sandbox.isolated import Contained, run_isolated
 from tests.tasks.hostile import leave_grandchild, marked
 
@@ -260,6 +261,32 @@ def test_processes_a_run_leaves_die_with_it():
     while marked(comm) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert marked(comm) == []
+
+
+def test_beside_other_threads_the_fork_server_starts_the_run():
+    """Forked from a process where another thread runs, a child could wait forever on a lock that
+    thread held (a multi-turn run's tools run in the driver's threads): the fork server forks it."""
+    got = {}
+
+    def calls():
+        got["may_fork"] = isolated.may_fork()
+        got["value"] = run_isolated(json.loads, ("[1, 2]",), SandboxConfig(), timeout_s=30.0)
+        for name, fn, args in (("timeout", time.sleep, (60,)), ("signal", os.abort, ())):
+            try:
+                run_isolated(fn, args, SandboxConfig(), timeout_s=0.5 if name == "timeout" else 30.0)
+            except Contained as e:
+                got[name] = str(e)
+
+    assert isolated.may_fork()
+    thread = threading.Thread(target=calls)
+    thread.start()
+    thread.join()
+    assert got == {
+        "may_fork": False,
+        "value": [1, 2],
+        "timeout": "timeout after 0.5s",
+        "signal": "killed by SIGABRT",
+    }
 
 
 def test_a_threaded_process_is_refused(tmp_path):

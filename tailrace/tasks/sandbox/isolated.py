@@ -1,24 +1,29 @@
 """run_isolated: one function call in a fresh, sandboxed child process, under a wall-clock limit.
 
-For work that must start clean every time (a model's completion run against its tests): the child is
-forked from the caller. Inside a sandboxed reward worker it inherits that sandbox; anywhere else
-(inline scoring) it enters one of its own. It gets `cpu_s` CPU seconds of its own, an empty working
-directory, the memory and file-size limits of `cfg` (or the worker's, where lower), no descriptor
-but its result pipe, /dev/null for its input and output, and `timeout_s` of wall time; then it is killed, with
-its process group when it made one (outside a worker). Inside a worker, processes it started are
-found and killed by the worker's leak check. Its result comes back as one line of JSON, read as data:
-the caller checks what it means.
+For work that must start clean every time (a model's completion run against its tests, a multi-turn
+run's Python tool): the child is forked from the caller, or, where forking the caller is unsafe (other
+threads run in it, or Ray's), by multiprocessing's fork server. Inside a sandboxed reward worker it
+inherits that sandbox; anywhere else (inline scoring, the driver's tool threads) it enters one of its
+own. It gets `cpu_s` CPU seconds of its own, an empty working directory, the memory and file-size limits
+of `cfg` (or the worker's, where lower), no descriptor but its result pipe, /dev/null for its input and
+output, and `timeout_s` of wall time; then it is killed, with its process group when it made one
+(outside a worker). Inside a worker, processes it started are found and killed by the worker's leak
+check. Its result comes back as one line of JSON, read as data: the caller checks what it means.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import resource
 import select
 import shutil
 import signal
+import sys
 import tempfile
+import threading
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from tailrace.tasks.sandbox.config import SandboxConfig
@@ -33,46 +38,86 @@ class Contained(Exception):
 
 
 def run_isolated(fn: Callable[..., Any], args: tuple, cfg: SandboxConfig, timeout_s: float) -> Any:
-    """`fn(*args)`'s JSON value, computed in a sandboxed child; Contained(why) when there is none."""
+    """`fn(*args)`'s JSON value, computed in a sandboxed child; Contained(why) when there is none.
+
+    Inside a worker the child is forked (it must inherit the worker's sandbox). Elsewhere it is forked
+    only while forking is safe (`may_fork`); otherwise the fork server forks it, and `fn` and `args`
+    must pickle (a module-level function)."""
     inside = active() is not None
     workdir = _scratch() if inside else tempfile.mkdtemp(prefix="tailrace-run-")
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 1
-        try:
-            os.close(r)
-            _prepare(cfg, workdir, w)
-            os.write(w, json.dumps(fn(*args)).encode() + b"\n")
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    pidfd = os.pidfd_open(pid)
     try:
-        finished = bool(select.select([pidfd], [], [], timeout_s)[0])
+        if inside or may_fork():
+            pid = os.fork()
+            if pid == 0:  # the child: never returns
+                os.close(r)
+                _child(fn, args, cfg, workdir, w)
+            done, reap = os.pidfd_open(pid), lambda: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        else:
+            result = Connection(os.dup(w), readable=False)  # pickles as the descriptor, passed on
+            try:
+                proc = mp.get_context("forkserver").Process(
+                    target=_child, args=(fn, args, cfg, workdir, result)
+                )
+                proc.start()
+            finally:
+                result.close()
+            pid, done = proc.pid, os.dup(proc.sentinel)
+            reap = lambda: proc.join() or proc.exitcode  # noqa: E731
+    finally:
+        os.close(w)
+    try:
+        finished = bool(select.select([done], [], [], timeout_s)[0])
         data = _read_available(r)
     finally:
         os.close(r)
         _kill(pid)
-        os.close(pidfd)
-        status = os.waitpid(pid, 0)[1]
+        os.close(done)
+        code = reap()
         if inside:
             _empty(workdir)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     if not finished:
         raise Contained(f"timeout after {timeout_s}s")
-    if os.WIFSIGNALED(status):
-        sig = signal.Signals(os.WTERMSIG(status)).name
+    if code < 0:
+        sig = signal.Signals(-code).name
         raise Contained(f"killed by {sig}" + (" (CPU limit)" if sig == "SIGXCPU" else ""))
     line = data.split(b"\n", 1)[0]
-    if os.WEXITSTATUS(status) != 0 or not line:
-        raise Contained(f"exited with code {os.WEXITSTATUS(status)} without a result")
+    if code != 0 or not line:
+        raise Contained(f"exited with code {code} without a result")
     try:
         return json.loads(line)
     except ValueError:
         raise Contained(f"sent a malformed result {line[:60]!r}") from None
+
+
+def may_fork() -> bool:
+    """Whether a child forked from this process starts clean: no other Python thread runs here (one
+    may hold a lock at the fork, the import lock or a logger's, that the child then waits on until
+    its timeout) and no Ray session is up (gRPC's threads, which Python does not list; CI saw a child
+    forked then die with SIGSEGV). Asked at each run: threads and sessions come and go."""
+    return threading.active_count() == 1 and not ray_session_up()
+
+
+def ray_session_up() -> bool:
+    ray = sys.modules.get("ray")  # looked up, not imported: a process that never used Ray does not load it
+    return ray is not None and ray.is_initialized()
+
+
+def _child(
+    fn: Callable[..., Any], args: tuple, cfg: SandboxConfig, workdir: str, w: int | Connection
+) -> None:
+    """The child's whole life: never returns. `w`: the result pipe's descriptor (a Connection when
+    the fork server started it: the descriptor it got may have another number)."""
+    code = 1
+    try:
+        w = w if isinstance(w, int) else w.fileno()
+        _prepare(cfg, workdir, w)
+        os.write(w, json.dumps(fn(*args)).encode() + b"\n")
+        code = 0
+    finally:
+        os._exit(code)
 
 
 def _scratch() -> str:
