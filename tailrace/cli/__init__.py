@@ -252,6 +252,7 @@ def entry() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     previous = signal.signal(signal.SIGTERM, _terminate)
+    Terminated.received = False  # main may run again in one process (the tests)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always", DamagedLineWarning)
@@ -262,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     except (Fault, OSError) as e:  # OSError: the disk filled, a directory turned read-only, ...
         return _error(e, 3)
     except KeyboardInterrupt as e:
-        console.print("terminated" if isinstance(e, Terminated) else "interrupted")
-        return 143 if isinstance(e, Terminated) else 130
+        console.print("terminated" if Terminated.by(e) else "interrupted")
+        return 143 if Terminated.by(e) else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -295,4 +296,5 @@ def _warn(message, category, filename, lineno, file=None, line=None) -> None:
 
 
 def _terminate(signum, frame) -> None:
+    Terminated.received = True
     raise Terminated()

@@ -87,7 +87,16 @@ def checked_run(cfg: RunConfig) -> tuple[RunConfig, str | None]:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, handled as Ctrl-C is (exit code 143 instead of 130)."""
+    """SIGTERM, handled as Ctrl-C is (exit code 143 instead of 130). `received` stays set once one
+    came: a library may catch it and raise a plain KeyboardInterrupt of its own (Ray's `ray.get` and
+    `ray.wait` do), and the run must still exit 143 (a supervisor restarts after neither, but says which)."""
+
+    received = False
+
+    @classmethod
+    def by(cls, e: KeyboardInterrupt) -> bool:
+        """Whether `e` ended the run because of SIGTERM."""
+        return isinstance(e, cls) or cls.received
 
 
 def train(args: Args) -> int:
@@ -283,8 +292,8 @@ def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
         driver = Driver(cfg, run, sessions, resume=resume, ui=ui, driver_lost=DriverLost.from_env())
         summary = driver.train()
     except KeyboardInterrupt as e:
-        console.print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}; {_continue(run)}")
-        return 143 if isinstance(e, Terminated) else 130
+        console.print(f"{'terminated' if Terminated.by(e) else 'interrupted'}; {_continue(run)}")
+        return 143 if Terminated.by(e) else 130
     except (Fault, OSError) as e:  # OSError: the run directory's disk filled or turned read-only
         raise Fault(f"{one_line(e)}; {_continue(run)}") from None
     finally:

@@ -42,3 +42,29 @@ def test_entry_waits_for_a_thread_that_is_not_a_daemon(tmp_path):
     """)
     assert out.returncode == 0 and "usage" in out.stdout.lower(), out
     assert done.read_text() == "done"
+
+
+def test_sigterm_exits_143_even_where_a_library_reraised_it_as_a_plain_ctrl_c(monkeypatch):
+    """Ray's `ray.get` catches the SIGTERM handler's Terminated and raises a KeyboardInterrupt of its
+    own: a Ray run stopped by SIGTERM exited 130, as if Ctrl-C had stopped it (a CI flake). A Ctrl-C in
+    a later `main` of the same process is still 130."""
+    import os
+    import signal
+    import time
+
+    from tailrace import cli
+
+    def ray_get(argv):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt() from None
+
+    def ctrl_c(argv):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(cli, "_run", ray_get)
+    assert cli.main([]) == 143
+    monkeypatch.setattr(cli, "_run", ctrl_c)
+    assert cli.main([]) == 130
