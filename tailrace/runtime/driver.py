@@ -54,6 +54,7 @@ from tailrace.runtime.membership import Membership
 from tailrace.runtime.messages import EngineReport, Go, Ready, TrainerReport, TrainOrder
 from tailrace.runtime.metrics import SpecTally, Utilization
 from tailrace.runtime.policy_run import PolicyRun
+from tailrace.runtime.procs import resolve_dtype
 from tailrace.runtime.recovery import Recovery, describe, saved_versions, weights_on_disk
 from tailrace.runtime.reports import Reports
 from tailrace.runtime.resume import Resume
@@ -246,6 +247,11 @@ class Driver(Membership, Reports):
         shared = _share_cores(trainer_seats)  # several trainers on one machine (not Ray's bundles)
         self._one_trainer = cfg.flow.share == "turns" and shared
         self.device = device = self.hosts.device(cfg.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, device)  # the engines' (one for every policy)
+        if cfg.model.dtype == "auto" and self.dtype != "float32" and self.ui is not None:
+            self.ui.note(
+                f"engines in {self.dtype} on {device} (model.dtype auto; model.dtype=float32 for fp32)"
+            )
         # each policy's live versions, side by side: policy p's sit in the slots = p (mod S), S the
         # run's room for policies (those that may join included)
         staleness = max(p.cfg.flow.max_staleness for p in self.pols)
@@ -307,9 +313,8 @@ class Driver(Membership, Reports):
         rounds an fp32 one as it loads it: the same weights, the ring in half the memory); else the
         trainer's own dtype (a LoRA run publishes adapters; an external trainer's relay checkpoints
         what is published)."""
-        half = all(
-            p.cfg.model.dtype == "bfloat16" and not p.cfg.train.lora.rank and not p.cfg.train.external
-            for p in self.pols
+        half = self.dtype == "bfloat16" and not any(
+            p.cfg.train.lora.rank or p.cfg.train.external for p in self.pols
         )
         return torch.bfloat16 if half else self.layout.buffer.dtype
 
@@ -336,7 +341,7 @@ class Driver(Membership, Reports):
         r, older = self.cfg.rollout, older or {}
         return EngineSpec(  # its model: the first policy's start weights, engine version 0
             str(self.pols[0].ses.model_path), r.slots, r.prefill_tokens, seat.threads, seat.cores, self.cfg.seed,
-            self.cfg.model.dtype,
+            self.dtype,
             start_versions=start,
             from_disk=tuple((v, str(p)) for v, p in sorted(older.items()) if v in start),
             attention=r.attention, max_context=r.max_context,

@@ -49,7 +49,7 @@ class Membership:
             tries.append(
                 f"--flow.mode=sync (one version in each engine; {cfg.flow.mode} keeps up to {k + 1})"
             )
-        if cfg.model.dtype == "float32":
+        if self.dtype == "float32":
             tries.append(
                 "--model.dtype=bfloat16 (engines, and a full fine-tune's published weights, in half the memory)"
             )

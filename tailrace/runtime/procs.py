@@ -78,6 +78,20 @@ def start_fork_server() -> None:
     forkserver.ensure_running()
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`model.dtype` for engines on `device` (as `resolve_device` names it): "auto" is bfloat16 on CUDA
+    with native bf16 (compute capability 8.0 on; a Ray driver that sees no GPU assumes its workers'
+    have it), float32 on a CPU or an older GPU."""
+    if dtype != "auto":
+        return dtype
+    if not device.startswith("cuda"):
+        return "float32"
+    import torch
+
+    native = not torch.cuda.is_available() or torch.cuda.get_device_capability(device) >= (8, 0)
+    return "bfloat16" if native else "float32"
+
+
 def resolve_device(name: str) -> str:
     """`device` as torch names it: "auto" is cuda when torch sees a GPU, else cpu. A cuda device
     torch cannot see is a clear error, not a crash inside a worker."""

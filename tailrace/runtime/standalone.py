@@ -15,7 +15,7 @@ from tailrace.engine.adapter_versions import AdapterVersions
 from tailrace.model import lora
 from tailrace.model.checkpoint import CONFIG, load_pretrained
 from tailrace.runtime.evaluate import Evaluator, generate_episodes
-from tailrace.runtime.procs import available_cores, resolve_device
+from tailrace.runtime.procs import available_cores, resolve_device, resolve_dtype
 from tailrace.runtime.session import Session
 
 
@@ -43,7 +43,8 @@ def evaluate_model(cfg: RunConfig, progress=None, on_done=None, adapter: Path | 
 def _engine(cfg: RunConfig, ses: Session, adapter: Path | None):
     """The engine the run's own evaluations ran on: vLLM's (an adapter as vLLM's LoRA over the base)
     where rollout.backend=vllm and vLLM imports here, else tailrace's (an adapter merged in)."""
-    r = cfg.rollout
+    r, device = cfg.rollout, resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
     common = dict(
         num_slots=cfg.eval.batch, seed=cfg.seed, max_context=r.max_context, kv_memory_gb=r.kv_memory_gb
     )
@@ -53,7 +54,7 @@ def _engine(cfg: RunConfig, ses: Session, adapter: Path | None):
         missing = vllm_available()
         if missing is None:
             peft = lora.load_peft(adapter) if adapter is not None else None
-            engine = build_engine(str(ses.model_path), backend="vllm", dtype=cfg.model.dtype,
+            engine = build_engine(str(ses.model_path), backend="vllm", dtype=dtype,
                                   lora_rank=peft.rank if peft else 0, max_adapters=1, **common)  # fmt: skip
             if peft is None:
                 return engine
@@ -61,12 +62,11 @@ def _engine(cfg: RunConfig, ses: Session, adapter: Path | None):
             engine.load_adapter_version(peft, 0)
             return engine
         print(f"evaluating on tailrace's engine (the run rolled out on vLLM): {missing}", flush=True)
-    device = resolve_device(cfg.device)
     if adapter is None:
-        model = load_pretrained(ses.model_path, dtype=getattr(torch, cfg.model.dtype), device=device)
+        model = load_pretrained(ses.model_path, dtype=getattr(torch, dtype), device=device)
     else:  # merged in fp32, then to the engine's dtype
         model = lora.merged(load_pretrained(ses.model_path, dtype=torch.float32), lora.load_peft(adapter))
-        model = model.to(device, getattr(torch, cfg.model.dtype))
+        model = model.to(device, getattr(torch, dtype))
     return build_engine(
         model, device=device, expected_context=ses.expected_context(cfg.eval.max_new_tokens), **common
     )

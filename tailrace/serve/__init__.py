@@ -15,7 +15,7 @@ import torch
 from tailrace.config import RunConfig
 from tailrace.engine import build_engine
 from tailrace.model.checkpoint import load_pretrained
-from tailrace.runtime.procs import available_cores, resolve_device
+from tailrace.runtime.procs import available_cores, resolve_device, resolve_dtype
 from tailrace.runtime.session import ModelText
 from tailrace.runtime.warmstart import ensure_warm_start
 from tailrace.serve.server import LOOPBACK, Endpoint, EngineLoop, make_server
@@ -27,14 +27,15 @@ def serve(cfg: RunConfig, say: Callable[[str], None] = print, progress=None, rea
     path = cfg.model.path or ensure_warm_start(cfg.arch, cfg.sft, progress)
     text = ModelText(path, cfg.task.chat_template, cfg.task.system_prompt, cfg.task.thinking)
     torch.set_num_threads(len(available_cores()))
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
     if cfg.rollout.backend == "vllm":  # vLLM loads the checkpoint itself
         engine = build_engine(
             str(path), backend="vllm", num_slots=s.slots, seed=cfg.seed, max_context=s.context,
-            kv_memory_gb=cfg.rollout.kv_memory_gb, dtype=cfg.model.dtype,
+            kv_memory_gb=cfg.rollout.kv_memory_gb, dtype=dtype,
         )  # fmt: skip
     else:
-        device = resolve_device(cfg.device)
-        model = load_pretrained(path, dtype=getattr(torch, cfg.model.dtype), device=device)
+        model = load_pretrained(path, dtype=getattr(torch, dtype), device=device)
         engine = build_engine(
             model, num_slots=s.slots, device=device, seed=cfg.seed, max_context=s.context,
             expected_context=s.context, kv_memory_gb=cfg.rollout.kv_memory_gb,

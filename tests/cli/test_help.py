@@ -68,7 +68,7 @@ def test_help_shows_type_default_and_registry_choices(capsys):
     out = help_of(capsys, "train", "--help")
     lines = " ".join(out.split())
     assert "--train.lr FLOAT|null AdamW learning rate" in lines and "(null = by the policy's size" in lines
-    assert "--flow.frontier INT|null" in lines and "--model.dtype {float32,bfloat16}" in lines
+    assert "--flow.frontier INT|null" in lines and "--model.dtype {auto,float32,bfloat16}" in lines
     assert f"--flow.mode {{{','.join(POLICIES)}}}" in lines
     assert f"--train.loss.name {{{','.join(LOSSES)}}}" in lines
 

@@ -43,7 +43,7 @@ def test_yaml_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("--model.dtype=fp16", "model.dtype='fp16': choose one of float32, bfloat16"),
+        ("--model.dtype=fp16", "model.dtype='fp16': choose one of auto, float32, bfloat16"),
         ("--rollout.attention=flash", "rollout.attention='flash': choose one of auto, kernel, bmm, sdpa"),
         ("--flow.steps=abc", "flow.steps='abc': expected an integer"),
         ("--flow.stepz=3", "unknown config key flow.stepz; did you mean flow.steps?"),

@@ -5,12 +5,26 @@ import torch
 
 from tailrace.common import ConfigError
 from tailrace.config import load_config
-from tailrace.runtime.procs import resolve_device
+from tailrace.runtime.procs import resolve_device, resolve_dtype
 
 
 def test_auto_follows_torch_and_cpu_is_cpu():
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu") == "cpu"
+
+
+def test_engines_default_to_bf16_on_a_gpu_with_native_bf16_and_to_fp32_elsewhere(monkeypatch):
+    assert [resolve_dtype(d, "cpu") for d in ("auto", "float32", "bfloat16")] == [
+        "float32",
+        "float32",
+        "bfloat16",
+    ]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, auto in (((9, 0), "bfloat16"), ((8, 0), "bfloat16"), ((7, 5), "float32")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert (resolve_dtype("auto", "cuda:0"), resolve_dtype("float32", "cuda")) == (auto, "float32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a Ray driver without a GPU of its own
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
