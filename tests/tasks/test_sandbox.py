@@ -266,6 +266,9 @@ def test_processes_a_run_leaves_die_with_it():
 def test_beside_other_threads_the_fork_server_starts_the_run():
     """Forked from a process where another thread runs, a child could wait forever on a lock that
     thread held (a multi-turn run's tools run in the driver's threads): the fork server forks it."""
+    from tailrace.runtime.procs import context
+
+    context()  # a fork server this test starts preloads what the runtime's does, for the tests after it
     got = {}
 
     def calls():
