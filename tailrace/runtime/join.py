@@ -32,6 +32,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -124,7 +125,15 @@ def listen(run_path: Path, name: str, host: str = LOOPBACK, about: dict | None =
 
 
 def unlisten(listener: Listener, run_path: Path, name: str) -> None:
-    """Close a `listen` listener and remove its files."""
+    """Close a `listen` listener and remove its files. A thread blocked in its `accept` is woken first
+    (shutdown): closing alone leaves it blocked on the still-bound socket for good, a thread and a
+    port leaked for each ended run in a process that lives on (a notebook, the tests)."""
+    sock = getattr(getattr(listener, "_listener", None), "_socket", None)  # multiprocessing's SocketListener
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected: nothing blocked on it
+            pass
     listener.close()
     for f in (f"{name}.json", f"{name}.key"):
         (run_path / f).unlink(missing_ok=True)
