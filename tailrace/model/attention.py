@@ -34,15 +34,17 @@ from tailrace.model.rope import apply_rope
 
 
 class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm: normalize in fp32, cast back to the input dtype, then scale by the weight."""
+    """HF's LlamaRMSNorm: normalize in fp32, cast back to the input dtype, then scale by the weight.
+    `scale_fp32` (OLMo2's): scale in fp32, then cast."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, scale_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.scale_fp32 = eps, scale_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        n = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return (self.weight * n).to(x.dtype) if self.scale_fp32 else self.weight * n.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -58,15 +60,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.qk_norm_wide = cfg.qk_norm, cfg.post_norms
         if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalized over head_dim before RoPE
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        elif cfg.post_norms:  # OLMo2: q and k RMS-normalized over all their heads at once
+            self.q_norm = RMSNorm(self.num_heads * self.head_dim, cfg.rms_norm_eps, scale_fp32=True)
+            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, cfg.rms_norm_eps, scale_fp32=True)
 
     def forward(self, h: torch.Tensor, step: CausalStep) -> torch.Tensor:
         B, T, _ = h.shape
-        q = self.q_proj(h).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(h).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = self.q_proj(h), self.k_proj(h)
+        if self.qk_norm_wide:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(h).view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)

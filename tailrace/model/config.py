@@ -1,10 +1,13 @@
-"""`ModelConfig`: the shape of a Llama/Qwen2/Qwen3-family decoder, and its mapping to and from HF config.json.
+"""`ModelConfig`: the shape of a Llama/Qwen2/Qwen3/OLMo2-family decoder, and its mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Qwen2/Qwen3ForCausalLM. Qwen3 is Llama's layout with a per-head RMSNorm on
+loads into Llama/Mistral/Qwen2/Qwen3/Olmo2ForCausalLM. Qwen3 is Llama's layout with a per-head RMSNorm on
 q and k before RoPE (`qk_norm`) and its bias switch on every attention projection; Mistral is Llama's
-without biases, read when its sliding window covers every position (v0.2 on: no window). Features
+without biases, read when its sliding window covers every position (v0.2 on: no window). OLMo2 moves
+each layer's norms after its attention and its MLP (`post_norms`: no norm before them), normalizes q
+and k over their whole width (all heads at once) before RoPE, and its RMSNorm scales in fp32 before
+rounding to the dtype. Features
 those classes have and this decoder lacks (sliding windows, MLP bias, partial rotary, non-SiLU
 activations, other RoPE types) are rejected, never silently ignored.
 """
@@ -20,6 +23,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
@@ -28,7 +32,8 @@ ROPE_REQUIRED = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-_HF_DEFAULT_MAX_POS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
+_HF_DEFAULT_MAX_POS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048}
+_HF_DEFAULT_EPS = {"olmo2": 1e-5}  # else 1e-6
 _HF_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json leaves it out
 
 
@@ -122,6 +127,12 @@ class ModelConfig:
         return self.model_type == "qwen3"
 
     @property
+    def post_norms(self) -> bool:
+        """OLMo2's layer: x + norm(attn(x)), then x + norm(mlp(x)); q and k normalized over their whole
+        width (H D and Hkv D weights) before RoPE; every RMSNorm scales in fp32, then rounds."""
+        return self.model_type == "olmo2"
+
+    @property
     def o_bias(self) -> bool:
         """Whether o_proj has a bias: Llama's and Qwen3's follow attention_bias; Qwen2's never has one."""
         return self.attention_bias and self.model_type != "qwen2"
@@ -176,7 +187,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=d.get("rms_norm_eps", _HF_DEFAULT_EPS.get(model_type, 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
@@ -223,9 +234,9 @@ class ModelConfig:
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
         elif self.model_type == "mistral":
             d.update(sliding_window=None)
-        else:
+        elif self.model_type != "olmo2":
             d.update(use_sliding_window=False)
-        if self.model_type == "qwen3":
+        if self.model_type in ("qwen3", "olmo2"):
             d.update(attention_bias=self.attention_bias)
         return d
 

@@ -1,7 +1,7 @@
-"""`CausalLM`: a Llama/Qwen2/Qwen3-family decoder in plain PyTorch.
+"""`CausalLM`: a Llama/Qwen2/Qwen3/OLMo2-family decoder in plain PyTorch.
 
-Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM, so
-state_dicts map 1:1.
+Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
+Olmo2ForCausalLM, so state_dicts map 1:1.
 
 The forward runs whole sequences with causal attention. Callers right-pad batches, so no padding mask
 is needed (a real token never attends to a later pad). Autograd and bf16 autocast work. There is no
@@ -34,14 +34,25 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm (Llama's): x + attn(norm(x)), then x + mlp(norm(x)). Post-norm (OLMo2's, HF's names:
+    `post_attention_layernorm` normalizes the attention's output, `post_feedforward_layernorm` the
+    MLP's; no `input_layernorm`): x + norm(attn(x)), then x + norm(mlp(x))."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norms = post = cfg.post_norms
+        if post:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_fp32=True)
+        else:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_fp32=post)
 
     def forward(self, x: torch.Tensor, step: CausalStep) -> torch.Tensor:
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(x, step))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         x = x + self.self_attn(self.input_layernorm(x), step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -56,7 +67,7 @@ class DecoderModel(nn.Module):
         table = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_fp32=cfg.post_norms)
 
 
 class CausalLM(nn.Module):

@@ -52,7 +52,7 @@ def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) 
     q = cfg.num_attention_heads * cfg.head_dim  # the hidden size, but for Qwen3-style wide heads
     per_layer = 6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size
     raw = cfg.num_hidden_layers * per_layer * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[bf16]
-    if cfg.qk_norm:
+    if cfg.qk_norm or cfg.post_norms:  # Qwen3's per-head q/k norms; OLMo2's over all heads (unmeasured)
         raw += cfg.num_hidden_layers * (q + kv) * _QK_NORM_BYTES[bf16]
     if bf16 and cpu:
         raw += eager_attention_bytes(cfg)

@@ -69,8 +69,9 @@ def full_logprobs(model: CausalLM, prompt_ids, token_ids, temperature: float = 1
 @torch.no_grad()
 def reference_kv(model: CausalLM, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k, v), each (B, Hkv, T, D), of the whole-sequence forward of ids (B, T): k after RoPE
-    (and Qwen3's k norm before it), in the model's dtype, as a KV cache holds them."""
+    (and Qwen3's or OLMo2's k norm before it), in the model's dtype, as a KV cache holds them."""
     cfg = model.config
+    k_from = "k_norm" if cfg.qk_norm or cfg.post_norms else "k_proj"
     B, T = ids.shape
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
     out: dict[tuple[int, str], torch.Tensor] = {}
@@ -79,7 +80,7 @@ def reference_kv(model: CausalLM, ids: torch.Tensor) -> list[tuple[torch.Tensor,
             lambda mod, args, y, key=(i, name): out.__setitem__(key, y)
         )
         for i, layer in enumerate(model.model.layers)
-        for name in ("k_norm" if cfg.qk_norm else "k_proj", "v_proj")
+        for name in (k_from, "v_proj")
     ]
     try:
         model(ids)
@@ -89,9 +90,7 @@ def reference_kv(model: CausalLM, ids: torch.Tensor) -> list[tuple[torch.Tensor,
     cos, sin = model.rotary.prefix(T)
     return [
         (
-            apply_rope(out[i, "k_norm" if cfg.qk_norm else "k_proj"].view(B, T, Hkv, D), cos, sin).transpose(
-                1, 2
-            ),
+            apply_rope(out[i, k_from].view(B, T, Hkv, D), cos, sin).transpose(1, 2),
             out[i, "v_proj"].view(B, T, Hkv, D).transpose(1, 2),
         )
         for i in range(cfg.num_hidden_layers)

@@ -224,3 +224,25 @@ def test_a_qwen3_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_pat
         for a, b in zip(theirs, ours):
             assert a.token_ids == b.token_ids
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_an_olmo2_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_path):
+    """OLMo2 (norms after attention and MLP, q/k normalized over all heads at once): vLLM's own
+    Olmo2ForCausalLM gives tailrace's engine's greedy tokens and logprobs, before and after a reload
+    from tailrace's names (the post-norms and the wide q/k norms included)."""
+    olmo2 = dict(SHAPE, model_type="olmo2", num_attention_heads=4)
+    models = [tiny_model(seed=s, **olmo2) for s in (0, 1)]
+    with torch.no_grad():  # norms away from 1, so a reload that missed them would show
+        for p in (p for n, p in models[1].named_parameters() if "norm" in n):
+            p.uniform_(0.5, 1.5)
+    save_pretrained(models[0], tmp_path / "o0")
+    eng = _vllm(tmp_path / "o0")
+    reqs = [_req(f"o{i}", 3 + 2 * i, 10, temperature=0.0) for i in range(4)]
+    for version, model in enumerate(models):
+        if version:
+            eng.load_weights({n: t.detach() for n, t in model.named_parameters(remove_duplicate=False)}, 1)
+        ours = TailraceEngine(model, num_slots=SLOTS).generate(reqs)  # its version 0
+        theirs = eng.generate([GenRequest(r.id, r.prompt_ids, r.params, version=version) for r in reqs])
+        for a, b in zip(theirs, ours):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

@@ -162,34 +162,42 @@ class TorchBackend:
         return x
 
     def _qkv(self, i: int, lw, x: torch.Tensor, pk: bool, lora, qk_norm: bool = True) -> torch.Tensor:
-        """The fused q/k/v projection of x's RMSNorm (with the tokens' adapter terms, then Qwen3's q/k
-        norms unless `qk_norm` is False), (M, (H + 2 Hkv) D), RoPE not yet applied."""
-        xn = self._rms(x, lw.norm_attn)
+        """The fused q/k/v projection of x's RMSNorm (of x itself in a post-norm layer; with the tokens'
+        adapter terms, then OLMo2's q/k norms, and Qwen3's unless `qk_norm` is False), (M, (H + 2 Hkv) D),
+        RoPE not yet applied."""
+        xn = x if lw.norm_attn is None else self._rms(x, lw.norm_attn)
         qkv = lw.qkv(xn, pk)
         if lora is not None:
             lora.add(i, "qkv", xn, qkv, self.kernel)
+        if lw.q_norm is not None:  # OLMo2: q over its H D columns, k over its Hkv D, in place
+            nq, nk = lw.q_norm.shape[0], lw.k_norm.shape[0]
+            q, k = qkv[:, :nq], qkv[:, nq : nq + nk]
+            q.copy_(self._rms(q, lw.q_norm))
+            k.copy_(self._rms(k, lw.k_norm))
         if qk_norm and lw.qk_norm is not None:
             norm_qk(qkv, lw.qk_norm, self.w.D, self.w.eps)
         return qkv
 
     def _o(self, i: int, lw, o: torch.Tensor, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
-        """x + the attention output o (M, H D) projected (and its adapter terms)."""
-        y = lw.o.add(o, x, pk)
+        """x + the attention output o (M, H D) projected (and its adapter terms; normed in a post-norm
+        layer)."""
+        y = lw.o.add(o, x, pk) if lw.post_attn is None else lw.o(o, pk)
         if lora is not None:
             lora.add(i, "o", o, y, self.kernel)
-        return y
+        return y if lw.post_attn is None else x + self._rms(y, lw.post_attn)
 
     def _mlp(self, i: int, lw, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
-        """x + the MLP of x (with the tokens' adapter terms on gate/up and down)."""
-        xn = self._rms(x, lw.norm_mlp)
+        """x + the MLP of x's RMSNorm (with the tokens' adapter terms on gate/up and down; in a post-norm
+        layer, x + the RMSNorm of the MLP of x)."""
+        xn = x if lw.norm_mlp is None else self._rms(x, lw.norm_mlp)
         gu = lw.gate_up(xn, pk)
         if lora is not None:
             lora.add(i, "gate_up", xn, gu, self.kernel)
         h = self._silu_mul(gu)
-        y = lw.down.add(h, x, pk)
+        y = lw.down.add(h, x, pk) if lw.post_mlp is None else lw.down(h, pk)
         if lora is not None:
             lora.add(i, "down", h, y, self.kernel)
-        return y
+        return y if lw.post_mlp is None else x + self._rms(y, lw.post_mlp)
 
     def _gather_index(self, table_rows: torch.Tensor, S: int, bs: int) -> torch.Tensor:
         """(n Hkv nb,) indices into k.view(-1, bs, D) of the nb = ceil(S / bs) blocks holding positions
@@ -325,7 +333,9 @@ class TorchBackend:
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as the model's: normalized in fp32 and rounded to the dtype, then times `weight` (for
-        bf16 as HF's weight * x.float() ... .to(bf16))."""
+        bf16 as HF's weight * x.float() ... .to(bf16)); OLMo2's times `weight` in fp32, then rounded."""
+        if self.w.scale_fp32:
+            return F.rms_norm(x.float(), (x.shape[-1],), eps=self.w.eps).mul_(weight).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), eps=self.w.eps).mul_(weight)
 
     def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:

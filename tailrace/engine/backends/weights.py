@@ -25,8 +25,13 @@ PACKED_FP32_MIN_HIDDEN = 512  # fp32 models this wide use the packed weights at 
 
 
 class _Layer:
-    # norms: their weights (hidden,); qk_norm: Qwen3's q and k norm weights per head, (H + Hkv, D), or None
-    __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "qk_norm")
+    # norms: their weights (hidden,), None where the layer has none; qk_norm: Qwen3's q and k norm weights
+    # per head, (H + Hkv, D), or None; OLMo2's: post_attn, post_mlp (hidden,) on the attention's and the
+    # MLP's outputs, q_norm (H D,) and k_norm (Hkv D,) over all heads at once
+    __slots__ = (
+        *("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "qk_norm"),
+        *("post_attn", "post_mlp", "q_norm", "k_norm"),
+    )
 
 
 def fuse_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -72,6 +77,7 @@ class FusedWeights:
         self.G = self.H // self.Hkv  # query heads per kv head
         self.I = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
+        self.scale_fp32 = cfg.post_norms  # OLMo2's RMSNorm: scaled in fp32, then rounded to the dtype
         self.scale = self.D**-0.5
         w = model.model.embed_tokens.weight
         self.dtype, self.device = w.dtype, w.device
@@ -117,13 +123,18 @@ class FusedWeights:
             L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk, self.kernel, self.int8, plain)
             L.gate_up = proj([mlp.gate_proj.weight, mlp.up_proj.weight])
             L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8, plain)
-            L.norm_attn = layer.input_layernorm.weight.detach()
-            L.norm_mlp = layer.post_attention_layernorm.weight.detach()
-            L.qk_norm = (
-                torch.cat((a.q_norm.weight.expand(self.H, -1), a.k_norm.weight.expand(self.Hkv, -1)))
-                if a.qk_norm
-                else None
-            )
+            L.norm_attn = L.norm_mlp = L.post_attn = L.post_mlp = L.q_norm = L.k_norm = L.qk_norm = None
+            if layer.post_norms:
+                L.post_attn = layer.post_attention_layernorm.weight.detach()
+                L.post_mlp = layer.post_feedforward_layernorm.weight.detach()
+                L.q_norm, L.k_norm = a.q_norm.weight.detach(), a.k_norm.weight.detach()
+            else:
+                L.norm_attn = layer.input_layernorm.weight.detach()
+                L.norm_mlp = layer.post_attention_layernorm.weight.detach()
+            if a.qk_norm:
+                L.qk_norm = torch.cat(
+                    (a.q_norm.weight.expand(self.H, -1), a.k_norm.weight.expand(self.Hkv, -1))
+                )
             self.layers.append(L)
 
 
