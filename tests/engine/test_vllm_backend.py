@@ -230,7 +230,7 @@ def test_an_olmo2_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_pa
     """OLMo2 (norms after attention and MLP, q/k normalized over all heads at once): vLLM's own
     Olmo2ForCausalLM gives tailrace's engine's greedy tokens and logprobs, before and after a reload
     from tailrace's names (the post-norms and the wide q/k norms included)."""
-    olmo2 = dict(SHAPE, model_type="olmo2", num_attention_heads=4)
+    olmo2 = dict(SHAPE, model_type="olmo2")  # heads of 32 over hidden 64
     models = [tiny_model(seed=s, **olmo2) for s in (0, 1)]
     with torch.no_grad():  # norms away from 1, so a reload that missed them would show
         for p in (p for n, p in models[1].named_parameters() if "norm" in n):
