@@ -202,19 +202,16 @@ def test_build_engine_names_the_input_each_backend_takes(ckpts):
         build_engine(str(ckpts[0]), backend="sglang")
 
 
-def test_a_qwen3_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_path):
-    """Qwen3 (per-head q/k norms; heads of 32 over hidden 64): vLLM's own Qwen3ForCausalLM gives
-    tailrace's engine's greedy tokens and logprobs, before and after a reload from tailrace's names
-    (q_norm and k_norm included)."""
-    qwen3 = dict(SHAPE, model_type="qwen3", num_attention_heads=4, head_dim=32)
-    models = [tiny_model(seed=s, **qwen3) for s in (0, 1)]
-    with torch.no_grad():  # norms away from 1, so a reload that missed them would show
-        for p in (
-            p for n, p in models[1].named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))
-        ):
+def _matches_before_and_after_a_reload(tmp_path, shape: dict, norms: tuple[str, ...]) -> None:
+    """vLLM's own model class for `shape` gives tailrace's engine's greedy tokens and logprobs, before
+    and after a reload from tailrace's names; the second model's weights named with any of `norms` are
+    moved away from 1, so a reload that missed them would show."""
+    models = [tiny_model(seed=s, **dict(SHAPE, **shape)) for s in (0, 1)]
+    with torch.no_grad():
+        for p in (p for n, p in models[1].named_parameters() if any(k in n for k in norms)):
             p.uniform_(0.5, 1.5)
-    save_pretrained(models[0], tmp_path / "q0")
-    eng = _vllm(tmp_path / "q0")
+    save_pretrained(models[0], tmp_path / "v0")
+    eng = _vllm(tmp_path / "v0")
     reqs = [_req(f"q{i}", 3 + 2 * i, 10, temperature=0.0) for i in range(4)]
     for version, model in enumerate(models):
         if version:
@@ -226,23 +223,12 @@ def test_a_qwen3_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_pat
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
+def test_a_qwen3_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_path):
+    """Qwen3: per-head q/k norms; heads of 32 over hidden 64."""
+    shape = dict(model_type="qwen3", num_attention_heads=4, head_dim=32)
+    _matches_before_and_after_a_reload(tmp_path, shape, ("q_norm.weight", "k_norm.weight"))
+
+
 def test_an_olmo2_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_path):
-    """OLMo2 (norms after attention and MLP, q/k normalized over all heads at once): vLLM's own
-    Olmo2ForCausalLM gives tailrace's engine's greedy tokens and logprobs, before and after a reload
-    from tailrace's names (the post-norms and the wide q/k norms included)."""
-    olmo2 = dict(SHAPE, model_type="olmo2")  # heads of 32 over hidden 64
-    models = [tiny_model(seed=s, **olmo2) for s in (0, 1)]
-    with torch.no_grad():  # norms away from 1, so a reload that missed them would show
-        for p in (p for n, p in models[1].named_parameters() if "norm" in n):
-            p.uniform_(0.5, 1.5)
-    save_pretrained(models[0], tmp_path / "o0")
-    eng = _vllm(tmp_path / "o0")
-    reqs = [_req(f"o{i}", 3 + 2 * i, 10, temperature=0.0) for i in range(4)]
-    for version, model in enumerate(models):
-        if version:
-            eng.load_weights({n: t.detach() for n, t in model.named_parameters(remove_duplicate=False)}, 1)
-        ours = TailraceEngine(model, num_slots=SLOTS).generate(reqs)  # its version 0
-        theirs = eng.generate([GenRequest(r.id, r.prompt_ids, r.params, version=version) for r in reqs])
-        for a, b in zip(theirs, ours):
-            assert a.token_ids == b.token_ids
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    """OLMo2: norms after attention and MLP, q/k normalized over all heads at once (heads of 32)."""
+    _matches_before_and_after_a_reload(tmp_path, dict(model_type="olmo2"), ("norm",))
