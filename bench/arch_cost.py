@@ -1,12 +1,14 @@
-"""What an architecture's extras cost the engine's decode: the same shape as Llama and as Qwen3 (its
-per-head q/k RMSNorms), side by side in one process, alternated, best of `--repeats`.
+"""What an architecture's extras cost the engine's decode: the same shape as Llama, as Qwen3 (its
+per-head q/k RMSNorms) and as OLMo2 (norms after attention and MLP, q/k normed over all heads), side by
+side in one process, alternated, best of `--repeats`.
 
     .venv/bin/python bench/arch_cost.py                  # hidden 512, 8 layers, heads of 128, ~1 min
     .venv/bin/python bench/arch_cost.py --layers 28 --hidden 1024 --heads 16 --kv-heads 8   # Qwen3-0.6B's
 
-Random weights (seeded), fp32, one thread, 64 slots; each batch size B sends B requests of 16 prompt
-tokens and 64 new tokens at temperature 1 (seeded, so both models decode the same number of tokens).
-Prints tokens/s per model and batch, and Qwen3 / Llama.
+Random weights (seeded), fp32 (or `--dtype bfloat16`), one thread, 64 slots; each batch size B sends B
+requests of 16 prompt tokens and 64 new tokens at temperature 1 (seeded, so the models decode the same
+number of tokens).
+Prints tokens/s per model and batch, and each / Llama.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--archs", default="llama,qwen3,olmo2", help="model types; the first is the baseline")
     a = p.parse_args()
     torch.set_num_threads(1)
     shape = dict(vocab_size=4096, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.layers,
@@ -37,11 +41,15 @@ def main() -> None:
                  max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
     engines = {
         t: TailraceEngine(
-            CausalLM.from_config(ModelConfig(model_type=t, **shape), seed=0).eval(), num_slots=64
+            CausalLM.from_config(ModelConfig(model_type=t, **shape), seed=0)
+            .to(getattr(torch, a.dtype))
+            .eval(),
+            num_slots=64,
         )
-        for t in ("llama", "qwen3")
+        for t in a.archs.split(",")
     }
-    print(f"backend {engines['qwen3'].backend}; {shape}")
+    base = next(iter(engines))
+    print(f"backend {engines[base].backend}, {a.dtype}; {shape}")
     for b in map(int, a.batches.split(",")):
         reqs = [
             GenRequest(
@@ -50,15 +58,15 @@ def main() -> None:
             for i in range(b)
         ]
         best: dict[str, float] = {}
-        for _ in range(a.repeats):
-            for t, eng in engines.items():
+        names = list(engines)
+        for rep in range(a.repeats):  # each model first in turn: the first of a round ran ~5% slower
+            for t in names[rep % len(names) :] + names[: rep % len(names)]:
                 t0 = time.perf_counter()
-                n = sum(len(r.token_ids) for r in eng.generate(reqs))
+                n = sum(len(r.token_ids) for r in engines[t].generate(reqs))
                 best[t] = max(best.get(t, 0.0), n / (time.perf_counter() - t0))
-        ratio = best["qwen3"] / best["llama"]
-        print(
-            f"batch {b:3d}: llama {best['llama']:7.0f} tok/s  qwen3 {best['qwen3']:7.0f} tok/s  qwen3/llama {ratio:.3f}"
-        )
+        cols = "  ".join(f"{t} {best[t]:6.0f} tok/s" for t in names)
+        ratios = "  ".join(f"{t}/{base} {best[t] / best[base]:.3f}" for t in names[1:])
+        print(f"batch {b:3d}: {cols}  |  {ratios}")
 
 
 if __name__ == "__main__":

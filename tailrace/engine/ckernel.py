@@ -60,8 +60,10 @@ class Kernels:
                 + [ctypes.c_float]
             )
         self._rms = {torch.float32: lib.rms_f32, torch.bfloat16: lib.rms_bf16}
+        # OLMo2's (scaled in fp32, rounded once): in fp32 the same as rms_f32
+        self._rms32 = {torch.float32: lib.rms_f32, torch.bfloat16: lib.rms_scale32_bf16}
         self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
-        for fn in self._rms.values():
+        for fn in (*self._rms.values(), lib.rms_scale32_bf16):
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         for fn in self._silu_mul.values():
@@ -281,10 +283,13 @@ class Kernels:
         )
         return tokens, lps
 
-    def rms(self, x: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    def rms(
+        self, x: torch.Tensor, eps: float, weight: torch.Tensor, scale_fp32: bool = False
+    ) -> torch.Tensor:
         """RMSNorm of each row of x (M, N), fp32 or bf16, as the model's: normalized in fp32, rounded to
-        the dtype, times `weight` (N,) of x's dtype, rounded again."""
-        fn = self._rms.get(x.dtype)
+        the dtype, times `weight` (N,) of x's dtype, rounded again; `scale_fp32` (OLMo2's): times the
+        weight in fp32, rounded once."""
+        fn = (self._rms32 if scale_fp32 else self._rms).get(x.dtype)
         ok = fn is not None and x.dim() == 2 and x.is_contiguous() and weight.dtype is x.dtype
         if not (ok and weight.dim() == 1 and weight.numel() == x.shape[1] and weight.is_contiguous()):
             raise ValueError(

@@ -230,6 +230,10 @@ def test_rms_and_silu_mul_match_torch(dtype):
     tol = 2e-6 if dtype == torch.float32 else 2**-8  # fp32 rounding / one bf16 step
     assert ((got_rms.float() - want_rms).abs() <= want_rms.abs() * tol + 1e-6).all()
     assert ((got_act.float() - want_act).abs() <= want_act.abs() * tol + 1e-6).all()
+    # OLMo2's RMSNorm: times the weight in fp32, then rounded once (HF's Olmo2RMSNorm)
+    want_32 = (w.float() * F.rms_norm(x.float(), (40,), eps=1e-6)).to(dtype).float()
+    got_32 = KERNEL.rms(x, 1e-6, w, scale_fp32=True)
+    assert got_32.dtype == dtype and ((got_32.float() - want_32).abs() <= want_32.abs() * tol + 1e-6).all()
     for bad_x, bad_w in ((x.t(), w), (x, w[:20]), (x, w.double())):  # not contiguous; a weight's size, dtype
         with pytest.raises(ValueError, match="bad operand"):
             KERNEL.rms(bad_x, 1e-6, bad_w)

@@ -50,9 +50,7 @@ class KernelBackend(TorchBackend):
         return x
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.w.scale_fp32 and x.dtype != torch.float32:  # OLMo2's rounding: the C kernel rounds first
-            return TorchBackend._rms(self, x, weight)
-        return self.kernel.rms(x.contiguous(), self.w.eps, weight)
+        return self.kernel.rms(x.contiguous(), self.w.eps, weight, self.w.scale_fp32)
 
     def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         return self.kernel.silu_mul(gu)

@@ -467,6 +467,22 @@ void NAME(const T *restrict x, const T *restrict w, T *restrict y, int64_t M, in
 RMS(rms_f32, float, head_norm_f32)
 RMS(rms_bf16, uint16_t, head_norm_bf16)
 
+/* OLMo2's RMSNorm of each row of x (M, N) bf16: y = round(w * (x / sqrt(mean(x^2) + eps))), scaled in
+   fp32 and rounded once (in fp32 it is rms_f32). */
+void rms_scale32_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint16_t *restrict y, int64_t M,
+                      int64_t N, float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xr = x + m * N;
+        uint16_t *yr = y + m * N;
+        float ss = 0.f;
+        _Pragma("omp simd reduction(+:ss)")
+        for (int64_t d = 0; d < N; d++) { const float a = bf16_in(xr[d]); ss += a * a; }
+        const float r = 1.0f / sqrtf(ss / (float)N + eps);
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < N; d++) yr[d] = bf16_out(bf16_in(w[d]) * (bf16_in(xr[d]) * r));
+    }
+}
+
 /* out (M, I) = silu(gu[:, :I]) * gu[:, I:], gu (M, 2 I); silu(g) = g / (1 + e^-g) in fp32, the product
    rounded to T. e^x by exp_poly. */
 #define SILU_MUL(NAME, T, IN, OUT)                                                                      \
