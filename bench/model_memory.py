@@ -123,7 +123,7 @@ def main() -> None:
     r.add_argument("path")
     r.add_argument("--slots", type=int, default=4, help="flow.max_staleness + 3 (the default's: 4)")
     t = sub.add_parser("trainer")
-    t.add_argument("model_type", choices=("llama", "qwen3"))
+    t.add_argument("model_type", choices=("llama", "qwen3", "olmo2"))
     t.add_argument("--bf16", action="store_true")
     t.add_argument("--micro", type=int, help="one micro-batch cap, in this process (the others run it)")
     a = p.parse_args()

@@ -18,7 +18,9 @@ model fp32 0.47, bf16 0.30. Two of the hidden-wide ones are the queries' and the
 width, heads x head_dim, which Qwen3 makes twice the hidden size; its q/k norms keep
 `_QK_NORM_BYTES` per element of q and k more. Measured on a 4-layer model of Qwen3-0.6B's attention
 (hidden 512, 8 heads of 128, 4 kv heads, MLP 1536, vocab 4096; 2026-12-05): 292 KiB a token fp32 and
-306 bf16 as Llama, 338 and 322 as Qwen3.
+306 bf16 as Llama, 338 and 322 as Qwen3; a later run of the same script (Xeon VM) 242 / 256 as Llama,
+359 / 398 as Qwen3 and 371 / 318 as OLMo2 (post-norms, q/k normed over all heads), which this estimate
+(430 / 347 for both) covers.
 
 A bf16 step on CPU attends eagerly up to `EAGER_MAX_T` tokens (`tailrace.model.attention`), and
 autograd keeps its probabilities: `eager_attention_bytes` adds, per layer, 6 bytes (the fp32 softmax
@@ -52,7 +54,7 @@ def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) 
     q = cfg.num_attention_heads * cfg.head_dim  # the hidden size, but for Qwen3-style wide heads
     per_layer = 6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size
     raw = cfg.num_hidden_layers * per_layer * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[bf16]
-    if cfg.qk_norm or cfg.post_norms:  # Qwen3's per-head q/k norms; OLMo2's over all heads (unmeasured)
+    if cfg.qk_norm or cfg.post_norms:  # Qwen3's per-head q/k norms; OLMo2's over all heads keep as much
         raw += cfg.num_hidden_layers * (q + kv) * _QK_NORM_BYTES[bf16]
     if bf16 and cpu:
         raw += eager_attention_bytes(cfg)
