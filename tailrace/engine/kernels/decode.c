@@ -376,9 +376,13 @@ int NAME(const float *restrict q, const KT *restrict k, const KT *restrict v,   
 DRIVER(decode_attn_f32, float, attend_f32)
 DRIVER(decode_attn_bf16, uint16_t, attend_bf16)
 
-/* y = w * round(x / sqrt(mean(x^2) + eps)) over D values (a row: RMSNorm; a head's q or k: Qwen3's
-   q/k norms), as HF's RMSNorm: the mean in fp32, both products rounded to T. Returns y. */
-#define HEAD_NORM(NAME, T, IN, OUT)                                                                     \
+/* y = w * NORMED(x / sqrt(mean(x^2) + eps)) over D values (a row: RMSNorm; a head's q or k: Qwen3's
+   q/k norms), the mean in fp32, the product rounded to T. NORMED: ROUNDED_BF16 for HF's RMSNorm in
+   bf16 (the normalized value rounded to T before the weight: both products rounded), AS_IS for fp32
+   and for OLMo2's bf16 norm (scaled in fp32, rounded once). Returns y. */
+#define AS_IS(v) (v)
+#define ROUNDED_BF16(v) bf16_in(bf16_out(v))
+#define HEAD_NORM(NAME, T, IN, OUT, NORMED)                                                             \
 static inline const T *NAME(const T *restrict x, const T *restrict w, T *restrict y, int64_t D,         \
                             float eps) {                                                                \
     float ss = 0.f;                                                                                     \
@@ -386,11 +390,12 @@ static inline const T *NAME(const T *restrict x, const T *restrict w, T *restric
     for (int64_t d = 0; d < D; d++) { const float a = IN(x[d]); ss += a * a; }                          \
     const float r = 1.0f / sqrtf(ss / (float)D + eps);                                                  \
     _Pragma("omp simd")                                                                                 \
-    for (int64_t d = 0; d < D; d++) y[d] = OUT(IN(w[d]) * IN(OUT(IN(x[d]) * r)));                       \
+    for (int64_t d = 0; d < D; d++) y[d] = OUT(IN(w[d]) * NORMED(IN(x[d]) * r));                        \
     return y;                                                                                           \
 }
-HEAD_NORM(head_norm_f32, float, f32_in, f32_out)
-HEAD_NORM(head_norm_bf16, uint16_t, bf16_in, bf16_out)
+HEAD_NORM(head_norm_f32, float, f32_in, f32_out, AS_IS)
+HEAD_NORM(head_norm_bf16, uint16_t, bf16_in, bf16_out, ROUNDED_BF16)
+HEAD_NORM(head_norm_scale32_bf16, uint16_t, bf16_in, bf16_out, AS_IS)
 
 /* -- one layer's attention block after the q/k/v projection, fused ----------------------------------
 
@@ -467,21 +472,8 @@ void NAME(const T *restrict x, const T *restrict w, T *restrict y, int64_t M, in
 RMS(rms_f32, float, head_norm_f32)
 RMS(rms_bf16, uint16_t, head_norm_bf16)
 
-/* OLMo2's RMSNorm of each row of x (M, N) bf16: y = round(w * (x / sqrt(mean(x^2) + eps))), scaled in
-   fp32 and rounded once (in fp32 it is rms_f32). */
-void rms_scale32_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint16_t *restrict y, int64_t M,
-                      int64_t N, float eps) {
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xr = x + m * N;
-        uint16_t *yr = y + m * N;
-        float ss = 0.f;
-        _Pragma("omp simd reduction(+:ss)")
-        for (int64_t d = 0; d < N; d++) { const float a = bf16_in(xr[d]); ss += a * a; }
-        const float r = 1.0f / sqrtf(ss / (float)N + eps);
-        _Pragma("omp simd")
-        for (int64_t d = 0; d < N; d++) yr[d] = bf16_out(bf16_in(w[d]) * (bf16_in(xr[d]) * r));
-    }
-}
+/* OLMo2's RMSNorm of each row in bf16: scaled in fp32, rounded once (in fp32 it is rms_f32). */
+RMS(rms_scale32_bf16, uint16_t, head_norm_scale32_bf16)
 
 /* out (M, I) = silu(gu[:, :I]) * gu[:, I:], gu (M, 2 I); silu(g) = g / (1 + e^-g) in fp32, the product
    rounded to T. e^x by exp_poly. */
