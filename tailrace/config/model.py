@@ -16,8 +16,8 @@ class ModelSpec:
     dtype: Literal["auto", "float32", "bfloat16"] = setting(
         "auto",
         "the rollout engines' (and eval's) weight dtype: auto = bfloat16 on a GPU with native bf16 (Ampere "
-        "on: half the memory, about twice the decode speed), float32 elsewhere (a CPU, where float32 is "
-        "the exact and usually the faster path)",
+        "on: half the memory a weight version takes), float32 elsewhere (a CPU, where float32 is the exact "
+        "and usually the faster path)",
     )
 
 
