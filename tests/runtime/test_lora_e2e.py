@@ -23,11 +23,14 @@ LORA = ["--train.lora.rank=4", "--train.lora.alpha=8", "--train.lr=0.05", "--flo
         "--flow.train_batch=32"]  # fmt: skip
 
 
-def gaps_small(steps: list[dict]) -> bool:
+def gaps_small(steps: list[dict], measured: int | None = None) -> bool:
     """The engine-vs-trainer logprob gap within fp32 rounding at every step that measured one (nan: no
-    token of the step was sampled under the weights it trained from)."""
+    token of the step was sampled under the weights it trained from), and at least `measured` steps
+    measured one (None: half of them). An overlapped mode's count depends on timing: a loaded machine
+    can leave most of its steps without an on-policy token."""
     gaps = [s["train"]["logprob_gap_max"] for s in steps]
-    return all(not g >= 1e-3 for g in gaps) and sum(g == g for g in gaps) >= len(gaps) // 2
+    enough = len(gaps) // 2 if measured is None else measured
+    return all(not g >= 1e-3 for g in gaps) and sum(g == g for g in gaps) >= enough
 
 
 def step_records(run: Path) -> list[dict]:
@@ -127,7 +130,7 @@ def test_two_lora_policies_share_the_base_on_the_engines(tiny_model, tmp_path, d
         d = run / "policies" / name
         steps = step_records(d)
         assert len(steps) == 4 and steps[-1]["ledger"]["trained"] == 32 * 4
-        assert gaps_small(steps)
+        assert gaps_small(steps, measured=None if name == "sums" else 1), [s["train"] for s in steps]
         adapters.append(lora.load_peft(checkpoints(d)[-1] / lora.ADAPTER_DIR))
     a, b = (x.weights[0, "q_proj"][1] for x in adapters)
     assert not torch.equal(a, b)  # two adapters, each its own policy's
@@ -238,4 +241,4 @@ def test_a_lora_run_replaces_a_lost_engine_and_trainer_exactly(tiny_model, tmp_p
     assert rc == 0, out
     assert sorted(m.data["worker"] for m in recoveries(run)) == ["engine1", "trainer"], out
     assert_exact(run, 6)
-    assert gaps_small(step_records(run))
+    assert gaps_small(step_records(run), measured=1)  # multiversion: how many steps measure one is timing
