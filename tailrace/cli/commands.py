@@ -449,9 +449,10 @@ def import_model(args: Args) -> int:
         raise ConfigError(f"--dtype {dtype}: use float32 or bfloat16")
     r = import_model(args.rest[0], args.flags["--out"], dtype)
     c = r.config
+    window = " (its sliding window)" if c.sliding_window else ""
     console.print(
         f"wrote {r.path}: {c.model_type}, {r.parameters / 1e6:.1f}M parameters, {c.num_hidden_layers} layers, "
-        f"context {c.max_position_embeddings}, {dtype}, chat template {'yes' if r.chat_template else 'no'}; "
+        f"context {c.context_limit}{window}, {dtype}, chat template {'yes' if r.chat_template else 'no'}; "
         f"logits match the source within {r.max_logit_diff:.1e}"
     )
     console.print(f"use it: tailrace eval --model.path={r.path}   tailrace train --model.path={r.path} ...")

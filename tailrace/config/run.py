@@ -160,7 +160,8 @@ class RolloutConfig:
     max_context: int | None = setting(
         None,
         "tokens per request, prompt + response; longer prompts are refused, responses cut there "
-        "(null = the model's max_position_embeddings, or what kv_memory_gb holds)",
+        "(null = the model's max_position_embeddings, or its sliding window where shorter, past which "
+        "it may not go; or what kv_memory_gb holds)",
     )
     kv_memory_gb: float | None = setting(
         None,

@@ -123,10 +123,11 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
         batch_invariant: bool | None = None,
     ):
         """`model` is version 0. `max_context`: context limit (prompt + response) per request, default
-        the model's max_position_embeddings (or less, if the KV pool holds less). `expected_context`: the
-        most tokens a request of the work holds (its prompt and response limit): the pool is sized for
-        `num_slots` of them (default max_context), within the budget. `kv_memory_gb`: the
-        KV cache's budget in GiB, default a fraction of the memory available (see `kv_budget`);
+        the model's `context_limit` (or less, if the KV pool holds less; one past the model's sliding
+        window is refused). `expected_context`: the most tokens a request of the work holds (its prompt
+        and response limit): the pool is sized for `num_slots` of them (default max_context), within the
+        budget. `kv_memory_gb`: the KV cache's budget in GiB, default a fraction of the memory available
+        (see `kv_budget`);
         `block_size`: tokens per KV block. `threads`: torch intra-op threads (None leaves the caller's
         setting). `attention`: the step's backend, chosen once: 'auto' (None), 'kernel' (the CPU C
         kernels; 'auto' picks them on CPU with one thread), 'bmm' or 'sdpa' (the torch backend with
@@ -166,12 +167,16 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
             raise EngineError(
                 f"max_context={max_context} must be at least 2 (one prompt token and one new token)"
             )
+        try:
+            context = cfg.context(max_context)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         kv_dtype = kv_dtype or dtype
         self.kv_size = size_pool(
             token_bytes=KVCache.token_bytes(model, kv_dtype),
             block_size=block_size,
             num_slots=num_slots,
-            max_context=max_context or cfg.max_position_embeddings,
+            max_context=context,
             context_given=max_context is not None,
             budget_gib=kv_memory_gb,
             device=device,

@@ -153,7 +153,10 @@ class VLLMEngine:
 
         cfg = read_config(model_path)
         _check_head_size(cfg.head_dim)
-        max_context = max_context or cfg.max_position_embeddings
+        try:  # vLLM would keep a window, but the trainer attends to every position: held to the window
+            max_context = cfg.context(max_context)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         budget = max(prefill_tokens, num_slots, max_context)
 
         set_threads = torch.set_num_threads  # vLLM's CPU worker turns it into a no-op; give it back

@@ -4,12 +4,14 @@ Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older styl
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
 loads into Llama/Mistral/Qwen2/Qwen3/Olmo2ForCausalLM. Qwen3 is Llama's layout with a per-head RMSNorm on
 q and k before RoPE (`qk_norm`) and its bias switch on every attention projection; Mistral is Llama's
-without biases, read when its sliding window covers every position (v0.2 on: no window). OLMo2 moves
+without biases, and with a sliding window in v0.1 (every layer attends to the last `sliding_window`
+positions): this decoder attends to every position, which is the same attention for a sequence the
+window holds, so sequences are held to the window (`context_limit`, `context`). OLMo2 moves
 each layer's norms after its attention and its MLP (`post_norms`: no norm before them), normalizes q
 and k over their whole width (all heads at once) before RoPE, and its RMSNorm scales in fp32 before
 rounding to the dtype. Features
-those classes have and this decoder lacks (sliding windows, MLP bias, partial rotary, non-SiLU
-activations, other RoPE types) are rejected, never silently ignored.
+those classes have and this decoder lacks (windows on some layers only, MLP bias, partial rotary,
+non-SiLU activations, other RoPE types) are rejected, never silently ignored.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class ModelConfig:
     pad_token_id: int | None = None
     model_type: str = "llama"
     initializer_range: float = 0.02
+    # Mistral's window (every layer attends to the last this many positions); None: none, or one that
+    # covers max_position_embeddings (read as none)
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -120,6 +125,36 @@ class ModelConfig:
                     f"{name}={v} is outside [0, vocab_size={self.vocab_size}); fix it or set None"
                 )
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+        w = self.sliding_window
+        if w is not None:
+            if not isinstance(w, int) or isinstance(w, bool) or w < 2:
+                raise ValueError(f"sliding_window={w!r} must be an int >= 2, or None (no window)")
+            if self.model_type != "mistral":
+                raise ValueError(
+                    f"sliding_window={w} is Mistral's; model_type={self.model_type!r} has none: set it to None"
+                )
+            if w >= self.max_position_embeddings:
+                self.sliding_window = None  # it covers every position: no window
+
+    @property
+    def context_limit(self) -> int:
+        """Tokens a sequence may hold, prompt and response: max_position_embeddings, or the sliding window
+        where there is one (within it, the window's attention is this decoder's full attention)."""
+        return self.sliding_window or self.max_position_embeddings
+
+    def context(self, asked: int | None) -> int:
+        """The context limit a run or an engine asked for (`asked`; None: `context_limit`). One past the
+        sliding window is refused (ValueError): there the model attends to a window, this decoder to
+        every position, and the two would differ."""
+        if asked is None:
+            return self.context_limit
+        if self.sliding_window is not None and asked > self.sliding_window:
+            raise ValueError(
+                f"max_context={asked} is past the model's sliding_window={self.sliding_window}: it attends "
+                f"only to the last {self.sliding_window} positions, and tailrace's decoder to every one, "
+                f"which is the same attention only within the window; set max_context <= {self.sliding_window}"
+            )
+        return asked
 
     @property
     def qk_norm(self) -> bool:
@@ -173,11 +208,6 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         max_pos = d.get("max_position_embeddings", _HF_DEFAULT_MAX_POS[model_type])
         window = d.get("sliding_window", _HF_MISTRAL_WINDOW) if model_type == "mistral" else None
-        if window is not None and window < max_pos:
-            raise ValueError(
-                f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window attention "
-                "is not supported; use a checkpoint without a window (Mistral v0.2 on)"
-            )
         theta, scaling = _rope_from_hf(d, max_pos)
         return cls(
             vocab_size=d["vocab_size"],
@@ -198,6 +228,7 @@ class ModelConfig:
             pad_token_id=_token_id(d.get("pad_token_id"), d["vocab_size"]),
             model_type=model_type,
             initializer_range=d.get("initializer_range", 0.02),
+            sliding_window=window,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -233,7 +264,7 @@ class ModelConfig:
         if self.model_type == "llama":
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
         elif self.model_type == "mistral":
-            d.update(sliding_window=None)
+            d.update(sliding_window=self.sliding_window)
         elif self.model_type != "olmo2":
             d.update(use_sliding_window=False)
         if self.model_type in ("qwen3", "olmo2"):

@@ -56,7 +56,7 @@ def import_model(src: str | Path, out: str | Path, dtype: str = "float32") -> Im
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
     model.tie_weights()
-    diff = _max_logit_diff(model, hf_model, cfg.vocab_size)  # loaded in fp32
+    diff = _max_logit_diff(model, hf_model, cfg.vocab_size, min(12, cfg.context_limit))  # loaded in fp32
     if diff > TOLERANCE:
         raise CheckpointError(
             f"{src}: tailrace's forward differs from transformers' by {diff:.2e} (> {TOLERANCE:g}); "

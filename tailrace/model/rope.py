@@ -40,8 +40,10 @@ def inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 def rope_limit(cfg: ModelConfig) -> int | None:
     """Positions must stay below this (None: unbounded). Dynamic NTK's frequencies change with the
     sequence length past max_position_embeddings, which a position-indexed table and a KV cache cannot
-    express, so it is supported only inside the pretraining range."""
-    return cfg.max_position_embeddings if cfg.rope_type == "dynamic" else None
+    express, so it is supported only inside the pretraining range. A sliding window: past it the model
+    attends to a window, and this decoder to every position."""
+    limits = [cfg.max_position_embeddings] if cfg.rope_type == "dynamic" else []
+    return min([*limits, cfg.sliding_window] if cfg.sliding_window else limits, default=None)
 
 
 def rope_table(inv_freq: torch.Tensor, scale: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,11 +72,10 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.limit = rope_limit(cfg)
+        self.windowed = cfg.sliding_window is not None and cfg.sliding_window == self.limit
         # Explicitly on the CPU, so that building under torch.device("meta") still yields real tables.
         self.inv_freq, self.scale = inv_freq_and_scale(cfg)
-        cos, sin = rope_table(
-            self.inv_freq, self.scale, self._length(min(cfg.max_position_embeddings, _MIN_LEN))
-        )
+        cos, sin = rope_table(self.inv_freq, self.scale, self._length(min(cfg.context_limit, _MIN_LEN)))
         self.register_buffer("cos", cos, persistent=False)  # (L, D)
         self.register_buffer("sin", sin, persistent=False)  # (L, D), first half negated
 
@@ -97,7 +98,10 @@ class Rotary(nn.Module):
     def _length(self, end: int) -> int:
         if self.limit is not None and end > self.limit:
             raise ValueError(
-                f"position {end - 1} is beyond max_position_embeddings={self.limit}, where 'dynamic' "
+                f"position {end - 1} is beyond the model's sliding_window={self.limit}, past which it attends "
+                "to a window and this decoder to every position (unsupported); shorten the sequence"
+                if self.windowed
+                else f"position {end - 1} is beyond max_position_embeddings={self.limit}, where 'dynamic' "
                 "RoPE changes with the sequence length (unsupported); shorten the sequence or use "
                 "another rope_type"
             )

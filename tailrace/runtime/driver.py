@@ -151,7 +151,7 @@ class Driver(Membership, Reports):
         multi = any(p.ses.env is not None for p in self.pols)
         self.tools = ToolPool(cfg.task.tool_threads) if multi else None
         # multi-turn: the engines' context limit, and each parked sample's room in it for an answer
-        self.context = r.max_context or sessions[0].model_cfg.max_position_embeddings
+        self.context = sessions[0].context
         self._room: dict[str, int] = {}
         self._eval_ses: Session = sessions[0]  # the session of the policy being evaluated
         self._eval_reqs: dict[str, tuple[Prompt, GenRequest]] = {}  # held-out id -> its prompt and request

@@ -30,9 +30,8 @@ def evaluate_model(cfg: RunConfig, progress=None, on_done=None, adapter: Path | 
         print(engine.describe(), flush=True)
         evaluator = Evaluator(ses, cfg.eval)
         reqs = evaluator.requests(version=0)
-        context = cfg.rollout.max_context or ses.model_cfg.max_position_embeddings
         out = evaluator.summarize(
-            reqs, generate_episodes(engine, ses, evaluator.prompts, reqs, context, on_done)
+            reqs, generate_episodes(engine, ses, evaluator.prompts, reqs, ses.context, on_done)
         )
         out["model"] = str(ses.model_path)
         return out

@@ -10,6 +10,7 @@ import torch
 from tailrace.engine import EngineError, TailraceEngine, ckernel
 from tailrace.engine.kv_budget import GIB, size_pool
 from tailrace.engine.kv_cache import KVCache
+from tailrace.types import Finish
 from tests.engine.engine_helpers import req, tiny_model
 
 CPU = torch.device("cpu")
@@ -161,3 +162,15 @@ def test_a_dropped_version_is_freed_at_once(attention, dtype):
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_sliding_window_is_the_context_limit():
+    """Mistral v0.1's window: a request may fill it (there the window's attention is the decoder's full
+    attention) and no more; a context past it is refused, not served with the wrong attention."""
+    model = tiny_model(0, model_type="mistral", sliding_window=40)
+    engine = TailraceEngine(model, num_slots=2)
+    assert engine.max_context == 40
+    (out,) = engine.generate([req("a", 30, 50)])
+    assert len(out.token_ids) == 10 and out.finish == Finish.LENGTH
+    with pytest.raises(EngineError, match="max_context=41 is past the model's sliding_window=40"):
+        TailraceEngine(model, num_slots=2, max_context=41)

@@ -232,3 +232,12 @@ def test_a_qwen3_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_pat
 def test_an_olmo2_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_path):
     """OLMo2: norms after attention and MLP, q/k normalized over all heads at once (heads of 32)."""
     _matches_before_and_after_a_reload(tmp_path, dict(model_type="olmo2"), ("norm",))
+
+
+def test_a_windowed_mistral_checkpoint_matches_tailraces_engine_and_is_held_to_its_window(tmp_path):
+    """Mistral v0.1's layout: vLLM windows its attention itself, and within the window (the context)
+    it is tailrace's full attention; a context past the window is refused, as by tailrace's engine."""
+    shape = dict(model_type="mistral", sliding_window=CONTEXT)
+    _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
+    with pytest.raises(EngineError, match=f"past the model's sliding_window={CONTEXT}"):
+        _vllm(tmp_path / "v0", max_context=CONTEXT + 1)

@@ -50,6 +50,10 @@ CONFIGS = {
         rope_scaling={"type": "dynamic", "factor": 2.0},
     ),
     "mistral-gqa4-nowindow": dict(model_type="mistral", num_attention_heads=8, num_key_value_heads=2),
+    # Mistral v0.1's layout: a sliding window shorter than the positions (every test sequence fits it)
+    "mistral-gqa2-window": dict(
+        model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=32
+    ),
     # Qwen3-0.6B's layout: per-head q/k norms, head_dim wider than hidden/heads, tied, a bias on all four
     # attention projections (off in the published checkpoints; on here so o_proj's bias is covered too)
     "qwen3-gqa2-tied-headdim-bias": dict(

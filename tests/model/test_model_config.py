@@ -98,6 +98,8 @@ def test_defaults_follow_hf():
         ),
         (dict(pad_token_id=99), ["pad_token_id=99", "vocab_size"]),
         (dict(rms_norm_eps=0.0), ["rms_norm_eps"]),
+        (dict(sliding_window=16), ["sliding_window=16", "Mistral's", "None"]),
+        (dict(model_type="mistral", sliding_window=1), ["sliding_window=1", ">= 2"]),
     ],
 )
 def test_validation_names_field_and_fix(overrides, words):
@@ -115,15 +117,6 @@ def test_validation_names_field_and_fix(overrides, words):
         (dict(mlp_bias=True), ["mlp_bias"]),
         (dict(architectures=["LlamaForSequenceClassification"]), ["LlamaForCausalLM"]),
         (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), ["gemma", "llama", "qwen3"]),
-        (
-            dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=16),
-            ["sliding_window=16 < max_position_embeddings=64", "without a window"],
-        ),
-        # MistralConfig's window when config.json leaves it out is 4,096: below 32,768 positions
-        (
-            dict(model_type="mistral", architectures=["MistralForCausalLM"], max_position_embeddings=32768),
-            ["sliding_window=4096"],
-        ),
         (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), ["per-layer"]),
     ],
 )
@@ -132,4 +125,30 @@ def test_from_hf_rejects_features_we_lack(changes, words):
     with pytest.raises(ValueError) as e:
         ModelConfig.from_hf(d)
     for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "changes, window",
+    [
+        (dict(sliding_window=16), 16),  # Mistral v0.1's layout: every layer attends to the last 16
+        (dict(max_position_embeddings=32768, sliding_window=...), 4096),  # ...: no key (MistralConfig's)
+        (dict(sliding_window=None), None),  # v0.2 on
+        (dict(sliding_window=64), None),  # a window covering every position is none
+    ],
+)
+def test_a_mistral_window_holds_sequences_to_it(changes, window):
+    """Within its window a windowed layer attends to every position, as this decoder does: the window
+    is kept (and written back) and the context is held to it."""
+    d = {**make_config(model_type="mistral").to_hf(), **changes}
+    cfg = ModelConfig.from_hf({k: v for k, v in d.items() if v is not ...})
+    assert cfg.sliding_window == window and cfg.to_hf()["sliding_window"] == window
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    limit = window or cfg.max_position_embeddings
+    assert cfg.context_limit == limit and cfg.context(None) == limit and cfg.context(limit) == limit
+    if window is None:
+        return
+    with pytest.raises(ValueError) as e:
+        cfg.context(window + 1)
+    for w in (f"max_context={window + 1}", f"sliding_window={window}", f"max_context <= {window}"):
         assert w in str(e.value)

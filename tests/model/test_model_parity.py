@@ -139,3 +139,28 @@ def test_rope_variant_changes_logits():
 def test_model_type_cannot_be_mixed_up():
     cfg = ModelConfig.from_hf(make_config(model_type="qwen2").to_hf())
     assert cfg.attention_bias and CausalLM(cfg).model.layers[0].self_attn.o_proj.bias is None
+
+
+def test_past_a_sliding_window_transformers_differs_and_the_decoder_refuses(tmp_path):
+    """Within its window a Mistral v0.1 layer attends to every position, as this decoder does (the
+    parity tests above); past it transformers attends to the window only, so the decoder refuses such
+    a sequence rather than differ."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    ours = random_model(cfg)
+    windowed = hf_from_ours(ours, tmp_path / "windowed")
+    d = json.loads((tmp_path / "windowed" / "config.json").read_text())
+    assert d["sliding_window"] == 16
+    (tmp_path / "full").mkdir()
+    for f in (tmp_path / "windowed").iterdir():
+        (tmp_path / "full" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "full" / "config.json").write_text(json.dumps({**d, "sliding_window": None}))
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a, b = windowed(ids).logits, full(ids).logits
+        assert max_diff(ours(ids[:, :16]), a[:, :16]) <= TOL and max_diff(a[:, :16], b[:, :16]) <= TOL
+        assert max_diff(a[:, 16:], b[:, 16:]) > 1e-2  # the window is real past position 15
+        with pytest.raises(ValueError, match="sliding_window=16"):
+            ours(ids)

@@ -59,7 +59,7 @@ class DraftNet(nn.Module):
 
     def loss(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]], embed, head) -> torch.Tensor:
         """Mean next-token cross-entropy over the response tokens of (prompt, response) pairs."""
-        ids, mask = _pack(batch, self.config.max_position_embeddings, self.rotary.cos.device)
+        ids, mask = _pack(batch, self.config.context_limit, self.rotary.cos.device)
         logits = self(ids[:, :-1], embed, head)
         nll = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
         m = mask[:, 1:].flatten()
@@ -71,7 +71,7 @@ class DraftNet(nn.Module):
         """One AdamW step on a random batch of `data` (at most TOKENS_PER_STEP tokens padded, or one
         response); returns its loss.
         `embed`, `head`: fp32 tensors usable by autograd (not inference tensors), not trained."""
-        picks, longest, cap = [], 0, self.config.max_position_embeddings
+        picks, longest, cap = [], 0, self.config.context_limit
         for i in rng.sample(range(len(data)), len(data)):
             n = min(cap, len(data[i][0]) + len(data[i][1]))
             if picks and (len(picks) + 1) * max(longest, n) > TOKENS_PER_STEP:
