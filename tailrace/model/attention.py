@@ -48,8 +48,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rope: bool = True):
+        """`rope`: whether q and k are rotated (SmolLM3 leaves some layers without: `cfg.rope_at`)."""
         super().__init__()
+        self.rope = rope
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -78,7 +80,8 @@ class Attention(nn.Module):
         v = self.v_proj(h).view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        if self.rope:
+            q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
         o = step.attend(q, k, v)  # (B, T, H, D), possibly strided
         return self.o_proj(o.reshape(B, T, -1))
 

@@ -1,6 +1,6 @@
 """Local HF checkpoint I/O: config.json + model.safetensors (or a sharded model.safetensors.index.json).
 
-Reads Llama, Mistral, Qwen2, Qwen3 and OLMo2-family checkpoints (Qwen2.5 and SmolLM included: their
+Reads Llama, Mistral, Qwen2, Qwen3, OLMo2 and SmolLM3-family checkpoints (Qwen2.5 and SmolLM included: their
 model_type is qwen2 or llama) and writes ones `transformers.AutoModelForCausalLM.from_pretrained` loads. Every bad input
 raises `CheckpointError` with one line naming the problem and the fix. Nothing is downloaded.
 """

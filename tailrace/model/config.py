@@ -1,4 +1,5 @@
-"""`ModelConfig`: the shape of a Llama/Qwen2/Qwen3/OLMo2-family decoder, and its mapping to and from HF config.json.
+"""`ModelConfig`: the shape of a Llama/Qwen2/Qwen3/OLMo2/SmolLM3-family decoder, and its mapping to and
+from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
@@ -9,7 +10,8 @@ positions): this decoder attends to every position, which is the same attention 
 window holds, so sequences are held to the window (`context_limit`, `context`). OLMo2 moves
 each layer's norms after its attention and its MLP (`post_norms`: no norm before them), normalizes q
 and k over their whole width (all heads at once) before RoPE, and its RMSNorm scales in fp32 before
-rounding to the dtype. Features
+rounding to the dtype. SmolLM3 is Llama's with no RoPE in some layers (`no_rope_layers`: 1 where a
+layer rotates q and k, 0 where it does not; by default every fourth layer). Features
 those classes have and this decoder lacks (windows on some layers only, MLP bias, partial rotary,
 non-SiLU activations, other RoPE types) are rejected, never silently ignored.
 """
@@ -26,6 +28,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
@@ -34,7 +37,10 @@ ROPE_REQUIRED = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-_HF_DEFAULT_MAX_POS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048}
+_HF_DEFAULT_MAX_POS = {
+    "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "smollm3": 32768
+}  # fmt: skip
+_HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
 _HF_DEFAULT_EPS = {"olmo2": 1e-5}  # else 1e-6
 _HF_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json leaves it out
 
@@ -65,6 +71,9 @@ class ModelConfig:
     # Mistral's window (every layer attends to the last this many positions); None: none, or one that
     # covers max_position_embeddings (read as none)
     sliding_window: int | None = None
+    # SmolLM3's per-layer RoPE switch (1: the layer rotates q and k, 0: it does not; None there: HF's
+    # default, every fourth layer without); None for the other families (every layer rotates)
+    no_rope_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -135,6 +144,25 @@ class ModelConfig:
                 )
             if w >= self.max_position_embeddings:
                 self.sliding_window = None  # it covers every position: no window
+        if self.model_type == "smollm3" and self.no_rope_layers is None:
+            self.no_rope_layers = no_rope_default(self.num_hidden_layers, _HF_NO_ROPE_INTERVAL)
+        if self.no_rope_layers is not None:
+            layers = tuple(self.no_rope_layers)
+            if len(layers) != self.num_hidden_layers or not set(layers) <= {0, 1}:
+                raise ValueError(
+                    f"no_rope_layers={list(layers)} must hold a 1 (RoPE) or a 0 (none) for each of the "
+                    f"{self.num_hidden_layers} layers"
+                )
+            if self.model_type != "smollm3":
+                raise ValueError(
+                    f"no_rope_layers is SmolLM3's; model_type={self.model_type!r} rotates in every layer: "
+                    "set it to None"
+                )
+            self.no_rope_layers = layers
+
+    def rope_at(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k (SmolLM3 leaves some layers without RoPE)."""
+        return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
 
     @property
     def context_limit(self) -> int:
@@ -209,6 +237,10 @@ class ModelConfig:
         max_pos = d.get("max_position_embeddings", _HF_DEFAULT_MAX_POS[model_type])
         window = d.get("sliding_window", _HF_MISTRAL_WINDOW) if model_type == "mistral" else None
         theta, scaling = _rope_from_hf(d, max_pos)
+        no_rope = None
+        if model_type == "smollm3":
+            interval = d.get("no_rope_layer_interval", _HF_NO_ROPE_INTERVAL)
+            no_rope = d.get("no_rope_layers") or no_rope_default(d["num_hidden_layers"], interval)
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -229,6 +261,7 @@ class ModelConfig:
             model_type=model_type,
             initializer_range=d.get("initializer_range", 0.02),
             sliding_window=window,
+            no_rope_layers=no_rope,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -267,12 +300,19 @@ class ModelConfig:
             d.update(sliding_window=self.sliding_window)
         elif self.model_type != "olmo2":
             d.update(use_sliding_window=False)
-        if self.model_type in ("qwen3", "olmo2"):
+        if self.model_type in ("qwen3", "olmo2", "smollm3"):
             d.update(attention_bias=self.attention_bias)
+        if self.model_type == "smollm3":
+            d.update(no_rope_layers=list(self.no_rope_layers), mlp_bias=False)
         return d
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def no_rope_default(layers: int, interval: int) -> tuple[int, ...]:
+    """SmolLM3Config's `no_rope_layers` when config.json leaves them out: every `interval`-th layer has none."""
+    return tuple(int((i + 1) % interval != 0) for i in range(layers))
 
 
 def _token_id(v: int | None, vocab_size: int) -> int | None:

@@ -1,4 +1,4 @@
-"""`CausalLM`: a Llama/Qwen2/Qwen3/OLMo2-family decoder in plain PyTorch.
+"""`CausalLM`: a Llama/Qwen2/Qwen3/OLMo2/SmolLM3-family decoder in plain PyTorch.
 
 Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
 Olmo2ForCausalLM, so state_dicts map 1:1.
@@ -38,9 +38,10 @@ class DecoderLayer(nn.Module):
     `post_attention_layernorm` normalizes the attention's output, `post_feedforward_layernorm` the
     MLP's; no `input_layernorm`): x + norm(attn(x)), then x + norm(mlp(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        """Layer `index` of the model (SmolLM3's RoPE is per layer)."""
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, cfg.rope_at(index))
         self.mlp = MLP(cfg)
         self.post_norms = post = cfg.post_norms
         if post:
@@ -66,7 +67,7 @@ class DecoderModel(nn.Module):
         # the meta device (load_pretrained) imports torch._dynamo, 2 s of every process's start-up
         table = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_fp32=cfg.post_norms)
 
 

@@ -131,15 +131,17 @@ def test_mixed_adapter_batch_as_the_engine_is_built(models, attention, dtype):
     assert differ >= 9  # 12 adapted requests; the 4 base ones agree
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "olmo2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "olmo2", "smollm3"])
 @pytest.mark.parametrize("attention", BACKENDS)
 def test_adapter_rows_equal_the_adapted_model(models, attention, model_type):
     """fp32: each row's logprobs are the full-sequence forward of its model (base + its adapter); on
     Qwen3 and OLMo2 the adapted q and k are normalized after their low-rank terms, as PEFT's model does,
-    and on OLMo2 the adapted o and down outputs before their post-norms."""
+    and on OLMo2 the adapted o and down outputs before their post-norms; on SmolLM3 with a first layer
+    without RoPE."""
     base, adapters = models
     if model_type != "llama":
-        base = tiny_model(seed=0, model_type=model_type, head_dim=24)
+        nope = dict(no_rope_layers=(0, 1)) if model_type == "smollm3" else {}
+        base = tiny_model(seed=0, model_type=model_type, head_dim=24, **nope)
         adapters = {n: adapted(base, n, seed) for seed, n in enumerate(SPECS, start=1)}
     eng = engine(base, adapters, attention, "fp32")
     reqs = requests()

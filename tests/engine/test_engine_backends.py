@@ -26,6 +26,7 @@ CONFIGS = {
     "qwen2-tied": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3-tied": dict(model_type="qwen3", tie_word_embeddings=True),
     "olmo2": dict(model_type="olmo2"),
+    "smollm3-norope-first": dict(model_type="smollm3", no_rope_layers=(0, 1)),
     "llama3-rope": dict(
         rope_scaling={
             "rope_type": "llama3",
@@ -110,13 +111,20 @@ def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
 
 
 @pytest.mark.parametrize(
-    "dtype,model_type", [(torch.float32, "llama"), (torch.bfloat16, "llama"), (torch.bfloat16, "olmo2")]
+    "dtype,model_type",
+    [
+        (torch.float32, "llama"),
+        (torch.bfloat16, "llama"),
+        (torch.bfloat16, "olmo2"),
+        (torch.bfloat16, "smollm3"),
+    ],
 )
 @torch.inference_mode()
 def test_mixed_prefill_and_decode_step_matches_model_forward(dtype, model_type):
     """Decode rows and prefill pieces (a whole prompt, and the second chunk of another) in one step; in
     bf16 on OLMo2's layout too (its norms scale in fp32 before rounding)."""
-    model = tiny_model(5, model_type=model_type).to(dtype)
+    nope = dict(no_rope_layers=(1, 0)) if model_type == "smollm3" else {}
+    model = tiny_model(5, model_type=model_type, **nope).to(dtype)
     backend = select("auto", model, 64, dtype)(model)
     V = model.config.vocab_size
     toks = torch.randint(0, V, (4, 30), generator=torch.Generator().manual_seed(2))

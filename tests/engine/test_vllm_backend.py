@@ -241,3 +241,8 @@ def test_a_windowed_mistral_checkpoint_matches_tailraces_engine_and_is_held_to_i
     _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
     with pytest.raises(EngineError, match=f"past the model's sliding_window={CONTEXT}"):
         _vllm(tmp_path / "v0", max_context=CONTEXT + 1)
+
+
+def test_a_smollm3_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_path):
+    """SmolLM3: Llama's layout with no RoPE in some layers (here the second)."""
+    _matches_before_and_after_a_reload(tmp_path, dict(model_type="smollm3", no_rope_layers=(1, 0)), ("norm",))

@@ -8,7 +8,8 @@ from tailrace.model import CausalLM, ModelConfig, save_pretrained
 
 TOL = 1e-4  # max abs fp32 logits difference allowed against transformers
 
-# Each entry exercises a different corner; together: llama, mistral, qwen2, qwen3 and olmo2, tied and untied, GQA ratios
+# Each entry exercises a different corner; together: llama, mistral, qwen2, qwen3, olmo2 and smollm3, tied and
+# untied, GQA ratios
 # 1/2/4, head_dim != hidden/heads, every rope type in both spellings, with and without q/k/v bias.
 CONFIGS = {
     "llama-mha-default": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4),
@@ -65,6 +66,14 @@ CONFIGS = {
         attention_bias=True,
         rope_theta=1e6,
     ),
+    # SmolLM3's layout: Llama's with no RoPE in some layers (here the second), tied
+    "smollm3-gqa2-tied-norope": dict(
+        model_type="smollm3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        no_rope_layers=(1, 0),
+    ),  # fmt: skip
     # OLMo2's layout: norms after attention and MLP, q/k normalized over all heads at once, untied
     "olmo2-gqa2-bias": dict(
         model_type="olmo2", num_attention_heads=4, num_key_value_heads=2, attention_bias=True
@@ -76,6 +85,7 @@ HF_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 

@@ -36,6 +36,14 @@ class KernelBackend(TorchBackend):
     ):
         super().__init__(model, max_context, kv_dtype, "bmm", packed, kernel, int8)
         self.name, self.kernel = "kernel", kernel
+        # the table a layer without RoPE (SmolLM3's) rotates by: cos 1, sin 0, which leaves q and k as
+        # they are, bit for bit; built only for a model that has such layers
+        self.tables = [self.cos_sin] * len(self.rope)
+        if not all(self.rope):
+            identity = torch.stack(
+                (torch.ones_like(self.cos_sin[:, 0]), torch.zeros_like(self.cos_sin[:, 1])), 1
+            )
+            self.tables = [self.cos_sin if r else identity for r in self.rope]
 
     def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool, lora=None) -> torch.Tensor:
         w, layer, table = self.w, self.kernel.layer, cache.table.t
@@ -44,7 +52,7 @@ class KernelBackend(TorchBackend):
         for i, lw in enumerate(w.layers):
             qkv = self._qkv(i, lw, x, pk, lora, qk_norm=False)  # the C call applies Qwen3's q/k norms
             o = layer(
-                qkv, self.cos_sin, cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale, lw.qk_norm, w.eps
+                qkv, self.tables[i], cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale, lw.qk_norm, w.eps
             )
             x = self._mlp(i, lw, self._o(i, lw, o, x, pk, lora), pk, lora)
         return x

@@ -74,6 +74,8 @@ class TorchBackend:
         cos, sin = rope_table(inv_freq, scale, max_context)  # (max_context, D) fp32, sin first half negated
         # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
         self.cos_sin = torch.stack((cos, sin), dim=1).to(w.device, w.dtype)  # (max_context, 2, D)
+        # SmolLM3's layers without RoPE: False at theirs (the C kernels rotate by an identity table there)
+        self.rope = [model.config.rope_at(i) for i in range(model.config.num_hidden_layers)]
         self.arange = torch.arange(max_context, device=w.device)
         self.heads = torch.arange(w.Hkv, device=w.device)
         self._rows_cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -146,7 +148,8 @@ class TorchBackend:
         for i, lw in enumerate(w.layers):
             qkv = self._qkv(i, lw, x, pk, lora)  # (M, (H + 2 Hkv) D)
             qk = qkv[:, : (H + Hkv) * D].view(M, H + Hkv, D)
-            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
+            if self.rope[i]:
+                qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             ck, cv = cache.k[i], cache.v[i]
             ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D).to(ck.dtype))
             cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D :].reshape(M * Hkv, D).to(cv.dtype))

@@ -36,9 +36,12 @@ class DraftNet(nn.Module):
         """`layers` decoder layers shaped as `target`'s, initialized from its first ones (fp32, CPU or
         the target's device)."""
         super().__init__()
-        self.config = dataclasses.replace(target.config, num_hidden_layers=layers)
+        norope = target.config.no_rope_layers
+        self.config = dataclasses.replace(
+            target.config, num_hidden_layers=layers, no_rope_layers=norope and norope[:layers]
+        )
         dev = target.model.embed_tokens.weight.device
-        self.layers = nn.ModuleList(DecoderLayer(self.config) for _ in range(layers))
+        self.layers = nn.ModuleList(DecoderLayer(self.config, i) for i in range(layers))
         self.norm = RMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
         with torch.no_grad():
             for mine, theirs in zip(self.layers, target.model.layers):

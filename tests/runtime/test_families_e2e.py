@@ -1,0 +1,61 @@
+"""Checkpoints of the families whose layout is not Llama's train end to end, made from the tiny model
+by their config.json: a Mistral v0.1 (a sliding window shorter than its positions) with every sequence
+held to its window, where the window's attention is tailrace's full attention, and a context past the
+window refused in one line before anything starts; a SmolLM3 (a layer without RoPE), whose trained
+checkpoint transformers reads as tailrace does."""
+
+import json
+import shutil
+
+import torch
+
+from tests.runtime.conftest import TINY_RUN, checkpoints, one_line, run
+
+
+def relabeled(tiny_model, to, **config):
+    """A copy of the tiny model whose config.json names another family (same weights)."""
+    shutil.copytree(tiny_model, to)
+    d = json.loads((to / "config.json").read_text())
+    d.update(config)
+    (to / "config.json").write_text(json.dumps({k: v for k, v in d.items() if v is not ...}))
+    return to
+
+
+def test_a_windowed_mistral_trains_held_to_its_window(capfd, tiny_model, tmp_path):
+    src = relabeled(
+        tiny_model, tmp_path / "mistral", model_type="mistral", architectures=["MistralForCausalLM"],
+        sliding_window=96, attention_bias=..., mlp_bias=...,  # (MistralConfig has neither bias switch)
+    )  # fmt: skip
+    argv = ["train", f"--model.path={src}", *TINY_RUN, "--flow.steps=2", "--flow.mode=sync"]
+
+    rc, out = run(capfd, *argv, f"--run-dir={tmp_path / 'past'}", "--rollout.max_context=97")
+    assert rc == 2, out
+    assert "rollout.max_context=97 is past the model's sliding_window=96" in one_line(out)
+    assert "set max_context <= 96" in one_line(out)
+
+    rc, out = run(capfd, *argv, f"--run-dir={tmp_path / 'run'}")
+    assert rc == 0, out
+    assert "slots of up to 96" in out  # the window is the engines' context
+    saved = json.loads((checkpoints(tmp_path / "run")[-1] / "model" / "config.json").read_text())
+    assert (saved["model_type"], saved["sliding_window"]) == ("mistral", 96)  # transformers windows it too
+
+
+def test_a_smollm3_trains_and_transformers_reads_its_checkpoint_as_tailrace_does(capfd, tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tailrace.model import load_pretrained
+
+    src = relabeled(
+        tiny_model, tmp_path / "smollm3", model_type="smollm3", architectures=["SmolLM3ForCausalLM"],
+        no_rope_layers=[1, 0],
+    )  # fmt: skip
+    rc, out = run(
+        capfd, "train", f"--model.path={src}", *TINY_RUN, "--flow.steps=2", f"--run-dir={tmp_path / 'run'}"
+    )
+    assert rc == 0, out
+    saved = checkpoints(tmp_path / "run")[-1] / "model"
+    assert json.loads((saved / "config.json").read_text())["no_rope_layers"] == [1, 0]
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    theirs = AutoModelForCausalLM.from_pretrained(saved).eval()
+    with torch.no_grad():
+        assert (load_pretrained(saved)(ids) - theirs(ids).logits).abs().max() <= 1e-4
