@@ -170,17 +170,17 @@ class ModelConfig:
         where there is one (within it, the window's attention is this decoder's full attention)."""
         return self.sliding_window or self.max_position_embeddings
 
-    def context(self, asked: int | None) -> int:
-        """The context limit a run or an engine asked for (`asked`; None: `context_limit`). One past the
-        sliding window is refused (ValueError): there the model attends to a window, this decoder to
-        every position, and the two would differ."""
+    def context(self, asked: int | None, key: str = "max_context") -> int:
+        """The context limit a run or an engine asked for (`asked`, the setting `key`; None:
+        `context_limit`). One past the sliding window is refused (ValueError): there the model attends
+        to a window, this decoder to every position, and the two would differ."""
         if asked is None:
             return self.context_limit
         if self.sliding_window is not None and asked > self.sliding_window:
             raise ValueError(
-                f"max_context={asked} is past the model's sliding_window={self.sliding_window}: it attends "
+                f"{key}={asked} is past the model's sliding_window={self.sliding_window}: it attends "
                 f"only to the last {self.sliding_window} positions, and tailrace's decoder to every one, "
-                f"which is the same attention only within the window; set max_context <= {self.sliding_window}"
+                f"which is the same attention only within the window; set {key} <= {self.sliding_window}"
             )
         return asked
 

@@ -83,9 +83,9 @@ class Session:
         )
         self.model_cfg, self.tok, self.chat = self.text.model_cfg, self.text.tok, self.text.chat
         try:  # the engines' context limit: the run's, else the model's (its sliding window, where shorter)
-            self.context = self.model_cfg.context(cfg.rollout.max_context)
+            self.context = self.model_cfg.context(cfg.rollout.max_context, "rollout.max_context")
         except ValueError as e:
-            raise ConfigError(f"rollout.{e}") from None
+            raise ConfigError(str(e)) from None
         # a multi-turn task's environment: a turn also stops where a tool call ends
         self.env: Environment | None = self.task if isinstance(self.task, Environment) else None
         self.call_id = self._call_id() if self.env is not None else None

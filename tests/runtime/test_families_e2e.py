@@ -31,7 +31,7 @@ def test_a_windowed_mistral_trains_held_to_its_window(capfd, tiny_model, tmp_pat
     rc, out = run(capfd, *argv, f"--run-dir={tmp_path / 'past'}", "--rollout.max_context=97")
     assert rc == 2, out
     assert "rollout.max_context=97 is past the model's sliding_window=96" in one_line(out)
-    assert "set max_context <= 96" in one_line(out)
+    assert "set rollout.max_context <= 96" in one_line(out)
 
     rc, out = run(capfd, *argv, f"--run-dir={tmp_path / 'run'}")
     assert rc == 0, out

@@ -236,3 +236,14 @@ def test_bad_requests_get_a_clear_error(server, path, body, status, says):
 def test_a_body_that_is_not_json_is_refused(server):
     status, text = call(server, "/v1/completions", raw="{not json")
     assert status == 400 and "not valid JSON" in text
+
+
+def test_a_context_past_the_model_s_sliding_window_is_refused_in_one_line(tmp_path):
+    """Mistral v0.1's window: serve.context may fill it, not pass it (the engine attends to every position)."""
+    from tailrace.common import ConfigError
+
+    d = write_chat_model(tmp_path / "model", "mistral", THINKING, sliding_window=128)
+    cfg = load_config(None, [f"--model.path={d}", "--serve.port=0", "--serve.context=129"])
+    with pytest.raises(ConfigError, match="serve.context=129 is past the model's sliding_window=128") as e:
+        serve(cfg, print)
+    assert "set serve.context <= 128" in str(e.value)
