@@ -3,7 +3,7 @@ from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Qwen2/Qwen3/Olmo2ForCausalLM. Qwen3 is Llama's layout with a per-head RMSNorm on
+loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/SmolLM3ForCausalLM. Qwen3 is Llama's layout with a per-head RMSNorm on
 q and k before RoPE (`qk_norm`) and its bias switch on every attention projection; Mistral is Llama's
 without biases, and with a sliding window in v0.1 (every layer attends to the last `sliding_window`
 positions): this decoder attends to every position, which is the same attention for a sequence the
