@@ -6,8 +6,10 @@ a finite reward outside the task's `reward_range` is clamped into it (kind "clam
 
 Rewards run in one persistent worker process, sandboxed before it runs any of them (tasks/sandbox:
 limits, a private directory, no network, a file-system allow-list; the package doc says what holds
-on which system). It is forked where possible (`default_start_method`), so the task is not pickled;
-under spawn (or the task's `reward_start_method`) the task is pickled once per worker start. A batch
+on which system). It is forked where that is safe (`default_start_method`: no other thread runs, no
+Ray session), so the task is not pickled; otherwise it is spawned (or as the task's
+`reward_start_method` says) and the task is pickled once per worker start; a task that does not pickle
+is forked anyway outside Ray, as before. A batch
 is one message each way: the worker flushes results early only when the batch has run for
 `timeout_s / 10`, so a hang loses (and re-scores) at most that much finished work. The worker
 publishes (item, start time) in shared memory before each item; the parent watches it, and kills and
@@ -28,6 +30,7 @@ import math
 import multiprocessing as mp
 import numbers
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -39,7 +42,7 @@ from typing import Sequence
 
 from tailrace.tasks.base import Example, Task
 from tailrace.tasks.sandbox import Held, SandboxConfig, enter, leaked_children
-from tailrace.tasks.sandbox.isolated import ray_session_up
+from tailrace.tasks.sandbox.isolated import may_fork, ray_session_up
 from tailrace.tasks.sandbox.limits import CpuBudget
 
 log = logging.getLogger("tailrace.tasks")
@@ -160,12 +163,23 @@ def sweep_orphans() -> int:
 
 def default_start_method() -> str:
     """How a reward worker starts when neither the caller nor the task says: fork (nothing is pickled,
-    nothing imported) where the platform has it and this process may fork; spawn otherwise. A process
-    with a Ray session up may not: gRPC's threads run in it, and a child forked then can crash before
-    its first line (CI saw exit code -11). Asked at each start, as Ray may have come up since the last."""
+    nothing imported) where the platform has it and this process may fork (`may_fork`); spawn
+    otherwise. A process with a Ray session up may not: gRPC's threads run in it, and a child forked
+    then can crash before its first line (CI saw exit code -11). Nor one with another Python thread
+    running (a run's join desk, its tool threads, when a worker is replaced mid-run): a lock that
+    thread held at the fork would stay held in the child, which could hang before it ever answered.
+    Spawn forks and execs at once, from C. Asked at each start: threads and sessions come and go."""
     if "fork" not in mp.get_all_start_methods():
         return "spawn"
-    return "spawn" if ray_session_up() else "fork"
+    return "fork" if may_fork() else "spawn"
+
+
+def _pickles(task: Task) -> bool:
+    try:
+        pickle.dumps(task)
+    except Exception:  # noqa: BLE001 — whatever pickling a user's object raises
+        return False
+    return True
 
 
 class RewardGuard:
@@ -263,7 +277,15 @@ class RewardGuard:
         sweep_orphans()
         self._workdir = tempfile.mkdtemp(prefix=f"{_WORKDIR}{os.getpid()}-")
         # a fresh pipe per worker: a killed worker may have left a half-written message in the old one
-        ctx = mp.get_context(self._start_method or default_start_method())
+        method = self._start_method or default_start_method()
+        if (
+            method == "spawn"
+            and self._start_method is None
+            and not ray_session_up()
+            and not _pickles(self.task)
+        ):
+            method = "fork"  # a task spawn cannot carry (defined where it cannot be imported by name)
+        ctx = mp.get_context(method)
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_worker_main,

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -158,6 +159,36 @@ def test_a_worker_is_spawned_not_forked_while_a_ray_session_is_up(monkeypatch):
     assert default_start_method() == "fork"
     ray.up = True
     assert default_start_method() == "spawn"
+
+
+@pytest.fixture
+def another_thread():
+    """A second Python thread running in this process, as a run's join desk or tool threads do."""
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, daemon=True)
+    t.start()
+    yield
+    stop.set()
+    t.join()
+
+
+def test_a_worker_is_spawned_while_another_thread_runs_and_scores_and_is_replaced(another_thread):
+    """A lock the other thread held at a fork would stay held in the child: spawn instead (fork + exec
+    at once), the task pickled."""
+    assert default_start_method() == "spawn"
+    with RewardGuard(Scripted(), timeout_s=TIMEOUT) as g:
+        assert g._proc._start_method == "spawn"
+        got = g.score_many([(EX[0], "0"), (EX[1], "hang"), (EX[2], "2")])
+        assert got == [Scored(1.0), Scored(0.0, f"timeout after {TIMEOUT}s"), Scored(1.0)]
+        assert g.restarts == 1 and g._proc._start_method == "spawn"
+
+
+def test_a_task_that_does_not_pickle_is_still_forked_beside_another_thread(another_thread):
+    task = Scripted()
+    task.unpicklable = threading.Lock()  # a task spawn cannot carry
+    with RewardGuard(task, timeout_s=TIMEOUT) as g:
+        assert g._proc._start_method == "fork"
+        assert g.score_many([(EX[3], "3"), (EX[4], "raise")])[0] == Scored(1.0)
 
 
 def test_close_and_context_manager_end_the_worker():
