@@ -156,6 +156,7 @@ def test_a_worker_is_spawned_not_forked_while_a_ray_session_is_up(monkeypatch):
 
     ray = FakeRay()
     monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setattr(threading, "active_count", lambda: 1)  # as in a driver with no other thread
     assert default_start_method() == "fork"
     ray.up = True
     assert default_start_method() == "spawn"

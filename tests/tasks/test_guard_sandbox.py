@@ -119,10 +119,11 @@ def test_opening_a_socket_is_refused(guard, server):
 
 
 def test_sockets_the_trainer_had_open_are_not_inherited(server):
-    """A socket open in the trainer when the worker forks reaches nothing from inside."""
+    """A socket open in the trainer when the worker forks reaches nothing from inside. (Forked as a
+    run's first worker is; one spawned beside other threads inherits no descriptor at all.)"""
     client = socket.create_connection(server.getsockname())
     conn, _ = server.accept()
-    with RewardGuard(Hostile(), timeout_s=TIMEOUT, sandbox=CFG) as g:
+    with RewardGuard(Hostile(), timeout_s=TIMEOUT, sandbox=CFG, start_method="fork") as g:
         got = g.score(EX, attack("use_fd", client.fileno()))
     assert got.reward == 0.0 and got.error.startswith(
         "raised OSError: [Errno 88] Socket operation on non-socket"
