@@ -40,10 +40,12 @@ def inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 def rope_limit(cfg: ModelConfig) -> int | None:
     """Positions must stay below this (None: unbounded). Dynamic NTK's frequencies change with the
     sequence length past max_position_embeddings, which a position-indexed table and a KV cache cannot
-    express, so it is supported only inside the pretraining range. A sliding window: past it the model
-    attends to a window, and this decoder to every position."""
-    limits = [cfg.max_position_embeddings] if cfg.rope_type == "dynamic" else []
-    return min([*limits, cfg.sliding_window] if cfg.sliding_window else limits, default=None)
+    express, so it is supported only inside the pretraining range. A sliding window (always below
+    max_position_embeddings: ModelConfig drops one that is not): past it the model attends to a window,
+    and this decoder to every position."""
+    if cfg.sliding_window is not None:
+        return cfg.sliding_window
+    return cfg.max_position_embeddings if cfg.rope_type == "dynamic" else None
 
 
 def rope_table(inv_freq: torch.Tensor, scale: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +74,7 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.limit = rope_limit(cfg)
-        self.windowed = cfg.sliding_window is not None and cfg.sliding_window == self.limit
+        self.windowed = cfg.sliding_window is not None  # the limit is the window
         # Explicitly on the CPU, so that building under torch.device("meta") still yields real tables.
         self.inv_freq, self.scale = inv_freq_and_scale(cfg)
         cos, sin = rope_table(self.inv_freq, self.scale, self._length(min(cfg.context_limit, _MIN_LEN)))
