@@ -273,8 +273,9 @@ def save_peft(adapter: Adapter, path: str | os.PathLike, base_model: str | None 
 
 
 def load_peft(path: str | os.PathLike) -> Adapter:
-    """A PEFT LoRA adapter directory (ours or PEFT's own) of a Llama/Qwen2/Qwen3/OLMo2 causal LM; one rank and alpha
-    for all targets (a `rank_pattern` / `alpha_pattern`, DoRA or rsLoRA are refused, in one line)."""
+    """A PEFT LoRA adapter directory (ours or PEFT's own) of a Llama-family causal LM (Mistral, Qwen2/3,
+    OLMo2, SmolLM3: the same layer names); one rank and alpha for all targets (a `rank_pattern` /
+    `alpha_pattern`, DoRA or rsLoRA are refused, in one line)."""
     path = Path(path)
     try:
         cfg = json.loads((path / ADAPTER_CONFIG).read_text())
@@ -307,7 +308,7 @@ def from_state(state: dict[str, torch.Tensor], rank: int, alpha: float, source: 
             or parts[5] not in ("lora_A", "lora_B")
         ):
             raise InputError(
-                f"{source}: unexpected tensor {key!r}; a Llama/Qwen2/Qwen3/OLMo2 LoRA adapter names its layers"
+                f"{source}: unexpected tensor {key!r}; a Llama-family LoRA adapter names its layers"
             )
         site = (int(parts[2]), parts[4])
         weights.setdefault(site, [None, None])["AB".index(parts[5][-1])] = tensor
