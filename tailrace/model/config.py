@@ -1,9 +1,9 @@
-"""`ModelConfig`: the shape of a Llama/Qwen2/Qwen3/OLMo2/SmolLM3-family decoder, and its mapping to and
-from HF config.json.
+"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/OLMo2/SmolLM3/Phi-3-family decoder, and its mapping
+to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/SmolLM3ForCausalLM. Qwen3 is Llama's layout with a per-head RMSNorm on
+loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/SmolLM3/Phi3ForCausalLM. Qwen3 is Llama's layout with a per-head RMSNorm on
 q and k before RoPE (`qk_norm`) and its bias switch on every attention projection; Mistral is Llama's
 without biases, and with a sliding window in v0.1 (every layer attends to the last `sliding_window`
 positions): this decoder attends to every position, which is the same attention for a sequence the
@@ -11,7 +11,11 @@ window holds, so sequences are held to the window (`context_limit`, `context`). 
 each layer's norms after its attention and its MLP (`post_norms`: no norm before them), normalizes q
 and k over their whole width (all heads at once) before RoPE, and its RMSNorm scales in fp32 before
 rounding to the dtype. SmolLM3 is Llama's with no RoPE in some layers (`no_rope_layers`: 1 where a
-layer rotates q and k, 0 where it does not; by default every fourth layer). Features
+layer rotates q and k, 0 where it does not; by default every fourth layer). Phi-3 is Llama's with q/k/v
+and gate/up each stored as one fused matrix (split on load, fused on save: `model/fused.py`), a sliding
+window in its 4k models (held to it, as Mistral's), and LongRoPE in its 128k ones and Phi-3.5: its
+short factors up to `original_max_position_embeddings`, past which transformers and vLLM switch to the
+long ones for the whole sequence (cached keys included), so sequences are held to that length. Features
 those classes have and this decoder lacks (windows on some layers only, MLP bias, partial rotary,
 non-SiLU activations, other RoPE types) are rejected, never silently ignored.
 """
@@ -29,6 +33,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
@@ -36,13 +41,18 @@ ROPE_REQUIRED = {
     "dynamic": ("factor",),
     "yarn": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 _HF_DEFAULT_MAX_POS = {
-    "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "smollm3": 32768
+    "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "smollm3": 32768,
+    "phi3": 4096,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
-_HF_DEFAULT_EPS = {"olmo2": 1e-5}  # else 1e-6
+_HF_DEFAULT_EPS = {"olmo2": 1e-5, "phi3": 1e-5}  # else 1e-6
 _HF_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json leaves it out
+_HF_PHI3_ORIGINAL = 4096  # Phi3Config's original_max_position_embeddings (it wins over rope_scaling's)
+WINDOWED = ("mistral", "phi3")  # the families whose config.json may name a sliding window
+NO_BIAS = ("mistral", "phi3")  # the families without an attention bias
 
 
 @dataclass
@@ -68,8 +78,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     model_type: str = "llama"
     initializer_range: float = 0.02
-    # Mistral's window (every layer attends to the last this many positions); None: none, or one that
-    # covers max_position_embeddings (read as none)
+    # Mistral's and Phi-3's window (every layer attends to the last this many positions); None: none, or
+    # one that covers max_position_embeddings (read as none)
     sliding_window: int | None = None
     # SmolLM3's per-layer RoPE switch (1: the layer rotates q and k, 0: it does not; None there: HF's
     # default, every fourth layer without); None for the other families (every layer rotates)
@@ -117,9 +127,9 @@ class ModelConfig:
             raise ValueError(f"initializer_range={self.initializer_range!r} must be > 0")
         if self.attention_bias is None:
             self.attention_bias = self.model_type == "qwen2"
-        if self.model_type == "mistral" and self.attention_bias:
+        if self.model_type in NO_BIAS and self.attention_bias:
             raise ValueError(
-                "attention_bias=True is impossible for model_type='mistral' (Mistral has no attention "
+                f"attention_bias=True is impossible for model_type={self.model_type!r} (it has no attention "
                 "bias); set attention_bias=False or model_type='llama'"
             )
         if self.model_type == "qwen2" and not self.attention_bias:
@@ -134,13 +144,19 @@ class ModelConfig:
                     f"{name}={v} is outside [0, vocab_size={self.vocab_size}); fix it or set None"
                 )
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+        if self.rope_type == "longrope" and len(self.rope_scaling["short_factor"]) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_scaling short_factor has {len(self.rope_scaling['short_factor'])} entries; LongRoPE "
+                f"needs one per rotated pair, head_dim / 2 = {self.head_dim // 2}"
+            )
         w = self.sliding_window
         if w is not None:
             if not isinstance(w, int) or isinstance(w, bool) or w < 2:
                 raise ValueError(f"sliding_window={w!r} must be an int >= 2, or None (no window)")
-            if self.model_type != "mistral":
+            if self.model_type not in WINDOWED:
                 raise ValueError(
-                    f"sliding_window={w} is Mistral's; model_type={self.model_type!r} has none: set it to None"
+                    f"sliding_window={w} is Mistral's and Phi-3's; model_type={self.model_type!r} has none: "
+                    "set it to None"
                 )
             if w >= self.max_position_embeddings:
                 self.sliding_window = None  # it covers every position: no window
@@ -165,15 +181,24 @@ class ModelConfig:
         return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
 
     @property
+    def longrope_limit(self) -> int | None:
+        """LongRoPE's original_max_position_embeddings (None for other rope types): up to it the short
+        factors rotate every position; past it transformers and vLLM rotate the whole sequence by the
+        long ones, keys already cached included, which a KV cache cannot follow."""
+        return self.rope_scaling["original_max_position_embeddings"] if self.rope_type == "longrope" else None
+
+    @property
     def context_limit(self) -> int:
-        """Tokens a sequence may hold, prompt and response: max_position_embeddings, or the sliding window
-        where there is one (within it, the window's attention is this decoder's full attention)."""
-        return self.sliding_window or self.max_position_embeddings
+        """Tokens a sequence may hold, prompt and response: max_position_embeddings, or less where the
+        sliding window (within it, the window's attention is this decoder's full attention) or LongRoPE's
+        short range ends first."""
+        return min(x for x in (self.sliding_window, self.longrope_limit, self.max_position_embeddings) if x)
 
     def context(self, asked: int | None, key: str = "max_context") -> int:
         """The context limit a run or an engine asked for (`asked`, the setting `key`; None:
         `context_limit`). One past the sliding window is refused (ValueError): there the model attends
-        to a window, this decoder to every position, and the two would differ."""
+        to a window, this decoder to every position, and the two would differ; so is one past LongRoPE's
+        short range, where the model's rotation of every position changes."""
         if asked is None:
             return self.context_limit
         if self.sliding_window is not None and asked > self.sliding_window:
@@ -181,6 +206,13 @@ class ModelConfig:
                 f"{key}={asked} is past the model's sliding_window={self.sliding_window}: it attends "
                 f"only to the last {self.sliding_window} positions, and tailrace's decoder to every one, "
                 f"which is the same attention only within the window; set {key} <= {self.sliding_window}"
+            )
+        limit = self.longrope_limit
+        if limit is not None and asked > limit:
+            raise ValueError(
+                f"{key}={asked} is past the model's LongRoPE original_max_position_embeddings={limit}: "
+                "past it the model rotates every position by its long factors, keys already cached "
+                f"included, which a KV cache cannot follow; set {key} <= {limit}"
             )
         return asked
 
@@ -235,8 +267,8 @@ class ModelConfig:
             )
         heads = d["num_attention_heads"]
         max_pos = d.get("max_position_embeddings", _HF_DEFAULT_MAX_POS[model_type])
-        window = d.get("sliding_window", _HF_MISTRAL_WINDOW) if model_type == "mistral" else None
-        theta, scaling = _rope_from_hf(d, max_pos)
+        window = {"mistral": d.get("sliding_window", _HF_MISTRAL_WINDOW), "phi3": d.get("sliding_window")}
+        theta, scaling = _rope_from_hf(d, max_pos, model_type)
         no_rope = None
         if model_type == "smollm3":
             interval = d.get("no_rope_layer_interval", _HF_NO_ROPE_INTERVAL)
@@ -254,13 +286,14 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias={"qwen2": True, "mistral": False}.get(model_type, bool(d.get("attention_bias"))),
+            attention_bias=model_type == "qwen2"
+            or (model_type not in NO_BIAS and bool(d.get("attention_bias"))),
             bos_token_id=_token_id(d.get("bos_token_id"), d["vocab_size"]),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=_token_id(d.get("pad_token_id"), d["vocab_size"]),
             model_type=model_type,
             initializer_range=d.get("initializer_range", 0.02),
-            sliding_window=window,
+            sliding_window=window.get(model_type),
             no_rope_layers=no_rope,
         )
 
@@ -296,7 +329,7 @@ class ModelConfig:
             d["rope_scaling"] = dict(self.rope_scaling)
         if self.model_type == "llama":
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
-        elif self.model_type == "mistral":
+        elif self.model_type in WINDOWED:
             d.update(sliding_window=self.sliding_window)
         elif self.model_type != "olmo2":
             d.update(use_sliding_window=False)
@@ -304,6 +337,8 @@ class ModelConfig:
             d.update(attention_bias=self.attention_bias)
         if self.model_type == "smollm3":
             d.update(no_rope_layers=list(self.no_rope_layers), mlp_bias=False)
+        if self.model_type == "phi3":  # Phi3Config's own field wins over the rope dict's
+            d.update(original_max_position_embeddings=self.longrope_limit or self.max_position_embeddings)
         return d
 
     def replace(self, **changes) -> "ModelConfig":
@@ -347,16 +382,37 @@ def _normalize_rope_scaling(rs: dict | None, max_pos: int) -> dict | None:
         raise ValueError(
             f"rope_scaling for rope_type={rope_type!r} lacks {missing}; add them to rope_scaling"
         )
-    if not rs["factor"] > 0:
+    if rope_type == "longrope":
+        _check_longrope(rs)
+    elif not rs["factor"] > 0:
         raise ValueError(f"rope_scaling factor={rs['factor']!r} must be > 0")
     if rope_type == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
         raise ValueError("rope_scaling llama3 needs high_freq_factor > low_freq_factor")
     return {"rope_type": rope_type, **rs}
 
 
-def _rope_from_hf(d: dict, max_pos: int) -> tuple[float, dict | None]:
+def _check_longrope(rs: dict) -> None:
+    for k in ("short_factor", "long_factor"):
+        f = rs[k]
+        if (
+            not isinstance(f, (list, tuple))
+            or not f
+            or not all(isinstance(x, (int, float)) and x > 0 for x in f)
+        ):
+            raise ValueError(
+                f"rope_scaling {k}={f!r} must be a list of positive numbers, one per rotated pair"
+            )
+        rs[k] = [float(x) for x in f]
+    if len(rs["short_factor"]) != len(rs["long_factor"]):
+        raise ValueError("rope_scaling short_factor and long_factor must have the same length (head_dim / 2)")
+    for k in ("factor", "attention_factor"):
+        if rs.get(k) is not None and not rs[k] > 0:
+            raise ValueError(f"rope_scaling {k}={rs[k]!r} must be > 0")
+
+
+def _rope_from_hf(d: dict, max_pos: int, model_type: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either config.json style. Like transformers 5, `rope_scaling`
-    wins over `rope_parameters` when both are present."""
+    wins over `rope_parameters` when both are present; Phi-3's "su" and "yarn" are its LongRoPE."""
     src = d.get("rope_scaling") or d.get("rope_parameters") or {}
     if not isinstance(src, dict) or any(isinstance(v, dict) for v in src.values()):
         raise ValueError(f"rope parameters {src!r} are not a flat dict; per-layer-type RoPE is not supported")
@@ -365,7 +421,12 @@ def _rope_from_hf(d: dict, max_pos: int) -> tuple[float, dict | None]:
     if d.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported; rotate the whole head")
     rope_type = src.get("rope_type") or src.get("type") or "default"
-    if rope_type in ("yarn", "llama3", "longrope") and d.get("original_max_position_embeddings"):
+    if model_type == "phi3" and rope_type in ("su", "yarn"):
+        src.pop("type", None)
+        src["rope_type"] = rope_type = "longrope"
+    if model_type == "phi3" and rope_type == "longrope":  # Phi3Config's field, 4096 when left out, wins
+        src["original_max_position_embeddings"] = d.get("original_max_position_embeddings", _HF_PHI3_ORIGINAL)
+    elif rope_type in ("yarn", "llama3", "longrope") and d.get("original_max_position_embeddings"):
         src["original_max_position_embeddings"] = d[
             "original_max_position_embeddings"
         ]  # HF gives it priority

@@ -34,18 +34,29 @@ def inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         return _llama3(inv_freq, rs), 1.0
     if kind == "yarn":
         return _yarn(cfg, rs)
+    if kind == "longrope":
+        return _longrope(cfg, rs)
     raise ValueError(f"rope_type={kind!r} is not supported")
 
 
-def rope_limit(cfg: ModelConfig) -> int | None:
-    """Positions must stay below this (None: unbounded). Dynamic NTK's frequencies change with the
-    sequence length past max_position_embeddings, which a position-indexed table and a KV cache cannot
-    express, so it is supported only inside the pretraining range. A sliding window (always below
+def rope_limit(cfg: ModelConfig) -> tuple[int, str] | None:
+    """(the position count a sequence must stay within, why), or None: unbounded. Dynamic NTK's and
+    LongRoPE's frequencies change with the sequence length (past max_position_embeddings, past
+    original_max_position_embeddings), which a position-indexed table and a KV cache cannot express,
+    so they are supported only inside that range. A sliding window (always below
     max_position_embeddings: ModelConfig drops one that is not): past it the model attends to a window,
     and this decoder to every position."""
+    limits = []
     if cfg.sliding_window is not None:
-        return cfg.sliding_window
-    return cfg.max_position_embeddings if cfg.rope_type == "dynamic" else None
+        limits.append((cfg.sliding_window, f"the model's sliding_window={cfg.sliding_window}, past which it "
+                       "attends to a window and this decoder to every position (unsupported)"))  # fmt: skip
+    if cfg.longrope_limit is not None:
+        limits.append((cfg.longrope_limit, f"LongRoPE's original_max_position_embeddings={cfg.longrope_limit}, "
+                       "past which the model rotates every position by its long factors (unsupported)"))  # fmt: skip
+    if cfg.rope_type == "dynamic":
+        limits.append((cfg.max_position_embeddings, f"max_position_embeddings={cfg.max_position_embeddings}, "
+                       "where 'dynamic' RoPE changes with the sequence length (unsupported)"))  # fmt: skip
+    return min(limits, default=None)
 
 
 def rope_table(inv_freq: torch.Tensor, scale: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +84,7 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.limit = rope_limit(cfg)
-        self.windowed = cfg.sliding_window is not None  # the limit is the window
+        self.limit, self.why = rope_limit(cfg) or (None, "")
         # Explicitly on the CPU, so that building under torch.device("meta") still yields real tables.
         self.inv_freq, self.scale = inv_freq_and_scale(cfg)
         cos, sin = rope_table(self.inv_freq, self.scale, self._length(min(cfg.context_limit, _MIN_LEN)))
@@ -99,14 +109,7 @@ class Rotary(nn.Module):
 
     def _length(self, end: int) -> int:
         if self.limit is not None and end > self.limit:
-            raise ValueError(
-                f"position {end - 1} is beyond the model's sliding_window={self.limit}, past which it attends "
-                "to a window and this decoder to every position (unsupported); shorten the sequence"
-                if self.windowed
-                else f"position {end - 1} is beyond max_position_embeddings={self.limit}, where 'dynamic' "
-                "RoPE changes with the sequence length (unsupported); shorten the sequence or use "
-                "another rope_type"
-            )
+            raise ValueError(f"position {end - 1} is beyond {self.why}; shorten the sequence")
         n = _MIN_LEN
         while n < end:
             n *= 2
@@ -153,3 +156,17 @@ def _yarn(cfg: ModelConfig, rs: dict) -> tuple[torch.Tensor, float]:
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # share of the unscaled (extrapolated) frequency per dimension
     return interpolation * (1 - keep) + extrapolation * keep, attention_factor
+
+
+def _longrope(cfg: ModelConfig, rs: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE within original_max_position_embeddings (`rope_limit`): the short factors divide each
+    frequency; cos and sin are scaled by sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings /
+    original (or the given factor), unless `attention_factor` is given."""
+    orig = rs["original_max_position_embeddings"]
+    factor = rs.get("factor") or cfg.max_position_embeddings / orig
+    scale = rs.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    shape = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device="cpu").float() / cfg.head_dim
+    short = torch.tensor(rs["short_factor"], dtype=torch.float32, device="cpu")
+    return 1.0 / (short * cfg.rope_theta**shape), scale

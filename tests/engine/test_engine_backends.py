@@ -20,6 +20,11 @@ from tests.engine.engine_helpers import (
     write_kv,
 )
 
+# Phi-3.5's LongRoPE, its short range 128 of 256 positions: cos and sin scaled by sqrt(1 + ln 2 / ln 128)
+LONGROPE = {
+    "rope_type": "longrope", "original_max_position_embeddings": 128,
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], "long_factor": [2.0] * 8,
+}  # fmt: skip
 CONFIGS = {
     "llama": {},
     "llama-bias-mha": dict(attention_bias=True, num_key_value_heads=4),
@@ -27,6 +32,7 @@ CONFIGS = {
     "qwen3-tied": dict(model_type="qwen3", tie_word_embeddings=True),
     "olmo2": dict(model_type="olmo2"),
     "smollm3-norope-first": dict(model_type="smollm3", no_rope_layers=(0, 1)),
+    "phi3-longrope": dict(model_type="phi3", rope_scaling=LONGROPE),
     "llama3-rope": dict(
         rope_scaling={
             "rope_type": "llama3",
@@ -117,14 +123,15 @@ def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
         (torch.bfloat16, "llama"),
         (torch.bfloat16, "olmo2"),
         (torch.bfloat16, "smollm3"),
+        (torch.bfloat16, "phi3"),
     ],
 )
 @torch.inference_mode()
 def test_mixed_prefill_and_decode_step_matches_model_forward(dtype, model_type):
     """Decode rows and prefill pieces (a whole prompt, and the second chunk of another) in one step; in
     bf16 on OLMo2's layout too (its norms scale in fp32 before rounding)."""
-    nope = dict(no_rope_layers=(1, 0)) if model_type == "smollm3" else {}
-    model = tiny_model(5, model_type=model_type, **nope).to(dtype)
+    extra = {"smollm3": dict(no_rope_layers=(1, 0)), "phi3": dict(rope_scaling=LONGROPE)}.get(model_type, {})
+    model = tiny_model(5, model_type=model_type, **extra).to(dtype)
     backend = select("auto", model, 64, dtype)(model)
     V = model.config.vocab_size
     toks = torch.randint(0, V, (4, 30), generator=torch.Generator().manual_seed(2))

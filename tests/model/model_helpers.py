@@ -8,7 +8,7 @@ from tailrace.model import CausalLM, ModelConfig, save_pretrained
 
 TOL = 1e-4  # max abs fp32 logits difference allowed against transformers
 
-# Each entry exercises a different corner; together: llama, mistral, qwen2, qwen3, olmo2 and smollm3, tied and
+# Each entry exercises a different corner; together: llama, mistral, qwen2, qwen3, olmo2, smollm3 and phi3, tied and
 # untied, GQA ratios
 # 1/2/4, head_dim != hidden/heads, every rope type in both spellings, with and without q/k/v bias.
 CONFIGS = {
@@ -74,6 +74,20 @@ CONFIGS = {
         tie_word_embeddings=True,
         no_rope_layers=(1, 0),
     ),  # fmt: skip
+    # Phi-3's layout: fused q/k/v and gate/up, a window (the 4k models') and LongRoPE (the 128k models' and
+    # Phi-3.5's), held to its short range: 32 of 64 positions, so cos and sin are scaled by sqrt(1 + ln 2 / ln 32)
+    "phi3-gqa2-window-longrope": dict(
+        model_type="phi3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=48,
+        rope_scaling={
+            "rope_type": "longrope",
+            "original_max_position_embeddings": 32,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 1.5, 2.2, 3.0, 4.1, 5.5, 7.2, 9.0],
+        },
+    ),  # fmt: skip
     # OLMo2's layout: norms after attention and MLP, q/k normalized over all heads at once, untied
     "olmo2-gqa2-bias": dict(
         model_type="olmo2", num_attention_heads=4, num_key_value_heads=2, attention_bias=True
@@ -86,6 +100,7 @@ HF_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

@@ -87,9 +87,22 @@ def test_defaults_follow_hf():
         (dict(model_type="qwen2", attention_bias=False), ["attention_bias=False", "qwen2"]),
         (dict(model_type="mistral", attention_bias=True), ["attention_bias=True", "mistral"]),
         (
-            dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}),
-            ["longrope", "linear", "yarn", "llama3"],
+            dict(rope_scaling={"rope_type": "su", "factor": 2.0}),
+            ["'su'", "linear", "yarn", "llama3", "longrope"],
         ),
+        (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}), ["short_factor", "long_factor"]),
+        (
+            dict(
+                rope_scaling={
+                    "rope_type": "longrope",
+                    "original_max_position_embeddings": 32,
+                    "short_factor": [1.0] * 4,
+                    "long_factor": [2.0] * 4,
+                }
+            ),
+            ["short_factor has 4", "head_dim / 2 = 8"],
+        ),  # fmt: skip
+        (dict(model_type="phi3", attention_bias=True), ["attention_bias=True", "phi3"]),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), ["low_freq_factor", "high_freq_factor"]),
         (dict(rope_scaling={"rope_type": "linear"}), ["factor"]),
         (

@@ -164,3 +164,40 @@ def test_past_a_sliding_window_transformers_differs_and_the_decoder_refuses(tmp_
         assert max_diff(a[:, 16:], b[:, 16:]) > 1e-2  # the window is real past position 15
         with pytest.raises(ValueError, match="sliding_window=16"):
             ours(ids)
+
+
+def test_a_phi3_checkpoint_transformers_wrote_loads_and_longrope_is_held_to_its_short_range(tmp_path):
+    """A Phi-3.5-style checkpoint (old-style "su" LongRoPE, fused q/k/v and gate/up) made by transformers
+    itself: within original_max_position_embeddings the decoder's logits are transformers' (short factors,
+    cos and sin scaled); past it transformers rotates every position by the long factors, the early ones
+    included, so the decoder refuses such a sequence rather than differ."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    short = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
+    hf_cfg = Phi3Config(
+        vocab_size=53, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=32,
+        rope_scaling={"type": "su", "short_factor": short, "long_factor": [s * 3 for s in short],
+                      "original_max_position_embeddings": 32},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = randomize_(Phi3ForCausalLM(hf_cfg), 3).eval()
+    hf.save_pretrained(tmp_path)
+    names = json.loads((tmp_path / "config.json").read_text())
+    assert names["model_type"] == "phi3"
+    ours = load_pretrained(tmp_path)
+    assert ours.config.rope_type == "longrope" and ours.config.context_limit == 32
+    ids = torch.randint(0, 53, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        within, past = hf(ids[:, :32]).logits, hf(ids).logits
+        assert max_diff(ours(ids[:, :32]), within) <= TOL
+        assert max_diff(past[:, :32], within) > 1e-2  # the long factors rotate the early positions too
+        with pytest.raises(ValueError, match="original_max_position_embeddings=32"):
+            ours(ids)
+    with pytest.raises(ValueError, match="max_context=33 is past the model's LongRoPE"):
+        ours.config.context(33)
+    old = {k: v for k, v in ours.config.rope_scaling.items() if k != "rope_type"} | {"type": "yarn"}
+    assert (
+        ModelConfig.from_hf({**ours.config.to_hf(), "rope_scaling": old}).rope_type == "longrope"
+    )  # as Phi3Config
