@@ -65,6 +65,8 @@ class LossConfig:
 
 # The projections a LoRA adapter may adapt, as PEFT names them for Llama/Qwen2 (the decoder's module names).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the modules a fused family's checkpoint (Phi-3's) and its PEFT adapters name, and the targets each stacks
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass
@@ -112,12 +114,15 @@ class LoraConfig:
             ) from None
         theirs = (peft.get("r"), float(peft.get("lora_alpha", 0)), sorted(peft.get("target_modules") or ()))
         ours = (self.rank, self.alpha, sorted(self.targets))
+        if set(theirs[2]) & set(FUSED_TARGETS):  # a Phi-3 adapter: its fused modules, each some of ours
+            fused = {next((f for f, parts in FUSED_TARGETS.items() if t in parts), t) for t in self.targets}
+            ours = (*ours[:2], sorted(fused))
         need(
             theirs == ours,
             f"train.lora.init={self.init}: the adapter has r={theirs[0]}, lora_alpha={theirs[1]:g}, "
             f"target_modules={theirs[2]}, the config rank={ours[0]}, alpha={ours[1]:g}, targets={ours[2]}; "
             f"set --train.lora.rank={theirs[0]} --train.lora.alpha={theirs[1]:g} "
-            f"--train.lora.targets=[{', '.join(theirs[2])}]",
+            f"--train.lora.targets=[{', '.join(t for m in theirs[2] for t in FUSED_TARGETS.get(m, (m,)))}]",
         )
 
 

@@ -52,6 +52,7 @@ import torch
 from tailrace.engine.errors import EngineError, check_request
 from tailrace.engine.events import StepEvent
 from tailrace.engine.vllm_lora import VLLMAdapters, slot_rank
+from tailrace.model import fused
 from tailrace.model.checkpoint import read_config
 from tailrace.model.lora import Adapter
 from tailrace.types import Capabilities, Finish, GenRequest, GenResult
@@ -139,10 +140,11 @@ class VLLMEngine:
                 f"num_slots={num_slots}, prefill_tokens={prefill_tokens}, max_adapters={max_adapters}: "
                 "each must be >= 1"
             )
+        cfg = read_config(model_path)
+        # a fused family's adapters (Phi-3's) reach vLLM block-diagonal, their rank widened (model/fused.py)
+        wide = lora_rank * fused.rank_factor(cfg)
         lora = (
-            dict(enable_lora=True, max_loras=max_adapters, max_lora_rank=slot_rank(lora_rank))
-            if lora_rank
-            else {}
+            dict(enable_lora=True, max_loras=max_adapters, max_lora_rank=slot_rank(wide)) if lora_rank else {}
         )
         for k, v in _ENV.items():
             os.environ.setdefault(k, v)
@@ -151,7 +153,6 @@ class VLLMEngine:
             torch.set_num_threads(threads)
         from vllm import EngineArgs, LLMEngine
 
-        cfg = read_config(model_path)
         _check_head_size(cfg.head_dim)
         try:  # vLLM would keep a window, but the trainer attends to every position: held to the window
             max_context = cfg.context(max_context)
@@ -189,7 +190,9 @@ class VLLMEngine:
         self._rng = random.Random(seed)
         self._live: dict[str, _Live] = {}
         self._done_next: list[GenResult] = []  # finished without compute, returned by the next step
-        self._adapters = VLLMAdapters(self._llm, lora["max_lora_rank"], max_adapters) if lora_rank else None
+        self._adapters = (
+            VLLMAdapters(self._llm, lora["max_lora_rank"], max_adapters, cfg) if lora_rank else None
+        )
         if lora_rank:
             self.capabilities = dataclasses.replace(CAPABILITIES, adapters=True)
 
@@ -214,7 +217,7 @@ class VLLMEngine:
         import vllm
 
         lora = (
-            f"; LoRA up to rank {self._adapters.rank}, {self._adapters.per_step} adapters a step"
+            f"; LoRA up to rank {self._adapters.max_rank}, {self._adapters.per_step} adapters a step"
             if self._adapters
             else ""
         )

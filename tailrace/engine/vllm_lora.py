@@ -22,6 +22,8 @@ from itertools import count
 from pathlib import Path
 
 from tailrace.engine.errors import EngineError
+from tailrace.model import fused
+from tailrace.model.config import ModelConfig
 from tailrace.model.lora import Adapter, save_peft
 
 # the ranks vLLM's LoRA slots come in (vllm.config.lora.MaxLoRARanks)
@@ -37,10 +39,13 @@ def slot_rank(rank: int) -> int:
 
 
 class VLLMAdapters:
-    def __init__(self, llm, rank: int, per_step: int):
-        """`llm`: the `LLMEngine` (built with enable_lora); `rank`: the largest rank it takes;
-        `per_step`: adapters whose rows share one step (its max_loras)."""
-        self._llm, self.rank, self.per_step = llm, rank, per_step
+    def __init__(self, llm, rank: int, per_step: int, base: ModelConfig):
+        """`llm`: the `LLMEngine` (built with enable_lora); `rank`: the largest rank its slots take;
+        `per_step`: adapters whose rows share one step (its max_loras); `base`: its model's config (a
+        fused family's adapters are written for its fused modules, `fused.rank_factor` times wider)."""
+        self._llm, self.rank, self.per_step, self.base = llm, rank, per_step, base
+        self._wide = fused.rank_factor(base)
+        self.max_rank = rank // self._wide  # the largest adapter rank it takes
         scratch = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self._root = Path(tempfile.mkdtemp(prefix="tailrace-vllm-lora-", dir=scratch))
         weakref.finalize(self, shutil.rmtree, str(self._root), True)
@@ -59,14 +64,14 @@ class VLLMAdapters:
 
         if not name:
             raise EngineError("load_adapter: an adapter needs a name ('' is the base model)")
-        if adapter.rank > self.rank:
+        if adapter.rank > self.max_rank:
             raise EngineError(
-                f"load_adapter({name!r}): rank {adapter.rank} exceeds the rank {self.rank} this engine "
+                f"load_adapter({name!r}): rank {adapter.rank} exceeds the rank {self.max_rank} this engine "
                 "was built for; build it with lora_rank >= the adapter's"
             )
         lid = next(self._ids)
         path = self._root / str(lid)
-        save_peft(adapter, path)
+        save_peft(adapter, path, cfg=self.base)
         req = LoRARequest(name, lid, str(path))
         try:
             ok = self._llm.add_lora(req)

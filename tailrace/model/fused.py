@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from tailrace.config.train import FUSED_TARGETS
 from tailrace.model.config import ModelConfig
 
 # fused projection -> (its parent module, the projections it stacks, in row order)
 GROUPS = {
-    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
-    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+    name: ("self_attn" if name == "qkv_proj" else "mlp", parts) for name, parts in FUSED_TARGETS.items()
 }
 FUSED_FAMILIES = ("phi3",)
 
@@ -66,3 +66,79 @@ def _fused_key(name: str) -> tuple[str, str, tuple[str, ...] | None]:
         if f".{parent}.{fused_name}." in name:
             return parent, fused_name, parts
     return "", "", None
+
+
+# -- LoRA adapters in PEFT's files ----------------------------------------------------------------------
+#
+# PEFT adapts a fused model's fused modules: a Phi-3 adapter has one `qkv_proj` A (r, in) and B (q+k+v, r).
+# tailrace's adapters keep one (A, B) per separate projection, so on a fused family `save_peft` writes
+# each group block-diagonally: A the parts' A stacked (n r, in), B each part's B in its own rows and
+# its own r columns (zero elsewhere; a part without an adapter is zero in both), rank n r and alpha
+# n alpha by `rank_pattern` / `alpha_pattern` (the same scale alpha / r): the same update, exactly.
+
+Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def fuse_adapter(weights: Weights, cfg: ModelConfig, rank: int) -> Weights:
+    """`weights` keyed by the fused modules PEFT adapts (separate projections outside a group as they are)."""
+    rows = widths(cfg)
+    out = {site: ab for site, ab in weights.items() if not _group_of(site[1])}
+    for i in sorted({i for i, t in weights if _group_of(t)}):
+        for name, (_, parts) in GROUPS.items():
+            present = [p for p in parts if (i, p) in weights]
+            if not present:
+                continue
+            a0, b0 = weights[i, present[0]]
+            a = a0.new_zeros(len(parts) * rank, a0.shape[1])
+            b = b0.new_zeros(sum(rows[p] for p in parts), len(parts) * rank)
+            top = 0
+            for j, p in enumerate(parts):
+                if (i, p) in weights:
+                    a[j * rank : (j + 1) * rank] = weights[i, p][0]
+                    b[top : top + rows[p], j * rank : (j + 1) * rank] = weights[i, p][1]
+                top += rows[p]
+            out[i, name] = (a, b)
+    return out
+
+
+def split_adapter(weights: Weights, cfg: ModelConfig, rank: int, source: str) -> Weights:
+    """`weights` with each fused module's adapter split into its parts' own: PEFT's (rank r: each part
+    keeps the one A and its rows of B) or `fuse_adapter`'s (rank n r: each part its block; a part whose
+    block is zero had no adapter). Raises ValueError naming what does not fit."""
+    rows = widths(cfg)
+    out = {}
+    for (i, t), (a, b) in weights.items():
+        if t not in GROUPS:
+            out[i, t] = (a, b)
+            continue
+        parts = GROUPS[t][1]
+        heights = [rows[p] for p in parts]
+        if b.shape[0] != sum(heights) or a.shape[0] not in (rank, len(parts) * rank):
+            raise ValueError(
+                f"{source}: layer {i} {t} has A {tuple(a.shape)} and B {tuple(b.shape)}; a rank-{rank} adapter of "
+                f"this base needs B of {sum(heights)} rows and rank {rank} (PEFT's) or {len(parts) * rank} "
+                "(tailrace's, block-diagonal)"
+            )
+        for j, (p, bp) in enumerate(zip(parts, torch.split(b, heights))):
+            if a.shape[0] == rank:
+                out[i, p] = (a.clone(), bp.clone())
+                continue
+            cols = slice(j * rank, (j + 1) * rank)
+            outside = torch.cat([bp[:, : cols.start], bp[:, cols.stop :]], dim=1)
+            if outside.any():
+                raise ValueError(
+                    f"{source}: layer {i} {t}'s rank-{a.shape[0]} adapter is not block-diagonal ({p}'s rows "
+                    f"reach past its columns); only PEFT's rank-{rank} or tailrace's own layout splits exactly"
+                )
+            if a[cols].any() or bp[:, cols].any():
+                out[i, p] = (a[cols].clone(), bp[:, cols].clone())
+    return out
+
+
+def _group_of(target: str) -> str | None:
+    return next((name for name, (_, parts) in GROUPS.items() if target in parts), None)
+
+
+def rank_factor(cfg: ModelConfig) -> int:
+    """How much wider than the adapter's rank `save_peft`'s files are on `cfg`'s family (3 on Phi-3: q, k, v)."""
+    return max(len(parts) for _, parts in GROUPS.values()) if fused(cfg) else 1

@@ -13,7 +13,8 @@ is frozen (requires_grad False): an optimizer over the trainable parameters hold
 `Adapter` is one adapter's weights apart from any model — what an engine loads (`engine.adapters`) and
 what `save_peft` / `load_peft` write and read: `adapter_config.json` + `adapter_model.safetensors` keyed
 as PEFT keys them (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), so
-`peft.PeftModel.from_pretrained(hf_model, path)` loads it onto transformers' model of the same base.
+`peft.PeftModel.from_pretrained(hf_model, path)` loads it onto transformers' model of the same base; on
+Phi-3, whose q/k/v and gate/up are fused, its files adapt the fused modules (`fused.fuse_adapter`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from torch import nn
 
 from tailrace.common import InputError, one_line
 from tailrace.config.train import LORA_TARGETS, LoraConfig
+from tailrace.model import fused
+from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
 
 ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint keeps its adapter here, beside model/ (merged)
@@ -43,6 +46,7 @@ PEFT_PREFIX = "base_model.model."  # PeftModel (base_model) wrapping the LoraMod
 _PARENT = {t: "self_attn" for t in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
     t: "mlp" for t in ("gate_proj", "up_proj", "down_proj")
 }
+_FILE_PARENT = _PARENT | {name: parent for name, (parent, _) in fused.GROUPS.items()}  # names in PEFT files
 
 Site = tuple[int, str]  # (layer index, target projection name)
 
@@ -234,15 +238,25 @@ def merged_state(model: CausalLM) -> dict[str, torch.Tensor]:
 
 def peft_key(site: Site, which: str) -> str:
     i, t = site
-    return f"{PEFT_PREFIX}model.layers.{i}.{_PARENT[t]}.{t}.lora_{which}.weight"
+    return f"{PEFT_PREFIX}model.layers.{i}.{_FILE_PARENT[t]}.{t}.lora_{which}.weight"
 
 
-def save_peft(adapter: Adapter, path: str | os.PathLike, base_model: str | None = None) -> None:
-    """Write `adapter` as PEFT writes a LoRA adapter of a causal LM (each file replaced atomically)."""
+def save_peft(
+    adapter: Adapter, path: str | os.PathLike, base_model: str | None = None, cfg: ModelConfig | None = None
+) -> None:
+    """Write `adapter` as PEFT writes a LoRA adapter of a causal LM (each file replaced atomically).
+    `cfg`: the base model's, needed for a family with fused projections (Phi-3), whose modules the files
+    then adapt (their rank and alpha in `rank_pattern` and `alpha_pattern`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    weights, ranks, alphas = adapter.weights, {}, {}
+    if cfg is not None and fused.fused(cfg):
+        weights = fused.fuse_adapter(weights, cfg, adapter.rank)
+        for name, (_, parts) in fused.GROUPS.items():
+            if any(t == name for _, t in weights):
+                ranks[name], alphas[name] = len(parts) * adapter.rank, len(parts) * adapter.alpha
     state = {}
-    for site, (a, b) in adapter.weights.items():
+    for site, (a, b) in weights.items():
         state[peft_key(site, "A")] = a.detach().to("cpu").contiguous()
         state[peft_key(site, "B")] = b.detach().to("cpu").contiguous()
     config = {
@@ -252,7 +266,7 @@ def save_peft(adapter: Adapter, path: str | os.PathLike, base_model: str | None 
         "r": adapter.rank,
         "lora_alpha": adapter.alpha,
         "lora_dropout": 0.0,
-        "target_modules": sorted(adapter.targets),
+        "target_modules": sorted({t for _, t in weights}),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -261,8 +275,8 @@ def save_peft(adapter: Adapter, path: str | os.PathLike, base_model: str | None 
         "inference_mode": True,
         "modules_to_save": None,
         "layers_to_transform": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": ranks,
+        "alpha_pattern": alphas,
     }
     tmp = path / f".{ADAPTER_WEIGHTS}.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
@@ -272,16 +286,17 @@ def save_peft(adapter: Adapter, path: str | os.PathLike, base_model: str | None 
     os.replace(tmp, path / ADAPTER_CONFIG)
 
 
-def load_peft(path: str | os.PathLike) -> Adapter:
+def load_peft(path: str | os.PathLike, base: ModelConfig | None = None) -> Adapter:
     """A PEFT LoRA adapter directory (ours or PEFT's own) of a Llama-family causal LM (Mistral, Qwen2/3,
-    OLMo2, SmolLM3: the same layer names); one rank and alpha for all targets (a `rank_pattern` /
-    `alpha_pattern`, DoRA or rsLoRA are refused, in one line)."""
+    OLMo2, SmolLM3: the same layer names; Phi-3's fused modules, split by `base`, its base model's
+    config); one rank and alpha for all targets (a `rank_pattern` / `alpha_pattern` other than the
+    fused modules' that `save_peft` writes, DoRA or rsLoRA are refused, in one line)."""
     path = Path(path)
     try:
         cfg = json.loads((path / ADAPTER_CONFIG).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path / ADAPTER_CONFIG}: not a readable adapter config ({one_line(e)})")
-    if cfg.get("peft_type") != "LORA" or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+    if cfg.get("peft_type") != "LORA" or not _fused_patterns(cfg):
         raise InputError(f"{path}: only plain LoRA adapters load (one rank and alpha; no rank_pattern)")
     if cfg.get("use_dora") or cfg.get("use_rslora") or cfg.get("bias", "none") != "none":
         raise InputError(f"{path}: DoRA, rsLoRA and trained biases are not supported; use plain LoRA")
@@ -291,20 +306,35 @@ def load_peft(path: str | os.PathLike) -> Adapter:
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise InputError(f"{path / ADAPTER_WEIGHTS}: not a readable safetensors file ({one_line(e)})")
     state = {k.removeprefix(PEFT_PREFIX): t for k, t in state.items()}
-    return from_state(state, int(cfg["r"]), float(cfg["lora_alpha"]), str(path))
+    return from_state(state, int(cfg["r"]), float(cfg["lora_alpha"]), str(path), base)
 
 
-def from_state(state: dict[str, torch.Tensor], rank: int, alpha: float, source: str) -> Adapter:
+def _fused_patterns(cfg: dict) -> bool:
+    """Whether the adapter config's rank and alpha patterns (if any) are the fused modules' n r and n alpha."""
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    ranks, alphas = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    if set(ranks) != set(alphas) or not set(ranks) <= set(fused.GROUPS):
+        return False
+    return all(
+        ranks[k] == len(fused.GROUPS[k][1]) * r and alphas[k] == len(fused.GROUPS[k][1]) * alpha
+        for k in ranks
+    )
+
+
+def from_state(
+    state: dict[str, torch.Tensor], rank: int, alpha: float, source: str, base: ModelConfig | None = None
+) -> Adapter:
     """The adapter whose tensors `state` holds, keyed as the adapted model names them
     (`model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}[.<adapter name>].weight`): a PEFT file's
-    (its prefix removed) or a LoRA trainer's published parameters. `source` names it in errors."""
+    (its prefix removed) or a LoRA trainer's published parameters. `source` names it in errors; `base`,
+    the base model's config, splits the adapters of fused modules (Phi-3's `qkv_proj`, `gate_up_proj`)."""
     weights: dict[Site, list] = {}
     for key, tensor in state.items():
         parts = key.split(".")
         if (
             len(parts) < 7
             or parts[:2] != ["model", "layers"]
-            or _PARENT.get(parts[4]) != parts[3]
+            or _FILE_PARENT.get(parts[4]) != parts[3]
             or parts[5] not in ("lora_A", "lora_B")
         ):
             raise InputError(
@@ -312,6 +342,17 @@ def from_state(state: dict[str, torch.Tensor], rank: int, alpha: float, source: 
             )
         site = (int(parts[2]), parts[4])
         weights.setdefault(site, [None, None])["AB".index(parts[5][-1])] = tensor
+    if any(t in fused.GROUPS for _, t in weights):
+        if base is None or not fused.fused(base):
+            raise InputError(
+                f"{source}: adapts fused modules (Phi-3's qkv_proj, gate_up_proj); load it onto a Phi-3 base"
+            )
+        if any(a is None or b is None for a, b in weights.values()):
+            raise InputError(f"{source}: a layer lacks lora_A or lora_B")
+        try:
+            weights = fused.split_adapter(weights, base, rank, source)
+        except ValueError as e:
+            raise InputError(one_line(e))
     out = {}
     for site, (a, b) in weights.items():
         if a is None or b is None or a.shape[0] != rank or b.shape[1] != rank:

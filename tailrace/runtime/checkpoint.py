@@ -111,7 +111,7 @@ def _save_policy(model, source_model: Path, out: Path, merged: bool) -> None:
     """model/ (with the source checkpoint's tokenizer and chat template); a LoRA model's adapter/ in
     PEFT's format instead, and model/ (the merged policy) only when `merged`."""
     if lora.has_adapter(model):
-        lora.save_peft(lora.adapter_of(model), out / lora.ADAPTER_DIR, base_model=str(source_model))
+        lora.save_peft(lora.adapter_of(model), out / lora.ADAPTER_DIR, str(source_model), model.config)
         if merged:
             save_pretrained(model, out / "model", source_model, lora.merged_state(model))
     else:

@@ -23,7 +23,7 @@ from tailrace.engine import Engine, build_engine
 from tailrace.engine.adapter_versions import AdapterVersions
 from tailrace.engine.spec import SpecOptions
 from tailrace.flow.commands import Abort, DropWeights, Generate, LoadWeights
-from tailrace.model.checkpoint import load_pretrained
+from tailrace.model.checkpoint import load_pretrained, read_config
 from tailrace.model.flat import flatten_parameters
 from tailrace.model.lora import ADAPTER_DIR, load_peft
 from tailrace.runtime.messages import EngineReport, Go, History, Ready, Shutdown, Stats
@@ -82,11 +82,14 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
     if spec.lora_alpha is not None:
         engine = AdapterVersions(engine, spec.lora_alpha)
     disk = dict(spec.from_disk)
+    base = (
+        read_config(spec.model_path) if spec.lora_alpha is not None else None
+    )  # splits Phi-3's fused adapters
     for v in spec.start_versions:
         if v in disk and isinstance(engine, AdapterVersions):  # the checkpoint's adapter/, beside model/
-            engine.load_adapter_version(load_peft(Path(disk[v]).parent / ADAPTER_DIR), v)
+            engine.load_adapter_version(load_peft(Path(disk[v]).parent / ADAPTER_DIR, base), v)
         elif v == 0 and spec.lora_init is not None and isinstance(engine, AdapterVersions):
-            engine.load_adapter_version(load_peft(spec.lora_init), 0)
+            engine.load_adapter_version(load_peft(spec.lora_init, base), 0)
         elif v in disk:
             flat = flatten_parameters(load_pretrained(disk[v], dtype=torch.float32, device=spec.device))
             engine.load_weights(flat.views(), v)

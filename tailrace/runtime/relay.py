@@ -152,7 +152,7 @@ class Relay:
         self.model = self._model(start, weights.dtype, cfg, base)
         adapter = self._adapter(ckpt, cfg)
         if adapter is not None:
-            lora.load_adapter_into(self.model, lora.load_peft(adapter))
+            lora.load_adapter_into(self.model, lora.load_peft(adapter, self.model.config))
         self.flat = flatten_parameters(self.model, trainable=self.lora)
         if tuple(n for n, _, _ in self.flat.layout) != tuple(n for n, _, _ in weights.layout):
             raise InputError(f"{start}: its tensors are not the run's model's (train.external)")

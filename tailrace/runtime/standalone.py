@@ -52,7 +52,7 @@ def _engine(cfg: RunConfig, ses: Session, adapter: Path | None):
 
         missing = vllm_available()
         if missing is None:
-            peft = lora.load_peft(adapter) if adapter is not None else None
+            peft = lora.load_peft(adapter, ses.model_cfg) if adapter is not None else None
             engine = build_engine(str(ses.model_path), backend="vllm", dtype=dtype,
                                   lora_rank=peft.rank if peft else 0, max_adapters=1, **common)  # fmt: skip
             if peft is None:
@@ -64,7 +64,9 @@ def _engine(cfg: RunConfig, ses: Session, adapter: Path | None):
     if adapter is None:
         model = load_pretrained(ses.model_path, dtype=getattr(torch, dtype), device=device)
     else:  # merged in fp32, then to the engine's dtype
-        model = lora.merged(load_pretrained(ses.model_path, dtype=torch.float32), lora.load_peft(adapter))
+        model = lora.merged(
+            load_pretrained(ses.model_path, dtype=torch.float32), lora.load_peft(adapter, ses.model_cfg)
+        )
         model = model.to(device, getattr(torch, dtype))
     return build_engine(
         model, device=device, expected_context=ses.expected_context(cfg.eval.max_new_tokens), **common

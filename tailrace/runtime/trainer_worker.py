@@ -69,7 +69,7 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
         model = load_pretrained(start, dtype=torch.float32, device=spec.device)
     # train.lora.init: the start adapter (a resume takes its checkpoint's), and the KL reference's
     wants_init = spec.cfg.lora.init and (not spec.resume_from or spec.cfg.loss.kl_coef > 0)
-    init = lora.load_peft(spec.cfg.lora.init) if wants_init else None
+    init = lora.load_peft(spec.cfg.lora.init, model.config) if wants_init else None
     ref = None
     # the KL penalty's reference: the policy the run started from (a LoRA run's: the trainer's own base
     # with its adapter off, or swapped for the adapter it started from; no copy)
@@ -79,7 +79,9 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
     if init is not None and spec.cfg.loss.kl_coef > 0:
         lora.set_reference(trainer.model, init)
     if spec.resume_from and lora_run:
-        lora.load_adapter_into(trainer.model, lora.load_peft(Path(spec.resume_from) / lora.ADAPTER_DIR))
+        lora.load_adapter_into(
+            trainer.model, lora.load_peft(Path(spec.resume_from) / lora.ADAPTER_DIR, model.config)
+        )
     elif init is not None:
         lora.load_adapter_into(trainer.model, init)
     if spec.resume_from:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 
 pytest.importorskip("vllm")
 
@@ -246,3 +247,17 @@ def test_a_windowed_mistral_checkpoint_matches_tailraces_engine_and_is_held_to_i
 def test_a_smollm3_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_path):
     """SmolLM3: Llama's layout with no RoPE in some layers (here the second)."""
     _matches_before_and_after_a_reload(tmp_path, dict(model_type="smollm3", no_rope_layers=(1, 0)), ("norm",))
+
+
+def test_a_phi3_checkpoint_with_longrope_matches_tailraces_engine_and_is_held_to_its_short_range(tmp_path):
+    """Phi-3.5's layout: q/k/v and gate/up fused in the checkpoint (vLLM's Phi3 class reads them, and a
+    reload by tailrace's separate names fills them), LongRoPE's short factors with cos and sin scaled
+    (its range 128 of 256 positions); a context past that range is refused, as by tailrace's engine."""
+    rope = {
+        "rope_type": "longrope", "original_max_position_embeddings": CONTEXT,
+        "short_factor": [1.0 + i / 8 for i in range(16)], "long_factor": [4.0] * 16,
+    }  # fmt: skip
+    _matches_before_and_after_a_reload(tmp_path, dict(model_type="phi3", rope_scaling=rope), ("norm",))
+    assert "qkv_proj" in "".join(safe_open(str(tmp_path / "v0" / "model.safetensors"), "pt").keys())
+    with pytest.raises(EngineError, match=f"original_max_position_embeddings={CONTEXT}"):
+        _vllm(tmp_path / "v0", max_context=CONTEXT + 1)

@@ -134,3 +134,21 @@ def test_a_smollm3_base_serves_adapters_as_tailraces_engine_does(tmp_path):
     for a, b in zip(theirs.generate(reqs), ours.generate(reqs)):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_a_phi3_base_serves_adapters_as_tailraces_engine_does(tmp_path):
+    """Phi-3 (q/k/v and gate/up fused): vLLM takes the adapter for its fused modules, block-diagonal at three
+    times the rank (`save_peft`'s files), and an adapter's greedy rows are tailrace's."""
+    path = tmp_path / "base"
+    save_pretrained(tiny_model(seed=0, **SHAPE, model_type="phi3"), path)
+    base = load_pretrained(path)
+    theirs, ours = (
+        AdapterVersions(_vllm(path, max_adapters=2), alpha=CFG.alpha),
+        AdapterVersions(TailraceEngine(base, num_slots=SLOTS), alpha=CFG.alpha),
+    )
+    for e in (theirs, ours):
+        e.load_weights(published(base, 1), 1)
+    reqs = [_req(f"s{i}", 1, temperature=0.0) for i in range(4)]
+    for a, b in zip(theirs.generate(reqs), ours.generate(reqs)):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

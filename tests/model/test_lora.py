@@ -12,6 +12,7 @@ import pytest
 import torch
 from model_helpers import make_config, max_diff, random_model
 
+from tailrace.common import InputError
 from tailrace.config.train import LORA_TARGETS, LoraConfig
 from tailrace.model import lora, save_pretrained
 
@@ -114,6 +115,70 @@ def test_an_adapter_peft_trained_and_saved_loads_here(tmp_path):
     pm.save_pretrained(tmp_path / "adapter")
     ad = lora.load_peft(tmp_path / "adapter")
     assert (ad.rank, ad.alpha, ad.targets) == (2, 6.0, ("q_proj", "up_proj"))
+    ours = lora.attach(copy.deepcopy(base), LoraConfig(rank=2, alpha=6.0, targets=ad.targets))
+    lora.load_adapter_into(ours, ad)
+    with torch.no_grad():
+        assert max_diff(pm.eval()(IDS).logits, ours(IDS)) < 1e-4
+
+
+PHI3 = dict(model_type="phi3", num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("targets", [LORA_TARGETS, ("q_proj", "v_proj", "up_proj")])
+def test_a_phi3_adapter_is_written_for_its_fused_modules_and_read_back_as_it_was(tmp_path, targets):
+    """On Phi-3 the files adapt qkv_proj and gate_up_proj, block-diagonally at 3r and 2r (alpha 3a and 2a: the
+    same scale); read back with the base's config, each projection gets its own adapter again, bit for bit,
+    and a projection without one (k_proj, gate_proj here) gets none."""
+    base, model = adapted(targets=targets, **PHI3)
+    ad = lora.adapter_of(model)
+    lora.save_peft(ad, tmp_path, cfg=base.config)
+    cfg = json.loads((tmp_path / lora.ADAPTER_CONFIG).read_text())
+    assert set(cfg["target_modules"]) <= {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert (
+        cfg["rank_pattern"] == {"qkv_proj": 12, "gate_up_proj": 8}
+        and cfg["alpha_pattern"]["qkv_proj"] == 24.0
+    )
+    back = lora.load_peft(tmp_path, base.config)
+    assert (back.rank, back.alpha, back.weights.keys()) == (ad.rank, ad.alpha, ad.weights.keys())
+    for site, (a, b) in ad.weights.items():
+        assert torch.equal(back.weights[site][0], a) and torch.equal(back.weights[site][1], b)
+    with pytest.raises(InputError, match="load it onto a Phi-3 base"):
+        lora.load_peft(tmp_path)
+
+
+@pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed (pip install -e '.[dev]' has it)")
+def test_peft_loads_our_phi3_adapter_onto_transformers_phi3(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, model = adapted(targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"), **PHI3)
+    save_pretrained(base, tmp_path / "base")
+    lora.save_peft(lora.adapter_of(model), tmp_path / "adapter", str(tmp_path / "base"), base.config)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    assert type(hf).__name__ == "Phi3ForCausalLM"
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert max_diff(peft_model(IDS).logits, model(IDS)) < 1e-4
+
+
+@pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed (pip install -e '.[dev]' has it)")
+def test_a_phi3_adapter_peft_trained_loads_here_split_by_projection(tmp_path):
+    """PEFT's own Phi-3 adapter has one A per fused module: each projection keeps it, with its rows of B."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = random_model(make_config(**PHI3), 1)
+    save_pretrained(base, tmp_path / "base")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    pm = get_peft_model(hf, PeftLoraConfig(r=2, lora_alpha=6, target_modules=["qkv_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.2)
+    pm.save_pretrained(tmp_path / "adapter")
+    ad = lora.load_peft(tmp_path / "adapter", base.config)
+    assert (ad.rank, ad.alpha, ad.targets) == (2, 6.0, ("q_proj", "k_proj", "v_proj", "down_proj"))
     ours = lora.attach(copy.deepcopy(base), LoraConfig(rank=2, alpha=6.0, targets=ad.targets))
     lora.load_adapter_into(ours, ad)
     with torch.no_grad():
