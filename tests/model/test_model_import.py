@@ -11,6 +11,8 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -116,11 +118,11 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
 
 
-@pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "qwen3", "phi3"])
 def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch):
     tok = tiny_bpe()
     V = tok.get_vocab_size()
-    if arch in ("qwen2", "qwen3"):  # Qwen3: q/k norms, heads of 16 over hidden 32 (head_dim explicit)
+    if arch in ("qwen2", "qwen3", "phi3"):  # Qwen3: q/k norms, heads of 16 over hidden 32 (head_dim explicit)
         torch.manual_seed(0)
         shape = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
@@ -130,6 +132,13 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
                 for n, p in model.named_parameters():
                     if n.endswith(("q_norm.weight", "k_norm.weight")):
                         p.uniform_(0.5, 1.5)
+        elif arch == "phi3":  # q/k/v and gate/up fused; LongRoPE (short factors, cos and sin scaled)
+            rope = {"rope_type": "longrope", "original_max_position_embeddings": 32,
+                    "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [4.0] * 4}  # fmt: skip
+            model = Phi3ForCausalLM(
+                Phi3Config(rope_parameters=rope, original_max_position_embeddings=32, pad_token_id=0, **shape)
+            )
+            model = model.eval()
         else:
             model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
     else:

@@ -2,11 +2,13 @@
 by their config.json: a Mistral v0.1 (a sliding window shorter than its positions) with every sequence
 held to its window, where the window's attention is tailrace's full attention, and a context past the
 window refused in one line before anything starts; a SmolLM3 (a layer without RoPE), whose trained
-checkpoint transformers reads as tailrace does."""
+checkpoint transformers reads as tailrace does; a Phi-3.5 (fused projections, LongRoPE), held to LongRoPE's
+short range, whose LoRA run's adapter peft loads onto transformers' Phi-3 as tailrace merges it."""
 
 import json
 import shutil
 
+import pytest
 import torch
 
 from tests.runtime.conftest import TINY_RUN, checkpoints, one_line, run
@@ -59,3 +61,59 @@ def test_a_smollm3_trains_and_transformers_reads_its_checkpoint_as_tailrace_does
     theirs = AutoModelForCausalLM.from_pretrained(saved).eval()
     with torch.no_grad():
         assert (load_pretrained(saved)(ids) - theirs(ids).logits).abs().max() <= 1e-4
+
+
+def test_a_phi3_with_longrope_trains_with_lora_and_peft_reads_its_adapter(
+    capfd, tiny_model, tmp_path, digits
+):
+    """Its checkpoint fuses q/k/v and gate/up, so it is the tiny model saved by tailrace as a Phi-3, not
+    relabeled; a run is held to LongRoPE's short range, and its LoRA adapter comes out for the fused modules."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tailrace.model import load_pretrained, lora, save_pretrained
+
+    model = load_pretrained(tiny_model)
+    short = [1.0 + i / 16 for i in range(model.config.head_dim // 2)]
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": 160, "short_factor": short,
+            "long_factor": [4.0] * len(short)}  # fmt: skip
+    model.config = model.config.replace(model_type="phi3", rope_scaling=rope)
+    save_pretrained(model, tmp_path / "phi3", companions_from=tiny_model)
+    argv = [
+        "train",
+        f"--model.path={tmp_path / 'phi3'}",
+        *TINY_RUN,
+        "--flow.steps=2",
+        "--train.lora.rank=4",
+        "--train.lora.alpha=8",
+        "--train.lr=0.05",
+        digits,
+        "--flow.samples_per_prompt=8",
+        "--flow.train_batch=32",
+    ]  # fmt: skip  (as tests/runtime/test_lora_e2e.py: a reward to move it)
+
+    rc, out = run(capfd, *argv, f"--run-dir={tmp_path / 'past'}", "--rollout.max_context=161")
+    assert rc == 2, out
+    assert (
+        "rollout.max_context=161 is past the model's LongRoPE original_max_position_embeddings=160"
+        in one_line(out)
+    )
+
+    rc, out = run(capfd, *argv, f"--run-dir={tmp_path / 'run'}")
+    assert rc == 0, out
+    assert "slots of up to 160" in out
+    last = checkpoints(tmp_path / "run")[-1]
+    files = json.loads((last / lora.ADAPTER_DIR / lora.ADAPTER_CONFIG).read_text())
+    assert "qkv_proj" in files["target_modules"] and "q_proj" not in files["target_modules"]
+    base = load_pretrained(tmp_path / "phi3")
+    ours = lora.merged(
+        load_pretrained(tmp_path / "phi3"), lora.load_peft(last / lora.ADAPTER_DIR, base.config)
+    )
+    theirs = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "phi3"), last / lora.ADAPTER_DIR
+    )
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids) - theirs.eval()(ids).logits).abs().max() <= 1e-4
+        assert (ours(ids) - base(ids)).abs().max() > 1e-3  # the adapter moved the policy
