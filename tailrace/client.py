@@ -37,6 +37,9 @@ from pathlib import Path
 import torch
 
 from tailrace.common import InputError, one_line
+from tailrace.config.train import FUSED_TARGETS
+from tailrace.model import fused
+from tailrace.model.checkpoint import read_config
 from tailrace.model.flat import FlatWeights, Layout
 from tailrace.runtime import checkpoint
 from tailrace.runtime.relay import NAME, End, Handshake, Refused, Stepped, Work, receive, send
@@ -177,7 +180,12 @@ class TrainerClient:
             raise TrainerClientError("this run trains the whole model (train.lora.rank=0): it has no adapter")
         from peft import LoraConfig
 
-        return LoraConfig(r=lc.rank, lora_alpha=lc.alpha, target_modules=list(lc.targets), lora_dropout=0.0,
+        targets = list(lc.targets)
+        if fused.fused(
+            read_config(self.start)
+        ):  # Phi-3: PEFT adapts the fused modules (the run took whole groups)
+            targets = sorted({next((f for f, ps in FUSED_TARGETS.items() if t in ps), t) for t in targets})
+        return LoraConfig(r=lc.rank, lora_alpha=lc.alpha, target_modules=targets, lora_dropout=0.0,
                           bias="none", task_type="CAUSAL_LM")  # fmt: skip
 
     def flatten(self, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -254,18 +262,32 @@ def flatten_weights(
 
 
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.*\.lora_[AB])\.[^.]+(\.weight)$")
+_FUSED_KEY = re.compile(r"^(.*\.)(" + "|".join(FUSED_TARGETS) + r")(\.(?:lora_[AB]\.)?weight)$")
 
 
 def _by_run_names(weights: Mapping[str, torch.Tensor], layout: Layout) -> Mapping[str, torch.Tensor]:
     """`weights` with a PEFT model's adapter keys (`base_model.model.<name>.lora_A.<adapter>.weight`)
-    under the run's names (`<name>.lora_A.weight`), for a LoRA run's layout; others as they are."""
-    if not any(".lora_" in n for n, _, _ in layout):
-        return weights
+    under the run's names (`<name>.lora_A.weight`), for a LoRA run's layout; and a fused model's
+    (transformers' Phi-3: `qkv_proj`, `gate_up_proj`) split into the run's projections: a weight or a
+    B by rows, an A (PEFT's one per fused module) the same for each; others as they are."""
     out = dict(weights)
-    for key, t in weights.items():
-        m = _PEFT_KEY.match(key)
-        if m and m[1] + m[2] not in weights:
-            out[m[1] + m[2]] = t
+    if any(".lora_" in n for n, _, _ in layout):
+        for key, t in weights.items():
+            m = _PEFT_KEY.match(key)
+            if m and m[1] + m[2] not in weights:
+                out[m[1] + m[2]] = t
+    shapes = {n: shape for n, shape, _ in layout}
+    for key, t in list(out.items()):
+        m = _FUSED_KEY.match(key)
+        if m is None:
+            continue
+        parts = [f"{m[1]}{p}{m[3]}" for p in FUSED_TARGETS[m[2]]]
+        if not all(p in shapes for p in parts):  # a group the run adapts in part: left to be named missing
+            continue
+        if m[3] == ".lora_A.weight":
+            out.update((p, t) for p in parts)
+        elif t.shape[0] == sum(shapes[p][0] for p in parts):
+            out.update(zip(parts, torch.split(t, [shapes[p][0] for p in parts])))
     return out
 
 

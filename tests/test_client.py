@@ -59,6 +59,24 @@ def test_a_missing_name_or_a_wrong_shape_is_one_line_naming_the_tensor():
         flatten_weights(state, layout, n, torch.float32, "ckpt")
 
 
+def test_transformers_phi3_weights_fill_the_engines_layout_of_separate_projections(tmp_path):
+    """transformers' Phi-3 keeps q/k/v and gate/up fused: its state_dict fills a layout by tailrace's
+    separate projections (split by rows), so the engines' model is transformers' to the bit."""
+    from transformers import AutoModelForCausalLM
+
+    from tailrace.model import CausalLM, ModelConfig, save_pretrained
+
+    cfg = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, model_type="phi3")  # fmt: skip
+    ours = CausalLM.from_config(cfg, seed=0)
+    save_pretrained(ours, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert any(".qkv_proj." in n for n in hf.state_dict())
+    want = flatten_parameters(ours)
+    got = flatten_weights(hf.state_dict(), want.layout, want.buffer.numel(), torch.float32, str(tmp_path))
+    assert torch.equal(got, want.buffer)
+
+
 def test_an_optimizers_state_goes_through_tensors_and_back():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

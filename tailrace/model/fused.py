@@ -71,22 +71,35 @@ def _fused_key(name: str) -> tuple[str, str, tuple[str, ...] | None]:
 # -- LoRA adapters in PEFT's files ----------------------------------------------------------------------
 #
 # PEFT adapts a fused model's fused modules: a Phi-3 adapter has one `qkv_proj` A (r, in) and B (q+k+v, r).
-# tailrace's adapters keep one (A, B) per separate projection, so on a fused family `save_peft` writes
-# each group block-diagonally: A the parts' A stacked (n r, in), B each part's B in its own rows and
-# its own r columns (zero elsewhere; a part without an adapter is zero in both), rank n r and alpha
-# n alpha by `rank_pattern` / `alpha_pattern` (the same scale alpha / r): the same update, exactly.
+# tailrace's adapters keep one (A, B) per separate projection. Where every layer's parts share one A (an
+# adapter PEFT trained, by an external trainer or as train.lora.init) `save_peft` writes PEFT's own form;
+# otherwise each group block-diagonally: A the parts' A stacked (n r, in), B each part's B in its own rows
+# and its own r columns (zero elsewhere; a part without an adapter is zero in both), rank n r and alpha
+# n alpha by `rank_pattern` / `alpha_pattern` (the same scale alpha / r). Either is the same update, exactly.
 
 Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def fuse_adapter(weights: Weights, cfg: ModelConfig, rank: int) -> Weights:
-    """`weights` keyed by the fused modules PEFT adapts (separate projections outside a group as they are)."""
+def fuse_adapter(weights: Weights, cfg: ModelConfig, rank: int) -> tuple[Weights, dict[str, int]]:
+    """(`weights` keyed by the fused modules PEFT adapts, separate projections outside a group as they
+    are; each fused module's rank over `rank`: 1 in PEFT's own form, n block-diagonally)."""
     rows = widths(cfg)
     out = {site: ab for site, ab in weights.items() if not _group_of(site[1])}
-    for i in sorted({i for i, t in weights if _group_of(t)}):
+    layers = sorted({i for i, t in weights if _group_of(t)})
+    wide = {}
+    for name, (_, parts) in GROUPS.items():
+        sites = [[weights.get((i, p)) for p in parts] for i in layers]
+        sites = [s for s in sites if any(s)]
+        if sites:
+            shared = all(all(ab is not None and torch.equal(ab[0], s[0][0]) for ab in s) for s in sites)
+            wide[name] = 1 if shared else len(parts)
+    for i in layers:
         for name, (_, parts) in GROUPS.items():
             present = [p for p in parts if (i, p) in weights]
             if not present:
+                continue
+            if wide[name] == 1:  # one A for the fused module, each part's B in its rows
+                out[i, name] = (weights[i, parts[0]][0], torch.cat([weights[i, p][1] for p in parts]))
                 continue
             a0, b0 = weights[i, present[0]]
             a = a0.new_zeros(len(parts) * rank, a0.shape[1])
@@ -98,7 +111,7 @@ def fuse_adapter(weights: Weights, cfg: ModelConfig, rank: int) -> Weights:
                     b[top : top + rows[p], j * rank : (j + 1) * rank] = weights[i, p][1]
                 top += rows[p]
             out[i, name] = (a, b)
-    return out
+    return out, wide
 
 
 def split_adapter(weights: Weights, cfg: ModelConfig, rank: int, source: str) -> Weights:

@@ -251,10 +251,10 @@ def save_peft(
     path.mkdir(parents=True, exist_ok=True)
     weights, ranks, alphas = adapter.weights, {}, {}
     if cfg is not None and fused.fused(cfg):
-        weights = fused.fuse_adapter(weights, cfg, adapter.rank)
-        for name, (_, parts) in fused.GROUPS.items():
-            if any(t == name for _, t in weights):
-                ranks[name], alphas[name] = len(parts) * adapter.rank, len(parts) * adapter.alpha
+        weights, wide = fused.fuse_adapter(weights, cfg, adapter.rank)
+        for name, n in wide.items():
+            if n > 1:
+                ranks[name], alphas[name] = n * adapter.rank, n * adapter.alpha
     state = {}
     for site, (a, b) in weights.items():
         state[peft_key(site, "A")] = a.detach().to("cpu").contiguous()

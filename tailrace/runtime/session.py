@@ -15,7 +15,8 @@ import torch
 from tailrace.chat import ChatFormat
 from tailrace.common import ConfigError
 from tailrace.config import RunConfig
-from tailrace.model import lora
+from tailrace.config.train import FUSED_TARGETS, LORA_TARGETS
+from tailrace.model import fused, lora
 from tailrace.model.checkpoint import read_config
 from tailrace.model.decoder import CausalLM
 from tailrace.model.flat import FlatWeights, flatten_parameters
@@ -86,6 +87,7 @@ class Session:
             self.context = self.model_cfg.context(cfg.rollout.max_context, "rollout.max_context")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        self._check_fused_lora(cfg.train)
         # a multi-turn task's environment: a turn also stops where a tool call ends
         self.env: Environment | None = self.task if isinstance(self.task, Environment) else None
         self.call_id = self._call_id() if self.env is not None else None
@@ -95,6 +97,21 @@ class Session:
 
     def close(self) -> None:
         self.guard.close()
+
+    def _check_fused_lora(self, train) -> None:
+        """Your own trainer's PEFT adapter on a fused model (Phi-3) adapts each fused module whole: the
+        run's targets must hold all of a group's projections, or the engines would leave some out."""
+        lc = train.lora
+        if not (train.external and lc.rank and fused.fused(self.model_cfg)):
+            return
+        for name, parts in FUSED_TARGETS.items():
+            if 0 < len(set(parts) & set(lc.targets)) < len(parts):
+                whole = sorted(set(lc.targets) | set(parts), key=LORA_TARGETS.index)
+                raise ConfigError(
+                    f"train.lora.targets={list(lc.targets)} with train.external on {self.model_cfg.model_type}: "
+                    f"PEFT adapts its fused {name} whole ({', '.join(parts)}); set "
+                    f"--train.lora.targets=[{', '.join(whole)}]"
+                )
 
     def _call_id(self) -> int:
         ids = self.tok.encode(self.env.call_end)

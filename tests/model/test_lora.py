@@ -165,7 +165,7 @@ def test_peft_loads_our_phi3_adapter_onto_transformers_phi3(tmp_path):
 def test_a_phi3_adapter_peft_trained_loads_here_split_by_projection(tmp_path):
     """PEFT's own Phi-3 adapter has one A per fused module: each projection keeps it, with its rows of B."""
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
+    from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = random_model(make_config(**PHI3), 1)
@@ -183,3 +183,16 @@ def test_a_phi3_adapter_peft_trained_loads_here_split_by_projection(tmp_path):
     lora.load_adapter_into(ours, ad)
     with torch.no_grad():
         assert max_diff(pm.eval()(IDS).logits, ours(IDS)) < 1e-4
+    # its parts still share one A: written back in PEFT's own form (rank 2, no pattern), which peft reloads
+    lora.save_peft(lora.adapter_of(ours), tmp_path / "back", cfg=base.config)
+    files = json.loads((tmp_path / "back" / lora.ADAPTER_CONFIG).read_text())
+    assert (files["r"], files["rank_pattern"], sorted(files["target_modules"])) == (
+        2,
+        {},
+        ["down_proj", "qkv_proj"],
+    )
+    again = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "back"
+    )
+    with torch.no_grad():
+        assert max_diff(again.eval()(IDS).logits, ours(IDS)) < 1e-4

@@ -259,3 +259,17 @@ def step_figures(recs: list[dict]) -> list[dict]:
             }
         out.append(r)
     return out
+
+
+def as_phi3(tiny_model: Path, to: Path, original: int = 160) -> Path:
+    """The tiny model saved as a Phi-3.5 (q/k/v and gate/up fused in its checkpoint; LongRoPE whose short
+    range is `original` positions): a layout relabeling cannot make."""
+    from tailrace.model import load_pretrained, save_pretrained
+
+    model = load_pretrained(tiny_model)
+    short = [1.0 + i / 16 for i in range(model.config.head_dim // 2)]
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": original, "short_factor": short,
+            "long_factor": [4.0] * len(short)}  # fmt: skip
+    model.config = model.config.replace(model_type="phi3", rope_scaling=rope)
+    save_pretrained(model, to, companions_from=tiny_model)
+    return to

@@ -8,7 +8,9 @@ weights its engines generate with next (runtime/relay.py, tailrace/client.py).
   published), one that dies holding a step is replaced by the next, which starts from the newest
   checkpoint and redoes the steps since; the run ends with the very weights of a run whose trainer
   never left (sync, one seed: the schedule and the sampling are reproducible);
-- the configurations it cannot serve are refused in one line before anything starts.
+- the configurations it cannot serve are refused in one line before anything starts;
+- on a Phi-3 (q/k/v and gate/up fused in transformers' model) the example's weights and PEFT adapter,
+  by the fused modules' names, reach the engines split as tailrace holds them.
 """
 
 import json
@@ -27,6 +29,7 @@ from tailrace.cli import main
 from tailrace.runtime.checkpoint import step_dirs
 from tests.runtime.conftest import (
     TINY_RUN,
+    as_phi3,
     assert_exact,
     one_line,
     recoveries,
@@ -241,3 +244,34 @@ def test_what_an_external_trainer_cannot_serve_is_refused_in_one_line(
     rc, out = run(capsys, "train", f"--run-dir={run_dir}", f"--model.path={tiny_model}", *SYNC, flag)
     assert rc == 2 and said in one_line(out), out
     assert not (run_dir / "journal.jsonl").exists()
+
+
+def test_the_example_trainer_trains_a_phi3_lora_run_through_its_fused_modules(
+    capsys, tiny_model, digits, tmp_path
+):
+    """transformers' Phi-3 and PEFT's adapter on its qkv_proj and gate_up_proj (one A per fused module;
+    peft_config() names them): the engines, holding q/k/v and gate/up apart, generate what the trainer
+    computes, and the checkpoint's adapter is PEFT's own form, which peft loads. A run whose targets
+    split a fused module is refused first, in one line."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tailrace.config.train import LORA_TARGETS
+    from tailrace.model import lora
+    from tailrace.model.checkpoint import read_config
+
+    phi3 = as_phi3(tiny_model, tmp_path / "phi3")
+    rc, out = run(capsys, "train", f"--run-dir={tmp_path / 'split'}", f"--model.path={phi3}", *SYNC,
+                  "--train.lora.rank=4", "--train.lora.targets=[q_proj, v_proj]")  # fmt: skip
+    assert rc == 2 and "PEFT adapts its fused qkv_proj whole" in one_line(out), out
+    assert "--train.lora.targets=[q_proj, k_proj, v_proj]" in one_line(out)
+    run_dir = tmp_path / "run"
+    example_run(run_dir, phi3, digits, "--train.lora.rank=4", "--train.lr=2e-3")
+    last = step_dirs(run_dir / "checkpoints")[0] / lora.ADAPTER_DIR
+    files = json.loads((last / lora.ADAPTER_CONFIG).read_text())
+    assert (files["r"], files["rank_pattern"]) == (4, {}) and "qkv_proj" in files["target_modules"]
+    adapter = lora.load_peft(last, read_config(phi3))
+    assert {t for _, t in adapter.weights} == set(LORA_TARGETS)  # each projection, one A per fused module
+    assert any(b.abs().sum() > 0 for _, b in adapter.weights.values())  # the trainer moved it
+    base = AutoModelForCausalLM.from_pretrained(phi3, dtype=torch.float32)
+    PeftModel.from_pretrained(base, str(last))  # PEFT reads what the relay saved

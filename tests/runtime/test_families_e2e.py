@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from tests.runtime.conftest import TINY_RUN, checkpoints, one_line, run
+from tests.runtime.conftest import TINY_RUN, as_phi3, checkpoints, one_line, run
 
 
 def relabeled(tiny_model, to, **config):
@@ -72,14 +72,9 @@ def test_a_phi3_with_longrope_trains_with_lora_and_peft_reads_its_adapter(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tailrace.model import load_pretrained, lora, save_pretrained
+    from tailrace.model import load_pretrained, lora
 
-    model = load_pretrained(tiny_model)
-    short = [1.0 + i / 16 for i in range(model.config.head_dim // 2)]
-    rope = {"rope_type": "longrope", "original_max_position_embeddings": 160, "short_factor": short,
-            "long_factor": [4.0] * len(short)}  # fmt: skip
-    model.config = model.config.replace(model_type="phi3", rope_scaling=rope)
-    save_pretrained(model, tmp_path / "phi3", companions_from=tiny_model)
+    as_phi3(tiny_model, tmp_path / "phi3")
     argv = [
         "train",
         f"--model.path={tmp_path / 'phi3'}",
