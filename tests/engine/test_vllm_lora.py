@@ -118,29 +118,17 @@ def test_what_it_refuses(base_dir, states):
         _vllm(base_dir, lora_rank=600)
 
 
-def test_a_smollm3_base_serves_adapters_as_tailraces_engine_does(tmp_path):
-    """SmolLM3 (a layer without RoPE, served by vLLM's transformers backend): an adapter's greedy rows
-    are tailrace's."""
+@pytest.mark.parametrize(
+    "family",
+    [dict(model_type="smollm3", no_rope_layers=(1, 0)), dict(model_type="phi3")],
+    ids=["smollm3", "phi3"],
+)
+def test_a_base_of_another_layout_serves_adapters_as_tailraces_engine_does(tmp_path, family):
+    """SmolLM3 (a layer without RoPE, served by vLLM's transformers backend) and Phi-3 (q/k/v and gate/up
+    fused: vLLM takes the adapter for its fused modules, here block-diagonal at three times the rank, k's
+    block zero, as `save_peft` writes it): an adapter's greedy rows are tailrace's."""
     path = tmp_path / "base"
-    save_pretrained(tiny_model(seed=0, **SHAPE, model_type="smollm3", no_rope_layers=(1, 0)), path)
-    base = load_pretrained(path)
-    theirs, ours = (
-        AdapterVersions(_vllm(path, max_adapters=2), alpha=CFG.alpha),
-        AdapterVersions(TailraceEngine(base, num_slots=SLOTS), alpha=CFG.alpha),
-    )
-    for e in (theirs, ours):
-        e.load_weights(published(base, 1), 1)
-    reqs = [_req(f"s{i}", 1, temperature=0.0) for i in range(4)]
-    for a, b in zip(theirs.generate(reqs), ours.generate(reqs)):
-        assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
-
-
-def test_a_phi3_base_serves_adapters_as_tailraces_engine_does(tmp_path):
-    """Phi-3 (q/k/v and gate/up fused): vLLM takes the adapter for its fused modules, block-diagonal at three
-    times the rank (`save_peft`'s files), and an adapter's greedy rows are tailrace's."""
-    path = tmp_path / "base"
-    save_pretrained(tiny_model(seed=0, **SHAPE, model_type="phi3"), path)
+    save_pretrained(tiny_model(seed=0, **SHAPE, **family), path)
     base = load_pretrained(path)
     theirs, ours = (
         AdapterVersions(_vllm(path, max_adapters=2), alpha=CFG.alpha),

@@ -98,27 +98,35 @@ def test_peft_loads_our_adapter_onto_transformers_model(tmp_path):
         assert max_diff(peft_model(IDS).logits, model(IDS)) < 1e-4
 
 
-@pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed (pip install -e '.[dev]' has it)")
-def test_an_adapter_peft_trained_and_saved_loads_here(tmp_path):
+def peft_trained(tmp_path, targets: list[str], **cfg):
+    """(our random base, saved in tmp_path/base; PEFT's rank-2 adapter on transformers' model of it,
+    B random, saved in tmp_path/adapter; our base with that adapter loaded, as `load_peft` reads it)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = random_model(make_config(num_key_value_heads=2), 1)
+    base = random_model(make_config(**cfg), 1)
     save_pretrained(base, tmp_path / "base")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
-    pm = get_peft_model(hf, PeftLoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "up_proj"]))
+    pm = get_peft_model(hf, PeftLoraConfig(r=2, lora_alpha=6, target_modules=targets))
     with torch.no_grad():
         for n, p in pm.named_parameters():
             if "lora_B" in n:
                 p.normal_(0.0, 0.2)
     pm.save_pretrained(tmp_path / "adapter")
-    ad = lora.load_peft(tmp_path / "adapter")
-    assert (ad.rank, ad.alpha, ad.targets) == (2, 6.0, ("q_proj", "up_proj"))
+    ad = lora.load_peft(tmp_path / "adapter", base.config)
+    assert (ad.rank, ad.alpha) == (2, 6.0)
     ours = lora.attach(copy.deepcopy(base), LoraConfig(rank=2, alpha=6.0, targets=ad.targets))
     lora.load_adapter_into(ours, ad)
     with torch.no_grad():
         assert max_diff(pm.eval()(IDS).logits, ours(IDS)) < 1e-4
+    return base, ours
+
+
+@pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed (pip install -e '.[dev]' has it)")
+def test_an_adapter_peft_trained_and_saved_loads_here(tmp_path):
+    _, ours = peft_trained(tmp_path, ["q_proj", "up_proj"], num_key_value_heads=2)
+    assert lora.adapter_of(ours).targets == ("q_proj", "up_proj")
 
 
 PHI3 = dict(model_type="phi3", num_key_value_heads=2)
@@ -164,25 +172,11 @@ def test_peft_loads_our_phi3_adapter_onto_transformers_phi3(tmp_path):
 @pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed (pip install -e '.[dev]' has it)")
 def test_a_phi3_adapter_peft_trained_loads_here_split_by_projection(tmp_path):
     """PEFT's own Phi-3 adapter has one A per fused module: each projection keeps it, with its rows of B."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import PeftModel, get_peft_model
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = random_model(make_config(**PHI3), 1)
-    save_pretrained(base, tmp_path / "base")
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
-    pm = get_peft_model(hf, PeftLoraConfig(r=2, lora_alpha=6, target_modules=["qkv_proj", "down_proj"]))
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, 0.2)
-    pm.save_pretrained(tmp_path / "adapter")
-    ad = lora.load_peft(tmp_path / "adapter", base.config)
-    assert (ad.rank, ad.alpha, ad.targets) == (2, 6.0, ("q_proj", "k_proj", "v_proj", "down_proj"))
-    ours = lora.attach(copy.deepcopy(base), LoraConfig(rank=2, alpha=6.0, targets=ad.targets))
-    lora.load_adapter_into(ours, ad)
-    with torch.no_grad():
-        assert max_diff(pm.eval()(IDS).logits, ours(IDS)) < 1e-4
+    base, ours = peft_trained(tmp_path, ["qkv_proj", "down_proj"], **PHI3)
+    assert lora.adapter_of(ours).targets == ("q_proj", "k_proj", "v_proj", "down_proj")
     # its parts still share one A: written back in PEFT's own form (rank 2, no pattern), which peft reloads
     lora.save_peft(lora.adapter_of(ours), tmp_path / "back", cfg=base.config)
     files = json.loads((tmp_path / "back" / lora.ADAPTER_CONFIG).read_text())
