@@ -58,6 +58,7 @@ class Kernels:
                 + [ctypes.c_float]
                 + [ctypes.c_void_p] * 2
                 + [ctypes.c_float]
+                + [ctypes.c_int64]
             )
         self._rms = {torch.float32: lib.rms_f32, torch.bfloat16: lib.rms_bf16}
         # OLMo2's (scaled in fp32, rounded once): in fp32 the same as rms_f32
@@ -419,7 +420,8 @@ class Kernels:
         eps: float = 0.0,
     ) -> torch.Tensor:
         """One layer's attention block after the q/k/v projection: token t of qkv (M, (H + 2 Hkv) D)
-        rotated by RoPE (cos_sin (>= W block_size, 2, D), the backend's table), its k and v written into
+        rotated by RoPE (cos_sin (>= W block_size, 2, R), the backend's table: the first R dims of each
+        head rotate, R = D but for a partial rotary, Phi-4-mini's), its k and v written into
         the cache at position pos[t] of the sequence in table row row[t], its q attended over that
         sequence's positions [0, pos[t]] (a prefill piece: one row's tokens in increasing positions,
         causal); returns o (M, H D). One dtype, fp32 or bf16. `qk_norm`: Qwen3's q and k norm weights
@@ -436,7 +438,8 @@ class Kernels:
             and cos_sin.is_contiguous()
             and Wq == (G + 2) * Hkv * D
             and cos_sin.shape[0] >= W * bs
-            and cos_sin.shape[1:] == (2, D)
+            and cos_sin.shape[1] == 2
+            and 2 <= cos_sin.shape[2] <= D
             and pos.shape == row.shape == (M,)
             and pos.dtype == row.dtype == torch.int64
             and pos.is_contiguous()
@@ -475,6 +478,7 @@ class Kernels:
             scratch.data_ptr(),
             None if qk_norm is None else qk_norm.data_ptr(),
             eps,
+            cos_sin.shape[2],
         )
         if rc:
             raise ValueError(f"decode_layer: {_WHY[rc]} (rows {row.tolist()}, positions {pos.tolist()})")
@@ -482,7 +486,7 @@ class Kernels:
 
 
 _WHY = {
-    -1: "head_dim > 256 or odd",
+    -1: "head_dim > 256 or odd, or a rotary width odd or past it",
     -2: "a position outside the block table",
     -3: "a row outside the block table",
     -4: "a block outside the cache",

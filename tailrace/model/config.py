@@ -15,8 +15,10 @@ layer rotates q and k, 0 where it does not; by default every fourth layer). Phi-
 and gate/up each stored as one fused matrix (split on load, fused on save: `model/fused.py`), a sliding
 window in its 4k models (held to it, as Mistral's), and LongRoPE in its 128k ones and Phi-3.5: its
 short factors up to `original_max_position_embeddings`, past which transformers and vLLM switch to the
-long ones for the whole sequence (cached keys included), so sequences are held to that length. Features
-those classes have and this decoder lacks (windows on some layers only, MLP bias, partial rotary,
+long ones for the whole sequence (cached keys included), so sequences are held to that length; Phi-4-mini
+rotates only part of each head (`partial_rotary_factor`: the first `rotary_dim` dims, halves paired within
+them; the rest pass through). Features
+those classes have and this decoder lacks (windows on some layers only, MLP bias, partial rotary outside Phi-3,
 non-SiLU activations, other RoPE types) are rejected, never silently ignored.
 """
 
@@ -84,6 +86,8 @@ class ModelConfig:
     # SmolLM3's per-layer RoPE switch (1: the layer rotates q and k, 0: it does not; None there: HF's
     # default, every fourth layer without); None for the other families (every layer rotates)
     no_rope_layers: tuple[int, ...] | None = None
+    # Phi-4-mini's: RoPE rotates the first head_dim * this dims of each head (`rotary_dim`), the rest pass
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -144,10 +148,22 @@ class ModelConfig:
                     f"{name}={v} is outside [0, vocab_size={self.vocab_size}); fix it or set None"
                 )
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
-        if self.rope_type == "longrope" and len(self.rope_scaling["short_factor"]) != self.head_dim // 2:
+        f = self.partial_rotary_factor
+        if f != 1.0:
+            if not isinstance(f, (int, float)) or not 0 < f < 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+                raise ValueError(
+                    f"partial_rotary_factor={f!r} must be in (0, 1] and leave an even rotary_dim of at least 2 "
+                    f"(head_dim {self.head_dim} times it, rounded down)"
+                )
+            if self.model_type != "phi3":
+                raise ValueError(
+                    f"partial_rotary_factor={f} is Phi-3's (Phi-4-mini's); model_type={self.model_type!r} rotates "
+                    "the whole head: set it to 1.0"
+                )
+        if self.rope_type == "longrope" and len(self.rope_scaling["short_factor"]) != self.rotary_dim // 2:
             raise ValueError(
                 f"rope_scaling short_factor has {len(self.rope_scaling['short_factor'])} entries; LongRoPE "
-                f"needs one per rotated pair, head_dim / 2 = {self.head_dim // 2}"
+                f"needs one per rotated pair, rotary_dim / 2 = {self.rotary_dim // 2}"
             )
         w = self.sliding_window
         if w is not None:
@@ -175,6 +191,12 @@ class ModelConfig:
                     "set it to None"
                 )
             self.no_rope_layers = layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first; halves paired within them): head_dim, or less
+        by partial_rotary_factor (as transformers: rounded down)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def rope_at(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k (SmolLM3 leaves some layers without RoPE)."""
@@ -268,7 +290,7 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         max_pos = d.get("max_position_embeddings", _HF_DEFAULT_MAX_POS[model_type])
         window = {"mistral": d.get("sliding_window", _HF_MISTRAL_WINDOW), "phi3": d.get("sliding_window")}
-        theta, scaling = _rope_from_hf(d, max_pos, model_type)
+        theta, scaling, partial = _rope_from_hf(d, max_pos, model_type)
         no_rope = None
         if model_type == "smollm3":
             interval = d.get("no_rope_layer_interval", _HF_NO_ROPE_INTERVAL)
@@ -295,6 +317,7 @@ class ModelConfig:
             initializer_range=d.get("initializer_range", 0.02),
             sliding_window=window.get(model_type),
             no_rope_layers=no_rope,
+            partial_rotary_factor=partial,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -303,6 +326,11 @@ class ModelConfig:
             "rope_type": self.rope_type,
             "rope_theta": self.rope_theta,
             **{k: v for k, v in (self.rope_scaling or {}).items() if k != "rope_type"},
+            **(
+                {"partial_rotary_factor": self.partial_rotary_factor}
+                if self.partial_rotary_factor != 1
+                else {}
+            ),
         }
         d: dict[str, Any] = {
             "architectures": [ARCHITECTURES[self.model_type]],
@@ -339,6 +367,7 @@ class ModelConfig:
             d.update(no_rope_layers=list(self.no_rope_layers), mlp_bias=False)
         if self.model_type == "phi3":  # Phi3Config's own field wins over the rope dict's
             d.update(original_max_position_embeddings=self.longrope_limit or self.max_position_embeddings)
+            d.update(partial_rotary_factor=self.partial_rotary_factor)
         return d
 
     def replace(self, **changes) -> "ModelConfig":
@@ -373,7 +402,10 @@ def _normalize_rope_scaling(rs: dict | None, max_pos: int) -> dict | None:
             f"rope_scaling rope_type={rope_type!r} is not supported; use one of {['default', *ROPE_REQUIRED]}"
         )
     if rs.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("rope_scaling partial_rotary_factor != 1 is not supported; rotate the whole head")
+        raise ValueError(
+            "rope_scaling partial_rotary_factor: set ModelConfig.partial_rotary_factor instead (config.json's "
+            "is read into it; only Phi-3 rotates part of a head)"
+        )
     rs.pop("partial_rotary_factor", None)
     if rope_type in ("yarn", "llama3"):  # as transformers' standardize_rope_params
         rs.setdefault("original_max_position_embeddings", max_pos)
@@ -410,16 +442,16 @@ def _check_longrope(rs: dict) -> None:
             raise ValueError(f"rope_scaling {k}={rs[k]!r} must be > 0")
 
 
-def _rope_from_hf(d: dict, max_pos: int, model_type: str) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either config.json style. Like transformers 5, `rope_scaling`
-    wins over `rope_parameters` when both are present; Phi-3's "su" and "yarn" are its LongRoPE."""
+def _rope_from_hf(d: dict, max_pos: int, model_type: str) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling, partial_rotary_factor) from either config.json style. Like transformers
+    5, `rope_scaling` wins over `rope_parameters` when both are present, and the rope dict's
+    partial_rotary_factor over the top-level one; Phi-3's "su" and "yarn" are its LongRoPE."""
     src = d.get("rope_scaling") or d.get("rope_parameters") or {}
     if not isinstance(src, dict) or any(isinstance(v, dict) for v in src.values()):
         raise ValueError(f"rope parameters {src!r} are not a flat dict; per-layer-type RoPE is not supported")
     src = dict(src)
     theta = src.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
-    if d.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported; rotate the whole head")
+    partial = src.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
     rope_type = src.get("rope_type") or src.get("type") or "default"
     if model_type == "phi3" and rope_type in ("su", "yarn"):
         src.pop("type", None)
@@ -430,4 +462,4 @@ def _rope_from_hf(d: dict, max_pos: int, model_type: str) -> tuple[float, dict |
         src["original_max_position_embeddings"] = d[
             "original_max_position_embeddings"
         ]  # HF gives it priority
-    return float(theta), _normalize_rope_scaling(src, max_pos)
+    return float(theta), _normalize_rope_scaling(src, max_pos), float(partial)

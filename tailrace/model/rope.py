@@ -20,8 +20,8 @@ _MIN_LEN = 256
 
 
 def inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq (head_dim/2,) fp32, always on CPU, attention_scaling applied to cos/sin)."""
-    base, dim, rs = cfg.rope_theta, cfg.head_dim, cfg.rope_scaling or {}
+    """(inv_freq (rotary_dim/2,) fp32, always on CPU, attention_scaling applied to cos/sin)."""
+    base, dim, rs = cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling or {}
     exps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim
     inv_freq = 1.0 / (base**exps)
     kind = cfg.rope_type
@@ -60,7 +60,7 @@ def rope_limit(cfg: ModelConfig) -> tuple[int, str] | None:
 
 
 def rope_table(inv_freq: torch.Tensor, scale: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin_signed: (length, head_dim) fp32."""
+    """cos, sin_signed: (length, rotary_dim) fp32."""
     pos = torch.arange(length, dtype=torch.int64, device=inv_freq.device).float()
     freqs = pos[:, None] * inv_freq.float()[None, :]  # (L, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -71,9 +71,13 @@ def rope_table(inv_freq: torch.Tensor, scale: float, length: int) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, D); cos, sin_signed broadcastable, e.g. (B, T, 1, D). Equals HF's
-    `x * cos + rotate_half(x) * sin`."""
-    half = x.shape[-1] // 2
+    """x: (B, T, H, D); cos, sin_signed broadcastable, e.g. (B, T, 1, R). Equals HF's
+    `x * cos + rotate_half(x) * sin` over the first R dims (all of them but for a partial rotary), the
+    rest as they are."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :R], cos, sin_signed), x[..., R:]), dim=-1)
+    half = R // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return x * cos + swapped * sin_signed
 
@@ -88,16 +92,16 @@ class Rotary(nn.Module):
         # Explicitly on the CPU, so that building under torch.device("meta") still yields real tables.
         self.inv_freq, self.scale = inv_freq_and_scale(cfg)
         cos, sin = rope_table(self.inv_freq, self.scale, self._length(min(cfg.context_limit, _MIN_LEN)))
-        self.register_buffer("cos", cos, persistent=False)  # (L, D)
-        self.register_buffer("sin", sin, persistent=False)  # (L, D), first half negated
+        self.register_buffer("cos", cos, persistent=False)  # (L, R): R = rotary_dim
+        self.register_buffer("sin", sin, persistent=False)  # (L, R), first half negated
 
     def prefix(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions 0..T-1: (1, T, 1, D) views."""
+        """cos, sin for positions 0..T-1: (1, T, 1, R) views."""
         self.ensure(T)
         return self.cos[None, :T, None], self.sin[None, :T, None]
 
     def lookup(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin at `positions` (B, T) (all < end): (B, T, 1, D)."""
+        """cos, sin at `positions` (B, T) (all < end): (B, T, 1, R)."""
         self.ensure(end)
         return F.embedding(positions, self.cos)[:, :, None], F.embedding(positions, self.sin)[:, :, None]
 
@@ -129,7 +133,7 @@ def _llama3(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
 
 
 def _yarn(cfg: ModelConfig, rs: dict) -> tuple[torch.Tensor, float]:
-    base, dim = cfg.rope_theta, cfg.head_dim
+    base, dim = cfg.rope_theta, cfg.rotary_dim
     factor = rs["factor"]
     orig = rs["original_max_position_embeddings"]
 
@@ -167,6 +171,6 @@ def _longrope(cfg: ModelConfig, rs: dict) -> tuple[torch.Tensor, float]:
     scale = rs.get("attention_factor")
     if scale is None:
         scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    shape = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device="cpu").float() / cfg.head_dim
+    shape = torch.arange(0, cfg.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / cfg.rotary_dim
     short = torch.tensor(rs["short_factor"], dtype=torch.float32, device="cpu")
     return 1.0 / (short * cfg.rope_theta**shape), scale

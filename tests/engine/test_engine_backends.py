@@ -33,6 +33,7 @@ CONFIGS = {
     "olmo2": dict(model_type="olmo2"),
     "smollm3-norope-first": dict(model_type="smollm3", no_rope_layers=(0, 1)),
     "phi3-longrope": dict(model_type="phi3", rope_scaling=LONGROPE),
+    "phi3-partial": dict(model_type="phi3", partial_rotary_factor=0.75),  # Phi-4-mini: 12 of 16 dims rotate
     "llama3-rope": dict(
         rope_scaling={
             "rope_type": "llama3",
@@ -124,14 +125,18 @@ def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
         (torch.bfloat16, "olmo2"),
         (torch.bfloat16, "smollm3"),
         (torch.bfloat16, "phi3"),
+        (torch.bfloat16, "phi3-partial"),
     ],
 )
 @torch.inference_mode()
 def test_mixed_prefill_and_decode_step_matches_model_forward(dtype, model_type):
     """Decode rows and prefill pieces (a whole prompt, and the second chunk of another) in one step; in
     bf16 on OLMo2's layout too (its norms scale in fp32 before rounding)."""
-    extra = {"smollm3": dict(no_rope_layers=(1, 0)), "phi3": dict(rope_scaling=LONGROPE)}.get(model_type, {})
-    model = tiny_model(5, model_type=model_type, **extra).to(dtype)
+    extra = {
+        "smollm3": dict(no_rope_layers=(1, 0)), "phi3": dict(rope_scaling=LONGROPE),
+        "phi3-partial": dict(partial_rotary_factor=0.75),
+    }.get(model_type, {})  # fmt: skip
+    model = tiny_model(5, model_type=model_type.split("-")[0], **extra).to(dtype)
     backend = select("auto", model, 64, dtype)(model)
     V = model.config.vocab_size
     toks = torch.randint(0, V, (4, 30), generator=torch.Generator().manual_seed(2))

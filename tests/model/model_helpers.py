@@ -88,6 +88,21 @@ CONFIGS = {
             "long_factor": [1.0, 1.5, 2.2, 3.0, 4.1, 5.5, 7.2, 9.0],
         },
     ),  # fmt: skip
+    # Phi-4-mini's layout: Phi-3's, tied, RoPE on 3/4 of each head (12 of 16 dims, paired within them)
+    # with LongRoPE over those 12
+    "phi3-gqa2-tied-partial-longrope": dict(
+        model_type="phi3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        partial_rotary_factor=0.75,
+        rope_scaling={
+            "rope_type": "longrope",
+            "original_max_position_embeddings": 32,
+            "short_factor": [1.0, 1.2, 1.5, 1.9, 2.4, 3.0],
+            "long_factor": [2.0] * 6,
+        },
+    ),  # fmt: skip
     # OLMo2's layout: norms after attention and MLP, q/k normalized over all heads at once, untied
     "olmo2-gqa2-bias": dict(
         model_type="olmo2", num_attention_heads=4, num_key_value_heads=2, attention_bias=True

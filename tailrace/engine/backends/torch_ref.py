@@ -71,9 +71,11 @@ class TorchBackend:
         self.upcast_max_batch = UPCAST_MAX_BATCH if upcast_max_batch is None else upcast_max_batch
         self.w = w = FusedWeights(model, packed, gemm, int8)
         inv_freq, scale = inv_freq_and_scale(model.config)
-        cos, sin = rope_table(inv_freq, scale, max_context)  # (max_context, D) fp32, sin first half negated
+        cos, sin = rope_table(
+            inv_freq, scale, max_context
+        )  # (max_context, R) fp32 (R = rotary_dim), sin first half negated
         # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
-        self.cos_sin = torch.stack((cos, sin), dim=1).to(w.device, w.dtype)  # (max_context, 2, D)
+        self.cos_sin = torch.stack((cos, sin), dim=1).to(w.device, w.dtype)  # (max_context, 2, R)
         # SmolLM3's layers without RoPE: False at theirs (the C kernels rotate by an identity table there)
         self.rope = [model.config.rope_at(i) for i in range(model.config.num_hidden_layers)]
         self.arange = torch.arange(max_context, device=w.device)
@@ -123,8 +125,8 @@ class TorchBackend:
         trow = self._token_rows(rows, pieces)
         blk = table[trow, positions // bs].long()  # (M,) the block holding each token's position
         widx = ((blk[:, None] * Hkv + self.heads) * bs + (positions % bs)[:, None]).reshape(-1)  # (M Hkv,)
-        cs = self.cos_sin[positions]  # (M, 2, D)
-        cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, D)
+        cs = self.cos_sin[positions]  # (M, 2, R): R = rotary_dim
+        cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, R)
         dec = self._decode_state(self, positions[:B], chunks, table, rows.start, bs)  # read by every layer
         offsets = list(accumulate((n for _, _, n in pieces[:-1]), initial=B))  # each piece's first token
         short = [j for j, (_, _, n) in enumerate(pieces) if n <= SHORT_PIECE]
@@ -144,12 +146,11 @@ class TorchBackend:
             order = torch.empty(len(at), dtype=torch.long)
             order[torch.tensor(at)] = torch.arange(len(at))
             order = order.to(x.device)
-        half = D // 2
         for i, lw in enumerate(w.layers):
             qkv = self._qkv(i, lw, x, pk, lora)  # (M, (H + 2 Hkv) D)
             qk = qkv[:, : (H + Hkv) * D].view(M, H + Hkv, D)
             if self.rope[i]:
-                qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
+                qk = _rotate(qk, cos, sin)
             ck, cv = cache.k[i], cache.v[i]
             ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D).to(ck.dtype))
             cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D :].reshape(M * Hkv, D).to(cv.dtype))
@@ -368,3 +369,13 @@ def _gather(c: torch.Tensor, idx: torch.Tensor, n: int, S: int) -> torch.Tensor:
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first R dims of each head (cos, sin (M, 1, R), sin's first half negated), the rest as
+    they are (Phi-4-mini's partial rotary; R = D elsewhere)."""
+    R = cos.shape[-1]
+    if R < qk.shape[-1]:
+        return torch.cat((_rotate(qk[..., :R], cos, sin), qk[..., R:]), dim=-1)
+    half = R // 2
+    return torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)

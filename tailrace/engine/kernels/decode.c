@@ -400,25 +400,26 @@ HEAD_NORM(head_norm_scale32_bf16, uint16_t, bf16_in, bf16_out, AS_IS)
 /* -- one layer's attention block after the q/k/v projection, fused ----------------------------------
 
    qkv (M, (H + 2 Hkv) D) in the model dtype T (fp32 or bf16; the cache has the same dtype), token t of
-   the sequence in table row row[t] at position pos[t]: RoPE on its q and k (cos/sin rows of the
-   backend's table cs (>= W bs, 2, D), sin's first half negated: x cos + rot(x) sin, rot swapping the
-   halves), its k and v written into the cache, then its q attends to positions [0, pos[t]] of its
+   the sequence in table row row[t] at position pos[t]: RoPE on the first R dims of its q and k heads (cos/sin
+   rows of the backend's table cs (>= W bs, 2, R), sin's first half negated: x cos + rot(x) sin, rot swapping
+   the halves of those R; dims R..D-1 pass as they are: Phi-4-mini's partial rotary, R = D elsewhere), its
+   k and v written into the cache, then its q attends to positions [0, pos[t]] of its
    sequence; out (M, H D) in T. A decode token is one per row; a prefill piece is consecutive tokens of
    one row in increasing positions, each attending causally to those before it (written by then). As
    torch, the rotated q/k are rounded to T before use; bf16 is rounded to nearest even. Rows, positions
    and blocks are all checked before anything is written. scratch >= G W bs + 2 G D floats. qkn: Qwen3's
    q and k norm weights (H + Hkv, D) in T, or NULL: then each head's q and k go through HEAD_NORM before
-   RoPE. Returns 0, -1 (D > 256 or odd) or check_tokens' code. */
+   RoPE. Returns 0, -1 (D > 256 or odd, or R odd or past D) or check_tokens' code. */
 #define FUSED(NAME, T, IN, OUT, ATTEND, NORM)                                                           \
 int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tbl,                      \
          const int64_t *restrict row, const int64_t *restrict pos, T *restrict k, T *restrict v,         \
          T *restrict out, int64_t M, int64_t rows, int64_t W, int64_t Hkv, int64_t G, int64_t D,         \
          int64_t bs, int64_t nblocks, float scale, float *restrict scratch, const T *restrict qkn,       \
-         float eps) {                                                                                    \
-    if (D > 256 || D % 2) return -1;                                                                     \
+         float eps, int64_t R) {                                                                         \
+    if (D > 256 || D % 2 || R % 2 || R > D || R < 2) return -1;                                          \
     const int rc = check_tokens(row, 0, pos, M, tbl, rows, W, bs, nblocks);                              \
     if (rc) return rc;                                                                                   \
-    const int64_t H = Hkv * G, Wq = (H + 2 * Hkv) * D, half = D / 2, J = M * Hkv, bstride = Hkv * bs * D; \
+    const int64_t H = Hkv * G, Wq = (H + 2 * Hkv) * D, half = R / 2, J = M * Hkv, bstride = Hkv * bs * D; \
     float *qf = scratch + G * W * bs, *of = qf + G * D;                                                  \
     T kn[256], qn[256]; /* a head's normalized k and q, where qkn is given */                            \
     for (int64_t j = 0; j < PF_AHEAD && j < J; j++) PREFETCH(T, tbl + row[j / Hkv] * W, j % Hkv, pos[j / Hkv]); \
@@ -429,7 +430,7 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
             const int64_t a = j + PF_AHEAD;                                                              \
             PREFETCH(T, tbl + row[a / Hkv] * W, a % Hkv, pos[a / Hkv]);                                  \
         }                                                                                                \
-        const T *src = qkv + t * Wq, *c = cs + p * 2 * D, *sn = c + D;                                   \
+        const T *src = qkv + t * Wq, *c = cs + p * 2 * R, *sn = c + R;                                   \
         const int64_t at = ((int64_t)tb[p / bs] * Hkv + h) * bs * D + (p % bs) * D;                      \
         T *kw = k + at, *vw = v + at;                                                                    \
         const T *ks = src + (H + h) * D, *vs = src + (H + Hkv + h) * D;                                  \
@@ -440,6 +441,7 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
             kw[d] = OUT(IN(ks[d]) * IN(c[d]) + IN(ks[d + half]) * IN(sn[d]));                            \
             kw[d + half] = OUT(IN(ks[d + half]) * IN(c[d + half]) + IN(ks[d]) * IN(sn[d + half]));       \
         }                                                                                                \
+        memcpy(kw + R, ks + R, (D - R) * sizeof(T)); /* the dims RoPE leaves */                          \
         memcpy(vw, vs, D * sizeof(T));                                                                   \
         for (int64_t g = 0; g < G; g++) {                                                                \
             const T *qs = src + (h * G + g) * D;                                                         \
@@ -450,6 +452,7 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
                 qg[d] = IN(OUT(IN(qs[d]) * IN(c[d]) + IN(qs[d + half]) * IN(sn[d])));                    \
                 qg[d + half] = IN(OUT(IN(qs[d + half]) * IN(c[d + half]) + IN(qs[d]) * IN(sn[d + half]))); \
             }                                                                                            \
+            for (int64_t d = R; d < D; d++) qg[d] = IN(qs[d]);                                           \
         }                                                                                                \
         ATTEND(qf, k + h * bs * D, v + h * bs * D, tb, bs, bstride, p + 1, G, D, scale, scratch, of);   \
         T *o = out + t * H * D + h * G * D;                                                              \
