@@ -261,3 +261,14 @@ def test_a_phi3_checkpoint_with_longrope_matches_tailraces_engine_and_is_held_to
     assert "qkv_proj" in "".join(safe_open(str(tmp_path / "v0" / "model.safetensors"), "pt").keys())
     with pytest.raises(EngineError, match=f"original_max_position_embeddings={CONTEXT}"):
         _vllm(tmp_path / "v0", max_context=CONTEXT + 1)
+
+
+def test_a_phi4_mini_checkpoint_matches_tailraces_engine(tmp_path):
+    """Phi-4-mini's layout: Phi-3's, tied, RoPE on the first 3/4 of each head (24 of 32 dims) with
+    LongRoPE over them; vLLM's rotary of that width is tailrace's, before and after a reload."""
+    rope = {
+        "rope_type": "longrope", "original_max_position_embeddings": CONTEXT,
+        "short_factor": [1.0 + i / 8 for i in range(12)], "long_factor": [4.0] * 12,
+    }  # fmt: skip
+    shape = dict(model_type="phi3", rope_scaling=rope, partial_rotary_factor=0.75, tie_word_embeddings=True)
+    _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))

@@ -104,7 +104,10 @@ def test_defaults_follow_hf():
         ),  # fmt: skip
         (dict(model_type="phi3", attention_bias=True), ["attention_bias=True", "phi3"]),
         (dict(partial_rotary_factor=0.5), ["partial_rotary_factor=0.5", "Phi-3's", "1.0"]),
-        (dict(model_type="phi3", partial_rotary_factor=0.1), ["partial_rotary_factor=0.1", "even rotary_dim"]),
+        (
+            dict(model_type="phi3", partial_rotary_factor=0.1),
+            ["partial_rotary_factor=0.1", "even rotary_dim"],
+        ),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), ["low_freq_factor", "high_freq_factor"]),
         (dict(rope_scaling={"rope_type": "linear"}), ["factor"]),
         (

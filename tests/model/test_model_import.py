@@ -118,11 +118,11 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
 
 
-@pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "qwen3", "phi3", "phi4-mini"])
 def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch):
     tok = tiny_bpe()
     V = tok.get_vocab_size()
-    if arch in ("qwen2", "qwen3", "phi3"):  # Qwen3: q/k norms, heads of 16 over hidden 32 (head_dim explicit)
+    if arch != "llama-untied":  # Qwen3: q/k norms, heads of 16 over hidden 32 (head_dim explicit)
         torch.manual_seed(0)
         shape = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
@@ -139,6 +139,12 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
                 Phi3Config(rope_parameters=rope, original_max_position_embeddings=32, pad_token_id=0, **shape)
             )
             model = model.eval()
+        elif arch == "phi4-mini":  # Phi-3's, tied, RoPE on 6 of each head's 8 dims (config.json's top level)
+            rope = {"rope_type": "longrope", "original_max_position_embeddings": 32,
+                    "short_factor": [1.0, 1.3, 1.7], "long_factor": [4.0] * 3}  # fmt: skip
+            cfg = Phi3Config(rope_parameters=rope, original_max_position_embeddings=32, pad_token_id=0,
+                             partial_rotary_factor=0.75, tie_word_embeddings=True, **shape)  # fmt: skip
+            model = Phi3ForCausalLM(cfg).eval()
         else:
             model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
     else:
@@ -152,6 +158,8 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
         diff = (load_pretrained(tmp_path / "out")(IDS) - model(IDS).logits).abs().max()
     assert diff <= 1e-5
     assert (tmp_path / "out" / "tokenizer.json").is_file()
+    if arch == "phi4-mini":
+        assert load_pretrained(tmp_path / "out").config.rotary_dim == 6
 
 
 def test_pickled_weights_unsupported_models_and_occupied_outputs_are_one_line_errors(tmp_path, capsys):
