@@ -71,9 +71,8 @@ class TorchBackend:
         self.upcast_max_batch = UPCAST_MAX_BATCH if upcast_max_batch is None else upcast_max_batch
         self.w = w = FusedWeights(model, packed, gemm, int8)
         inv_freq, scale = inv_freq_and_scale(model.config)
-        cos, sin = rope_table(
-            inv_freq, scale, max_context
-        )  # (max_context, R) fp32 (R = rotary_dim), sin first half negated
+        # (max_context, R) fp32, R = rotary_dim (D but for a partial rotary), sin's first half negated
+        cos, sin = rope_table(inv_freq, scale, max_context)
         # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
         self.cos_sin = torch.stack((cos, sin), dim=1).to(w.device, w.dtype)  # (max_context, 2, R)
         # SmolLM3's layers without RoPE: False at theirs (the C kernels rotate by an identity table there)
