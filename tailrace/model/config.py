@@ -1,25 +1,32 @@
-"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/OLMo2/SmolLM3/Phi-3-family decoder, and its mapping
-to and from HF config.json.
+"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3-family decoder, and its
+mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/SmolLM3/Phi3ForCausalLM. Qwen3 is Llama's layout with a per-head RMSNorm on
-q and k before RoPE (`qk_norm`) and its bias switch on every attention projection; Mistral is Llama's
-without biases, and with a sliding window in v0.1 (every layer attends to the last `sliding_window`
-positions): this decoder attends to every position, which is the same attention for a sequence the
-window holds, so sequences are held to the window (`context_limit`, `context`). OLMo2 moves
-each layer's norms after its attention and its MLP (`post_norms`: no norm before them), normalizes q
-and k over their whole width (all heads at once) before RoPE, and its RMSNorm scales in fp32 before
-rounding to the dtype. SmolLM3 is Llama's with no RoPE in some layers (`no_rope_layers`: 1 where a
-layer rotates q and k, 0 where it does not; by default every fourth layer). Phi-3 is Llama's with q/k/v
-and gate/up each stored as one fused matrix (split on load, fused on save: `model/fused.py`), a sliding
-window in its 4k models (held to it, as Mistral's), and LongRoPE in its 128k ones and Phi-3.5: its
-short factors up to `original_max_position_embeddings`, past which transformers and vLLM switch to the
-long ones for the whole sequence (cached keys included), so sequences are held to that length; Phi-4-mini
-rotates only part of each head (`partial_rotary_factor`: the first `rotary_dim` dims, halves paired within
-them; the rest pass through). Features
-those classes have and this decoder lacks (windows on some layers only, MLP bias, partial rotary outside Phi-3,
-non-SiLU activations, other RoPE types) are rejected, never silently ignored.
+loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3ForCausalLM.
+
+- Qwen3 is Llama's layout with a per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch
+  on every attention projection.
+- Mistral is Llama's without biases, and with a sliding window in v0.1 (every layer attends to the last
+  `sliding_window` positions): this decoder attends to every position, which is the same attention for
+  a sequence the window holds, so sequences are held to the window (`context_limit`, `context`).
+- OLMo2 moves each layer's norms after its attention and its MLP (`post_norms`: no norm before them),
+  normalizes q and k over their whole width (all heads at once) before RoPE, and its RMSNorm scales in
+  fp32 before rounding to the dtype. OLMo3 is OLMo2's with a sliding window on some layers
+  (`layer_types`; by default three of every four), held to the window as Mistral's, and RoPE of their
+  own there (`local_rope`: theta and scaling; the full layers' are `rope_theta`, `rope_scaling`).
+- SmolLM3 is Llama's with no RoPE in some layers (`no_rope_layers`: 1 where a layer rotates q and k, 0
+  where it does not; by default every fourth layer).
+- Phi-3 is Llama's with q/k/v and gate/up each stored as one fused matrix (split on load, fused on save:
+  `model/fused.py`), a sliding window in its 4k models (held to it, as Mistral's), and LongRoPE in its
+  128k ones and Phi-3.5: its short factors up to `original_max_position_embeddings`, past which
+  transformers and vLLM switch to the long ones for the whole sequence (cached keys included), so
+  sequences are held to that length. Phi-4-mini rotates only part of each head (`partial_rotary_factor`:
+  the first `rotary_dim` dims, halves paired within them; the rest pass through).
+
+Features those classes have and this decoder lacks (windows on some layers outside OLMo3, MLP bias,
+partial rotary outside Phi-3, non-SiLU activations, other RoPE types) are rejected, never silently
+ignored.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
@@ -46,14 +54,16 @@ ROPE_REQUIRED = {
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 _HF_DEFAULT_MAX_POS = {
-    "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "smollm3": 32768,
+    "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048, "smollm3": 32768,
     "phi3": 4096,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
-_HF_DEFAULT_EPS = {"olmo2": 1e-5, "phi3": 1e-5}  # else 1e-6
+_HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5}  # else 1e-6
+_HF_OLMO3_WINDOW, _HF_OLMO3_THETA = 4096, 500000.0  # Olmo3Config's sliding_window and default_theta
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 _HF_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json leaves it out
 _HF_PHI3_ORIGINAL = 4096  # Phi3Config's original_max_position_embeddings (it wins over rope_scaling's)
-WINDOWED = ("mistral", "phi3")  # the families whose config.json may name a sliding window
+WINDOWED = ("mistral", "phi3", "olmo3")  # the families whose config.json may name a sliding window
 NO_BIAS = ("mistral", "phi3")  # the families without an attention bias
 
 
@@ -88,6 +98,11 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] | None = None
     # Phi-4-mini's: RoPE rotates the first head_dim * this dims of each head (`rotary_dim`), the rest pass
     partial_rotary_factor: float = 1.0
+    # OLMo3's per-layer attention ("sliding_attention": windowed, "full_attention"; None there: HF's default,
+    # every fourth layer full), and the sliding layers' RoPE: {"rope_theta": ..., "rope_type": ..., its
+    # parameters} (None: the full layers'); None for the other families
+    layer_types: tuple[str, ...] | None = None
+    local_rope: dict | None = None
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -191,12 +206,51 @@ class ModelConfig:
                     "set it to None"
                 )
             self.no_rope_layers = layers
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        if self.model_type != "olmo3":
+            if self.layer_types is not None or self.local_rope is not None:
+                raise ValueError(
+                    f"layer_types and local_rope are OLMo3's; model_type={self.model_type!r} has one kind of "
+                    "layer: set them to None"
+                )
+            return
+        if self.layer_types is None:
+            self.layer_types = tuple(SLIDING if (i + 1) % 4 else FULL for i in range(self.num_hidden_layers))
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {SLIDING, FULL}:
+            raise ValueError(
+                f"layer_types={list(self.layer_types)} must name {SLIDING!r} or {FULL!r} for each of the "
+                f"{self.num_hidden_layers} layers"
+            )
+        if SLIDING not in self.layer_types:
+            self.sliding_window = None  # no layer attends to a window
+        if self.local_rope is not None:
+            rope = dict(self.local_rope)
+            theta = rope.pop("rope_theta", None) or self.rope_theta
+            if not theta > 0:
+                raise ValueError(f"local_rope rope_theta={theta!r} must be > 0")
+            scaling = _normalize_rope_scaling(rope, self.max_position_embeddings)
+            self.local_rope = {"rope_theta": float(theta), **(scaling or {"rope_type": "default"})}
 
     @property
     def rotary_dim(self) -> int:
         """The dims of each head RoPE rotates (the first; halves paired within them): head_dim, or less
         by partial_rotary_factor (as transformers: rounded down)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def local_at(self, layer: int) -> bool:
+        """Whether layer `layer` is one of OLMo3's sliding-window layers (with RoPE of their own)."""
+        return self.layer_types is not None and self.layer_types[layer] == SLIDING
+
+    def local(self) -> "ModelConfig":
+        """The config whose RoPE the sliding layers use: the full layers' where `local_rope` is None."""
+        if self.local_rope is None:
+            return self
+        rope = dict(self.local_rope)
+        theta = rope.pop("rope_theta")
+        return self.replace(rope_theta=theta, rope_scaling=None if rope["rope_type"] == "default" else rope)
 
     def rope_at(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k (SmolLM3 leaves some layers without RoPE)."""
@@ -247,7 +301,7 @@ class ModelConfig:
     def post_norms(self) -> bool:
         """OLMo2's layer: x + norm(attn(x)), then x + norm(mlp(x)); q and k normalized over their whole
         width (H D and Hkv D weights) before RoPE; every RMSNorm scales in fp32, then rounds."""
-        return self.model_type == "olmo2"
+        return self.model_type in ("olmo2", "olmo3")
 
     @property
     def o_bias(self) -> bool:
@@ -282,15 +336,23 @@ class ModelConfig:
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported; only bias-free MLPs")
-        if d.get("use_sliding_window") or any(t != "full_attention" for t in d.get("layer_types") or []):
+        sliding = any(t != FULL for t in d.get("layer_types") or [])
+        if d.get("use_sliding_window") or (sliding and model_type != "olmo3"):
             raise ValueError(
                 "sliding-window attention is not supported; use a checkpoint with "
                 "use_sliding_window=false and full_attention layers"
             )
         heads = d["num_attention_heads"]
         max_pos = d.get("max_position_embeddings", _HF_DEFAULT_MAX_POS[model_type])
-        window = {"mistral": d.get("sliding_window", _HF_MISTRAL_WINDOW), "phi3": d.get("sliding_window")}
-        theta, scaling, partial = _rope_from_hf(d, max_pos, model_type)
+        window = {
+            "mistral": d.get("sliding_window", _HF_MISTRAL_WINDOW), "phi3": d.get("sliding_window"),
+            "olmo3": d.get("sliding_window", _HF_OLMO3_WINDOW),
+        }  # fmt: skip
+        local = None
+        if model_type == "olmo3":
+            (theta, scaling, local), partial = _olmo3_rope(d, max_pos), 1.0
+        else:
+            theta, scaling, partial = _rope_from_hf(d, max_pos, model_type)
         no_rope = None
         if model_type == "smollm3":
             interval = d.get("no_rope_layer_interval", _HF_NO_ROPE_INTERVAL)
@@ -318,6 +380,8 @@ class ModelConfig:
             sliding_window=window.get(model_type),
             no_rope_layers=no_rope,
             partial_rotary_factor=partial,
+            layer_types=d.get("layer_types") if model_type == "olmo3" else None,
+            local_rope=local,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -361,8 +425,12 @@ class ModelConfig:
             d.update(sliding_window=self.sliding_window)
         elif self.model_type != "olmo2":
             d.update(use_sliding_window=False)
-        if self.model_type in ("qwen3", "olmo2", "smollm3"):
+        if self.model_type in ("qwen3", "olmo2", "olmo3", "smollm3"):
             d.update(attention_bias=self.attention_bias)
+        if self.model_type == "olmo3":  # RoPE by layer type: the full layers' and the sliding layers'
+            local = dict(self.local_rope or {"rope_theta": self.rope_theta, "rope_type": "default"})
+            d.update(layer_types=list(self.layer_types), rope_parameters={FULL: rope, SLIDING: local})
+            d.pop("rope_scaling", None)
         if self.model_type == "smollm3":
             d.update(no_rope_layers=list(self.no_rope_layers), mlp_bias=False)
         if self.model_type == "phi3":  # Phi3Config's own field wins over the rope dict's
@@ -421,6 +489,26 @@ def _normalize_rope_scaling(rs: dict | None, max_pos: int) -> dict | None:
     if rope_type == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
         raise ValueError("rope_scaling llama3 needs high_freq_factor > low_freq_factor")
     return {"rope_type": rope_type, **rs}
+
+
+def _olmo3_rope(d: dict, max_pos: int) -> tuple[float, dict | None, dict]:
+    """(the full layers' rope_theta and rope_scaling, the sliding layers' {"rope_theta", ...}), as
+    Olmo3Config reads them: `rope_parameters` by layer type, or the older flat `rope_scaling` (the full
+    layers'), each theta `rope_theta` (500000) unless its own is given."""
+    params = d.get("rope_parameters") or {}
+    nested = isinstance(params, dict) and (SLIDING in params or FULL in params)
+    full = dict((params.get(FULL) if nested else params) or {})
+    local = dict((params.get(SLIDING) if nested else None) or {})
+    full.update(d.get("rope_scaling") or {})
+    theta = d.get("rope_theta") or _HF_OLMO3_THETA
+    for rope in (full, local):
+        rope.setdefault("rope_theta", theta)
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported for OLMo3; rotate the whole head")
+        rope.pop("partial_rotary_factor", None)
+    full_theta = full.pop("rope_theta")
+    local.setdefault("rope_type", local.pop("type", None) or "default")
+    return float(full_theta), _normalize_rope_scaling(full, max_pos), local
 
 
 def _check_longrope(rs: dict) -> None:

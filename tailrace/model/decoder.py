@@ -39,9 +39,11 @@ class DecoderLayer(nn.Module):
     MLP's; no `input_layernorm`): x + norm(attn(x)), then x + norm(mlp(x))."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
-        """Layer `index` of the model (SmolLM3's RoPE is per layer)."""
+        """Layer `index` of the model (SmolLM3's RoPE is per layer; OLMo3's sliding layers rotate by a
+        table of their own: `local`)."""
         super().__init__()
         self.self_attn = Attention(cfg, cfg.rope_at(index))
+        self.local = cfg.local_at(index)
         self.mlp = MLP(cfg)
         self.post_norms = post = cfg.post_norms
         if post:
@@ -78,6 +80,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)  # buffers only, none persistent: not part of the state_dict
+        self.local_rotary = local_rotary(cfg)  # OLMo3's sliding layers' (None: they use `rotary`)
         self.tie_weights()
 
     @classmethod
@@ -113,12 +116,34 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V); positions (B, T) default arange(T) per row."""
-        T = input_ids.shape[1]
-        if positions is None:
-            step = CausalStep(*self.rotary.prefix(T))
-        else:
-            step = CausalStep(*self.rotary.lookup(positions, int(positions.max()) + 1))
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
-        for layer in self.model.layers:
-            x = layer(x, step)
+        x = run_layers(self.model.layers, x, self.rotary, self.local_rotary, input_ids.shape[1], positions)
         return self.lm_head(self.model.norm(x))
+
+
+def local_rotary(cfg: ModelConfig) -> Rotary | None:
+    """The RoPE table of OLMo3's sliding layers, where theirs is not the full layers' (None)."""
+    return Rotary(cfg.local()) if cfg.local_rope is not None else None
+
+
+def run_layers(
+    layers,
+    x: torch.Tensor,
+    rotary: Rotary,
+    local: Rotary | None,
+    T: int,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x (B, T, hidden) through `layers`, each attending causally with RoPE by `rotary` (a `local` layer's
+    by `local`, where given), at positions arange(T), or `positions` (B, T)."""
+
+    def step(r: Rotary) -> CausalStep:
+        if positions is None:
+            return CausalStep(*r.prefix(T))
+        return CausalStep(*r.lookup(positions, int(positions.max()) + 1))
+
+    full = step(rotary)
+    near = step(local) if local is not None else full
+    for layer in layers:
+        x = layer(x, near if layer.local else full)
+    return x

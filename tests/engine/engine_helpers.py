@@ -69,7 +69,8 @@ def full_logprobs(model: CausalLM, prompt_ids, token_ids, temperature: float = 1
 @torch.no_grad()
 def reference_kv(model: CausalLM, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k, v), each (B, Hkv, T, D), of the whole-sequence forward of ids (B, T): k after RoPE
-    (none in SmolLM3's layers without; Qwen3's or OLMo2's k norm before it), in the model's dtype, as a
+    (none in SmolLM3's layers without; OLMo3's sliding layers' by their table; Qwen3's or OLMo2's k norm
+    before it), in the model's dtype, as a
     KV cache holds them."""
     cfg = model.config
     k_from = "k_norm" if cfg.qk_norm or cfg.post_norms else "k_proj"
@@ -88,8 +89,10 @@ def reference_kv(model: CausalLM, ids: torch.Tensor) -> list[tuple[torch.Tensor,
     finally:
         for h in hooks:
             h.remove()
-    cos, sin = model.rotary.prefix(T)
-    rope = lambda i, k: apply_rope(k, cos, sin) if cfg.rope_at(i) else k  # noqa: E731
+    tables = [model.rotary.prefix(T)]  # OLMo3's sliding layers: by their own table
+    if model.local_rotary is not None:
+        tables.append(model.local_rotary.prefix(T))
+    rope = lambda i, k: apply_rope(k, *tables[len(tables) > 1 and cfg.local_at(i)]) if cfg.rope_at(i) else k  # noqa: E731
     return [
         (
             rope(i, out[i, k_from].view(B, T, Hkv, D)).transpose(1, 2),

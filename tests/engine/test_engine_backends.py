@@ -31,6 +31,13 @@ CONFIGS = {
     "qwen2-tied": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3-tied": dict(model_type="qwen3", tie_word_embeddings=True),
     "olmo2": dict(model_type="olmo2"),
+    # OLMo3: the sliding layer rotates by its own table (theta 1000), the full one by YaRN's
+    "olmo3-local-rope": dict(
+        model_type="olmo3",
+        layer_types=("sliding_attention", "full_attention"),
+        local_rope={"rope_theta": 1000.0},
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),  # fmt: skip
     "smollm3-norope-first": dict(model_type="smollm3", no_rope_layers=(0, 1)),
     "phi3-longrope": dict(model_type="phi3", rope_scaling=LONGROPE),
     "phi3-partial": dict(model_type="phi3", partial_rotary_factor=0.75),  # Phi-4-mini: 12 of 16 dims rotate

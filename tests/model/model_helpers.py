@@ -107,6 +107,17 @@ CONFIGS = {
     "olmo2-gqa2-bias": dict(
         model_type="olmo2", num_attention_heads=4, num_key_value_heads=2, attention_bias=True
     ),
+    # OLMo3's layout: OLMo2's, a sliding layer (window 48 of 64 positions: every test sequence fits it) with
+    # plain RoPE of its own theta, and a full layer with YaRN (as OLMo-3-7B's long-context layers)
+    "olmo3-gqa2-window-localrope": dict(
+        model_type="olmo3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=48,
+        layer_types=("sliding_attention", "full_attention"),
+        local_rope={"rope_theta": 1000.0},
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    ),  # fmt: skip
 }
 HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -114,6 +125,7 @@ HF_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }

@@ -22,10 +22,13 @@ def test_transformers_reads_our_config_json(name):
     hf = AutoConfig.for_model(**cfg.to_hf())
     assert type(hf).__name__ == HF_CLASSES[cfg.model_type].replace("ForCausalLM", "Config")
     assert hf.head_dim == cfg.head_dim and hf.num_key_value_heads == cfg.num_key_value_heads
-    assert hf.rope_parameters["rope_type"] == cfg.rope_type
-    assert hf.rope_parameters["rope_theta"] == cfg.rope_theta
+    full = hf.rope_parameters.get("full_attention", hf.rope_parameters)  # OLMo3's: by layer type
+    assert full["rope_type"] == cfg.rope_type and full["rope_theta"] == cfg.rope_theta
     for k, v in (cfg.rope_scaling or {}).items():
-        assert hf.rope_parameters[k] == v
+        assert full[k] == v
+    if cfg.local_rope is not None:
+        assert hf.rope_parameters["sliding_attention"] == cfg.local_rope
+        assert list(hf.layer_types) == list(cfg.layer_types) and hf.sliding_window == cfg.sliding_window
 
 
 def test_both_rope_spellings_normalize_the_same():

@@ -201,3 +201,30 @@ def test_a_phi3_checkpoint_transformers_wrote_loads_and_longrope_is_held_to_its_
     assert (
         ModelConfig.from_hf({**ours.config.to_hf(), "rope_scaling": old}).rope_type == "longrope"
     )  # as Phi3Config
+
+
+def test_an_olmo3_checkpoint_transformers_wrote_loads_and_is_held_to_its_window(tmp_path):
+    """OLMo-3's config.json spelling (the older flat `rope_scaling`: YaRN on the full layers; the sliding
+    layers' plain RoPE of `rope_theta`; HF's default layer_types, three sliding of every four): within the
+    window the decoder's logits are transformers'; past it transformers' sliding layers attend to the window
+    only, so the decoder refuses such a sequence rather than differ."""
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    hf_cfg = Olmo3Config(
+        vocab_size=53, hidden_size=64, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=16, rope_theta=5e5,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        pad_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = randomize_(Olmo3ForCausalLM(hf_cfg), 3).eval()
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
+    cfg = ours.config
+    assert cfg.layer_types == ("sliding_attention",) * 3 + ("full_attention",) and cfg.context_limit == 16
+    assert (cfg.rope_type, cfg.local().rope_type, cfg.local().rope_theta) == ("yarn", "default", 5e5)
+    ids = torch.randint(0, 53, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert max_diff(ours(ids[:, :16]), hf(ids[:, :16]).logits) <= TOL
+        with pytest.raises(ValueError, match="sliding_window=16"):
+            ours(ids)

@@ -38,12 +38,13 @@ class KernelBackend(TorchBackend):
         self.name, self.kernel = "kernel", kernel
         # the table a layer without RoPE (SmolLM3's) rotates by: cos 1, sin 0, which leaves q and k as
         # they are, bit for bit; built only for a model that has such layers
-        self.tables = [self.cos_sin] * len(self.rope)
+        # (and OLMo3's sliding layers, their own table)
+        self.tables = [self.local_cos_sin if near else self.cos_sin for near in self.local]
         if not all(self.rope):
             identity = torch.stack(
                 (torch.ones_like(self.cos_sin[:, 0]), torch.zeros_like(self.cos_sin[:, 1])), 1
             )
-            self.tables = [self.cos_sin if r else identity for r in self.rope]
+            self.tables = [t if r else identity for t, r in zip(self.tables, self.rope)]
 
     def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool, lora=None) -> torch.Tensor:
         w, layer, table = self.w, self.kernel.layer, cache.table.t

@@ -70,13 +70,15 @@ class TorchBackend:
         self.name, self.model, self.kv_dtype = variant, model, kv_dtype
         self.upcast_max_batch = UPCAST_MAX_BATCH if upcast_max_batch is None else upcast_max_batch
         self.w = w = FusedWeights(model, packed, gemm, int8)
-        inv_freq, scale = inv_freq_and_scale(model.config)
-        # (max_context, R) fp32, R = rotary_dim (D but for a partial rotary), sin's first half negated
-        cos, sin = rope_table(inv_freq, scale, max_context)
-        # As the model: its table follows the module's dtype, so bf16 models rotate in bf16.
-        self.cos_sin = torch.stack((cos, sin), dim=1).to(w.device, w.dtype)  # (max_context, 2, R)
+        cfg = model.config
+        self.cos_sin = _table(cfg, max_context, w)  # (max_context, 2, R): R = rotary_dim
+        # OLMo3's sliding layers rotate by a table of their own (None: theirs is the full layers')
+        self.local_cos_sin = _table(cfg.local(), max_context, w) if cfg.local_rope is not None else None
+        self.local = [
+            self.local_cos_sin is not None and cfg.local_at(i) for i in range(cfg.num_hidden_layers)
+        ]
         # SmolLM3's layers without RoPE: False at theirs (the C kernels rotate by an identity table there)
-        self.rope = [model.config.rope_at(i) for i in range(model.config.num_hidden_layers)]
+        self.rope = [cfg.rope_at(i) for i in range(cfg.num_hidden_layers)]
         self.arange = torch.arange(max_context, device=w.device)
         self.heads = torch.arange(w.Hkv, device=w.device)
         self._rows_cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -124,8 +126,9 @@ class TorchBackend:
         trow = self._token_rows(rows, pieces)
         blk = table[trow, positions // bs].long()  # (M,) the block holding each token's position
         widx = ((blk[:, None] * Hkv + self.heads) * bs + (positions % bs)[:, None]).reshape(-1)  # (M Hkv,)
-        cs = self.cos_sin[positions]  # (M, 2, R): R = rotary_dim
-        cos, sin = cs[:, 0:1], cs[:, 1:2]  # (M, 1, R)
+        rot = [self.cos_sin[positions].split(1, dim=1)]  # cos, sin (M, 1, R): R = rotary_dim
+        if self.local_cos_sin is not None:
+            rot.append(self.local_cos_sin[positions].split(1, dim=1))
         dec = self._decode_state(self, positions[:B], chunks, table, rows.start, bs)  # read by every layer
         offsets = list(accumulate((n for _, _, n in pieces[:-1]), initial=B))  # each piece's first token
         short = [j for j, (_, _, n) in enumerate(pieces) if n <= SHORT_PIECE]
@@ -149,7 +152,7 @@ class TorchBackend:
             qkv = self._qkv(i, lw, x, pk, lora)  # (M, (H + 2 Hkv) D)
             qk = qkv[:, : (H + Hkv) * D].view(M, H + Hkv, D)
             if self.rope[i]:
-                qk = _rotate(qk, cos, sin)
+                qk = _rotate(qk, *rot[self.local[i]])
             ck, cv = cache.k[i], cache.v[i]
             ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D).to(ck.dtype))
             cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D :].reshape(M * Hkv, D).to(cv.dtype))
@@ -368,6 +371,13 @@ def _gather(c: torch.Tensor, idx: torch.Tensor, n: int, S: int) -> torch.Tensor:
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _table(cfg, max_context: int, w) -> torch.Tensor:
+    """RoPE's (max_context, 2, R) table of cos and sin (sin's first half negated), computed in fp32, in
+    the weights' dtype as the model's (bf16 models rotate in bf16); R = rotary_dim, D but for a partial rotary."""
+    cos, sin = rope_table(*inv_freq_and_scale(cfg), max_context)
+    return torch.stack((cos, sin), dim=1).to(w.device, w.dtype)
 
 
 def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

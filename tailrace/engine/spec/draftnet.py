@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailrace.model.attention import CausalStep
-from tailrace.model.decoder import CausalLM, DecoderLayer, RMSNorm
+from tailrace.model.decoder import CausalLM, DecoderLayer, RMSNorm, local_rotary, run_layers
 from tailrace.model.rope import Rotary
 
 LR = 3e-3
@@ -36,10 +35,11 @@ class DraftNet(nn.Module):
         """`layers` decoder layers shaped as `target`'s, initialized from its first ones (fp32, CPU or
         the target's device)."""
         super().__init__()
-        norope = target.config.no_rope_layers
+        norope, types = target.config.no_rope_layers, target.config.layer_types
         self.config = dataclasses.replace(
-            target.config, num_hidden_layers=layers, no_rope_layers=norope and norope[:layers]
-        )
+            target.config, num_hidden_layers=layers, no_rope_layers=norope and norope[:layers],
+            layer_types=types and types[:layers],
+        )  # fmt: skip
         dev = target.model.embed_tokens.weight.device
         self.layers = nn.ModuleList(DecoderLayer(self.config, i) for i in range(layers))
         self.norm = RMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
@@ -50,14 +50,15 @@ class DraftNet(nn.Module):
             self.norm.weight.copy_(target.model.norm.weight)
         self.to(dev, torch.float32)
         self.rotary = Rotary(self.config).to(dev)
+        self.local_rotary = local_rotary(self.config)
+        if self.local_rotary is not None:
+            self.local_rotary.to(dev)
         self.opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
 
     def forward(self, ids: torch.Tensor, embed: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """ids (B, T) -> logits (B, T, V), reading the policy's `embed` (V, hidden) and `head` (V, hidden)."""
-        step = CausalStep(*self.rotary.prefix(ids.shape[1]))
         x = F.embedding(ids, embed)  # (B, T, hidden)
-        for layer in self.layers:
-            x = layer(x, step)
+        x = run_layers(self.layers, x, self.rotary, self.local_rotary, ids.shape[1])
         return F.linear(self.norm(x), head)
 
     def loss(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]], embed, head) -> torch.Tensor:
