@@ -1,7 +1,8 @@
-"""`CausalLM`: a Llama/Qwen2/Qwen3/OLMo2/SmolLM3-family decoder in plain PyTorch.
+"""`CausalLM`: a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3-family decoder in plain PyTorch.
 
 Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
-Olmo2ForCausalLM / SmolLM3ForCausalLM, so state_dicts map 1:1.
+Olmo2ForCausalLM / Olmo3ForCausalLM / SmolLM3ForCausalLM, so state_dicts map 1:1 (Phi3ForCausalLM's
+fused projections split and join: `fused.py`).
 
 The forward runs whole sequences with causal attention. Callers right-pad batches, so no padding mask
 is needed (a real token never attends to a later pad). Autograd and bf16 autocast work. There is no

@@ -288,7 +288,7 @@ def save_peft(
 
 def load_peft(path: str | os.PathLike, base: ModelConfig | None = None) -> Adapter:
     """A PEFT LoRA adapter directory (ours or PEFT's own) of a Llama-family causal LM (Mistral, Qwen2/3,
-    OLMo2, SmolLM3: the same layer names; Phi-3's fused modules, split by `base`, its base model's
+    OLMo2/3, SmolLM3: the same layer names; Phi-3's fused modules, split by `base`, its base model's
     config); one rank and alpha for all targets (a `rank_pattern` / `alpha_pattern` other than the
     fused modules' that `save_peft` writes, DoRA or rsLoRA are refused, in one line)."""
     path = Path(path)

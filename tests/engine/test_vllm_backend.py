@@ -272,3 +272,16 @@ def test_a_phi4_mini_checkpoint_matches_tailraces_engine(tmp_path):
     }  # fmt: skip
     shape = dict(model_type="phi3", rope_scaling=rope, partial_rotary_factor=0.75, tie_word_embeddings=True)
     _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
+
+
+def test_an_olmo3_checkpoint_matches_tailraces_engine_and_is_held_to_its_window(tmp_path):
+    """OLMo3 (served by vLLM's transformers backend): a sliding layer rotating by its own RoPE (theta
+    1000) and a full one by YaRN's; tokens and logprobs before and after a reload; past the window refused."""
+    shape = dict(
+        model_type="olmo3", layer_types=("sliding_attention", "full_attention"), sliding_window=CONTEXT,
+        local_rope={"rope_theta": 1000.0},
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
+    with pytest.raises(EngineError, match=f"past the model's sliding_window={CONTEXT}"):
+        _vllm(tmp_path / "v0", max_context=CONTEXT + 1)

@@ -11,6 +11,8 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
@@ -118,7 +120,7 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
 
 
-@pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "qwen3", "phi3", "phi4-mini"])
+@pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "qwen3", "phi3", "phi4-mini", "olmo3"])
 def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch):
     tok = tiny_bpe()
     V = tok.get_vocab_size()
@@ -145,6 +147,12 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
             cfg = Phi3Config(rope_parameters=rope, original_max_position_embeddings=32, pad_token_id=0,
                              partial_rotary_factor=0.75, tie_word_embeddings=True, **shape)  # fmt: skip
             model = Phi3ForCausalLM(cfg).eval()
+        elif arch == "olmo3":  # sliding layers (window 16) with plain RoPE, the full one with YaRN
+            rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}
+            cfg = Olmo3Config(
+                sliding_window=16, rope_scaling=rope, pad_token_id=0, **{**shape, "num_hidden_layers": 4}
+            )
+            model = Olmo3ForCausalLM(cfg).eval()
         else:
             model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
     else:
