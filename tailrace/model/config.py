@@ -54,8 +54,8 @@ ROPE_REQUIRED = {
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 _HF_DEFAULT_MAX_POS = {
-    "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048, "smollm3": 32768,
-    "phi3": 4096,
+    "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048,
+    "smollm3": 32768, "phi3": 4096,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
 _HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5}  # else 1e-6
