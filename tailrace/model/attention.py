@@ -52,6 +52,7 @@ class Attention(nn.Module):
         """`rope`: whether q and k are rotated (SmolLM3 leaves some layers without: `cfg.rope_at`)."""
         super().__init__()
         self.rope = rope
+        self.scale = cfg.attention_multiplier  # Granite's; None: 1/sqrt(head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -82,7 +83,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
-        o = step.attend(q, k, v)  # (B, T, H, D), possibly strided
+        o = step.attend(q, k, v, self.scale)  # (B, T, H, D), possibly strided
         return self.o_proj(o.reshape(B, T, -1))
 
 
@@ -121,15 +122,17 @@ def causal_mask(T: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return m
 
 
-def eager_attention(q, k, v):
-    """q (B, T, H, D), k and v (B, T, KV, D) -> (B, T, H, D), causal, grouped as `repeat_kv`."""
+def eager_attention(q, k, v, scale: float | None = None):
+    """q (B, T, H, D), k and v (B, T, KV, D) -> (B, T, H, D), causal, grouped as `repeat_kv`; scores
+    scaled by `scale` (None: 1/sqrt(D))."""
     B, T, H, D = q.shape
     KV = k.shape[2]
     qg = q.permute(0, 2, 1, 3).unflatten(1, (KV, H // KV))  # (B, KV, G, T, D): head h = kv * G + g
     kt, vt = k.permute(0, 2, 3, 1).unsqueeze(2), v.permute(0, 2, 1, 3).unsqueeze(2)  # (B, KV, 1, D|T, T|D)
     low = _compute_dtype(q.dtype)
     with torch.autocast("cpu", enabled=False):
-        s = torch.matmul(qg.float(), kt.float()) * D**-0.5 + causal_mask(T, torch.float32, q.device)
+        s = torch.matmul(qg.float(), kt.float()) * (D**-0.5 if scale is None else scale)
+        s = s + causal_mask(T, torch.float32, q.device)
     o = torch.matmul(torch.softmax(s, dim=-1).to(low), vt)  # (B, KV, G, T, D)
     return o.flatten(1, 2).transpose(1, 2)
 
@@ -142,10 +145,16 @@ class CausalStep:
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
         self.cos, self.sin = cos, sin  # (B or 1, T, 1, D)
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, scale: float | None = None):
+        """`scale`: the scores' (None: 1/sqrt(D); Granite's attention_multiplier)."""
         if attends_eagerly(q.shape[1], q.dtype, q.device):
-            return eager_attention(q, k, v)
+            return eager_attention(q, k, v, scale)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=True,
+            scale=scale,
         )
         return o.transpose(1, 2)

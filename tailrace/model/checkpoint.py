@@ -1,6 +1,6 @@
 """Local HF checkpoint I/O: config.json + model.safetensors (or a sharded model.safetensors.index.json).
 
-Reads Llama, Mistral, Qwen2, Qwen3, OLMo2, OLMo3, SmolLM3 and Phi-3-family checkpoints (Qwen2.5 and SmolLM
+Reads Llama, Mistral, Qwen2, Qwen3, OLMo2, OLMo3, SmolLM3, Phi-3 and Granite-family checkpoints (Qwen2.5 and SmolLM
 included: their model_type is qwen2 or llama; Phi-3's fused projections are split, `model/fused.py`)
 and writes ones `transformers.AutoModelForCausalLM.from_pretrained` loads. Every bad input raises
 `CheckpointError` with one line naming the problem and the fix. Nothing is downloaded.

@@ -1,9 +1,9 @@
-"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3-family decoder, and its
-mapping to and from HF config.json.
+"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite-family decoder,
+and its mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3ForCausalLM.
+loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3/GraniteForCausalLM.
 
 - Qwen3 is Llama's layout with a per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch
   on every attention projection.
@@ -23,6 +23,10 @@ loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3ForCausalLM.
   transformers and vLLM switch to the long ones for the whole sequence (cached keys included), so
   sequences are held to that length. Phi-4-mini rotates only part of each head (`partial_rotary_factor`:
   the first `rotary_dim` dims, halves paired within them; the rest pass through).
+- Granite (IBM's) is Llama's with four scalars (`multipliers`): the embeddings times
+  `embedding_multiplier`, each layer's attention and MLP outputs times `residual_multiplier` before
+  they join the residual, attention scores scaled by `attention_multiplier` (not 1/sqrt(head_dim)), and
+  the logits divided by `logits_scaling`.
 
 Features those classes have and this decoder lacks (windows on some layers outside OLMo3, MLP bias,
 partial rotary outside Phi-3, non-SiLU activations, other RoPE types) are rejected, never silently
@@ -44,6 +48,7 @@ ARCHITECTURES = {
     "olmo3": "Olmo3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
@@ -55,7 +60,7 @@ ROPE_REQUIRED = {
 }
 _HF_DEFAULT_MAX_POS = {
     "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048,
-    "smollm3": 32768, "phi3": 4096,
+    "smollm3": 32768, "phi3": 4096, "granite": 2048,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
 _HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5}  # else 1e-6
@@ -103,6 +108,11 @@ class ModelConfig:
     # parameters} (None: the full layers'); None for the other families
     layer_types: tuple[str, ...] | None = None
     local_rope: dict | None = None
+    # Granite's scalars (1.0 and None elsewhere; attention_multiplier None: 1/sqrt(head_dim))
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -207,6 +217,36 @@ class ModelConfig:
                 )
             self.no_rope_layers = layers
         self._check_layer_types()
+        self._check_multipliers()
+
+    def _check_multipliers(self) -> None:
+        names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+        for name in names:
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{name}={v!r} must be a number > 0")
+            setattr(self, name, float(v))
+        if self.model_type != "granite" and self.multipliers != (1.0, 1.0, None, 1.0):
+            raise ValueError(
+                f"{', '.join(names)} are Granite's; model_type={self.model_type!r} has none: leave them at "
+                "1.0 (attention_multiplier None)"
+            )
+
+    @property
+    def multipliers(self) -> tuple[float, float, float | None, float]:
+        return (
+            self.embedding_multiplier,
+            self.residual_multiplier,
+            self.attention_multiplier,
+            self.logits_scaling,
+        )
+
+    @property
+    def attention_scale(self) -> float:
+        """What q k^T is multiplied by: Granite's attention_multiplier, else 1/sqrt(head_dim)."""
+        return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
 
     def _check_layer_types(self) -> None:
         if self.model_type != "olmo3":
@@ -382,6 +422,7 @@ class ModelConfig:
             partial_rotary_factor=partial,
             layer_types=d.get("layer_types") if model_type == "olmo3" else None,
             local_rope=local,
+            **(_granite_from_hf(d) if model_type == "granite" else {}),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -419,8 +460,11 @@ class ModelConfig:
         }
         if self.rope_scaling:
             d["rope_scaling"] = dict(self.rope_scaling)
-        if self.model_type == "llama":
+        if self.model_type in ("llama", "granite"):
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
+            if self.model_type == "granite":
+                d.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
+                         attention_multiplier=self.attention_scale, logits_scaling=self.logits_scaling)  # fmt: skip
         elif self.model_type in WINDOWED:
             d.update(sliding_window=self.sliding_window)
         elif self.model_type != "olmo2":
@@ -489,6 +533,12 @@ def _normalize_rope_scaling(rs: dict | None, max_pos: int) -> dict | None:
     if rope_type == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
         raise ValueError("rope_scaling llama3 needs high_freq_factor > low_freq_factor")
     return {"rope_type": rope_type, **rs}
+
+
+def _granite_from_hf(d: dict) -> dict:
+    """GraniteConfig's scalars, its defaults (1.0; attention_multiplier too) where config.json leaves them out."""
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    return {k: d.get(k, 1.0) for k in keys}
 
 
 def _olmo3_rope(d: dict, max_pos: int) -> tuple[float, dict | None, dict]:

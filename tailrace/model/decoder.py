@@ -1,7 +1,7 @@
-"""`CausalLM`: a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3-family decoder in plain PyTorch.
+"""`CausalLM`: a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite-family decoder in plain PyTorch.
 
 Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
-Olmo2ForCausalLM / Olmo3ForCausalLM / SmolLM3ForCausalLM, so state_dicts map 1:1 (Phi3ForCausalLM's
+Olmo2ForCausalLM / Olmo3ForCausalLM / SmolLM3ForCausalLM / GraniteForCausalLM, so state_dicts map 1:1 (Phi3ForCausalLM's
 fused projections split and join: `fused.py`).
 
 The forward runs whole sequences with causal attention. Callers right-pad batches, so no padding mask
@@ -45,6 +45,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, cfg.rope_at(index))
         self.local = cfg.local_at(index)
+        self.residual = cfg.residual_multiplier  # Granite's: each output's weight into the residual
         self.mlp = MLP(cfg)
         self.post_norms = post = cfg.post_norms
         if post:
@@ -57,6 +58,9 @@ class DecoderLayer(nn.Module):
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(x, step))
             return x + self.post_feedforward_layernorm(self.mlp(x))
+        if self.residual != 1.0:
+            x = x + self.self_attn(self.input_layernorm(x), step) * self.residual
+            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual
         x = x + self.self_attn(self.input_layernorm(x), step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -117,9 +121,19 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V); positions (B, T) default arange(T) per row."""
-        x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
+        x = embed(self.model.embed_tokens(input_ids), self.config)  # (B, T, hidden)
         x = run_layers(self.model.layers, x, self.rotary, self.local_rotary, input_ids.shape[1], positions)
-        return self.lm_head(self.model.norm(x))
+        return logits(self.lm_head(self.model.norm(x)), self.config)
+
+
+def embed(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The embeddings as the layers take them: times Granite's embedding_multiplier (in their dtype)."""
+    return x if cfg.embedding_multiplier == 1.0 else x * cfg.embedding_multiplier
+
+
+def logits(y: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The LM head's output as the model's logits: divided by Granite's logits_scaling."""
+    return y if cfg.logits_scaling == 1.0 else y / cfg.logits_scaling
 
 
 def local_rotary(cfg: ModelConfig) -> Rotary | None:

@@ -10,7 +10,7 @@ tokenizer files and chat template the source carries).
   loading a pickle runs code), whatever its dtype or sharding.
 
 Only what tailrace's decoder supports is accepted (Llama / Mistral / Qwen2 / Qwen3 / OLMo2 / OLMo3 /
-SmolLM3 / Phi-3 families; `ModelConfig.from_hf` names anything else). The converted model is checked
+SmolLM3 / Phi-3 / Granite families; `ModelConfig.from_hf` names anything else). The converted model is checked
 against the source: the logits of a few tokens through tailrace's forward and transformers' must agree
 (fp32: within 1e-4).
 """
@@ -50,8 +50,8 @@ def import_model(src: str | Path, out: str | Path, dtype: str = "float32") -> Im
         cfg = ModelConfig.from_hf(d)
     except (KeyError, ValueError) as e:
         raise CheckpointError(
-            f"{src}: {e}; tailrace's decoder reads Llama, Mistral, Qwen2, Qwen3, OLMo2, OLMo3, SmolLM3 and "
-            "Phi-3-family models"
+            f"{src}: {e}; tailrace's decoder reads Llama, Mistral, Qwen2, Qwen3, OLMo2, OLMo3, SmolLM3, "
+            "Phi-3 and Granite-family models"
         ) from None
     model = CausalLM(cfg)
     state = {k: v.float() for k, v in hf_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}

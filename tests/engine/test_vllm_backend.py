@@ -285,3 +285,13 @@ def test_an_olmo3_checkpoint_matches_tailraces_engine_and_is_held_to_its_window(
     _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
     with pytest.raises(EngineError, match=f"past the model's sliding_window={CONTEXT}"):
         _vllm(tmp_path / "v0", max_context=CONTEXT + 1)
+
+
+def test_a_granite_checkpoint_matches_tailraces_engine(tmp_path):
+    """Granite 3's layout: Llama's with its four scalars (embeddings x12, each output into the residual
+    x0.22, attention scores x1/128, logits /8); vLLM's Granite class, before and after a reload."""
+    shape = dict(
+        model_type="granite", tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.0078125, logits_scaling=8.0,
+    )  # fmt: skip
+    _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))

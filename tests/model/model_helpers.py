@@ -107,6 +107,17 @@ CONFIGS = {
     "olmo2-gqa2-bias": dict(
         model_type="olmo2", num_attention_heads=4, num_key_value_heads=2, attention_bias=True
     ),
+    # Granite 3's layout: Llama's, tied, with its four scalars (Granite-3.x-8B's values, logits 8 here)
+    "granite-gqa2-tied-multipliers": dict(
+        model_type="granite",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=8.0,
+    ),  # fmt: skip
     # OLMo3's layout: OLMo2's, a sliding layer (window 48 of 64 positions: every test sequence fits it) with
     # plain RoPE of its own theta, and a full layer with YaRN (as OLMo-3-7B's long-context layers)
     "olmo3-gqa2-window-localrope": dict(
@@ -126,6 +137,7 @@ HF_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }

@@ -107,6 +107,8 @@ def test_defaults_follow_hf():
         ),  # fmt: skip
         (dict(model_type="phi3", attention_bias=True), ["attention_bias=True", "phi3"]),
         (dict(partial_rotary_factor=0.5), ["partial_rotary_factor=0.5", "Phi-3's", "1.0"]),
+        (dict(residual_multiplier=0.5), ["residual_multiplier", "Granite's", "model_type='llama'"]),
+        (dict(model_type="granite", logits_scaling=0.0), ["logits_scaling=0.0", "> 0"]),
         (
             dict(model_type="phi3", partial_rotary_factor=0.1),
             ["partial_rotary_factor=0.1", "even rotary_dim"],

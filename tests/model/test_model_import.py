@@ -9,6 +9,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoTokenizer,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Olmo3Config,
@@ -120,7 +122,7 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
 
 
-@pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "qwen3", "phi3", "phi4-mini", "olmo3"])
+@pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "qwen3", "phi3", "phi4-mini", "olmo3", "granite"])
 def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch):
     tok = tiny_bpe()
     V = tok.get_vocab_size()
@@ -153,6 +155,10 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
                 sliding_window=16, rope_scaling=rope, pad_token_id=0, **{**shape, "num_hidden_layers": 4}
             )
             model = Olmo3ForCausalLM(cfg).eval()
+        elif arch == "granite":  # its scalars: embeddings, residual, attention scores, logits
+            cfg = GraniteConfig(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03,
+                                logits_scaling=8.0, tie_word_embeddings=True, pad_token_id=0, **shape)  # fmt: skip
+            model = GraniteForCausalLM(cfg).eval()
         else:
             model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
     else:

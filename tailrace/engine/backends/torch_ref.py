@@ -36,7 +36,7 @@ from tailrace.engine.backends.weights import FusedWeights, norm_qk
 from tailrace.engine.chunks import Chunk
 from tailrace.engine.ckernel import Kernels
 from tailrace.engine.kv_cache import KVCache
-from tailrace.model.decoder import CausalLM
+from tailrace.model.decoder import CausalLM, embed, logits
 from tailrace.model.rope import inv_freq_and_scale, rope_table
 
 UPCAST_MAX_BATCH = 8  # bf16/fp16 decode attention of at most this many rows runs on fp32 copies
@@ -109,13 +109,15 @@ class TorchBackend:
     ) -> torch.Tensor:
         """See `Backend.forward`."""
         B, M = rows.stop - rows.start, tokens.shape[0]
-        x = F.embedding(tokens, self.w.embed)  # (M, hidden)
+        x = embed(F.embedding(tokens, self.w.embed), self.model.config)  # (M, hidden)
         x = self._layers(x, positions, cache, rows, chunks, pieces, self.w.packed_at(M), lora)
         if want is not None:
             x = x.index_select(0, want)
         elif M > B:
             x = x[:B]
-        return self.w.lm_head(self._rms(x, self.w.norm), self.w.packed_at(x.shape[0]))
+        return logits(
+            self.w.lm_head(self._rms(x, self.w.norm), self.w.packed_at(x.shape[0])), self.model.config
+        )
 
     def _layers(self, x, positions, cache, rows, chunks, pieces, pk: bool, lora=None) -> torch.Tensor:
         """The layers over x (M, hidden), `pk`: GEMMs on packed weights; `lora`: the tokens' adapters."""
@@ -187,9 +189,12 @@ class TorchBackend:
     def _o(self, i: int, lw, o: torch.Tensor, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
         """x + the attention output o (M, H D) projected (and its adapter terms; normed in a post-norm
         layer)."""
-        y = lw.o.add(o, x, pk) if lw.post_attn is None else lw.o(o, pk)
+        m = self.model.config.residual_multiplier  # Granite's: the output's weight into the residual
+        y = lw.o.add(o, x, pk) if lw.post_attn is None and m == 1.0 else lw.o(o, pk)
         if lora is not None:
             lora.add(i, "o", o, y, self.kernel)
+        if m != 1.0:
+            return x + y * m
         return y if lw.post_attn is None else x + self._rms(y, lw.post_attn)
 
     def _mlp(self, i: int, lw, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
@@ -200,9 +205,12 @@ class TorchBackend:
         if lora is not None:
             lora.add(i, "gate_up", xn, gu, self.kernel)
         h = self._silu_mul(gu)
-        y = lw.down.add(h, x, pk) if lw.post_mlp is None else lw.down(h, pk)
+        m = self.model.config.residual_multiplier
+        y = lw.down.add(h, x, pk) if lw.post_mlp is None and m == 1.0 else lw.down(h, pk)
         if lora is not None:
             lora.add(i, "down", h, y, self.kernel)
+        if m != 1.0:
+            return x + y * m
         return y if lw.post_mlp is None else x + self._rms(y, lw.post_mlp)
 
     def _gather_index(self, table_rows: torch.Tensor, S: int, bs: int) -> torch.Tensor:

@@ -78,7 +78,7 @@ class FusedWeights:
         self.I = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         self.scale_fp32 = cfg.post_norms  # OLMo2's RMSNorm: scaled in fp32, then rounded to the dtype
-        self.scale = self.D**-0.5
+        self.scale = cfg.attention_scale  # 1/sqrt(D), or Granite's attention_multiplier
         w = model.model.embed_tokens.weight
         self.dtype, self.device = w.dtype, w.device
         self.packed = packing_supported(self.dtype) if packed is None else packed

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailrace.model.decoder import CausalLM, DecoderLayer, RMSNorm, local_rotary, run_layers
+from tailrace.model.decoder import embed as scale_embed
+from tailrace.model.decoder import logits as scale_logits
 from tailrace.model.rope import Rotary
 
 LR = 3e-3
@@ -57,9 +59,9 @@ class DraftNet(nn.Module):
 
     def forward(self, ids: torch.Tensor, embed: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """ids (B, T) -> logits (B, T, V), reading the policy's `embed` (V, hidden) and `head` (V, hidden)."""
-        x = F.embedding(ids, embed)  # (B, T, hidden)
+        x = scale_embed(F.embedding(ids, embed), self.config)  # (B, T, hidden)
         x = run_layers(self.layers, x, self.rotary, self.local_rotary, ids.shape[1])
-        return F.linear(self.norm(x), head)
+        return scale_logits(F.linear(self.norm(x), head), self.config)
 
     def loss(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]], embed, head) -> torch.Tensor:
         """Mean next-token cross-entropy over the response tokens of (prompt, response) pairs."""
