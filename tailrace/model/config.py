@@ -196,8 +196,8 @@ class ModelConfig:
                 raise ValueError(f"sliding_window={w!r} must be an int >= 2, or None (no window)")
             if self.model_type not in WINDOWED:
                 raise ValueError(
-                    f"sliding_window={w} is Mistral's and Phi-3's; model_type={self.model_type!r} has none: "
-                    "set it to None"
+                    f"sliding_window={w} is Mistral's, Phi-3's and OLMo3's; model_type={self.model_type!r} has "
+                    "none: set it to None"
                 )
             if w >= self.max_position_embeddings:
                 self.sliding_window = None  # it covers every position: no window
@@ -303,12 +303,26 @@ class ModelConfig:
         long ones, keys already cached included, which a KV cache cannot follow."""
         return self.rope_scaling["original_max_position_embeddings"] if self.rope_type == "longrope" else None
 
+    def held_to(self) -> list[tuple[int, str, str]]:
+        """The lengths a sequence is held to, each (limit, the setting that sets it, why past it the model
+        and this decoder would differ): the sliding window (within it, the window's attention is this
+        decoder's full attention) and LongRoPE's short range. `context` refuses past them, and so does the
+        decoder's RoPE table (`rope.rope_limit`)."""
+        held = []
+        if (w := self.sliding_window) is not None:
+            held.append((w, f"sliding_window={w}", f"it attends only to the last {w} positions, and tailrace's "
+                         "decoder to every one, which is the same attention only within the window"))  # fmt: skip
+        if (n := self.longrope_limit) is not None:
+            held.append((n, f"LongRoPE original_max_position_embeddings={n}", "past it the model rotates every "
+                         "position by its long factors, keys already cached included, which a KV cache cannot "
+                         "follow"))  # fmt: skip
+        return held
+
     @property
     def context_limit(self) -> int:
-        """Tokens a sequence may hold, prompt and response: max_position_embeddings, or less where the
-        sliding window (within it, the window's attention is this decoder's full attention) or LongRoPE's
-        short range ends first."""
-        return min(x for x in (self.sliding_window, self.longrope_limit, self.max_position_embeddings) if x)
+        """Tokens a sequence may hold, prompt and response: max_position_embeddings, or less where a
+        length it is held to (`held_to`) ends first."""
+        return min([self.max_position_embeddings, *(limit for limit, _, _ in self.held_to())])
 
     def context(self, asked: int | None, key: str = "max_context") -> int:
         """The context limit a run or an engine asked for (`asked`, the setting `key`; None:
@@ -317,19 +331,9 @@ class ModelConfig:
         short range, where the model's rotation of every position changes."""
         if asked is None:
             return self.context_limit
-        if self.sliding_window is not None and asked > self.sliding_window:
-            raise ValueError(
-                f"{key}={asked} is past the model's sliding_window={self.sliding_window}: it attends "
-                f"only to the last {self.sliding_window} positions, and tailrace's decoder to every one, "
-                f"which is the same attention only within the window; set {key} <= {self.sliding_window}"
-            )
-        limit = self.longrope_limit
-        if limit is not None and asked > limit:
-            raise ValueError(
-                f"{key}={asked} is past the model's LongRoPE original_max_position_embeddings={limit}: "
-                "past it the model rotates every position by its long factors, keys already cached "
-                f"included, which a KV cache cannot follow; set {key} <= {limit}"
-            )
+        for limit, what, why in self.held_to():
+            if asked > limit:
+                raise ValueError(f"{key}={asked} is past the model's {what}: {why}; set {key} <= {limit}")
         return asked
 
     @property
@@ -574,7 +578,9 @@ def _check_longrope(rs: dict) -> None:
             )
         rs[k] = [float(x) for x in f]
     if len(rs["short_factor"]) != len(rs["long_factor"]):
-        raise ValueError("rope_scaling short_factor and long_factor must have the same length (head_dim / 2)")
+        raise ValueError(
+            "rope_scaling short_factor and long_factor must have the same length (rotary_dim / 2)"
+        )
     for k in ("factor", "attention_factor"):
         if rs.get(k) is not None and not rs[k] > 0:
             raise ValueError(f"rope_scaling {k}={rs[k]!r} must be > 0")

@@ -23,7 +23,8 @@ def inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """(inv_freq (rotary_dim/2,) fp32, always on CPU, attention_scaling applied to cos/sin)."""
     base, dim, rs = cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling or {}
     exps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim
-    inv_freq = 1.0 / (base**exps)
+    pos_freqs = base**exps  # each pair's wavelength / 2 pi
+    inv_freq = 1.0 / pos_freqs
     kind = cfg.rope_type
     if kind in ("default", "dynamic"):
         # dynamic NTK equals default up to max_position_embeddings; beyond it is rejected (rope_limit).
@@ -33,26 +34,18 @@ def inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     if kind == "llama3":
         return _llama3(inv_freq, rs), 1.0
     if kind == "yarn":
-        return _yarn(cfg, rs)
+        return _yarn(cfg, rs, pos_freqs)
     if kind == "longrope":
-        return _longrope(cfg, rs)
+        return _longrope(cfg, rs, pos_freqs)
     raise ValueError(f"rope_type={kind!r} is not supported")
 
 
 def rope_limit(cfg: ModelConfig) -> tuple[int, str] | None:
-    """(the position count a sequence must stay within, why), or None: unbounded. Dynamic NTK's and
-    LongRoPE's frequencies change with the sequence length (past max_position_embeddings, past
-    original_max_position_embeddings), which a position-indexed table and a KV cache cannot express,
-    so they are supported only inside that range. A sliding window (always below
-    max_position_embeddings: ModelConfig drops one that is not): past it the model attends to a window,
-    and this decoder to every position."""
-    limits = []
-    if cfg.sliding_window is not None:
-        limits.append((cfg.sliding_window, f"the model's sliding_window={cfg.sliding_window}, past which it "
-                       "attends to a window and this decoder to every position (unsupported)"))  # fmt: skip
-    if cfg.longrope_limit is not None:
-        limits.append((cfg.longrope_limit, f"LongRoPE's original_max_position_embeddings={cfg.longrope_limit}, "
-                       "past which the model rotates every position by its long factors (unsupported)"))  # fmt: skip
+    """(the position count a sequence must stay within, why), or None: unbounded. The lengths the config
+    holds sequences to (`ModelConfig.held_to`: a sliding window, LongRoPE's short range), and dynamic
+    NTK's range: its frequencies change with the sequence length past max_position_embeddings, which a
+    position-indexed table and a KV cache cannot express, so it is supported only inside it."""
+    limits = [(limit, f"the model's {what}: {why} (unsupported)") for limit, what, why in cfg.held_to()]
     if cfg.rope_type == "dynamic":
         limits.append((cfg.max_position_embeddings, f"max_position_embeddings={cfg.max_position_embeddings}, "
                        "where 'dynamic' RoPE changes with the sequence length (unsupported)"))  # fmt: skip
@@ -132,7 +125,7 @@ def _llama3(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn(cfg: ModelConfig, rs: dict) -> tuple[torch.Tensor, float]:
+def _yarn(cfg: ModelConfig, rs: dict, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
     base, dim = cfg.rope_theta, cfg.rotary_dim
     factor = rs["factor"]
     orig = rs["original_max_position_embeddings"]
@@ -156,13 +149,12 @@ def _yarn(cfg: ModelConfig, rs: dict) -> tuple[torch.Tensor, float]:
     if low == high:
         high += 0.001  # as HF: avoid a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # share of the unscaled (extrapolated) frequency per dimension
     return interpolation * (1 - keep) + extrapolation * keep, attention_factor
 
 
-def _longrope(cfg: ModelConfig, rs: dict) -> tuple[torch.Tensor, float]:
+def _longrope(cfg: ModelConfig, rs: dict, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
     """LongRoPE within original_max_position_embeddings (`rope_limit`): the short factors divide each
     frequency; cos and sin are scaled by sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings /
     original (or the given factor), unless `attention_factor` is given."""
@@ -171,6 +163,5 @@ def _longrope(cfg: ModelConfig, rs: dict) -> tuple[torch.Tensor, float]:
     scale = rs.get("attention_factor")
     if scale is None:
         scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    shape = torch.arange(0, cfg.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / cfg.rotary_dim
     short = torch.tensor(rs["short_factor"], dtype=torch.float32, device="cpu")
-    return 1.0 / (short * cfg.rope_theta**shape), scale
+    return 1.0 / (short * pos_freqs), scale
