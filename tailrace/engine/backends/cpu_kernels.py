@@ -36,9 +36,9 @@ class KernelBackend(TorchBackend):
     ):
         super().__init__(model, max_context, kv_dtype, "bmm", packed, kernel, int8)
         self.name, self.kernel = "kernel", kernel
-        # the table a layer without RoPE (SmolLM3's) rotates by: cos 1, sin 0, which leaves q and k as
-        # they are, bit for bit; built only for a model that has such layers
-        # (and OLMo3's sliding layers, their own table)
+        # each layer's RoPE table: OLMo3's sliding layers have their own; a layer without RoPE (SmolLM3's)
+        # rotates by cos 1, sin 0, which leaves q and k as they are, bit for bit (built only for a model
+        # that has such layers)
         self.tables = [self.local_cos_sin if near else self.cos_sin for near in self.local]
         if not all(self.rope):
             identity = torch.stack(
