@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from tailrace.common import InputError, one_line
-from tailrace.config.train import FUSED_TARGETS
+from tailrace.config.train import FUSED_TARGETS, fused_module
 from tailrace.model import fused
 from tailrace.model.checkpoint import read_config
 from tailrace.model.flat import FlatWeights, Layout
@@ -183,8 +183,8 @@ class TrainerClient:
         targets = list(lc.targets)
         if fused.fused(
             read_config(self.start)
-        ):  # Phi-3: PEFT adapts the fused modules (the run took whole groups)
-            targets = sorted({next((f for f, ps in FUSED_TARGETS.items() if t in ps), t) for t in targets})
+        ):  # Phi-3: PEFT adapts its fused modules (whole: Session checks)
+            targets = sorted({fused_module(t) for t in targets})
         return LoraConfig(r=lc.rank, lora_alpha=lc.alpha, target_modules=targets, lora_dropout=0.0,
                           bias="none", task_type="CAUSAL_LM")  # fmt: skip
 

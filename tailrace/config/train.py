@@ -69,6 +69,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def fused_module(target: str) -> str:
+    """The fused module (Phi-3's) that stacks projection `target`, or `target` itself where none does."""
+    return next((name for name, parts in FUSED_TARGETS.items() if target in parts), target)
+
+
 @dataclass
 class LoraConfig:
     rank: int = setting(0, "LoRA rank r: train low-rank adapters on a frozen base (0 = train every weight)")
@@ -115,8 +120,7 @@ class LoraConfig:
         theirs = (peft.get("r"), float(peft.get("lora_alpha", 0)), sorted(peft.get("target_modules") or ()))
         ours = (self.rank, self.alpha, sorted(self.targets))
         if set(theirs[2]) & set(FUSED_TARGETS):  # a Phi-3 adapter: its fused modules, each some of ours
-            fused = {next((f for f, parts in FUSED_TARGETS.items() if t in parts), t) for t in self.targets}
-            ours = (*ours[:2], sorted(fused))
+            ours = (*ours[:2], sorted({fused_module(t) for t in self.targets}))
         need(
             theirs == ours,
             f"train.lora.init={self.init}: the adapter has r={theirs[0]}, lora_alpha={theirs[1]:g}, "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tailrace.config.train import FUSED_TARGETS
+from tailrace.config.train import FUSED_TARGETS, fused_module
 from tailrace.model.config import ModelConfig
 
 # fused projection -> (its parent module, the projections it stacks, in row order)
@@ -149,7 +149,9 @@ def split_adapter(weights: Weights, cfg: ModelConfig, rank: int, source: str) ->
 
 
 def _group_of(target: str) -> str | None:
-    return next((name for name, (_, parts) in GROUPS.items() if target in parts), None)
+    """The fused module that stacks `target`, or None."""
+    name = fused_module(target)
+    return name if name != target else None
 
 
 def rank_factor(cfg: ModelConfig) -> int:
