@@ -39,6 +39,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from tailrace.common import ConfigError
+
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -326,14 +328,15 @@ class ModelConfig:
 
     def context(self, asked: int | None, key: str = "max_context") -> int:
         """The context limit a run or an engine asked for (`asked`, the setting `key`; None:
-        `context_limit`). One past the sliding window is refused (ValueError): there the model attends
-        to a window, this decoder to every position, and the two would differ; so is one past LongRoPE's
-        short range, where the model's rotation of every position changes."""
+        `context_limit`). One past a length the model is held to (`held_to`) is refused in one line naming
+        `key` (ConfigError, a ValueError): past the sliding window the model attends to a window, this
+        decoder to every position; past LongRoPE's short range the model's rotation of every position
+        changes."""
         if asked is None:
             return self.context_limit
         for limit, what, why in self.held_to():
             if asked > limit:
-                raise ValueError(f"{key}={asked} is past the model's {what}: {why}; set {key} <= {limit}")
+                raise ConfigError(f"{key}={asked} is past the model's {what}: {why}; set {key} <= {limit}")
         return asked
 
     @property

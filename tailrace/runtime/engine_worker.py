@@ -82,9 +82,8 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
     if spec.lora_alpha is not None:
         engine = AdapterVersions(engine, spec.lora_alpha)
     disk = dict(spec.from_disk)
-    base = (
-        read_config(spec.model_path) if spec.lora_alpha is not None else None
-    )  # splits Phi-3's fused adapters
+    # the base's config splits Phi-3's fused adapters (load_peft)
+    base = read_config(spec.model_path) if spec.lora_alpha is not None else None
     for v in spec.start_versions:
         if v in disk and isinstance(engine, AdapterVersions):  # the checkpoint's adapter/, beside model/
             engine.load_adapter_version(load_peft(Path(disk[v]).parent / ADAPTER_DIR, base), v)

@@ -83,10 +83,8 @@ class Session:
             self.model_path, cfg.task.chat_template, cfg.task.system_prompt, cfg.task.thinking
         )
         self.model_cfg, self.tok, self.chat = self.text.model_cfg, self.text.tok, self.text.chat
-        try:  # the engines' context limit: the run's, else the model's (its sliding window, where shorter)
-            self.context = self.model_cfg.context(cfg.rollout.max_context, "rollout.max_context")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        # the engines' context limit: the run's, else the model's (its sliding window, where shorter)
+        self.context = self.model_cfg.context(cfg.rollout.max_context, "rollout.max_context")
         self._check_fused_lora(cfg.train)
         # a multi-turn task's environment: a turn also stops where a tool call ends
         self.env: Environment | None = self.task if isinstance(self.task, Environment) else None

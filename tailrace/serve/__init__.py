@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import torch
 
-from tailrace.common import ConfigError
 from tailrace.config import RunConfig
 from tailrace.engine import build_engine
 from tailrace.model.checkpoint import load_pretrained
@@ -27,10 +26,7 @@ def serve(cfg: RunConfig, say: Callable[[str], None] = print, progress=None, rea
     s = cfg.serve
     path = cfg.model.path or ensure_warm_start(cfg.arch, cfg.sft, progress)
     text = ModelText(path, cfg.task.chat_template, cfg.task.system_prompt, cfg.task.thinking)
-    try:  # a context past the model's sliding window (Mistral v0.1's) is refused
-        text.model_cfg.context(s.context, "serve.context")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    text.model_cfg.context(s.context, "serve.context")  # past the model's sliding window: ConfigError
     torch.set_num_threads(len(available_cores()))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
