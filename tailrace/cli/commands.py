@@ -449,8 +449,7 @@ def import_model(args: Args) -> int:
         raise ConfigError(f"--dtype {dtype}: use float32 or bfloat16")
     r = import_model(args.rest[0], args.flags["--out"], dtype)
     c = r.config
-    why = {c.sliding_window: " (its sliding window)", c.longrope_limit: " (LongRoPE's short range)"}
-    window = why.get(c.context_limit, "") if c.context_limit < c.max_position_embeddings else ""
+    window = " (LongRoPE's short range)" if c.context_limit < c.max_position_embeddings else ""
     console.print(
         f"wrote {r.path}: {c.model_type}, {r.parameters / 1e6:.1f}M parameters, {c.num_hidden_layers} layers, "
         f"context {c.context_limit}{window}, {dtype}, chat template {'yes' if r.chat_template else 'no'}; "

@@ -154,7 +154,7 @@ class VLLMEngine:
         from vllm import EngineArgs, LLMEngine
 
         _check_head_size(cfg.head_dim)
-        try:  # vLLM would keep a window, but the trainer attends to every position: held to the window
+        try:  # held to LongRoPE's short range (vLLM and the trainer attend to a sliding window alike)
             max_context = cfg.context(max_context)
         except ValueError as e:
             raise EngineError(str(e)) from None

@@ -35,24 +35,28 @@ from tailrace.model.rope import apply_rope
 
 class RMSNorm(nn.Module):
     """HF's LlamaRMSNorm: normalize in fp32, cast back to the input dtype, then scale by the weight.
-    `scale_fp32` (OLMo2's): scale in fp32, then cast."""
+    `scale_fp32` (OLMo2's): scale in fp32, then cast. `offset` (Gemma's 1): scale by offset + the weight,
+    in fp32 (Gemma stores its norm weights as w - 1)."""
 
-    def __init__(self, dim: int, eps: float, scale_fp32: bool = False):
+    def __init__(self, dim: int, eps: float, scale_fp32: bool = False, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.scale_fp32 = eps, scale_fp32
+        self.eps, self.scale_fp32, self.offset = eps, scale_fp32 or offset != 0.0, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        if self.offset:
+            return (n * (self.offset + self.weight.float())).to(x.dtype)
         return (self.weight * n).to(x.dtype) if self.scale_fp32 else self.weight * n.to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: bool = True):
-        """`rope`: whether q and k are rotated (SmolLM3 leaves some layers without: `cfg.rope_at`)."""
+    def __init__(self, cfg: ModelConfig, rope: bool = True, window: int | None = None):
+        """`rope`: whether q and k are rotated (SmolLM3 leaves some layers without: `cfg.rope_at`); `window`:
+        the positions each token attends to, its own included (`cfg.window_at`; None: all before it)."""
         super().__init__()
-        self.rope = rope
-        self.scale = cfg.attention_multiplier  # Granite's; None: 1/sqrt(head_dim)
+        self.rope, self.window = rope, window
+        self.scale = cfg.score_scale  # Granite's, Gemma 3's; None: 1/sqrt(head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -64,9 +68,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm, self.qk_norm_wide = cfg.qk_norm, cfg.post_norms
-        if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalized over head_dim before RoPE
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: each head's q and k RMS-normalized over head_dim before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
         elif cfg.post_norms:  # OLMo2: q and k RMS-normalized over all their heads at once
             self.q_norm = RMSNorm(self.num_heads * self.head_dim, cfg.rms_norm_eps, scale_fp32=True)
             self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, cfg.rms_norm_eps, scale_fp32=True)
@@ -83,7 +87,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
-        o = step.attend(q, k, v, self.scale)  # (B, T, H, D), possibly strided
+        o = step.attend(q, k, v, self.scale, self.window)  # (B, T, H, D), possibly strided
         return self.o_proj(o.reshape(B, T, -1))
 
 
@@ -113,18 +117,22 @@ def sdpa_only() -> Iterator[None]:
         _eager_on = was
 
 
-def causal_mask(T: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(T, T): 0 on and below the diagonal, -inf above; cached per shape."""
-    key = (T, dtype, device)
+def causal_mask(T: int, dtype: torch.dtype, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """(T, T): 0 where query i sees key j (j <= i, and i - j < `window` where given), -inf elsewhere;
+    cached per shape."""
+    key = (T, dtype, device, window)
     m = _masks.get(key)
     if m is None:
-        m = _masks[key] = torch.full((T, T), float("-inf"), dtype=dtype, device=device).triu(1)
+        m = torch.full((T, T), float("-inf"), dtype=dtype, device=device).triu(1)
+        if window is not None:
+            m = m + torch.full_like(m, float("-inf")).tril(-window)
+        _masks[key] = m
     return m
 
 
-def eager_attention(q, k, v, scale: float | None = None):
-    """q (B, T, H, D), k and v (B, T, KV, D) -> (B, T, H, D), causal, grouped as `repeat_kv`; scores
-    scaled by `scale` (None: 1/sqrt(D))."""
+def eager_attention(q, k, v, scale: float | None = None, window: int | None = None):
+    """q (B, T, H, D), k and v (B, T, KV, D) -> (B, T, H, D), causal (within the last `window` positions
+    where given), grouped as `repeat_kv`; scores scaled by `scale` (None: 1/sqrt(D))."""
     B, T, H, D = q.shape
     KV = k.shape[2]
     qg = q.permute(0, 2, 1, 3).unflatten(1, (KV, H // KV))  # (B, KV, G, T, D): head h = kv * G + g
@@ -132,7 +140,7 @@ def eager_attention(q, k, v, scale: float | None = None):
     low = _compute_dtype(q.dtype)
     with torch.autocast("cpu", enabled=False):
         s = torch.matmul(qg.float(), kt.float()) * (D**-0.5 if scale is None else scale)
-        s = s + causal_mask(T, torch.float32, q.device)
+        s = s + causal_mask(T, torch.float32, q.device, window)
     o = torch.matmul(torch.softmax(s, dim=-1).to(low), vt)  # (B, KV, G, T, D)
     return o.flatten(1, 2).transpose(1, 2)
 
@@ -145,15 +153,19 @@ class CausalStep:
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
         self.cos, self.sin = cos, sin  # (B or 1, T, 1, D)
 
-    def attend(self, q, k, v, scale: float | None = None):
-        """`scale`: the scores' (None: 1/sqrt(D); Granite's attention_multiplier)."""
-        if attends_eagerly(q.shape[1], q.dtype, q.device):
-            return eager_attention(q, k, v, scale)
+    def attend(self, q, k, v, scale: float | None = None, window: int | None = None):
+        """`scale`: the scores' (None: 1/sqrt(D); Granite's attention_multiplier, Gemma 3's); `window`: each
+        query attends to its last this many positions, its own included (None: to all before it)."""
+        T = q.shape[1]
+        if attends_eagerly(T, q.dtype, q.device):
+            return eager_attention(q, k, v, scale, None if window is None or window >= T else window)
+        windowed = window is not None and window < T
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            is_causal=True,
+            attn_mask=causal_mask(T, torch.float32, q.device, window) == 0 if windowed else None,
+            is_causal=not windowed,
             enable_gqa=True,
             scale=scale,
         )

@@ -1,24 +1,23 @@
-"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite-family decoder,
-and its mapping to and from HF config.json.
+"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 3-family
+decoder, and its mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3/GraniteForCausalLM.
+loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3/Granite/Gemma3ForCausalLM.
 
 - Qwen3 is Llama's layout with a per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch
   on every attention projection.
-- Mistral is Llama's without biases, and with a sliding window in v0.1 (every layer attends to the last
-  `sliding_window` positions): this decoder attends to every position, which is the same attention for
-  a sequence the window holds, so sequences are held to the window (`context_limit`, `context`).
+- Mistral is Llama's without biases, and with a sliding window in v0.1: every layer attends to the last
+  `sliding_window` positions (`window_at`; the decoder and the engine attend to exactly those).
 - OLMo2 moves each layer's norms after its attention and its MLP (`post_norms`: no norm before them),
   normalizes q and k over their whole width (all heads at once) before RoPE, and its RMSNorm scales in
   fp32 before rounding to the dtype. OLMo3 is OLMo2's with a sliding window on some layers
-  (`layer_types`; by default three of every four), held to the window as Mistral's, and RoPE of their
-  own there (`local_rope`: theta and scaling; the full layers' are `rope_theta`, `rope_scaling`).
+  (`layer_types`; by default three of every four) and RoPE of their own there (`local_rope`: theta and
+  scaling; the full layers' are `rope_theta`, `rope_scaling`).
 - SmolLM3 is Llama's with no RoPE in some layers (`no_rope_layers`: 1 where a layer rotates q and k, 0
   where it does not; by default every fourth layer).
 - Phi-3 is Llama's with q/k/v and gate/up each stored as one fused matrix (split on load, fused on save:
-  `model/fused.py`), a sliding window in its 4k models (held to it, as Mistral's), and LongRoPE in its
+  `model/fused.py`), a sliding window in its 4k models (as Mistral's), and LongRoPE in its
   128k ones and Phi-3.5: its short factors up to `original_max_position_embeddings`, past which
   transformers and vLLM switch to the long ones for the whole sequence (cached keys included), so
   sequences are held to that length. Phi-4-mini rotates only part of each head (`partial_rotary_factor`:
@@ -27,10 +26,16 @@ loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3/GraniteForCausalLM
   `embedding_multiplier`, each layer's attention and MLP outputs times `residual_multiplier` before
   they join the residual, attention scores scaled by `attention_multiplier` (not 1/sqrt(head_dim)), and
   the logits divided by `logits_scaling`.
+- Gemma 3 (its text model, `gemma3_text`: the 1B, and the text part of the larger ones saved on its own)
+  has OLMo3's layer types (by default five sliding layers of every six, RoPE theta 1e4 there and 1e6 in the
+  full layers) and Qwen3's per-head q/k norms, an RMSNorm both before and after the attention and the MLP,
+  every RMSNorm scaling by 1 + its weight in fp32 (`gemma`, `norm_offset`), GeGLU (`hidden_act`),
+  embeddings times sqrt(hidden_size) rounded to their dtype, and scores scaled by
+  `query_pre_attn_scalar` ** -0.5.
 
-Features those classes have and this decoder lacks (windows on some layers outside OLMo3, MLP bias,
-partial rotary outside Phi-3, non-SiLU activations, other RoPE types) are rejected, never silently
-ignored.
+Features those classes have and this decoder lacks (windows on some layers outside OLMo3 and Gemma 3,
+MLP bias, partial rotary outside Phi-3, activations but SwiGLU's and Gemma's, softcapping (Gemma 2),
+other RoPE types) are rejected, never silently ignored.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
@@ -62,7 +68,7 @@ ROPE_REQUIRED = {
 }
 _HF_DEFAULT_MAX_POS = {
     "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048,
-    "smollm3": 32768, "phi3": 4096, "granite": 2048,
+    "smollm3": 32768, "phi3": 4096, "granite": 2048, "gemma3_text": 131072,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
 _HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5}  # else 1e-6
@@ -70,7 +76,19 @@ _HF_OLMO3_WINDOW, _HF_OLMO3_THETA = 4096, 500000.0  # Olmo3Config's sliding_wind
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 _HF_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json leaves it out
 _HF_PHI3_ORIGINAL = 4096  # Phi3Config's original_max_position_embeddings (it wins over rope_scaling's)
-WINDOWED = ("mistral", "phi3", "olmo3")  # the families whose config.json may name a sliding window
+_HF_GEMMA3_WINDOW, _HF_GEMMA3_PATTERN = 4096, 6  # Gemma3TextConfig's sliding_window, sliding_window_pattern
+_HF_GEMMA3_THETA = (
+    1_000_000.0,
+    10_000.0,
+)  # Gemma3TextConfig's default_theta: the full layers', the sliding ones'
+WINDOWED = (
+    "mistral",
+    "phi3",
+    "olmo3",
+    "gemma3_text",
+)  # the families whose config.json may name a sliding window
+LAYERED = ("olmo3", "gemma3_text")  # the families with a window and RoPE of their own on some layers only
+GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (GeGLU, tanh approximation)
 NO_BIAS = ("mistral", "phi3")  # the families without an attention bias
 
 
@@ -97,17 +115,18 @@ class ModelConfig:
     pad_token_id: int | None = None
     model_type: str = "llama"
     initializer_range: float = 0.02
-    # Mistral's and Phi-3's window (every layer attends to the last this many positions); None: none, or
-    # one that covers max_position_embeddings (read as none)
+    # the last this many positions are what a windowed layer attends to (Mistral's and Phi-3's: every layer;
+    # OLMo3's and Gemma 3's: their sliding ones, `window_at`); None: none, or one that covers
+    # max_position_embeddings (read as none)
     sliding_window: int | None = None
     # SmolLM3's per-layer RoPE switch (1: the layer rotates q and k, 0: it does not; None there: HF's
     # default, every fourth layer without); None for the other families (every layer rotates)
     no_rope_layers: tuple[int, ...] | None = None
     # Phi-4-mini's: RoPE rotates the first head_dim * this dims of each head (`rotary_dim`), the rest pass
     partial_rotary_factor: float = 1.0
-    # OLMo3's per-layer attention ("sliding_attention": windowed, "full_attention"; None there: HF's default,
-    # every fourth layer full), and the sliding layers' RoPE: {"rope_theta": ..., "rope_type": ..., its
-    # parameters} (None: the full layers'); None for the other families
+    # OLMo3's and Gemma 3's per-layer attention ("sliding_attention": windowed, "full_attention"; None there:
+    # HF's default, every fourth (OLMo3) or sixth (Gemma 3) layer full), and the sliding layers' RoPE:
+    # {"rope_theta": ..., "rope_type": ..., its parameters} (None: the full layers'); None for the other families
     layer_types: tuple[str, ...] | None = None
     local_rope: dict | None = None
     # Granite's scalars (1.0 and None elsewhere; attention_multiplier None: 1/sqrt(head_dim))
@@ -115,6 +134,10 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Gemma 3's: the MLP's activation (GeGLU; SwiGLU's "silu" elsewhere) and the number whose inverse square
+    # root scales the attention scores (None: head_dim)
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -198,8 +221,8 @@ class ModelConfig:
                 raise ValueError(f"sliding_window={w!r} must be an int >= 2, or None (no window)")
             if self.model_type not in WINDOWED:
                 raise ValueError(
-                    f"sliding_window={w} is Mistral's, Phi-3's and OLMo3's; model_type={self.model_type!r} has "
-                    "none: set it to None"
+                    f"sliding_window={w} is Mistral's, Phi-3's, OLMo3's and Gemma 3's; model_type="
+                    f"{self.model_type!r} has none: set it to None"
                 )
             if w >= self.max_position_embeddings:
                 self.sliding_window = None  # it covers every position: no window
@@ -220,6 +243,22 @@ class ModelConfig:
             self.no_rope_layers = layers
         self._check_layer_types()
         self._check_multipliers()
+        self._check_gemma()
+
+    def _check_gemma(self) -> None:
+        if self.hidden_act not in ("silu", GELU_TANH):
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r} is not supported; use 'silu' (SwiGLU) or {GELU_TANH!r}"
+            )
+        s = self.query_pre_attn_scalar
+        if s is not None and (not isinstance(s, (int, float)) or isinstance(s, bool) or not s > 0):
+            raise ValueError(f"query_pre_attn_scalar={s!r} must be a number > 0, or None (head_dim)")
+        if not self.gemma and (self.hidden_act != "silu" or s is not None):
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r} and query_pre_attn_scalar={s!r} are Gemma 3's; "
+                f"model_type={self.model_type!r} has SwiGLU and scores scaled by 1/sqrt(head_dim): leave them at "
+                "'silu' and None"
+            )
 
     def _check_multipliers(self) -> None:
         names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -247,19 +286,35 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """What q k^T is multiplied by: Granite's attention_multiplier, else 1/sqrt(head_dim)."""
-        return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
+        """What q k^T is multiplied by: Granite's attention_multiplier, Gemma 3's query_pre_attn_scalar ** -0.5,
+        else 1/sqrt(head_dim)."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def score_scale(self) -> float | None:
+        """`attention_scale` where the family sets its own, None where it is 1/sqrt(head_dim) (SDPA's default,
+        whose rounding the default model was trained with)."""
+        return (
+            None
+            if self.multipliers[2] is None and self.query_pre_attn_scalar is None
+            else self.attention_scale
+        )
 
     def _check_layer_types(self) -> None:
-        if self.model_type != "olmo3":
+        if self.model_type not in LAYERED:
             if self.layer_types is not None or self.local_rope is not None:
                 raise ValueError(
-                    f"layer_types and local_rope are OLMo3's; model_type={self.model_type!r} has one kind of "
-                    "layer: set them to None"
+                    f"layer_types and local_rope are OLMo3's and Gemma 3's; model_type={self.model_type!r} has one "
+                    "kind of layer: set them to None"
                 )
             return
-        if self.layer_types is None:
-            self.layer_types = tuple(SLIDING if (i + 1) % 4 else FULL for i in range(self.num_hidden_layers))
+        if self.layer_types is None:  # HF's defaults: every fourth layer full (OLMo3), every sixth (Gemma 3)
+            every = _HF_GEMMA3_PATTERN if self.gemma else 4
+            self.layer_types = tuple(
+                SLIDING if (i + 1) % every else FULL for i in range(self.num_hidden_layers)
+            )
         self.layer_types = tuple(self.layer_types)
         if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {SLIDING, FULL}:
             raise ValueError(
@@ -283,8 +338,28 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def local_at(self, layer: int) -> bool:
-        """Whether layer `layer` is one of OLMo3's sliding-window layers (with RoPE of their own)."""
+        """Whether layer `layer` is one of OLMo3's or Gemma 3's sliding-window layers (with RoPE of their own)."""
         return self.layer_types is not None and self.layer_types[layer] == SLIDING
+
+    def window_at(self, layer: int) -> int | None:
+        """The positions layer `layer` attends to, the newest included (the last `sliding_window`: a token at
+        position p attends to (p - W, p], as transformers' sliding-window mask), or None: every one before
+        it. Mistral's and Phi-3's windows are every layer's; OLMo3's and Gemma 3's their sliding layers'."""
+        if self.sliding_window is None or (self.layer_types is not None and not self.local_at(layer)):
+            return None
+        return self.sliding_window
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3's layer: RMSNorm before and after both the attention and the MLP, each scaling by 1 + its
+        weight in fp32 (`norm_offset`); q and k normalized per head so; GeGLU; embeddings times
+        sqrt(hidden_size), rounded to their dtype."""
+        return self.model_type == "gemma3_text"
+
+    @property
+    def norm_offset(self) -> float:
+        """What every RMSNorm adds to its weight before scaling (Gemma's 1: its weights are stored as w - 1)."""
+        return 1.0 if self.gemma else 0.0
 
     def local(self) -> "ModelConfig":
         """The config whose RoPE the sliding layers use: the full layers' where `local_rope` is None."""
@@ -307,13 +382,10 @@ class ModelConfig:
 
     def held_to(self) -> list[tuple[int, str, str]]:
         """The lengths a sequence is held to, each (limit, the setting that sets it, why past it the model
-        and this decoder would differ): the sliding window (within it, the window's attention is this
-        decoder's full attention) and LongRoPE's short range. `context` refuses past them, and so does the
-        decoder's RoPE table (`rope.rope_limit`)."""
+        and this decoder would differ): LongRoPE's short range. `context` refuses past them, and so does the
+        decoder's RoPE table (`rope.rope_limit`). (A sliding window holds nothing: the decoder and the engine
+        attend to it, `window_at`.)"""
         held = []
-        if (w := self.sliding_window) is not None:
-            held.append((w, f"sliding_window={w}", f"it attends only to the last {w} positions, and tailrace's "
-                         "decoder to every one, which is the same attention only within the window"))  # fmt: skip
         if (n := self.longrope_limit) is not None:
             held.append((n, f"LongRoPE original_max_position_embeddings={n}", "past it the model rotates every "
                          "position by its long factors, keys already cached included, which a KV cache cannot "
@@ -329,8 +401,7 @@ class ModelConfig:
     def context(self, asked: int | None, key: str = "max_context") -> int:
         """The context limit a run or an engine asked for (`asked`, the setting `key`; None:
         `context_limit`). One past a length the model is held to (`held_to`) is refused in one line naming
-        `key` (ConfigError, a ValueError): past the sliding window the model attends to a window, this
-        decoder to every position; past LongRoPE's short range the model's rotation of every position
+        `key` (ConfigError, a ValueError): past LongRoPE's short range the model's rotation of every position
         changes."""
         if asked is None:
             return self.context_limit
@@ -341,8 +412,9 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3's RMSNorm over each head's q and k (weights of head_dim), between projection and RoPE."""
-        return self.model_type == "qwen3"
+        """Qwen3's and Gemma 3's RMSNorm over each head's q and k (weights of head_dim), between projection
+        and RoPE."""
+        return self.model_type in ("qwen3", "gemma3_text")
 
     @property
     def post_norms(self) -> bool:
@@ -368,6 +440,11 @@ class ModelConfig:
         if model_type is None:  # very old configs name only the architecture
             by_arch = {a: t for t, a in ARCHITECTURES.items()}
             model_type = next((by_arch[a] for a in d.get("architectures") or [] if a in by_arch), None)
+        if model_type == "gemma3":
+            raise ValueError(
+                "model_type='gemma3' is Gemma 3's image-text model; take its text model (gemma3_text) out of it "
+                "with `tailrace model import SRC --out DIR`, then use DIR"
+            )
         if model_type not in ARCHITECTURES:
             raise ValueError(
                 f"model_type={model_type!r} is not supported; supported: "
@@ -379,12 +456,25 @@ class ModelConfig:
                 f"architectures={archs} is not a causal LM this decoder implements; "
                 f"expected {ARCHITECTURES[model_type]!r} for model_type={model_type!r}"
             )
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
+        gemma = model_type == "gemma3_text"
+        act = (
+            (d.get("hidden_activation") or d.get("hidden_act") or GELU_TANH)
+            if gemma
+            else d.get("hidden_act", "silu")
+        )
+        if act != (GELU_TANH if gemma else "silu"):
+            raise ValueError(
+                f"hidden_act={act!r} is not supported for model_type={model_type!r}; only "
+                + (f"{GELU_TANH!r} (GeGLU)" if gemma else "'silu' (SwiGLU)")
+            )
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported; only bias-free MLPs")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+            if d.get(key):
+                raise ValueError(f"{key}={d[key]!r} is not supported (Gemma 2's, or an embedding model's); only "
+                                 "Gemma 3's causal LM without softcapping")  # fmt: skip
         sliding = any(t != FULL for t in d.get("layer_types") or [])
-        if d.get("use_sliding_window") or (sliding and model_type != "olmo3"):
+        if d.get("use_sliding_window") or (sliding and model_type not in LAYERED):
             raise ValueError(
                 "sliding-window attention is not supported; use a checkpoint with "
                 "use_sliding_window=false and full_attention layers"
@@ -394,10 +484,15 @@ class ModelConfig:
         window = {
             "mistral": d.get("sliding_window", _HF_MISTRAL_WINDOW), "phi3": d.get("sliding_window"),
             "olmo3": d.get("sliding_window", _HF_OLMO3_WINDOW),
+            "gemma3_text": d.get("sliding_window", _HF_GEMMA3_WINDOW),
         }  # fmt: skip
-        local = None
-        if model_type == "olmo3":
-            (theta, scaling, local), partial = _olmo3_rope(d, max_pos), 1.0
+        local, layer_types = None, None
+        if model_type in LAYERED:
+            (theta, scaling, local), partial = _layered_rope(d, max_pos, model_type), 1.0
+            layer_types = d.get("layer_types")
+            if gemma and layer_types is None:  # its configs on the Hub still name the old pattern
+                every = d.get("sliding_window_pattern", _HF_GEMMA3_PATTERN)
+                layer_types = [SLIDING if (i + 1) % every else FULL for i in range(d["num_hidden_layers"])]
         else:
             theta, scaling, partial = _rope_from_hf(d, max_pos, model_type)
         no_rope = None
@@ -416,7 +511,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=model_type == "qwen2"
             or (model_type not in NO_BIAS and bool(d.get("attention_bias"))),
             bos_token_id=_token_id(d.get("bos_token_id"), d["vocab_size"]),
@@ -427,9 +522,14 @@ class ModelConfig:
             sliding_window=window.get(model_type),
             no_rope_layers=no_rope,
             partial_rotary_factor=partial,
-            layer_types=d.get("layer_types") if model_type == "olmo3" else None,
+            layer_types=layer_types,
             local_rope=local,
             **(_granite_from_hf(d) if model_type == "granite" else {}),
+            **(
+                {"hidden_act": act, "query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256)}
+                if gemma
+                else {}
+            ),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -454,7 +554,7 @@ class ModelConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "initializer_range": self.initializer_range,
@@ -476,9 +576,18 @@ class ModelConfig:
             d.update(sliding_window=self.sliding_window)
         elif self.model_type != "olmo2":
             d.update(use_sliding_window=False)
-        if self.model_type in ("qwen3", "olmo2", "olmo3", "smollm3"):
+        if self.model_type in ("qwen3", "olmo2", "olmo3", "smollm3", "gemma3_text"):
             d.update(attention_bias=self.attention_bias)
-        if self.model_type == "olmo3":  # RoPE by layer type: the full layers' and the sliding layers'
+        if self.gemma:
+            d.update(
+                hidden_activation=self.hidden_act,
+                query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
+            )
+            d.update(
+                final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False
+            )
+            d.update(rope_local_base_freq=(self.local_rope or {}).get("rope_theta", self.rope_theta))
+        if self.model_type in LAYERED:  # RoPE by layer type: the full layers' and the sliding layers'
             local = dict(self.local_rope or {"rope_theta": self.rope_theta, "rope_type": "default"})
             d.update(layer_types=list(self.layer_types), rope_parameters={FULL: rope, SLIDING: local})
             d.pop("rope_scaling", None)
@@ -548,20 +657,30 @@ def _granite_from_hf(d: dict) -> dict:
     return {k: d.get(k, 1.0) for k in keys}
 
 
-def _olmo3_rope(d: dict, max_pos: int) -> tuple[float, dict | None, dict]:
+def _layered_rope(d: dict, max_pos: int, model_type: str) -> tuple[float, dict | None, dict]:
     """(the full layers' rope_theta and rope_scaling, the sliding layers' {"rope_theta", ...}), as
-    Olmo3Config reads them: `rope_parameters` by layer type, or the older flat `rope_scaling` (the full
-    layers'), each theta `rope_theta` (500000) unless its own is given."""
+    Olmo3Config and Gemma3TextConfig read them: `rope_parameters` by layer type, or the older flat
+    `rope_scaling` (the full layers'), each theta its own where given, else `rope_theta` (OLMo3's: 500000
+    for both) or, Gemma 3's, `rope_theta` (1e6) for the full layers and `rope_local_base_freq` (1e4) for
+    the sliding ones."""
     params = d.get("rope_parameters") or {}
     nested = isinstance(params, dict) and (SLIDING in params or FULL in params)
     full = dict((params.get(FULL) if nested else params) or {})
     local = dict((params.get(SLIDING) if nested else None) or {})
     full.update(d.get("rope_scaling") or {})
-    theta = d.get("rope_theta") or _HF_OLMO3_THETA
-    for rope in (full, local):
+    if model_type == "gemma3_text":
+        thetas = (
+            d.get("rope_theta") or _HF_GEMMA3_THETA[0],
+            d.get("rope_local_base_freq") or _HF_GEMMA3_THETA[1],
+        )
+    else:
+        thetas = (d.get("rope_theta") or _HF_OLMO3_THETA,) * 2
+    for rope, theta in zip((full, local), thetas):
         rope.setdefault("rope_theta", theta)
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported for OLMo3; rotate the whole head")
+            raise ValueError(
+                f"partial_rotary_factor != 1 is not supported for {model_type}; rotate the whole head"
+            )
         rope.pop("partial_rotary_factor", None)
     full_theta = full.pop("rope_theta")
     local.setdefault("rope_type", local.pop("type", None) or "default")

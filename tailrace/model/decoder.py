@@ -1,8 +1,9 @@
-"""`CausalLM`: a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite-family decoder in plain PyTorch.
+"""`CausalLM`: a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 3-family decoder in plain
+PyTorch.
 
 Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
-Olmo2ForCausalLM / Olmo3ForCausalLM / SmolLM3ForCausalLM / GraniteForCausalLM, so state_dicts map 1:1 (Phi3ForCausalLM's
-fused projections split and join: `fused.py`).
+Olmo2ForCausalLM / Olmo3ForCausalLM / SmolLM3ForCausalLM / GraniteForCausalLM / Gemma3ForCausalLM, so
+state_dicts map 1:1 (Phi3ForCausalLM's fused projections split and join: `fused.py`).
 
 The forward runs whole sequences with causal attention. Callers right-pad batches, so no padding mask
 is needed (a real token never attends to a later pad). Autograd and bf16 autocast work. There is no
@@ -11,6 +12,8 @@ and tests pin it to this forward's logits.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -22,39 +25,56 @@ from tailrace.model.rope import Rotary
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); Gemma's GeGLU: gelu (tanh approximation) for silu."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = act_fn(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def act_fn(cfg: ModelConfig):
+    """The MLP's activation of its gate: SiLU, or Gemma's GELU (tanh approximation, transformers'
+    gelu_pytorch_tanh)."""
+    return F.silu if cfg.hidden_act == "silu" else functools.partial(F.gelu, approximate="tanh")
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm (Llama's): x + attn(norm(x)), then x + mlp(norm(x)). Post-norm (OLMo2's, HF's names:
     `post_attention_layernorm` normalizes the attention's output, `post_feedforward_layernorm` the
-    MLP's; no `input_layernorm`): x + norm(attn(x)), then x + norm(mlp(x))."""
+    MLP's; no `input_layernorm`): x + norm(attn(x)), then x + norm(mlp(x)). Gemma 3's, both:
+    x + norm(attn(norm(x))), then x + norm(mlp(norm(x))) (the MLP's first norm `pre_feedforward_layernorm`)."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
-        """Layer `index` of the model (SmolLM3's RoPE is per layer; OLMo3's sliding layers rotate by a
-        table of their own: `local`)."""
+        """Layer `index` of the model (SmolLM3's RoPE is per layer; OLMo3's and Gemma 3's sliding layers
+        attend to a window and rotate by a table of their own: `local`)."""
         super().__init__()
-        self.self_attn = Attention(cfg, cfg.rope_at(index))
+        self.self_attn = Attention(cfg, cfg.rope_at(index), cfg.window_at(index))
         self.local = cfg.local_at(index)
         self.residual = cfg.residual_multiplier  # Granite's: each output's weight into the residual
         self.mlp = MLP(cfg)
-        self.post_norms = post = cfg.post_norms
-        if post:
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_fp32=True)
-        else:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_fp32=post)
+        self.post_norms, self.sandwich = post, sandwich = cfg.post_norms, cfg.gemma
+
+        def norm():
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_fp32=post, offset=cfg.norm_offset)
+
+        if post or sandwich:
+            self.post_feedforward_layernorm = norm()
+        if not post:
+            self.input_layernorm = norm()
+        if sandwich:
+            self.pre_feedforward_layernorm = norm()
+        self.post_attention_layernorm = norm()
 
     def forward(self, x: torch.Tensor, step: CausalStep) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), step))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(x, step))
             return x + self.post_feedforward_layernorm(self.mlp(x))
@@ -75,7 +95,9 @@ class DecoderModel(nn.Module):
         table = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_fp32=cfg.post_norms)
+        self.norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, scale_fp32=cfg.post_norms, offset=cfg.norm_offset
+        )
 
 
 class CausalLM(nn.Module):
@@ -91,7 +113,7 @@ class CausalLM(nn.Module):
     @classmethod
     def from_config(cls, cfg: ModelConfig, seed: int | None = None) -> "CausalLM":
         """Initialized as HF does: linear and embedding weights ~ N(0, initializer_range), biases 0,
-        norms 1, and the embedding's pad row 0."""
+        norms 1 (Gemma's weights 0: it scales by 1 + them), and the embedding's pad row 0."""
         model = cls(cfg)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std = cfg.initializer_range
@@ -108,7 +130,7 @@ class CausalLM(nn.Module):
                     if cfg.pad_token_id is not None:
                         module.weight[cfg.pad_token_id].zero_()
                 elif isinstance(module, RMSNorm):
-                    module.weight.fill_(1.0)
+                    module.weight.fill_(1.0 - module.offset)
         return model
 
     def tie_weights(self) -> None:
@@ -127,7 +149,10 @@ class CausalLM(nn.Module):
 
 
 def embed(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The embeddings as the layers take them: times Granite's embedding_multiplier (in their dtype)."""
+    """The embeddings as the layers take them: times Granite's embedding_multiplier (in their dtype), or
+    Gemma's sqrt(hidden_size) rounded to their dtype first, as transformers' scaled embedding."""
+    if cfg.gemma:
+        return x * torch.tensor(cfg.hidden_size**0.5).to(x.dtype)
     return x if cfg.embedding_multiplier == 1.0 else x * cfg.embedding_multiplier
 
 

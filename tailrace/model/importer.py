@@ -10,7 +10,10 @@ tokenizer files and chat template the source carries).
   loading a pickle runs code), whatever its dtype or sharding.
 
 Only what tailrace's decoder supports is accepted (Llama / Mistral / Qwen2 / Qwen3 / OLMo2 / OLMo3 /
-SmolLM3 / Phi-3 / Granite families; `ModelConfig.from_hf` names anything else). The converted model is checked
+SmolLM3 / Phi-3 / Granite / Gemma 3 families; `ModelConfig.from_hf` names anything else). Gemma 3's
+image-text checkpoints (4B, 12B, 27B: `Gemma3ForConditionalGeneration`) are imported as their text model
+(a `Gemma3ForCausalLM`), the vision tower left behind; text-only prompts run through it exactly. The
+converted model is checked
 against the source: the logits of a few tokens through tailrace's forward and transformers' must agree
 (fp32: within 1e-4).
 """
@@ -28,6 +31,10 @@ from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
 
 TOLERANCE = 1e-4  # max |logit difference| accepted between the source and the import, fp32
+IMAGE_TEXT, TEXT_PREFIX = (
+    "gemma3",
+    "model.language_model.",
+)  # Gemma 3's image-text model, its text model's names
 
 
 @dataclass(frozen=True)
@@ -45,16 +52,21 @@ def import_model(src: str | Path, out: str | Path, dtype: str = "float32") -> Im
         raise CheckpointError(f"{out} exists and is not empty; pass a new directory to --out")
     hf_model, tok = _load_source(src)
     d = hf_model.config.to_dict()
+    state = {k: v.float() for k, v in hf_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    if d.get("model_type") == IMAGE_TEXT:  # its text model (the layers' names under language_model)
+        d = hf_model.config.text_config.to_dict()
+        state = {
+            "model." + k.removeprefix(TEXT_PREFIX): v for k, v in state.items() if k.startswith(TEXT_PREFIX)
+        } | {"lm_head.weight": state["lm_head.weight"]}
     d.pop("quantization_config", None)  # the weights are dequantized: plain floats from here on
     try:
         cfg = ModelConfig.from_hf(d)
     except (KeyError, ValueError) as e:
         raise CheckpointError(
             f"{src}: {e}; tailrace's decoder reads Llama, Mistral, Qwen2, Qwen3, OLMo2, OLMo3, SmolLM3, "
-            "Phi-3 and Granite-family models"
+            "Phi-3, Granite and Gemma 3-family models"
         ) from None
     model = CausalLM(cfg)
-    state = {k: v.float() for k, v in hf_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
     state = fused.split(state, cfg)  # Phi-3's q/k/v and gate/up, apart
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -53,6 +53,10 @@ def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) 
     kv = cfg.num_key_value_heads * cfg.head_dim  # ModelConfig fills both when a checkpoint omits them
     q = cfg.num_attention_heads * cfg.head_dim  # the hidden size, but for Qwen3-style wide heads
     per_layer = 6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size
+    if (
+        cfg.gemma
+    ):  # its two more norms a layer (after the attention and the MLP) keep their inputs, in fp32 too
+        per_layer += 4 * cfg.hidden_size
     raw = cfg.num_hidden_layers * per_layer * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[bf16]
     if cfg.qk_norm or cfg.post_norms:  # Qwen3's per-head q/k norms; OLMo2's over all heads keep as much
         raw += cfg.num_hidden_layers * (q + kv) * _QK_NORM_BYTES[bf16]

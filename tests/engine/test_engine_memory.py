@@ -10,8 +10,7 @@ import torch
 from tailrace.engine import EngineError, TailraceEngine, ckernel
 from tailrace.engine.kv_budget import GIB, size_pool
 from tailrace.engine.kv_cache import KVCache
-from tailrace.types import Finish
-from tests.engine.engine_helpers import req, tiny_model
+from tests.engine.engine_helpers import full_logprobs, req, tiny_model
 
 CPU = torch.device("cpu")
 
@@ -164,13 +163,18 @@ def test_a_dropped_version_is_freed_at_once(attention, dtype):
         gc.enable()
 
 
-def test_a_sliding_window_is_the_context_limit():
-    """Mistral v0.1's window: a request may fill it (there the window's attention is the decoder's full
-    attention) and no more; a context past it is refused, not served with the wrong attention."""
-    model = tiny_model(0, model_type="mistral", sliding_window=40)
-    engine = TailraceEngine(model, num_slots=2)
-    assert engine.max_context == 40
-    (out,) = engine.generate([req("a", 30, 50)])
-    assert len(out.token_ids) == 10 and out.finish == Finish.LENGTH
-    with pytest.raises(EngineError, match="max_context=41 is past the model's sliding_window=40"):
-        TailraceEngine(model, num_slots=2, max_context=41)
+@pytest.mark.parametrize("attention", ["kernel", "bmm"])
+def test_a_sliding_window_is_attended_past_it(attention):
+    """Mistral v0.1's window (8 positions, not a multiple of the block size): the context is the model's
+    whole, and a sequence several windows long samples with the logprobs of the decoder's whole-sequence
+    forward, which attends to the window (pinned to transformers' by tests/model)."""
+    if attention == "kernel" and ckernel.unavailable():
+        pytest.skip("no C compiler")
+    model = tiny_model(0, model_type="mistral", sliding_window=8)
+    engine = TailraceEngine(model, num_slots=2, attention=attention)
+    assert engine.max_context == 256
+    outs = engine.generate([req("a", 5, 30), req("b", 11, 25)])
+    for r, out in zip([req("a", 5, 30), req("b", 11, 25)], outs):
+        assert len(out.token_ids) == r.params.max_new_tokens
+        ref = full_logprobs(model, r.prompt_ids, out.token_ids)
+        assert max(abs(x - y) for x, y in zip(out.logprobs, ref)) < 1e-4

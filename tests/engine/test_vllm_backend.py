@@ -235,13 +235,10 @@ def test_an_olmo2_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_pa
     _matches_before_and_after_a_reload(tmp_path, dict(model_type="olmo2"), ("norm",))
 
 
-def test_a_windowed_mistral_checkpoint_matches_tailraces_engine_and_is_held_to_its_window(tmp_path):
-    """Mistral v0.1's layout: vLLM windows its attention itself, and within the window (the context)
-    it is tailrace's full attention; a context past the window is refused, as by tailrace's engine."""
-    shape = dict(model_type="mistral", sliding_window=CONTEXT)
-    _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
-    with pytest.raises(EngineError, match=f"past the model's sliding_window={CONTEXT}"):
-        _vllm(tmp_path / "v0", max_context=CONTEXT + 1)
+def test_a_windowed_mistral_checkpoint_matches_tailraces_engine_past_its_window(tmp_path):
+    """Mistral v0.1's layout with a window of 6 positions, shorter than every request: vLLM's windowed
+    attention is tailrace's engine's."""
+    _matches_before_and_after_a_reload(tmp_path, dict(model_type="mistral", sliding_window=6), ("norm",))
 
 
 def test_a_smollm3_checkpoint_and_its_weight_update_match_tailraces_engine(tmp_path):
@@ -274,17 +271,28 @@ def test_a_phi4_mini_checkpoint_matches_tailraces_engine(tmp_path):
     _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
 
 
-def test_an_olmo3_checkpoint_matches_tailraces_engine_and_is_held_to_its_window(tmp_path):
-    """OLMo3 (served by vLLM's transformers backend): a sliding layer rotating by its own RoPE (theta
-    1000) and a full one by YaRN's; tokens and logprobs before and after a reload; past the window refused."""
+def test_an_olmo3_checkpoint_matches_tailraces_engine_past_its_window(tmp_path):
+    """OLMo3 (served by vLLM's transformers backend): a sliding layer (window 6, shorter than every
+    request) rotating by its own RoPE (theta 1000) and a full one by YaRN's; tokens and logprobs before and
+    after a reload."""
     shape = dict(
-        model_type="olmo3", layer_types=("sliding_attention", "full_attention"), sliding_window=CONTEXT,
+        model_type="olmo3", layer_types=("sliding_attention", "full_attention"), sliding_window=6,
         local_rope={"rope_theta": 1000.0},
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     )  # fmt: skip
     _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
-    with pytest.raises(EngineError, match=f"past the model's sliding_window={CONTEXT}"):
-        _vllm(tmp_path / "v0", max_context=CONTEXT + 1)
+
+
+def test_a_gemma3_checkpoint_matches_tailraces_engine_past_its_window(tmp_path):
+    """Gemma 3 (vLLM's Gemma3ForCausalLM): norms before and after attention and MLP scaling by 1 + their
+    weights, per-head q/k norms, GeGLU, scaled embeddings, tied; a sliding layer (window 6, shorter than
+    every request) with RoPE theta 1e4 and a full one with linear RoPE; before and after a reload."""
+    shape = dict(
+        model_type="gemma3_text", layer_types=("sliding_attention", "full_attention"), sliding_window=6,
+        hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24, tie_word_embeddings=True,
+        local_rope={"rope_theta": 1e4}, rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )  # fmt: skip
+    _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
 
 
 def test_a_granite_checkpoint_matches_tailraces_engine(tmp_path):

@@ -8,9 +8,9 @@ from tailrace.model import CausalLM, ModelConfig, save_pretrained
 
 TOL = 1e-4  # max abs fp32 logits difference allowed against transformers
 
-# Each entry exercises a different corner; together: llama, mistral, qwen2, qwen3, olmo2, smollm3 and phi3, tied and
-# untied, GQA ratios
-# 1/2/4, head_dim != hidden/heads, every rope type in both spellings, with and without q/k/v bias.
+# Each entry exercises a different corner; together: llama, mistral, qwen2, qwen3, olmo2, olmo3, smollm3, phi3,
+# granite and gemma 3, tied and untied, GQA ratios 1/2/4, head_dim != hidden/heads, every rope type in both
+# spellings, with and without q/k/v bias, sliding windows shorter than the test sequences.
 CONFIGS = {
     "llama-mha-default": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4),
     "llama-gqa2-tied-headdim-linear": dict(
@@ -51,9 +51,10 @@ CONFIGS = {
         rope_scaling={"type": "dynamic", "factor": 2.0},
     ),
     "mistral-gqa4-nowindow": dict(model_type="mistral", num_attention_heads=8, num_key_value_heads=2),
-    # Mistral v0.1's layout: a sliding window shorter than the positions (every test sequence fits it)
+    # Mistral v0.1's layout: a sliding window shorter than the test sequences (24 tokens; 9 is not a
+    # multiple of the engine tests' block size 4)
     "mistral-gqa2-window": dict(
-        model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=32
+        model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=9
     ),
     # Qwen3-0.6B's layout: per-head q/k norms, head_dim wider than hidden/heads, tied, a bias on all four
     # attention projections (off in the published checkpoints; on here so o_proj's bias is covered too)
@@ -80,7 +81,7 @@ CONFIGS = {
         model_type="phi3",
         num_attention_heads=4,
         num_key_value_heads=2,
-        sliding_window=48,
+        sliding_window=13,
         rope_scaling={
             "rope_type": "longrope",
             "original_max_position_embeddings": 32,
@@ -118,16 +119,33 @@ CONFIGS = {
         attention_multiplier=0.0078125,
         logits_scaling=8.0,
     ),  # fmt: skip
-    # OLMo3's layout: OLMo2's, a sliding layer (window 48 of 64 positions: every test sequence fits it) with
-    # plain RoPE of its own theta, and a full layer with YaRN (as OLMo-3-7B's long-context layers)
+    # OLMo3's layout: OLMo2's, a sliding layer (window 10, shorter than the test sequences) with plain RoPE
+    # of its own theta, and a full layer with YaRN (as OLMo-3-7B's long-context layers)
     "olmo3-gqa2-window-localrope": dict(
         model_type="olmo3",
         num_attention_heads=4,
         num_key_value_heads=2,
-        sliding_window=48,
+        sliding_window=10,
         layer_types=("sliding_attention", "full_attention"),
         local_rope={"rope_theta": 1000.0},
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    ),  # fmt: skip
+    # Gemma 3's layout (gemma3_text): norms before and after attention and MLP, each scaling by 1 + its
+    # weight, per-head q/k norms, GeGLU, scaled embeddings, tied; two sliding layers (window 7) with RoPE of
+    # their own theta and a full one with linear RoPE (as Gemma-3-4B's), scores by query_pre_attn_scalar 24
+    "gemma3-gqa2-tied-window-localrope": dict(
+        model_type="gemma3_text",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=24,
+        sliding_window=7,
+        layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+        local_rope={"rope_theta": 1e4},
+        rope_theta=1e6,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
     ),  # fmt: skip
 }
 HF_CLASSES = {
@@ -140,6 +158,7 @@ HF_CLASSES = {
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

@@ -20,7 +20,8 @@ def test_transformers_reads_our_config_json(name):
 
     cfg = make_config(**CONFIGS[name])
     hf = AutoConfig.for_model(**cfg.to_hf())
-    assert type(hf).__name__ == HF_CLASSES[cfg.model_type].replace("ForCausalLM", "Config")
+    want = HF_CLASSES[cfg.model_type].replace("ForCausalLM", "TextConfig" if cfg.gemma else "Config")
+    assert type(hf).__name__ == want
     assert hf.head_dim == cfg.head_dim and hf.num_key_value_heads == cfg.num_key_value_heads
     full = hf.rope_parameters.get("full_attention", hf.rope_parameters)  # OLMo3's: by layer type
     assert full["rope_type"] == cfg.rope_type and full["rope_theta"] == cfg.rope_theta
@@ -123,6 +124,9 @@ def test_defaults_follow_hf():
         (dict(rms_norm_eps=0.0), ["rms_norm_eps"]),
         (dict(sliding_window=16), ["sliding_window=16", "Mistral's", "None"]),
         (dict(model_type="mistral", sliding_window=1), ["sliding_window=1", ">= 2"]),
+        (dict(hidden_act="gelu_pytorch_tanh"), ["Gemma 3's", "'silu'"]),
+        (dict(query_pre_attn_scalar=256), ["Gemma 3's", "None"]),
+        (dict(model_type="gemma3_text", hidden_act="relu"), ["hidden_act='relu'", "gelu_pytorch_tanh"]),
     ],
 )
 def test_validation_names_field_and_fix(overrides, words):
@@ -144,7 +148,47 @@ def test_validation_names_field_and_fix(overrides, words):
     ],
 )
 def test_from_hf_rejects_features_we_lack(changes, words):
-    d = {**make_config().to_hf(), **changes}
+    _rejects(make_config(), changes, words)
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (dict(final_logit_softcapping=30.0), ["final_logit_softcapping=30.0", "Gemma 2"]),
+        (dict(attn_logit_softcapping=50.0), ["attn_logit_softcapping=50.0"]),
+        (dict(use_bidirectional_attention=True), ["use_bidirectional_attention"]),
+        (dict(hidden_activation="gelu"), ["hidden_act='gelu'", "gelu_pytorch_tanh"]),
+    ],
+)
+def test_from_hf_rejects_what_gemma3_has_and_we_lack(changes, words):
+    _rejects(make_config(**CONFIGS["gemma3-gqa2-tied-window-localrope"]), changes, words)
+
+
+def test_gemma3_configs_on_the_hub_read_as_transformers_reads_them():
+    """Gemma-3-1B's config.json spelling (flat rope_theta, rope_local_base_freq, sliding_window_pattern,
+    no layer_types): five sliding layers of every six, theta 1e4 there and 1e6 in the full ones."""
+    d = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+        "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 32768, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+        "sliding_window_pattern": 6, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+    }  # fmt: skip
+    cfg = ModelConfig.from_hf(d)
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(**d)
+    assert list(cfg.layer_types) == list(hf.layer_types) and cfg.layer_types.count("full_attention") == 4
+    assert (cfg.rope_theta, cfg.local().rope_theta, cfg.rope_type) == (1e6, 1e4, "default")
+    assert cfg.tie_word_embeddings and cfg.attention_scale == 1 / 16 and cfg.context_limit == 32768
+    assert [cfg.window_at(i) for i in range(6)] == [512] * 5 + [None]
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def _rejects(base: ModelConfig, changes: dict, words: list[str]) -> None:
+    d = {**base.to_hf(), **changes}
     with pytest.raises(ValueError) as e:
         ModelConfig.from_hf(d)
     for w in words:
@@ -160,18 +204,13 @@ def test_from_hf_rejects_features_we_lack(changes, words):
         (dict(sliding_window=64), None),  # a window covering every position is none
     ],
 )
-def test_a_mistral_window_holds_sequences_to_it(changes, window):
-    """Within its window a windowed layer attends to every position, as this decoder does: the window
-    is kept (and written back) and the context is held to it."""
+def test_a_mistral_window_is_kept_and_holds_nothing(changes, window):
+    """The window is kept (and written back), every layer's (`window_at`); the decoder and the engine
+    attend to it, so the context is the model's whole."""
     d = {**make_config(model_type="mistral").to_hf(), **changes}
     cfg = ModelConfig.from_hf({k: v for k, v in d.items() if v is not ...})
     assert cfg.sliding_window == window and cfg.to_hf()["sliding_window"] == window
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
-    limit = window or cfg.max_position_embeddings
+    assert [cfg.window_at(i) for i in range(cfg.num_hidden_layers)] == [window] * cfg.num_hidden_layers
+    limit = cfg.max_position_embeddings
     assert cfg.context_limit == limit and cfg.context(None) == limit and cfg.context(limit) == limit
-    if window is None:
-        return
-    with pytest.raises(ValueError) as e:
-        cfg.context(window + 1)
-    for w in (f"max_context={window + 1}", f"sliding_window={window}", f"max_context <= {window}"):
-        assert w in str(e.value)

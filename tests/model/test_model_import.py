@@ -9,6 +9,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoTokenizer,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -122,7 +125,9 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
 
 
-@pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "qwen3", "phi3", "phi4-mini", "olmo3", "granite"])
+@pytest.mark.parametrize(
+    "arch", ["llama-untied", "qwen2", "qwen3", "phi3", "phi4-mini", "olmo3", "granite", "gemma3-image-text"]
+)
 def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch):
     tok = tiny_bpe()
     V = tok.get_vocab_size()
@@ -159,6 +164,19 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
             cfg = GraniteConfig(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03,
                                 logits_scaling=8.0, tie_word_embeddings=True, pad_token_id=0, **shape)  # fmt: skip
             model = GraniteForCausalLM(cfg).eval()
+        elif arch == "gemma3-image-text":  # Gemma-3-4B's kind: its text model taken out (window 3, 5 tokens)
+            text = Gemma3TextConfig(
+                sliding_window=3, query_pre_attn_scalar=16, head_dim=8, pad_token_id=0, **shape
+            )
+            vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          image_size=28, patch_size=14)  # fmt: skip
+            cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                               image_token_index=V - 1, boi_token_index=V - 3, eoi_token_index=V - 2)  # fmt: skip
+            model = Gemma3ForConditionalGeneration(cfg).eval()
+            with torch.no_grad():  # norms away from their init of 0 (Gemma scales by 1 + w)
+                for n, p in model.named_parameters():
+                    if "norm" in n:
+                        p.uniform_(-0.5, 0.5)
         else:
             model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
     else:
@@ -174,6 +192,9 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     if arch == "phi4-mini":
         assert load_pretrained(tmp_path / "out").config.rotary_dim == 6
+    if arch == "gemma3-image-text":
+        saved = json.loads((tmp_path / "out" / "config.json").read_text())
+        assert saved["architectures"] == ["Gemma3ForCausalLM"] and saved["model_type"] == "gemma3_text"
 
 
 def test_pickled_weights_unsupported_models_and_occupied_outputs_are_one_line_errors(tmp_path, capsys):

@@ -238,12 +238,15 @@ def test_a_body_that_is_not_json_is_refused(server):
     assert status == 400 and "not valid JSON" in text
 
 
-def test_a_context_past_the_model_s_sliding_window_is_refused_in_one_line(tmp_path):
-    """Mistral v0.1's window: serve.context may fill it, not pass it (the engine attends to every position)."""
+def test_a_context_past_the_model_s_longrope_short_range_is_refused_in_one_line(tmp_path):
+    """Phi-3.5's LongRoPE: serve.context may fill its short range, not pass it (past it the model rotates
+    every position, cached keys included, by its long factors)."""
     from tailrace.common import ConfigError
 
-    d = write_chat_model(tmp_path / "model", "mistral", THINKING, sliding_window=128)
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": 128,
+            "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}  # fmt: skip
+    d = write_chat_model(tmp_path / "model", "phi3", THINKING, rope_scaling=rope)
     cfg = load_config(None, [f"--model.path={d}", "--serve.port=0", "--serve.context=129"])
-    with pytest.raises(ConfigError, match="serve.context=129 is past the model's sliding_window=128") as e:
+    with pytest.raises(ConfigError, match="serve.context=129 is past the model's LongRoPE") as e:
         serve(cfg, print)
     assert "set serve.context <= 128" in str(e.value)

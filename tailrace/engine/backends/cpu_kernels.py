@@ -1,7 +1,8 @@
 """`KernelBackend`: the engine step on CPU with the C kernels of `ckernel` (kernels/decode.c).
 
 Per layer one C call does Qwen3's q/k norms, RoPE, both cache writes and attention for every token of
-the step (decode rows and prefill pieces; each row reads its own K/V exactly to its own length, in
+the step (decode rows and prefill pieces; each row reads its own K/V exactly to its own length (the
+last `window` positions of a sliding layer's), in
 place from the blocks its block-table row lists, in fp32 arithmetic for fp32 and bf16 caches, so
 attention chunks are not needed), and RMSNorm and SiLU-and-multiply are C calls too: at decode sizes
 each torch op costs more to dispatch than to compute. The GEMMs are `FusedWeights`': the kernels' own
@@ -51,18 +52,23 @@ class KernelBackend(TorchBackend):
         trow = self._token_rows(rows, pieces)
         pos = positions.contiguous()
         for i, lw in enumerate(w.layers):
-            qkv = self._qkv(i, lw, x, pk, lora, qk_norm=False)  # the C call applies Qwen3's q/k norms
+            # the C call applies Qwen3's q/k norms (Gemma's, scaled by fp32 weights, run in torch)
+            qkv = self._qkv(i, lw, x, pk, lora, qk_norm=w.qk_fp32)
+            qkn = None if w.qk_fp32 else lw.qk_norm
             o = layer(
-                qkv, self.tables[i], cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale, lw.qk_norm, w.eps
-            )
+                qkv, self.tables[i], cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale, qkn, w.eps,
+                w.windows[i],
+            )  # fmt: skip
             x = self._mlp(i, lw, self._o(i, lw, o, x, pk, lora), pk, lora)
         return x
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype != x.dtype:  # Gemma's fp32 1 + w in a bf16 model: torch's
+            return super()._rms(x, weight)
         return self.kernel.rms(x.contiguous(), self.w.eps, weight, self.w.scale_fp32)
 
-    def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        return self.kernel.silu_mul(gu)
+    def _act_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        return super()._act_mul(gu) if self.w.gelu else self.kernel.silu_mul(gu)
 
 
 class KernelAttentionBackend(KernelBackend):
@@ -81,15 +87,17 @@ class KernelAttentionBackend(KernelBackend):
         self._decode_state, self._attend_decode = _kernel_state, type(self)._attend_kernel
 
     def _attend_kernel(self, q, ck, cv, state) -> torch.Tensor:
-        """Each decode row over its own positions [0, pos[b]], in place."""
-        pos, table, r0 = state
+        """Each decode row over its own positions [0, pos[b]] (the last `window` of them), in place."""
+        pos, table, r0, window = state
         B, Hkv, G, D = q.shape[0], self.w.Hkv, self.w.G, self.w.D
         q = q.float().contiguous().view(B, Hkv, G, D)
-        o = self.kernel.run(q, ck, cv, table, pos, r0, self.w.scale)  # (B, Hkv, G, D) fp32
+        o = self.kernel.run(q, ck, cv, table, pos, r0, self.w.scale, window)  # (B, Hkv, G, D) fp32
         return o.view(B, Hkv * G * D).to(self.w.dtype)
 
 
-def _kernel_state(_backend, pos: torch.Tensor, chunks, table: torch.Tensor, r0: int, bs: int) -> tuple:
+def _kernel_state(
+    _backend, pos: torch.Tensor, chunks, table: torch.Tensor, r0: int, bs: int, window=None
+) -> tuple:
     """The kernel's per-step state: each decode row's position (B,), contiguous; the block table; the
-    first decode row (`chunks` unused: each row reads exactly its own length)."""
-    return pos.contiguous(), table, r0
+    first decode row (`chunks` unused: each row reads exactly its own length); the layers' window."""
+    return pos.contiguous(), table, r0, window

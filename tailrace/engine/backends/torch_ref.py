@@ -131,18 +131,25 @@ class TorchBackend:
         rot = [self.cos_sin[positions].split(1, dim=1)]  # cos, sin (M, 1, R): R = rotary_dim
         if self.local_cos_sin is not None:
             rot.append(self.local_cos_sin[positions].split(1, dim=1))
-        dec = self._decode_state(self, positions[:B], chunks, table, rows.start, bs)  # read by every layer
+        windows = set(w.windows)  # the layers' windows (None: none): the masks differ by window
+        # read by every layer of a window
+        dec = {
+            win: self._decode_state(self, positions[:B], chunks, table, rows.start, bs, win)
+            for win in windows
+        }
         offsets = list(accumulate((n for _, _, n in pieces[:-1]), initial=B))  # each piece's first token
         short = [j for j, (_, _, n) in enumerate(pieces) if n <= SHORT_PIECE]
         short = short if len(short) > 1 else []
-        together = self._short_pieces(offsets, pieces, short, table, bs) if short else None
-        prefill = []  # per other piece: its token offset, n, its row's blocks (Hkv nb,), S, mask (1, n G, S)
+        together = self._short_pieces(offsets, pieces, short, table, bs, windows) if short else None
+        prefill = []  # per other piece: its token offset, n, its row's blocks (Hkv nb,), S, masks (1, n G, S)
         for j in sorted(set(range(len(pieces))) - set(short)):
             row, start, n = pieces[j]
             S = start + n
-            m = torch.where(self.arange[:S] > self.arange[start:S, None], float("-inf"), 0.0)
+            m = {win: _hidden(self.arange[:S], self.arange[start:S, None], win) for win in windows}
             idx = self._gather_index(table[row : row + 1], S, bs)
-            prefill.append((offsets[j], n, idx, S, m.repeat_interleave(w.G, dim=0)[None]))
+            prefill.append(
+                (offsets[j], n, idx, S, {win: x.repeat_interleave(w.G, dim=0)[None] for win, x in m.items()})
+            )
         order = None  # token order of the pieces' outputs when the batched ones come first out of turn
         if together is not None and prefill:
             spans = [(offsets[j], pieces[j][2]) for j in short] + [(o, n) for o, n, *_ in prefill]
@@ -158,14 +165,15 @@ class TorchBackend:
             ck, cv = cache.k[i], cache.v[i]
             ck.view(-1, D).index_copy_(0, widx, qk[:, H:].reshape(M * Hkv, D).to(ck.dtype))
             cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D :].reshape(M * Hkv, D).to(cv.dtype))
-            outs = [self._attend_pieces(qk[:, :H], ck, cv, together)] if together is not None else []
+            win = w.windows[i]
+            outs = [self._attend_pieces(qk[:, :H], ck, cv, together, win)] if together is not None else []
             for off, n, idx, S, m in prefill:
                 k, v = _gather(ck, idx, Hkv, S), _gather(cv, idx, Hkv, S)  # (Hkv, S, D)
-                outs.append(self._attend_piece(qk[off : off + n, :H], k, v, m))
+                outs.append(self._attend_piece(qk[off : off + n, :H], k, v, m[win]))
             if order is not None:
                 outs = [_cat(outs).index_select(0, order)]
             if B:
-                outs.insert(0, self._attend_decode(self, qk[:B, :H], ck, cv, dec))
+                outs.insert(0, self._attend_decode(self, qk[:B, :H], ck, cv, dec[win]))
             x = self._mlp(i, lw, self._o(i, lw, _cat(outs), x, pk, lora), pk, lora)
         return x
 
@@ -183,7 +191,7 @@ class TorchBackend:
             q.copy_(self._rms(q, lw.q_norm))
             k.copy_(self._rms(k, lw.k_norm))
         if qk_norm and lw.qk_norm is not None:
-            norm_qk(qkv, lw.qk_norm, self.w.D, self.w.eps)
+            norm_qk(qkv, lw.qk_norm, self.w.D, self.w.eps, self.w.qk_fp32)
         return qkv
 
     def _o(self, i: int, lw, o: torch.Tensor, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
@@ -204,7 +212,7 @@ class TorchBackend:
         gu = lw.gate_up(xn, pk)
         if lora is not None:
             lora.add(i, "gate_up", xn, gu, self.kernel)
-        h = self._silu_mul(gu)
+        h = self._act_mul(gu)
         m = self.model.config.residual_multiplier
         y = lw.down.add(h, x, pk) if lw.post_mlp is None and m == 1.0 else lw.down(h, pk)
         if lora is not None:
@@ -223,17 +231,17 @@ class TorchBackend:
     # -- blocks); returns (B, H D) in the model's dtype. The per-step state: (lo, hi, S, gather index,
     # -- mask) per chunk.
 
-    def _bmm_masks(self, pos, chunks, table, r0, bs) -> list[tuple]:
+    def _bmm_masks(self, pos, chunks, table, r0, bs, window=None) -> list[tuple]:
         """Per chunk, the additive fp32 mask ((hi - lo) Hkv, 1, S) hiding positions past each row's own
-        (broadcast over the G query heads of a kv head)."""
+        (and those before its `window`; broadcast over the G query heads of a kv head)."""
         out = []
         for lo, hi, S in chunks:
-            m = torch.where(self.arange[:S] > pos[lo:hi, None], float("-inf"), 0.0)  # (n, S)
+            m = _hidden(self.arange[:S], pos[lo:hi, None], window)  # (n, S)
             m = m.repeat_interleave(self.w.Hkv, dim=0).view((hi - lo) * self.w.Hkv, 1, S)
             out.append((lo, hi, S, self._gather_index(table[r0 + lo : r0 + hi], S, bs), m))
         return out
 
-    def _sdpa_masks(self, pos, chunks, table, r0, bs) -> list[tuple]:
+    def _sdpa_masks(self, pos, chunks, table, r0, bs, window=None) -> list[tuple]:
         """Per chunk, the additive mask (hi - lo, 1, 1, S) in the cache's dtype."""
         return [
             (
@@ -241,9 +249,7 @@ class TorchBackend:
                 hi,
                 S,
                 self._gather_index(table[r0 + lo : r0 + hi], S, bs),
-                torch.where(self.arange[:S] > pos[lo:hi, None], float("-inf"), 0.0)
-                .to(self.kv_dtype)
-                .view(hi - lo, 1, 1, S),
+                _hidden(self.arange[:S], pos[lo:hi, None], window).to(self.kv_dtype).view(hi - lo, 1, 1, S),
             )
             for lo, hi, S in chunks
         ]
@@ -309,13 +315,13 @@ class TorchBackend:
         return o.view(Hkv, n, G * D).transpose(0, 1).reshape(n, Hkv * G * D).to(self.w.dtype)
 
     def _short_pieces(
-        self, offsets: list[int], pieces: Sequence[Span], short: list[int], table, bs: int
+        self, offsets: list[int], pieces: Sequence[Span], short: list[int], table, bs: int, windows=(None,)
     ) -> tuple:
         """The per-step state of `_attend_pieces` for pieces `short` (indices into `pieces`, whose first
         tokens are at `offsets` in the step's): P pieces padded to the longest, n_max tokens, attending to
         positions [0, S) of their rows: the tokens' places in that padding (a padded place repeats its
         piece's last token) and the real ones' places in the output, the rows' blocks, the causal
-        mask (P Hkv, n_max G, S)."""
+        mask (P Hkv, n_max G, S) of each of `windows`."""
         w, dev = self.w, self.w.device
         sel = [pieces[j] for j in short]
         n_max, S = max(n for _, _, n in sel), max(start + n for _, start, n in sel)
@@ -323,18 +329,22 @@ class TorchBackend:
         keep = [p * n_max + i for p, (_, _, n) in enumerate(sel) for i in range(n)]
         last = [start + min(i, n - 1) for _, start, n in sel for i in range(n_max)]  # each place's position
         last_t = torch.tensor(last).to(dev, non_blocking=True).view(len(sel), n_max, 1)
-        m = torch.where(self.arange[:S] > last_t, float("-inf"), 0.0)  # (P, n_max, S)
-        m = m.repeat_interleave(w.G, dim=1).repeat_interleave(w.Hkv, dim=0)  # (P Hkv, n_max G, S)
+        m = {win: _hidden(self.arange[:S], last_t, win) for win in windows}  # (P, n_max, S) each
+        m = {win: x.repeat_interleave(w.G, dim=1).repeat_interleave(w.Hkv, dim=0) for win, x in m.items()}
         rows = torch.tensor([row for row, _, _ in sel]).to(dev, non_blocking=True)
         idx = self._gather_index(table[rows], S, bs)
         take_t = torch.tensor(take).to(dev, non_blocking=True)
         keep_t = torch.tensor(keep).to(dev, non_blocking=True)
         return len(sel), n_max, S, take_t, keep_t, idx, m
 
-    def _attend_pieces(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: tuple) -> torch.Tensor:
+    def _attend_pieces(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: tuple, window=None
+    ) -> torch.Tensor:
         """Causal attention of several short prefill pieces at once, in fp32, as `_attend_piece` does
-        each: q (M, H, D) every token of the step; k, v the layer's cache. Returns (their n, H D)."""
-        P, n_max, S, take, keep, idx, m = state
+        each: q (M, H, D) every token of the step; k, v the layer's cache; `window`: the layer's. Returns
+        (their n, H D)."""
+        P, n_max, S, take, keep, idx, masks = state
+        m = masks[window]
         Hkv, G, D = self.w.Hkv, self.w.G, self.w.D
         q = q.index_select(0, take).view(P, n_max, Hkv, G, D).transpose(1, 2)  # (P, Hkv, n_max, G, D)
         q = q.reshape(P * Hkv, n_max * G, D).float()
@@ -348,13 +358,14 @@ class TorchBackend:
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as the model's: normalized in fp32 and rounded to the dtype, then times `weight` (for
         bf16 as HF's weight * x.float() ... .to(bf16)); OLMo2's times `weight` in fp32, then rounded."""
-        if self.w.scale_fp32:
+        if self.w.scale_fp32:  # (Gemma's `weight`: fp32 1 + w)
             return F.rms_norm(x.float(), (x.shape[-1],), eps=self.w.eps).mul_(weight).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), eps=self.w.eps).mul_(weight)
 
-    def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the fused gate/up projection's output (M, 2 I)."""
-        return F.silu(gu[:, : self.w.I]).mul_(gu[:, self.w.I :])
+    def _act_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused gate/up projection's output (M, 2 I); Gemma's gelu (tanh)."""
+        g = gu[:, : self.w.I]
+        return (F.gelu(g, approximate="tanh") if self.w.gelu else F.silu(g)).mul_(gu[:, self.w.I :])
 
     def _token_rows(self, rows: slice, pieces: Sequence[Span]) -> torch.Tensor:
         """(M,) cache row of each token: the decode rows, then each prefill piece's row n times."""
@@ -368,6 +379,15 @@ class TorchBackend:
             return base
         tail = torch.tensor([r for r, _, n in pieces for _ in range(n)]).to(self.w.device, non_blocking=True)
         return torch.cat((base, tail))
+
+
+def _hidden(keys: torch.Tensor, pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The additive fp32 mask of queries at `pos` (a column, or (P, n, 1)) over `keys` (positions): -inf at
+    the keys after a query's position and, with a `window`, at those up to its position - window."""
+    hide = keys > pos
+    if window is not None:
+        hide |= keys <= pos - window
+    return torch.where(hide, float("-inf"), 0.0)
 
 
 def _gather(c: torch.Tensor, idx: torch.Tensor, n: int, S: int) -> torch.Tensor:

@@ -9,6 +9,8 @@
 * Qwen3's per-head q and k norm weights stacked into one (H + Hkv, D) table per layer, applied to the
   q and k columns of the fused projection's output before RoPE (`norm_qk`; the kernel backend's C
   layer call applies them itself);
+* Gemma 3's norms scale by 1 + their weights in fp32: those are fp32 copies holding 1 + w (rebuilt by
+  `refresh`), its layers' norms both before and after the attention and the MLP;
 * on CPU, GEMMs over oneDNN packed copies of the weights at batches where they beat MKL (`packed_at`;
   see `linear.py`).
 """
@@ -77,8 +79,11 @@ class FusedWeights:
         self.G = self.H // self.Hkv  # query heads per kv head
         self.I = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
-        self.scale_fp32 = cfg.post_norms  # OLMo2's RMSNorm: scaled in fp32, then rounded to the dtype
-        self.scale = cfg.attention_scale  # 1/sqrt(D), or Granite's attention_multiplier
+        # OLMo2's and Gemma's RMSNorm: scaled in fp32, then rounded to the dtype (Gemma's q/k norms too)
+        self.scale_fp32, self.qk_fp32, self.offset = cfg.post_norms or cfg.gemma, cfg.gemma, cfg.norm_offset
+        self.scale = cfg.attention_scale  # 1/sqrt(D), or Granite's attention_multiplier, Gemma 3's
+        self.gelu = cfg.hidden_act != "silu"  # Gemma's GeGLU
+        self.windows = [cfg.window_at(i) for i in range(cfg.num_hidden_layers)]  # each layer's (None: all)
         w = model.model.embed_tokens.weight
         self.dtype, self.device = w.dtype, w.device
         self.packed = packing_supported(self.dtype) if packed is None else packed
@@ -109,8 +114,11 @@ class FusedWeights:
         # plain tensors over the parameters' storage (a load writes them): ops that take a Parameter (a
         # torch-function subclass) dispatch slower (bench/README.md, under model_memory.py: the GEMM calls of
         # the built-in model's decode 0.055 s with the LM head a Parameter, 0.045 s as a view)
+        def norm(p):  # Gemma's scale by 1 + the weight, in fp32
+            return p.detach() if not self.offset else self.offset + p.detach().float()
+
         self.embed = m.embed_tokens.weight
-        self.norm = m.norm.weight.detach()
+        self.norm = norm(m.norm.weight)
         self.lm_head = proj([self.model.lm_head.weight], int8=False)
         self.layers = []
         for layer in m.layers:
@@ -124,7 +132,12 @@ class FusedWeights:
             L.gate_up = proj([mlp.gate_proj.weight, mlp.up_proj.weight])
             L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8, plain)
             L.norm_attn = L.norm_mlp = L.post_attn = L.post_mlp = L.q_norm = L.k_norm = L.qk_norm = None
-            if layer.post_norms:
+            if layer.sandwich:
+                L.norm_attn = norm(layer.input_layernorm.weight)
+                L.post_attn = norm(layer.post_attention_layernorm.weight)
+                L.norm_mlp = norm(layer.pre_feedforward_layernorm.weight)
+                L.post_mlp = norm(layer.post_feedforward_layernorm.weight)
+            elif layer.post_norms:
                 L.post_attn = layer.post_attention_layernorm.weight.detach()
                 L.post_mlp = layer.post_feedforward_layernorm.weight.detach()
                 L.q_norm, L.k_norm = a.q_norm.weight.detach(), a.k_norm.weight.detach()
@@ -133,15 +146,19 @@ class FusedWeights:
                 L.norm_mlp = layer.post_attention_layernorm.weight.detach()
             if a.qk_norm:
                 L.qk_norm = torch.cat(
-                    (a.q_norm.weight.expand(self.H, -1), a.k_norm.weight.expand(self.Hkv, -1))
+                    (norm(a.q_norm.weight).expand(self.H, -1), norm(a.k_norm.weight).expand(self.Hkv, -1))
                 )
             self.layers.append(L)
 
 
-def norm_qk(qkv: torch.Tensor, weight: torch.Tensor, D: int, eps: float) -> torch.Tensor:
+def norm_qk(
+    qkv: torch.Tensor, weight: torch.Tensor, D: int, eps: float, scale_fp32: bool = False
+) -> torch.Tensor:
     """Qwen3's q and k norms on the fused projection's output qkv (M, (H + 2 Hkv) D), in place: each
     head's q and k RMS-normalized over D in fp32, rounded to the model's dtype, then scaled by its
-    weight (`weight` (H + Hkv, D)), as HF's Qwen3RMSNorm. Returns qkv."""
+    weight (`weight` (H + Hkv, D)), as HF's Qwen3RMSNorm; `scale_fp32` (Gemma 3's, `weight` fp32 1 + w):
+    scaled in fp32, then rounded. Returns qkv."""
     qk = qkv[:, : weight.shape[0] * D].view(qkv.shape[0], weight.shape[0], D)
-    qk.copy_(weight * torch.nn.functional.rms_norm(qk.float(), (D,), eps=eps).to(qkv.dtype))
+    n = torch.nn.functional.rms_norm(qk.float(), (D,), eps=eps)
+    qk.copy_((n * weight).to(qkv.dtype) if scale_fp32 else weight * n.to(qkv.dtype))
     return qkv
