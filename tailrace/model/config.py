@@ -134,9 +134,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # Gemma 3's: the MLP's activation (GeGLU; SwiGLU's "silu" elsewhere) and the number whose inverse square
-    # root scales the attention scores (None: head_dim)
-    hidden_act: str = "silu"
+    # the MLP's activation: SwiGLU's "silu", Gemma 3's GeGLU "gelu_pytorch_tanh" (None: the family's), and
+    # Gemma 3's number whose inverse square root scales the attention scores (None: head_dim)
+    hidden_act: str | None = None
     query_pre_attn_scalar: float | None = None
 
     def __post_init__(self):
@@ -246,18 +246,19 @@ class ModelConfig:
         self._check_gemma()
 
     def _check_gemma(self) -> None:
-        if self.hidden_act not in ("silu", GELU_TANH):
+        own = GELU_TANH if self.gemma else "silu"
+        self.hidden_act = self.hidden_act or own
+        if self.hidden_act != own:
             raise ValueError(
-                f"hidden_act={self.hidden_act!r} is not supported; use 'silu' (SwiGLU) or {GELU_TANH!r}"
+                f"hidden_act={self.hidden_act!r} is not model_type={self.model_type!r}'s; use {own!r} (or None)"
             )
         s = self.query_pre_attn_scalar
         if s is not None and (not isinstance(s, (int, float)) or isinstance(s, bool) or not s > 0):
             raise ValueError(f"query_pre_attn_scalar={s!r} must be a number > 0, or None (head_dim)")
-        if not self.gemma and (self.hidden_act != "silu" or s is not None):
+        if not self.gemma and s is not None:
             raise ValueError(
-                f"hidden_act={self.hidden_act!r} and query_pre_attn_scalar={s!r} are Gemma 3's; "
-                f"model_type={self.model_type!r} has SwiGLU and scores scaled by 1/sqrt(head_dim): leave them at "
-                "'silu' and None"
+                f"query_pre_attn_scalar={s!r} is Gemma 3's; model_type={self.model_type!r} scales scores by "
+                "1/sqrt(head_dim): leave it None"
             )
 
     def _check_multipliers(self) -> None:

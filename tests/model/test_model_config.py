@@ -124,9 +124,9 @@ def test_defaults_follow_hf():
         (dict(rms_norm_eps=0.0), ["rms_norm_eps"]),
         (dict(sliding_window=16), ["sliding_window=16", "Mistral's", "None"]),
         (dict(model_type="mistral", sliding_window=1), ["sliding_window=1", ">= 2"]),
-        (dict(hidden_act="gelu_pytorch_tanh"), ["Gemma 3's", "'silu'"]),
+        (dict(hidden_act="gelu_pytorch_tanh"), ["hidden_act='gelu_pytorch_tanh'", "'llama'", "'silu'"]),
         (dict(query_pre_attn_scalar=256), ["Gemma 3's", "None"]),
-        (dict(model_type="gemma3_text", hidden_act="relu"), ["hidden_act='relu'", "gelu_pytorch_tanh"]),
+        (dict(model_type="gemma3_text", hidden_act="silu"), ["hidden_act='silu'", "gelu_pytorch_tanh"]),
     ],
 )
 def test_validation_names_field_and_fix(overrides, words):
