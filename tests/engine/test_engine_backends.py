@@ -46,6 +46,18 @@ CONFIGS = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     ),  # fmt: skip
     "smollm3-norope-first": dict(model_type="smollm3", no_rope_layers=(0, 1)),
+    # windows shorter than the sequences (up to 47 tokens; 10 not a multiple of the block size)
+    "mistral-window": dict(model_type="mistral", sliding_window=10),
+    # Gemma 3: norms before and after, scaling by 1 + w; per-head q/k norms; GeGLU; a sliding layer (its own
+    # theta) and a full one
+    "gemma3-window": dict(
+        model_type="gemma3_text",
+        sliding_window=10,
+        layer_types=("sliding_attention", "full_attention"),
+        local_rope={"rope_theta": 1e4},
+        rope_theta=1e6,
+        query_pre_attn_scalar=24,
+    ),  # fmt: skip
     "phi3-longrope": dict(model_type="phi3", rope_scaling=LONGROPE),
     "phi3-partial": dict(model_type="phi3", partial_rotary_factor=0.75),  # Phi-4-mini: 12 of 16 dims rotate
     "llama3-rope": dict(
@@ -141,6 +153,7 @@ def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
         (torch.bfloat16, "phi3"),
         (torch.bfloat16, "phi3-partial"),
         (torch.bfloat16, "granite"),
+        (torch.bfloat16, "gemma3"),
     ],
 )
 @torch.inference_mode()
@@ -151,8 +164,10 @@ def test_mixed_prefill_and_decode_step_matches_model_forward(dtype, model_type):
         "smollm3": dict(no_rope_layers=(1, 0)), "phi3": dict(rope_scaling=LONGROPE),
         "phi3-partial": dict(partial_rotary_factor=0.75),
         "granite": {k: v for k, v in CONFIGS["granite"].items() if k != "model_type"},
+        "gemma3": {**{k: v for k, v in CONFIGS["gemma3-window"].items() if k != "model_type"}, "sliding_window": 8},
     }.get(model_type, {})  # fmt: skip
-    model = tiny_model(5, model_type=model_type.split("-")[0], **extra).to(dtype)
+    family = {"gemma3": "gemma3_text"}.get(model_type, model_type.split("-")[0])
+    model = tiny_model(5, model_type=family, **extra).to(dtype)
     backend = select("auto", model, 64, dtype)(model)
     V = model.config.vocab_size
     toks = torch.randint(0, V, (4, 30), generator=torch.Generator().manual_seed(2))
