@@ -48,7 +48,7 @@ class Kernels:
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_void_p]
-            fn.argtypes += [ctypes.c_int64]
+            fn.argtypes += [ctypes.c_int64, ctypes.c_float]
         self.dtypes = tuple(self._fns)  # the cache dtypes it reads
         self._layer = {torch.float32: lib.decode_layer_f32, torch.bfloat16: lib.decode_layer_bf16}
         for fn in self._layer.values():
@@ -60,6 +60,7 @@ class Kernels:
                 + [ctypes.c_void_p] * 2
                 + [ctypes.c_float]
                 + [ctypes.c_int64] * 2
+                + [ctypes.c_float]
             )
         self._rms = {torch.float32: lib.rms_f32, torch.bfloat16: lib.rms_bf16}
         # OLMo2's (scaled in fp32, rounded once): in fp32 the same as rms_f32
@@ -362,9 +363,11 @@ class Kernels:
         row0: int,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of q (B, Hkv, G, D) fp32, sequence b (table row row0 + b) over its positions
-        [0, pos[b]] (the last `window` of them, where given); returns (B, Hkv, G, D) fp32."""
+        [0, pos[b]] (the last `window` of them, where given; scores capped at `softcap` by tanh, where
+        given); returns (B, Hkv, G, D) fp32."""
         B, Hkv, G, D = q.shape
         nblocks, kv_heads, bs, head_dim = k.shape
         rows, W = table.shape
@@ -403,6 +406,7 @@ class Kernels:
             scale,
             scratch.data_ptr(),
             window or 0,
+            softcap or 0.0,
         )
         if rc:
             raise ValueError(f"decode_attn: {_WHY[rc]} (rows {row0}..{row0 + B}, positions {pos.tolist()})")
@@ -422,13 +426,15 @@ class Kernels:
         qk_norm: torch.Tensor | None = None,
         eps: float = 0.0,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """One layer's attention block after the q/k/v projection: token t of qkv (M, (H + 2 Hkv) D)
         rotated by RoPE (cos_sin (>= W block_size, 2, R), the backend's table: the first R dims of each
         head rotate, R = D but for a partial rotary, Phi-4-mini's), its k and v written into
         the cache at position pos[t] of the sequence in table row row[t], its q attended over that
         sequence's positions [0, pos[t]] (a prefill piece: one row's tokens in increasing positions,
-        causal; the last `window` positions only, where given); returns o (M, H D). One dtype, fp32 or bf16.
+        causal; the last `window` positions only, where given; scores capped at `softcap` by tanh, where
+        given); returns o (M, H D). One dtype, fp32 or bf16.
         `qk_norm`: Qwen3's q and k norm weights (H + Hkv, D), applied with `eps` to each head's q and k
         before RoPE, as `weights.norm_qk`."""
         M, Wq = qkv.shape
@@ -485,6 +491,7 @@ class Kernels:
             eps,
             cos_sin.shape[2],
             window or 0,
+            softcap or 0.0,
         )
         if rc:
             raise ValueError(f"decode_layer: {_WHY[rc]} (rows {row.tolist()}, positions {pos.tolist()})")

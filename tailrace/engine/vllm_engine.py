@@ -186,6 +186,8 @@ class VLLMEngine:
         self.num_slots, self.prefill_tokens, self.dtype = num_slots, budget, dtype
         self.max_context, self.vocab_size = mc.max_model_len, mc.get_vocab_size()
         self.kv_memory_gb = kv_memory_gb or 1.0
+        # vLLM's Gemma 2 class refuses a tied lm_head (its embedding; the other classes want both)
+        self._no_lm_head = cfg.tie_word_embeddings and cfg.model_type == "gemma2"
         self._version = 0
         self._rng = random.Random(seed)
         self._live: dict[str, _Live] = {}
@@ -366,7 +368,8 @@ class VLLMEngine:
                 f"{self._version} are waiting or running, and vLLM holds one version at a time; "
                 "let them finish or abort them first"
             )
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+        weights = [(k, t) for k, t in state_dict.items() if not (self._no_lm_head and k == "lm_head.weight")]
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self._llm.reset_prefix_cache():
             raise EngineError("vLLM refused to reset its prefix cache after a weight load; report this")
         self._version = version

@@ -55,8 +55,8 @@ class Attention(nn.Module):
         """`rope`: whether q and k are rotated (SmolLM3 leaves some layers without: `cfg.rope_at`); `window`:
         the positions each token attends to, its own included (`cfg.window_at`; None: all before it)."""
         super().__init__()
-        self.rope, self.window = rope, window
-        self.scale = cfg.score_scale  # Granite's, Gemma 3's; None: 1/sqrt(head_dim)
+        self.rope, self.window, self.softcap = rope, window, cfg.attn_logit_softcapping  # (Gemma 2's cap)
+        self.scale = cfg.score_scale  # Granite's, Gemma's; None: 1/sqrt(head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -87,7 +87,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
-        o = step.attend(q, k, v, self.scale, self.window)  # (B, T, H, D), possibly strided
+        o = step.attend(q, k, v, self.scale, self.window, self.softcap)  # (B, T, H, D), possibly strided
         return self.o_proj(o.reshape(B, T, -1))
 
 
@@ -130,9 +130,12 @@ def causal_mask(T: int, dtype: torch.dtype, device: torch.device, window: int | 
     return m
 
 
-def eager_attention(q, k, v, scale: float | None = None, window: int | None = None):
+def eager_attention(
+    q, k, v, scale: float | None = None, window: int | None = None, softcap: float | None = None
+):
     """q (B, T, H, D), k and v (B, T, KV, D) -> (B, T, H, D), causal (within the last `window` positions
-    where given), grouped as `repeat_kv`; scores scaled by `scale` (None: 1/sqrt(D))."""
+    where given), grouped as `repeat_kv`; scores scaled by `scale` (None: 1/sqrt(D)), then capped by
+    softcap tanh(s / softcap) where given (Gemma 2's, before the mask)."""
     B, T, H, D = q.shape
     KV = k.shape[2]
     qg = q.permute(0, 2, 1, 3).unflatten(1, (KV, H // KV))  # (B, KV, G, T, D): head h = kv * G + g
@@ -140,6 +143,8 @@ def eager_attention(q, k, v, scale: float | None = None, window: int | None = No
     low = _compute_dtype(q.dtype)
     with torch.autocast("cpu", enabled=False):
         s = torch.matmul(qg.float(), kt.float()) * (D**-0.5 if scale is None else scale)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         s = s + causal_mask(T, torch.float32, q.device, window)
     o = torch.matmul(torch.softmax(s, dim=-1).to(low), vt)  # (B, KV, G, T, D)
     return o.flatten(1, 2).transpose(1, 2)
@@ -153,12 +158,13 @@ class CausalStep:
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
         self.cos, self.sin = cos, sin  # (B or 1, T, 1, D)
 
-    def attend(self, q, k, v, scale: float | None = None, window: int | None = None):
-        """`scale`: the scores' (None: 1/sqrt(D); Granite's attention_multiplier, Gemma 3's); `window`: each
-        query attends to its last this many positions, its own included (None: to all before it)."""
+    def attend(self, q, k, v, scale=None, window: int | None = None, softcap: float | None = None):
+        """`scale`: the scores' (None: 1/sqrt(D); Granite's attention_multiplier, Gemma's); `window`: each
+        query attends to its last this many positions, its own included (None: to all before it);
+        `softcap`: Gemma 2's cap on the scores, which SDPA cannot apply (they attend eagerly, at any length)."""
         T = q.shape[1]
-        if attends_eagerly(T, q.dtype, q.device):
-            return eager_attention(q, k, v, scale, None if window is None or window >= T else window)
+        if softcap is not None or attends_eagerly(T, q.dtype, q.device):
+            return eager_attention(q, k, v, scale, None if window is None or window >= T else window, softcap)
         windowed = window is not None and window < T
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),

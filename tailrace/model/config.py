@@ -1,9 +1,9 @@
-"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 3-family
+"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 2/Gemma 3-family
 decoder, and its mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3/Granite/Gemma3ForCausalLM.
+loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3/Granite/Gemma2/Gemma3ForCausalLM.
 
 - Qwen3 is Llama's layout with a per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch
   on every attention projection.
@@ -31,10 +31,12 @@ loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3/Granite/Gemma3ForC
   full layers) and Qwen3's per-head q/k norms, an RMSNorm both before and after the attention and the MLP,
   every RMSNorm scaling by 1 + its weight in fp32 (`gemma`, `norm_offset`), GeGLU (`hidden_act`),
   embeddings times sqrt(hidden_size) rounded to their dtype, and scores scaled by
-  `query_pre_attn_scalar` ** -0.5.
+  `query_pre_attn_scalar` ** -0.5. Gemma 2 is Gemma 3's without the q/k norms or RoPE of its own, its
+  sliding and full layers alternating, and its attention scores and logits capped by tanh
+  (`attn_logit_softcapping`, `final_logit_softcapping`: c tanh(x / c)).
 
 Features those classes have and this decoder lacks (windows on some layers outside OLMo3 and Gemma 3,
-MLP bias, partial rotary outside Phi-3, activations but SwiGLU's and Gemma's, softcapping (Gemma 2),
+MLP bias, partial rotary outside Phi-3, activations but SwiGLU's and Gemma's, softcapping outside Gemma,
 other RoPE types) are rejected, never silently ignored.
 """
 
@@ -56,6 +58,7 @@ ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
@@ -68,7 +71,8 @@ ROPE_REQUIRED = {
 }
 _HF_DEFAULT_MAX_POS = {
     "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048,
-    "smollm3": 32768, "phi3": 4096, "granite": 2048, "gemma3_text": 131072,
+    "smollm3": 32768, "phi3": 4096, "granite": 2048, "gemma2": 8192,
+    "gemma3_text": 131072,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
 _HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5}  # else 1e-6
@@ -77,18 +81,17 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 _HF_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json leaves it out
 _HF_PHI3_ORIGINAL = 4096  # Phi3Config's original_max_position_embeddings (it wins over rope_scaling's)
 _HF_GEMMA3_WINDOW, _HF_GEMMA3_PATTERN = 4096, 6  # Gemma3TextConfig's sliding_window, sliding_window_pattern
-_HF_GEMMA3_THETA = (
-    1_000_000.0,
-    10_000.0,
-)  # Gemma3TextConfig's default_theta: the full layers', the sliding ones'
-WINDOWED = (
-    "mistral",
-    "phi3",
-    "olmo3",
-    "gemma3_text",
-)  # the families whose config.json may name a sliding window
-LAYERED = ("olmo3", "gemma3_text")  # the families with a window and RoPE of their own on some layers only
+_HF_GEMMA3_THETA = (1e6, 1e4)  # Gemma3TextConfig's default_theta: the full layers', the sliding ones'
+_HF_GEMMA2 = {"sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+# the families whose config.json may name a sliding window; those with it on some layers only (`layer_types`),
+# HF's default for which is every n-th layer full; those whose sliding layers may have RoPE of their own
+WINDOWED = ("mistral", "phi3", "olmo3", "gemma2", "gemma3_text")
+LAYERED = ("olmo3", "gemma2", "gemma3_text")
+_HF_FULL_EVERY = {"olmo3": 4, "gemma2": 2, "gemma3_text": _HF_GEMMA3_PATTERN}
+ROPE_BY_LAYER = ("olmo3", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (GeGLU, tanh approximation)
+_SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 NO_BIAS = ("mistral", "phi3")  # the families without an attention bias
 
 
@@ -138,6 +141,10 @@ class ModelConfig:
     # Gemma 3's number whose inverse square root scales the attention scores (None: head_dim)
     hidden_act: str | None = None
     query_pre_attn_scalar: float | None = None
+    # Gemma 2's tanh softcaps: attention scores become c tanh(s / c) before the mask and softmax, logits
+    # likewise (None: none)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -252,14 +259,15 @@ class ModelConfig:
             raise ValueError(
                 f"hidden_act={self.hidden_act!r} is not model_type={self.model_type!r}'s; use {own!r} (or None)"
             )
-        s = self.query_pre_attn_scalar
-        if s is not None and (not isinstance(s, (int, float)) or isinstance(s, bool) or not s > 0):
-            raise ValueError(f"query_pre_attn_scalar={s!r} must be a number > 0, or None (head_dim)")
-        if not self.gemma and s is not None:
-            raise ValueError(
-                f"query_pre_attn_scalar={s!r} is Gemma 3's; model_type={self.model_type!r} scales scores by "
-                "1/sqrt(head_dim): leave it None"
-            )
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            s = getattr(self, name)
+            if s is not None and (not isinstance(s, (int, float)) or isinstance(s, bool) or not s > 0):
+                raise ValueError(f"{name}={s!r} must be a number > 0, or None")
+            if not self.gemma and s is not None:
+                raise ValueError(
+                    f"{name}={s!r} is Gemma's; model_type={self.model_type!r} has none (scores scaled by "
+                    "1/sqrt(head_dim), nothing capped): leave it None"
+                )
 
     def _check_multipliers(self) -> None:
         names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -307,12 +315,19 @@ class ModelConfig:
         if self.model_type not in LAYERED:
             if self.layer_types is not None or self.local_rope is not None:
                 raise ValueError(
-                    f"layer_types and local_rope are OLMo3's and Gemma 3's; model_type={self.model_type!r} has one "
+                    f"layer_types and local_rope are OLMo3's and Gemma's; model_type={self.model_type!r} has one "
                     "kind of layer: set them to None"
                 )
             return
-        if self.layer_types is None:  # HF's defaults: every fourth layer full (OLMo3), every sixth (Gemma 3)
-            every = _HF_GEMMA3_PATTERN if self.gemma else 4
+        if self.local_rope is not None and self.model_type not in ROPE_BY_LAYER:
+            raise ValueError(
+                f"local_rope is OLMo3's and Gemma 3's; model_type={self.model_type!r} rotates every layer alike: "
+                "set it to None"
+            )
+        if (
+            self.layer_types is None
+        ):  # HF's defaults: every fourth layer full (OLMo3), second (Gemma 2), sixth
+            every = _HF_FULL_EVERY[self.model_type]
             self.layer_types = tuple(
                 SLIDING if (i + 1) % every else FULL for i in range(self.num_hidden_layers)
             )
@@ -352,10 +367,10 @@ class ModelConfig:
 
     @property
     def gemma(self) -> bool:
-        """Gemma 3's layer: RMSNorm before and after both the attention and the MLP, each scaling by 1 + its
-        weight in fp32 (`norm_offset`); q and k normalized per head so; GeGLU; embeddings times
-        sqrt(hidden_size), rounded to their dtype."""
-        return self.model_type == "gemma3_text"
+        """Gemma 2's and 3's layer: RMSNorm before and after both the attention and the MLP, each scaling by
+        1 + its weight in fp32 (`norm_offset`); GeGLU; embeddings times sqrt(hidden_size), rounded to their
+        dtype (Gemma 3's q and k normalized per head so too: `qk_norm`)."""
+        return self.model_type in GEMMA
 
     @property
     def norm_offset(self) -> float:
@@ -457,7 +472,7 @@ class ModelConfig:
                 f"architectures={archs} is not a causal LM this decoder implements; "
                 f"expected {ARCHITECTURES[model_type]!r} for model_type={model_type!r}"
             )
-        gemma = model_type == "gemma3_text"
+        gemma = model_type in GEMMA
         act = (
             (d.get("hidden_activation") or d.get("hidden_act") or GELU_TANH)
             if gemma
@@ -470,10 +485,11 @@ class ModelConfig:
             )
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported; only bias-free MLPs")
-        for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
-            if d.get(key):
-                raise ValueError(f"{key}={d[key]!r} is not supported (Gemma 2's, or an embedding model's); only "
-                                 "Gemma 3's causal LM without softcapping")  # fmt: skip
+        if d.get("use_bidirectional_attention"):
+            raise ValueError(
+                "use_bidirectional_attention=True (an embedding model's) is not supported; only causal LMs"
+            )
+        caps = {k: d.get(k, _HF_GEMMA2[k] if model_type == "gemma2" else None) for k in _SOFTCAPS}
         sliding = any(t != FULL for t in d.get("layer_types") or [])
         if d.get("use_sliding_window") or (sliding and model_type not in LAYERED):
             raise ValueError(
@@ -486,16 +502,16 @@ class ModelConfig:
             "mistral": d.get("sliding_window", _HF_MISTRAL_WINDOW), "phi3": d.get("sliding_window"),
             "olmo3": d.get("sliding_window", _HF_OLMO3_WINDOW),
             "gemma3_text": d.get("sliding_window", _HF_GEMMA3_WINDOW),
+            "gemma2": d.get("sliding_window", _HF_GEMMA2["sliding_window"]),
         }  # fmt: skip
-        local, layer_types = None, None
-        if model_type in LAYERED:
+        local, layer_types = None, d.get("layer_types") if model_type in LAYERED else None
+        if model_type in ROPE_BY_LAYER:
             (theta, scaling, local), partial = _layered_rope(d, max_pos, model_type), 1.0
-            layer_types = d.get("layer_types")
-            if gemma and layer_types is None:  # its configs on the Hub still name the old pattern
-                every = d.get("sliding_window_pattern", _HF_GEMMA3_PATTERN)
-                layer_types = [SLIDING if (i + 1) % every else FULL for i in range(d["num_hidden_layers"])]
         else:
             theta, scaling, partial = _rope_from_hf(d, max_pos, model_type)
+        if model_type == "gemma3_text" and layer_types is None:  # its configs on the Hub name the old pattern
+            every = d.get("sliding_window_pattern", _HF_GEMMA3_PATTERN)
+            layer_types = [SLIDING if (i + 1) % every else FULL for i in range(d["num_hidden_layers"])]
         no_rope = None
         if model_type == "smollm3":
             interval = d.get("no_rope_layer_interval", _HF_NO_ROPE_INTERVAL)
@@ -527,7 +543,7 @@ class ModelConfig:
             local_rope=local,
             **(_granite_from_hf(d) if model_type == "granite" else {}),
             **(
-                {"hidden_act": act, "query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256)}
+                {"hidden_act": act, "query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256), **caps}
                 if gemma
                 else {}
             ),
@@ -577,20 +593,21 @@ class ModelConfig:
             d.update(sliding_window=self.sliding_window)
         elif self.model_type != "olmo2":
             d.update(use_sliding_window=False)
-        if self.model_type in ("qwen3", "olmo2", "olmo3", "smollm3", "gemma3_text"):
+        if self.model_type in ("qwen3", "olmo2", "olmo3", "smollm3", *GEMMA):
             d.update(attention_bias=self.attention_bias)
         if self.gemma:
             d.update(
                 hidden_activation=self.hidden_act,
                 query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
             )
-            d.update(
-                final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False
-            )
+            d.update({k: getattr(self, k) for k in _SOFTCAPS}, use_bidirectional_attention=False)
+        if self.model_type == "gemma3_text":
             d.update(rope_local_base_freq=(self.local_rope or {}).get("rope_theta", self.rope_theta))
-        if self.model_type in LAYERED:  # RoPE by layer type: the full layers' and the sliding layers'
+        if self.model_type in LAYERED:
+            d.update(layer_types=list(self.layer_types))
+        if self.model_type in ROPE_BY_LAYER:  # RoPE by layer type: the full layers' and the sliding layers'
             local = dict(self.local_rope or {"rope_theta": self.rope_theta, "rope_type": "default"})
-            d.update(layer_types=list(self.layer_types), rope_parameters={FULL: rope, SLIDING: local})
+            d.update(rope_parameters={FULL: rope, SLIDING: local})
             d.pop("rope_scaling", None)
         if self.model_type == "smollm3":
             d.update(no_rope_layers=list(self.no_rope_layers), mlp_bias=False)

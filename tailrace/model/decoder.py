@@ -1,8 +1,8 @@
-"""`CausalLM`: a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 3-family decoder in plain
-PyTorch.
+"""`CausalLM`: a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 2/Gemma 3-family decoder in
+plain PyTorch.
 
 Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
-Olmo2ForCausalLM / Olmo3ForCausalLM / SmolLM3ForCausalLM / GraniteForCausalLM / Gemma3ForCausalLM, so
+Olmo2ForCausalLM / Olmo3ForCausalLM / SmolLM3ForCausalLM / GraniteForCausalLM / Gemma2/3ForCausalLM, so
 state_dicts map 1:1 (Phi3ForCausalLM's fused projections split and join: `fused.py`).
 
 The forward runs whole sequences with causal attention. Callers right-pad batches, so no padding mask
@@ -157,7 +157,10 @@ def embed(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def logits(y: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The LM head's output as the model's logits: divided by Granite's logits_scaling."""
+    """The LM head's output as the model's logits: divided by Granite's logits_scaling; capped by Gemma 2's
+    final_logit_softcapping c (c tanh(y / c))."""
+    if (c := cfg.final_logit_softcapping) is not None:
+        return torch.tanh(y / c) * c
     return y if cfg.logits_scaling == 1.0 else y / cfg.logits_scaling
 
 

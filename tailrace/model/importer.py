@@ -10,7 +10,7 @@ tokenizer files and chat template the source carries).
   loading a pickle runs code), whatever its dtype or sharding.
 
 Only what tailrace's decoder supports is accepted (Llama / Mistral / Qwen2 / Qwen3 / OLMo2 / OLMo3 /
-SmolLM3 / Phi-3 / Granite / Gemma 3 families; `ModelConfig.from_hf` names anything else). Gemma 3's
+SmolLM3 / Phi-3 / Granite / Gemma 2 / Gemma 3 families; `ModelConfig.from_hf` names anything else). Gemma 3's
 image-text checkpoints (4B, 12B, 27B: `Gemma3ForConditionalGeneration`) are imported as their text model
 (a `Gemma3ForCausalLM`), the vision tower left behind; text-only prompts run through it exactly. The
 converted model is checked
@@ -64,7 +64,7 @@ def import_model(src: str | Path, out: str | Path, dtype: str = "float32") -> Im
     except (KeyError, ValueError) as e:
         raise CheckpointError(
             f"{src}: {e}; tailrace's decoder reads Llama, Mistral, Qwen2, Qwen3, OLMo2, OLMo3, SmolLM3, "
-            "Phi-3, Granite and Gemma 3-family models"
+            "Phi-3, Granite, Gemma 2 and Gemma 3-family models"
         ) from None
     model = CausalLM(cfg)
     state = fused.split(state, cfg)  # Phi-3's q/k/v and gate/up, apart
@@ -110,6 +110,9 @@ def _load_source(src: Path):
     else:
         raise CheckpointError(f"{src}: pass a .gguf file or a directory with config.json and *.safetensors")
     model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32, **kw)
+    text = getattr(model.config, "text_config", None) or model.config
+    if getattr(text, "attn_logit_softcapping", None) is not None:  # transformers' SDPA drops Gemma 2's cap
+        model.set_attn_implementation("eager")
     tok = AutoTokenizer.from_pretrained(
         str(where), **({"gguf_file": kw["gguf_file"]} if "gguf_file" in kw else {})
     )

@@ -28,6 +28,9 @@ output and its bf16 copy) x heads x `EAGER_MAX_T` plus the fp32 copies of q and 
 kv heads) x head_dim), the longest such sequence's cost. Measured on SmolLM2's shape (bf16, slope
 of peak resident memory between 1,024- and 4,096-token micro-batches, 2026-12-02): over SDPA's 1.43 MiB
 a token, eager adds 0.22 MiB at T = 192 and 0.15 at T = 72; the estimate adds 0.38 (x `MARGIN`).
+Gemma 2 caps its attention scores (tanh), which SDPA cannot, so it attends eagerly at every length, in
+fp32 and bf16: its budget pays for sequences of up to `SOFTCAP_T` tokens (or its context, if shorter);
+a micro-batch of longer rows keeps more than it pays for (not measured).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ _LAYER_BYTES = {False: 5.6, True: 3.8}  # by train.bf16 (autocast keeps bf16 cop
 _VOCAB_BYTES = {False: 1.2, True: 0.5}
 _QK_NORM_BYTES = {False: 8, True: 3}  # measured 7.6 and 2.6 (the module's docstring)
 GIB = 1 << 30
+SOFTCAP_T = 4096  # the longest sequence a softcapped model's (Gemma 2's) budget pays eager attention for
 
 
 def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) -> int:
@@ -60,15 +64,18 @@ def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) 
     raw = cfg.num_hidden_layers * per_layer * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[bf16]
     if cfg.qk_norm or cfg.post_norms:  # Qwen3's per-head q/k norms; OLMo2's over all heads keep as much
         raw += cfg.num_hidden_layers * (q + kv) * _QK_NORM_BYTES[bf16]
-    if bf16 and cpu:
+    if cfg.attn_logit_softcapping is not None:  # Gemma 2's: SDPA cannot cap, every length attends eagerly
+        raw += eager_attention_bytes(cfg, min(cfg.context_limit, SOFTCAP_T))
+    elif bf16 and cpu:
         raw += eager_attention_bytes(cfg)
     return int(MARGIN * raw)
 
 
-def eager_attention_bytes(cfg: ModelConfig) -> int:
-    """What eager attention keeps a token, over all layers, at its longest sequence (`EAGER_MAX_T`)."""
+def eager_attention_bytes(cfg: ModelConfig, longest: int = EAGER_MAX_T) -> int:
+    """What eager attention keeps a token, over all layers, at its longest sequence (`EAGER_MAX_T`, or
+    `longest`: its probabilities grow with the length, 6 bytes x heads a position)."""
     heads = cfg.num_attention_heads
-    per_layer = 6 * heads * EAGER_MAX_T + 4 * (heads + cfg.num_key_value_heads) * cfg.head_dim
+    per_layer = 6 * heads * longest + 4 * (heads + cfg.num_key_value_heads) * cfg.head_dim
     return cfg.num_hidden_layers * per_layer
 
 

@@ -46,6 +46,10 @@ CONFIGS = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     ),  # fmt: skip
     "smollm3-norope-first": dict(model_type="smollm3", no_rope_layers=(0, 1)),
+    # Gemma 2: Gemma 3's without q/k norms, its score and logit softcaps small enough to bite
+    "gemma2-softcap": dict(
+        model_type="gemma2", sliding_window=10, attn_logit_softcapping=1.0, final_logit_softcapping=2.0
+    ),  # fmt: skip
     # windows shorter than the sequences (up to 47 tokens; 10 not a multiple of the block size)
     "mistral-window": dict(model_type="mistral", sliding_window=10),
     # Gemma 3: norms before and after, scaling by 1 + w; per-head q/k norms; GeGLU; a sliding layer (its own
@@ -129,10 +133,11 @@ def test_decode_matches_model_forward(name, attention, packed):
 @pytest.mark.parametrize(
     "attention,packed", [("kernel", None), ("bmm", False), ("bmm", True), ("sdpa", None)]
 )
+@pytest.mark.parametrize("name", ["llama", "gemma2-softcap"])  # Gemma 2: scores capped, in every path
 @torch.inference_mode()
-def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
+def test_bf16_decode_close_to_model_forward(attention, packed, B, kv, name):
     skip_without_kernel(attention)
-    model = tiny_model(4).to(torch.bfloat16)
+    model = tiny_model(4, **CONFIGS[name]).to(torch.bfloat16)
     backend = select(attention, model, 64, kv)(model, packed=packed and packing_supported(torch.bfloat16))
     cache = paged_cache(model, B, 64, dtype=kv)
     toks = torch.randint(0, model.config.vocab_size, (B, 20), generator=torch.Generator().manual_seed(1))
@@ -154,6 +159,7 @@ def test_bf16_decode_close_to_model_forward(attention, packed, B, kv):
         (torch.bfloat16, "phi3-partial"),
         (torch.bfloat16, "granite"),
         (torch.bfloat16, "gemma3"),
+        (torch.bfloat16, "gemma2"),
     ],
 )
 @torch.inference_mode()
@@ -166,6 +172,9 @@ def test_mixed_prefill_and_decode_step_matches_model_forward(dtype, model_type):
         "granite": {k: v for k, v in CONFIGS["granite"].items() if k != "model_type"},
         "gemma3": {**{k: v for k, v in CONFIGS["gemma3-window"].items() if k != "model_type"}, "sliding_window": 8},
     }.get(model_type, {})  # fmt: skip
+    extra |= {"gemma2": dict(sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=2.0)}.get(
+        model_type, {}
+    )
     family = {"gemma3": "gemma3_text"}.get(model_type, model_type.split("-")[0])
     model = tiny_model(5, model_type=family, **extra).to(dtype)
     backend = select("auto", model, 64, dtype)(model)

@@ -295,6 +295,16 @@ def test_a_gemma3_checkpoint_matches_tailraces_engine_past_its_window(tmp_path):
     _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
 
 
+def test_a_gemma2_checkpoint_matches_tailraces_engine_with_its_softcaps(tmp_path):
+    """Gemma 2 (vLLM's Gemma2ForCausalLM): Gemma 3's layer without q/k norms, a sliding layer (window 6)
+    and a full one, its scores capped at 1.0 and its logits at 2.0 (small enough to bite), tied."""
+    shape = dict(
+        model_type="gemma2", layer_types=("sliding_attention", "full_attention"), sliding_window=6,
+        query_pre_attn_scalar=24, tie_word_embeddings=True, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+    )  # fmt: skip
+    _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
+
+
 def test_a_granite_checkpoint_matches_tailraces_engine(tmp_path):
     """Granite 3's layout: Llama's with its four scalars (embeddings x12, each output into the residual
     x0.22, attention scores x1/128, logits /8); vLLM's Granite class, before and after a reload."""

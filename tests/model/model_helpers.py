@@ -147,6 +147,19 @@ CONFIGS = {
         rope_theta=1e6,
         rope_scaling={"rope_type": "linear", "factor": 8.0},
     ),  # fmt: skip
+    # Gemma 2's layout: Gemma 3's without q/k norms or RoPE of its own, sliding and full layers alternating
+    # (window 7), its tanh softcaps small enough to bite (scores at 2, logits at 3)
+    "gemma2-gqa2-tied-window-softcap": dict(
+        model_type="gemma2",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=24,
+        sliding_window=7,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),  # fmt: skip
 }
 HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -158,6 +171,7 @@ HF_CLASSES = {
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 
@@ -193,7 +207,9 @@ def hf_from_ours(model: CausalLM, tmp_path):
     from transformers import AutoModelForCausalLM
 
     save_pretrained(model, tmp_path)
-    return AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    # transformers' SDPA attention drops Gemma 2's softcap (its eager attention, Google's and vLLM's apply it)
+    eager = {"attn_implementation": "eager"} if model.config.attn_logit_softcapping is not None else {}
+    return AutoModelForCausalLM.from_pretrained(tmp_path, **eager).eval()
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

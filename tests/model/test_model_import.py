@@ -9,6 +9,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
@@ -126,7 +128,18 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama-untied", "qwen2", "qwen3", "phi3", "phi4-mini", "olmo3", "granite", "gemma3-image-text"]
+    "arch",
+    [
+        "llama-untied",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "phi4-mini",
+        "olmo3",
+        "granite",
+        "gemma2",
+        "gemma3-image-text",
+    ],
 )
 def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch):
     tok = tiny_bpe()
@@ -164,6 +177,11 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
             cfg = GraniteConfig(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03,
                                 logits_scaling=8.0, tie_word_embeddings=True, pad_token_id=0, **shape)  # fmt: skip
             model = GraniteForCausalLM(cfg).eval()
+        elif arch == "gemma2":  # its softcaps (small enough to bite), alternating windowed layers (window 3)
+            cfg = Gemma2Config(sliding_window=3, query_pre_attn_scalar=8, head_dim=8, attn_logit_softcapping=2.0,
+                               attn_implementation="eager",
+                               final_logit_softcapping=3.0, pad_token_id=0, **shape)  # fmt: skip
+            model = Gemma2ForCausalLM(cfg).eval()
         elif arch == "gemma3-image-text":  # Gemma-3-4B's kind: its text model taken out (window 3, 5 tokens)
             text = Gemma3TextConfig(
                 sliding_window=3, query_pre_attn_scalar=16, head_dim=8, pad_token_id=0, **shape

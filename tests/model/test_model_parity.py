@@ -251,3 +251,26 @@ def test_a_gemma3_checkpoint_transformers_wrote_loads_and_matches(tmp_path):
         assert max_diff(ours(ids), ref) <= TOL
         low = max_diff(ours.to(torch.bfloat16)(ids), hf.to(torch.bfloat16)(ids).logits)
         assert low <= 0.05 * ref.abs().max().item()
+
+
+def test_a_gemma2_checkpoint_transformers_wrote_loads_and_matches(tmp_path):
+    """Gemma-2-2B's layout at a small size, built and saved by transformers (sliding and full layers
+    alternating, window 8; scores capped at 5, logits at 3, small enough to bite): the decoder's logits are
+    transformers' eager attention's (its SDPA attention drops the score cap; Google's and vLLM's keep it)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    hf_cfg = Gemma2Config(
+        vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=8,
+        query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    randomize_(Gemma2ForCausalLM(hf_cfg), 3).save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = load_pretrained(tmp_path)
+    cfg = ours.config
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (5.0, 3.0) and not cfg.qk_norm
+    assert [cfg.window_at(i) for i in range(4)] == [8, None, 8, None] and cfg.tie_word_embeddings
+    ids = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert max_diff(ours(ids), hf(ids).logits) <= TOL

@@ -57,7 +57,7 @@ class KernelBackend(TorchBackend):
             qkn = None if w.qk_fp32 else lw.qk_norm
             o = layer(
                 qkv, self.tables[i], cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale, qkn, w.eps,
-                w.windows[i],
+                w.windows[i], w.softcap,
             )  # fmt: skip
             x = self._mlp(i, lw, self._o(i, lw, o, x, pk, lora), pk, lora)
         return x
@@ -91,7 +91,7 @@ class KernelAttentionBackend(KernelBackend):
         pos, table, r0, window = state
         B, Hkv, G, D = q.shape[0], self.w.Hkv, self.w.G, self.w.D
         q = q.float().contiguous().view(B, Hkv, G, D)
-        o = self.kernel.run(q, ck, cv, table, pos, r0, self.w.scale, window)  # (B, Hkv, G, D) fp32
+        o = self.kernel.run(q, ck, cv, table, pos, r0, self.w.scale, window, self.w.softcap)  # (B, Hkv, G, D)
         return o.view(B, Hkv * G * D).to(self.w.dtype)
 
 

@@ -67,6 +67,8 @@ class TorchBackend:
         speculation's exactness needs)."""
         if variant not in ("bmm", "sdpa"):
             raise ValueError(f"variant={variant!r}: use 'bmm' or 'sdpa'")
+        if model.config.attn_logit_softcapping is not None:  # SDPA cannot cap the scores (Gemma 2's)
+            variant = "bmm"
         self.name, self.model, self.kv_dtype = variant, model, kv_dtype
         self.upcast_max_batch = UPCAST_MAX_BATCH if upcast_max_batch is None else upcast_max_batch
         self.w = w = FusedWeights(model, packed, gemm, int8)
@@ -266,9 +268,7 @@ class TorchBackend:
             )  # (n Hkv, S, D)
             if upcast:
                 k3, v3 = k3.float(), v3.float()
-            s = torch.baddbmm(
-                m, q[lo * Hkv : hi * Hkv], k3.transpose(1, 2), alpha=self.w.scale
-            )  # (n Hkv, G, S)
+            s = _scores(m, q[lo * Hkv : hi * Hkv], k3.transpose(1, 2), self.w)  # (n Hkv, G, S)
             outs.append(torch.bmm(torch.softmax(s, dim=-1), v3))
         return _cat(outs).reshape(B, self.w.H * D).to(self.w.dtype)
 
@@ -282,8 +282,11 @@ class TorchBackend:
         outs = []
         for lo, hi, S, idx, m in state:
             k3, v3 = _gather(ck, idx, (hi - lo) * Hkv, S), _gather(cv, idx, (hi - lo) * Hkv, S)
-            s = torch.add(
-                m, torch.bmm(k3, q[lo * Hkv : hi * Hkv].transpose(1, 2)).transpose(1, 2), alpha=self.w.scale
+            s = torch.bmm(k3, q[lo * Hkv : hi * Hkv].transpose(1, 2)).transpose(1, 2)
+            s = (
+                torch.add(m, s, alpha=self.w.scale)
+                if self.w.softcap is None
+                else _cap(s * self.w.scale, self.w) + m
             )
             outs.append(torch.bmm(torch.softmax(s, dim=-1).to(self.w.dtype), v3))
         return _cat(outs).reshape(B, self.w.H * D).to(self.w.dtype)
@@ -310,7 +313,7 @@ class TorchBackend:
         mask (1, n G, S). Returns (n, H D) in the model dtype."""
         n, Hkv, G, D = q.shape[0], self.w.Hkv, self.w.G, self.w.D
         q = q.reshape(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, n * G, D).float()  # rows ordered (n, G)
-        s = torch.baddbmm(mask, q, k.float().transpose(1, 2), alpha=self.w.scale)  # (Hkv, n G, S)
+        s = _scores(mask, q, k.float().transpose(1, 2), self.w)  # (Hkv, n G, S)
         o = torch.bmm(torch.softmax(s, dim=-1), v.float())  # (Hkv, n G, D)
         return o.view(Hkv, n, G * D).transpose(0, 1).reshape(n, Hkv * G * D).to(self.w.dtype)
 
@@ -349,7 +352,7 @@ class TorchBackend:
         q = q.index_select(0, take).view(P, n_max, Hkv, G, D).transpose(1, 2)  # (P, Hkv, n_max, G, D)
         q = q.reshape(P * Hkv, n_max * G, D).float()
         k3, v3 = _gather(k, idx, P * Hkv, S).float(), _gather(v, idx, P * Hkv, S).float()  # (P Hkv, S, D)
-        s = torch.baddbmm(m, q, k3.transpose(1, 2), alpha=self.w.scale)  # (P Hkv, n_max G, S)
+        s = _scores(m, q, k3.transpose(1, 2), self.w)  # (P Hkv, n_max G, S)
         o = torch.bmm(torch.softmax(s, dim=-1), v3).view(P, Hkv, n_max, G * D).transpose(1, 2)
         return o.reshape(P * n_max, Hkv * G * D).index_select(0, keep).to(self.w.dtype)
 
@@ -379,6 +382,18 @@ class TorchBackend:
             return base
         tail = torch.tensor([r for r, _, n in pieces for _ in range(n)]).to(self.w.device, non_blocking=True)
         return torch.cat((base, tail))
+
+
+def _scores(m: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, w: FusedWeights) -> torch.Tensor:
+    """m + scale q kt, batched; with Gemma 2's softcap c, m + c tanh(scale q kt / c) (the mask after the cap)."""
+    if w.softcap is None:
+        return torch.baddbmm(m, q, kt, alpha=w.scale)
+    return _cap(torch.bmm(q, kt).mul_(w.scale), w).add_(m)
+
+
+def _cap(s: torch.Tensor, w: FusedWeights) -> torch.Tensor:
+    """Scores capped by Gemma 2's softcap c: c tanh(s / c), in place."""
+    return s.div_(w.softcap).tanh_().mul_(w.softcap)
 
 
 def _hidden(keys: torch.Tensor, pos: torch.Tensor, window: int | None) -> torch.Tensor:

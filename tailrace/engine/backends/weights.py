@@ -81,7 +81,8 @@ class FusedWeights:
         self.eps = cfg.rms_norm_eps
         # OLMo2's and Gemma's RMSNorm: scaled in fp32, then rounded to the dtype (Gemma's q/k norms too)
         self.scale_fp32, self.qk_fp32, self.offset = cfg.post_norms or cfg.gemma, cfg.gemma, cfg.norm_offset
-        self.scale = cfg.attention_scale  # 1/sqrt(D), or Granite's attention_multiplier, Gemma 3's
+        self.scale = cfg.attention_scale  # 1/sqrt(D), or Granite's attention_multiplier, Gemma's
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2's cap on the scores (None: none)
         self.gelu = cfg.hidden_act != "silu"  # Gemma's GeGLU
         self.windows = [cfg.window_at(i) for i in range(cfg.num_hidden_layers)]  # each layer's (None: all)
         w = model.model.embed_tokens.weight

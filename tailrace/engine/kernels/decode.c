@@ -32,6 +32,12 @@ static inline uint16_t bf16_out(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Gemma 2's softcap of n scores: s = cap tanh(s / cap) (monotonic: the max of the capped scores is the
+   capped max). */
+static void softcap(float *restrict s, int64_t n, float cap) {
+    for (int64_t i = 0; i < n; i++) s[i] = cap * tanhf(s[i] / cap);
+}
+
 /* A bf16 cache row widened into buf as fp32. */
 static inline const float *widen_bf16(float *restrict buf, const uint16_t *restrict x, int64_t D) {
 #pragma omp simd
@@ -78,12 +84,14 @@ static float exp_shift_sum(float *restrict s, int64_t n, float m) {
 #define BLOCK_AT(p, b) ((p) + (int64_t)tb[b] * bstride)
 
 /* One (sequence, kv head): G query heads of D over n cached positions, the first n0 of them outside its
-   window (scored, but weighted 0: left out of the max and the softmax), written to oh (G, D); DD > 0: D
+   window (scored, but weighted 0: left out of the max and the softmax), the scores capped where cap > 0
+   (`softcap`), written to oh (G, D); DD > 0: D
    known at compile time. fp32 cache: one head at a time (g outer), its query in registers; the G heads of
    a kv head re-read the same K/V rows from L1. s holds n scores. Measured faster than t outer for fp32. */
 #define HEAD_G_OUTER(NAME, DD)                                                                       \
 static void NAME(const float *restrict qh, const float *restrict k, const float *restrict v, BLOCKS, \
-                 int64_t n, int64_t n0, int64_t G, int64_t D_, float scale, float *restrict s, float *restrict oh) { \
+                 int64_t n, int64_t n0, int64_t G, int64_t D_, float scale, float cap, float *restrict s,           \
+                 float *restrict oh) { \
     const int64_t D = DD ? DD : D_;                                                                  \
     for (int64_t g = 0; g < G; g++) {                                                                \
         const float *qg = qh + g * D;                                                                \
@@ -100,6 +108,10 @@ static void NAME(const float *restrict qh, const float *restrict k, const float 
                 s[t0 + t] = acc;                                                                     \
                 mx = acc > mx && t0 + t >= n0 ? acc : mx;                                            \
             }                                                                                        \
+        }                                                                                            \
+        if (cap > 0.f) {                                                                             \
+            softcap(s, n, cap);                                                                      \
+            mx = cap * tanhf(mx / cap);                                                              \
         }                                                                                            \
         const float inv = 1.0f / exp_shift_sum(s + n0, n - n0, mx);                                  \
         for (int64_t t = 0; t < n0; t++) s[t] = 0.f;                                                 \
@@ -123,7 +135,8 @@ static void NAME(const float *restrict qh, const float *restrict k, const float 
 /* bf16 cache: each K and V row is widened once for all G heads (t outer); s holds G x n scores. */
 #define HEAD_T_OUTER(NAME, KT, WIDEN, DD)                                                                  \
 static void NAME(const float *restrict qh, const KT *restrict k, const KT *restrict v, BLOCKS,       \
-                 int64_t n, int64_t n0, int64_t G, int64_t D_, float scale, float *restrict s, float *restrict oh) { \
+                 int64_t n, int64_t n0, int64_t G, int64_t D_, float scale, float cap, float *restrict s,           \
+                 float *restrict oh) { \
     const int64_t D = DD ? DD : D_;                                                                  \
     float row[DD ? DD : 256];                                                                        \
     for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, b++) {                                             \
@@ -140,6 +153,7 @@ static void NAME(const float *restrict qh, const KT *restrict k, const KT *restr
             }                                                                                        \
         }                                                                                            \
     }                                                                                                \
+    if (cap > 0.f) softcap(s, G * n, cap);                                                           \
     for (int64_t g = 0; g < G; g++) {                                                                \
         float *sg = s + g * n, mx = -INFINITY;                                                       \
         for (int64_t t = n0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;                               \
@@ -203,7 +217,7 @@ static inline __m256 hsum8(const __m512 *a) {
 #define HEAD_AVX512(NAME, KT, LD, DD)                                                                \
 static inline __attribute__((always_inline)) void NAME##_q(                                          \
     const float *restrict qh, const KT *restrict k, const KT *restrict v, BLOCKS, int64_t n,         \
-    int64_t n0, int64_t D, float scale, float *restrict s, float *restrict oh, const int NQ) {       \
+    int64_t n0, int64_t D, float scale, float cap, float *restrict s, float *restrict oh, const int NQ) { \
     const int64_t C = D / 16;                                                                        \
     const __m256 sc = _mm256_set1_ps(scale);                                                         \
     for (int64_t t0 = 0, bk = 0; t0 < n; t0 += bs, bk++) {                                           \
@@ -236,6 +250,8 @@ static inline __attribute__((always_inline)) void NAME##_q(                     
         }                                                                                            \
     }                                                                                                \
     float inv[3];                                                                                    \
+    if (cap > 0.f)                                                                                   \
+        for (int q = 0; q < NQ; q++) softcap(s + q * n, n, cap);                                    \
     for (int q = 0; q < NQ; q++) {                                                                   \
         float *sq = s + q * n, mx = -INFINITY;                                                       \
         for (int64_t i = n0; i < n; i++) mx = sq[i] > mx ? sq[i] : mx;                               \
@@ -264,15 +280,16 @@ static inline __attribute__((always_inline)) void NAME##_q(                     
 }                                                                                                    \
 /* The G heads in groups of 3 (a pair or a single last; 4 as two pairs). */                          \
 static void NAME(const float *restrict qh, const KT *restrict k, const KT *restrict v, BLOCKS,       \
-                 int64_t n, int64_t n0, int64_t G, int64_t D_, float scale, float *restrict s, float *restrict oh) { \
+                 int64_t n, int64_t n0, int64_t G, int64_t D_, float scale, float cap, float *restrict s,           \
+                 float *restrict oh) { \
     const int64_t D = DD ? DD : D_;                                                                  \
     for (int64_t g0 = 0; g0 < G;) {                                                                  \
         const int64_t r = G - g0, nq = r == 4 ? 2 : r >= 3 ? 3 : r;                                  \
         const float *q = qh + g0 * D;                                                                \
         float *sg = s + g0 * n, *og = oh + g0 * D;                                                   \
-        if (nq == 3) NAME##_q(q, k, v, tb, bs, bstride, n, n0, D, scale, sg, og, 3);                     \
-        else if (nq == 2) NAME##_q(q, k, v, tb, bs, bstride, n, n0, D, scale, sg, og, 2);                \
-        else NAME##_q(q, k, v, tb, bs, bstride, n, n0, D, scale, sg, og, 1);                             \
+        if (nq == 3) NAME##_q(q, k, v, tb, bs, bstride, n, n0, D, scale, cap, sg, og, 3);                     \
+        else if (nq == 2) NAME##_q(q, k, v, tb, bs, bstride, n, n0, D, scale, cap, sg, og, 2);                \
+        else NAME##_q(q, k, v, tb, bs, bstride, n, n0, D, scale, cap, sg, og, 1);                             \
         g0 += nq;                                                                                    \
     }                                                                                                \
 }
@@ -291,20 +308,20 @@ HEAD_AVX512(x_bf16_any, uint16_t, ld_bf16, 0)
    its compiled-in head dims. */
 #define BY_HEAD_DIM(P) \
     do { \
-        if (D == 32) P##_32(qh, k, v, tb, bs, bstride, n, n0, G, D, scale, s, oh); \
-        else if (D == 64) P##_64(qh, k, v, tb, bs, bstride, n, n0, G, D, scale, s, oh); \
-        else if (D == 128) P##_128(qh, k, v, tb, bs, bstride, n, n0, G, D, scale, s, oh); \
-        else P##_any(qh, k, v, tb, bs, bstride, n, n0, G, D, scale, s, oh); \
+        if (D == 32) P##_32(qh, k, v, tb, bs, bstride, n, n0, G, D, scale, cap, s, oh); \
+        else if (D == 64) P##_64(qh, k, v, tb, bs, bstride, n, n0, G, D, scale, cap, s, oh); \
+        else if (D == 128) P##_128(qh, k, v, tb, bs, bstride, n, n0, G, D, scale, cap, s, oh); \
+        else P##_any(qh, k, v, tb, bs, bstride, n, n0, G, D, scale, cap, s, oh); \
     } while (0)
 static void attend_f32(const float *qh, const float *k, const float *v, BLOCKS, int64_t n, int64_t n0,
-                       int64_t G, int64_t D, float scale, float *s, float *oh) {
+                       int64_t G, int64_t D, float scale, float cap, float *s, float *oh) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) { BY_HEAD_DIM(x_f32); return; }
 #endif
     BY_HEAD_DIM(h_f32);
 }
 static void attend_bf16(const float *qh, const uint16_t *k, const uint16_t *v, BLOCKS, int64_t n,
-                        int64_t n0, int64_t G, int64_t D, float scale, float *s, float *oh) {
+                        int64_t n0, int64_t G, int64_t D, float scale, float cap, float *s, float *oh) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) { BY_HEAD_DIM(x_bf16); return; }
 #endif
@@ -364,7 +381,7 @@ static int check_tokens(const int64_t *rw, int64_t row0, const int64_t *pos, int
 int NAME(const float *restrict q, const KT *restrict k, const KT *restrict v,                         \
          const int32_t *restrict tbl, const int64_t *restrict pos, float *restrict out, int64_t B,     \
          int64_t Hkv, int64_t G, int64_t D, int64_t row0, int64_t rows, int64_t W, int64_t bs,       \
-         int64_t nblocks, float scale, float *restrict scratch, int64_t window) {                    \
+         int64_t nblocks, float scale, float *restrict scratch, int64_t window, float cap) {         \
     if (D > 256) return -1;                                                                          \
     const int rc = check_tokens(NULL, row0, pos, B, tbl, rows, W, bs, nblocks);                      \
     if (rc) return rc;                                                                               \
@@ -379,7 +396,7 @@ int NAME(const float *restrict q, const KT *restrict k, const KT *restrict v,   
         }                                                                                            \
         const int64_t lo = WINDOW_START(pos[b], window), bk = lo / bs;                               \
         ATTEND(q + j * G * D, k + h * bs * D, v + h * bs * D, tbl + (row0 + b) * W + bk, bs, bstride, \
-               pos[b] + 1 - bk * bs, lo - bk * bs, G, D, scale, scratch, out + j * G * D);           \
+               pos[b] + 1 - bk * bs, lo - bk * bs, G, D, scale, cap, scratch, out + j * G * D);      \
     }                                                                                                \
     return 0;                                                                                        \
 }
@@ -425,7 +442,7 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
          const int64_t *restrict row, const int64_t *restrict pos, T *restrict k, T *restrict v,         \
          T *restrict out, int64_t M, int64_t rows, int64_t W, int64_t Hkv, int64_t G, int64_t D,         \
          int64_t bs, int64_t nblocks, float scale, float *restrict scratch, const T *restrict qkn,       \
-         float eps, int64_t R, int64_t window) {                                                         \
+         float eps, int64_t R, int64_t window, float cap) {                                              \
     if (D > 256 || D % 2 || R % 2 || R > D || R < 2) return -1;                                          \
     const int rc = check_tokens(row, 0, pos, M, tbl, rows, W, bs, nblocks);                              \
     if (rc) return rc;                                                                                   \
@@ -466,7 +483,7 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
         }                                                                                                \
         const int64_t lo = WINDOW_START(p, window), bk = lo / bs;                                        \
         ATTEND(qf, k + h * bs * D, v + h * bs * D, tb + bk, bs, bstride, p + 1 - bk * bs, lo - bk * bs, G, D, \
-               scale, scratch, of);                                                                      \
+               scale, cap, scratch, of);                                                                 \
         T *o = out + t * H * D + h * G * D;                                                              \
         for (int64_t i = 0; i < G * D; i++) o[i] = OUT(of[i]);                                           \
     }                                                                                                    \
