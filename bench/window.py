@@ -6,8 +6,9 @@ side by side in one process, alternated, best of `--repeats`.
     .venv/bin/python bench/window.py --layout gemma3 --attention bmm
 
 Random weights (seeded), fp32, one thread; each batch size B sends B requests of `--prompt` tokens and
-`--new` new tokens at temperature 1 (seeded). Prints tokens/s (prompt and generated tokens over the whole
-`generate`) per model and batch, and the windowed one's / the windowless one's. The kernel backend reads
+`--new` new tokens at temperature 1 (seeded), and the same requests for one new token (the prefill). Prints
+per model and batch the prefill's tokens/s and the decode's (the new tokens past the first over the time
+past the prefill's), best of `--repeats`, and the windowed one's / the windowless one's. The kernel backend reads
 only a token's window from the cache (the whole blocks before it skipped); the torch backend gathers every
 position and masks those before the window, so it saves nothing there.
 """
@@ -15,6 +16,7 @@ position and masks those before the window, so it saves nothing there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -75,18 +77,26 @@ def main() -> None:
             )
             for i in range(b)
         ]
-        best: dict[str, float] = {}
+        first = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_new_tokens=1)) for r in reqs]
+        prefill: dict[str, float] = {}
+        whole: dict[str, float] = {}
         outs = {}
         for _ in range(a.repeats):
             for name, eng in engines.items():
                 t = time.perf_counter()
+                eng.generate(first)
+                prefill[name] = min(prefill.get(name, float("inf")), time.perf_counter() - t)
+                t = time.perf_counter()
                 outs[name] = eng.generate(reqs)
-                tokens = sum(a.prompt + len(o.token_ids) for o in outs[name])
-                best[name] = max(best.get(name, 0.0), tokens / (time.perf_counter() - t))
+                whole[name] = min(whole.get(name, float("inf")), time.perf_counter() - t)
         same = sum(x.token_ids == y.token_ids for x, y in zip(*outs.values()))
-        w, f = best[f"window {a.window}"], best["no window"]
-        print(f"B={b}: window {w:8.0f} tok/s   no window {f:8.0f} tok/s   {w / f:.2f}x   "
-              f"({same} of {b} samples the same tokens)")  # fmt: skip
+        rates = {}
+        for name in engines:
+            new = sum(len(o.token_ids) - 1 for o in outs[name])
+            rates[name] = (b * a.prompt / prefill[name], new / max(whole[name] - prefill[name], 1e-9))
+        (wp, wd), (fp, fd) = rates[f"window {a.window}"], rates["no window"]
+        print(f"B={b}: prefill {wp:7.0f} vs {fp:7.0f} tok/s ({wp / fp:.2f}x)   decode {wd:6.1f} vs {fd:6.1f} tok/s "
+              f"({wd / fd:.2f}x)   window vs none; {same} of {b} samples the same tokens")  # fmt: skip
 
 
 if __name__ == "__main__":

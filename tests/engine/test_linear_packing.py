@@ -87,7 +87,7 @@ def test_weights_packed_at_every_batch_keep_no_plain_copy(monkeypatch):
     kept = TailraceEngine(model, num_slots=4, attention="bmm")
     assert kept._versions[0].w.layers[0].qkv.w is not None  # tiny: plain GEMMs below 48 rows
     monkeypatch.setattr(weights, "PACKED_FP32_MIN_HIDDEN", 0)
-    packed = TailraceEngine(model, num_slots=4, attention="bmm")
+    packed = TailraceEngine(model, num_slots=4, attention="bmm", prefill_tokens=16)
     w = packed._versions[0].w
     assert all(lin.w is None for L in w.layers for lin in (L.qkv, L.o, L.gate_up, L.down))
     assert w.lm_head.w is None
@@ -95,3 +95,7 @@ def test_weights_packed_at_every_batch_keep_no_plain_copy(monkeypatch):
     want = [(r.token_ids, r.logprobs) for r in kept.generate(reqs)]
     assert [t for t, _ in got] == [t for t, _ in want]
     assert max(abs(a - b) for (_, x), (_, y) in zip(got, want) for a, b in zip(x, y)) < 1e-4
+    # a prompt longer than the prefill chunk, alone: its first steps want no logits (an LM head call on
+    # no rows, where W itself is gone, raised)
+    long = [req("long", 40, 4, seed=9, temperature=1.0)]
+    assert packed.generate(long)[0].token_ids == kept.generate(long)[0].token_ids

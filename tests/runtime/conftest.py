@@ -273,3 +273,30 @@ def as_phi3(tiny_model: Path, to: Path, original: int = 160) -> Path:
     model.config = model.config.replace(model_type="phi3", rope_scaling=rope)
     save_pretrained(model, to, companions_from=tiny_model)
     return to
+
+
+def as_gemma3(tiny_model: Path, to: Path, window: int = 24) -> Path:
+    """The tiny model's weights in Gemma 3's layout (sliding layers with a `window`, a full last layer, RoPE
+    theta 1e4 there and 1e6 in the full one): its norms carried over as Gemma stores them (w - 1), the
+    norms Gemma adds (after attention and MLP, q and k per head) at its init (0: a scale of 1). Not the
+    same function (GeGLU, the added norms), but one that still answers digits now and then."""
+    from tailrace.model import CausalLM, load_pretrained, save_pretrained
+
+    src = load_pretrained(tiny_model)
+    n = src.config.num_hidden_layers
+    cfg = src.config.replace(
+        model_type="gemma3_text", hidden_act=None, query_pre_attn_scalar=src.config.head_dim, sliding_window=window,
+        layer_types=("sliding_attention",) * (n - 1) + ("full_attention",), local_rope={"rope_theta": 1e4},
+        rope_theta=1e6,
+    )  # fmt: skip
+    model = CausalLM.from_config(cfg, seed=0)
+    moved = {"post_attention_layernorm": "pre_feedforward_layernorm"}  # Llama's pre-MLP norm: Gemma's name
+    state = {}
+    for k, v in src.state_dict().items():
+        for a, b in moved.items():
+            k = k.replace(a, b)
+        state[k] = v - 1 if "norm" in k else v
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert all("norm" in k for k in missing), missing
+    save_pretrained(model, to, companions_from=tiny_model)
+    return to

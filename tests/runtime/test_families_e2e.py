@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tests.runtime.conftest import TINY_RUN, as_phi3, checkpoints, one_line, run
+from tests.runtime.conftest import TINY_RUN, as_gemma3, as_phi3, checkpoints, one_line, run
 
 
 def relabeled(tiny_model, to, **config):
@@ -104,6 +104,44 @@ def test_a_phi3_with_longrope_trains_with_lora_and_peft_reads_its_adapter(
     theirs = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(tmp_path / "phi3"), last / lora.ADAPTER_DIR
     )
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids) - theirs.eval()(ids).logits).abs().max() <= 1e-4
+        assert (ours(ids) - base(ids)).abs().max() > 1e-3  # the adapter moved the policy
+
+
+def test_a_gemma3_trains_past_its_window_with_lora_and_peft_reads_its_adapter(
+    capfd, tiny_model, tmp_path, digits
+):
+    """Gemma 3's layout (sliding layers with a window of 24, shorter than the sequences; norms before and
+    after, scaling by 1 + w; GeGLU): a LoRA run trains, and transformers' Gemma3ForCausalLM with peft's
+    adapter gives the logits of tailrace's merged model."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tailrace.model import load_pretrained, lora
+    from tailrace.records import Finished, read_journal
+
+    as_gemma3(tiny_model, tmp_path / "gemma3")
+    argv = [
+        "train", f"--model.path={tmp_path / 'gemma3'}", *TINY_RUN, "--flow.steps=2", "--train.lora.rank=4",
+        "--train.lora.alpha=8", "--train.lr=0.05", digits, "--flow.samples_per_prompt=8", "--flow.train_batch=32",
+        f"--run-dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    rc, out = run(capfd, *argv)
+    assert rc == 0, out
+    done = [e.trajectory for e in read_journal(tmp_path / "run" / "journal.jsonl") if isinstance(e, Finished)]
+    assert max(len(t.prompt_ids) + len(t.result.token_ids) for t in done) > 24  # past the window
+    last = checkpoints(tmp_path / "run")[-1]
+    base = load_pretrained(tmp_path / "gemma3")
+    ours = lora.merged(
+        load_pretrained(tmp_path / "gemma3"), lora.load_peft(last / lora.ADAPTER_DIR, base.config)
+    )
+    theirs = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "gemma3"), last / lora.ADAPTER_DIR
+    )
+    assert type(theirs.base_model.model).__name__ == "Gemma3ForCausalLM"
     ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(ids) - theirs.eval()(ids).logits).abs().max() <= 1e-4

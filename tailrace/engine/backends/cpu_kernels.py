@@ -2,10 +2,11 @@
 
 Per layer one C call does Qwen3's q/k norms, RoPE, both cache writes and attention for every token of
 the step (decode rows and prefill pieces; each row reads its own K/V exactly to its own length (the
-last `window` positions of a sliding layer's), in
-place from the blocks its block-table row lists, in fp32 arithmetic for fp32 and bf16 caches, so
-attention chunks are not needed), and RMSNorm and SiLU-and-multiply are C calls too: at decode sizes
-each torch op costs more to dispatch than to compute. The GEMMs are `FusedWeights`': the kernels' own
+last `window` positions of a sliding layer's; Gemma 2's scores capped), in place from the blocks its
+block-table row lists, in fp32 arithmetic for fp32 and bf16 caches, so attention chunks are not
+needed), and RMSNorm and SiLU-and-multiply are C calls too: at decode sizes each torch op costs more to
+dispatch than to compute. Gemma's GeGLU, its q/k norms, and its norms in a bf16 model (each scaling by
+an fp32 1 + w) stay torch ops. The GEMMs are `FusedWeights`': the kernels' own
 bf16 GEMM on one thread where the CPU has AVX-512 BF16, else oneDNN packed weights above their batch
 threshold (on every torch thread). The other kernels are single-threaded. Needs the model and its cache
 in one dtype, fp32 or bf16, and head_dim <= 256 (`backends.select` checks). Its speed against the torch

@@ -122,6 +122,8 @@ class Linear:
             self.w = self.wt = None
 
     def __call__(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
+        if not x.shape[0]:  # no rows (a prefill chunk whose logits no one wants): `packed_at` is False at 0
+            return x.new_empty(0, self.n)  # rows, and W itself may be gone (`plain=False`)
         if self.ks is not None:
             return self.k.gemm_i8(x.contiguous(), self.kw, self.ks, self.kb)
         if self.k is not None:
