@@ -118,15 +118,20 @@ def sdpa_only() -> Iterator[None]:
 
 
 def causal_mask(T: int, dtype: torch.dtype, device: torch.device, window: int | None = None) -> torch.Tensor:
-    """(T, T): 0 where query i sees key j (j <= i, and i - j < `window` where given), -inf elsewhere;
-    cached per shape."""
+    """(T, T): 0 where query i sees key j (j <= i, and i - j < `window` where given), -inf elsewhere; in
+    torch.bool (SDPA's attn_mask), True where it sees and False elsewhere. Cached per shape."""
     key = (T, dtype, device, window)
     m = _masks.get(key)
     if m is None:
-        m = torch.full((T, T), float("-inf"), dtype=dtype, device=device).triu(1)
+        i = torch.arange(T, device=device)
+        hide = i[None, :] > i[:, None]
         if window is not None:
-            m = m + torch.full_like(m, float("-inf")).tril(-window)
-        _masks[key] = m
+            hide |= i[None, :] <= i[:, None] - window
+        m = _masks[key] = (
+            ~hide
+            if dtype == torch.bool
+            else torch.zeros(T, T, dtype=dtype, device=device).masked_fill_(hide, float("-inf"))
+        )
     return m
 
 
@@ -170,7 +175,7 @@ class CausalStep:
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=causal_mask(T, torch.float32, q.device, window) == 0 if windowed else None,
+            attn_mask=causal_mask(T, torch.bool, q.device, window) if windowed else None,
             is_causal=not windowed,
             enable_gqa=True,
             scale=scale,
