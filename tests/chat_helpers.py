@@ -10,6 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")  # Gemma's ids 0, 1, 2, ...
 CHARS = tuple(c for c in string.printable if c not in "\x0b\x0c\r\t")
 
 # SmolLM2-Instruct's template (shorter default system message); its BOS is <|im_start|>
@@ -32,16 +33,43 @@ BOS_FIRST = (
 )
 
 
-def write_tokenizer(d: Path, template: str | None = CHATML, bos: str = "<|im_start|>", in_file=False) -> Path:
-    """tokenizer.json + tokenizer_config.json (EOS <|endoftext|>); the template goes into the config,
-    or into chat_template.jinja with `in_file`."""
+# Gemma 3's template (string contents): BOS first, a system message folded into the first user turn, the
+# assistant's turns as "model"
+GEMMA3 = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+# Gemma 2's: no system role (it raises)
+GEMMA2 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + "
+    "message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+
+
+def write_tokenizer(
+    d: Path, template: str | None = CHATML, bos: str = "<|im_start|>", in_file=False, specials=SPECIALS
+) -> Path:
+    """tokenizer.json + tokenizer_config.json (EOS <|endoftext|>, or Gemma's <eos> with its `specials`);
+    the template goes into the config, or into chat_template.jinja with `in_file`."""
     d.mkdir(parents=True, exist_ok=True)
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    vocab = {t: i for i, t in enumerate(specials + CHARS)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    tok.add_special_tokens(list(SPECIALS))
+    tok.add_special_tokens(list(specials))
     tok.decoder = decoders.Fuse()
     tok.save(str(d / "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": "<|endoftext|>"}
+    eos = "<eos>" if specials == GEMMA_SPECIALS else "<|endoftext|>"
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos}
     if template is not None and not in_file:
         cfg["chat_template"] = template
     elif template is not None:

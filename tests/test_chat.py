@@ -7,7 +7,16 @@ import pytest
 
 from tailrace.chat import ChatFormat
 from tailrace.tokenizer import TokenizerError, load_tokenizer
-from tests.chat_helpers import BOS_FIRST, CHATML, THINKING, write_chat_model, write_tokenizer
+from tests.chat_helpers import (
+    BOS_FIRST,
+    CHATML,
+    GEMMA2,
+    GEMMA3,
+    GEMMA_SPECIALS,
+    THINKING,
+    write_chat_model,
+    write_tokenizer,
+)
 
 Q = "Q:a7 b3 c9\n"
 
@@ -124,3 +133,27 @@ def test_a_system_prompt_or_thinking_switch_without_a_template_is_refused(tmp_pa
         ConfigError, match="task.thinking is set but .* has no chat template .*; drop task.thinking"
     ):
         session(d, "--task.thinking=false")
+
+
+@pytest.mark.parametrize("system", [None, "Answer briefly."])
+def test_gemma3s_template_folds_the_system_message_into_the_first_turn(tmp_path, system):
+    """Gemma 3's chat: BOS, the system message (if any) before the question in the user's turn, the
+    generation prompt "<start_of_turn>model"; ids as transformers', the end of a turn <end_of_turn>."""
+    d = write_tokenizer(tmp_path, GEMMA3, bos="<bos>", specials=GEMMA_SPECIALS)
+    tok = load_tokenizer(d)
+    chat = ChatFormat(tok, system)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": Q}]
+    assert chat.ids(Q) == hf_ids(d, messages)
+    assert chat.render(Q) == (
+        "<bos><start_of_turn>user\n" + (f"{system}\n\n" if system else "") + "Q:a7 b3 c9<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    assert chat.end_of_turn == GEMMA_SPECIALS.index("<end_of_turn>")
+
+
+def test_gemma2s_template_refuses_a_system_message_in_one_line_naming_the_fix(tmp_path):
+    d = write_tokenizer(tmp_path, GEMMA2, bos="<bos>", specials=GEMMA_SPECIALS)
+    assert ChatFormat(load_tokenizer(d)).end_of_turn == GEMMA_SPECIALS.index("<end_of_turn>")
+    with pytest.raises(TokenizerError) as e:
+        ChatFormat(load_tokenizer(d), "Answer briefly.")
+    assert "System role not supported" in str(e.value) and "drop task.system_prompt" in str(e.value)
