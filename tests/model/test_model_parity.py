@@ -228,49 +228,48 @@ def test_an_olmo3_checkpoint_transformers_wrote_loads_and_attends_to_its_window(
         assert max_diff(ours(ids), hf(ids).logits) <= TOL
 
 
-def test_a_gemma3_checkpoint_transformers_wrote_loads_and_matches(tmp_path):
-    """Gemma-3-1B's layout at a small size, built and saved by transformers (its norms' zero-centred
-    weights randomized, so 1 + w matters; 5 sliding layers of 6 with a window of 8): the decoder's
-    logits are transformers' across several windows, in fp32 and, within bf16 rounding, in bf16."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+GEMMAS = {  # Gemma-3-1B's and Gemma-2-2B's layouts at a small size, as transformers' configs spell them
+    "gemma3": dict(  # 5 sliding layers of 6 (window 8), RoPE theta 1e4 there and 1e6 in the full one
+        num_hidden_layers=6, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, rope_theta=1e6,
+        rope_local_base_freq=1e4,
+    ),
+    "gemma2": dict(  # sliding (window 8) and full layers alternating; scores capped at 5, logits at 3
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+    ),
+}  # fmt: skip
 
-    hf_cfg = Gemma3TextConfig(
-        vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=128, sliding_window=8,
-        query_pre_attn_scalar=32, rope_theta=1e6, rope_local_base_freq=1e4,
+
+@pytest.mark.parametrize("family", sorted(GEMMAS))
+def test_a_gemma_checkpoint_transformers_wrote_loads_and_matches(tmp_path, family):
+    """Built and saved by transformers (the norms' zero-centred weights randomized, so 1 + w matters): the
+    decoder's logits are transformers' across several windows, in fp32 and, within bf16 rounding, in
+    bf16; Gemma 2's against transformers' eager attention (its SDPA attention drops the score cap, which
+    Google's and vLLM's apply)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    name = {"gemma3": "Gemma3Text", "gemma2": "Gemma2"}[family]
+    hf_cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=61, hidden_size=64, intermediate_size=96, num_attention_heads=4, max_position_embeddings=128,
+        sliding_window=8, **GEMMAS[family],
     )  # fmt: skip
     torch.manual_seed(0)
-    hf = randomize_(Gemma3ForCausalLM(hf_cfg), 3).eval()
-    hf.save_pretrained(tmp_path)
+    randomize_(getattr(transformers, f"{family.capitalize()}ForCausalLM")(hf_cfg), 3).save_pretrained(
+        tmp_path
+    )
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ours = load_pretrained(tmp_path)
     cfg = ours.config
-    assert cfg.gemma and cfg.tie_word_embeddings and [cfg.window_at(i) for i in range(6)] == [8] * 5 + [None]
+    n = cfg.num_hidden_layers
+    windows = [8] * 5 + [None] if family == "gemma3" else [8, None] * 2
+    assert cfg.gemma and cfg.tie_word_embeddings and [cfg.window_at(i) for i in range(n)] == windows
+    assert cfg.qk_norm == (family == "gemma3") and cfg.final_logit_softcapping == GEMMAS[family].get(
+        "final_logit_softcapping"
+    )
     ids = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = hf(ids).logits
         assert max_diff(ours(ids), ref) <= TOL
         low = max_diff(ours.to(torch.bfloat16)(ids), hf.to(torch.bfloat16)(ids).logits)
         assert low <= 0.05 * ref.abs().max().item()
-
-
-def test_a_gemma2_checkpoint_transformers_wrote_loads_and_matches(tmp_path):
-    """Gemma-2-2B's layout at a small size, built and saved by transformers (sliding and full layers
-    alternating, window 8; scores capped at 5, logits at 3, small enough to bite): the decoder's logits are
-    transformers' eager attention's (its SDPA attention drops the score cap; Google's and vLLM's keep it)."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
-
-    hf_cfg = Gemma2Config(
-        vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=8,
-        query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    randomize_(Gemma2ForCausalLM(hf_cfg), 3).save_pretrained(tmp_path)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    ours = load_pretrained(tmp_path)
-    cfg = ours.config
-    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (5.0, 3.0) and not cfg.qk_norm
-    assert [cfg.window_at(i) for i in range(4)] == [8, None, 8, None] and cfg.tie_word_embeddings
-    ids = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        assert max_diff(ours(ids), hf(ids).logits) <= TOL
