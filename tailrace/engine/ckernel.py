@@ -66,10 +66,11 @@ class Kernels:
         # OLMo2's (scaled in fp32, rounded once): in fp32 the same as rms_f32
         self._rms32 = {torch.float32: lib.rms_f32, torch.bfloat16: lib.rms_scale32_bf16}
         self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
-        for fn in (*self._rms.values(), lib.rms_scale32_bf16):
+        self._gelu_mul = {torch.float32: lib.gelu_mul_f32, torch.bfloat16: lib.gelu_mul_bf16}
+        for fn in (*self._rms.values(), lib.rms_scale32_bf16, lib.rms_w32_bf16):
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-        for fn in self._silu_mul.values():
+        for fn in (*self._silu_mul.values(), *self._gelu_mul.values()):
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.gumbel_f32.restype = None
@@ -290,10 +291,11 @@ class Kernels:
         self, x: torch.Tensor, eps: float, weight: torch.Tensor, scale_fp32: bool = False
     ) -> torch.Tensor:
         """RMSNorm of each row of x (M, N), fp32 or bf16, as the model's: normalized in fp32, rounded to
-        the dtype, times `weight` (N,) of x's dtype, rounded again; `scale_fp32` (OLMo2's): times the
-        weight in fp32, rounded once."""
-        fn = (self._rms32 if scale_fp32 else self._rms).get(x.dtype)
-        ok = fn is not None and x.dim() == 2 and x.is_contiguous() and weight.dtype is x.dtype
+        the dtype, times `weight` (N,) of x's dtype, rounded again; `scale_fp32` (OLMo2's, Gemma's): times the
+        weight in fp32, rounded once (Gemma's weight, 1 + w, may be fp32 for a bf16 x)."""
+        w32 = scale_fp32 and x.dtype == torch.bfloat16 and weight.dtype == torch.float32
+        fn = self._lib.rms_w32_bf16 if w32 else (self._rms32 if scale_fp32 else self._rms).get(x.dtype)
+        ok = fn is not None and x.dim() == 2 and x.is_contiguous() and (weight.dtype is x.dtype or w32)
         if not (ok and weight.dim() == 1 and weight.numel() == x.shape[1] and weight.is_contiguous()):
             raise ValueError(
                 f"rms: bad operands {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
@@ -302,13 +304,14 @@ class Kernels:
         fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
         return y
 
-    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        """silu(gu[:, :I]) * gu[:, I:] of gu (M, 2 I), fp32 or bf16 (computed in fp32, rounded once)."""
+    def silu_mul(self, gu: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """silu(gu[:, :I]) * gu[:, I:] of gu (M, 2 I), fp32 or bf16 (computed in fp32, rounded once); `gelu`:
+        Gemma's GELU (tanh approximation) for SiLU."""
         if not (gu.dtype in self._silu_mul and gu.dim() == 2 and gu.is_contiguous() and gu.shape[1] % 2 == 0):
             raise ValueError(f"silu_mul: bad operand {tuple(gu.shape)} {gu.dtype}")
         M, I = gu.shape[0], gu.shape[1] // 2
         out = torch.empty(M, I, dtype=gu.dtype)
-        self._silu_mul[gu.dtype](gu.data_ptr(), out.data_ptr(), M, I)
+        (self._gelu_mul if gelu else self._silu_mul)[gu.dtype](gu.data_ptr(), out.data_ptr(), M, I)
         return out
 
     def lora(

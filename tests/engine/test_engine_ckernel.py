@@ -234,6 +234,15 @@ def test_rms_and_silu_mul_match_torch(dtype):
     want_32 = (w.float() * F.rms_norm(x.float(), (40,), eps=1e-6)).to(dtype).float()
     got_32 = KERNEL.rms(x, 1e-6, w, scale_fp32=True)
     assert got_32.dtype == dtype and ((got_32.float() - want_32).abs() <= want_32.abs() * tol + 1e-6).all()
+    # Gemma's: times 1 + w in fp32 (an fp32 weight for either dtype), rounded once (HF's Gemma3RMSNorm)
+    w1 = 1 + 0.3 * torch.randn(40, generator=g)
+    want_g = (F.rms_norm(x.float(), (40,), eps=1e-6) * w1).to(dtype).float()
+    got_g = KERNEL.rms(x, 1e-6, w1, scale_fp32=True)
+    assert got_g.dtype == dtype and ((got_g.float() - want_g).abs() <= want_g.abs() * tol + 1e-6).all()
+    # Gemma's GeGLU: gelu with the tanh approximation, as transformers' gelu_pytorch_tanh
+    want_gelu = F.gelu(gu[:, :24].float(), approximate="tanh") * gu[:, 24:].float()
+    got_gelu = KERNEL.silu_mul(gu, gelu=True)
+    assert ((got_gelu.float() - want_gelu).abs() <= want_gelu.abs() * tol + 1e-5).all()
     for bad_x, bad_w in ((x.t(), w), (x, w[:20]), (x, w.double())):  # not contiguous; a weight's size, dtype
         with pytest.raises(ValueError, match="bad operand"):
             KERNEL.rms(bad_x, 1e-6, bad_w)

@@ -507,9 +507,26 @@ RMS(rms_bf16, uint16_t, head_norm_bf16)
 /* OLMo2's RMSNorm of each row in bf16: scaled in fp32, rounded once (in fp32 it is rms_f32). */
 RMS(rms_scale32_bf16, uint16_t, head_norm_scale32_bf16)
 
-/* out (M, I) = silu(gu[:, :I]) * gu[:, I:], gu (M, 2 I); silu(g) = g / (1 + e^-g) in fp32, the product
-   rounded to T. e^x by exp_poly. */
-#define SILU_MUL(NAME, T, IN, OUT)                                                                      \
+/* Gemma's RMSNorm of each row in bf16: scaled in fp32 by fp32 weights (its 1 + w), rounded once. */
+void rms_w32_bf16(const uint16_t *restrict x, const float *restrict w, uint16_t *restrict y, int64_t M, int64_t N,
+                  float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xm = x + m * N;
+        uint16_t *ym = y + m * N;
+        float ss = 0.f;
+#pragma omp simd reduction(+:ss)
+        for (int64_t d = 0; d < N; d++) { const float a = bf16_in(xm[d]); ss += a * a; }
+        const float r = 1.0f / sqrtf(ss / (float)N + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < N; d++) ym[d] = bf16_out(w[d] * (bf16_in(xm[d]) * r));
+    }
+}
+
+/* out (M, I) = act(gu[:, :I]) * gu[:, I:], gu (M, 2 I), act(g) = g / (1 + e^-z), z = K1 g + K3 g^3: SiLU
+   (K1 1, K3 0), and Gemma's GELU with the tanh approximation, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715
+   g^3))), which is g / (1 + e^-2y) for y that tanh's argument (K1 2 sqrt(2/pi), K3 that times 0.044715).
+   In fp32, the product rounded to T. e^x by exp_poly. */
+#define GLU_MUL(NAME, T, IN, OUT, K1, K3)                                                               \
 void NAME(const T *restrict gu, T *restrict out, int64_t M, int64_t I) {                                \
     for (int64_t m = 0; m < M; m++) {                                                                   \
         const T *g = gu + m * 2 * I, *u = g + I;                                                        \
@@ -517,12 +534,16 @@ void NAME(const T *restrict gu, T *restrict out, int64_t M, int64_t I) {        
         _Pragma("omp simd")                                                                             \
         for (int64_t i = 0; i < I; i++) {                                                               \
             const float a = IN(g[i]);                                                                   \
-            o[i] = OUT(a / (1.0f + exp_poly(-a)) * IN(u[i]));                                           \
+            o[i] = OUT(a / (1.0f + exp_poly(-(K1 * a + K3 * a * a * a))) * IN(u[i]));                   \
         }                                                                                               \
     }                                                                                                   \
 }
-SILU_MUL(silu_mul_f32, float, f32_in, f32_out)
-SILU_MUL(silu_mul_bf16, uint16_t, bf16_in, bf16_out)
+GLU_MUL(silu_mul_f32, float, f32_in, f32_out, 1.0f, 0.0f)
+GLU_MUL(silu_mul_bf16, uint16_t, bf16_in, bf16_out, 1.0f, 0.0f)
+#define GELU_K1 1.5957691216057308f  /* 2 sqrt(2 / pi) */
+#define GELU_K3 0.0713548162726f     /* 2 sqrt(2 / pi) 0.044715 */
+GLU_MUL(gelu_mul_f32, float, f32_in, f32_out, GELU_K1, GELU_K3)
+GLU_MUL(gelu_mul_bf16, uint16_t, bf16_in, bf16_out, GELU_K1, GELU_K3)
 
 /* -- LoRA: the low-rank terms of rows of several adapters (tailrace/engine/adapters.py) -------------- */
 
