@@ -51,7 +51,10 @@ class Kernels:
             fn.argtypes += [ctypes.c_int64, ctypes.c_float]
         self.dtypes = tuple(self._fns)  # the cache dtypes it reads
         self._layer = {torch.float32: lib.decode_layer_f32, torch.bfloat16: lib.decode_layer_bf16}
-        for fn in self._layer.values():
+        self._layer_w32 = (
+            lib.decode_layer_w32_bf16
+        )  # a bf16 layer whose q/k norm weights are fp32 (Gemma 3's)
+        for fn in (*self._layer.values(), self._layer_w32):
             fn.restype = ctypes.c_int
             fn.argtypes = (
                 [ctypes.c_void_p] * 8
@@ -439,7 +442,8 @@ class Kernels:
         causal; the last `window` positions only, where given; scores capped at `softcap` by tanh, where
         given); returns o (M, H D). One dtype, fp32 or bf16.
         `qk_norm`: Qwen3's q and k norm weights (H + Hkv, D), applied with `eps` to each head's q and k
-        before RoPE, as `weights.norm_qk`."""
+        before RoPE, as `weights.norm_qk` (Gemma 3's, fp32 1 + w in a bf16 layer: scaled in fp32, rounded
+        once)."""
         M, Wq = qkv.shape
         nblocks, Hkv, bs, D = k.shape
         rows, W = table.shape
@@ -460,7 +464,11 @@ class Kernels:
             and row.is_contiguous()
             and (
                 qk_norm is None
-                or (qk_norm.dtype == dt and qk_norm.is_contiguous() and qk_norm.shape == ((G + 1) * Hkv, D))
+                or (
+                    qk_norm.dtype in (dt, torch.float32)
+                    and qk_norm.is_contiguous()
+                    and qk_norm.shape == ((G + 1) * Hkv, D)
+                )
             )
         ):
             raise ValueError(
@@ -471,7 +479,8 @@ class Kernels:
             )
         scratch = self._scratch_of(G * W * bs + 2 * G * D)
         out = torch.empty(M, G * Hkv * D, dtype=dt)
-        rc = self._layer[dt](
+        w32 = qk_norm is not None and qk_norm.dtype != dt  # Gemma 3's fp32 1 + w in a bf16 layer
+        rc = (self._layer_w32 if w32 else self._layer[dt])(
             qkv.data_ptr(),
             cos_sin.data_ptr(),
             table.data_ptr(),

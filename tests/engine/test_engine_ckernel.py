@@ -153,9 +153,10 @@ def layer_reference(qkv, cos_sin, k, v, row, pos, G, scale):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D,G,bs", [(32, 2, 16), (16, 1, 3), (40, 3, 8), (64, 4, 16)])
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("qk_norm", [False, "qwen3", "gemma3"])
 def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G, bs, qk_norm):
-    """qk_norm: Qwen3's q/k norms in the call, against the torch backend's `norm_qk` before RoPE."""
+    """qk_norm: Qwen3's q/k norms in the call (weights in the layer's dtype), or Gemma 3's (fp32 weights,
+    1 + w, scaled in fp32 then rounded), against the torch backend's `norm_qk` before RoPE."""
     from tailrace.engine.backends.weights import norm_qk
     from tailrace.model.rope import rope_table
 
@@ -169,8 +170,9 @@ def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G, bs, qk_
     qkv = torch.randn(len(row), (G + 2) * Hkv * D, generator=g).to(dtype)
     cos, sin = rope_table(1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), 1.0, 48)  # >= W bs
     cos_sin = torch.stack((cos, sin), dim=1).to(dtype)
-    norms, eps = (1 + 0.3 * torch.randn((G + 1) * Hkv, D, generator=g)).to(dtype), 1e-6
-    normed = norm_qk(qkv.clone(), norms, D, eps) if qk_norm else qkv
+    norms, eps = 1 + 0.3 * torch.randn((G + 1) * Hkv, D, generator=g), 1e-6
+    norms = norms if qk_norm == "gemma3" else norms.to(dtype)
+    normed = norm_qk(qkv.clone(), norms, D, eps, scale_fp32=qk_norm == "gemma3") if qk_norm else qkv
     want_o, want_k, want_v = layer_reference(normed, cos_sin, k, v, row, pos, G, D**-0.5)
     table, n = table_for(rows, L, bs)
     pk, pv = page(k, table, n, bs), page(v, table, n, bs)

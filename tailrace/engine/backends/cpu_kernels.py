@@ -5,8 +5,8 @@ the step (decode rows and prefill pieces; each row reads its own K/V exactly to 
 last `window` positions of a sliding layer's; Gemma 2's scores capped), in place from the blocks its
 block-table row lists, in fp32 arithmetic for fp32 and bf16 caches, so attention chunks are not
 needed), and RMSNorm and SiLU-and-multiply are C calls too: at decode sizes each torch op costs more to
-dispatch than to compute (Gemma's GeGLU and its norms too, which scale by an fp32 1 + w; its q/k norms
-in the C layer call in fp32, as torch ops in bf16). The GEMMs are `FusedWeights`': the kernels' own
+dispatch than to compute (Gemma's GeGLU and its norms too, which scale by an fp32 1 + w, its q/k norms
+in the layer call). The GEMMs are `FusedWeights`': the kernels' own
 bf16 GEMM on one thread where the CPU has AVX-512 BF16, else oneDNN packed weights above their batch
 threshold (on every torch thread). The other kernels are single-threaded. Needs the model and its cache
 in one dtype, fp32 or bf16, and head_dim <= 256 (`backends.select` checks). Its speed against the torch
@@ -53,13 +53,11 @@ class KernelBackend(TorchBackend):
         trow = self._token_rows(rows, pieces)
         pos = positions.contiguous()
         for i, lw in enumerate(w.layers):
-            # the C call applies Qwen3's q/k norms, and Gemma 3's in fp32 (its fp32 1 + w, scaled before the
-            # rounding, is the C norm's arithmetic there; in bf16 they run in torch)
-            in_c = lw.qk_norm is None or lw.qk_norm.dtype == x.dtype
-            qkv = self._qkv(i, lw, x, pk, lora, qk_norm=not in_c)
-            qkn = lw.qk_norm if in_c else None
+            qkv = self._qkv(
+                i, lw, x, pk, lora, qk_norm=False
+            )  # the C call applies Qwen3's and Gemma 3's q/k norms
             o = layer(
-                qkv, self.tables[i], cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale, qkn, w.eps,
+                qkv, self.tables[i], cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale, lw.qk_norm, w.eps,
                 w.windows[i], w.softcap,
             )  # fmt: skip
             x = self._mlp(i, lw, self._o(i, lw, o, x, pk, lora), pk, lora)

@@ -424,6 +424,18 @@ HEAD_NORM(head_norm_f32, float, f32_in, f32_out, AS_IS)
 HEAD_NORM(head_norm_bf16, uint16_t, bf16_in, bf16_out, ROUNDED_BF16)
 HEAD_NORM(head_norm_scale32_bf16, uint16_t, bf16_in, bf16_out, AS_IS)
 
+/* Gemma's bf16 norm: its weights fp32 (1 + w), the product in fp32, rounded once. */
+static inline const uint16_t *head_norm_w32_bf16(const uint16_t *restrict x, const float *restrict w,
+                                                 uint16_t *restrict y, int64_t D, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+:ss)
+    for (int64_t d = 0; d < D; d++) { const float a = bf16_in(x[d]); ss += a * a; }
+    const float r = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) y[d] = bf16_out(w[d] * (bf16_in(x[d]) * r));
+    return y;
+}
+
 /* -- one layer's attention block after the q/k/v projection, fused ----------------------------------
 
    qkv (M, (H + 2 Hkv) D) in the model dtype T (fp32 or bf16; the cache has the same dtype), token t of
@@ -437,11 +449,11 @@ HEAD_NORM(head_norm_scale32_bf16, uint16_t, bf16_in, bf16_out, AS_IS)
    and blocks are all checked before anything is written. scratch >= G W bs + 2 G D floats. qkn: Qwen3's
    q and k norm weights (H + Hkv, D) in T, or NULL: then each head's q and k go through HEAD_NORM before
    RoPE. Returns 0, -1 (D > 256 or odd, or R odd or past D) or check_tokens' code. */
-#define FUSED(NAME, T, IN, OUT, ATTEND, NORM)                                                           \
+#define FUSED(NAME, T, IN, OUT, ATTEND, NORM, QT)                                                       \
 int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tbl,                      \
          const int64_t *restrict row, const int64_t *restrict pos, T *restrict k, T *restrict v,         \
          T *restrict out, int64_t M, int64_t rows, int64_t W, int64_t Hkv, int64_t G, int64_t D,         \
-         int64_t bs, int64_t nblocks, float scale, float *restrict scratch, const T *restrict qkn,       \
+         int64_t bs, int64_t nblocks, float scale, float *restrict scratch, const QT *restrict qkn,      \
          float eps, int64_t R, int64_t window, float cap) {                                              \
     if (D > 256 || D % 2 || R % 2 || R > D || R < 2) return -1;                                          \
     const int rc = check_tokens(row, 0, pos, M, tbl, rows, W, bs, nblocks);                              \
@@ -490,8 +502,10 @@ int NAME(const T *restrict qkv, const T *restrict cs, const int32_t *restrict tb
     return 0;                                                                                            \
 }
 
-FUSED(decode_layer_f32, float, f32_in, f32_out, attend_f32, head_norm_f32)
-FUSED(decode_layer_bf16, uint16_t, bf16_in, bf16_out, attend_bf16, head_norm_bf16)
+FUSED(decode_layer_f32, float, f32_in, f32_out, attend_f32, head_norm_f32, float)
+FUSED(decode_layer_bf16, uint16_t, bf16_in, bf16_out, attend_bf16, head_norm_bf16, uint16_t)
+/* Gemma 3's bf16 layer: its q/k norm weights fp32 (1 + w), each head scaled in fp32, rounded once. */
+FUSED(decode_layer_w32_bf16, uint16_t, bf16_in, bf16_out, attend_bf16, head_norm_w32_bf16, float)
 
 /* -- the elementwise ops between the GEMMs ---------------------------------------------------------- */
 
@@ -510,16 +524,7 @@ RMS(rms_scale32_bf16, uint16_t, head_norm_scale32_bf16)
 /* Gemma's RMSNorm of each row in bf16: scaled in fp32 by fp32 weights (its 1 + w), rounded once. */
 void rms_w32_bf16(const uint16_t *restrict x, const float *restrict w, uint16_t *restrict y, int64_t M, int64_t N,
                   float eps) {
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xm = x + m * N;
-        uint16_t *ym = y + m * N;
-        float ss = 0.f;
-#pragma omp simd reduction(+:ss)
-        for (int64_t d = 0; d < N; d++) { const float a = bf16_in(xm[d]); ss += a * a; }
-        const float r = 1.0f / sqrtf(ss / (float)N + eps);
-#pragma omp simd
-        for (int64_t d = 0; d < N; d++) ym[d] = bf16_out(w[d] * (bf16_in(xm[d]) * r));
-    }
+    for (int64_t m = 0; m < M; m++) head_norm_w32_bf16(x + m * N, w, y + m * N, N, eps);
 }
 
 /* out (M, I) = act(gu[:, :I]) * gu[:, I:], gu (M, 2 I), act(g) = g / (1 + e^-z), z = K1 g + K3 g^3: SiLU
