@@ -35,7 +35,7 @@ loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3/Granite/Gemma2/Gem
   sliding and full layers alternating, and its attention scores and logits capped by tanh
   (`attn_logit_softcapping`, `final_logit_softcapping`: c tanh(x / c)).
 
-Features those classes have and this decoder lacks (windows on some layers outside OLMo3 and Gemma 3,
+Features those classes have and this decoder lacks (windows on some layers outside OLMo3 and Gemma,
 MLP bias, partial rotary outside Phi-3, activations but SwiGLU's and Gemma's, softcapping outside Gemma,
 other RoPE types) are rejected, never silently ignored.
 """
@@ -119,7 +119,7 @@ class ModelConfig:
     model_type: str = "llama"
     initializer_range: float = 0.02
     # the last this many positions are what a windowed layer attends to (Mistral's and Phi-3's: every layer;
-    # OLMo3's and Gemma 3's: their sliding ones, `window_at`); None: none, or one that covers
+    # OLMo3's and Gemma's: their sliding ones, `window_at`); None: none, or one that covers
     # max_position_embeddings (read as none)
     sliding_window: int | None = None
     # SmolLM3's per-layer RoPE switch (1: the layer rotates q and k, 0: it does not; None there: HF's
@@ -127,8 +127,9 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] | None = None
     # Phi-4-mini's: RoPE rotates the first head_dim * this dims of each head (`rotary_dim`), the rest pass
     partial_rotary_factor: float = 1.0
-    # OLMo3's and Gemma 3's per-layer attention ("sliding_attention": windowed, "full_attention"; None there:
-    # HF's default, every fourth (OLMo3) or sixth (Gemma 3) layer full), and the sliding layers' RoPE:
+    # OLMo3's and Gemma's per-layer attention ("sliding_attention": windowed, "full_attention"; None there:
+    # HF's default, every fourth (OLMo3), second (Gemma 2) or sixth (Gemma 3) layer full), and the sliding
+    # layers' RoPE (OLMo3's and Gemma 3's):
     # {"rope_theta": ..., "rope_type": ..., its parameters} (None: the full layers'); None for the other families
     layer_types: tuple[str, ...] | None = None
     local_rope: dict | None = None
@@ -137,8 +138,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # the MLP's activation: SwiGLU's "silu", Gemma 3's GeGLU "gelu_pytorch_tanh" (None: the family's), and
-    # Gemma 3's number whose inverse square root scales the attention scores (None: head_dim)
+    # the MLP's activation: SwiGLU's "silu", Gemma's GeGLU "gelu_pytorch_tanh" (None: the family's), and
+    # Gemma's number whose inverse square root scales the attention scores (None: head_dim)
     hidden_act: str | None = None
     query_pre_attn_scalar: float | None = None
     # Gemma 2's tanh softcaps: attention scores become c tanh(s / c) before the mask and softmax, logits
@@ -228,7 +229,7 @@ class ModelConfig:
                 raise ValueError(f"sliding_window={w!r} must be an int >= 2, or None (no window)")
             if self.model_type not in WINDOWED:
                 raise ValueError(
-                    f"sliding_window={w} is Mistral's, Phi-3's, OLMo3's and Gemma 3's; model_type="
+                    f"sliding_window={w} is Mistral's, Phi-3's, OLMo3's and Gemma's; model_type="
                     f"{self.model_type!r} has none: set it to None"
                 )
             if w >= self.max_position_embeddings:
@@ -295,7 +296,7 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """What q k^T is multiplied by: Granite's attention_multiplier, Gemma 3's query_pre_attn_scalar ** -0.5,
+        """What q k^T is multiplied by: Granite's attention_multiplier, Gemma's query_pre_attn_scalar ** -0.5,
         else 1/sqrt(head_dim)."""
         if self.attention_multiplier is not None:
             return self.attention_multiplier
@@ -354,13 +355,14 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def local_at(self, layer: int) -> bool:
-        """Whether layer `layer` is one of OLMo3's or Gemma 3's sliding-window layers (with RoPE of their own)."""
+        """Whether layer `layer` is one of OLMo3's or Gemma's sliding-window layers (OLMo3's and Gemma 3's
+        with RoPE of their own)."""
         return self.layer_types is not None and self.layer_types[layer] == SLIDING
 
     def window_at(self, layer: int) -> int | None:
         """The positions layer `layer` attends to, the newest included (the last `sliding_window`: a token at
         position p attends to (p - W, p], as transformers' sliding-window mask), or None: every one before
-        it. Mistral's and Phi-3's windows are every layer's; OLMo3's and Gemma 3's their sliding layers'."""
+        it. Mistral's and Phi-3's windows are every layer's; OLMo3's and Gemma's their sliding layers'."""
         if self.sliding_window is None or (self.layer_types is not None and not self.local_at(layer)):
             return None
         return self.sliding_window

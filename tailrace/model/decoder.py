@@ -47,12 +47,12 @@ def act_fn(cfg: ModelConfig):
 class DecoderLayer(nn.Module):
     """Pre-norm (Llama's): x + attn(norm(x)), then x + mlp(norm(x)). Post-norm (OLMo2's, HF's names:
     `post_attention_layernorm` normalizes the attention's output, `post_feedforward_layernorm` the
-    MLP's; no `input_layernorm`): x + norm(attn(x)), then x + norm(mlp(x)). Gemma 3's, both:
+    MLP's; no `input_layernorm`): x + norm(attn(x)), then x + norm(mlp(x)). Gemma's, both:
     x + norm(attn(norm(x))), then x + norm(mlp(norm(x))) (the MLP's first norm `pre_feedforward_layernorm`)."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
-        """Layer `index` of the model (SmolLM3's RoPE is per layer; OLMo3's and Gemma 3's sliding layers
-        attend to a window and rotate by a table of their own: `local`)."""
+        """Layer `index` of the model (SmolLM3's RoPE is per layer; a windowed layer attends to its window;
+        OLMo3's and Gemma 3's sliding layers rotate by a table of their own: `local`)."""
         super().__init__()
         self.self_attn = Attention(cfg, cfg.rope_at(index), cfg.window_at(index))
         self.local = cfg.local_at(index)
