@@ -20,6 +20,7 @@ against the source: the logits of a few tokens through tailrace's forward and tr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,12 +30,14 @@ from tailrace.model import fused
 from tailrace.model.checkpoint import CheckpointError, save_pretrained
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
+from tailrace.model.device import available_bytes
 
 TOLERANCE = 1e-4  # max |logit difference| accepted between the source and the import, fp32
-IMAGE_TEXT, TEXT_PREFIX = (
-    "gemma3",
-    "model.language_model.",
-)  # Gemma 3's image-text model, its text model's names
+IMPORT_PEAK = (
+    1.8  # peak resident memory / the weights' fp32 bytes: 2.57 GB for 378M weights (1.51 GB), measured
+)
+# Gemma 3's image-text model, its text model's names
+IMAGE_TEXT, TEXT_PREFIX = "gemma3", "model.language_model."
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,12 @@ def import_model(src: str | Path, out: str | Path, dtype: str = "float32") -> Im
             f"{src}: {e}; tailrace's decoder reads Llama, Mistral, Qwen2, Qwen3, OLMo2, OLMo3, SmolLM3, "
             "Phi-3, Granite, Gemma 2 and Gemma 3-family models"
         ) from None
-    model = CausalLM(cfg)
+    with torch.device("meta"):  # no weights of its own: it takes transformers' tensors (one copy in memory)
+        model = CausalLM(cfg)
     state = fused.split(state, cfg)  # Phi-3's q/k/v and gate/up, apart
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     diff = _max_logit_diff(model, hf_model, cfg.vocab_size, min(12, cfg.context_limit))  # loaded in fp32
     if diff > TOLERANCE:
@@ -107,6 +111,7 @@ def _load_source(src: Path):
                 f"{src} has no tokenizer files (tokenizer.json); copy them from the source model"
             )
         kw, where = {"use_safetensors": True}, src
+        _check_memory(src)
     else:
         raise CheckpointError(f"{src}: pass a .gguf file or a directory with config.json and *.safetensors")
     model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32, **kw)
@@ -117,6 +122,25 @@ def _load_source(src: Path):
         str(where), **({"gguf_file": kw["gguf_file"]} if "gguf_file" in kw else {})
     )
     return model.eval(), tok
+
+
+def _check_memory(src: Path) -> None:
+    """Refuse, before loading, a checkpoint whose import needs more memory than the machine has free:
+    its weights in fp32 (transformers' copy, which tailrace's model shares) and what writing them takes
+    beside (`IMPORT_PEAK` x the fp32 bytes in all, measured), from the safetensors headers alone."""
+    from safetensors import safe_open
+
+    elements = 0
+    for f in src.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            elements += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    need, free = IMPORT_PEAK * 4 * elements, available_bytes(torch.device("cpu"))
+    if need > free:
+        raise CheckpointError(
+            f"{src}: importing its {elements / 1e9:.2f}B weights in fp32 needs about {need / 2**30:.1f} GiB and "
+            f"{free / 2**30:.1f} GiB are free; free memory, or import on a machine with more (the checkpoint "
+            "itself is usable as it is with --model.path if tailrace reads its family)"
+        )
 
 
 @torch.no_grad()

@@ -232,3 +232,19 @@ def test_pickled_weights_unsupported_models_and_occupied_outputs_are_one_line_er
     model.save_pretrained(str(tmp_path / "no-tokenizer"))
     with pytest.raises(CheckpointError, match="no tokenizer"):
         import_model(tmp_path / "no-tokenizer", tmp_path / "c")
+
+
+def test_an_import_the_free_memory_cannot_hold_is_refused_before_loading(tmp_path, monkeypatch):
+    """Read from the safetensors headers alone: its fp32 weights and what writing them takes, against the
+    memory free; refused in one line naming both, nothing written."""
+    from tailrace.model import importer
+
+    tok = tiny_bpe()
+    tiny_llama(tok.get_vocab_size()).save_pretrained(str(tmp_path / "src"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(
+        str(tmp_path / "src")
+    )
+    monkeypatch.setattr(importer, "available_bytes", lambda device: 1 << 16)
+    with pytest.raises(CheckpointError, match=r"needs about .* GiB and 0\.0 GiB are free") as e:
+        import_model(tmp_path / "src", tmp_path / "out")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
