@@ -133,3 +133,24 @@ def test_drafts_over_its_own_cache_are_the_drafting_models_whole_sequence_greedy
                 x.append(want[-1])
         same += want == draft
     assert same >= 0.95 * len(seen), (same, len(seen))
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        {},
+        dict(model_type="olmo2"),  # its final norm scales in fp32
+        dict(model_type="gemma3_text", sliding_window=6, layer_types=("sliding_attention", "full_attention")),
+    ],
+    ids=["llama", "olmo2", "gemma3"],
+)
+@torch.no_grad()
+def test_a_drafter_of_every_layer_starts_as_the_policy(family):
+    """Initialized from the policy's layers and final norm: with all of them it is the policy (its final
+    norm the policy's kind: OLMo2's scales in fp32, Gemma's by 1 + w, here moved off its init of 0)."""
+    model = tiny_model(0, **family)
+    model.model.norm.weight.add_(0.3)
+    net = DraftNet(model, layers=model.config.num_hidden_layers)
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    got = net(ids, model.model.embed_tokens.weight, model.lm_head.weight)
+    assert (got - model(ids)).abs().max() < 1e-5

@@ -44,7 +44,8 @@ class DraftNet(nn.Module):
         )  # fmt: skip
         dev = target.model.embed_tokens.weight.device
         self.layers = nn.ModuleList(DecoderLayer(self.config, i) for i in range(layers))
-        self.norm = RMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+        c = self.config  # the target's final norm as it is (OLMo2's scales in fp32, Gemma's by 1 + w)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, scale_fp32=c.post_norms, offset=c.norm_offset)
         with torch.no_grad():
             for mine, theirs in zip(self.layers, target.model.layers):
                 for p, q in zip(mine.parameters(), theirs.parameters()):
