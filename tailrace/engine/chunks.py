@@ -17,7 +17,9 @@ BLOCK = 4  # chunk boundaries fall on multiples of this many rows
 SORT_SLACK = 1.25  # re-sort when chunked work exceeds the ideal by this factor ...
 SORT_EVERY = 8  # ... and at least this many steps passed since the last sort
 
-Chunk = tuple[int, int, int]  # (lo, hi, S): rows [lo, hi) of the group attend to positions [0, S)
+# (lo, hi, S, first): rows [lo, hi) of the group attend to positions [0, S); `first`, the lowest position among
+# them, tells a windowed layer's attention where the first row's window starts (a 3-tuple: from 0)
+Chunk = tuple[int, ...]
 
 
 def plan(positions: list[int]) -> list[Chunk]:
@@ -26,7 +28,7 @@ def plan(positions: list[int]) -> list[Chunk]:
     n = len(positions)
     top = max(positions) + 1
     if n <= BLOCK or top * n - sum(positions) - n <= CHUNK_COST:  # one chunk wastes too little to cut
-        return [(0, n, top)]
+        return [(0, n, top, min(positions))]
     edges = list(range(0, n, BLOCK)) + [n]
     maxes = [max(positions[a:b]) + 1 for a, b in zip(edges, edges[1:])]
     k = len(maxes)
@@ -43,13 +45,13 @@ def plan(positions: list[int]) -> list[Chunk]:
     j = k
     while j:
         i = cut[j]
-        out.append((edges[i], edges[j], max(maxes[i:j])))
+        out.append((edges[i], edges[j], max(maxes[i:j]), min(positions[edges[i] : edges[j]])))
         j = i
     return out[::-1]
 
 
 def work(chunks: list[Chunk]) -> int:
-    return sum((hi - lo) * S for lo, hi, S in chunks)
+    return sum((hi - lo) * S for lo, hi, S, *_ in chunks)
 
 
 def overhead(positions: list[int], chunks: list[Chunk]) -> float:

@@ -112,11 +112,16 @@ def test_decode_matches_model_forward(name, attention, packed):
         write_kv(ref_cache, b + 1, reference_kv(model, toks[b : b + 1, : n + 3]))
     pos = torch.tensor(lens)
     for step in range(3):
-        # one chunk, then rows cut into chunks that each attend only as far as their longest row
+        # one chunk, then rows cut into chunks that each attend only as far as their longest row, and
+        # (with their lowest position, as the engine plans them) a windowed layer from its window's start
+        cuts = [(0, 2), (2, 3), (3, B)]
         chunks = (
             int(pos.max()) + 1
             if step == 0
-            else [(0, 2, int(pos[:2].max()) + 1), (2, 3, int(pos[2]) + 1), (3, B, int(pos[3:].max()) + 1)]
+            else [
+                (lo, hi, int(pos[lo:hi].max()) + 1, *([int(pos[lo:hi].min())] if step == 2 else []))
+                for lo, hi in cuts
+            ]
         )
         x = toks[torch.arange(B), pos]
         ref = torch.stack([model(toks[b : b + 1, : int(pos[b]) + 1])[0, -1] for b in range(B)])

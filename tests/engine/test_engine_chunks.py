@@ -15,8 +15,8 @@ def test_chunks_tile_rows_and_cover_positions(positions):
     plan = chunks.plan(positions)
     assert plan[0][0] == 0 and plan[-1][1] == len(positions)
     assert all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
-    for lo, hi, S in plan:
-        assert lo < hi and S > max(positions[lo:hi])
+    for lo, hi, S, first in plan:
+        assert lo < hi and S > max(positions[lo:hi]) and first == min(positions[lo:hi])
     one = [(0, len(positions), max(positions) + 1)]  # the plan never costs more than a single chunk
     assert chunks.work(plan) + chunks.CHUNK_COST * len(plan) <= chunks.work(one) + chunks.CHUNK_COST
 

@@ -48,8 +48,9 @@ class Backend(Protocol):
         """One step over M tokens: B = len(rows) decode tokens first, then prefill pieces.
 
         tokens, positions (M,) int64 on device. Decode token b is the sequence in cache row
-        rows.start + b; `chunks`: (lo, hi, S) per attention chunk of the decode rows (rows [lo, hi)
-        attend to positions [0, S), S > their positions; see `engine.chunks`). `pieces`: (row, start,
+        rows.start + b; `chunks`: (lo, hi, S, first) per attention chunk of the decode rows (rows [lo, hi)
+        attend to positions [0, S), S > their positions; `first`, the lowest of them, tells a windowed
+        layer where to start reading, and may be left out: then from 0; see `engine.chunks`). `pieces`: (row, start,
         n) per prefill piece, its n tokens (next in `tokens`) at positions start.. of that row,
         attending causally to the row's cache. A row's positions are in the blocks its `cache.table` row
         lists, which cover every position written or read. Every token's k/v is written at its

@@ -143,18 +143,20 @@ class TorchBackend:
         short = [j for j, (_, _, n) in enumerate(pieces) if n <= SHORT_PIECE]
         short = short if len(short) > 1 else []
         together = self._short_pieces(offsets, pieces, short, table, bs, windows) if short else None
-        prefill = []  # per other piece: its token offset, n, its row's blocks (Hkv nb,), S, masks (1, n G, S)
+        # per other piece: its token offset, n, and per window its row's blocks (Hkv nb,) from the first its
+        # window reads, the positions they hold, the mask (1, n G, those)
+        prefill = []
         for j in sorted(set(range(len(pieces))) - set(short)):
             row, start, n = pieces[j]
-            S = start + n
-            m = {win: _hidden(self.arange[:S], self.arange[start:S, None], win) for win in windows}
-            idx = self._gather_index(table[row : row + 1], S, bs)
-            prefill.append(
-                (offsets[j], n, idx, S, {win: x.repeat_interleave(w.G, dim=0)[None] for win, x in m.items()})
-            )
+            S, per = start + n, {}
+            for win in windows:
+                k0 = _keys_from(start, win, bs)
+                m = _hidden(self.arange[k0:S], self.arange[start:S, None], win).repeat_interleave(w.G, dim=0)
+                per[win] = (self._gather_index(table[row : row + 1], S, bs, k0), S - k0, m[None])
+            prefill.append((offsets[j], n, per))
         order = None  # token order of the pieces' outputs when the batched ones come first out of turn
         if together is not None and prefill:
-            spans = [(offsets[j], pieces[j][2]) for j in short] + [(o, n) for o, n, *_ in prefill]
+            spans = [(offsets[j], pieces[j][2]) for j in short] + [(o, n) for o, n, _ in prefill]
             at = [o - B + i for o, n in spans for i in range(n)]  # each output token's place
             order = torch.empty(len(at), dtype=torch.long)
             order[torch.tensor(at)] = torch.arange(len(at))
@@ -169,9 +171,10 @@ class TorchBackend:
             cv.view(-1, D).index_copy_(0, widx, qkv[:, (H + Hkv) * D :].reshape(M * Hkv, D).to(cv.dtype))
             win = w.windows[i]
             outs = [self._attend_pieces(qk[:, :H], ck, cv, together, win)] if together is not None else []
-            for off, n, idx, S, m in prefill:
+            for off, n, per in prefill:
+                idx, S, m = per[win]
                 k, v = _gather(ck, idx, Hkv, S), _gather(cv, idx, Hkv, S)  # (Hkv, S, D)
-                outs.append(self._attend_piece(qk[off : off + n, :H], k, v, m[win]))
+                outs.append(self._attend_piece(qk[off : off + n, :H], k, v, m))
             if order is not None:
                 outs = [_cat(outs).index_select(0, order)]
             if B:
@@ -223,38 +226,45 @@ class TorchBackend:
             return x + y * m
         return y if lw.post_mlp is None else x + self._rms(y, lw.post_mlp)
 
-    def _gather_index(self, table_rows: torch.Tensor, S: int, bs: int) -> torch.Tensor:
-        """(n Hkv nb,) indices into k.view(-1, bs, D) of the nb = ceil(S / bs) blocks holding positions
-        [0, S) of each of the n rows of table_rows (n, W), per kv head, in (row, head, position) order."""
-        blocks = table_rows[:, : -(-S // bs)].long()  # (n, nb)
+    def _gather_index(self, table_rows: torch.Tensor, S: int, bs: int, k0: int = 0) -> torch.Tensor:
+        """(n Hkv nb,) indices into k.view(-1, bs, D) of the nb blocks holding positions [k0, S) (k0 a
+        multiple of bs: where a window's reads start) of each of the n rows of table_rows (n, W), per kv
+        head, in (row, head, position) order."""
+        blocks = table_rows[:, k0 // bs : -(-S // bs)].long()  # (n, nb)
         return (blocks[:, None, :] * self.w.Hkv + self.heads[None, :, None]).reshape(-1)
 
     # -- decode attention: q (B, H, D) over each row's positions up to S per chunk (gathered from its
-    # -- blocks); returns (B, H D) in the model's dtype. The per-step state: (lo, hi, S, gather index,
-    # -- mask) per chunk.
+    # -- blocks; a windowed layer's from the block where its lowest row's window starts, `_keys_from`);
+    # -- returns (B, H D) in the model's dtype. The per-step state: (lo, hi, the positions gathered,
+    # -- gather index, mask) per chunk.
 
     def _bmm_masks(self, pos, chunks, table, r0, bs, window=None) -> list[tuple]:
-        """Per chunk, the additive fp32 mask ((hi - lo) Hkv, 1, S) hiding positions past each row's own
+        """Per chunk, the additive fp32 mask ((hi - lo) Hkv, 1, S - k0) hiding positions past each row's own
         (and those before its `window`; broadcast over the G query heads of a kv head)."""
         out = []
-        for lo, hi, S in chunks:
-            m = _hidden(self.arange[:S], pos[lo:hi, None], window)  # (n, S)
-            m = m.repeat_interleave(self.w.Hkv, dim=0).view((hi - lo) * self.w.Hkv, 1, S)
-            out.append((lo, hi, S, self._gather_index(table[r0 + lo : r0 + hi], S, bs), m))
+        for lo, hi, S, *first in chunks:
+            k0 = _keys_from(first[0] if first else None, window, bs)
+            m = _hidden(self.arange[k0:S], pos[lo:hi, None], window)  # (n, S - k0)
+            m = m.repeat_interleave(self.w.Hkv, dim=0).view((hi - lo) * self.w.Hkv, 1, S - k0)
+            out.append((lo, hi, S - k0, self._gather_index(table[r0 + lo : r0 + hi], S, bs, k0), m))
         return out
 
     def _sdpa_masks(self, pos, chunks, table, r0, bs, window=None) -> list[tuple]:
-        """Per chunk, the additive mask (hi - lo, 1, 1, S) in the cache's dtype."""
-        return [
-            (
-                lo,
-                hi,
-                S,
-                self._gather_index(table[r0 + lo : r0 + hi], S, bs),
-                _hidden(self.arange[:S], pos[lo:hi, None], window).to(self.kv_dtype).view(hi - lo, 1, 1, S),
+        """Per chunk, the additive mask (hi - lo, 1, 1, S - k0) in the cache's dtype."""
+        out = []
+        for lo, hi, S, *first in chunks:
+            k0 = _keys_from(first[0] if first else None, window, bs)
+            m = _hidden(self.arange[k0:S], pos[lo:hi, None], window).to(self.kv_dtype)
+            out.append(
+                (
+                    lo,
+                    hi,
+                    S - k0,
+                    self._gather_index(table[r0 + lo : r0 + hi], S, bs, k0),
+                    m.view(hi - lo, 1, 1, -1),
+                )
             )
-            for lo, hi, S in chunks
-        ]
+        return out
 
     def _attend_fp32(self, q, ck, cv, state, upcast: bool = False) -> torch.Tensor:
         """fp32 GEMMs (`upcast`: on fp32 copies of a low-precision cache's blocks)."""
@@ -323,8 +333,9 @@ class TorchBackend:
         """The per-step state of `_attend_pieces` for pieces `short` (indices into `pieces`, whose first
         tokens are at `offsets` in the step's): P pieces padded to the longest, n_max tokens, attending to
         positions [0, S) of their rows: the tokens' places in that padding (a padded place repeats its
-        piece's last token) and the real ones' places in the output, the rows' blocks, the causal
-        mask (P Hkv, n_max G, S) of each of `windows`."""
+        piece's last token) and the real ones' places in the output, and for each of `windows` the rows'
+        blocks from where the earliest piece's window starts (k0), S - k0, the causal mask
+        (P Hkv, n_max G, S - k0)."""
         w, dev = self.w, self.w.device
         sel = [pieces[j] for j in short]
         n_max, S = max(n for _, _, n in sel), max(start + n for _, start, n in sel)
@@ -332,13 +343,16 @@ class TorchBackend:
         keep = [p * n_max + i for p, (_, _, n) in enumerate(sel) for i in range(n)]
         last = [start + min(i, n - 1) for _, start, n in sel for i in range(n_max)]  # each place's position
         last_t = torch.tensor(last).to(dev, non_blocking=True).view(len(sel), n_max, 1)
-        m = {win: _hidden(self.arange[:S], last_t, win) for win in windows}  # (P, n_max, S) each
-        m = {win: x.repeat_interleave(w.G, dim=1).repeat_interleave(w.Hkv, dim=0) for win, x in m.items()}
         rows = torch.tensor([row for row, _, _ in sel]).to(dev, non_blocking=True)
-        idx = self._gather_index(table[rows], S, bs)
+        per = {}
+        for win in windows:
+            k0 = _keys_from(min(start for _, start, _ in sel), win, bs)
+            m = _hidden(self.arange[k0:S], last_t, win)  # (P, n_max, S - k0)
+            m = m.repeat_interleave(w.G, dim=1).repeat_interleave(w.Hkv, dim=0)
+            per[win] = (self._gather_index(table[rows], S, bs, k0), S - k0, m)
         take_t = torch.tensor(take).to(dev, non_blocking=True)
         keep_t = torch.tensor(keep).to(dev, non_blocking=True)
-        return len(sel), n_max, S, take_t, keep_t, idx, m
+        return len(sel), n_max, take_t, keep_t, per
 
     def _attend_pieces(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: tuple, window=None
@@ -346,8 +360,8 @@ class TorchBackend:
         """Causal attention of several short prefill pieces at once, in fp32, as `_attend_piece` does
         each: q (M, H, D) every token of the step; k, v the layer's cache; `window`: the layer's. Returns
         (their n, H D)."""
-        P, n_max, S, take, keep, idx, masks = state
-        m = masks[window]
+        P, n_max, take, keep, per = state
+        idx, S, m = per[window]
         Hkv, G, D = self.w.Hkv, self.w.G, self.w.D
         q = q.index_select(0, take).view(P, n_max, Hkv, G, D).transpose(1, 2)  # (P, Hkv, n_max, G, D)
         q = q.reshape(P * Hkv, n_max * G, D).float()
@@ -394,6 +408,15 @@ def _scores(m: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, w: FusedWeights)
 def _cap(s: torch.Tensor, w: FusedWeights) -> torch.Tensor:
     """Scores capped by Gemma 2's softcap c: c tanh(s / c), in place."""
     return s.div_(w.softcap).tanh_().mul_(w.softcap)
+
+
+def _keys_from(first: int | None, window: int | None, bs: int) -> int:
+    """The first position to gather for queries at `first` and after (None: unknown): 0, or, in a layer
+    with a `window`, the start of the block where the window of `first` begins (whole blocks, so the
+    gather reads blocks as they lie)."""
+    if window is None or first is None or first + 1 <= window:
+        return 0
+    return (first + 1 - window) // bs * bs
 
 
 def _hidden(keys: torch.Tensor, pos: torch.Tensor, window: int | None) -> torch.Tensor:
