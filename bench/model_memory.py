@@ -40,6 +40,7 @@ from tailrace.model.checkpoint import load_pretrained, read_config  # noqa: E402
 from tailrace.model.flat import flatten_parameters  # noqa: E402
 from tailrace.runtime.weights import SharedWeights  # noqa: E402
 from tailrace.trainer.grpo import GRPOTrainer  # noqa: E402
+from tailrace.trainer.memory import activation_bytes_per_token  # noqa: E402
 from tailrace.types import Finish, GenResult, Group, Trajectory  # noqa: E402
 
 MICRO = (1024, 4096)  # micro-batch token caps: 14 and 56 rows of 72 tokens
@@ -88,11 +89,18 @@ def ring(path: str, slots: int) -> None:
         del weights
 
 
+def model_config(model_type: str) -> ModelConfig:
+    """Qwen3-0.6B's attention in 4 layers, as `model_type` (Gemma 2's with its caps at Gemma-2's values;
+    no window: the rows' 72 tokens would fit any real one)."""
+    gemma = {"gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)}.get(model_type, {})
+    return ModelConfig(model_type=model_type, vocab_size=4096, hidden_size=512, intermediate_size=1536,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                       max_position_embeddings=512, tie_word_embeddings=True, **gemma)  # fmt: skip
+
+
 def peak_kib(model_type: str, bf16: bool, micro: int) -> tuple[int, int]:
     """(micro-batch tokens, peak RSS KiB) of a second trainer step (the first allocates AdamW's moments)."""
-    cfg = ModelConfig(model_type=model_type, vocab_size=4096, hidden_size=512, intermediate_size=1536,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-                      max_position_embeddings=512, tie_word_embeddings=True)  # fmt: skip
+    cfg = model_config(model_type)
     trainer = GRPOTrainer(
         CausalLM.from_config(cfg, seed=0), TrainerConfig(micro_batch_tokens=micro, bf16=bf16)
     )
@@ -123,7 +131,7 @@ def main() -> None:
     r.add_argument("path")
     r.add_argument("--slots", type=int, default=4, help="flow.max_staleness + 3 (the default's: 4)")
     t = sub.add_parser("trainer")
-    t.add_argument("model_type", choices=("llama", "qwen3", "olmo2"))
+    t.add_argument("model_type", choices=("llama", "qwen3", "olmo2", "gemma3_text", "gemma2"))
     t.add_argument("--bf16", action="store_true")
     t.add_argument("--micro", type=int, help="one micro-batch cap, in this process (the others run it)")
     a = p.parse_args()
@@ -142,8 +150,10 @@ def main() -> None:
             for m in MICRO
         ]  # fmt: skip
         (t0, k0), (t1, k1) = ([int(x) for x in r] for r in runs)
+        est = activation_bytes_per_token(model_config(a.model_type), a.bf16, cpu=True) / 1024
         print(f"{a.model_type} {'bf16' if a.bf16 else 'fp32'}: peaks {k0:,} and {k1:,} KiB at {t0:,} and "
-              f"{t1:,} tokens a micro-batch: {(k1 - k0) / (t1 - t0):.0f} KiB a token")  # fmt: skip
+              f"{t1:,} tokens a micro-batch: {(k1 - k0) / (t1 - t0):.0f} KiB a token "
+              f"(trainer/memory.py estimates {est:.0f})")  # fmt: skip
 
 
 if __name__ == "__main__":

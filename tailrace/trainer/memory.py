@@ -28,6 +28,10 @@ output and its bf16 copy) x heads x `EAGER_MAX_T` plus the fp32 copies of q and 
 kv heads) x head_dim), the longest such sequence's cost. Measured on SmolLM2's shape (bf16, slope
 of peak resident memory between 1,024- and 4,096-token micro-batches, 2026-12-02): over SDPA's 1.43 MiB
 a token, eager adds 0.22 MiB at T = 192 and 0.15 at T = 72; the estimate adds 0.38 (x `MARGIN`).
+Gemma's layer (four norms, each scaling by 1 + w in fp32 whatever the dtype, and GeGLU) keeps
+`_GEMMA_NORM_BYTES` a hidden element more, fp32 or bf16: on that shape as Gemma 3 (with its q/k norms)
+it measured 389 KiB a token fp32 and 367 bf16 against Llama's 290 and 272 in the same runs (2026-12-06,
+`bench/model_memory.py trainer`, Xeon VM), which the estimate (490 / 407) covers.
 Gemma 2 caps its attention scores (tanh), which SDPA cannot, so it attends eagerly at every length, in
 fp32 and bf16: its budget pays for sequences of up to `SOFTCAP_T` tokens (or its context, if shorter);
 a micro-batch of longer rows keeps more than it pays for (not measured).
@@ -47,6 +51,7 @@ UNSIZED_TOKENS = MAX_TOKENS  # for a model without a ModelConfig
 _LAYER_BYTES = {False: 5.6, True: 3.8}  # by train.bf16 (autocast keeps bf16 copies of GEMM inputs)
 _VOCAB_BYTES = {False: 1.2, True: 0.5}
 _QK_NORM_BYTES = {False: 8, True: 3}  # measured 7.6 and 2.6 (the module's docstring)
+_GEMMA_NORM_BYTES = 24  # a hidden element a layer, fp32 or bf16 (the module's docstring)
 GIB = 1 << 30
 SOFTCAP_T = 4096  # the longest sequence a softcapped model's (Gemma 2's) budget pays eager attention for
 
@@ -57,13 +62,11 @@ def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) 
     kv = cfg.num_key_value_heads * cfg.head_dim  # ModelConfig fills both when a checkpoint omits them
     q = cfg.num_attention_heads * cfg.head_dim  # the hidden size, but for Qwen3-style wide heads
     per_layer = 6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size
-    if (
-        cfg.gemma
-    ):  # its two more norms a layer (after the attention and the MLP) keep their inputs, in fp32 too
-        per_layer += 4 * cfg.hidden_size
     raw = cfg.num_hidden_layers * per_layer * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[bf16]
     if cfg.qk_norm or cfg.post_norms:  # Qwen3's per-head q/k norms; OLMo2's over all heads keep as much
         raw += cfg.num_hidden_layers * (q + kv) * _QK_NORM_BYTES[bf16]
+    if cfg.gemma:  # four norms a layer, each scaling in fp32 whatever the dtype (the module docstring)
+        raw += cfg.num_hidden_layers * cfg.hidden_size * _GEMMA_NORM_BYTES
     if cfg.attn_logit_softcapping is not None:  # Gemma 2's: SDPA cannot cap, every length attends eagerly
         raw += eager_attention_bytes(cfg, min(cfg.context_limit, SOFTCAP_T))
     elif bf16 and cpu:
