@@ -4,6 +4,7 @@ side by side in one process, alternated, best of `--repeats`.
 
     .venv/bin/python bench/window.py                          # Mistral's layout, window 256, ~2 min
     .venv/bin/python bench/window.py --layout gemma3 --attention bmm
+    .venv/bin/python bench/window.py --trainer                # the trainer's windowed attention, ~1 min
 
 Random weights (seeded), fp32, one thread; each batch size B sends B requests of `--prompt` tokens and
 `--new` new tokens at temperature 1 (seeded), and the same requests for one new token (the prefill). Prints
@@ -11,6 +12,11 @@ per model and batch the prefill's tokens/s and the decode's (the new tokens past
 past the prefill's), best of `--repeats`, and the windowed one's / the windowless one's. The kernel backend reads
 only a token's window from the cache (the whole blocks before it skipped); the torch backend gathers every
 position and masks those before the window, so it saves nothing there.
+
+`--trainer`: one attention's forward and backward as the trainer runs it (8 rows, 8 heads of 64, 4 kv
+heads, fp32, two threads), at 512 / 1,024 / 2,048 tokens with a window of 128: causal SDPA (no window),
+SDPA under the window's mask over the whole sequence (what the trainer ran first), and
+`windowed_attention` (a window of queries at a time over the keys it can reach), best of 3.
 """
 
 from __future__ import annotations
@@ -40,6 +46,38 @@ def configs(layout: str, window: int, shape: dict) -> tuple[ModelConfig, ModelCo
     )
 
 
+def trainer_attention(window: int = 128) -> None:
+    from torch.nn import functional as F
+
+    from tailrace.model.attention import causal_mask, windowed_attention
+
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    for T in (512, 1024, 2048):
+        q = torch.randn(8, T, 8, 64, requires_grad=True)
+        k, v = torch.randn(8, T, 4, 64, requires_grad=True), torch.randn(8, T, 4, 64, requires_grad=True)
+
+        def sdpa(**kw):
+            return F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True, **kw
+            )
+
+        runs = {
+            "causal": lambda: sdpa(is_causal=True),
+            "masked": lambda: sdpa(attn_mask=causal_mask(T, torch.bool, q.device, window)),
+            "windowed": lambda: windowed_attention(q, k, v, None, window),
+        }
+        best = {}
+        for name, f in runs.items():
+            f().sum().backward()
+            for _ in range(3):
+                t = time.perf_counter()
+                f().sum().backward()
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+        print(f"T={T}, window {window}: causal {best['causal']:.3f} s, masked {best['masked']:.3f} s, windowed "
+              f"{best['windowed']:.3f} s: masked / windowed {best['masked'] / best['windowed']:.2f}x")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layout", default="mistral", choices=["mistral", "gemma3"])
@@ -51,7 +89,10 @@ def main() -> None:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention", default="kernel", choices=["kernel", "bmm"])
+    p.add_argument("--trainer", action="store_true", help="the trainer's windowed attention instead")
     a = p.parse_args()
+    if a.trainer:
+        return trainer_attention()
     torch.set_num_threads(1)
     shape = dict(vocab_size=4096, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.layers,
                  num_attention_heads=a.hidden // 128, num_key_value_heads=max(1, a.hidden // 256), head_dim=128,
