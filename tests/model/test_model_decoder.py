@@ -140,3 +140,26 @@ def test_dynamic_rope_is_rejected_past_its_supported_range():
     model = random_model(make_config(**CONFIGS["qwen2-gqa4-headdim-dynamic"]))
     with pytest.raises(ValueError, match="dynamic"):
         model(torch.zeros(1, 65, dtype=torch.long))
+
+
+@pytest.mark.parametrize("T,window", [(24, 7), (100, 16), (97, 33)])
+def test_windowed_attention_equals_sdpa_under_the_window_mask(T, window):
+    """The trainer's window-by-window attention (past two windows) against one SDPA over the whole
+    sequence under the window's mask, fp64, GQA 2, with gradients."""
+    import torch.nn.functional as F
+
+    from tailrace.model.attention import causal_mask, windowed_attention
+
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(2, T, 4, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, T, 2, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, T, 2, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    mask = causal_mask(T, torch.bool, q.device, window)
+    want = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True, scale=0.3
+    ).transpose(1, 2)
+    got = windowed_attention(q, k, v, 0.3, window)
+    assert (got - want).abs().max() < 1e-12
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v))):
+        assert (a - b).abs().max() < 1e-12
