@@ -527,11 +527,13 @@ void rms_w32_bf16(const uint16_t *restrict x, const float *restrict w, uint16_t 
     for (int64_t m = 0; m < M; m++) head_norm_w32_bf16(x + m * N, w, y + m * N, N, eps);
 }
 
-/* out (M, I) = act(gu[:, :I]) * gu[:, I:], gu (M, 2 I), act(g) = g / (1 + e^-z), z = K1 g + K3 g^3: SiLU
-   (K1 1, K3 0), and Gemma's GELU with the tanh approximation, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715
-   g^3))), which is g / (1 + e^-2y) for y that tanh's argument (K1 2 sqrt(2/pi), K3 that times 0.044715).
-   In fp32, the product rounded to T. e^x by exp_poly. */
-#define GLU_MUL(NAME, T, IN, OUT, K1, K3)                                                               \
+/* out (M, I) = act(gu[:, :I]) * gu[:, I:], gu (M, 2 I), act(g) = g / (1 + e^-Z(g)): SiLU (Z(g) = g), and
+   Gemma's GELU with the tanh approximation, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), which is
+   g / (1 + e^-2y) for y that tanh's argument. In fp32, the product rounded to T. e^x by exp_poly (which
+   clamps: a huge |g| gives g or 0, as the exact functions). */
+#define SILU_Z(a) (a)
+#define GELU_Z(a) (1.5957691216057308f * (a) + 0.0713548162726f * (a) * (a) * (a)) /* 2 sqrt(2/pi) (a + 0.044715 a^3) */
+#define GLU_MUL(NAME, T, IN, OUT, Z)                                                                    \
 void NAME(const T *restrict gu, T *restrict out, int64_t M, int64_t I) {                                \
     for (int64_t m = 0; m < M; m++) {                                                                   \
         const T *g = gu + m * 2 * I, *u = g + I;                                                        \
@@ -539,16 +541,14 @@ void NAME(const T *restrict gu, T *restrict out, int64_t M, int64_t I) {        
         _Pragma("omp simd")                                                                             \
         for (int64_t i = 0; i < I; i++) {                                                               \
             const float a = IN(g[i]);                                                                   \
-            o[i] = OUT(a / (1.0f + exp_poly(-(K1 * a + K3 * a * a * a))) * IN(u[i]));                   \
+            o[i] = OUT(a / (1.0f + exp_poly(-Z(a))) * IN(u[i]));                                        \
         }                                                                                               \
     }                                                                                                   \
 }
-GLU_MUL(silu_mul_f32, float, f32_in, f32_out, 1.0f, 0.0f)
-GLU_MUL(silu_mul_bf16, uint16_t, bf16_in, bf16_out, 1.0f, 0.0f)
-#define GELU_K1 1.5957691216057308f  /* 2 sqrt(2 / pi) */
-#define GELU_K3 0.0713548162726f     /* 2 sqrt(2 / pi) 0.044715 */
-GLU_MUL(gelu_mul_f32, float, f32_in, f32_out, GELU_K1, GELU_K3)
-GLU_MUL(gelu_mul_bf16, uint16_t, bf16_in, bf16_out, GELU_K1, GELU_K3)
+GLU_MUL(silu_mul_f32, float, f32_in, f32_out, SILU_Z)
+GLU_MUL(silu_mul_bf16, uint16_t, bf16_in, bf16_out, SILU_Z)
+GLU_MUL(gelu_mul_f32, float, f32_in, f32_out, GELU_Z)
+GLU_MUL(gelu_mul_bf16, uint16_t, bf16_in, bf16_out, GELU_Z)
 
 /* -- LoRA: the low-rank terms of rows of several adapters (tailrace/engine/adapters.py) -------------- */
 
