@@ -51,9 +51,8 @@ class Kernels:
             fn.argtypes += [ctypes.c_int64, ctypes.c_float]
         self.dtypes = tuple(self._fns)  # the cache dtypes it reads
         self._layer = {torch.float32: lib.decode_layer_f32, torch.bfloat16: lib.decode_layer_bf16}
-        self._layer_w32 = (
-            lib.decode_layer_w32_bf16
-        )  # a bf16 layer whose q/k norm weights are fp32 (Gemma 3's)
+        # a bf16 layer whose q/k norm weights are fp32 (Gemma 3's)
+        self._layer_w32 = lib.decode_layer_w32_bf16
         for fn in (*self._layer.values(), self._layer_w32):
             fn.restype = ctypes.c_int
             fn.argtypes = (

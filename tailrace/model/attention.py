@@ -123,18 +123,13 @@ def sdpa_only() -> Iterator[None]:
 def causal_mask(T: int, dtype: torch.dtype, device: torch.device, window: int | None = None) -> torch.Tensor:
     """(T, T): 0 where query i sees key j (j <= i, and i - j < `window` where given), -inf elsewhere; in
     torch.bool (SDPA's attn_mask), True where it sees and False elsewhere. Cached per shape."""
+    seen = _window_mask(T, T, 0, window, device)
+    if dtype == torch.bool:
+        return seen
     key = (T, dtype, device, window)
     m = _masks.get(key)
     if m is None:
-        i = torch.arange(T, device=device)
-        hide = i[None, :] > i[:, None]
-        if window is not None:
-            hide |= i[None, :] <= i[:, None] - window
-        m = _masks[key] = (
-            ~hide
-            if dtype == torch.bool
-            else torch.zeros(T, T, dtype=dtype, device=device).masked_fill_(hide, float("-inf"))
-        )
+        m = _masks[key] = torch.zeros(T, T, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
     return m
 
 
@@ -181,14 +176,17 @@ def windowed_attention(q, k, v, scale: float | None, window: int):
     return torch.cat(outs, dim=1)
 
 
-def _window_mask(n: int, m: int, offset: int, window: int, device: torch.device) -> torch.Tensor:
-    """(n, m) bool: query i (at offset + i among the m keys) sees key j when j <= offset + i and
-    offset + i - j < window; cached per shape."""
-    key = ("window", n, m, offset, window, device)
+def _window_mask(n: int, m: int, offset: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(n, m) bool: query i (at offset + i among the m keys) sees key j when j <= offset + i and, with a
+    `window`, offset + i - j < window; cached per shape."""
+    key = ("seen", n, m, offset, window, device)
     mask = _masks.get(key)
     if mask is None:
         i, j = torch.arange(n, device=device)[:, None] + offset, torch.arange(m, device=device)[None, :]
-        mask = _masks[key] = (j <= i) & (j > i - window)
+        mask = j <= i
+        if window is not None:
+            mask &= j > i - window
+        _masks[key] = mask
     return mask
 
 

@@ -475,16 +475,8 @@ class ModelConfig:
                 f"expected {ARCHITECTURES[model_type]!r} for model_type={model_type!r}"
             )
         gemma = model_type in GEMMA
-        act = (
-            (d.get("hidden_activation") or d.get("hidden_act") or GELU_TANH)
-            if gemma
-            else d.get("hidden_act", "silu")
-        )
-        if act != (GELU_TANH if gemma else "silu"):
-            raise ValueError(
-                f"hidden_act={act!r} is not supported for model_type={model_type!r}; only "
-                + (f"{GELU_TANH!r} (GeGLU)" if gemma else "'silu' (SwiGLU)")
-            )
+        # the MLP's activation (Gemma's own key first), which ModelConfig holds to the family's
+        act = (d.get("hidden_activation") if gemma else None) or d.get("hidden_act")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported; only bias-free MLPs")
         if d.get("use_bidirectional_attention"):
@@ -543,12 +535,9 @@ class ModelConfig:
             partial_rotary_factor=partial,
             layer_types=layer_types,
             local_rope=local,
+            hidden_act=act,
             **(_granite_from_hf(d) if model_type == "granite" else {}),
-            **(
-                {"hidden_act": act, "query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256), **caps}
-                if gemma
-                else {}
-            ),
+            **({"query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256), **caps} if gemma else {}),
         )
 
     def to_hf(self) -> dict[str, Any]:

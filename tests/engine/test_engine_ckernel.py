@@ -172,7 +172,7 @@ def test_fused_layer_matches_rope_cache_write_and_attention(dtype, D, G, bs, qk_
     cos_sin = torch.stack((cos, sin), dim=1).to(dtype)
     norms, eps = 1 + 0.3 * torch.randn((G + 1) * Hkv, D, generator=g), 1e-6
     norms = norms if qk_norm == "gemma3" else norms.to(dtype)
-    normed = norm_qk(qkv.clone(), norms, D, eps, scale_fp32=qk_norm == "gemma3") if qk_norm else qkv
+    normed = norm_qk(qkv.clone(), norms, D, eps) if qk_norm else qkv
     want_o, want_k, want_v = layer_reference(normed, cos_sin, k, v, row, pos, G, D**-0.5)
     table, n = table_for(rows, L, bs)
     pk, pv = page(k, table, n, bs), page(v, table, n, bs)

@@ -53,9 +53,8 @@ class KernelBackend(TorchBackend):
         trow = self._token_rows(rows, pieces)
         pos = positions.contiguous()
         for i, lw in enumerate(w.layers):
-            qkv = self._qkv(
-                i, lw, x, pk, lora, qk_norm=False
-            )  # the C call applies Qwen3's and Gemma 3's q/k norms
+            # the C call applies Qwen3's and Gemma 3's q/k norms
+            qkv = self._qkv(i, lw, x, pk, lora, qk_norm=False)
             o = layer(
                 qkv, self.tables[i], cache.k[i], cache.v[i], table, trow, pos, w.G, w.scale, lw.qk_norm, w.eps,
                 w.windows[i], w.softcap,

@@ -36,7 +36,7 @@ from tailrace.engine.backends.weights import FusedWeights, norm_qk
 from tailrace.engine.chunks import Chunk
 from tailrace.engine.ckernel import Kernels
 from tailrace.engine.kv_cache import KVCache
-from tailrace.model.decoder import CausalLM, embed, logits
+from tailrace.model.decoder import CausalLM, act_fn, embed, logits
 from tailrace.model.rope import inv_freq_and_scale, rope_table
 
 UPCAST_MAX_BATCH = 8  # bf16/fp16 decode attention of at most this many rows runs on fp32 copies
@@ -148,11 +148,12 @@ class TorchBackend:
         prefill = []
         for j in sorted(set(range(len(pieces))) - set(short)):
             row, start, n = pieces[j]
-            S, per = start + n, {}
+            per = {}
             for win in windows:
-                k0 = _keys_from(start, win, bs)
-                m = _hidden(self.arange[k0:S], self.arange[start:S, None], win).repeat_interleave(w.G, dim=0)
-                per[win] = (self._gather_index(table[row : row + 1], S, bs, k0), S - k0, m[None])
+                idx, S, m = self._reach(
+                    table[row : row + 1], start + n, start, self.arange[start : start + n, None], win, bs
+                )
+                per[win] = (idx, S, m.repeat_interleave(w.G, dim=0)[None])
             prefill.append((offsets[j], n, per))
         order = None  # token order of the pieces' outputs when the batched ones come first out of turn
         if together is not None and prefill:
@@ -196,7 +197,7 @@ class TorchBackend:
             q.copy_(self._rms(q, lw.q_norm))
             k.copy_(self._rms(k, lw.k_norm))
         if qk_norm and lw.qk_norm is not None:
-            norm_qk(qkv, lw.qk_norm, self.w.D, self.w.eps, self.w.qk_fp32)
+            norm_qk(qkv, lw.qk_norm, self.w.D, self.w.eps)
         return qkv
 
     def _o(self, i: int, lw, o: torch.Tensor, x: torch.Tensor, pk: bool, lora) -> torch.Tensor:
@@ -226,6 +227,16 @@ class TorchBackend:
             return x + y * m
         return y if lw.post_mlp is None else x + self._rms(y, lw.post_mlp)
 
+    def _reach(
+        self, table_rows, S: int, first: int | None, pos: torch.Tensor, window: int | None, bs: int
+    ) -> tuple:
+        """What queries at positions `pos` (a column, or (P, n, 1)), the lowest `first` (None: unknown),
+        of the rows `table_rows` read of their caches' positions [0, S) in a layer with `window`: the
+        gather index of their blocks from the one where `first`'s window starts (k0, `_keys_from`), the
+        positions gathered (S - k0), and the additive fp32 mask over them (pos' shape but S - k0 last)."""
+        k0 = _keys_from(first, window, bs)
+        return self._gather_index(table_rows, S, bs, k0), S - k0, _hidden(self.arange[k0:S], pos, window)
+
     def _gather_index(self, table_rows: torch.Tensor, S: int, bs: int, k0: int = 0) -> torch.Tensor:
         """(n Hkv nb,) indices into k.view(-1, bs, D) of the nb blocks holding positions [k0, S) (k0 a
         multiple of bs: where a window's reads start) of each of the n rows of table_rows (n, W), per kv
@@ -243,27 +254,22 @@ class TorchBackend:
         (and those before its `window`; broadcast over the G query heads of a kv head)."""
         out = []
         for lo, hi, S, *first in chunks:
-            k0 = _keys_from(first[0] if first else None, window, bs)
-            m = _hidden(self.arange[k0:S], pos[lo:hi, None], window)  # (n, S - k0)
-            m = m.repeat_interleave(self.w.Hkv, dim=0).view((hi - lo) * self.w.Hkv, 1, S - k0)
-            out.append((lo, hi, S - k0, self._gather_index(table[r0 + lo : r0 + hi], S, bs, k0), m))
+            idx, S, m = self._reach(
+                table[r0 + lo : r0 + hi], S, first[0] if first else None, pos[lo:hi, None], window, bs
+            )
+            out.append(
+                (lo, hi, S, idx, m.repeat_interleave(self.w.Hkv, dim=0).view((hi - lo) * self.w.Hkv, 1, S))
+            )
         return out
 
     def _sdpa_masks(self, pos, chunks, table, r0, bs, window=None) -> list[tuple]:
         """Per chunk, the additive mask (hi - lo, 1, 1, S - k0) in the cache's dtype."""
         out = []
         for lo, hi, S, *first in chunks:
-            k0 = _keys_from(first[0] if first else None, window, bs)
-            m = _hidden(self.arange[k0:S], pos[lo:hi, None], window).to(self.kv_dtype)
-            out.append(
-                (
-                    lo,
-                    hi,
-                    S - k0,
-                    self._gather_index(table[r0 + lo : r0 + hi], S, bs, k0),
-                    m.view(hi - lo, 1, 1, -1),
-                )
+            idx, S, m = self._reach(
+                table[r0 + lo : r0 + hi], S, first[0] if first else None, pos[lo:hi, None], window, bs
             )
+            out.append((lo, hi, S, idx, m.to(self.kv_dtype).view(hi - lo, 1, 1, S)))
         return out
 
     def _attend_fp32(self, q, ck, cv, state, upcast: bool = False) -> torch.Tensor:
@@ -346,10 +352,8 @@ class TorchBackend:
         rows = torch.tensor([row for row, _, _ in sel]).to(dev, non_blocking=True)
         per = {}
         for win in windows:
-            k0 = _keys_from(min(start for _, start, _ in sel), win, bs)
-            m = _hidden(self.arange[k0:S], last_t, win)  # (P, n_max, S - k0)
-            m = m.repeat_interleave(w.G, dim=1).repeat_interleave(w.Hkv, dim=0)
-            per[win] = (self._gather_index(table[rows], S, bs, k0), S - k0, m)
+            idx, n, m = self._reach(table[rows], S, min(start for _, start, _ in sel), last_t, win, bs)
+            per[win] = (idx, n, m.repeat_interleave(w.G, dim=1).repeat_interleave(w.Hkv, dim=0))
         take_t = torch.tensor(take).to(dev, non_blocking=True)
         keep_t = torch.tensor(keep).to(dev, non_blocking=True)
         return len(sel), n_max, take_t, keep_t, per
@@ -381,8 +385,7 @@ class TorchBackend:
 
     def _act_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused gate/up projection's output (M, 2 I); Gemma's gelu (tanh)."""
-        g = gu[:, : self.w.I]
-        return (F.gelu(g, approximate="tanh") if self.w.gelu else F.silu(g)).mul_(gu[:, self.w.I :])
+        return act_fn(self.model.config)(gu[:, : self.w.I]).mul_(gu[:, self.w.I :])
 
     def _token_rows(self, rows: slice, pieces: Sequence[Span]) -> torch.Tensor:
         """(M,) cache row of each token: the decode rows, then each prefill piece's row n times."""

@@ -80,7 +80,7 @@ class FusedWeights:
         self.I = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         # OLMo2's and Gemma's RMSNorm: scaled in fp32, then rounded to the dtype (Gemma's q/k norms too)
-        self.scale_fp32, self.qk_fp32, self.offset = cfg.post_norms or cfg.gemma, cfg.gemma, cfg.norm_offset
+        self.scale_fp32, self.offset = cfg.post_norms or cfg.gemma, cfg.norm_offset
         self.scale = cfg.attention_scale  # 1/sqrt(D), or Granite's attention_multiplier, Gemma's
         self.softcap = cfg.attn_logit_softcapping  # Gemma 2's cap on the scores (None: none)
         self.gelu = cfg.hidden_act != "silu"  # Gemma's GeGLU
@@ -152,14 +152,12 @@ class FusedWeights:
             self.layers.append(L)
 
 
-def norm_qk(
-    qkv: torch.Tensor, weight: torch.Tensor, D: int, eps: float, scale_fp32: bool = False
-) -> torch.Tensor:
+def norm_qk(qkv: torch.Tensor, weight: torch.Tensor, D: int, eps: float) -> torch.Tensor:
     """Qwen3's q and k norms on the fused projection's output qkv (M, (H + 2 Hkv) D), in place: each
     head's q and k RMS-normalized over D in fp32, rounded to the model's dtype, then scaled by its
-    weight (`weight` (H + Hkv, D)), as HF's Qwen3RMSNorm; `scale_fp32` (Gemma 3's, `weight` fp32 1 + w):
-    scaled in fp32, then rounded. Returns qkv."""
+    weight (`weight` (H + Hkv, D)), as HF's Qwen3RMSNorm; fp32 weights (Gemma 3's 1 + w, or an fp32
+    model's, where the two orders are one) scale in fp32, then round, as the C layer call. Returns qkv."""
     qk = qkv[:, : weight.shape[0] * D].view(qkv.shape[0], weight.shape[0], D)
     n = torch.nn.functional.rms_norm(qk.float(), (D,), eps=eps)
-    qk.copy_((n * weight).to(qkv.dtype) if scale_fp32 else weight * n.to(qkv.dtype))
+    qk.copy_((n * weight).to(qkv.dtype) if weight.dtype == torch.float32 else weight * n.to(qkv.dtype))
     return qkv

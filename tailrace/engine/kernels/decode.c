@@ -406,35 +406,26 @@ DRIVER(decode_attn_bf16, uint16_t, attend_bf16)
 /* y = w * NORMED(x / sqrt(mean(x^2) + eps)) over D values (a row: RMSNorm; a head's q or k: Qwen3's
    q/k norms), the mean in fp32, the product rounded to T. NORMED: ROUNDED_BF16 for HF's RMSNorm in
    bf16 (the normalized value rounded to T before the weight: both products rounded), AS_IS for fp32
-   and for OLMo2's bf16 norm (scaled in fp32, rounded once). Returns y. */
+   and for OLMo2's bf16 norm (scaled in fp32, rounded once). The weights are of type WT, read by WIN (T's
+   own, or Gemma's fp32 1 + w beside a bf16 row). Returns y. */
 #define AS_IS(v) (v)
 #define ROUNDED_BF16(v) bf16_in(bf16_out(v))
-#define HEAD_NORM(NAME, T, IN, OUT, NORMED)                                                             \
-static inline const T *NAME(const T *restrict x, const T *restrict w, T *restrict y, int64_t D,         \
+#define HEAD_NORM(NAME, T, IN, OUT, NORMED, WT, WIN)                                                    \
+static inline const T *NAME(const T *restrict x, const WT *restrict w, T *restrict y, int64_t D,        \
                             float eps) {                                                                \
     float ss = 0.f;                                                                                     \
     _Pragma("omp simd reduction(+:ss)")                                                                 \
     for (int64_t d = 0; d < D; d++) { const float a = IN(x[d]); ss += a * a; }                          \
     const float r = 1.0f / sqrtf(ss / (float)D + eps);                                                  \
     _Pragma("omp simd")                                                                                 \
-    for (int64_t d = 0; d < D; d++) y[d] = OUT(IN(w[d]) * NORMED(IN(x[d]) * r));                        \
+    for (int64_t d = 0; d < D; d++) y[d] = OUT(WIN(w[d]) * NORMED(IN(x[d]) * r));                       \
     return y;                                                                                           \
 }
-HEAD_NORM(head_norm_f32, float, f32_in, f32_out, AS_IS)
-HEAD_NORM(head_norm_bf16, uint16_t, bf16_in, bf16_out, ROUNDED_BF16)
-HEAD_NORM(head_norm_scale32_bf16, uint16_t, bf16_in, bf16_out, AS_IS)
-
+HEAD_NORM(head_norm_f32, float, f32_in, f32_out, AS_IS, float, f32_in)
+HEAD_NORM(head_norm_bf16, uint16_t, bf16_in, bf16_out, ROUNDED_BF16, uint16_t, bf16_in)
+HEAD_NORM(head_norm_scale32_bf16, uint16_t, bf16_in, bf16_out, AS_IS, uint16_t, bf16_in)
 /* Gemma's bf16 norm: its weights fp32 (1 + w), the product in fp32, rounded once. */
-static inline const uint16_t *head_norm_w32_bf16(const uint16_t *restrict x, const float *restrict w,
-                                                 uint16_t *restrict y, int64_t D, float eps) {
-    float ss = 0.f;
-#pragma omp simd reduction(+:ss)
-    for (int64_t d = 0; d < D; d++) { const float a = bf16_in(x[d]); ss += a * a; }
-    const float r = 1.0f / sqrtf(ss / (float)D + eps);
-#pragma omp simd
-    for (int64_t d = 0; d < D; d++) y[d] = bf16_out(w[d] * (bf16_in(x[d]) * r));
-    return y;
-}
+HEAD_NORM(head_norm_w32_bf16, uint16_t, bf16_in, bf16_out, AS_IS, float, f32_in)
 
 /* -- one layer's attention block after the q/k/v projection, fused ----------------------------------
 
@@ -511,21 +502,18 @@ FUSED(decode_layer_w32_bf16, uint16_t, bf16_in, bf16_out, attend_bf16, head_norm
 
 /* RMSNorm of each row of x (M, N) as the model's: y = w * round(x / sqrt(mean(x^2) + eps)), the mean
    in fp32, both products rounded to T (HEAD_NORM over a row). */
-#define RMS(NAME, T, NORM)                                                                              \
-void NAME(const T *restrict x, const T *restrict w, T *restrict y, int64_t M, int64_t N, float eps) {   \
+#define RMS(NAME, T, NORM, WT)                                                                          \
+void NAME(const T *restrict x, const WT *restrict w, T *restrict y, int64_t M, int64_t N, float eps) {  \
     for (int64_t m = 0; m < M; m++) NORM(x + m * N, w, y + m * N, N, eps);                              \
 }
-RMS(rms_f32, float, head_norm_f32)
-RMS(rms_bf16, uint16_t, head_norm_bf16)
+RMS(rms_f32, float, head_norm_f32, float)
+RMS(rms_bf16, uint16_t, head_norm_bf16, uint16_t)
 
 /* OLMo2's RMSNorm of each row in bf16: scaled in fp32, rounded once (in fp32 it is rms_f32). */
-RMS(rms_scale32_bf16, uint16_t, head_norm_scale32_bf16)
+RMS(rms_scale32_bf16, uint16_t, head_norm_scale32_bf16, uint16_t)
 
 /* Gemma's RMSNorm of each row in bf16: scaled in fp32 by fp32 weights (its 1 + w), rounded once. */
-void rms_w32_bf16(const uint16_t *restrict x, const float *restrict w, uint16_t *restrict y, int64_t M, int64_t N,
-                  float eps) {
-    for (int64_t m = 0; m < M; m++) head_norm_w32_bf16(x + m * N, w, y + m * N, N, eps);
-}
+RMS(rms_w32_bf16, uint16_t, head_norm_w32_bf16, float)
 
 /* out (M, I) = act(gu[:, :I]) * gu[:, I:], gu (M, 2 I), act(g) = g / (1 + e^-Z(g)): SiLU (Z(g) = g), and
    Gemma's GELU with the tanh approximation, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), which is
