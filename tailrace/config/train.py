@@ -81,7 +81,9 @@ class LoraConfig:
         16.0, "LoRA alpha: an adapter's update is scaled by alpha / rank (PEFT's lora_alpha)"
     )
     targets: tuple[str, ...] = setting(
-        LORA_TARGETS, "the projections that get an adapter, by PEFT's names (q_proj ... down_proj)"
+        LORA_TARGETS,
+        "the projections that get an adapter, by PEFT's names (q_proj ... down_proj); on a mixture-of-experts "
+        "model (Qwen3-MoE) the attention's only, its MLPs frozen",
     )
     init: str | None = setting(
         None,

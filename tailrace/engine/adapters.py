@@ -30,7 +30,7 @@ import torch
 from tailrace.engine.ckernel import Kernels
 from tailrace.engine.errors import EngineError
 from tailrace.model.config import ModelConfig
-from tailrace.model.lora import Adapter
+from tailrace.model.lora import Adapter, adaptable
 
 GATHER_MAX_BYTES = 256 << 20  # above: the per-slot groups (a big batch of a big model's MLP)
 
@@ -123,6 +123,11 @@ class Adapters:
         for (i, t), (a, b) in adapter.weights.items():
             if not 0 <= i < L or t not in self.dims:
                 raise EngineError(f"load_adapter({name!r}): layer {i} {t} is not in this {L}-layer model")
+            if not adaptable(self.cfg, i, t):
+                raise EngineError(
+                    f"load_adapter({name!r}): layer {i} {t} is an MLP's of a mixture-of-experts model, which "
+                    "adapters leave frozen; pass an adapter of the attention projections"
+                )
             n_in, n_out = self.dims[t]
             if tuple(a.shape) != (adapter.rank, n_in) or tuple(b.shape) != (n_out, adapter.rank):
                 raise EngineError(

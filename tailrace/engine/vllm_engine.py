@@ -154,6 +154,17 @@ class VLLMEngine:
         from vllm import EngineArgs, LLMEngine
 
         _check_head_size(cfg.head_dim)
+        from vllm.platforms import current_platform
+
+        # vLLM 0.32's CPU build reloads a mixture-of-experts layer wrongly (reloading the very weights it
+        # serves changes its outputs: its experts are prepacked for the CPU kernel) and runs LoRA over
+        # one with a Triton kernel the CPU lacks: there it serves an MoE model's fixed weights only
+        self._reload_broken = cfg.moe and current_platform.is_cpu()
+        if self._reload_broken and lora_rank:
+            raise EngineError(
+                "vLLM's CPU build cannot serve LoRA adapters on a mixture-of-experts model (its MoE LoRA "
+                "kernel needs Triton); use --rollout.backend=tailrace"
+            )
         try:  # held to LongRoPE's short range (vLLM and the trainer attend to a sliding window alike)
             max_context = cfg.context(max_context)
         except ValueError as e:
@@ -367,6 +378,11 @@ class VLLMEngine:
                 f"load_weights(version={version}): {len(self._live)} request(s) of version "
                 f"{self._version} are waiting or running, and vLLM holds one version at a time; "
                 "let them finish or abort them first"
+            )
+        if self._reload_broken:
+            raise EngineError(
+                f"load_weights(version={version}): vLLM's CPU build cannot reload a mixture-of-experts model's "
+                "weights (reloading the same weights changes its outputs); use --rollout.backend=tailrace"
             )
         weights = [(k, t) for k, t in state_dict.items() if not (self._no_lm_head and k == "lm_head.weight")]
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

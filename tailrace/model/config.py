@@ -1,12 +1,14 @@
-"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 2/Gemma 3-family
-decoder, and its mapping to and from HF config.json.
+"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 2/
+Gemma 3-family decoder, and its mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3/Granite/Gemma2/Gemma3ForCausalLM.
+loads into Llama/Mistral/Qwen2/Qwen3/Qwen3Moe/Olmo2/Olmo3/SmolLM3/Phi3/Granite/Gemma2/Gemma3ForCausalLM.
 
 - Qwen3 is Llama's layout with a per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch
-  on every attention projection.
+  on every attention projection. Qwen3-MoE is Qwen3's with a mixture of experts for the MLP of its sparse
+  layers (`moe_at`; model/moe.py): a router choosing `num_experts_per_tok` of `num_experts` SwiGLU experts
+  a token.
 - Mistral is Llama's without biases, and with a sliding window in v0.1: every layer attends to the last
   `sliding_window` positions (`window_at`; the decoder and the engine attend to exactly those).
 - OLMo2 moves each layer's norms after its attention and its MLP (`post_norms`: no norm before them),
@@ -37,7 +39,7 @@ loads into Llama/Mistral/Qwen2/Qwen3/Olmo2/Olmo3/SmolLM3/Phi3/Granite/Gemma2/Gem
 
 Features those classes have and this decoder lacks (windows on some layers outside OLMo3 and Gemma,
 MLP bias, partial rotary outside Phi-3, activations but SwiGLU's and Gemma's, softcapping outside Gemma,
-other RoPE types) are rejected, never silently ignored.
+other RoPE types, experts outside Qwen3-MoE) are rejected, never silently ignored.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
@@ -72,7 +75,7 @@ ROPE_REQUIRED = {
 _HF_DEFAULT_MAX_POS = {
     "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048,
     "smollm3": 32768, "phi3": 4096, "granite": 2048, "gemma2": 8192,
-    "gemma3_text": 131072,
+    "gemma3_text": 131072, "qwen3_moe": 32768,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
 _HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5}  # else 1e-6
@@ -93,6 +96,16 @@ GEMMA = ("gemma2", "gemma3_text")
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (GeGLU, tanh approximation)
 _SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 NO_BIAS = ("mistral", "phi3")  # the families without an attention bias
+MOE = ("qwen3_moe",)  # the families whose MLPs are mixtures of experts
+_MOE_KEYS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+)
+_HF_QWEN3_MOE = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                 "norm_topk_prob": False, "decoder_sparse_step": 1}  # Qwen3MoeConfig's defaults  # fmt: skip
 
 
 @dataclass
@@ -146,6 +159,17 @@ class ModelConfig:
     # likewise (None: none)
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Qwen3-MoE's mixture of experts: the MLP of a sparse layer (`moe_at`) is `num_experts` SwiGLU experts of
+    # width moe_intermediate_size and a router; each token goes through its `num_experts_per_tok` likeliest
+    # (softmax over the router's logits in fp32; their probabilities renormalized to sum to 1 where
+    # norm_topk_prob), weighted by those; the other layers' MLP is the dense one (intermediate_size). A
+    # layer is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th (1: all). 0: dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -252,6 +276,46 @@ class ModelConfig:
         self._check_layer_types()
         self._check_multipliers()
         self._check_gemma()
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        E, k, step = self.num_experts, self.num_experts_per_tok, self.decoder_sparse_step
+        self.mlp_only_layers = tuple(self.mlp_only_layers or ())
+        if self.model_type not in MOE:
+            if E or k or self.moe_intermediate_size or self.mlp_only_layers:
+                raise ValueError(
+                    f"num_experts, num_experts_per_tok, moe_intermediate_size and mlp_only_layers are Qwen3-MoE's; "
+                    f"model_type={self.model_type!r} has a dense MLP: leave them at 0 (and ())"
+                )
+            return
+        ok = all(
+            isinstance(v, int) and not isinstance(v, bool) for v in (E, k, step, self.moe_intermediate_size)
+        )
+        if not ok or not 0 < k <= E or self.moe_intermediate_size <= 0 or step <= 0:
+            raise ValueError(
+                f"num_experts={E!r}, num_experts_per_tok={k!r}, moe_intermediate_size={self.moe_intermediate_size!r}, "
+                f"decoder_sparse_step={step!r}: a {self.model_type} model needs 0 < num_experts_per_tok <= "
+                "num_experts, moe_intermediate_size > 0 and decoder_sparse_step >= 1"
+            )
+        if not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
+            raise ValueError(
+                f"mlp_only_layers={list(self.mlp_only_layers)} must list layer indices in [0, {self.num_hidden_layers})"
+            )
+        self.norm_topk_prob = bool(self.norm_topk_prob)
+
+    def moe_at(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (Qwen3-MoE's sparse layers), as transformers'
+        Qwen3MoeDecoderLayer decides: not in mlp_only_layers, and every decoder_sparse_step-th."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe(self) -> bool:
+        """Whether any layer's MLP is a mixture of experts."""
+        return any(self.moe_at(i) for i in range(self.num_hidden_layers))
 
     def _check_gemma(self) -> None:
         own = GELU_TANH if self.gemma else "silu"
@@ -432,7 +496,7 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """Qwen3's and Gemma 3's RMSNorm over each head's q and k (weights of head_dim), between projection
         and RoPE."""
-        return self.model_type in ("qwen3", "gemma3_text")
+        return self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
 
     @property
     def post_norms(self) -> bool:
@@ -536,6 +600,7 @@ class ModelConfig:
             layer_types=layer_types,
             local_rope=local,
             hidden_act=act,
+            **(_moe_from_hf(d) if model_type in MOE else {}),
             **(_granite_from_hf(d) if model_type == "granite" else {}),
             **({"query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256), **caps} if gemma else {}),
         )
@@ -584,8 +649,11 @@ class ModelConfig:
             d.update(sliding_window=self.sliding_window)
         elif self.model_type != "olmo2":
             d.update(use_sliding_window=False)
-        if self.model_type in ("qwen3", "olmo2", "olmo3", "smollm3", *GEMMA):
+        if self.model_type in ("qwen3", "olmo2", "olmo3", "smollm3", *GEMMA, *MOE):
             d.update(attention_bias=self.attention_bias)
+        if self.model_type in MOE:
+            d.update({k: getattr(self, k) for k in _MOE_KEYS}, mlp_only_layers=list(self.mlp_only_layers))
+            d.update(output_router_logits=False)
         if self.gemma:
             d.update(
                 hidden_activation=self.hidden_act,
@@ -658,6 +726,14 @@ def _normalize_rope_scaling(rs: dict | None, max_pos: int) -> dict | None:
     if rope_type == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
         raise ValueError("rope_scaling llama3 needs high_freq_factor > low_freq_factor")
     return {"rope_type": rope_type, **rs}
+
+
+def _moe_from_hf(d: dict) -> dict:
+    """Qwen3MoeConfig's experts, its defaults where config.json leaves them out (the number of experts is
+    `num_experts` in the Hub's configs, `num_local_experts` in those transformers 5 writes)."""
+    moe = {k: d.get(k, v) for k, v in _HF_QWEN3_MOE.items()}
+    moe["num_experts"] = d.get("num_experts", d.get("num_local_experts", moe["num_experts"]))
+    return moe | {"mlp_only_layers": d.get("mlp_only_layers") or ()}
 
 
 def _granite_from_hf(d: dict) -> dict:

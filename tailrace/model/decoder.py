@@ -1,7 +1,7 @@
-"""`CausalLM`: a Llama/Mistral/Qwen2/Qwen3/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 2/Gemma 3-family decoder in
-plain PyTorch.
+"""`CausalLM`: a Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 2/Gemma 3-family
+decoder in plain PyTorch.
 
-Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
+Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3(Moe)ForCausalLM /
 Olmo2ForCausalLM / Olmo3ForCausalLM / SmolLM3ForCausalLM / GraniteForCausalLM / Gemma2/3ForCausalLM, so
 state_dicts map 1:1 (Phi3ForCausalLM's fused projections split and join: `fused.py`).
 
@@ -21,17 +21,20 @@ from torch import nn
 
 from tailrace.model.attention import Attention, CausalStep, RMSNorm
 from tailrace.model.config import ModelConfig
+from tailrace.model.moe import SparseMoE
 from tailrace.model.rope import Rotary
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); Gemma's GeGLU: gelu (tanh approximation) for silu."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
+        """`width`: the gate's and up's outputs (default intermediate_size; an MoE expert's is its own)."""
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = width or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
         self.act = act_fn(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, cfg.rope_at(index), cfg.window_at(index))
         self.local = cfg.local_at(index)
         self.residual = cfg.residual_multiplier  # Granite's: each output's weight into the residual
-        self.mlp = MLP(cfg)
+        # Qwen3-MoE's sparse layers: a router and experts (model/moe.py)
+        self.mlp = SparseMoE(cfg, functools.partial(MLP, cfg)) if cfg.moe_at(index) else MLP(cfg)
         self.post_norms, self.sandwich = post, sandwich = cfg.post_norms, cfg.gemma
 
         def norm():

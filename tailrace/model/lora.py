@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tailrace.common import InputError, one_line
+from tailrace.common import ConfigError, InputError, one_line
 from tailrace.config.train import LORA_TARGETS, LoraConfig
 from tailrace.model import fused
 from tailrace.model.config import ModelConfig
@@ -109,23 +109,39 @@ def adapted_weight(name: str, targets: tuple[str, ...]) -> bool:
     return any(name.endswith(f".{_PARENT[t]}.{t}.weight") for t in targets)
 
 
+def adaptable(cfg: ModelConfig, layer: int, target: str) -> bool:
+    """Whether LoRA may adapt projection `target` of layer `layer` (any, on every layer): not an MLP's of a
+    mixture-of-experts model (see `attach`)."""
+    return _FILE_PARENT[target] != "mlp" or not cfg.moe
+
+
 def _module(model: CausalLM, layer: int, target: str) -> nn.Module:
     return getattr(getattr(model.model.layers[layer], _PARENT[target]), target)
 
 
 def attach(model: CausalLM, cfg: LoraConfig) -> CausalLM:
     """Give `model` (in place) a fresh adapter on `cfg.targets` of every layer and freeze the rest;
-    its A draws from torch's global generator. Returns the model."""
+    its A draws from torch's global generator. Returns the model. On a mixture-of-experts model (Qwen3-MoE)
+    only the attention projections are adapted, its MLPs (experts, and any dense ones) frozen: the default
+    targets (all seven) mean those there, and naming an MLP target is refused (PEFT reads gate_proj, up_proj
+    and down_proj there as the experts' 3-D weights, which tailrace's adapters do not reach)."""
     if cfg.rank < 1:
         raise ValueError(f"lora rank {cfg.rank}: attach needs a rank >= 1")
+    mlp = [t for t in cfg.targets if _PARENT[t] == "mlp"]
+    if model.config.moe and mlp and set(cfg.targets) != set(LORA_TARGETS):
+        raise ConfigError(
+            f"train.lora.targets={list(cfg.targets)}: {', '.join(mlp)} of a mixture-of-experts model are its "
+            "experts, which tailrace's adapters leave frozen; adapt q_proj, k_proj, v_proj and o_proj only"
+        )
+    layers = range(model.config.num_hidden_layers)
+    sites = [(i, t) for i in layers for t in cfg.targets if adaptable(model.config, i, t)]
     model.requires_grad_(False)
-    for i, layer in enumerate(model.model.layers):
-        for t in cfg.targets:
-            parent = getattr(layer, _PARENT[t])
-            base = getattr(parent, t)
-            if isinstance(base, LoRALinear):
-                raise ValueError(f"layer {i} {t} already has an adapter")
-            setattr(parent, t, LoRALinear(base, cfg.rank, cfg.alpha))
+    for i, t in sites:
+        parent = getattr(model.model.layers[i], _PARENT[t])
+        base = getattr(parent, t)
+        if isinstance(base, LoRALinear):
+            raise ValueError(f"layer {i} {t} already has an adapter")
+        setattr(parent, t, LoRALinear(base, cfg.rank, cfg.alpha))
     return model
 
 
@@ -183,7 +199,7 @@ def adapter_of(model: CausalLM) -> Adapter:
     weights, rank, alpha = {}, None, None
     for i in range(len(model.model.layers)):
         for t in LORA_TARGETS:
-            m = _module(model, i, t)
+            m = _module(model, i, t) if adaptable(model.config, i, t) else None
             if isinstance(m, LoRALinear):
                 a, b = m.lora_A.weight, m.lora_B.weight
                 weights[i, t] = (a.detach().clone(), b.detach().clone())
@@ -341,6 +357,11 @@ def from_state(
                 f"{source}: unexpected tensor {key!r}; a Llama-family LoRA adapter names its layers"
             )
         site = (int(parts[2]), parts[4])
+        if base is not None and site[0] < base.num_hidden_layers and not adaptable(base, *site):
+            raise InputError(
+                f"{source}: adapts layer {site[0]}'s {site[1]}, an MLP of a mixture-of-experts model, which "
+                "tailrace's adapters leave frozen; use an adapter of the attention projections"
+            )
         weights.setdefault(site, [None, None])["AB".index(parts[5][-1])] = tensor
     if any(t in fused.GROUPS for _, t in weights):
         if base is None or not fused.fused(base):

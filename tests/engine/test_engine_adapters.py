@@ -200,3 +200,28 @@ def test_speculative_decoding_stays_lossless_on_adapter_rows(models, spec, atten
     for p, f in zip(plain, fast):
         assert p.token_ids == f.token_ids, p.request_id
         assert max(abs(x - y) for x, y in zip(p.logprobs, f.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("attention", BACKENDS)
+def test_adapter_rows_of_a_mixture_of_experts_model_equal_the_adapted_model(attention):
+    """Qwen3-MoE (a sparse layer and a dense one): adapters of its attention (the default targets mean those
+    there) beside base rows; each row's logprobs are its model's full-sequence forward; an adapter of an
+    MLP is refused by the engine."""
+    moe = dict(
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        mlp_only_layers=(1,),
+    )
+    base = tiny_model(seed=0, head_dim=24, **moe)
+    adapters = {n: adapted(base, n, seed) for seed, n in ((1, "a"), (2, "b"))}
+    eng = engine(base, adapters, attention, "fp32")
+    reqs = [r for r in requests() if r.adapter != "c"]
+    for r, res in zip(reqs, eng.generate(reqs)):
+        model = adapters[r.adapter] if r.adapter else base
+        ref = full_logprobs(model, r.prompt_ids, res.token_ids)
+        assert max(abs(x - y) for x, y in zip(ref, res.logprobs)) < 1e-4
+    dense = lora.adapter_of(adapted(tiny_model(seed=0, head_dim=24, model_type="qwen3"), "c", 3))
+    with pytest.raises(EngineError, match="mixture-of-experts"):
+        eng.load_adapter("c", dense)

@@ -313,3 +313,33 @@ def test_a_granite_checkpoint_matches_tailraces_engine(tmp_path):
         attention_multiplier=0.0078125, logits_scaling=8.0,
     )  # fmt: skip
     _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
+
+
+def test_a_qwen3_moe_checkpoint_matches_tailraces_engine_and_a_reload_is_refused_on_cpu(tmp_path):
+    """Qwen3-MoE (vLLM's Qwen3MoeForCausalLM, its fused-MoE kernel): Qwen3's attention, a layer of four
+    experts choosing two a token (renormalized) and a dense one. vLLM's CPU build reloads the experts
+    wrongly (the same weights reloaded change its tokens, checked here through vLLM itself), so the
+    engine refuses a reload there, naming the fixes."""
+    shape = dict(
+        model_type="qwen3_moe", num_hidden_layers=2, num_attention_heads=4, head_dim=32, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=(1,),
+    )  # fmt: skip
+    model = tiny_model(seed=0, **dict(SHAPE, **shape))
+    save_pretrained(model, tmp_path / "v0")
+    eng = _vllm(tmp_path / "v0")
+    reqs = [_req(f"q{i}", 3 + 2 * i, 10, temperature=0.0) for i in range(4)]
+    ours = TailraceEngine(model, num_slots=SLOTS).generate(reqs)
+    theirs = eng.generate(reqs)
+    for a, b in zip(theirs, ours):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    with pytest.raises(EngineError, match="rollout.backend=tailrace"):
+        eng.load_weights({n: t.detach() for n, t in model.named_parameters()}, 1)
+    # what the refusal guards against: vLLM's own reload of the same weights (if a vLLM upgrade makes this
+    # fail, its reload works: drop the refusal)
+    eng._reload_broken = False
+    eng.load_weights({n: t.detach() for n, t in model.named_parameters()}, 1)
+    again = eng.generate([GenRequest(r.id, r.prompt_ids, r.params, version=1) for r in reqs])
+    assert [a.token_ids for a in again] != [b.token_ids for b in ours]
+    with pytest.raises(EngineError, match="LoRA adapters on a mixture-of-experts"):
+        _vllm(tmp_path / "v0", lora_rank=4)

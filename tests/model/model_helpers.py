@@ -160,6 +160,20 @@ CONFIGS = {
         attn_logit_softcapping=2.0,
         final_logit_softcapping=3.0,
     ),  # fmt: skip
+    # Qwen3-MoE's layout (Qwen3-30B-A3B's, small): Qwen3's attention, each layer's MLP six experts (of width 40)
+    # and a router choosing two a token, renormalized; the middle layer's MLP dense (mlp_only_layers)
+    "qwen3moe-gqa2-experts-dense": dict(
+        model_type="qwen3_moe",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=40,
+        norm_topk_prob=True,
+        mlp_only_layers=(1,),
+    ),  # fmt: skip
 }
 HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -173,6 +187,7 @@ HF_CLASSES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

@@ -190,3 +190,48 @@ def test_a_phi3_adapter_peft_trained_loads_here_split_by_projection(tmp_path):
     )
     with torch.no_grad():
         assert max_diff(again.eval()(IDS).logits, ours(IDS)) < 1e-4
+
+
+MOE = dict(
+    model_type="qwen3_moe", num_hidden_layers=3, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=(1,),
+)  # fmt: skip
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_an_moe_models_adapter_is_its_attentions_and_an_mlp_target_is_refused():
+    """Qwen3-MoE: the default targets adapt every layer's attention projections, the MLPs (the sparse layers'
+    experts and the dense layer's) frozen; the update equals merging it; naming an MLP target is refused."""
+    base, model = adapted(**MOE)
+    ad = lora.adapter_of(model)
+    assert set(ad.weights) == {(i, t) for i in range(3) for t in ATTENTION}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".self_attn." in n for n in trainable)
+    with torch.no_grad():
+        assert max_diff(model(IDS), lora.merged(copy.deepcopy(base), ad)(IDS)) < 1e-4
+    with pytest.raises(ValueError, match="adapt q_proj, k_proj, v_proj and o_proj only"):
+        lora.attach(copy.deepcopy(base), LoraConfig(rank=4, targets=("q_proj", "down_proj")))
+
+
+@pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed (pip install -e '.[dev]' has it)")
+def test_peft_loads_our_moe_adapter_onto_transformers_qwen3_moe(tmp_path):
+    """Our adapter of Qwen3-MoE's attention on transformers' model through peft's loader: its logits are
+    ours; an adapter of an MLP there (which PEFT would read as the experts') is refused here."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, model = adapted(**MOE)
+    save_pretrained(base, tmp_path / "base")
+    ad = lora.adapter_of(model)
+    lora.save_peft(ad, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert max_diff(peft_model(IDS).logits, model(IDS)) < 1e-4
+    _, dense = adapted(**{**MOE, "model_type": "qwen3", "num_experts": 0, "num_experts_per_tok": 0,
+                          "moe_intermediate_size": 0, "norm_topk_prob": False, "mlp_only_layers": ()})  # fmt: skip
+    wrong = {s: w for s, w in lora.adapter_of(dense).weights.items() if s[1] in ("q_proj", "down_proj")}
+    lora.save_peft(lora.Adapter(ad.rank, ad.alpha, wrong), tmp_path / "wrong")
+    with pytest.raises(InputError, match="an MLP of a mixture-of-experts model"):
+        lora.load_peft(tmp_path / "wrong", base.config)

@@ -27,6 +27,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from tailrace.cli import main
@@ -133,6 +135,7 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
         "llama-untied",
         "qwen2",
         "qwen3",
+        "qwen3-moe",
         "phi3",
         "phi4-mini",
         "olmo3",
@@ -154,6 +157,14 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
                 for n, p in model.named_parameters():
                     if n.endswith(("q_norm.weight", "k_norm.weight")):
                         p.uniform_(0.5, 1.5)
+        elif arch == "qwen3-moe":  # transformers' experts fused in memory (one 3-D weight each): split
+            cfg = Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                 norm_topk_prob=True, **shape)  # fmt: skip
+            model = Qwen3MoeForCausalLM(cfg).eval()
+            with torch.no_grad():  # the router away from its init of 0 (ties would pick by index)
+                for n, p in model.named_parameters():
+                    if n.endswith("mlp.gate.weight"):
+                        p.normal_(0.0, 1.0)
         elif arch == "phi3":  # q/k/v and gate/up fused; LongRoPE (short factors, cos and sin scaled)
             rope = {"rope_type": "longrope", "original_max_position_embeddings": 32,
                     "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [4.0] * 4}  # fmt: skip

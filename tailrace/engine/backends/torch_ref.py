@@ -37,6 +37,7 @@ from tailrace.engine.chunks import Chunk
 from tailrace.engine.ckernel import Kernels
 from tailrace.engine.kv_cache import KVCache
 from tailrace.model.decoder import CausalLM, act_fn, embed, logits
+from tailrace.model.moe import mix
 from tailrace.model.rope import inv_freq_and_scale, rope_table
 
 UPCAST_MAX_BATCH = 8  # bf16/fp16 decode attention of at most this many rows runs on fp32 copies
@@ -215,6 +216,8 @@ class TorchBackend:
         """x + the MLP of x's RMSNorm (with the tokens' adapter terms on gate/up and down; in a post-norm
         layer, x + the RMSNorm of the MLP of x)."""
         xn = x if lw.norm_mlp is None else self._rms(x, lw.norm_mlp)
+        if lw.experts is not None:  # Qwen3-MoE's sparse layer (no adapter terms: LoRA leaves its experts be)
+            return x + self._experts(lw, xn, pk)
         gu = lw.gate_up(xn, pk)
         if lora is not None:
             lora.add(i, "gate_up", xn, gu, self.kernel)
@@ -226,6 +229,17 @@ class TorchBackend:
         if m != 1.0:
             return x + y * m
         return y if lw.post_mlp is None else x + self._rms(y, lw.post_mlp)
+
+    def _experts(self, lw, xn: torch.Tensor, pk: bool) -> torch.Tensor:
+        """The mixture of experts over xn (M, hidden): each expert's GEMMs over the rows routed to it."""
+        cfg = self.model.config
+
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up, down = lw.experts[e]
+            at = self.w.packed_at(rows.shape[0])
+            return down(self._act_mul(gate_up(rows, at)), at)
+
+        return mix(xn, lw.router(xn, pk), cfg.num_experts_per_tok, cfg.norm_topk_prob, expert)
 
     def _reach(
         self, table_rows, S: int, first: int | None, pos: torch.Tensor, window: int | None, bs: int
@@ -385,7 +399,8 @@ class TorchBackend:
 
     def _act_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused gate/up projection's output (M, 2 I); Gemma's gelu (tanh)."""
-        return act_fn(self.model.config)(gu[:, : self.w.I]).mul_(gu[:, self.w.I :])
+        i = gu.shape[1] // 2  # intermediate_size, or an expert's width
+        return act_fn(self.model.config)(gu[:, :i]).mul_(gu[:, i:])
 
     def _token_rows(self, rows: slice, pieces: Sequence[Span]) -> torch.Tensor:
         """(M,) cache row of each token: the decode rows, then each prefill piece's row n times."""

@@ -29,10 +29,11 @@ PACKED_FP32_MIN_HIDDEN = 512  # fp32 models this wide use the packed weights at 
 class _Layer:
     # norms: their weights (hidden,), None where the layer has none; qk_norm: Qwen3's q and k norm weights
     # per head, (H + Hkv, D), or None; OLMo2's: post_attn, post_mlp (hidden,) on the attention's and the
-    # MLP's outputs, q_norm (H D,) and k_norm (Hkv D,) over all heads at once
+    # MLP's outputs, q_norm (H D,) and k_norm (Hkv D,) over all heads at once; Qwen3-MoE's sparse layers:
+    # router (E x hidden) and experts [(gate_up, down)], where gate_up and down are None
     __slots__ = (
         *("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "qk_norm"),
-        *("post_attn", "post_mlp", "q_norm", "k_norm"),
+        *("post_attn", "post_mlp", "q_norm", "k_norm", "router", "experts"),
     )
 
 
@@ -77,7 +78,6 @@ class FusedWeights:
         self.model, self.kernel, self.int8 = model, kernel, int8
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.G = self.H // self.Hkv  # query heads per kv head
-        self.I = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         # OLMo2's and Gemma's RMSNorm: scaled in fp32, then rounded to the dtype (Gemma's q/k norms too)
         self.scale_fp32, self.offset = cfg.post_norms or cfg.gemma, cfg.norm_offset
@@ -130,8 +130,14 @@ class FusedWeights:
                 [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
             )
             L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk, self.kernel, self.int8, plain)
-            L.gate_up = proj([mlp.gate_proj.weight, mlp.up_proj.weight])
-            L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8, plain)
+            L.router = L.experts = L.gate_up = L.down = None
+            if hasattr(mlp, "experts"):  # the router in the model's precision: int8 would move its choices
+                L.router = proj([mlp.gate.weight], int8=False)
+                L.experts = [(proj([e.gate_proj.weight, e.up_proj.weight]), proj([e.down_proj.weight]))
+                             for e in mlp.experts]  # fmt: skip
+            else:
+                L.gate_up = proj([mlp.gate_proj.weight, mlp.up_proj.weight])
+                L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8, plain)
             L.norm_attn = L.norm_mlp = L.post_attn = L.post_mlp = L.q_norm = L.k_norm = L.qk_norm = None
             if layer.sandwich:
                 L.norm_attn = norm(layer.input_layernorm.weight)

@@ -1,0 +1,93 @@
+"""Qwen3-MoE's mixture of experts: a router and `num_experts` SwiGLU experts in place of a layer's MLP.
+
+Each token's router logits (E,) go through a softmax in fp32; the token takes its `num_experts_per_tok`
+(k) likeliest experts, their probabilities renormalized to sum to 1 where `norm_topk_prob`, rounded to
+the logits' dtype, and its output is the sum of those experts' outputs, each times its weight, added in
+increasing expert order — transformers' Qwen3MoeSparseMoeBlock, whose parameter names these keep
+(`mlp.gate.weight`, `mlp.experts.{e}.gate_proj.weight`: the checkpoints' own, one matrix per expert).
+
+`mix` is the one computation the trainer's decoder and the engine's backends share: the tokens sorted
+by expert once, each expert run over its tokens as one GEMM (an expert no token chose costs nothing),
+the weighted outputs scattered back in one `index_add_`. No load-balancing loss: RL fine-tuning of a
+released MoE trains without one here (transformers' `output_router_logits` off, its default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tailrace.model.config import ModelConfig
+
+
+def route(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (N, k) in the logits' dtype, experts (N, k)) of router logits (N, E)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, experts = torch.topk(probs, k, dim=-1)
+    if norm:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype), experts
+
+
+def mix(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    k: int,
+    norm: bool,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum over each row's k experts of weight x expert(e, row), (N, hidden) in x's dtype: x (N, hidden)
+    the MLP's input, `logits` (N, E) the router's, `expert(e, rows)` expert e's output over those rows."""
+    if not x.shape[0]:
+        return torch.zeros_like(x)
+    weights, experts = route(logits, k, norm)
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)  # the (token, choice) slots by expert, tokens in order within one
+    counts = torch.bincount(flat, minlength=logits.shape[-1]).tolist()  # one host sync per layer
+    token = order // k
+    xs = x.index_select(0, token)
+    parts, at = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            parts.append(expert(e, xs[at : at + n]))
+            at += n
+    ys = torch.cat(parts) if len(parts) > 1 else parts[0]
+    ys = ys * weights.reshape(-1, 1).index_select(0, order).to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+
+
+def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's in-memory experts (`mlp.experts.gate_up_proj` (E, 2 I, hidden): each expert's gate
+    rows then its up rows; `mlp.experts.down_proj` (E, hidden, I)) as the checkpoints name them, one
+    matrix per expert (`mlp.experts.{e}.gate_proj.weight` ...): views, no copy."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            at, half = k.removesuffix("gate_up_proj"), v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{at}{e}.gate_proj.weight"], out[f"{at}{e}.up_proj.weight"] = v[e, :half], v[e, half:]
+        elif k.endswith(".mlp.experts.down_proj"):
+            at = k.removesuffix("down_proj")
+            out |= {f"{at}{e}.down_proj.weight": v[e] for e in range(v.shape[0])}
+        else:
+            out[k] = v
+    return out
+
+
+class SparseMoE(nn.Module):
+    """A sparse layer's MLP: `gate` (the router, E x hidden) and `experts`, each a SwiGLU MLP of width
+    moe_intermediate_size."""
+
+    def __init__(self, cfg: ModelConfig, mlp: Callable[[int], nn.Module]):
+        super().__init__()
+        self.k, self.norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(mlp(cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        y = mix(x, self.gate(x), self.k, self.norm, lambda e, rows: self.experts[e](rows))
+        return y.reshape(shape)
