@@ -1,6 +1,8 @@
 """What an architecture's extras cost the engine's decode: the same shape as Llama, as Qwen3 (its
 per-head q/k RMSNorms) and as OLMo2 (norms after attention and MLP, q/k normed over all heads), side by
-side in one process, alternated, best of `--repeats`.
+side in one process, alternated, best of `--repeats`. `qwen3_moe` (with `--archs`): Qwen3's with each
+MLP 16 experts of a quarter of its width, 4 a token (Qwen3-30B-A3B's proportions): the same active
+weights a token, four times the MLP weights in all.
 
     .venv/bin/python bench/arch_cost.py                  # hidden 512, 8 layers, heads of 128, ~1 min
     .venv/bin/python bench/arch_cost.py --layers 28 --hidden 1024 --heads 16 --kv-heads 8   # Qwen3-0.6B's
@@ -22,6 +24,8 @@ from tailrace.engine import TailraceEngine
 from tailrace.model import CausalLM, ModelConfig
 from tailrace.types import GenRequest, SamplingParams
 
+EXTRA = {"qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True)}
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -39,9 +43,10 @@ def main() -> None:
     shape = dict(vocab_size=4096, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.layers,
                  num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
                  max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
+    EXTRA["qwen3_moe"]["moe_intermediate_size"] = 3 * a.hidden // 4
     engines = {
         t: TailraceEngine(
-            CausalLM.from_config(ModelConfig(model_type=t, **shape), seed=0)
+            CausalLM.from_config(ModelConfig(model_type=t, **shape, **EXTRA.get(t, {})), seed=0)
             .to(getattr(torch, a.dtype))
             .eval(),
             num_slots=64,

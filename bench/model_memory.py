@@ -92,7 +92,13 @@ def ring(path: str, slots: int) -> None:
 def model_config(model_type: str) -> ModelConfig:
     """Qwen3-0.6B's attention in 4 layers, as `model_type` (Gemma 2's with its caps at Gemma-2's values;
     no window: the rows' 72 tokens would fit any real one)."""
-    gemma = {"gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)}.get(model_type, {})
+    gemma = {
+        "gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+        # Qwen3-30B-A3B's proportions: 16 experts of a quarter of the MLP's width, 4 a token
+        "qwen3_moe": dict(
+            num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384, norm_topk_prob=True
+        ),
+    }.get(model_type, {})
     return ModelConfig(model_type=model_type, vocab_size=4096, hidden_size=512, intermediate_size=1536,
                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
                        max_position_embeddings=512, tie_word_embeddings=True, **gemma)  # fmt: skip
@@ -131,7 +137,7 @@ def main() -> None:
     r.add_argument("path")
     r.add_argument("--slots", type=int, default=4, help="flow.max_staleness + 3 (the default's: 4)")
     t = sub.add_parser("trainer")
-    t.add_argument("model_type", choices=("llama", "qwen3", "olmo2", "gemma3_text", "gemma2"))
+    t.add_argument("model_type", choices=("llama", "qwen3", "olmo2", "gemma3_text", "gemma2", "qwen3_moe"))
     t.add_argument("--bf16", action="store_true")
     t.add_argument("--micro", type=int, help="one micro-batch cap, in this process (the others run it)")
     a = p.parse_args()

@@ -32,6 +32,11 @@ Gemma's layer (four norms, each scaling by 1 + w in fp32 whatever the dtype, and
 `_GEMMA_NORM_BYTES` a hidden element more, fp32 or bf16: on that shape as Gemma 3 (with its q/k norms)
 it measured 389 KiB a token fp32 and 367 bf16 against Llama's 290 and 272 in the same runs (2026-12-06,
 `bench/model_memory.py trainer`, Xeon VM), which the estimate (490 / 407) covers.
+A mixture of experts (Qwen3-MoE) keeps, a sparse layer, each of a token's k experts' four activations and
+its input and output (`mlp_elements`): on that shape as Qwen3-MoE with Qwen3-30B-A3B's proportions (16
+experts of width 384, 4 a token: the dense MLP's active width) it measured 369 KiB a token fp32 against
+Llama's 285 in the same runs (2026-12-06, `bench/model_memory.py trainer`, Xeon VM), which the estimate
+(543, its q/k norms included) covers; bf16's slope measured 233 (its fixed cost larger), the estimate 424.
 Gemma 2 caps its attention scores (tanh), which SDPA cannot, so it attends eagerly at every length, in
 fp32 and bf16: its budget pays for sequences of up to `SOFTCAP_T` tokens (or its context, if shorter);
 a micro-batch of longer rows keeps more than it pays for (not measured).
@@ -61,8 +66,11 @@ def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) 
     step runs on CPU (where bf16 attends eagerly)."""
     kv = cfg.num_key_value_heads * cfg.head_dim  # ModelConfig fills both when a checkpoint omits them
     q = cfg.num_attention_heads * cfg.head_dim  # the hidden size, but for Qwen3-style wide heads
-    per_layer = 6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size
-    raw = cfg.num_hidden_layers * per_layer * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[bf16]
+    per_layer = 6 * cfg.hidden_size + 2 * q + 4 * kv
+    mlps = sum(mlp_elements(cfg, i) for i in range(cfg.num_hidden_layers))
+    raw = (cfg.num_hidden_layers * per_layer + mlps) * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[
+        bf16
+    ]
     if cfg.qk_norm or cfg.post_norms:  # Qwen3's per-head q/k norms; OLMo2's over all heads keep as much
         raw += cfg.num_hidden_layers * (q + kv) * _QK_NORM_BYTES[bf16]
     if cfg.gemma:  # four norms a layer, each scaling in fp32 whatever the dtype (the module docstring)
@@ -72,6 +80,17 @@ def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) 
     elif bf16 and cpu:
         raw += eager_attention_bytes(cfg)
     return int(MARGIN * raw)
+
+
+def mlp_elements(cfg: ModelConfig, layer: int) -> int:
+    """The MLP activations of layer `layer` a token keeps, in elements: a dense MLP's 4 of its width; a
+    mixture of experts' (Qwen3-MoE's sparse layers) 4 of an expert's width for each of the token's k
+    experts, the k copies of its input gathered and of its output before the routing weight (2 hidden-wide
+    each), and the router's logits and probabilities (measured: the module's docstring)."""
+    if not cfg.moe_at(layer):
+        return 4 * cfg.intermediate_size
+    k = cfg.num_experts_per_tok
+    return k * (4 * cfg.moe_intermediate_size + 2 * cfg.hidden_size) + 2 * cfg.num_experts
 
 
 def eager_attention_bytes(cfg: ModelConfig, longest: int = EAGER_MAX_T) -> int:

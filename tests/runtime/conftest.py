@@ -300,3 +300,32 @@ def as_gemma3(tiny_model: Path, to: Path, window: int = 24) -> Path:
     assert all("norm" in k for k in missing), missing
     save_pretrained(model, to, companions_from=tiny_model)
     return to
+
+
+def as_qwen3_moe(tiny_model: Path, to: Path, experts: int = 4) -> Path:
+    """The tiny model as a Qwen3-MoE: its attention with Qwen3's q/k norms (at their init of 1), and each
+    layer's MLP `experts` copies of its dense one, each nudged (so they differ), under a random router
+    choosing two a token, renormalized: weights summing to 1 over near-copies keep its function close."""
+    import torch
+
+    from tailrace.model import CausalLM, load_pretrained, save_pretrained
+
+    src = load_pretrained(tiny_model)
+    cfg = src.config.replace(
+        model_type="qwen3_moe", num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True,
+        moe_intermediate_size=src.config.intermediate_size,
+    )  # fmt: skip
+    model = CausalLM.from_config(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for k, v in src.state_dict().items():
+        if ".mlp." not in k:
+            state[k] = v
+            continue
+        at, name = k.split(".mlp.")
+        for e in range(experts):
+            state[f"{at}.mlp.experts.{e}.{name}"] = v + 0.01 * v.std() * torch.randn(v.shape, generator=g)
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert all(k.endswith(("mlp.gate.weight", "q_norm.weight", "k_norm.weight")) for k in missing), missing
+    save_pretrained(model, to, companions_from=tiny_model)
+    return to

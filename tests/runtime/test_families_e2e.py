@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tests.runtime.conftest import TINY_RUN, as_gemma3, as_phi3, checkpoints, one_line, run
+from tests.runtime.conftest import TINY_RUN, as_gemma3, as_phi3, as_qwen3_moe, checkpoints, one_line, run
 
 
 def relabeled(tiny_model, to, **config):
@@ -146,3 +146,33 @@ def test_a_gemma3_trains_past_its_window_with_lora_and_peft_reads_its_adapter(
     with torch.no_grad():
         assert (ours(ids) - theirs.eval()(ids).logits).abs().max() <= 1e-4
         assert (ours(ids) - base(ids)).abs().max() > 1e-3  # the adapter moved the policy
+
+
+def test_a_qwen3_moe_trains_every_expert_it_routes_to_and_transformers_reads_its_checkpoint(
+    capfd, tiny_model, tmp_path, digits
+):
+    """Qwen3-MoE's layout (four experts a layer, two a token): a full fine-tune on tailrace's engines moves
+    the router and the experts, and transformers' Qwen3MoeForCausalLM reads the trained checkpoint as
+    tailrace's decoder does."""
+    from transformers import AutoModelForCausalLM
+
+    from tailrace.model import load_pretrained
+
+    as_qwen3_moe(tiny_model, tmp_path / "moe")
+    argv = [
+        "train", f"--model.path={tmp_path / 'moe'}", *TINY_RUN, "--flow.steps=2", "--train.lr=0.01", digits,
+        "--flow.samples_per_prompt=8", "--flow.train_batch=32",
+    ]  # fmt: skip
+    rc, out = run(capfd, *argv, f"--run-dir={tmp_path / 'run'}")
+    assert rc == 0, out
+    base, trained = (
+        load_pretrained(tmp_path / "moe"),
+        load_pretrained(checkpoints(tmp_path / "run")[-1] / "model"),
+    )
+    moved = {n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))}
+    assert any(".mlp.gate." in n for n in moved) and any(".mlp.experts." in n for n in moved)
+    theirs = AutoModelForCausalLM.from_pretrained(checkpoints(tmp_path / "run")[-1] / "model").eval()
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (trained(ids) - theirs(ids).logits).abs().max() <= 1e-4

@@ -37,10 +37,14 @@ class DraftNet(nn.Module):
         """`layers` decoder layers shaped as `target`'s, initialized from its first ones (fp32, CPU or
         the target's device)."""
         super().__init__()
-        norope, types = target.config.no_rope_layers, target.config.layer_types
+        norope, types, dense = (
+            target.config.no_rope_layers,
+            target.config.layer_types,
+            target.config.mlp_only_layers,
+        )
         self.config = dataclasses.replace(
             target.config, num_hidden_layers=layers, no_rope_layers=norope and norope[:layers],
-            layer_types=types and types[:layers],
+            layer_types=types and types[:layers], mlp_only_layers=tuple(i for i in dense if i < layers),
         )  # fmt: skip
         dev = target.model.embed_tokens.weight.device
         self.layers = nn.ModuleList(DecoderLayer(self.config, i) for i in range(layers))
