@@ -160,6 +160,12 @@ class VLLMEngine:
         # serves changes its outputs: its experts are prepacked for the CPU kernel) and runs LoRA over
         # one with a Triton kernel the CPU lacks: there it serves an MoE model's fixed weights only
         self._reload_broken = cfg.moe and current_platform.is_cpu()
+        if cfg.model_type == "olmoe" and (cfg.norm_topk_prob or cfg.rms_norm_eps != 1e-5):
+            raise EngineError(
+                f"vLLM's OLMoE class fixes rms_norm_eps at 1e-5 and never renormalizes its experts' weights; this "
+                f"model has rms_norm_eps={cfg.rms_norm_eps} and norm_topk_prob={cfg.norm_topk_prob}, which vLLM "
+                "would serve as another model: use --rollout.backend=tailrace"
+            )
         if self._reload_broken and lora_rank:
             raise EngineError(
                 "vLLM's CPU build cannot serve LoRA adapters on a mixture-of-experts model (its MoE LoRA "

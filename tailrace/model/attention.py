@@ -70,13 +70,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        self.qk_norm, self.qk_norm_wide = cfg.qk_norm, cfg.post_norms
+        self.qk_norm, self.qk_norm_wide = cfg.qk_norm, cfg.qk_norm_wide
         if cfg.qk_norm:  # Qwen3, Gemma 3: each head's q and k RMS-normalized over head_dim before RoPE
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
-        elif cfg.post_norms:  # OLMo2: q and k RMS-normalized over all their heads at once
-            self.q_norm = RMSNorm(self.num_heads * self.head_dim, cfg.rms_norm_eps, scale_fp32=True)
-            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, cfg.rms_norm_eps, scale_fp32=True)
+        elif cfg.qk_norm_wide:  # OLMo2, OLMoE: q and k RMS-normalized over all their heads at once
+            fp32 = cfg.post_norms  # OLMo2's scale in fp32; OLMoE's as Llama's RMSNorm
+            self.q_norm = RMSNorm(self.num_heads * self.head_dim, cfg.rms_norm_eps, scale_fp32=fp32)
+            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, cfg.rms_norm_eps, scale_fp32=fp32)
 
     def forward(self, h: torch.Tensor, step: CausalStep) -> torch.Tensor:
         B, T, _ = h.shape

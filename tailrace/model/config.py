@@ -1,9 +1,9 @@
-"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/SmolLM3/Phi-3/Granite/Gemma 2/
-Gemma 3-family decoder, and its mapping to and from HF config.json.
+"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/OLMoE/SmolLM3/Phi-3/Granite/
+Gemma 2/Gemma 3-family decoder, and its mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Qwen2/Qwen3/Qwen3Moe/Olmo2/Olmo3/SmolLM3/Phi3/Granite/Gemma2/Gemma3ForCausalLM.
+loads into Llama/Mistral/Qwen2/Qwen3/Qwen3Moe/Olmo2/Olmo3/Olmoe/SmolLM3/Phi3/Granite/Gemma2/Gemma3ForCausalLM.
 
 - Qwen3 is Llama's layout with a per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch
   on every attention projection. Qwen3-MoE is Qwen3's with a mixture of experts for the MLP of its sparse
@@ -15,7 +15,9 @@ loads into Llama/Mistral/Qwen2/Qwen3/Qwen3Moe/Olmo2/Olmo3/SmolLM3/Phi3/Granite/G
   normalizes q and k over their whole width (all heads at once) before RoPE, and its RMSNorm scales in
   fp32 before rounding to the dtype. OLMo3 is OLMo2's with a sliding window on some layers
   (`layer_types`; by default three of every four) and RoPE of their own there (`local_rope`: theta and
-  scaling; the full layers' are `rope_theta`, `rope_scaling`).
+  scaling; the full layers' are `rope_theta`, `rope_scaling`). OLMoE is Llama's layer with OLMo2's q/k
+  norms over the whole width (rounded as Llama's RMSNorm: `qk_norm_wide`) and Qwen3-MoE's experts in
+  every layer, intermediate_size wide.
 - SmolLM3 is Llama's with no RoPE in some layers (`no_rope_layers`: 1 where a layer rotates q and k, 0
   where it does not; by default every fourth layer).
 - Phi-3 is Llama's with q/k/v and gate/up each stored as one fused matrix (split on load, fused on save:
@@ -63,6 +65,7 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
@@ -75,10 +78,10 @@ ROPE_REQUIRED = {
 _HF_DEFAULT_MAX_POS = {
     "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048,
     "smollm3": 32768, "phi3": 4096, "granite": 2048, "gemma2": 8192,
-    "gemma3_text": 131072, "qwen3_moe": 32768,
+    "gemma3_text": 131072, "qwen3_moe": 32768, "olmoe": 4096,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
-_HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5}  # else 1e-6
+_HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "olmoe": 1e-5}  # else 1e-6
 _HF_OLMO3_WINDOW, _HF_OLMO3_THETA = 4096, 500000.0  # Olmo3Config's sliding_window and default_theta
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 _HF_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json leaves it out
@@ -96,7 +99,7 @@ GEMMA = ("gemma2", "gemma3_text")
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (GeGLU, tanh approximation)
 _SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 NO_BIAS = ("mistral", "phi3")  # the families without an attention bias
-MOE = ("qwen3_moe",)  # the families whose MLPs are mixtures of experts
+MOE = ("qwen3_moe", "olmoe")  # the families whose MLPs are mixtures of experts
 _MOE_KEYS = (
     "num_experts",
     "num_experts_per_tok",
@@ -106,6 +109,7 @@ _MOE_KEYS = (
 )
 _HF_QWEN3_MOE = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                  "norm_topk_prob": False, "decoder_sparse_step": 1}  # Qwen3MoeConfig's defaults  # fmt: skip
+_HF_OLMOE = {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False}  # OlmoeConfig's
 
 
 @dataclass
@@ -159,11 +163,13 @@ class ModelConfig:
     # likewise (None: none)
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
-    # Qwen3-MoE's mixture of experts: the MLP of a sparse layer (`moe_at`) is `num_experts` SwiGLU experts of
-    # width moe_intermediate_size and a router; each token goes through its `num_experts_per_tok` likeliest
-    # (softmax over the router's logits in fp32; their probabilities renormalized to sum to 1 where
-    # norm_topk_prob), weighted by those; the other layers' MLP is the dense one (intermediate_size). A
-    # layer is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th (1: all). 0: dense model
+    # Qwen3-MoE's and OLMoE's mixture of experts: the MLP of a sparse layer (`moe_at`) is `num_experts`
+    # SwiGLU experts of width moe_intermediate_size and a router; each token goes through its
+    # `num_experts_per_tok` likeliest (softmax over the router's logits in fp32; their probabilities
+    # renormalized to sum to 1 where norm_topk_prob), weighted by those; the other layers' MLP is the dense
+    # one (intermediate_size). A layer is sparse unless listed in mlp_only_layers, every
+    # decoder_sparse_step-th (1: all; OLMoE's: every layer, its experts intermediate_size wide, which
+    # moe_intermediate_size then equals). 0: dense model
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -284,10 +290,17 @@ class ModelConfig:
         if self.model_type not in MOE:
             if E or k or self.moe_intermediate_size or self.mlp_only_layers:
                 raise ValueError(
-                    f"num_experts, num_experts_per_tok, moe_intermediate_size and mlp_only_layers are Qwen3-MoE's; "
-                    f"model_type={self.model_type!r} has a dense MLP: leave them at 0 (and ())"
+                    "num_experts, num_experts_per_tok, moe_intermediate_size and mlp_only_layers are Qwen3-MoE's "
+                    f"and OLMoE's; model_type={self.model_type!r} has a dense MLP: leave them at 0 (and ())"
                 )
             return
+        if self.model_type == "olmoe":  # every layer sparse, its experts intermediate_size wide
+            self.moe_intermediate_size = self.moe_intermediate_size or self.intermediate_size
+            if self.moe_intermediate_size != self.intermediate_size or self.mlp_only_layers or step != 1:
+                raise ValueError(
+                    "an olmoe model's every layer is sparse, its experts intermediate_size wide: leave "
+                    "moe_intermediate_size 0 (or = intermediate_size), mlp_only_layers () and decoder_sparse_step 1"
+                )
         ok = all(
             isinstance(v, int) and not isinstance(v, bool) for v in (E, k, step, self.moe_intermediate_size)
         )
@@ -304,8 +317,8 @@ class ModelConfig:
         self.norm_topk_prob = bool(self.norm_topk_prob)
 
     def moe_at(self, layer: int) -> bool:
-        """Whether layer `layer`'s MLP is a mixture of experts (Qwen3-MoE's sparse layers), as transformers'
-        Qwen3MoeDecoderLayer decides: not in mlp_only_layers, and every decoder_sparse_step-th."""
+        """Whether layer `layer`'s MLP is a mixture of experts (Qwen3-MoE's sparse layers, OLMoE's every one), as
+        transformers' Qwen3MoeDecoderLayer decides: not in mlp_only_layers, and every decoder_sparse_step-th."""
         return (
             self.num_experts > 0
             and layer not in self.mlp_only_layers
@@ -499,6 +512,12 @@ class ModelConfig:
         return self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
 
     @property
+    def qk_norm_wide(self) -> bool:
+        """OLMo2's and OLMoE's RMSNorm over q's and k's whole width (all heads at once: weights of H x head_dim
+        and Hkv x head_dim), between projection and RoPE."""
+        return self.post_norms or self.model_type == "olmoe"
+
+    @property
     def post_norms(self) -> bool:
         """OLMo2's layer: x + norm(attn(x)), then x + norm(mlp(x)); q and k normalized over their whole
         width (H D and Hkv D weights) before RoPE; every RMSNorm scales in fp32, then rounds."""
@@ -600,7 +619,7 @@ class ModelConfig:
             layer_types=layer_types,
             local_rope=local,
             hidden_act=act,
-            **(_moe_from_hf(d) if model_type in MOE else {}),
+            **(_moe_from_hf(d, model_type) if model_type in MOE else {}),
             **(_granite_from_hf(d) if model_type == "granite" else {}),
             **({"query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256), **caps} if gemma else {}),
         )
@@ -647,12 +666,15 @@ class ModelConfig:
                          attention_multiplier=self.attention_scale, logits_scaling=self.logits_scaling)  # fmt: skip
         elif self.model_type in WINDOWED:
             d.update(sliding_window=self.sliding_window)
-        elif self.model_type != "olmo2":
+        elif self.model_type not in ("olmo2", "olmoe"):
             d.update(use_sliding_window=False)
         if self.model_type in ("qwen3", "olmo2", "olmo3", "smollm3", *GEMMA, *MOE):
             d.update(attention_bias=self.attention_bias)
-        if self.model_type in MOE:
+        if self.model_type == "qwen3_moe":
             d.update({k: getattr(self, k) for k in _MOE_KEYS}, mlp_only_layers=list(self.mlp_only_layers))
+        if self.model_type == "olmoe":
+            d.update({k: getattr(self, k) for k in _HF_OLMOE}, clip_qkv=None)
+        if self.model_type in MOE:
             d.update(output_router_logits=False)
         if self.gemma:
             d.update(
@@ -728,9 +750,18 @@ def _normalize_rope_scaling(rs: dict | None, max_pos: int) -> dict | None:
     return {"rope_type": rope_type, **rs}
 
 
-def _moe_from_hf(d: dict) -> dict:
-    """Qwen3MoeConfig's experts, its defaults where config.json leaves them out (the number of experts is
-    `num_experts` in the Hub's configs, `num_local_experts` in those transformers 5 writes)."""
+def _moe_from_hf(d: dict, model_type: str) -> dict:
+    """Qwen3MoeConfig's or OlmoeConfig's experts, its defaults where config.json leaves them out (the number
+    of experts is `num_experts` in the Hub's configs, `num_local_experts` in those transformers 5 writes);
+    OLMoE's experts are intermediate_size wide. OLMoE's clip_qkv (clamping q, k and v) is refused."""
+    if model_type == "olmoe":
+        if d.get("clip_qkv") is not None:
+            raise ValueError(
+                f"clip_qkv={d['clip_qkv']} is not supported; use a checkpoint with clip_qkv null"
+            )
+        moe = {k: d.get(k, v) for k, v in _HF_OLMOE.items()}
+        moe["num_experts"] = d.get("num_experts", d.get("num_local_experts", moe["num_experts"]))
+        return moe | {"moe_intermediate_size": d.get("intermediate_size", 2048)}
     moe = {k: d.get(k, v) for k, v in _HF_QWEN3_MOE.items()}
     moe["num_experts"] = d.get("num_experts", d.get("num_local_experts", moe["num_experts"]))
     return moe | {"mlp_only_layers": d.get("mlp_only_layers") or ()}

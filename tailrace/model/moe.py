@@ -1,9 +1,9 @@
-"""Qwen3-MoE's mixture of experts: a router and `num_experts` SwiGLU experts in place of a layer's MLP.
+"""Qwen3-MoE's and OLMoE's mixture of experts: a router and `num_experts` SwiGLU experts in place of a layer's MLP.
 
 Each token's router logits (E,) go through a softmax in fp32; the token takes its `num_experts_per_tok`
 (k) likeliest experts, their probabilities renormalized to sum to 1 where `norm_topk_prob`, rounded to
 the logits' dtype, and its output is the sum of those experts' outputs, each times its weight, added in
-increasing expert order — transformers' Qwen3MoeSparseMoeBlock, whose parameter names these keep
+increasing expert order — transformers' Qwen3MoeSparseMoeBlock (OLMoE's alike), whose parameter names these keep
 (`mlp.gate.weight`, `mlp.experts.{e}.gate_proj.weight`: the checkpoints' own, one matrix per expert).
 
 `mix` is the one computation the trainer's decoder and the engine's backends share: the tokens sorted

@@ -226,8 +226,14 @@ def model_shape(spec: str) -> ModelShape:
 
 
 def shape_from_hf(cfg: dict, name: str) -> ModelShape:
-    """A ModelShape from a Hugging Face config.json (dense Llama/Qwen2/Qwen3, or Qwen3-MoE)."""
+    """A ModelShape from a Hugging Face config.json (dense Llama/Qwen2/Qwen3, or Qwen3-MoE or OLMoE: the
+    experts `num_experts` or, as transformers 5 writes it, `num_local_experts`; OLMoE's intermediate_size
+    wide)."""
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
+    width = cfg.get("moe_intermediate_size") or (
+        cfg.get("intermediate_size", 0) if cfg.get("model_type") == "olmoe" else 0
+    )
     return ModelShape(
         name,
         h,
@@ -239,9 +245,9 @@ def shape_from_hf(cfg: dict, name: str) -> ModelShape:
         cfg["vocab_size"],
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=cfg.get("model_type") == "qwen2",
-        experts=cfg.get("num_experts", 0),
+        experts=experts,
         experts_per_token=cfg.get("num_experts_per_tok", 0),
-        expert_intermediate=cfg.get("moe_intermediate_size", 0),
+        expert_intermediate=width,
     )
 
 

@@ -71,7 +71,7 @@ def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) 
     raw = (cfg.num_hidden_layers * per_layer + mlps) * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[
         bf16
     ]
-    if cfg.qk_norm or cfg.post_norms:  # Qwen3's per-head q/k norms; OLMo2's over all heads keep as much
+    if cfg.qk_norm or cfg.qk_norm_wide:  # Qwen3's per-head q/k norms; OLMo2's over all heads keep as much
         raw += cfg.num_hidden_layers * (q + kv) * _QK_NORM_BYTES[bf16]
     if cfg.gemma:  # four norms a layer, each scaling in fp32 whatever the dtype (the module docstring)
         raw += cfg.num_hidden_layers * cfg.hidden_size * _GEMMA_NORM_BYTES

@@ -315,15 +315,24 @@ def test_a_granite_checkpoint_matches_tailraces_engine(tmp_path):
     _matches_before_and_after_a_reload(tmp_path, shape, ("norm",))
 
 
-def test_a_qwen3_moe_checkpoint_matches_tailraces_engine_and_a_reload_is_refused_on_cpu(tmp_path):
-    """Qwen3-MoE (vLLM's Qwen3MoeForCausalLM, its fused-MoE kernel): Qwen3's attention, a layer of four
-    experts choosing two a token (renormalized) and a dense one. vLLM's CPU build reloads the experts
-    wrongly (the same weights reloaded change its tokens, checked here through vLLM itself), so the
-    engine refuses a reload there, naming the fixes."""
-    shape = dict(
-        model_type="qwen3_moe", num_hidden_layers=2, num_attention_heads=4, head_dim=32, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=(1,),
-    )  # fmt: skip
+MOE_FAMILIES = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", num_attention_heads=4, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=(1,),
+    ),
+    "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=64, rms_norm_eps=1e-5),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_an_moe_checkpoint_matches_tailraces_engine_and_a_reload_is_refused_on_cpu(tmp_path, family):
+    """Qwen3-MoE (vLLM's Qwen3MoeForCausalLM, its fused-MoE kernel: Qwen3's attention, a layer of four
+    experts choosing two a token, renormalized, and a dense one) and OLMoE (OlmoeForCausalLM: q and k
+    normed over their whole width, every layer's experts, not renormalized). vLLM's CPU build reloads the
+    experts wrongly (the same weights reloaded change its tokens, checked here through vLLM itself), so
+    the engine refuses a reload there, naming the fix. vLLM's OLMoE class fixes what OLMoE's checkpoints
+    set (eps 1e-5, no renormalizing): another setting is refused, not served differently."""
+    shape = dict(num_hidden_layers=2, **MOE_FAMILIES[family])
     model = tiny_model(seed=0, **dict(SHAPE, **shape))
     save_pretrained(model, tmp_path / "v0")
     eng = _vllm(tmp_path / "v0")
@@ -343,3 +352,7 @@ def test_a_qwen3_moe_checkpoint_matches_tailraces_engine_and_a_reload_is_refused
     assert [a.token_ids for a in again] != [b.token_ids for b in ours]
     with pytest.raises(EngineError, match="LoRA adapters on a mixture-of-experts"):
         _vllm(tmp_path / "v0", lora_rank=4)
+    if family == "olmoe":
+        save_pretrained(tiny_model(seed=0, **dict(SHAPE, **shape, norm_topk_prob=True)), tmp_path / "renorm")
+        with pytest.raises(EngineError, match="norm_topk_prob"):
+            _vllm(tmp_path / "renorm")

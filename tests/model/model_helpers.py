@@ -174,6 +174,17 @@ CONFIGS = {
         norm_topk_prob=True,
         mlp_only_layers=(1,),
     ),  # fmt: skip
+    # OLMoE's layout (OLMoE-1B-7B's, small): Llama's pre-norm layer, q and k normalized over their whole width
+    # (as OLMo2's, but rounded as Llama's RMSNorm), every MLP five experts as wide as intermediate_size, two a
+    # token, not renormalized; a bias on the attention projections
+    "olmoe-gqa2-experts-bias": dict(
+        model_type="olmoe",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=5,
+        num_experts_per_tok=2,
+        attention_bias=True,
+    ),  # fmt: skip
 }
 HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -188,6 +199,7 @@ HF_CLASSES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 

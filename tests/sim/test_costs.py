@@ -155,3 +155,23 @@ def test_a_lora_run_moves_its_adapter_and_trains_without_the_base_weight_gradien
     assert lora.train_flops(rows) == pytest.approx(full.train_flops(rows) * 6 / 8, rel=1e-12)
     no_re = dataclasses.replace(lora, recompute_logprobs=False)
     assert no_re.train_flops(rows) == pytest.approx(full.train_flops(rows) * 4 / 8, rel=1e-12)
+
+
+def test_an_moe_config_json_as_tailrace_and_transformers_5_write_it_is_its_shape():
+    """Qwen3-MoE's and OLMoE's config.json (the experts `num_experts`, or transformers 5's
+    `num_local_experts`; OLMoE's experts intermediate_size wide): the shape counts the model's own
+    parameters, every expert's and the router's (the q/k norms aside: under 0.3%)."""
+    from tailrace.model import CausalLM, ModelConfig
+    from tailrace.sim.scenario import shape_from_hf
+
+    for family, extra in (("qwen3_moe", dict(moe_intermediate_size=24)), ("olmoe", {})):
+        shape = dict(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
+        )
+        cfg = ModelConfig(
+            model_type=family, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, **shape, **extra
+        )
+        d = cfg.to_hf()
+        ours = CausalLM(cfg).num_parameters()
+        for spelled in (d, {**{k: v for k, v in d.items() if k != "num_experts"}, "num_local_experts": 4}):
+            assert shape_from_hf(spelled, family).params == pytest.approx(ours, rel=3e-3), family

@@ -147,10 +147,11 @@ class FusedWeights:
             elif layer.post_norms:
                 L.post_attn = layer.post_attention_layernorm.weight.detach()
                 L.post_mlp = layer.post_feedforward_layernorm.weight.detach()
-                L.q_norm, L.k_norm = a.q_norm.weight.detach(), a.k_norm.weight.detach()
             else:
                 L.norm_attn = layer.input_layernorm.weight.detach()
                 L.norm_mlp = layer.post_attention_layernorm.weight.detach()
+            if a.qk_norm_wide:  # OLMo2's, OLMoE's
+                L.q_norm, L.k_norm = a.q_norm.weight.detach(), a.k_norm.weight.detach()
             if a.qk_norm:
                 L.qk_norm = torch.cat(
                     (norm(a.q_norm.weight).expand(self.H, -1), norm(a.k_norm.weight).expand(self.Hkv, -1))
