@@ -38,6 +38,7 @@ from tailrace.config.train import LORA_TARGETS, LoraConfig
 from tailrace.model import fused
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
+from tailrace.model.moe import SparseMoE
 
 ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint keeps its adapter here, beside model/ (merged)
 ADAPTER_CONFIG = "adapter_config.json"
@@ -109,6 +110,12 @@ def adapted_weight(name: str, targets: tuple[str, ...]) -> bool:
     return any(name.endswith(f".{_PARENT[t]}.{t}.weight") for t in targets)
 
 
+def stored_low(name: str, targets: tuple[str, ...]) -> bool:
+    """Whether `store_frozen_projections` keeps the state-dict key `name` in the autocast dtype: an
+    adapted projection's base weight, or an expert's."""
+    return adapted_weight(name, targets) or (".mlp.experts." in name and name.endswith("_proj.weight"))
+
+
 def adaptable(cfg: ModelConfig, layer: int, target: str) -> bool:
     """Whether LoRA may adapt projection `target` of layer `layer` (any, on every layer): not an MLP's of a
     mixture-of-experts model (see `attach`)."""
@@ -146,14 +153,16 @@ def attach(model: CausalLM, cfg: LoraConfig) -> CausalLM:
 
 
 def store_frozen_projections(model: CausalLM, dtype: torch.dtype) -> int:
-    """Keep the frozen base weight of every adapted projection in `dtype`; returns the bytes saved. For
-    a LoRA trainer that autocasts to `dtype`: its GEMMs cast every frozen weight to `dtype` on each
-    forward anyway, so this changes no value it computes, halves those weights' memory and skips the
-    casts (outside autocast `LoRALinear` casts the weight to its input's dtype). Embeddings, norms and
-    projections without an adapter stay as they are."""
+    """Keep the frozen base weight of every adapted projection, and every expert's of a mixture of experts
+    (frozen under LoRA: most of such a model's weights), in `dtype`; returns the bytes saved. For a LoRA
+    trainer that autocasts to `dtype`: its GEMMs cast every frozen weight to `dtype` on each forward
+    anyway, so this changes no value it computes, halves those weights' memory and skips the casts
+    (outside autocast `LoRALinear` and `SparseMoE` cast to the weight's dtype). Embeddings, norms, routers
+    and projections without an adapter stay as they are."""
+    experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.experts.modules()}
     saved = 0
     for m in model.modules():
-        w = m.weight if isinstance(m, LoRALinear) else None
+        w = m.weight if isinstance(m, LoRALinear) or (isinstance(m, nn.Linear) and id(m) in experts) else None
         if w is None or w.requires_grad:
             continue
         if w.dtype != dtype:

@@ -89,5 +89,14 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        y = mix(x, self.gate(x), self.k, self.norm, lambda e, rows: self.experts[e](rows))
+        y = mix(x, self.gate(x), self.k, self.norm, self._expert)
         return y.reshape(shape)
+
+    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert e over `rows`; outside autocast, in its weights' dtype (a LoRA trainer keeps the frozen
+        experts in bf16: `lora.store_frozen_projections`), the output in the rows'."""
+        mlp = self.experts[e]
+        dtype = mlp.gate_proj.weight.dtype
+        if dtype == rows.dtype or torch.is_autocast_enabled(rows.device.type):
+            return mlp(rows)
+        return mlp(rows.to(dtype)).to(rows.dtype)

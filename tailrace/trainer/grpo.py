@@ -86,7 +86,7 @@ class GRPOTrainer:
             raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef} needs a ref_model; pass one or set kl_coef=0")
         self.cfg = cfg
         self.model = lora.attach(model, cfg.lora) if cfg.lora.rank else model
-        self.base_saved = 0  # bytes: the frozen base's adapted projections kept in bf16 (LoRA with bf16)
+        self.base_saved = 0  # bytes: the frozen base's adapted projections (and experts) kept in bf16
         if cfg.lora.rank and cfg.bf16:  # their GEMMs run in bf16 anyway: store them so
             self.base_saved = lora.store_frozen_projections(model, torch.bfloat16)
         # None with a KL penalty: a LoRA trainer's own base is the reference, its adapter switched off

@@ -13,7 +13,7 @@ import torch
 from tailrace.cli import main
 from tailrace.model import lora
 from tailrace.model.checkpoint import load_pretrained
-from tests.runtime.conftest import TINY_RUN, checkpoints, unfinish
+from tests.runtime.conftest import TINY_RUN, as_qwen3_moe, checkpoints, unfinish
 
 # The tiny model earns no reward on chainsum, and a KL penalty cannot move a fresh adapter (the policy
 # is the reference until it moves); on one-digit answers it is right now and then, which is signal.
@@ -181,16 +181,19 @@ def test_an_init_adapter_that_does_not_fit_the_config_is_one_line(tmp_path, caps
     assert load_config(overrides=["--train.lora.rank=4", f"--train.lora.init={tmp_path / 'none'}"])  # loads
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, bf16):
+@pytest.mark.parametrize("bf16,moe", [(False, False), (True, False), (True, True)])
+def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, tmp_path, bf16, moe):
     """runtime/shared_base.py: the base in shared memory once; each trainer's frozen parameters are its
-    tensors (no copy), and a trainer over them steps exactly as one over a base loaded for itself."""
+    tensors (no copy), and a trainer over them steps exactly as one over a base loaded for itself; a
+    mixture of experts' experts shared in bf16 too, as its own trainer keeps them."""
     from tailrace.config import TrainerConfig
     from tailrace.config.train import LoraConfig
     from tailrace.runtime.shared_base import share
     from tailrace.runtime.trainer_worker import TrainerSpec, build_trainer
     from tests.trainer.test_grpo import make_groups
 
+    if moe:
+        tiny_model = as_qwen3_moe(tiny_model, tmp_path / "moe")
     cfg = TrainerConfig(lr=0.05, bf16=bf16, lora=LoraConfig(rank=4))
     base, why = share(tiny_model, cfg.lora, bf16)
     assert base is not None and "share one copy" in why
@@ -204,6 +207,9 @@ def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, bf16)
     pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
     assert pa[q].data_ptr() == pb[q].data_ptr() == base.tensors[q].data_ptr() and pa[q].is_shared()
     assert pa[q].dtype == (torch.bfloat16 if bf16 else torch.float32)
+    if moe:
+        e = "model.layers.0.mlp.experts.1.up_proj.weight"
+        assert pa[e].dtype == own.model.get_parameter(e).dtype == torch.bfloat16 and pa[e].is_shared()
     for step in range(2):
         groups = make_groups(own.model, seed=step)
         assert own.step(groups, step)["loss"] == a.step(groups, step)["loss"]

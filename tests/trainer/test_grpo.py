@@ -391,15 +391,19 @@ def test_lora_flat_is_the_adapter_and_its_learning_rate_is_ten_times():
         assert torch.equal(rebuilt.weights[site][0], a) and torch.equal(rebuilt.weights[site][1], b)
 
 
-def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same(monkeypatch, family):
     """The autocast GEMMs cast every frozen projection to bf16 on each forward anyway: storing them in
-    bf16 changes no loss, gradient or adapter value, and halves the projections' memory."""
+    bf16 changes no loss, gradient or adapter value, and halves the projections' memory; a mixture of
+    experts' experts (frozen, never adapted) too, its router and dense layer left as they are."""
     from tailrace.config.train import LoraConfig
     from tailrace.model import CausalLM, ModelConfig, lora
 
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
-    tc = TrainerConfig(lr=1e-2, bf16=True, lora=LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "up_proj")))
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=(1,))
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=64, model_type=family, **(moe if family != "llama" else {}))  # fmt: skip
+    targets = ("q_proj", "up_proj") if family == "llama" else ("q_proj",)
+    tc = TrainerConfig(lr=1e-2, bf16=True, lora=LoraConfig(rank=4, alpha=8.0, targets=targets))
     runs = []
     for store in (True, False):
         if not store:
@@ -409,10 +413,15 @@ def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same
         tr = GRPOTrainer(model, tc)
         dtypes = {n: p.dtype for n, p in model.named_parameters()}
         ms = [tr.step(make_groups(model, seed=s), trainer_version=s) for s in range(2)]
-        runs.append((dtypes, [(m["loss"], m["grad_norm"]) for m in ms], tr.flat.buffer.clone()))
-    (stored, a, flat_a), (plain, b, flat_b) = runs
+        runs.append((dtypes, [(m["loss"], m["grad_norm"]) for m in ms], tr.flat.buffer.clone(), model))
+    (stored, a, flat_a, low), (plain, b, flat_b, _) = runs
     assert stored["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16  # adapted
-    assert stored["model.layers.0.mlp.down_proj.weight"] == torch.float32  # frozen, not adapted
+    if family != "llama":
+        assert stored["model.layers.0.mlp.experts.3.down_proj.weight"] == torch.bfloat16  # an expert
+        assert stored["model.layers.0.mlp.gate.weight"] == torch.float32  # the router
+        with torch.no_grad():  # outside autocast too: the experts take their input in their dtype
+            assert low(torch.tensor([[1, 2, 3]])).dtype == torch.float32
+    assert stored["model.layers.1.mlp.down_proj.weight"] == torch.float32  # frozen, not adapted
     assert stored["model.embed_tokens.weight"] == torch.float32  # and the tied head with it
     assert stored["model.layers.0.input_layernorm.weight"] == torch.float32
     assert stored["model.layers.0.self_attn.q_proj.lora_A.weight"] == torch.float32
