@@ -31,3 +31,14 @@ def cache_root() -> Path:
     """Where tailrace keeps what it builds once per machine (the warm-started model, the C kernels,
     calibrated simulator presets): $TAILRACE_CACHE, default ~/.cache/tailrace."""
     return Path(os.environ.get("TAILRACE_CACHE", Path.home() / ".cache" / "tailrace"))
+
+
+def padded_rows(m: int) -> int:
+    """The row count a GEMM over `m` rows runs at where oneDNN compiles a kernel for every shape it meets
+    (packed engine weights; bf16 autocast on CPU): m itself up to 8, then the next multiple of
+    max(8, 2^(floor(log2 m) - 3)): at most 7 padding rows up to 64 and at most 1/8 of m above, from a
+    set of about 8 shapes per doubling of m."""
+    if m <= 8:
+        return m
+    step = max(8, 1 << (m.bit_length() - 4))
+    return -(-m // step) * step

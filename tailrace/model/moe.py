@@ -15,10 +15,12 @@ released MoE trains without one here (transformers' `output_router_logits` off, 
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 from torch import nn
 
+from tailrace.common import padded_rows
 from tailrace.model.config import ModelConfig
 
 
@@ -37,25 +39,41 @@ def mix(
     k: int,
     norm: bool,
     expert: Callable[[int, torch.Tensor], torch.Tensor],
+    pad: bool = False,
 ) -> torch.Tensor:
     """sum over each row's k experts of weight x expert(e, row), (N, hidden) in x's dtype: x (N, hidden)
-    the MLP's input, `logits` (N, E) the router's, `expert(e, rows)` expert e's output over those rows."""
-    if not x.shape[0]:
+    the MLP's input, `logits` (N, E) the router's, `expert(e, rows)` expert e's output over those rows.
+    `pad`: each expert runs over `padded_rows` of its count (rows of zeros, weighted 0, scattered to a row
+    dropped after): where oneDNN compiles a kernel for every GEMM shape it meets (bf16 autocast on CPU),
+    a count that changes with every batch compiled one at nearly every call."""
+    N = x.shape[0]
+    if not N:
         return torch.zeros_like(x)
     weights, experts = route(logits, k, norm)
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)  # the (token, choice) slots by expert, tokens in order within one
     counts = torch.bincount(flat, minlength=logits.shape[-1]).tolist()  # one host sync per layer
-    token = order // k
+    token, w = order // k, weights.reshape(-1, 1).index_select(0, order)
+    sizes = [padded_rows(n) for n in counts] if pad else counts
+    if pad:  # each slot moved past the padding of the experts before its own; pads read and write row N
+        before = torch.tensor(
+            [0, *accumulate(s - n for s, n in zip(sizes[:-1], counts[:-1]))], device=x.device
+        )
+        at = torch.arange(len(order), device=x.device) + before.repeat_interleave(
+            torch.tensor(counts, device=x.device)
+        )
+        token = torch.full((sum(sizes),), N, device=x.device).index_copy_(0, at, token)
+        w = torch.zeros(sum(sizes), 1, dtype=w.dtype, device=x.device).index_copy_(0, at, w)
+        x = torch.cat((x, x.new_zeros(1, x.shape[1])))
     xs = x.index_select(0, token)
     parts, at = [], 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(sizes):
         if n:
             parts.append(expert(e, xs[at : at + n]))
             at += n
     ys = torch.cat(parts) if len(parts) > 1 else parts[0]
-    ys = ys * weights.reshape(-1, 1).index_select(0, order).to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+    out = torch.zeros_like(x).index_add_(0, token, (ys * w.to(ys.dtype)).to(x.dtype))
+    return out[:N] if pad else out
 
 
 def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -89,7 +107,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        y = mix(x, self.gate(x), self.k, self.norm, self._expert)
+        y = mix(x, self.gate(x), self.k, self.norm, self._expert, pad=x.device.type == "cpu")
         return y.reshape(shape)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:

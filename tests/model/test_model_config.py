@@ -130,6 +130,26 @@ def test_defaults_follow_hf():
         (dict(query_pre_attn_scalar=256), ["Gemma's", "None"]),
         (dict(final_logit_softcapping=30.0), ["final_logit_softcapping=30.0", "Gemma's", "None"]),
         (dict(model_type="gemma3_text", hidden_act="silu"), ["hidden_act='silu'", "gelu_pytorch_tanh"]),
+        (dict(num_experts=8, num_experts_per_tok=2), ["Qwen3-MoE's", "dense MLP", "model_type='llama'"]),
+        (
+            dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8),
+            ["0 < num_experts_per_tok <= num_experts"],
+        ),
+        (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2), ["moe_intermediate_size > 0"]),
+        (
+            dict(
+                model_type="qwen3_moe",
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=8,
+                mlp_only_layers=(2,),
+            ),
+            ["mlp_only_layers=[2]", "[0, 2)"],
+        ),
+        (
+            dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+            ["intermediate_size wide"],
+        ),
     ],
 )
 def test_validation_names_field_and_fix(overrides, words):
@@ -216,3 +236,40 @@ def test_a_mistral_window_is_kept_and_holds_nothing(changes, window):
     assert [cfg.window_at(i) for i in range(cfg.num_hidden_layers)] == [window] * cfg.num_hidden_layers
     limit = cfg.max_position_embeddings
     assert cfg.context_limit == limit and cfg.context(None) == limit and cfg.context(limit) == limit
+
+
+def test_moe_configs_on_the_hub_read_as_their_models():
+    """Qwen3-30B-A3B's and OLMoE-1B-7B-0924's config.json as the Hub ships them: every layer sparse, the
+    experts' count, choices, width and renormalizing read, and the parameters they make (on the meta
+    device) the published totals: 30.5B and 6.9B."""
+    import torch
+
+    from tailrace.model import CausalLM
+
+    qwen = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", attention_bias=False, head_dim=128,
+                hidden_size=2048, intermediate_size=6144, max_position_embeddings=40960, max_window_layers=48,
+                mlp_only_layers=[], decoder_sparse_step=1, moe_intermediate_size=768, norm_topk_prob=True,
+                num_attention_heads=32, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48,
+                num_key_value_heads=4, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=1e6, sliding_window=None,
+                tie_word_embeddings=False, use_sliding_window=False, vocab_size=151936)  # fmt: skip
+    olmoe = dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", attention_bias=False, clip_qkv=None,
+                 eos_token_id=50279, hidden_size=2048, intermediate_size=1024, max_position_embeddings=4096,
+                 norm_topk_prob=False, num_attention_heads=16, num_experts=64, num_experts_per_tok=8,
+                 num_hidden_layers=16, num_key_value_heads=16, pad_token_id=1, rms_norm_eps=1e-5,
+                 rope_scaling=None, rope_theta=10000.0, tie_word_embeddings=False, vocab_size=50304)  # fmt: skip
+    for d, total, (E, k, width, norm) in (
+        (qwen, 30.53e9, (128, 8, 768, True)),
+        (olmoe, 6.92e9, (64, 8, 1024, False)),
+    ):
+        cfg = ModelConfig.from_hf(d)
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (
+            E,
+            k,
+            width,
+            norm,
+        )
+        assert all(cfg.moe_at(i) for i in range(cfg.num_hidden_layers))
+        with torch.device("meta"):
+            assert CausalLM(cfg).num_parameters() == pytest.approx(total, rel=2e-3)
+    with pytest.raises(ValueError, match="clip_qkv=8.0"):
+        ModelConfig.from_hf({**olmoe, "clip_qkv": 8.0})

@@ -23,6 +23,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tailrace.common import padded_rows  # noqa: F401 (the engine's name for it)
 from tailrace.engine.ckernel import Kernels
 
 
@@ -60,16 +61,6 @@ def kernel_gemm_serves(kernel: Kernels, w: torch.Tensor) -> bool:
         and (w.dtype == torch.float32 or w.shape[1] % 2 == 0)
         and torch.get_num_threads() == 1
     )
-
-
-def padded_rows(m: int) -> int:
-    """The row count a packed GEMM over `m` rows runs at: m itself up to 8, then the next multiple of
-    max(8, 2^(floor(log2 m) - 3)): at most 7 padding rows up to 64 and at most 1/8 of m above, from a
-    set of about 8 shapes per doubling of m."""
-    if m <= 8:
-        return m
-    step = max(8, 1 << (m.bit_length() - 4))
-    return -(-m // step) * step
 
 
 def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,0 +1,60 @@
+"""model/moe.py: routing on hand-checked logits, and the experts' mix padded or not (values and
+gradients), against a per-token loop written the obvious way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tailrace.model.moe import mix, route, split_experts
+
+
+def test_route_takes_the_k_likeliest_and_renormalizes_when_asked():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    p = torch.softmax(logits, -1)[0]  # 0.087, 0.644, 0.237, 0.032
+    w, e = route(logits, 2, norm=False)
+    assert e.tolist() == [[1, 2]] and torch.allclose(w, p[[1, 2]][None])
+    w, e = route(logits, 2, norm=True)
+    assert e.tolist() == [[1, 2]] and torch.allclose(w, (p[[1, 2]] / p[[1, 2]].sum())[None])
+    assert route(logits.bfloat16(), 2, norm=True)[0].dtype == torch.bfloat16  # the logits' dtype
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_mix_is_each_tokens_weighted_experts_padded_or_not(pad):
+    """Every token's output is the sum over its k experts of weight x expert(token), whichever experts
+    no token chose (they cost nothing) and however many rows the padding adds (zeros, weighted 0);
+    gradients reach the input, the router's logits and the experts alike."""
+    g = torch.Generator().manual_seed(0)
+    E, k, N, h = 6, 2, 37, 5  # 37 tokens: 74 choices, counts past 8 that padding rounds up
+    W = torch.randn(E, h, h, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(N, h, generator=g, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(N, E, generator=g, dtype=torch.float64)
+    logits[:, 5] = -50.0  # expert 5: never chosen
+    logits.requires_grad_(True)
+    calls = []
+
+    def expert(e, rows):
+        calls.append((e, rows.shape[0]))
+        return torch.tanh(rows @ W[e])
+
+    y = mix(x, logits, k, True, expert, pad=pad)
+    w, ex = route(logits, k, True)
+    want = torch.stack([sum(w[t, j] * torch.tanh(x[t] @ W[ex[t, j]]) for j in range(k)) for t in range(N)])
+    assert torch.allclose(y, want, atol=1e-12)
+    assert 5 not in [e for e, _ in calls] and sum(n for _, n in calls) >= N * k
+    assert (sum(n for _, n in calls) > N * k) == pad  # 74 choices over 5 experts: some count is past 8
+    grads = torch.autograd.grad(y.square().sum(), (x, logits, W))
+    ref = torch.autograd.grad(want.square().sum(), (x, logits, W))
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(grads, ref))
+    assert mix(x[:0], logits[:0], k, True, expert, pad=pad).shape == (0, h)
+
+
+def test_transformers_stacked_experts_split_into_the_checkpoints_matrices():
+    gate_up, down = torch.arange(2 * 6 * 3.0).view(2, 6, 3), torch.arange(2 * 3 * 3.0).view(2, 3, 3)
+    out = split_experts(
+        {"m.mlp.experts.gate_up_proj": gate_up, "m.mlp.experts.down_proj": down, "other": down}
+    )
+    assert torch.equal(out["m.mlp.experts.1.gate_proj.weight"], gate_up[1, :3])
+    assert torch.equal(out["m.mlp.experts.1.up_proj.weight"], gate_up[1, 3:])
+    assert torch.equal(out["m.mlp.experts.0.down_proj.weight"], down[0]) and out["other"] is down
+    assert len(out) == 7
