@@ -40,12 +40,14 @@ def mix(
     norm: bool,
     expert: Callable[[int, torch.Tensor], torch.Tensor],
     pad: bool = False,
+    load: list[int] | None = None,
 ) -> torch.Tensor:
     """sum over each row's k experts of weight x expert(e, row), (N, hidden) in x's dtype: x (N, hidden)
     the MLP's input, `logits` (N, E) the router's, `expert(e, rows)` expert e's output over those rows.
     `pad`: each expert runs over `padded_rows` of its count (rows of zeros, weighted 0, scattered to a row
     dropped after): where oneDNN compiles a kernel for every GEMM shape it meets (bf16 autocast on CPU),
-    a count that changes with every batch compiled one at nearly every call."""
+    a count that changes with every batch compiled one at nearly every call. `load`: each expert's count
+    of the tokens routed to it is added to it."""
     N = x.shape[0]
     if not N:
         return torch.zeros_like(x)
@@ -53,6 +55,8 @@ def mix(
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)  # the (token, choice) slots by expert, tokens in order within one
     counts = torch.bincount(flat, minlength=logits.shape[-1]).tolist()  # one host sync per layer
+    if load is not None:
+        load[:] = [a + b for a, b in zip(load, counts)]
     token, w = order // k, weights.reshape(-1, 1).index_select(0, order)
     sizes = [padded_rows(n) for n in counts] if pad else counts
     if pad:  # each slot moved past the padding of the experts before its own; pads read and write row N
@@ -103,11 +107,12 @@ class SparseMoE(nn.Module):
         self.k, self.norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(mlp(cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.load = [0] * cfg.num_experts  # tokens routed to each expert since `take_load` last read it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        y = mix(x, self.gate(x), self.k, self.norm, self._expert, pad=x.device.type == "cpu")
+        y = mix(x, self.gate(x), self.k, self.norm, self._expert, pad=x.device.type == "cpu", load=self.load)
         return y.reshape(shape)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -118,3 +123,21 @@ class SparseMoE(nn.Module):
         if dtype == rows.dtype or torch.is_autocast_enabled(rows.device.type):
             return mlp(rows)
         return mlp(rows.to(dtype)).to(rows.dtype)
+
+
+def take_load(model: nn.Module) -> dict[str, float]:
+    """How evenly the sparse layers of `model` spread the tokens routed since the last call (over its
+    forwards: a trainer step's, the old policy's and the reference's alike), then zeroed: `moe_load_max`,
+    the busiest expert's share over an even one's (1: even; E: all to one), averaged over layers, and
+    `moe_idle`, the fraction of (layer, expert) pairs no token reached. {} for a model without experts or
+    before any token."""
+    loads = [m.load for m in model.modules() if isinstance(m, SparseMoE) and sum(m.load)]
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            m.load = [0] * len(m.load)
+    if not loads:
+        return {}
+    return {
+        "moe_load_max": sum(max(load) * len(load) / sum(load) for load in loads) / len(loads),
+        "moe_idle": sum(load.count(0) for load in loads) / sum(len(load) for load in loads),
+    }

@@ -34,6 +34,7 @@ from tailrace.config.train import auto_lr
 from tailrace.model import lora
 from tailrace.model.device import available_bytes
 from tailrace.model.flat import flatten_parameters
+from tailrace.model.moe import take_load
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
@@ -275,6 +276,7 @@ class GRPOTrainer:
             "skipped": int(skipped),  # 1: no group had a reward signal, so no forward/backward ran
             "lr": self.opt.param_groups[0]["lr"],
             "time_s": dt,
+            **take_load(self.model),  # a mixture of experts' routing: how even, how many experts idle
         }
 
     # -- checkpoints and weight transfer -----------------------------------------------------

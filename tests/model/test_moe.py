@@ -58,3 +58,22 @@ def test_transformers_stacked_experts_split_into_the_checkpoints_matrices():
     assert torch.equal(out["m.mlp.experts.1.up_proj.weight"], gate_up[1, 3:])
     assert torch.equal(out["m.mlp.experts.0.down_proj.weight"], down[0]) and out["other"] is down
     assert len(out) == 7
+
+
+def test_the_load_counts_each_experts_tokens_and_take_load_reads_it_once():
+    """A sparse layer counts the (token, choice) slots each expert took; `take_load` gives the busiest
+    expert's share over an even one's and the idle experts' fraction, then starts over."""
+    from tailrace.model import CausalLM, ModelConfig
+    from tailrace.model.moe import take_load
+
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)  # fmt: skip
+    model = CausalLM.from_config(cfg, seed=0)
+    assert take_load(model) == {}
+    with torch.no_grad():
+        model(torch.arange(6)[None])
+    assert [sum(layer.mlp.load) for layer in model.model.layers] == [6 * 2, 6 * 2]  # 6 tokens, 2 choices each
+    for layer in model.model.layers:
+        layer.mlp.load = [6, 6, 0, 0]  # two of four experts: the busiest at twice an even share
+    assert take_load(model) == {"moe_load_max": 2.0, "moe_idle": 0.5}
+    assert take_load(model) == {}

@@ -413,10 +413,12 @@ def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same
         tr = GRPOTrainer(model, tc)
         dtypes = {n: p.dtype for n, p in model.named_parameters()}
         ms = [tr.step(make_groups(model, seed=s), trainer_version=s) for s in range(2)]
-        runs.append((dtypes, [(m["loss"], m["grad_norm"]) for m in ms], tr.flat.buffer.clone(), model))
+        steps = [(m["loss"], m["grad_norm"], m.get("moe_load_max")) for m in ms]
+        runs.append((dtypes, steps, tr.flat.buffer.clone(), model))
     (stored, a, flat_a, low), (plain, b, flat_b, _) = runs
     assert stored["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16  # adapted
     if family != "llama":
+        assert 1.0 <= a[0][2] <= 4.0  # the step's routing: the busiest expert's share over an even one's
         assert stored["model.layers.0.mlp.experts.3.down_proj.weight"] == torch.bfloat16  # an expert
         assert stored["model.layers.0.mlp.gate.weight"] == torch.float32  # the router
         with torch.no_grad():  # outside autocast too: the experts take their input in their dtype
