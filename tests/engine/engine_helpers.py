@@ -69,11 +69,11 @@ def full_logprobs(model: CausalLM, prompt_ids, token_ids, temperature: float = 1
 @torch.no_grad()
 def reference_kv(model: CausalLM, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k, v), each (B, Hkv, T, D), of the whole-sequence forward of ids (B, T): k after RoPE
-    (none in SmolLM3's layers without; OLMo3's sliding layers' by their table; Qwen3's or OLMo2's k norm
+    (none in SmolLM3's layers without; OLMo3's sliding layers' by their table; Qwen3's, OLMo2's or OLMoE's k norm
     before it), in the model's dtype, as a
     KV cache holds them."""
     cfg = model.config
-    k_from = "k_norm" if cfg.qk_norm or cfg.post_norms else "k_proj"
+    k_from = "k_norm" if cfg.qk_norm or cfg.qk_norm_wide else "k_proj"
     B, T = ids.shape
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
     out: dict[tuple[int, str], torch.Tensor] = {}

@@ -62,6 +62,15 @@ CONFIGS = {
         rope_theta=1e6,
         query_pre_attn_scalar=24,
     ),  # fmt: skip
+    # mixtures of experts: Qwen3-MoE's (a dense layer beside a sparse one) and OLMoE's (whole-width q/k norms)
+    "qwen3moe": dict(
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        mlp_only_layers=(1,),
+    ),  # fmt: skip
+    "olmoe": dict(model_type="olmoe", num_experts=5, num_experts_per_tok=2),
     "phi3-longrope": dict(model_type="phi3", rope_scaling=LONGROPE),
     "phi3-partial": dict(model_type="phi3", partial_rotary_factor=0.75),  # Phi-4-mini: 12 of 16 dims rotate
     "llama3-rope": dict(
