@@ -29,6 +29,16 @@ def tiny_config(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
+# Qwen3-MoE's layout on the tiny shape: a sparse layer of four experts (two a token) and a dense one
+MOE = dict(
+    model_type="qwen3_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    mlp_only_layers=(1,),
+)
+
+
 def tiny_model(seed: int = 0, **kw) -> CausalLM:
     return CausalLM.from_config(tiny_config(**kw), seed=seed).eval()
 

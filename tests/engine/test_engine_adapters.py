@@ -17,7 +17,7 @@ from tailrace.engine.engine import TailraceEngine
 from tailrace.engine.errors import EngineError
 from tailrace.engine.spec import SpecOptions
 from tailrace.model import lora
-from tests.engine.engine_helpers import full_logprobs, req, tiny_model
+from tests.engine.engine_helpers import MOE, full_logprobs, req, tiny_model
 
 # (rank, alpha, targets): every projection; attention only, lower rank; the MLP only, higher rank
 SPECS = {
@@ -207,14 +207,7 @@ def test_adapter_rows_of_a_mixture_of_experts_model_equal_the_adapted_model(atte
     """Qwen3-MoE (a sparse layer and a dense one): adapters of its attention (the default targets mean those
     there) beside base rows; each row's logprobs are its model's full-sequence forward; an adapter of an
     MLP is refused by the engine."""
-    moe = dict(
-        model_type="qwen3_moe",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=24,
-        mlp_only_layers=(1,),
-    )
-    base = tiny_model(seed=0, head_dim=24, **moe)
+    base = tiny_model(seed=0, head_dim=24, **MOE)
     adapters = {n: adapted(base, n, seed) for seed, n in ((1, "a"), (2, "b"))}
     eng = engine(base, adapters, attention, "fp32")
     reqs = [r for r in requests() if r.adapter != "c"]

@@ -23,7 +23,7 @@ from tailrace.engine.spec import DRAFTERS
 from tailrace.engine.spec.costs import Toggle
 from tailrace.engine.spec.speculator import EXPLORE
 from tailrace.types import Finish, GenRequest
-from tests.engine.engine_helpers import VOCAB, read_kv, req, tiny_model
+from tests.engine.engine_helpers import MOE, VOCAB, read_kv, req, tiny_model
 
 TOL = {"float32": 1e-5, "bfloat16": 0.0}
 
@@ -456,14 +456,7 @@ def test_a_mixture_of_experts_model_speculates_exactly(attention, drafter):
     drafter (its one layer an MoE layer started from the policy's)."""
     if attention == "kernel" and ckernel.unavailable():
         pytest.skip("no C compiler")
-    moe = dict(
-        model_type="qwen3_moe",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=24,
-        mlp_only_layers=(1,),
-    )
-    model = tiny_model(0, **moe)
+    model = tiny_model(0, **MOE)
     reqs = [req(f"m{i}", 3 + i, 40, temperature=1.0) for i in range(6)]
     plain = TailraceEngine(model, num_slots=4, attention=attention).generate(reqs)
     eng = TailraceEngine(model, num_slots=4, attention=attention, spec=drafter)
