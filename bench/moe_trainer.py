@@ -6,9 +6,10 @@ The built-in model's shape (hidden 128, 4 layers, MLP 384) dense, and as Qwen3-M
 width 192, 2 a token (the warm-start recipe's MoE layout), forward and backward and an AdamW step under
 bf16 autocast on one thread, over batches whose row count and length change every step (as SFT's and
 GRPO's micro-batches do), so each expert's row count changes every step. `pad`: each expert's rows
-padded to `common.padded_rows` (the decoder's default on CPU), against running them as they come (oneDNN
-compiles a bf16 kernel for every GEMM shape it meets). Prints seconds a step, best of `--repeats`
-passes, and the peak resident memory each configuration reached, measured in a process of its own.
+padded to `common.padded_rows` (the decoder's choice on CPU in bf16), against running them as they come
+(oneDNN compiles a bf16 kernel for every GEMM shape it meets; `--fp32`: no autocast, MKL's GEMMs, where
+padding only adds rows). Prints seconds a step, best of `--repeats` passes, and the peak resident memory
+each configuration reached, measured in a process of its own.
 """
 
 from __future__ import annotations
@@ -35,17 +36,17 @@ from tailrace.tokenizer import char_tokenizer  # noqa: E402
 CONFIGS = ("dense", "moe-pad", "moe-nopad")
 
 
-def run(which: str, steps: int, repeats: int) -> tuple[float, int]:
-    """(best seconds a step, peak RSS KiB) of `which`."""
+def run(which: str, steps: int, repeats: int, bf16: bool = True) -> tuple[float, int]:
+    """(best seconds a step, peak RSS KiB) of `which`, under bf16 autocast or in fp32."""
     torch.set_num_threads(1)
     tok = char_tokenizer()
     cfg = warmstart.model_config(ArchConfig(), tok.vocab_size, tok)
     if which != "dense":
         cfg = cfg.replace(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
                           norm_topk_prob=True)  # fmt: skip
-    if which == "moe-nopad":  # the decoder's call, without the padding
+    if which != "dense":  # the decoder's call, with the padding forced on or off
         mix = moe_module.mix
-        moe_module.mix = lambda *a, pad=False: mix(*a, pad=False)
+        moe_module.mix = lambda *a, pad=False, **kw: mix(*a, pad=which == "moe-pad", **kw)
     model = CausalLM.from_config(cfg, seed=0).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = random.Random(0)
@@ -57,7 +58,7 @@ def run(which: str, steps: int, repeats: int) -> tuple[float, int]:
             ids = torch.randint(
                 3, tok.vocab_size, (rows, length), generator=torch.Generator().manual_seed(rows)
             )
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = model(ids)
             logits.float().logsumexp(-1).mean().backward()
             opt.step()
@@ -71,14 +72,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--fp32", action="store_true", help="no autocast: fp32 GEMMs (MKL, no kernel per shape)")
     p.add_argument("--only", choices=CONFIGS, help="one configuration, in this process (the others run it)")
     a = p.parse_args()
     if a.only:
-        print(*run(a.only, a.steps, a.repeats))
+        print(*run(a.only, a.steps, a.repeats, bf16=not a.fp32))
         return
     out = {}
     for which in CONFIGS:
         argv = [sys.executable, __file__, f"--only={which}", f"--steps={a.steps}", f"--repeats={a.repeats}"]
+        argv += ["--fp32"] if a.fp32 else []
         r = subprocess.run(argv, capture_output=True, text=True, check=True)
         s, kib = r.stdout.split()
         out[which] = (float(s), int(kib))
@@ -86,7 +89,9 @@ def main() -> None:
         print(
             f"{which:10s} {s * 1e3:7.1f} ms a step  ({s / out['dense'][0]:.2f}x dense)  peak RSS {kib / 1024:,.0f} MiB"
         )
-    print(f"padding: {out['moe-nopad'][0] / out['moe-pad'][0]:.2f}x faster")
+    print(
+        f"{'fp32' if a.fp32 else 'bf16 autocast'}: padding {out['moe-nopad'][0] / out['moe-pad'][0]:.2f}x faster"
+    )
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        y = mix(x, self.gate(x), self.k, self.norm, self._expert, pad=x.device.type == "cpu", load=self.load)
+        y = mix(x, self.gate(x), self.k, self.norm, self._expert, pad=_compiles_shapes(x), load=self.load)
         return y.reshape(shape)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -123,6 +123,12 @@ class SparseMoE(nn.Module):
         if dtype == rows.dtype or torch.is_autocast_enabled(rows.device.type):
             return mlp(rows)
         return mlp(rows.to(dtype)).to(rows.dtype)
+
+
+def _compiles_shapes(x: torch.Tensor) -> bool:
+    """Whether the GEMMs over x run where oneDNN compiles a kernel for every shape: bf16 on CPU (autocast or
+    not). fp32 GEMMs there are MKL's, which padding only slows (bench/moe_trainer.py --fp32: 0.96x)."""
+    return x.device.type == "cpu" and (torch.is_autocast_enabled("cpu") or x.dtype != torch.float32)
 
 
 def take_load(model: nn.Module) -> dict[str, float]:
