@@ -55,6 +55,7 @@ from tailrace.engine.vllm_lora import VLLMAdapters, slot_rank
 from tailrace.model import fused
 from tailrace.model.checkpoint import read_config
 from tailrace.model.lora import Adapter
+from tailrace.model.moe import to_disk
 from tailrace.types import Capabilities, Finish, GenRequest, GenResult
 
 CAPABILITIES = Capabilities(
@@ -205,6 +206,7 @@ class VLLMEngine:
         self.kv_memory_gb = kv_memory_gb or 1.0
         # vLLM's Gemma 2 class refuses a tied lm_head (its embedding; the other classes want both)
         self._no_lm_head = cfg.tie_word_embeddings and cfg.model_type == "gemma2"
+        self._cfg = cfg
         self._version = 0
         self._rng = random.Random(seed)
         self._live: dict[str, _Live] = {}
@@ -390,6 +392,7 @@ class VLLMEngine:
                 f"load_weights(version={version}): vLLM's CPU build cannot reload a mixture-of-experts model's "
                 "weights (reloading the same weights changes its outputs); use --rollout.backend=tailrace"
             )
+        state_dict = to_disk(state_dict, self._cfg)  # vLLM's classes take the checkpoints' names (Mixtral's)
         weights = [(k, t) for k, t in state_dict.items() if not (self._no_lm_head and k == "lm_head.weight")]
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self._llm.reset_prefix_cache():

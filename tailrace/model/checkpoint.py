@@ -1,7 +1,8 @@
 """Local HF checkpoint I/O: config.json + model.safetensors (or a sharded model.safetensors.index.json).
 
-Reads Llama, Mistral, Qwen2, Qwen3, OLMo2, OLMo3, SmolLM3, Phi-3 and Granite-family checkpoints (Qwen2.5 and SmolLM
-included: their model_type is qwen2 or llama; Phi-3's fused projections are split, `model/fused.py`)
+Reads the decoder's families' checkpoints (`config.ARCHITECTURES`; Qwen2.5 and SmolLM included: their
+model_type is qwen2 or llama; Phi-3's fused projections are split, `model/fused.py`; Mixtral's experts
+renamed, `model/moe.py`)
 and writes ones `transformers.AutoModelForCausalLM.from_pretrained` loads. Every bad input raises
 `CheckpointError` with one line naming the problem and the fix. Nothing is downloaded.
 """
@@ -19,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tailrace.common import InputError, one_line
-from tailrace.model import fused
+from tailrace.model import fused, moe
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
 
@@ -73,7 +74,7 @@ def load_pretrained(
     dtype (as transformers' dtype="auto"); device None is the CPU."""
     path = _checkpoint_dir(path)
     cfg = read_config(path)
-    state = fused.split(_read_tensors(path), cfg)
+    state = moe.from_disk(fused.split(_read_tensors(path), cfg))  # Phi-3's projections, Mixtral's experts
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = model.state_dict()  # meta tensors: names and shapes only
@@ -129,7 +130,7 @@ def save_pretrained(
     path = Path(path)
     cfg: ModelConfig = model.config
     own = model.state_dict() if state_dict is None else state_dict
-    state = {n: t.detach().to("cpu").contiguous() for n, t in fused.join(own, cfg).items()}
+    state = {n: t.detach().to("cpu").contiguous() for n, t in moe.to_disk(fused.join(own, cfg), cfg).items()}
     if cfg.tie_word_embeddings:
         del state["lm_head.weight"]
     config = cfg.to_hf()

@@ -1,16 +1,19 @@
-"""`ModelConfig`: the shape of a Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/OLMoE/SmolLM3/Phi-3/Granite/
-Gemma 2/Gemma 3-family decoder, and its mapping to and from HF config.json.
+"""`ModelConfig`: the shape of a Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/OLMoE/SmolLM3/Phi-3/
+Granite/Gemma 2/Gemma 3-family decoder, and its mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Qwen2/Qwen3/Qwen3Moe/Olmo2/Olmo3/Olmoe/SmolLM3/Phi3/Granite/Gemma2/Gemma3ForCausalLM.
+loads into Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3Moe/Olmo2/Olmo3/Olmoe/SmolLM3/Phi3/Granite/Gemma2/
+Gemma3ForCausalLM.
 
 - Qwen3 is Llama's layout with a per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch
   on every attention projection. Qwen3-MoE is Qwen3's with a mixture of experts for the MLP of its sparse
   layers (`moe_at`; model/moe.py): a router choosing `num_experts_per_tok` of `num_experts` SwiGLU experts
   a token.
 - Mistral is Llama's without biases, and with a sliding window in v0.1: every layer attends to the last
-  `sliding_window` positions (`window_at`; the decoder and the engine attend to exactly those).
+  `sliding_window` positions (`window_at`; the decoder and the engine attend to exactly those). Mixtral
+  is Mistral's with every MLP a mixture of experts, `intermediate_size` wide, always renormalized
+  (its checkpoints name them `block_sparse_moe.experts.{e}.w1/w3/w2`: `moe.from_disk`).
 - OLMo2 moves each layer's norms after its attention and its MLP (`post_norms`: no norm before them),
   normalizes q and k over their whole width (all heads at once) before RoPE, and its RMSNorm scales in
   fp32 before rounding to the dtype. OLMo3 is OLMo2's with a sliding window on some layers
@@ -66,6 +69,7 @@ ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
@@ -78,7 +82,7 @@ ROPE_REQUIRED = {
 _HF_DEFAULT_MAX_POS = {
     "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048,
     "smollm3": 32768, "phi3": 4096, "granite": 2048, "gemma2": 8192,
-    "gemma3_text": 131072, "qwen3_moe": 32768, "olmoe": 4096,
+    "gemma3_text": 131072, "qwen3_moe": 32768, "olmoe": 4096, "mixtral": 4096 * 32,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
 _HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "olmoe": 1e-5}  # else 1e-6
@@ -91,15 +95,18 @@ _HF_GEMMA3_THETA = (1e6, 1e4)  # Gemma3TextConfig's default_theta: the full laye
 _HF_GEMMA2 = {"sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 # the families whose config.json may name a sliding window; those with it on some layers only (`layer_types`),
 # HF's default for which is every n-th layer full; those whose sliding layers may have RoPE of their own
-WINDOWED = ("mistral", "phi3", "olmo3", "gemma2", "gemma3_text")
+WINDOWED = ("mistral", "mixtral", "phi3", "olmo3", "gemma2", "gemma3_text")
 LAYERED = ("olmo3", "gemma2", "gemma3_text")
 _HF_FULL_EVERY = {"olmo3": 4, "gemma2": 2, "gemma3_text": _HF_GEMMA3_PATTERN}
 ROPE_BY_LAYER = ("olmo3", "gemma3_text")
 GEMMA = ("gemma2", "gemma3_text")
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (GeGLU, tanh approximation)
 _SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
-NO_BIAS = ("mistral", "phi3")  # the families without an attention bias
-MOE = ("qwen3_moe", "olmoe")  # the families whose MLPs are mixtures of experts
+NO_BIAS = ("mistral", "mixtral", "phi3")  # the families without an attention bias
+MOE = ("qwen3_moe", "olmoe", "mixtral")  # the families whose MLPs are mixtures of experts
+# the families whose every layer is sparse, its experts intermediate_size wide (config.json has no
+# moe_intermediate_size); Mixtral's always renormalized
+EVERY_LAYER_MOE = ("olmoe", "mixtral")
 _MOE_KEYS = (
     "num_experts",
     "num_experts_per_tok",
@@ -290,17 +297,18 @@ class ModelConfig:
         if self.model_type not in MOE:
             if E or k or self.moe_intermediate_size or self.mlp_only_layers:
                 raise ValueError(
-                    "num_experts, num_experts_per_tok, moe_intermediate_size and mlp_only_layers are Qwen3-MoE's "
-                    f"and OLMoE's; model_type={self.model_type!r} has a dense MLP: leave them at 0 (and ())"
+                    "num_experts, num_experts_per_tok, moe_intermediate_size and mlp_only_layers are Qwen3-MoE's, "
+                    f"OLMoE's and Mixtral's; model_type={self.model_type!r} has a dense MLP: leave them at 0 (and ())"
                 )
             return
-        if self.model_type == "olmoe":  # every layer sparse, its experts intermediate_size wide
+        if self.model_type in EVERY_LAYER_MOE:  # every layer sparse, its experts intermediate_size wide
             self.moe_intermediate_size = self.moe_intermediate_size or self.intermediate_size
             if self.moe_intermediate_size != self.intermediate_size or self.mlp_only_layers or step != 1:
                 raise ValueError(
-                    "an olmoe model's every layer is sparse, its experts intermediate_size wide: leave "
+                    f"a {self.model_type} model's every layer is sparse, its experts intermediate_size wide: leave "
                     "moe_intermediate_size 0 (or = intermediate_size), mlp_only_layers () and decoder_sparse_step 1"
                 )
+            self.norm_topk_prob = self.norm_topk_prob or self.model_type == "mixtral"  # Mixtral's always are
         ok = all(
             isinstance(v, int) and not isinstance(v, bool) for v in (E, k, step, self.moe_intermediate_size)
         )
@@ -577,6 +585,7 @@ class ModelConfig:
         max_pos = d.get("max_position_embeddings", _HF_DEFAULT_MAX_POS[model_type])
         window = {
             "mistral": d.get("sliding_window", _HF_MISTRAL_WINDOW), "phi3": d.get("sliding_window"),
+            "mixtral": d.get("sliding_window"),
             "olmo3": d.get("sliding_window", _HF_OLMO3_WINDOW),
             "gemma3_text": d.get("sliding_window", _HF_GEMMA3_WINDOW),
             "gemma2": d.get("sliding_window", _HF_GEMMA2["sliding_window"]),
@@ -674,6 +683,9 @@ class ModelConfig:
             d.update({k: getattr(self, k) for k in _MOE_KEYS}, mlp_only_layers=list(self.mlp_only_layers))
         if self.model_type == "olmoe":
             d.update({k: getattr(self, k) for k in _HF_OLMOE}, clip_qkv=None)
+        if self.model_type == "mixtral":
+            d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+            d.update(router_jitter_noise=0.0)
         if self.model_type in MOE:
             d.update(output_router_logits=False)
         if self.gemma:
@@ -754,6 +766,10 @@ def _moe_from_hf(d: dict, model_type: str) -> dict:
     """Qwen3MoeConfig's or OlmoeConfig's experts, its defaults where config.json leaves them out (the number
     of experts is `num_experts` in the Hub's configs, `num_local_experts` in those transformers 5 writes);
     OLMoE's experts are intermediate_size wide. OLMoE's clip_qkv (clamping q, k and v) is refused."""
+    if model_type == "mixtral":  # router_jitter_noise only in transformers' training mode: never here
+        moe = {"num_experts": d.get("num_local_experts", d.get("num_experts", 8))}
+        moe |= {"num_experts_per_tok": d.get("num_experts_per_tok", 2), "norm_topk_prob": True}
+        return moe | {"moe_intermediate_size": d.get("intermediate_size", 14336)}
     if model_type == "olmoe":
         if d.get("clip_qkv") is not None:
             raise ValueError(

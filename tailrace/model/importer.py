@@ -9,8 +9,9 @@ tokenizer files and chat template the source carries).
 - A transformers directory: loaded from safetensors only (a pickled `pytorch_model.bin` is refused:
   loading a pickle runs code), whatever its dtype or sharding.
 
-Only what tailrace's decoder supports is accepted (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / OLMo2 / OLMo3 / OLMoE /
-SmolLM3 / Phi-3 / Granite / Gemma 2 / Gemma 3 families; `ModelConfig.from_hf` names anything else). Gemma 3's
+Only what tailrace's decoder supports is accepted (Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE /
+OLMo2 / OLMo3 / OLMoE / SmolLM3 / Phi-3 / Granite / Gemma 2 / Gemma 3 families; `ModelConfig.from_hf`
+names anything else). Gemma 3's
 image-text checkpoints (4B, 12B, 27B: `Gemma3ForConditionalGeneration`) are imported as their text model
 (a `Gemma3ForCausalLM`), the vision tower left behind; text-only prompts run through it exactly. The
 converted model is checked
@@ -69,8 +70,8 @@ def import_model(src: str | Path, out: str | Path, dtype: str = "float32") -> Im
         cfg = ModelConfig.from_hf(d)
     except (KeyError, ValueError) as e:
         raise CheckpointError(
-            f"{src}: {e}; tailrace's decoder reads Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMo2, OLMo3, OLMoE, "
-            "SmolLM3, Phi-3, Granite, Gemma 2 and Gemma 3-family models"
+            f"{src}: {e}; tailrace's decoder reads Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo2, "
+            "OLMo3, OLMoE, SmolLM3, Phi-3, Granite, Gemma 2 and Gemma 3-family models"
         ) from None
     with torch.device("meta"):  # no weights of its own: it takes transformers' tensors (one copy in memory)
         model = CausalLM(cfg)

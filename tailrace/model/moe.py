@@ -1,9 +1,11 @@
-"""Qwen3-MoE's and OLMoE's mixture of experts: a router and `num_experts` SwiGLU experts in place of a layer's MLP.
+"""Qwen3-MoE's, OLMoE's and Mixtral's mixture of experts: a router and `num_experts` SwiGLU experts in place
+of a layer's MLP.
 
 Each token's router logits (E,) go through a softmax in fp32; the token takes its `num_experts_per_tok`
 (k) likeliest experts, their probabilities renormalized to sum to 1 where `norm_topk_prob`, rounded to
 the logits' dtype, and its output is the sum of those experts' outputs, each times its weight, added in
-increasing expert order — transformers' Qwen3MoeSparseMoeBlock (OLMoE's alike), whose parameter names these keep
+increasing expert order — transformers' Qwen3MoeSparseMoeBlock (OLMoE's alike; Mixtral's keeps its weights
+in fp32, a difference of bf16 rounding in a bf16 forward), whose parameter names these keep
 (`mlp.gate.weight`, `mlp.experts.{e}.gate_proj.weight`: the checkpoints' own, one matrix per expert).
 
 `mix` is the one computation the trainer's decoder and the engine's backends share: the tokens sorted
@@ -96,6 +98,32 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[k] = v
     return out
+
+
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # its experts' names on disk: ours
+
+
+def from_disk(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Mixtral's checkpoint names as the decoder's: `block_sparse_moe.` is `mlp.`, an expert's w1, w3 and w2
+    its gate_proj, up_proj and down_proj (others' names as they are)."""
+    return {_renamed(k, ".block_sparse_moe.", ".mlp.", _MIXTRAL): v for k, v in state.items()}
+
+
+def to_disk(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The decoder's names as `cfg`'s checkpoints name them: `from_disk` undone for Mixtral."""
+    if cfg.model_type != "mixtral":
+        return state
+    back = {v: k for k, v in _MIXTRAL.items()}
+    return {_renamed(k, ".mlp.", ".block_sparse_moe.", back): v for k, v in state.items()}
+
+
+def _renamed(key: str, old: str, new: str, experts: dict[str, str]) -> str:
+    if old not in key:
+        return key
+    parts = key.replace(old, new).split(".")
+    if len(parts) > 4 and parts[-4] == "experts" and parts[-2] in experts:  # ...experts.{e}.w1.weight
+        parts[-2] = experts[parts[-2]]
+    return ".".join(parts)
 
 
 class SparseMoE(nn.Module):

@@ -71,6 +71,9 @@ CONFIGS = {
         mlp_only_layers=(1,),
     ),  # fmt: skip
     "olmoe": dict(model_type="olmoe", num_experts=5, num_experts_per_tok=2),
+    "mixtral-window": dict(
+        model_type="mixtral", num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, sliding_window=10
+    ),
     "phi3-longrope": dict(model_type="phi3", rope_scaling=LONGROPE),
     "phi3-partial": dict(model_type="phi3", partial_rotary_factor=0.75),  # Phi-4-mini: 12 of 16 dims rotate
     "llama3-rope": dict(

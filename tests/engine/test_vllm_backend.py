@@ -321,6 +321,9 @@ MOE_FAMILIES = {
         moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=(1,),
     ),
     "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=64, rms_norm_eps=1e-5),
+    "mixtral": dict(
+        model_type="mixtral", num_experts=4, num_experts_per_tok=2, intermediate_size=64, norm_topk_prob=True
+    ),
 }  # fmt: skip
 
 

@@ -185,6 +185,18 @@ CONFIGS = {
         num_experts_per_tok=2,
         attention_bias=True,
     ),  # fmt: skip
+    # Mixtral's layout (Mixtral-8x7B's, small): Mistral's attention (here a window shorter than the test
+    # sequences), every MLP four experts as wide as intermediate_size, two a token, renormalized; its
+    # checkpoint names (block_sparse_moe, w1/w3/w2) ours on load and its own again on save
+    "mixtral-gqa2-experts-window": dict(
+        model_type="mixtral",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        sliding_window=11,
+    ),  # fmt: skip
 }
 HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -200,6 +212,7 @@ HF_CLASSES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 

@@ -239,9 +239,9 @@ def test_a_mistral_window_is_kept_and_holds_nothing(changes, window):
 
 
 def test_moe_configs_on_the_hub_read_as_their_models():
-    """Qwen3-30B-A3B's and OLMoE-1B-7B-0924's config.json as the Hub ships them: every layer sparse, the
-    experts' count, choices, width and renormalizing read, and the parameters they make (on the meta
-    device) the published totals: 30.5B and 6.9B."""
+    """Qwen3-30B-A3B's, OLMoE-1B-7B-0924's and Mixtral-8x7B's config.json as the Hub ships them: every layer
+    sparse, the experts' count, choices, width and renormalizing read, and the parameters they make (on
+    the meta device) the published totals: 30.5B, 6.9B and 46.7B."""
     import torch
 
     from tailrace.model import CausalLM
@@ -257,9 +257,15 @@ def test_moe_configs_on_the_hub_read_as_their_models():
                  norm_topk_prob=False, num_attention_heads=16, num_experts=64, num_experts_per_tok=8,
                  num_hidden_layers=16, num_key_value_heads=16, pad_token_id=1, rms_norm_eps=1e-5,
                  rope_scaling=None, rope_theta=10000.0, tie_word_embeddings=False, vocab_size=50304)  # fmt: skip
+    mixtral = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
+                   intermediate_size=14336, max_position_embeddings=32768, num_attention_heads=32,
+                   num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8, num_local_experts=8,
+                   rms_norm_eps=1e-5, rope_theta=1e6, router_aux_loss_coef=0.02, sliding_window=None,
+                   tie_word_embeddings=False, vocab_size=32000)  # fmt: skip
     for d, total, (E, k, width, norm) in (
         (qwen, 30.53e9, (128, 8, 768, True)),
         (olmoe, 6.92e9, (64, 8, 1024, False)),
+        (mixtral, 46.70e9, (8, 2, 14336, True)),
     ):
         cfg = ModelConfig.from_hf(d)
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (

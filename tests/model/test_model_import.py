@@ -18,6 +18,8 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo3Config,
     Olmo3ForCausalLM,
     OlmoeConfig,
@@ -139,6 +141,7 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
         "qwen3",
         "qwen3-moe",
         "olmoe",
+        "mixtral",
         "phi3",
         "phi4-mini",
         "olmo3",
@@ -180,6 +183,14 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
                         p.normal_(0.0, 1.0)
                     elif n.endswith(("q_norm.weight", "k_norm.weight")):
                         p.uniform_(0.5, 1.5)
+        elif arch == "mixtral":  # transformers 5 names its block_sparse_moe mlp and stacks the experts
+            model = MixtralForCausalLM(
+                MixtralConfig(num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, **shape)
+            ).eval()
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n.endswith("mlp.gate.weight"):
+                        p.normal_(0.0, 1.0)
         elif arch == "phi3":  # q/k/v and gate/up fused; LongRoPE (short factors, cos and sin scaled)
             rope = {"rope_type": "longrope", "original_max_position_embeddings": 32,
                     "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [4.0] * 4}  # fmt: skip

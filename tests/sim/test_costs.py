@@ -158,13 +158,13 @@ def test_a_lora_run_moves_its_adapter_and_trains_without_the_base_weight_gradien
 
 
 def test_an_moe_config_json_as_tailrace_and_transformers_5_write_it_is_its_shape():
-    """Qwen3-MoE's and OLMoE's config.json (the experts `num_experts`, or transformers 5's
-    `num_local_experts`; OLMoE's experts intermediate_size wide): the shape counts the model's own
-    parameters, every expert's and the router's (the q/k norms aside: under 0.3%)."""
+    """Qwen3-MoE's, OLMoE's and Mixtral's config.json (the experts `num_experts`, or transformers 5's and
+    Mixtral's `num_local_experts`; OLMoE's and Mixtral's experts intermediate_size wide): the shape counts
+    the model's own parameters, every expert's and the router's (the q/k norms aside: under 0.3%)."""
     from tailrace.model import CausalLM, ModelConfig
     from tailrace.sim.scenario import shape_from_hf
 
-    for family, extra in (("qwen3_moe", dict(moe_intermediate_size=24)), ("olmoe", {})):
+    for family, extra in (("qwen3_moe", dict(moe_intermediate_size=24)), ("olmoe", {}), ("mixtral", {})):
         shape = dict(
             vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
         )
