@@ -41,7 +41,7 @@ from tailrace.config.train import FUSED_TARGETS, fused_module
 from tailrace.model import fused
 from tailrace.model.checkpoint import read_config
 from tailrace.model.flat import FlatWeights, Layout
-from tailrace.model.moe import from_disk, split_experts
+from tailrace.model.moe import as_ours
 from tailrace.runtime import checkpoint
 from tailrace.runtime.relay import NAME, End, Handshake, Refused, Stepped, Work, receive, send
 from tailrace.trainer.batch import TrainBatch
@@ -271,9 +271,9 @@ def _by_run_names(weights: Mapping[str, torch.Tensor], layout: Layout) -> Mappin
     under the run's names (`<name>.lora_A.weight`), for a LoRA run's layout; and a fused model's
     (transformers' Phi-3: `qkv_proj`, `gate_up_proj`) split into the run's projections: a weight or a
     B by rows, an A (PEFT's one per fused module) the same for each; transformers 5's experts of a
-    mixture of experts (one 3-D weight for all) one matrix each, and Mixtral's checkpoint names ours;
+    mixture of experts (one 3-D weight for all) one matrix each, and Mixtral's and Granite's names ours;
     others as they are."""
-    out = from_disk(split_experts(weights))
+    out = as_ours(weights)
     if any(".lora_" in n for n, _, _ in layout):
         for key, t in weights.items():
             m = _PEFT_KEY.match(key)

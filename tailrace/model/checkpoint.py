@@ -74,7 +74,7 @@ def load_pretrained(
     dtype (as transformers' dtype="auto"); device None is the CPU."""
     path = _checkpoint_dir(path)
     cfg = read_config(path)
-    state = moe.from_disk(fused.split(_read_tensors(path), cfg))  # Phi-3's projections, Mixtral's experts
+    state = moe.as_ours(fused.split(_read_tensors(path), cfg))  # Phi-3's projections; MoEs' experts
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = model.state_dict()  # meta tensors: names and shapes only

@@ -1,10 +1,10 @@
 """`ModelConfig`: the shape of a Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/OLMoE/SmolLM3/Phi-3/
-Granite/Gemma 2/Gemma 3-family decoder, and its mapping to and from HF config.json.
+Granite/Granite MoE/Gemma 2/Gemma 3-family decoder, and its mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3Moe/Olmo2/Olmo3/Olmoe/SmolLM3/Phi3/Granite/Gemma2/
-Gemma3ForCausalLM.
+loads into Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3Moe/Olmo2/Olmo3/Olmoe/SmolLM3/Phi3/Granite/GraniteMoe/
+Gemma2/Gemma3ForCausalLM.
 
 - Qwen3 is Llama's layout with a per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch
   on every attention projection. Qwen3-MoE is Qwen3's with a mixture of experts for the MLP of its sparse
@@ -13,7 +13,9 @@ Gemma3ForCausalLM.
 - Mistral is Llama's without biases, and with a sliding window in v0.1: every layer attends to the last
   `sliding_window` positions (`window_at`; the decoder and the engine attend to exactly those). Mixtral
   is Mistral's with every MLP a mixture of experts, `intermediate_size` wide, always renormalized
-  (its checkpoints name them `block_sparse_moe.experts.{e}.w1/w3/w2`: `moe.from_disk`).
+  (its checkpoints name them `block_sparse_moe.experts.{e}.w1/w3/w2`: `moe.as_ours`, `moe.to_disk`).
+  Granite's MoE (`granitemoe`) is Granite's with every MLP such a mixture (a softmax over the k likeliest
+  logits: the same weights), each layer's experts stacked in its checkpoint.
 - OLMo2 moves each layer's norms after its attention and its MLP (`post_norms`: no norm before them),
   normalizes q and k over their whole width (all heads at once) before RoPE, and its RMSNorm scales in
   fp32 before rounding to the dtype. OLMo3 is OLMo2's with a sliding window on some layers
@@ -70,6 +72,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
 }
 # rope_type -> keys it requires (beyond rope_type). "default" is stored as rope_scaling=None.
 ROPE_REQUIRED = {
@@ -82,7 +85,7 @@ ROPE_REQUIRED = {
 _HF_DEFAULT_MAX_POS = {
     "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048,
     "smollm3": 32768, "phi3": 4096, "granite": 2048, "gemma2": 8192,
-    "gemma3_text": 131072, "qwen3_moe": 32768, "olmoe": 4096, "mixtral": 4096 * 32,
+    "gemma3_text": 131072, "qwen3_moe": 32768, "olmoe": 4096, "mixtral": 4096 * 32, "granitemoe": 2048,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
 _HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "olmoe": 1e-5}  # else 1e-6
@@ -103,10 +106,12 @@ GEMMA = ("gemma2", "gemma3_text")
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (GeGLU, tanh approximation)
 _SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 NO_BIAS = ("mistral", "mixtral", "phi3")  # the families without an attention bias
-MOE = ("qwen3_moe", "olmoe", "mixtral")  # the families whose MLPs are mixtures of experts
+MOE = ("qwen3_moe", "olmoe", "mixtral", "granitemoe")  # the families whose MLPs are mixtures of experts
 # the families whose every layer is sparse, its experts intermediate_size wide (config.json has no
-# moe_intermediate_size); Mixtral's always renormalized
-EVERY_LAYER_MOE = ("olmoe", "mixtral")
+# moe_intermediate_size); Mixtral's and Granite's always renormalized
+EVERY_LAYER_MOE = ("olmoe", "mixtral", "granitemoe")
+RENORMALIZED = ("mixtral", "granitemoe")
+GRANITE = ("granite", "granitemoe")  # the families with Granite's four scalars
 _MOE_KEYS = (
     "num_experts",
     "num_experts_per_tok",
@@ -308,7 +313,7 @@ class ModelConfig:
                     f"a {self.model_type} model's every layer is sparse, its experts intermediate_size wide: leave "
                     "moe_intermediate_size 0 (or = intermediate_size), mlp_only_layers () and decoder_sparse_step 1"
                 )
-            self.norm_topk_prob = self.norm_topk_prob or self.model_type == "mixtral"  # Mixtral's always are
+            self.norm_topk_prob = self.norm_topk_prob or self.model_type in RENORMALIZED
         ok = all(
             isinstance(v, int) and not isinstance(v, bool) for v in (E, k, step, self.moe_intermediate_size)
         )
@@ -364,7 +369,7 @@ class ModelConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{name}={v!r} must be a number > 0")
             setattr(self, name, float(v))
-        if self.model_type != "granite" and self.multipliers != (1.0, 1.0, None, 1.0):
+        if self.model_type not in GRANITE and self.multipliers != (1.0, 1.0, None, 1.0):
             raise ValueError(
                 f"{', '.join(names)} are Granite's; model_type={self.model_type!r} has none: leave them at "
                 "1.0 (attention_multiplier None)"
@@ -629,7 +634,7 @@ class ModelConfig:
             local_rope=local,
             hidden_act=act,
             **(_moe_from_hf(d, model_type) if model_type in MOE else {}),
-            **(_granite_from_hf(d) if model_type == "granite" else {}),
+            **(_granite_from_hf(d) if model_type in GRANITE else {}),
             **({"query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256), **caps} if gemma else {}),
         )
 
@@ -668,9 +673,9 @@ class ModelConfig:
         }
         if self.rope_scaling:
             d["rope_scaling"] = dict(self.rope_scaling)
-        if self.model_type in ("llama", "granite"):
+        if self.model_type in ("llama", *GRANITE):
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
-            if self.model_type == "granite":
+            if self.model_type in GRANITE:
                 d.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                          attention_multiplier=self.attention_scale, logits_scaling=self.logits_scaling)  # fmt: skip
         elif self.model_type in WINDOWED:
@@ -683,7 +688,7 @@ class ModelConfig:
             d.update({k: getattr(self, k) for k in _MOE_KEYS}, mlp_only_layers=list(self.mlp_only_layers))
         if self.model_type == "olmoe":
             d.update({k: getattr(self, k) for k in _HF_OLMOE}, clip_qkv=None)
-        if self.model_type == "mixtral":
+        if self.model_type in RENORMALIZED:
             d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
             d.update(router_jitter_noise=0.0)
         if self.model_type in MOE:
@@ -766,7 +771,7 @@ def _moe_from_hf(d: dict, model_type: str) -> dict:
     """Qwen3MoeConfig's or OlmoeConfig's experts, its defaults where config.json leaves them out (the number
     of experts is `num_experts` in the Hub's configs, `num_local_experts` in those transformers 5 writes);
     OLMoE's experts are intermediate_size wide. OLMoE's clip_qkv (clamping q, k and v) is refused."""
-    if model_type == "mixtral":  # router_jitter_noise only in transformers' training mode: never here
+    if model_type in RENORMALIZED:  # Mixtral's router_jitter_noise: only in transformers' training mode
         moe = {"num_experts": d.get("num_local_experts", d.get("num_experts", 8))}
         moe |= {"num_experts_per_tok": d.get("num_experts_per_tok", 2), "norm_topk_prob": True}
         return moe | {"moe_intermediate_size": d.get("intermediate_size", 14336)}

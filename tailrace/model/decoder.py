@@ -1,11 +1,11 @@
-"""`CausalLM`: a Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/OLMoE/SmolLM3/Phi-3/Granite/Gemma 2/
-Gemma 3-family decoder in plain PyTorch.
+"""`CausalLM`: a Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/OLMoE/SmolLM3/Phi-3/Granite/Granite
+MoE/Gemma 2/Gemma 3-family decoder in plain PyTorch.
 
 Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3(Moe)ForCausalLM /
 Olmo2ForCausalLM / Olmo3ForCausalLM / OlmoeForCausalLM / SmolLM3ForCausalLM / GraniteForCausalLM /
 Gemma2/3ForCausalLM checkpoints', so state_dicts map 1:1 (Phi3ForCausalLM's fused projections split and
 join: `fused.py`; an MoE's experts one matrix each, as on disk, where transformers 5 stacks them in
-memory: `moe.split_experts`; Mixtral's on-disk names renamed: `moe.from_disk`, `moe.to_disk`).
+memory, and Mixtral's and Granite's on-disk names, as ours: `moe.as_ours`, `moe.to_disk`).
 
 The forward runs whole sequences with causal attention. Callers right-pad batches, so no padding mask
 is needed (a real token never attends to a later pad). Autograd and bf16 autocast work. There is no

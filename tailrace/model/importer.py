@@ -10,7 +10,7 @@ tokenizer files and chat template the source carries).
   loading a pickle runs code), whatever its dtype or sharding.
 
 Only what tailrace's decoder supports is accepted (Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE /
-OLMo2 / OLMo3 / OLMoE / SmolLM3 / Phi-3 / Granite / Gemma 2 / Gemma 3 families; `ModelConfig.from_hf`
+OLMo2 / OLMo3 / OLMoE / SmolLM3 / Phi-3 / Granite / Granite MoE / Gemma 2 / Gemma 3 families; `ModelConfig.from_hf`
 names anything else). Gemma 3's
 image-text checkpoints (4B, 12B, 27B: `Gemma3ForConditionalGeneration`) are imported as their text model
 (a `Gemma3ForCausalLM`), the vision tower left behind; text-only prompts run through it exactly. The
@@ -32,7 +32,7 @@ from tailrace.model.checkpoint import CheckpointError, save_pretrained
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
 from tailrace.model.device import available_bytes
-from tailrace.model.moe import split_experts
+from tailrace.model.moe import as_ours
 
 TOLERANCE = 1e-4  # max |logit difference| accepted between the source and the import, fp32
 # an import's anonymous memory at its peak: the weights in fp32 (one copy, shared by both models) times
@@ -71,11 +71,11 @@ def import_model(src: str | Path, out: str | Path, dtype: str = "float32") -> Im
     except (KeyError, ValueError) as e:
         raise CheckpointError(
             f"{src}: {e}; tailrace's decoder reads Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo2, "
-            "OLMo3, OLMoE, SmolLM3, Phi-3, Granite, Gemma 2 and Gemma 3-family models"
+            "OLMo3, OLMoE, SmolLM3, Phi-3, Granite, Granite MoE, Gemma 2 and Gemma 3-family models"
         ) from None
     with torch.device("meta"):  # no weights of its own: it takes transformers' tensors (one copy in memory)
         model = CausalLM(cfg)
-    state = split_experts(fused.split(state, cfg))  # Phi-3's q/k/v and gate/up apart; an MoE's experts
+    state = as_ours(fused.split(state, cfg))  # Phi-3's q/k/v and gate/up apart; an MoE's experts
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

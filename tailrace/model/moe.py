@@ -1,5 +1,5 @@
-"""Qwen3-MoE's, OLMoE's and Mixtral's mixture of experts: a router and `num_experts` SwiGLU experts in place
-of a layer's MLP.
+"""Qwen3-MoE's, OLMoE's, Mixtral's and Granite's mixture of experts: a router and `num_experts` SwiGLU
+experts in place of a layer's MLP.
 
 Each token's router logits (E,) go through a softmax in fp32; the token takes its `num_experts_per_tok`
 (k) likeliest experts, their probabilities renormalized to sum to 1 where `norm_topk_prob`, rounded to
@@ -101,20 +101,55 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # its experts' names on disk: ours
+# Granite's MoE on disk: each layer's experts stacked (gate rows then up rows, as transformers 5 stacks every
+# MoE in memory) and its router; the names transformers 5 gives them in memory
+_GRANITE = {
+    ".block_sparse_moe.input_linear.weight": ".mlp.experts.gate_up_proj",
+    ".block_sparse_moe.output_linear.weight": ".mlp.experts.down_proj",
+    ".block_sparse_moe.router.layer.weight": ".mlp.gate.weight",
+    ".block_sparse_moe.experts.gate_up_proj": ".mlp.experts.gate_up_proj",
+    ".block_sparse_moe.experts.down_proj": ".mlp.experts.down_proj",
+    ".block_sparse_moe.router.weight": ".mlp.gate.weight",
+}
 
 
-def from_disk(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Mixtral's checkpoint names as the decoder's: `block_sparse_moe.` is `mlp.`, an expert's w1, w3 and w2
-    its gate_proj, up_proj and down_proj (others' names as they are)."""
-    return {_renamed(k, ".block_sparse_moe.", ".mlp.", _MIXTRAL): v for k, v in state.items()}
+def as_ours(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's or transformers 5's tensors of a mixture of experts under the decoder's names, one
+    matrix per expert (views, no copy): Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2` are
+    `mlp.experts.{e}.gate_proj/up_proj/down_proj`, Granite's stacked `input_linear` / `output_linear` and
+    `router.layer`, and transformers 5's stacked experts, split (`split_experts`); others as they are."""
+    out = {}
+    for k, v in state.items():
+        old = next((o for o in _GRANITE if k.endswith(o)), None)
+        k = (
+            k.removesuffix(old) + _GRANITE[old]
+            if old
+            else _renamed(k, ".block_sparse_moe.", ".mlp.", _MIXTRAL)
+        )
+        out[k] = v
+    return split_experts(out)
 
 
 def to_disk(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The decoder's names as `cfg`'s checkpoints name them: `from_disk` undone for Mixtral."""
-    if cfg.model_type != "mixtral":
+    """The decoder's tensors as `cfg`'s checkpoints hold them: `as_ours` undone for Mixtral (names) and
+    Granite's MoE (each layer's experts stacked: a copy)."""
+    if cfg.model_type == "mixtral":
+        back = {v: k for k, v in _MIXTRAL.items()}
+        return {_renamed(k, ".mlp.", ".block_sparse_moe.", back): v for k, v in state.items()}
+    if cfg.model_type != "granitemoe":
         return state
-    back = {v: k for k, v in _MIXTRAL.items()}
-    return {_renamed(k, ".mlp.", ".block_sparse_moe.", back): v for k, v in state.items()}
+    out = {k: v for k, v in state.items() if ".mlp." not in k}
+    for i in range(cfg.num_hidden_layers):
+        at, experts = f"model.layers.{i}.", range(cfg.num_experts)
+        e = f"{at}mlp.experts."
+        out[f"{at}block_sparse_moe.router.layer.weight"] = state[f"{at}mlp.gate.weight"]
+        out[f"{at}block_sparse_moe.input_linear.weight"] = torch.stack(
+            [torch.cat((state[f"{e}{j}.gate_proj.weight"], state[f"{e}{j}.up_proj.weight"])) for j in experts]
+        )
+        out[f"{at}block_sparse_moe.output_linear.weight"] = torch.stack(
+            [state[f"{e}{j}.down_proj.weight"] for j in experts]
+        )
+    return out
 
 
 def _renamed(key: str, old: str, new: str, experts: dict[str, str]) -> str:

@@ -226,12 +226,16 @@ def model_shape(spec: str) -> ModelShape:
 
 
 def shape_from_hf(cfg: dict, name: str) -> ModelShape:
-    """A ModelShape from a Hugging Face config.json (dense Llama/Qwen2/Qwen3, or Qwen3-MoE, OLMoE or
-    Mixtral: the experts `num_experts` or `num_local_experts`; OLMoE's and Mixtral's intermediate_size
+    """A ModelShape from a Hugging Face config.json (dense Llama/Qwen2/Qwen3, or Qwen3-MoE, OLMoE, Mixtral or
+    Granite's MoE: the experts `num_experts` or `num_local_experts`; the last three's intermediate_size
     wide)."""
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
-    every = cfg.get("model_type") in ("olmoe", "mixtral")  # their experts intermediate_size wide
+    every = cfg.get("model_type") in (
+        "olmoe",
+        "mixtral",
+        "granitemoe",
+    )  # their experts intermediate_size wide
     width = cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size", 0) if every else 0)
     return ModelShape(
         name,

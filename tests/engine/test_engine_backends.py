@@ -71,6 +71,15 @@ CONFIGS = {
         mlp_only_layers=(1,),
     ),  # fmt: skip
     "olmoe": dict(model_type="olmoe", num_experts=5, num_experts_per_tok=2),
+    "granitemoe": dict(
+        model_type="granitemoe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0625,
+        logits_scaling=6.0,
+    ),  # fmt: skip
     "mixtral-window": dict(
         model_type="mixtral", num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, sliding_window=10
     ),

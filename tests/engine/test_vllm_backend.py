@@ -324,6 +324,10 @@ MOE_FAMILIES = {
     "mixtral": dict(
         model_type="mixtral", num_experts=4, num_experts_per_tok=2, intermediate_size=64, norm_topk_prob=True
     ),
+    "granitemoe": dict(
+        model_type="granitemoe", num_experts=4, num_experts_per_tok=2, intermediate_size=64, tie_word_embeddings=True,
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=0.5,
+    ),
 }  # fmt: skip
 
 

@@ -197,6 +197,20 @@ CONFIGS = {
         norm_topk_prob=True,
         sliding_window=11,
     ),  # fmt: skip
+    # Granite 3's MoE layout (granite-3.1-1b-a400m's, small): Granite's four scalars, every MLP four experts,
+    # two a token (a softmax over the two likeliest logits); its checkpoint stacks each layer's experts
+    "granitemoe-gqa2-experts-multipliers": dict(
+        model_type="granitemoe",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0625,
+        logits_scaling=6.0,
+    ),  # fmt: skip
 }
 HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -213,6 +227,7 @@ HF_CLASSES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
 }
 
 

@@ -16,6 +16,8 @@ from transformers import (
     Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
+    GraniteMoeConfig,
+    GraniteMoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -142,6 +144,7 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
         "qwen3-moe",
         "olmoe",
         "mixtral",
+        "granitemoe",
         "phi3",
         "phi4-mini",
         "olmo3",
@@ -190,6 +193,15 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     if n.endswith("mlp.gate.weight"):
+                        p.normal_(0.0, 1.0)
+        elif arch == "granitemoe":  # Granite's scalars; its experts stacked on disk as in memory
+            cfg = GraniteMoeConfig(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+                                   residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=6.0,
+                                   pad_token_id=0, **shape)  # fmt: skip
+            model = GraniteMoeForCausalLM(cfg).eval()
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n.endswith("router.weight"):
                         p.normal_(0.0, 1.0)
         elif arch == "phi3":  # q/k/v and gate/up fused; LongRoPE (short factors, cos and sin scaled)
             rope = {"rope_type": "longrope", "original_max_position_embeddings": 32,

@@ -164,7 +164,13 @@ def test_an_moe_config_json_as_tailrace_and_transformers_5_write_it_is_its_shape
     from tailrace.model import CausalLM, ModelConfig
     from tailrace.sim.scenario import shape_from_hf
 
-    for family, extra in (("qwen3_moe", dict(moe_intermediate_size=24)), ("olmoe", {}), ("mixtral", {})):
+    families = (
+        ("qwen3_moe", dict(moe_intermediate_size=24)),
+        ("olmoe", {}),
+        ("mixtral", {}),
+        ("granitemoe", {}),
+    )
+    for family, extra in families:
         shape = dict(
             vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
         )

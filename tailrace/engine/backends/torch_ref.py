@@ -216,16 +216,18 @@ class TorchBackend:
         """x + the MLP of x's RMSNorm (with the tokens' adapter terms on gate/up and down; in a post-norm
         layer, x + the RMSNorm of the MLP of x)."""
         xn = x if lw.norm_mlp is None else self._rms(x, lw.norm_mlp)
-        if lw.experts is not None:  # Qwen3-MoE's sparse layer (no adapter terms: LoRA leaves its experts be)
-            return x + self._experts(lw, xn, pk)
-        gu = lw.gate_up(xn, pk)
-        if lora is not None:
-            lora.add(i, "gate_up", xn, gu, self.kernel)
-        h = self._act_mul(gu)
         m = self.model.config.residual_multiplier
-        y = lw.down.add(h, x, pk) if lw.post_mlp is None and m == 1.0 else lw.down(h, pk)
-        if lora is not None:
-            lora.add(i, "down", h, y, self.kernel)
+        if lw.experts is not None:  # a sparse layer (no adapter terms: LoRA leaves an MoE's MLPs be)
+            y = self._experts(lw, xn, pk)
+            y = y if m != 1.0 or lw.post_mlp is not None else x + y
+        else:
+            gu = lw.gate_up(xn, pk)
+            if lora is not None:
+                lora.add(i, "gate_up", xn, gu, self.kernel)
+            h = self._act_mul(gu)
+            y = lw.down.add(h, x, pk) if lw.post_mlp is None and m == 1.0 else lw.down(h, pk)
+            if lora is not None:
+                lora.add(i, "down", h, y, self.kernel)
         if m != 1.0:
             return x + y * m
         return y if lw.post_mlp is None else x + self._rms(y, lw.post_mlp)
