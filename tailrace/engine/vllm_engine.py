@@ -26,7 +26,10 @@ What it cannot do (`CAPABILITIES`):
     prompt with the rest of its budget: a valid continuation, not the tokens the uninterrupted request
     would have drawn (vLLM's per-request generator starts afresh; the seed is mixed with the resumed
     length, so the continuation does not reuse the noise that drew the partial's first tokens);
-  * no speculative decoding.
+  * no speculative decoding;
+  * on CPU, a mixture of experts' weights are fixed: vLLM 0.32's CPU build reloads its experts wrongly and
+    has no MoE LoRA without Triton, so `load_weights` and `lora_rank` are refused there; an OLMoE that
+    vLLM's class would serve as another model (eps or renormalizing) is refused at build.
 With `lora_rank`, it serves LoRA adapters (`load_adapter`, `GenRequest.adapter`; `capabilities.adapters`)
 through vLLM's own LoRA support (`vllm_lora`): rows of up to `max_adapters` adapters share one step's
 forward, the base GEMMs once. A LoRA run's versions are adapters over the one base (`adapter_versions`),

@@ -46,7 +46,7 @@ Gemma2/Gemma3ForCausalLM.
 
 Features those classes have and this decoder lacks (windows on some layers outside OLMo3 and Gemma,
 MLP bias, partial rotary outside Phi-3, activations but SwiGLU's and Gemma's, softcapping outside Gemma,
-other RoPE types, experts outside Qwen3-MoE) are rejected, never silently ignored.
+other RoPE types, experts outside the MoE families) are rejected, never silently ignored.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ _HF_DEFAULT_MAX_POS = {
     "gemma3_text": 131072, "qwen3_moe": 32768, "olmoe": 4096, "mixtral": 4096 * 32, "granitemoe": 2048,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
-_HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "olmoe": 1e-5}  # else 1e-6
+_HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "olmoe": 1e-5, "mixtral": 1e-5}  # else 1e-6
 _HF_OLMO3_WINDOW, _HF_OLMO3_THETA = 4096, 500000.0  # Olmo3Config's sliding_window and default_theta
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 _HF_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json leaves it out
@@ -175,13 +175,13 @@ class ModelConfig:
     # likewise (None: none)
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
-    # Qwen3-MoE's and OLMoE's mixture of experts: the MLP of a sparse layer (`moe_at`) is `num_experts`
+    # a mixture of experts (the `MOE` families'): the MLP of a sparse layer (`moe_at`) is `num_experts`
     # SwiGLU experts of width moe_intermediate_size and a router; each token goes through its
     # `num_experts_per_tok` likeliest (softmax over the router's logits in fp32; their probabilities
     # renormalized to sum to 1 where norm_topk_prob), weighted by those; the other layers' MLP is the dense
     # one (intermediate_size). A layer is sparse unless listed in mlp_only_layers, every
-    # decoder_sparse_step-th (1: all; OLMoE's: every layer, its experts intermediate_size wide, which
-    # moe_intermediate_size then equals). 0: dense model
+    # decoder_sparse_step-th (1: all; OLMoE's, Mixtral's, Granite's: every layer, its experts
+    # intermediate_size wide, which moe_intermediate_size then equals). 0: dense model
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -302,8 +302,9 @@ class ModelConfig:
         if self.model_type not in MOE:
             if E or k or self.moe_intermediate_size or self.mlp_only_layers:
                 raise ValueError(
-                    "num_experts, num_experts_per_tok, moe_intermediate_size and mlp_only_layers are Qwen3-MoE's, "
-                    f"OLMoE's and Mixtral's; model_type={self.model_type!r} has a dense MLP: leave them at 0 (and ())"
+                    "num_experts, num_experts_per_tok, moe_intermediate_size and mlp_only_layers are the mixtures of "
+                    f"experts' ({', '.join(MOE)}); model_type={self.model_type!r} has a dense MLP: leave them at 0 "
+                    "(and ())"
                 )
             return
         if self.model_type in EVERY_LAYER_MOE:  # every layer sparse, its experts intermediate_size wide
@@ -330,7 +331,7 @@ class ModelConfig:
         self.norm_topk_prob = bool(self.norm_topk_prob)
 
     def moe_at(self, layer: int) -> bool:
-        """Whether layer `layer`'s MLP is a mixture of experts (Qwen3-MoE's sparse layers, OLMoE's every one), as
+        """Whether layer `layer`'s MLP is a mixture of experts (Qwen3-MoE's sparse layers, the others' every one), as
         transformers' Qwen3MoeDecoderLayer decides: not in mlp_only_layers, and every decoder_sparse_step-th."""
         return (
             self.num_experts > 0
@@ -690,7 +691,6 @@ class ModelConfig:
             d.update({k: getattr(self, k) for k in _HF_OLMOE}, clip_qkv=None)
         if self.model_type in RENORMALIZED:
             d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
-            d.update(router_jitter_noise=0.0)
         if self.model_type in MOE:
             d.update(output_router_logits=False)
         if self.gemma:

@@ -130,7 +130,10 @@ def test_defaults_follow_hf():
         (dict(query_pre_attn_scalar=256), ["Gemma's", "None"]),
         (dict(final_logit_softcapping=30.0), ["final_logit_softcapping=30.0", "Gemma's", "None"]),
         (dict(model_type="gemma3_text", hidden_act="silu"), ["hidden_act='silu'", "gelu_pytorch_tanh"]),
-        (dict(num_experts=8, num_experts_per_tok=2), ["Qwen3-MoE's", "dense MLP", "model_type='llama'"]),
+        (
+            dict(num_experts=8, num_experts_per_tok=2),
+            ["experts' (qwen3_moe", "dense MLP", "model_type='llama'"],
+        ),
         (
             dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8),
             ["0 < num_experts_per_tok <= num_experts"],

@@ -29,7 +29,7 @@ PACKED_FP32_MIN_HIDDEN = 512  # fp32 models this wide use the packed weights at 
 class _Layer:
     # norms: their weights (hidden,), None where the layer has none; qk_norm: Qwen3's q and k norm weights
     # per head, (H + Hkv, D), or None; OLMo2's: post_attn, post_mlp (hidden,) on the attention's and the
-    # MLP's outputs, q_norm (H D,) and k_norm (Hkv D,) over all heads at once; Qwen3-MoE's sparse layers:
+    # MLP's outputs, q_norm (H D,) and k_norm (Hkv D,) over all heads at once (OLMoE's too); an MoE's sparse layers:
     # router (E x hidden) and experts [(gate_up, down)], where gate_up and down are None
     __slots__ = (
         *("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "qk_norm"),
