@@ -1,8 +1,8 @@
 """Local HF checkpoint I/O: config.json + model.safetensors (or a sharded model.safetensors.index.json).
 
 Reads the decoder's families' checkpoints (`config.ARCHITECTURES`; Qwen2.5 and SmolLM included: their
-model_type is qwen2 or llama; Phi-3's fused projections are split, `model/fused.py`; Mixtral's experts
-renamed, `model/moe.py`)
+model_type is qwen2 or llama; Phi-3's fused projections are split, `model/fused.py`; Mixtral's and
+Granite's experts renamed and unstacked, `model/moe.py`)
 and writes ones `transformers.AutoModelForCausalLM.from_pretrained` loads. Every bad input raises
 `CheckpointError` with one line naming the problem and the fix. Nothing is downloaded.
 """

@@ -128,7 +128,7 @@ def _module(model: CausalLM, layer: int, target: str) -> nn.Module:
 
 def attach(model: CausalLM, cfg: LoraConfig) -> CausalLM:
     """Give `model` (in place) a fresh adapter on `cfg.targets` of every layer and freeze the rest;
-    its A draws from torch's global generator. Returns the model. On a mixture-of-experts model (Qwen3-MoE)
+    its A draws from torch's global generator. Returns the model. On a mixture-of-experts model (`cfg.moe`)
     only the attention projections are adapted, its MLPs (experts, and any dense ones) frozen: the default
     targets (all seven) mean those there, and naming an MLP target is refused (PEFT reads gate_proj, up_proj
     and down_proj there as the experts' 3-D weights, which tailrace's adapters do not reach)."""
