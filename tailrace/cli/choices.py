@@ -67,13 +67,32 @@ def check_multi_turn(cfg: RunConfig) -> None:
         )
 
 
-def check_backend(cfg: RunConfig) -> None:
+def check_backend(cfg: RunConfig, training: bool = True) -> None:
     """The rollout backend is installed in this Python: asked only by what builds engines (train, its
-    supervisor), so a vLLM run's directory still loads where vLLM is not (eval, sim, report, checks)."""
-    if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+    supervisor, serve), so a vLLM run's directory still loads where vLLM is not (eval, sim, report,
+    checks). `training`: the engines will load new weights, which vLLM's CPU build cannot do for a
+    mixture of experts (`engine.vllm_engine`): such a run is refused before it starts, not at its first
+    weight load."""
+    if cfg.rollout.backend != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "rollout.backend=vllm: vLLM is not installed in this Python; pip install 'tailrace[vllm]' "
             "(or `make vllm` for its CPU build in .venv-vllm), or set rollout.backend=tailrace"
+        )
+    from tailrace.model.checkpoint import read_config
+    from tailrace.runtime.procs import resolve_device
+
+    if (
+        training
+        and cfg.model.path
+        and resolve_device(cfg.device) == "cpu"
+        and read_config(cfg.model.path).moe
+    ):
+        raise ConfigError(
+            f"rollout.backend=vllm with model.path={cfg.model.path}, a mixture of experts, on CPU: vLLM's CPU "
+            "build neither reloads its experts' weights correctly nor serves LoRA adapters on them, and "
+            "training needs one of the two; set rollout.backend=tailrace"
         )
 
 

@@ -351,7 +351,7 @@ def serve(args: Args) -> int:
     from tailrace.serve import serve as run_server
 
     cfg = load(None, args.rest)
-    check_backend(cfg)
+    check_backend(cfg, training=False)
     run_server(cfg, console.print, _sft_progress())
     return 0
 

@@ -104,3 +104,24 @@ def test_a_retired_key_in_an_older_run_s_config_loads_and_on_the_command_line_is
     with pytest.raises(ConfigError, match="unknown config key shaping.extra_tim"):
         load_config(None, ["--shaping.extra_tim=0.2"])
     assert "shaping.extra_time" in RETIRED
+
+
+def test_training_an_moe_on_vllms_cpu_build_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """vLLM's CPU build reloads an MoE's experts wrongly and serves no LoRA on them (engine.vllm_engine):
+    a training run of one is refused when it starts, naming the fix; serving one is not."""
+    from tailrace.cli.choices import check_backend
+    from tailrace.model import CausalLM, ModelConfig, save_pretrained
+
+    moe = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    cfg = ModelConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, **moe
+    )
+    save_pretrained(CausalLM.from_config(cfg, seed=0), tmp_path / "moe")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a)
+    )
+    run = load_config(None, ["--rollout.backend=vllm", f"--model.path={tmp_path / 'moe'}", "--device=cpu"])
+    with pytest.raises(ConfigError, match=r"a mixture of experts, on CPU: .*set rollout.backend=tailrace"):
+        check_backend(run)
+    check_backend(run, training=False)  # serving its fixed weights is fine
