@@ -157,6 +157,24 @@ def _tools(steps: list[StepRecord]) -> str:
     )
 
 
+def _routing(steps: list[StepRecord]) -> str:
+    """A mixture of experts' routing in each step's forwards (`train.moe_load_max`, `train.moe_idle`): at
+    most 20 rows, evenly spaced."""
+    steps = [r for r in steps if isinstance(r.train, dict) and "moe_load_max" in r.train]
+    if not steps:
+        return ""
+    rows = "".join(
+        f"<tr><td>{r.step + 1}</td><td>{r.train['moe_load_max']:.2f}</td><td>{r.train['moe_idle']:.1%}</td></tr>"
+        for r in steps[:: max(1, len(steps) // 20)]
+    )
+    return (
+        "<h2>Routing</h2><p>The tokens each expert took in a step's forwards, per layer, averaged over the "
+        "layers: the busiest expert's share over an even one's (1: even; a router collapsing onto a few "
+        "experts climbs), and the experts no token reached.</p><table>"
+        f"<tr><th>step</th><th>busiest / even</th><th>idle experts</th></tr>{rows}</table>"
+    )
+
+
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
@@ -187,6 +205,7 @@ rollout bubble ratio {t.get("bubble_ratio", 0):.2f}, ledger {json.dumps(ledger)}
 {_checkpoints(saved)}
 {_recoveries(events)}
 {_tools(steps)}
+{_routing(steps)}
 <h2>Held-out evaluation</h2><table>
 <tr><th>when</th><th>step</th><th>accuracy</th><th>p50</th><th>p99</th><th>max</th>
 <th>by difficulty</th></tr>{rows}</table>

@@ -153,10 +153,11 @@ def test_a_qwen3_moe_trains_every_expert_it_routes_to_and_transformers_reads_its
 ):
     """Qwen3-MoE's layout (four experts a layer, two a token): a full fine-tune on tailrace's engines moves
     the router and the experts, and transformers' Qwen3MoeForCausalLM reads the trained checkpoint as
-    tailrace's decoder does."""
+    tailrace's decoder does; the report shows the routing of each step."""
     from transformers import AutoModelForCausalLM
 
     from tailrace.model import load_pretrained
+    from tailrace.report.html import write_report
 
     as_qwen3_moe(tiny_model, tmp_path / "moe")
     argv = [
@@ -170,6 +171,7 @@ def test_a_qwen3_moe_trains_every_expert_it_routes_to_and_transformers_reads_its
         load_pretrained(checkpoints(tmp_path / "run")[-1] / "model"),
     )
     moved = {n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))}
+    assert "<h2>Routing</h2>" in write_report(tmp_path / "run").read_text()
     assert any(".mlp.gate." in n for n in moved) and any(".mlp.experts." in n for n in moved)
     theirs = AutoModelForCausalLM.from_pretrained(checkpoints(tmp_path / "run")[-1] / "model").eval()
     assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
