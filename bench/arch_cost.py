@@ -24,8 +24,6 @@ from tailrace.engine import TailraceEngine
 from tailrace.model import CausalLM, ModelConfig
 from tailrace.types import GenRequest, SamplingParams
 
-EXTRA = {"qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True)}
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -43,10 +41,13 @@ def main() -> None:
     shape = dict(vocab_size=4096, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.layers,
                  num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
                  max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
-    EXTRA["qwen3_moe"]["moe_intermediate_size"] = 3 * a.hidden // 4
+    moe = dict(
+        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, moe_intermediate_size=3 * a.hidden // 4
+    )
+    extra = {"qwen3_moe": moe}  # the family's own fields, beside the shape every architecture shares
     engines = {
         t: TailraceEngine(
-            CausalLM.from_config(ModelConfig(model_type=t, **shape, **EXTRA.get(t, {})), seed=0)
+            CausalLM.from_config(ModelConfig(model_type=t, **shape, **extra.get(t, {})), seed=0)
             .to(getattr(torch, a.dtype))
             .eval(),
             num_slots=64,

@@ -112,16 +112,15 @@ MOE = ("qwen3_moe", "olmoe", "mixtral", "granitemoe")  # the families whose MLPs
 EVERY_LAYER_MOE = ("olmoe", "mixtral", "granitemoe")
 RENORMALIZED = ("mixtral", "granitemoe")
 GRANITE = ("granite", "granitemoe")  # the families with Granite's four scalars
-_MOE_KEYS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-)
-_HF_QWEN3_MOE = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                 "norm_topk_prob": False, "decoder_sparse_step": 1}  # Qwen3MoeConfig's defaults  # fmt: skip
-_HF_OLMOE = {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False}  # OlmoeConfig's
+# each MoE family's config.json keys for its experts, with its config class's defaults (Mixtral's and
+# Granite's count is `num_local_experts` there; their width and renormalizing are fixed: `_check_moe`)
+_HF_MOE = {
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1},
+    "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
+    "mixtral": {"num_experts": 8, "num_experts_per_tok": 2},
+    "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2},
+}  # fmt: skip
 
 
 @dataclass
@@ -685,14 +684,15 @@ class ModelConfig:
             d.update(use_sliding_window=False)
         if self.model_type in ("qwen3", "olmo2", "olmo3", "smollm3", *GEMMA, *MOE):
             d.update(attention_bias=self.attention_bias)
-        if self.model_type == "qwen3_moe":
-            d.update({k: getattr(self, k) for k in _MOE_KEYS}, mlp_only_layers=list(self.mlp_only_layers))
-        if self.model_type == "olmoe":
-            d.update({k: getattr(self, k) for k in _HF_OLMOE}, clip_qkv=None)
-        if self.model_type in RENORMALIZED:
-            d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
         if self.model_type in MOE:
-            d.update(output_router_logits=False)
+            moe = {k: getattr(self, k) for k in _HF_MOE[self.model_type]}
+            if self.model_type in RENORMALIZED:
+                moe["num_local_experts"] = moe.pop("num_experts")
+            d.update(moe, output_router_logits=False)
+        if self.model_type == "qwen3_moe":
+            d.update(mlp_only_layers=list(self.mlp_only_layers))
+        if self.model_type == "olmoe":
+            d.update(clip_qkv=None)
         if self.gemma:
             d.update(
                 hidden_activation=self.hidden_act,
@@ -768,24 +768,22 @@ def _normalize_rope_scaling(rs: dict | None, max_pos: int) -> dict | None:
 
 
 def _moe_from_hf(d: dict, model_type: str) -> dict:
-    """Qwen3MoeConfig's or OlmoeConfig's experts, its defaults where config.json leaves them out (the number
-    of experts is `num_experts` in the Hub's configs, `num_local_experts` in those transformers 5 writes);
-    OLMoE's experts are intermediate_size wide. OLMoE's clip_qkv (clamping q, k and v) is refused."""
-    if model_type in RENORMALIZED:  # Mixtral's router_jitter_noise: only in transformers' training mode
-        moe = {"num_experts": d.get("num_local_experts", d.get("num_experts", 8))}
-        moe |= {"num_experts_per_tok": d.get("num_experts_per_tok", 2), "norm_topk_prob": True}
-        return moe | {"moe_intermediate_size": d.get("intermediate_size", 14336)}
-    if model_type == "olmoe":
-        if d.get("clip_qkv") is not None:
-            raise ValueError(
-                f"clip_qkv={d['clip_qkv']} is not supported; use a checkpoint with clip_qkv null"
-            )
-        moe = {k: d.get(k, v) for k, v in _HF_OLMOE.items()}
-        moe["num_experts"] = d.get("num_experts", d.get("num_local_experts", moe["num_experts"]))
-        return moe | {"moe_intermediate_size": d.get("intermediate_size", 2048)}
-    moe = {k: d.get(k, v) for k, v in _HF_QWEN3_MOE.items()}
-    moe["num_experts"] = d.get("num_experts", d.get("num_local_experts", moe["num_experts"]))
-    return moe | {"mlp_only_layers": d.get("mlp_only_layers") or ()}
+    """A MoE family's experts (`_HF_MOE`), its config class's defaults where config.json leaves them out.
+    The count is `num_experts` in the Hub's Qwen3-MoE and OLMoE configs, `num_local_experts` in Mixtral's,
+    Granite's and those transformers 5 writes (each family's own spelling first). OLMoE's, Mixtral's and
+    Granite's expert width and the last two's renormalizing are set by `ModelConfig._check_moe`; Mixtral's
+    router_jitter_noise acts only in transformers' training mode. OLMoE's clip_qkv (clamping q, k and v)
+    is refused."""
+    if model_type == "olmoe" and d.get("clip_qkv") is not None:
+        raise ValueError(f"clip_qkv={d['clip_qkv']} is not supported; use a checkpoint with clip_qkv null")
+    moe = {k: d.get(k, v) for k, v in _HF_MOE[model_type].items()}
+    count = (
+        ("num_local_experts", "num_experts")
+        if model_type in RENORMALIZED
+        else ("num_experts", "num_local_experts")
+    )
+    moe["num_experts"] = d.get(count[0], d.get(count[1], moe["num_experts"]))
+    return moe | ({"mlp_only_layers": d.get("mlp_only_layers") or ()} if model_type == "qwen3_moe" else {})
 
 
 def _granite_from_hf(d: dict) -> dict:

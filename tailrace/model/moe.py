@@ -102,14 +102,13 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # its experts' names on disk: ours
 # Granite's MoE on disk: each layer's experts stacked (gate rows then up rows, as transformers 5 stacks every
-# MoE in memory) and its router; the names transformers 5 gives them in memory
+# MoE in memory) and its router (`router.weight` in transformers 5's memory); the rest of `block_sparse_moe.`
+# is `mlp.`, as Mixtral's
 _GRANITE = {
-    ".block_sparse_moe.input_linear.weight": ".mlp.experts.gate_up_proj",
-    ".block_sparse_moe.output_linear.weight": ".mlp.experts.down_proj",
-    ".block_sparse_moe.router.layer.weight": ".mlp.gate.weight",
-    ".block_sparse_moe.experts.gate_up_proj": ".mlp.experts.gate_up_proj",
-    ".block_sparse_moe.experts.down_proj": ".mlp.experts.down_proj",
-    ".block_sparse_moe.router.weight": ".mlp.gate.weight",
+    ".block_sparse_moe.input_linear.weight": ".block_sparse_moe.experts.gate_up_proj",
+    ".block_sparse_moe.output_linear.weight": ".block_sparse_moe.experts.down_proj",
+    ".block_sparse_moe.router.layer.weight": ".block_sparse_moe.gate.weight",
+    ".block_sparse_moe.router.weight": ".block_sparse_moe.gate.weight",
 }
 
 
@@ -121,12 +120,8 @@ def as_ours(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in state.items():
         old = next((o for o in _GRANITE if k.endswith(o)), None)
-        k = (
-            k.removesuffix(old) + _GRANITE[old]
-            if old
-            else _renamed(k, ".block_sparse_moe.", ".mlp.", _MIXTRAL)
-        )
-        out[k] = v
+        k = k.removesuffix(old) + _GRANITE[old] if old else k
+        out[_renamed(k, ".block_sparse_moe.", ".mlp.", _MIXTRAL)] = v
     return split_experts(out)
 
 
