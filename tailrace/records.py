@@ -76,7 +76,9 @@ def prompt_from_json(d: dict) -> Prompt:
 
 
 def trajectory_to_json(t: Trajectory) -> dict:
-    """Everything but the prompt's token ids (the group's prompt holds them)."""
+    """Everything but the prompt's token ids (the group's prompt holds them) and the routes an MoE's
+    engine recorded (a position's k experts in each layer: 384 bytes a token for Qwen3-30B-A3B, so a
+    trajectory read back from the journal is routed afresh by the trainer)."""
     r = t.result
     id_code, ids = _pack_ids(r.token_ids)
     lp_code, lps = _pack_floats(r.logprobs)

@@ -105,6 +105,9 @@ class GenResult:
     submitted: float = 0.0  # engine clock, seconds
     first_token: float = 0.0
     finished: float = 0.0
+    # routing replay (model/moe.py): the experts each position's forward chose, positions [0, prompt +
+    # tokens - 1) x sparse layers x k as uint8; b"": not recorded (a dense model, replay off, a journal)
+    routes: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,14 @@ def check_backend(cfg: RunConfig, training: bool = True) -> None:
     supervisor, serve), so a vLLM run's directory still loads where vLLM is not (eval, sim, report,
     checks). `training`: the engines will load new weights, which vLLM's CPU build cannot do for a
     mixture of experts (`engine.vllm_engine`): such a run is refused before it starts, not at its first
-    weight load."""
+    weight load. So is routing replay of a model without experts."""
+    from tailrace.model.checkpoint import read_config
+
+    if cfg.train.routing_replay and cfg.model.path and not read_config(cfg.model.path).moe:
+        raise ConfigError(
+            f"train.routing_replay with model.path={cfg.model.path}: a {read_config(cfg.model.path).model_type} "
+            "model has no mixture of experts to replay the routing of; drop train.routing_replay"
+        )
     if cfg.rollout.backend != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:
@@ -80,7 +87,6 @@ def check_backend(cfg: RunConfig, training: bool = True) -> None:
             "rollout.backend=vllm: vLLM is not installed in this Python; pip install 'tailrace[vllm]' "
             "(or `make vllm` for its CPU build in .venv-vllm), or set rollout.backend=tailrace"
         )
-    from tailrace.model.checkpoint import read_config
     from tailrace.runtime.procs import resolve_device
 
     if (

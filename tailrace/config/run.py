@@ -433,6 +433,16 @@ class RunConfig:
             f"train.external with train.world_size={self.train.world_size}: your own trainer is one process "
             "to the run (--train.world_size=1; your trainer's parallelism is its own)",
         )
+        need(
+            not (self.train.routing_replay and self.rollout.backend == "vllm"),
+            "train.routing_replay with rollout.backend=vllm: the vLLM engine here does not return the experts "
+            "it chose; set rollout.backend=tailrace (or train.routing_replay=false)",
+        )
+        need(
+            not (self.train.routing_replay and self.model.path is None),
+            "train.routing_replay: the built-in model has no mixture of experts to replay the routing of; "
+            "set model.path to one (Qwen3-MoE, OLMoE, Mixtral, Granite MoE) or drop train.routing_replay",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -168,6 +168,12 @@ class TrainerConfig:
     )
     bf16: bool = setting(False, "autocast the forward to bfloat16 (CPU and CUDA); weights keep their dtype")
     temperature: float = setting(1.0, "temperature of the trained logprobs: must equal rollout.temperature")
+    routing_replay: bool = setting(
+        False,
+        "a mixture of experts: the trainer's forward takes the experts the rollout engine chose for each "
+        "token (R3; their weights from the trainer's router), so engine and trainer compute the same "
+        "mixture: bf16 rounding no longer flips an expert (tailrace's own engine only)",
+    )
     loss: LossConfig = section(LossConfig, "the clipped policy-gradient loss")
     lora: LoraConfig = section(LoraConfig, "low-rank adapters on a frozen base (rank 0: off)")
     advantage: str | None = setting(None, "advantage estimator (null = the one the loss was published with)")

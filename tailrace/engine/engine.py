@@ -74,6 +74,7 @@ from tailrace.engine.spec.drafter import DraftEnv, Drafter, Trained
 from tailrace.engine.speculative import Draft, SpeculativeSteps, Verified
 from tailrace.engine.versions import Versions
 from tailrace.model.decoder import CausalLM
+from tailrace.model.moe import sparse_layers
 from tailrace.types import Capabilities, Finish, GenRequest, GenResult, SamplingParams, queue_by_priority
 
 _DTYPES = {
@@ -121,6 +122,7 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
         keep_finished: bool = False,
         max_versions: int | None = None,
         batch_invariant: bool | None = None,
+        routes: bool = False,
     ):
         """`model` is version 0. `max_context`: context limit (prompt + response) per request, default
         the model's `context_limit` (or less, if the KV pool holds less; one past the model's sliding
@@ -141,7 +143,9 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
         on the batch it shares (see `backends.select`; the torch backend in bf16 then attends in fp32 at
         every batch); default: with speculation only, whose verified tokens must come out as decoded
         ones would. Without it the torch backend's bf16 rows move with the batch size (~0.06 in a
-        logprob: a token can change), so compare a speculating engine with one built batch-invariant."""
+        logprob: a token can change), so compare a speculating engine with one built batch-invariant.
+        `routes`: a mixture of experts' results carry the experts each position's forward chose
+        (`GenResult.routes`, for routing replay; model/moe.py)."""
         if max_versions not in (None, 1):
             raise EngineError(
                 f"max_versions={max_versions}: use None (as many versions as are loaded) or 1 (one copy "
@@ -194,6 +198,12 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
                 f"allocating the KV cache ({self.kv_size.num_blocks * self.kv_size.block_bytes / GIB:.2f} GiB) "
                 f"failed: {str(e).splitlines()[0]}; lower kv_memory_gb"
             ) from e
+        if routes:
+            if not cfg.moe:
+                raise EngineError(
+                    f"routes=True records a mixture of experts' routing; {cfg.model_type} has no experts"
+                )
+            self.cache.keep_routes(sparse_layers(cfg), cfg.num_experts_per_tok)
         # the backends address every position of a row's blocks (max_context rounded up to a block)
         opts = spec if isinstance(spec, SpecOptions) else SpecOptions(spec) if spec is not None else None
         speculating = opts is not None and opts.drafter != "off"
@@ -286,12 +296,13 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
         seq = self._live(request_id, "abort")
         with torch.inference_mode():
             new_toks, new_lps = self._tokens_so_far(seq)
+            routes = self._routes(seq, new_toks)
             if request_id not in self.slots.row:
                 self._waiting.remove(seq)
             elif not self.slots.is_decoding(request_id):
                 self._prefilling.remove(seq)
             self._remove(seq)
-        return self._result(seq, new_toks, new_lps, Finish.ABORTED, time.perf_counter())
+        return self._result(seq, new_toks, new_lps, Finish.ABORTED, time.perf_counter(), routes)
 
     def peek(self, request_id: str) -> GenResult:
         """A waiting or running request's tokens so far, as `abort` would return them (finish=ABORTED),
@@ -595,7 +606,7 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
                 [s.num_resumed + s.num_new(step) for s, _ in fin],
             )
             for (seq, reason), (toks, lps) in zip(fin, outs):
-                res = self._result(seq, toks, lps, reason, now)
+                res = self._result(seq, toks, lps, reason, now, self._routes(seq, toks))
                 results.append(res)
                 if self.keep_finished and self.paging.holds(seq.id):  # k/v of all but its last token
                     full = seq.ids + tuple(toks)
@@ -613,8 +624,15 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
+    def _routes(self, seq: Sequence, toks: list[int]) -> bytes:
+        """The routes of a request's positions but its last token's (none fed yet), or b"": none kept, or
+        its prompt not all in the cache (waiting, preempted, prefilling)."""
+        if self.cache.routes is None or seq.id not in self.slots.row or seq.to_prefill:
+            return b""
+        return self.cache.read_routes(self.slots.row[seq.id], len(seq.ids) + len(toks) - 1)
+
     def _result(
-        self, seq: Sequence, toks: list[int], lps: list[float], finish: Finish, t: float
+        self, seq: Sequence, toks: list[int], lps: list[float], finish: Finish, t: float, routes: bytes = b""
     ) -> GenResult:
         r = seq.req
         return GenResult(
@@ -626,6 +644,7 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
             submitted=seq.submitted,
             first_token=seq.first_token,
             finished=t,
+            routes=routes,
         )
 
 

@@ -48,6 +48,8 @@ class KVCache:
         with torch.inference_mode(False):
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # routing replay (`keep_routes`): per block position, the experts its token's forward chose
+        self.routes: torch.Tensor | None = None
         self.table = BlockTable(num_rows, -(-max_context // block_size), device)
 
     @classmethod
@@ -84,6 +86,21 @@ class KVCache:
         c.table = self.table
         return c
 
+    def keep_routes(self, sparse_layers: int, k: int) -> None:
+        """Keep, beside each position's k/v, the k experts (< 256) each of `sparse_layers` mixture-of-experts
+        layers chose for its token (the backends write them; model/moe.py)."""
+        with torch.inference_mode(False):
+            self.routes = torch.zeros(
+                (self.num_blocks * self.block_size, sparse_layers, k), dtype=torch.uint8, device=self.device
+            )
+
+    def read_routes(self, row: int, n: int) -> bytes:
+        """The routes of row `row`'s positions [0, n), as `GenResult.routes` holds them."""
+        pos = torch.arange(n, device=self.device)
+        bs = self.block_size
+        at = self.table.t[row, pos // bs].long() * bs + pos % bs
+        return self.routes.index_select(0, at).cpu().numpy().tobytes()
+
     @staticmethod
     def token_bytes(model: CausalLM, dtype: torch.dtype) -> int:
         """Bytes of one token's k and v in every layer of `model`, stored in `dtype`."""
@@ -112,4 +129,5 @@ class KVCache:
         return self.k[0].device
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        routes = [] if self.routes is None else [self.routes]
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + routes)

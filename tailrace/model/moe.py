@@ -12,11 +12,20 @@ in fp32, a difference of bf16 rounding in a bf16 forward), whose parameter names
 by expert once, each expert run over its tokens as one GEMM (an expert no token chose costs nothing),
 the weighted outputs scattered back in one `index_add_`. No load-balancing loss: RL fine-tuning of a
 released MoE trains without one here (transformers' `output_router_logits` off, its default).
+
+Routing replay (R3, `train.routing_replay`): the rollout engine records the experts each position's
+forward chose (its KV cache holds them beside the keys, `routes_of` reads them back) and the trainer's
+forward takes those experts instead of choosing afresh (`replaying`), their weights from its own router,
+so the router still learns. A bf16 engine and a bf16 trainer round differently, and a near-tie between
+two experts' logits then flips, a different expert's output added: the logprob gap an MoE's RL is known
+for (bench/routing_replay.py measures it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from itertools import accumulate
 
 import torch
@@ -26,13 +35,21 @@ from tailrace.common import padded_rows
 from tailrace.model.config import ModelConfig
 
 
-def route(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights (N, k) in the logits' dtype, experts (N, k)) of router logits (N, E)."""
+def route(
+    logits: torch.Tensor, k: int, norm: bool, given: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights (N, k) in the logits' dtype, experts (N, k), the experts this router chose (N, k)) of
+    router logits (N, E). `given` (N, k): experts chosen elsewhere (routing replay), a row of -1 (none
+    given) choosing afresh; the weights are then this router's probabilities of the experts given."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, experts = torch.topk(probs, k, dim=-1)
+    top, own = torch.topk(probs, k, dim=-1)
+    experts = own
+    if given is not None:
+        experts = torch.where(given >= 0, given.long(), own)
+        top = probs.gather(1, experts)
     if norm:
         top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype), experts
+    return top.to(logits.dtype), experts, own
 
 
 def mix(
@@ -43,17 +60,22 @@ def mix(
     expert: Callable[[int, torch.Tensor], torch.Tensor],
     pad: bool = False,
     load: list[int] | None = None,
+    given: torch.Tensor | None = None,
+    record: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """sum over each row's k experts of weight x expert(e, row), (N, hidden) in x's dtype: x (N, hidden)
     the MLP's input, `logits` (N, E) the router's, `expert(e, rows)` expert e's output over those rows.
     `pad`: each expert runs over `padded_rows` of its count (rows of zeros, weighted 0, scattered to a row
     dropped after): where oneDNN compiles a kernel for every GEMM shape it meets (bf16 autocast on CPU),
     a count that changes with every batch compiled one at nearly every call. `load`: each expert's count
-    of the tokens routed to it is added to it."""
+    of the tokens routed to it is added to it. `given`: see `route`; `record(own, used)` is called with the
+    experts the router chose and those the rows took (N, k)."""
     N = x.shape[0]
     if not N:
         return torch.zeros_like(x)
-    weights, experts = route(logits, k, norm)
+    weights, experts, own = route(logits, k, norm, given)
+    if record is not None:
+        record(own, experts)
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)  # the (token, choice) slots by expert, tokens in order within one
     counts = torch.bincount(flat, minlength=logits.shape[-1]).tolist()  # one host sync per layer
@@ -166,12 +188,25 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(mlp(cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.load = [0] * cfg.num_experts  # tokens routed to each expert since `take_load` last read it
+        self.given: torch.Tensor | None = None  # (..., k) the experts to take (`replaying`), -1: choose
+        self.flips: torch.Tensor | None = None  # rows replayed, and of them routed otherwise here (counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        y = mix(x, self.gate(x), self.k, self.norm, self._expert, pad=_compiles_shapes(x), load=self.load)
+        given = None if self.given is None else self.given.reshape(-1, self.k)
+        y = mix(
+            x, self.gate(x), self.k, self.norm, self._expert, pad=_compiles_shapes(x), load=self.load,
+            given=given, record=None if given is None else partial(self._count, given),
+        )  # fmt: skip
         return y.reshape(shape)
+
+    def _count(self, given: torch.Tensor, own: torch.Tensor, used: torch.Tensor) -> None:
+        """Rows replayed, and of them those whose experts this router would not have chosen."""
+        set_ = given[:, 0] >= 0
+        differ = (own.sort(-1).values != used.sort(-1).values).any(-1) & set_
+        counts = torch.stack((set_.sum(), differ.sum()))
+        self.flips = counts if self.flips is None else self.flips + counts
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert e over `rows`; outside autocast, in its weights' dtype (a LoRA trainer keeps the frozen
@@ -195,13 +230,51 @@ def take_load(model: nn.Module) -> dict[str, float]:
     the busiest expert's share over an even one's (1: even; E: all to one), averaged over layers, and
     `moe_idle`, the fraction of (layer, expert) pairs no token reached. {} for a model without experts or
     before any token."""
-    loads = [m.load for m in model.modules() if isinstance(m, SparseMoE) and sum(m.load)]
-    for m in model.modules():
-        if isinstance(m, SparseMoE):
-            m.load = [0] * len(m.load)
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    loads = [m.load for m in layers if sum(m.load)]
+    replayed, flipped = (sum(m.flips[i].item() for m in layers if m.flips is not None) for i in (0, 1))
+    for m in layers:
+        m.load = [0] * len(m.load)
+        m.flips = None
     if not loads:
         return {}
-    return {
+    out = {
         "moe_load_max": sum(max(load) * len(load) / sum(load) for load in loads) / len(loads),
         "moe_idle": sum(load.count(0) for load in loads) / sum(len(load) for load in loads),
     }
+    if replayed:  # routing replay: the (position, layer)s whose replayed experts this router would not pick
+        out["moe_route_flips"] = flipped / replayed
+    return out
+
+
+@contextmanager
+def replaying(model: nn.Module, routes: torch.Tensor | None) -> Iterator[None]:
+    """Inside, each sparse layer j of `model` takes the experts `routes[:, :, j]` names ((B, T, L, k) for a
+    forward over (B, T) tokens; -1: choose afresh); None: no replay."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if routes is None or not layers:
+        yield
+        return
+    if routes.shape[2] != len(layers):
+        raise ValueError(f"routes of {routes.shape[2]} sparse layers for a model of {len(layers)}")
+    for j, m in enumerate(layers):
+        m.given = routes[:, :, j]
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.given = None
+
+
+def sparse_layers(cfg: ModelConfig) -> int:
+    return sum(cfg.moe_at(i) for i in range(cfg.num_hidden_layers))
+
+
+def routes_of(data: bytes, cfg: ModelConfig) -> torch.Tensor:
+    """The routes an engine recorded (`GenResult.routes`: uint8, per position, per sparse layer, its k
+    experts) as (positions, sparse layers, k) int16."""
+    per = sparse_layers(cfg) * cfg.num_experts_per_tok
+    if len(data) % per:
+        raise ValueError(f"{len(data)} bytes of routes are not whole positions of {per} experts each")
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    return t.view(-1, sparse_layers(cfg), cfg.num_experts_per_tok).to(torch.int16)

@@ -351,6 +351,7 @@ class Driver(Membership, Reports):
             lora_alpha=self.cfg.train.lora.alpha if self.cfg.train.lora.rank else None,
             lora_init=self.cfg.train.lora.init, lora_rank=self.cfg.train.lora.rank,
             max_adapters=self.weights.slots - self.sched.room,  # each policy's max_staleness + 2 versions
+            routes=any(p.cfg.train.routing_replay for p in self.pols),
         )  # fmt: skip
 
     def close(self) -> None:

@@ -61,6 +61,7 @@ class EngineSpec:
     lora_init: str | None = None  # train.lora.init: the adapter of version 0 (None: the model itself)
     lora_rank: int = 0  # train.lora.rank: vLLM's LoRA slots are sized to it (tailrace's engine needs nothing)
     max_adapters: int = 4  # vLLM: versions (adapters) whose rows share one step
+    routes: bool = False  # train.routing_replay: results carry an MoE's routes (tailrace's engine)
 
 
 def engine_main(
@@ -181,5 +182,6 @@ def _build(spec: EngineSpec) -> Engine:
         spec=spec.spec,
         keep_finished=spec.keep_finished,
         max_versions=spec.max_versions,
+        routes=spec.routes,
         **common,
     )

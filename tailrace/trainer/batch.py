@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from tailrace.model.config import ModelConfig
+from tailrace.model.moe import routes_of, sparse_layers
 from tailrace.trainer.advantages import Advantage
 from tailrace.trainer.losses import TokenScale, fresh_mask
 from tailrace.trainer.packing import micro_batches
@@ -36,6 +38,9 @@ class TrainBatch:
     lengths: Tensor  # (N,) long, valid positions per row = len(prompt) + len(response) - 1
     seq_adv: Tensor  # (N,) float, one advantage per trajectory
     trainer_version: int
+    # routing replay: (N, T, sparse layers, k) int16, the experts the engine chose at each position
+    # (model/moe.py), -1 where it recorded none; None: no replay
+    routes: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -51,8 +56,10 @@ class TrainBatch:
         max_new_tokens: int | None = None,
         max_staleness: int | None = None,
         pad_id: int = 0,
+        moe: ModelConfig | None = None,
     ) -> "TrainBatch":
-        """Flatten `groups`; a group without `advantages` gets them from `advantage(rewards)`."""
+        """Flatten `groups`; a group without `advantages` gets them from `advantage(rewards)`. `moe`: the
+        mixture of experts whose routes the trajectories carry, replayed (None: none)."""
         trajs: list[Trajectory] = []
         advs: list[float] = []
         for g in groups:
@@ -82,6 +89,11 @@ class TrainBatch:
         versions = torch.full((N, T), -1, dtype=torch.long)
         adv = torch.zeros((N, T), dtype=torch.float32)
         lengths = torch.zeros(N, dtype=torch.long)
+        routes = (
+            None
+            if moe is None
+            else torch.full((N, T, sparse_layers(moe), moe.num_experts_per_tok), -1, dtype=torch.int16)
+        )
         for b, t in enumerate(trajs):
             r = t.result
             if not t.prompt_ids:
@@ -99,6 +111,14 @@ class TrainBatch:
             if n > 0:
                 input_ids[b, :n] = torch.tensor(seq[:-1])
                 targets[b, :n] = torch.tensor(seq[1:])
+            if routes is not None and r.routes:
+                got = routes_of(r.routes, moe)
+                if got.shape[0] != n:
+                    raise ValueError(
+                        f"trajectory {r.request_id}: routes of {got.shape[0]} positions for {n}; the engine "
+                        "records one per position but the last"
+                    )
+                routes[b, :n] = got
             if r.token_ids:
                 behav[b, p:n] = torch.tensor(r.logprobs, dtype=torch.float32)
                 versions[b, p:n] = torch.tensor(r.versions, dtype=torch.long)
@@ -119,13 +139,14 @@ class TrainBatch:
             lengths=lengths,
             seq_adv=torch.tensor(advs, dtype=torch.float32),
             trainer_version=trainer_version,
+            routes=routes,
         )
 
     def rows(self, idx: Sequence[int]) -> "TrainBatch":
         """The rows `idx`, cut to their longest; `scale` keeps the full batch's normaliser."""
         i = torch.as_tensor(list(idx), dtype=torch.long)
         t = max(1, int(self.lengths[i].max()))
-        return self._map(lambda x: x[i, :t] if x.dim() == 2 else x[i])
+        return self._map(lambda x: x[i, :t] if x.dim() >= 2 else x[i])
 
     def micro_batches(self, max_tokens: int) -> list["TrainBatch"]:
         """Row subsets with rows x padded length <= max_tokens (a longer single row goes alone).
@@ -139,5 +160,10 @@ class TrainBatch:
 
     def _map(self, fn: Callable[[Tensor], Tensor]) -> "TrainBatch":
         return replace(
-            self, **{f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "trainer_version"}
+            self,
+            **{
+                f.name: fn(getattr(self, f.name))
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), Tensor)
+            },
         )

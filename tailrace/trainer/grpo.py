@@ -32,9 +32,10 @@ from torch import nn
 from tailrace.config import TrainerConfig
 from tailrace.config.train import auto_lr
 from tailrace.model import lora
+from tailrace.model.config import ModelConfig
 from tailrace.model.device import available_bytes
 from tailrace.model.flat import flatten_parameters
-from tailrace.model.moe import take_load
+from tailrace.model.moe import replaying, take_load
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
@@ -187,7 +188,7 @@ class GRPOTrainer:
         return int(sums[-1])
 
     def make_batch(self, groups: Sequence[Group], trainer_version: int) -> TrainBatch:
-        return batch_of(groups, self.cfg, trainer_version)
+        return batch_of(groups, self.cfg, trainer_version, getattr(self.model, "config", None))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
@@ -196,7 +197,7 @@ class GRPOTrainer:
         cfg, lc = self.cfg, self.cfg.loss
         n_live = mb.mask.sum()
         resp = mb.versions >= 0
-        with self._autocast():
+        with self._autocast(), replaying(self.model, mb.routes):  # the engine's experts, where replayed
             logits = self.model(mb.input_ids)  # (b, t, V)
         logp = token_logprobs(logits, mb.targets, cfg.temperature)  # (b, t) fp32
         prox = logp.detach()  # one step per batch: the pre-update policy is the current one
@@ -277,6 +278,7 @@ class GRPOTrainer:
             "lr": self.opt.param_groups[0]["lr"],
             "time_s": dt,
             **take_load(self.model),  # a mixture of experts' routing: how even, how many experts idle
+            **_replayed(batch),
         }
 
     # -- checkpoints and weight transfer -----------------------------------------------------
@@ -294,10 +296,25 @@ class GRPOTrainer:
         self.steps = int(state["step"])
 
 
-def batch_of(groups: Sequence[Group], cfg: TrainerConfig, trainer_version: int) -> TrainBatch:
+def _replayed(batch: TrainBatch) -> dict[str, float]:
+    """Routing replay: the share of the batch's sampled tokens whose routes the engine recorded (a
+    trajectory read back from the journal has none: the trainer routes it afresh)."""
+    if batch.routes is None:
+        return {}
+    sampled = batch.versions >= 0
+    return {
+        "routes_replayed": float(
+            ((batch.routes[:, :, 0, 0] >= 0) & sampled).sum() / sampled.sum().clamp(min=1)
+        )
+    }
+
+
+def batch_of(
+    groups: Sequence[Group], cfg: TrainerConfig, trainer_version: int, model: ModelConfig | None = None
+) -> TrainBatch:
     """`groups` as a trainer of `cfg` trains them: its loss's aggregation, its advantage estimator (the
     loss's own when `advantage` is null), its staleness mask and padding (an external trainer's batches
-    too: tailrace/client.py)."""
+    too: tailrace/client.py), and with `routing_replay` the routes the engine recorded for `model`."""
     loss = LOSSES[cfg.loss.name]
     return TrainBatch.from_groups(
         groups,
@@ -307,4 +324,5 @@ def batch_of(groups: Sequence[Group], cfg: TrainerConfig, trainer_version: int) 
         max_new_tokens=cfg.loss.max_new_tokens,
         max_staleness=cfg.max_staleness,
         pad_id=cfg.pad_id,
+        moe=model if cfg.routing_replay and model is not None and model.moe else None,
     )

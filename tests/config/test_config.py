@@ -125,3 +125,25 @@ def test_training_an_moe_on_vllms_cpu_build_is_refused_before_it_starts(tmp_path
     with pytest.raises(ConfigError, match=r"a mixture of experts, on CPU: .*set rollout.backend=tailrace"):
         check_backend(run)
     check_backend(run, training=False)  # serving its fixed weights is fine
+
+
+def test_routing_replay_is_refused_without_experts_or_on_vllm(tmp_path):
+    """train.routing_replay needs a mixture of experts and tailrace's engine (which records routes)."""
+    from tailrace.cli.choices import check_backend
+    from tailrace.model import CausalLM, ModelConfig, save_pretrained
+
+    with pytest.raises(ConfigError, match="built-in model has no mixture of experts"):
+        load_config(None, ["--train.routing_replay=true"])
+    with pytest.raises(
+        ConfigError, match="routing_replay with rollout.backend=vllm: .*rollout.backend=tailrace"
+    ):
+        load_config(None, ["--train.routing_replay=true", "--rollout.backend=vllm", "--model.path=x"])
+    cfg = ModelConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
+    )
+    save_pretrained(CausalLM.from_config(cfg, seed=0), tmp_path / "dense")
+    run = load_config(None, ["--train.routing_replay=true", f"--model.path={tmp_path / 'dense'}"])
+    with pytest.raises(
+        ConfigError, match="a llama model has no mixture of experts.*drop train.routing_replay"
+    ):
+        check_backend(run)

@@ -6,15 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tailrace.model.moe import mix, route, split_experts
+from tailrace.model import CausalLM, ModelConfig
+from tailrace.model.moe import mix, replaying, route, routes_of, split_experts, take_load
+from tests.engine.test_engine_routes import own_routes
 
 
 def test_route_takes_the_k_likeliest_and_renormalizes_when_asked():
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
     p = torch.softmax(logits, -1)[0]  # 0.087, 0.644, 0.237, 0.032
-    w, e = route(logits, 2, norm=False)
-    assert e.tolist() == [[1, 2]] and torch.allclose(w, p[[1, 2]][None])
-    w, e = route(logits, 2, norm=True)
+    w, e, own = route(logits, 2, norm=False)
+    assert e.tolist() == [[1, 2]] and torch.allclose(w, p[[1, 2]][None]) and own is e
+    w, e, _ = route(logits, 2, norm=True)
     assert e.tolist() == [[1, 2]] and torch.allclose(w, (p[[1, 2]] / p[[1, 2]].sum())[None])
     assert route(logits.bfloat16(), 2, norm=True)[0].dtype == torch.bfloat16  # the logits' dtype
 
@@ -38,7 +40,7 @@ def test_mix_is_each_tokens_weighted_experts_padded_or_not(pad):
         return torch.tanh(rows @ W[e])
 
     y = mix(x, logits, k, True, expert, pad=pad)
-    w, ex = route(logits, k, True)
+    w, ex, _ = route(logits, k, True)
     want = torch.stack([sum(w[t, j] * torch.tanh(x[t] @ W[ex[t, j]]) for j in range(k)) for t in range(N)])
     assert torch.allclose(y, want, atol=1e-12)
     assert 5 not in [e for e, _ in calls] and sum(n for _, n in calls) >= N * k
@@ -63,9 +65,6 @@ def test_transformers_stacked_experts_split_into_the_checkpoints_matrices():
 def test_the_load_counts_each_experts_tokens_and_take_load_reads_it_once():
     """A sparse layer counts the (token, choice) slots each expert took; `take_load` gives the busiest
     expert's share over an even one's and the idle experts' fraction, then starts over."""
-    from tailrace.model import CausalLM, ModelConfig
-    from tailrace.model.moe import take_load
-
     cfg = ModelConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                       num_attention_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)  # fmt: skip
     model = CausalLM.from_config(cfg, seed=0)
@@ -77,3 +76,57 @@ def test_the_load_counts_each_experts_tokens_and_take_load_reads_it_once():
         layer.mlp.load = [6, 6, 0, 0]  # two of four experts: the busiest at twice an even share
     assert take_load(model) == {"moe_load_max": 2.0, "moe_idle": 0.5}
     assert take_load(model) == {}
+
+
+def test_route_takes_the_experts_given_with_this_routers_weights():
+    """Routing replay: a row given experts takes them, weighted by this router's probabilities of them
+    (renormalized as the model does); a row of -1 chooses its own; the router's own choice comes back."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [0.0, 2.0, 1.0, -1.0]])
+    p = torch.softmax(logits[0], -1)
+    given = torch.tensor([[3, 0], [-1, -1]], dtype=torch.int16)
+    w, e, own = route(logits, 2, norm=True, given=given)
+    assert e.tolist() == [[3, 0], [1, 2]] and own.tolist() == [[1, 2], [1, 2]]
+    assert torch.allclose(w[0], p[[3, 0]] / p[[3, 0]].sum())
+    assert torch.allclose(w[1], p[[1, 2]] / p[[1, 2]].sum())
+
+
+def _moe_model() -> CausalLM:
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                      num_attention_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                      mlp_only_layers=(1,))  # fmt: skip
+    return CausalLM.from_config(cfg, seed=0).eval()
+
+
+def test_replaying_a_models_own_routes_changes_nothing_and_other_routes_are_taken_and_counted():
+    """Inside `replaying`, each sparse layer takes its slice of the routes (the dense layer between them
+    none): its own routes give the same logits bit for bit; others move them, and `take_load` counts the
+    replayed (position, layer)s this router would have chosen otherwise; -1 positions choose their own."""
+    model, ids = _moe_model(), torch.arange(12).view(2, 6)
+    with torch.no_grad():
+        plain = model(ids)
+    own = torch.stack([own_routes(model, tuple(row.tolist())) for row in ids])
+    assert own.shape == (2, 6, 2, 2)
+    take_load(model)
+    with torch.no_grad(), replaying(model, own.to(torch.int16)):
+        assert torch.equal(model(ids), plain)
+    assert take_load(model)["moe_route_flips"] == 0.0
+    other = own.clone()
+    other[0, :3] = (own[0, :3] + 1) % 4  # 3 positions x 2 layers: other experts (a shifted pair of 4)
+    other[1] = -1  # the second row: no routes, its own
+    with torch.no_grad(), replaying(model, other.to(torch.int16)):
+        moved = model(ids)
+    assert not torch.equal(moved[0], plain[0]) and torch.equal(moved[1], plain[1])
+    assert not torch.equal(moved[0, 3:], plain[0, 3:])  # later positions attend to the moved ones
+    assert take_load(model)["moe_route_flips"] == pytest.approx(6 / 12)  # of 12 replayed (position, layer)s
+    assert all(m.given is None for m in model.modules() if hasattr(m, "given"))
+    with pytest.raises(ValueError, match="routes of 1 sparse layers for a model of 2"):
+        with replaying(model, own[:, :, :1]):
+            pass
+
+
+def test_routes_of_reads_an_engines_bytes_and_refuses_a_partial_position():
+    cfg = _moe_model().config
+    data = bytes(range(3 * 2 * 2))  # 3 positions x 2 sparse layers x k=2
+    assert routes_of(data, cfg).tolist()[2] == [[8, 9], [10, 11]] and routes_of(b"", cfg).shape == (0, 2, 2)
+    with pytest.raises(ValueError, match="not whole positions"):
+        routes_of(data[:-1], cfg)

@@ -153,7 +153,8 @@ def test_a_qwen3_moe_trains_every_expert_it_routes_to_and_transformers_reads_its
 ):
     """Qwen3-MoE's layout (four experts a layer, two a token): a full fine-tune on tailrace's engines moves
     the router and the experts, and transformers' Qwen3MoeForCausalLM reads the trained checkpoint as
-    tailrace's decoder does; the report shows the routing of each step."""
+    tailrace's decoder does; the report shows the routing of each step. With routing replay: every
+    sampled token's routes came from the engines, and (fp32 both sides) none differs from the trainer's."""
     from transformers import AutoModelForCausalLM
 
     from tailrace.model import load_pretrained
@@ -162,10 +163,14 @@ def test_a_qwen3_moe_trains_every_expert_it_routes_to_and_transformers_reads_its
     as_qwen3_moe(tiny_model, tmp_path / "moe")
     argv = [
         "train", f"--model.path={tmp_path / 'moe'}", *TINY_RUN, "--flow.steps=2", "--train.lr=0.01", digits,
-        "--flow.samples_per_prompt=8", "--flow.train_batch=32",
+        "--flow.samples_per_prompt=8", "--flow.train_batch=32", "--train.routing_replay=true",
     ]  # fmt: skip
     rc, out = run(capfd, *argv, f"--run-dir={tmp_path / 'run'}")
     assert rc == 0, out
+    from tests.runtime.test_lora_e2e import step_records
+
+    steps = [s["train"] for s in step_records(tmp_path / "run")]
+    assert [(s["routes_replayed"], s["moe_route_flips"]) for s in steps] == [(1.0, 0.0)] * 2
     base, trained = (
         load_pretrained(tmp_path / "moe"),
         load_pretrained(checkpoints(tmp_path / "run")[-1] / "model"),

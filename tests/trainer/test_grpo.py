@@ -488,3 +488,54 @@ def test_a_lora_trainer_started_from_an_adapter_keeps_it_as_its_kl_reference():
     assert [m["kl"] for m in a] == pytest.approx([m["kl"] for m in b], rel=1e-4, abs=1e-7)
     assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-4, abs=1e-7)
     assert a[-1]["kl"] > 1e-5
+
+
+def test_routing_replay_trains_through_the_engines_experts():
+    """train.routing_replay: each trajectory's routes (as an engine records them: every position but the
+    last, uint8) fill the batch's (N, T, sparse layers, k), -1 past them; routes that are the model's
+    own train exactly as no replay does; other routes are taken (counted as flips) and move the step; a
+    trajectory without routes (read back from the journal) is routed afresh and counted as such."""
+    from tailrace.model import CausalLM, ModelConfig
+    from tests.engine.test_engine_routes import own_routes
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                      max_position_embeddings=64, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=24, mlp_only_layers=(1,))  # fmt: skip
+
+    def with_routes(groups, model, shift=0, drop=()):
+        out = []
+        for g in groups:
+            trajs = []
+            for t in g.trajectories:
+                seq = t.prompt_ids + t.result.token_ids
+                r = (own_routes(model, seq[:-1]) + shift) % 4
+                routes = b"" if t.result.request_id in drop else r.to(torch.uint8).numpy().tobytes()
+                trajs.append(dataclasses.replace(t, result=dataclasses.replace(t.result, routes=routes)))
+            out.append(dataclasses.replace(g, trajectories=tuple(trajs)))
+        return out
+
+    runs = {}
+    for name, shift, replay in (("plain", 0, False), ("own", 0, True), ("other", 1, True)):
+        model = CausalLM.from_config(cfg, seed=0)
+        tr = GRPOTrainer(model, TrainerConfig(lr=1e-2, routing_replay=replay))
+        groups = with_routes(make_groups(model), model, shift)
+        if name == "own":
+            batch = tr.make_batch(groups, 0)
+            t0 = groups[0].trajectories[0]
+            n = len(t0.prompt_ids) + t0.length - 1
+            assert (
+                batch.routes.shape == (12, batch.input_ids.shape[1], 2, 2)
+                and batch.routes.dtype == torch.int16
+            )
+            assert (batch.routes[0, :n] >= 0).all() and (batch.routes[0, n:] == -1).all()
+            assert all(mb.routes.shape[:2] == mb.input_ids.shape for mb in batch.micro_batches(16))
+        runs[name] = (tr.step(groups, trainer_version=0), tr.flat.buffer.clone())
+    (plain, w_plain), (own, w_own), (other, w_other) = runs["plain"], runs["own"], runs["other"]
+    assert "routes_replayed" not in plain and "moe_route_flips" not in plain
+    assert own["routes_replayed"] == 1.0 and own["moe_route_flips"] == 0.0
+    assert own["loss"] == plain["loss"] and torch.equal(w_own, w_plain)
+    assert other["moe_route_flips"] == 1.0 and not torch.equal(w_other, w_plain)
+    model = CausalLM.from_config(cfg, seed=0)
+    tr = GRPOTrainer(model, TrainerConfig(lr=1e-2, routing_replay=True))
+    part = tr.step(with_routes(make_groups(model), model, drop={"0-0", "1-1"}), trainer_version=0)
+    assert 0.5 < part["routes_replayed"] < 1.0 and part["moe_route_flips"] == 0.0
