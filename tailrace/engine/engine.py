@@ -177,7 +177,7 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
             raise EngineError(str(e)) from None
         kv_dtype = kv_dtype or dtype
         self.kv_size = size_pool(
-            token_bytes=KVCache.token_bytes(model, kv_dtype),
+            token_bytes=KVCache.token_bytes(model, kv_dtype, routes and cfg.moe),
             block_size=block_size,
             num_slots=num_slots,
             max_context=context,

@@ -102,10 +102,12 @@ class KVCache:
         return self.routes.index_select(0, at).cpu().numpy().tobytes()
 
     @staticmethod
-    def token_bytes(model: CausalLM, dtype: torch.dtype) -> int:
-        """Bytes of one token's k and v in every layer of `model`, stored in `dtype`."""
+    def token_bytes(model: CausalLM, dtype: torch.dtype, routes: bool = False) -> int:
+        """Bytes of one token's k and v in every layer of `model`, stored in `dtype` (and its routes: a
+        byte per expert chosen in each sparse layer)."""
         c = model.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.itemsize
+        kept = sum(c.moe_at(i) for i in range(c.num_hidden_layers)) * c.num_experts_per_tok if routes else 0
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.itemsize + kept
 
     @property
     def num_blocks(self) -> int:

@@ -158,20 +158,35 @@ def _tools(steps: list[StepRecord]) -> str:
 
 
 def _routing(steps: list[StepRecord]) -> str:
-    """A mixture of experts' routing in each step's forwards (`train.moe_load_max`, `train.moe_idle`): at
-    most 20 rows, evenly spaced."""
+    """A mixture of experts' routing in each step's forwards (`train.moe_load_max`, `train.moe_idle`; with
+    routing replay `train.moe_route_flips` and `train.routes_replayed`): at most 20 rows, evenly spaced."""
     steps = [r for r in steps if isinstance(r.train, dict) and "moe_load_max" in r.train]
     if not steps:
         return ""
+    replay = any("routes_replayed" in r.train for r in steps)
+
+    def cells(t: dict) -> str:
+        out = f"<td>{t['moe_load_max']:.2f}</td><td>{t['moe_idle']:.1%}</td>"
+        if replay:
+            out += f"<td>{t.get('routes_replayed', 0.0):.1%}</td><td>{t.get('moe_route_flips', 0.0):.3%}</td>"
+        return out
+
     rows = "".join(
-        f"<tr><td>{r.step + 1}</td><td>{r.train['moe_load_max']:.2f}</td><td>{r.train['moe_idle']:.1%}</td></tr>"
-        for r in steps[:: max(1, len(steps) // 20)]
+        f"<tr><td>{r.step + 1}</td>{cells(r.train)}</tr>" for r in steps[:: max(1, len(steps) // 20)]
+    )
+    more = "<th>tokens replayed</th><th>replayed routes the trainer would not pick</th>" if replay else ""
+    note = (
+        " Routing replay: the share of sampled tokens whose experts came from the engine, and of the replayed "
+        "(position, layer)s those whose experts the trainer's own router would not have chosen (each a "
+        "logprob gap it no longer has)."
+        if replay
+        else ""
     )
     return (
         "<h2>Routing</h2><p>The tokens each expert took in a step's forwards, per layer, averaged over the "
         "layers: the busiest expert's share over an even one's (1: even; a router collapsing onto a few "
-        "experts climbs), and the experts no token reached.</p><table>"
-        f"<tr><th>step</th><th>busiest / even</th><th>idle experts</th></tr>{rows}</table>"
+        f"experts climbs), and the experts no token reached.{note}</p><table>"
+        f"<tr><th>step</th><th>busiest / even</th><th>idle experts</th>{more}</tr>{rows}</table>"
     )
 
 

@@ -176,7 +176,8 @@ def test_a_qwen3_moe_trains_every_expert_it_routes_to_and_transformers_reads_its
         load_pretrained(checkpoints(tmp_path / "run")[-1] / "model"),
     )
     moved = {n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))}
-    assert "<h2>Routing</h2>" in write_report(tmp_path / "run").read_text()
+    report = write_report(tmp_path / "run").read_text()
+    assert "<h2>Routing</h2>" in report and "<th>tokens replayed</th>" in report
     assert any(".mlp.gate." in n for n in moved) and any(".mlp.experts." in n for n in moved)
     theirs = AutoModelForCausalLM.from_pretrained(checkpoints(tmp_path / "run")[-1] / "model").eval()
     assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
