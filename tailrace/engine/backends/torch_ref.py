@@ -82,10 +82,9 @@ class TorchBackend:
         ]
         # SmolLM3's layers without RoPE: False at theirs (the C kernels rotate by an identity table there)
         self.rope = [cfg.rope_at(i) for i in range(cfg.num_hidden_layers)]
-        # routing replay: each layer's place among the sparse ones (model/moe.py), and while a forward
-        # runs over a cache that keeps routes, (those routes, each token's place in them)
-        self.sparse = {i: j for j, i in enumerate(i for i in range(cfg.num_hidden_layers) if cfg.moe_at(i))}
-        self._routes_at: tuple[torch.Tensor, torch.Tensor] | None = None
+        # routing replay (model/moe.py): while a forward runs over a cache that keeps routes, the experts
+        # each sparse layer chose, in layer order, written to the cache once the layers are done
+        self._chosen: list[torch.Tensor] | None = None
         self.arange = torch.arange(max_context, device=w.device)
         self.heads = torch.arange(w.Hkv, device=w.device)
         self._rows_cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -117,14 +116,18 @@ class TorchBackend:
         """See `Backend.forward`."""
         B, M = rows.stop - rows.start, tokens.shape[0]
         x = embed(F.embedding(tokens, self.w.embed), self.model.config)  # (M, hidden)
-        if cache.routes is not None:  # each token's experts go where its k/v go: its block, its offset
-            bs = cache.block_size
-            blk = cache.table.t[self._token_rows(rows, pieces), positions // bs].long()
-            self._routes_at = (cache.routes, blk * bs + positions % bs)
+        self._chosen = [] if cache.routes is not None else None
         try:
             x = self._layers(x, positions, cache, rows, chunks, pieces, self.w.packed_at(M), lora)
+            if self._chosen:  # each token's experts go where its k/v go: its block, its offset
+                bs = cache.block_size
+                at = (
+                    cache.table.t[self._token_rows(rows, pieces), positions // bs].long() * bs
+                    + positions % bs
+                )
+                cache.routes.index_copy_(0, at, torch.stack(self._chosen, 1).to(cache.routes.dtype))
         finally:
-            self._routes_at = None
+            self._chosen = None
         if want is not None:
             x = x.index_select(0, want)
         elif M > B:
@@ -229,7 +232,7 @@ class TorchBackend:
         xn = x if lw.norm_mlp is None else self._rms(x, lw.norm_mlp)
         m = self.model.config.residual_multiplier
         if lw.experts is not None:  # a sparse layer (no adapter terms: LoRA leaves an MoE's MLPs be)
-            y = self._experts(i, lw, xn, pk)
+            y = self._experts(lw, xn, pk)
             y = y if m != 1.0 or lw.post_mlp is not None else x + y
         else:
             gu = lw.gate_up(xn, pk)
@@ -243,9 +246,9 @@ class TorchBackend:
             return x + y * m
         return y if lw.post_mlp is None else x + self._rms(y, lw.post_mlp)
 
-    def _experts(self, i: int, lw, xn: torch.Tensor, pk: bool) -> torch.Tensor:
+    def _experts(self, lw, xn: torch.Tensor, pk: bool) -> torch.Tensor:
         """The mixture of experts over xn (M, hidden): each expert's GEMMs over the rows routed to it;
-        the experts each row chose kept in the cache's routes where it keeps them."""
+        the experts each row chose kept for the cache's routes where it keeps them."""
         cfg = self.model.config
 
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -253,13 +256,8 @@ class TorchBackend:
             at = self.w.packed_at(rows.shape[0])
             return down(self._act_mul(gate_up(rows, at)), at)
 
-        record = None
-        if self._routes_at is not None:
-            routes, at = self._routes_at
-
-            def record(own: torch.Tensor, _used: torch.Tensor) -> None:
-                routes[at, self.sparse[i]] = own.to(routes.dtype)
-
+        chosen = self._chosen
+        record = None if chosen is None else lambda own, _used: chosen.append(own)
         return mix(xn, lw.router(xn, pk), cfg.num_experts_per_tok, cfg.norm_topk_prob, expert, record=record)
 
     def _reach(
