@@ -70,14 +70,17 @@ class Batch:
         """The step as padded (B, T) tensors, as the built-in trainer builds them (`grpo.batch_of`):
         `targets[b, t]` is the token at t + 1, `mask` 1 on response tokens (tool observations and tokens
         past train.max_staleness excluded), `behav_logp` the engine's logprob of each target (of logits
-        / temperature), `adv` each row's advantage, `scale` the loss's aggregation. `loss`, `advantage`:
-        others than the run's train.loss.name and train.advantage (null: the loss's own)."""
+        / temperature), `adv` each row's advantage, `scale` the loss's aggregation; with train.routing_replay
+        `routes` the experts the engine chose at each position (for `tailrace.model.moe.replaying`, or your
+        model's own replay). `loss`, `advantage`: others than the run's train.loss.name and
+        train.advantage (null: the loss's own)."""
         cfg = self._client.config
         if loss is not None or advantage is not None:
             cfg = replace(
                 cfg, loss=replace(cfg.loss, name=loss or cfg.loss.name), advantage=advantage or cfg.advantage
             )
-        return batch_of(self.groups, cfg, self.trainer_version)
+        moe = read_config(self._client.start) if cfg.routing_replay else None
+        return batch_of(self.groups, cfg, self.trainer_version, moe)
 
     def done(
         self,

@@ -127,3 +127,38 @@ def test_a_trainer_on_another_machine_than_the_relay_is_told_where_to_run(tmp_pa
     finally:
         t.join(timeout=10)
         unlisten(listener, tmp_path, NAME)
+
+
+def test_a_batchs_tensors_carry_the_engines_routes_under_routing_replay(tmp_path):
+    """An external trainer of an MoE run with train.routing_replay gets each position's experts as the
+    engine chose them (`TrainBatch.routes`), for its own forward to take."""
+    import types
+
+    from tailrace.client import Batch
+    from tailrace.engine import TailraceEngine
+    from tailrace.model import CausalLM, ModelConfig, save_pretrained
+    from tailrace.model.moe import routes_of
+    from tailrace.runtime.relay import Work
+    from tailrace.types import GenRequest, Group, SamplingParams, Trajectory
+
+    moe = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    cfg = ModelConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, **moe
+    )
+    model = CausalLM.from_config(cfg, seed=0)
+    save_pretrained(model, tmp_path / "moe")
+    reqs = [GenRequest(f"0.{i}", (1, 5, 7), SamplingParams(max_new_tokens=6, seed=i)) for i in range(2)]
+    results = TailraceEngine(model, num_slots=2, routes=True).generate(reqs)
+    group = Group(
+        0, 0, tuple(Trajectory(0, i, 0, (1, 5, 7), r, float(i), i == 1) for i, r in enumerate(results))
+    )
+    work = Work(0, (group,), 0, True, False, False)
+    for replay in (False, True):
+        client = types.SimpleNamespace(
+            config=TrainerConfig(routing_replay=replay), start=str(tmp_path / "moe")
+        )
+        batch = Batch(work, client).tensors()
+        if not replay:
+            assert batch.routes is None
+    assert batch.routes.shape == (2, 8, 2, 2)
+    assert torch.equal(batch.routes[1], routes_of(results[1].routes, cfg))

@@ -117,10 +117,13 @@ def test_trajectory_records_round_trip_through_json_with_every_field():
         "group sample_index prompt_id prompt_ids result reward correct dispatch_version observed tool_s".split()
     )
     assert {f.name for f in dataclasses.fields(GenResult)} == set(
-        "request_id token_ids logprobs versions finish submitted first_token finished".split()
+        "request_id token_ids logprobs versions finish submitted first_token finished routes".split()
     )
     d = json.loads(json.dumps(trajectory_to_json(t)))
     assert trajectory_from_json(d, t.prompt_ids) == t  # prompt ids live with the group's prompt
+    # but an MoE's routes (routing replay: bytes per position) stay out of the journal, by design
+    routed = dataclasses.replace(t, result=dataclasses.replace(r, routes=bytes(range(8))))
+    assert trajectory_from_json(json.loads(json.dumps(trajectory_to_json(routed))), t.prompt_ids) == t
 
 
 @settings(max_examples=40, deadline=None)
