@@ -154,7 +154,8 @@ def test_a_qwen3_moe_trains_every_expert_it_routes_to_and_transformers_reads_its
     """Qwen3-MoE's layout (four experts a layer, two a token): a full fine-tune on tailrace's engines moves
     the router and the experts, and transformers' Qwen3MoeForCausalLM reads the trained checkpoint as
     tailrace's decoder does; the report shows the routing of each step. With routing replay: every
-    sampled token's routes came from the engines, and (fp32 both sides) none differs from the trainer's."""
+    sampled token's routes came from the engines, and (fp32 both sides) on-policy none differs from the
+    trainer's."""
     from transformers import AutoModelForCausalLM
 
     from tailrace.model import load_pretrained
@@ -170,7 +171,10 @@ def test_a_qwen3_moe_trains_every_expert_it_routes_to_and_transformers_reads_its
     from tests.runtime.test_lora_e2e import step_records
 
     steps = [s["train"] for s in step_records(tmp_path / "run")]
-    assert [(s["routes_replayed"], s["moe_route_flips"]) for s in steps] == [(1.0, 0.0)] * 2
+    assert [s["routes_replayed"] for s in steps] == [1.0, 1.0]
+    # the first step trains the weights that sampled it: no route differs (fp32); later ones may train on
+    # tokens an older version sampled (multiversion), whose routes that version chose
+    assert steps[0]["moe_route_flips"] == 0.0
     base, trained = (
         load_pretrained(tmp_path / "moe"),
         load_pretrained(checkpoints(tmp_path / "run")[-1] / "model"),
