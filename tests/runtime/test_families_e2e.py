@@ -172,9 +172,10 @@ def test_a_qwen3_moe_trains_every_expert_it_routes_to_and_transformers_reads_its
 
     steps = [s["train"] for s in step_records(tmp_path / "run")]
     assert [s["routes_replayed"] for s in steps] == [1.0, 1.0]
-    # the first step trains the weights that sampled it: no route differs (fp32); later ones may train on
-    # tokens an older version sampled (multiversion), whose routes that version chose
-    assert steps[0]["moe_route_flips"] == 0.0
+    # the first step trains the weights that sampled it: no route differs (fp32; a near-tie another CPU's
+    # rounding breaks apart aside); later ones may train on tokens an older version sampled (multiversion),
+    # whose routes that version chose
+    assert steps[0]["moe_route_flips"] < 0.01
     base, trained = (
         load_pretrained(tmp_path / "moe"),
         load_pretrained(checkpoints(tmp_path / "run")[-1] / "model"),
