@@ -82,6 +82,10 @@ class GenRequest:
     # the engine admits waiting requests lowest first, in arrival order among equals (() for all: FIFO);
     # several policies in one run stamp (when the policy's oldest open group opened, policy): flow/multi.py
     priority: tuple[float, ...] = ()
+    # routing replay: the aborted partial's (or finished turn's) routes (`GenResult.routes`): the positions
+    # whose next token was drawn before keep the experts chosen when it was drawn, not those of the
+    # re-prefill under this request's version
+    resume_routes: bytes = field(default=b"", repr=False)
 
 
 def queue_by_priority(queue: MutableSequence[T], item: T, priority: Callable[[T], tuple]) -> None:

@@ -626,10 +626,14 @@ class TailraceEngine(SpeculativeSteps, HeldWeights, SlotBook):
 
     def _routes(self, seq: Sequence, toks: list[int]) -> bytes:
         """The routes of a request's positions but its last token's (none fed yet), or b"": none kept, or
-        its prompt not all in the cache (waiting, preempted, prefilling)."""
+        its prompt not all in the cache (waiting, preempted, prefilling). A resumed request's positions
+        before its resumed tokens' last are its `resume_routes` (the experts chosen when each next token
+        was drawn, maybe under an older version), the rest this request's own."""
         if self.cache.routes is None or seq.id not in self.slots.row or seq.to_prefill:
             return b""
-        return self.cache.read_routes(self.slots.row[seq.id], len(seq.ids) + len(toks) - 1)
+        fresh = self.cache.read_routes(self.slots.row[seq.id], len(seq.ids) + len(toks) - 1)
+        before = seq.req.resume_routes  # the positions whose next token an earlier request drew
+        return before + fresh[len(before) :] if len(before) <= len(fresh) else fresh
 
     def _result(
         self, seq: Sequence, toks: list[int], lps: list[float], finish: Finish, t: float, routes: bytes = b""

@@ -662,7 +662,7 @@ class Scheduler(SchedulerState, EngineBook, ExternalRequests):
             req = GenRequest(rid, g.prompt.token_ids, p, version)
         else:
             req = GenRequest(rid, g.prompt.token_ids, p, version, partial.token_ids, partial.logprobs,
-                             partial.versions)  # fmt: skip
+                             partial.versions, resume_routes=partial.routes)  # fmt: skip
         g.in_flight.add(key)
         eng.in_flight[rid] = version
         self._pending[eng.id].append(req)

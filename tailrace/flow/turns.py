@@ -24,7 +24,7 @@ def continuation(req_id: str, prompt_ids: tuple[int, ...], params, version: int,
     n = len(observation)
     return GenRequest(
         req_id, prompt_ids, replace(params), version, turn.token_ids + observation,
-        turn.logprobs + (0.0,) * n, turn.versions + (version,) * n,
+        turn.logprobs + (0.0,) * n, turn.versions + (version,) * n, resume_routes=turn.routes,
     )  # fmt: skip
 
 

@@ -5,6 +5,8 @@ and aborts (fp32: the engine's forwards and the model's agree to rounding, far f
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -98,3 +100,35 @@ def test_an_aborted_request_carries_the_routes_of_the_positions_it_fed():
 def test_routes_need_a_mixture_of_experts():
     with pytest.raises(EngineError, match="has no experts"):
         TailraceEngine(tiny_model(0), routes=True)
+
+
+def test_a_resumed_partial_keeps_the_routes_its_tokens_were_drawn_with():
+    """An aborted partial resumed under a newer version (partial rollout): the positions whose next token
+    the old version drew keep the old version's routes (`resume_routes`); the re-prefill's own routes of
+    them are the new version's, and the positions after are the new version's too."""
+    old, new = tiny_model(0, **MOE), tiny_model(1, **MOE)
+    eng = TailraceEngine(old, num_slots=2, routes=True)
+    eng.load_weights(new.state_dict(), 1)
+    r = req("p", 6, 30, temperature=1.0)
+    eng.add(r)
+    for _ in range(8):
+        eng.step()
+    part = eng.abort("p")
+    assert len(part.token_ids) > 2
+    resumed = dataclasses.replace(
+        r, version=1, resume_ids=part.token_ids, resume_logprobs=part.logprobs, resume_versions=part.versions
+    )
+    full, plain = [
+        eng.generate([dataclasses.replace(resumed, id=i, resume_routes=b)])[0]
+        for i, b in (("kept", part.routes), ("none", b""))
+    ]
+    assert full.token_ids == plain.token_ids and len(full.token_ids) > len(part.token_ids)
+    cut = len(r.prompt_ids) + len(part.token_ids) - 1  # positions whose next token the old version drew
+    seq = r.prompt_ids + full.token_ids
+    got, theirs = routes_of(full.routes, old.config), routes_of(plain.routes, old.config)
+    assert torch.equal(got[:cut], routes_of(part.routes, old.config))
+    assert torch.equal(got[cut:], theirs[cut:])
+    assert torch.equal(
+        theirs.long().sort(-1).values, own_routes(new, seq[:-1])
+    )  # all re-routed by the new one
+    assert not torch.equal(got[:cut].long().sort(-1).values, own_routes(new, seq[:cut]))  # other weights

@@ -134,8 +134,17 @@ class ScriptedCluster:
                 self.loaded[c.engine].discard(c.version)
 
     def _result(self, r: Running, finish: Finish) -> GenResult:
+        # routes as the engine keeps them, one byte a token here: the request's version's, but for the
+        # tokens it resumed, which keep those it was given (`GenRequest.resume_routes`)
+        fresh = bytes([r.request.version % 256] * len(r.tokens))
+        routes = r.request.resume_routes + fresh[len(r.request.resume_routes) :]
         return GenResult(
-            r.request.id, tuple(r.tokens), tuple(0.0 for _ in r.tokens), tuple(r.versions), finish
+            r.request.id,
+            tuple(r.tokens),
+            tuple(0.0 for _ in r.tokens),
+            tuple(r.versions),
+            finish,
+            routes=routes,
         )
 
     def _finish(self, r: Running) -> Finish:

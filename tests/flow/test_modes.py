@@ -72,6 +72,9 @@ def test_partial_resumes_under_new_versions_and_keeps_token_versions():
     assert mixed, "long samples should have been interrupted and resumed at least once"
     for tr in mixed:
         assert list(tr.versions) == sorted(tr.versions)  # a resumed segment is never older than its prefix
+        # routing replay: each resumed segment was given its prefix's routes (the scripted engine keeps
+        # a token's version as its route): the positions keep the version that drew them
+        assert tr.result.routes == bytes(v % 256 for v in tr.versions)
 
 
 def test_multiversion_keeps_the_engine_busy_through_training():
