@@ -174,6 +174,12 @@ class TrainerConfig:
         "token (R3; their weights from the trainer's router), so engine and trainer compute the same "
         "mixture: bf16 rounding no longer flips an expert (tailrace's own engine only)",
     )
+    moe_aux_loss: float = setting(
+        0.0,
+        "a mixture of experts: the load-balancing loss's coefficient (transformers' router_aux_loss_coef, "
+        "which transformers and TRL add when the model's config sets output_router_logits), over each "
+        "forward's real tokens; 0: off (RL fine-tuning usually trains without it)",
+    )
     loss: LossConfig = section(LossConfig, "the clipped policy-gradient loss")
     lora: LoraConfig = section(LoraConfig, "low-rank adapters on a frozen base (rank 0: off)")
     advantage: str | None = setting(None, "advantage estimator (null = the one the loss was published with)")
@@ -204,6 +210,10 @@ class TrainerConfig:
         self.betas = (float(self.betas[0]), float(self.betas[1]))
         need(self.eps > 0, f"train.eps={self.eps}: must be > 0, e.g. 1e-8")
         need(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay}: must be >= 0")
+        need(
+            self.moe_aux_loss >= 0,
+            f"train.moe_aux_loss={self.moe_aux_loss}: must be >= 0 (0: off), e.g. 0.001",
+        )
         need(
             self.grad_clip is None or self.grad_clip > 0,
             f"train.grad_clip={self.grad_clip}: must be > 0, or null to turn clipping off",

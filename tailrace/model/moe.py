@@ -10,8 +10,9 @@ in fp32, a difference of bf16 rounding in a bf16 forward), whose parameter names
 
 `mix` is the one computation the trainer's decoder and the engine's backends share: the tokens sorted
 by expert once, each expert run over its tokens as one GEMM (an expert no token chose costs nothing),
-the weighted outputs scattered back in one `index_add_`. No load-balancing loss: RL fine-tuning of a
-released MoE trains without one here (transformers' `output_router_logits` off, its default).
+the weighted outputs scattered back in one `index_add_`. The load-balancing loss (`balancing`,
+`balance_loss`) is transformers' (its `router_aux_loss_coef`, added when a config sets
+`output_router_logits`, as TRL's trainers then add it): off unless `train.moe_aux_loss` is set.
 
 Routing replay (R3, `train.routing_replay`): the rollout engine records the experts each position's
 forward chose (its KV cache holds them beside the keys, `routes_of` reads them back) and the trainer's
@@ -189,14 +190,21 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(mlp(cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.load = [0] * cfg.num_experts  # tokens routed to each expert since `take_load` last read it
         self.given: torch.Tensor | None = None  # (..., k) the experts to take (`replaying`), -1: choose
+        self.balance: tuple[torch.Tensor, list] | None = None  # (rows counted, stats) inside `balancing`
         self.flips: torch.Tensor | None = None  # rows replayed, and of them routed otherwise here (counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         given = None if self.given is None else self.given.reshape(-1, self.k)
+        logits = self.gate(x)
+        if self.balance is not None:  # the forward's router probabilities and choices, over its real rows
+            valid, stats = self.balance
+            probs = torch.softmax(logits[valid], dim=-1, dtype=torch.float32)
+            choices = torch.topk(probs, self.k, dim=-1)[1].reshape(-1)
+            stats.append((torch.bincount(choices, minlength=probs.shape[-1]), probs.sum(0), probs.shape[0]))
         y = mix(
-            x, self.gate(x), self.k, self.norm, self._expert, pad=_compiles_shapes(x), load=self.load,
+            x, logits, self.k, self.norm, self._expert, pad=_compiles_shapes(x), load=self.load,
             given=given, record=None if given is None else partial(self._count, given),
         )  # fmt: skip
         return y.reshape(shape)
@@ -264,6 +272,34 @@ def replaying(model: nn.Module, routes: torch.Tensor | None) -> Iterator[None]:
     finally:
         for m in layers:
             m.given = None
+
+
+@contextmanager
+def balancing(model: nn.Module, valid: torch.Tensor | None) -> Iterator[list]:
+    """Inside, each sparse layer's forward adds its statistics for `balance_loss` to the list yielded,
+    over the rows `valid` ((B, T) bool for a forward over (B, T) tokens: padding left out, as transformers'
+    attention mask does); None: nothing kept."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    stats: list = []
+    if valid is not None:
+        for m in layers:
+            m.balance = (valid.reshape(-1), stats)
+    try:
+        yield stats
+    finally:
+        for m in layers:
+            m.balance = None
+
+
+def balance_loss(stats: list, num_experts: int) -> torch.Tensor:
+    """transformers' load-balancing loss (`load_balancing_loss_func`) of one forward: the sparse layers'
+    rows pooled, E x sum over experts e of (the share of the rows' k choices that went to e, times k) x
+    (e's mean router probability); k when even, k E when all go to the same k. Differentiable through the
+    probabilities (the choices are counts)."""
+    rows = sum(n for _, _, n in stats)
+    counts = sum(c for c, _, _ in stats).float()
+    probs = sum(p for _, p, _ in stats)
+    return num_experts * (counts / max(rows, 1) * probs / max(rows, 1)).sum()
 
 
 def sparse_layers(cfg: ModelConfig) -> int:

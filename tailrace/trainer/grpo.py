@@ -29,13 +29,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from tailrace.config import TrainerConfig
+from tailrace.config import ConfigError, TrainerConfig
 from tailrace.config.train import auto_lr
 from tailrace.model import lora
 from tailrace.model.config import ModelConfig
 from tailrace.model.device import available_bytes
 from tailrace.model.flat import flatten_parameters
-from tailrace.model.moe import replaying, take_load
+from tailrace.model.moe import balance_loss, balancing, replaying, take_load
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
@@ -46,7 +46,7 @@ from tailrace.trainer.packing import split_by_tokens
 from tailrace.types import Group
 
 SUM_KEYS = ("loss", "pg_loss", "kl", "is_ratio", "clip_frac", "approx_kl", "ratio_mean", "tokens", "dropped",
-            "entropy", "gap_sum", "gap_tokens")  # fmt: skip
+            "entropy", "gap_sum", "gap_tokens", "moe_aux_loss")  # fmt: skip
 PEAK_KEYS = ("is_ratio_max", "ratio_max", "gap_max")
 
 
@@ -118,6 +118,12 @@ class GRPOTrainer:
             cpu=self.device.type == "cpu",
         )
         self.steps = 0
+        self._positions = 1
+        if cfg.moe_aux_loss and not getattr(getattr(model, "config", None), "moe", False):
+            raise ConfigError(
+                f"train.moe_aux_loss={cfg.moe_aux_loss}: the policy has no mixture of experts to balance; "
+                "set it to 0"
+            )
 
     def step(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
         """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""
@@ -130,6 +136,7 @@ class GRPOTrainer:
         self.model.eval()
         self.opt.zero_grad(set_to_none=True)
         acc = _Sums()
+        self._positions = int(batch.lengths.sum())  # the load-balancing loss's share of each micro-batch
         micro = self._shard(batch).micro_batches(self.micro.tokens)
         for mb in micro:
             self._forward_backward(mb.to(self.device), acc, backward=True)
@@ -155,6 +162,7 @@ class GRPOTrainer:
         batch = self.make_batch(groups, trainer_version)
         self.model.eval()
         acc = _Sums()
+        self._positions = int(batch.lengths.sum())
         micro = batch.micro_batches(self.micro.tokens)
         for mb in micro:
             self._forward_backward(mb.to(self.device), acc, backward=False)
@@ -197,7 +205,12 @@ class GRPOTrainer:
         cfg, lc = self.cfg, self.cfg.loss
         n_live = mb.mask.sum()
         resp = mb.versions >= 0
-        with self._autocast(), replaying(self.model, mb.routes):  # the engine's experts, where replayed
+        valid = torch.arange(mb.input_ids.shape[1], device=mb.lengths.device) < mb.lengths[:, None]
+        with (
+            self._autocast(),
+            replaying(self.model, mb.routes),  # the engine's experts, where replayed
+            balancing(self.model, valid if cfg.moe_aux_loss else None) as stats,
+        ):
             logits = self.model(mb.input_ids)  # (b, t, V)
         logp = token_logprobs(logits, mb.targets, cfg.temperature)  # (b, t) fp32
         prox = logp.detach()  # one step per batch: the pre-update policy is the current one
@@ -213,6 +226,10 @@ class GRPOTrainer:
             scale=mb.scale,
         )
         loss = pg
+        if stats:  # the load-balancing loss, this micro-batch's share of the batch's by its real tokens
+            aux = balance_loss(stats, self.model.config.num_experts) * (valid.sum() / self._positions)
+            loss = loss + cfg.moe_aux_loss * aux
+            acc.add("moe_aux_loss", aux.detach())
         if lc.kl_coef > 0:
             ref = self.model if self.ref_model is None else self.ref_model
             off = lora.as_reference(ref) if self.ref_model is None else contextlib.nullcontext()
@@ -279,6 +296,7 @@ class GRPOTrainer:
             "time_s": dt,
             **take_load(self.model),  # a mixture of experts' routing: how even, how many experts idle
             **_replayed(batch),
+            **({"moe_aux_loss": acc.get("moe_aux_loss")} if self.cfg.moe_aux_loss else {}),
         }
 
     # -- checkpoints and weight transfer -----------------------------------------------------

@@ -130,3 +130,30 @@ def test_routes_of_reads_an_engines_bytes_and_refuses_a_partial_position():
     assert routes_of(data, cfg).tolist()[2] == [[8, 9], [10, 11]] and routes_of(b"", cfg).shape == (0, 2, 2)
     with pytest.raises(ValueError, match="not whole positions"):
         routes_of(data[:-1], cfg)
+
+
+def test_the_load_balancing_loss_is_transformers_over_the_real_tokens(tmp_path):
+    """`balancing` + `balance_loss` over a padded batch equal transformers' aux_loss of Qwen3MoeForCausalLM
+    (output_router_logits on) under the same attention mask, and move the router's gradient."""
+    from transformers import AutoModelForCausalLM
+
+    from tailrace.model import save_pretrained
+    from tailrace.model.moe import balance_loss, balancing
+
+    model = _moe_model()
+    save_pretrained(model, tmp_path / "m")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "m", output_router_logits=True).eval()
+    ids = torch.arange(14).view(2, 7) % 32
+    valid = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])  # the second row padded after 4
+    with torch.no_grad():
+        want = theirs(ids, attention_mask=valid.long()).aux_loss
+    with balancing(model, valid) as stats:
+        model(ids)
+    got = balance_loss(stats, 4)
+    assert len(stats) == 2 and sum(n for _, _, n in stats) == 2 * 11  # two sparse layers, 11 real tokens
+    assert torch.allclose(got, want.float(), atol=1e-6), (got, want)
+    got.backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    with balancing(model, None) as stats:
+        model(ids)
+    assert stats == [] and all(m.balance is None for m in model.modules() if hasattr(m, "balance"))

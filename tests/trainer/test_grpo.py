@@ -539,3 +539,27 @@ def test_routing_replay_trains_through_the_engines_experts():
     tr = GRPOTrainer(model, TrainerConfig(lr=1e-2, routing_replay=True))
     part = tr.step(with_routes(make_groups(model), model, drop={"0-0", "1-1"}), trainer_version=0)
     assert 0.5 < part["routes_replayed"] < 1.0 and part["moe_route_flips"] == 0.0
+
+
+def test_the_load_balancing_loss_adds_to_the_loss_and_trains_the_router_alone():
+    """train.moe_aux_loss: the step's loss grows by coefficient x the balancing loss (logged), whose
+    gradient reaches the routers and what feeds them, not the last sparse layer's experts nor the final
+    norm (no clipping: AdamW's update of a parameter is its own gradient's); a dense policy refuses it."""
+    from tailrace.model import CausalLM, ModelConfig
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                      max_position_embeddings=64, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=24, mlp_only_layers=(1,))  # fmt: skip
+    runs = []
+    for coef in (0.0, 0.5):
+        model = CausalLM.from_config(cfg, seed=0)
+        tr = GRPOTrainer(model, TrainerConfig(lr=1e-2, moe_aux_loss=coef, grad_clip=None))
+        runs.append((tr.step(make_groups(model), trainer_version=0), dict(model.named_parameters())))
+    (plain, p0), (aux, p1) = runs
+    assert "moe_aux_loss" not in plain and 2.0 <= aux["moe_aux_loss"] <= 8.0  # k even .. k E all to k
+    assert aux["loss"] == pytest.approx(plain["loss"] + 0.5 * aux["moe_aux_loss"], rel=1e-5)
+    moved = {n for n in p0 if not torch.equal(p0[n], p1[n])}
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight"} <= moved
+    assert not {"model.layers.2.mlp.experts.3.down_proj.weight", "model.norm.weight"} & moved
+    with pytest.raises(ConfigError, match="no mixture of experts to balance"):
+        GRPOTrainer(TinyLM(), TrainerConfig(moe_aux_loss=0.01))
