@@ -75,11 +75,12 @@ def check_backend(cfg: RunConfig, training: bool = True) -> None:
     weight load. So is routing replay of a model without experts."""
     from tailrace.model.checkpoint import read_config
 
-    if cfg.train.routing_replay and cfg.model.path and not read_config(cfg.model.path).moe:
-        raise ConfigError(
-            f"train.routing_replay with model.path={cfg.model.path}: a {read_config(cfg.model.path).model_type} "
-            "model has no mixture of experts to replay the routing of; drop train.routing_replay"
-        )
+    for name, on in (("routing_replay", cfg.train.routing_replay), ("moe_aux_loss", cfg.train.moe_aux_loss)):
+        if on and cfg.model.path and not read_config(cfg.model.path).moe:
+            raise ConfigError(
+                f"train.{name} with model.path={cfg.model.path}: a {read_config(cfg.model.path).model_type} "
+                f"model has no mixture of experts; drop train.{name}"
+            )
     if cfg.rollout.backend != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:

@@ -438,11 +438,15 @@ class RunConfig:
             "train.routing_replay with rollout.backend=vllm: the vLLM engine here does not return the experts "
             "it chose; set rollout.backend=tailrace (or train.routing_replay=false)",
         )
-        need(
-            not (self.train.routing_replay and self.model.path is None),
-            "train.routing_replay: the built-in model has no mixture of experts to replay the routing of; "
-            "set model.path to one (Qwen3-MoE, OLMoE, Mixtral, Granite MoE) or drop train.routing_replay",
-        )
+        for name, on in (
+            ("routing_replay", self.train.routing_replay),
+            ("moe_aux_loss", self.train.moe_aux_loss),
+        ):
+            need(
+                not (on and self.model.path is None),
+                f"train.{name}: the built-in model has no mixture of experts; set model.path to one (Qwen3-MoE, "
+                f"OLMoE, Mixtral, Granite MoE) or drop train.{name}",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -127,13 +127,15 @@ def test_training_an_moe_on_vllms_cpu_build_is_refused_before_it_starts(tmp_path
     check_backend(run, training=False)  # serving its fixed weights is fine
 
 
-def test_routing_replay_is_refused_without_experts_or_on_vllm(tmp_path):
+def test_routing_replay_and_the_balancing_loss_are_refused_without_experts_or_on_vllm(tmp_path):
     """train.routing_replay needs a mixture of experts and tailrace's engine (which records routes)."""
     from tailrace.cli.choices import check_backend
     from tailrace.model import CausalLM, ModelConfig, save_pretrained
 
     with pytest.raises(ConfigError, match="built-in model has no mixture of experts"):
         load_config(None, ["--train.routing_replay=true"])
+    with pytest.raises(ConfigError, match="train.moe_aux_loss: the built-in model has no mixture of experts"):
+        load_config(None, ["--train.moe_aux_loss=0.001"])
     with pytest.raises(
         ConfigError, match="routing_replay with rollout.backend=vllm: .*rollout.backend=tailrace"
     ):
@@ -146,4 +148,7 @@ def test_routing_replay_is_refused_without_experts_or_on_vllm(tmp_path):
     with pytest.raises(
         ConfigError, match="a llama model has no mixture of experts.*drop train.routing_replay"
     ):
+        check_backend(run)
+    run = load_config(None, ["--train.moe_aux_loss=0.01", f"--model.path={tmp_path / 'dense'}"])
+    with pytest.raises(ConfigError, match="a llama model has no mixture of experts; drop train.moe_aux_loss"):
         check_backend(run)
