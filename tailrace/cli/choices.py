@@ -72,15 +72,17 @@ def check_backend(cfg: RunConfig, training: bool = True) -> None:
     supervisor, serve), so a vLLM run's directory still loads where vLLM is not (eval, sim, report,
     checks). `training`: the engines will load new weights, which vLLM's CPU build cannot do for a
     mixture of experts (`engine.vllm_engine`): such a run is refused before it starts, not at its first
-    weight load. So is routing replay of a model without experts."""
+    weight load. So are the settings only a mixture of experts uses (`TrainerConfig.moe_only`) on a model
+    without experts."""
     from tailrace.model.checkpoint import read_config
 
-    for name, on in (("routing_replay", cfg.train.routing_replay), ("moe_aux_loss", cfg.train.moe_aux_loss)):
-        if on and cfg.model.path and not read_config(cfg.model.path).moe:
-            raise ConfigError(
-                f"train.{name} with model.path={cfg.model.path}: a {read_config(cfg.model.path).model_type} "
-                f"model has no mixture of experts; drop train.{name}"
-            )
+    wanted = cfg.train.moe_only()
+    model = read_config(cfg.model.path) if wanted and cfg.model.path else None
+    if model is not None and not model.moe:
+        raise ConfigError(
+            f"train.{wanted[0]} with model.path={cfg.model.path}: a {model.model_type} model has no mixture of "
+            f"experts; drop train.{wanted[0]}"
+        )
     if cfg.rollout.backend != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:

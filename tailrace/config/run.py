@@ -438,12 +438,9 @@ class RunConfig:
             "train.routing_replay with rollout.backend=vllm: the vLLM engine here does not return the experts "
             "it chose; set rollout.backend=tailrace (or train.routing_replay=false)",
         )
-        for name, on in (
-            ("routing_replay", self.train.routing_replay),
-            ("moe_aux_loss", self.train.moe_aux_loss),
-        ):
+        for name in self.train.moe_only():
             need(
-                not (on and self.model.path is None),
+                self.model.path is not None,
                 f"train.{name}: the built-in model has no mixture of experts; set model.path to one (Qwen3-MoE, "
                 f"OLMoE, Mixtral, Granite MoE) or drop train.{name}",
             )

@@ -198,6 +198,11 @@ class TrainerConfig:
         "a step's rows and the gradients are all-reduced; rank 0 publishes and saves",
     )
 
+    def moe_only(self) -> list[str]:
+        """The settings set here that only a mixture of experts has a use for (the run refuses them on a
+        dense policy when it starts)."""
+        return [name for name in ("routing_replay", "moe_aux_loss") if getattr(self, name)]
+
     def __post_init__(self) -> None:
         need(
             self.lr is None or self.lr > 0,

@@ -16,6 +16,7 @@ import torch
 
 from tailrace.engine.block_table import BlockTable
 from tailrace.model.decoder import CausalLM
+from tailrace.model.moe import sparse_layers
 
 
 class KVCache:
@@ -94,11 +95,15 @@ class KVCache:
                 (self.num_blocks * self.block_size, sparse_layers, k), dtype=torch.uint8, device=self.device
             )
 
+    def places(self, rows: torch.Tensor | int, positions: torch.Tensor) -> torch.Tensor:
+        """Where in the pool's block positions (block x block_size + offset) each of `rows`' `positions`
+        lies: a token's routes' index (its k/v's, per head, in the backends)."""
+        bs = self.block_size
+        return self.table.t[rows, positions // bs].long() * bs + positions % bs
+
     def read_routes(self, row: int, n: int) -> bytes:
         """The routes of row `row`'s positions [0, n), as `GenResult.routes` holds them."""
-        pos = torch.arange(n, device=self.device)
-        bs = self.block_size
-        at = self.table.t[row, pos // bs].long() * bs + pos % bs
+        at = self.places(row, torch.arange(n, device=self.device))
         return self.routes.index_select(0, at).cpu().numpy().tobytes()
 
     @staticmethod
@@ -106,7 +111,7 @@ class KVCache:
         """Bytes of one token's k and v in every layer of `model`, stored in `dtype` (and its routes: a
         byte per expert chosen in each sparse layer)."""
         c = model.config
-        kept = sum(c.moe_at(i) for i in range(c.num_hidden_layers)) * c.num_experts_per_tok if routes else 0
+        kept = sparse_layers(c) * c.num_experts_per_tok if routes else 0
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.itemsize + kept
 
     @property

@@ -35,22 +35,27 @@ from torch import nn
 from tailrace.common import padded_rows
 from tailrace.model.config import ModelConfig
 
+Record = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (probs, own, used): `route`
+
 
 def route(
-    logits: torch.Tensor, k: int, norm: bool, given: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weights (N, k) in the logits' dtype, experts (N, k), the experts this router chose (N, k)) of
-    router logits (N, E). `given` (N, k): experts chosen elsewhere (routing replay), a row of -1 (none
-    given) choosing afresh; the weights are then this router's probabilities of the experts given."""
+    logits: torch.Tensor, k: int, norm: bool, given: torch.Tensor | None = None, record: Record | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (N, k) in the logits' dtype, experts (N, k)) of router logits (N, E). `given` (N, k):
+    experts chosen elsewhere (routing replay), a row of -1 (none given) choosing afresh; the weights are
+    then this router's probabilities of the experts given. `record(probs, own, used)` is called with the
+    router's probabilities (N, E) fp32, the experts it chose and those the rows take (N, k)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, own = torch.topk(probs, k, dim=-1)
     experts = own
     if given is not None:
         experts = torch.where(given >= 0, given.long(), own)
         top = probs.gather(1, experts)
+    if record is not None:
+        record(probs, own, experts)
     if norm:
         top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype), experts, own
+    return top.to(logits.dtype), experts
 
 
 def mix(
@@ -62,21 +67,18 @@ def mix(
     pad: bool = False,
     load: list[int] | None = None,
     given: torch.Tensor | None = None,
-    record: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    record: Record | None = None,
 ) -> torch.Tensor:
     """sum over each row's k experts of weight x expert(e, row), (N, hidden) in x's dtype: x (N, hidden)
     the MLP's input, `logits` (N, E) the router's, `expert(e, rows)` expert e's output over those rows.
     `pad`: each expert runs over `padded_rows` of its count (rows of zeros, weighted 0, scattered to a row
     dropped after): where oneDNN compiles a kernel for every GEMM shape it meets (bf16 autocast on CPU),
     a count that changes with every batch compiled one at nearly every call. `load`: each expert's count
-    of the tokens routed to it is added to it. `given`: see `route`; `record(own, used)` is called with the
-    experts the router chose and those the rows took (N, k)."""
+    of the tokens routed to it is added to it. `given`, `record`: see `route`."""
     N = x.shape[0]
     if not N:
         return torch.zeros_like(x)
-    weights, experts, own = route(logits, k, norm, given)
-    if record is not None:
-        record(own, experts)
+    weights, experts = route(logits, k, norm, given, record)
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)  # the (token, choice) slots by expert, tokens in order within one
     counts = torch.bincount(flat, minlength=logits.shape[-1]).tolist()  # one host sync per layer
@@ -190,31 +192,36 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(mlp(cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.load = [0] * cfg.num_experts  # tokens routed to each expert since `take_load` last read it
         self.given: torch.Tensor | None = None  # (..., k) the experts to take (`replaying`), -1: choose
-        self.balance: tuple[torch.Tensor, list] | None = None  # (rows counted, stats) inside `balancing`
+        # inside `balancing`: (the rows counted, how many, the stats list)
+        self.balance: tuple[torch.Tensor, int, list] | None = None
         self.flips: torch.Tensor | None = None  # rows replayed, and of them routed otherwise here (counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         given = None if self.given is None else self.given.reshape(-1, self.k)
-        logits = self.gate(x)
-        if self.balance is not None:  # the forward's router probabilities and choices, over its real rows
-            valid, stats = self.balance
-            probs = torch.softmax(logits[valid], dim=-1, dtype=torch.float32)
-            choices = torch.topk(probs, self.k, dim=-1)[1].reshape(-1)
-            stats.append((torch.bincount(choices, minlength=probs.shape[-1]), probs.sum(0), probs.shape[0]))
+        watch = given is not None or self.balance is not None
         y = mix(
-            x, logits, self.k, self.norm, self._expert, pad=_compiles_shapes(x), load=self.load,
-            given=given, record=None if given is None else partial(self._count, given),
+            x, self.gate(x), self.k, self.norm, self._expert, pad=_compiles_shapes(x), load=self.load,
+            given=given, record=partial(self._observe, given) if watch else None,
         )  # fmt: skip
         return y.reshape(shape)
 
-    def _count(self, given: torch.Tensor, own: torch.Tensor, used: torch.Tensor) -> None:
-        """Rows replayed, and of them those whose experts this router would not have chosen."""
-        set_ = given[:, 0] >= 0
-        differ = (own.sort(-1).values != used.sort(-1).values).any(-1) & set_
-        counts = torch.stack((set_.sum(), differ.sum()))
-        self.flips = counts if self.flips is None else self.flips + counts
+    def _observe(
+        self, given: torch.Tensor | None, probs: torch.Tensor, own: torch.Tensor, used: torch.Tensor
+    ) -> None:
+        """Routing replay: the rows replayed, and of them those whose experts this router would not have
+        chosen. `balancing`: the router's choices and probabilities over the forward's real rows."""
+        if given is not None:
+            set_ = given[:, 0] >= 0
+            differ = (own.sort(-1).values != used.sort(-1).values).any(-1) & set_
+            counts = torch.stack((set_.sum(), differ.sum()))
+            self.flips = counts if self.flips is None else self.flips + counts
+        if self.balance is not None:
+            valid, n, stats = self.balance
+            stats.append(
+                (torch.bincount(own[valid].reshape(-1), minlength=probs.shape[-1]), probs[valid].sum(0), n)
+            )
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert e over `rows`; outside autocast, in its weights' dtype (a LoRA trainer keeps the frozen
@@ -282,8 +289,10 @@ def balancing(model: nn.Module, valid: torch.Tensor | None) -> Iterator[list]:
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
     stats: list = []
     if valid is not None:
+        rows = valid.reshape(-1)
+        n = int(rows.sum())
         for m in layers:
-            m.balance = (valid.reshape(-1), stats)
+            m.balance = (rows, n, stats)
     try:
         yield stats
     finally:

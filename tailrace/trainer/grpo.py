@@ -118,7 +118,6 @@ class GRPOTrainer:
             cpu=self.device.type == "cpu",
         )
         self.steps = 0
-        self._positions = 1
         if cfg.moe_aux_loss and not getattr(getattr(model, "config", None), "moe", False):
             raise ConfigError(
                 f"train.moe_aux_loss={cfg.moe_aux_loss}: the policy has no mixture of experts to balance; "
@@ -136,10 +135,9 @@ class GRPOTrainer:
         self.model.eval()
         self.opt.zero_grad(set_to_none=True)
         acc = _Sums()
-        self._positions = int(batch.lengths.sum())  # the load-balancing loss's share of each micro-batch
-        micro = self._shard(batch).micro_batches(self.micro.tokens)
+        micro, positions = self._shard(batch).micro_batches(self.micro.tokens), int(batch.lengths.sum())
         for mb in micro:
-            self._forward_backward(mb.to(self.device), acc, backward=True)
+            self._forward_backward(mb.to(self.device), acc, True, positions)
         params = [p for p in self.model.parameters() if p.requires_grad]
         n_micro = self._all_reduce(params, acc, len(micro)) if self.world > 1 else len(micro)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or math.inf))
@@ -162,10 +160,9 @@ class GRPOTrainer:
         batch = self.make_batch(groups, trainer_version)
         self.model.eval()
         acc = _Sums()
-        self._positions = int(batch.lengths.sum())
-        micro = batch.micro_batches(self.micro.tokens)
+        micro, positions = batch.micro_batches(self.micro.tokens), int(batch.lengths.sum())
         for mb in micro:
-            self._forward_backward(mb.to(self.device), acc, backward=False)
+            self._forward_backward(mb.to(self.device), acc, False, positions)
         return self._metrics(acc, batch, len(micro), math.nan, time.perf_counter() - t0)
 
     def _shard(self, batch: TrainBatch) -> TrainBatch:
@@ -201,15 +198,19 @@ class GRPOTrainer:
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
-    def _forward_backward(self, mb: TrainBatch, acc: _Sums, backward: bool) -> None:
+    def _forward_backward(self, mb: TrainBatch, acc: _Sums, backward: bool, positions: int) -> None:
+        """One micro-batch's forward (and backward); `positions`: the whole batch's real positions, of
+        which the load-balancing loss takes this micro-batch's share."""
         cfg, lc = self.cfg, self.cfg.loss
         n_live = mb.mask.sum()
         resp = mb.versions >= 0
-        valid = torch.arange(mb.input_ids.shape[1], device=mb.lengths.device) < mb.lengths[:, None]
+        valid = None  # the load-balancing loss's rows: the real positions, padding left out
+        if cfg.moe_aux_loss:
+            valid = torch.arange(mb.input_ids.shape[1], device=mb.lengths.device) < mb.lengths[:, None]
         with (
             self._autocast(),
             replaying(self.model, mb.routes),  # the engine's experts, where replayed
-            balancing(self.model, valid if cfg.moe_aux_loss else None) as stats,
+            balancing(self.model, valid) as stats,
         ):
             logits = self.model(mb.input_ids)  # (b, t, V)
         logp = token_logprobs(logits, mb.targets, cfg.temperature)  # (b, t) fp32
@@ -227,7 +228,7 @@ class GRPOTrainer:
         )
         loss = pg
         if stats:  # the load-balancing loss, this micro-batch's share of the batch's by its real tokens
-            aux = balance_loss(stats, self.model.config.num_experts) * (valid.sum() / self._positions)
+            aux = balance_loss(stats, self.model.config.num_experts) * (valid.sum() / positions)
             loss = loss + cfg.moe_aux_loss * aux
             acc.add("moe_aux_loss", aux.detach())
         if lc.kl_coef > 0:

@@ -14,9 +14,12 @@ from tests.engine.test_engine_routes import own_routes
 def test_route_takes_the_k_likeliest_and_renormalizes_when_asked():
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
     p = torch.softmax(logits, -1)[0]  # 0.087, 0.644, 0.237, 0.032
-    w, e, own = route(logits, 2, norm=False)
-    assert e.tolist() == [[1, 2]] and torch.allclose(w, p[[1, 2]][None]) and own is e
-    w, e, _ = route(logits, 2, norm=True)
+    seen = []
+    w, e = route(logits, 2, norm=False, record=lambda probs, own, used: seen.append((probs, own, used)))
+    [(probs, own, used)] = seen  # what a recorder hears: the probabilities, the router's choice, the rows'
+    assert e.tolist() == [[1, 2]] and torch.allclose(w, p[[1, 2]][None]) and own is e and used is e
+    assert torch.allclose(probs, p[None])
+    w, e = route(logits, 2, norm=True)
     assert e.tolist() == [[1, 2]] and torch.allclose(w, (p[[1, 2]] / p[[1, 2]].sum())[None])
     assert route(logits.bfloat16(), 2, norm=True)[0].dtype == torch.bfloat16  # the logits' dtype
 
@@ -40,7 +43,7 @@ def test_mix_is_each_tokens_weighted_experts_padded_or_not(pad):
         return torch.tanh(rows @ W[e])
 
     y = mix(x, logits, k, True, expert, pad=pad)
-    w, ex, _ = route(logits, k, True)
+    w, ex = route(logits, k, True)
     want = torch.stack([sum(w[t, j] * torch.tanh(x[t] @ W[ex[t, j]]) for j in range(k)) for t in range(N)])
     assert torch.allclose(y, want, atol=1e-12)
     assert 5 not in [e for e, _ in calls] and sum(n for _, n in calls) >= N * k
@@ -84,8 +87,9 @@ def test_route_takes_the_experts_given_with_this_routers_weights():
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [0.0, 2.0, 1.0, -1.0]])
     p = torch.softmax(logits[0], -1)
     given = torch.tensor([[3, 0], [-1, -1]], dtype=torch.int16)
-    w, e, own = route(logits, 2, norm=True, given=given)
-    assert e.tolist() == [[3, 0], [1, 2]] and own.tolist() == [[1, 2], [1, 2]]
+    seen = []
+    w, e = route(logits, 2, norm=True, given=given, record=lambda probs, own, used: seen.append(own))
+    assert e.tolist() == [[3, 0], [1, 2]] and seen[0].tolist() == [[1, 2], [1, 2]]
     assert torch.allclose(w[0], p[[3, 0]] / p[[3, 0]].sum())
     assert torch.allclose(w[1], p[[1, 2]] / p[[1, 2]].sum())
 

@@ -490,17 +490,24 @@ def test_a_lora_trainer_started_from_an_adapter_keeps_it_as_its_kl_reference():
     assert a[-1]["kl"] > 1e-5
 
 
+def moe_config():
+    """Qwen3-MoE's layout, three layers: sparse, dense, sparse (4 experts, 2 a token)."""
+    from tailrace.model import ModelConfig
+
+    return ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                       max_position_embeddings=64, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=24, mlp_only_layers=(1,))  # fmt: skip
+
+
 def test_routing_replay_trains_through_the_engines_experts():
     """train.routing_replay: each trajectory's routes (as an engine records them: every position but the
     last, uint8) fill the batch's (N, T, sparse layers, k), -1 past them; routes that are the model's
     own train exactly as no replay does; other routes are taken (counted as flips) and move the step; a
     trajectory without routes (read back from the journal) is routed afresh and counted as such."""
-    from tailrace.model import CausalLM, ModelConfig
+    from tailrace.model import CausalLM
     from tests.engine.test_engine_routes import own_routes
 
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                      max_position_embeddings=64, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=24, mlp_only_layers=(1,))  # fmt: skip
+    cfg = moe_config()
 
     def with_routes(groups, model, shift=0, drop=()):
         out = []
@@ -545,11 +552,9 @@ def test_the_load_balancing_loss_adds_to_the_loss_and_trains_the_router_alone():
     """train.moe_aux_loss: the step's loss grows by coefficient x the balancing loss (logged), whose
     gradient reaches the routers and what feeds them, not the last sparse layer's experts nor the final
     norm (no clipping: AdamW's update of a parameter is its own gradient's); a dense policy refuses it."""
-    from tailrace.model import CausalLM, ModelConfig
+    from tailrace.model import CausalLM
 
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                      max_position_embeddings=64, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=24, mlp_only_layers=(1,))  # fmt: skip
+    cfg = moe_config()
     runs = []
     for coef in (0.0, 0.5):
         model = CausalLM.from_config(cfg, seed=0)

@@ -120,11 +120,7 @@ class TorchBackend:
         try:
             x = self._layers(x, positions, cache, rows, chunks, pieces, self.w.packed_at(M), lora)
             if self._chosen:  # each token's experts go where its k/v go: its block, its offset
-                bs = cache.block_size
-                at = (
-                    cache.table.t[self._token_rows(rows, pieces), positions // bs].long() * bs
-                    + positions % bs
-                )
+                at = cache.places(self._token_rows(rows, pieces), positions)
                 cache.routes.index_copy_(0, at, torch.stack(self._chosen, 1).to(cache.routes.dtype))
         finally:
             self._chosen = None
@@ -257,7 +253,7 @@ class TorchBackend:
             return down(self._act_mul(gate_up(rows, at)), at)
 
         chosen = self._chosen
-        record = None if chosen is None else lambda own, _used: chosen.append(own)
+        record = None if chosen is None else lambda _probs, own, _used: chosen.append(own)
         return mix(xn, lw.router(xn, pk), cfg.num_experts_per_tok, cfg.norm_topk_prob, expert, record=record)
 
     def _reach(
