@@ -28,7 +28,7 @@ from tailrace.model.flat import flatten_parameters
 from tailrace.model.lora import ADAPTER_DIR, load_peft
 from tailrace.runtime.messages import EngineReport, Go, History, Ready, Shutdown, Stats
 from tailrace.runtime.procs import pin, release_memory
-from tailrace.runtime.weights import SharedWeights, VersionGone
+from tailrace.runtime.weights import SharedWeights, Torn, VersionGone
 from tailrace.runtime.workers import serving
 
 IDLE_SLICE_S = 0.05  # drafter training per call while the engine is idle, between polls of the inbox
@@ -94,7 +94,7 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
             flat = flatten_parameters(load_pretrained(disk[v], dtype=torch.float32, device=spec.device))
             engine.load_weights(flat.views(), v)
         elif v != 0:
-            engine.load_weights(weights.read(v).views(), v)
+            _load(engine, weights, v)  # Torn: this process fails, and the driver replaces it again
     # an engine that joined a run starts holding none of the run's versions: the model it loaded stays
     # as a placeholder (an engine never holds nothing) until the first version it is asked to load
     placeholder = 0 if not spec.start_versions else None
@@ -120,12 +120,18 @@ def _serve(engine_id: int, spec: EngineSpec, conn, weights: SharedWeights, repor
                 results.extend(engine.abort(rid) for rid in msg.request_ids if rid in engine)
             elif isinstance(msg, LoadWeights):
                 t0 = time.perf_counter()
+                fresh = msg.version not in engine.versions
                 try:
-                    state = weights.read(msg.version).views()
+                    _load(engine, weights, msg.version)
+                except Torn:  # overwritten while copied: unloaded where the engine holds another version
+                    if not fresh or len(engine.versions) == 1:
+                        raise
+                    engine.drop_version(msg.version)
+                    missed.append(msg.version)
+                    continue
                 except VersionGone:  # newer versions replaced it before this engine read it
                     missed.append(msg.version)
                     continue
-                engine.load_weights(state, msg.version)
                 if placeholder not in (None, msg.version) and placeholder in engine.versions:
                     engine.drop_version(placeholder)
                     release_memory()
@@ -185,3 +191,12 @@ def _build(spec: EngineSpec) -> Engine:
         routes=spec.routes,
         **common,
     )
+
+
+def _load(engine: Engine, weights: SharedWeights, version: int) -> None:
+    """`version` from the ring into the engine; `Torn` when the trainer began overwriting its slot while
+    the engine copied it (the engine then holds a mix of two versions under its number)."""
+    flat = weights.read(version)
+    engine.load_weights(flat.views(), version)
+    if not weights.intact(version, flat):
+        raise Torn(f"the weights of version {version} were overwritten while this engine loaded them")

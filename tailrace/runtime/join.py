@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tailrace.common import Fault, InputError, one_line
-from tailrace.runtime.weights import VersionGone
+from tailrace.runtime.weights import Torn, VersionGone
 
 LOOPBACK = "127.0.0.1"
 ROLES = ("messages", "beats", "weights")  # a joiner's connections, opened in this order
@@ -210,12 +210,14 @@ def serve_weights(conn: Connection, weights: Any) -> None:
             except (EOFError, OSError):
                 return
             try:
-                buf = weights.read(v).buffer
-                data = memoryview(buf.contiguous().view(-1).view(_uint8()).numpy())
+                flat = weights.read(v)
+                data = memoryview(flat.buffer.contiguous().view(-1).view(_uint8()).numpy())
             except RuntimeError:
-                data = b""
+                flat, data = None, b""
             try:
                 conn.send_bytes(data)
+                if flat is not None:  # whether the slot still held v once sent (WireWeights.read)
+                    conn.send_bytes(b"1" if weights.intact(v, flat) else b"0")
             except OSError:
                 return
 
@@ -275,10 +277,16 @@ class WireWeights:
         data = self.conn.recv_bytes()
         if not data:
             raise VersionGone(f"the driver's ring no longer holds the weights of version {version}")
+        if self.conn.recv_bytes() != b"1":
+            raise Torn(f"the driver's ring slot of version {version} was overwritten while it was sent")
         return FlatWeights(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype), self.layout)
 
     def arrivals(self) -> list:
         return []
+
+    def intact(self, version: int, flat: Any) -> bool:
+        """Always: `read` returns this process's own copy (the driver said whether the slot held)."""
+        return True
 
 
 def address(run_dir: Path) -> tuple[dict, bytes]:

@@ -73,6 +73,9 @@ class Collective:
     def read(self, version: int) -> FlatWeights:
         return self.store.read(version)
 
+    def intact(self, version: int, flat: FlatWeights) -> bool:
+        return self.store.intact(version, flat)
+
     def end(self, name: str, first: bool) -> Any:
         """What worker `name` gets: a member's end when it is the first process of that name (a trainer
         rank 0 of its own group, engine i rank i + 1 of every group), else the object store alone."""
@@ -168,6 +171,13 @@ class Member:
         if self.ring is not None and self.versions[slot] == version:
             return FlatWeights(self.ring[slot], self.store.layout)
         return self.store.read(version)
+
+    def intact(self, version: int, flat: FlatWeights) -> bool:
+        """Whether `flat` (from `read(version)`) still holds that version: a view into this member's ring
+        whose slot a newer broadcast began to restage is not; the object store's copy always is."""
+        slot = version % self.slots
+        staged = self.ring is not None and flat.buffer.data_ptr() == self.ring[slot].data_ptr()
+        return not staged or self.versions[slot] == version
 
     def _receive(self, k: int) -> None:
         """Stage every version group `k`'s trainer broadcasts, until the group ends."""

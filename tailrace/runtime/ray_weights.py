@@ -68,6 +68,10 @@ class StoreWeights:
         """Versions that reached a reader's own copy since it last asked: none, an engine reads the store."""
         return []
 
+    def intact(self, version: int, flat: FlatWeights) -> bool:
+        """Always: an object in the store is never written again."""
+        return True
+
     def read(self, version: int) -> FlatWeights:
         boxed = self.ray.get(self.registry.get.remote(version))
         if boxed is None:

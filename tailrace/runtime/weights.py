@@ -4,7 +4,9 @@ A ring of `slots` flat buffers lives in shared memory, created by the driver bef
 start. The trainer copies its flat parameter buffer (tailrace/model/flat.py) into slot v % slots —
 one memcpy — and reports version v; an engine rebuilds named views over that slot from the layout
 and loads them. The driver never lets a slot be overwritten while an engine still has to load the
-version it holds (the ring holds more versions than a policy keeps live).
+version it holds (the ring holds more versions than a policy keeps live). A reader checks the slot
+again after copying out of it (`intact`, a seqlock's second read): a copy the trainer began to
+overwrite meanwhile is refused (`Torn`), never loaded as the version it was asked for.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ class VersionGone(RuntimeError):
     versions took its place before the reader got to it (an engine that joined reads over the wire, and
     may be slow to). The engine reports it (`EngineReport.missed`) and the scheduler asks again for what
     it needs now (`Scheduler.on_load_missed`)."""
+
+
+class Torn(VersionGone):
+    """A version's slot was overwritten while a reader copied it out: what it copied may be half of one
+    version and half of another."""
 
 
 class SharedWeights:
@@ -73,3 +80,9 @@ class SharedWeights:
                 f"more versions are live than the ring's {self.slots} slots"
             )
         return FlatWeights(self.buf[slot], self.layout)
+
+    def intact(self, version: int, flat: FlatWeights) -> bool:
+        """Whether `flat`, what `read(version)` handed back, still holds that version: asked after
+        copying out of it. `write` marks the slot invalid before it copies, so a write that began
+        during the reader's copy, finished or not, shows here."""
+        return int(self.versions[version % self.slots]) == version
