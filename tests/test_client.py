@@ -59,18 +59,19 @@ def test_a_missing_name_or_a_wrong_shape_is_one_line_naming_the_tensor():
         flatten_weights(state, layout, n, torch.float32, "ckpt")
 
 
-@pytest.mark.parametrize("family", ["phi3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["phi3", "qwen3_moe", "qwen2_moe"])
 def test_transformers_fused_weights_fill_the_engines_layout_of_separate_projections(tmp_path, family):
-    """transformers' Phi-3 keeps q/k/v and gate/up fused, and transformers 5's Qwen3-MoE all experts of a
-    layer in one 3-D weight each for gate/up and down: their state_dicts fill a layout by tailrace's
-    separate projections (split by rows; by expert), so the engines' model is transformers' to the bit."""
+    """transformers' Phi-3 keeps q/k/v and gate/up fused, and transformers 5's Qwen3-MoE (Qwen2-MoE's too,
+    beside its shared expert) all experts of a layer in one 3-D weight each for gate/up and down: their
+    state_dicts fill a layout by tailrace's separate projections (split by rows; by expert), so the engines'
+    model is transformers' to the bit."""
     from transformers import AutoModelForCausalLM
 
     from tailrace.model import CausalLM, ModelConfig, save_pretrained
 
-    moe = (
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24) if family == "qwen3_moe" else {}
-    )
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24) if family != "phi3" else {}
+    if family == "qwen2_moe":  # its shared expert beside the stacked ones
+        moe["shared_expert_intermediate_size"] = 40
     cfg = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, model_type=family, **moe)  # fmt: skip
     ours = CausalLM.from_config(cfg, seed=0)

@@ -442,7 +442,7 @@ class RunConfig:
             need(
                 self.model.path is not None,
                 f"train.{name}: the built-in model has no mixture of experts; set model.path to one (Qwen3-MoE, "
-                f"OLMoE, Mixtral, Granite MoE) or drop train.{name}",
+                f"Qwen2-MoE, OLMoE, Mixtral, Granite MoE) or drop train.{name}",
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,15 +1,17 @@
-"""`ModelConfig`: the shape of a Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/OLMoE/SmolLM3/Phi-3/
+"""`ModelConfig`: the shape of a Llama/Mistral/Mixtral/Qwen2/Qwen2-MoE/Qwen3/Qwen3-MoE/OLMo2/OLMo3/OLMoE/SmolLM3/Phi-3/
 Granite/Granite MoE/Gemma 2/Gemma 3-family decoder, and its mapping to and from HF config.json.
 
 Reads both transformers-5 style RoPE (`rope_parameters` dict) and the older style (top-level `rope_theta`
 plus a `rope_scaling` dict keyed by `type` or `rope_type`); writes a config.json that transformers 5.19
-loads into Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3Moe/Olmo2/Olmo3/Olmoe/SmolLM3/Phi3/Granite/GraniteMoe/
+loads into Llama/Mistral/Mixtral/Qwen2/Qwen2Moe/Qwen3/Qwen3Moe/Olmo2/Olmo3/Olmoe/SmolLM3/Phi3/Granite/GraniteMoe/
 Gemma2/Gemma3ForCausalLM.
 
 - Qwen3 is Llama's layout with a per-head RMSNorm on q and k before RoPE (`qk_norm`) and its bias switch
   on every attention projection. Qwen3-MoE is Qwen3's with a mixture of experts for the MLP of its sparse
   layers (`moe_at`; model/moe.py): a router choosing `num_experts_per_tok` of `num_experts` SwiGLU experts
-  a token.
+  a token. Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) is Qwen2's attention (q/k/v biased, `qkv_bias` in
+  its config.json) with Qwen3-MoE's sparse layers plus a shared expert every token goes through, a SwiGLU
+  MLP of width `shared_expert_intermediate_size` whose output is weighted by a sigmoid gate of its own.
 - Mistral is Llama's without biases, and with a sliding window in v0.1: every layer attends to the last
   `sliding_window` positions (`window_at`; the decoder and the engine attend to exactly those). Mixtral
   is Mistral's with every MLP a mixture of experts, `intermediate_size` wide, always renormalized
@@ -70,6 +72,7 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
@@ -84,8 +87,8 @@ ROPE_REQUIRED = {
 }
 _HF_DEFAULT_MAX_POS = {
     "llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "olmo2": 2048, "olmo3": 2048,
-    "smollm3": 32768, "phi3": 4096, "granite": 2048, "gemma2": 8192,
-    "gemma3_text": 131072, "qwen3_moe": 32768, "olmoe": 4096, "mixtral": 4096 * 32, "granitemoe": 2048,
+    "smollm3": 32768, "phi3": 4096, "granite": 2048, "gemma2": 8192, "gemma3_text": 131072, "qwen3_moe": 32768,
+    "qwen2_moe": 32768, "olmoe": 4096, "mixtral": 4096 * 32, "granitemoe": 2048,
 }  # fmt: skip
 _HF_NO_ROPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval: every fourth layer has no RoPE
 _HF_DEFAULT_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "olmoe": 1e-5, "mixtral": 1e-5}  # else 1e-6
@@ -106,7 +109,15 @@ GEMMA = ("gemma2", "gemma3_text")
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (GeGLU, tanh approximation)
 _SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 NO_BIAS = ("mistral", "mixtral", "phi3")  # the families without an attention bias
-MOE = ("qwen3_moe", "olmoe", "mixtral", "granitemoe")  # the families whose MLPs are mixtures of experts
+MOE = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+    "mixtral",
+    "granitemoe",
+)  # the families whose MLPs are mixtures of experts
+SPARSE_STEP = ("qwen3_moe", "qwen2_moe")  # the MoE families with dense layers too (mlp_only_layers, a step)
+QWEN2 = ("qwen2", "qwen2_moe")  # q/k/v biased, o_proj never
 # the families whose every layer is sparse, its experts intermediate_size wide (config.json has no
 # moe_intermediate_size); Mixtral's and Granite's always renormalized
 EVERY_LAYER_MOE = ("olmoe", "mixtral", "granitemoe")
@@ -117,6 +128,8 @@ GRANITE = ("granite", "granitemoe")  # the families with Granite's four scalars
 _HF_MOE = {
     "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "decoder_sparse_step": 1},
+    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "shared_expert_intermediate_size": 5632},
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2},
     "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2},
@@ -139,7 +152,8 @@ class ModelConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    # Bias on q/k/v (and on o for llama and qwen3, as HF's attention does). None: qwen2 -> True, else False.
+    # Bias on q/k/v (and on o for llama and qwen3, as HF's attention does). None: qwen2 and qwen2_moe -> True,
+    # else False.
     attention_bias: bool | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -187,6 +201,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Qwen2-MoE's shared expert: a SwiGLU MLP this wide beside the routed experts of every sparse layer, its
+    # output times sigmoid(shared_expert_gate(x)) (0: none, the other families)
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -229,7 +246,7 @@ class ModelConfig:
         if not self.initializer_range > 0:
             raise ValueError(f"initializer_range={self.initializer_range!r} must be > 0")
         if self.attention_bias is None:
-            self.attention_bias = self.model_type == "qwen2"
+            self.attention_bias = self.model_type in QWEN2
         if self.model_type in NO_BIAS and self.attention_bias:
             raise ValueError(
                 f"attention_bias=True is impossible for model_type={self.model_type!r} (it has no attention "
@@ -298,14 +315,22 @@ class ModelConfig:
     def _check_moe(self) -> None:
         E, k, step = self.num_experts, self.num_experts_per_tok, self.decoder_sparse_step
         self.mlp_only_layers = tuple(self.mlp_only_layers or ())
+        shared = self.shared_expert_intermediate_size
         if self.model_type not in MOE:
-            if E or k or self.moe_intermediate_size or self.mlp_only_layers:
+            if E or k or self.moe_intermediate_size or self.mlp_only_layers or shared:
                 raise ValueError(
-                    "num_experts, num_experts_per_tok, moe_intermediate_size and mlp_only_layers are the mixtures of "
-                    f"experts' ({', '.join(MOE)}); model_type={self.model_type!r} has a dense MLP: leave them at 0 "
-                    "(and ())"
+                    "num_experts, num_experts_per_tok, moe_intermediate_size, mlp_only_layers and "
+                    f"shared_expert_intermediate_size are the mixtures of experts' ({', '.join(MOE)}); "
+                    f"model_type={self.model_type!r} has a dense MLP: leave them at 0 (and ())"
                 )
             return
+        if (self.model_type == "qwen2_moe") != (
+            isinstance(shared, int) and not isinstance(shared, bool) and shared > 0
+        ):
+            raise ValueError(
+                f"shared_expert_intermediate_size={shared!r}: Qwen2-MoE's sparse layers have a shared expert of "
+                "that width (> 0); the other mixtures of experts have none (0)"
+            )
         if self.model_type in EVERY_LAYER_MOE:  # every layer sparse, its experts intermediate_size wide
             self.moe_intermediate_size = self.moe_intermediate_size or self.intermediate_size
             if self.moe_intermediate_size != self.intermediate_size or self.mlp_only_layers or step != 1:
@@ -538,8 +563,9 @@ class ModelConfig:
 
     @property
     def o_bias(self) -> bool:
-        """Whether o_proj has a bias: Llama's and Qwen3's follow attention_bias; Qwen2's never has one."""
-        return self.attention_bias and self.model_type != "qwen2"
+        """Whether o_proj has a bias: Llama's and Qwen3's follow attention_bias; Qwen2's (and Qwen2-MoE's)
+        never has one."""
+        return self.attention_bias and self.model_type not in QWEN2
 
     @property
     def rope_type(self) -> str:
@@ -620,8 +646,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
-            attention_bias=model_type == "qwen2"
-            or (model_type not in NO_BIAS and bool(d.get("attention_bias"))),
+            attention_bias=_attention_bias(d, model_type),
             bos_token_id=_token_id(d.get("bos_token_id"), d["vocab_size"]),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=_token_id(d.get("pad_token_id"), d["vocab_size"]),
@@ -689,8 +714,10 @@ class ModelConfig:
             if self.model_type in RENORMALIZED:
                 moe["num_local_experts"] = moe.pop("num_experts")
             d.update(moe, output_router_logits=False)
-        if self.model_type == "qwen3_moe":
+        if self.model_type in SPARSE_STEP:
             d.update(mlp_only_layers=list(self.mlp_only_layers))
+        if self.model_type == "qwen2_moe":
+            d.update(qkv_bias=self.attention_bias)
         if self.model_type == "olmoe":
             d.update(clip_qkv=None)
         if self.gemma:
@@ -783,7 +810,15 @@ def _moe_from_hf(d: dict, model_type: str) -> dict:
         else ("num_experts", "num_local_experts")
     )
     moe["num_experts"] = d.get(count[0], d.get(count[1], moe["num_experts"]))
-    return moe | ({"mlp_only_layers": d.get("mlp_only_layers") or ()} if model_type == "qwen3_moe" else {})
+    return moe | ({"mlp_only_layers": d.get("mlp_only_layers") or ()} if model_type in SPARSE_STEP else {})
+
+
+def _attention_bias(d: dict, model_type: str) -> bool:
+    """Qwen2's q/k/v always biased, Qwen2-MoE's unless its `qkv_bias` says not; the bias-free families' never;
+    the others' as `attention_bias` says."""
+    if model_type in QWEN2:
+        return model_type == "qwen2" or bool(d.get("qkv_bias", True))
+    return model_type not in NO_BIAS and bool(d.get("attention_bias"))
 
 
 def _granite_from_hf(d: dict) -> dict:

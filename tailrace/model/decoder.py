@@ -1,5 +1,5 @@
-"""`CausalLM`: a Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE/OLMo2/OLMo3/OLMoE/SmolLM3/Phi-3/Granite/Granite
-MoE/Gemma 2/Gemma 3-family decoder in plain PyTorch.
+"""`CausalLM`: a Llama/Mistral/Mixtral/Qwen2/Qwen2-MoE/Qwen3/Qwen3-MoE/OLMo2/OLMo3/OLMoE/SmolLM3/Phi-3/Granite/
+Granite MoE/Gemma 2/Gemma 3-family decoder in plain PyTorch.
 
 Parameter names equal transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3(Moe)ForCausalLM /
 Olmo2ForCausalLM / Olmo3ForCausalLM / OlmoeForCausalLM / SmolLM3ForCausalLM / GraniteForCausalLM /
@@ -62,7 +62,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, cfg.rope_at(index), cfg.window_at(index))
         self.local = cfg.local_at(index)
         self.residual = cfg.residual_multiplier  # Granite's: each output's weight into the residual
-        # Qwen3-MoE's sparse layers: a router and experts (model/moe.py)
+        # a mixture of experts' sparse layers: a router and experts, a shared one too in Qwen2-MoE (model/moe.py)
         self.mlp = SparseMoE(cfg, functools.partial(MLP, cfg)) if cfg.moe_at(index) else MLP(cfg)
         self.post_norms, self.sandwich = post, sandwich = cfg.post_norms, cfg.gemma
 

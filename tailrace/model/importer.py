@@ -9,7 +9,7 @@ tokenizer files and chat template the source carries).
 - A transformers directory: loaded from safetensors only (a pickled `pytorch_model.bin` is refused:
   loading a pickle runs code), whatever its dtype or sharding.
 
-Only what tailrace's decoder supports is accepted (Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE /
+Only what tailrace's decoder supports is accepted (Llama / Mistral / Mixtral / Qwen2 / Qwen2-MoE / Qwen3 / Qwen3-MoE /
 OLMo2 / OLMo3 / OLMoE / SmolLM3 / Phi-3 / Granite / Granite MoE / Gemma 2 / Gemma 3 families; `ModelConfig.from_hf`
 names anything else). Gemma 3's
 image-text checkpoints (4B, 12B, 27B: `Gemma3ForConditionalGeneration`) are imported as their text model
@@ -70,7 +70,7 @@ def import_model(src: str | Path, out: str | Path, dtype: str = "float32") -> Im
         cfg = ModelConfig.from_hf(d)
     except (KeyError, ValueError) as e:
         raise CheckpointError(
-            f"{src}: {e}; tailrace's decoder reads Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo2, "
+            f"{src}: {e}; tailrace's decoder reads Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, OLMo2, "
             "OLMo3, OLMoE, SmolLM3, Phi-3, Granite, Granite MoE, Gemma 2 and Gemma 3-family models"
         ) from None
     with torch.device("meta"):  # no weights of its own: it takes transformers' tensors (one copy in memory)

@@ -112,8 +112,9 @@ def adapted_weight(name: str, targets: tuple[str, ...]) -> bool:
 
 def stored_low(name: str, targets: tuple[str, ...]) -> bool:
     """Whether `store_frozen_projections` keeps the state-dict key `name` in the autocast dtype: an
-    adapted projection's base weight, or an expert's."""
-    return adapted_weight(name, targets) or (".mlp.experts." in name and name.endswith("_proj.weight"))
+    adapted projection's base weight, or an expert's (a shared one too)."""
+    expert = ".mlp.experts." in name or ".mlp.shared_expert." in name
+    return adapted_weight(name, targets) or (expert and name.endswith("_proj.weight"))
 
 
 def adaptable(cfg: ModelConfig, layer: int, target: str) -> bool:
@@ -154,12 +155,12 @@ def attach(model: CausalLM, cfg: LoraConfig) -> CausalLM:
 
 def store_frozen_projections(model: CausalLM, dtype: torch.dtype) -> int:
     """Keep the frozen base weight of every adapted projection, and every expert's of a mixture of experts
-    (frozen under LoRA: most of such a model's weights), in `dtype`; returns the bytes saved. For a LoRA
-    trainer that autocasts to `dtype`: its GEMMs cast every frozen weight to `dtype` on each forward
-    anyway, so this changes no value it computes, halves those weights' memory and skips the casts
-    (outside autocast `LoRALinear` and `SparseMoE` cast to the weight's dtype). Embeddings, norms, routers
+    (Qwen2-MoE's shared one too; frozen under LoRA: most of such a model's weights), in `dtype`; returns the
+    bytes saved. For a LoRA trainer that autocasts to `dtype`: its GEMMs cast every frozen weight to `dtype`
+    on each forward anyway, so this changes no value it computes, halves those weights' memory and skips the
+    casts (outside autocast `LoRALinear` and `SparseMoE` cast to the weight's dtype). Embeddings, norms, routers
     and projections without an adapter stay as they are."""
-    experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.experts.modules()}
+    experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.frozen_mlps()}
     saved = 0
     for m in model.modules():
         w = m.weight if isinstance(m, LoRALinear) or (isinstance(m, nn.Linear) and id(m) in experts) else None

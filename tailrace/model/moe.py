@@ -1,5 +1,5 @@
-"""Qwen3-MoE's, OLMoE's, Mixtral's and Granite's mixture of experts: a router and `num_experts` SwiGLU
-experts in place of a layer's MLP.
+"""Qwen3-MoE's, Qwen2-MoE's, OLMoE's, Mixtral's and Granite's mixture of experts: a router and
+`num_experts` SwiGLU experts in place of a layer's MLP, and Qwen2-MoE's shared expert beside them (`shared`).
 
 Each token's router logits (E,) go through a softmax in fp32; the token takes its `num_experts_per_tok`
 (k) likeliest experts, their probabilities renormalized to sum to 1 where `norm_topk_prob`, rounded to
@@ -181,15 +181,25 @@ def _renamed(key: str, old: str, new: str, experts: dict[str, str]) -> str:
     return ".".join(parts)
 
 
+def shared(x: torch.Tensor, gate: Callable, expert: Callable) -> torch.Tensor:
+    """Qwen2-MoE's shared expert over x (N, hidden), added to the routed experts' sum: sigmoid(gate(x))
+    (N, 1) times expert(x), as transformers' Qwen2MoeSparseMoeBlock."""
+    return torch.sigmoid(gate(x)) * expert(x)
+
+
 class SparseMoE(nn.Module):
     """A sparse layer's MLP: `gate` (the router, E x hidden) and `experts`, each a SwiGLU MLP of width
-    moe_intermediate_size."""
+    moe_intermediate_size; Qwen2-MoE's also `shared_expert` (a SwiGLU MLP of width
+    shared_expert_intermediate_size) and `shared_expert_gate` (1 x hidden)."""
 
     def __init__(self, cfg: ModelConfig, mlp: Callable[[int], nn.Module]):
         super().__init__()
         self.k, self.norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(mlp(cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = mlp(cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.load = [0] * cfg.num_experts  # tokens routed to each expert since `take_load` last read it
         self.given: torch.Tensor | None = None  # (..., k) the experts to take (`replaying`), -1: choose
         # inside `balancing`: (the rows counted, how many, the stats list)
@@ -205,6 +215,8 @@ class SparseMoE(nn.Module):
             x, self.gate(x), self.k, self.norm, self._expert, pad=_compiles_shapes(x), load=self.load,
             given=given, record=partial(self._observe, given) if watch else None,
         )  # fmt: skip
+        if hasattr(self, "shared_expert"):
+            y = y + shared(x, self.shared_expert_gate, partial(_run, self.shared_expert))
         return y.reshape(shape)
 
     def _observe(
@@ -224,13 +236,22 @@ class SparseMoE(nn.Module):
             )
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        """Expert e over `rows`; outside autocast, in its weights' dtype (a LoRA trainer keeps the frozen
-        experts in bf16: `lora.store_frozen_projections`), the output in the rows'."""
-        mlp = self.experts[e]
-        dtype = mlp.gate_proj.weight.dtype
-        if dtype == rows.dtype or torch.is_autocast_enabled(rows.device.type):
-            return mlp(rows)
-        return mlp(rows.to(dtype)).to(rows.dtype)
+        return _run(self.experts[e], rows)
+
+    def frozen_mlps(self) -> Iterator[nn.Module]:
+        """The modules of its experts (a shared one's too): what LoRA leaves frozen."""
+        yield from self.experts.modules()
+        if hasattr(self, "shared_expert"):
+            yield from self.shared_expert.modules()
+
+
+def _run(mlp: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """An expert over `rows`; outside autocast, in its weights' dtype (a LoRA trainer keeps the frozen
+    experts in bf16: `lora.store_frozen_projections`), the output in the rows'."""
+    dtype = mlp.gate_proj.weight.dtype
+    if dtype == rows.dtype or torch.is_autocast_enabled(rows.device.type):
+        return mlp(rows)
+    return mlp(rows.to(dtype)).to(rows.dtype)
 
 
 def _compiles_shapes(x: torch.Tensor) -> bool:

@@ -5,7 +5,8 @@ Shapes come from each model's Hugging Face config.json (cited per preset); param
 computed from the shape, not copied, so a preset and its count cannot disagree. Dense Llama/Qwen
 layout: attention q/k/v/o (+ q/k/v bias in Qwen2), SwiGLU MLP (3 matrices), RMSNorms, embeddings
 (tied or not). MoE (Qwen3-MoE layout): every layer's MLP is `experts` SwiGLU experts of width
-`expert_intermediate`, `experts_per_token` of them active per token, plus a router.
+`expert_intermediate`, `experts_per_token` of them active per token, plus a router; Qwen2-MoE's also a
+shared expert every token goes through (`shared_intermediate` wide, with a one-output gate).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class ModelShape:
     experts: int = 0  # 0 = dense
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (0: none)
 
     def __post_init__(self) -> None:
         if self.experts and not (0 < self.experts_per_token <= self.experts and self.expert_intermediate > 0):
@@ -49,17 +51,23 @@ class ModelShape:
         return 3 * self.hidden * self.expert_intermediate
 
     @cached_property
+    def always_params(self) -> int:
+        """What of an MoE layer's MLP every token reads: the router, and a shared expert and its gate."""
+        shared = 3 * self.hidden * self.shared_intermediate + self.hidden if self.shared_intermediate else 0
+        return self.hidden * self.experts + shared
+
+    @cached_property
     def mlp_params(self) -> int:
         """One layer's MLP, all experts (what sits in memory)."""
         if self.experts:
-            return self.experts * self.expert_params + self.hidden * self.experts  # + router
+            return self.experts * self.expert_params + self.always_params
         return 3 * self.hidden * self.intermediate
 
     @cached_property
     def active_mlp_params(self) -> int:
         """One layer's MLP as one token sees it (the active experts)."""
         if self.experts:
-            return self.experts_per_token * self.expert_params + self.hidden * self.experts
+            return self.experts_per_token * self.expert_params + self.always_params
         return self.mlp_params
 
     @cached_property
@@ -104,7 +112,7 @@ class ModelShape:
         if not self.experts:
             return (dense + self.layers * self.mlp_params) * dtype_bytes
         experts = self.layers * self.experts * self.expert_params * self.expert_fraction(batch)
-        return (dense + self.layers * self.hidden * self.experts + experts) * dtype_bytes
+        return (dense + self.layers * self.always_params + experts) * dtype_bytes
 
 
 def _qwen2(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied):

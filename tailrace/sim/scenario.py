@@ -226,9 +226,9 @@ def model_shape(spec: str) -> ModelShape:
 
 
 def shape_from_hf(cfg: dict, name: str) -> ModelShape:
-    """A ModelShape from a Hugging Face config.json (dense Llama/Qwen2/Qwen3, or Qwen3-MoE, OLMoE, Mixtral or
-    Granite's MoE: the experts `num_experts` or `num_local_experts`; the last three's intermediate_size
-    wide)."""
+    """A ModelShape from a Hugging Face config.json (dense Llama/Qwen2/Qwen3, or Qwen3-MoE, Qwen2-MoE (its
+    shared expert too), OLMoE, Mixtral or Granite's MoE: the experts `num_experts` or `num_local_experts`;
+    the last three's intermediate_size wide)."""
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
     every = cfg.get("model_type") in (
@@ -237,6 +237,7 @@ def shape_from_hf(cfg: dict, name: str) -> ModelShape:
         "granitemoe",
     )  # their experts intermediate_size wide
     width = cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size", 0) if every else 0)
+    qwen2_moe = cfg.get("model_type") == "qwen2_moe"
     return ModelShape(
         name,
         h,
@@ -247,10 +248,11 @@ def shape_from_hf(cfg: dict, name: str) -> ModelShape:
         cfg.get("intermediate_size", 0),
         cfg["vocab_size"],
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=cfg.get("model_type") == "qwen2",
+        qkv_bias=cfg.get("model_type") == "qwen2" or (qwen2_moe and cfg.get("qkv_bias", True)),
         experts=experts,
         experts_per_token=cfg.get("num_experts_per_tok", 0),
         expert_intermediate=width,
+        shared_intermediate=cfg.get("shared_expert_intermediate_size", 0) if qwen2_moe else 0,
     )
 
 

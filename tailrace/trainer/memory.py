@@ -86,11 +86,13 @@ def mlp_elements(cfg: ModelConfig, layer: int) -> int:
     """The MLP activations of layer `layer` a token keeps, in elements: a dense MLP's 4 of its width; a
     mixture of experts' (Qwen3-MoE's sparse layers) 4 of an expert's width for each of the token's k
     experts, the k copies of its input gathered and of its output before the routing weight (2 hidden-wide
-    each), and the router's logits and probabilities (measured: the module's docstring)."""
+    each), and the router's logits and probabilities (measured: the module's docstring); Qwen2-MoE's shared
+    expert a dense MLP's 4 of its width, and its output before and after its gate (2 hidden-wide)."""
     if not cfg.moe_at(layer):
         return 4 * cfg.intermediate_size
-    k = cfg.num_experts_per_tok
-    return k * (4 * cfg.moe_intermediate_size + 2 * cfg.hidden_size) + 2 * cfg.num_experts
+    k, s = cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size
+    shared = 4 * s + 2 * cfg.hidden_size if s else 0
+    return k * (4 * cfg.moe_intermediate_size + 2 * cfg.hidden_size) + 2 * cfg.num_experts + shared
 
 
 def eager_attention_bytes(cfg: ModelConfig, longest: int = EAGER_MAX_T) -> int:

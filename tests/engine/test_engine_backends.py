@@ -71,6 +71,15 @@ CONFIGS = {
         mlp_only_layers=(1,),
     ),  # fmt: skip
     "olmoe": dict(model_type="olmoe", num_experts=5, num_experts_per_tok=2),
+    # Qwen2-MoE's: biased q/k/v, a sparse layer with its shared expert beside a dense one
+    "qwen2moe": dict(
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=40,
+        mlp_only_layers=(1,),
+    ),  # fmt: skip
     "granitemoe": dict(
         model_type="granitemoe",
         num_experts=4,

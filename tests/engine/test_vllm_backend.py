@@ -320,6 +320,11 @@ MOE_FAMILIES = {
         model_type="qwen3_moe", num_attention_heads=4, head_dim=32, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=(1,),
     ),
+    "qwen2_moe": dict(  # Qwen2's biased q/k/v (vLLM's class takes head_dim as hidden / heads); a sparse
+        # layer with its shared expert and that expert's sigmoid gate, and a dense one
+        model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=96, mlp_only_layers=(1,),
+    ),
     "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=64, rms_norm_eps=1e-5),
     "mixtral": dict(
         model_type="mixtral", num_experts=4, num_experts_per_tok=2, intermediate_size=64, norm_topk_prob=True

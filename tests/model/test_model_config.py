@@ -242,9 +242,10 @@ def test_a_mistral_window_is_kept_and_holds_nothing(changes, window):
 
 
 def test_moe_configs_on_the_hub_read_as_their_models():
-    """Qwen3-30B-A3B's, OLMoE-1B-7B-0924's, Mixtral-8x7B's and granite-3.1-1b-a400m's config.json as the Hub
-    ships them: every layer sparse, the experts' count, choices, width and renormalizing read, and the
-    parameters they make (on the meta device) the published totals: 30.5B, 6.9B, 46.7B and 1.3B."""
+    """Qwen3-30B-A3B's, OLMoE-1B-7B-0924's, Mixtral-8x7B's, granite-3.1-1b-a400m's and Qwen1.5-MoE-A2.7B's
+    config.json as the Hub ships them: every layer sparse, the experts' count, choices, width and
+    renormalizing read, and the parameters they make (on the meta device) the published totals: 30.5B, 6.9B,
+    46.7B, 1.3B and 14.3B."""
     import torch
 
     from tailrace.model import CausalLM
@@ -265,6 +266,15 @@ def test_moe_configs_on_the_hub_read_as_their_models():
                    num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8, num_local_experts=8,
                    rms_norm_eps=1e-5, rope_theta=1e6, router_aux_loss_coef=0.02, sliding_window=None,
                    tie_word_embeddings=False, vocab_size=32000)  # fmt: skip
+    # Qwen1.5-MoE-A2.7B's: a shared expert beside each layer's 60 (its config.json reads no qkv_bias: True)
+    qwen2 = dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", bos_token_id=151643,
+                 decoder_sparse_step=1, eos_token_id=151643, hidden_act="silu", hidden_size=2048,
+                 intermediate_size=5632, max_position_embeddings=8192, max_window_layers=21, moe_intermediate_size=1408,
+                 norm_topk_prob=False, num_attention_heads=16, num_experts=60, num_experts_per_tok=4,
+                 num_hidden_layers=24, num_key_value_heads=16, output_router_logits=False, rms_norm_eps=1e-6,
+                 rope_theta=1e6, router_aux_loss_coef=0.001, shared_expert_intermediate_size=5632,
+                 sliding_window=32768, tie_word_embeddings=False, use_sliding_window=False,
+                 vocab_size=151936)  # fmt: skip
     granite = dict(architectures=["GraniteMoeForCausalLM"], model_type="granitemoe", attention_multiplier=0.015625,
                    embedding_multiplier=12.0, hidden_size=1024, intermediate_size=512, logits_scaling=6.0,
                    max_position_embeddings=131072, num_attention_heads=16, num_experts_per_tok=8,
@@ -275,6 +285,7 @@ def test_moe_configs_on_the_hub_read_as_their_models():
         (olmoe, 6.92e9, (64, 8, 1024, False)),
         (mixtral, 46.70e9, (8, 2, 14336, True)),
         (granite, 1.335e9, (32, 8, 512, True)),
+        (qwen2, 14.32e9, (60, 4, 1408, False)),
     ):
         cfg = ModelConfig.from_hf(d)
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (

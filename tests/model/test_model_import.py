@@ -31,6 +31,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -142,6 +144,7 @@ def test_a_gguf_file_round_trips_to_the_same_logits_tokenizer_and_template(tmp_p
         "qwen2",
         "qwen3",
         "qwen3-moe",
+        "qwen2-moe",
         "olmoe",
         "mixtral",
         "granitemoe",
@@ -173,6 +176,14 @@ def test_a_transformers_directory_imports_and_keeps_its_tokenizer(tmp_path, arch
             with torch.no_grad():  # the router away from its init of 0 (ties would pick by index)
                 for n, p in model.named_parameters():
                     if n.endswith("mlp.gate.weight"):
+                        p.normal_(0.0, 1.0)
+        elif arch == "qwen2-moe":  # Qwen2's biased q/k/v; a dense layer, a sparse one with its shared expert
+            cfg = Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                 shared_expert_intermediate_size=40, mlp_only_layers=[0], **shape)  # fmt: skip
+            model = Qwen2MoeForCausalLM(cfg).eval()
+            with torch.no_grad():  # the router and the shared expert's gate away from their init
+                for n, p in model.named_parameters():
+                    if n.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "_proj.bias")):
                         p.normal_(0.0, 1.0)
         elif (
             arch == "olmoe"

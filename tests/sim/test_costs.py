@@ -158,7 +158,7 @@ def test_a_lora_run_moves_its_adapter_and_trains_without_the_base_weight_gradien
 
 
 def test_an_moe_config_json_as_tailrace_and_transformers_5_write_it_is_its_shape():
-    """Qwen3-MoE's, OLMoE's and Mixtral's config.json (the experts `num_experts`, or transformers 5's and
+    """Qwen3-MoE's, Qwen2-MoE's, OLMoE's and Mixtral's config.json (the experts `num_experts`, or transformers 5's and
     Mixtral's `num_local_experts`; OLMoE's and Mixtral's experts intermediate_size wide): the shape counts
     the model's own parameters, every expert's and the router's (the q/k norms aside: under 0.3%)."""
     from tailrace.model import CausalLM, ModelConfig
@@ -166,6 +166,10 @@ def test_an_moe_config_json_as_tailrace_and_transformers_5_write_it_is_its_shape
 
     families = (
         ("qwen3_moe", dict(moe_intermediate_size=24)),
+        (
+            "qwen2_moe",
+            dict(moe_intermediate_size=24, shared_expert_intermediate_size=40),
+        ),  # its shared expert
         ("olmoe", {}),
         ("mixtral", {}),
         ("granitemoe", {}),

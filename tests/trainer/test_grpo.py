@@ -391,15 +391,18 @@ def test_lora_flat_is_the_adapter_and_its_learning_rate_is_ten_times():
         assert torch.equal(rebuilt.weights[site][0], a) and torch.equal(rebuilt.weights[site][1], b)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen2_moe"])
 def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same(monkeypatch, family):
     """The autocast GEMMs cast every frozen projection to bf16 on each forward anyway: storing them in
     bf16 changes no loss, gradient or adapter value, and halves the projections' memory; a mixture of
-    experts' experts (frozen, never adapted) too, its router and dense layer left as they are."""
+    experts' experts (frozen, never adapted) too, Qwen2-MoE's shared one with them, its router and dense
+    layer left as they are."""
     from tailrace.config.train import LoraConfig
     from tailrace.model import CausalLM, ModelConfig, lora
 
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=(1,))
+    if family == "qwen2_moe":
+        moe["shared_expert_intermediate_size"] = 40
     cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                       max_position_embeddings=64, model_type=family, **(moe if family != "llama" else {}))  # fmt: skip
     targets = ("q_proj", "up_proj") if family == "llama" else ("q_proj",)
@@ -421,6 +424,9 @@ def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same
         assert 1.0 <= a[0][2] <= 4.0  # the step's routing: the busiest expert's share over an even one's
         assert stored["model.layers.0.mlp.experts.3.down_proj.weight"] == torch.bfloat16  # an expert
         assert stored["model.layers.0.mlp.gate.weight"] == torch.float32  # the router
+        if family == "qwen2_moe":  # its shared expert frozen as the others, its gate as the router
+            assert stored["model.layers.0.mlp.shared_expert.up_proj.weight"] == torch.bfloat16
+            assert stored["model.layers.0.mlp.shared_expert_gate.weight"] == torch.float32
         with torch.no_grad():  # outside autocast too: the experts take their input in their dtype
             assert low(torch.tensor([[1, 2, 3]])).dtype == torch.float32
     assert stored["model.layers.1.mlp.down_proj.weight"] == torch.float32  # frozen, not adapted

@@ -37,7 +37,7 @@ from tailrace.engine.chunks import Chunk
 from tailrace.engine.ckernel import Kernels
 from tailrace.engine.kv_cache import KVCache
 from tailrace.model.decoder import CausalLM, act_fn, embed, logits
-from tailrace.model.moe import mix
+from tailrace.model.moe import mix, shared
 from tailrace.model.rope import inv_freq_and_scale, rope_table
 
 UPCAST_MAX_BATCH = 8  # bf16/fp16 decode attention of at most this many rows runs on fp32 copies
@@ -254,7 +254,18 @@ class TorchBackend:
 
         chosen = self._chosen
         record = None if chosen is None else lambda _probs, own, _used: chosen.append(own)
-        return mix(xn, lw.router(xn, pk), cfg.num_experts_per_tok, cfg.norm_topk_prob, expert, record=record)
+        y = mix(xn, lw.router(xn, pk), cfg.num_experts_per_tok, cfg.norm_topk_prob, expert, record=record)
+        if lw.shared is None:
+            return y
+        gate_up, down = lw.shared  # over every row
+
+        def gate(rows: torch.Tensor) -> torch.Tensor:
+            return lw.shared_gate(rows, pk)
+
+        def expert_all(rows: torch.Tensor) -> torch.Tensor:
+            return down(self._act_mul(gate_up(rows, pk)), pk)
+
+        return y + shared(xn, gate, expert_all)
 
     def _reach(
         self, table_rows, S: int, first: int | None, pos: torch.Tensor, window: int | None, bs: int

@@ -30,10 +30,11 @@ class _Layer:
     # norms: their weights (hidden,), None where the layer has none; qk_norm: Qwen3's q and k norm weights
     # per head, (H + Hkv, D), or None; OLMo2's: post_attn, post_mlp (hidden,) on the attention's and the
     # MLP's outputs, q_norm (H D,) and k_norm (Hkv D,) over all heads at once (OLMoE's too); an MoE's sparse layers:
-    # router (E x hidden) and experts [(gate_up, down)], where gate_up and down are None
+    # router (E x hidden) and experts [(gate_up, down)], where gate_up and down are None; Qwen2-MoE's
+    # shared expert (gate_up, down) and its gate (1 x hidden) in shared and shared_gate (else None)
     __slots__ = (
         *("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "qk_norm"),
-        *("post_attn", "post_mlp", "q_norm", "k_norm", "router", "experts"),
+        *("post_attn", "post_mlp", "q_norm", "k_norm", "router", "experts", "shared", "shared_gate"),
     )
 
 
@@ -130,11 +131,15 @@ class FusedWeights:
                 [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
             )
             L.o = Linear(a.o_proj.weight, a.o_proj.bias, pk, self.kernel, self.int8, plain)
-            L.router = L.experts = L.gate_up = L.down = None
+            L.router = L.experts = L.gate_up = L.down = L.shared = L.shared_gate = None
             if hasattr(mlp, "experts"):  # the router in the model's precision: int8 would move its choices
                 L.router = proj([mlp.gate.weight], int8=False)
                 L.experts = [(proj([e.gate_proj.weight, e.up_proj.weight]), proj([e.down_proj.weight]))
                              for e in mlp.experts]  # fmt: skip
+                if hasattr(mlp, "shared_expert"):
+                    s = mlp.shared_expert
+                    L.shared = (proj([s.gate_proj.weight, s.up_proj.weight]), proj([s.down_proj.weight]))
+                    L.shared_gate = proj([mlp.shared_expert_gate.weight], int8=False)
             else:
                 L.gate_up = proj([mlp.gate_proj.weight, mlp.up_proj.weight])
                 L.down = Linear(mlp.down_proj.weight, None, pk, self.kernel, self.int8, plain)
