@@ -109,13 +109,8 @@ GEMMA = ("gemma2", "gemma3_text")
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (GeGLU, tanh approximation)
 _SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 NO_BIAS = ("mistral", "mixtral", "phi3")  # the families without an attention bias
-MOE = (
-    "qwen3_moe",
-    "qwen2_moe",
-    "olmoe",
-    "mixtral",
-    "granitemoe",
-)  # the families whose MLPs are mixtures of experts
+# the families whose MLPs are mixtures of experts
+MOE = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe")
 SPARSE_STEP = ("qwen3_moe", "qwen2_moe")  # the MoE families with dense layers too (mlp_only_layers, a step)
 QWEN2 = ("qwen2", "qwen2_moe")  # q/k/v biased, o_proj never
 # the families whose every layer is sparse, its experts intermediate_size wide (config.json has no
@@ -324,9 +319,7 @@ class ModelConfig:
                     f"model_type={self.model_type!r} has a dense MLP: leave them at 0 (and ())"
                 )
             return
-        if (self.model_type == "qwen2_moe") != (
-            isinstance(shared, int) and not isinstance(shared, bool) and shared > 0
-        ):
+        if (self.model_type == "qwen2_moe") != (type(shared) is int and shared > 0):
             raise ValueError(
                 f"shared_expert_intermediate_size={shared!r}: Qwen2-MoE's sparse layers have a shared expert of "
                 "that width (> 0); the other mixtures of experts have none (0)"

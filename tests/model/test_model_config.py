@@ -153,6 +153,24 @@ def test_defaults_follow_hf():
             dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
             ["intermediate_size wide"],
         ),
+        (  # Qwen2-MoE without its shared expert, and one on a family that has none
+            dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+            ["shared_expert_intermediate_size=0", "Qwen2-MoE's sparse layers have a shared expert"],
+        ),
+        (
+            dict(
+                model_type="qwen3_moe",
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=8,
+                shared_expert_intermediate_size=8,
+            ),  # fmt: skip
+            ["the other mixtures of experts have none (0)"],
+        ),
+        (
+            dict(shared_expert_intermediate_size=8),
+            ["shared_expert_intermediate_size are the mixtures", "dense MLP"],
+        ),
     ],
 )
 def test_validation_names_field_and_fix(overrides, words):
