@@ -98,6 +98,13 @@ def model_config(model_type: str) -> ModelConfig:
         "qwen3_moe": dict(
             num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384, norm_topk_prob=True
         ),
+        # Qwen1.5-MoE-A2.7B's: 4 experts a token, each a quarter of the shared expert's width, which is the MLP's
+        "qwen2_moe": dict(
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=384,
+            shared_expert_intermediate_size=1536,
+        ),
     }.get(model_type, {})
     return ModelConfig(model_type=model_type, vocab_size=4096, hidden_size=512, intermediate_size=1536,
                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
@@ -137,7 +144,9 @@ def main() -> None:
     r.add_argument("path")
     r.add_argument("--slots", type=int, default=4, help="flow.max_staleness + 3 (the default's: 4)")
     t = sub.add_parser("trainer")
-    t.add_argument("model_type", choices=("llama", "qwen3", "olmo2", "gemma3_text", "gemma2", "qwen3_moe"))
+    t.add_argument(
+        "model_type", choices=("llama", "qwen3", "olmo2", "gemma3_text", "gemma2", "qwen3_moe", "qwen2_moe")
+    )
     t.add_argument("--bf16", action="store_true")
     t.add_argument("--micro", type=int, help="one micro-batch cap, in this process (the others run it)")
     a = p.parse_args()
