@@ -85,4 +85,4 @@ class SharedWeights:
         """Whether `flat`, what `read(version)` handed back, still holds that version: asked after
         copying out of it. `write` marks the slot invalid before it copies, so a write that began
         during the reader's copy, finished or not, shows here."""
-        return int(self.versions[version % self.slots]) == version
+        return self.holds(version)
