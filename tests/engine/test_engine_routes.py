@@ -42,11 +42,14 @@ def assert_own(model: CausalLM, reqs: list[GenRequest], results: list[GenResult]
         assert torch.equal(got.long().sort(-1).values, own_routes(model, seq[:-1])), r.id
 
 
-@pytest.mark.parametrize("attention", ["kernel", "bmm"])
-def test_results_carry_the_models_own_routes_through_chunked_prefill_and_preemption(attention):
+QWEN2_MOE = dict(MOE, model_type="qwen2_moe", shared_expert_intermediate_size=40)  # its shared expert too
+
+
+@pytest.mark.parametrize("attention,moe", [("kernel", MOE), ("bmm", MOE), ("kernel", QWEN2_MOE)])
+def test_results_carry_the_models_own_routes_through_chunked_prefill_and_preemption(attention, moe):
     if attention == "kernel" and ckernel.unavailable():
         pytest.skip("no C compiler")
-    model = tiny_model(0, **MOE)
+    model = tiny_model(0, **moe)
     reqs = [
         req(f"r{i}", 3 + 2 * i, 20 + 3 * i, temperature=1.0, pseed=1 if i < 3 else None) for i in range(10)
     ]

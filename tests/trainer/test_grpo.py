@@ -505,15 +505,19 @@ def moe_config():
                        moe_intermediate_size=24, mlp_only_layers=(1,))  # fmt: skip
 
 
-def test_routing_replay_trains_through_the_engines_experts():
+@pytest.mark.parametrize("shared", [0, 40])
+def test_routing_replay_trains_through_the_engines_experts(shared):
     """train.routing_replay: each trajectory's routes (as an engine records them: every position but the
     last, uint8) fill the batch's (N, T, sparse layers, k), -1 past them; routes that are the model's
     own train exactly as no replay does; other routes are taken (counted as flips) and move the step; a
-    trajectory without routes (read back from the journal) is routed afresh and counted as such."""
+    trajectory without routes (read back from the journal) is routed afresh and counted as such.
+    Qwen2-MoE's shared expert (`shared` wide) beside the replayed ones changes none of it."""
     from tailrace.model import CausalLM
     from tests.engine.test_engine_routes import own_routes
 
     cfg = moe_config()
+    if shared:
+        cfg = cfg.replace(model_type="qwen2_moe", attention_bias=True, shared_expert_intermediate_size=shared)
 
     def with_routes(groups, model, shift=0, drop=()):
         out = []
