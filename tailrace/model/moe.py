@@ -74,14 +74,26 @@ def mix(
     `pad`: each expert runs over `padded_rows` of its count (rows of zeros, weighted 0, scattered to a row
     dropped after): where oneDNN compiles a kernel for every GEMM shape it meets (bf16 autocast on CPU),
     a count that changes with every batch compiled one at nearly every call. `load`: each expert's count
-    of the tokens routed to it is added to it. `given`, `record`: see `route`."""
-    N = x.shape[0]
-    if not N:
+    of the tokens routed to it is added to it. `given`, `record`: see `route`. One row (a decode step of one
+    sequence: a rollout's tail) skips the sort, gathers and scatter (`_one_row`: the same values)."""
+    if not x.shape[0]:
         return torch.zeros_like(x)
     weights, experts = route(logits, k, norm, given, record)
+    if x.shape[0] == 1 and not pad:
+        return _one_row(x, weights, experts, expert, load)
+    return _rows(x, weights, experts, logits.shape[-1], expert, pad, load)
+
+
+def _rows(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, E: int, expert: Callable,
+    pad: bool, load: list[int] | None,
+) -> torch.Tensor:  # fmt: skip
+    """`mix` after routing: the rows sorted by expert, each expert over its rows as one GEMM, the weighted
+    outputs scattered back."""
+    N, k = experts.shape
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)  # the (token, choice) slots by expert, tokens in order within one
-    counts = torch.bincount(flat, minlength=logits.shape[-1]).tolist()  # one host sync per layer
+    counts = torch.bincount(flat, minlength=E).tolist()  # one host sync per layer
     if load is not None:
         load[:] = [a + b for a, b in zip(load, counts)]
     token, w = order // k, weights.reshape(-1, 1).index_select(0, order)
@@ -105,6 +117,23 @@ def mix(
     ys = torch.cat(parts) if len(parts) > 1 else parts[0]
     out = torch.zeros_like(x).index_add_(0, token, (ys * w.to(ys.dtype)).to(x.dtype))
     return out[:N] if pad else out
+
+
+def _one_row(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, expert: Callable, load: list[int] | None
+) -> torch.Tensor:
+    """`mix` over one row without the sort, the gathers and the scatter: the row's experts in increasing
+    order, each output times its weight added to zeros in that order, in fp32 for a bf16 row and rounded
+    once, as `_rows`' `index_add_` adds them on CPU (the same values, bit for bit)."""
+    chosen = experts[0].tolist()  # one host sync, as `mix`'s counts
+    if load is not None:
+        for e in chosen:
+            load[e] += 1
+    out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32))
+    for j in sorted(range(len(chosen)), key=chosen.__getitem__):
+        y = expert(chosen[j], x)
+        out += (y * weights[:, j : j + 1].to(y.dtype)).to(x.dtype)
+    return out.to(x.dtype)
 
 
 def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -54,6 +54,29 @@ def test_mix_is_each_tokens_weighted_experts_padded_or_not(pad):
     assert mix(x[:0], logits[:0], k, True, expert, pad=pad).shape == (0, h)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_mixes_as_the_sorted_path_bit_for_bit(dtype):
+    """A decode step of one sequence skips the sort, gathers and scatter (`_one_row`); its output and the
+    experts' load are the sorted path's (`_rows`) exactly, with real SwiGLU experts, in fp32 and bf16,
+    the experts' order in a row reversed or not."""
+    from tailrace.model.moe import _one_row, _rows
+
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=1, num_attention_heads=4, num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=48)  # fmt: skip
+    moe = CausalLM.from_config(cfg, seed=0).to(dtype).model.layers[0].mlp
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        x = torch.randn(1, 64, generator=g).to(dtype)
+        weights, experts = route(moe.gate(x), 3, True)
+        for ex in (experts, experts.flip(-1)):  # top-k's order, and the reverse
+            w = weights if ex is experts else weights.flip(-1)
+            loads = [[0] * 8, [0] * 8]
+            fast = _one_row(x, w, ex, moe._expert, loads[0])
+            slow = _rows(x, w, ex, 8, moe._expert, False, loads[1])
+            assert torch.equal(fast, slow) and loads[0] == loads[1] and sum(loads[0]) == 3
+
+
 def test_transformers_stacked_experts_split_into_the_checkpoints_matrices():
     gate_up, down = torch.arange(2 * 6 * 3.0).view(2, 6, 3), torch.arange(2 * 3 * 3.0).view(2, 3, 3)
     out = split_experts(
