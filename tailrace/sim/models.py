@@ -158,6 +158,24 @@ MODELS: dict[str, ModelShape] = {
         experts_per_token=8,
         expert_intermediate=1536,
     ),
+    # huggingface.co/Qwen/Qwen1.5-MoE-A2.7B/config.json: 24 layers, 16 heads of 128 (no GQA), q/k/v biased,
+    # 60 experts of width 1408, 4 active per token, and a shared expert of 5632 every token goes through.
+    # 14.3B total, 2.7B active.
+    "qwen1.5-moe-a2.7b": ModelShape(
+        "qwen1.5-moe-a2.7b",
+        2048,
+        24,
+        16,
+        16,
+        128,
+        5632,
+        151936,
+        qkv_bias=True,
+        experts=60,
+        experts_per_token=4,
+        expert_intermediate=1408,
+        shared_intermediate=5632,
+    ),  # fmt: skip
     # tailrace's default policy (config.ArchConfig defaults; char tokenizer: 4 specials + 96 printable = 100)
     "tailrace-default": ModelShape("tailrace-default", 256, 4, 8, 4, 32, 512, 100, tied_embeddings=True),
 }

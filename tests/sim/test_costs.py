@@ -29,6 +29,15 @@ def test_shape_counts_match_hand_computation():
     assert moe.params == pytest.approx(235.1e9, rel=1e-3) and moe.active_params == pytest.approx(
         22.19e9, rel=1e-3
     )
+    shared = MODELS["qwen1.5-moe-a2.7b"]  # its shared expert counted in both: published 14.3B and 2.7B
+    assert shared.params == pytest.approx(14.316e9, rel=1e-3)
+    assert shared.active_params == pytest.approx(2.689e9, rel=1e-3)
+    # a decode step at batch 1 reads the router, the shared expert and 4 of 60 experts a layer, and more
+    # experts as the batch grows, the shared one always
+    one, every = shared.weight_bytes_read(1, 2), shared.weight_bytes_read(10**6, 2)
+    skipped = 151936 * 2048 + 24 * 2 * 2048 + 2048  # the input embeddings (looked up) and the norms
+    assert one == pytest.approx((shared.active_params - skipped) * 2, rel=1e-9)
+    assert every == pytest.approx((shared.params - skipped) * 2, rel=1e-9)
 
 
 def test_decode_step_memory_bound_at_batch_one():
