@@ -2,7 +2,9 @@
 per-head q/k RMSNorms) and as OLMo2 (norms after attention and MLP, q/k normed over all heads), side by
 side in one process, alternated, best of `--repeats`. `qwen3_moe` (with `--archs`): Qwen3's with each
 MLP 16 experts of a quarter of its width, 4 a token (Qwen3-30B-A3B's proportions): the same active
-weights a token, four times the MLP weights in all.
+weights a token, four times the MLP weights in all. `qwen2_moe`: Qwen2's attention (biased q/k/v, no q/k
+norms) with 16 experts of an eighth of the MLP's width, 4 a token, and a shared expert of half its width
+(Qwen1.5-MoE-A2.7B's proportions: the shared expert four routed experts wide): the same active weights.
 
     .venv/bin/python bench/arch_cost.py                  # hidden 512, 8 layers, heads of 128, ~1 min
     .venv/bin/python bench/arch_cost.py --layers 28 --hidden 1024 --heads 16 --kv-heads 8   # Qwen3-0.6B's
@@ -44,7 +46,9 @@ def main() -> None:
     moe = dict(
         num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, moe_intermediate_size=3 * a.hidden // 4
     )
-    extra = {"qwen3_moe": moe}  # the family's own fields, beside the shape every architecture shares
+    shared = dict(moe, norm_topk_prob=False, moe_intermediate_size=3 * a.hidden // 8,
+                  shared_expert_intermediate_size=3 * a.hidden // 2)  # fmt: skip
+    extra = {"qwen3_moe": moe, "qwen2_moe": shared}  # the family's own fields, beside the shape all share
     engines = {
         t: TailraceEngine(
             CausalLM.from_config(ModelConfig(model_type=t, **shape, **extra.get(t, {})), seed=0)
