@@ -170,6 +170,11 @@ class VLLMEngine:
                 f"model has rms_norm_eps={cfg.rms_norm_eps} and norm_topk_prob={cfg.norm_topk_prob}, which vLLM "
                 "would serve as another model: use --rollout.backend=tailrace"
             )
+        if cfg.model_type == "qwen2_moe" and not cfg.attention_bias:
+            raise EngineError(
+                "vLLM's Qwen2-MoE class always has q/k/v biases; this model has none (qkv_bias false), which vLLM "
+                "would serve as another model: use --rollout.backend=tailrace"
+            )
         if self._reload_broken and lora_rank:
             raise EngineError(
                 "vLLM's CPU build cannot serve LoRA adapters on a mixture-of-experts model (its MoE LoRA "

@@ -368,3 +368,7 @@ def test_an_moe_checkpoint_matches_tailraces_engine_and_a_reload_is_refused_on_c
         save_pretrained(tiny_model(seed=0, **dict(SHAPE, **shape, norm_topk_prob=True)), tmp_path / "renorm")
         with pytest.raises(EngineError, match="norm_topk_prob"):
             _vllm(tmp_path / "renorm")
+    if family == "qwen2_moe":  # vLLM's class biases q/k/v whatever the config says
+        save_pretrained(tiny_model(seed=0, **dict(SHAPE, **shape, attention_bias=False)), tmp_path / "nobias")
+        with pytest.raises(EngineError, match="qkv_bias false"):
+            _vllm(tmp_path / "nobias")
