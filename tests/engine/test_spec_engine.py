@@ -447,16 +447,23 @@ def test_a_windowed_model_speculates_exactly_past_its_window(attention):
     assert eng.spec_stats.accepted > 0
 
 
-@pytest.mark.parametrize("attention", ["kernel", "bmm"])
-@pytest.mark.parametrize("drafter", ["quant8", "trained"])
-def test_a_mixture_of_experts_model_speculates_exactly(attention, drafter):
+QWEN2_MOE = dict(MOE, model_type="qwen2_moe", shared_expert_intermediate_size=40)
+
+
+@pytest.mark.parametrize(
+    "attention,drafter,moe",
+    [(a, d, MOE) for a in ("kernel", "bmm") for d in ("quant8", "trained")]
+    + [("kernel", "quant8", QWEN2_MOE), ("bmm", "trained", QWEN2_MOE)],
+)
+def test_a_mixture_of_experts_model_speculates_exactly(attention, drafter, moe):
     """Qwen3-MoE's layout (a sparse layer and a dense one): a drafted token verified as a prefill piece is
     routed to the experts a decoded one would be, so speculation's tokens and logprobs are the plain
     engine's, from a quantized self-drafter (its experts rounded, its router the policy's) and from a trained
-    drafter (its one layer an MoE layer started from the policy's)."""
+    drafter (its one layer an MoE layer started from the policy's); Qwen2-MoE's, its shared expert with
+    them."""
     if attention == "kernel" and ckernel.unavailable():
         pytest.skip("no C compiler")
-    model = tiny_model(0, **MOE)
+    model = tiny_model(0, **moe)
     reqs = [req(f"m{i}", 3 + i, 40, temperature=1.0) for i in range(6)]
     plain = TailraceEngine(model, num_slots=4, attention=attention).generate(reqs)
     eng = TailraceEngine(model, num_slots=4, attention=attention, spec=drafter)
