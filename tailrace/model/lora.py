@@ -159,17 +159,25 @@ def store_frozen_projections(model: CausalLM, dtype: torch.dtype) -> int:
     bytes saved. For a LoRA trainer that autocasts to `dtype`: its GEMMs cast every frozen weight to `dtype`
     on each forward anyway, so this changes no value it computes, halves those weights' memory and skips the
     casts (outside autocast `LoRALinear` and `SparseMoE` cast to the weight's dtype). Embeddings, norms, routers
-    and projections without an adapter stay as they are."""
+    and projections without an adapter stay as they are. Only a weight `dtype` holds exactly is kept so (a
+    bf16 checkpoint's, read into fp32): the base the checkpoints merge the adapter into (`merged_state`)
+    stays the checkpoint's to the bit; an fp32 checkpoint's base stays fp32."""
     experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.frozen_mlps()}
     saved = 0
     for m in model.modules():
         w = m.weight if isinstance(m, LoRALinear) or (isinstance(m, nn.Linear) and id(m) in experts) else None
         if w is None or w.requires_grad:
             continue
-        if w.dtype != dtype:
+        if w.dtype != dtype and holds_exactly(w, dtype):
             saved += w.numel() * (w.element_size() - torch.finfo(dtype).bits // 8)
             m.weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
     return saved
+
+
+def holds_exactly(w: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value of `w` is one of `dtype`'s (rounding it there loses nothing)."""
+    with torch.no_grad():
+        return torch.equal(w.to(dtype).to(w.dtype), w)
 
 
 @contextmanager

@@ -3,7 +3,8 @@
 In a run of several LoRA policies (tenants) each policy's trainer is a process of its own, and each
 would load the whole base: P copies of weights none of them changes. The driver instead loads the base
 once into shared memory (`share`: the adapted projections, and an MoE's experts, already in bf16 when
-the trainers autocast to it, as `lora.store_frozen_projections` would keep them) and every trainer
+the trainers autocast to it and bf16 holds them exactly, as `lora.store_frozen_projections` would keep
+them) and every trainer
 builds its model over those tensors (`model`), so the machine holds one base whatever the number of
 tenants — the trainer side of MARLaaS's one frozen base (the engines already hold one: `engine.adapter_versions`).
 
@@ -22,7 +23,7 @@ from tailrace.common import one_line
 from tailrace.config.train import LoraConfig
 from tailrace.model.checkpoint import load_pretrained, read_config
 from tailrace.model.decoder import CausalLM
-from tailrace.model.lora import stored_low
+from tailrace.model.lora import holds_exactly, stored_low
 
 
 @dataclass
@@ -50,7 +51,8 @@ def share(model_path: str | Path, lora: LoraConfig, bf16: bool) -> tuple[SharedB
     names: dict[str, int] = {}
     for name, t in model.state_dict().items():
         names[name] = id(t)
-        tensors[id(t)] = t.to(torch.bfloat16) if bf16 and stored_low(name, lora.targets) else t
+        low = bf16 and stored_low(name, lora.targets) and holds_exactly(t, torch.bfloat16)
+        tensors[id(t)] = t.to(torch.bfloat16) if low else t
     # one buffer a dtype: a worker receives each shared storage as a file descriptor, and a process
     # start passes at most a few hundred of them
     try:

@@ -181,19 +181,28 @@ def test_an_init_adapter_that_does_not_fit_the_config_is_one_line(tmp_path, caps
     assert load_config(overrides=["--train.lora.rank=4", f"--train.lora.init={tmp_path / 'none'}"])  # loads
 
 
-@pytest.mark.parametrize("bf16,moe", [(False, False), (True, False), (True, True)])
-def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, tmp_path, bf16, moe):
+@pytest.mark.parametrize(
+    "bf16,moe,exact", [(False, False, True), (True, False, True), (True, True, True), (True, False, False)]
+)
+def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, tmp_path, bf16, moe, exact):
     """runtime/shared_base.py: the base in shared memory once; each trainer's frozen parameters are its
     tensors (no copy), and a trainer over them steps exactly as one over a base loaded for itself; a
-    mixture of experts' experts shared in bf16 too, as its own trainer keeps them."""
+    mixture of experts' experts shared in bf16 too, as its own trainer keeps them. Only a base bf16 holds
+    exactly (`exact`: a bf16 checkpoint's values) is shared in bf16; an fp32 one stays fp32."""
     from tailrace.config import TrainerConfig
     from tailrace.config.train import LoraConfig
+    from tailrace.model import load_pretrained, save_pretrained
     from tailrace.runtime.shared_base import share
     from tailrace.runtime.trainer_worker import TrainerSpec, build_trainer
     from tests.trainer.test_grpo import make_groups
 
     if moe:
         tiny_model = as_qwen3_moe(tiny_model, tmp_path / "moe")
+    if exact:  # its weights as a bf16 checkpoint holds them, read into fp32
+        save_pretrained(
+            load_pretrained(tiny_model).to(torch.bfloat16).float(), tmp_path / "b", companions_from=tiny_model
+        )
+        tiny_model = tmp_path / "b"
     cfg = TrainerConfig(lr=0.05, bf16=bf16, lora=LoraConfig(rank=4))
     base, why = share(tiny_model, cfg.lora, bf16)
     assert base is not None and "share one copy" in why
@@ -206,7 +215,7 @@ def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, tmp_p
     q = "model.layers.0.self_attn.q_proj.weight"
     pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
     assert pa[q].data_ptr() == pb[q].data_ptr() == base.tensors[q].data_ptr() and pa[q].is_shared()
-    assert pa[q].dtype == (torch.bfloat16 if bf16 else torch.float32)
+    assert pa[q].dtype == (torch.bfloat16 if bf16 and exact else torch.float32)
     if moe:
         e = "model.layers.0.mlp.experts.1.up_proj.weight"
         assert pa[e].dtype == own.model.get_parameter(e).dtype == torch.bfloat16 and pa[e].is_shared()

@@ -396,7 +396,8 @@ def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same
     """The autocast GEMMs cast every frozen projection to bf16 on each forward anyway: storing them in
     bf16 changes no loss, gradient or adapter value, and halves the projections' memory; a mixture of
     experts' experts (frozen, never adapted) too, Qwen2-MoE's shared one with them, its router and dense
-    layer left as they are."""
+    layer left as they are. Only a base bf16 holds exactly (a bf16 checkpoint's, as here) is kept so: an
+    fp32 one stays fp32, and the merged policy a checkpoint holds is its base plus the adapter, exactly."""
     from tailrace.config.train import LoraConfig
     from tailrace.model import CausalLM, ModelConfig, lora
 
@@ -412,7 +413,7 @@ def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same
         if not store:
             monkeypatch.setattr(lora, "store_frozen_projections", lambda *a: 0)
         torch.manual_seed(0)
-        model = CausalLM.from_config(cfg, seed=0)
+        model = CausalLM.from_config(cfg, seed=0).to(torch.bfloat16).float()  # a bf16 checkpoint, read
         tr = GRPOTrainer(model, tc)
         dtypes = {n: p.dtype for n, p in model.named_parameters()}
         ms = [tr.step(make_groups(model, seed=s), trainer_version=s) for s in range(2)]
@@ -435,6 +436,15 @@ def test_a_bf16_lora_trainer_keeps_its_frozen_base_in_bf16_and_computes_the_same
     assert stored["model.layers.0.self_attn.q_proj.lora_A.weight"] == torch.float32
     assert set(plain.values()) == {torch.float32}
     assert a == b and torch.equal(flat_a, flat_b)
+    monkeypatch.undo()
+    fp32 = CausalLM.from_config(cfg, seed=0)  # an fp32 checkpoint's base: bf16 would round it
+    base = {n: t.clone() for n, t in fp32.state_dict().items()}
+    tr = GRPOTrainer(fp32, tc)
+    assert tr.base_saved == 0 and all(p.dtype == torch.float32 for p in fp32.parameters())
+    tr.step(make_groups(fp32, seed=0), trainer_version=0)
+    merged = lora.merged_state(fp32)
+    frozen = [n for n in base if ".mlp." in n and "lora" not in n and not lora.adapted_weight(n, targets)]
+    assert frozen and all(torch.equal(merged[n], base[n]) for n in frozen)  # the base as it was, to the bit
 
 
 def test_a_lora_trainers_kl_reference_is_its_base_with_the_adapter_off():
