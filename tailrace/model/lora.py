@@ -168,16 +168,19 @@ def store_frozen_projections(model: CausalLM, dtype: torch.dtype) -> int:
         w = m.weight if isinstance(m, LoRALinear) or (isinstance(m, nn.Linear) and id(m) in experts) else None
         if w is None or w.requires_grad:
             continue
-        if w.dtype != dtype and holds_exactly(w, dtype):
+        low = exactly_in(w, dtype) if w.dtype != dtype else None
+        if low is not None:
             saved += w.numel() * (w.element_size() - torch.finfo(dtype).bits // 8)
-            m.weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
+            m.weight = nn.Parameter(low, requires_grad=False)
     return saved
 
 
-def holds_exactly(w: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether every value of `w` is one of `dtype`'s (rounding it there loses nothing)."""
+def exactly_in(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`w` in `dtype` where every value of it is one of `dtype`'s (rounding it there loses nothing), else
+    None: one conversion, kept."""
     with torch.no_grad():
-        return torch.equal(w.to(dtype).to(w.dtype), w)
+        low = w.detach().to(dtype)
+        return low if torch.equal(low.to(w.dtype), w) else None
 
 
 @contextmanager

@@ -4,9 +4,9 @@ In a run of several LoRA policies (tenants) each policy's trainer is a process o
 would load the whole base: P copies of weights none of them changes. The driver instead loads the base
 once into shared memory (`share`: the adapted projections, and an MoE's experts, already in bf16 when
 the trainers autocast to it and bf16 holds them exactly, as `lora.store_frozen_projections` would keep
-them) and every trainer
-builds its model over those tensors (`model`), so the machine holds one base whatever the number of
-tenants — the trainer side of MARLaaS's one frozen base (the engines already hold one: `engine.adapter_versions`).
+them) and every trainer builds its model over those tensors (`model`), so the machine holds one base
+whatever the number of tenants — the trainer side of MARLaaS's one frozen base (the engines already
+hold one: `engine.adapter_versions`).
 
 Local CPU trainers only (a GPU trainer's base lives on its device; a Ray actor may be on another
 host). Where shared memory cannot hold the base, `share` says why and each trainer loads its own.
@@ -23,7 +23,7 @@ from tailrace.common import one_line
 from tailrace.config.train import LoraConfig
 from tailrace.model.checkpoint import load_pretrained, read_config
 from tailrace.model.decoder import CausalLM
-from tailrace.model.lora import holds_exactly, stored_low
+from tailrace.model.lora import exactly_in, stored_low
 
 
 @dataclass
@@ -51,8 +51,8 @@ def share(model_path: str | Path, lora: LoraConfig, bf16: bool) -> tuple[SharedB
     names: dict[str, int] = {}
     for name, t in model.state_dict().items():
         names[name] = id(t)
-        low = bf16 and stored_low(name, lora.targets) and holds_exactly(t, torch.bfloat16)
-        tensors[id(t)] = t.to(torch.bfloat16) if low else t
+        low = exactly_in(t, torch.bfloat16) if bf16 and stored_low(name, lora.targets) else None
+        tensors[id(t)] = t if low is None else low
     # one buffer a dtype: a worker receives each shared storage as a file descriptor, and a process
     # start passes at most a few hundred of them
     try:

@@ -248,24 +248,22 @@ class TorchBackend:
         cfg = self.model.config
 
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            gate_up, down = lw.experts[e]
-            at = self.w.packed_at(rows.shape[0])
-            return down(self._act_mul(gate_up(rows, at)), at)
+            return self._swiglu(lw.experts[e], rows)
 
         chosen = self._chosen
         record = None if chosen is None else lambda _probs, own, _used: chosen.append(own)
         y = mix(xn, lw.router(xn, pk), cfg.num_experts_per_tok, cfg.norm_topk_prob, expert, record=record)
         if lw.shared is None:
             return y
-        gate_up, down = lw.shared  # over every row
+        return y + shared(
+            xn, lambda rows: lw.shared_gate(rows, pk), lambda rows: self._swiglu(lw.shared, rows)
+        )
 
-        def gate(rows: torch.Tensor) -> torch.Tensor:
-            return lw.shared_gate(rows, pk)
-
-        def expert_all(rows: torch.Tensor) -> torch.Tensor:
-            return down(self._act_mul(gate_up(rows, pk)), pk)
-
-        return y + shared(xn, gate, expert_all)
+    def _swiglu(self, expert: tuple, rows: torch.Tensor) -> torch.Tensor:
+        """An expert's (gate_up, down) over `rows`, packed GEMMs where that many rows take them."""
+        gate_up, down = expert
+        at = self.w.packed_at(rows.shape[0])
+        return down(self._act_mul(gate_up(rows, at)), at)
 
     def _reach(
         self, table_rows, S: int, first: int | None, pos: torch.Tensor, window: int | None, bs: int
