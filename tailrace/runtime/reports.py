@@ -138,8 +138,13 @@ class Reports:
         pol.metrics.write(record)
         saved = self._checkpoint(pol, rep, published) if rep.saved else None
         if published is not None and pol.snapshots.due(sched.steps_done):
-            buf = self.weights.read(rep.published).buffer
-            pol.snapshots.take(sched.steps_done, published, record.time["wall_s"], buf)
+            flat = self.weights.read(rep.published)
+            intact = partial(self.weights.intact, rep.published, flat)
+            kept = pol.snapshots.take(sched.steps_done, published, record.time["wall_s"], flat.buffer, intact)
+            if kept is None and self.ui is not None:  # the trainer began rewriting the slot meanwhile
+                self.ui.note(
+                    f"snapshot of version {published} dropped: its ring slot was rewritten while saved"
+                )
         if self.tb is not None:
             for key, value in _flatten(record.to_json(), f"{pol.name}/" if pol.name else ""):
                 self.tb.add_scalar(key, value, rep.step + 1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -45,12 +46,24 @@ class Snapshots:
         self._next = self._after(steps_done)
         return True
 
-    def take(self, step: int, version: int, wall_s: float, buffer: torch.Tensor) -> Snapshot:
+    def take(
+        self,
+        step: int,
+        version: int,
+        wall_s: float,
+        buffer: torch.Tensor,
+        intact: Callable[[], bool] = lambda: True,
+    ) -> Snapshot | None:
+        """Save `buffer` (a view of the ring's slot). `intact`, asked once it is written: whether the
+        slot still held the version throughout (the ring's seqlock); None, nothing kept, where not."""
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"v{version:06d}.safetensors"
         meta = {"step": str(step), "version": str(version), "wall_s": repr(wall_s)}
         tmp = path.with_suffix(".tmp")
         save_file({"flat": buffer.detach().to("cpu").contiguous()}, str(tmp), metadata=meta)
+        if not intact():
+            tmp.unlink()
+            return None
         tmp.replace(path)
         return Snapshot(step, version, wall_s, path)
 
