@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA path on a GPU machine, with that machine's own torch (no install), as one prepared run:
 #   tests    the engine's GPU tests: CUDA against the CPU, speculation lossless with every drafter,
-#            LoRA rows of several adapters in one forward against each adapter alone
+#            LoRA rows of several adapters in one forward against each adapter alone, an MoE's recorded
+#            routes; the trainer's: routing replay and the load-balancing loss on CUDA
 #   spec     bench/spec.py on CUDA (bf16): rollouts with and without history drafts, epochs 1 and 2,
 #            and the plain engine built batch-invariant (off-inv: the reference the tokens must equal)
 #   toggle   bench/spec.py --batches on CUDA: the toggle at fixed active batches (fp32; bf16 at 16, 64)
@@ -23,7 +24,8 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.i
 echo "cores: $(nproc)"
 if has tests; then
   stamp tests
-  timeout 130 python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_engine_gpu.py tests/runtime/test_device.py 2>&1 | tail -30
+  timeout 130 python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_engine_gpu.py \
+    tests/trainer/test_trainer_gpu.py tests/runtime/test_device.py 2>&1 | tail -30
 fi
 if has spec; then  # bf16: exactness at batch 64 (it broke there before the batch-invariant fix)
   stamp spec

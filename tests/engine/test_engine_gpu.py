@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tailrace.engine import TailraceEngine
-from tests.engine.engine_helpers import full_logprobs, req, tiny_model
+from tests.engine.engine_helpers import MOE, full_logprobs, req, tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,3 +114,34 @@ def test_cuda_mixed_adapter_batch_equals_each_adapter_alone(dtype, monkeypatch):
     )
     tol = 1e-4 if dtype == "fp32" else 2e-2
     assert max(abs(x - y) for k in order for x, y in zip(alone[k].logprobs, mixed[k].logprobs)) <= tol
+
+
+def moe_routes_on(device: str, dtype: torch.dtype, moe: dict) -> None:
+    """Routing replay's engine side on `device`: fp32 results carry the routes the model itself takes
+    (the CPU model's, one forward over each sequence) and the CPU engine's tokens; bf16 results carry a
+    valid expert at every position (which ones may differ from fp32's: the flips replay exists for)."""
+    from tailrace.model.moe import routes_of
+    from tests.engine.test_engine_routes import assert_own
+
+    model = tiny_model(0, **moe)
+    reqs = [req(f"m{i}", 3 + 5 * i, 24, temperature=1.0) for i in range(6)]
+    got = TailraceEngine(
+        model, num_slots=4, prefill_tokens=16, device=device, dtype=dtype, routes=True
+    ).generate(reqs)
+    if dtype == torch.float32:
+        cpu = TailraceEngine(model, num_slots=4, prefill_tokens=16, routes=True).generate(reqs)
+        assert [r.token_ids for r in got] == [r.token_ids for r in cpu]
+        assert_own(model, reqs, got)
+        return
+    for r, res in zip(reqs, got):
+        routes = routes_of(res.routes, model.config)
+        assert routes.shape[0] == len(r.prompt_ids) + len(res.token_ids) - 1, r.id
+        assert 0 <= int(routes.min()) and int(routes.max()) < moe["num_experts"], r.id
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_cuda_moe_results_carry_the_routes_the_model_takes(dtype, family):
+    from tests.engine.test_engine_routes import QWEN2_MOE
+
+    moe_routes_on("cuda", dtype, MOE if family == "qwen3_moe" else QWEN2_MOE)

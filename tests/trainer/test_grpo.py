@@ -515,6 +515,24 @@ def moe_config():
                        moe_intermediate_size=24, mlp_only_layers=(1,))  # fmt: skip
 
 
+def with_routes(groups, model, shift=0, drop=()):
+    """`groups` with each trajectory's routes as an engine records them: the model's own (one forward
+    over the sequence, every position but the last; uint8), each expert moved by `shift` (mod 4), none
+    for the request ids in `drop`."""
+    from tests.engine.test_engine_routes import own_routes
+
+    out = []
+    for g in groups:
+        trajs = []
+        for t in g.trajectories:
+            seq = t.prompt_ids + t.result.token_ids
+            r = (own_routes(model, seq[:-1]) + shift) % 4
+            routes = b"" if t.result.request_id in drop else r.to(torch.uint8).numpy().tobytes()
+            trajs.append(dataclasses.replace(t, result=dataclasses.replace(t.result, routes=routes)))
+        out.append(dataclasses.replace(g, trajectories=tuple(trajs)))
+    return out
+
+
 @pytest.mark.parametrize("shared", [0, 40])
 def test_routing_replay_trains_through_the_engines_experts(shared):
     """train.routing_replay: each trajectory's routes (as an engine records them: every position but the
@@ -523,24 +541,10 @@ def test_routing_replay_trains_through_the_engines_experts(shared):
     trajectory without routes (read back from the journal) is routed afresh and counted as such.
     Qwen2-MoE's shared expert (`shared` wide) beside the replayed ones changes none of it."""
     from tailrace.model import CausalLM
-    from tests.engine.test_engine_routes import own_routes
 
     cfg = moe_config()
     if shared:
         cfg = cfg.replace(model_type="qwen2_moe", attention_bias=True, shared_expert_intermediate_size=shared)
-
-    def with_routes(groups, model, shift=0, drop=()):
-        out = []
-        for g in groups:
-            trajs = []
-            for t in g.trajectories:
-                seq = t.prompt_ids + t.result.token_ids
-                r = (own_routes(model, seq[:-1]) + shift) % 4
-                routes = b"" if t.result.request_id in drop else r.to(torch.uint8).numpy().tobytes()
-                trajs.append(dataclasses.replace(t, result=dataclasses.replace(t.result, routes=routes)))
-            out.append(dataclasses.replace(g, trajectories=tuple(trajs)))
-        return out
-
     runs = {}
     for name, shift, replay in (("plain", 0, False), ("own", 0, True), ("other", 1, True)):
         model = CausalLM.from_config(cfg, seed=0)
