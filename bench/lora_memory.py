@@ -2,12 +2,13 @@
 pages split among the processes that map them), summed, at its peak and once every tenant has done 2
 steps (the median of the samples after that).
 
-    .venv/bin/python bench/lora_memory.py RUN_DIR [MODEL_DIR]
+    .venv/bin/python bench/lora_memory.py RUN_DIR [MODEL_DIR] [--no-share]
 
 MODEL_DIR defaults to /tmp/smolshape: a random model of SmolLM2-135M's shape with the built-in
-character vocabulary (bench/README.md says how it was made). The trainers share one copy of the frozen
-base (runtime/shared_base.py); the comparison without it was made by disabling `Driver._shared_base`
-for one run (bench/README.md).
+character vocabulary (bench/README.md says how it was made); its bf16 copy, /tmp/smolshape-bf16, is
+`save_pretrained(load_pretrained("/tmp/smolshape").to(torch.bfloat16), ...)`. The trainers hold one copy of
+the frozen base (runtime/shared_base.py); `--no-share` runs the same command with `Driver._shared_base` answering
+None, so each trainer loads its own base (the comparison).
 """
 
 import shutil
@@ -17,11 +18,18 @@ import time
 
 import psutil
 
-run = sys.argv[1]
-model = sys.argv[2] if len(sys.argv) > 2 else "/tmp/smolshape"
+args = [a for a in sys.argv[1:] if a != "--no-share"]
+run = args[0]
+model = args[1] if len(args) > 1 else "/tmp/smolshape"
 shutil.rmtree(run, ignore_errors=True)
+UNSHARED = (  # the CLI, its driver's shared base switched off
+    "import sys; from tailrace.runtime.driver import Driver; from tailrace.cli import main\n"
+    "def none(self, shared, device):\n    self._base_bf16 = None\n    return None\n"
+    "Driver._shared_base = none; sys.exit(main(sys.argv[1:]))"
+)
+cli = [sys.executable, "-c", UNSHARED] if "--no-share" in sys.argv else [sys.executable, "-m", "tailrace.cli"]
 argv = [
-    "/work/main/.venv/bin/tailrace",
+    *cli,
     "train",
     f"--model.path={model}",
     f"--run-dir={run}",

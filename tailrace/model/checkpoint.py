@@ -74,7 +74,7 @@ def load_pretrained(
     dtype (as transformers' dtype="auto"); device None is the CPU."""
     path = _checkpoint_dir(path)
     cfg = read_config(path)
-    state = moe.as_ours(fused.split(_read_tensors(path), cfg))  # Phi-3's projections; MoEs' experts
+    state = stored_state(path, cfg)
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = model.state_dict()  # meta tensors: names and shapes only
@@ -172,6 +172,13 @@ def _checkpoint_dir(path: str | os.PathLike) -> Path:
             f"{path} is not a directory; pass a local checkpoint directory holding {CONFIG} and {WEIGHTS}"
         )
     return path
+
+
+def stored_state(path: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the decoder's names, in the dtype they are stored in: views of its
+    files, mapped (nothing read until touched, nothing copied; the page cache holds one copy for every
+    process that maps them). Phi-3's fused projections split, MoEs' experts one matrix each (views)."""
+    return moe.as_ours(fused.split(_read_tensors(_checkpoint_dir(path)), cfg))
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

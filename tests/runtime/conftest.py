@@ -261,6 +261,17 @@ def step_figures(recs: list[dict]) -> list[dict]:
     return out
 
 
+def as_bf16(tiny_model: Path, to: Path) -> Path:
+    """The tiny model saved in bf16, as most Hub checkpoints are (a LoRA run's trainers convert it to
+    fp32, so several of them share that copy: runtime/shared_base.py)."""
+    import torch
+
+    from tailrace.model import load_pretrained, save_pretrained
+
+    save_pretrained(load_pretrained(tiny_model).to(torch.bfloat16), to, companions_from=tiny_model)
+    return to
+
+
 def as_phi3(tiny_model: Path, to: Path, original: int = 160) -> Path:
     """The tiny model saved as a Phi-3.5 (q/k/v and gate/up fused in its checkpoint; LongRoPE whose short
     range is `original` positions): a layout relabeling cannot make."""

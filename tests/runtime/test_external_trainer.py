@@ -29,6 +29,7 @@ from tailrace.cli import main
 from tailrace.runtime.checkpoint import step_dirs
 from tests.runtime.conftest import (
     TINY_RUN,
+    as_bf16,
     as_phi3,
     assert_exact,
     one_line,
@@ -214,7 +215,8 @@ def test_one_policy_of_two_is_trained_from_outside_the_other_by_tailrace(
     tiny_model, digits, tmp_path, capsys
 ):
     """Two LoRA tenants on the engines, one trained by a trainer of one's own: its relay builds its model
-    on the base the driver shares with the trainers."""
+    on the base the driver shares with the trainers (a bf16 checkpoint's, converted to fp32 once)."""
+    tiny_model = as_bf16(tiny_model, tmp_path / "bf16")
     run_dir = tmp_path / "run"
     policies = "[{name: sums}, {name: own, train: {external: true}}]"
     mine = trainer(run_dir / "policies" / "own")  # its relay listens in the policy's own directory

@@ -118,13 +118,13 @@ def test_a_lora_checkpoint_restores_the_adapter_and_adamw(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_two_lora_policies_share_the_base_on_the_engines(tiny_model, tmp_path, digits, capfd):
     """Each policy's versions are adapters on the same engines (engine version v * 2 + p), and their
-    trainers build their models over one shared copy of the base; each trains its own adapter, saved in
-    its own directory."""
+    trainers map one copy of the base (an fp32 checkpoint's: the page cache's); each trains its own
+    adapter, saved in its own directory."""
     run = tmp_path / "run"
     policies = "[{name: sums}, {name: other, seed: 7, flow: {mode: multiversion}}]"
     argv = ["train", f"--model.path={tiny_model}", *TINY_RUN, *LORA, digits, "--flow.mode=sync"]
     assert main([*argv, f"--run-dir={run}", f"--policies={policies}"]) == 0
-    assert "the trainers share one copy of the base in shared memory" in capfd.readouterr().out
+    assert "each trainer maps the base from the checkpoint's files" in capfd.readouterr().out
     adapters = []
     for name in ("sums", "other"):
         d = run / "policies" / name
@@ -181,41 +181,68 @@ def test_an_init_adapter_that_does_not_fit_the_config_is_one_line(tmp_path, caps
     assert load_config(overrides=["--train.lora.rank=4", f"--train.lora.init={tmp_path / 'none'}"])  # loads
 
 
+def mapped_from(t: torch.Tensor, d: Path) -> bool:
+    """Whether `t`'s data lies in this process's mapping of a file in `d` (the page cache's pages)."""
+    at = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= at < hi:
+            return len(rest) == 5 and Path(rest[4]).parent == Path(d).resolve()
+    return False
+
+
 @pytest.mark.parametrize(
-    "bf16,moe,exact", [(False, False, True), (True, False, True), (True, True, True), (True, False, False)]
+    "bf16,moe,stored",
+    [
+        (False, False, "bf16"),
+        (True, False, "exact"),
+        (True, True, "exact"),
+        (True, False, "fp32"),
+        (False, False, "fp32"),
+    ],
 )
-def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, tmp_path, bf16, moe, exact):
-    """runtime/shared_base.py: the base in shared memory once; each trainer's frozen parameters are its
-    tensors (no copy), and a trainer over them steps exactly as one over a base loaded for itself; a
-    mixture of experts' experts shared in bf16 too, as its own trainer keeps them. Only a base bf16 holds
-    exactly (`exact`: a bf16 checkpoint's values) is shared in bf16; an fp32 one stays fp32."""
+def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, tmp_path, bf16, moe, stored):
+    """runtime/shared_base.py: what a trainer's own load would copy is in shared memory once, and each
+    trainer's frozen parameters are those tensors (no copy); what the checkpoint stores as the trainer
+    holds it (fp32) each trainer maps from the file, as its own load does (the page cache's one copy).
+    A trainer over them steps exactly as one over a base loaded for itself. `stored`: a bf16 checkpoint
+    (everything converted: all shared), an fp32 one of values bf16 holds exactly (a bf16 trainer keeps
+    its projections, and an MoE's experts, in bf16: those shared, the rest mapped), an fp32 one (every
+    tensor mapped: nothing to share)."""
     from tailrace.config import TrainerConfig
     from tailrace.config.train import LoraConfig
-    from tailrace.model import load_pretrained, save_pretrained
+    from tailrace.model import save_pretrained
     from tailrace.runtime.shared_base import share
     from tailrace.runtime.trainer_worker import TrainerSpec, build_trainer
     from tests.trainer.test_grpo import make_groups
 
     if moe:
         tiny_model = as_qwen3_moe(tiny_model, tmp_path / "moe")
-    if exact:  # its weights as a bf16 checkpoint holds them, read into fp32
-        save_pretrained(
-            load_pretrained(tiny_model).to(torch.bfloat16).float(), tmp_path / "b", companions_from=tiny_model
-        )
+    if stored != "fp32":  # its weights as a bf16 checkpoint holds them: stored so, or read into fp32
+        low = load_pretrained(tiny_model).to(torch.bfloat16)
+        save_pretrained(low if stored == "bf16" else low.float(), tmp_path / "b", companions_from=tiny_model)
         tiny_model = tmp_path / "b"
     cfg = TrainerConfig(lr=0.05, bf16=bf16, lora=LoraConfig(rank=4))
-    base, why = share(tiny_model, cfg.lora, bf16)
-    assert base is not None and "share one copy" in why
     spec = TrainerSpec(str(tiny_model), cfg, 1, (), seed=0)
-    own, a, b = (
-        build_trainer(spec),
-        build_trainer(replace(spec, base=base)),
-        build_trainer(replace(spec, base=base)),
-    )
-    q = "model.layers.0.self_attn.q_proj.weight"
+    own = build_trainer(spec)
+    q, emb = "model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"
+    base, why = share(tiny_model, cfg.lora, bf16)
+    if stored == "fp32":
+        assert base is None and "each trainer maps the base from the checkpoint's files" in why
+        assert mapped_from(own.model.get_parameter(q), tiny_model)  # its own load: no copy of the base
+        return
+    assert base is not None and "share one copy" in why
+    a, b = build_trainer(replace(spec, base=base)), build_trainer(replace(spec, base=base))
     pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
     assert pa[q].data_ptr() == pb[q].data_ptr() == base.tensors[q].data_ptr() and pa[q].is_shared()
-    assert pa[q].dtype == (torch.bfloat16 if bf16 and exact else torch.float32)
+    assert pa[q].dtype == (torch.bfloat16 if bf16 else torch.float32)
+    if stored == "bf16":
+        assert base.mapped == () and pa[emb].is_shared()
+    else:  # the embedding and the norms stay fp32 as stored: mapped by each trainer, not copied
+        assert emb in base.mapped and emb not in base.tensors and not pa[emb].is_shared()
+        assert mapped_from(pa[emb], tiny_model) and mapped_from(pb[emb], tiny_model)
+        assert "MB more mapped from the checkpoint's files" in why
     if moe:
         e = "model.layers.0.mlp.experts.1.up_proj.weight"
         assert pa[e].dtype == own.model.get_parameter(e).dtype == torch.bfloat16 and pa[e].is_shared()
