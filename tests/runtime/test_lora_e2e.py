@@ -239,6 +239,8 @@ def test_trainers_over_one_shared_base_train_as_over_their_own(tiny_model, tmp_p
     assert pa[q].dtype == (torch.bfloat16 if bf16 else torch.float32)
     if stored == "bf16":
         assert base.mapped == () and pa[emb].is_shared()
+        # the tied head is the embedding's one copy (state_dict gives the two names two tensor objects)
+        assert base.tensors["lm_head.weight"].data_ptr() == base.tensors[emb].data_ptr()
     else:  # the embedding and the norms stay fp32 as stored: mapped by each trainer, not copied
         assert emb in base.mapped and emb not in base.tensors and not pa[emb].is_shared()
         assert mapped_from(pa[emb], tiny_model) and mapped_from(pb[emb], tiny_model)
