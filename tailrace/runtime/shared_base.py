@@ -25,10 +25,9 @@ import torch
 
 from tailrace.common import one_line
 from tailrace.config.train import LoraConfig
-from tailrace.model.checkpoint import load_pretrained, read_config, stored_state
+from tailrace.model.checkpoint import read_config, stored_state
 from tailrace.model.decoder import CausalLM
 from tailrace.model.lora import exactly_in, stored_low
-from tailrace.runtime.procs import release_memory
 
 
 @dataclass
@@ -62,36 +61,32 @@ class SharedBase:
 
 def share(model_path: str | Path, lora: LoraConfig, bf16: bool) -> tuple[SharedBase | None, str]:
     """The base of `model_path` in shared memory (what a trainer's own load would copy), or None and why
-    not. The whole model it read to decide is given back to the OS before it returns (else the driver
-    holds its heap's share of it all run long: 465 MB on a 106M-parameter bf16 checkpoint)."""
-    try:
-        return _share(model_path, lora, bf16)
-    finally:
-        release_memory()
-
-
-def _share(model_path: str | Path, lora: LoraConfig, bf16: bool) -> tuple[SharedBase | None, str]:
-    model = load_pretrained(model_path, dtype=torch.float32)
-    stored = stored_state(model_path, model.config)
-    # by the data's place: a tied weight is one tensor under two names (state_dict gives each its own
-    # tensor object), stored under one of them (the embedding's)
-    names: dict[str, tuple] = {}
-    by_key: dict[tuple, list[str]] = {}
-    state = model.state_dict()
-    for name, t in state.items():
-        names[name] = key = (t.data_ptr(), tuple(t.shape))
-        by_key.setdefault(key, []).append(name)
-    tensors: dict[tuple, torch.Tensor] = {}
-    mapped: dict[tuple, str] = {}  # the name each trainer maps it by
-    for key, tied in by_key.items():
-        t = state[tied[0]]
-        low = exactly_in(t, torch.bfloat16) if bf16 and stored_low(tied[0], lora.targets) else None
-        kept = [n for n in tied if n in stored and stored[n].dtype == t.dtype]
-        if low is None and kept:
-            mapped[key] = kept[0]  # stored as held: a trainer's load maps it, shared by the page cache
+    not. Tensor by tensor from the mapped checkpoint: the driver never holds the model beside it (an
+    fp32 copy of a bf16 checkpoint: twice its size)."""
+    cfg = read_config(model_path)
+    with torch.device("meta"):  # names and shapes; a tied weight is one parameter under two names
+        params = CausalLM(cfg).state_dict(keep_vars=True)
+    stored = stored_state(model_path, cfg)
+    tied: dict[int, list[str]] = {}
+    for name, p in params.items():
+        tied.setdefault(id(p), []).append(name)
+    held: list[tuple[list[str], str, torch.dtype]] = []  # (names, the stored one, the dtype a trainer holds)
+    mapped: list[str] = []  # the rest: stored as a trainer holds them (fp32), mapped by each
+    for names in tied.values():
+        src = next((n for n in names if n in stored), None)
+        if src is None:  # the checkpoint is not the one the run checked: its own load says why
+            return None, f"each trainer loads its own base: {model_path} has no tensor {names[0]!r}"
+        t = stored[src]
+        low = (
+            bf16
+            and stored_low(names[0], lora.targets)
+            and (t.dtype == torch.bfloat16 or exactly_in(t.float(), torch.bfloat16) is not None)
+        )
+        if not low and t.dtype == torch.float32:
+            mapped.append(src)
         else:
-            tensors[key] = t if low is None else low
-    if not tensors:
+            held.append((names, src, torch.bfloat16 if low else torch.float32))
+    if not held:
         return None, (
             "each trainer maps the base from the checkpoint's files: stored as they hold it (fp32), "
             "the page cache keeps one copy for all"
@@ -101,24 +96,21 @@ def _share(model_path: str | Path, lora: LoraConfig, bf16: bool) -> tuple[Shared
     try:
         flat = {
             dt: torch.empty(
-                sum(t.numel() for t in tensors.values() if t.dtype == dt), dtype=dt
+                sum(stored[src].numel() for _, src, d in held if d == dt), dtype=dt
             ).share_memory_()
-            for dt in {t.dtype for t in tensors.values()}
+            for dt in {d for _, _, d in held}
         }
     except RuntimeError as e:  # /dev/shm full or too small (docker's default is 64 MB)
         return None, f"each trainer loads its own base: shared memory cannot hold it ({one_line(e)})"
     at = dict.fromkeys(flat, 0)
-    views = {}
-    for key, t in tensors.items():
-        n = t.numel()
-        views[key] = flat[t.dtype][at[t.dtype] : at[t.dtype] + n].view(t.shape)
-        views[key].copy_(t)
-        at[t.dtype] += n
-    base = SharedBase(
-        str(model_path),
-        {name: views[key] for name, key in names.items() if key in views},
-        tuple(mapped.values()),
-    )
+    tensors = {}
+    for names, src, dt in held:
+        t = stored[src]
+        view = flat[dt][at[dt] : at[dt] + t.numel()].view(t.shape)
+        view.copy_(t)  # converted on the way (exactly, where kept in bf16)
+        at[dt] += t.numel()
+        tensors |= dict.fromkeys(names, view)
+    base = SharedBase(str(model_path), tensors, tuple(mapped))
     rest = sum(stored[n].numel() * stored[n].element_size() for n in base.mapped)
     also = f"; {rest / 1e6:,.1f} MB more mapped from the checkpoint's files" if rest else ""
     return (
