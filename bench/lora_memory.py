@@ -11,6 +11,7 @@ the frozen base (runtime/shared_base.py); `--no-share` runs the same command wit
 None, so each trainer loads its own base (the comparison).
 """
 
+import json
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,14 @@ args = [a for a in sys.argv[1:] if a != "--no-share"]
 run = args[0]
 model = args[1] if len(args) > 1 else "/tmp/smolshape"
 shutil.rmtree(run, ignore_errors=True)
+# one-digit answers: a random model's last digit is right now and then, so groups have signal and the
+# trainers train (their activations counted too); chainsum would give it no reward at all
+digits = run + ".digits.jsonl"
+with open(digits, "w") as f:
+    f.writelines(
+        json.dumps({"question": f"q{i}: a={i % 9 + 1} b=0. a+b?", "answer": str(i % 9 + 1)}) + "\n"
+        for i in range(200)
+    )
 UNSHARED = (  # the CLI, its driver's shared base switched off
     "import sys; from tailrace.runtime.driver import Driver; from tailrace.cli import main\n"
     "def none(self, shared, device):\n    self._base_bf16 = None\n    return None\n"
@@ -33,6 +42,7 @@ argv = [
     "train",
     f"--model.path={model}",
     f"--run-dir={run}",
+    f"--task.name=jsonl:{digits}",
     "--train.lora.rank=8",
     "--train.bf16=true",
     "--flow.mode=sync",
@@ -73,6 +83,13 @@ while p.poll() is None:
         samples.append(tot)
     time.sleep(0.3)
 steady = sorted(samples)[len(samples) // 2] / 2**20
+trained = sum(
+    json.loads(line)["train"].get("tokens", 0) > 0
+    for n in "abcd"
+    for line in open(f"{run}/policies/{n}/metrics.jsonl")
+    if '"kind":"step"' in line
+)
 print(
-    f"{run}: peak total PSS {peak / 2**20:.0f} MB; after 2 steps each: median {steady:.0f} MB ({len(samples)} samples)"
+    f"{run}: peak total PSS {peak / 2**20:.0f} MB; after 2 steps each: median {steady:.0f} MB "
+    f"({len(samples)} samples); {trained} of 16 steps trained tokens"
 )
