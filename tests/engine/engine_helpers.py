@@ -37,6 +37,7 @@ MOE = dict(
     moe_intermediate_size=24,
     mlp_only_layers=(1,),
 )
+QWEN2_MOE = dict(MOE, model_type="qwen2_moe", shared_expert_intermediate_size=40)  # its shared expert too
 
 
 def tiny_model(seed: int = 0, **kw) -> CausalLM:

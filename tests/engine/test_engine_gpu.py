@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tailrace.engine import TailraceEngine
-from tests.engine.engine_helpers import MOE, full_logprobs, req, tiny_model
+from tests.engine.engine_helpers import MOE, QWEN2_MOE, full_logprobs, req, tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -142,6 +142,4 @@ def moe_routes_on(device: str, dtype: torch.dtype, moe: dict) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_cuda_moe_results_carry_the_routes_the_model_takes(dtype, family):
-    from tests.engine.test_engine_routes import QWEN2_MOE
-
     moe_routes_on("cuda", dtype, MOE if family == "qwen3_moe" else QWEN2_MOE)

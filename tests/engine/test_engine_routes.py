@@ -17,7 +17,7 @@ from tailrace.engine.spec import SpecOptions
 from tailrace.model.decoder import CausalLM
 from tailrace.model.moe import routes_of
 from tailrace.types import GenRequest, GenResult
-from tests.engine.engine_helpers import MOE, req, tiny_model
+from tests.engine.engine_helpers import MOE, QWEN2_MOE, req, tiny_model
 
 
 def own_routes(model: CausalLM, ids: tuple[int, ...]) -> torch.Tensor:
@@ -40,9 +40,6 @@ def assert_own(model: CausalLM, reqs: list[GenRequest], results: list[GenResult]
         got = routes_of(res.routes, model.config)
         assert got.shape[0] == len(seq) - 1, r.id  # every position but the last token's (never fed)
         assert torch.equal(got.long().sort(-1).values, own_routes(model, seq[:-1])), r.id
-
-
-QWEN2_MOE = dict(MOE, model_type="qwen2_moe", shared_expert_intermediate_size=40)  # its shared expert too
 
 
 @pytest.mark.parametrize("attention,moe", [("kernel", MOE), ("bmm", MOE), ("kernel", QWEN2_MOE)])

@@ -23,7 +23,7 @@ from tailrace.engine.spec import DRAFTERS
 from tailrace.engine.spec.costs import Toggle
 from tailrace.engine.spec.speculator import EXPLORE
 from tailrace.types import Finish, GenRequest
-from tests.engine.engine_helpers import MOE, VOCAB, read_kv, req, tiny_model
+from tests.engine.engine_helpers import MOE, QWEN2_MOE, VOCAB, read_kv, req, tiny_model
 
 TOL = {"float32": 1e-5, "bfloat16": 0.0}
 
@@ -445,9 +445,6 @@ def test_a_windowed_model_speculates_exactly_past_its_window(attention):
     eng = TailraceEngine(model, num_slots=4, attention=attention, spec="quant8")
     _same(plain, eng.generate(reqs), 1e-4)
     assert eng.spec_stats.accepted > 0
-
-
-QWEN2_MOE = dict(MOE, model_type="qwen2_moe", shared_expert_intermediate_size=40)
 
 
 @pytest.mark.parametrize(

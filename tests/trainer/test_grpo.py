@@ -506,13 +506,17 @@ def test_a_lora_trainer_started_from_an_adapter_keeps_it_as_its_kl_reference():
     assert a[-1]["kl"] > 1e-5
 
 
-def moe_config():
-    """Qwen3-MoE's layout, three layers: sparse, dense, sparse (4 experts, 2 a token)."""
+def moe_config(shared: int = 0):
+    """Qwen3-MoE's layout, three layers: sparse, dense, sparse (4 experts, 2 a token); with `shared`,
+    Qwen2-MoE's: biased q/k/v and a shared expert that wide beside the routed ones."""
     from tailrace.model import ModelConfig
 
-    return ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                       max_position_embeddings=64, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=24, mlp_only_layers=(1,))  # fmt: skip
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                      max_position_embeddings=64, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=24, mlp_only_layers=(1,))  # fmt: skip
+    if shared:
+        cfg = cfg.replace(model_type="qwen2_moe", attention_bias=True, shared_expert_intermediate_size=shared)
+    return cfg
 
 
 def with_routes(groups, model, shift=0, drop=()):
@@ -542,9 +546,7 @@ def test_routing_replay_trains_through_the_engines_experts(shared):
     Qwen2-MoE's shared expert (`shared` wide) beside the replayed ones changes none of it."""
     from tailrace.model import CausalLM
 
-    cfg = moe_config()
-    if shared:
-        cfg = cfg.replace(model_type="qwen2_moe", attention_bias=True, shared_expert_intermediate_size=shared)
+    cfg = moe_config(shared)
     runs = {}
     for name, shift, replay in (("plain", 0, False), ("own", 0, True), ("other", 1, True)):
         model = CausalLM.from_config(cfg, seed=0)

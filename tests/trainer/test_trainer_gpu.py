@@ -23,10 +23,7 @@ def replay_on(device: str, bf16: bool) -> None:
     sums may run in another order), other routes are taken and counted as flips; a bf16 step takes
     the fp32 model's routes, every one, and counts where its own router would have chosen others.
     The fp32 step's loss equals the CPU's."""
-    for cfg in (
-        moe_config(),
-        moe_config().replace(model_type="qwen2_moe", attention_bias=True, shared_expert_intermediate_size=40),
-    ):
+    for cfg in (moe_config(), moe_config(shared=40)):
         groups = with_routes(
             make_groups(CausalLM.from_config(cfg, seed=0)), CausalLM.from_config(cfg, seed=0)
         )
