@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tailrace.common import Fault, InputError, one_line
+from tailrace.runtime.procs import started_at
 from tailrace.runtime.weights import Torn, VersionGone
 
 LOOPBACK = "127.0.0.1"
@@ -56,6 +57,7 @@ class Hello:
     cores: tuple[int, ...] = ()  # the cores it asks to be pinned to (messages only; (): the driver picks)
     actor: str = ""  # a Ray actor's name (runtime/ray_join.py), by which the driver finds it; "" = a process
     node: str = ""  # that actor's Ray node id
+    started: int | None = None  # when its process started (procs.started_at): with the pid, which process
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class Arrival:
     cores: tuple[int, ...]  # asked for; () = the driver picks
     actor: str = ""  # a Ray actor's name; "" = a process on this machine
     node: str = ""  # the actor's Ray node id
+    started: int | None = None  # when its process started (procs.started_at)
 
 
 # -- the driver's side ---------------------------------------------------------------------------
@@ -190,7 +193,9 @@ class Desk:
                     self._hellos[msg.pid] = msg
                 if len(parts) == len(ROLES):
                     h = self._hellos.pop(msg.pid)
-                    self._arrive(Arrival(msg.pid, self._parts.pop(msg.pid), h.cores, h.actor, h.node))
+                    self._arrive(
+                        Arrival(msg.pid, self._parts.pop(msg.pid), h.cores, h.actor, h.node, h.started)
+                    )
             else:
                 conn.close()
 
@@ -357,7 +362,7 @@ def introduce(
     conns = {}
     for role in ROLES:
         conns[role] = dial(addr, key, what)
-        conns[role].send(Hello(pid, role, cores, actor, node))
+        conns[role].send(Hello(pid, role, cores, actor, node, started_at(pid)))
     welcome = conns["messages"].recv()
     if not isinstance(welcome, Welcome):
         raise Fault(f"{what}: the job answered {type(welcome).__name__}, not Welcome")

@@ -50,6 +50,17 @@ def name_process(name: str) -> None:
         pass
 
 
+def started_at(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks after boot (/proc/PID/stat's 22nd field): with its pid,
+    a process's identity, for a kill decided a moment before it runs (a pid may be reused meanwhile).
+    None where there is no such process, or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def release_memory() -> None:
     """Give the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere a no-op), after an
     engine frees a policy version (not after a trainer step: its activations are needed again).

@@ -33,6 +33,7 @@ from tailrace.common import ConfigError, Fault, one_line
 from tailrace.config import RuntimeConfig
 from tailrace.runtime.health import STARTUP_S, Beats, Heard
 from tailrace.runtime.hosts import Seat, Started
+from tailrace.runtime.procs import started_at
 
 LOOPBACK = "127.0.0.1"
 PLACE_S = 120.0  # for the placement group's bundles to be reserved, once the cluster has the resources
@@ -67,11 +68,12 @@ class Host:
         # holder of the run's key gets in
         self.listener = Listener((import_ray().util.get_node_ip_address(), 0), authkey=authkey)
 
-    def address(self) -> tuple[str, int, int, str]:
-        """(node ip, port, pid, node id): where the driver connects, and what ends this process."""
+    def address(self) -> tuple[str, int, int, str, int | None]:
+        """(node ip, port, pid, node id, start time): where the driver connects, and what ends this
+        process (procs.started_at)."""
         ray = import_ray()
         node = ray.get_runtime_context().get_node_id()
-        return self.listener.address[0], self.listener.address[1], os.getpid(), node
+        return self.listener.address[0], self.listener.address[1], os.getpid(), node, started_at(os.getpid())
 
     def run(self, name: str, target: Callable[..., None], args: tuple) -> None:
         conn, beats = self.listener.accept(), self.listener.accept()  # the driver connects in this order
@@ -80,7 +82,11 @@ class Host:
         target(conn, Beats(beats), *args)
 
 
-def _sigkill(pid: int) -> None:
+def _sigkill(pid: int, started: int | None) -> None:
+    """SIGKILL `pid` if it is still the process that started at `started` (procs.started_at; None: not
+    known, so any process of that pid)."""
+    if started is not None and started_at(pid) != started:
+        return  # it ended meanwhile, and its pid may be another's now
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:  # it ended meanwhile
@@ -95,8 +101,9 @@ class RayProcess:
     pending. `exitcode`: 0 when the body returned, 1 when it raised, None when the actor died (Ray
     does not say by which signal)."""
 
-    def __init__(self, ray: Any, actor: Any, running: Any, pid: int, node: str) -> None:
+    def __init__(self, ray: Any, actor: Any, running: Any, pid: int, node: str, started: int | None) -> None:
         self.ray, self.actor, self.running, self.pid, self.node = ray, actor, running, pid, node
+        self.started = started
         self.exitcode: int | None = None
         self.ended = False
 
@@ -113,7 +120,7 @@ class RayProcess:
         return not self.ended
 
     def kill(self) -> None:
-        _kill_actor(self.ray, self.actor, self.is_alive, self.node, self.pid)
+        _kill_actor(self.ray, self.actor, self.node, self.pid, self.started)
 
     def join(self, timeout: float | None = None) -> None:
         self.ray.wait([self.running], timeout=timeout, fetch_local=False)
@@ -128,8 +135,8 @@ class RayJoined:
     EVERY_S = 0.5
     exitcode = None  # not the driver's to know
 
-    def __init__(self, ray: Any, name: str, node: str, pid: int) -> None:
-        self.ray, self.name, self.node, self.pid = ray, name, node, pid
+    def __init__(self, ray: Any, name: str, node: str, pid: int, started: int | None) -> None:
+        self.ray, self.name, self.node, self.pid, self.started = ray, name, node, pid, started
         self._alive, self._asked = True, float("-inf")
 
     def is_alive(self) -> bool:
@@ -139,10 +146,8 @@ class RayJoined:
         return self._alive
 
     def kill(self) -> None:
-        actor = self._actor()
-        if actor is not None:
-            self._asked = float("-inf")
-            _kill_actor(self.ray, actor, self.is_alive, self.node, self.pid)
+        self._asked = float("-inf")  # Ray may have let the name go while the process is still there
+        _kill_actor(self.ray, self._actor(), self.node, self.pid, self.started)
 
     def join(self, timeout: float | None = None) -> None:
         end = time.monotonic() + (timeout if timeout is not None else 1e9)
@@ -158,15 +163,16 @@ class RayJoined:
             return None
 
 
-def _kill_actor(ray: Any, actor: Any, is_alive: Callable[[], bool], node: str, pid: int) -> None:
+def _kill_actor(ray: Any, actor: Any | None, node: str, pid: int, started: int | None) -> None:
     """`ray.kill` asks the actor to exit, which a stopped process never does (and its bundle stays
-    held): a task on its node SIGKILLs the pid as well."""
-    ray.kill(actor, no_restart=True)
-    if is_alive():
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    held): a task on its node SIGKILLs the process as well. Always: Ray may already call the actor
+    dead while its process is still there, stopped (a replacement then waited for the bundle)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        on_node = NodeAffinitySchedulingStrategy(node, soft=False)
-        ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=on_node).remote(pid)
+    if actor is not None:
+        ray.kill(actor, no_restart=True)
+    on_node = NodeAffinitySchedulingStrategy(node, soft=False)
+    ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=on_node).remote(pid, started)
 
 
 class RayHosts:
@@ -282,13 +288,13 @@ class RayHosts:
         )
         self.actors.append(actor)
         try:
-            ip, port, pid, node = ray.get(actor.address.remote(), timeout=STARTUP_S)
+            ip, port, pid, node, started = ray.get(actor.address.remote(), timeout=STARTUP_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             raise Fault(f"{name}: its Ray actor did not start ({one_line(e)})") from None
         running = actor.run.remote(name, target, args)
         conn = Client((ip, port), authkey=self.authkey)
         beats = Client((ip, port), authkey=self.authkey)
-        return Started(RayProcess(ray, actor, running, pid, node), conn, Heard(beats))
+        return Started(RayProcess(ray, actor, running, pid, node, started), conn, Heard(beats))
 
     def ring(self, layout: Any, slots: int, dtype: Any) -> Any:
         """The object store (runtime/ray_weights.py), or a collective over it (runtime/ray_collective.py)."""
@@ -321,7 +327,7 @@ class RayHosts:
             from tailrace.runtime.join import JoinedProcess
 
             return JoinedProcess(arrival.pid)
-        return RayJoined(self.ray, arrival.actor, arrival.node, arrival.pid)
+        return RayJoined(self.ray, arrival.actor, arrival.node, arrival.pid, arrival.started)
 
     def close(self) -> None:
         if not self.ray.is_initialized():

@@ -384,3 +384,49 @@ def test_a_stopped_member_holds_a_broadcast_only_until_it_is_killed(ray_cluster)
     ray.get(trainer.write.remote(3, 3.0, numel), timeout=10)
     assert coll.read(3).buffer.mean().item() == 3.0
     ray.kill(trainer)
+
+
+def test_a_stopped_actor_is_killed_though_ray_already_calls_it_dead(ray_cluster):
+    """`ray.kill` cannot end a stopped process, whose bundle then stays held, so the driver SIGKILLs
+    the pid as well. It did so only while the actor still looked alive, and under load Ray may mark
+    it dead first: the process stayed, stopped, and the replacement waited 300 s for its CPU (seen
+    once in a loaded run). Now the SIGKILL goes whatever Ray says, and the CPU comes back."""
+    from tailrace.runtime.ray_hosts import Host, RayProcess
+
+    ray = ray_cluster
+    cpus = ray.available_resources().get("CPU", 0)
+    actor = ray.remote(Host).options(num_cpus=1).remote(os.urandom(32))
+    _, _, pid, node, started = ray.get(actor.address.remote(), timeout=60)
+    running = actor.run.remote("engine9", print, ())  # waits for the driver's connections: working
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        ray.kill(actor, no_restart=True)
+        ray.wait([running], timeout=30, fetch_local=False)  # Ray has called it dead...
+        assert os.path.exists(f"/proc/{pid}")  # ...and the process is still there, stopped
+        RayProcess(ray, actor, running, pid, node, started).kill()
+        deadline = time.time() + 30
+        while os.path.exists(f"/proc/{pid}") or ray.available_resources().get("CPU", 0) < cpus:
+            assert time.time() < deadline, "the stopped actor's process or its CPU is still held"
+            time.sleep(0.05)
+    finally:
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_kill_leaves_a_process_that_reuses_the_pid_alone():
+    """The SIGKILL runs on the actor's node a moment after the decision: a pid reused meanwhile (another
+    start time) is left alone."""
+    import subprocess
+
+    from tailrace.runtime.procs import started_at
+    from tailrace.runtime.ray_hosts import _sigkill
+
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        _sigkill(p.pid, started_at(p.pid) + 1)
+        assert p.poll() is None and started_at(p.pid) is not None
+        _sigkill(p.pid, started_at(p.pid))
+        assert p.wait(timeout=10) == -signal.SIGKILL
+        _sigkill(p.pid, 12345)  # gone: nothing to do
+    finally:
+        p.kill()
