@@ -128,7 +128,7 @@ class LocalHosts:
     def joined(self, arrival: Any) -> Any:
         from tailrace.runtime.join import JoinedProcess
 
-        return JoinedProcess(arrival.pid)
+        return JoinedProcess(arrival.pid, arrival.started)
 
     def close(self) -> None:
         pass

@@ -231,17 +231,19 @@ def serve_weights(conn: Connection, weights: Any) -> None:
 
 class JoinedProcess:
     """A joined engine's process as the driver handles one (runtime/health.py): not its child, so
-    alive while its pid is (and not a zombie); its exit code is not the driver's to know."""
+    alive while its pid is (and not a zombie), and while that pid is still the process that joined
+    (`started`, procs.started_at; None: not known); its exit code is not the driver's to know."""
 
     exitcode = None
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, pid: int, started: int | None = None) -> None:
+        self.pid, self.started = pid, started
 
     def is_alive(self) -> bool:
         try:
             with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+                state, *rest = f.read().rsplit(")", 1)[1].split()
+            return state != "Z" and self.started in (None, int(rest[18]))
         except (FileNotFoundError, IndexError):
             return False
         except OSError:  # no /proc: ask the kernel
@@ -252,6 +254,8 @@ class JoinedProcess:
                 return False
 
     def kill(self) -> None:
+        if self.started is not None and started_at(self.pid) != self.started:
+            return  # it ended, and its pid may be another's now
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -326,7 +326,7 @@ class RayHosts:
         if not arrival.actor:
             from tailrace.runtime.join import JoinedProcess
 
-            return JoinedProcess(arrival.pid)
+            return JoinedProcess(arrival.pid, arrival.started)
         return RayJoined(self.ray, arrival.actor, arrival.node, arrival.pid, arrival.started)
 
     def close(self) -> None:

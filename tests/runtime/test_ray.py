@@ -411,22 +411,3 @@ def test_a_stopped_actor_is_killed_though_ray_already_calls_it_dead(ray_cluster)
     finally:
         if os.path.exists(f"/proc/{pid}"):
             os.kill(pid, signal.SIGKILL)
-
-
-def test_the_kill_leaves_a_process_that_reuses_the_pid_alone():
-    """The SIGKILL runs on the actor's node a moment after the decision: a pid reused meanwhile (another
-    start time) is left alone."""
-    import subprocess
-
-    from tailrace.runtime.procs import started_at
-    from tailrace.runtime.ray_hosts import _sigkill
-
-    p = subprocess.Popen(["sleep", "60"])
-    try:
-        _sigkill(p.pid, started_at(p.pid) + 1)
-        assert p.poll() is None and started_at(p.pid) is not None
-        _sigkill(p.pid, started_at(p.pid))
-        assert p.wait(timeout=10) == -signal.SIGKILL
-        _sigkill(p.pid, 12345)  # gone: nothing to do
-    finally:
-        p.kill()
