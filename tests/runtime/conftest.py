@@ -10,15 +10,7 @@ from pathlib import Path
 import pytest
 
 from tailrace.records import Finished, Mark, StepRecord, read_events, read_journal, read_metrics
-
-TINY_ARCH = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
-TINY_SFT = dict(
-    examples=600,
-    batch_tokens=2048,
-    lr=3e-3,
-    warmup=10,
-    threads=1,
-)
+from tests.runtime.prebuild import TINY_ARCH, TINY_SFT, piece  # noqa: F401 (TINY_*: the vLLM tests')
 
 TINY_RUN = [
     "--flow.steps=4",
@@ -33,41 +25,23 @@ TINY_RUN = [
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    """A tiny warm-started chainsum model (seconds to build), as a normal HF checkpoint directory."""
-    from tailrace.config import ArchConfig, SFTConfig
-    from tailrace.runtime.warmstart import build_warm_start
-
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    build_warm_start(ArchConfig(**TINY_ARCH), SFTConfig(**TINY_SFT), out)
-    return out
+def tiny_model(request) -> Path:
+    """A tiny warm-started chainsum model (seconds to build), as a normal HF checkpoint directory
+    (tests/runtime/prebuild.py builds it beside the tests before)."""
+    return piece(request.config, "tiny_model")
 
 
 @pytest.fixture(scope="session")
-def tool_model(tiny_model, tmp_path_factory) -> Path:
+def tool_model(request) -> Path:
     """The tiny chainsum model fine-tuned briefly on chaincalc demonstrations (it learns to call)."""
-    from tailrace.config import SFTConfig
-    from tailrace.runtime.warmstart import build_tool_warm_start
-
-    out = tmp_path_factory.mktemp("tool") / "model"
-    build_tool_warm_start(tiny_model, SFTConfig(**TINY_SFT), out, examples=1500)
-    return out
+    return piece(request.config, "tool_model")
 
 
 @pytest.fixture(scope="session")
-def _built_kernels(tmp_path_factory) -> Path | None:
+def _built_kernels(request) -> Path | None:
     """The engine's C kernels built once for the session (None where they cannot be): every test's own
     cache starts with a copy, so the processes of each run do not compile them again (seconds each)."""
-    from tailrace.engine import ckernel
-
-    root = tmp_path_factory.mktemp("kernel-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TAILRACE_CACHE", str(root))
-        try:
-            ckernel._build()  # into this cache, whatever this process loaded before
-        except (RuntimeError, OSError, subprocess.SubprocessError):
-            return None
-    return root / "kernels"
+    return piece(request.config, "_built_kernels")
 
 
 @pytest.fixture(autouse=True)
