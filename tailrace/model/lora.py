@@ -175,10 +175,14 @@ def store_frozen_projections(model: CausalLM, dtype: torch.dtype) -> int:
     return saved
 
 
-def exactly_in(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def exactly_in(w: torch.Tensor, dtype: torch.dtype, head: int = 4096) -> torch.Tensor | None:
     """`w` in `dtype` where every value of it is one of `dtype`'s (rounding it there loses nothing), else
-    None: one conversion, kept."""
+    None: one conversion, kept. Its first `head` values are tried alone first: a trained fp32 weight fails
+    there at once, without a whole copy in `dtype` (and a mapped checkpoint's, without reading it all)."""
     with torch.no_grad():
+        first = w.detach().reshape(-1)[:head]
+        if not torch.equal(first.to(dtype).to(w.dtype), first):
+            return None
         low = w.detach().to(dtype)
         return low if torch.equal(low.to(w.dtype), w) else None
 

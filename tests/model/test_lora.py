@@ -235,3 +235,19 @@ def test_peft_loads_our_moe_adapter_onto_transformers_qwen3_moe(tmp_path):
     lora.save_peft(lora.Adapter(ad.rank, ad.alpha, wrong), tmp_path / "wrong")
     with pytest.raises(InputError, match="an MLP of a mixture-of-experts model"):
         lora.load_peft(tmp_path / "wrong", base.config)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exactly_in_keeps_a_weight_low_only_if_every_value_is_held(dtype):
+    """Hand-made weights: held exactly (kept, the same values); not held at the first value (refused at
+    the head alone); held through the head but not at one value far past it (refused by the whole check)."""
+    held = torch.randn(64, 128).to(dtype).float()  # every value one of dtype's
+    low = lora.exactly_in(held, dtype)
+    assert low is not None and low.dtype == dtype and torch.equal(low.float(), held)
+    first = held.clone()
+    first[0, 0] = 1 + 2**-20  # between two of dtype's values
+    assert lora.exactly_in(first, dtype) is None
+    tail = held.clone()
+    tail[-1, -1] = 1 + 2**-20
+    assert lora.exactly_in(tail, dtype, head=16) is None and lora.exactly_in(tail, dtype) is None
+    assert lora.exactly_in(held[:, :3], dtype, head=16) is not None  # a strided view: its own order
