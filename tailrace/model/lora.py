@@ -38,7 +38,6 @@ from tailrace.config.train import LORA_TARGETS, LoraConfig
 from tailrace.model import fused
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import CausalLM
-from tailrace.model.moe import SparseMoE
 
 ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint keeps its adapter here, beside model/ (merged)
 ADAPTER_CONFIG = "adapter_config.json"
@@ -110,11 +109,17 @@ def adapted_weight(name: str, targets: tuple[str, ...]) -> bool:
     return any(name.endswith(f".{_PARENT[t]}.{t}.weight") for t in targets)
 
 
+def expert_weight(name: str) -> bool:
+    """Whether the state-dict key `name` is a projection weight of a mixture of experts' expert (Qwen2-MoE's
+    shared one too): frozen under LoRA, which adapts only the attention there."""
+    expert = ".mlp.experts." in name or ".mlp.shared_expert." in name
+    return expert and name.endswith("_proj.weight")
+
+
 def stored_low(name: str, targets: tuple[str, ...]) -> bool:
     """Whether `store_frozen_projections` keeps the state-dict key `name` in the autocast dtype: an
-    adapted projection's base weight, or an expert's (a shared one too)."""
-    expert = ".mlp.experts." in name or ".mlp.shared_expert." in name
-    return adapted_weight(name, targets) or (expert and name.endswith("_proj.weight"))
+    adapted projection's base weight, or an expert's."""
+    return adapted_weight(name, targets) or expert_weight(name)
 
 
 def adaptable(cfg: ModelConfig, layer: int, target: str) -> bool:
@@ -162,10 +167,10 @@ def store_frozen_projections(model: CausalLM, dtype: torch.dtype) -> int:
     and projections without an adapter stay as they are. Only a weight `dtype` holds exactly is kept so (a
     bf16 checkpoint's, read into fp32): the base the checkpoints merge the adapter into (`merged_state`)
     stays the checkpoint's to the bit; an fp32 checkpoint's base stays fp32."""
-    experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.frozen_mlps()}
     saved = 0
-    for m in model.modules():
-        w = m.weight if isinstance(m, LoRALinear) or (isinstance(m, nn.Linear) and id(m) in experts) else None
+    for name, m in model.named_modules():
+        expert = isinstance(m, nn.Linear) and expert_weight(f"{name}.weight")
+        w = m.weight if isinstance(m, LoRALinear) or expert else None
         if w is None or w.requires_grad:
             continue
         low = exactly_in(w, dtype) if w.dtype != dtype else None

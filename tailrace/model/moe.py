@@ -267,12 +267,6 @@ class SparseMoE(nn.Module):
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         return _run(self.experts[e], rows)
 
-    def frozen_mlps(self) -> Iterator[nn.Module]:
-        """The modules of its experts (a shared one's too): what LoRA leaves frozen."""
-        yield from self.experts.modules()
-        if hasattr(self, "shared_expert"):
-            yield from self.shared_expert.modules()
-
 
 def _run(mlp: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     """An expert over `rows`; outside autocast, in its weights' dtype (a LoRA trainer keeps the frozen
