@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tailrace.common import Fault, InputError, one_line
-from tailrace.runtime.procs import started_at
+from tailrace.runtime.procs import kill_process, started_at
 from tailrace.runtime.weights import Torn, VersionGone
 
 LOOPBACK = "127.0.0.1"
@@ -254,12 +254,7 @@ class JoinedProcess:
                 return False
 
     def kill(self) -> None:
-        if self.started is not None and started_at(self.pid) != self.started:
-            return  # it ended, and its pid may be another's now
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_process(self.pid, self.started)
 
     def join(self, timeout: float | None = None) -> None:
         end = time.monotonic() + (timeout if timeout is not None else 1e9)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import signal
 
 
 def available_cores() -> list[int]:
@@ -59,6 +60,18 @@ def started_at(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def kill_process(pid: int, started: int | None) -> None:
+    """SIGKILL `pid` if it is still the process that started at `started` (`started_at`; None: not known,
+    so any process of that pid): a kill decided a moment before, for a process that is not this one's
+    child (a Ray actor's, a joined engine's)."""
+    if started is not None and started_at(pid) != started:
+        return  # it ended meanwhile, and its pid may be another's now
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended meanwhile
+        pass
 
 
 def release_memory() -> None:

@@ -33,7 +33,7 @@ from tailrace.common import ConfigError, Fault, one_line
 from tailrace.config import RuntimeConfig
 from tailrace.runtime.health import STARTUP_S, Beats, Heard
 from tailrace.runtime.hosts import Seat, Started
-from tailrace.runtime.procs import started_at
+from tailrace.runtime.procs import kill_process, started_at
 
 LOOPBACK = "127.0.0.1"
 PLACE_S = 120.0  # for the placement group's bundles to be reserved, once the cluster has the resources
@@ -80,17 +80,6 @@ class Host:
         self.listener.close()
         current_process().name = name  # the process calls itself tr-<name> (workers.serving)
         target(conn, Beats(beats), *args)
-
-
-def _sigkill(pid: int, started: int | None) -> None:
-    """SIGKILL `pid` if it is still the process that started at `started` (procs.started_at; None: not
-    known, so any process of that pid)."""
-    if started is not None and started_at(pid) != started:
-        return  # it ended meanwhile, and its pid may be another's now
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:  # it ended meanwhile
-        pass
 
 
 # -- the driver's side ---------------------------------------------------------------------------
@@ -172,7 +161,7 @@ def _kill_actor(ray: Any, actor: Any | None, node: str, pid: int, started: int |
     if actor is not None:
         ray.kill(actor, no_restart=True)
     on_node = NodeAffinitySchedulingStrategy(node, soft=False)
-    ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=on_node).remote(pid, started)
+    ray.remote(kill_process).options(num_cpus=0, scheduling_strategy=on_node).remote(pid, started)
 
 
 class RayHosts:

@@ -8,8 +8,7 @@ import subprocess
 import pytest
 
 from tailrace.runtime.join import JoinedProcess
-from tailrace.runtime.procs import started_at
-from tailrace.runtime.ray_hosts import _sigkill
+from tailrace.runtime.procs import kill_process, started_at
 
 
 @pytest.fixture
@@ -20,13 +19,13 @@ def sleeper():
     p.wait()
 
 
-def test_the_ray_kill_task_leaves_a_process_that_reuses_the_pid_alone(sleeper):
+def test_the_kill_leaves_a_process_that_reuses_the_pid_alone(sleeper):
     start = started_at(sleeper.pid)
-    _sigkill(sleeper.pid, start + 1)
+    kill_process(sleeper.pid, start + 1)
     assert sleeper.poll() is None
-    _sigkill(sleeper.pid, start)
+    kill_process(sleeper.pid, start)
     assert sleeper.wait(timeout=10) == -signal.SIGKILL
-    _sigkill(sleeper.pid, start)  # gone (reaped): nothing to do
+    kill_process(sleeper.pid, start)  # gone (reaped): nothing to do
 
 
 def test_a_joined_process_is_the_one_that_joined_not_whoever_has_its_pid(sleeper):
