@@ -9,7 +9,6 @@ DIR/NAME.done: the piece's path, or nothing (kernels this machine cannot build).
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 PIECES = {"_built_kernels": "kernels", "tiny_model": "tiny", "tool_model": "tool"}  # fixture -> piece
-ORDER = ("kernels", "tiny", "tool")  # the first runtime test needs the kernels; the tool model, tiny
+ORDER = ("kernels", "tiny", "tool")  # every runtime test needs the kernels; the tool model is made from tiny
 TINY_ARCH = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 TINY_SFT = dict(examples=600, batch_tokens=2048, lr=3e-3, warmup=10, threads=1)
 WAIT_S = 900.0
@@ -33,14 +32,12 @@ def build(name: str, root: Path) -> Path | None:
     if name == "kernels":  # into root's cache, whatever this process loaded before
         from tailrace.engine import ckernel
 
-        before = os.environ.get("TAILRACE_CACHE")
-        os.environ["TAILRACE_CACHE"] = str(root / "kernel-cache")
-        try:
-            ckernel._build()
-        except (RuntimeError, OSError, subprocess.SubprocessError):
-            return None
-        finally:
-            os.environ.pop("TAILRACE_CACHE") if before is None else os.environ.update(TAILRACE_CACHE=before)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TAILRACE_CACHE", str(root / "kernel-cache"))
+            try:
+                ckernel._build()
+            except (RuntimeError, OSError, subprocess.SubprocessError):
+                return None
         return root / "kernel-cache" / "kernels"
     if name == "tiny":  # a tiny warm-started chainsum model (seconds to build), a normal HF checkpoint
         from tailrace.runtime.warmstart import build_warm_start
