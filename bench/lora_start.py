@@ -31,6 +31,8 @@ from tailrace.model import lora  # noqa: E402
 from tailrace.model.checkpoint import load_pretrained  # noqa: E402
 from tailrace.runtime import shared_base  # noqa: E402
 
+ORIGINAL = lora.exactly_in  # with its head check
+
 
 def timed(fn) -> float:
     t = time.perf_counter()
@@ -50,9 +52,6 @@ def one(model_dir: str, head: int | None) -> tuple[float, float]:
         return share_s, store_s
     finally:
         lora.exactly_in = shared_base.exactly_in = ORIGINAL
-
-
-ORIGINAL = lora.exactly_in
 
 
 def main() -> None:

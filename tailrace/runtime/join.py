@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tailrace.common import Fault, InputError, one_line
-from tailrace.runtime.procs import kill_process, started_at
+from tailrace.runtime.procs import kill_process, started_at, stat_fields
 from tailrace.runtime.weights import Torn, VersionGone
 
 LOOPBACK = "127.0.0.1"
@@ -241,9 +241,8 @@ class JoinedProcess:
 
     def is_alive(self) -> bool:
         try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                state, *rest = f.read().rsplit(")", 1)[1].split()
-            return state != "Z" and self.started in (None, int(rest[18]))
+            fields = stat_fields(self.pid)
+            return fields[0] != "Z" and self.started in (None, int(fields[19]))
         except (FileNotFoundError, IndexError):
             return False
         except OSError:  # no /proc: ask the kernel

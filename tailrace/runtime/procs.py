@@ -51,13 +51,19 @@ def name_process(name: str) -> None:
         pass
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: the state first, the start time at [19]. Raises
+    FileNotFoundError where there is no such process, another OSError where there is no /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def started_at(pid: int) -> int | None:
     """When process `pid` started, in clock ticks after boot (/proc/PID/stat's 22nd field): with its pid,
     a process's identity, for a kill decided a moment before it runs (a pid may be reused meanwhile).
     None where there is no such process, or no /proc."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+        return int(stat_fields(pid)[19])
     except (OSError, IndexError, ValueError):
         return None
 
