@@ -17,6 +17,20 @@ from rich.progress import (
 from tailrace.records import CheckpointRecord, EvalRecord, StepRecord
 
 
+def _no_signal_at_base(n: int) -> str:
+    """The warning for a base policy that got none of `n` held-out prompts right. 0 of n rules out, at
+    95% confidence, only accuracies above 1 - 0.05^(1/n) (about 3/n): on a few prompts a base that
+    samples the right answer now and then, which is all GRPO needs, often scores 0 too."""
+    fix = "make the task easier (task.config) or use a stronger model"
+    bound = 1 - 0.05 ** (1 / n)
+    if bound <= 0.05:
+        return f"warning: 0% at base on {n} prompts: RL has no signal; {fix}"
+    return (
+        f"warning: 0% at base on {n} prompts: RL may have no signal ({n} prompts rule out only an "
+        f"accuracy above {bound:.0%}; raise eval.n to tell); if the steps find none either, {fix}"
+    )
+
+
 class ConsoleUI:
     def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
         self.console = console or Console(highlight=False, markup=False)
@@ -35,11 +49,7 @@ class ConsoleUI:
                 f"length p50 {b['p50']:.0f} p99 {b['p99']:.0f} max {b['max']}"
             )
             if b["accuracy"] == 0:
-                self.console.print(
-                    f"warning: 0% at base on {b['n']} prompts: RL has no signal; make the task "
-                    "easier (task.config) or use a stronger model",
-                    style="yellow",
-                )
+                self.console.print(_no_signal_at_base(b["n"]), style="yellow")
         if self.quiet:
             return
         self.progress = Progress(

@@ -29,6 +29,12 @@ def test_a_base_policy_at_zero_percent_is_called_out():
     c, out = ui()
     c.begin(0, 4, EvalRecord("base", 0, dict(accuracy=0.0, n=64, p50=3, p99=9, max=12)))
     assert "0% at base on 64 prompts: RL has no signal; make the task easier (task.config)" in out.getvalue()
+    c, out = ui()  # 0 of 8 says little: a base right 12% of the time scores 0 on 8 prompts 36% of the time
+    c.begin(0, 4, EvalRecord("base", 0, dict(accuracy=0.0, n=8, p50=3, p99=9, max=12)))
+    assert (
+        "0% at base on 8 prompts: RL may have no signal (8 prompts rule out only an accuracy above 31%; "
+        "raise eval.n to tell); if the steps find none either, make the task easier" in out.getvalue()
+    )
     c, out = ui()
     c.begin(0, 4, EvalRecord("base", 0, dict(accuracy=0.25, n=64, p50=3, p99=9, max=12)))
     assert "warning" not in out.getvalue()
