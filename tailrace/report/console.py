@@ -86,8 +86,11 @@ class ConsoleUI:
             bar.stop()
             self._eval = None
 
-    def step(self, r: StepRecord, saved: CheckpointRecord | None = None, policy: str = "") -> None:
-        """A step line; `policy`: whose step, in a run of several policies (its name leads the line)."""
+    def step(
+        self, r: StepRecord, saved: CheckpointRecord | None = None, policy: str = "", replacing: bool = False
+    ) -> None:
+        """A step line; `policy`: whose step, in a run of several policies (its name leads the line and its
+        warning); `replacing`: the policy replaces zero-signal groups (flow.zero_signal=replace)."""
         t, L = r.time, r.length
         line = (f"{policy}: " if policy else "") + (
             f"step {r.step + 1:4d} v{r.version:<3d} reward {r.reward:.3f} acc {r.accuracy:.3f} "
@@ -113,7 +116,7 @@ class ConsoleUI:
                 )
         if saved is not None:
             line += f"  ckpt {_size(saved.bytes['total'])} in {saved.seconds:.1f}s"
-        warning = self._zero_signal(r, policy)
+        warning = self._zero_signal(r, policy, replacing)
         self._steps[policy] = r.step + 1
         if self.progress is not None:
             self.progress.console.print(line)
@@ -133,7 +136,7 @@ class ConsoleUI:
         """A line between the step lines (a worker recovered, ...)."""
         (self.progress.console if self.progress is not None else self.console).print(line)
 
-    def _zero_signal(self, r: StepRecord, policy: str = "") -> str | None:
+    def _zero_signal(self, r: StepRecord, policy: str = "", replacing: bool = False) -> str | None:
         """A warning when at least 3/4 of the groups completed since the last step had equal rewards
         (the ledger's group counts are cumulative; after a resume the first step sets the baseline)."""
         now = r.ledger["groups"]
@@ -149,7 +152,7 @@ class ConsoleUI:
         replaced = now["dropped"].get("zero-signal", 0) - prev.get("dropped", {}).get("zero-signal", 0)
         what = f"; {replaced} replaced by fresh prompts" if replaced else ""
         what += "; the step trained nothing" if r.train.get("skipped") else ""
-        fix = "tune it with task.config" + ("" if replaced else " or set flow.zero_signal=replace")
+        fix = "tune it with task.config" + ("" if replacing else " or set flow.zero_signal=replace")
         share = f"{r.accuracy:.0%} of the step's samples correct"
         if r.accuracy <= 0.05:
             why = f"the task is too hard for this model ({share}): make it easier"
@@ -157,7 +160,11 @@ class ConsoleUI:
             why = f"the task is too easy for this model ({share}): make it harder"
         else:
             why = f"each prompt is all right or all wrong ({share}): raise rollout.temperature"
-        return f"warning: step {r.step + 1}: {zero} of {done} groups had equal rewards (no signal){what}: {why}; {fix}"
+        who = f"{policy}: " if policy else ""
+        return (
+            f"warning: {who}step {r.step + 1}: {zero} of {done} groups had equal rewards (no signal){what}: "
+            f"{why}; {fix}"
+        )
 
     def end(self) -> None:
         if self.progress is not None:

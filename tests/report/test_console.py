@@ -43,15 +43,29 @@ def test_a_base_policy_at_zero_percent_is_called_out():
 def test_steps_whose_groups_mostly_had_equal_rewards_warn_with_the_counts():
     c, out = ui()
     c.begin(0, 3, None)
-    c.step(step(0, complete=16, zero=14, dropped=6))  # cumulative counts: 14 of 16
-    c.step(step(1, complete=36, zero=28, dropped=6))  # 14 of 20: under 3/4, no warning
-    c.step(step(2, complete=40, zero=32, dropped=6, skipped=1))  # 4 of 4, none replaced
+    c.step(step(0, complete=16, zero=14, dropped=6), replacing=True)  # cumulative counts: 14 of 16
+    c.step(step(1, complete=36, zero=28, dropped=6), replacing=True)  # 14 of 20: under 3/4, no warning
+    # 4 of 4, none replaced (the step's allowance spent, or the run's last groups): replacing is on, so
+    # the warning does not ask for it
+    c.step(step(2, complete=40, zero=32, dropped=6, skipped=1), replacing=True)
     lines = [l for l in out.getvalue().splitlines() if "warning" in l]
     assert len(lines) == 2
     assert "step 1: 14 of 16 groups had equal rewards (no signal); 6 replaced by fresh prompts" in lines[0]
     assert "step 3: 4 of 4 groups had equal rewards (no signal); the step trained nothing" in lines[1]
-    assert lines[1].endswith("tune it with task.config or set flow.zero_signal=replace")
+    assert lines[1].endswith("make it easier; tune it with task.config")
     assert "too hard for this model (0% of the step's samples correct): make it easier" in lines[0]
+
+
+def test_the_zero_signal_warning_asks_for_replacement_only_where_it_is_off_and_names_the_policy():
+    c, out = ui()
+    c.begin(0, 3, None)
+    c.step(step(0, complete=16, zero=16), policy="solver")  # flow.zero_signal=train
+    c.step(step(0, complete=16, zero=16, dropped=8), policy="verifier", replacing=True)
+    lines = [l for l in out.getvalue().splitlines() if "warning" in l]
+    assert lines[0].startswith("warning: solver: step 1: 16 of 16 groups had equal rewards")
+    assert lines[0].endswith("tune it with task.config or set flow.zero_signal=replace")
+    assert lines[1].startswith("warning: verifier: step 1: 16 of 16 groups had equal rewards (no signal); 8")
+    assert lines[1].endswith("tune it with task.config")
 
 
 def test_groups_a_filter_dropped_are_not_called_zero_signal_replacements():
