@@ -10,13 +10,15 @@
 #   tenants  bench/tenants.py on CUDA, a 150M-parameter random model (hidden 1024, 12 layers, bf16),
 #            with the per-token gathered adapter terms and with the per-slot groups
 #   tenants_rl  bench/tenants_rl.py on CUDA: 8 tenants training their LoRA adapters together vs one by one
+#   lora_policies  bench/policies.py --device=cuda: 8 LoRA tenants as policies of one run, each trainer a
+#            process of its own beside the engine (#19's 2.5x), against the same 8 runs one after another
 #   train    the demo's shape for 10 steps with device=cuda
 #   bash bench/cuda_check.sh                   STAGES=tests,spec bash bench/cuda_check.sh
 # TAILRACE_CACHE may point at a cache holding the warm start (carry it: building it takes minutes).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TAILRACE_CACHE=${TAILRACE_CACHE:-$PWD/.devcache}
 out=${OUT:-/tmp/cuda_check}
-stages=${STAGES:-tests,spec,toggle,pieces,tenants,tenants_rl,train}
+stages=${STAGES:-tests,spec,toggle,pieces,tenants,tenants_rl,lora_policies,train}
 mkdir -p "$out"
 has() { [[ ",$stages," == *",$1,"* ]]; }
 stamp() { echo "== $1 ($(date +%T), ${SECONDS}s)"; }
@@ -55,6 +57,11 @@ if has tenants_rl; then
   stamp tenants_rl
   timeout 240 python3 bench/tenants_rl.py --device cuda --tenants 8 --steps 6 --eval-n 256 --slots 512 \
     --out "$out/tenants_rl.json" 2>&1 | grep -v "^\s*$" | tail -8
+fi
+if has lora_policies; then  # turns: one trainer step at a time; fifo: the 8 trainers step at once on the GPU
+  stamp lora_policies
+  timeout 420 python3 bench/policies.py --tag lora8cuda --policies 8 --steps 6 --seeds 0 --eval-every 6 \
+    --eval-n 128 --share turns,fifo -- --train.lora.rank=8 --device=cuda 2>&1 | grep -v "^\s*$" | tail -6
 fi
 if has train; then
   stamp "train device=cuda"

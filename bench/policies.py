@@ -149,8 +149,10 @@ def summarize(results: dict[int, dict], eval_n: int) -> str:
         use = statistics.mean(uses) if uses else float("nan")
         sp = statistics.mean(b / d for d, b in zip(done, base_done))
         reach = [t for t, _ in both]
+        ratios = [b / t for t, b in both if t > 0]  # t = 0: the base evaluation already met the target
         rs = (
-            f"{statistics.mean(reach):15.0f} {sd(reach):5.0f} {statistics.mean(b / t for t, b in both):7.2f}x"
+            f"{statistics.mean(reach):15.0f} {sd(reach):5.0f} "
+            + (f"{statistics.mean(ratios):7.2f}x" if ratios else f"{'at base':>8s}")
             if both
             else f"{'never':>15s} {'':5s} {'':8s}"
         )
