@@ -356,10 +356,12 @@ def report(epoch: int, rows: dict, a) -> None:
     for d, s in rows.items():
         on = s.get("on")
         on_s = " ".join(f"{b}:{'-' if v is None else f'{v:.2f}'}" for b, v in on.items()) if on else ""
+        # no tail phase (every step above `--tail` rows: few prompts): no tail figures
+        tail = off["tail_tok_s"] and f"{s['tail_tok_s'] / off['tail_tok_s']:5.2f}x"
         print(
             f"{d:8} {s['wall']:9.2f} {s['tok_s']:8,.0f} {off['wall'] / s['wall']:5.2f}x "
             f"{off['cpu'] / s['cpu']:5.2f}x | {'':13}"
-            f"{s['tail_tok_s']:8,.0f} {s['tail_tok_s'] / off['tail_tok_s']:5.2f}x {s['tail_fpt']:6.2f} | "
+            f"{s['tail_tok_s']:8,.0f} {tail or '    -':>6} {s['tail_fpt']:6.2f} | "
             f"{s.get('acceptance', 0):6.2f} {s.get('mean_accepted', 0):7.2f} {s.get('gamma', 0):5} | {on_s}",
             flush=True,
         )
