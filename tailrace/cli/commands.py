@@ -118,9 +118,11 @@ def train(args: Args) -> int:
                 f"--resume {run.path}: no config.yaml there; pass a run directory written by tailrace train"
             )
         if rest:
+            from tailrace.runtime.resume import train_on
+
             raise ConfigError(
                 "--resume continues a run exactly as configured; drop the overrides "
-                f"({' '.join(rest)}) or start a new run"
+                f"({' '.join(rest)}) or start a new run" + train_on(run)
             )
     else:
         cfg, why = checked_run(loaded)
@@ -184,7 +186,7 @@ def _plan_policies(run):
     one policy. Checked before anything changes; the run's config.yaml must still make each policy's."""
     from tailrace.config.load import policy_configs
     from tailrace.runtime import checkpoint
-    from tailrace.runtime.resume import Resume, changed_keys, plan_resume
+    from tailrace.runtime.resume import Resume, changed_keys, plan_resume, train_on
     from tailrace.runtime.rundir import RunDir
 
     try:
@@ -211,6 +213,7 @@ def _plan_policies(run):
         raise InputError(
             f"--resume {run.path}: the run finished (every policy wrote its final evaluation); start a new run "
             f"(tailrace report {run.path} compares its policies)"
+            + train_on(resumes[0].run, f"policy {resumes[0].run.path.name}'s")
         )
     return cfg, resumes
 

@@ -130,12 +130,24 @@ def plan_resume(run: RunDir, finished_ok: bool = False) -> Resume:
             raise InputError(
                 f"--resume {run.path}: the run finished (held-out accuracy {final[-1].accuracy:.1%} after "
                 f"step {final[-1].step}); start a new run (tailrace report {run.path} reports this one)"
+                + train_on(run)
             )
         chosen, damaged = _newest_whole(run)
         changed = _changed(run, chosen, cfg)
         state = json.loads((chosen / checkpoint.SCHEDULER).read_text())
         tail, cut = _journal_after(run.file("journal.jsonl"), state["journal_seq"])
     return Resume(run, cfg, chosen, state, tail, cut, damaged, changed, finished=bool(final))
+
+
+def train_on(run: RunDir, whose: str = "its") -> str:
+    """How a new run starts from `run`'s last weights (its newest whole checkpoint's HF model; a LoRA
+    run's is merged there at its end), for a message that refuses to extend `run`; "" if it has none."""
+    for ckpt in checkpoint.step_dirs(run.ckpt):
+        if checkpoint.verify(ckpt) is None and (ckpt / "model").is_dir():
+            return (
+                f"; --model.path={ckpt / 'model'} starts one from {whose} last weights (the optimizer afresh)"
+            )
+    return ""
 
 
 def _newest_whole(run: RunDir) -> tuple[Path, list[tuple[Path, str]]]:

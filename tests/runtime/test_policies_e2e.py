@@ -295,7 +295,9 @@ def test_a_run_of_several_policies_resumes_policy_by_policy(two_policies, tmp_pa
     ]
 
 
-def test_a_resume_of_several_policies_refuses_an_edited_policy_and_a_finished_run(two_policies, tmp_path):
+def test_a_resume_of_several_policies_refuses_an_edited_policy_and_a_finished_run(
+    two_policies, tmp_path, capsys
+):
     import shutil
 
     from tailrace.cli.commands import _plan_policies
@@ -304,7 +306,10 @@ def test_a_resume_of_several_policies_refuses_an_edited_policy_and_a_finished_ru
     run = shutil.copytree(two_policies, tmp_path / "run")
     (run / "run.lock").unlink(missing_ok=True)
     kept = sorted(p.name for p in (run / "policies" / "b" / "checkpoints").iterdir())
+    capsys.readouterr()
     assert main(["train", "--resume", str(run)]) == 2  # every policy finished
+    last = sorted((run / "policies" / "a" / "checkpoints").glob("step_*"))[-1] / "model"
+    assert f"--model.path={last} starts one from policy a's last weights" in capsys.readouterr().out
     unfinish_policy(run / "policies" / "b", keep=1)
     cfg = (run / "config.yaml").read_text()
     assert "steps: 6" in cfg

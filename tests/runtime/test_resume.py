@@ -131,6 +131,14 @@ def test_a_finished_run_refuses_to_resume(finished_run, tmp_path, capsys):
     rc, out = run(capsys, "train", f"--resume={run_dir}")
     assert rc == 2 and len(out.splitlines()) == 1 and "finished" in out, out
     assert (run_dir / "metrics.jsonl").read_bytes() == before
+    # and it says how to train on from there: a new run from the last checkpoint's model
+    last = checkpoints(run_dir)[-1] / "model"
+    assert f"--model.path={last} starts one from its last weights" in out, out
+    # more steps are not a resume either: the same way on
+    rc, out = run(capsys, "train", f"--resume={run_dir}", "--flow.steps=9")
+    assert rc == 2 and len(out.splitlines()) == 1 and "drop the overrides (--flow.steps=9)" in out, out
+    assert f"--model.path={last} starts one from its last weights" in out, out
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
 
 
 def test_run_dir_at_an_existing_run_is_refused(finished_run, tmp_path, tiny_model, capsys):
