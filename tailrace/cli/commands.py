@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -117,13 +118,7 @@ def train(args: Args) -> int:
             raise ConfigError(
                 f"--resume {run.path}: no config.yaml there; pass a run directory written by tailrace train"
             )
-        if rest:
-            from tailrace.runtime.resume import train_on
-
-            raise ConfigError(
-                "--resume continues a run exactly as configured; drop the overrides "
-                f"({' '.join(rest)}) or start a new run" + train_on(run)
-            )
+        extension = _extend(run, rest) if rest else None
     else:
         cfg, why = checked_run(loaded)
         check_backend(cfg)
@@ -135,6 +130,10 @@ def train(args: Args) -> int:
         run.create()
     with RunLock(run.path):  # held until the run ends: a second process is refused, naming this one
         resume = None
+        if "--resume" in flags and extension is not None:  # under the lock: no run of it is going on
+            tmp = run.file("config.yaml.tmp")
+            tmp.write_text(extension)
+            os.replace(tmp, run.file("config.yaml"))
         if "--resume" in flags and (planned := _plan_policies(run)) is not None:
             cfg, resume = planned  # a run of several policies: each resumes from its own checkpoint
             cfg, why = with_mode(cfg)
@@ -161,6 +160,48 @@ def train(args: Args) -> int:
         else:
             run.begin(dump_config(cfg))
         return _train(cfg, run, resume, why)
+
+
+EXTEND = ("--flow.steps", "--flow.time_limit_s")  # what `--resume RUN` may be given: a run trained on
+
+
+def _extend(run, rest: list[str]) -> str:
+    """`--resume RUN --flow.steps=N [--flow.time_limit_s=S]`: the run, finished or not, trains on to N
+    steps from its newest checkpoint (its optimizer and books as they were). The new values go into
+    RUN/config.yaml before anything starts; anything else given is refused, as is a run of several
+    policies (each has its own steps), fewer steps, or a time limit the run has already reached. Returns
+    the new config.yaml (written once the run's lock is held)."""
+    from tailrace.records import StepRecord, read_metrics
+    from tailrace.runtime.resume import train_on
+    from tailrace.runtime.rundir import policy_dirs
+
+    keys = {a.split("=", 1)[0] for a in rest if a.startswith("--")}
+    if not keys <= set(EXTEND) or policy_dirs(run.path):
+        raise ConfigError(
+            "--resume continues a run exactly as configured; drop the overrides "
+            f"({' '.join(rest)}) or start a new run"
+            + train_on(run)
+            + (
+                " (a run of one policy may train on: --flow.steps=N, --flow.time_limit_s=S)"
+                if not keys <= set(EXTEND)
+                else ""
+            )
+        )
+    then = load_config(run.file("config.yaml"))
+    now = load_config(run.file("config.yaml"), rest)
+    if now.flow.steps < then.flow.steps:
+        raise ConfigError(
+            f"--resume {run.path} --flow.steps={now.flow.steps}: the run has {then.flow.steps} steps; a run's "
+            "steps may only grow"
+        )
+    steps = [r for r in read_metrics(run.file("metrics.jsonl")) if isinstance(r, StepRecord)]
+    limit = now.flow.time_limit_s
+    if limit is not None and steps and steps[-1].time["wall_s"] >= limit:
+        raise ConfigError(
+            f"--resume {run.path}: the run has trained {steps[-1].time['wall_s']:.0f} s, past "
+            f"flow.time_limit_s={limit:g}; pass a larger --flow.time_limit_s (or null) too"
+        )
+    return dump_config(now)
 
 
 def _start_workers_early(cfg: RunConfig | None, resume: str | None) -> None:

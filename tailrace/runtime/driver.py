@@ -425,7 +425,9 @@ class Driver(Membership, Reports):
         self._handle(self._poll(), sync=True)
         finals = [None] * len(self.pols)  # (policies that joined included)
         for k, p in enumerate(self.pols):
-            finals[k] = self._recorded_eval(p, "final")  # a policy of several that finished before a resume
+            # a policy of several that finished before a resume (a run whose steps a resume raised was
+            # evaluated at its old end: not this one's)
+            finals[k] = self._recorded_eval(p, "final", p.sched.steps_done)
             if p.evaluator is not None and finals[k] is None:
                 final_v = self.sched.version(p.index, p.sched.done_version)
                 self._load_everywhere(final_v)
@@ -482,9 +484,12 @@ class Driver(Membership, Reports):
                              "other machines; anyone with the token can generate and send groups")  # fmt: skip
         return a
 
-    def _recorded_eval(self, pol: PolicyRun, tag: str) -> EvalRecord | None:
+    def _recorded_eval(self, pol: PolicyRun, tag: str, step: int | None = None) -> EvalRecord | None:
         records = read_metrics(pol.run.file("metrics.jsonl"))
-        return next((r for r in records if isinstance(r, EvalRecord) and r.tag == tag), None)
+        return next(
+            (r for r in records if isinstance(r, EvalRecord) and r.tag == tag and step in (None, r.step)),
+            None,
+        )
 
     def _evaluate(
         self,

@@ -38,7 +38,7 @@ from tailrace.records import (
     read_metrics,
 )
 from tailrace.runtime import checkpoint
-from tailrace.runtime.rundir import RunDir, cut_from, repair, truncate_metrics
+from tailrace.runtime.rundir import RunDir, cut_from, extended, repair, truncate_metrics
 
 # Keys a resume may see changed: none of them alters what the run computes. Every other key (model,
 # task, batch shape, mode, optimizer, sampling, evaluation — the final evaluation must compare with
@@ -126,6 +126,8 @@ def plan_resume(run: RunDir, finished_ok: bool = False) -> Resume:
             for r in read_metrics(run.file("metrics.jsonl"))
             if isinstance(r, EvalRecord) and r.tag == "final"
         ]
+        if extended(run.path):  # --flow.steps raised: the final evaluation recorded was not the end
+            final = []
         if final and not finished_ok:
             raise InputError(
                 f"--resume {run.path}: the run finished (held-out accuracy {final[-1].accuracy:.1%} after "
@@ -175,13 +177,18 @@ def _changed(run: RunDir, ckpt: Path, cfg: RunConfig) -> list[str]:
         raise ConfigError(f"{ckpt / checkpoint.CONFIG}: {e}") from None
     now = _flat(dataclasses.asdict(cfg))
     changed = _differ(then, now)
-    refused = [k for k in changed if k not in MAY_CHANGE]
+    if "flow.steps" in changed and now["flow.steps"] < then["flow.steps"]:
+        raise ConfigError(
+            f"--resume {run.path}: config.yaml lowered flow.steps ({then['flow.steps']} -> {now['flow.steps']}) "
+            f"since checkpoint {ckpt.name}; a run's steps may only grow: restore it, or start a new run"
+        )
+    refused = [k for k in changed if k not in (*MAY_CHANGE, "flow.steps")]
     if refused:
         diffs = ", ".join(f"{k} ({then.get(k)} -> {now[k]})" for k in refused)
         raise ConfigError(
             f"--resume {run.path}: config.yaml changed {diffs} since checkpoint {ckpt.name}; a resume "
             f"continues the run as it was: restore them, or start a new run (only {', '.join(MAY_CHANGE)} "
-            "may change)"
+            "may change, and flow.steps grow)"
         )
     return changed
 

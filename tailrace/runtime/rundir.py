@@ -174,3 +174,19 @@ def policy_dirs(run: Path) -> list[Path]:
     if (Path(run) / "metrics.jsonl").exists() or not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir())
+
+
+def extended(run: Path) -> bool:
+    """`tailrace train --resume RUN --flow.steps=N` raised the run's steps: its config.yaml asks for more
+    than its newest checkpoint was written under, so a final evaluation recorded before is not the run's
+    end. Reads YAML only (no torch: the supervisor asks it too)."""
+    from tailrace.config import load_config
+
+    newest = sorted(
+        (p for p in (Path(run) / "checkpoints").glob("step_*") if p.is_dir() and "." not in p.name)
+    )
+    try:
+        now = load_config(Path(run) / "config.yaml").flow.steps
+        return bool(newest) and now > load_config(newest[-1] / "config.yaml").flow.steps
+    except (ConfigError, OSError):
+        return False  # the resume's own checks say what is wrong

@@ -31,7 +31,7 @@ from typing import Callable
 from tailrace.records import EvalRecord, Mark, read_metrics
 from tailrace.runtime.health import Lost, exit_reason
 from tailrace.runtime.recovery import Recovery
-from tailrace.runtime.rundir import policy_dirs
+from tailrace.runtime.rundir import extended, policy_dirs
 
 LOST_ENV = "TAILRACE_DRIVER_LOST"
 FAULT = 3  # the CLI's exit code for a fault (tailrace/cli/__init__.py)
@@ -143,7 +143,8 @@ def finished(run_dir: Path) -> bool:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a damaged line: the resume says so
         records = read_metrics(run_dir / "metrics.jsonl")
-        return any(isinstance(r, EvalRecord) and r.tag == "final" for r in records)
+        final = any(isinstance(r, EvalRecord) and r.tag == "final" for r in records)
+    return final and not extended(run_dir)
 
 
 def _driver_recoveries(run_dir: Path) -> int:

@@ -31,10 +31,11 @@ def finals(run_dir):
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if getattr(r, "tag", None) == "final"]
 
 
-def assert_whole(run_dir, n=4):
-    """Every step once, the final evaluation once, every finished trajectory once, the ledger exact."""
+def assert_whole(run_dir, n=4, ends=1):
+    """Every step once, the final evaluation once (once per end: `ends`), every finished trajectory
+    once, the ledger exact."""
     assert steps(run_dir) == list(range(n))
-    assert len(finals(run_dir)) == 1
+    assert len(finals(run_dir)) == ends
     done = [(e.trajectory.group, e.trajectory.sample_index) for e in read_journal(run_dir / "journal.jsonl")
             if isinstance(e, Finished)]  # fmt: skip
     assert len(done) == len(set(done))
@@ -134,11 +135,39 @@ def test_a_finished_run_refuses_to_resume(finished_run, tmp_path, capsys):
     # and it says how to train on from there: a new run from the last checkpoint's model
     last = checkpoints(run_dir)[-1] / "model"
     assert f"--model.path={last} starts one from its last weights" in out, out
-    # more steps are not a resume either: the same way on
-    rc, out = run(capsys, "train", f"--resume={run_dir}", "--flow.steps=9")
-    assert rc == 2 and len(out.splitlines()) == 1 and "drop the overrides (--flow.steps=9)" in out, out
+    # nor does it take other settings: the same way on
+    rc, out = run(capsys, "train", f"--resume={run_dir}", "--rollout.temperature=0.5")
+    assert (
+        rc == 2 and len(out.splitlines()) == 1 and "drop the overrides (--rollout.temperature=0.5)" in out
+    ), out
     assert f"--model.path={last} starts one from its last weights" in out, out
     assert (run_dir / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_finished_run_trains_on_to_more_steps_and_no_fewer(finished_run, tmp_path, capsys):
+    """`--resume RUN --flow.steps=N`: from the newest checkpoint, its optimizer and books, on to N steps
+    (TRL's and verl's resume with a larger step count); the first end's final evaluation stays."""
+    from tailrace.runtime.supervisor import finished
+
+    run_dir = copy_run(finished_run, tmp_path / "run")
+    assert finished(run_dir)
+    rc, out = run(capsys, "train", f"--resume={run_dir}", "--flow.steps=3")
+    assert rc == 2 and len(out.splitlines()) == 1 and "may only grow" in out, out
+    rc, out = run(capsys, "train", f"--resume={run_dir}", "--flow.mode=pipe", "--flow.steps=6")
+    assert rc == 2 and "drop the overrides" in out and "--flow.steps=N" in out, out
+    assert "steps: 4" in (run_dir / "config.yaml").read_text() and finished(run_dir)
+    rc, out = run(capsys, "train", f"--resume={run_dir}", "--flow.steps=6")
+    assert rc == 0, out
+    assert "steps: 6" in (run_dir / "config.yaml").read_text()
+    assert_whole(run_dir, n=6, ends=2)
+    assert [r.step for r in finals(run_dir)] == [4, 6]
+    assert checkpoints(run_dir)[-1].name == "step_000006" and finished(run_dir)
+    rc, out = run(capsys, "train", f"--resume={run_dir}")
+    assert rc == 2 and "finished" in out and "after step 6" in out, out
+    # a supervisor counts a raised run as unfinished until it ends again: it would restart a lost driver
+    cfg = run_dir / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("steps: 6", "steps: 8"))
+    assert not finished(run_dir)
 
 
 def test_run_dir_at_an_existing_run_is_refused(finished_run, tmp_path, tiny_model, capsys):
