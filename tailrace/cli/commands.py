@@ -195,6 +195,11 @@ def _extend(run, rest: list[str]) -> str:
             "steps may only grow"
         )
     steps = [r for r in read_metrics(run.file("metrics.jsonl")) if isinstance(r, StepRecord)]
+    if now.flow.steps == then.flow.steps and len(steps) >= then.flow.steps:
+        raise ConfigError(
+            f"--resume {run.path}: the run trained all its {then.flow.steps} steps; pass a larger --flow.steps "
+            "to train it on"
+        )
     limit = now.flow.time_limit_s
     if limit is not None and steps and steps[-1].time["wall_s"] >= limit:
         raise ConfigError(

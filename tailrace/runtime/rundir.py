@@ -177,16 +177,20 @@ def policy_dirs(run: Path) -> list[Path]:
 
 
 def extended(run: Path) -> bool:
-    """`tailrace train --resume RUN --flow.steps=N` raised the run's steps: its config.yaml asks for more
-    than its newest checkpoint was written under, so a final evaluation recorded before is not the run's
-    end. Reads YAML only (no torch: the supervisor asks it too)."""
+    """`tailrace train --resume RUN --flow.steps=N` (or `--flow.time_limit_s=S`) raised the run's steps or
+    its time limit: its config.yaml asks for more than its newest checkpoint was written under, so a final
+    evaluation recorded before is not the run's end. Reads YAML only (no torch: the supervisor asks too)."""
     from tailrace.config import load_config
 
     newest = sorted(
         (p for p in (Path(run) / "checkpoints").glob("step_*") if p.is_dir() and "." not in p.name)
     )
     try:
-        now = load_config(Path(run) / "config.yaml").flow.steps
-        return bool(newest) and now > load_config(newest[-1] / "config.yaml").flow.steps
+        now = load_config(Path(run) / "config.yaml").flow
+        then = load_config(newest[-1] / "config.yaml").flow if newest else None
     except (ConfigError, OSError):
         return False  # the resume's own checks say what is wrong
+    if then is None:
+        return False
+    limit, was = now.time_limit_s, then.time_limit_s
+    return now.steps > then.steps or (was is not None and (limit is None or limit > was))

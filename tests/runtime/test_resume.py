@@ -245,3 +245,11 @@ def test_a_run_ended_by_its_time_limit_checkpoints_its_last_step(capsys, tiny_mo
     done = 1 + max(r["step"] for r in steps if r["kind"] == "step")  # step records count from 0
     assert 1 <= done < 50
     assert sorted(p.name for p in (rdir / "checkpoints").glob("step_*")) == [f"step_{done:06d}"]
+    # trained on: a limit it has passed is refused, no limit lets it finish its 50 steps
+    rc, out = run(capsys, "train", f"--resume={rdir}", "--flow.time_limit_s=0.002")
+    assert rc == 2 and "past flow.time_limit_s=0.002; pass a larger --flow.time_limit_s" in out, out
+    rc, out = run(capsys, "train", f"--resume={rdir}", "--flow.time_limit_s=null")
+    assert rc == 0, out
+    assert_whole(rdir, n=50, ends=2)
+    rc, out = run(capsys, "train", f"--resume={rdir}", "--flow.time_limit_s=60")
+    assert rc == 2 and "trained all its 50 steps; pass a larger --flow.steps" in out, out
