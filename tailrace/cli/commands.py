@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from pathlib import Path
 
 from rich.console import Console
@@ -176,16 +177,16 @@ def _extend(run, rest: list[str]) -> str:
     from tailrace.runtime.rundir import policy_dirs
 
     keys = {a.split("=", 1)[0] for a in rest if a.startswith("--")}
-    if not keys <= set(EXTEND) or policy_dirs(run.path):
+    if not keys <= set(EXTEND):
+        why = " (a run of one policy may train on: --flow.steps=N, --flow.time_limit_s=S)"
+    elif policy_dirs(run.path):
+        why = " (a run of several policies is not trained on: each policy has its own flow.steps)"
+    else:
+        why = ""
+    if why:
         raise ConfigError(
             "--resume continues a run exactly as configured; drop the overrides "
-            f"({' '.join(rest)}) or start a new run"
-            + train_on(run)
-            + (
-                " (a run of one policy may train on: --flow.steps=N, --flow.time_limit_s=S)"
-                if not keys <= set(EXTEND)
-                else ""
-            )
+            f"({' '.join(rest)}) or start a new run" + train_on(run) + why
         )
     then = load_config(run.file("config.yaml"))
     now = load_config(run.file("config.yaml"), rest)
@@ -194,7 +195,10 @@ def _extend(run, rest: list[str]) -> str:
             f"--resume {run.path} --flow.steps={now.flow.steps}: the run has {then.flow.steps} steps; a run's "
             "steps may only grow"
         )
-    steps = [r for r in read_metrics(run.file("metrics.jsonl")) if isinstance(r, StepRecord)]
+    metrics = run.file("metrics.jsonl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a damaged line: the resume repairs it and says so
+        steps = [r for r in read_metrics(metrics) if isinstance(r, StepRecord)] if metrics.is_file() else []
     if now.flow.steps == then.flow.steps and len(steps) >= then.flow.steps:
         raise ConfigError(
             f"--resume {run.path}: the run trained all its {then.flow.steps} steps; pass a larger --flow.steps "

@@ -310,6 +310,8 @@ def test_a_resume_of_several_policies_refuses_an_edited_policy_and_a_finished_ru
     assert main(["train", "--resume", str(run)]) == 2  # every policy finished
     last = sorted((run / "policies" / "a" / "checkpoints").glob("step_*"))[-1] / "model"
     assert f"--model.path={last} starts one from policy a's last weights" in capsys.readouterr().out
+    assert main(["train", "--resume", str(run), "--flow.steps=9"]) == 2  # not trained on: steps per policy
+    assert "each policy has its own flow.steps" in capsys.readouterr().out
     unfinish_policy(run / "policies" / "b", keep=1)
     cfg = (run / "config.yaml").read_text()
     assert "steps: 6" in cfg
