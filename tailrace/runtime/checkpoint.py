@@ -35,6 +35,7 @@ from tailrace.common import one_line
 from tailrace.config import load_config
 from tailrace.model import lora
 from tailrace.model.checkpoint import CheckpointError, save_pretrained
+from tailrace.runtime.rundir import step_dirs
 from tailrace.trainer.grpo import GRPOTrainer
 
 FORMAT = 1
@@ -219,11 +220,6 @@ def finalize(tmp: Path, scheduler: dict, config: str) -> Saved:
     model = sum(n for name, n in files.items() if name.startswith("model/"))
     total = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
     return Saved(final, model, files[OPTIMIZER], total)
-
-
-def step_dirs(root: Path) -> list[Path]:
-    """Checkpoint directories by step, newest first (whole or not: see `verify`)."""
-    return sorted((p for p in root.glob("step_*") if p.is_dir() and "." not in p.name), reverse=True)
 
 
 def verify(ckpt: Path) -> str | None:

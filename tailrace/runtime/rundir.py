@@ -176,18 +176,22 @@ def policy_dirs(run: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir())
 
 
+def step_dirs(root: Path) -> list[Path]:
+    """Checkpoint directories by step, newest first (whole or not: see `checkpoint.verify`). Torch-free,
+    so the supervisor reads them too."""
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and "." not in p.name), reverse=True)
+
+
 def extended(run: Path) -> bool:
     """`tailrace train --resume RUN --flow.steps=N` (or `--flow.time_limit_s=S`) raised the run's steps or
     its time limit: its config.yaml asks for more than its newest checkpoint was written under, so a final
     evaluation recorded before is not the run's end. Reads YAML only (no torch: the supervisor asks too)."""
     from tailrace.config import load_config
 
-    newest = sorted(
-        (p for p in (Path(run) / "checkpoints").glob("step_*") if p.is_dir() and "." not in p.name)
-    )
+    newest = step_dirs(Path(run) / "checkpoints")
     try:
         now = load_config(Path(run) / "config.yaml").flow
-        then = load_config(newest[-1] / "config.yaml").flow if newest else None
+        then = load_config(newest[0] / "config.yaml").flow if newest else None
     except (ConfigError, OSError):
         return False  # the resume's own checks say what is wrong
     if then is None:
