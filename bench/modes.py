@@ -79,6 +79,10 @@ MODES = [
     ("multiversion", {"flow.max_staleness": 1, "train.external": True}),
     # ... on a LoRA run, a PEFT adapter: --modes multiversion-K1+lora8,multiversion-K1+lora8+external
     ("multiversion", {"flow.max_staleness": 1, "train.lora.rank": 8, "train.external": True}),
+    # GSPO's sequence-level ratio against grpo's per-token one, where the ratio is off 1 (the rollout's
+    # anchor): --modes sync,multiversion-K1,multiversion-K1+gspo
+    ("multiversion", {"flow.max_staleness": 1, "train.loss.name": "gspo"}),
+    ("sync", {"train.loss.name": "gspo"}),
 ]
 
 CONFIGS = {
@@ -110,9 +114,9 @@ CONFIGS = {
 
 def mode_label(mode: str, opts: dict) -> str:
     """e.g. multiversion-K2, sync+darts, multiversion-K1+darts@0.5, sync+replay0.25, sync+lora8,
-    multiversion-K1+darts+spec-history, multiversion-K1+filter-informative: the mode, its staleness
-    bound, its shaping, a fixed darts budget, the store's replay ratio, a LoRA rank, a drafter and a
-    store filter."""
+    multiversion-K1+darts+spec-history, multiversion-K1+filter-informative, multiversion-K1+gspo: the
+    mode, its staleness bound, its shaping, a fixed darts budget, the store's replay ratio, a LoRA rank,
+    a drafter, a store filter and a loss."""
     return (
         mode
         + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
@@ -123,6 +127,7 @@ def mode_label(mode: str, opts: dict) -> str:
         + "".join(f"+spec-{v}" for k, v in opts.items() if k == "rollout.spec.drafter")
         + "".join(f"+filter-{v.rpartition(':')[2]}" for k, v in opts.items() if k == "store.filter")
         + "".join("+external" for k, v in opts.items() if k == "train.external" and v)
+        + "".join(f"+{v}" for k, v in opts.items() if k == "train.loss.name")
     )
 
 

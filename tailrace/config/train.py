@@ -19,7 +19,10 @@ from tailrace.config.fields import need, section, setting
 
 @dataclass
 class LossConfig:
-    name: str = setting("grpo", "the policy-gradient variant: how per-token terms aggregate, its clip range")
+    name: str = setting(
+        "grpo",
+        "the policy-gradient variant: how per-token terms aggregate, its clip range, the ratio's level",
+    )
     eps_low: float | None = setting(None, "clip the ratio below at 1 - eps_low (null = the variant's own)")
     eps_high: float | None = setting(None, "clip the ratio above at 1 + eps_high (null = the variant's own)")
     max_new_tokens: int | None = setting(

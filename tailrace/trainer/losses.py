@@ -3,7 +3,8 @@
 All tensors are (B, T) and aligned with the batch's targets; `mask` is float (1 = a live response
 token). Every function here is pure. Variants are data picked once by name:
 
-- `LOSSES`: how the clipped per-token terms are aggregated (and the default clip range);
+- `LOSSES`: how the clipped per-token terms are aggregated, whether the ratio is each token's or its
+  sequence's (GSPO), and the default clip range;
 - `CORRECTIONS`: how the ratio anchor `old_logp` and the per-token weight come from the engine's
   behaviour logprobs `behav` and the trainer's pre-update logprobs `prox`.
 
@@ -55,9 +56,25 @@ def const_scale(mask: Tensor, max_new_tokens: int | None = None) -> Tensor:
 # -- the clipped surrogate -------------------------------------------------------------------
 
 
+def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log r per token, r = pi / pi_old (PPO, GRPO, DAPO); 0 off the mask, so padding never reaches exp()."""
+    return torch.where(mask > 0, logp - old_logp, 0.0)
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """GSPO(-token): every live token of sequence i takes log s_i, the mean of its live tokens' log r
+    (s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|)), as its value, and its own log-probability's gradient
+    (sg[log s_i] + logp - sg[logp]), so a token's gradient is A_i * s_i * d logp: one ratio and one
+    clipping decision a sequence. With every token of a sequence at the same advantage this is GSPO's
+    gradient exactly (Zheng et al. 2025, eqs. 11 and 18)."""
+    live = mask > 0
+    per_token = torch.where(live, logp - old_logp, 0.0)
+    seq = per_token.sum(-1, keepdim=True) / live.sum(-1, keepdim=True).clamp(min=1)
+    return torch.where(live, seq.detach() + logp - logp.detach(), 0.0)
+
+
 def clipped_pg(
-    logp: Tensor,
-    old_logp: Tensor,
+    log_ratio: Tensor,
     adv: Tensor,
     mask: Tensor,
     weight: Tensor,
@@ -65,14 +82,14 @@ def clipped_pg(
     eps_low: float,
     eps_high: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """sum(scale * weight * -min(r A, clip(r, 1-eps_low, 1+eps_high) A)), r = exp(logp - old_logp).
+    """sum(scale * weight * -min(r A, clip(r, 1-eps_low, 1+eps_high) A)), r = exp(log_ratio), which is 0
+    off the mask.
 
     Returns (loss, stats); stats are detached 0-d tensors over live tokens: clip_frac (the clipped
-    term was chosen, so the token's gradient is zero), approx_kl (k3 estimate of KL(old || new)),
-    ratio_mean, ratio_max, tokens.
+    term was chosen, so the token's gradient is zero), approx_kl (k3 estimate of KL(old || new), of the
+    ratio the loss clips: a sequence's under GSPO), ratio_mean, ratio_max, tokens.
     """
     live = mask > 0
-    log_ratio = torch.where(live, logp - old_logp, 0.0)  # padding never reaches exp()
     ratio = log_ratio.exp()
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
@@ -94,12 +111,14 @@ def clipped_pg(
 
 @dataclass(frozen=True)
 class PGLoss:
-    """A clipped policy-gradient variant: its aggregation, default clip range and paired advantage."""
+    """A clipped policy-gradient variant: its aggregation, default clip range, paired advantage and the
+    level of its importance ratio."""
 
     token_scale: TokenScale
     eps_low: float
     eps_high: float
     advantage: str  # the estimator the variant was published with
+    log_ratio: Callable[[Tensor, Tensor, Tensor], Tensor] = token_log_ratio  # (logp, old_logp, mask)
 
     def __call__(
         self,
@@ -118,8 +137,7 @@ class PGLoss:
         if scale is None:
             scale = self.token_scale(mask, max_new_tokens)
         return clipped_pg(
-            logp,
-            old_logp,
+            self.log_ratio(logp, old_logp, mask),
             adv,
             mask,
             weight,
@@ -133,6 +151,11 @@ LOSSES: dict[str, PGLoss] = {
     "grpo": PGLoss(seq_mean_scale, 0.2, 0.2, "grpo"),
     "dapo": PGLoss(token_mean_scale, 0.2, 0.28, "grpo"),  # clip-higher keeps low-probability tokens rising
     "drgrpo": PGLoss(const_scale, 0.2, 0.2, "drgrpo"),
+    # GSPO (Qwen3's recipe): one ratio a sequence, clipped in a narrow band (its paper's 3e-4 / 4e-4: a
+    # geometric mean moves far less than a token's ratio). It differs from grpo only off the current
+    # weights, i.e. under a correction that anchors at the rollout's logprobs (`behaviour`, the streaming
+    # modes' own) or a round of several steps
+    "gspo": PGLoss(seq_mean_scale, 3e-4, 4e-4, "grpo", sequence_log_ratio),
 }
 
 

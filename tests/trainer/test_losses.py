@@ -59,6 +59,51 @@ def test_drgrpo_constant_normaliser():
         LOSSES["drgrpo"](_logp(), OLD, ADV, MASK, ONES)
 
 
+def test_gspo_clips_whole_sequences_by_their_geometric_mean_ratio():
+    """GSPO: one ratio a sequence, s = exp(mean of its live tokens' log r): s0 = 1.6875^(1/3) = 1.1906,
+    s1 = 0.55^(1/2) = 0.7416 (the padding's 10.0 left out). At its own range (1 - 3e-4, 1 + 4e-4) both are
+    clipped in their advantage's direction: seq0 -1.0004 a token, seq1 +0.9997, and no gradient flows."""
+    logp = _logp()
+    loss, st = LOSSES["gspo"](logp, OLD, ADV, MASK, ONES)
+    assert loss.item() == pytest.approx((-1.0004 + 0.9997) / 2, abs=1e-12)
+    assert st["clip_frac"].item() == 1.0
+    s0, s1 = 1.6875 ** (1 / 3), 0.55**0.5
+    assert st["ratio_mean"].item() == pytest.approx((3 * s0 + 2 * s1) / 5)
+    assert st["ratio_max"].item() == pytest.approx(s0)
+    loss.backward()
+    assert not logp.grad.any()
+
+
+def test_gspo_unclipped_gradient_is_the_sequence_ratio_on_every_token():
+    """Inside a wide range every token of sequence i gets d/d logp = -A_i * s_i / (|y_i| * sequences):
+    the sequence's ratio, not its own token's (GRPO's (0, 0) would take 1.5, GSPO takes s0 = 1.1906)."""
+    logp = _logp()
+    loss, st = LOSSES["gspo"](logp, OLD, ADV, MASK, ONES, eps_low=0.6, eps_high=1.0)
+    s0, s1 = 1.6875 ** (1 / 3), 0.55**0.5
+    assert loss.item() == pytest.approx((-s0 + s1) / 2, abs=1e-12)
+    assert st["clip_frac"].item() == 0.0
+    loss.backward()
+    expect = torch.tensor([[-s0 / 6] * 3, [s1 / 4, s1 / 4, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, expect, atol=1e-12, rtol=0)
+
+
+def test_gspo_is_grpo_on_policy():
+    """With the anchor at the current weights (ratio 1 everywhere) GSPO's loss and gradient are GRPO's:
+    the sequence ratio only matters off-policy (a stale or engine-sampled sequence)."""
+    torch.manual_seed(0)
+    adv, mask = torch.randn(3, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64)
+    mask[2, 3] = 0.0
+    out = {}
+    for name in ("grpo", "gspo"):
+        logp = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        logp.requires_grad_(True)
+        loss, _ = LOSSES[name](logp, logp.detach(), adv, mask, torch.ones_like(mask))
+        loss.backward()
+        out[name] = (loss.item(), logp.grad)
+    assert out["gspo"][0] == pytest.approx(out["grpo"][0], abs=1e-12)
+    torch.testing.assert_close(out["gspo"][1], out["grpo"][1], atol=1e-12, rtol=0)
+
+
 def test_weight_scales_tokens_and_explicit_scale_matches():
     w = ONES.clone()
     w[0, 0] = 2.0
@@ -140,6 +185,7 @@ def test_loss_config_leaves_defaults_to_the_registry():
     """None in the config means the variant's own clip range, which lives in its LOSSES entry."""
     assert (LossConfig("dapo").eps_low, LossConfig("dapo").eps_high) == (None, None)
     assert (LOSSES["dapo"].eps_low, LOSSES["dapo"].eps_high) == (0.2, 0.28)
+    assert (LOSSES["gspo"].eps_low, LOSSES["gspo"].eps_high) == (3e-4, 4e-4)  # the GSPO paper's
     assert LossConfig("dapo", eps_high=0.3).eps_high == 0.3
     torch.manual_seed(0)
     logp, old, adv = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5)
