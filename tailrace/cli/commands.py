@@ -309,6 +309,7 @@ def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
     from tailrace.runtime.run_modes import with_mode
     from tailrace.runtime.session import Session
     from tailrace.runtime.supervisor import DriverLost
+    from tailrace.trainer.schedule import LRSchedule
 
     named = policy_configs(cfg)
     sessions = [Session(pc, progress=_sft_progress()) for _, pc in named]
@@ -340,6 +341,12 @@ def _train(cfg: RunConfig, run, resume, why: str | None = None) -> int:
             f"learning rate {auto_lr(n, bool(rank)):.2g} (train.lr null: by the policy's {n / 1e6:.1f}M "
             f"parameters{adapter})"
         )
+    for name, pc in named if cfg.policies else [(None, cfg)]:
+        t = pc.train
+        schedule = LRSchedule(1.0, t.lr_warmup_steps, pc.flow.steps, t.lr_schedule, t.lr_min_ratio).describe()
+        if schedule:
+            whose = f" of policy {name}" if name else ""
+            console.print(f"learning rate{whose}: {schedule} (train.lr_warmup_steps, train.lr_schedule)")
     driver = None
     try:
         driver = Driver(cfg, run, sessions, resume=resume, ui=ui, driver_lost=DriverLost.from_env())

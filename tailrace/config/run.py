@@ -429,6 +429,12 @@ class RunConfig:
         )
 
         need(
+            self.train.lr_warmup_steps <= self.flow.steps,
+            f"train.lr_warmup_steps={self.train.lr_warmup_steps} is more than flow.steps={self.flow.steps}: "
+            "the learning rate would never reach train.lr; lower the warmup (a tenth of the steps or less "
+            "is usual) or raise flow.steps",
+        )
+        need(
             not (self.train.external and self.train.world_size > 1),
             f"train.external with train.world_size={self.train.world_size}: your own trainer is one process "
             "to the run (--train.world_size=1; your trainer's parallelism is its own)",

@@ -16,6 +16,8 @@ from pathlib import Path
 from tailrace.common import ConfigError, one_line
 from tailrace.config.fields import need, section, setting
 
+DECAYS = ("constant", "linear", "cosine")  # train.lr_schedule: the learning rate after its warmup
+
 
 @dataclass
 class LossConfig:
@@ -155,6 +157,15 @@ class TrainerConfig:
         "AdamW learning rate (null = by the policy's size: 2e-4 up to 2M parameters, then "
         "2e-4 * (2M / N)^0.65: ~1.3e-5 at 135M, ~1e-6 at 7B; 10x that with train.lora; see auto_lr)",
     )
+    lr_warmup_steps: int = setting(
+        0, "optimizer steps of linear warmup to train.lr (lr/N, 2lr/N, ..., lr; 0 = none); at most flow.steps"
+    )
+    lr_schedule: str = setting(
+        "constant",
+        "after the warmup: constant, linear or cosine (decaying to train.lr x train.lr_min_ratio at the "
+        "policy's last step, flow.steps)",
+    )
+    lr_min_ratio: float = setting(0.0, "where a linear or cosine decay ends, as a share of train.lr")
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas")
     eps: float = setting(1e-8, "AdamW epsilon")
     weight_decay: float = setting(
@@ -217,6 +228,23 @@ class TrainerConfig:
         )
         self.betas = (float(self.betas[0]), float(self.betas[1]))
         need(self.eps > 0, f"train.eps={self.eps}: must be > 0, e.g. 1e-8")
+        need(
+            self.lr_warmup_steps >= 0,
+            f"train.lr_warmup_steps={self.lr_warmup_steps}: must be >= 0 (0: no warmup), e.g. 10",
+        )
+        need(
+            self.lr_schedule in DECAYS,
+            f"train.lr_schedule={self.lr_schedule!r}: use one of {', '.join(DECAYS)}",
+        )
+        need(
+            0.0 <= self.lr_min_ratio <= 1.0,
+            f"train.lr_min_ratio={self.lr_min_ratio}: must lie in [0, 1], e.g. 0.1",
+        )
+        need(
+            not (self.lr_min_ratio and self.lr_schedule == "constant"),
+            f"train.lr_min_ratio={self.lr_min_ratio} with train.lr_schedule=constant: nothing decays; set "
+            "train.lr_schedule to linear or cosine, or drop train.lr_min_ratio",
+        )
         need(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay}: must be >= 0")
         need(
             self.moe_aux_loss >= 0,

@@ -75,7 +75,7 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
     # with its adapter off, or swapped for the adapter it started from; no copy)
     if spec.cfg.loss.kl_coef > 0 and not lora_run:
         ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(False)
-    trainer = GRPOTrainer(model, spec.cfg, ref_model=ref, trainers=spec.trainers)
+    trainer = GRPOTrainer(model, spec.cfg, ref_model=ref, trainers=spec.trainers, total_steps=spec.steps)
     if init is not None and spec.cfg.loss.kl_coef > 0:
         lora.set_reference(trainer.model, init)
     if spec.resume_from and lora_run:

@@ -43,6 +43,7 @@ from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, kl_penalty
 from tailrace.trainer.memory import rank_share, size_micro_batch
 from tailrace.trainer.optim import build_adamw
 from tailrace.trainer.packing import split_by_tokens
+from tailrace.trainer.schedule import LRSchedule
 from tailrace.types import Group
 
 SUM_KEYS = ("loss", "pg_loss", "kl", "is_ratio", "clip_frac", "approx_kl", "ratio_mean", "tokens", "dropped",
@@ -80,10 +81,16 @@ def _has_signal(g: Group) -> bool:
 
 class GRPOTrainer:
     def __init__(
-        self, model: nn.Module, cfg: TrainerConfig, ref_model: nn.Module | None = None, trainers: int = 1
+        self,
+        model: nn.Module,
+        cfg: TrainerConfig,
+        ref_model: nn.Module | None = None,
+        trainers: int = 1,
+        total_steps: int = 0,
     ):
         """`trainers`: trainers sharing this device's memory (a run of several policies on one machine),
-        each sizing its micro-batches from its share."""
+        each sizing its micro-batches from its share; `total_steps`: the policy's flow.steps, where a
+        decaying learning rate (train.lr_schedule) ends."""
         if cfg.loss.kl_coef > 0 and ref_model is None and not cfg.lora.rank:
             raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef} needs a ref_model; pass one or set kl_coef=0")
         self.cfg = cfg
@@ -98,6 +105,9 @@ class GRPOTrainer:
         n = sum(p.numel() for p in model.parameters())  # the base's and, with LoRA, the adapter's
         self.lr = cfg.lr if cfg.lr is not None else auto_lr(n, bool(cfg.lora.rank))
         self.opt = build_adamw(model, self.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        self.schedule = LRSchedule(
+            self.lr, cfg.lr_warmup_steps, total_steps, cfg.lr_schedule, cfg.lr_min_ratio
+        )
         self.loss_fn = LOSSES[cfg.loss.name]
         self.correct = CORRECTIONS[cfg.loss.correction or "none"]  # the runtime fills in the mode's own
         self.bounds = Bounds(cfg.loss.tis_cap, cfg.loss.ratio_low, cfg.loss.ratio_high)
@@ -127,6 +137,8 @@ class GRPOTrainer:
     def step(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
         """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""
         t0 = time.perf_counter()
+        for g in self.opt.param_groups:  # a function of the steps taken: a resume or a replay takes the same
+            g["lr"] = self.schedule.lr_at(self.steps)
         batch = self.make_batch(groups, trainer_version)
         if self.cfg.loss.kl_coef == 0 and not any(map(_has_signal, groups)):
             # every advantage is zero: the gradient is too, so skip the passes and leave the weights

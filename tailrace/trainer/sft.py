@@ -7,28 +7,14 @@ sequences into one attention window.
 
 from __future__ import annotations
 
-import math
 import random
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from tailrace.model.attention import sdpa_only
-
-
-@dataclass(frozen=True)
-class SFTSchedule:
-    lr: float
-    warmup: int
-    total: int
-
-    def lr_at(self, step: int) -> float:
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        frac = (step - self.warmup) / max(1, self.total - self.warmup)
-        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+from tailrace.trainer.schedule import LRSchedule
 
 
 def bucket_batches(lengths: Sequence[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -92,7 +78,8 @@ def sft(
     rng = random.Random(seed)
     lengths = [len(p) + len(r) for p, r in pairs]
     plan = [b for _ in range(epochs) for b in bucket_batches(lengths, batch_tokens, rng)]
-    sched = SFTSchedule(lr=lr, warmup=warmup, total=len(plan))
+    # warmup, then cosine to a tenth (the recipe every default model was built with)
+    sched = LRSchedule(lr=lr, warmup=warmup, total=max(1, len(plan)), decay="cosine", floor=0.1)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(

@@ -49,6 +49,17 @@ def test_yaml_then_overrides(tmp_path):
         ("--flow.stepz=3", "unknown config key flow.stepz; did you mean flow.steps?"),
         ("--sft.hidden_size=64", "unknown config key sft.hidden_size; did you mean arch.hidden_size?"),
         ("--flow.lr=1e-4", "unknown config key flow.lr; did you mean sft.lr or train.lr?"),
+        ("--train.lr_schedule=step", "train.lr_schedule='step': use one of constant, linear, cosine"),
+        (
+            "--train.lr_min_ratio=0.1",
+            "train.lr_min_ratio=0.1 with train.lr_schedule=constant: nothing decays; set train.lr_schedule to "
+            "linear or cosine, or drop train.lr_min_ratio",
+        ),
+        (
+            "--train.lr_warmup_steps=500",
+            "train.lr_warmup_steps=500 is more than flow.steps=120: the learning rate would never reach "
+            "train.lr; lower the warmup (a tenth of the steps or less is usual) or raise flow.steps",
+        ),
         (
             "--rollout.max_versions=2",
             "rollout.max_versions=2: use null (as many as the mode needs) or 1 (one copy of the weights "

@@ -216,6 +216,23 @@ def test_checkpoint_resume_continues_identically():
     assert torch.equal(a.flat.buffer, b.flat.buffer)
 
 
+def test_the_learning_rate_follows_its_schedule_and_a_resume_takes_it_up():
+    """Warmup 2 then linear to half at step 6: steps 0-5 take 0.5, 1, 1, 0.875, 0.75, 0.625 x lr, and a
+    trainer loaded from a checkpoint after 3 steps takes step 3's rate and the same weights."""
+    groups = make_groups(TinyLM())
+    cfg = TrainerConfig(lr=1e-2, lr_warmup_steps=2, lr_schedule="linear", lr_min_ratio=0.5)
+    a = GRPOTrainer(TinyLM(), cfg, total_steps=6)
+    assert [a.step(groups, i)["lr"] for i in range(3)] == pytest.approx([5e-3, 1e-2, 1e-2])
+    b = GRPOTrainer(TinyLM(seed=7), cfg, total_steps=6)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    for i in range(3, 6):
+        la, lb = a.step(groups, i)["lr"], b.step(groups, i)["lr"]
+        assert la == lb == pytest.approx(1e-2 * (1 - 0.5 * (i - 2) / 4))
+    assert torch.equal(a.flat.buffer, b.flat.buffer)
+    with pytest.raises(ValueError, match="needs the run's steps"):
+        GRPOTrainer(TinyLM(), cfg)  # a decay with nowhere to end
+
+
 def test_bf16_autocast_step_runs_close_to_fp32():
     groups = make_groups(TinyLM())
     m32 = GRPOTrainer(TinyLM(), TrainerConfig()).evaluate(groups, 0)
