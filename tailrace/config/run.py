@@ -51,6 +51,14 @@ class TaskConfig:
         "statistics); null = an endless stream of fresh prompts",
     )
 
+    overlong_buffer: int = setting(
+        0,
+        "DAPO's soft overlong punishment: a training response in the last N tokens before "
+        "rollout.max_new_tokens loses up to task.overlong_penalty of its reward, linearly (0 = off)",
+    )
+    overlong_penalty: float = setting(
+        1.0, "the reward a response at rollout.max_new_tokens loses (task.overlong_buffer)"
+    )
     max_turns: int = setting(
         32,
         "multi-turn tasks (chaincalc): turns per trajectory at most (tool calls + 1); a call past it "
@@ -67,6 +75,14 @@ class TaskConfig:
             self.max_turns >= 1, f"task.max_turns={self.max_turns}: must be >= 1 (1 = no tool call answered)"
         )
         need(self.tool_threads >= 1, f"task.tool_threads={self.tool_threads}: must be >= 1")
+        need(
+            self.overlong_buffer >= 0,
+            f"task.overlong_buffer={self.overlong_buffer}: must be >= 0 (0 = off), e.g. a fifth of "
+            "rollout.max_new_tokens (DAPO: 4,096 of 20,480)",
+        )
+        need(
+            self.overlong_penalty >= 0, f"task.overlong_penalty={self.overlong_penalty}: must be >= 0, e.g. 1"
+        )
         need(
             isinstance(self.config, dict),
             f"task.config={self.config!r}: expected a mapping of the task's settings, e.g. "
@@ -428,6 +444,12 @@ class RunConfig:
             "with replay)",
         )
 
+        need(
+            self.task.overlong_buffer <= self.rollout.max_new_tokens,
+            f"task.overlong_buffer={self.task.overlong_buffer} is more than rollout.max_new_tokens="
+            f"{self.rollout.max_new_tokens}: the penalty would start before the response does; lower it (DAPO: "
+            "a fifth of the cap) or raise rollout.max_new_tokens",
+        )
         need(
             self.train.lr_warmup_steps <= self.flow.steps,
             f"train.lr_warmup_steps={self.train.lr_warmup_steps} is more than flow.steps={self.flow.steps}: "

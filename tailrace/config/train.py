@@ -201,6 +201,11 @@ class TrainerConfig:
         None, "mask tokens more than this many versions behind the trainer (null = off)"
     )
     pad_id: int = setting(0, "token id padding micro-batch rows (masked out of the loss)")
+    mask_truncated: bool = setting(
+        False,
+        "DAPO's overlong filtering: a response cut at rollout.max_new_tokens gets no gradient (its reward "
+        "still counts in its group's advantages)",
+    )
     external: bool = setting(
         False,
         "train with a trainer of your own: it joins the run and pulls each step's batch "

@@ -92,12 +92,12 @@ class Reports:
     def _score(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
         """Each result scored by its policy's task."""
         if len(self.pols) == 1:
-            return self.pols[0].ses.score(prompts, results)
+            return self.pols[0].ses.train_scores(prompts, results)
         scores: list[Scored] = []
         for pol in self.pols:
             mine = [k for k, r in enumerate(results) if self.sched.policy_of(r.request_id) == pol.index]
             if mine:
-                scores += pol.ses.score([prompts[k] for k in mine], [results[k] for k in mine])
+                scores += pol.ses.train_scores([prompts[k] for k in mine], [results[k] for k in mine])
         return scores
 
     def _relay_history(self, source: int | None, prompts: list[Prompt], results: list[GenResult]) -> None:

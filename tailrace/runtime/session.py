@@ -7,6 +7,7 @@ on the way out; engines and the trainer see token ids only, and stop on `stop_id
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -24,6 +25,7 @@ from tailrace.runtime.warmstart import ensure_warm_start
 from tailrace.tasks.base import Example
 from tailrace.tasks.env import Environment, Turn
 from tailrace.tasks.guard import RewardGuard
+from tailrace.tasks.overlong import overlong_penalty
 from tailrace.tasks.registry import make_task
 from tailrace.tokenizer import load_tokenizer
 from tailrace.types import GenResult, Prompt, Scored
@@ -168,6 +170,22 @@ class Session:
         pairs = [(Example(p.id, p.text, p.answer), self.response_text(r)) for p, r in zip(prompts, results)]
         scored = self.guard.score_many(pairs)
         return [Scored(r.request_id, s.reward, s.reward >= 1.0) for r, s in zip(results, scored)]
+
+    def train_scores(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
+        """`score` for training: the task's reward with DAPO's soft overlong punishment added
+        (task.overlong_buffer); `correct` stays the task's verdict."""
+        scores, t = self.score(prompts, results), self.cfg.task
+        if not t.overlong_buffer:
+            return scores
+        cap = self.cfg.rollout.max_new_tokens
+        return [
+            replace(
+                s,
+                reward=s.reward
+                + overlong_penalty(len(r.token_ids), cap, t.overlong_buffer, t.overlong_penalty),
+            )
+            for s, r in zip(scores, results)
+        ]
 
     def difficulty(self, p: Prompt) -> str | None:
         """The task's difficulty bucket of a prompt (None: the task has none)."""

@@ -20,7 +20,7 @@ from tailrace.model.moe import routes_of, sparse_layers
 from tailrace.trainer.advantages import Advantage
 from tailrace.trainer.losses import TokenScale, fresh_mask
 from tailrace.trainer.packing import micro_batches
-from tailrace.types import Group, Trajectory
+from tailrace.types import Finish, Group, Trajectory
 
 Tensor = torch.Tensor
 
@@ -57,9 +57,12 @@ class TrainBatch:
         max_staleness: int | None = None,
         pad_id: int = 0,
         moe: ModelConfig | None = None,
+        mask_truncated: bool = False,
     ) -> "TrainBatch":
         """Flatten `groups`; a group without `advantages` gets them from `advantage(rewards)`. `moe`: the
-        mixture of experts whose routes the trajectories carry, replayed (None: none)."""
+        mixture of experts whose routes the trajectories carry, replayed (None: none). `mask_truncated`:
+        a response the length cap cut (finish `length`) is context only, out of the loss and its
+        normaliser (DAPO's overlong filtering); its advantage was computed with its group's all the same."""
         trajs: list[Trajectory] = []
         advs: list[float] = []
         for g in groups:
@@ -126,6 +129,8 @@ class TrainBatch:
                 for a, e in t.observed:  # a tool's tokens: context only
                     behav[b, p + a : p + e] = 0.0
                     versions[b, p + a : p + e] = -1
+                if mask_truncated and r.finish == Finish.LENGTH:
+                    versions[b, p:n] = -1
         mask = fresh_mask(versions, trainer_version, max_staleness)
         adv = adv * mask
         return TrainBatch(

@@ -356,4 +356,5 @@ def batch_of(
         max_staleness=cfg.max_staleness,
         pad_id=cfg.pad_id,
         moe=model if cfg.routing_replay and model is not None and model.moe else None,
+        mask_truncated=cfg.mask_truncated,
     )

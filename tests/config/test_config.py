@@ -49,6 +49,11 @@ def test_yaml_then_overrides(tmp_path):
         ("--flow.stepz=3", "unknown config key flow.stepz; did you mean flow.steps?"),
         ("--sft.hidden_size=64", "unknown config key sft.hidden_size; did you mean arch.hidden_size?"),
         ("--flow.lr=1e-4", "unknown config key flow.lr; did you mean sft.lr or train.lr?"),
+        (
+            "--task.overlong_buffer=600",
+            "task.overlong_buffer=600 is more than rollout.max_new_tokens=384: the penalty would start before "
+            "the response does; lower it (DAPO: a fifth of the cap) or raise rollout.max_new_tokens",
+        ),
         ("--train.lr_schedule=step", "train.lr_schedule='step': use one of constant, linear, cosine"),
         (
             "--train.lr_min_ratio=0.1",

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -56,6 +58,25 @@ def test_staleness_masks_old_segment_and_renormalises():
     assert tb.mask.tolist() == [[0, 1, 1, 1], [0, 1, 0, 0], [0, 1, 0, 0]]
     assert tb.scale.sum().item() == pytest.approx(1.0)
     close(tb.scale[2], [0, 1 / 5, 0, 0])
+
+
+def test_a_truncated_response_is_masked_out_of_the_loss_but_keeps_its_groups_advantages():
+    """DAPO's overlong filtering: `a` hit the length cap. With mask_truncated its tokens leave the loss
+    and the normaliser (2 sequences left), while `b`'s advantage is still grpo over both rewards."""
+    gs = groups()
+    a = gs[0].trajectories[0]
+    cut = replace(a, result=replace(a.result, finish=Finish.LENGTH))
+    gs[0] = replace(gs[0], trajectories=(cut, gs[0].trajectories[1]))
+    kept = TrainBatch.from_groups(gs, trainer_version=3, token_scale=seq_mean_scale, advantage=grpo)
+    assert kept.mask.tolist() == [[0, 1, 1, 1], [0, 1, 0, 0], [1, 1, 0, 0]]  # off: trained as any
+    tb = TrainBatch.from_groups(
+        gs, trainer_version=3, token_scale=seq_mean_scale, advantage=grpo, mask_truncated=True
+    )
+    assert tb.mask.tolist() == [[0, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0]]
+    s = 0.5 / (0.5 + 1e-6)
+    assert tb.seq_adv.tolist() == pytest.approx([s, -s, 0.5])
+    close(tb.adv, [[0, 0, 0, 0], [0, -s, 0, 0], [0.5, 0.5, 0, 0]])
+    close(tb.scale, [[0, 0, 0, 0], [0, 1 / 2, 0, 0], [1 / 4, 1 / 4, 0, 0]])
 
 
 def test_micro_batches_respect_budget_and_keep_global_scale():
