@@ -60,6 +60,11 @@ def check_multi_turn(cfg: RunConfig) -> None:
 
     if not multi_turn(cfg.task.name):
         return
+    if cfg.task.reward:
+        raise ConfigError(
+            f"task.reward={cfg.task.reward} with task.name={cfg.task.name}: a multi-turn task's reward is its "
+            "own; drop task.reward"
+        )
     if cfg.shaping.name != "none":
         raise ConfigError(
             f"task.name={cfg.task.name} is multi-turn (tool calls); shaping.name={cfg.shaping.name} "
@@ -132,6 +137,7 @@ def check(cfg: RunConfig) -> None:
     from tailrace.flow.policies import make_policy
     from tailrace.flow.shaping import check_mode
     from tailrace.runtime.run_modes import run_capabilities, with_mode
+    from tailrace.user_code import load_function
 
     if cfg.policies:
         check_policies(cfg)
@@ -145,6 +151,8 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     options = {k: v for k, v in dataclasses.asdict(cfg.flow).items() if k != "mode"}
     keep = load_keep(cfg.store.filter) if cfg.store.filter else None  # (its one-line ConfigError)
+    if cfg.task.reward:
+        load_function(cfg.task.reward, "task.reward")  # found and loadable before any process starts
     try:
         policy = make_policy(cfg.flow.mode, keep=keep, keep_name=cfg.store.filter or "", **options)
     except ValueError as e:

@@ -23,6 +23,11 @@ class TaskConfig:
         "chainsum (built in), chaincalc (chainsum with a calculator tool: multi-turn), "
         "gym:<reasoning-gym dataset> or jsonl:<path> (question/answer lines)",
     )
+    reward: str | None = setting(
+        None,
+        "your reward function instead of the task's, module:function or path/to/file.py:function: "
+        "reward(question, response, answer) -> float, 1 or more = verified correct (held-out accuracy)",
+    )
     reward_timeout_s: float = setting(5.0, "seconds a reward may take; one that hangs or raises scores 0")
     seed: int = setting(0, "seed of the training prompt stream and the held-out set")
     config: dict[str, Any] = section(

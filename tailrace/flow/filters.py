@@ -18,17 +18,13 @@ or `path/to/file.py:function`.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-from tailrace.common import ConfigError, InputError
+from tailrace.common import InputError
 from tailrace.flow.store import GroupState
 from tailrace.types import Prompt, Trajectory
+from tailrace.user_code import load_function
 
 Keep = Callable[[Prompt, list[Trajectory]], bool]
 
@@ -72,35 +68,4 @@ class EntryFilter:
 
 def load_keep(spec: str) -> Keep:
     """The function `spec` (store.filter) names: `module:function` or `path/to/file.py:function`."""
-    where, sep, name = spec.rpartition(":")
-    form = "write it as module:function or path/to/file.py:function"
-    if not sep or not where or not name.isidentifier():
-        raise ConfigError(f"store.filter={spec!r}: {form}")
-    if where.endswith(".py"):
-        module = _from_file(spec, Path(where))
-    else:
-        if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` finds the working directory's
-            sys.path.append(os.getcwd())
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ConfigError(
-                f"store.filter={spec}: cannot import {where!r} ({e}); put it on PYTHONPATH or in the working "
-                f"directory, or {form}"
-            ) from None
-    keep = getattr(module, name, None)
-    if not callable(keep):
-        raise ConfigError(f"store.filter={spec}: {where} has no function {name!r}")
-    return keep
-
-
-def _from_file(spec: str, path: Path):
-    if not path.is_file():
-        raise ConfigError(f"store.filter={spec}: no file {path}; give an existing .py file's path")
-    loader = importlib.util.spec_from_file_location(f"tailrace_filter_{path.stem}", path)
-    module = importlib.util.module_from_spec(loader)
-    try:
-        loader.loader.exec_module(module)
-    except Exception as e:
-        raise ConfigError(f"store.filter={spec}: {path} fails to load: {type(e).__name__}: {e}") from None
-    return module
+    return load_function(spec, "store.filter")

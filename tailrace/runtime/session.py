@@ -75,7 +75,9 @@ class Session:
     def __init__(self, cfg: RunConfig, progress=None) -> None:
         self.cfg = cfg
         # cheap checks first: a typo never costs a warm start
-        self.task = make_task(cfg.task.name, cfg.task.config, max_turns=cfg.task.max_turns)
+        self.task = make_task(
+            cfg.task.name, cfg.task.config, max_turns=cfg.task.max_turns, reward=cfg.task.reward
+        )
         self.model_path = (
             Path(cfg.model.path)
             if cfg.model.path

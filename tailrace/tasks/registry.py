@@ -18,10 +18,22 @@ FORMS = (
 )
 
 
-def make_task(spec: str, config: Mapping[str, Any] | None = None, max_turns: int = 32) -> Task:
+def make_task(
+    spec: str, config: Mapping[str, Any] | None = None, max_turns: int = 32, reward: str | None = None
+) -> Task:
     """`config` (task.config): the task's own settings, checked key by key — chainsum's spec fields
     that shape its questions, a reasoning-gym dataset's config, or the keyword options of JsonlTask
-    and CodeTask. `max_turns` (task.max_turns): a multi-turn task's turns per episode at most."""
+    and CodeTask. `max_turns` (task.max_turns): a multi-turn task's turns per episode at most.
+    `reward` (task.reward): the user's function that scores it instead of its own (tasks/user_reward)."""
+    task = _make_task(spec, config, max_turns)
+    if reward is None:
+        return task
+    from tailrace.tasks.user_reward import UserReward
+
+    return UserReward(task, reward)
+
+
+def _make_task(spec: str, config: Mapping[str, Any] | None, max_turns: int) -> Task:
     kind, sep, arg = spec.partition(":")
     config = config or {}
     if spec == "chainsum":

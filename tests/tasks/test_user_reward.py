@@ -1,0 +1,58 @@
+"""task.reward: the user's function scores a task's responses in the reward guard's sandboxed worker,
+forked or spawned, with the task's questions and answers."""
+
+from pathlib import Path
+
+import pytest
+
+from tailrace.common import ConfigError
+from tailrace.tasks.base import TaskError
+from tailrace.tasks.guard import RewardGuard
+from tailrace.tasks.registry import make_task
+
+ROWS = Path(__file__).resolve().parents[2] / "examples" / "gsm8k_style.jsonl"
+REWARD = '''
+def exact(question, response, answer):
+    """1 for the answer at the end, plus 0.1 for ending with it on a line of its own."""
+    text = response.strip()
+    score = 1.0 if text.endswith(answer) else 0.0
+    return score + (0.1 if text.splitlines()[-1:] == [answer] else 0.0)
+
+def broken(question, response, answer):
+    raise ValueError("no " + answer)
+'''
+
+
+@pytest.fixture
+def reward_file(tmp_path) -> Path:
+    f = tmp_path / "my_reward.py"
+    f.write_text(REWARD)
+    return f
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_the_users_function_scores_the_tasks_answers_in_the_sandbox(reward_file, start_method):
+    task = make_task(f"jsonl:{ROWS}", reward=f"{reward_file}:exact")
+    ex = task.examples("train", 1)[0]
+    with RewardGuard(task, timeout_s=5.0, start_method=start_method) as g:
+        got = g.score_many([(ex, f"so\n{ex.answer}"), (ex, f"it is {ex.answer}!"), (ex, "so 0.5\n")])
+    assert [s.reward for s in got] == pytest.approx([1.1, 0.0, 0.0])  # above 1: not clamped to the task's
+    assert all(s.error is None for s in got)
+
+
+def test_a_function_that_raises_scores_zero_with_its_reason(reward_file):
+    task = make_task(f"jsonl:{ROWS}", reward=f"{reward_file}:broken")
+    ex = task.examples("train", 1)[0]
+    with RewardGuard(task, timeout_s=5.0) as g:
+        (s,) = g.score_many([(ex, "anything")])
+    assert s.reward == 0.0 and s.error == f"raised ValueError: no {ex.answer}"
+    assert g.errors["raised ValueError"] == 1
+
+
+def test_what_cannot_be_loaded_or_used_is_refused_in_one_line(reward_file):
+    with pytest.raises(ConfigError, match=r"task.reward=.*my_reward.py:nope: .* has no function 'nope'"):
+        make_task(f"jsonl:{ROWS}", reward=f"{reward_file}:nope")
+    with pytest.raises(ConfigError, match="task.reward='exact': write it as module:function"):
+        make_task(f"jsonl:{ROWS}", reward="exact")
+    with pytest.raises(TaskError, match="task.name=chaincalc: a multi-turn task's reward is its own"):
+        make_task("chaincalc", reward=f"{reward_file}:exact")
