@@ -306,6 +306,15 @@ class EvalRecord:
 _EVAL_HEAD = ("kind", "tag", "step", "version", "wall_s")
 
 
+def on_prompts(summary: dict[str, Any]) -> str:
+    """What an accuracy was measured on: 'on 512 prompts', or with several samples a prompt
+    (eval.samples) 'on 512 prompts x 4 samples (pass@4 71.2%)'."""
+    k = summary.get("samples", 1)
+    if k == 1:
+        return f"on {summary['n']} prompts"
+    return f"on {summary['n']} prompts x {k} samples (pass@{k} {summary['pass_at_k']:.1%})"
+
+
 @dataclass(frozen=True)
 class CheckpointRecord:
     """A checkpoint made after `step` steps: its size on disk and the trainer's time writing it."""

@@ -32,12 +32,12 @@ def _sft_progress():
 
 
 def _eval_progress():
-    return _progress("evaluating", "prompts")
+    return _progress("evaluating", "responses")
 
 
 def _progress(label: str, unit: str):
     """on(done, total, note=""): a progress bar with an ETA on a terminal; where the output is not a
-    terminal (a log file), a plain line at every tenth instead ("evaluating: 64/625 prompts, ETA 55 s")."""
+    terminal (a log file), a plain line at every tenth instead ("evaluating: 64/625 responses, ETA 55 s")."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     state = {}
@@ -417,6 +417,7 @@ def serve(args: Args) -> int:
 
 
 def evaluate(args: Args) -> int:
+    from tailrace.records import on_prompts
     from tailrace.runtime.eval_run import evaluate_checkpoints, is_run_dir
     from tailrace.runtime.evaluate import difficulty_line
     from tailrace.runtime.standalone import evaluate_model, with_checkpoint
@@ -437,7 +438,7 @@ def evaluate(args: Args) -> int:
     res = evaluate_model(cfg, progress=_sft_progress(), on_done=_eval_progress(), adapter=adapter)
     console.print(f"model {res['model']}" + (f" with the LoRA adapter {adapter} merged" if adapter else ""))
     console.print(
-        f"held-out accuracy {res['accuracy']:.1%} on {res['n']} prompts of {cfg.task.name} "
+        f"held-out accuracy {res['accuracy']:.1%} {on_prompts(res)} of {cfg.task.name} "
         f"(temperature {cfg.eval.temperature})"
     )
     if difficulty_line(res):

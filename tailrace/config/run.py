@@ -361,6 +361,11 @@ class EvalConfig:
     temperature: float = setting(
         1.0, "sampling temperature: the accuracy of the sampling policy (pass@1), as trained; 0 = greedy"
     )
+    samples: int = setting(
+        1,
+        "samples per held-out prompt: accuracy is their mean (pass@1 with less sampling noise), and "
+        "pass@k is reported beside it (k times the evaluation's time)",
+    )
     max_new_tokens: int = setting(384, "response length limit in tokens")
     batch: int = setting(64, "prompts decoded at once")
     every: int = setting(
@@ -373,6 +378,7 @@ class EvalConfig:
         need(self.every >= 0, f"eval.every={self.every}: must be >= 0 (0 = base and final only)")
         need(self.temperature >= 0, f"eval.temperature={self.temperature}: must be >= 0 (0 = greedy)")
         need(self.batch > 0, f"eval.batch={self.batch}: must be positive")
+        need(self.samples > 0, f"eval.samples={self.samples}: must be positive (1 = one sample a prompt)")
 
 
 @dataclass

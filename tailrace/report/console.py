@@ -14,7 +14,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from tailrace.records import CheckpointRecord, EvalRecord, StepRecord
+from tailrace.records import CheckpointRecord, EvalRecord, StepRecord, on_prompts
 
 
 def _no_signal_at_base(n: int) -> str:
@@ -45,7 +45,7 @@ class ConsoleUI:
         if base is not None:
             b = base.summary
             self.console.print(
-                f"base policy: held-out accuracy {b['accuracy']:.1%} on {b['n']} prompts, "
+                f"base policy: held-out accuracy {b['accuracy']:.1%} {on_prompts(b)}, "
                 f"length p50 {b['p50']:.0f} p99 {b['p99']:.0f} max {b['max']}"
             )
             if b["accuracy"] == 0:

@@ -43,7 +43,7 @@ from tailrace.flow.policies import make_policy
 from tailrace.flow.replay import ReplayOptions
 from tailrace.flow.scheduler import FlowSpec, Outbox, Scheduler
 from tailrace.flow.shaping import make_shaping
-from tailrace.records import EvalRecord, Mark, StepRecord, read_metrics
+from tailrace.records import EvalRecord, Mark, StepRecord, on_prompts, read_metrics
 from tailrace.runtime import checkpoint
 from tailrace.runtime.engine_worker import EngineSpec, engine_main
 from tailrace.runtime.evaluate import Evaluator
@@ -411,7 +411,7 @@ class Driver(Membership, Reports):
             for p, base in zip(self.pols, bases):
                 if len(bases) > 1 and base is not None:
                     self.ui.note(
-                        f"{p.name}: base policy held-out accuracy {base.accuracy:.1%} on {base.summary['n']} prompts"
+                        f"{p.name}: base policy held-out accuracy {base.accuracy:.1%} {on_prompts(base.summary)}"
                     )
         agent = self.sched if self.endpoint else None  # every policy's scheduler, by the request's model
         while not self.sched.done:
@@ -507,7 +507,7 @@ class Driver(Membership, Reports):
         reqs = evaluator.requests(version)
         self._eval_ses = pol.ses
         self._eval_wanted = {r.id for r in reqs}
-        self._eval_reqs = {r.id: (p, r) for p, r in zip(evaluator.prompts, reqs)}
+        self._eval_reqs = {r.id: (p, r) for p, r in zip(evaluator.per_request, reqs)}
         self._eval_calls = {}
         ids = list(self.engines)
         self._eval_sent = {e: tuple(reqs[k :: len(ids)]) for k, e in enumerate(ids)}

@@ -17,7 +17,7 @@ from pathlib import Path
 from tailrace.common import ConfigError
 from tailrace.config import load_config
 from tailrace.model import lora
-from tailrace.records import EvalRecord, StepRecord, read_metrics
+from tailrace.records import EvalRecord, StepRecord, on_prompts, read_metrics
 from tailrace.runtime import checkpoint
 from tailrace.runtime.lock import RunLock
 from tailrace.runtime.rundir import RecordFile, RunDir, repair
@@ -76,7 +76,7 @@ def evaluate_checkpoints(
                 rec = EvalRecord(TAG, step, summary, s.version, s.time["wall_s"])
                 f.write(rec)
                 out.append(rec)
-                say(f"step {step}: held-out accuracy {rec.accuracy:.1%} on {rec.summary['n']} prompts")
+                say(f"step {step}: held-out accuracy {rec.accuracy:.1%} {on_prompts(rec.summary)}")
         finally:
             f.close()
         return out

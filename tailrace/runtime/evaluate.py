@@ -23,11 +23,22 @@ def histogram(lengths: list[int], bins: int = 12) -> list[tuple[int, int, int]]:
     return [(i * width, (i + 1) * width - 1, c) for i, c in enumerate(counts)]
 
 
-def summarize(lengths: list[int], correct: list[bool]) -> dict:
-    n = len(lengths)
+def summarize(lengths: list[int], correct: list[bool], samples: int = 1) -> dict:
+    """Accuracy and lengths of held-out results, `samples` a prompt in prompt order (prompt i's at
+    i x samples onwards). Accuracy is the mean over every sample (avg@k: the pass@1 of the sampling
+    policy, with less sampling noise than one sample a prompt); with several, pass@k (the share of
+    prompts with a right sample) beside it. `n`: the prompts."""
+    if len(lengths) % samples:
+        raise ValueError(f"{len(lengths)} results are not {samples} samples of each prompt")
+    n, prompts = len(lengths), len(lengths) // samples
+    several = {}
+    if samples > 1:
+        hit = sum(any(correct[i * samples : (i + 1) * samples]) for i in range(prompts))
+        several = {"samples": samples, "pass_at_k": hit / prompts}
     return {
         "accuracy": sum(correct) / n,
-        "n": n,
+        "n": prompts,
+        **several,
         "p50": percentile(lengths, 50),
         "p90": percentile(lengths, 90),
         "p99": percentile(lengths, 99),
@@ -58,38 +69,43 @@ def difficulty_line(summary: dict) -> str:
 
 
 class Evaluator:
-    """One sample per held-out prompt, seeded by the prompt (the same requests at every evaluation);
-    the driver sends them through the engines' command path and hands back the results."""
+    """`eval.samples` samples per held-out prompt, each seeded by the prompt and its index (the same
+    requests at every evaluation; the first sample's seed is the prompt's alone, as with one sample); the
+    driver sends them through the engines' command path and hands back the results."""
 
     def __init__(self, session, cfg: EvalConfig) -> None:
         self.ses, self.cfg = session, cfg
         self.prompts = session.heldout(cfg.n)
+        self.per_request = [p for p in self.prompts for _ in range(cfg.samples)]  # aligned with requests()
 
     def requests(self, version: int) -> list[GenRequest]:
         c = self.cfg
         return [
             GenRequest(
-                id=f"heldout-{i}",
+                id=f"heldout-{i}" + (f".{j}" if j else ""),
                 prompt_ids=p.token_ids,
                 version=version,
                 params=SamplingParams(
                     temperature=c.temperature,
                     max_new_tokens=c.max_new_tokens,
                     stop_token_ids=self.ses.stop_ids,
-                    seed=zlib.crc32(f"eval/{p.id}".encode()),
+                    seed=zlib.crc32(f"eval/{p.id}".encode() + (f"/{j}".encode() if j else b"")),
                 ),
             )
             for i, p in enumerate(self.prompts)
+            for j in range(c.samples)
         ]
 
     def summarize(self, requests: list[GenRequest], results: list[GenResult]) -> dict:
         by_id = {r.request_id: r for r in results}
         ordered = [by_id[r.id] for r in requests]
-        scores = self.ses.score(self.prompts, ordered)
-        out = summarize([len(r.token_ids) for r in ordered], [s.correct for s in scores])
-        buckets = [self.ses.difficulty(p) for p in self.prompts]
+        scores = self.ses.score(self.per_request, ordered)
+        out = summarize([len(r.token_ids) for r in ordered], [s.correct for s in scores], self.cfg.samples)
+        buckets = [self.ses.difficulty(p) for p in self.per_request]
         if any(b is not None for b in buckets):
             out["by_difficulty"] = by_bucket(buckets, [s.correct for s in scores])
+            for d in out["by_difficulty"].values():
+                d["n"] //= self.cfg.samples  # prompts, as the summary's own n
         return out
 
 

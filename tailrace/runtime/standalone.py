@@ -31,7 +31,7 @@ def evaluate_model(cfg: RunConfig, progress=None, on_done=None, adapter: Path | 
         evaluator = Evaluator(ses, cfg.eval)
         reqs = evaluator.requests(version=0)
         out = evaluator.summarize(
-            reqs, generate_episodes(engine, ses, evaluator.prompts, reqs, ses.context, on_done)
+            reqs, generate_episodes(engine, ses, evaluator.per_request, reqs, ses.context, on_done)
         )
         out["model"] = str(ses.model_path)
         return out

@@ -29,7 +29,7 @@ def test_eval_renders_the_template_and_stops_at_the_end_of_turn(tmp_path, capsys
     assert main(["eval", *flags]) == 0
     out = capsys.readouterr().out
     assert "held-out accuracy 0.0% on 32 prompts of chainsum" in out
-    assert "evaluating: 32/32 prompts, ETA 0 s" in out  # progress as plain lines in a log
+    assert "evaluating: 32/32 responses, ETA 0 s" in out  # progress as plain lines in a log
     # KV sized by the work (eval.batch = 64 slots of a ~120-token prompt + 64 new tokens, in blocks of
     # 16), not by 64 x 32,768 positions
     blocks = int(out.split(" blocks of 16 tokens")[0].rsplit(" ", 1)[1].replace(",", ""))
