@@ -38,17 +38,23 @@ class ChatFormat:
     def render(self, question: str) -> str:
         return self.render_turns([{"role": "user", "content": question}])
 
-    def render_turns(self, turns: list[dict], thinking: bool | None = None) -> str:
-        """A conversation (the system message, if set, goes first) and the assistant's generation
-        prompt: what a chat endpoint sends the model. `thinking`: this conversation's switch (None:
-        the format's); the caller checks `switch` first."""
-        return self._render(turns, add_generation_prompt=True, thinking=thinking)
+    def render_turns(self, turns: list[dict], thinking: bool | None = None, system: bool = True) -> str:
+        """A conversation (the system message, if set and `system`, goes first) and the assistant's
+        generation prompt: what a chat endpoint sends the model. `thinking`: this conversation's switch
+        (None: the format's); the caller checks `switch` first."""
+        return self._render(turns, add_generation_prompt=True, thinking=thinking, system=system)
 
     def ids(self, question: str) -> list[int]:
         return self.tok.encode(self.render(question))
 
-    def _render(self, turns: list[dict], add_generation_prompt: bool, thinking: bool | None = None) -> str:
-        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+    def _render(
+        self,
+        turns: list[dict],
+        add_generation_prompt: bool,
+        thinking: bool | None = None,
+        system: bool = True,
+    ) -> str:
+        system = [{"role": "system", "content": self.system}] if self.system is not None and system else []
         thinking = self.thinking if thinking is None else thinking
         options = {} if thinking is None else {"enable_thinking": thinking}
         try:

@@ -157,3 +157,43 @@ def test_gemma2s_template_refuses_a_system_message_in_one_line_naming_the_fix(tm
     with pytest.raises(TokenizerError) as e:
         ChatFormat(load_tokenizer(d), "Answer briefly.")
     assert "System role not supported" in str(e.value) and "drop task.system_prompt" in str(e.value)
+
+
+def test_a_datasets_chat_messages_render_as_transformers_renders_them(tmp_path):
+    """A JSONL row's messages (TRL's conversational format) through the model's template, token for
+    token as apply_chat_template; task.system_prompt goes first only where a row has no system message."""
+    rows = [
+        [{"role": "user", "content": "a1 b2"}],
+        [{"role": "system", "content": "Sum it."}, {"role": "user", "content": "a4 b5"}],
+        [
+            {"role": "user", "content": "a1"},
+            {"role": "assistant", "content": "A:1"},
+            {"role": "user", "content": "b2"},
+        ],
+    ]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": m, "answer": "3"}) + "\n" for m in rows))
+    d = write_chat_model(tmp_path / "model")
+    task = [
+        f"--task.name=jsonl:{data}",
+        "--task.config={question_field: prompt, test_path: " + str(data) + "}",
+    ]
+    for system in (None, "Be terse."):
+        ses = session(d, *task, *([f"--task.system_prompt={system}"] if system else []))
+        try:
+            for ex in ses.task.examples("test", 3):
+                messages = [{"role": r, "content": c} for r, c in ex.messages]
+                if system and messages[0]["role"] != "system":
+                    messages = [{"role": "system", "content": system}] + messages
+                assert list(ses.prompt(ex).token_ids) == hf_ids(d, messages)
+                assert ses.prompt(ex).text == ex.messages[-1][1]  # what the reward reads: the last question
+        finally:
+            ses.close()
+    raw = session(d, *task, "--task.chat_template=none")
+    try:
+        from tailrace.common import ConfigError
+
+        with pytest.raises(ConfigError, match="its prompts are chat messages, which need a chat template"):
+            raw.prompt(raw.task.examples("test", 1)[0])
+    finally:
+        raw.close()

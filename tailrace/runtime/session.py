@@ -146,8 +146,27 @@ class Session:
     def prompt(self, ex: Example) -> Prompt:
         """The question as token ids: through the chat template when there is one (it writes its own
         special tokens), else BOS + the raw text. `text` stays the question: what the reward sees."""
-        ids = self.chat.ids(ex.question) if self.chat else self.tok.encode(ex.question, bos=True)
+        if ex.messages:
+            ids = self._conversation(ex.messages)
+        else:
+            ids = self.chat.ids(ex.question) if self.chat else self.tok.encode(ex.question, bos=True)
         return Prompt(id=ex.id, token_ids=tuple(ids), answer=ex.answer, text=ex.question)
+
+    def _conversation(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+        """A chat-message prompt through the chat template as it is; task.system_prompt goes first only
+        where the conversation has no system message of its own."""
+        if self.chat is None:
+            why = (
+                "task.chat_template=none"
+                if self.cfg.task.chat_template == "none"
+                else "the model's tokenizer has none"
+            )
+            raise ConfigError(
+                f"task.name={self.cfg.task.name}: its prompts are chat messages, which need a chat template "
+                f"({why}); use a model whose tokenizer has one, with task.chat_template=auto"
+            )
+        turns = [{"role": r, "content": c} for r, c in messages]
+        return self.tok.encode(self.chat.render_turns(turns, system=messages[0][0] != "system"))
 
     def prompt_stream(self) -> Iterator[Prompt]:
         for ex in self.task.stream("train", seed=self.cfg.task.seed, size=self.cfg.task.train_size):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping
 
 from tailrace.common import InputError
@@ -26,8 +26,12 @@ class TaskError(InputError):
 @dataclass(frozen=True)
 class Example:
     id: int
-    question: str  # text fed to the model (already in the task's prompt format)
+    question: str  # text fed to the model (already in the task's prompt format); of chat messages, the last
     answer: str  # ground truth the reward understands
+    # a conversational prompt (a JSONL row's list of {role, content} messages, as TRL's datasets hold
+    # them): (role, content) pairs that go through the model's chat template as they are; () = `question`
+    # alone as the user's turn
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 class Task(ABC):
@@ -61,7 +65,7 @@ class Task(ABC):
         base = 0
         while True:
             for ex in self.examples(split, chunk, seed=seed + base):
-                yield Example(id=base + ex.id, question=ex.question, answer=ex.answer)
+                yield replace(ex, id=base + ex.id)
             base += chunk
 
 

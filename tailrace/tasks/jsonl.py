@@ -15,6 +15,7 @@ import random
 import re
 import threading
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 from tailrace.tasks.base import SPLITS, Example, Task, TaskError, check_split, in_test_split
@@ -57,6 +58,26 @@ def _spelled_out(answer: str) -> bool:
 
 _NUMERIC = re.compile(r"[\d\s.,()+\-*/×·]+")
 _BINARY_OP = re.compile(r"\d\)?\s*[-+*×·]\s*\(?\d")
+
+
+def _messages(value: list, where: str) -> tuple[tuple[str, str], ...]:
+    """A row's chat messages ([{role, content}, ...], TRL's conversational format) as (role, content)
+    pairs: roles system, user or assistant, string contents, the last one the user's (the model answers
+    it)."""
+    out = []
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ROLES):
+            raise TaskError(
+                f'{where}: message {i} is {str(m)[:80]}; each must be {{"role": system|user|assistant, '
+                '"content": "<text>"}'
+            )
+        out.append((m["role"], m["content"]))
+    if not out or out[-1][0] != "user":
+        raise TaskError(f"{where}: the messages must end with the user's (the model answers it); add one")
+    return tuple(out)
+
+
+ROLES = ("system", "user", "assistant")
 
 
 class JsonlTask(Task):
@@ -136,6 +157,17 @@ class JsonlTask(Task):
                         f"{where}: missing field {field!r} (has {', '.join(row) or 'none'}); "
                         f"add it, or pass {arg}= naming the right field"
                     )
+            if isinstance(row[qf], list):  # a conversation: it goes through the chat template as it is
+                messages = _messages(row[qf], f"{where}: {qf!r}")
+                if self.template != "{question}":
+                    raise TaskError(
+                        f"{where}: {qf!r} holds chat messages, which prompt_template={self.template!r} cannot "
+                        "wrap; drop prompt_template or write the template's text into the messages"
+                    )
+                raw = json.dumps(row[qf], sort_keys=True)  # what the test split hashes
+                ex = Example(len(out), messages[-1][1], self.answer_text(row[af]), messages)
+                out.append((raw, ex))
+                continue
             values = {**{k: str(v) for k, v in row.items()}, "question": str(row[qf])}
             prompt = _PLACEHOLDER.sub(lambda m: values.get(m[1], m[0]), self.template)
             out.append((values["question"], Example(len(out), prompt, self.answer_text(row[af]))))
@@ -165,7 +197,7 @@ class JsonlTask(Task):
             epoch = list(rows)
             rng.shuffle(epoch)
             for ex in epoch[: n - len(out)]:
-                out.append(Example(id=len(out), question=ex.question, answer=ex.answer))
+                out.append(replace(ex, id=len(out)))
         return out
 
     def reward(self, example: Example, response: str) -> float:

@@ -168,3 +168,62 @@ def test_scores_the_same_through_a_reward_guard_worker(gsm):
     with RewardGuard(task) as guard:
         assert [s.reward for s in guard.score_many(pairs)] == [1.0, 0.0]
     assert guard.errors == {}
+
+
+CHAT_ROWS = [
+    {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"},
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6 x 7?"}],
+        "answer": "42",
+    },
+    {
+        "prompt": [
+            {"role": "user", "content": "Add 1 and 1."},
+            {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "Now double it."},
+        ],
+        "answer": "4",
+    },
+]
+
+
+def _chat_file(tmp_path, rows=CHAT_ROWS):
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_a_row_of_chat_messages_keeps_them_and_its_last_users_turn_is_the_question(tmp_path):
+    """TRL's conversational format: the prompt field a list of {role, content}; the messages go through
+    the chat template as they are, the question (what a reward reads) is the last user turn."""
+    t = JsonlTask(_chat_file(tmp_path), question_field="prompt", test_path=_chat_file(tmp_path))
+    exs = t.examples("train", 6, seed=1)
+    by_answer = {e.answer: e for e in exs}
+    assert by_answer["42"].messages == (("system", "Be brief."), ("user", "6 x 7?"))
+    assert by_answer["42"].question == "6 x 7?"
+    assert by_answer["4"].messages[-1] == ("user", "Now double it.") and len(by_answer["4"].messages) == 3
+    assert [e.id for e in exs] == list(range(6))  # ids renumbered as any task's, messages kept
+    assert all(e.messages for e in exs)
+
+
+@pytest.mark.parametrize(
+    "prompt, said",
+    [
+        ([{"role": "bot", "content": "hi"}], "message 0 is .*each must be"),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            "the messages must end with the user's",
+        ),
+        ([], "the messages must end with the user's"),
+    ],
+)
+def test_bad_chat_messages_are_refused_naming_the_line(tmp_path, prompt, said):
+    with pytest.raises(TaskError, match=r"chat.jsonl:2: 'prompt': " + said):
+        JsonlTask(
+            _chat_file(tmp_path, [CHAT_ROWS[0], {"prompt": prompt, "answer": "1"}]), question_field="prompt"
+        )
+
+
+def test_a_template_cannot_wrap_chat_messages(tmp_path):
+    with pytest.raises(TaskError, match="holds chat messages, which prompt_template="):
+        JsonlTask(_chat_file(tmp_path), question_field="prompt", prompt_template="Solve: {question}")
