@@ -21,7 +21,7 @@ class TaskConfig:
     name: str = setting(
         "chainsum",
         "chainsum (built in), chaincalc (chainsum with a calculator tool: multi-turn), "
-        "gym:<reasoning-gym dataset> or jsonl:<path> (question/answer lines)",
+        "gym:<reasoning-gym dataset>, jsonl:<path> (question/answer lines) or parquet:<path> (the same rows)",
     )
     reward: str | None = setting(
         None,

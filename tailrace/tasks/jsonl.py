@@ -1,4 +1,7 @@
-"""A Task over a JSONL file of question/answer rows (GSM8K, MATH and the like), scored by math-verify.
+"""A Task over a JSONL file of question/answer rows (GSM8K, MATH and the like), scored by math-verify;
+or over a parquet file of the same rows (Hugging Face datasets' and verl's files: a dotted field name
+reaches a nested one, e.g. answer_field="reward_model.ground_truth"). A question may be a string or a
+list of chat messages (TRL's and verl's conversational prompts).
 
 Rows are read and checked when the task is built, so a bad file fails before a run starts. Without
 `test_path`, a row is test iff its question's hash says so (one in `test_mod`): deterministic, order
@@ -17,6 +20,7 @@ import threading
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 from tailrace.tasks.base import SPLITS, Example, Task, TaskError, check_split, in_test_split
 
@@ -58,6 +62,67 @@ def _spelled_out(answer: str) -> bool:
 
 _NUMERIC = re.compile(r"[\d\s.,()+\-*/×·]+")
 _BINARY_OP = re.compile(r"\d\)?\s*[-+*×·]\s*\(?\d")
+
+
+_MISSING = object()
+
+
+def _field(row: dict, name: str):
+    """`row[name]`, or for a dotted name absent as it is the nested value (verl's parquet rows hold the
+    answer as reward_model.ground_truth); `_MISSING` when there is none."""
+    if name in row:
+        return row[name]
+    value = row
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """(where, row) of a .jsonl file (one JSON object a line) or a .parquet file (one row a record, as
+    Hugging Face datasets and verl store them; needs pyarrow: pip install 'tailrace[parquet]')."""
+    if not path.is_file():
+        raise TaskError(
+            f"task file not found: {path}; pass the path of a .jsonl file with one JSON object per line, "
+            "or of a .parquet file"
+        )
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise TaskError(
+                f"{path}: reading parquet needs pyarrow: pip install 'tailrace[parquet]'"
+            ) from None
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001 -- pyarrow's errors: a damaged or foreign file
+            raise TaskError(f"{path}: not a parquet file pyarrow reads ({type(e).__name__}: {e})") from None
+        for i, row in enumerate(table.to_pylist()):
+            yield f"{path} row {i}", row
+        return
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise TaskError(
+            f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); re-encode the file as UTF-8"
+        ) from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskError(
+                f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one complete JSON object"
+            ) from None
+        if not isinstance(row, dict):
+            raise TaskError(
+                f"{where}: expected a JSON object, got {type(row).__name__}; write one {{...}} object per line"
+            )
+        yield where, row
 
 
 def _messages(value: list, where: str) -> tuple[tuple[str, str], ...]:
@@ -105,7 +170,7 @@ class JsonlTask(Task):
                 f"test_mod must be >= 2 (one question in test_mod is held out), got {test_mod}; "
                 f"or pass test_path= for a separate test file"
             )
-        self.name = f"jsonl:{Path(path).stem}"
+        self.name = f"{'parquet' if Path(path).suffix == '.parquet' else 'jsonl'}:{Path(path).stem}"
         self.template = prompt_template
         self.fields = (question_field, answer_field)
         rows = self._load(Path(path))
@@ -122,57 +187,33 @@ class JsonlTask(Task):
 
     def _load(self, path: Path) -> list[tuple[str, Example]]:
         """(raw question, example) per row, in file order."""
-        if not path.is_file():
-            raise TaskError(
-                f"JSONL task file not found: {path}; pass the path of a .jsonl file "
-                f"with one JSON object per line"
-            )
         qf, af = self.fields
         out: list[tuple[str, Example]] = []
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            raise TaskError(
-                f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); re-encode the file as UTF-8"
-            ) from None
-        for lineno, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskError(
-                    f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
-                    f"each line must be one complete JSON object"
-                ) from None
-            if not isinstance(row, dict):
-                raise TaskError(
-                    f"{where}: expected a JSON object, got {type(row).__name__}; "
-                    f"write one {{...}} object per line"
-                )
+        for where, row in _rows(path):
+            values = {}
             for field, arg in ((qf, "question_field"), (af, "answer_field")):
-                if field not in row:
+                values[field] = _field(row, field)
+                if values[field] is _MISSING:
                     raise TaskError(
                         f"{where}: missing field {field!r} (has {', '.join(row) or 'none'}); "
-                        f"add it, or pass {arg}= naming the right field"
+                        f"add it, or pass {arg}= naming the right field (a nested one as a.b)"
                     )
-            if isinstance(row[qf], list):  # a conversation: it goes through the chat template as it is
-                messages = _messages(row[qf], f"{where}: {qf!r}")
+            question, answer = values[qf], self.answer_text(values[af])
+            if isinstance(question, list):  # a conversation: it goes through the chat template as it is
+                messages = _messages(question, f"{where}: {qf!r}")
                 if self.template != "{question}":
                     raise TaskError(
                         f"{where}: {qf!r} holds chat messages, which prompt_template={self.template!r} cannot "
                         "wrap; drop prompt_template or write the template's text into the messages"
                     )
-                raw = json.dumps(row[qf], sort_keys=True)  # what the test split hashes
-                ex = Example(len(out), messages[-1][1], self.answer_text(row[af]), messages)
-                out.append((raw, ex))
+                raw = json.dumps(question, sort_keys=True)  # what the test split hashes
+                out.append((raw, Example(len(out), messages[-1][1], answer, messages)))
                 continue
-            values = {**{k: str(v) for k, v in row.items()}, "question": str(row[qf])}
+            values = {**{k: str(v) for k, v in row.items()}, "question": str(question)}
             prompt = _PLACEHOLDER.sub(lambda m: values.get(m[1], m[0]), self.template)
-            out.append((values["question"], Example(len(out), prompt, self.answer_text(row[af]))))
+            out.append((values["question"], Example(len(out), prompt, answer)))
         if not out:
-            raise TaskError(f"{path}: no rows; add JSON objects with {qf!r} and {af!r} fields, one per line")
+            raise TaskError(f"{path}: no rows; add rows with {qf!r} and {af!r} fields")
         return out
 
     def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:

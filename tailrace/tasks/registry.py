@@ -14,7 +14,8 @@ from tailrace.tasks.base import Task, TaskError, check_config
 FORMS = (
     "'chainsum' (built-in default), 'chaincalc' (chainsum with a calculator: multi-turn), "
     "'gym:<reasoning-gym dataset>' (e.g. gym:basic_arithmetic), "
-    "'jsonl:<path to .jsonl>' or 'code:<path to .jsonl of prompts and tests>'"
+    "'jsonl:<path to .jsonl>', 'parquet:<path to .parquet>' (the same rows: Hugging Face datasets' and "
+    "verl's files) or 'code:<path to .jsonl of prompts and tests>'"
 )
 
 
@@ -48,10 +49,10 @@ def _make_task(spec: str, config: Mapping[str, Any] | None, max_turns: int) -> T
         from tailrace.tasks.gym import ReasoningGymTask
 
         return ReasoningGymTask(arg, config=config)
-    if sep and kind in ("jsonl", "code"):
+    if sep and kind in ("jsonl", "parquet", "code"):
         if not arg:
             raise TaskError(f"task spec '{kind}:' has no path; write {kind}:<path to .jsonl>")
-        if kind == "jsonl":
+        if kind in ("jsonl", "parquet"):
             from tailrace.tasks.jsonl import JsonlTask as cls
         else:
             from tailrace.tasks.code import CodeTask as cls

@@ -145,7 +145,7 @@ def test_malformed_line_names_file_line_and_fix(tmp_path, line, what):
 
 
 def test_missing_and_empty_files(tmp_path):
-    with pytest.raises(TaskError, match=r"^JSONL task file not found: .*nope\.jsonl; pass the path"):
+    with pytest.raises(TaskError, match=r"^task file not found: .*nope\.jsonl; pass the path"):
         JsonlTask(tmp_path / "nope.jsonl")
     with pytest.raises(TaskError, match="no rows"):
         JsonlTask(write(tmp_path / "empty.jsonl", ["", "  "]))
@@ -227,3 +227,42 @@ def test_bad_chat_messages_are_refused_naming_the_line(tmp_path, prompt, said):
 def test_a_template_cannot_wrap_chat_messages(tmp_path):
     with pytest.raises(TaskError, match="holds chat messages, which prompt_template="):
         JsonlTask(_chat_file(tmp_path), question_field="prompt", prompt_template="Solve: {question}")
+
+
+def test_a_verl_parquet_file_reads_as_its_jsonl_rows(tmp_path):
+    """verl's RL data: parquet rows with the prompt as chat messages and the answer nested under
+    reward_model.ground_truth (a dotted answer_field), through the same task as a JSONL file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tailrace.tasks.registry import make_task
+
+    rows = [
+        {
+            "data_source": "sums",
+            "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+            "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+        }
+        for i in range(40)
+    ]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    task = make_task(
+        f"parquet:{path}", {"question_field": "prompt", "answer_field": "reward_model.ground_truth"}
+    )
+    assert task.name == "parquet:train"
+    exs = task.examples("train", task.size("train"))
+    assert {e.answer for e in exs} <= {str(2 * i) for i in range(40)} and len(exs) == task.size("train")
+    e = exs[0]
+    assert (
+        e.messages == (("user", e.question),)
+        and e.question == f"What is {int(e.answer) // 2} + {int(e.answer) // 2}?"
+    )
+    assert task.size("train") + task.size("test") == 40
+    assert task.reward(e, f"so \\boxed{{{e.answer}}}") == 1.0
+    with pytest.raises(TaskError, match=r"train.parquet row 0: missing field 'reward_model.answer'"):
+        make_task(f"parquet:{path}", {"question_field": "prompt", "answer_field": "reward_model.answer"})
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    with pytest.raises(TaskError, match="bad.parquet: not a parquet file pyarrow reads"):
+        make_task(f"parquet:{bad}")

@@ -71,5 +71,5 @@ def test_bad_names_inside_a_form_are_one_line():
         make_task("gym:gcdd")
     with pytest.raises(TaskError, match="has no path"):
         make_task("jsonl:")
-    with pytest.raises(TaskError, match="JSONL task file not found: /no/such.jsonl"):
+    with pytest.raises(TaskError, match="task file not found: /no/such.jsonl"):
         make_task("jsonl:/no/such.jsonl")
