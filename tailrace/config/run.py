@@ -29,6 +29,11 @@ class TaskConfig:
         "reward(question, response, answer) -> float, 1 or more = verified correct (held-out accuracy)",
     )
     reward_timeout_s: float = setting(5.0, "seconds a reward may take; one that hangs or raises scores 0")
+    max_prompt_tokens: int | None = setting(
+        None,
+        "training and held-out prompts longer than this many tokens are left out, said once (verl's "
+        "filter_overlong_prompts); null = those that leave no room in the context for a response",
+    )
     seed: int = setting(0, "seed of the training prompt stream and the held-out set")
     config: dict[str, Any] = section(
         dict,
@@ -80,6 +85,10 @@ class TaskConfig:
             self.max_turns >= 1, f"task.max_turns={self.max_turns}: must be >= 1 (1 = no tool call answered)"
         )
         need(self.tool_threads >= 1, f"task.tool_threads={self.tool_threads}: must be >= 1")
+        need(
+            self.max_prompt_tokens is None or self.max_prompt_tokens > 0,
+            f"task.max_prompt_tokens={self.max_prompt_tokens}: must be positive, or null (what the context holds)",
+        )
         need(
             self.overlong_buffer >= 0,
             f"task.overlong_buffer={self.overlong_buffer}: must be >= 0 (0 = off), e.g. a fifth of "

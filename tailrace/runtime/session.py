@@ -71,6 +71,9 @@ class ModelText:
         return self.tok.decode(ids)
 
 
+LONG_RUN = 1000  # training prompts in a row too long to take, past which (and past an epoch) a run stops
+
+
 class Session:
     def __init__(self, cfg: RunConfig, progress=None) -> None:
         self.cfg = cfg
@@ -168,12 +171,69 @@ class Session:
         turns = [{"role": r, "content": c} for r, c in messages]
         return self.tok.encode(self.chat.render_turns(turns, system=messages[0][0] != "system"))
 
+    @property
+    def max_prompt(self) -> int:
+        """The longest prompt a run takes (task.max_prompt_tokens), at most one that leaves its context a
+        token to answer with."""
+        most = self.context - 1
+        return min(most, self.cfg.task.max_prompt_tokens or most)
+
     def prompt_stream(self) -> Iterator[Prompt]:
+        """The training prompts, those longer than `max_prompt` left out (verl's filter_overlong_prompts):
+        said once, at the first; a stream of nothing but such prompts is refused. Deterministic, so a
+        resume takes the stream where it left it."""
+        run, said = 0, False
         for ex in self.task.stream("train", seed=self.cfg.task.seed, size=self.cfg.task.train_size):
-            yield self.prompt(ex)
+            p = self.prompt(ex)
+            if len(p.token_ids) <= self.max_prompt:
+                run = 0
+                yield p
+                continue
+            run += 1
+            if not said:
+                print(f"warning: {self._too_long(p)}; such prompts are left out of training", flush=True)
+                said = True
+            if run >= max(self.cfg.task.train_size or 0, LONG_RUN):
+                raise ConfigError(
+                    f"task.name={self.cfg.task.name}: {run} training prompts in a row are longer than "
+                    f"{self.max_prompt} tokens, the most a prompt may take; {self._fix()}"
+                )
 
     def heldout(self, n: int) -> list[Prompt]:
-        return [self.prompt(ex) for ex in self.task.examples("test", n, seed=self.cfg.task.seed)]
+        """`n` held-out prompts, those longer than `max_prompt` left out (said once; none left: refused)."""
+        prompts = [self.prompt(ex) for ex in self.task.examples("test", n, seed=self.cfg.task.seed)]
+        kept = [p for p in prompts if len(p.token_ids) <= self.max_prompt]
+        if not kept:
+            raise ConfigError(
+                f"task.name={self.cfg.task.name}: all {len(prompts)} held-out prompts are longer than "
+                f"{self.max_prompt} tokens, the most a prompt may take; {self._fix()}"
+            )
+        if len(kept) < len(prompts):
+            long = next(p for p in prompts if len(p.token_ids) > self.max_prompt)
+            print(
+                f"warning: {self._too_long(long)}; {len(prompts) - len(kept)} of {len(prompts)} held-out "
+                "prompts that long are left out of evaluation",
+                flush=True,
+            )
+        return kept
+
+    def _too_long(self, p: Prompt) -> str:
+        return (
+            f"task.name={self.cfg.task.name}: prompt {p.id} is {len(p.token_ids)} tokens, more than the "
+            f"{self.max_prompt} a prompt may take ({self._limit()})"
+        )
+
+    def _limit(self) -> str:
+        if self.cfg.task.max_prompt_tokens and self.cfg.task.max_prompt_tokens < self.context - 1:
+            return "task.max_prompt_tokens"
+        return f"a {self.context}-token context, less a token to answer with"
+
+    def _fix(self) -> str:
+        if self._limit() == "task.max_prompt_tokens":
+            return "raise task.max_prompt_tokens"
+        return (
+            "shorten the prompts, or use a model of a longer context (or raise rollout.max_context where set)"
+        )
 
     def expected_context(self, max_new_tokens: int) -> int:
         """The most tokens a request of this run holds, for sizing the engines' KV pools: the longest of
@@ -182,7 +242,7 @@ class Session:
         every slot's share); it only makes the engine queue or preempt sooner."""
         examples = self.task.examples("train", 512, seed=self.cfg.task.seed)
         examples += self.task.examples("test", min(self.cfg.eval.n, 512), seed=self.cfg.task.seed)
-        longest = max(len(self.prompt(ex).token_ids) for ex in examples)
+        longest = min(self.max_prompt, max(len(self.prompt(ex).token_ids) for ex in examples))
         return longest + longest // 4 + max_new_tokens
 
     def score(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
