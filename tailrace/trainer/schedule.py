@@ -41,7 +41,7 @@ class LRSchedule:
     def describe(self) -> str:
         """e.g. 'warmup 10 steps, then cosine decay to 0.1 x the peak at step 120' ('' when constant
         without warmup)."""
-        parts = [f"warmup {self.warmup} steps"] if self.warmup else []
+        parts = [f"warmup {self.warmup} step{'s' if self.warmup > 1 else ''}"] if self.warmup else []
         if self.decay != "constant":
             to = f"{self.floor:g} x the peak" if self.floor else "0"
             parts.append(f"{self.decay} decay to {to} at step {self.total}")

@@ -45,6 +45,7 @@ def test_the_warm_starts_recipe_is_unchanged():
 
 def test_describe_and_refusals():
     assert LRSchedule(lr=1e-3).describe() == ""
+    assert LRSchedule(lr=1e-3, warmup=1).describe() == "warmup 1 step"
     assert LRSchedule(lr=1e-3, warmup=10, total=120, decay="cosine").describe() == (
         "warmup 10 steps, then cosine decay to 0 at step 120"
     )
