@@ -83,6 +83,18 @@ MODES = [
     # anchor): --modes sync,multiversion-K1,multiversion-K1+gspo
     ("multiversion", {"flow.max_staleness": 1, "train.loss.name": "gspo"}),
     ("sync", {"train.loss.name": "gspo"}),
+    # DAPO's recipe whole (clip-higher, the token mean, the overlong penalty over the last quarter of the
+    # 384 new tokens and overlong filtering; dynamic sampling is the default): --modes
+    # sync,multiversion-K1,multiversion-K1+dapo+overlong96
+    (
+        "multiversion",
+        {
+            "flow.max_staleness": 1,
+            "train.loss.name": "dapo",
+            "task.overlong_buffer": 96,
+            "train.mask_truncated": True,
+        },
+    ),
 ]
 
 CONFIGS = {
@@ -128,6 +140,7 @@ def mode_label(mode: str, opts: dict) -> str:
         + "".join(f"+filter-{v.rpartition(':')[2]}" for k, v in opts.items() if k == "store.filter")
         + "".join("+external" for k, v in opts.items() if k == "train.external" and v)
         + "".join(f"+{v}" for k, v in opts.items() if k == "train.loss.name")
+        + "".join(f"+overlong{v}" for k, v in opts.items() if k == "task.overlong_buffer")
     )
 
 
