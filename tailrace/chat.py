@@ -16,6 +16,14 @@ from tailrace.tokenizer import Tokenizer, TokenizerError
 _PROBE = "TAILRACEPROBE"  # assistant content the end-of-turn search looks past: one word, no spaces
 
 
+class TemplateFailed(TokenizerError):
+    """The model's chat template raised on a conversation; `cause` says what it raised."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
 class ChatFormat:
     def __init__(self, tok: Tokenizer, system: str | None = None, thinking: bool | None = None) -> None:
         """`tok` must carry a chat template; `system`: the system message (None: the template's own
@@ -67,9 +75,11 @@ class ChatFormat:
             )
         except Exception as e:  # jinja raises TemplateError, or whatever the template's code raises
             fix = "drop task.system_prompt or " if self.system is not None else ""
-            raise TokenizerError(
-                f"the model's chat template failed ({type(e).__name__}: {e}); {fix}set "
-                "task.chat_template=none to send the question as raw text"
+            cause = f"{type(e).__name__}: {e}"
+            raise TemplateFailed(
+                f"the model's chat template failed ({cause}); {fix}set task.chat_template=none to send the "
+                "question as raw text",
+                cause,
             ) from None
         return text
 

@@ -197,3 +197,27 @@ def test_a_datasets_chat_messages_render_as_transformers_renders_them(tmp_path):
             raw.prompt(raw.task.examples("test", 1)[0])
     finally:
         raw.close()
+
+
+def test_chat_messages_a_template_refuses_are_named_with_the_templates_own_reason(tmp_path):
+    """Gemma 2's template has no system role: a dataset row that brings one is refused naming the prompt,
+    its roles and the template's reason, not with advice about task.system_prompt it never set."""
+    from tailrace.common import ConfigError
+
+    data = tmp_path / "chat.jsonl"
+    rows = [[{"role": "system", "content": "Sum it."}, {"role": "user", "content": "a4 b5"}]]
+    data.write_text("".join(json.dumps({"prompt": m, "answer": "9"}) + "\n" for m in rows))
+    d = write_chat_model(tmp_path / "model", template=GEMMA2)
+    ses = session(
+        d, f"--task.name=jsonl:{data}", "--task.config={question_field: prompt, test_path: " + str(data) + "}"
+    )
+    try:
+        with pytest.raises(ConfigError) as e:
+            ses.prompt(ses.task.examples("test", 1)[0])
+        assert (
+            "prompt 0's chat messages (system/user) fail the model's chat template (TemplateError: System "
+            in str(e.value)
+        )
+        assert "role not supported); make the rows' messages what the template takes" in str(e.value)
+    finally:
+        ses.close()

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from tailrace.chat import ChatFormat
+from tailrace.chat import ChatFormat, TemplateFailed
 from tailrace.common import ConfigError
 from tailrace.config import RunConfig
 from tailrace.config.train import FUSED_TARGETS, LORA_TARGETS
@@ -150,12 +150,12 @@ class Session:
         """The question as token ids: through the chat template when there is one (it writes its own
         special tokens), else BOS + the raw text. `text` stays the question: what the reward sees."""
         if ex.messages:
-            ids = self._conversation(ex.messages)
+            ids = self._conversation(ex.messages, ex.id)
         else:
             ids = self.chat.ids(ex.question) if self.chat else self.tok.encode(ex.question, bos=True)
         return Prompt(id=ex.id, token_ids=tuple(ids), answer=ex.answer, text=ex.question)
 
-    def _conversation(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+    def _conversation(self, messages: tuple[tuple[str, str], ...], pid: int) -> list[int]:
         """A chat-message prompt through the chat template as it is; task.system_prompt goes first only
         where the conversation has no system message of its own."""
         if self.chat is None:
@@ -169,7 +169,15 @@ class Session:
                 f"({why}); use a model whose tokenizer has one, with task.chat_template=auto"
             )
         turns = [{"role": r, "content": c} for r, c in messages]
-        return self.tok.encode(self.chat.render_turns(turns, system=messages[0][0] != "system"))
+        try:
+            return self.tok.encode(self.chat.render_turns(turns, system=messages[0][0] != "system"))
+        except TemplateFailed as e:
+            roles = "/".join(r for r, _ in messages)
+            raise ConfigError(
+                f"task.name={self.cfg.task.name}: prompt {pid}'s chat messages ({roles}) fail the model's chat "
+                f"template ({e.cause}); make the rows' messages what the template takes (Gemma's, for one, "
+                "has no system role)"
+            ) from None
 
     @property
     def max_prompt(self) -> int:
