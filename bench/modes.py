@@ -83,6 +83,8 @@ MODES = [
     # anchor): --modes sync,multiversion-K1,multiversion-K1+gspo
     ("multiversion", {"flow.max_staleness": 1, "train.loss.name": "gspo"}),
     ("sync", {"train.loss.name": "gspo"}),
+    # CISPO's capped importance weight against PPO's clipped update: --modes multiversion-K1,multiversion-K1+cispo
+    ("multiversion", {"flow.max_staleness": 1, "train.loss.name": "cispo"}),
     # DAPO's recipe whole (clip-higher, the token mean, the overlong penalty over the last quarter of the
     # 384 new tokens and overlong filtering; dynamic sampling is the default): --modes
     # sync,multiversion-K1,multiversion-K1+dapo+overlong96

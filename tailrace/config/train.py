@@ -44,8 +44,8 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         need(
-            self.eps_low is None or 0.0 < self.eps_low < 1.0,
-            f"train.loss.eps_low={self.eps_low}: must lie in (0, 1), e.g. 0.2",
+            self.eps_low is None or 0.0 < self.eps_low <= 1.0,
+            f"train.loss.eps_low={self.eps_low}: must lie in (0, 1], e.g. 0.2 (1: no lower bound)",
         )
         need(
             self.eps_high is None or self.eps_high > 0.0,

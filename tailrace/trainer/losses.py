@@ -109,6 +109,38 @@ def clipped_pg(
     return loss, stats
 
 
+def cispo_pg(
+    log_ratio: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1): sum(scale * weight * -sg(clip(r, 1-eps_low, 1+eps_high)) * A * r / sg(r)). The
+    importance weight is capped, not the update: every token keeps a gradient, -clip(r) A d logp, where
+    PPO's min zeroes a clipped one (the rare tokens a policy most needs to raise, its paper argues).
+    Stats as `clipped_pg`'s; clip_frac counts the tokens whose weight was capped."""
+    live = mask > 0
+    r = log_ratio.detach().exp()
+    capped = r.clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_tok = -(capped * adv) * (log_ratio - log_ratio.detach()).exp() * weight
+    loss = torch.where(live, per_tok * scale, 0.0).sum()
+    with torch.no_grad():
+        n = live.sum()
+        denom = n.clamp(min=1)
+        hit = (r > 1.0 + eps_high) | (r < 1.0 - eps_low)
+        stats = {
+            "clip_frac": (hit & live).sum() / denom,
+            "approx_kl": torch.where(live, r - 1.0 - log_ratio.detach(), 0.0).sum() / denom,
+            "ratio_mean": torch.where(live, r, 0.0).sum() / denom,
+            "ratio_max": torch.where(live, r, 0.0).max(),
+            "tokens": n.to(r.dtype),
+        }
+    return loss, stats
+
+
 @dataclass(frozen=True)
 class PGLoss:
     """A clipped policy-gradient variant: its aggregation, default clip range, paired advantage and the
@@ -119,6 +151,9 @@ class PGLoss:
     eps_high: float
     advantage: str  # the estimator the variant was published with
     log_ratio: Callable[[Tensor, Tensor, Tensor], Tensor] = token_log_ratio  # (logp, old_logp, mask)
+    objective: Callable[..., tuple[Tensor, dict[str, Tensor]]] = (
+        clipped_pg  # PPO's min, or CISPO's capped weight
+    )
 
     def __call__(
         self,
@@ -136,7 +171,7 @@ class PGLoss:
         """`scale` = this micro-batch's slice of the whole batch's coefficients; None = this batch is all."""
         if scale is None:
             scale = self.token_scale(mask, max_new_tokens)
-        return clipped_pg(
+        return self.objective(
             self.log_ratio(logp, old_logp, mask),
             adv,
             mask,
@@ -156,6 +191,9 @@ LOSSES: dict[str, PGLoss] = {
     # weights, i.e. under a correction that anchors at the rollout's logprobs (`behaviour`, the streaming
     # modes' own) or a round of several steps
     "gspo": PGLoss(seq_mean_scale, 3e-4, 4e-4, "grpo", sequence_log_ratio),
+    # CISPO (MiniMax-M1): the importance weight capped above (no lower bound: eps_low 1), never the
+    # gradient; token mean. Like gspo it differs from dapo only where the ratio is off 1
+    "cispo": PGLoss(token_mean_scale, 1.0, 0.28, "grpo", objective=cispo_pg),
 }
 
 

@@ -76,7 +76,7 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dapo", "drgrpo", "gspo"])
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "drgrpo", "gspo", "cispo"])
 @pytest.mark.parametrize("correction", ["none", "behaviour", "decoupled", "tis", "icepop", "geo_mask"])
 def test_micro_batch_accumulation_equals_full_batch(loss, correction):
     base = TinyLM()

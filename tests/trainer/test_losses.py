@@ -104,6 +104,35 @@ def test_gspo_is_grpo_on_policy():
     torch.testing.assert_close(out["gspo"][1], out["grpo"][1], atol=1e-12, rtol=0)
 
 
+def test_cispo_clips_the_weight_not_the_gradient():
+    """CISPO: every live token's gradient is -sg(clip(r, 1 - eps_low, 1 + eps_high)) x A / tokens, its
+    own ratio's weight capped above at 1.28 (no lower bound: eps_low 1), where PPO zeroes a clipped token.
+    Token mean over the 5 live tokens: weights [1.28, 1.25, 0.9] (A = +1), [0.5, 1.1] (A = -1)."""
+    logp = _logp()
+    loss, st = LOSSES["cispo"](logp, OLD, ADV, MASK, ONES)
+    assert loss.item() == pytest.approx((-1.28 - 1.25 - 0.9 + 0.5 + 1.1) / 5, abs=1e-12)
+    assert st["clip_frac"].item() == pytest.approx(1 / 5)  # 1.5 capped; 0.5 is above the bound of 0
+    loss.backward()
+    expect = torch.tensor([[-1.28, -1.25, -0.9], [0.5, 1.1, 0.0]], dtype=torch.float64) / 5
+    torch.testing.assert_close(logp.grad, expect, atol=1e-12, rtol=0)
+
+
+def test_cispo_on_policy_is_dapos_gradient():
+    """At ratio 1 (the anchor the current weights) nothing is capped: the token-mean policy gradient,
+    which is DAPO's where nothing is clipped."""
+    torch.manual_seed(0)
+    adv, mask = torch.randn(3, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64)
+    out = {}
+    for name in ("dapo", "cispo"):
+        logp = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        logp.requires_grad_(True)
+        loss, _ = LOSSES[name](logp, logp.detach(), adv, mask, torch.ones_like(mask))
+        loss.backward()
+        out[name] = (loss.item(), logp.grad)
+    assert out["cispo"][0] == pytest.approx(out["dapo"][0], abs=1e-12)
+    torch.testing.assert_close(out["cispo"][1], out["dapo"][1], atol=1e-12, rtol=0)
+
+
 def test_weight_scales_tokens_and_explicit_scale_matches():
     w = ONES.clone()
     w[0, 0] = 2.0
@@ -186,6 +215,8 @@ def test_loss_config_leaves_defaults_to_the_registry():
     assert (LossConfig("dapo").eps_low, LossConfig("dapo").eps_high) == (None, None)
     assert (LOSSES["dapo"].eps_low, LOSSES["dapo"].eps_high) == (0.2, 0.28)
     assert (LOSSES["gspo"].eps_low, LOSSES["gspo"].eps_high) == (3e-4, 4e-4)  # the GSPO paper's
+    assert (LOSSES["cispo"].eps_low, LOSSES["cispo"].eps_high) == (1.0, 0.28)  # no lower bound
+    assert LossConfig("cispo", eps_low=1.0).eps_low == 1.0
     assert LossConfig("dapo", eps_high=0.3).eps_high == 0.3
     torch.manual_seed(0)
     logp, old, adv = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5)
