@@ -388,6 +388,11 @@ class EvalConfig:
         need(self.temperature >= 0, f"eval.temperature={self.temperature}: must be >= 0 (0 = greedy)")
         need(self.batch > 0, f"eval.batch={self.batch}: must be positive")
         need(self.samples > 0, f"eval.samples={self.samples}: must be positive (1 = one sample a prompt)")
+        need(
+            self.samples == 1 or self.temperature > 0,
+            f"eval.samples={self.samples} with eval.temperature=0: greedy samples of a prompt are all the same; "
+            "set eval.samples=1 or a temperature above 0",
+        )
 
 
 @dataclass

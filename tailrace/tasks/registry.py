@@ -51,7 +51,8 @@ def _make_task(spec: str, config: Mapping[str, Any] | None, max_turns: int) -> T
         return ReasoningGymTask(arg, config=config)
     if sep and kind in ("jsonl", "parquet", "code"):
         if not arg:
-            raise TaskError(f"task spec '{kind}:' has no path; write {kind}:<path to .jsonl>")
+            ext = "parquet" if kind == "parquet" else "jsonl"
+            raise TaskError(f"task spec '{kind}:' has no path; write {kind}:<path to .{ext}>")
         if kind in ("jsonl", "parquet"):
             from tailrace.tasks.jsonl import JsonlTask as cls
         else:

@@ -54,6 +54,11 @@ def test_yaml_then_overrides(tmp_path):
             "task.overlong_buffer=600 is more than rollout.max_new_tokens=384: the penalty would start before "
             "the response does; lower it (DAPO: a fifth of the cap) or raise rollout.max_new_tokens",
         ),
+        (
+            "--eval.samples=4 --eval.temperature=0",
+            "eval.samples=4 with eval.temperature=0: greedy samples of a prompt are all the same; set "
+            "eval.samples=1 or a temperature above 0",
+        ),
         ("--train.lr_schedule=step", "train.lr_schedule='step': use one of constant, linear, cosine"),
         (
             "--train.lr_min_ratio=0.1",
@@ -74,7 +79,7 @@ def test_yaml_then_overrides(tmp_path):
 )
 def test_bad_values_are_one_line_with_the_fix(override, message):
     with pytest.raises(ConfigError) as e:
-        load_config(None, [override])
+        load_config(None, override.split())
     assert str(e.value) == message
 
 
