@@ -56,3 +56,14 @@ def test_what_cannot_be_loaded_or_used_is_refused_in_one_line(reward_file):
         make_task(f"jsonl:{ROWS}", reward="exact")
     with pytest.raises(TaskError, match="task.name=chaincalc: a multi-turn task's reward is its own"):
         make_task("chaincalc", reward=f"{reward_file}:exact")
+
+
+def test_the_example_reward_scores_what_it_says():
+    from tailrace.user_code import load_function
+
+    fn = load_function(f"{ROWS.parent / 'rewards.py'}:sum_then_stop", "task.reward")
+    q = "Q:a1 b2\n"
+    assert fn(q, "a1 b2 = 3\nA:3", "3") == 1.1  # right, and the answer is the last line
+    assert fn(q, "A:3\nmore", "3") == 1.0  # right, with more after it
+    assert fn(q, "A:4", "3") == 0.1  # wrong, in the format
+    assert fn(q, "three", "3") == 0.0
