@@ -96,17 +96,23 @@ def clipped_pg(
     per_tok = -torch.minimum(unclipped, clipped) * weight
     loss = torch.where(live, per_tok * scale, 0.0).sum()
     with torch.no_grad():
-        n = live.sum()
-        denom = n.clamp(min=1)
         hit = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
-        stats = {
-            "clip_frac": (hit & live).sum() / denom,
-            "approx_kl": torch.where(live, ratio - 1.0 - log_ratio, 0.0).sum() / denom,
-            "ratio_mean": torch.where(live, ratio, 0.0).sum() / denom,
-            "ratio_max": torch.where(live, ratio, 0.0).max(),
-            "tokens": n.to(ratio.dtype),
-        }
-    return loss, stats
+        return loss, _stats(log_ratio.detach(), live, hit)
+
+
+def _stats(log_ratio: Tensor, live: Tensor, hit: Tensor) -> dict[str, Tensor]:
+    """The objectives' stats over live tokens: clip_frac (the `hit` share), approx_kl, ratio_mean,
+    ratio_max, tokens."""
+    ratio = log_ratio.exp()
+    n = live.sum()
+    denom = n.clamp(min=1)
+    return {
+        "clip_frac": (hit & live).sum() / denom,
+        "approx_kl": torch.where(live, ratio - 1.0 - log_ratio, 0.0).sum() / denom,
+        "ratio_mean": torch.where(live, ratio, 0.0).sum() / denom,
+        "ratio_max": torch.where(live, ratio, 0.0).max(),
+        "tokens": n.to(ratio.dtype),
+    }
 
 
 def cispo_pg(
@@ -128,17 +134,7 @@ def cispo_pg(
     per_tok = -(capped * adv) * (log_ratio - log_ratio.detach()).exp() * weight
     loss = torch.where(live, per_tok * scale, 0.0).sum()
     with torch.no_grad():
-        n = live.sum()
-        denom = n.clamp(min=1)
-        hit = (r > 1.0 + eps_high) | (r < 1.0 - eps_low)
-        stats = {
-            "clip_frac": (hit & live).sum() / denom,
-            "approx_kl": torch.where(live, r - 1.0 - log_ratio.detach(), 0.0).sum() / denom,
-            "ratio_mean": torch.where(live, r, 0.0).sum() / denom,
-            "ratio_max": torch.where(live, r, 0.0).max(),
-            "tokens": n.to(r.dtype),
-        }
-    return loss, stats
+        return loss, _stats(log_ratio.detach(), live, (r > 1.0 + eps_high) | (r < 1.0 - eps_low))
 
 
 @dataclass(frozen=True)

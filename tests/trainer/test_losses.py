@@ -87,23 +87,6 @@ def test_gspo_unclipped_gradient_is_the_sequence_ratio_on_every_token():
     torch.testing.assert_close(logp.grad, expect, atol=1e-12, rtol=0)
 
 
-def test_gspo_is_grpo_on_policy():
-    """With the anchor at the current weights (ratio 1 everywhere) GSPO's loss and gradient are GRPO's:
-    the sequence ratio only matters off-policy (a stale or engine-sampled sequence)."""
-    torch.manual_seed(0)
-    adv, mask = torch.randn(3, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64)
-    mask[2, 3] = 0.0
-    out = {}
-    for name in ("grpo", "gspo"):
-        logp = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        logp.requires_grad_(True)
-        loss, _ = LOSSES[name](logp, logp.detach(), adv, mask, torch.ones_like(mask))
-        loss.backward()
-        out[name] = (loss.item(), logp.grad)
-    assert out["gspo"][0] == pytest.approx(out["grpo"][0], abs=1e-12)
-    torch.testing.assert_close(out["gspo"][1], out["grpo"][1], atol=1e-12, rtol=0)
-
-
 def test_cispo_clips_the_weight_not_the_gradient():
     """CISPO: every live token's gradient is -sg(clip(r, 1 - eps_low, 1 + eps_high)) x A / tokens, its
     own ratio's weight capped above at 1.28 (no lower bound: eps_low 1), where PPO zeroes a clipped token.
@@ -117,20 +100,23 @@ def test_cispo_clips_the_weight_not_the_gradient():
     torch.testing.assert_close(logp.grad, expect, atol=1e-12, rtol=0)
 
 
-def test_cispo_on_policy_is_dapos_gradient():
-    """At ratio 1 (the anchor the current weights) nothing is capped: the token-mean policy gradient,
-    which is DAPO's where nothing is clipped."""
+@pytest.mark.parametrize("name, same", [("gspo", "grpo"), ("cispo", "dapo")])
+def test_a_variant_off_policy_only_is_its_twin_on_policy(name, same):
+    """With the anchor at the current weights (ratio 1 everywhere) GSPO's loss and gradient are GRPO's and
+    CISPO's are DAPO's: the sequence ratio and the capped weight only matter off-policy (a stale or
+    engine-sampled sequence)."""
     torch.manual_seed(0)
     adv, mask = torch.randn(3, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64)
+    mask[2, 3] = 0.0
     out = {}
-    for name in ("dapo", "cispo"):
+    for variant in (name, same):
         logp = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         logp.requires_grad_(True)
-        loss, _ = LOSSES[name](logp, logp.detach(), adv, mask, torch.ones_like(mask))
+        loss, _ = LOSSES[variant](logp, logp.detach(), adv, mask, torch.ones_like(mask))
         loss.backward()
-        out[name] = (loss.item(), logp.grad)
-    assert out["cispo"][0] == pytest.approx(out["dapo"][0], abs=1e-12)
-    torch.testing.assert_close(out["cispo"][1], out["dapo"][1], atol=1e-12, rtol=0)
+        out[variant] = (loss.item(), logp.grad)
+    assert out[name][0] == pytest.approx(out[same][0], abs=1e-12)
+    torch.testing.assert_close(out[name][1], out[same][1], atol=1e-12, rtol=0)
 
 
 def test_weight_scales_tokens_and_explicit_scale_matches():
