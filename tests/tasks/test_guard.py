@@ -201,15 +201,35 @@ def test_close_and_context_manager_end_the_worker():
     assert not _alive(pid)
 
 
-def test_batch_overhead_is_microseconds_per_item(guard):
-    """Loose bound (a 2-core box shared with other work): one round trip for 128 cheap items."""
-    pairs = [(ex, ex.answer) for ex in EX[:128]]
-    guard.score_many(pairs)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        assert all(s.reward == 1.0 for s in guard.score_many(pairs))
-    per_item = (time.perf_counter() - t0) / (10 * 128)
-    assert per_item < 200e-6, f"{per_item * 1e6:.1f} us per item"
+class _Counted:
+    """A pipe end that counts the messages through it."""
+
+    def __init__(self, conn):
+        self.conn, self.sent, self.received = conn, 0, 0
+
+    def send(self, obj):
+        self.sent += 1
+        return self.conn.send(obj)
+
+    def recv_bytes(self, *args):
+        self.received += 1
+        return self.conn.recv_bytes(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def test_a_batch_is_one_message_each_way():
+    """128 cheap items are one round trip, not 128: the worker flushes early only once a batch has run
+    timeout_s / 10 (6 s here), so the count does not depend on how busy the machine is. (Its time per item
+    is bench/guard.py's to measure, not a unit test's.)"""
+    with RewardGuard(Scripted(), timeout_s=60.0) as g:
+        pairs = [(ex, ex.answer) for ex in EX[:128]]
+        g.score_many(pairs)  # the worker is up
+        g._conn = counted = _Counted(g._conn)
+        for _ in range(3):
+            assert all(s.reward == 1.0 for s in g.score_many(pairs))
+        assert (counted.sent, counted.received) == (3, 3)
 
 
 def test_worker_dies_with_its_parent(tmp_path):
