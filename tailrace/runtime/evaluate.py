@@ -49,15 +49,15 @@ def summarize(lengths: list[int], correct: list[bool], samples: int = 1) -> dict
     }
 
 
-def by_bucket(buckets: list[str | None], correct: list[bool]) -> dict[str, dict]:
-    """Accuracy and count per difficulty bucket, ordered by the number a bucket's name starts with
-    ("2-4", "5-10", "11+")."""
+def by_bucket(buckets: list[str | None], correct: list[bool], samples: int = 1) -> dict[str, dict]:
+    """Accuracy (over every sample) and prompts per difficulty bucket, ordered by the number a bucket's
+    name starts with ("2-4", "5-10", "11+"); `samples` results a prompt, as `summarize` takes them."""
     out: dict[str, dict] = {}
     for b in sorted(
         {b for b in buckets if b is not None}, key=lambda b: (int(re.match(r"\d*", b).group() or 0), b)
     ):
         hits = [c for x, c in zip(buckets, correct) if x == b]
-        out[b] = {"accuracy": sum(hits) / len(hits), "n": len(hits)}
+        out[b] = {"accuracy": sum(hits) / len(hits), "n": len(hits) // samples}
     return out
 
 
@@ -103,9 +103,7 @@ class Evaluator:
         out = summarize([len(r.token_ids) for r in ordered], [s.correct for s in scores], self.cfg.samples)
         buckets = [self.ses.difficulty(p) for p in self.per_request]
         if any(b is not None for b in buckets):
-            out["by_difficulty"] = by_bucket(buckets, [s.correct for s in scores])
-            for d in out["by_difficulty"].values():
-                d["n"] //= self.cfg.samples  # prompts, as the summary's own n
+            out["by_difficulty"] = by_bucket(buckets, [s.correct for s in scores], self.cfg.samples)
         return out
 
 

@@ -20,3 +20,11 @@ def test_one_sample_a_prompt_is_the_summary_it_always_was():
     assert "pass_at_k" not in out and "samples" not in out
     with pytest.raises(ValueError, match="6 results are not 4 samples of each prompt"):
         summarize([1] * 6, [True] * 6, samples=4)
+
+
+def test_buckets_count_prompts_and_average_samples():
+    from tailrace.runtime.evaluate import by_bucket
+
+    # prompts "2-4" (right, wrong) and "11+" (right, right), 2 samples each
+    got = by_bucket(["2-4", "2-4", "11+", "11+"], [True, False, True, True], samples=2)
+    assert got == {"2-4": {"accuracy": 0.5, "n": 1}, "11+": {"accuracy": 1.0, "n": 1}}
