@@ -482,6 +482,12 @@ class RunConfig:
             "is usual) or raise flow.steps",
         )
         need(
+            self.train.mini_batches <= self.flow.groups_per_step,
+            f"train.mini_batches={self.train.mini_batches} is more than a step's "
+            f"{self.flow.groups_per_step} groups (flow.train_batch / flow.samples_per_prompt): a mini-batch "
+            f"holds whole groups; lower it to {self.flow.groups_per_step} or less, or raise flow.train_batch",
+        )
+        need(
             not (self.train.external and self.train.world_size > 1),
             f"train.external with train.world_size={self.train.world_size}: your own trainer is one process "
             "to the run (--train.world_size=1; your trainer's parallelism is its own)",

@@ -172,6 +172,18 @@ class TrainerConfig:
         0.0, "AdamW weight decay; it pulls the policy from its warm start regardless of reward"
     )
     grad_clip: float | None = setting(1.0, "max global gradient norm (null = measure only)")
+    mini_batches: int = setting(
+        1,
+        "optimizer updates a step takes over its groups: split in order into this many mini-batches, each "
+        "its own update and loss normaliser (verl's train_batch_size / ppo_mini_batch_size, TRL's "
+        "steps_per_generation); above 1, one extra forward first gives every update the step's pre-update "
+        "policy to take its ratio against, as PPO does; at most flow.train_batch / flow.samples_per_prompt",
+    )
+    epochs: int = setting(
+        1,
+        "passes over a step's mini-batches, each an optimizer update (verl's ppo_epochs, TRL's "
+        "num_iterations); the ratio after the first is clipped against the step's pre-update policy",
+    )
     micro_batch_tokens: int | None = setting(
         None, "rows x padded length per forward (null = as many as train.memory_gb pays for)"
     )
@@ -250,6 +262,11 @@ class TrainerConfig:
             f"train.lr_min_ratio={self.lr_min_ratio} with train.lr_schedule=constant: nothing decays; set "
             "train.lr_schedule to linear or cosine, or drop train.lr_min_ratio",
         )
+        need(
+            self.mini_batches >= 1,
+            f"train.mini_batches={self.mini_batches}: must be >= 1 (1: one optimizer update a step), e.g. 4",
+        )
+        need(self.epochs >= 1, f"train.epochs={self.epochs}: must be >= 1 (1: one pass over a step's groups)")
         need(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay}: must be >= 0")
         need(
             self.moe_aux_loss >= 0,

@@ -104,7 +104,14 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
             if trainer.base_saved
             else ""
         )
-        print(f"trainer: {trainer.micro.describe()}{dp}{base}", flush=True)
+        c = spec.cfg
+        ppo = (
+            f"; {c.mini_batches * c.epochs} optimizer updates a step ({c.mini_batches} mini-batches x "
+            f"{c.epochs} epochs), their ratios against the step's first policy"
+            if c.mini_batches * c.epochs > 1
+            else ""
+        )
+        print(f"trainer: {trainer.micro.describe()}{dp}{base}{ppo}", flush=True)
         if trainer.micro.short:
             print(f"warning: {trainer.micro.short}", flush=True)
         if spec.publish_start:

@@ -48,10 +48,15 @@ class CostModel:
         "tree"  # how: a pipelined broadcast tree (NCCL's), or flat (the trainer sends each a copy)
     )
     lora_rank: int = 0  # > 0: versions are adapters of this rank on every projection (a LoRA run)
+    # a train step's optimizer updates (train.mini_batches x train.epochs) and its passes over the batch
+    train_updates: int = 1
+    train_epochs: int = 1
 
     def __post_init__(self) -> None:
         if self.engine_gpus < 1 or self.trainer_gpus < 1 or self.engines < 1:
             raise ValueError("engine_gpus, trainer_gpus and engines must be at least 1")
+        if not 1 <= self.train_epochs <= self.train_updates:
+            raise ValueError("train_epochs and train_updates: need 1 <= train_epochs <= train_updates")
         if self.broadcast not in ("tree", "flat"):
             raise ValueError(f"broadcast={self.broadcast!r}: use tree or flat")
 
@@ -163,13 +168,15 @@ class CostModel:
 
     # -- training ------------------------------------------------------------------------------------
     def train_flops(self, lengths: list[int]) -> float:
-        """FLOPs of one optimizer step over sequences of these lengths (prompt + response). With
+        """FLOPs of one train step over sequences of these lengths (prompt + response). With
         `micro_batch_tokens`, every row is computed at its micro-batch's padded length, micro-batches
         formed as tailrace's trainer forms them (longest first, rows x longest <= micro_batch_tokens)."""
         m = self.model
         # forward 2, backward 4 FLOPs a parameter and token (a LoRA run's frozen base: 2, the input's
-        # gradient alone), and the old policy's forward when it is recomputed
-        mult = (4.0 if self.lora_rank else 6.0) + (2.0 if self.recompute_logprobs else 0.0)
+        # gradient alone) each pass over the batch, and the old policy's forward when it is recomputed
+        mult = (4.0 if self.lora_rank else 6.0) * self.train_epochs + (
+            2.0 if self.recompute_logprobs else 0.0
+        )
         rows = self.padded(lengths) if self.micro_batch_tokens else lengths
         attn = m.attn_flops_per_context_token * sum(n * n / 2 for n in rows)
         return mult * m.matmul_params * sum(rows) + (mult / 2) * attn
@@ -180,4 +187,4 @@ class CostModel:
 
     def train_time(self, lengths: list[int]) -> float:
         peak = self.trainer_gpus * self.hw.peak_flops * self.hw.train_mfu
-        return self.train_flops(lengths) / peak + self.hw.train_step_overhead_s
+        return self.train_flops(lengths) / peak + self.hw.train_step_overhead_s * self.train_updates

@@ -84,6 +84,10 @@ class ClusterSpec:
         "version moves and a resident one costs the adapter's bytes, and training skips the base's "
         "weight gradients; 0 = whole weights",
     )
+    train_updates: int = setting(
+        1, "optimizer updates a train step takes (train.mini_batches x train.epochs), each its overhead"
+    )
+    train_epochs: int = setting(1, "passes a train step makes over its batch (train.epochs)")
     kv_memory: bool = setting(
         True,
         "engines hold a KV cache of the memory their weights leave (admission waits, growing contexts "
@@ -96,6 +100,11 @@ class ClusterSpec:
                 raise ConfigError(f"cluster.{k}={getattr(self, k)}: must be at least 1")
         if self.lora_rank < 0:
             raise ConfigError(f"cluster.lora_rank={self.lora_rank}: must be >= 0 (0 = whole weights)")
+        if not 1 <= self.train_epochs <= self.train_updates:
+            raise ConfigError(
+                f"cluster.train_epochs={self.train_epochs}, train_updates={self.train_updates}: need "
+                "1 <= train_epochs <= train_updates (an epoch is at least one update)"
+            )
         if self.slots < 0 or self.lookahead < 0:
             raise ConfigError(
                 "cluster.slots and cluster.lookahead must be >= 0 (slots 0 = size from KV memory)"
@@ -270,7 +279,7 @@ def cost_model(scn: Scenario) -> CostModel:
     shape = shape_from_hf(c.model_config, c.model) if c.model_config else model_shape(c.model)
     return CostModel(
         hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s, c.micro_batch_tokens,
-        c.engines, c.weight_broadcast, c.lora_rank,
+        c.engines, c.weight_broadcast, c.lora_rank, c.train_updates, c.train_epochs,
     )  # fmt: skip
 
 
@@ -459,7 +468,9 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
         model=model,
         model_config=shape,
         engines=r.engines,
-        recompute_logprobs=False,
+        recompute_logprobs=cfg.train.mini_batches * cfg.train.epochs > 1,  # the trainer's kept logprobs
+        train_updates=cfg.train.mini_batches * cfg.train.epochs,
+        train_epochs=cfg.train.epochs,
         checkpoint_s=ckpt,
         micro_batch_tokens=cfg.train.micro_batch_tokens or _recorded_micro_batch(run_dir),
         slots=r.slots,

@@ -41,6 +41,9 @@ class TrainBatch:
     # routing replay: (N, T, sparse layers, k) int16, the experts the engine chose at each position
     # (model/moe.py), -1 where it recorded none; None: no replay
     routes: Tensor | None = None
+    # (N, T) float: the step's pre-update policy's logprob of targets[b, t], where a step takes several
+    # optimizer updates (train.mini_batches, train.epochs: GRPOTrainer.step); None: the forward's own
+    prox_logp: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

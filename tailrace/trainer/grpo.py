@@ -1,11 +1,15 @@
-"""GRPOTrainer: one optimizer step per call over the groups it is given.
+"""GRPOTrainer: one train step per call over the groups it is given.
 
 `step(groups, trainer_version)` flattens the groups into a TrainBatch, runs forward/backward per
 micro-batch (gradient accumulation, exact thanks to the batch's global `scale`), clips the gradient
 and steps AdamW — unless no group has a reward signal (all its rewards equal: every advantage zero)
 and no KL term pulls on the weights; then the step is counted, reported `skipped` and changes
-nothing. One step per batch means the pre-update ("proximal") policy is the current one:
-`prox = logp.detach()` from the same forward, with no second pass. The model is only called as
+nothing. One update per step means the pre-update ("proximal") policy is the current one:
+`prox = logp.detach()` from the same forward, with no second pass. With `train.mini_batches` k > 1 or
+`train.epochs` e > 1 a step is k x e updates (PPO's): the groups split in order into k mini-batches, each
+a TrainBatch of its own (its own loss normaliser), passed over e times; one no-grad forward first keeps
+the step's pre-update logprobs (`TrainBatch.prox_logp`), the anchor of every update's ratio. A
+mini-batch without reward signal takes no update. The model is only called as
 `model(input_ids (B, T)) -> logits (B, T, V)`; it runs in eval mode (no dropout), because the policy
 whose ratio we clip must be the one the engine sampled from. A loss or gradient norm that is not finite
 raises `NonFiniteError` before the optimizer moves, so the weights never take a nan.
@@ -22,6 +26,7 @@ the adapter the run started from (`lora.as_reference`, `lora.set_reference`): no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from typing import Any, Sequence
@@ -42,6 +47,7 @@ from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, kl_penalty
 from tailrace.trainer.memory import rank_share, size_micro_batch
 from tailrace.trainer.optim import build_adamw
+from tailrace.trainer.packing import micro_batches as packed_rows
 from tailrace.trainer.packing import split_by_tokens
 from tailrace.trainer.schedule import LRSchedule
 from tailrace.types import Group
@@ -67,6 +73,12 @@ class _Sums:
 
     def peak(self, key: str, v: torch.Tensor) -> None:
         self.max[key] = torch.maximum(self.max[key], v) if key in self.max else v
+
+    def merge(self, other: "_Sums") -> None:
+        for k, v in other.sum.items():
+            self.add(k, v)
+        for k, v in other.max.items():
+            self.peak(k, v)
 
     def get(self, key: str, default: float = 0.0) -> float:
         d = self.sum if key in self.sum else self.max
@@ -135,35 +147,75 @@ class GRPOTrainer:
             )
 
     def step(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
-        """One optimizer step over all `groups`; returns the step's metrics (plain floats)."""
+        """One train step over all `groups` (train.mini_batches x train.epochs optimizer updates);
+        returns the step's metrics (plain floats)."""
         t0 = time.perf_counter()
         for g in self.opt.param_groups:  # a function of the steps taken: a resume or a replay takes the same
             g["lr"] = self.schedule.lr_at(self.steps)
-        batch = self.make_batch(groups, trainer_version)
-        if self.cfg.loss.kl_coef == 0 and not any(map(_has_signal, groups)):
-            # every advantage is zero: the gradient is too, so skip the passes and leave the weights
+        parts = mini_batches(groups, self.cfg.mini_batches)
+        batches = [self.make_batch(part, trainer_version) for part in parts]
+        # a mini-batch whose every advantage is zero has a zero gradient: no passes, no update
+        live = [
+            b for b, part in zip(batches, parts) if self.cfg.loss.kl_coef > 0 or any(map(_has_signal, part))
+        ]
+        if not live:
             self.steps += 1
-            return self._metrics(_Sums(), batch, 0, 0.0, time.perf_counter() - t0, skipped=True)
+            return self._metrics(_Sums(), batches, 0, [], time.perf_counter() - t0)
         self.model.eval()
+        shards = [(self._shard(b), int(b.lengths.sum())) for b in live]
+        if len(parts) > 1 or self.cfg.epochs > 1:  # every update's anchor: the policy before the first
+            shards = [(self._proximal(s), n) for s, n in shards]
+        acc, n_micro, norms = _Sums(), 0, []
+        for _ in range(self.cfg.epochs):
+            for shard, positions in shards:
+                n, norm = self._update(shard, positions, acc, len(norms), len(shards) * self.cfg.epochs)
+                n_micro += n
+                norms.append(norm)
+        self.steps += 1
+        return self._metrics(acc, batches, n_micro, norms, time.perf_counter() - t0, self.cfg.epochs)
+
+    def _update(
+        self, shard: TrainBatch, positions: int, acc: _Sums, done: int, updates: int
+    ) -> tuple[int, float]:
+        """One optimizer update over this rank's rows of a mini-batch; returns its micro-batches (all
+        ranks') and its gradient norm. `done` of the step's `updates` were applied before it."""
         self.opt.zero_grad(set_to_none=True)
-        acc = _Sums()
-        micro, positions = self._shard(batch).micro_batches(self.micro.tokens), int(batch.lengths.sum())
+        sums = _Sums()
+        micro = shard.micro_batches(self.micro.tokens)
         for mb in micro:
-            self._forward_backward(mb.to(self.device), acc, True, positions)
+            self._forward_backward(mb.to(self.device), sums, True, positions)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        n_micro = self._all_reduce(params, acc, len(micro)) if self.world > 1 else len(micro)
+        n_micro = self._all_reduce(params, sums, len(micro)) if self.world > 1 else len(micro)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or math.inf))
-        loss = acc.get("loss")
+        loss = sums.get("loss")
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.opt.zero_grad(set_to_none=True)
+            which = (
+                f"update {done + 1} of {updates} was not applied and the step's weights not published (the "
+                f"{done} before it moved the trainer's own copy only)"
+                if done
+                else "the step was not applied and its weights not published"
+            )
             raise NonFiniteError(
                 f"step {self.steps + 1}: the loss ({loss}) or the gradient norm ({grad_norm}) is not "
-                "finite, so the step was not applied and its weights not published; lower train.lr "
-                "(or check train.temperature and the rewards) and start again"
+                f"finite, so {which}; lower train.lr (or check train.temperature and the rewards) and "
+                "start again"
             )
         self.opt.step()
-        self.steps += 1
-        return self._metrics(acc, batch, n_micro, grad_norm, time.perf_counter() - t0)
+        acc.merge(sums)
+        return n_micro, grad_norm
+
+    @torch.no_grad()
+    def _proximal(self, shard: TrainBatch) -> TrainBatch:
+        """`shard` with the current policy's logprobs of its targets (`prox_logp`), its micro-batches
+        formed as the updates form them, so the first update's ratio is exactly 1."""
+        prox = torch.zeros_like(shard.behav_logp)
+        for idx in packed_rows(shard.lengths.tolist(), self.micro.tokens):
+            mb = shard.rows(idx).to(self.device)
+            with self._autocast(), replaying(self.model, mb.routes):
+                logp = token_logprobs(self.model(mb.input_ids), mb.targets, self.cfg.temperature)
+            prox[torch.tensor(idx), : logp.shape[1]] = logp.to(prox.device)
+        return dataclasses.replace(shard, prox_logp=prox)
 
     @torch.no_grad()
     def evaluate(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:
@@ -175,7 +227,7 @@ class GRPOTrainer:
         micro, positions = batch.micro_batches(self.micro.tokens), int(batch.lengths.sum())
         for mb in micro:
             self._forward_backward(mb.to(self.device), acc, False, positions)
-        return self._metrics(acc, batch, len(micro), math.nan, time.perf_counter() - t0)
+        return self._metrics(acc, [batch], len(micro), [math.nan], time.perf_counter() - t0)
 
     def _shard(self, batch: TrainBatch) -> TrainBatch:
         """This rank's rows: the batch split by tokens across ranks (the whole batch on one rank). The
@@ -226,7 +278,8 @@ class GRPOTrainer:
         ):
             logits = self.model(mb.input_ids)  # (b, t, V)
         logp = token_logprobs(logits, mb.targets, cfg.temperature)  # (b, t) fp32
-        prox = logp.detach()  # one step per batch: the pre-update policy is the current one
+        # one update a step: the pre-update policy is the current one; several: the step's first
+        prox = logp.detach() if mb.prox_logp is None else mb.prox_logp
         corr = self.correct(mb.behav_logp, prox, mb.mask, self.bounds)
         pg, st = self.loss_fn(
             logp,
@@ -273,12 +326,23 @@ class GRPOTrainer:
             acc.add("gap_tokens", same.sum())
 
     def _metrics(
-        self, acc: _Sums, batch: TrainBatch, n_micro: int, grad_norm: float, dt: float, skipped: bool = False
+        self,
+        acc: _Sums,
+        batches: list[TrainBatch],
+        n_micro: int,
+        norms: list[float],
+        dt: float,
+        passes: int = 1,
     ) -> dict[str, Any]:
+        """`acc` sums the `passes` over the batches (train.epochs): the per-token figures are means over
+        them; `tokens` counts each live token once."""
         tok = acc.get("tokens")
 
         def per_tok(k: str) -> float:
             return acc.get(k) / tok if tok else 0.0
+
+        sampled = sum(int((b.versions >= 0).sum()) for b in batches)
+        trained = int(tok) // passes
 
         gap_n = acc.get("gap_tokens")
         return {
@@ -293,22 +357,24 @@ class GRPOTrainer:
             "dropped_frac": per_tok("dropped"),
             "is_ratio_mean": per_tok("is_ratio"),
             "is_ratio_max": acc.get("is_ratio_max"),
-            "grad_norm": grad_norm,
+            "grad_norm": sum(norms) / len(norms) if norms else 0.0,  # their mean over the updates
             "entropy": per_tok("entropy"),
             "logprob_gap_mean": acc.get("gap_sum") / gap_n if gap_n else math.nan,
             "logprob_gap_max": acc.get("gap_max") if gap_n else math.nan,
             "gap_tokens": int(gap_n),
-            "tokens": int(tok),
-            "stale_tokens": int((batch.versions >= 0).sum()) - int(tok),
-            "sequences": batch.num_seqs,
-            "adv_mean": float(batch.seq_adv.mean()),
+            "tokens": trained,
+            "stale_tokens": sampled - trained,
+            "sequences": sum(b.num_seqs for b in batches),
+            "adv_mean": float(torch.cat([b.seq_adv for b in batches]).mean()),
             "micro_batches": n_micro,
             "micro_batch_tokens": self.micro.tokens,
-            "skipped": int(skipped),  # 1: no group had a reward signal, so no forward/backward ran
+            "updates": len(norms),  # optimizer updates taken: train.mini_batches x train.epochs, less the
+            # mini-batches without reward signal
+            "skipped": int(not norms),  # 1: no group had a reward signal, so no forward/backward ran
             "lr": self.opt.param_groups[0]["lr"],
             "time_s": dt,
             **take_load(self.model),  # a mixture of experts' routing: how even, how many experts idle
-            **_replayed(batch),
+            **_replayed(batches),
             **({"moe_aux_loss": acc.get("moe_aux_loss")} if self.cfg.moe_aux_loss else {}),
         }
 
@@ -327,17 +393,22 @@ class GRPOTrainer:
         self.steps = int(state["step"])
 
 
-def _replayed(batch: TrainBatch) -> dict[str, float]:
-    """Routing replay: the share of the batch's sampled tokens whose routes the engine recorded (a
+def _replayed(batches: list[TrainBatch]) -> dict[str, float]:
+    """Routing replay: the share of the batches' sampled tokens whose routes the engine recorded (a
     trajectory read back from the journal has none: the trainer routes it afresh)."""
-    if batch.routes is None:
+    if batches[0].routes is None:
         return {}
-    sampled = batch.versions >= 0
-    return {
-        "routes_replayed": float(
-            ((batch.routes[:, :, 0, 0] >= 0) & sampled).sum() / sampled.sum().clamp(min=1)
-        )
-    }
+    sampled = sum(int((b.versions >= 0).sum()) for b in batches)
+    routed = sum(int(((b.routes[:, :, 0, 0] >= 0) & (b.versions >= 0)).sum()) for b in batches)
+    return {"routes_replayed": routed / max(1, sampled)}
+
+
+def mini_batches(groups: Sequence[Group], k: int) -> list[Sequence[Group]]:
+    """`groups` in order, cut into min(k, len(groups)) runs whose sizes differ by one at most."""
+    k = max(1, min(k, len(groups)))
+    q, r = divmod(len(groups), k)
+    cuts = [i * q + min(i, r) for i in range(k + 1)]
+    return [groups[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 def batch_of(

@@ -83,6 +83,11 @@ def test_train_time_is_6N_plus_attention_at_the_stated_mfu():
     assert cost.train_time([1000]) == pytest.approx(flops / (8 * 989e12 * 0.35) + 1.0, rel=1e-12)
     with_recompute = CostModel(H100, Q7, trainer_gpus=8, recompute_logprobs=True)
     assert with_recompute.train_flops([1000]) == pytest.approx(flops * 8 / 6, rel=1e-12)
+    # PPO's step: 2 mini-batches x 3 epochs, the kept logprobs' forward once
+    ppo = CostModel(H100, Q7, trainer_gpus=8, recompute_logprobs=True, train_updates=6, train_epochs=3)
+    assert ppo.train_time([1000]) == pytest.approx(flops * 20 / 6 / (8 * 989e12 * 0.35) + 6.0, rel=1e-12)
+    with pytest.raises(ValueError, match="train_epochs"):
+        CostModel(H100, Q7, train_updates=2, train_epochs=3)
 
 
 def test_weight_sync_from_model_bytes_and_link_bandwidth():

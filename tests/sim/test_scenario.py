@@ -98,11 +98,13 @@ def test_overrides_and_every_mode_on_a_gpu_scenario():
     assert results["pipe"]["trainer_wait_ratio"] < results["sync"]["trainer_wait_ratio"]
 
 
-def _fake_run(tmp_path, dtype="float32", backend="tailrace"):
+def _fake_run(tmp_path, dtype="float32", backend="tailrace", **train):
     """A run directory as tailrace train leaves it: config, journal of finished samples, step records."""
     tmp_path.mkdir()
     cfg = RunConfig(flow=FlowConfig(prompts_per_round=4, samples_per_prompt=4, train_batch=16, steps=3))
     cfg.model.dtype, cfg.rollout.backend = dtype, backend
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     lines, steps = [], []
     for g in range(12):
@@ -137,6 +139,13 @@ def test_a_real_run_directory_becomes_a_scenario_and_compares(tmp_path):
     assert sim["steps"] == 2 and real["step_s"] == 1.0
     rows = compare.compare(real, sim)
     assert [r[0] for r in rows] == list(compare.FIGURES)
+
+
+def test_a_run_of_several_updates_a_step_is_charged_its_passes(tmp_path):
+    one = scenario_from_run(_fake_run(tmp_path / "one")).cluster
+    ppo = scenario_from_run(_fake_run(tmp_path / "ppo", mini_batches=2, epochs=3)).cluster
+    assert (one.train_updates, one.train_epochs, one.recompute_logprobs) == (1, 1, False)
+    assert (ppo.train_updates, ppo.train_epochs, ppo.recompute_logprobs) == (6, 3, True)
 
 
 def test_a_vllm_run_is_simulated_and_the_comparison_says_its_engine_was_another(tmp_path, capsys):

@@ -22,6 +22,7 @@ KEYS = (
     "tokens",
     "entropy",
     "ratio_max",
+    "updates",
 )  # not micro_batches:
 # each rank cuts its own rows into micro-batches, so their count need not add up to one process's
 
@@ -35,13 +36,13 @@ def test_rows_split_by_tokens_not_rows():
         split_by_tokens([1], 0)
 
 
-def _rank(rank: int, world: int, init: str, out) -> None:
+def _rank(rank: int, world: int, init: str, out, steps: dict) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         model = TinyLM()
         groups = make_groups(TinyLM(), noise=0.3, n_groups=4)
-        cfg = TrainerConfig(micro_batch_tokens=12, grad_clip=1.0, loss=LossConfig(**LOSS))
+        cfg = TrainerConfig(micro_batch_tokens=12, grad_clip=1.0, loss=LossConfig(**LOSS), **steps)
         tr = GRPOTrainer(model, cfg, ref_model=TinyLM(seed=1))
         m = tr.step(groups, trainer_version=0)
         g = {n: t.numpy().copy() for n, t in grads(model).items()}  # plain arrays: no shared-memory handles
@@ -50,10 +51,11 @@ def _rank(rank: int, world: int, init: str, out) -> None:
         torch.distributed.destroy_process_group()
 
 
-def test_two_ranks_step_like_one_process(tmp_path):
+@pytest.mark.parametrize("steps", [{}, {"mini_batches": 2, "epochs": 2}])  # one update; PPO's four
+def test_two_ranks_step_like_one_process(tmp_path, steps):
     base = TinyLM()
     groups = make_groups(TinyLM(), noise=0.3, n_groups=4)
-    cfg = TrainerConfig(micro_batch_tokens=12, grad_clip=1.0, loss=LossConfig(**LOSS))
+    cfg = TrainerConfig(micro_batch_tokens=12, grad_clip=1.0, loss=LossConfig(**LOSS), **steps)
     model = copy.deepcopy(base)
     tr = GRPOTrainer(model, cfg, ref_model=TinyLM(seed=1))
     single = tr.step(groups, trainer_version=0)
@@ -62,7 +64,7 @@ def test_two_ranks_step_like_one_process(tmp_path):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank, args=(r, 2, init, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, init, out, steps)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict((r, rest) for r, *rest in (out.get(timeout=120) for _ in procs))
@@ -78,4 +80,4 @@ def test_two_ranks_step_like_one_process(tmp_path):
         )  # every rank stepped to the same weights
         for k in KEYS:
             assert metrics[k] == pytest.approx(single[k], rel=1e-5, abs=1e-7), k
-    assert single["micro_batches"] > 2
+    assert single["micro_batches"] > 2 and single["updates"] == (4 if steps else 1)
