@@ -97,6 +97,11 @@ MODES = [
             "train.mask_truncated": True,
         },
     ),
+    # PPO's loop: several optimizer updates a step (train.mini_batches, train.epochs), more learning from
+    # each rollout: --modes sync,sync+mb4,multiversion-K1,multiversion-K1+mb4,multiversion-K1+ep2
+    ("sync", {"train.mini_batches": 4}),
+    ("multiversion", {"flow.max_staleness": 1, "train.mini_batches": 4}),
+    ("multiversion", {"flow.max_staleness": 1, "train.epochs": 2}),
 ]
 
 CONFIGS = {
@@ -128,9 +133,9 @@ CONFIGS = {
 
 def mode_label(mode: str, opts: dict) -> str:
     """e.g. multiversion-K2, sync+darts, multiversion-K1+darts@0.5, sync+replay0.25, sync+lora8,
-    multiversion-K1+darts+spec-history, multiversion-K1+filter-informative, multiversion-K1+gspo: the
-    mode, its staleness bound, its shaping, a fixed darts budget, the store's replay ratio, a LoRA rank,
-    a drafter, a store filter and a loss."""
+    multiversion-K1+darts+spec-history, multiversion-K1+filter-informative, multiversion-K1+gspo,
+    sync+mb4: the mode, its staleness bound, its shaping, a fixed darts budget, the store's replay ratio, a
+    LoRA rank, a drafter, a store filter, a loss, and optimizer updates a step."""
     return (
         mode
         + "".join(f"-K{v}" for k, v in opts.items() if k == "flow.max_staleness")
@@ -143,6 +148,8 @@ def mode_label(mode: str, opts: dict) -> str:
         + "".join("+external" for k, v in opts.items() if k == "train.external" and v)
         + "".join(f"+{v}" for k, v in opts.items() if k == "train.loss.name")
         + "".join(f"+overlong{v}" for k, v in opts.items() if k == "task.overlong_buffer")
+        + "".join(f"+mb{v}" for k, v in opts.items() if k == "train.mini_batches")
+        + "".join(f"+ep{v}" for k, v in opts.items() if k == "train.epochs")
     )
 
 
