@@ -1,7 +1,8 @@
-"""Group advantage estimators: one group's rewards in, one advantage per trajectory out.
+"""Advantage estimators: a step's groups' rewards in, one advantage per trajectory out.
 
-Pure functions on plain floats (no torch), picked once by name from `ADVANTAGES`. Every trajectory
-of a group gets a scalar; the batch broadcasts it over that trajectory's response tokens.
+Pure functions on plain floats (no torch), picked once by name from `ADVANTAGES`. Most look at one group
+at a time (`by_group`); `batch_std` scales by the whole step's rewards. Every trajectory gets a scalar;
+the batch broadcasts it over that trajectory's response tokens.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-Advantage = Callable[[Sequence[float]], list[float]]
+Advantage = Callable[[Sequence[float]], list[float]]  # one group's rewards -> its advantages
+StepAdvantage = Callable[[Sequence[Sequence[float]]], list[list[float]]]  # a step's groups' -> theirs
 
 STD_EPS = 1e-6  # keeps a group whose rewards barely differ from blowing up
 
@@ -40,4 +42,32 @@ def rloo(rewards: Sequence[float]) -> list[float]:
     return [x - (s - x) / (n - 1) for x in rewards]
 
 
-ADVANTAGES: dict[str, Advantage] = {"grpo": grpo, "drgrpo": drgrpo, "rloo": rloo}
+def batch_std(groups: Sequence[Sequence[float]]) -> list[list[float]]:
+    """(r - its group's mean) / (std of all the step's rewards + 1e-6), population std as grpo's: the
+    group's baseline at the batch's scale (Lite PPO, "Tricks or Traps? A Deep Dive into RL for LLM
+    Reasoning", 2025; TRL's scale_rewards="batch"). A group whose rewards barely differ keeps small
+    advantages, where grpo's per-group std blows them up to about +-1."""
+    flat = [x for r in groups for x in r]
+    if not flat:
+        return [[] for _ in groups]
+    m = _mean(flat)
+    std = math.sqrt(sum((x - m) ** 2 for x in flat) / len(flat))
+    return [[(x - _mean(r)) / (std + STD_EPS) for x in r] for r in groups]
+
+
+def by_group(f: Advantage) -> StepAdvantage:
+    """A step's estimator that gives each group `f` of its own rewards."""
+
+    def step(groups: Sequence[Sequence[float]]) -> list[list[float]]:
+        return [f(r) for r in groups]
+
+    step.__doc__ = f.__doc__
+    return step
+
+
+ADVANTAGES: dict[str, StepAdvantage] = {
+    "grpo": by_group(grpo),
+    "drgrpo": by_group(drgrpo),
+    "rloo": by_group(rloo),
+    "batch_std": batch_std,
+}

@@ -17,12 +17,31 @@ import torch
 
 from tailrace.model.config import ModelConfig
 from tailrace.model.moe import routes_of, sparse_layers
-from tailrace.trainer.advantages import Advantage
+from tailrace.trainer.advantages import StepAdvantage
 from tailrace.trainer.losses import TokenScale, fresh_mask
 from tailrace.trainer.packing import micro_batches
 from tailrace.types import Finish, Group, Trajectory
 
 Tensor = torch.Tensor
+
+
+def with_advantages(groups: Sequence[Group], advantage: StepAdvantage | None) -> list[Group]:
+    """`groups`, each with one advantage a trajectory: its own where it has them, else `advantage` of
+    the rewards of all the groups that lack them, taken together (a step's, however it is cut into
+    mini-batches afterwards: an estimator may scale by the whole step's rewards)."""
+    for g in groups:
+        if not g.trajectories:
+            raise ValueError(f"group {g.id} (prompt {g.prompt_id}) is empty; drop it before training")
+        if g.advantages and len(g.advantages) != len(g.trajectories):
+            raise ValueError(
+                f"group {g.id} has {len(g.advantages)} advantages for "
+                f"{len(g.trajectories)} trajectories; give one per trajectory"
+            )
+    bare = [g for g in groups if not g.advantages]
+    if bare and advantage is None:
+        raise ValueError(f"group {bare[0].id} has no advantages; pass an advantage estimator")
+    got = iter(advantage([[t.reward for t in g.trajectories] for g in bare]) if bare else ())
+    return [g if g.advantages else replace(g, advantages=tuple(next(got))) for g in groups]
 
 
 @dataclass(frozen=True)
@@ -55,35 +74,23 @@ class TrainBatch:
         *,
         trainer_version: int,
         token_scale: TokenScale,
-        advantage: Advantage | None = None,
+        advantage: StepAdvantage | None = None,
         max_new_tokens: int | None = None,
         max_staleness: int | None = None,
         pad_id: int = 0,
         moe: ModelConfig | None = None,
         mask_truncated: bool = False,
     ) -> "TrainBatch":
-        """Flatten `groups`; a group without `advantages` gets them from `advantage(rewards)`. `moe`: the
+        """Flatten `groups`; the groups without `advantages` get them from `advantage` of their rewards,
+        together (`with_advantages`). `moe`: the
         mixture of experts whose routes the trajectories carry, replayed (None: none). `mask_truncated`:
         a response the length cap cut (finish `length`) is context only, out of the loss and its
         normaliser (DAPO's overlong filtering); its advantage was computed with its group's all the same."""
         trajs: list[Trajectory] = []
         advs: list[float] = []
-        for g in groups:
-            if not g.trajectories:
-                raise ValueError(f"group {g.id} (prompt {g.prompt_id}) is empty; drop it before training")
-            if g.advantages:
-                if len(g.advantages) != len(g.trajectories):
-                    raise ValueError(
-                        f"group {g.id} has {len(g.advantages)} advantages for "
-                        f"{len(g.trajectories)} trajectories; give one per trajectory"
-                    )
-                a = list(g.advantages)
-            elif advantage is not None:
-                a = advantage([t.reward for t in g.trajectories])
-            else:
-                raise ValueError(f"group {g.id} has no advantages; pass an advantage estimator")
+        for g in with_advantages(groups, advantage):
             trajs.extend(g.trajectories)
-            advs.extend(a)
+            advs.extend(g.advantages)
         if not trajs:
             raise ValueError("no trajectories to train on; pass at least one non-empty group")
 

@@ -42,7 +42,7 @@ from tailrace.model.device import available_bytes
 from tailrace.model.flat import flatten_parameters
 from tailrace.model.moe import balance_loss, balancing, replaying, take_load
 from tailrace.trainer.advantages import ADVANTAGES
-from tailrace.trainer.batch import TrainBatch
+from tailrace.trainer.batch import TrainBatch, with_advantages
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, kl_penalty
 from tailrace.trainer.memory import rank_share, size_micro_batch
@@ -153,11 +153,12 @@ class GRPOTrainer:
         for g in self.opt.param_groups:  # a function of the steps taken: a resume or a replay takes the same
             g["lr"] = self.schedule.lr_at(self.steps)
         parts = mini_batches(groups, self.cfg.mini_batches)
-        batches = [self.make_batch(part, trainer_version) for part in parts]
         # a mini-batch whose every advantage is zero has a zero gradient: no passes, no update
-        live = [
-            b for b, part in zip(batches, parts) if self.cfg.loss.kl_coef > 0 or any(map(_has_signal, part))
-        ]
+        signal = [self.cfg.loss.kl_coef > 0 or any(map(_has_signal, part)) for part in parts]
+        if len(parts) > 1:  # the advantages are the step's, whatever mini-batch a group lands in
+            parts = mini_batches(with_advantages(groups, self.advantage), self.cfg.mini_batches)
+        batches = [self.make_batch(part, trainer_version) for part in parts]
+        live = [b for b, s in zip(batches, signal) if s]
         if not live:
             self.steps += 1
             return self._metrics(_Sums(), batches, 0, [], time.perf_counter() - t0)

@@ -2,6 +2,7 @@
 same loop written out by hand with the trainer's own pieces."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -23,17 +24,15 @@ def test_groups_split_in_order_into_runs_differing_by_one_at_most():
     assert mini_batches(list(range(6)), 6) == [[i] for i in range(6)]
 
 
-def by_hand(model, parts, epochs, correction, lr, clip):
-    """PPO's loop over mini-batches `parts` (lists of groups): the pre-update logprobs of every part
-    first, then `epochs` passes, one AdamW update a part, each part its own loss normaliser."""
+def by_hand(model, parts, epochs, correction, lr, clip, advantage="grpo"):
+    """PPO's loop over mini-batches `parts` (lists of groups): the advantages over all of them, the
+    pre-update logprobs of every part, then `epochs` passes, one AdamW update a part, each part its own
+    loss normaliser."""
     loss = LOSSES["grpo"]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    batches = [
-        TrainBatch.from_groups(
-            p, trainer_version=0, token_scale=loss.token_scale, advantage=ADVANTAGES["grpo"]
-        )
-        for p in parts
-    ]
+    advs = iter(ADVANTAGES[advantage]([[t.reward for t in g.trajectories] for p in parts for g in p]))
+    parts = [[dataclasses.replace(g, advantages=tuple(next(advs))) for g in p] for p in parts]
+    batches = [TrainBatch.from_groups(p, trainer_version=0, token_scale=loss.token_scale) for p in parts]
     with torch.no_grad():
         prox = [token_logprobs(model(b.input_ids), b.targets) for b in batches]
     bounds = Bounds(2.0, 0.5, 2.0)
@@ -50,25 +49,38 @@ def by_hand(model, parts, epochs, correction, lr, clip):
             opt.step()
 
 
-@pytest.mark.parametrize("correction", ["none", "behaviour"])
+@pytest.mark.parametrize(
+    "correction,advantage", [("none", "grpo"), ("behaviour", "grpo"), ("none", "batch_std")]
+)
 @pytest.mark.parametrize(
     "k,epochs,cut",
     [(2, 1, [0, 2, 4]), (1, 2, [0, 4]), (3, 2, [0, 2, 3, 4])],  # cut: where the hand's parts begin and end
 )
-def test_a_step_of_several_updates_is_ppos_loop(k, epochs, cut, correction):
+def test_a_step_of_several_updates_is_ppos_loop(k, epochs, cut, correction, advantage):
+    """(batch_std scales by the step's rewards, not a mini-batch's.)"""
     base = TinyLM()
     groups = make_groups(base, noise=0.3, n_groups=4)  # behaviour != current: the two anchors differ
+    groups = [dataclasses.replace(g, trajectories=scaled(g, 1 + g.id)) for g in groups]  # spreads differ
     cfg = TrainerConfig(
-        lr=1e-1, mini_batches=k, epochs=epochs, grad_clip=0.5, loss=LossConfig(correction=correction)
+        lr=1e-1,
+        mini_batches=k,
+        epochs=epochs,
+        grad_clip=0.5,
+        loss=LossConfig(correction=correction),
+        advantage=advantage,
     )
     tr = GRPOTrainer(copy.deepcopy(base), cfg)
     m = tr.step(groups, trainer_version=0)
     hand = copy.deepcopy(base)
-    by_hand(hand, [groups[a:b] for a, b in zip(cut, cut[1:])], epochs, correction, 1e-1, 0.5)
+    by_hand(hand, [groups[a:b] for a, b in zip(cut, cut[1:])], epochs, correction, 1e-1, 0.5, advantage)
     for (n, p), q in zip(tr.model.named_parameters(), hand.parameters()):
         torch.testing.assert_close(p, q, atol=2e-6, rtol=0, msg=n)
     assert m["updates"] == (len(cut) - 1) * epochs and tr.steps == 1
     assert m["clip_frac"] > 0  # the later updates' ratios leave the clip range: the test exercises it
+
+
+def scaled(g, by):
+    return tuple(dataclasses.replace(t, reward=t.reward * by) for t in g.trajectories)
 
 
 def test_the_first_update_is_on_policy_and_each_token_counts_once():

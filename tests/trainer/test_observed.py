@@ -28,7 +28,10 @@ def group(model, obs_logprob=0.0, obs_tokens=(9, 9)):
 def test_masked_tool_tokens_get_zero_gradient():
     model = TinyLM()
     batch = TrainBatch.from_groups(
-        [group(model)], trainer_version=0, token_scale=seq_mean_scale, advantage=lambda r: [1.0, -1.0]
+        [group(model)],
+        trainer_version=0,
+        token_scale=seq_mean_scale,
+        advantage=lambda step: [[1.0, -1.0] for _ in step],
     )
     p = len(PROMPT) - 1
     obs = [p + 2, p + 3]  # the target positions of the observation tokens

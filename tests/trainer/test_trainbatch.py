@@ -3,7 +3,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tailrace.trainer.advantages import grpo
+from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.losses import seq_mean_scale, token_mean_scale
 from tailrace.types import Finish, GenResult, Group, Trajectory
@@ -37,7 +37,9 @@ def groups():
 
 
 def test_flatten_layout():
-    tb = TrainBatch.from_groups(groups(), trainer_version=3, token_scale=seq_mean_scale, advantage=grpo)
+    tb = TrainBatch.from_groups(
+        groups(), trainer_version=3, token_scale=seq_mean_scale, advantage=ADVANTAGES["grpo"]
+    )
     assert tb.input_ids.tolist() == [[1, 2, 5, 6], [1, 2, 0, 0], [9, 4, 0, 0]]
     assert tb.targets.tolist() == [[2, 5, 6, 7], [2, 8, 0, 0], [4, 4, 0, 0]]
     assert tb.mask.tolist() == [[0, 1, 1, 1], [0, 1, 0, 0], [1, 1, 0, 0]]
@@ -53,7 +55,11 @@ def test_flatten_layout():
 
 def test_staleness_masks_old_segment_and_renormalises():
     tb = TrainBatch.from_groups(
-        groups(), trainer_version=3, token_scale=token_mean_scale, advantage=grpo, max_staleness=0
+        groups(),
+        trainer_version=3,
+        token_scale=token_mean_scale,
+        advantage=ADVANTAGES["grpo"],
+        max_staleness=0,
     )
     assert tb.mask.tolist() == [[0, 1, 1, 1], [0, 1, 0, 0], [0, 1, 0, 0]]
     assert tb.scale.sum().item() == pytest.approx(1.0)
@@ -67,10 +73,12 @@ def test_a_truncated_response_is_masked_out_of_the_loss_but_keeps_its_groups_adv
     a = gs[0].trajectories[0]
     cut = replace(a, result=replace(a.result, finish=Finish.LENGTH))
     gs[0] = replace(gs[0], trajectories=(cut, gs[0].trajectories[1]))
-    kept = TrainBatch.from_groups(gs, trainer_version=3, token_scale=seq_mean_scale, advantage=grpo)
+    kept = TrainBatch.from_groups(
+        gs, trainer_version=3, token_scale=seq_mean_scale, advantage=ADVANTAGES["grpo"]
+    )
     assert kept.mask.tolist() == [[0, 1, 1, 1], [0, 1, 0, 0], [1, 1, 0, 0]]  # off: trained as any
     tb = TrainBatch.from_groups(
-        gs, trainer_version=3, token_scale=seq_mean_scale, advantage=grpo, mask_truncated=True
+        gs, trainer_version=3, token_scale=seq_mean_scale, advantage=ADVANTAGES["grpo"], mask_truncated=True
     )
     assert tb.mask.tolist() == [[0, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0]]
     s = 0.5 / (0.5 + 1e-6)
@@ -80,7 +88,9 @@ def test_a_truncated_response_is_masked_out_of_the_loss_but_keeps_its_groups_adv
 
 
 def test_micro_batches_respect_budget_and_keep_global_scale():
-    tb = TrainBatch.from_groups(groups(), trainer_version=3, token_scale=seq_mean_scale, advantage=grpo)
+    tb = TrainBatch.from_groups(
+        groups(), trainer_version=3, token_scale=seq_mean_scale, advantage=ADVANTAGES["grpo"]
+    )
     mbs = tb.micro_batches(4)
     assert [tuple(m.input_ids.shape) for m in mbs] == [(1, 4), (2, 2)]
     assert mbs[1].input_ids.tolist() == [[1, 2], [9, 4]]
@@ -97,7 +107,7 @@ def test_errors_name_the_problem():
             [Group(id=0, prompt_id=0, trajectories=(bad,))],
             trainer_version=0,
             token_scale=seq_mean_scale,
-            advantage=grpo,
+            advantage=ADVANTAGES["grpo"],
         )
     with pytest.raises(ValueError, match="no advantages"):
         TrainBatch.from_groups(groups(), trainer_version=0, token_scale=seq_mean_scale)
@@ -107,6 +117,8 @@ def test_errors_name_the_problem():
 
 
 def test_to_keeps_values():
-    tb = TrainBatch.from_groups(groups(), trainer_version=3, token_scale=seq_mean_scale, advantage=grpo)
+    tb = TrainBatch.from_groups(
+        groups(), trainer_version=3, token_scale=seq_mean_scale, advantage=ADVANTAGES["grpo"]
+    )
     moved = tb.to("cpu")
     assert torch.equal(moved.scale, tb.scale) and moved.trainer_version == 3
