@@ -26,13 +26,14 @@ def registries() -> Registries:
     from tailrace.flow.policies import POLICIES
     from tailrace.flow.shaping import SHAPINGS
     from tailrace.trainer.advantages import ADVANTAGES
-    from tailrace.trainer.losses import CORRECTIONS, LOSSES
+    from tailrace.trainer.losses import CORRECTIONS, KL_ESTIMATORS, LOSSES
 
     return {
         (FlowConfig, "mode"): POLICIES,
         (ShapingConfig, "name"): SHAPINGS,
         (LossConfig, "name"): LOSSES,
         (LossConfig, "correction"): CORRECTIONS,
+        (LossConfig, "kl_type"): KL_ESTIMATORS,
         (TrainerConfig, "advantage"): ADVANTAGES,
         (SpecConfig, "drafter"): ("none", *DRAFTERS),
     }

@@ -30,7 +30,18 @@ class LossConfig:
     max_new_tokens: int | None = setting(
         None, "drgrpo's constant normaliser: set it to rollout.max_new_tokens"
     )
-    kl_coef: float = setting(0.0, "weight of the k3 penalty to the reference policy (0 = none)")
+    kl_coef: float = setting(0.0, "weight of the KL penalty to the reference policy (0 = none)")
+    kl_type: str = setting(
+        "k3",
+        "the KL penalty's estimator: k3 = exp(ref - logp) - (ref - logp) - 1 (GRPO's, verl's low_var_kl), "
+        "k2 = (logp - ref)^2 / 2 (verl's mse: on the policy's samples its gradient is the reverse KL's), "
+        "k1 = logp - ref (verl's kl)",
+    )
+    entropy_coef: float = setting(
+        0.0,
+        "weight of an entropy bonus: the entropy of the policy at each trained token, aggregated as the loss, "
+        "taken off it (verl's entropy_coeff; 0 = none); it keeps a batch without reward signal training",
+    )
     tis_cap: float = setting(2.0, "C: the importance-weight cap of the tis and decoupled corrections")
     ratio_low: float = setting(0.5, "icepop keeps tokens (geo_mask sequences) whose pi_prox/pi_behav >= this")
     ratio_high: float = setting(
@@ -60,6 +71,10 @@ class LossConfig:
             f"train.loss.max_new_tokens={self.max_new_tokens}: must be positive",
         )
         need(self.kl_coef >= 0, f"train.loss.kl_coef={self.kl_coef}: must be >= 0 (0 = no KL penalty)")
+        need(
+            self.entropy_coef >= 0,
+            f"train.loss.entropy_coef={self.entropy_coef}: must be >= 0 (0 = no entropy bonus), e.g. 0.001",
+        )
         need(self.tis_cap >= 1.0, f"train.loss.tis_cap={self.tis_cap}: must be >= 1 (2 is typical)")
         need(
             0.0 < self.ratio_low <= 1.0 <= self.ratio_high,

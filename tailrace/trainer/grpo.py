@@ -44,7 +44,7 @@ from tailrace.model.moe import balance_loss, balancing, replaying, take_load
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch, with_advantages
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
-from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, kl_penalty
+from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, entropy_bonus, kl_penalty
 from tailrace.trainer.memory import rank_share, size_micro_batch
 from tailrace.trainer.optim import build_adamw
 from tailrace.trainer.packing import micro_batches as packed_rows
@@ -53,7 +53,7 @@ from tailrace.trainer.schedule import LRSchedule
 from tailrace.types import Group
 
 SUM_KEYS = ("loss", "pg_loss", "kl", "is_ratio", "clip_frac", "approx_kl", "ratio_mean", "tokens", "dropped",
-            "entropy", "gap_sum", "gap_tokens", "moe_aux_loss")  # fmt: skip
+            "entropy", "gap_sum", "gap_tokens", "moe_aux_loss", "entropy_bonus")  # fmt: skip
 PEAK_KEYS = ("is_ratio_max", "ratio_max", "gap_max")
 
 
@@ -153,8 +153,10 @@ class GRPOTrainer:
         for g in self.opt.param_groups:  # a function of the steps taken: a resume or a replay takes the same
             g["lr"] = self.schedule.lr_at(self.steps)
         parts = mini_batches(groups, self.cfg.mini_batches)
-        # a mini-batch whose every advantage is zero has a zero gradient: no passes, no update
-        signal = [self.cfg.loss.kl_coef > 0 or any(map(_has_signal, part)) for part in parts]
+        # a mini-batch whose every advantage is zero has a zero gradient, unless a term pulls on the
+        # weights whatever the advantages: then no passes, no update
+        pulls = self.cfg.loss.kl_coef > 0 or self.cfg.loss.entropy_coef > 0
+        signal = [pulls or any(map(_has_signal, part)) for part in parts]
         if len(parts) > 1:  # the advantages are the step's, whatever mini-batch a group lands in
             parts = mini_batches(with_advantages(groups, self.advantage), self.cfg.mini_batches)
         batches = [self.make_batch(part, trainer_version) for part in parts]
@@ -302,9 +304,15 @@ class GRPOTrainer:
             off = lora.as_reference(ref) if self.ref_model is None else contextlib.nullcontext()
             with torch.no_grad(), self._autocast(), off:
                 ref_logp = token_logprobs(ref(mb.input_ids), mb.targets, cfg.temperature)
-            kl = kl_penalty(logp, ref_logp, mb.mask, mb.scale)
-            loss = pg + lc.kl_coef * kl
+            kl = kl_penalty(logp, ref_logp, mb.mask, mb.scale, lc.kl_type)
+            loss = loss + lc.kl_coef * kl
             acc.add("kl", kl.detach())
+        # the entropy at each position: with a bonus, through the graph; else a metric of detached logits
+        ent = entropy_from_logits(logits if lc.entropy_coef > 0 else logits.detach(), cfg.temperature)
+        if lc.entropy_coef > 0:
+            bonus = entropy_bonus(ent, mb.mask, mb.scale)
+            loss = loss - lc.entropy_coef * bonus
+            acc.add("entropy_bonus", bonus.detach())
         if backward and bool(n_live > 0):
             loss.backward()
         with torch.no_grad():
@@ -321,7 +329,7 @@ class GRPOTrainer:
             acc.peak("ratio_max", st["ratio_max"])
             acc.add("tokens", n_live)
             acc.add("dropped", ((corr.keep == 0) & live).sum())
-            acc.add("entropy", (entropy_from_logits(logits.detach(), cfg.temperature) * mb.mask).sum())
+            acc.add("entropy", (ent.detach() * mb.mask).sum())
             acc.add("gap_sum", torch.where(same, gap, 0.0).sum())
             acc.peak("gap_max", torch.where(same, gap, 0.0).max())
             acc.add("gap_tokens", same.sum())
@@ -377,6 +385,7 @@ class GRPOTrainer:
             **take_load(self.model),  # a mixture of experts' routing: how even, how many experts idle
             **_replayed(batches),
             **({"moe_aux_loss": acc.get("moe_aux_loss")} if self.cfg.moe_aux_loss else {}),
+            **({"entropy_bonus": acc.get("entropy_bonus")} if self.cfg.loss.entropy_coef else {}),
         }
 
     # -- checkpoints and weight transfer -----------------------------------------------------

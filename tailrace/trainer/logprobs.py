@@ -72,18 +72,40 @@ def token_logprobs(
     return _TokenLogprobs.apply(logits, targets, float(temperature), chunk_rows)
 
 
-@torch.no_grad()
+class _Entropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, temperature: float, chunk_rows: int | None):
+        V = logits.shape[-1]
+        flat = logits.reshape(-1, V)
+        out = torch.empty(flat.shape[0], dtype=_acc_dtype(logits.dtype), device=logits.device)
+        rows = _rows(flat.shape[0], V, chunk_rows)
+        for s in rows:
+            logp = torch.log_softmax(flat[s : s + rows.step].to(out.dtype) / temperature, dim=-1)
+            out[s : s + rows.step] = -(logp.exp() * logp).sum(-1)  # H = -sum p log p
+        ctx.save_for_backward(logits, out)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return out.view(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, ent = ctx.saved_tensors
+        V = logits.shape[-1]
+        flat = logits.reshape(-1, V)
+        g = grad_out.reshape(-1, 1).to(ent.dtype) / ctx.temperature
+        grad = torch.empty_like(flat)
+        rows = _rows(flat.shape[0], V, ctx.chunk_rows)
+        for s in rows:
+            e = s + rows.step
+            logp = torch.log_softmax(flat[s:e].to(ent.dtype) / ctx.temperature, dim=-1)
+            # dH/dx_v = -p_v (log p_v + H)
+            grad[s:e] = (-logp.exp() * (logp + ent[s:e, None]) * g[s:e]).to(grad.dtype)
+        return grad.view_as(logits), None, None
+
+
 def entropy_from_logits(
     logits: torch.Tensor, temperature: float = 1.0, *, chunk_rows: int | None = None
 ) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per position: (B, T, V) -> (B, T). A metric: no grad."""
-    V = logits.shape[-1]
-    flat = logits.reshape(-1, V)
-    acc = _acc_dtype(logits.dtype)
-    out = torch.empty(flat.shape[0], dtype=acc, device=logits.device)
-    rows = _rows(flat.shape[0], V, chunk_rows)
-    for s in rows:
-        x = flat[s : s + rows.step].to(acc) / temperature
-        logp = torch.log_softmax(x, dim=-1)
-        out[s : s + rows.step] = -(logp.exp() * logp).sum(-1)  # H = -sum p log p
-    return out.view(logits.shape[:-1])
+    """Entropy of softmax(logits / temperature) per position: (B, T, V) -> (B, T), in the chunks
+    `token_logprobs` takes; differentiable (an entropy bonus trains through it), a metric of detached
+    logits otherwise."""
+    return _Entropy.apply(logits, float(temperature), chunk_rows)

@@ -202,9 +202,30 @@ def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return d.exp() - d - 1.0
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: Tensor) -> Tensor:
-    """k3 aggregated like the policy loss (same `scale`)."""
-    return torch.where(mask > 0, k3(logp, ref_logp) * scale, 0.0).sum()
+def k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """logp - ref per token (verl's kl): unbiased for KL(new || ref) but often negative; as a loss its
+    gradient is logp's own, whatever the reference."""
+    return logp - ref_logp
+
+
+def k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """(logp - ref)^2 / 2 per token (verl's mse): biased, never negative; as a loss on the policy's own
+    samples its gradient is the reverse KL's."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: Tensor, kind: str = "k3") -> Tensor:
+    """The `kind` estimator (train.loss.kl_type) aggregated like the policy loss (same `scale`)."""
+    return torch.where(mask > 0, KL_ESTIMATORS[kind](logp, ref_logp) * scale, 0.0).sum()
+
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, scale: Tensor) -> Tensor:
+    """Per-position entropies aggregated like the policy loss (same `scale`): train.loss.entropy_coef
+    times it is taken off the loss (verl's entropy_coeff)."""
+    return torch.where(mask > 0, entropy * scale, 0.0).sum()
 
 
 # -- off-policy corrections: (behav, prox, mask, bounds) -> anchor, weight, keep -------------

@@ -16,7 +16,7 @@ from tailrace.engine.spec import DRAFTERS
 from tailrace.flow.policies import POLICIES
 from tailrace.flow.shaping import SHAPINGS
 from tailrace.trainer.advantages import ADVANTAGES
-from tailrace.trainer.losses import CORRECTIONS, LOSSES
+from tailrace.trainer.losses import CORRECTIONS, KL_ESTIMATORS, LOSSES
 
 
 @pytest.mark.parametrize(
@@ -26,6 +26,7 @@ from tailrace.trainer.losses import CORRECTIONS, LOSSES
         ("--shaping.name=dart", SHAPINGS),
         ("--train.loss.name=ppo", LOSSES),
         ("--train.loss.correction=is", CORRECTIONS),
+        ("--train.loss.kl_type=k4", KL_ESTIMATORS),
         ("--train.advantage=gae", ADVANTAGES),
         ("--rollout.spec.drafter=eagle", ("none", *DRAFTERS)),
     ],

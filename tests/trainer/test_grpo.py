@@ -611,3 +611,32 @@ def test_the_load_balancing_loss_adds_to_the_loss_and_trains_the_router_alone():
     assert not {"model.layers.2.mlp.experts.3.down_proj.weight", "model.norm.weight"} & moved
     with pytest.raises(ConfigError, match="no mixture of experts to balance"):
         GRPOTrainer(TinyLM(), TrainerConfig(moe_aux_loss=0.01))
+
+
+def test_every_term_adds_to_the_loss():
+    """pg + kl_coef x kl + moe_aux_loss x balancing - entropy_coef x entropy: none replaces another."""
+    from tailrace.model import CausalLM
+
+    cfg = moe_config()
+    model = CausalLM.from_config(cfg, seed=0)
+    lc = LossConfig(kl_coef=0.1, kl_type="k2", entropy_coef=0.01)
+    tr = GRPOTrainer(
+        model, TrainerConfig(moe_aux_loss=0.5, loss=lc), ref_model=CausalLM.from_config(cfg, seed=1)
+    )
+    m = tr.step(make_groups(model), trainer_version=0)
+    assert min(m["kl"], m["moe_aux_loss"], m["entropy_bonus"]) > 0
+    expect = m["pg_loss"] + 0.1 * m["kl"] + 0.5 * m["moe_aux_loss"] - 0.01 * m["entropy_bonus"]
+    assert m["loss"] == pytest.approx(expect, rel=1e-6)
+    # the entropy bonus is the entropy aggregated as the loss is (grpo: each sequence's token mean)
+    assert m["entropy_bonus"] == pytest.approx(m["entropy"], rel=0.3)
+
+
+def test_an_entropy_bonus_raises_the_entropy_and_keeps_a_batch_without_signal_training():
+    base = TinyLM()
+    groups = equal_rewards(make_groups(base))
+    out = {}
+    for coef in (0.0, 1.0):
+        tr = GRPOTrainer(copy.deepcopy(base), TrainerConfig(lr=1e-1, loss=LossConfig(entropy_coef=coef)))
+        tr.step(groups, 0)
+        out[coef] = tr.evaluate(groups, 0)["entropy"]
+    assert out[1.0] > out[0.0] + 1e-3  # the step moved toward more entropy; without it nothing moved

@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from tailrace.config import ConfigError, LossConfig
-from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, fresh_mask, k3, kl_penalty, seq_mean_scale
+from tailrace.trainer.losses import (
+    CORRECTIONS,
+    KL_ESTIMATORS,
+    LOSSES,
+    Bounds,
+    fresh_mask,
+    k3,
+    kl_penalty,
+    seq_mean_scale,
+)
 
 R = [[1.5, 1.25, 0.9], [0.5, 1.1, 10.0]]
 OLD = torch.full((2, 3), -1.0, dtype=torch.float64)
@@ -143,6 +152,23 @@ def test_k3_values_and_aggregation():
     assert k3(logp, ref)[0].tolist() == pytest.approx(expect, abs=1e-12)
     mask = torch.ones(1, 3, dtype=torch.float64)
     assert kl_penalty(logp, ref, mask, seq_mean_scale(mask)).item() == pytest.approx(0.5 / 3, abs=1e-12)
+
+
+def test_the_kl_estimators_values_and_their_gradients_on_policy():
+    """k1 = logp - ref (verl's kl), k2 = (logp - ref)^2 / 2 (mse), k3 (low_var_kl, the default). Their
+    per-token gradients in logp: 1; logp - ref; 1 - exp(ref - logp)."""
+    logp = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[math.log(2), 0.0, -math.log(2)]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    d = [-math.log(2), 0.0, math.log(2)]  # logp - ref
+    for kind, value, grad in [
+        ("k1", d, [1.0, 1.0, 1.0]),
+        ("k2", [x * x / 2 for x in d], d),
+        ("k3", [1 - math.log(2), 0.0, math.log(2) - 0.5], [1 - 2.0, 0.0, 1 - 0.5]),
+    ]:
+        assert KL_ESTIMATORS[kind](logp, ref)[0].tolist() == pytest.approx(value, abs=1e-12), kind
+        (g,) = torch.autograd.grad(kl_penalty(logp, ref, mask, mask, kind), logp)
+        assert g[0].tolist() == pytest.approx(grad, abs=1e-12), kind
 
 
 BEHAV = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64)

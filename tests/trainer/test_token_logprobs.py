@@ -36,7 +36,11 @@ def test_matches_log_softmax_value_and_grad(temperature, chunk_rows):
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=0)
     ent = -(torch.softmax(logits / temperature, -1) * torch.log_softmax(logits / temperature, -1)).sum(-1)
-    torch.testing.assert_close(entropy_from_logits(logits, temperature, chunk_rows=chunk_rows), ent.detach())
+    (ent_grad,) = torch.autograd.grad((ent * w).sum(), logits)
+    out = entropy_from_logits(logits, temperature, chunk_rows=chunk_rows)
+    (grad,) = torch.autograd.grad((out * w).sum(), logits)  # the entropy bonus trains through it
+    torch.testing.assert_close(out, ent, atol=1e-12, rtol=0)
+    torch.testing.assert_close(grad, ent_grad, atol=1e-12, rtol=0)
 
 
 def test_bf16_logits_give_fp32_logprobs_and_bf16_grad():
