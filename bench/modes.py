@@ -102,6 +102,9 @@ MODES = [
     ("sync", {"train.mini_batches": 4}),
     ("multiversion", {"flow.max_staleness": 1, "train.mini_batches": 4}),
     ("multiversion", {"flow.max_staleness": 1, "train.epochs": 2}),
+    # the group's mean, the step's std (Lite PPO, TRL's scale_rewards=batch): --modes
+    # sync,multiversion-K1,multiversion-K1+batch_std
+    ("multiversion", {"flow.max_staleness": 1, "train.advantage": "batch_std"}),
 ]
 
 CONFIGS = {
@@ -150,6 +153,7 @@ def mode_label(mode: str, opts: dict) -> str:
         + "".join(f"+overlong{v}" for k, v in opts.items() if k == "task.overlong_buffer")
         + "".join(f"+mb{v}" for k, v in opts.items() if k == "train.mini_batches")
         + "".join(f"+ep{v}" for k, v in opts.items() if k == "train.epochs")
+        + "".join(f"+{v}" for k, v in opts.items() if k == "train.advantage")
     )
 
 
