@@ -294,10 +294,16 @@ def round_windows(events: list[Span | Mark], R: int) -> float | None:
     return sum(spans) / len(spans) if spans else None
 
 
+def label_width(rows: list[dict]) -> int:
+    """The mode column's width: the longest label's (at least 16), so the tables' columns line up."""
+    return max([16, *(len(r["mode"]) for r in rows)])
+
+
 def table(rows: list[dict]) -> str:
+    w = label_width(rows)
     sync = next(r for r in rows if r["mode"] == "sync")
     head = (
-        f"{'mode':16s} {'wall s':>7s} {'steps/h':>8s} {'speedup':>8s} {'middle':>7s} {'wait':>5s} {'bubble':>6s} "
+        f"{'mode':{w}s} {'wall s':>7s} {'steps/h':>8s} {'speedup':>8s} {'middle':>7s} {'wait':>5s} {'bubble':>6s} "
         f"{'batch':>6s} {'window s':>8s} {'acc':>6s}  staleness"
     )
     lines = [head, "-" * len(head)]
@@ -309,7 +315,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         win = f"{r['round_window_s']:8.1f}" if r["round_window_s"] is not None else f"{'-':>8s}"
         lines.append(
-            f"{r['mode']:16s} {r['wall_s']:7.1f} {r['steps_per_hour']:8.0f} "
+            f"{r['mode']:{w}s} {r['wall_s']:7.1f} {r['steps_per_hour']:8.0f} "
             f"{sync['wall_s'] / r['wall_s']:7.2f}x {middle(r)} {r['trainer_wait_ratio']:5.2f} {r['bubble_ratio']:6.2f} "
             f"{r['mean_active_batch']:6.1f} {win} {(r['final_accuracy'] or 0):6.3f}  {json.dumps(r['staleness'])}"
         )
@@ -337,11 +343,12 @@ def baseline(rows: list[dict]) -> str:
 def spread(rows: list[dict]) -> str:
     """Across seeds: per mode, the speedup over the same seed's baseline run (sync, where it ran) and
     the final accuracy."""
+    w = label_width(rows)
     import statistics
 
     sync = {r["seed"]: r for r in rows if r["mode"] == baseline(rows)}
     lines = [
-        f"{'mode':16s} {'speedup mean':>12s} {'min-max':>12s} {'middle mean':>11s} {'acc mean':>9s} "
+        f"{'mode':{w}s} {'speedup mean':>12s} {'min-max':>12s} {'middle mean':>11s} {'acc mean':>9s} "
         f"{'acc sd':>7s}  seeds"
     ]
     for label in dict.fromkeys(r["mode"] for r in rows):
@@ -356,7 +363,7 @@ def spread(rows: list[dict]) -> str:
         sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
         m = f"{statistics.mean(mid):10.2f}x" if mid else f"{'-':>11s}"
         lines.append(
-            f"{label:16s} {statistics.mean(sp):11.2f}x {min(sp):5.2f}-{max(sp):.2f}x {m} "
+            f"{label:{w}s} {statistics.mean(sp):11.2f}x {min(sp):5.2f}-{max(sp):.2f}x {m} "
             f"{statistics.mean(acc):9.3f} {sd:7.3f}  {len(rs)}"
         )
     return "\n".join(lines)
@@ -370,6 +377,7 @@ def reached(rows: list[dict], target: float) -> list[float]:
 
 def time_to_target(rows: list[dict], target: float | None = None) -> str:
     """The headline: per mode over its seeds, wall time to the target accuracy and final accuracy."""
+    w = label_width(rows)
     import statistics
 
     def sd(xs):
@@ -390,7 +398,7 @@ def time_to_target(rows: list[dict], target: float | None = None) -> str:
         how += f" {base:.3f} minus 2 points"
     n = rows[0]["eval_n"]
     head = (
-        f"{'mode':16s} {'to target s':>11s} {'sd':>6s} {'vs sync':>8s} {'reached':>7s} "
+        f"{'mode':{w}s} {'to target s':>11s} {'sd':>6s} {'vs sync':>8s} {'reached':>7s} "
         f"{'final acc':>9s} {'sd':>6s} {'steps/h':>8s}"
     )
     lines = [head, "-" * len(head)]
@@ -410,7 +418,7 @@ def time_to_target(rows: list[dict], target: float | None = None) -> str:
         )
         t_txt = f"{t_mean:11.1f} {sd(got):6.1f}" if got else f"{'never':>11s} {'':6s}"
         lines.append(
-            f"{label:16s} {t_txt} {ratio} {len(got):>3d}/{len(rs):<3d} {statistics.mean(acc):9.3f} "
+            f"{label:{w}s} {t_txt} {ratio} {len(got):>3d}/{len(rs):<3d} {statistics.mean(acc):9.3f} "
             f"{sd(acc):6.3f} {statistics.mean(r['steps_per_hour'] for r in rs):8.0f}{flag}"
         )
     res = 0.5 / n**0.5
@@ -425,6 +433,7 @@ def time_to_target(rows: list[dict], target: float | None = None) -> str:
 def per_step(rows: list[dict]) -> str:
     """Learning per step, not per second: per mode, the mean held-out accuracy over seeds at each
     evaluated step (read from each run's metrics), and the mean staleness of what it trained."""
+    w = label_width(rows)
     import statistics
 
     table: dict[str, dict[int, list[float]]] = {}
@@ -440,10 +449,10 @@ def per_step(rows: list[dict]) -> str:
             sum(k * v for k, v in hist.items()) / max(1, sum(hist.values()))
         )
     steps = sorted({s for t in table.values() for s in t})
-    lines = [f"{'mode':16s} " + " ".join(f"{'step ' + str(s):>9s}" for s in steps) + f" {'staleness':>9s}"]
+    lines = [f"{'mode':{w}s} " + " ".join(f"{'step ' + str(s):>9s}" for s in steps) + f" {'staleness':>9s}"]
     for mode, t in table.items():
         cells = " ".join(f"{100 * statistics.mean(t[s]):8.1f}%" if s in t else f"{'-':>9s}" for s in steps)
-        lines.append(f"{mode:16s} {cells} {statistics.mean(stale[mode]):9.2f}")
+        lines.append(f"{mode:{w}s} {cells} {statistics.mean(stale[mode]):9.2f}")
     lines.append("held-out accuracy at each evaluated step, mean over seeds; staleness: mean versions behind")
     return "\n".join(lines)
 
@@ -451,6 +460,7 @@ def per_step(rows: list[dict]) -> str:
 def by_difficulty(rows: list[dict]) -> str:
     """Final held-out accuracy per difficulty bucket (the task's; chainsum: terms), mean over seeds:
     shaping trains on short answers, and the long chains must not collapse."""
+    w = label_width(rows)
     import statistics
 
     acc: dict[str, dict[str, list[float]]] = {}
@@ -462,9 +472,9 @@ def by_difficulty(rows: list[dict]) -> str:
     if not acc:
         return "(no accuracy by difficulty in these runs' evaluations)"
     buckets = list(dict.fromkeys(b for m in acc.values() for b in m))
-    lines = [f"{'mode':16s} " + " ".join(f"{b:>8s}" for b in buckets)]
+    lines = [f"{'mode':{w}s} " + " ".join(f"{b:>8s}" for b in buckets)]
     for mode, m in acc.items():
-        lines.append(f"{mode:16s} " + " ".join(f"{100 * statistics.mean(m[b]):7.1f}%" for b in buckets))
+        lines.append(f"{mode:{w}s} " + " ".join(f"{100 * statistics.mean(m[b]):7.1f}%" for b in buckets))
     lines.append("final held-out accuracy by difficulty bucket, mean over seeds")
     return "\n".join(lines)
 
