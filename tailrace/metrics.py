@@ -134,12 +134,14 @@ def step_record(
     time: dict[str, float],
     generated: list[int] | None = None,
     tool_errors: int | None = None,
+    rewards: dict[str, float] | None = None,
 ) -> StepRecord:
     """The record of one optimizer step over `trajs`, trained from `trainer_version`; `ledger` is the
     scheduler's books after it (`Scheduler.ledger_record`), with `generated`: the lengths produced
     since the previous step before shaping selected (`Scheduler.take_generated`; the `length` key
     holds the trained ones). Real and simulated runs both use this. `tool_errors`: tool calls that
-    failed since the previous step (multi-turn runs; None: not one)."""
+    failed since the previous step (multi-turn runs; None: not one). `rewards`: each reward function's
+    mean since the previous step (a list of them in task.reward; `Session.take_reward_parts`)."""
     n = len(trajs)
     tools = {}
     if tool_errors is not None:
@@ -161,6 +163,7 @@ def step_record(
         train={k: v for k, v in train.items() if isinstance(v, (int, float))},
         time=time,
         tools=tools,
+        rewards=dict(rewards or {}),
     )
 
 

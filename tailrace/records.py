@@ -248,6 +248,9 @@ def event_from_json(d: dict) -> Span | Mark:
 # -- metrics ------------------------------------------------------------------------------------
 
 
+OPTIONAL = ("tools", "rewards")  # a step record's fields written only where not empty
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One optimizer step. Deterministic figures at the top level; everything that depends on wall
@@ -268,10 +271,13 @@ class StepRecord:
     # multi-turn runs (metrics.tool_stats): tool calls, turns, observation tokens, failed calls;
     # the waits are under `time` (tool_wait_s, tool_wait_max_s, tool_run_s). Empty otherwise.
     tools: dict[str, float] = field(default_factory=dict)
+    # a list of reward functions (task.reward): each one's mean over the responses scored for training
+    # since the previous step's record, by name. Empty otherwise.
+    rewards: dict[str, float] = field(default_factory=dict)
     kind = "step"
 
     def to_json(self) -> dict:
-        keys = [k for k in self.__dataclass_fields__ if k != "tools" or self.tools]
+        keys = [k for k in self.__dataclass_fields__ if k not in OPTIONAL or getattr(self, k)]
         return {"kind": self.kind, **{k: getattr(self, k) for k in keys}}
 
 
@@ -333,7 +339,7 @@ Metric = StepRecord | EvalRecord | CheckpointRecord
 
 def metric_from_json(d: dict) -> Metric:
     if d.get("kind") == "step":
-        return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__ if k in d or k != "tools"})
+        return StepRecord(**{k: d[k] for k in StepRecord.__dataclass_fields__ if k in d or k not in OPTIONAL})
     if d.get("kind") == "eval":
         summary = {k: v for k, v in d.items() if k not in _EVAL_HEAD}
         return EvalRecord(d["tag"], d["step"], summary, d.get("version", 0), d.get("wall_s", 0.0))

@@ -152,8 +152,10 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     options = {k: v for k, v in dataclasses.asdict(cfg.flow).items() if k != "mode"}
     keep = load_keep(cfg.store.filter) if cfg.store.filter else None  # (its one-line ConfigError)
-    if cfg.task.reward:
-        load_function(cfg.task.reward, "task.reward")  # found and loadable before any process starts
+    rewards = [cfg.task.reward] if isinstance(cfg.task.reward, str) else cfg.task.reward or []
+    for spec in rewards:
+        if spec != "task":  # (a list's name for the task's own reward)
+            load_function(spec, "task.reward")  # found and loadable before any process starts
     try:
         policy = make_policy(cfg.flow.mode, keep=keep, keep_name=cfg.store.filter or "", **options)
     except ValueError as e:

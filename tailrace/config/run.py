@@ -23,10 +23,15 @@ class TaskConfig:
         "chainsum (built in), chaincalc (chainsum with a calculator tool: multi-turn), "
         "gym:<reasoning-gym dataset>, jsonl:<path> (question/answer lines) or parquet:<path> (the same rows)",
     )
-    reward: str | None = setting(
+    reward: str | list[str] | None = setting(
         None,
         "your reward function instead of the task's, module:function or path/to/file.py:function: "
-        "reward(question, response, answer) -> float, 1 or more = verified correct (held-out accuracy)",
+        "reward(question, response, answer) -> float, 1 or more = verified correct (held-out accuracy); "
+        "or a list of them (TRL's reward_funcs; `task` names the task's own), summed by "
+        "task.reward_weights, the first one's 1 or more deciding what is correct, each one's mean logged",
+    )
+    reward_weights: list[float] | None = setting(
+        None, "task.reward's list: each function's weight in the sum (null = 1 each; TRL's reward_weights)"
     )
     reward_timeout_s: float = setting(5.0, "seconds a reward may take; one that hangs or raises scores 0")
     max_prompt_tokens: int | None = setting(
@@ -80,6 +85,22 @@ class TaskConfig:
     )
 
     def __post_init__(self) -> None:
+        need(
+            self.reward != [],
+            "task.reward=[]: name at least one function, or leave it null for the task's own reward",
+        )
+        need(
+            self.reward_weights is None or isinstance(self.reward, list),
+            f"task.reward_weights={self.reward_weights} without a list of functions in task.reward: give "
+            "task.reward as a list, e.g. [task, my_rewards.py:format]",
+        )
+        if self.reward_weights is not None and isinstance(self.reward, list):
+            w, n = len(self.reward_weights), len(self.reward)
+            need(
+                w == n,
+                f"task.reward_weights={self.reward_weights} has {w} weight{'s' * (w != 1)} for {n} "
+                f"function{'s' * (n != 1)} in task.reward; give one each",
+            )
         need(self.reward_timeout_s > 0, f"task.reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
         need(
             self.max_turns >= 1, f"task.max_turns={self.max_turns}: must be >= 1 (1 = no tool call answered)"

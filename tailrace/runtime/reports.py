@@ -195,6 +195,7 @@ class Reports:
         return step_record(
             rep.step, pol.sched.done_version, trajs, trainer_version, pol.sched.ledger_record(),
             pol.ses.guard.errors, m, timing, pol.sched.take_generated(), tool_errors,
+            pol.ses.take_reward_parts(),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ tools (multi-turn tasks)

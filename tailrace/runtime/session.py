@@ -79,7 +79,11 @@ class Session:
         self.cfg = cfg
         # cheap checks first: a typo never costs a warm start
         self.task = make_task(
-            cfg.task.name, cfg.task.config, max_turns=cfg.task.max_turns, reward=cfg.task.reward
+            cfg.task.name,
+            cfg.task.config,
+            max_turns=cfg.task.max_turns,
+            reward=cfg.task.reward,
+            reward_weights=cfg.task.reward_weights,
         )
         self.model_path = (
             Path(cfg.model.path)
@@ -98,6 +102,7 @@ class Session:
         self.call_id = self._call_id() if self.env is not None else None
         self.stop_ids = self.text.stop_ids + ((self.call_id,) if self.call_id is not None else ())
         self.guard = RewardGuard(self.task, cfg.task.reward_timeout_s)
+        self._part_sums, self._parts_n = [0.0] * len(getattr(self.task, "part_names", ())), 0
         self._examples: dict[int, Example] = {}
 
     def close(self) -> None:
@@ -255,15 +260,35 @@ class Session:
 
     def score(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
         """The reward of each finished result (the guard contains reward code that raises or hangs);
-        correct means verified: reward 1."""
+        correct means verified: reward 1 (with a list of reward functions, the first one's)."""
+        return self._score(prompts, results)[0]
+
+    def _score(
+        self, prompts: list[Prompt], results: list[GenResult]
+    ) -> tuple[list[Scored], list[tuple[float, ...]]]:
+        """`score`, and each result's reward functions' values (empty tuples: the task has one)."""
         pairs = [(Example(p.id, p.text, p.answer), self.response_text(r)) for p, r in zip(prompts, results)]
         scored = self.guard.score_many(pairs)
-        return [Scored(r.request_id, s.reward, s.reward >= 1.0) for r, s in zip(results, scored)]
+        verdict = [(s.parts[0] if s.parts else s.reward) >= 1.0 for s in scored]
+        out = [Scored(r.request_id, s.reward, v) for r, s, v in zip(results, scored, verdict)]
+        return out, [s.parts for s in scored]
+
+    def take_reward_parts(self) -> dict[str, float]:
+        """Each reward function's mean over the responses scored for training since the last call, by
+        name (task.reward's list); empty where the task has one reward, or none was scored."""
+        names, sums, n = getattr(self.task, "part_names", ()), self._part_sums, self._parts_n
+        self._part_sums, self._parts_n = [0.0] * len(names), 0
+        return {name: s / n for name, s in zip(names, sums)} if n else {}
 
     def train_scores(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
         """`score` for training: the task's reward with DAPO's soft overlong punishment added
-        (task.overlong_buffer); `correct` stays the task's verdict."""
-        scores, t = self.score(prompts, results), self.cfg.task
+        (task.overlong_buffer); `correct` stays the task's verdict. Each reward function's values (a
+        list in task.reward) are summed for `take_reward_parts`."""
+        scores, parts = self._score(prompts, results)
+        for got in parts:
+            self._part_sums = [a + b for a, b in zip(self._part_sums, got)]
+            self._parts_n += bool(got)
+        t = self.cfg.task
         if not t.overlong_buffer:
             return scores
         cap = self.cfg.rollout.max_new_tokens

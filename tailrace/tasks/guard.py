@@ -60,11 +60,23 @@ _LEAKED = "leaked processes: the reward returned with processes it started still
 class Scored:
     reward: float
     error: str | None = None  # why the task's own score was replaced (by 0, or clamped); None if not
+    parts: tuple[float, ...] = ()  # a list of reward functions (task.reward): each one's value
 
 
-def _score_one(task: Task, example: Example, response: str) -> tuple[float, str | None]:
+def _score_one(task: Task, example: Example, response: str) -> tuple[float, str | None, tuple[float, ...]]:
+    """The reward, why it was replaced (None: it was not), and with a list of functions (`part_fns`:
+    tasks/user_reward.UserRewards) each one's value, one that failed counting 0 with its reason."""
+    fns = getattr(task, "part_fns", None)
+    if fns is None:
+        return (*_call(task.reward, example, response), ())
+    got = [_call(fn, example, response) for fn in fns]
+    parts = tuple(v for v, _ in got)
+    return task.combine(parts), next((e for _, e in got if e is not None), None), parts
+
+
+def _call(reward, example: Example, response: str) -> tuple[float, str | None]:
     try:
-        value = task.reward(example, response)
+        value = reward(example, response)
     except BaseException as e:  # noqa: BLE001 — user code: SystemExit is a failure to score too
         msg = " ".join(str(e).split())[:200]
         kind = type(e).__name__[:50]
@@ -112,31 +124,39 @@ def _worker_main(
             progress[_T0] = now  # time before index: a reader never pairs a new index with an old time
             progress[_IDX] = i
             cpu.arm()
-            reward, error = _score_one(task, example, response)
+            reward, error, parts = _score_one(task, example, response)
             leaked = leaked_children()
-            out.append((i, 0.0, _LEAKED) if leaked else (i, reward, error))
+            out.append((i, 0.0, _LEAKED, ()) if leaked else (i, reward, error, parts))
             if leaked:
                 break  # the parent kills this worker's group and sends the rest to a new one
         conn.send_bytes(_encode(out))
 
 
-def _encode(rows: list[tuple[int, float, str | None]]) -> bytes:
+Row = tuple[int, float, "str | None", tuple[float, ...]]  # index, reward, reason, each function's value
+
+
+def _encode(rows: list[Row]) -> bytes:
     return json.dumps(
-        [(i, r, e if e is None else e[:_REASON_CHARS]) for i, r, e in rows], ensure_ascii=False
+        [(i, r, e if e is None else e[:_REASON_CHARS], p) for i, r, e, p in rows], ensure_ascii=False
     ).encode()
 
 
-def _decode(data: bytes, n: int) -> list[tuple[int, float, str | None]]:
+def _decode(data: bytes, n: int) -> list[Row]:
     """A worker's results, checked: ValueError (or the TypeError, OverflowError or RecursionError of
-    a deeper malformation) unless every row is (index < n, finite reward, reason or None)."""
+    a deeper malformation) unless every row is (index < n, finite reward, reason or None, finite parts)."""
     out = []
     for row in json.loads(data):
-        i, reward, error = row
-        ok = type(i) is int and 0 <= i < n and type(reward) in (int, float) and math.isfinite(reward)
-        if not ok or not (error is None or isinstance(error, str)):
+        i, reward, error, parts = row
+        ok = type(i) is int and 0 <= i < n and _finite(reward) and isinstance(parts, list)
+        if not ok or not (error is None or isinstance(error, str)) or not all(map(_finite, parts)):
             raise ValueError(f"malformed result {str(row)[:80]}")
-        out.append((i, float(reward), None if error is None else error[:_REASON_CHARS]))
+        error = None if error is None else error[:_REASON_CHARS]
+        out.append((i, float(reward), error, tuple(map(float, parts))))
     return out
+
+
+def _finite(x: object) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
 
 
 def sweep_orphans() -> int:
@@ -205,6 +225,7 @@ class RewardGuard:
                 f"trusted reward code unsandboxed"
             )
         self.task, self.timeout_s, self.inline, self.sandbox = task, timeout_s, inline, sandbox
+        self._row_bytes = _ROW_BYTES + 32 * len(getattr(task, "part_fns", ()))  # a float's JSON, 32 at most
         self.errors: Counter[str] = Counter()
         self.restarts = 0  # workers replaced after a hang, death or leak
         self.held: Held | None = None  # what the worker's sandbox holds; None inline
@@ -221,7 +242,7 @@ class RewardGuard:
 
     def score_many(self, pairs: Sequence[tuple[Example, str]]) -> list[Scored]:
         pairs = list(pairs)
-        raw: list[tuple[float, str | None]] = [(0.0, None)] * len(pairs)
+        raw: list[tuple[float, str | None, tuple[float, ...]]] = [(0.0, None, ())] * len(pairs)
         if self.inline:
             raw = [_score_one(self.task, ex, resp) for ex, resp in pairs]
         else:
@@ -230,13 +251,14 @@ class RewardGuard:
                 pending = self._run(pairs, pending, raw)
         lo, hi = self.task.reward_range
         out = []
-        for (ex, _), (reward, error) in zip(pairs, raw):
+        none = (0.0,) * len(getattr(self.task, "part_fns", ()))  # an item that failed as a whole
+        for (ex, _), (reward, error, parts) in zip(pairs, raw):
             if error is None and not lo <= reward <= hi:
                 error = f"clamped: returned {reward:g}, outside the task's range [{lo:g}, {hi:g}]"
                 reward = min(max(reward, lo), hi)
             if error is not None:
                 self._record(ex, error, reward)
-            out.append(Scored(reward, error))
+            out.append(Scored(reward, error, parts or none))
         return out
 
     @property
@@ -365,11 +387,11 @@ class RewardGuard:
             failed = None
             try:
                 if self._conn.poll(self._wait_s()):
-                    rows = _decode(self._conn.recv_bytes(_ROW_BYTES * len(pending)), len(pending))
-                    for i, reward, error in rows:
-                        raw[pending[i]] = (reward, error)
+                    rows = _decode(self._conn.recv_bytes(self._row_bytes * len(pending)), len(pending))
+                    for i, reward, error, parts in rows:
+                        raw[pending[i]] = (reward, error, parts)
                         left.discard(i)
-                    if any(error == _LEAKED for _, _, error in rows):
+                    if any(error == _LEAKED for _, _, error, _ in rows):
                         self._replace()
                         return [pending[j] for j in sorted(left)]
                     continue
@@ -386,7 +408,7 @@ class RewardGuard:
             self._stop()
             if failed == "worker died":
                 failed = f"worker died ({_exit_text(self._proc_exitcode)})"
-            raw[pending[i]] = (0.0, failed)
+            raw[pending[i]] = (0.0, failed, ())
             left.discard(i)
             self.restarts += 1
             self._start()

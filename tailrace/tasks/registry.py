@@ -20,18 +20,25 @@ FORMS = (
 
 
 def make_task(
-    spec: str, config: Mapping[str, Any] | None = None, max_turns: int = 32, reward: str | None = None
+    spec: str,
+    config: Mapping[str, Any] | None = None,
+    max_turns: int = 32,
+    reward: str | list[str] | None = None,
+    reward_weights: list[float] | None = None,
 ) -> Task:
     """`config` (task.config): the task's own settings, checked key by key — chainsum's spec fields
     that shape its questions, a reasoning-gym dataset's config, or the keyword options of JsonlTask
     and CodeTask. `max_turns` (task.max_turns): a multi-turn task's turns per episode at most.
-    `reward` (task.reward): the user's function that scores it instead of its own (tasks/user_reward)."""
+    `reward` (task.reward): the user's function, or functions summed by `reward_weights`, that score it
+    instead of its own (tasks/user_reward)."""
     task = _make_task(spec, config, max_turns)
     if reward is None:
         return task
-    from tailrace.tasks.user_reward import UserReward
+    from tailrace.tasks.user_reward import UserReward, UserRewards
 
-    return UserReward(task, reward)
+    if isinstance(reward, str):
+        return UserReward(task, reward)
+    return UserRewards(task, list(reward), reward_weights)
 
 
 def _make_task(spec: str, config: Mapping[str, Any] | None, max_turns: int) -> Task:

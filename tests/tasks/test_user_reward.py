@@ -20,6 +20,9 @@ def exact(question, response, answer):
 
 def broken(question, response, answer):
     raise ValueError("no " + answer)
+
+def short(question, response, answer):
+    return 1.0 if len(response) < 8 else 0.0
 '''
 
 
@@ -67,3 +70,35 @@ def test_the_example_reward_scores_what_it_says():
     assert fn(q, "A:3\nmore", "3") == 1.0  # right, with more after it
     assert fn(q, "A:4", "3") == 0.1  # wrong, in the format
     assert fn(q, "three", "3") == 0.0
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_several_functions_add_by_their_weights_and_each_is_kept(reward_file, start_method):
+    """TRL's reward_funcs and reward_weights; `task` is the task's own reward. A function that raises
+    counts 0 with its reason, the others as they are."""
+    specs = [f"{reward_file}:exact", "task", f"{reward_file}:short", f"{reward_file}:broken"]
+    task = make_task(f"jsonl:{ROWS}", reward=specs, reward_weights=[1.0, 0.5, 0.25, 2.0])
+    assert task.part_names == ("exact", "task", "short", "broken")
+    ex = task.examples("train", 1)[0]
+    right = f"so\n{ex.answer}"
+    with RewardGuard(task, timeout_s=5.0, start_method=start_method) as g:
+        got = g.score_many([(ex, right), (ex, "so 0.5 and more\n")])
+    assert got[0].parts == pytest.approx((1.1, 1.0, float(len(right) < 8), 0.0))
+    assert got[0].reward == pytest.approx(1.1 + 0.5 + 0.25 * got[0].parts[2])
+    assert got[1].parts == (0.0, 0.0, 0.0, 0.0) and got[1].reward == 0.0
+    assert got[0].error == f"raised ValueError: no {ex.answer}" and g.errors["raised ValueError"] == 2
+
+
+def test_a_list_of_rewards_is_checked_in_one_line(reward_file):
+    from tailrace.config import load_config
+
+    with pytest.raises(ConfigError, match=r"task.reward_weights=\[1.0\] has 1 weight for 2 functions"):
+        load_config(overrides=[f"--task.reward=[task, {reward_file}:exact]", "--task.reward_weights=[1]"])
+    with pytest.raises(ConfigError, match=r"task.reward_weights=\[2.0\] without a list of functions"):
+        load_config(overrides=[f"--task.reward={reward_file}:exact", "--task.reward_weights=[2]"])
+    with pytest.raises(ConfigError, match=r"task.reward=\[\]: name at least one function"):
+        load_config(overrides=["--task.reward=[]"])
+    cfg = load_config(overrides=[f"--task.reward=[task, {reward_file}:exact]"])
+    assert cfg.task.reward == ["task", f"{reward_file}:exact"] and cfg.task.reward_weights is None
+    with pytest.raises(ConfigError, match=r"task.reward=\['task'\]: 'task' alone is the task's own"):
+        make_task(f"jsonl:{ROWS}", reward=["task"])
