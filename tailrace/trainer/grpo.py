@@ -3,7 +3,7 @@
 `step(groups, trainer_version)` flattens the groups into a TrainBatch, runs forward/backward per
 micro-batch (gradient accumulation, exact thanks to the batch's global `scale`), clips the gradient
 and steps AdamW — unless no group has a reward signal (all its rewards equal: every advantage zero)
-and no KL term pulls on the weights; then the step is counted, reported `skipped` and changes
+and no KL or entropy term pulls on the weights; then the step is counted, reported `skipped` and changes
 nothing. One update per step means the pre-update ("proximal") policy is the current one:
 `prox = logp.detach()` from the same forward, with no second pass. With `train.mini_batches` k > 1 or
 `train.epochs` e > 1 a step is k x e updates (PPO's): the groups split in order into k mini-batches, each
@@ -153,8 +153,8 @@ class GRPOTrainer:
         for g in self.opt.param_groups:  # a function of the steps taken: a resume or a replay takes the same
             g["lr"] = self.schedule.lr_at(self.steps)
         parts = mini_batches(groups, self.cfg.mini_batches)
-        # a mini-batch whose every advantage is zero has a zero gradient, unless a term pulls on the
-        # weights whatever the advantages: then no passes, no update
+        # a mini-batch whose every advantage is zero, with no KL or entropy term pulling on the weights
+        # whatever the advantages, has a zero gradient: no passes, no update
         pulls = self.cfg.loss.kl_coef > 0 or self.cfg.loss.entropy_coef > 0
         signal = [pulls or any(map(_has_signal, part)) for part in parts]
         if len(parts) > 1:  # the advantages are the step's, whatever mini-batch a group lands in
