@@ -47,6 +47,12 @@ class LossConfig:
     ratio_high: float = setting(
         2.0, "icepop keeps tokens (geo_mask sequences) whose pi_prox/pi_behav <= this"
     )
+    top_entropy: float = setting(
+        1.0,
+        "train on the step's live tokens whose entropy under the step's weights is in this top share, the "
+        'others out of the loss, its normaliser unchanged ("Beyond the 80/20 Rule": 0.2; TRL\'s '
+        "top_entropy_quantile); 1 = every token. Below 1 a step takes one more forward first",
+    )
     correction: str | None = setting(
         None,
         "off-policy correction: where the ratio's anchor and weight come from (null = the mode's own: "
@@ -74,6 +80,10 @@ class LossConfig:
         need(
             self.entropy_coef >= 0,
             f"train.loss.entropy_coef={self.entropy_coef}: must be >= 0 (0 = no entropy bonus), e.g. 0.001",
+        )
+        need(
+            0.0 < self.top_entropy <= 1.0,
+            f"train.loss.top_entropy={self.top_entropy}: must lie in (0, 1], e.g. 0.2 (1: every token)",
         )
         need(self.tis_cap >= 1.0, f"train.loss.tis_cap={self.tis_cap}: must be >= 1 (2 is typical)")
         need(

@@ -166,8 +166,14 @@ class GRPOTrainer:
             return self._metrics(_Sums(), batches, 0, [], time.perf_counter() - t0)
         self.model.eval()
         shards = [(self._shard(b), int(b.lengths.sum())) for b in live]
-        if len(parts) > 1 or self.cfg.epochs > 1:  # every update's anchor: the policy before the first
-            shards = [(self._proximal(s), n) for s, n in shards]
+        chosen: dict[str, float] = {}
+        if len(parts) > 1 or self.cfg.epochs > 1 or self.cfg.loss.top_entropy < 1:
+            # every update's anchor: the policy before the first; and the tokens it is most unsure of
+            prepared = [self._proximal(s) for s, _ in shards]
+            kept = [s for s, _ in prepared]
+            if self.cfg.loss.top_entropy < 1:
+                kept, chosen = self._top_entropy(prepared)
+            shards = [(s, n) for s, (_, n) in zip(kept, shards)]
         acc, n_micro, norms = _Sums(), 0, []
         for _ in range(self.cfg.epochs):
             for shard, positions in shards:
@@ -175,7 +181,8 @@ class GRPOTrainer:
                 n_micro += n
                 norms.append(norm)
         self.steps += 1
-        return self._metrics(acc, batches, n_micro, norms, time.perf_counter() - t0, self.cfg.epochs)
+        metrics = self._metrics(acc, batches, n_micro, norms, time.perf_counter() - t0, self.cfg.epochs)
+        return {**metrics, **chosen}
 
     def _update(
         self, shard: TrainBatch, positions: int, acc: _Sums, done: int, updates: int
@@ -209,16 +216,39 @@ class GRPOTrainer:
         return n_micro, grad_norm
 
     @torch.no_grad()
-    def _proximal(self, shard: TrainBatch) -> TrainBatch:
+    def _proximal(self, shard: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
         """`shard` with the current policy's logprobs of its targets (`prox_logp`), its micro-batches
-        formed as the updates form them, so the first update's ratio is exactly 1."""
-        prox = torch.zeros_like(shard.behav_logp)
+        formed as the updates form them, so the first update's ratio is exactly 1; and the policy's
+        entropy at each position (zeros unless train.loss.top_entropy asks for it)."""
+        prox, ent = torch.zeros_like(shard.behav_logp), torch.zeros_like(shard.behav_logp)
         for idx in packed_rows(shard.lengths.tolist(), self.micro.tokens):
             mb = shard.rows(idx).to(self.device)
             with self._autocast(), replaying(self.model, mb.routes):
-                logp = token_logprobs(self.model(mb.input_ids), mb.targets, self.cfg.temperature)
-            prox[torch.tensor(idx), : logp.shape[1]] = logp.to(prox.device)
-        return dataclasses.replace(shard, prox_logp=prox)
+                logits = self.model(mb.input_ids)
+            rows, t = torch.tensor(idx), logits.shape[1]
+            prox[rows, :t] = token_logprobs(logits, mb.targets, self.cfg.temperature).to(prox.device)
+            if self.cfg.loss.top_entropy < 1:
+                ent[rows, :t] = entropy_from_logits(logits, self.cfg.temperature).float().to(ent.device)
+        return dataclasses.replace(shard, prox_logp=prox), ent
+
+    def _top_entropy(self, kept: list[tuple[TrainBatch, torch.Tensor]]) -> tuple[list[TrainBatch], dict]:
+        """The shards with the loss's share (`scale`) taken from every live token whose entropy lies
+        below the step's top train.loss.top_entropy share: the quantile over every rank's live tokens of
+        every mini-batch. Returns them and the step's figures (the share kept, the threshold)."""
+        live = torch.cat([e[s.mask > 0] for s, e in kept])
+        if self.world > 1:  # every rank's, for one threshold
+            sizes = [torch.zeros((), dtype=torch.long) for _ in range(self.world)]
+            torch.distributed.all_gather(sizes, torch.tensor(live.numel()))
+            pad = torch.full((int(max(sizes)),), math.nan)
+            pad[: live.numel()] = live
+            got = [torch.empty_like(pad) for _ in range(self.world)]
+            torch.distributed.all_gather(got, pad)
+            live = torch.cat([g[: int(n)] for g, n in zip(got, sizes)])
+        if not live.numel():
+            return [s for s, _ in kept], {}
+        thr = float(torch.quantile(live.double(), 1.0 - self.cfg.loss.top_entropy))
+        shards = [dataclasses.replace(s, scale=s.scale * (e >= thr)) for s, e in kept]
+        return shards, {"entropy_kept": float((live >= thr).double().mean()), "entropy_threshold": thr}
 
     @torch.no_grad()
     def evaluate(self, groups: Sequence[Group], trainer_version: int) -> dict[str, Any]:

@@ -23,7 +23,8 @@ KEYS = (
     "entropy",
     "ratio_max",
     "updates",
-)  # not micro_batches:
+)
+EXTRA = ("entropy_kept",)  # where a run reports it  # not micro_batches:
 # each rank cuts its own rows into micro-batches, so their count need not add up to one process's
 
 
@@ -42,20 +43,37 @@ def _rank(rank: int, world: int, init: str, out, steps: dict) -> None:
         torch.manual_seed(0)
         model = TinyLM()
         groups = make_groups(TinyLM(), noise=0.3, n_groups=4)
-        cfg = TrainerConfig(micro_batch_tokens=12, grad_clip=1.0, loss=LossConfig(**LOSS), **steps)
+        cfg = TrainerConfig(
+            micro_batch_tokens=12,
+            grad_clip=1.0,
+            loss=LossConfig(**LOSS, **steps.get("loss", {})),
+            **steps.get("train", {}),
+        )
         tr = GRPOTrainer(model, cfg, ref_model=TinyLM(seed=1))
         m = tr.step(groups, trainer_version=0)
         g = {n: t.numpy().copy() for n, t in grads(model).items()}  # plain arrays: no shared-memory handles
-        out.put((rank, {k: m[k] for k in KEYS}, g, tr.flat.buffer.numpy().copy()))
+        out.put((rank, {k: m[k] for k in KEYS + EXTRA if k in m}, g, tr.flat.buffer.numpy().copy()))
     finally:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("steps", [{}, {"mini_batches": 2, "epochs": 2}])  # one update; PPO's four
+@pytest.mark.parametrize(
+    "steps",
+    [
+        {},  # one update
+        {"train": {"mini_batches": 2, "epochs": 2}},  # PPO's four
+        {"loss": {"top_entropy": 0.3}},  # one threshold over both ranks' tokens
+    ],
+)
 def test_two_ranks_step_like_one_process(tmp_path, steps):
     base = TinyLM()
     groups = make_groups(TinyLM(), noise=0.3, n_groups=4)
-    cfg = TrainerConfig(micro_batch_tokens=12, grad_clip=1.0, loss=LossConfig(**LOSS), **steps)
+    cfg = TrainerConfig(
+        micro_batch_tokens=12,
+        grad_clip=1.0,
+        loss=LossConfig(**LOSS, **steps.get("loss", {})),
+        **steps.get("train", {}),
+    )
     model = copy.deepcopy(base)
     tr = GRPOTrainer(model, cfg, ref_model=TinyLM(seed=1))
     single = tr.step(groups, trainer_version=0)
@@ -80,4 +98,8 @@ def test_two_ranks_step_like_one_process(tmp_path, steps):
         )  # every rank stepped to the same weights
         for k in KEYS:
             assert metrics[k] == pytest.approx(single[k], rel=1e-5, abs=1e-7), k
-    assert single["micro_batches"] > 2 and single["updates"] == (4 if steps else 1)
+    assert single["micro_batches"] > 2 and single["updates"] == (4 if "train" in steps else 1)
+    if "loss" in steps:
+        assert 0.25 < single["entropy_kept"] < 0.35
+        for rank in (0, 1):
+            assert got[rank][0]["entropy_kept"] == single["entropy_kept"]

@@ -12,7 +12,7 @@ from tailrace.config import ConfigError, LossConfig, TrainerConfig, load_config
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.grpo import GRPOTrainer, NonFiniteError, mini_batches
-from tailrace.trainer.logprobs import token_logprobs
+from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds
 from tests.trainer.test_grpo import TinyLM, equal_rewards, make_groups
 
@@ -137,3 +137,49 @@ def test_the_settings_are_checked():
     ):
         load_config(overrides=["--train.mini_batches=17"])
     assert load_config(overrides=["--train.mini_batches=16", "--train.epochs=2"]).train.mini_batches == 16
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_top_entropy_trains_the_steps_most_uncertain_tokens_alone(k):
+    """train.loss.top_entropy=0.25 ("Beyond the 80/20 Rule", TRL's top_entropy_quantile): the step's
+    live tokens whose pre-update entropy is in the top quarter, over the whole step whatever its
+    mini-batches, keep their share of the loss (the normaliser unchanged); the others none."""
+    base = TinyLM()
+    groups = make_groups(base, n_groups=4)
+    cfg = TrainerConfig(lr=1e-2, mini_batches=k, grad_clip=None, loss=LossConfig(top_entropy=0.25))
+    tr = GRPOTrainer(copy.deepcopy(base), cfg)
+    m = tr.step(groups, 0)
+    # by hand: the entropies of every live token under the step's weights, the top quarter's threshold
+    loss = LOSSES["grpo"]
+    whole = TrainBatch.from_groups(
+        groups, trainer_version=0, token_scale=loss.token_scale, advantage=ADVANTAGES["grpo"]
+    )
+    with torch.no_grad():
+        ent = entropy_from_logits(base(whole.input_ids))
+    live = ent[whole.mask > 0]
+    thr = torch.quantile(live.double(), 0.75).item()
+    assert m["entropy_kept"] == pytest.approx(float((live >= thr).float().mean()), abs=1e-6)
+    assert 0.2 < m["entropy_kept"] < 0.3
+    hand = copy.deepcopy(base)
+    parts = [groups] if k == 1 else [groups[:2], groups[2:]]
+    opt = torch.optim.AdamW(hand.parameters(), lr=1e-2, weight_decay=0.0)
+    batches = [
+        TrainBatch.from_groups(
+            p, trainer_version=0, token_scale=loss.token_scale, advantage=ADVANTAGES["grpo"]
+        )
+        for p in parts
+    ]
+    with torch.no_grad():
+        keep = [(entropy_from_logits(base(b.input_ids)) >= thr).float() for b in batches]
+        prox = [token_logprobs(base(b.input_ids), b.targets) for b in batches]
+    for b, kp, px in zip(batches, keep, prox):
+        opt.zero_grad()
+        logp = token_logprobs(hand(b.input_ids), b.targets)
+        ones = torch.ones_like(logp)
+        pg, _ = loss(logp, px, b.adv, b.mask, ones, eps_low=None, eps_high=None, scale=b.scale * kp)
+        pg.backward()
+        opt.step()
+    for p, q in zip(tr.model.parameters(), hand.parameters()):
+        torch.testing.assert_close(p, q, atol=2e-6, rtol=0)
+    with pytest.raises(ConfigError, match="train.loss.top_entropy=0"):
+        LossConfig(top_entropy=0.0)
