@@ -468,7 +468,8 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
         model=model,
         model_config=shape,
         engines=r.engines,
-        recompute_logprobs=cfg.train.mini_batches * cfg.train.epochs > 1,  # the trainer's kept logprobs
+        # the trainer's pass before its updates: PPO's kept logprobs, the entropies top_entropy picks by
+        recompute_logprobs=cfg.train.mini_batches * cfg.train.epochs > 1 or cfg.train.loss.top_entropy < 1,
         train_updates=cfg.train.mini_batches * cfg.train.epochs,
         train_epochs=cfg.train.epochs,
         checkpoint_s=ckpt,

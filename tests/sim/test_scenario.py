@@ -7,7 +7,7 @@ import yaml
 
 from tailrace.cli import main
 from tailrace.common import ConfigError
-from tailrace.config import FlowConfig, RunConfig, dump_config
+from tailrace.config import FlowConfig, RunConfig, dump_config, load_config
 from tailrace.records import Finished, Opened, StepRecord, dumps
 from tailrace.sim import compare
 from tailrace.sim.hardware import get_hardware
@@ -146,6 +146,10 @@ def test_a_run_of_several_updates_a_step_is_charged_its_passes(tmp_path):
     ppo = scenario_from_run(_fake_run(tmp_path / "ppo", mini_batches=2, epochs=3)).cluster
     assert (one.train_updates, one.train_epochs, one.recompute_logprobs) == (1, 1, False)
     assert (ppo.train_updates, ppo.train_epochs, ppo.recompute_logprobs) == (6, 3, True)
+    run = _fake_run(tmp_path / "top")
+    cfg = load_config(run / "config.yaml", ["--train.loss.top_entropy=0.2"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    assert scenario_from_run(run).cluster.recompute_logprobs
 
 
 def test_a_vllm_run_is_simulated_and_the_comparison_says_its_engine_was_another(tmp_path, capsys):
