@@ -105,6 +105,9 @@ MODES = [
     # the group's mean, the step's std (Lite PPO, TRL's scale_rewards=batch): --modes
     # sync,multiversion-K1,multiversion-K1+batch_std
     ("multiversion", {"flow.max_staleness": 1, "train.advantage": "batch_std"}),
+    # the step's top fifth of tokens by entropy alone ("Beyond the 80/20 Rule"): --modes
+    # sync,multiversion-K1,multiversion-K1+top0.2
+    ("multiversion", {"flow.max_staleness": 1, "train.loss.top_entropy": 0.2}),
 ]
 
 CONFIGS = {
@@ -154,6 +157,7 @@ def mode_label(mode: str, opts: dict) -> str:
         + "".join(f"+mb{v}" for k, v in opts.items() if k == "train.mini_batches")
         + "".join(f"+ep{v}" for k, v in opts.items() if k == "train.epochs")
         + "".join(f"+{v}" for k, v in opts.items() if k == "train.advantage")
+        + "".join(f"+top{v}" for k, v in opts.items() if k == "train.loss.top_entropy")
     )
 
 
