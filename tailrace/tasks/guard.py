@@ -141,13 +141,15 @@ def _encode(rows: list[Row]) -> bytes:
     ).encode()
 
 
-def _decode(data: bytes, n: int) -> list[Row]:
+def _decode(data: bytes, n: int, parts_n: int = 0) -> list[Row]:
     """A worker's results, checked: ValueError (or the TypeError, OverflowError or RecursionError of
-    a deeper malformation) unless every row is (index < n, finite reward, reason or None, finite parts)."""
+    a deeper malformation) unless every row is (index < n, finite reward, reason or None, none or
+    `parts_n` finite parts)."""
     out = []
     for row in json.loads(data):
         i, reward, error, parts = row
         ok = type(i) is int and 0 <= i < n and _finite(reward) and isinstance(parts, list)
+        ok = ok and len(parts) in (0, parts_n)
         if not ok or not (error is None or isinstance(error, str)) or not all(map(_finite, parts)):
             raise ValueError(f"malformed result {str(row)[:80]}")
         error = None if error is None else error[:_REASON_CHARS]
@@ -387,7 +389,8 @@ class RewardGuard:
             failed = None
             try:
                 if self._conn.poll(self._wait_s()):
-                    rows = _decode(self._conn.recv_bytes(self._row_bytes * len(pending)), len(pending))
+                    data = self._conn.recv_bytes(self._row_bytes * len(pending))
+                    rows = _decode(data, len(pending), len(getattr(self.task, "part_fns", ())))
                     for i, reward, error, parts in rows:
                         raw[pending[i]] = (reward, error, parts)
                         left.discard(i)

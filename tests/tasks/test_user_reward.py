@@ -102,3 +102,15 @@ def test_a_list_of_rewards_is_checked_in_one_line(reward_file):
     assert cfg.task.reward == ["task", f"{reward_file}:exact"] and cfg.task.reward_weights is None
     with pytest.raises(ConfigError, match=r"task.reward=\['task'\]: 'task' alone is the task's own"):
         make_task(f"jsonl:{ROWS}", reward=["task"])
+
+
+def test_a_workers_values_of_each_function_are_checked():
+    """The sandboxed worker is not trusted: a row's values are finite numbers, one per function (or none:
+    a row that failed as a whole)."""
+    from tailrace.tasks.guard import _decode
+
+    ok = b'[[0, 1.5, null, [1.0, 0.5]], [1, 0.0, "timeout", []]]'
+    assert _decode(ok, 2, 2) == [(0, 1.5, None, (1.0, 0.5)), (1, 0.0, "timeout", ())]
+    for bad in (b"[[0, 1.5, null, [1.0]]]", b'[[0, 1.5, null, [1.0, "x"]]]', b"[[0, 1.5, null, [1.0, NaN]]]"):
+        with pytest.raises(ValueError, match="malformed"):
+            _decode(bad, 2, 2)
