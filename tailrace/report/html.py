@@ -73,6 +73,9 @@ def curves_figure(steps: list[StepRecord], evals: list[EvalRecord]) -> str:
     x = [s.step + 1 for s in steps]
     ax[0].plot(x, [s.reward for s in steps], label="train reward")
     ax[0].plot(x, [s.accuracy for s in steps], label="train accuracy", alpha=0.7)
+    for name in dict.fromkeys(k for s in steps for k in s.rewards):  # a list of reward functions: each one's
+        got = [(s.step + 1, s.rewards[name]) for s in steps if name in s.rewards]
+        ax[0].plot(*zip(*got), linestyle="--", alpha=0.7, label=f"reward: {name}")
     for e in evals:
         ax[0].scatter([e.step], [e.accuracy], marker="*", s=120, zorder=3, label=f"held-out ({e.tag})")
     ax[0].set_xlabel("step")

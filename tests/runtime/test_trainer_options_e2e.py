@@ -36,3 +36,5 @@ def test_a_run_of_every_option_trains_and_logs_each_reward(tiny_model, tmp_path)
         assert 0 <= r["rewards"]["task"] <= 1 and 0 <= r["rewards"]["sum_then_stop"] <= 1.1
         # the tiny model earns little reward; the KL and entropy terms train every step, 2 x 2 updates
         assert r["train"]["updates"] == 4 and r["train"]["entropy_bonus"] > 0 and r["train"]["kl"] >= 0
+    # the report draws each reward function's curve beside the reward's
+    assert main(["report", str(tmp_path / "run")]) == 0 and (tmp_path / "run" / "report.html").stat().st_size
