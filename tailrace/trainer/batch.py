@@ -61,7 +61,8 @@ class TrainBatch:
     # (model/moe.py), -1 where it recorded none; None: no replay
     routes: Tensor | None = None
     # (N, T) float: the step's pre-update policy's logprob of targets[b, t], where a step takes several
-    # optimizer updates (train.mini_batches, train.epochs: GRPOTrainer.step); None: the forward's own
+    # optimizer updates (train.mini_batches, train.epochs) or picks its tokens by entropy
+    # (train.loss.top_entropy): a pass before the updates (GRPOTrainer.step); None: the forward's own
     prox_logp: Tensor | None = None
 
     @property
