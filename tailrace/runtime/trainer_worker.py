@@ -106,7 +106,8 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
         )
         c = spec.cfg
         ppo = (
-            f"; {c.mini_batches * c.epochs} optimizer updates a step ({c.mini_batches} mini-batches x "
+            f"; {c.mini_batches * c.epochs} optimizer updates a step ({c.mini_batches} "
+            f"mini-batch{'es' * (c.mini_batches > 1)} x "
             f"{c.epochs} epoch{'s' * (c.epochs > 1)}), their ratios against the step's first policy"
             if c.mini_batches * c.epochs > 1
             else ""
