@@ -380,15 +380,18 @@ class GRPOTrainer:
         def per_tok(k: str) -> float:
             return acc.get(k) / tok if tok else 0.0
 
+        def per_update(k: str) -> float:  # each update's loss has its own normaliser: their mean
+            return acc.get(k) / max(1, len(norms))
+
         sampled = sum(int((b.versions >= 0).sum()) for b in batches)
         trained = int(tok) // passes
 
         gap_n = acc.get("gap_tokens")
         return {
             "step": self.steps,
-            "loss": acc.get("loss"),
-            "pg_loss": acc.get("pg_loss"),
-            "kl": acc.get("kl"),
+            "loss": per_update("loss"),
+            "pg_loss": per_update("pg_loss"),
+            "kl": per_update("kl"),
             "clip_frac": per_tok("clip_frac"),
             "approx_kl": per_tok("approx_kl"),
             "ratio_mean": per_tok("ratio_mean"),
@@ -414,8 +417,8 @@ class GRPOTrainer:
             "time_s": dt,
             **take_load(self.model),  # a mixture of experts' routing: how even, how many experts idle
             **_replayed(batches),
-            **({"moe_aux_loss": acc.get("moe_aux_loss")} if self.cfg.moe_aux_loss else {}),
-            **({"entropy_bonus": acc.get("entropy_bonus")} if self.cfg.loss.entropy_coef else {}),
+            **({"moe_aux_loss": per_update("moe_aux_loss")} if self.cfg.moe_aux_loss else {}),
+            **({"entropy_bonus": per_update("entropy_bonus")} if self.cfg.loss.entropy_coef else {}),
         }
 
     # -- checkpoints and weight transfer -----------------------------------------------------

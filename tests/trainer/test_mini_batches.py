@@ -183,3 +183,19 @@ def test_top_entropy_trains_the_steps_most_uncertain_tokens_alone(k):
         torch.testing.assert_close(p, q, atol=2e-6, rtol=0)
     with pytest.raises(ConfigError, match="train.loss.top_entropy=0"):
         LossConfig(top_entropy=0.0)
+
+
+def test_a_steps_losses_are_the_mean_of_its_updates():
+    """loss, pg_loss, kl and the entropy bonus of a step of several updates: each update's (its own
+    normaliser's), averaged, so they read as a one-update step's do."""
+    base = TinyLM()
+    groups = make_groups(base, n_groups=4)
+    lc = LossConfig(kl_coef=0.1, entropy_coef=0.01)
+    one = GRPOTrainer(copy.deepcopy(base), TrainerConfig(lr=1e-12, loss=lc), ref_model=TinyLM(seed=1))
+    four = GRPOTrainer(
+        copy.deepcopy(base), TrainerConfig(lr=1e-12, loss=lc, epochs=4), ref_model=TinyLM(seed=1)
+    )
+    a, b = one.step(groups, 0), four.step(groups, 0)  # a learning rate that moves nothing: 4 equal passes
+    for k in ("loss", "pg_loss", "kl", "entropy_bonus", "entropy", "clip_frac"):
+        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), k
+    assert b["updates"] == 4 and a["kl"] > 0
