@@ -90,6 +90,11 @@ class TaskConfig:
             "task.reward=[]: name at least one function, or leave it null for the task's own reward",
         )
         need(
+            self.reward != ["task"],
+            "task.reward=['task']: 'task' alone is the task's own reward; drop task.reward, or add "
+            "functions of yours to the list",
+        )
+        need(
             self.reward_weights is None or isinstance(self.reward, list),
             f"task.reward_weights={self.reward_weights} without a list of functions in task.reward: give "
             "task.reward as a list, e.g. [task, my_rewards.py:format]",

@@ -21,7 +21,6 @@ import math
 from functools import partial
 from typing import Iterator
 
-from tailrace.common import ConfigError
 from tailrace.tasks.base import Example, Task, TaskError
 from tailrace.tasks.env import Environment
 from tailrace.user_code import load_function
@@ -64,11 +63,6 @@ class UserRewards(UserReward):
     own (`part_fns`), so one that raises counts 0 with its reason and the others stand."""
 
     def __init__(self, task: Task, specs: list[str], weights: list[float] | None = None) -> None:
-        if specs == ["task"]:
-            raise ConfigError(
-                "task.reward=['task']: 'task' alone is the task's own reward; drop task.reward, or add "
-                "functions of yours to the list"
-            )
         _single_turn(task, specs)
         self.task, self.name, self.reward_start_method = task, task.name, task.reward_start_method
         self.specs, self.weights = list(specs), [float(w) for w in weights or [1.0] * len(specs)]

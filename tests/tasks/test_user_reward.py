@@ -101,7 +101,7 @@ def test_a_list_of_rewards_is_checked_in_one_line(reward_file):
     cfg = load_config(overrides=[f"--task.reward=[task, {reward_file}:exact]"])
     assert cfg.task.reward == ["task", f"{reward_file}:exact"] and cfg.task.reward_weights is None
     with pytest.raises(ConfigError, match=r"task.reward=\['task'\]: 'task' alone is the task's own"):
-        make_task(f"jsonl:{ROWS}", reward=["task"])
+        load_config(overrides=["--task.reward=[task]"])
 
 
 def test_a_workers_values_of_each_function_are_checked():
