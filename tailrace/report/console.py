@@ -92,8 +92,10 @@ class ConsoleUI:
         """A step line; `policy`: whose step, in a run of several policies (its name leads the line and its
         warning); `replacing`: the policy replaces zero-signal groups (flow.zero_signal=replace)."""
         t, L = r.time, r.length
+        # a list of reward functions (task.reward): each one's mean beside the reward
+        parts = " (" + " ".join(f"{k} {v:.3f}" for k, v in r.rewards.items()) + ")" if r.rewards else ""
         line = (f"{policy}: " if policy else "") + (
-            f"step {r.step + 1:4d} v{r.version:<3d} reward {r.reward:.3f} acc {r.accuracy:.3f} "
+            f"step {r.step + 1:4d} v{r.version:<3d} reward {r.reward:.3f}{parts} acc {r.accuracy:.3f} "
             f"len p50 {L.get('p50', 0):.0f} max {L.get('max', 0):.0f}  gen {t['gen_tok_s']:.0f} tok/s  "
             f"step {t['step_s']:.2f}s  wait {t['trainer_wait_ratio']:.2f} bubble {t['bubble_ratio']:.2f}"
         )

@@ -125,3 +125,15 @@ def test_a_step_line_shows_speculation_when_the_run_drafts():
     assert "spec" not in lines[0]
     assert "spec acc 0.75 len 3.8 on 0.40 fwd/tok 0.40" in lines[1] and "drafter" not in lines[1]
     assert lines[2].endswith("fwd/tok 0.40 drafter train 20 steps 25 ms/step")
+
+
+def test_a_step_line_shows_each_reward_function_where_there_is_a_list():
+    from dataclasses import replace
+
+    c, out = ui()
+    c.begin(0, 2, None)
+    c.step(step(0, complete=4, zero=0))
+    c.step(replace(step(1, complete=8, zero=0), rewards={"task": 0.25, "brief": 0.4375}))
+    lines = out.getvalue().splitlines()
+    assert "rewards" not in lines[0]
+    assert "reward 0.000 (task 0.250 brief 0.438) acc" in lines[1]
