@@ -102,7 +102,8 @@ class Session:
         self.call_id = self._call_id() if self.env is not None else None
         self.stop_ids = self.text.stop_ids + ((self.call_id,) if self.call_id is not None else ())
         self.guard = RewardGuard(self.task, cfg.task.reward_timeout_s)
-        self._part_sums, self._parts_n = [0.0] * len(getattr(self.task, "part_names", ())), 0
+        self._part_names: tuple[str, ...] = getattr(self.task, "part_names", ())  # task.reward's list
+        self._part_sums, self._parts_n = [0.0] * len(self._part_names), 0
         self._examples: dict[int, Example] = {}
 
     def close(self) -> None:
@@ -276,9 +277,9 @@ class Session:
     def take_reward_parts(self) -> dict[str, float]:
         """Each reward function's mean over the responses scored for training since the last call, by
         name (task.reward's list); empty where the task has one reward, or none was scored."""
-        names, sums, n = getattr(self.task, "part_names", ()), self._part_sums, self._parts_n
-        self._part_sums, self._parts_n = [0.0] * len(names), 0
-        return {name: s / n for name, s in zip(names, sums)} if n else {}
+        sums, n = self._part_sums, self._parts_n
+        self._part_sums, self._parts_n = [0.0] * len(self._part_names), 0
+        return {name: s / n for name, s in zip(self._part_names, sums)} if n else {}
 
     def train_scores(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:
         """`score` for training: the task's reward with DAPO's soft overlong punishment added

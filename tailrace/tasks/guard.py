@@ -227,7 +227,8 @@ class RewardGuard:
                 f"trusted reward code unsandboxed"
             )
         self.task, self.timeout_s, self.inline, self.sandbox = task, timeout_s, inline, sandbox
-        self._row_bytes = _ROW_BYTES + 32 * len(getattr(task, "part_fns", ()))  # a float's JSON, 32 at most
+        self._parts = len(getattr(task, "part_fns", ()))  # a list of reward functions: how many (else 0)
+        self._row_bytes = _ROW_BYTES + 32 * self._parts  # a float's JSON, 32 at most
         self.errors: Counter[str] = Counter()
         self.restarts = 0  # workers replaced after a hang, death or leak
         self.held: Held | None = None  # what the worker's sandbox holds; None inline
@@ -253,7 +254,7 @@ class RewardGuard:
                 pending = self._run(pairs, pending, raw)
         lo, hi = self.task.reward_range
         out = []
-        none = (0.0,) * len(getattr(self.task, "part_fns", ()))  # an item that failed as a whole
+        none = (0.0,) * self._parts  # an item that failed as a whole
         for (ex, _), (reward, error, parts) in zip(pairs, raw):
             if error is None and not lo <= reward <= hi:
                 error = f"clamped: returned {reward:g}, outside the task's range [{lo:g}, {hi:g}]"
@@ -390,7 +391,7 @@ class RewardGuard:
             try:
                 if self._conn.poll(self._wait_s()):
                     data = self._conn.recv_bytes(self._row_bytes * len(pending))
-                    rows = _decode(data, len(pending), len(getattr(self.task, "part_fns", ())))
+                    rows = _decode(data, len(pending), self._parts)
                     for i, reward, error, parts in rows:
                         raw[pending[i]] = (reward, error, parts)
                         left.discard(i)

@@ -44,7 +44,7 @@ from tailrace.model.moe import balance_loss, balancing, replaying, take_load
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch, with_advantages
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
-from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, entropy_bonus, kl_penalty
+from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, aggregated, kl_penalty
 from tailrace.trainer.memory import rank_share, size_micro_batch
 from tailrace.trainer.optim import build_adamw
 from tailrace.trainer.packing import micro_batches as packed_rows
@@ -165,19 +165,18 @@ class GRPOTrainer:
             self.steps += 1
             return self._metrics(_Sums(), batches, 0, [], time.perf_counter() - t0)
         self.model.eval()
-        shards = [(self._shard(b), int(b.lengths.sum())) for b in live]
+        shards, positions = [self._shard(b) for b in live], [int(b.lengths.sum()) for b in live]
         chosen: dict[str, float] = {}
         if len(parts) > 1 or self.cfg.epochs > 1 or self.cfg.loss.top_entropy < 1:
             # every update's anchor: the policy before the first; and the tokens it is most unsure of
-            prepared = [self._proximal(s) for s, _ in shards]
-            kept = [s for s, _ in prepared]
+            prepared = [self._proximal(s) for s in shards]
+            shards = [s for s, _ in prepared]
             if self.cfg.loss.top_entropy < 1:
-                kept, chosen = self._top_entropy(prepared)
-            shards = [(s, n) for s, (_, n) in zip(kept, shards)]
+                shards, chosen = self._top_entropy(prepared)
         acc, n_micro, norms = _Sums(), 0, []
         for _ in range(self.cfg.epochs):
-            for shard, positions in shards:
-                n, norm = self._update(shard, positions, acc, len(norms), len(shards) * self.cfg.epochs)
+            for shard, n_pos in zip(shards, positions):
+                n, norm = self._update(shard, n_pos, acc, len(norms), len(shards) * self.cfg.epochs)
                 n_micro += n
                 norms.append(norm)
         self.steps += 1
@@ -340,7 +339,7 @@ class GRPOTrainer:
         # the entropy at each position: with a bonus, through the graph; else a metric of detached logits
         ent = entropy_from_logits(logits if lc.entropy_coef > 0 else logits.detach(), cfg.temperature)
         if lc.entropy_coef > 0:
-            bonus = entropy_bonus(ent, mb.mask, mb.scale)
+            bonus = aggregated(ent, mb.mask, mb.scale)
             loss = loss - lc.entropy_coef * bonus
             acc.add("entropy_bonus", bonus.detach())
         if backward and bool(n_live > 0):

@@ -217,15 +217,15 @@ def k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
 
 
+def aggregated(per_token: Tensor, mask: Tensor, scale: Tensor) -> Tensor:
+    """A per-token term over the live tokens, aggregated like the policy loss (the same `scale`): the
+    KL penalty, and the entropy bonus (train.loss.entropy_coef, verl's entropy_coeff)."""
+    return torch.where(mask > 0, per_token * scale, 0.0).sum()
+
+
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: Tensor, kind: str = "k3") -> Tensor:
-    """The `kind` estimator (train.loss.kl_type) aggregated like the policy loss (same `scale`)."""
-    return torch.where(mask > 0, KL_ESTIMATORS[kind](logp, ref_logp) * scale, 0.0).sum()
-
-
-def entropy_bonus(entropy: Tensor, mask: Tensor, scale: Tensor) -> Tensor:
-    """Per-position entropies aggregated like the policy loss (same `scale`): train.loss.entropy_coef
-    times it is taken off the loss (verl's entropy_coeff)."""
-    return torch.where(mask > 0, entropy * scale, 0.0).sum()
+    """The `kind` estimator (train.loss.kl_type) aggregated like the policy loss."""
+    return aggregated(KL_ESTIMATORS[kind](logp, ref_logp), mask, scale)
 
 
 # -- off-policy corrections: (behav, prox, mask, bounds) -> anchor, weight, keep -------------
