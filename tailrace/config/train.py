@@ -42,6 +42,12 @@ class LossConfig:
         "weight of an entropy bonus: the entropy of the policy at each trained token, aggregated as the loss, "
         "taken off it (verl's entropy_coeff; 0 = none); it keeps a batch without reward signal training",
     )
+    clip_c: float | None = setting(
+        None,
+        "dual clip (verl's clip_ratio_c, its default 3): a token whose advantage is negative loses at most "
+        "clip_c times its size, so one the policy made far likelier than the sampler did (ratio > clip_c, "
+        "off policy) is pushed down no further (null = no cap; PPO's min objective only: not cispo)",
+    )
     tis_cap: float = setting(2.0, "C: the importance-weight cap of the tis and decoupled corrections")
     ratio_low: float = setting(0.5, "icepop keeps tokens (geo_mask sequences) whose pi_prox/pi_behav >= this")
     ratio_high: float = setting(
@@ -84,6 +90,15 @@ class LossConfig:
         need(
             0.0 < self.top_entropy <= 1.0,
             f"train.loss.top_entropy={self.top_entropy}: must lie in (0, 1], e.g. 0.2 (1: every token)",
+        )
+        need(
+            self.clip_c is None or self.clip_c > 1.0,
+            f"train.loss.clip_c={self.clip_c}: must be > 1 (the cap on a negative advantage's ratio), e.g. 3",
+        )
+        need(
+            self.clip_c is None or self.name != "cispo",
+            f"train.loss.clip_c={self.clip_c} does not apply to cispo, whose capped weight keeps every "
+            "token's gradient already; set it to null or use another train.loss.name",
         )
         need(self.tis_cap >= 1.0, f"train.loss.tis_cap={self.tis_cap}: must be >= 1 (2 is typical)")
         need(

@@ -53,7 +53,7 @@ from tailrace.trainer.schedule import LRSchedule
 from tailrace.types import Group
 
 SUM_KEYS = ("loss", "pg_loss", "kl", "is_ratio", "clip_frac", "approx_kl", "ratio_mean", "tokens", "dropped",
-            "entropy", "gap_sum", "gap_tokens", "moe_aux_loss", "entropy_bonus")  # fmt: skip
+            "entropy", "gap_sum", "gap_tokens", "moe_aux_loss", "entropy_bonus", "dual_clip_frac")  # fmt: skip
 PEAK_KEYS = ("is_ratio_max", "ratio_max", "gap_max")
 
 
@@ -322,6 +322,7 @@ class GRPOTrainer:
             eps_low=lc.eps_low,
             eps_high=lc.eps_high,
             scale=mb.scale,
+            clip_c=lc.clip_c,
         )
         loss = pg
         if stats:  # the load-balancing loss, this micro-batch's share of the batch's by its real tokens
@@ -353,8 +354,9 @@ class GRPOTrainer:
             acc.peak("is_ratio_max", w.max())
             acc.add("loss", loss.detach())
             acc.add("pg_loss", pg.detach())
-            for k in ("clip_frac", "approx_kl", "ratio_mean"):
-                acc.add(k, st[k] * st["tokens"])
+            for k in ("clip_frac", "approx_kl", "ratio_mean", "dual_clip_frac"):
+                if k in st:  # dual_clip_frac: PPO's min objective's alone
+                    acc.add(k, st[k] * st["tokens"])
             acc.peak("ratio_max", st["ratio_max"])
             acc.add("tokens", n_live)
             acc.add("dropped", ((corr.keep == 0) & live).sum())
@@ -418,6 +420,7 @@ class GRPOTrainer:
             **_replayed(batches),
             **({"moe_aux_loss": per_update("moe_aux_loss")} if self.cfg.moe_aux_loss else {}),
             **({"entropy_bonus": per_update("entropy_bonus")} if self.cfg.loss.entropy_coef else {}),
+            **({"dual_clip_frac": per_tok("dual_clip_frac")} if self.cfg.loss.clip_c is not None else {}),
         }
 
     # -- checkpoints and weight transfer -----------------------------------------------------

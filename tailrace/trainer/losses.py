@@ -81,23 +81,31 @@ def clipped_pg(
     scale: Tensor,
     eps_low: float,
     eps_high: float,
+    clip_c: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """sum(scale * weight * -min(r A, clip(r, 1-eps_low, 1+eps_high) A)), r = exp(log_ratio), which is 0
-    off the mask.
+    off the mask. With `clip_c` (dual-clip PPO, Ye et al. 2020; verl's clip_ratio_c, its default 3) a
+    token whose A < 0 loses at most -A clip_c: where the policy has made a bad token far likelier than
+    the sampler did (r > clip_c, off policy) it pushes it down no further, its gradient zero.
 
     Returns (loss, stats); stats are detached 0-d tensors over live tokens: clip_frac (the clipped
-    term was chosen, so the token's gradient is zero), approx_kl (k3 estimate of KL(old || new), of the
-    ratio the loss clips: a sequence's under GSPO), ratio_mean, ratio_max, tokens.
+    term was chosen, so the token's gradient is zero), dual_clip_frac (the cap at -A clip_c was),
+    approx_kl (k3 estimate of KL(old || new), of the ratio the loss clips: a sequence's under GSPO),
+    ratio_mean, ratio_max, tokens.
     """
     live = mask > 0
     ratio = log_ratio.exp()
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
-    per_tok = -torch.minimum(unclipped, clipped) * weight
-    loss = torch.where(live, per_tok * scale, 0.0).sum()
+    per_tok = -torch.minimum(unclipped, clipped)
+    if clip_c is not None:
+        per_tok = torch.where(adv < 0, torch.minimum(per_tok, -clip_c * adv), per_tok)
+    loss = torch.where(live, per_tok * weight * scale, 0.0).sum()
     with torch.no_grad():
         hit = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
-        return loss, _stats(log_ratio.detach(), live, hit)
+        dual = (adv < 0) & (ratio > clip_c) & live if clip_c is not None else torch.zeros_like(live)
+        stats = _stats(log_ratio.detach(), live, hit)
+        return loss, {**stats, "dual_clip_frac": dual.sum() / live.sum().clamp(min=1)}
 
 
 def _stats(log_ratio: Tensor, live: Tensor, hit: Tensor) -> dict[str, Tensor]:
@@ -163,8 +171,10 @@ class PGLoss:
         eps_high: float | None = None,
         max_new_tokens: int | None = None,
         scale: Tensor | None = None,
+        clip_c: float | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """`scale` = this micro-batch's slice of the whole batch's coefficients; None = this batch is all."""
+        """`scale` = this micro-batch's slice of the whole batch's coefficients; None = this batch is all.
+        `clip_c`: dual clip's cap (PPO's min objective only; None = none)."""
         if scale is None:
             scale = self.token_scale(mask, max_new_tokens)
         return self.objective(
@@ -175,6 +185,7 @@ class PGLoss:
             scale,
             self.eps_low if eps_low is None else eps_low,
             self.eps_high if eps_high is None else eps_high,
+            **({} if clip_c is None else {"clip_c": clip_c}),
         )
 
 

@@ -1,6 +1,6 @@
 """The trainer's and the reward's options of a verl or TRL user, through a real run: PPO's loop
-(train.mini_batches, train.epochs), the step-scaled advantages, a k2 KL penalty, an entropy bonus and a
-list of reward functions whose means are logged by name."""
+(train.mini_batches, train.epochs), the step-scaled advantages, a k2 KL penalty, an entropy bonus, dual
+clip, and a list of reward functions whose means are logged by name."""
 
 import json
 from pathlib import Path
@@ -24,6 +24,7 @@ def test_a_run_of_every_option_trains_and_logs_each_reward(tiny_model, tmp_path)
         "--train.loss.kl_coef=0.01",
         "--train.loss.kl_type=k2",
         "--train.loss.entropy_coef=0.01",
+        "--train.loss.clip_c=3",
         f"--task.reward=[task, {EXAMPLES / 'rewards.py'}:sum_then_stop]",
         "--task.reward_weights=[1, 0.5]",
     ]
@@ -36,5 +37,6 @@ def test_a_run_of_every_option_trains_and_logs_each_reward(tiny_model, tmp_path)
         assert 0 <= r["rewards"]["task"] <= 1 and 0 <= r["rewards"]["sum_then_stop"] <= 1.1
         # the tiny model earns little reward; the KL and entropy terms train every step, 2 x 2 updates
         assert r["train"]["updates"] == 4 and r["train"]["entropy_bonus"] > 0 and r["train"]["kl"] >= 0
+        assert 0 <= r["train"]["dual_clip_frac"] <= 1
     # the report draws each reward function's curve beside the reward's
     assert main(["report", str(tmp_path / "run")]) == 0 and (tmp_path / "run" / "report.html").stat().st_size

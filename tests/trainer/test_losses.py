@@ -137,6 +137,42 @@ def test_weight_scales_tokens_and_explicit_scale_matches():
     assert loss2.item() == loss.item()
 
 
+# dual clip: seq 0 A = +1, r = [4, 1, 0.5]; seq 1 A = -1, r = [4, 2, 0.5]; every token live
+DUAL_R = [[4.0, 1.0, 0.5], [4.0, 2.0, 0.5]]
+DUAL_OLD = torch.zeros(2, 3, dtype=torch.float64)
+
+
+def _dual_logp():
+    return torch.tensor(DUAL_R, dtype=torch.float64).log().requires_grad_(True)
+
+
+def test_dual_clip_caps_a_negative_advantage_s_loss_at_c_times_its_size():
+    """verl's clip_ratio_c: where A < 0 the per-token loss -A max(r, clip(r)) stops at -A c, so a token
+    the policy has made far likelier than the sampler did (r > c) pushes it down no further."""
+    mask = torch.ones(2, 3, dtype=torch.float64)
+    plain, st0 = LOSSES["grpo"](_dual_logp(), DUAL_OLD, ADV, mask, mask)
+    # seq 0: [-1.2, -1, -0.5] mean -0.9; seq 1: [4, 2, 0.8] mean 6.8/3
+    assert plain.item() == pytest.approx((-0.9 + 6.8 / 3) / 2, abs=1e-12)
+    assert st0["dual_clip_frac"].item() == 0.0
+    logp = _dual_logp()
+    loss, st = LOSSES["grpo"](logp, DUAL_OLD, ADV, mask, mask, clip_c=3.0)
+    assert loss.item() == pytest.approx((-0.9 + 5.8 / 3) / 2, abs=1e-12)  # seq 1's 4 capped at 3
+    assert st["dual_clip_frac"].item() == pytest.approx(1 / 6)
+    assert st["clip_frac"].item() == st0["clip_frac"].item() == pytest.approx(2 / 6)  # PPO's own, apart
+    loss.backward()
+    # scale 1/6 a token; the capped token and the clipped ones get none; (1,1): -A r / 6 = 2/6
+    expect = torch.tensor([[0.0, -1 / 6, -0.5 / 6], [0.0, 2 / 6, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, expect, atol=1e-12, rtol=0)
+
+
+def test_dual_clip_above_every_ratio_changes_nothing():
+    mask = torch.ones(2, 3, dtype=torch.float64)
+    for name in ("grpo", "dapo", "gspo"):
+        plain, _ = LOSSES[name](_dual_logp(), DUAL_OLD, ADV, mask, mask)
+        wide, st = LOSSES[name](_dual_logp(), DUAL_OLD, ADV, mask, mask, clip_c=5.0)
+        assert wide.item() == plain.item() and st["dual_clip_frac"].item() == 0.0
+
+
 def test_custom_clip_range_overrides_default():
     loss, st = LOSSES["grpo"](_logp(), OLD, ADV, MASK, ONES, eps_low=0.6, eps_high=1.0)
     # nothing clipped: seq0 [-1.5, -1.25, -0.9] mean -3.65/3; seq1 [0.5, 1.1] mean 0.8
@@ -247,3 +283,7 @@ def test_loss_config_messages():
         LossConfig(eps_low=1.5)
     with pytest.raises(ConfigError, match="train.loss.tis_cap"):
         LossConfig(tis_cap=0.5)
+    with pytest.raises(ConfigError, match=r"train.loss.clip_c=1.0: must be > 1.*e.g. 3"):
+        LossConfig(clip_c=1.0)
+    with pytest.raises(ConfigError, match="train.loss.clip_c=3.0 does not apply to cispo"):
+        LossConfig("cispo", clip_c=3.0)
