@@ -514,6 +514,16 @@ class RunConfig:
             f"holds whole groups; lower it to {self.flow.groups_per_step} or less, or raise flow.train_batch",
         )
         need(
+            not (
+                self.train.advantage == "gae"
+                and self.flow.samples_per_prompt == 1
+                and self.flow.zero_signal == "replace"
+            ),
+            "train.advantage=gae with flow.samples_per_prompt=1 and flow.zero_signal=replace: a group of one "
+            "sample has one reward, so every group would be replaced as zero-signal; set "
+            "flow.zero_signal=train (the critic learns from every group)",
+        )
+        need(
             not (self.train.external and self.train.world_size > 1),
             f"train.external with train.world_size={self.train.world_size}: your own trainer is one process "
             "to the run (--train.world_size=1; your trainer's parallelism is its own)",

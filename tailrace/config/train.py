@@ -180,6 +180,32 @@ class LoraConfig:
 LORA_LR_FACTOR = 10.0
 
 
+@dataclass
+class CriticConfig:
+    lr: float | None = setting(
+        None,
+        "the critic's learning rate (null = 10x the policy's train.lr, verl's ratio: 1e-5 against 1e-6)",
+    )
+    gamma: float = setting(1.0, "GAE's discount over the response's tokens (verl's algorithm.gamma)")
+    lam: float = setting(
+        1.0, "GAE's lambda (verl's algorithm.lam); 1 with gamma 1: the reward less each value"
+    )
+    value_clip: float | None = setting(
+        0.5,
+        "clip a value's move from its pre-step estimate to this in the value loss (verl's cliprange_value; "
+        "null = the plain squared error)",
+    )
+
+    def __post_init__(self) -> None:
+        need(self.lr is None or self.lr > 0, f"train.critic.lr={self.lr}: must be > 0, e.g. 1e-5, or null")
+        need(0 < self.gamma <= 1, f"train.critic.gamma={self.gamma}: must lie in (0, 1], e.g. 1")
+        need(0 <= self.lam <= 1, f"train.critic.lam={self.lam}: must lie in [0, 1], e.g. 1 (or 0.95)")
+        need(
+            self.value_clip is None or self.value_clip > 0,
+            f"train.critic.value_clip={self.value_clip}: must be > 0, e.g. 0.5, or null (no clip)",
+        )
+
+
 def auto_lr(num_params: int, lora: bool = False) -> float:
     """The default learning rate for a policy of `num_params` parameters: 2e-4 up to 2M (what moved the
     built-in sub-2M policy in DESIGN §6: +18 points in 9 min), then falling as N^-0.65, which meets
@@ -248,7 +274,12 @@ class TrainerConfig:
     )
     loss: LossConfig = section(LossConfig, "the clipped policy-gradient loss")
     lora: LoraConfig = section(LoraConfig, "low-rank adapters on a frozen base (rank 0: off)")
-    advantage: str | None = setting(None, "advantage estimator (null = the one the loss was published with)")
+    advantage: str | None = setting(
+        None,
+        "advantage estimator (null = the one the loss was published with); gae: PPO's, per token from a "
+        "critic trained beside the policy (train.critic)",
+    )
+    critic: CriticConfig = section(CriticConfig, "PPO's value model, with train.advantage=gae")
     max_staleness: int | None = setting(
         None, "mask tokens more than this many versions behind the trainer (null = off)"
     )
@@ -337,4 +368,15 @@ class TrainerConfig:
         need(self.pad_id >= 0, f"train.pad_id={self.pad_id}: must be a token id (>= 0)")
         need(
             self.world_size >= 1, f"train.world_size={self.world_size}: must be at least 1 (1 = one process)"
+        )
+        need(
+            not (self.advantage == "gae" and self.lora.rank),
+            f"train.advantage=gae with train.lora.rank={self.lora.rank}: the critic is a full copy of the "
+            "policy's weights, trained whole, which a LoRA run is set up to avoid; set train.lora.rank=0 or "
+            "use a critic-free estimator (grpo, rloo, batch_std)",
+        )
+        need(
+            not (self.advantage == "gae" and self.external),
+            "train.advantage=gae with train.external: the critic lives in tailrace's own trainer; your "
+            "trainer takes rewards and computes its own advantages (drop train.advantage)",
         )

@@ -7,6 +7,8 @@
                            checkpoint only: the others hold adapter/ alone, megabytes)
     adapter/               a LoRA run's adapter in PEFT's files (`peft.PeftModel.from_pretrained`)
     optimizer.safetensors  AdamW's state (`state.<parameter index>.<name>`) and the RNG state (`rng`)
+    critic.safetensors     PPO's critic (train.advantage=gae): its weights (`model.<name>`) and AdamW's
+                           state (`state.<parameter index>.<name>`)
     trainer.json           the trainer's step count
     scheduler.json         the scheduler, store and ledger as of step N, and its journal position
     config.yaml            the config the run was under (a resume refuses a changed one)
@@ -41,6 +43,7 @@ from tailrace.trainer.grpo import GRPOTrainer
 FORMAT = 1
 MANIFEST = "checkpoint.json"
 OPTIMIZER = "optimizer.safetensors"
+CRITIC = "critic.safetensors"
 TRAINER = "trainer.json"
 SCHEDULER = "scheduler.json"
 CONFIG = "config.yaml"
@@ -94,6 +97,13 @@ def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path, merged: bo
     state = trainer.state_dict()
     tensors = optimizer_tensors(state["optimizer"]["state"])
     tensors["rng"] = torch.get_rng_state()
+    if "critic" in state:
+        critic = optimizer_tensors(state["critic"]["optimizer"]["state"])
+        critic |= {
+            f"model.{k}": v.detach().to("cpu").contiguous() for k, v in state["critic"]["model"].items()
+        }
+        save_file(critic, str(out / CRITIC), metadata={"format": str(FORMAT)})
+        _fsync(out / CRITIC)
     _save_state(out, state["step"], tensors)
 
 
@@ -168,10 +178,21 @@ def load_trainer(trainer: GRPOTrainer, ckpt: Path) -> None:
             if s["exp_avg"].shape != params[i].shape:
                 raise ValueError(f"parameter {i} has shape {tuple(params[i].shape)}, its state another")
         optimizer = {"state": state, "param_groups": trainer.opt.state_dict()["param_groups"]}
-        trainer.load_state_dict({"model": trainer.model.state_dict(), "optimizer": optimizer, "step": step})
+        whole = {"model": trainer.model.state_dict(), "optimizer": optimizer, "step": step}
+        if trainer.critic is not None and (ckpt / CRITIC).is_file():  # else it starts afresh, as a new run's
+            whole["critic"] = _critic_state(trainer, ckpt)
+        trainer.load_state_dict(whole)
         torch.set_rng_state(tensors["rng"])
     except Exception as e:  # a bad key, a shape, a missing file
         raise _damaged(ckpt, e) from None
+
+
+def _critic_state(trainer: GRPOTrainer, ckpt: Path) -> dict:
+    with safe_open(str(ckpt / CRITIC), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    model = {k.removeprefix("model."): t for k, t in tensors.items() if k.startswith("model.")}
+    groups = trainer.critic.opt.state_dict()["param_groups"]
+    return {"model": model, "optimizer": {"state": optimizer_state(tensors), "param_groups": groups}}
 
 
 def _fresh(out: Path) -> None:

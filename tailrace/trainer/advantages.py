@@ -65,9 +65,16 @@ def by_group(f: Advantage) -> StepAdvantage:
     return step
 
 
+def outcome(groups: Sequence[Sequence[float]]) -> list[list[float]]:
+    """The rewards as they are: PPO's critic (`train.advantage=gae`, trainer/critic.py) turns each into
+    per-token advantages against its values; a batch built without the critic trains on raw rewards."""
+    return [list(r) for r in groups]
+
+
 ADVANTAGES: dict[str, StepAdvantage] = {
     "grpo": by_group(grpo),
     "drgrpo": by_group(drgrpo),
     "rloo": by_group(rloo),
     "batch_std": batch_std,
+    "gae": outcome,
 }

@@ -64,6 +64,12 @@ class TrainBatch:
     # optimizer updates (train.mini_batches, train.epochs) or picks its tokens by entropy
     # (train.loss.top_entropy): a pass before the updates (GRPOTrainer.step); None: the forward's own
     prox_logp: Tensor | None = None
+    # PPO's critic (train.advantage=gae; trainer/critic.py), each (N, T) float: its values before the
+    # step's updates, GAE's returns, and each live token's share of the value loss's token mean over the
+    # whole mini-batch; None without a critic
+    values: Tensor | None = None
+    returns: Tensor | None = None
+    vscale: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -43,10 +43,11 @@ from tailrace.model.flat import flatten_parameters
 from tailrace.model.moe import balance_loss, balancing, replaying, take_load
 from tailrace.trainer.advantages import ADVANTAGES
 from tailrace.trainer.batch import TrainBatch, with_advantages
+from tailrace.trainer.critic import Critic
 from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, aggregated, kl_penalty
 from tailrace.trainer.memory import rank_share, size_micro_batch
-from tailrace.trainer.optim import build_adamw
+from tailrace.trainer.optim import all_reduce_grads, build_adamw
 from tailrace.trainer.packing import micro_batches as packed_rows
 from tailrace.trainer.packing import split_by_tokens
 from tailrace.trainer.schedule import LRSchedule
@@ -117,6 +118,8 @@ class GRPOTrainer:
         n = sum(p.numel() for p in model.parameters())  # the base's and, with LoRA, the adapter's
         self.lr = cfg.lr if cfg.lr is not None else auto_lr(n, bool(cfg.lora.rank))
         self.opt = build_adamw(model, self.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        # PPO's value model (train.advantage=gae, never with LoRA): a copy of the policy as it starts
+        self.critic = Critic(model, cfg, self.lr) if cfg.advantage == "gae" else None
         self.schedule = LRSchedule(
             self.lr, cfg.lr_warmup_steps, total_steps, cfg.lr_schedule, cfg.lr_min_ratio
         )
@@ -133,7 +136,7 @@ class GRPOTrainer:
         self.micro = size_micro_batch(
             getattr(model, "config", None),
             cfg.bf16,
-            self.flat.buffer.numel(),
+            self.flat.buffer.numel() + (self.critic.num_params() if self.critic else 0),
             rank_share(available_bytes(self.device), self.world, self.device.type == "cpu", trainers),
             cfg.memory_gb,
             cfg.micro_batch_tokens,
@@ -152,10 +155,14 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         for g in self.opt.param_groups:  # a function of the steps taken: a resume or a replay takes the same
             g["lr"] = self.schedule.lr_at(self.steps)
+        if self.critic is not None:  # the critic's rate on the policy's warmup and decay
+            for g in self.critic.opt.param_groups:
+                g["lr"] = self.critic.lr * self.schedule.lr_at(self.steps) / self.lr
         parts = mini_batches(groups, self.cfg.mini_batches)
         # a mini-batch whose every advantage is zero, with no KL or entropy term pulling on the weights
         # whatever the advantages, has a zero gradient: no passes, no update
-        pulls = self.cfg.loss.kl_coef > 0 or self.cfg.loss.entropy_coef > 0
+        # (a critic's advantages, R - V, are never all zero)
+        pulls = self.cfg.loss.kl_coef > 0 or self.cfg.loss.entropy_coef > 0 or self.critic is not None
         signal = [pulls or any(map(_has_signal, part)) for part in parts]
         if len(parts) > 1:  # the advantages are the step's, whatever mini-batch a group lands in
             parts = mini_batches(with_advantages(groups, self.advantage), self.cfg.mini_batches)
@@ -167,12 +174,18 @@ class GRPOTrainer:
         self.model.eval()
         shards, positions = [self._shard(b) for b in live], [int(b.lengths.sum()) for b in live]
         chosen: dict[str, float] = {}
+        if self.critic is not None:  # GAE's advantages from the critic's values before the updates
+            totals = [float(b.mask.sum()) for b in live]
+            shards, chosen = self.critic.prepare(
+                shards, totals, self.micro.tokens, self._autocast, self.world
+            )
         if len(parts) > 1 or self.cfg.epochs > 1 or self.cfg.loss.top_entropy < 1:
             # every update's anchor: the policy before the first; and the tokens it is most unsure of
             prepared = [self._proximal(s) for s in shards]
             shards = [s for s, _ in prepared]
             if self.cfg.loss.top_entropy < 1:
-                shards, chosen = self._top_entropy(prepared)
+                shards, picked = self._top_entropy(prepared)
+                chosen.update(picked)
         acc, n_micro, norms = _Sums(), 0, []
         for _ in range(self.cfg.epochs):
             for shard, n_pos in zip(shards, positions):
@@ -197,8 +210,20 @@ class GRPOTrainer:
         n_micro = self._all_reduce(params, sums, len(micro)) if self.world > 1 else len(micro)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or math.inf))
         loss = sums.get("loss")
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        critic: dict[str, float] = {}
+        if self.critic is not None:  # its update on the same rows, stepped only if both are finite
+            critic = self.critic.backward(shard, self.micro.tokens, self._autocast, self.world)
+            critic["critic_grad_norm"] = self.critic.clip_grad()
+        if not all(map(math.isfinite, (loss, grad_norm, *critic.values()))):
             self.opt.zero_grad(set_to_none=True)
+            if self.critic is not None:
+                self.critic.opt.zero_grad(set_to_none=True)
+            of_critic = (
+                f", the critic's value loss ({critic['value_loss']}) or its gradient norm "
+                f"({critic['critic_grad_norm']})"
+                if critic
+                else ""
+            )
             which = (
                 f"update {done + 1} of {updates} was not applied and the step's weights not published (the "
                 f"{done} before it moved the trainer's own copy only)"
@@ -206,11 +231,15 @@ class GRPOTrainer:
                 else "the step was not applied and its weights not published"
             )
             raise NonFiniteError(
-                f"step {self.steps + 1}: the loss ({loss}) or the gradient norm ({grad_norm}) is not "
-                f"finite, so {which}; lower train.lr (or check train.temperature and the rewards) and "
+                f"step {self.steps + 1}: the loss ({loss}), the gradient norm ({grad_norm}){of_critic} is "
+                f"not finite, so {which}; lower train.lr (or check train.temperature and the rewards) and "
                 "start again"
             )
         self.opt.step()
+        if self.critic is not None:
+            self.critic.opt.step()
+            for k, v in critic.items():
+                acc.add(k, torch.tensor(v, dtype=torch.float64))
         acc.merge(sums)
         return n_micro, grad_norm
 
@@ -254,6 +283,10 @@ class GRPOTrainer:
         """The metrics `step` would report for these groups, without changing any weight."""
         t0 = time.perf_counter()
         batch = self.make_batch(groups, trainer_version)
+        if self.critic is not None:  # the whole batch on every rank: its own sums
+            (batch,), _ = self.critic.prepare(
+                [batch], [float(batch.mask.sum())], self.micro.tokens, self._autocast, 1
+            )
         self.model.eval()
         acc = _Sums()
         micro, positions = batch.micro_batches(self.micro.tokens), int(batch.lengths.sum())
@@ -272,13 +305,7 @@ class GRPOTrainer:
         """Sum the ranks' gradients (one flat all-reduce) and metric sums, max their peaks; returns
         the micro-batches of all ranks."""
         dist = torch.distributed
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        o = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[o : o + g.numel()].view_as(g).clone()
-            o += g.numel()
+        all_reduce_grads(params)
         zero = torch.zeros((), device=self.device)
         sums = torch.stack([acc.sum.get(k, zero).float() for k in SUM_KEYS] + [torch.tensor(float(n_micro))])
         peaks = torch.stack([acc.max.get(k, torch.tensor(-math.inf)).float() for k in PEAK_KEYS])
@@ -421,6 +448,16 @@ class GRPOTrainer:
             **({"moe_aux_loss": per_update("moe_aux_loss")} if self.cfg.moe_aux_loss else {}),
             **({"entropy_bonus": per_update("entropy_bonus")} if self.cfg.loss.entropy_coef else {}),
             **({"dual_clip_frac": per_tok("dual_clip_frac")} if self.cfg.loss.clip_c is not None else {}),
+            **(self._critic_metrics(acc, len(norms)) if self.critic is not None else {}),
+        }
+
+    def _critic_metrics(self, acc: _Sums, updates: int) -> dict[str, float]:
+        n = acc.get("vf_tokens")
+        return {
+            "value_loss": acc.get("value_loss") / max(1, updates),
+            "vf_clip_frac": acc.get("vf_clipped") / n if n else 0.0,
+            "critic_grad_norm": acc.get("critic_grad_norm") / max(1, updates),
+            "critic_lr": self.critic.lr,
         }
 
     # -- checkpoints and weight transfer -----------------------------------------------------
@@ -430,12 +467,16 @@ class GRPOTrainer:
         return lora.adapter_of(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.steps}
+        state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.steps}
+        return state | ({"critic": self.critic.state_dict()} if self.critic is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`state_dict`'s; without a "critic" entry a critic keeps the weights it started with."""
         self.model.load_state_dict(state["model"])  # copies into the flat buffer's views
         self.opt.load_state_dict(state["optimizer"])
         self.steps = int(state["step"])
+        if self.critic is not None and "critic" in state:
+            self.critic.load_state_dict(state["critic"])
 
 
 def _replayed(batches: list[TrainBatch]) -> dict[str, float]:

@@ -27,7 +27,7 @@ from tailrace.trainer.losses import CORRECTIONS, KL_ESTIMATORS, LOSSES
         ("--train.loss.name=ppo", LOSSES),
         ("--train.loss.correction=is", CORRECTIONS),
         ("--train.loss.kl_type=k4", KL_ESTIMATORS),
-        ("--train.advantage=gae", ADVANTAGES),
+        ("--train.advantage=vtrace", ADVANTAGES),
         ("--rollout.spec.drafter=eagle", ("none", *DRAFTERS)),
     ],
 )

@@ -48,7 +48,7 @@ def test_yaml_then_overrides(tmp_path):
         ("--flow.steps=abc", "flow.steps='abc': expected an integer"),
         ("--flow.stepz=3", "unknown config key flow.stepz; did you mean flow.steps?"),
         ("--sft.hidden_size=64", "unknown config key sft.hidden_size; did you mean arch.hidden_size?"),
-        ("--flow.lr=1e-4", "unknown config key flow.lr; did you mean sft.lr or train.lr?"),
+        ("--flow.lr=1e-4", "unknown config key flow.lr; did you mean sft.lr, train.lr or train.critic.lr?"),
         (
             "--task.overlong_buffer=600",
             "task.overlong_buffer=600 is more than rollout.max_new_tokens=384: the penalty would start before "

@@ -1,0 +1,133 @@
+"""PPO with a critic (train.advantage=gae): the value model, a step against PPO's loop with GAE written
+out by hand with the pure pieces, its state, and the settings it refuses."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from tailrace.config import ConfigError, LossConfig, TrainerConfig, load_config
+from tailrace.config.train import CriticConfig, LoraConfig
+from tailrace.model import CausalLM, ModelConfig
+from tailrace.trainer.batch import TrainBatch
+from tailrace.trainer.critic import ValueModel
+from tailrace.trainer.gae import gae, moments, value_loss, whitened
+from tailrace.trainer.grpo import GRPOTrainer
+from tailrace.trainer.logprobs import token_logprobs
+from tailrace.trainer.losses import LOSSES
+from tests.trainer.test_grpo import TinyLM, V, make_groups
+
+CFG = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+
+
+def policy() -> CausalLM:
+    return CausalLM.from_config(CFG, seed=0)
+
+
+def test_the_value_model_is_the_policy_s_decoder_with_a_scalar_head():
+    model = policy()
+    vm = ValueModel(model)
+    ids = torch.tensor([[1, 5, 7, 2, 9]])
+    assert torch.equal(vm(ids), torch.zeros(1, 5))  # its head starts at zero
+    with torch.no_grad():  # the LM head's row k as the value head: the policy's logit of token k
+        vm.score.weight.copy_(model.lm_head.weight[3:4])
+        torch.testing.assert_close(vm(ids), model(ids)[..., 3])
+        vm.model.layers[0].mlp.up_proj.weight.add_(1.0)  # a copy: training it leaves the policy alone
+    assert not torch.equal(vm.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
+
+
+def by_hand(model, critic, opt, copt, parts, epochs, clip, c: CriticConfig):
+    """A step of PPO's loop with GAE: the critic's values before any update, GAE per row, the advantages
+    whitened over the whole step's live tokens, then for each part one policy update and one critic's."""
+    pg_loss = LOSSES["grpo"]
+    batches = [TrainBatch.from_groups(p, trainer_version=0, token_scale=pg_loss.token_scale,
+                                      advantage=lambda gs: [list(r) for r in gs]) for p in parts]  # fmt: skip
+    rewards = [torch.tensor([t.reward for g in p for t in g.trajectories]) for p in parts]
+    with torch.no_grad():
+        prox = [token_logprobs(model(b.input_ids), b.targets) for b in batches]
+        old_v = [critic(b.input_ids) for b in batches]
+    got = [gae(r, v, b.versions >= 0, c.gamma, c.lam) for r, v, b in zip(rewards, old_v, batches)]
+    m = sum(moments(a, b.mask) for (a, _), b in zip(got, batches))
+    advs = [whitened(a, b.mask, m) for (a, _), b in zip(got, batches)]
+    for _ in range(epochs):
+        for b, px, adv, (_, ret), ov in zip(batches, prox, advs, got, old_v):
+            opt.zero_grad()
+            logp = token_logprobs(model(b.input_ids), b.targets)
+            pg, _ = pg_loss(logp, px, adv, b.mask, torch.ones_like(adv), scale=b.scale)
+            pg.backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+            opt.step()
+            copt.zero_grad()
+            vl, _ = value_loss(critic(b.input_ids), ov, ret, b.mask, b.mask / b.mask.sum(), c.value_clip)
+            vl.backward()
+            torch.nn.utils.clip_grad_norm_(list(critic.parameters()), clip)
+            copt.step()
+
+
+@pytest.mark.parametrize("k,epochs,cut", [(1, 1, [0, 3]), (2, 2, [0, 2, 3])])
+def test_a_step_is_ppo_with_gae_by_hand(k, epochs, cut):
+    base = policy()
+    groups = make_groups(base, noise=0.3)
+    crit = CriticConfig(lr=3e-2, gamma=0.9, lam=0.8, value_clip=0.05)
+    cfg = TrainerConfig(lr=1e-2, mini_batches=k, epochs=epochs, grad_clip=0.5, advantage="gae", critic=crit)
+    tr = GRPOTrainer(copy.deepcopy(base), cfg)
+    for _ in range(2):  # the second step starts from values the first step trained
+        m = tr.step(groups, trainer_version=0)
+    hand, critic = copy.deepcopy(base), ValueModel(base)
+    opt = torch.optim.AdamW(hand.parameters(), lr=1e-2, weight_decay=0.0)
+    copt = torch.optim.AdamW(critic.parameters(), lr=3e-2, weight_decay=0.0)
+    for _ in range(2):
+        by_hand(hand, critic, opt, copt, [groups[a:b] for a, b in zip(cut, cut[1:])], epochs, 0.5, crit)
+    # to 1% of an update (Adam's first moves are ~lr a weight, and a weight whose gradient is ~0 takes
+    # the sign of its rounding: the whitening's sums are added in another order here)
+    for (n, p), q in zip(tr.model.named_parameters(), hand.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=0, msg=n)
+    for (n, p), q in zip(tr.critic.model.named_parameters(), critic.parameters()):
+        torch.testing.assert_close(p, q, atol=3e-4, rtol=0, msg=n)
+    assert m["updates"] == (len(cut) - 1) * epochs and m["value_loss"] > 0 and m["critic_lr"] == 3e-2
+    assert (m["vf_clip_frac"] > 0) == (k * epochs > 1)  # the first update starts at the old values
+    assert m["values_mean"] != 0 and m["critic_grad_norm"] > 0
+
+
+def test_every_group_trains_even_when_its_rewards_are_equal():
+    """R - V is never all zero: a group whose samples all scored the same still teaches both models."""
+    base = policy()
+    groups = [
+        dataclasses.replace(g, trajectories=tuple(dataclasses.replace(t, reward=1.0) for t in g.trajectories))
+        for g in make_groups(base)
+    ]
+    tr = GRPOTrainer(base, TrainerConfig(lr=1e-2, advantage="gae"))
+    assert tr.critic.lr == pytest.approx(10 * tr.lr)  # verl's ratio when train.critic.lr is null
+    first = tr.step(groups, trainer_version=0)
+    assert first["skipped"] == 0 and first["values_mean"] == 0.0  # the head starts at zero
+    assert tr.step(groups, trainer_version=0)["values_mean"] > 0  # and moves towards the returns
+
+
+def test_state_round_trips_and_a_restored_trainer_takes_the_same_step():
+    base = policy()
+    groups = make_groups(base, noise=0.3)
+    cfg = TrainerConfig(lr=1e-2, advantage="gae")
+    a = GRPOTrainer(copy.deepcopy(base), cfg)
+    a.step(groups, trainer_version=0)
+    b = GRPOTrainer(copy.deepcopy(base), cfg)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    ma, mb = a.step(groups, trainer_version=1), b.step(groups, trainer_version=1)
+    assert ma["value_loss"] == mb["value_loss"]
+    for p, q in zip(a.critic.model.parameters(), b.critic.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_what_gae_refuses():
+    with pytest.raises(ConfigError, match="train.advantage=gae with train.lora.rank=8"):
+        TrainerConfig(advantage="gae", lora=LoraConfig(rank=8))
+    with pytest.raises(ConfigError, match="train.advantage=gae with train.external"):
+        TrainerConfig(advantage="gae", external=True)
+    with pytest.raises(ConfigError, match="train.critic.lam=1.5"):
+        CriticConfig(lam=1.5)
+    with pytest.raises(ConfigError, match="set flow.zero_signal=train"):
+        load_config(None, ["--train.advantage=gae", "--flow.samples_per_prompt=1", "--flow.train_batch=16",
+                           "--flow.prompts_per_round=16"])  # fmt: skip
+    with pytest.raises(ConfigError, match="needs a tailrace decoder"):
+        GRPOTrainer(TinyLM(), TrainerConfig(advantage="gae", loss=LossConfig()))
