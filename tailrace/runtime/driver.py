@@ -199,10 +199,10 @@ class Driver(Membership, Reports):
             run = RunDir(self.run.path / "policies" / name)
             run.ckpt.mkdir(parents=True, exist_ok=True)
             run.file("config.yaml").write_text(dump_config(cfg))
-        # fp32 weights and AdamW's two moments (a LoRA run's: its adapter's): what a checkpoint weighs
-        cadence = checkpoint.Cadence.of(
-            f.checkpoint_every, f.checkpoint_minutes, 12 * self.layout.buffer.numel()
-        )
+        # fp32 weights and AdamW's two moments (a LoRA run's: its adapter's; a critic's about as many
+        # again): what a checkpoint weighs
+        weighs = 12 * self.layout.buffer.numel() * (2 if cfg.train.advantage == "gae" else 1)
+        cadence = checkpoint.Cadence.of(f.checkpoint_every, f.checkpoint_minutes, weighs)
         snapshots = Snapshots(run.path, cfg.eval.every if cfg.eval.n else 0)
         marks = RecordFile(run.file("events.jsonl")) if name else None
         return PolicyRun(name, p, cfg, sched, ses, train_cfg, run, cadence, snapshots, marks=marks)

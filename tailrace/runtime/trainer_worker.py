@@ -112,7 +112,13 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
             if c.mini_batches * c.epochs > 1
             else ""
         )
-        print(f"trainer: {trainer.micro.describe()}{dp}{base}{ppo}", flush=True)
+        critic = (
+            f"; a critic ({trainer.critic.num_params() / 1e6:,.1f}M weights, the policy's as it started, "
+            f"lr {trainer.critic.lr:.2g}; GAE gamma {c.critic.gamma:g} lambda {c.critic.lam:g})"
+            if trainer.critic is not None
+            else ""
+        )
+        print(f"trainer: {trainer.micro.describe()}{dp}{base}{ppo}{critic}", flush=True)
         if trainer.micro.short:
             print(f"warning: {trainer.micro.short}", flush=True)
         if spec.publish_start:

@@ -51,6 +51,7 @@ class CostModel:
     # a train step's optimizer updates (train.mini_batches x train.epochs) and its passes over the batch
     train_updates: int = 1
     train_epochs: int = 1
+    critic: bool = False  # PPO's critic (train.advantage=gae): a second model of the policy's size trained
 
     def __post_init__(self) -> None:
         if self.engine_gpus < 1 or self.trainer_gpus < 1 or self.engines < 1:
@@ -173,10 +174,12 @@ class CostModel:
         formed as tailrace's trainer forms them (longest first, rows x longest <= micro_batch_tokens)."""
         m = self.model
         # forward 2, backward 4 FLOPs a parameter and token (a LoRA run's frozen base: 2, the input's
-        # gradient alone) each pass over the batch, and the old policy's forward when it is recomputed
+        # gradient alone) each pass over the batch, and the old policy's forward when it is recomputed;
+        # a critic: its values' forward, and its own forward and backward each pass
         mult = (4.0 if self.lora_rank else 6.0) * self.train_epochs + (
             2.0 if self.recompute_logprobs else 0.0
         )
+        mult += (2.0 + 6.0 * self.train_epochs) if self.critic else 0.0
         rows = self.padded(lengths) if self.micro_batch_tokens else lengths
         attn = m.attn_flops_per_context_token * sum(n * n / 2 for n in rows)
         return mult * m.matmul_params * sum(rows) + (mult / 2) * attn
@@ -187,4 +190,7 @@ class CostModel:
 
     def train_time(self, lengths: list[int]) -> float:
         peak = self.trainer_gpus * self.hw.peak_flops * self.hw.train_mfu
-        return self.train_flops(lengths) / peak + self.hw.train_step_overhead_s * self.train_updates
+        optimizers = 2 if self.critic else 1  # each update steps the critic's too
+        return (
+            self.train_flops(lengths) / peak + self.hw.train_step_overhead_s * self.train_updates * optimizers
+        )

@@ -88,6 +88,11 @@ class ClusterSpec:
         1, "optimizer updates a train step takes (train.mini_batches x train.epochs), each its overhead"
     )
     train_epochs: int = setting(1, "passes a train step makes over its batch (train.epochs)")
+    critic: bool = setting(
+        False,
+        "PPO's critic (train.advantage=gae): the trainer also runs a value model of the policy's size, "
+        "a forward before the updates and a forward and backward each pass",
+    )
     kv_memory: bool = setting(
         True,
         "engines hold a KV cache of the memory their weights leave (admission waits, growing contexts "
@@ -279,7 +284,7 @@ def cost_model(scn: Scenario) -> CostModel:
     shape = shape_from_hf(c.model_config, c.model) if c.model_config else model_shape(c.model)
     return CostModel(
         hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s, c.micro_batch_tokens,
-        c.engines, c.weight_broadcast, c.lora_rank, c.train_updates, c.train_epochs,
+        c.engines, c.weight_broadcast, c.lora_rank, c.train_updates, c.train_epochs, c.critic,
     )  # fmt: skip
 
 
@@ -472,6 +477,7 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
         recompute_logprobs=cfg.train.mini_batches * cfg.train.epochs > 1 or cfg.train.loss.top_entropy < 1,
         train_updates=cfg.train.mini_batches * cfg.train.epochs,
         train_epochs=cfg.train.epochs,
+        critic=cfg.train.advantage == "gae",
         checkpoint_s=ckpt,
         micro_batch_tokens=cfg.train.micro_batch_tokens or _recorded_micro_batch(run_dir),
         slots=r.slots,

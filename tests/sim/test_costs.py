@@ -86,6 +86,11 @@ def test_train_time_is_6N_plus_attention_at_the_stated_mfu():
     # PPO's step: 2 mini-batches x 3 epochs, the kept logprobs' forward once
     ppo = CostModel(H100, Q7, trainer_gpus=8, recompute_logprobs=True, train_updates=6, train_epochs=3)
     assert ppo.train_time([1000]) == pytest.approx(flops * 20 / 6 / (8 * 989e12 * 0.35) + 6.0, rel=1e-12)
+    # and with a critic: its values' forward (2) and its own 6 a pass; its optimizer's overhead each update
+    gae = CostModel(
+        H100, Q7, trainer_gpus=8, recompute_logprobs=True, train_updates=6, train_epochs=3, critic=True
+    )
+    assert gae.train_time([1000]) == pytest.approx(flops * 40 / 6 / (8 * 989e12 * 0.35) + 12.0, rel=1e-12)
     with pytest.raises(ValueError, match="train_epochs"):
         CostModel(H100, Q7, train_updates=2, train_epochs=3)
 

@@ -144,7 +144,8 @@ def test_a_real_run_directory_becomes_a_scenario_and_compares(tmp_path):
 def test_a_run_of_several_updates_a_step_is_charged_its_passes(tmp_path):
     one = scenario_from_run(_fake_run(tmp_path / "one")).cluster
     ppo = scenario_from_run(_fake_run(tmp_path / "ppo", mini_batches=2, epochs=3)).cluster
-    assert (one.train_updates, one.train_epochs, one.recompute_logprobs) == (1, 1, False)
+    assert (one.train_updates, one.train_epochs, one.recompute_logprobs, one.critic) == (1, 1, False, False)
+    assert scenario_from_run(_fake_run(tmp_path / "gae", advantage="gae")).cluster.critic
     assert (ppo.train_updates, ppo.train_epochs, ppo.recompute_logprobs) == (6, 3, True)
     run = _fake_run(tmp_path / "top")
     cfg = load_config(run / "config.yaml", ["--train.loss.top_entropy=0.2"])
