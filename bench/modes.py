@@ -108,6 +108,11 @@ MODES = [
     # the step's top fifth of tokens by entropy alone ("Beyond the 80/20 Rule"): --modes
     # sync,multiversion-K1,multiversion-K1+top0.2
     ("multiversion", {"flow.max_staleness": 1, "train.loss.top_entropy": 0.2}),
+    # PPO's critic and GAE (verl's default algorithm) against the group's baseline, and dual clip (verl's
+    # clip_ratio_c): --modes sync,sync+gae,multiversion-K1,multiversion-K1+gae,multiversion-K1+clipc3
+    ("sync", {"train.advantage": "gae"}),
+    ("multiversion", {"flow.max_staleness": 1, "train.advantage": "gae"}),
+    ("multiversion", {"flow.max_staleness": 1, "train.loss.clip_c": 3}),
 ]
 
 CONFIGS = {
@@ -158,6 +163,7 @@ def mode_label(mode: str, opts: dict) -> str:
         + "".join(f"+ep{v}" for k, v in opts.items() if k == "train.epochs")
         + "".join(f"+{v}" for k, v in opts.items() if k == "train.advantage")
         + "".join(f"+top{v}" for k, v in opts.items() if k == "train.loss.top_entropy")
+        + "".join(f"+clipc{v}" for k, v in opts.items() if k == "train.loss.clip_c")
     )
 
 
