@@ -131,3 +131,19 @@ def test_what_gae_refuses():
                            "--flow.prompts_per_round=16"])  # fmt: skip
     with pytest.raises(ConfigError, match="needs a tailrace decoder"):
         GRPOTrainer(TinyLM(), TrainerConfig(advantage="gae", loss=LossConfig()))
+
+
+def test_evaluate_takes_the_critic_s_advantages_and_moves_nothing():
+    base = policy()
+    groups = make_groups(base, noise=0.3)
+    tr = GRPOTrainer(base, TrainerConfig(lr=1e-2, advantage="gae"))
+    tr.step(groups, trainer_version=0)  # values off zero
+    before = [p.detach().clone() for p in (*tr.model.parameters(), *tr.critic.model.parameters())]
+    m = tr.evaluate(groups, trainer_version=1)
+    after = [*tr.model.parameters(), *tr.critic.model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    batch = tr.make_batch(groups, 1)  # its advantages are GAE's, whitened: mean 0 over the live tokens
+    (got,), _ = tr.critic.prepare([batch], [float(batch.mask.sum())], tr.micro.tokens, tr._autocast, 1)
+    assert abs(float(got.adv.sum())) < 1e-4
+    # on policy every ratio is 1: the loss is -sum(scale * A), with the critic's A (not the rewards)
+    assert m["pg_loss"] == pytest.approx(-float((got.scale * got.adv).sum()), abs=1e-6)
