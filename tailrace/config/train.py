@@ -375,6 +375,14 @@ class TrainerConfig:
             "policy's weights, trained whole, which a LoRA run is set up to avoid; set train.lora.rank=0 or "
             "use a critic-free estimator (grpo, rloo, batch_std)",
         )
+        changed = [
+            f"train.critic.{k}" for k, v in vars(self.critic).items() if v != getattr(CriticConfig(), k)
+        ]
+        need(
+            self.advantage == "gae" or not changed,
+            f"{', '.join(changed)} set with train.advantage={self.advantage or 'null'}: the critic trains only with "
+            "train.advantage=gae; set that, or drop the critic's settings",
+        )
         need(
             not (self.advantage == "gae" and self.external),
             "train.advantage=gae with train.external: the critic lives in tailrace's own trainer; your "

@@ -126,6 +126,10 @@ def test_what_gae_refuses():
         TrainerConfig(advantage="gae", external=True)
     with pytest.raises(ConfigError, match="train.critic.lam=1.5"):
         CriticConfig(lam=1.5)
+    with pytest.raises(
+        ConfigError, match="train.critic.lr set with train.advantage=null: the critic trains only"
+    ):
+        load_config(None, ["--train.critic.lr=1e-5"])
     with pytest.raises(ConfigError, match="set flow.zero_signal=train"):
         load_config(None, ["--train.advantage=gae", "--flow.samples_per_prompt=1", "--flow.train_batch=16",
                            "--flow.prompts_per_round=16"])  # fmt: skip
