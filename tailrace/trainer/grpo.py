@@ -21,6 +21,8 @@ the frozen projections are kept in bf16 (`lora.store_frozen_projections`): the a
 them to bf16 on every forward anyway, so no value changes, and the base takes half the memory. With a
 KL penalty and no `ref_model`, the reference is the model itself with its adapter off, or swapped for
 the adapter the run started from (`lora.as_reference`, `lora.set_reference`): no second copy of the base.
+With `train.advantage=gae` a critic (`trainer/critic.py`) gives every sampled token its advantage from
+its values before the step, and takes an update of its own beside each of the policy's.
 """
 
 from __future__ import annotations
@@ -435,7 +437,8 @@ class GRPOTrainer:
             "tokens": trained,
             "stale_tokens": sampled - trained,
             "sequences": sum(b.num_seqs for b in batches),
-            "adv_mean": float(torch.cat([b.seq_adv for b in batches]).mean()),
+            # (a critic's advantages are per token and whitened: no sequence's own)
+            **({} if self.critic else {"adv_mean": float(torch.cat([b.seq_adv for b in batches]).mean())}),
             "micro_batches": n_micro,
             "micro_batch_tokens": self.micro.tokens,
             "updates": len(norms),  # optimizer updates taken: train.mini_batches x train.epochs, less the
