@@ -1,5 +1,6 @@
 """PPO's critic through a real run (train.advantage=gae): its figures logged each step, its weights and
-AdamW state checkpointed beside the policy's, and taken back by a resume."""
+AdamW state checkpointed beside the policy's and taken back by a resume, on two data-parallel ranks; and
+a multi-turn task's episodes, their tool observations stepped over."""
 
 import json
 from pathlib import Path
@@ -17,9 +18,11 @@ def steps_of(run):
 
 
 def test_a_gae_run_checkpoints_its_critic_and_a_resume_takes_it_back(tiny_model, tmp_path):
+    """(Two ranks: rank 0 saves the critic, both take it back.)"""
     run = tmp_path / "run"
     argv = ["train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=sync",
-            "--train.advantage=gae", "--flow.steps=2", "--flow.checkpoint_every=1", SHAPED]  # fmt: skip
+            "--train.advantage=gae", "--flow.steps=2", "--flow.checkpoint_every=1", SHAPED,
+            "--train.world_size=2", "--train.micro_batch_tokens=256"]  # fmt: skip
     assert main(argv) == 0
     first = steps_of(run)
     assert len(first) == 2 and all(s["value_loss"] > 0 and s["critic_lr"] > 0 for s in first)
@@ -28,3 +31,17 @@ def test_a_gae_run_checkpoints_its_critic_and_a_resume_takes_it_back(tiny_model,
     assert main(["train", "--resume", str(run), "--flow.steps=3"]) == 0
     third = steps_of(run)[-1]
     assert third["step"] == 3 and third["values_mean"] != 0.0  # the checkpoint's critic, not a fresh one
+
+
+def test_a_multi_turn_task_trains_with_a_critic(tool_model, tmp_path):
+    from tailrace.records import Finished, read_journal
+
+    run = tmp_path / "run"
+    base = [a for a in TINY_RUN if not a.startswith(("--flow.steps", "--rollout.max_new_tokens", "--eval.n"))]
+    argv = ["train", f"--run-dir={run}", f"--model.path={tool_model}", *base, "--flow.steps=2", "--eval.n=4",
+            "--task.name=chaincalc", "--rollout.max_new_tokens=96", "--eval.max_new_tokens=96",
+            "--flow.mode=multiversion", "--train.advantage=gae", "--flow.zero_signal=train"]  # fmt: skip
+    assert main(argv) == 0
+    assert all(s["value_loss"] >= 0 and s["tokens"] > 0 for s in steps_of(run))
+    trajs = [e.trajectory for e in read_journal(run / "journal.jsonl") if isinstance(e, Finished)]
+    assert any(t.observed for t in trajs), "the tool model should call the calculator"
