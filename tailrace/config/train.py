@@ -369,12 +369,6 @@ class TrainerConfig:
         need(
             self.world_size >= 1, f"train.world_size={self.world_size}: must be at least 1 (1 = one process)"
         )
-        need(
-            not (self.advantage == "gae" and self.lora.rank),
-            f"train.advantage=gae with train.lora.rank={self.lora.rank}: the critic is a full copy of the "
-            "policy's weights, trained whole, which a LoRA run is set up to avoid; set train.lora.rank=0 or "
-            "use a critic-free estimator (grpo, rloo, batch_std)",
-        )
         changed = [
             f"train.critic.{k}" for k, v in vars(self.critic).items() if v != getattr(CriticConfig(), k)
         ]

@@ -6,7 +6,9 @@ starts from the actor's checkpoint), with a scalar head where the LM head was: t
 `*ForTokenClassification` with one label. The head starts at zero, so every value is 0 at first and the
 first step's advantages are the whitened rewards. It trains whole, on its own AdamW
 (`train.critic.lr`, null: 10x the policy's, verl's ratio), with the policy's betas, weight decay,
-gradient clip and micro-batch size, on the same mini-batches and epochs.
+gradient clip and micro-batch size, on the same mini-batches and epochs. On a LoRA run (`train.lora`)
+it is an adapter of its own (the run's rank, alpha and targets) on the policy's frozen base, whose
+tensors it shares (no copy), and its head: what trains, and what a checkpoint holds, is those.
 
 A step: one no-grad pass of the critic over the step's rows (its values, kept for the clipped value
 loss), GAE per row (`gae.gae`), the advantages whitened over every live token of the step (every
@@ -17,6 +19,7 @@ policy one of the critic on the same rows, its loss the token mean over the mini
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from typing import Callable, Sequence
 
@@ -25,8 +28,10 @@ from torch import nn
 
 from tailrace.common import ConfigError
 from tailrace.config import TrainerConfig
+from tailrace.config.train import LoraConfig
 from tailrace.model.config import ModelConfig
 from tailrace.model.decoder import DecoderModel, embed, local_rotary, run_layers
+from tailrace.model.lora import LoRALinear
 from tailrace.model.rope import Rotary
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.gae import explained_variance, gae, moments, value_loss, whitened
@@ -38,9 +43,10 @@ Autocast = Callable[[], contextlib.AbstractContextManager]
 
 
 class ValueModel(nn.Module):
-    """The policy's decoder (a copy) and a scalar head: input_ids (B, T) -> values (B, T) in fp32."""
+    """The policy's decoder (a copy; with `lora`, its frozen base shared and an adapter of its own) and a
+    scalar head: input_ids (B, T) -> values (B, T) in fp32."""
 
-    def __init__(self, policy: nn.Module):
+    def __init__(self, policy: nn.Module, lora: LoraConfig | None = None):
         super().__init__()
         cfg = getattr(policy, "config", None)
         if not isinstance(cfg, ModelConfig):
@@ -49,14 +55,20 @@ class ValueModel(nn.Module):
                 "with a value head); use another train.advantage with this model"
             )
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.model.load_state_dict(policy.model.state_dict())
-        self.rotary, self.local_rotary = Rotary(cfg), local_rotary(cfg)
-        self.score = nn.Linear(cfg.hidden_size, 1)
+        first = next(policy.parameters())
+        if lora is not None and lora.rank:
+            self.model = _on_the_base(policy.model, lora)
+        else:
+            self.model = DecoderModel(cfg)
+            self.model.load_state_dict(policy.model.state_dict())
+            self.model.to(device=first.device, dtype=first.dtype)
+        self.rotary, self.local_rotary = Rotary(cfg).to(first.device), local_rotary(cfg)
+        if self.local_rotary is not None:
+            self.local_rotary.to(first.device)
+        dtype = torch.float32 if first.dtype in (torch.bfloat16, torch.float16) else first.dtype
+        self.score = nn.Linear(cfg.hidden_size, 1, device=first.device, dtype=dtype)
         nn.init.zeros_(self.score.weight)
         nn.init.zeros_(self.score.bias)
-        first = next(policy.parameters())
-        self.to(device=first.device, dtype=first.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = embed(self.model.embed_tokens(input_ids), self.config)
@@ -64,10 +76,23 @@ class ValueModel(nn.Module):
         return self.score(self.model.norm(x)).squeeze(-1).float()
 
 
+def _on_the_base(decoder: DecoderModel, lora: LoraConfig) -> DecoderModel:
+    """`decoder` (a LoRA policy's) again, every frozen tensor the policy's own (shared, not copied), each
+    adapted projection with a fresh adapter of its own (B at zero: it starts as the base)."""
+    frozen = [t for t in (*decoder.parameters(), *decoder.buffers()) if not t.requires_grad]
+    twin = copy.deepcopy(decoder, memo={id(t): t for t in frozen})
+    for parent in list(twin.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(parent, name, LoRALinear(child, lora.rank, lora.alpha))
+    return twin
+
+
 class Critic:
     def __init__(self, policy: nn.Module, cfg: TrainerConfig, policy_lr: float):
         self.cfg, self.grad_clip = cfg.critic, cfg.grad_clip
-        self.model = ValueModel(policy).eval()  # no dropout: its values must be the ones it is trained on
+        # no dropout: its values must be the ones it is trained on
+        self.model = ValueModel(policy, cfg.lora).eval()
         self.device = next(self.model.parameters()).device
         self.lr = cfg.critic.lr if cfg.critic.lr is not None else CRITIC_LR_RATIO * policy_lr
         self.opt = build_adamw(self.model, self.lr, cfg.betas, cfg.eps, cfg.weight_decay)
@@ -147,8 +172,19 @@ class Critic:
         return float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf")))
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+        """What it trains (a LoRA critic's adapter and head, not the base it shares) and AdamW's state."""
+        own = self._trained()
+        return {
+            "model": {k: v for k, v in self.model.state_dict().items() if k in own},
+            "optimizer": self.opt.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        missing = self._trained() - set(state["model"])
+        if missing:
+            raise ValueError(f"the critic's state lacks {len(missing)} of its weights, e.g. {min(missing)}")
+        self.model.load_state_dict(state["model"], strict=False)
         self.opt.load_state_dict(state["optimizer"])
+
+    def _trained(self) -> set[str]:
+        return {n for n, p in self.model.named_parameters() if p.requires_grad}

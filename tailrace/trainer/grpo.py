@@ -120,7 +120,8 @@ class GRPOTrainer:
         n = sum(p.numel() for p in model.parameters())  # the base's and, with LoRA, the adapter's
         self.lr = cfg.lr if cfg.lr is not None else auto_lr(n, bool(cfg.lora.rank))
         self.opt = build_adamw(model, self.lr, cfg.betas, cfg.eps, cfg.weight_decay)
-        # PPO's value model (train.advantage=gae, never with LoRA): a copy of the policy as it starts
+        # PPO's value model (train.advantage=gae): a copy of the policy as it starts (on a LoRA run, an
+        # adapter of its own on the same frozen base)
         self.critic = Critic(model, cfg, self.lr) if cfg.advantage == "gae" else None
         self.schedule = LRSchedule(
             self.lr, cfg.lr_warmup_steps, total_steps, cfg.lr_schedule, cfg.lr_min_ratio

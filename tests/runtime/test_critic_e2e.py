@@ -5,6 +5,8 @@ a multi-turn task's episodes, their tool observations stepped over."""
 import json
 from pathlib import Path
 
+import pytest
+
 from tailrace.cli import main
 from tests.runtime.conftest import TINY_RUN
 
@@ -17,17 +19,29 @@ def steps_of(run):
     return [r["train"] for r in records if r["kind"] == "step"]
 
 
-def test_a_gae_run_checkpoints_its_critic_and_a_resume_takes_it_back(tiny_model, tmp_path):
-    """(Two ranks: rank 0 saves the critic, both take it back.)"""
+@pytest.mark.parametrize(
+    "how",
+    [
+        ["--train.world_size=2", "--train.micro_batch_tokens=256"],  # rank 0 saves it, both take it back
+        ["--train.lora.rank=8"],  # its adapter and head on the policy's base: what it saves
+    ],
+)
+def test_a_gae_run_checkpoints_its_critic_and_a_resume_takes_it_back(tiny_model, tmp_path, how):
     run = tmp_path / "run"
     argv = ["train", f"--run-dir={run}", f"--model.path={tiny_model}", *TINY_RUN, "--flow.mode=sync",
-            "--train.advantage=gae", "--flow.steps=2", "--flow.checkpoint_every=1", SHAPED,
-            "--train.world_size=2", "--train.micro_batch_tokens=256"]  # fmt: skip
+            "--train.advantage=gae", "--flow.steps=2", "--flow.checkpoint_every=1", SHAPED, *how]  # fmt: skip
     assert main(argv) == 0
     first = steps_of(run)
     assert len(first) == 2 and all(s["value_loss"] > 0 and s["critic_lr"] > 0 for s in first)
     assert first[0]["values_mean"] == 0.0 != first[1]["values_mean"]  # the head starts at zero, then learns
-    assert (run / "checkpoints" / "step_000002" / "critic.safetensors").is_file()
+    critic = run / "checkpoints" / "step_000002" / "critic.safetensors"
+    assert critic.is_file()
+    if "--train.lora.rank=8" in how:  # its adapter and head alone, not the base it shares
+        from safetensors import safe_open
+
+        with safe_open(str(critic), framework="pt") as fh:
+            weights = [k for k in fh.keys() if k.startswith("model.")]
+        assert weights and all(".lora_" in k or k.startswith("model.score.") for k in weights), weights
     assert main(["train", "--resume", str(run), "--flow.steps=3"]) == 0
     third = steps_of(run)[-1]
     assert third["step"] == 3 and third["values_mean"] != 0.0  # the checkpoint's critic, not a fresh one

@@ -119,9 +119,41 @@ def test_state_round_trips_and_a_restored_trainer_takes_the_same_step():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_lora_run_s_critic_is_an_adapter_of_its_own_on_the_shared_frozen_base(bf16):
+    """No copy of the base: the critic's frozen tensors are the policy's (kept in bf16 with train.bf16,
+    once); what trains, and what its state holds, is its adapter and head alone."""
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "up_proj"))
+    model = policy().to(torch.bfloat16).float() if bf16 else policy()  # bf16 keeps a base bf16 holds exactly
+    tr = GRPOTrainer(model, TrainerConfig(lr=1e-2, advantage="gae", lora=lora, bf16=bf16))
+    mine, theirs = tr.critic.model.model.layers[0], model.model.layers[0]
+    assert mine.self_attn.q_proj.weight is theirs.self_attn.q_proj.weight  # the same tensor
+    assert mine.self_attn.q_proj.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    assert mine.self_attn.k_proj.weight is theirs.self_attn.k_proj.weight
+    assert mine.self_attn.q_proj.lora_A.weight is not theirs.self_attn.q_proj.lora_A.weight
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    own = {n: p.detach().clone() for n, p in tr.critic.model.named_parameters() if p.requires_grad}
+    assert sorted(own) == sorted(tr.critic.state_dict()["model"])
+    assert len(own) == 2 * 2 * 2 + 2  # A and B of 2 targets x 2 layers, and the head's weight and bias
+    groups = make_groups(model, noise=0.3)
+    for _ in range(2):
+        m = tr.step(groups, trainer_version=0)
+    assert m["values_mean"] != 0 and m["value_loss"] > 0
+    for n, p in model.named_parameters():  # the base is untouched by either model's updates
+        if n in base:
+            assert torch.equal(p, base[n]), n
+    moved = [
+        n for n, p in tr.critic.model.named_parameters() if p.requires_grad and not torch.equal(p, own[n])
+    ]
+    assert "score.weight" in moved and any("lora_B" in n for n in moved)  # (A follows once B is off 0)
+    b = GRPOTrainer(policy(), TrainerConfig(lr=1e-2, advantage="gae", lora=lora, bf16=bf16))
+    b.critic.load_state_dict(tr.critic.state_dict())
+    for n, p in b.critic.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, dict(tr.critic.model.named_parameters())[n]), n
+
+
 def test_what_gae_refuses():
-    with pytest.raises(ConfigError, match="train.advantage=gae with train.lora.rank=8"):
-        TrainerConfig(advantage="gae", lora=LoraConfig(rank=8))
     with pytest.raises(ConfigError, match="train.advantage=gae with train.external"):
         TrainerConfig(advantage="gae", external=True)
     with pytest.raises(ConfigError, match="train.critic.lam=1.5"):
