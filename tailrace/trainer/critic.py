@@ -30,9 +30,8 @@ from tailrace.common import ConfigError
 from tailrace.config import TrainerConfig
 from tailrace.config.train import LoraConfig
 from tailrace.model.config import ModelConfig
-from tailrace.model.decoder import DecoderModel, embed, local_rotary, run_layers
+from tailrace.model.decoder import DecoderModel, embed, run_layers
 from tailrace.model.lora import LoRALinear
-from tailrace.model.rope import Rotary
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.gae import explained_variance, gae, moments, value_loss, whitened
 from tailrace.trainer.optim import all_reduce_grads, build_adamw
@@ -62,9 +61,7 @@ class ValueModel(nn.Module):
             self.model = DecoderModel(cfg)
             self.model.load_state_dict(policy.model.state_dict())
             self.model.to(device=first.device, dtype=first.dtype)
-        self.rotary, self.local_rotary = Rotary(cfg).to(first.device), local_rotary(cfg)
-        if self.local_rotary is not None:
-            self.local_rotary.to(first.device)
+        self.rotary, self.local_rotary = policy.rotary, policy.local_rotary  # tables, no weights: shared
         dtype = torch.float32 if first.dtype in (torch.bfloat16, torch.float16) else first.dtype
         self.score = nn.Linear(cfg.hidden_size, 1, device=first.device, dtype=dtype)
         nn.init.zeros_(self.score.weight)
