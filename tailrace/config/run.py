@@ -314,8 +314,7 @@ class FlowConfig:
     zero_signal: Literal["replace", "train"] = setting(
         "replace",
         "groups whose rewards are all equal (no advantage): replace them with fresh prompts (DAPO's "
-        "dynamic sampling) or train them as they are (with train.advantage=gae every group has a critic's "
-        "advantages: none is replaced)",
+        "dynamic sampling) or train them as they are",
     )
     extra_groups: int | None = setting(
         None,
@@ -515,6 +514,16 @@ class RunConfig:
             f"holds whole groups; lower it to {self.flow.groups_per_step} or less, or raise flow.train_batch",
         )
         need(
+            not (
+                self.train.advantage == "gae"
+                and self.flow.samples_per_prompt == 1
+                and self.flow.zero_signal == "replace"
+            ),
+            "train.advantage=gae with flow.samples_per_prompt=1 and flow.zero_signal=replace: a group of one "
+            "sample has one reward, so every group would be replaced as zero-signal; set "
+            "flow.zero_signal=train (the critic learns from every group)",
+        )
+        need(
             not (self.train.external and self.train.world_size > 1),
             f"train.external with train.world_size={self.train.world_size}: your own trainer is one process "
             "to the run (--train.world_size=1; your trainer's parallelism is its own)",
@@ -530,13 +539,6 @@ class RunConfig:
                 f"train.{name}: the built-in model has no mixture of experts; set model.path to one (Qwen3-MoE, "
                 f"Qwen2-MoE, OLMoE, Mixtral, Granite MoE) or drop train.{name}",
             )
-
-    @property
-    def replaces_zero_signal(self) -> bool:
-        """Whether groups of equal rewards leave for fresh prompts (flow.zero_signal=replace): not under
-        train.advantage=gae, where the critic's values give their tokens advantages (R - V) all the same,
-        and a critic that never saw an all-right or all-wrong group would misjudge them."""
-        return self.flow.zero_signal == "replace" and self.train.advantage != "gae"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

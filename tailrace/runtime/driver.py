@@ -174,8 +174,7 @@ class Driver(Membership, Reports):
         spec = FlowSpec(f.prompts_per_round, f.samples_per_prompt, f.groups_per_step, f.steps)
         keep = load_keep(cfg.store.filter) if cfg.store.filter else None
         policy = make_policy(
-            f.mode, "replace" if cfg.replaces_zero_signal else "train", f.extra_groups, keep,
-            cfg.store.filter or "", max_staleness=f.max_staleness,
+            f.mode, f.zero_signal, f.extra_groups, keep, cfg.store.filter or "", max_staleness=f.max_staleness,
             frontier=f.frontier,
             rollout_groups=f.rollout_groups, ahead=f.ahead, placement=f.placement,
             pregen_below=r.spec.pregen_below,

@@ -149,9 +149,7 @@ class Reports:
             for key, value in _flatten(record.to_json(), f"{pol.name}/" if pol.name else ""):
                 self.tb.add_scalar(key, value, rep.step + 1)
         if self.ui is not None:
-            # (a critic's policy has no use for replacing them: the hint is not given)
-            critic = pol.cfg.train.advantage == "gae"
-            self.ui.step(record, saved, pol.name, pol.cfg.flow.zero_signal == "replace" or critic)
+            self.ui.step(record, saved, pol.name, pol.cfg.flow.zero_signal == "replace")
 
     def _checkpoint(self, pol: PolicyRun, rep: TrainerReport, published: int | None) -> CheckpointRecord:
         """Make the trainer's half-written checkpoint whole: everything it counts is on disk first."""

@@ -162,11 +162,9 @@ def test_what_gae_refuses():
         ConfigError, match="train.critic.lr set with train.advantage=null: the critic trains only"
     ):
         load_config(None, ["--train.critic.lr=1e-5"])
-    # groups of equal rewards are trained under a critic (their advantages are R - V), whatever
-    # flow.zero_signal says; PPO's one sample a prompt is a group of one
-    assert load_config(None, []).replaces_zero_signal
-    one = ["--flow.samples_per_prompt=1", "--flow.train_batch=16", "--flow.prompts_per_round=16"]
-    assert not load_config(None, ["--train.advantage=gae", *one]).replaces_zero_signal
+    with pytest.raises(ConfigError, match="set flow.zero_signal=train"):
+        load_config(None, ["--train.advantage=gae", "--flow.samples_per_prompt=1", "--flow.train_batch=16",
+                           "--flow.prompts_per_round=16"])  # fmt: skip
     with pytest.raises(ConfigError, match="needs a tailrace decoder"):
         GRPOTrainer(TinyLM(), TrainerConfig(advantage="gae", loss=LossConfig()))
 
