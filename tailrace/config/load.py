@@ -89,11 +89,8 @@ def _unknown(key: str, fields: list[str], prefix: str, root: type) -> ConfigErro
     """A typo gets the close key of its section; a key that lives in another section gets that one."""
     guess = [prefix + k for k in difflib.get_close_matches(key, fields, n=1)]
     guess = guess or [k for k in _keys(root) if k.rsplit(".", 1)[-1] == key]
-    hint = (
-        f"did you mean {' or '.join([', '.join(guess[:-1]), guess[-1]] if len(guess) > 2 else guess)}?"
-        if guess
-        else f"valid keys: {', '.join(fields)}"
-    )
+    either = ", ".join(guess[:-1]) + " or " + guess[-1] if len(guess) > 1 else "".join(guess)  # a, b or c
+    hint = f"did you mean {either}?" if guess else f"valid keys: {', '.join(fields)}"
     return ConfigError(f"unknown config key {prefix}{key}; {hint}")
 
 

@@ -369,9 +369,8 @@ class TrainerConfig:
         need(
             self.world_size >= 1, f"train.world_size={self.world_size}: must be at least 1 (1 = one process)"
         )
-        changed = [
-            f"train.critic.{k}" for k, v in vars(self.critic).items() if v != getattr(CriticConfig(), k)
-        ]
+        default = vars(CriticConfig())
+        changed = [f"train.critic.{k}" for k, v in vars(self.critic).items() if v != default[k]]
         need(
             self.advantage == "gae" or not changed,
             f"{', '.join(changed)} set with train.advantage={self.advantage or 'null'}: the critic trains only with "

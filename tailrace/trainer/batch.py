@@ -11,7 +11,7 @@ exactly the full-batch loss and gradient whatever the aggregation.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -175,7 +175,12 @@ class TrainBatch:
 
         Rows are taken longest first so each micro-batch pads little.
         """
-        return [self.rows(idx) for idx in micro_batches(self.lengths.tolist(), max_tokens)]
+        return [mb for _, mb in self.indexed_micro_batches(max_tokens)]
+
+    def indexed_micro_batches(self, max_tokens: int) -> Iterator[tuple[Tensor, "TrainBatch"]]:
+        """`micro_batches`, each with its rows' indices in this batch: where a pass over them writes back."""
+        for idx in micro_batches(self.lengths.tolist(), max_tokens):
+            yield torch.tensor(idx), self.rows(idx)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         return self._map(lambda x: x.to(device, non_blocking=True))

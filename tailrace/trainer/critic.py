@@ -35,7 +35,6 @@ from tailrace.model.lora import LoRALinear
 from tailrace.trainer.batch import TrainBatch
 from tailrace.trainer.gae import explained_variance, gae, moments, value_loss, whitened
 from tailrace.trainer.optim import all_reduce_grads, build_adamw
-from tailrace.trainer.packing import micro_batches as packed_rows
 
 CRITIC_LR_RATIO = 10.0  # verl's examples: critic 1e-5 against the actor's 1e-6
 Autocast = Callable[[], contextlib.AbstractContextManager]
@@ -102,11 +101,10 @@ class Critic:
     def values(self, shard: TrainBatch, tokens: int, autocast: Autocast) -> torch.Tensor:
         """The critic's value at every position of `shard`'s rows (0 on padding), `tokens` a forward."""
         out = torch.zeros_like(shard.behav_logp)
-        for idx in packed_rows(shard.lengths.tolist(), tokens):
-            mb = shard.rows(idx).to(self.device)
+        for rows, mb in shard.indexed_micro_batches(tokens):
             with autocast():
-                v = self.model(mb.input_ids)
-            out[torch.tensor(idx), : v.shape[1]] = v.to(out.device)
+                v = self.model(mb.to(self.device).input_ids)
+            out[rows, : v.shape[1]] = v.to(out.device)
         return out
 
     def prepare(

@@ -50,7 +50,6 @@ from tailrace.trainer.logprobs import entropy_from_logits, token_logprobs
 from tailrace.trainer.losses import CORRECTIONS, LOSSES, Bounds, aggregated, kl_penalty
 from tailrace.trainer.memory import rank_share, size_micro_batch
 from tailrace.trainer.optim import all_reduce_grads, build_adamw
-from tailrace.trainer.packing import micro_batches as packed_rows
 from tailrace.trainer.packing import split_by_tokens
 from tailrace.trainer.schedule import LRSchedule
 from tailrace.types import Group
@@ -252,11 +251,11 @@ class GRPOTrainer:
         formed as the updates form them, so the first update's ratio is exactly 1; and the policy's
         entropy at each position (zeros unless train.loss.top_entropy asks for it)."""
         prox, ent = torch.zeros_like(shard.behav_logp), torch.zeros_like(shard.behav_logp)
-        for idx in packed_rows(shard.lengths.tolist(), self.micro.tokens):
-            mb = shard.rows(idx).to(self.device)
+        for rows, mb in shard.indexed_micro_batches(self.micro.tokens):
+            mb = mb.to(self.device)
             with self._autocast(), replaying(self.model, mb.routes):
                 logits = self.model(mb.input_ids)
-            rows, t = torch.tensor(idx), logits.shape[1]
+            t = logits.shape[1]
             prox[rows, :t] = token_logprobs(logits, mb.targets, self.cfg.temperature).to(prox.device)
             if self.cfg.loss.top_entropy < 1:
                 ent[rows, :t] = entropy_from_logits(logits, self.cfg.temperature).float().to(ent.device)
@@ -452,16 +451,16 @@ class GRPOTrainer:
             **({"moe_aux_loss": per_update("moe_aux_loss")} if self.cfg.moe_aux_loss else {}),
             **({"entropy_bonus": per_update("entropy_bonus")} if self.cfg.loss.entropy_coef else {}),
             **({"dual_clip_frac": per_tok("dual_clip_frac")} if self.cfg.loss.clip_c is not None else {}),
-            **(self._critic_metrics(acc, len(norms)) if self.critic is not None else {}),
-        }
-
-    def _critic_metrics(self, acc: _Sums, updates: int) -> dict[str, float]:
-        n = acc.get("vf_tokens")
-        return {
-            "value_loss": acc.get("value_loss") / max(1, updates),
-            "vf_clip_frac": acc.get("vf_clipped") / n if n else 0.0,
-            "critic_grad_norm": acc.get("critic_grad_norm") / max(1, updates),
-            "critic_lr": self.critic.lr,
+            **(
+                {
+                    "value_loss": per_update("value_loss"),
+                    "vf_clip_frac": acc.get("vf_clipped") / max(1.0, acc.get("vf_tokens")),
+                    "critic_grad_norm": per_update("critic_grad_norm"),
+                    "critic_lr": self.critic.lr,
+                }
+                if self.critic is not None
+                else {}
+            ),
         }
 
     # -- checkpoints and weight transfer -----------------------------------------------------
