@@ -97,14 +97,15 @@ def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path, merged: bo
     state = trainer.state_dict()
     tensors = optimizer_tensors(state["optimizer"]["state"])
     tensors["rng"] = torch.get_rng_state()
+    _save_state(out, state["step"], tensors)
     if "critic" in state:
         critic = optimizer_tensors(state["critic"]["optimizer"]["state"])
         critic |= {
             f"model.{k}": v.detach().to("cpu").contiguous() for k, v in state["critic"]["model"].items()
         }
         save_file(critic, str(out / CRITIC), metadata={"format": str(FORMAT)})
+        shutil.copymode(out / TRAINER, out / CRITIC)  # safetensors writes 0600, as the optimizer's
         _fsync(out / CRITIC)
-    _save_state(out, state["step"], tensors)
 
 
 def save_external(

@@ -35,7 +35,7 @@ def test_a_gae_run_checkpoints_its_critic_and_a_resume_takes_it_back(tiny_model,
     assert len(first) == 2 and all(s["value_loss"] > 0 and s["critic_lr"] > 0 for s in first)
     assert first[0]["values_mean"] == 0.0 != first[1]["values_mean"]  # the head starts at zero, then learns
     critic = run / "checkpoints" / "step_000002" / "critic.safetensors"
-    assert critic.is_file()
+    assert critic.stat().st_mode == (critic.parent / "optimizer.safetensors").stat().st_mode  # not 0600
     if "--train.lora.rank=8" in how:  # its adapter and head alone, not the base it shares
         from safetensors import safe_open
 
