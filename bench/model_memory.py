@@ -4,6 +4,7 @@ activations a token (the slope `trainer/memory.py` is fitted to).
     .venv/bin/python bench/model_memory.py engine DIR              # RSS: the model, then with the engine
     .venv/bin/python bench/model_memory.py ring DIR                # the weights ring, fp32 and bf16
     .venv/bin/python bench/model_memory.py trainer qwen3 --bf16    # KiB a token of activations, one shape
+    .venv/bin/python bench/model_memory.py trainer llama --layers 16 --recompute  # gradient checkpointing
 
 `engine`: loads the checkpoint (fp32 by default, as the engines do) in this process and builds a
 `TailraceEngine` (8 slots, 256 positions: its KV pool is small) on it; prints the resident memory
@@ -12,7 +13,8 @@ so what a version holds on a GPU is measured here. `trainer`: a 4-layer model of
 attention (hidden 512, 8 heads of 128, 4 kv heads, MLP 1536, vocab 4,096), as `llama` or `qwen3`,
 takes two `GRPOTrainer.step`s of 64 rows of 8 + 64 tokens with micro-batches of ~1,000 tokens and,
 in a fresh process, of ~4,000; the slope of the peak resident memory between the two is the
-activations' cost a token. One thread.
+activations' cost a token, and the second step's seconds at ~4,000 are printed. `--layers N`: N layers
+instead of 4; `--recompute`: with train.gradient_checkpointing, and the same without it beside. One thread.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import random
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -89,7 +92,7 @@ def ring(path: str, slots: int) -> None:
         del weights
 
 
-def model_config(model_type: str) -> ModelConfig:
+def model_config(model_type: str, layers: int = 4) -> ModelConfig:
     """Qwen3-0.6B's attention in 4 layers, as `model_type` (Gemma 2's with its caps at Gemma-2's values;
     no window: the rows' 72 tokens would fit any real one)."""
     gemma = {
@@ -107,30 +110,39 @@ def model_config(model_type: str) -> ModelConfig:
         ),
     }.get(model_type, {})
     return ModelConfig(model_type=model_type, vocab_size=4096, hidden_size=512, intermediate_size=1536,
-                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                       num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
                        max_position_embeddings=512, tie_word_embeddings=True, **gemma)  # fmt: skip
 
 
-def peak_kib(model_type: str, bf16: bool, micro: int) -> tuple[int, int]:
-    """(micro-batch tokens, peak RSS KiB) of a second trainer step (the first allocates AdamW's moments)."""
-    cfg = model_config(model_type)
-    trainer = GRPOTrainer(
-        CausalLM.from_config(cfg, seed=0), TrainerConfig(micro_batch_tokens=micro, bf16=bf16)
-    )
+def shape(model_type: str, layers: int, path: str | None) -> ModelConfig:
+    """The shape measured: `model_config`'s, or the checkpoint's at `path` (its config alone: random weights)."""
+    return read_config(path) if path else model_config(model_type, layers)
+
+
+def peak_kib(
+    model_type: str, bf16: bool, micro: int, layers: int, recompute: bool, path: str | None = None
+) -> tuple[int, int, float]:
+    """(micro-batch tokens, peak RSS KiB, seconds) of a second trainer step (the first allocates AdamW's
+    moments)."""
+    cfg = shape(model_type, layers, path)
+    vocab = min(cfg.vocab_size, 4096)
+    tc = TrainerConfig(micro_batch_tokens=micro, bf16=bf16, gradient_checkpointing=recompute)
+    trainer = GRPOTrainer(CausalLM.from_config(cfg, seed=0), tc)
     rng = random.Random(0)
     groups = []
     for g in range(8):
         trajs = []
         for i in range(8):
-            resp = tuple(rng.randrange(1, 4096) for _ in range(64))
+            resp = tuple(rng.randrange(1, vocab) for _ in range(64))
             res = GenResult(f"{g}-{i}", resp, (-1.0,) * 64, (0,) * 64, Finish.STOP)
-            prompt = tuple(rng.randrange(1, 4096) for _ in range(8))
+            prompt = tuple(rng.randrange(1, vocab) for _ in range(8))
             trajs.append(Trajectory(group=g, sample_index=i, prompt_id=g, prompt_ids=prompt, result=res,
                                     reward=float(i % 2), correct=bool(i % 2)))  # fmt: skip
         groups.append(Group(id=g, prompt_id=g, trajectories=tuple(trajs)))
-    for _ in range(2):
-        trainer.step(groups, 0)
-    return (micro // 72) * 72, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    trainer.step(groups, 0)
+    t0 = time.perf_counter()
+    trainer.step(groups, 0)
+    return (micro // 72) * 72, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -149,6 +161,9 @@ def main() -> None:
     )
     t.add_argument("--bf16", action="store_true")
     t.add_argument("--micro", type=int, help="one micro-batch cap, in this process (the others run it)")
+    t.add_argument("--layers", type=int, default=4, help="decoder layers of the shape")
+    t.add_argument("--model", help="a checkpoint directory whose shape to measure instead (random weights)")
+    t.add_argument("--recompute", action="store_true", help="gradient checkpointing, and without it beside")
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.what == "ring":
@@ -156,19 +171,24 @@ def main() -> None:
     elif a.what == "engine":
         engine(a.path, a.dtype, a.layout)
     elif a.micro:
-        print(*peak_kib(a.model_type, a.bf16, a.micro))
+        print(*peak_kib(a.model_type, a.bf16, a.micro, a.layers, a.recompute, a.model))
     else:
-        flags = ["--bf16"] if a.bf16 else []
-        runs = [
-            subprocess.run([sys.executable, __file__, "trainer", a.model_type, *flags, f"--micro={m}"],
-                           capture_output=True, text=True, check=True).stdout.split()
-            for m in MICRO
-        ]  # fmt: skip
-        (t0, k0), (t1, k1) = ([int(x) for x in r] for r in runs)
-        est = activation_bytes_per_token(model_config(a.model_type), a.bf16, cpu=True) / 1024
-        print(f"{a.model_type} {'bf16' if a.bf16 else 'fp32'}: peaks {k0:,} and {k1:,} KiB at {t0:,} and "
-              f"{t1:,} tokens a micro-batch: {(k1 - k0) / (t1 - t0):.0f} KiB a token "
-              f"(trainer/memory.py estimates {est:.0f})")  # fmt: skip
+        for recompute in (False, True) if a.recompute else (False,):
+            flags = ["--bf16"] * a.bf16 + ["--recompute"] * recompute + [f"--layers={a.layers}"]
+            flags += [f"--model={a.model}"] if a.model else []
+            runs = [
+                subprocess.run([sys.executable, __file__, "trainer", a.model_type, *flags, f"--micro={m}"],
+                               capture_output=True, text=True, check=True).stdout.split()
+                for m in MICRO
+            ]  # fmt: skip
+            (t0, k0, _), (t1, k1, s1) = ([float(x) for x in r] for r in runs)
+            cfg = shape(a.model_type, a.layers, a.model)
+            est = activation_bytes_per_token(cfg, a.bf16, cpu=True, recompute=recompute) / 1024
+            name = a.model or f"{a.model_type} x{a.layers}"
+            print(f"{name} {'bf16' if a.bf16 else 'fp32'}"
+                  f"{', gradient checkpointing' * recompute}: peaks {k0:,.0f} and {k1:,.0f} KiB at {t0:,.0f} and "
+                  f"{t1:,.0f} tokens a micro-batch: {(k1 - k0) / (t1 - t0):.0f} KiB a token "
+                  f"(trainer/memory.py estimates {est:.0f}); the step at {t1:,.0f}: {s1:.2f} s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -258,6 +258,14 @@ class TrainerConfig:
         "the trainer's activation budget in GiB: it sets the tokens per forward (null = 30% of the "
         "memory available at start, after the optimizer state; see trainer/memory.py)",
     )
+    gradient_checkpointing: bool | None = setting(
+        None,
+        "keep each layer's input alone and run the layer again in the backward (verl's "
+        "enable_gradient_checkpointing, TRL's gradient_checkpointing): a token's activations cost about one "
+        "layer's, not all of them, for one more forward of the layers; null = on where the activation "
+        "budget (train.memory_gb) would not hold one of the run's longest rows (prompt + "
+        "rollout.max_new_tokens) without it",
+    )
     bf16: bool = setting(False, "autocast the forward to bfloat16 (CPU and CUDA); weights keep their dtype")
     temperature: float = setting(1.0, "temperature of the trained logprobs: must equal rollout.temperature")
     routing_replay: bool = setting(

@@ -8,7 +8,10 @@ join: `fused.py`; an MoE's experts one matrix each, as on disk, where transforme
 memory, and Mixtral's and Granite's on-disk names, as ours: `moe.as_ours`, `moe.to_disk`).
 
 The forward runs whole sequences with causal attention. Callers right-pad batches, so no padding mask
-is needed (a real token never attends to a later pad). Autograd and bf16 autocast work. There is no
+is needed (a real token never attends to a later pad). Autograd and bf16 autocast work; with
+`gradient_checkpointing` set, a forward under autograd keeps each layer's input alone and the backward
+runs the layer again (`recomputed`): a token's activations cost about a layer's worth, not all of them
+(`trainer/memory.py`), for one more forward of the layers. There is no
 cached path here: incremental decoding over a KV cache is the engine's (`tailrace.engine.backends`),
 and tests pin it to this forward's logits.
 """
@@ -114,6 +117,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)  # buffers only, none persistent: not part of the state_dict
         self.local_rotary = local_rotary(cfg)  # OLMo3's sliding layers' (None: they use `rotary`)
+        self.gradient_checkpointing = False  # the trainer's train.gradient_checkpointing (`recomputed`)
         self.tie_weights()
 
     @classmethod
@@ -150,7 +154,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V); positions (B, T) default arange(T) per row."""
         x = embed(self.model.embed_tokens(input_ids), self.config)  # (B, T, hidden)
-        x = run_layers(self.model.layers, x, self.rotary, self.local_rotary, input_ids.shape[1], positions)
+        x = run_layers(
+            self.model.layers, x, self.rotary, self.local_rotary, input_ids.shape[1], positions,
+            recompute=self.gradient_checkpointing and torch.is_grad_enabled(),
+        )  # fmt: skip
         return logits(self.lm_head(self.model.norm(x)), self.config)
 
 
@@ -182,9 +189,11 @@ def run_layers(
     local: Rotary | None,
     T: int,
     positions: torch.Tensor | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """x (B, T, hidden) through `layers`, each attending causally with RoPE by `rotary` (a `local` layer's
-    by `local`, where given), at positions arange(T), or `positions` (B, T)."""
+    by `local`, where given), at positions arange(T), or `positions` (B, T); `recompute`: each layer
+    `recomputed` in the backward (gradient checkpointing)."""
 
     def step(r: Rotary) -> CausalStep:
         if positions is None:
@@ -194,5 +203,32 @@ def run_layers(
     full = step(rotary)
     near = step(local) if local is not None else full
     for layer in layers:
-        x = layer(x, near if layer.local else full)
+        step_ = near if layer.local else full
+        x = recomputed(layer, x, step_) if recompute else layer(x, step_)
     return x
+
+
+def recomputed(layer: DecoderLayer, x: torch.Tensor, step: CausalStep) -> torch.Tensor:
+    """layer(x, step), autograd keeping only x (and the step's tables): the backward runs the layer again
+    to get what it needs (torch's non-reentrant checkpoint, which also restores the autocast state). A
+    mixture of experts takes the same experts in the second run as in the first (routing replay's or its
+    own: a near-tie cannot flip between the two) and counts nothing twice (`SparseMoE.kept`)."""
+    from torch.utils.checkpoint import checkpoint  # not at import: a process that never trains skips it
+
+    moe = layer.mlp if isinstance(layer.mlp, SparseMoE) else None
+    if moe is None:
+        return checkpoint(layer, x, step, use_reentrant=False)
+    kept: list[torch.Tensor] = []
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        first = not kept
+        if first:
+            moe.kept = kept
+        else:
+            moe.again = kept[0]
+        try:
+            return layer(x, step)
+        finally:
+            moe.kept = moe.again = None
+
+    return checkpoint(run, x, use_reentrant=False)

@@ -234,32 +234,48 @@ class SparseMoE(nn.Module):
         # inside `balancing`: (the rows counted, how many, the stats list)
         self.balance: tuple[torch.Tensor, int, list] | None = None
         self.flips: torch.Tensor | None = None  # rows replayed, and of them routed otherwise here (counts)
+        # gradient checkpointing (`decoder.recomputed`): a list the forward appends the experts it took to
+        # (and `balance`); or, for the backward's second run of the layer, that entry: taken again, nothing
+        # counted
+        self.kept: list[tuple[torch.Tensor, tuple | None]] | None = None
+        self.again: tuple[torch.Tensor, tuple | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        given = None if self.given is None else self.given.reshape(-1, self.k)
-        watch = given is not None or self.balance is not None
+        load, balance = self.load, self.balance
+        take = given = None if self.given is None else self.given.reshape(-1, self.k)
+        if self.again is not None:  # a recompute: the first run's experts, and its statistics' graph
+            (take, balance), given, load = self.again, None, None  # for autograd: nothing counted
+            balance = balance and (*balance[:2], [])
+        elif self.kept is not None and given is None:  # routed as the recompute will route (experts
+            # given; -1: none), so that autograd keeps the same tensors in both runs
+            take = torch.full((len(x), self.k), -1, device=x.device)
+        watch = given is not None or balance is not None or self.kept is not None
         y = mix(
-            x, self.gate(x), self.k, self.norm, self._expert, pad=_compiles_shapes(x), load=self.load,
-            given=given, record=partial(self._observe, given) if watch else None,
+            x, self.gate(x), self.k, self.norm, self._expert, pad=_compiles_shapes(x), load=load,
+            given=take, record=partial(self._observe, given, balance) if watch else None,
         )  # fmt: skip
         if hasattr(self, "shared_expert"):
             y = y + shared(x, self.shared_expert_gate, partial(_run, self.shared_expert))
         return y.reshape(shape)
 
     def _observe(
-        self, given: torch.Tensor | None, probs: torch.Tensor, own: torch.Tensor, used: torch.Tensor
-    ) -> None:
+        self, given: torch.Tensor | None, balance: tuple | None, probs: torch.Tensor, own: torch.Tensor,
+        used: torch.Tensor,
+    ) -> None:  # fmt: skip
         """Routing replay: the rows replayed, and of them those whose experts this router would not have
-        chosen. `balancing`: the router's choices and probabilities over the forward's real rows."""
+        chosen. `balancing`: the router's choices and probabilities over the forward's real rows. `kept`:
+        the experts the rows took, and the balancing statistics' context."""
+        if self.kept is not None:
+            self.kept.append((used.detach(), balance))
         if given is not None:
             set_ = given[:, 0] >= 0
             differ = (own.sort(-1).values != used.sort(-1).values).any(-1) & set_
             counts = torch.stack((set_.sum(), differ.sum()))
             self.flips = counts if self.flips is None else self.flips + counts
-        if self.balance is not None:
-            valid, n, stats = self.balance
+        if balance is not None:
+            valid, n, stats = balance
             stats.append(
                 (torch.bincount(own[valid].reshape(-1), minlength=probs.shape[-1]), probs[valid].sum(0), n)
             )

@@ -304,6 +304,7 @@ class Driver(Membership, Reports):
             # the shared base holds its adapted projections in the dtype the trainers compute in
             base=self._base if pol.train_cfg.bf16 == self._base_bf16 else None,
             relay=str(pol.run.path) if pol.train_cfg.external else None, steps=pol.cfg.flow.steps,
+            longest=pol.ses.expected_context(pol.cfg.rollout.max_new_tokens),
         )  # fmt: skip
         pol.trainer = self.workers.start(pol.worker_name, trainer_target(pol.tspec), pol.tspec, self.weights)
 

@@ -105,6 +105,7 @@ class Session:
         self._part_names: tuple[str, ...] = getattr(self.task, "part_names", ())  # task.reward's list
         self._part_sums, self._parts_n = [0.0] * len(self._part_names), 0
         self._examples: dict[int, Example] = {}
+        self._longest_prompt: int | None = None  # `expected_context`'s, once measured
 
     def close(self) -> None:
         self.guard.close()
@@ -254,9 +255,13 @@ class Session:
         a sample of its prompts (512 training, up to 512 held-out), with a quarter more for prompts the
         sample missed, plus `max_new_tokens`. A longer request still runs (the pool holds one of up to
         every slot's share); it only makes the engine queue or preempt sooner."""
-        examples = self.task.examples("train", 512, seed=self.cfg.task.seed)
-        examples += self.task.examples("test", min(self.cfg.eval.n, 512), seed=self.cfg.task.seed)
-        longest = min(self.max_prompt, max(len(self.prompt(ex).token_ids) for ex in examples))
+        if self._longest_prompt is None:  # once: the sample is tokenized through the chat template
+            examples = self.task.examples("train", 512, seed=self.cfg.task.seed)
+            examples += self.task.examples("test", min(self.cfg.eval.n, 512), seed=self.cfg.task.seed)
+            self._longest_prompt = min(
+                self.max_prompt, max(len(self.prompt(ex).token_ids) for ex in examples)
+            )
+        longest = self._longest_prompt
         return longest + longest // 4 + max_new_tokens
 
     def score(self, prompts: list[Prompt], results: list[GenResult]) -> list[Scored]:

@@ -46,6 +46,7 @@ class TrainerSpec:
     base: SharedBase | None = None  # a LoRA run's frozen base, one copy in shared memory for every trainer
     relay: str | None = None  # train.external: the run directory your trainer finds the relay by
     steps: int = 0  # the policy's flow.steps (the relay tells your trainer whether the run finished)
+    longest: int = 0  # tokens of the run's longest training row (train.gradient_checkpointing=null)
 
 
 def trainer_target(spec: TrainerSpec):
@@ -75,7 +76,9 @@ def build_trainer(spec: TrainerSpec) -> GRPOTrainer:
     # with its adapter off, or swapped for the adapter it started from; no copy)
     if spec.cfg.loss.kl_coef > 0 and not lora_run:
         ref = load_pretrained(spec.model_path, dtype=torch.float32, device=spec.device).requires_grad_(False)
-    trainer = GRPOTrainer(model, spec.cfg, ref_model=ref, trainers=spec.trainers, total_steps=spec.steps)
+    trainer = GRPOTrainer(
+        model, spec.cfg, ref_model=ref, trainers=spec.trainers, total_steps=spec.steps, longest=spec.longest
+    )
     if init is not None and spec.cfg.loss.kl_coef > 0:
         lora.set_reference(trainer.model, init)
     if spec.resume_from and lora_run:

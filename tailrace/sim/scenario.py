@@ -93,6 +93,11 @@ class ClusterSpec:
         "PPO's critic (train.advantage=gae): the trainer also runs a value model of the policy's size, "
         "a forward before the updates and a forward and backward each pass",
     )
+    gradient_checkpointing: bool = setting(
+        False,
+        "the trainer keeps each layer's input alone and runs its forward again in the backward "
+        "(train.gradient_checkpointing): a third more compute a pass",
+    )
     kv_memory: bool = setting(
         True,
         "engines hold a KV cache of the memory their weights leave (admission waits, growing contexts "
@@ -285,6 +290,7 @@ def cost_model(scn: Scenario) -> CostModel:
     return CostModel(
         hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s, c.micro_batch_tokens,
         c.engines, c.weight_broadcast, c.lora_rank, c.train_updates, c.train_epochs, c.critic,
+        c.gradient_checkpointing,
     )  # fmt: skip
 
 
@@ -417,11 +423,16 @@ def calibration(name: str = "cpu") -> dict:
 def _recorded_micro_batch(run_dir: Path) -> int:
     """The micro-batch tokens the run's trainer sized from its memory budget (its step records say), or
     8,192 (the fixed size of runs from before budgets)."""
+    return int(_recorded(run_dir, "micro_batch_tokens") or 8192)
+
+
+def _recorded(run_dir: Path, key: str) -> float:
+    """What the run's first step record with `key` says of it (its trainer's figures), or 0."""
     path = run_dir / "metrics.jsonl"
     for r in read_metrics(path) if path.is_file() else ():
-        if isinstance(r, StepRecord) and r.train.get("micro_batch_tokens"):
-            return int(r.train["micro_batch_tokens"])
-    return 8192
+        if isinstance(r, StepRecord) and r.train.get(key):
+            return float(r.train[key])
+    return 0.0
 
 
 def rolled_out_on(run_dir: str | Path) -> str:
@@ -478,6 +489,7 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
         train_updates=cfg.train.mini_batches * cfg.train.epochs,
         train_epochs=cfg.train.epochs,
         critic=cfg.train.advantage == "gae",
+        gradient_checkpointing=bool(_recorded(run_dir, "gradient_checkpointing")),
         checkpoint_s=ckpt,
         micro_batch_tokens=cfg.train.micro_batch_tokens or _recorded_micro_batch(run_dir),
         slots=r.slots,

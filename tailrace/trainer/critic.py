@@ -65,10 +65,14 @@ class ValueModel(nn.Module):
         self.score = nn.Linear(cfg.hidden_size, 1, device=first.device, dtype=dtype)
         nn.init.zeros_(self.score.weight)
         nn.init.zeros_(self.score.bias)
+        self.gradient_checkpointing = False  # as the policy's (train.gradient_checkpointing)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = embed(self.model.embed_tokens(input_ids), self.config)
-        x = run_layers(self.model.layers, x, self.rotary, self.local_rotary, input_ids.shape[1])
+        x = run_layers(
+            self.model.layers, x, self.rotary, self.local_rotary, input_ids.shape[1],
+            recompute=self.gradient_checkpointing and torch.is_grad_enabled(),
+        )  # fmt: skip
         return self.score(self.model.norm(x)).squeeze(-1).float()
 
 

@@ -101,10 +101,12 @@ class GRPOTrainer:
         ref_model: nn.Module | None = None,
         trainers: int = 1,
         total_steps: int = 0,
+        longest: int = 0,
     ):
         """`trainers`: trainers sharing this device's memory (a run of several policies on one machine),
         each sizing its micro-batches from its share; `total_steps`: the policy's flow.steps, where a
-        decaying learning rate (train.lr_schedule) ends."""
+        decaying learning rate (train.lr_schedule) ends; `longest`: the tokens of the run's longest row
+        (prompt and response), which train.gradient_checkpointing=null sizes by."""
         if cfg.loss.kl_coef > 0 and ref_model is None and not cfg.lora.rank:
             raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef} needs a ref_model; pass one or set kl_coef=0")
         self.cfg = cfg
@@ -143,7 +145,13 @@ class GRPOTrainer:
             cfg.memory_gb,
             cfg.micro_batch_tokens,
             cpu=self.device.type == "cpu",
+            recompute=cfg.gradient_checkpointing,
+            longest=longest,
         )
+        if self.micro.recompute:  # the policy's layers, and the critic's, recomputed in the backward
+            model.gradient_checkpointing = True
+            if self.critic is not None:
+                self.critic.model.gradient_checkpointing = True
         self.steps = 0
         if cfg.moe_aux_loss and not getattr(getattr(model, "config", None), "moe", False):
             raise ConfigError(
@@ -441,6 +449,7 @@ class GRPOTrainer:
             **({} if self.critic else {"adv_mean": float(torch.cat([b.seq_adv for b in batches]).mean())}),
             "micro_batches": n_micro,
             "micro_batch_tokens": self.micro.tokens,
+            "gradient_checkpointing": int(self.micro.recompute is not None),
             "updates": len(norms),  # optimizer updates taken: train.mini_batches x train.epochs, less the
             # mini-batches without reward signal
             "skipped": int(not norms),  # 1: no group had a reward signal, so no forward/backward ran

@@ -40,6 +40,17 @@ Llama's 285 in the same runs (2026-12-06, `bench/model_memory.py trainer`, Xeon 
 Gemma 2 caps its attention scores (tanh), which SDPA cannot, so it attends eagerly at every length, in
 fp32 and bf16: its budget pays for sequences of up to `SOFTCAP_T` tokens (or its context, if shorter);
 a micro-batch of longer rows keeps more than it pays for (not measured).
+
+Gradient checkpointing (train.gradient_checkpointing, `decoder.recomputed`) keeps each layer's input
+(hidden fp32 elements) and, in the backward, one layer's activations at a time. Measured (fp32, `bench/
+model_memory.py trainer llama --layers N --recompute`, Llama layers of the shape above, 2026-12-07, Xeon
+VM): 139, 187 and 281 KiB a token at 4, 8 and 16 layers against 266, 518 and 948 without: 11.8 KiB a
+layer, 23.6 bytes a hidden element, where the inputs are 4. The rest is glibc's: run with a fixed mmap
+threshold (MALLOC_MMAP_THRESHOLD_=262144) the 16-layer model measured 62 KiB a token (779 without), the
+tensors alive; by default a freed buffer of a layer's recompute stays in the heap, which the resident
+peak counts. So a layer costs `_RESIDUAL_BYTES` (24) a hidden element, plus one layer's activations and
+the logits' (157, 217 and 337 KiB a token at 4, 8 and 16 layers, with `MARGIN`). bf16 (16 layers only):
+310 KiB a token against 851 without; at 28 bytes the estimate is 363.
 """
 
 from __future__ import annotations
@@ -57,29 +68,41 @@ _LAYER_BYTES = {False: 5.6, True: 3.8}  # by train.bf16 (autocast keeps bf16 cop
 _VOCAB_BYTES = {False: 1.2, True: 0.5}
 _QK_NORM_BYTES = {False: 8, True: 3}  # measured 7.6 and 2.6 (the module's docstring)
 _GEMMA_NORM_BYTES = 24  # a hidden element a layer, fp32 or bf16 (the module's docstring)
+_RESIDUAL_BYTES = {False: 24, True: 28}  # a hidden element a layer, gradient checkpointing (docstring)
 GIB = 1 << 30
 SOFTCAP_T = 4096  # the longest sequence a softcapped model's (Gemma 2's) budget pays eager attention for
 
 
-def activation_bytes_per_token(cfg: ModelConfig, bf16: bool, cpu: bool = False) -> int:
+def activation_bytes_per_token(
+    cfg: ModelConfig, bf16: bool, cpu: bool = False, recompute: bool = False
+) -> int:
     """What one more token in a micro-batch adds to the step's peak memory (with `MARGIN`); `cpu`: the
-    step runs on CPU (where bf16 attends eagerly)."""
+    step runs on CPU (where bf16 attends eagerly); `recompute`: gradient checkpointing, each layer's
+    input kept (`_RESIDUAL_BYTES` a hidden element) and one layer's activations at a time, rebuilt in
+    the backward."""
+    L = cfg.num_hidden_layers
+    layers = (
+        L * cfg.hidden_size * _RESIDUAL_BYTES[bf16] + max(_layer_bytes(cfg, i, bf16, cpu) for i in range(L))
+        if recompute
+        else sum(_layer_bytes(cfg, i, bf16, cpu) for i in range(L))
+    )
+    return int(MARGIN * (layers + cfg.vocab_size * _VOCAB_BYTES[bf16]))
+
+
+def _layer_bytes(cfg: ModelConfig, layer: int, bf16: bool, cpu: bool) -> float:
+    """What layer `layer` keeps a token, unscaled (`activation_bytes_per_token`)."""
     kv = cfg.num_key_value_heads * cfg.head_dim  # ModelConfig fills both when a checkpoint omits them
     q = cfg.num_attention_heads * cfg.head_dim  # the hidden size, but for Qwen3-style wide heads
-    per_layer = 6 * cfg.hidden_size + 2 * q + 4 * kv
-    mlps = sum(mlp_elements(cfg, i) for i in range(cfg.num_hidden_layers))
-    raw = (cfg.num_hidden_layers * per_layer + mlps) * _LAYER_BYTES[bf16] + cfg.vocab_size * _VOCAB_BYTES[
-        bf16
-    ]
+    raw = (6 * cfg.hidden_size + 2 * q + 4 * kv + mlp_elements(cfg, layer)) * _LAYER_BYTES[bf16]
     if cfg.qk_norm or cfg.qk_norm_wide:  # Qwen3's per-head q/k norms; OLMo2's over all heads keep as much
-        raw += cfg.num_hidden_layers * (q + kv) * _QK_NORM_BYTES[bf16]
+        raw += (q + kv) * _QK_NORM_BYTES[bf16]
     if cfg.gemma:  # four norms a layer, each scaling in fp32 whatever the dtype (the module docstring)
-        raw += cfg.num_hidden_layers * cfg.hidden_size * _GEMMA_NORM_BYTES
+        raw += cfg.hidden_size * _GEMMA_NORM_BYTES
     if cfg.attn_logit_softcapping is not None:  # Gemma 2's: SDPA cannot cap, every length attends eagerly
-        raw += eager_attention_bytes(cfg, min(cfg.context_limit, SOFTCAP_T))
+        raw += eager_attention_bytes(cfg, min(cfg.context_limit, SOFTCAP_T)) / cfg.num_hidden_layers
     elif bf16 and cpu:
-        raw += eager_attention_bytes(cfg)
-    return int(MARGIN * raw)
+        raw += eager_attention_bytes(cfg) / cfg.num_hidden_layers
+    return raw
 
 
 def mlp_elements(cfg: ModelConfig, layer: int) -> int:
@@ -110,16 +133,18 @@ class MicroBatch:
     budget: int | None  # bytes; None when train.micro_batch_tokens was given
     source: str  # where the size came from, for the start-up line
     short: str | None = None  # the optimizer state alone outgrows the memory available: a warning
+    recompute: str | None = None  # gradient checkpointing is on: why (the start-up line); None: off
 
     def describe(self) -> str:
         est = f"~{self.per_token / (1 << 20):.2f} MiB of activations a token"
+        ckpt = f"; gradient checkpointing ({self.recompute})" if self.recompute else ""
         if not self.per_token:
-            return f"micro-batches of up to {self.tokens:,} tokens ({self.source})"
+            return f"micro-batches of up to {self.tokens:,} tokens ({self.source}){ckpt}"
         if self.budget is None:
-            return f"micro-batches of up to {self.tokens:,} tokens ({self.source}; {est})"
+            return f"micro-batches of up to {self.tokens:,} tokens ({self.source}; {est}){ckpt}"
         return (
             f"micro-batches of up to {self.tokens:,} tokens: {self.budget / GIB:.2f} GiB of activations "
-            f"({self.source}) at {est}"
+            f"({self.source}) at {est}{ckpt}"
         )
 
 
@@ -140,16 +165,21 @@ def size_micro_batch(
     memory_gb: float | None = None,
     tokens: int | None = None,
     cpu: bool = False,
+    recompute: bool | None = False,
+    longest: int = 0,
 ) -> MicroBatch:
     """The micro-batch size: `tokens` when given (train.micro_batch_tokens), else what the budget
-    (`memory_gb` GiB, or `ACTIVATION_FRACTION` of `available` bytes less 12 bytes a parameter) pays for."""
+    (`memory_gb` GiB, or `ACTIVATION_FRACTION` of `available` bytes less 12 bytes a parameter) pays for.
+    `recompute`: gradient checkpointing (train.gradient_checkpointing); None: on where the budget would
+    not pay for one row of `longest` tokens (the run's longest: prompt and response) without it."""
+    why = "train.gradient_checkpointing" if recompute else None
     if not isinstance(cfg, ModelConfig):  # not a tailrace CausalLM (a test's toy): nothing to size by
-        return MicroBatch(
-            tokens or UNSIZED_TOKENS, 0, None, "train.micro_batch_tokens" if tokens else "fixed"
-        )
-    per_token = activation_bytes_per_token(cfg, bf16, cpu)
+        source = "train.micro_batch_tokens" if tokens else "fixed"
+        return MicroBatch(tokens or UNSIZED_TOKENS, 0, None, source, recompute=why)
+    per_token = activation_bytes_per_token(cfg, bf16, cpu, bool(recompute))
     if tokens is not None:
-        return MicroBatch(tokens, per_token, None, "train.micro_batch_tokens")
+        return MicroBatch(tokens, per_token, None, "train.micro_batch_tokens", recompute=why)
+    short = None
     if memory_gb is not None:
         budget, source = int(memory_gb * GIB), "train.memory_gb"
     else:
@@ -162,5 +192,8 @@ def size_micro_batch(
                 f"{available / GIB:.1f} GiB are available: it will likely be killed for memory at its "
                 "first step; train a LoRA adapter (--train.lora.rank=8) or free memory"
             )
-            return MicroBatch(MIN_TOKENS, per_token, budget, source, short)
-    return MicroBatch(min(MAX_TOKENS, max(MIN_TOKENS, budget // per_token)), per_token, budget, source)
+    if recompute is None and budget < longest * per_token:  # one longest row would outgrow the budget
+        why = f"the budget holds {budget // per_token:,} tokens without it, a row may hold {longest:,}"
+        per_token = activation_bytes_per_token(cfg, bf16, cpu, recompute=True)
+    tokens = MIN_TOKENS if short else min(MAX_TOKENS, max(MIN_TOKENS, budget // per_token))
+    return MicroBatch(tokens, per_token, budget, source, short, why)

@@ -1,5 +1,6 @@
 """The cost model against roofline numbers computed by hand from datasheets and config.json shapes."""
 
+import dataclasses
 import math
 
 import pytest
@@ -91,6 +92,9 @@ def test_train_time_is_6N_plus_attention_at_the_stated_mfu():
         H100, Q7, trainer_gpus=8, recompute_logprobs=True, train_updates=6, train_epochs=3, critic=True
     )
     assert gae.train_time([1000]) == pytest.approx(flops * 40 / 6 / (8 * 989e12 * 0.35) + 12.0, rel=1e-12)
+    # gradient checkpointing: each pass's forward again, the policy's and the critic's (2 each, x 3 passes)
+    ckpt = dataclasses.replace(gae, gradient_checkpointing=True)
+    assert ckpt.train_flops([1000]) == pytest.approx(flops * 52 / 6, rel=1e-12)
     with pytest.raises(ValueError, match="train_epochs"):
         CostModel(H100, Q7, train_updates=2, train_epochs=3)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tailrace.config import TrainerConfig
 from tailrace.model import CausalLM
@@ -135,3 +136,87 @@ def test_a_mixture_of_experts_counts_each_tokens_experts_and_covers_the_measured
     assert 233 * KIB < activation_bytes_per_token(sparse, True, cpu=True) < 2 * 233 * KIB
     half = ModelConfig(**shape, **moe, mlp_only_layers=(0, 1))
     assert activation_bytes_per_token(half, False) == pytest.approx(dense + 1.25 * extra / 2 * 5.6, abs=2)
+
+
+def test_gradient_checkpointing_keeps_each_layers_input_and_one_layers_activations():
+    # 30 layers x 576 x 24 B (the inputs, and what glibc keeps) + one layer's 11,520 elements x 5.6 B +
+    # 49,152 x 1.2 B, x 1.25; measured on 4, 8, 16 layers of another shape (trainer/memory.py's docstring)
+    assert activation_bytes_per_token(SMOLLM2, False, recompute=True) == int(
+        1.25 * (30 * 576 * 24 + 11_520 * 5.6 + 49_152 * 1.2)
+    )
+    assert (
+        activation_bytes_per_token(SMOLLM2, False, recompute=True)
+        < activation_bytes_per_token(SMOLLM2, False) / 3.5
+    )
+    # bench/model_memory.py's Llama shape at 4, 8 and 16 layers: measured 139, 187, 281 KiB a token
+    for layers, measured in ((4, 139), (8, 187), (16, 281)):
+        cfg = ModelConfig(
+            vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True,
+        )  # fmt: skip
+        assert measured * KIB < activation_bytes_per_token(cfg, False, recompute=True) < 1.3 * measured * KIB
+    # bf16 on CPU (eager attention), 16 layers: measured 310
+    assert 310 * KIB < activation_bytes_per_token(cfg, True, cpu=True, recompute=True) < 1.3 * 310 * KIB
+
+
+def test_null_turns_gradient_checkpointing_on_where_one_longest_row_outgrows_the_budget():
+    plain = activation_bytes_per_token(SMOLLM2, bf16=False)
+    budget_gb = 1000 * plain / GIB  # pays for 1,000 tokens without it
+    off = size_micro_batch(
+        SMOLLM2, False, 135_000_000, available=0, memory_gb=budget_gb, recompute=None, longest=900
+    )
+    assert off.recompute is None and off.tokens == 1000 and "gradient checkpointing" not in off.describe()
+    on = size_micro_batch(
+        SMOLLM2, False, 135_000_000, available=0, memory_gb=budget_gb, recompute=None, longest=3000
+    )
+    assert on.per_token == activation_bytes_per_token(SMOLLM2, False, recompute=True)
+    assert on.tokens == int(budget_gb * GIB) // on.per_token > 3000  # 3,705: a longest row fits
+    assert on.recompute == "the budget holds 1,000 tokens without it, a row may hold 3,000"
+    assert "; gradient checkpointing (the budget holds 1,000 tokens" in on.describe()
+    # false: off whatever the rows; true: on whatever the budget, and with micro_batch_tokens given
+    forced_off = size_micro_batch(
+        SMOLLM2, False, 1, available=0, memory_gb=budget_gb, recompute=False, longest=4096
+    )
+    assert forced_off.recompute is None and forced_off.tokens == 1000
+    forced = size_micro_batch(SMOLLM2, False, 1, available=0, tokens=512, recompute=True)
+    assert forced.recompute == "train.gradient_checkpointing" and forced.tokens == 512
+    assert (
+        size_micro_batch(SMOLLM2, False, 1, available=0, tokens=512, recompute=None, longest=10**6).recompute
+        is None
+    )
+
+
+@pytest.mark.parametrize("advantage", [None, "gae"])
+def test_a_step_with_gradient_checkpointing_moves_the_weights_as_one_without(advantage):
+    """The trainer's step (and its critic's, under gae) with train.gradient_checkpointing gives the same
+    weights and metrics, bit for bit, as the step without; the start-up line says it is on."""
+    from tests.trainer.test_grpo import make_groups
+
+    cfg = ModelConfig(
+        model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=0, tie_word_embeddings=True,
+    )  # fmt: skip
+    trainers = [
+        GRPOTrainer(
+            CausalLM.from_config(cfg, seed=0),
+            TrainerConfig(
+                micro_batch_tokens=64, advantage=advantage, gradient_checkpointing=on, mini_batches=2
+            ),
+        )
+        for on in (False, True)
+    ]
+    assert [t.model.gradient_checkpointing for t in trainers] == [False, True]
+    assert "gradient checkpointing (train.gradient_checkpointing)" in trainers[1].micro.describe()
+    if advantage:
+        assert trainers[1].critic.model.gradient_checkpointing
+    groups = make_groups(trainers[0].model, n_groups=4)
+    got = [t.step(groups, 0) for t in trainers]
+    assert got[0]["micro_batches"] > 2
+    for k in ("loss", "grad_norm", "value_loss"):
+        assert got[0].get(k) == got[1].get(k)
+    a, b = (dict(t.model.named_parameters()) for t in trainers)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    if advantage:
+        a, b = (dict(t.critic.model.named_parameters()) for t in trainers)
+        assert all(torch.equal(a[k], b[k]) for k in a)
