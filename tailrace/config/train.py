@@ -37,6 +37,18 @@ class LossConfig:
         "k2 = (logp - ref)^2 / 2 (verl's mse: on the policy's samples its gradient is the reverse KL's), "
         "k1 = logp - ref (verl's kl)",
     )
+    ref_sync_steps: int = setting(
+        0,
+        "every this many steps the KL penalty's reference moves to the policy: ref = alpha x policy + "
+        "(1 - alpha) x ref, alpha train.loss.ref_sync_alpha (TRL's sync_ref_model with ref_model_sync_steps; "
+        "alpha 1: ProRL's reference reset); 0 = the reference stays the policy the run started from",
+    )
+    ref_sync_alpha: float = setting(
+        1.0,
+        "train.loss.ref_sync_steps' mixup weight of the policy (TRL's ref_model_mixup_alpha, its default 0.6); "
+        "1 = the reference becomes the policy (the only one a LoRA run takes: two adapters mixed are no "
+        "adapter of their rank)",
+    )
     entropy_coef: float = setting(
         0.0,
         "weight of an entropy bonus: the entropy of the policy at each trained token, aggregated as the loss, "
@@ -83,6 +95,19 @@ class LossConfig:
             f"train.loss.max_new_tokens={self.max_new_tokens}: must be positive",
         )
         need(self.kl_coef >= 0, f"train.loss.kl_coef={self.kl_coef}: must be >= 0 (0 = no KL penalty)")
+        need(
+            self.ref_sync_steps >= 0,
+            f"train.loss.ref_sync_steps={self.ref_sync_steps}: must be >= 0 (0 = a fixed reference), e.g. 100",
+        )
+        need(
+            not self.ref_sync_steps or self.kl_coef > 0,
+            f"train.loss.ref_sync_steps={self.ref_sync_steps} with train.loss.kl_coef=0: the reference is the "
+            "KL penalty's alone; set train.loss.kl_coef (e.g. 0.01) or drop train.loss.ref_sync_steps",
+        )
+        need(
+            0.0 < self.ref_sync_alpha <= 1.0,
+            f"train.loss.ref_sync_alpha={self.ref_sync_alpha}: must lie in (0, 1], e.g. 0.6 (1: a reset)",
+        )
         need(
             self.entropy_coef >= 0,
             f"train.loss.entropy_coef={self.entropy_coef}: must be >= 0 (0 = no entropy bonus), e.g. 0.001",
@@ -376,6 +401,12 @@ class TrainerConfig:
         need(self.pad_id >= 0, f"train.pad_id={self.pad_id}: must be a token id (>= 0)")
         need(
             self.world_size >= 1, f"train.world_size={self.world_size}: must be at least 1 (1 = one process)"
+        )
+        need(
+            not (self.lora.rank and self.loss.ref_sync_steps and self.loss.ref_sync_alpha < 1),
+            f"train.loss.ref_sync_alpha={self.loss.ref_sync_alpha} with train.lora: a LoRA run's reference "
+            "is an adapter, and a mix of two adapters is none of their rank; set train.loss.ref_sync_alpha=1 "
+            "(the reference becomes the policy) or train a full model",
         )
         default = vars(CriticConfig())
         changed = [f"train.critic.{k}" for k, v in vars(self.critic).items() if v != default[k]]

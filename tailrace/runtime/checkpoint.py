@@ -9,6 +9,9 @@
     optimizer.safetensors  AdamW's state (`state.<parameter index>.<name>`) and the RNG state (`rng`)
     critic.safetensors     PPO's critic (train.advantage=gae): its weights (`model.<name>`) and AdamW's
                            state (`state.<parameter index>.<name>`)
+    reference.safetensors  the KL reference, once train.loss.ref_sync_steps has moved it from the
+                           run's start: its parameters by name, or a LoRA run's reference adapter
+                           (`<projection>.ref_A`, `.ref_B`)
     trainer.json           the trainer's step count
     scheduler.json         the scheduler, store and ledger as of step N, and its journal position
     config.yaml            the config the run was under (a resume refuses a changed one)
@@ -44,6 +47,7 @@ FORMAT = 1
 MANIFEST = "checkpoint.json"
 OPTIMIZER = "optimizer.safetensors"
 CRITIC = "critic.safetensors"
+REFERENCE = "reference.safetensors"
 TRAINER = "trainer.json"
 SCHEDULER = "scheduler.json"
 CONFIG = "config.yaml"
@@ -103,9 +107,17 @@ def save_trainer(trainer: GRPOTrainer, source_model: Path, out: Path, merged: bo
         critic |= {
             f"model.{k}": v.detach().to("cpu").contiguous() for k, v in state["critic"]["model"].items()
         }
-        save_file(critic, str(out / CRITIC), metadata={"format": str(FORMAT)})
-        shutil.copymode(out / TRAINER, out / CRITIC)  # safetensors writes 0600, as the optimizer's
-        _fsync(out / CRITIC)
+        _save_tensors(out / CRITIC, critic)
+    reference = trainer.reference_state()
+    if reference is not None:
+        _save_tensors(out / REFERENCE, {k: t.detach().to("cpu").contiguous() for k, t in reference.items()})
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], **metadata: str) -> None:
+    """A safetensors file beside trainer.json, with its mode (safetensors writes 0600), synced."""
+    save_file(tensors, str(path), metadata={"format": str(FORMAT), **metadata})
+    shutil.copymode(path.parent / TRAINER, path)
+    _fsync(path)
 
 
 def save_external(
@@ -183,6 +195,9 @@ def load_trainer(trainer: GRPOTrainer, ckpt: Path) -> None:
         if trainer.critic is not None and (ckpt / CRITIC).is_file():  # else it starts afresh, as a new run's
             whole["critic"] = _critic_state(trainer, ckpt)
         trainer.load_state_dict(whole)
+        if (ckpt / REFERENCE).is_file():  # else the reference is the run's start, as built
+            with safe_open(str(ckpt / REFERENCE), framework="pt") as fh:
+                trainer.load_reference({k: fh.get_tensor(k) for k in fh.keys()})
         torch.set_rng_state(tensors["rng"])
     except Exception as e:  # a bad key, a shape, a missing file
         raise _damaged(ckpt, e) from None
@@ -205,9 +220,7 @@ def _fresh(out: Path) -> None:
 
 def _save_state(out: Path, steps: int, tensors: dict[str, torch.Tensor], **metadata: str) -> None:
     _write(out / TRAINER, json.dumps({"step": steps}) + "\n")
-    save_file(tensors, str(out / OPTIMIZER), metadata={"format": str(FORMAT), **metadata})
-    shutil.copymode(out / TRAINER, out / OPTIMIZER)  # safetensors writes 0600
-    _fsync(out / OPTIMIZER)
+    _save_tensors(out / OPTIMIZER, tensors, **metadata)
 
 
 def _damaged(ckpt: Path, e: Exception) -> CheckpointError:

@@ -121,7 +121,14 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
             if trainer.critic is not None
             else ""
         )
-        print(f"trainer: {trainer.micro.describe()}{dp}{base}{ppo}{critic}", flush=True)
+        lc = c.loss
+        ref = (
+            f"; the KL reference moves to the policy every {lc.ref_sync_steps} steps"
+            + (f" (weight {lc.ref_sync_alpha:g})" if lc.ref_sync_alpha < 1 else "")
+            if lc.ref_sync_steps
+            else ""
+        )
+        print(f"trainer: {trainer.micro.describe()}{dp}{base}{ppo}{critic}{ref}", flush=True)
         if trainer.micro.short:
             print(f"warning: {trainer.micro.short}", flush=True)
         if spec.publish_start:

@@ -179,7 +179,7 @@ class GRPOTrainer:
         batches = [self.make_batch(part, trainer_version) for part in parts]
         live = [b for b, s in zip(batches, signal) if s]
         if not live:
-            self.steps += 1
+            self._advance()
             return self._metrics(_Sums(), batches, 0, [], time.perf_counter() - t0)
         self.model.eval()
         shards, positions = [self._shard(b) for b in live], [int(b.lengths.sum()) for b in live]
@@ -202,7 +202,7 @@ class GRPOTrainer:
                 n, norm = self._update(shard, n_pos, acc, len(norms), len(shards) * self.cfg.epochs)
                 n_micro += n
                 norms.append(norm)
-        self.steps += 1
+        self._advance()
         metrics = self._metrics(acc, batches, n_micro, norms, time.perf_counter() - t0, self.cfg.epochs)
         return {**metrics, **chosen}
 
@@ -252,6 +252,51 @@ class GRPOTrainer:
                 acc.add(k, torch.tensor(v, dtype=torch.float64))
         acc.merge(sums)
         return n_micro, grad_norm
+
+    def _advance(self) -> None:
+        """A step taken; every train.loss.ref_sync_steps of them the KL reference moves to the policy."""
+        self.steps += 1
+        n = self.cfg.loss.ref_sync_steps
+        if n and self.steps % n == 0:
+            self.sync_reference()
+
+    @torch.no_grad()
+    def sync_reference(self) -> None:
+        """ref = alpha x policy + (1 - alpha) x ref (train.loss.ref_sync_alpha); a LoRA run's reference
+        adapter becomes the policy's adapter (alpha 1, which its config requires)."""
+        if self.ref_model is None:
+            lora.set_reference(self.model, lora.adapter_of(self.model))
+            return
+        ours = dict(self.model.named_parameters())
+        for name, r in self.ref_model.named_parameters():
+            r.lerp_(ours[name].to(r.dtype), self.cfg.loss.ref_sync_alpha)
+
+    def reference_state(self) -> dict[str, torch.Tensor] | None:
+        """The KL reference's weights once a sync has moved them from the run's start (None before: the
+        start's are the reference), for a checkpoint: the reference model's parameters, or a LoRA run's
+        reference adapter (each adapted projection's `ref_A`, `ref_B`)."""
+        n = self.cfg.loss.ref_sync_steps
+        if not n or self.steps < n:
+            return None
+        if self.ref_model is not None:
+            return {k: p.detach() for k, p in self.ref_model.named_parameters()}
+        return {k: b for k, b in self.model.named_buffers() if k.endswith((".ref_A", ".ref_B"))}
+
+    @torch.no_grad()
+    def load_reference(self, state: dict[str, torch.Tensor]) -> None:
+        """`reference_state`'s weights back into the reference (a resumed run's)."""
+        if self.ref_model is not None:
+            params = dict(self.ref_model.named_parameters())
+            if params.keys() != state.keys():
+                raise ValueError(f"the reference's {len(state)} tensors are not the model's {len(params)}")
+            for k, t in state.items():
+                params[k].copy_(t)
+            return
+        for k, t in state.items():
+            module, name = self.model.get_submodule(k.rsplit(".", 1)[0]), k.rsplit(".", 1)[1]
+            if not isinstance(module, lora.LoRALinear):
+                raise ValueError(f"{k}: no adapted projection of the model holds it")
+            setattr(module, name, t.to(device=module.lora_A.weight.device, dtype=module.lora_A.weight.dtype))
 
     @torch.no_grad()
     def _proximal(self, shard: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
