@@ -53,6 +53,7 @@ class CostModel:
     train_epochs: int = 1
     critic: bool = False  # PPO's critic (train.advantage=gae): a second model of the policy's size trained
     gradient_checkpointing: bool = False  # each pass's forward runs again in its backward (the critic's too)
+    reference: bool = False  # a KL penalty (train.loss.kl_coef > 0): the reference's forward each pass
 
     def __post_init__(self) -> None:
         if self.engine_gpus < 1 or self.trainer_gpus < 1 or self.engines < 1:
@@ -177,12 +178,13 @@ class CostModel:
         # forward 2, backward 4 FLOPs a parameter and token (a LoRA run's frozen base: 2, the input's
         # gradient alone) each pass over the batch, and the old policy's forward when it is recomputed;
         # a critic: its values' forward, and its own forward and backward each pass; gradient
-        # checkpointing: each pass's forward once more, in the backward
+        # checkpointing: each pass's forward once more, in the backward; a KL penalty: the reference's
+        # forward each pass
         again = 2.0 if self.gradient_checkpointing else 0.0
         mult = (4.0 if self.lora_rank else 6.0) * self.train_epochs + (
             2.0 if self.recompute_logprobs else 0.0
         )
-        mult += again * self.train_epochs
+        mult += (again + (2.0 if self.reference else 0.0)) * self.train_epochs
         mult += (2.0 + (6.0 + again) * self.train_epochs) if self.critic else 0.0
         rows = self.padded(lengths) if self.micro_batch_tokens else lengths
         attn = m.attn_flops_per_context_token * sum(n * n / 2 for n in rows)

@@ -98,6 +98,10 @@ class ClusterSpec:
         "the trainer keeps each layer's input alone and runs its forward again in the backward "
         "(train.gradient_checkpointing): a third more compute a pass",
     )
+    reference: bool = setting(
+        False,
+        "a KL penalty (train.loss.kl_coef > 0): the trainer runs the reference's forward each pass",
+    )
     kv_memory: bool = setting(
         True,
         "engines hold a KV cache of the memory their weights leave (admission waits, growing contexts "
@@ -290,7 +294,7 @@ def cost_model(scn: Scenario) -> CostModel:
     return CostModel(
         hw, shape, c.engine_gpus, c.trainer_gpus, c.recompute_logprobs, c.checkpoint_s, c.micro_batch_tokens,
         c.engines, c.weight_broadcast, c.lora_rank, c.train_updates, c.train_epochs, c.critic,
-        c.gradient_checkpointing,
+        c.gradient_checkpointing, c.reference,
     )  # fmt: skip
 
 
@@ -490,6 +494,7 @@ def scenario_from_run(run_dir: str | Path) -> Scenario:
         train_epochs=cfg.train.epochs,
         critic=cfg.train.advantage == "gae",
         gradient_checkpointing=bool(_recorded(run_dir, "gradient_checkpointing")),
+        reference=cfg.train.loss.kl_coef > 0,
         checkpoint_s=ckpt,
         micro_batch_tokens=cfg.train.micro_batch_tokens or _recorded_micro_batch(run_dir),
         slots=r.slots,

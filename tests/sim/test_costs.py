@@ -95,6 +95,9 @@ def test_train_time_is_6N_plus_attention_at_the_stated_mfu():
     # gradient checkpointing: each pass's forward again, the policy's and the critic's (2 each, x 3 passes)
     ckpt = dataclasses.replace(gae, gradient_checkpointing=True)
     assert ckpt.train_flops([1000]) == pytest.approx(flops * 52 / 6, rel=1e-12)
+    # a KL penalty: the reference's forward each pass (2 x 3)
+    kl = dataclasses.replace(gae, reference=True)
+    assert kl.train_flops([1000]) == pytest.approx(flops * 46 / 6, rel=1e-12)
     with pytest.raises(ValueError, match="train_epochs"):
         CostModel(H100, Q7, train_updates=2, train_epochs=3)
 
