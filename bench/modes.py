@@ -113,6 +113,9 @@ MODES = [
     ("sync", {"train.advantage": "gae"}),
     ("multiversion", {"flow.max_staleness": 1, "train.advantage": "gae"}),
     ("multiversion", {"flow.max_staleness": 1, "train.loss.clip_c": 3}),
+    # the critic trained alone for the first 10 steps (verl's critic_warmup): --modes
+    # multiversion-K1+gae,multiversion-K1+gae+cw10
+    ("multiversion", {"flow.max_staleness": 1, "train.advantage": "gae", "train.critic.warmup_steps": 10}),
     # a KL penalty to the start policy, and the reference reset to the policy every 20 steps (ProRL's; TRL's
     # sync_ref_model): --modes multiversion-K1,multiversion-K1+kl0.1,multiversion-K1+kl0.1+reset20
     ("multiversion", {"flow.max_staleness": 1, "train.loss.kl_coef": 0.1}),
@@ -168,6 +171,7 @@ def mode_label(mode: str, opts: dict) -> str:
         + "".join(f"+{v}" for k, v in opts.items() if k == "train.advantage")
         + "".join(f"+top{v}" for k, v in opts.items() if k == "train.loss.top_entropy")
         + "".join(f"+clipc{v}" for k, v in opts.items() if k == "train.loss.clip_c")
+        + "".join(f"+cw{v}" for k, v in opts.items() if k == "train.critic.warmup_steps")
         + "".join(f"+kl{v}" for k, v in opts.items() if k == "train.loss.kl_coef")
         + "".join(f"+reset{v}" for k, v in opts.items() if k == "train.loss.ref_sync_steps")
     )

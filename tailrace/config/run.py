@@ -508,6 +508,11 @@ class RunConfig:
             "is usual) or raise flow.steps",
         )
         need(
+            self.train.critic.warmup_steps < self.flow.steps,
+            f"train.critic.warmup_steps={self.train.critic.warmup_steps} is not under flow.steps="
+            f"{self.flow.steps}: the policy would never train; lower the critic's warmup or raise flow.steps",
+        )
+        need(
             self.train.mini_batches <= self.flow.groups_per_step,
             f"train.mini_batches={self.train.mini_batches} is more than a step's "
             f"{self.flow.groups_per_step} groups (flow.train_batch / flow.samples_per_prompt): a mini-batch "

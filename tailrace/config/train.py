@@ -220,9 +220,19 @@ class CriticConfig:
         "clip a value's move from its pre-step estimate to this in the value loss (verl's cliprange_value; "
         "null = the plain squared error)",
     )
+    warmup_steps: int = setting(
+        0,
+        "steps at the run's start that train the critic alone, the policy's weights held (verl's "
+        "trainer.critic_warmup): its values learn the returns before they steer the policy; the policy's "
+        "learning-rate schedule starts after them (0 = off)",
+    )
 
     def __post_init__(self) -> None:
         need(self.lr is None or self.lr > 0, f"train.critic.lr={self.lr}: must be > 0, e.g. 1e-5, or null")
+        need(
+            self.warmup_steps >= 0,
+            f"train.critic.warmup_steps={self.warmup_steps}: must be >= 0 (0 = off), e.g. 10",
+        )
         need(0 < self.gamma <= 1, f"train.critic.gamma={self.gamma}: must lie in (0, 1], e.g. 1")
         need(0 <= self.lam <= 1, f"train.critic.lam={self.lam}: must lie in [0, 1], e.g. 1 (or 0.95)")
         need(

@@ -124,7 +124,13 @@ class GRPOTrainer:
         # PPO's value model (train.advantage=gae): a copy of the policy as it starts (on a LoRA run, an
         # adapter of its own on the same frozen base)
         self.critic = Critic(model, cfg, self.lr) if cfg.advantage == "gae" else None
+        # the policy's schedule starts after the critic's warmup (train.critic.warmup_steps), as verl's
+        # actor scheduler steps only when the actor does; the critic's runs from the run's start
+        self.held = cfg.critic.warmup_steps if self.critic is not None else 0
         self.schedule = LRSchedule(
+            self.lr, cfg.lr_warmup_steps, max(0, total_steps - self.held), cfg.lr_schedule, cfg.lr_min_ratio
+        )
+        self.critic_schedule = LRSchedule(
             self.lr, cfg.lr_warmup_steps, total_steps, cfg.lr_schedule, cfg.lr_min_ratio
         )
         self.loss_fn = LOSSES[cfg.loss.name]
@@ -163,11 +169,12 @@ class GRPOTrainer:
         """One train step over all `groups` (train.mini_batches x train.epochs optimizer updates);
         returns the step's metrics (plain floats)."""
         t0 = time.perf_counter()
+        warm = self.steps < self.held  # the critic's warmup: the policy held, the critic trained alone
         for g in self.opt.param_groups:  # a function of the steps taken: a resume or a replay takes the same
-            g["lr"] = self.schedule.lr_at(self.steps)
+            g["lr"] = self.schedule.lr_at(max(0, self.steps - self.held))
         if self.critic is not None:  # the critic's rate on the policy's warmup and decay
             for g in self.critic.opt.param_groups:
-                g["lr"] = self.critic.lr * self.schedule.lr_at(self.steps) / self.lr
+                g["lr"] = self.critic.lr * self.critic_schedule.lr_at(self.steps) / self.lr
         parts = mini_batches(groups, self.cfg.mini_batches)
         # a mini-batch whose every advantage is zero, with no KL or entropy term pulling on the weights
         # whatever the advantages, has a zero gradient: no passes, no update
@@ -189,7 +196,7 @@ class GRPOTrainer:
             shards, chosen = self.critic.prepare(
                 shards, totals, self.micro.tokens, self._autocast, self.world
             )
-        if len(parts) > 1 or self.cfg.epochs > 1 or self.cfg.loss.top_entropy < 1:
+        if not warm and (len(parts) > 1 or self.cfg.epochs > 1 or self.cfg.loss.top_entropy < 1):
             # every update's anchor: the policy before the first; and the tokens it is most unsure of
             prepared = [self._proximal(s) for s in shards]
             shards = [s for s, _ in prepared]
@@ -199,9 +206,14 @@ class GRPOTrainer:
         acc, n_micro, norms = _Sums(), 0, []
         for _ in range(self.cfg.epochs):
             for shard, n_pos in zip(shards, positions):
+                if warm:
+                    self._critic_update(shard, acc)
+                    continue
                 n, norm = self._update(shard, n_pos, acc, len(norms), len(shards) * self.cfg.epochs)
                 n_micro += n
                 norms.append(norm)
+        if warm:
+            chosen["critic_warmup"] = 1
         self._advance()
         metrics = self._metrics(acc, batches, n_micro, norms, time.perf_counter() - t0, self.cfg.epochs)
         return {**metrics, **chosen}
@@ -250,8 +262,26 @@ class GRPOTrainer:
             self.critic.opt.step()
             for k, v in critic.items():
                 acc.add(k, torch.tensor(v, dtype=torch.float64))
+            acc.add("critic_updates", torch.tensor(1.0, dtype=torch.float64))
         acc.merge(sums)
         return n_micro, grad_norm
+
+    def _critic_update(self, shard: TrainBatch, acc: _Sums) -> None:
+        """The critic's update alone on a mini-batch's rows (train.critic.warmup_steps: the policy held)."""
+        self.critic.opt.zero_grad(set_to_none=True)
+        got = self.critic.backward(shard, self.micro.tokens, self._autocast, self.world)
+        got["critic_grad_norm"] = self.critic.clip_grad()
+        if not all(map(math.isfinite, got.values())):
+            self.critic.opt.zero_grad(set_to_none=True)
+            raise NonFiniteError(
+                f"step {self.steps + 1} (the critic's warmup): its value loss ({got['value_loss']}) or gradient "
+                f"norm ({got['critic_grad_norm']}) is not finite, so the step was not applied; lower "
+                "train.critic.lr (or check the rewards) and start again"
+            )
+        self.critic.opt.step()
+        for k, v in got.items():
+            acc.add(k, torch.tensor(v, dtype=torch.float64))
+        acc.add("critic_updates", torch.tensor(1.0, dtype=torch.float64))
 
     def _advance(self) -> None:
         """A step taken; every train.loss.ref_sync_steps of them the KL reference moves to the policy."""
@@ -466,8 +496,11 @@ class GRPOTrainer:
         def per_update(k: str) -> float:  # each update's loss has its own normaliser: their mean
             return acc.get(k) / max(1, len(norms))
 
+        def per_critic_update(k: str) -> float:  # (the critic's warmup updates it alone)
+            return acc.get(k) / max(1.0, acc.get("critic_updates"))
+
         sampled = sum(int((b.versions >= 0).sum()) for b in batches)
-        trained = int(tok) // passes
+        trained = int(tok or acc.get("vf_tokens")) // passes  # (the critic's warmup: the critic's)
 
         gap_n = acc.get("gap_tokens")
         return {
@@ -497,7 +530,8 @@ class GRPOTrainer:
             "gradient_checkpointing": int(self.micro.recompute is not None),
             "updates": len(norms),  # optimizer updates taken: train.mini_batches x train.epochs, less the
             # mini-batches without reward signal
-            "skipped": int(not norms),  # 1: no group had a reward signal, so no forward/backward ran
+            # 1: no group had a reward signal, so no forward/backward ran
+            "skipped": int(not norms and not acc.get("critic_updates")),
             "lr": self.opt.param_groups[0]["lr"],
             "time_s": dt,
             **take_load(self.model),  # a mixture of experts' routing: how even, how many experts idle
@@ -507,9 +541,9 @@ class GRPOTrainer:
             **({"dual_clip_frac": per_tok("dual_clip_frac")} if self.cfg.loss.clip_c is not None else {}),
             **(
                 {
-                    "value_loss": per_update("value_loss"),
+                    "value_loss": per_critic_update("value_loss"),
                     "vf_clip_frac": acc.get("vf_clipped") / max(1.0, acc.get("vf_tokens")),
-                    "critic_grad_norm": per_update("critic_grad_norm"),
+                    "critic_grad_norm": per_critic_update("critic_grad_norm"),
                     "critic_lr": self.critic.lr,
                 }
                 if self.critic is not None

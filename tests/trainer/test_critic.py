@@ -105,6 +105,31 @@ def test_every_group_trains_even_when_its_rewards_are_equal():
     assert tr.step(groups, trainer_version=0)["values_mean"] > 0  # and moves towards the returns
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_critic_warms_up_alone_then_the_policy_starts_its_schedule(k):
+    """train.critic.warmup_steps=2: two steps move the critic and leave the policy's weights as they
+    were, bit for bit (no pass of its own: no update, no proximal forward); the third moves both, the
+    policy at its schedule's first rate (lr / 4 of a 4-step warmup), the critic at its third."""
+    base = policy()
+    start = {k_: p.detach().clone() for k_, p in base.named_parameters()}
+    cfg = TrainerConfig(lr=1e-2, advantage="gae", lr_warmup_steps=4, mini_batches=k,
+                        critic=CriticConfig(warmup_steps=2))  # fmt: skip
+    tr = GRPOTrainer(base, cfg, total_steps=10)
+    values = []
+    for s in range(2):
+        m = tr.step(make_groups(base, seed=s, n_groups=4), trainer_version=s)
+        assert (m["critic_warmup"], m["updates"], m["skipped"], m["micro_batches"]) == (1, 0, 0, 0)
+        assert m["value_loss"] > 0 and m["tokens"] > 0 and m["loss"] == 0.0
+        assert all(torch.equal(p, start[k_]) for k_, p in base.named_parameters())
+        assert tr.critic.opt.param_groups[0]["lr"] == pytest.approx(tr.critic.lr * (s + 1) / 4)
+        values.append(m["values_mean"])
+    assert values[0] == 0.0 != values[1]  # the critic learned
+    m = tr.step(make_groups(base, seed=2, n_groups=4), trainer_version=2)
+    assert "critic_warmup" not in m and m["updates"] == k and m["lr"] == pytest.approx(1e-2 / 4)
+    assert tr.critic.opt.param_groups[0]["lr"] == pytest.approx(tr.critic.lr * 3 / 4)
+    assert not all(torch.equal(p, start[k_]) for k_, p in base.named_parameters())
+
+
 def test_state_round_trips_and_a_restored_trainer_takes_the_same_step():
     base = policy()
     groups = make_groups(base, noise=0.3)
@@ -154,6 +179,12 @@ def test_a_lora_run_s_critic_is_an_adapter_of_its_own_on_the_shared_frozen_base(
 
 
 def test_what_gae_refuses():
+    with pytest.raises(ConfigError, match="train.critic.warmup_steps=-1: must be >= 0"):
+        CriticConfig(warmup_steps=-1)
+    with pytest.raises(ConfigError, match="warmup_steps=8 is not under flow.steps=8: the policy would never"):
+        load_config(None, ["--train.advantage=gae", "--train.critic.warmup_steps=8", "--flow.steps=8"])
+    with pytest.raises(ConfigError, match="train.critic.warmup_steps set with train.advantage=null"):
+        load_config(None, ["--train.critic.warmup_steps=2"])
     with pytest.raises(ConfigError, match="train.advantage=gae with train.external"):
         TrainerConfig(advantage="gae", external=True)
     with pytest.raises(ConfigError, match="train.critic.lam=1.5"):
