@@ -118,7 +118,7 @@ def trainer_main(conn, counter, spec: TrainerSpec, weights: SharedWeights) -> No
         critic = (
             f"; a critic ({trainer.critic.num_params() / 1e6:,.1f}M weights, the policy's as it started, "
             f"lr {trainer.critic.lr:.2g}; GAE gamma {c.critic.gamma:g} lambda {c.critic.lam:g}"
-            + (f"; alone for the first {trainer.held} steps" if trainer.held else "")
+            + (f"; alone for the first {trainer.held} step{'s' * (trainer.held > 1)}" if trainer.held else "")
             + ")"
             if trainer.critic is not None
             else ""
