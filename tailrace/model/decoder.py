@@ -221,11 +221,10 @@ def recomputed(layer: DecoderLayer, x: torch.Tensor, step: CausalStep) -> torch.
     kept: list[torch.Tensor] = []
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        first = not kept
-        if first:
-            moe.kept = kept
-        else:
+        if kept:  # the backward's run: the first run's experts
             moe.again = kept[0]
+        else:
+            moe.kept = kept
         try:
             return layer(x, step)
         finally:

@@ -234,8 +234,7 @@ class GRPOTrainer:
         loss = sums.get("loss")
         critic: dict[str, float] = {}
         if self.critic is not None:  # its update on the same rows, stepped only if both are finite
-            critic = self.critic.backward(shard, self.micro.tokens, self._autocast, self.world)
-            critic["critic_grad_norm"] = self.critic.clip_grad()
+            critic = self._critic_grads(shard)
         if not all(map(math.isfinite, (loss, grad_norm, *critic.values()))):
             self.opt.zero_grad(set_to_none=True)
             if self.critic is not None:
@@ -259,18 +258,13 @@ class GRPOTrainer:
             )
         self.opt.step()
         if self.critic is not None:
-            self.critic.opt.step()
-            for k, v in critic.items():
-                acc.add(k, torch.tensor(v, dtype=torch.float64))
-            acc.add("critic_updates", torch.tensor(1.0, dtype=torch.float64))
+            self._critic_step(critic, acc)
         acc.merge(sums)
         return n_micro, grad_norm
 
     def _critic_update(self, shard: TrainBatch, acc: _Sums) -> None:
         """The critic's update alone on a mini-batch's rows (train.critic.warmup_steps: the policy held)."""
-        self.critic.opt.zero_grad(set_to_none=True)
-        got = self.critic.backward(shard, self.micro.tokens, self._autocast, self.world)
-        got["critic_grad_norm"] = self.critic.clip_grad()
+        got = self._critic_grads(shard)
         if not all(map(math.isfinite, got.values())):
             self.critic.opt.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -278,6 +272,16 @@ class GRPOTrainer:
                 f"norm ({got['critic_grad_norm']}) is not finite, so the step was not applied; lower "
                 "train.critic.lr (or check the rewards) and start again"
             )
+        self._critic_step(got, acc)
+
+    def _critic_grads(self, shard: TrainBatch) -> dict[str, float]:
+        """The critic's clipped gradient over a mini-batch's rows, and its figures (not yet stepped)."""
+        got = self.critic.backward(shard, self.micro.tokens, self._autocast, self.world)
+        got["critic_grad_norm"] = self.critic.clip_grad()
+        return got
+
+    def _critic_step(self, got: dict[str, float], acc: _Sums) -> None:
+        """The critic's optimizer step, its figures added to the step's (one more critic update)."""
         self.critic.opt.step()
         for k, v in got.items():
             acc.add(k, torch.tensor(v, dtype=torch.float64))
